@@ -1,0 +1,204 @@
+/*
+ * dualkv public C ABI.
+ *
+ * The native library knows pointers, strides, sizes and a stream, nothing else: no torch, no
+ * Python. Callers allocate every output and the workspace (destination passing); the library
+ * never allocates caller-visible memory, which keeps CUDA graphs and caching allocators happy.
+ *
+ * Every entry point returns a dualkv_status. On failure, dualkv_last_error() returns a message
+ * (thread-local) that names the problem, e.g. "q: head_dim 100 is not built for CUDA bf16".
+ *
+ * Attention contract (see docs/c_abi.md):
+ *   q [T, H, D], k and v [T, Hk, D]; H % Hk == 0; query head h reads kv head h / (H / Hk).
+ *   out [T, H, D] in the input dtype; lse [H, T] natural-log, float32 (float64 for float64 input).
+ *   Query token i in segment s sees key token j iff j lies in a proper ancestor of s, or j lies in
+ *   s at an offset <= i's offset (include/dualkv/layout.h defines it once for host and device).
+ */
+#ifndef DUALKV_DUALKV_H_
+#define DUALKV_DUALKV_H_
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define DUALKV_ABI_VERSION 1
+#define DUALKV_VERSION_STRING "0.1.0"
+
+#if defined(_WIN32)
+#define DUALKV_API __declspec(dllexport)
+#else
+#define DUALKV_API __attribute__((visibility("default")))
+#endif
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef enum dualkv_status {
+  DUALKV_OK = 0,
+  DUALKV_ERROR_INVALID_ARGUMENT = 1, /* shapes, strides, null pointers, scale, device */
+  DUALKV_ERROR_INVALID_LAYOUT = 2,   /* malformed segment forest */
+  DUALKV_ERROR_UNSUPPORTED = 3,      /* valid but not built / not implemented (dtype, head dim, arch) */
+  DUALKV_ERROR_WORKSPACE = 4,        /* workspace missing or too small */
+  DUALKV_ERROR_VERSION = 5,          /* params struct size or ABI version mismatch */
+  DUALKV_ERROR_CUDA = 6,             /* a CUDA runtime call failed */
+  DUALKV_ERROR_INTERNAL = 7          /* a bug: please report */
+} dualkv_status;
+
+typedef enum dualkv_dtype {
+  DUALKV_DTYPE_FLOAT32 = 0,
+  DUALKV_DTYPE_FLOAT16 = 1,
+  DUALKV_DTYPE_BFLOAT16 = 2,
+  DUALKV_DTYPE_FLOAT64 = 3 /* CPU backend only; for tests and gradcheck */
+} dualkv_dtype;
+
+typedef enum dualkv_device { DUALKV_DEVICE_CPU = 0, DUALKV_DEVICE_CUDA = 1 } dualkv_device;
+
+enum {
+  /* Bit-identical dq/dk/dv from run to run. The CPU backend is always deterministic. */
+  DUALKV_FLAG_DETERMINISTIC = 1,
+  /* CPU backend: accumulate in float64 instead of float32 (float64 inputs always do). */
+  DUALKV_FLAG_ACCUMULATE_FP64 = 2
+};
+
+/*
+ * A segment forest in DFS pre-order, plus the arrays dualkv_layout_derive() computes from it.
+ * All pointers address memory of the device the attention runs on (host memory for the CPU
+ * backend, device memory for CUDA). int32 throughout: T < 2^31.
+ */
+typedef struct dualkv_layout {
+  int32_t num_segments;                /* S >= 1 */
+  int32_t num_tokens;                  /* T == seg_offsets[S] */
+  int32_t max_depth;                   /* 1 for a forest of roots only (plain varlen) */
+  int32_t reserved0;
+  const int32_t* seg_offsets;          /* [S+1] cumulative token offsets, strictly increasing */
+  const int32_t* seg_parent;           /* [S] parent segment index, or -1 for a root */
+  const int32_t* seg_subtree_end;      /* [S] one past the last segment of s's subtree (derived) */
+  const int32_t* seg_position_offset;  /* [S] total length of s's proper ancestors (derived) */
+  const int32_t* seg_depth;            /* [S] 0 for a root (derived) */
+} dualkv_layout;
+
+typedef struct dualkv_fwd_params {
+  uint32_t struct_size; /* sizeof(dualkv_fwd_params) */
+  uint32_t abi_version; /* DUALKV_ABI_VERSION */
+  int32_t device;       /* dualkv_device */
+  int32_t device_index; /* CUDA ordinal; ignored on CPU */
+  int32_t dtype;        /* dualkv_dtype of q, k, v, out */
+  int32_t flags;        /* DUALKV_FLAG_* */
+  int32_t num_heads;    /* H */
+  int32_t num_kv_heads; /* Hk */
+  int32_t head_dim;     /* D */
+  int32_t num_threads;  /* CPU worker threads; 0 = hardware concurrency */
+  double softmax_scale; /* > 0 and finite; 1/sqrt(D) is the usual choice */
+
+  dualkv_layout layout;
+  /* Backend work plan from dualkv_plan_build (device memory); NULL/0 for the CPU backend. */
+  const int32_t* plan;
+  int64_t plan_len;
+  uint64_t plan_key;
+
+  /* Inputs [T, H or Hk, D]; strides in elements; the last dim is contiguous. */
+  const void* q;
+  const void* k;
+  const void* v;
+  int64_t q_token_stride, q_head_stride;
+  int64_t k_token_stride, k_head_stride;
+  int64_t v_token_stride, v_head_stride;
+
+  /* Outputs. */
+  void* out; /* [T, H, D] input dtype */
+  int64_t out_token_stride, out_head_stride;
+  void* lse; /* [H, T] float32 (float64 for float64 input), token stride 1; may be NULL */
+  int64_t lse_head_stride;
+
+  void* workspace; /* dualkv_fwd_workspace_size() bytes, 256-byte aligned */
+  size_t workspace_bytes;
+  void* stream; /* cudaStream_t; NULL = legacy default stream */
+} dualkv_fwd_params;
+
+typedef struct dualkv_bwd_params {
+  uint32_t struct_size; /* sizeof(dualkv_bwd_params) */
+  uint32_t abi_version;
+  int32_t device;
+  int32_t device_index;
+  int32_t dtype;
+  int32_t flags;
+  int32_t num_heads;
+  int32_t num_kv_heads;
+  int32_t head_dim;
+  int32_t num_threads;
+  double softmax_scale;
+
+  dualkv_layout layout;
+  const int32_t* plan;
+  int64_t plan_len;
+  uint64_t plan_key;
+
+  const void* q;
+  const void* k;
+  const void* v;
+  int64_t q_token_stride, q_head_stride;
+  int64_t k_token_stride, k_head_stride;
+  int64_t v_token_stride, v_head_stride;
+  const void* out; /* forward output [T, H, D] */
+  int64_t out_token_stride, out_head_stride;
+  const void* dout; /* [T, H, D] */
+  int64_t dout_token_stride, dout_head_stride;
+  const void* lse; /* [H, T] from the forward, required */
+  int64_t lse_head_stride;
+  const void* dlse; /* [H, T] gradient w.r.t. lse, same dtype as lse; NULL = zero */
+  int64_t dlse_head_stride;
+
+  void* dq; /* [T, H, D] input dtype */
+  int64_t dq_token_stride, dq_head_stride;
+  void* dk; /* [T, Hk, D] */
+  int64_t dk_token_stride, dk_head_stride;
+  void* dv; /* [T, Hk, D] */
+  int64_t dv_token_stride, dv_head_stride;
+
+  void* workspace;
+  size_t workspace_bytes;
+  void* stream;
+} dualkv_bwd_params;
+
+/* ---- library information ---- */
+DUALKV_API uint32_t dualkv_abi_version(void);
+/* JSON: {"version", "abi_version", "backends", "cuda_archs", "head_dims", "dtypes", ...} */
+DUALKV_API const char* dualkv_build_info(void);
+/* Message of the last failed call on this thread ("" if none). */
+DUALKV_API const char* dualkv_last_error(void);
+/* Human-readable name of a status code. */
+DUALKV_API const char* dualkv_status_string(dualkv_status status);
+
+/* ---- layout (host memory) ---- */
+/* Validates a forest; on success fills the derived arrays (each [S], caller-allocated) and
+ * *max_depth. Any of the outputs may be NULL to only validate. */
+DUALKV_API dualkv_status dualkv_layout_derive(const int32_t* seg_offsets, const int32_t* seg_parent,
+                                              int32_t num_segments, int64_t num_tokens,
+                                              int32_t* seg_subtree_end, int32_t* seg_position_offset,
+                                              int32_t* seg_depth, int32_t* max_depth);
+/* RoPE position of every token: position_offset[segment] + offset in segment. out: [T]. */
+DUALKV_API dualkv_status dualkv_layout_position_ids(const dualkv_layout* host_layout, int32_t* out);
+/* Number of visible (query, key) pairs, for FLOP counting (4 * H * D * pairs in the forward). */
+DUALKV_API dualkv_status dualkv_layout_visible_pairs(const dualkv_layout* host_layout, int64_t* pairs);
+
+/* ---- work plans (kernel work lists, built once per layout on the host) ---- */
+/* Size in int32 of the plan for (device, dtype, head_dim) on this layout; 0 for the CPU backend.
+ * *plan_key identifies the tiling it was built for; pass it back in the params. */
+DUALKV_API dualkv_status dualkv_plan_size(const dualkv_layout* host_layout, int32_t device,
+                                          int32_t device_index, int32_t dtype, int32_t head_dim,
+                                          int64_t* plan_len, uint64_t* plan_key);
+DUALKV_API dualkv_status dualkv_plan_build(const dualkv_layout* host_layout, int32_t device,
+                                           int32_t device_index, int32_t dtype, int32_t head_dim,
+                                           int32_t* plan, int64_t plan_len);
+
+/* ---- attention ---- */
+DUALKV_API dualkv_status dualkv_fwd_workspace_size(const dualkv_fwd_params* params, size_t* bytes);
+DUALKV_API dualkv_status dualkv_fwd(const dualkv_fwd_params* params);
+DUALKV_API dualkv_status dualkv_bwd_workspace_size(const dualkv_bwd_params* params, size_t* bytes);
+DUALKV_API dualkv_status dualkv_bwd(const dualkv_bwd_params* params);
+
+#ifdef __cplusplus
+} /* extern "C" */
+#endif
+
+#endif /* DUALKV_DUALKV_H_ */

@@ -1,0 +1,114 @@
+// Layout validation and derivation (host side). See include/dualkv/layout.h for the model.
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "dualkv/dualkv.h"
+#include "dualkv/layout.h"
+#include "internal.h"
+
+using dualkv::detail::fail;
+
+extern "C" DUALKV_API dualkv_status dualkv_layout_derive(
+    const int32_t* seg_offsets, const int32_t* seg_parent, int32_t num_segments, int64_t num_tokens,
+    int32_t* seg_subtree_end, int32_t* seg_position_offset, int32_t* seg_depth,
+    int32_t* max_depth) {
+  dualkv::detail::clear_error();
+  const dualkv_status bad = DUALKV_ERROR_INVALID_LAYOUT;
+  if (num_segments < 1) return fail(bad, "layout: num_segments must be >= 1, got %d", num_segments);
+  if (!seg_offsets || !seg_parent) return fail(bad, "layout: seg_offsets and seg_parent must not be NULL");
+  if (num_tokens < 1 || num_tokens > std::numeric_limits<int32_t>::max())
+    return fail(bad, "layout: num_tokens %lld must be in [1, 2^31-1] (32-bit token indexing)",
+                static_cast<long long>(num_tokens));
+  if (seg_offsets[0] != 0) return fail(bad, "layout: seg_offsets[0] must be 0, got %d", seg_offsets[0]);
+  for (int32_t s = 0; s < num_segments; ++s) {
+    if (seg_offsets[s + 1] <= seg_offsets[s])
+      return fail(bad,
+                  "layout: segment %d is empty or offsets are not increasing "
+                  "(seg_offsets[%d]=%d, seg_offsets[%d]=%d); every segment needs >= 1 token",
+                  s, s, seg_offsets[s], s + 1, seg_offsets[s + 1]);
+  }
+  if (seg_offsets[num_segments] != num_tokens)
+    return fail(bad, "layout: seg_offsets[S]=%d does not match the number of tokens %lld",
+                seg_offsets[num_segments], static_cast<long long>(num_tokens));
+
+  // Walk the segments in order keeping the chain of open ancestors. In DFS pre-order a segment's
+  // parent must be on that chain; popping past it closes subtrees for good, so a parent that was
+  // already closed means its subtree is not contiguous.
+  std::vector<int32_t> chain;  // open segments, root first
+  std::vector<int32_t> subtree_end(num_segments), position_offset(num_segments), depth(num_segments);
+  int64_t deepest = 0;
+  for (int32_t s = 0; s < num_segments; ++s) {
+    const int32_t p = seg_parent[s];
+    if (p < -1 || p >= num_segments)
+      return fail(bad, "layout: seg_parent[%d]=%d is out of range [-1, %d)", s, p, num_segments);
+    if (p >= s)
+      return fail(bad, "layout: seg_parent[%d]=%d must come before its child (DFS pre-order)", s, p);
+    while (!chain.empty() && chain.back() != p) {
+      subtree_end[chain.back()] = s;
+      chain.pop_back();
+    }
+    if (p != -1 && chain.empty())
+      return fail(bad,
+                  "layout: subtree of segment %d is not contiguous: its child %d comes after "
+                  "segments outside the subtree",
+                  p, s);
+    const int64_t pos = p == -1 ? 0
+                                : int64_t(position_offset[p]) + seg_offsets[p + 1] - seg_offsets[p];
+    if (pos + (seg_offsets[s + 1] - seg_offsets[s]) > std::numeric_limits<int32_t>::max())
+      return fail(bad, "layout: positions in segment %d exceed 2^31-1", s);
+    position_offset[s] = static_cast<int32_t>(pos);
+    depth[s] = p == -1 ? 0 : depth[p] + 1;
+    deepest = depth[s] > deepest ? depth[s] : deepest;
+    chain.push_back(s);
+  }
+  for (int32_t s : chain) subtree_end[s] = num_segments;
+
+  for (int32_t s = 0; s < num_segments; ++s) {
+    if (seg_subtree_end) seg_subtree_end[s] = subtree_end[s];
+    if (seg_position_offset) seg_position_offset[s] = position_offset[s];
+    if (seg_depth) seg_depth[s] = depth[s];
+  }
+  if (max_depth) *max_depth = static_cast<int32_t>(deepest + 1);
+  return DUALKV_OK;
+}
+
+namespace {
+
+dualkv_status check_host_layout(const dualkv_layout* l) {
+  if (!l) return fail(DUALKV_ERROR_INVALID_ARGUMENT, "layout: NULL");
+  if (!l->seg_offsets || !l->seg_parent || !l->seg_subtree_end || !l->seg_position_offset ||
+      !l->seg_depth)
+    return fail(DUALKV_ERROR_INVALID_LAYOUT, "layout: derived arrays missing (call dualkv_layout_derive)");
+  if (l->num_segments < 1 || l->num_tokens < 1 || l->seg_offsets[l->num_segments] != l->num_tokens)
+    return fail(DUALKV_ERROR_INVALID_LAYOUT, "layout: num_segments/num_tokens inconsistent with seg_offsets");
+  return DUALKV_OK;
+}
+
+}  // namespace
+
+extern "C" DUALKV_API dualkv_status dualkv_layout_position_ids(const dualkv_layout* host_layout,
+                                                               int32_t* out) {
+  dualkv::detail::clear_error();
+  if (dualkv_status st = check_host_layout(host_layout); st != DUALKV_OK) return st;
+  if (!out) return fail(DUALKV_ERROR_INVALID_ARGUMENT, "position_ids: out is NULL");
+  const dualkv::ForestView f = dualkv::make_forest_view(*host_layout);
+  for (int32_t s = 0; s < f.num_segments; ++s)
+    for (int32_t t = f.segment_begin(s); t < f.segment_end(s); ++t) out[t] = f.position(s, t);
+  return DUALKV_OK;
+}
+
+extern "C" DUALKV_API dualkv_status dualkv_layout_visible_pairs(const dualkv_layout* host_layout,
+                                                                int64_t* pairs) {
+  dualkv::detail::clear_error();
+  if (dualkv_status st = check_host_layout(host_layout); st != DUALKV_OK) return st;
+  if (!pairs) return fail(DUALKV_ERROR_INVALID_ARGUMENT, "visible_pairs: out is NULL");
+  const dualkv::ForestView f = dualkv::make_forest_view(*host_layout);
+  int64_t total = 0;
+  for (int32_t s = 0; s < f.num_segments; ++s) {
+    const int64_t len = f.segment_length(s);
+    total += len * f.position_offset[s] + len * (len + 1) / 2;
+  }
+  *pairs = total;
+  return DUALKV_OK;
+}

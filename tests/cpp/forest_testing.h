@@ -1,0 +1,130 @@
+// Test helpers: random segment forests, a derived host layout, and a brute-force fp64 dense
+// attention (forward and backward) that evaluates the visibility predicate pair by pair.
+#ifndef DUALKV_TESTS_FOREST_TESTING_H_
+#define DUALKV_TESTS_FOREST_TESTING_H_
+
+#include <cmath>
+#include <random>
+#include <stdexcept>
+#include <vector>
+
+#include "dualkv/dualkv.h"
+#include "dualkv/layout.h"
+
+namespace dualkv::testing {
+
+// A layout that owns its arrays.
+struct HostLayout {
+  std::vector<int32_t> offsets, parent, subtree_end, position_offset, depth;
+  int32_t max_depth = 0;
+
+  HostLayout(const std::vector<int32_t>& lengths, const std::vector<int32_t>& parents) : parent(parents) {
+    offsets.assign(1, 0);
+    for (int32_t len : lengths) offsets.push_back(offsets.back() + len);
+    const size_t S = lengths.size();
+    subtree_end.resize(S);
+    position_offset.resize(S);
+    depth.resize(S);
+    const dualkv_status st = dualkv_layout_derive(offsets.data(), parent.data(), int32_t(S), offsets.back(),
+                                                  subtree_end.data(), position_offset.data(), depth.data(),
+                                                  &max_depth);
+    if (st != DUALKV_OK) throw std::runtime_error(dualkv_last_error());
+  }
+  int32_t num_segments() const { return int32_t(parent.size()); }
+  int32_t num_tokens() const { return offsets.back(); }
+  dualkv_layout view() const {
+    return dualkv_layout{num_segments(), num_tokens(), max_depth, 0, offsets.data(), parent.data(),
+                         subtree_end.data(), position_offset.data(), depth.data()};
+  }
+};
+
+// Random forest in DFS pre-order: `roots` trees, each node has up to `max_children` children down
+// to `max_depth` levels, segment lengths in [1, max_len] (with a bias to 1-token segments).
+inline void random_forest(std::mt19937& rng, int roots, int max_depth, int max_children, int max_len,
+                          std::vector<int32_t>* lengths, std::vector<int32_t>* parents) {
+  std::uniform_int_distribution<int> len_dist(1, max_len), child_dist(0, max_children), coin(0, 7);
+  auto emit = [&](auto&& self, int32_t parent, int level) -> void {
+    const int32_t me = int32_t(parents->size());
+    parents->push_back(parent);
+    lengths->push_back(coin(rng) == 0 ? 1 : len_dist(rng));
+    if (level + 1 >= max_depth) return;
+    const int children = child_dist(rng);
+    for (int c = 0; c < children; ++c) self(self, me, level + 1);
+  };
+  for (int r = 0; r < roots; ++r) emit(emit, -1, 0);
+}
+
+// Brute force, fp64: every (query, key) pair is tested with ForestView::visible.
+struct DenseResult {
+  std::vector<double> out, lse, dq, dk, dv;  // [T][H][D], [H][T], [T][H][D], [T][Hk][D] x2
+};
+
+inline DenseResult dense_attention(const HostLayout& layout, int H, int Hk, int D, double scale,
+                                   const std::vector<double>& q, const std::vector<double>& k,
+                                   const std::vector<double>& v, const std::vector<double>& dout) {
+  const dualkv_layout l = layout.view();
+  const ForestView f = make_forest_view(l);
+  const int T = layout.num_tokens(), group = H / Hk;
+  std::vector<int32_t> seg(T);
+  for (int t = 0; t < T; ++t) seg[t] = f.segment_of(t);
+  DenseResult r;
+  r.out.assign(size_t(T) * H * D, 0);
+  r.lse.assign(size_t(H) * T, 0);
+  r.dq.assign(size_t(T) * H * D, 0);
+  r.dk.assign(size_t(T) * Hk * D, 0);
+  r.dv.assign(size_t(T) * Hk * D, 0);
+  std::vector<double> p(T), dp(T);
+  for (int h = 0; h < H; ++h) {
+    const int g = h / group;
+    for (int i = 0; i < T; ++i) {
+      double m = -INFINITY;
+      for (int j = 0; j < T; ++j) {
+        p[j] = -INFINITY;
+        if (!f.visible(seg[i], i, seg[j], j)) continue;
+        double s = 0;
+        for (int d = 0; d < D; ++d) s += q[(size_t(i) * H + h) * D + d] * k[(size_t(j) * Hk + g) * D + d];
+        p[j] = s * scale;
+        m = std::max(m, p[j]);
+      }
+      double sum = 0;
+      for (int j = 0; j < T; ++j) sum += p[j] == -INFINITY ? 0 : std::exp(p[j] - m);
+      r.lse[size_t(h) * T + i] = m + std::log(sum);
+      for (int j = 0; j < T; ++j) p[j] = p[j] == -INFINITY ? 0 : std::exp(p[j] - m) / sum;
+      double delta = 0;
+      for (int d = 0; d < D; ++d) {
+        double o = 0;
+        for (int j = 0; j < T; ++j) o += p[j] * v[(size_t(j) * Hk + g) * D + d];
+        r.out[(size_t(i) * H + h) * D + d] = o;
+        delta += o * dout[(size_t(i) * H + h) * D + d];
+      }
+      for (int j = 0; j < T; ++j) {
+        if (p[j] == 0) continue;
+        double dpj = 0;
+        for (int d = 0; d < D; ++d) dpj += dout[(size_t(i) * H + h) * D + d] * v[(size_t(j) * Hk + g) * D + d];
+        const double ds = p[j] * (dpj - delta);
+        for (int d = 0; d < D; ++d) {
+          r.dq[(size_t(i) * H + h) * D + d] += scale * ds * k[(size_t(j) * Hk + g) * D + d];
+          r.dk[(size_t(j) * Hk + g) * D + d] += scale * ds * q[(size_t(i) * H + h) * D + d];
+          r.dv[(size_t(j) * Hk + g) * D + d] += p[j] * dout[(size_t(i) * H + h) * D + d];
+        }
+      }
+    }
+  }
+  return r;
+}
+
+// ||a - b|| / ||b|| over all elements.
+template <typename A>
+double relative_error(const std::vector<A>& a, const std::vector<double>& b) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < b.size(); ++i) {
+    const double d = double(a[i]) - b[i];
+    num += d * d;
+    den += b[i] * b[i];
+  }
+  return std::sqrt(num / (den > 0 ? den : 1));
+}
+
+}  // namespace dualkv::testing
+
+#endif  // DUALKV_TESTS_FOREST_TESTING_H_

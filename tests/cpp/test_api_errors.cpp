@@ -1,0 +1,187 @@
+// Every malformed call returns an error status and a message naming the problem; none crashes.
+// Run under ASan/UBSan in CI (make test-sanitize).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "forest_testing.h"
+
+using dualkv::testing::HostLayout;
+
+namespace {
+
+struct Fixture {
+  HostLayout layout{{4, 3, 2}, {-1, 0, 0}};
+  int H = 4, Hk = 2, D = 8;
+  std::vector<float> q, k, v, out, lse, dout, dq, dk, dv;
+  dualkv_fwd_params f{};
+  dualkv_bwd_params b{};
+
+  Fixture() {
+    const int T = layout.num_tokens();
+    q.assign(size_t(T) * H * D, 0.5f);
+    k.assign(size_t(T) * Hk * D, 0.25f);
+    v.assign(size_t(T) * Hk * D, 1.0f);
+    out.assign(q.size(), 0);
+    dout.assign(q.size(), 1);
+    dq.assign(q.size(), 0);
+    dk.assign(k.size(), 0);
+    dv.assign(k.size(), 0);
+    lse.assign(size_t(H) * T, 0);
+    f.struct_size = sizeof(f);
+    f.abi_version = DUALKV_ABI_VERSION;
+    f.device = DUALKV_DEVICE_CPU;
+    f.dtype = DUALKV_DTYPE_FLOAT32;
+    f.num_heads = H;
+    f.num_kv_heads = Hk;
+    f.head_dim = D;
+    f.softmax_scale = 0.3;
+    f.layout = layout.view();
+    f.q = q.data();
+    f.k = k.data();
+    f.v = v.data();
+    f.out = out.data();
+    f.lse = lse.data();
+    f.q_token_stride = f.out_token_stride = H * D;
+    f.k_token_stride = f.v_token_stride = Hk * D;
+    f.q_head_stride = f.k_head_stride = f.v_head_stride = f.out_head_stride = D;
+    f.lse_head_stride = T;
+    b.struct_size = sizeof(b);
+    b.abi_version = DUALKV_ABI_VERSION;
+    b.device = DUALKV_DEVICE_CPU;
+    b.dtype = DUALKV_DTYPE_FLOAT32;
+    b.num_heads = H;
+    b.num_kv_heads = Hk;
+    b.head_dim = D;
+    b.softmax_scale = 0.3;
+    b.layout = layout.view();
+    b.q = q.data();
+    b.k = k.data();
+    b.v = v.data();
+    b.out = out.data();
+    b.dout = dout.data();
+    b.lse = lse.data();
+    b.dq = dq.data();
+    b.dk = dk.data();
+    b.dv = dv.data();
+    b.q_token_stride = b.out_token_stride = b.dout_token_stride = b.dq_token_stride = H * D;
+    b.k_token_stride = b.v_token_stride = b.dk_token_stride = b.dv_token_stride = Hk * D;
+    b.q_head_stride = b.k_head_stride = b.v_head_stride = b.out_head_stride = b.dout_head_stride =
+        b.dq_head_stride = b.dk_head_stride = b.dv_head_stride = D;
+    b.lse_head_stride = T;
+  }
+};
+
+struct Case {
+  std::string name;
+  std::function<void(Fixture&)> spoil;
+  dualkv_status expected;
+  std::string message;
+};
+
+TEST(ApiErrors, ValidCallsSucceed) {
+  Fixture x;
+  ASSERT_EQ(dualkv_fwd(&x.f), DUALKV_OK) << dualkv_last_error();
+  ASSERT_EQ(dualkv_bwd(&x.b), DUALKV_OK) << dualkv_last_error();
+  EXPECT_STREQ(dualkv_last_error(), "");
+}
+
+TEST(ApiErrors, ForwardRejectsBadCalls) {
+  std::vector<int32_t> bad_parent = {-1, 2, 0};
+  std::vector<int32_t> bad_offsets = {0, 4, 4, 9};
+  std::vector<int32_t> stale_end = {1, 2, 3};
+  const std::vector<Case> cases = {
+      {"struct size", [](Fixture& x) { x.f.struct_size -= 8; }, DUALKV_ERROR_VERSION, "struct_size"},
+      {"abi version", [](Fixture& x) { x.f.abi_version = 99; }, DUALKV_ERROR_VERSION, "abi_version"},
+      {"unknown dtype", [](Fixture& x) { x.f.dtype = 17; }, DUALKV_ERROR_INVALID_ARGUMENT, "dtype"},
+      {"unknown device", [](Fixture& x) { x.f.device = 5; }, DUALKV_ERROR_INVALID_ARGUMENT, "device"},
+      {"zero heads", [](Fixture& x) { x.f.num_heads = 0; }, DUALKV_ERROR_INVALID_ARGUMENT, "num_heads"},
+      {"zero kv heads", [](Fixture& x) { x.f.num_kv_heads = 0; }, DUALKV_ERROR_INVALID_ARGUMENT, "num_kv_heads"},
+      {"H % Hk", [](Fixture& x) { x.f.num_kv_heads = 3; }, DUALKV_ERROR_INVALID_ARGUMENT, "multiple"},
+      {"head dim 0", [](Fixture& x) { x.f.head_dim = 0; }, DUALKV_ERROR_INVALID_ARGUMENT, "head_dim"},
+      {"head dim too large", [](Fixture& x) { x.f.head_dim = 1024; }, DUALKV_ERROR_UNSUPPORTED, "head_dim"},
+      {"negative scale", [](Fixture& x) { x.f.softmax_scale = -1; }, DUALKV_ERROR_INVALID_ARGUMENT, "softmax_scale"},
+      {"nan scale", [](Fixture& x) { x.f.softmax_scale = NAN; }, DUALKV_ERROR_INVALID_ARGUMENT, "softmax_scale"},
+      {"inf scale", [](Fixture& x) { x.f.softmax_scale = INFINITY; }, DUALKV_ERROR_INVALID_ARGUMENT, "softmax_scale"},
+      {"negative threads", [](Fixture& x) { x.f.num_threads = -2; }, DUALKV_ERROR_INVALID_ARGUMENT, "num_threads"},
+      {"unknown flags", [](Fixture& x) { x.f.flags = 64; }, DUALKV_ERROR_INVALID_ARGUMENT, "flag"},
+      {"null q", [](Fixture& x) { x.f.q = nullptr; }, DUALKV_ERROR_INVALID_ARGUMENT, "q: pointer is NULL"},
+      {"null k", [](Fixture& x) { x.f.k = nullptr; }, DUALKV_ERROR_INVALID_ARGUMENT, "k: pointer is NULL"},
+      {"null v", [](Fixture& x) { x.f.v = nullptr; }, DUALKV_ERROR_INVALID_ARGUMENT, "v: pointer is NULL"},
+      {"null out", [](Fixture& x) { x.f.out = nullptr; }, DUALKV_ERROR_INVALID_ARGUMENT, "out: pointer is NULL"},
+      {"negative stride", [](Fixture& x) { x.f.k_token_stride = -16; }, DUALKV_ERROR_INVALID_ARGUMENT, "negative"},
+      {"overlapping out", [](Fixture& x) { x.f.out_head_stride = 1; }, DUALKV_ERROR_INVALID_ARGUMENT, "overlap"},
+      {"overlapping lse", [](Fixture& x) { x.f.lse_head_stride = 2; }, DUALKV_ERROR_INVALID_ARGUMENT, "lse"},
+      {"stride overflow", [](Fixture& x) { x.f.q_token_stride = int64_t(1) << 62; }, DUALKV_ERROR_INVALID_ARGUMENT, "overflow"},
+      {"zero segments", [](Fixture& x) { x.f.layout.num_segments = 0; }, DUALKV_ERROR_INVALID_LAYOUT, "segments"},
+      {"null layout array", [](Fixture& x) { x.f.layout.seg_parent = nullptr; }, DUALKV_ERROR_INVALID_LAYOUT, "NULL"},
+      {"layout parent after child", [&](Fixture& x) { x.f.layout.seg_parent = bad_parent.data(); }, DUALKV_ERROR_INVALID_LAYOUT, "before its child"},
+      {"layout empty segment", [&](Fixture& x) { x.f.layout.seg_offsets = bad_offsets.data(); }, DUALKV_ERROR_INVALID_LAYOUT, "empty"},
+      {"layout stale derived", [&](Fixture& x) { x.f.layout.seg_subtree_end = stale_end.data(); }, DUALKV_ERROR_INVALID_LAYOUT, "do not match"},
+      {"layout token count", [](Fixture& x) { x.f.layout.num_tokens = 12; }, DUALKV_ERROR_INVALID_LAYOUT, "match"},
+      {"float64 accumulate flag ok", [](Fixture& x) { x.f.flags = DUALKV_FLAG_ACCUMULATE_FP64; }, DUALKV_OK, ""},
+#if !defined(DUALKV_WITH_CUDA)
+      {"cuda not built", [](Fixture& x) { x.f.device = DUALKV_DEVICE_CUDA; }, DUALKV_ERROR_UNSUPPORTED, "without CUDA"},
+#endif
+  };
+  for (const Case& c : cases) {
+    Fixture x;
+    c.spoil(x);
+    EXPECT_EQ(dualkv_fwd(&x.f), c.expected) << c.name << ": " << dualkv_last_error();
+    EXPECT_NE(std::string(dualkv_last_error()).find(c.message), std::string::npos)
+        << c.name << ": " << dualkv_last_error();
+  }
+  EXPECT_EQ(dualkv_fwd(nullptr), DUALKV_ERROR_INVALID_ARGUMENT);
+}
+
+TEST(ApiErrors, BackwardRejectsBadCalls) {
+  const std::vector<Case> cases = {
+      {"null lse", [](Fixture& x) { x.b.lse = nullptr; }, DUALKV_ERROR_INVALID_ARGUMENT, "lse: pointer is NULL"},
+      {"null dout", [](Fixture& x) { x.b.dout = nullptr; }, DUALKV_ERROR_INVALID_ARGUMENT, "dout"},
+      {"null dq", [](Fixture& x) { x.b.dq = nullptr; }, DUALKV_ERROR_INVALID_ARGUMENT, "dq"},
+      {"null dk", [](Fixture& x) { x.b.dk = nullptr; }, DUALKV_ERROR_INVALID_ARGUMENT, "dk"},
+      {"null dv", [](Fixture& x) { x.b.dv = nullptr; }, DUALKV_ERROR_INVALID_ARGUMENT, "dv"},
+      {"overlapping dk", [](Fixture& x) { x.b.dk_token_stride = 4; }, DUALKV_ERROR_INVALID_ARGUMENT, "overlap"},
+      {"struct size", [](Fixture& x) { x.b.struct_size = sizeof(dualkv_fwd_params); }, DUALKV_ERROR_VERSION, "struct_size"},
+      {"H % Hk", [](Fixture& x) { x.b.num_heads = 5; }, DUALKV_ERROR_INVALID_ARGUMENT, "multiple"},
+  };
+  for (const Case& c : cases) {
+    Fixture x;
+    c.spoil(x);
+    EXPECT_EQ(dualkv_bwd(&x.b), c.expected) << c.name << ": " << dualkv_last_error();
+    EXPECT_NE(std::string(dualkv_last_error()).find(c.message), std::string::npos)
+        << c.name << ": " << dualkv_last_error();
+  }
+}
+
+TEST(ApiErrors, WorkspaceAndPlanQueries) {
+  Fixture x;
+  size_t bytes = 123;
+  ASSERT_EQ(dualkv_fwd_workspace_size(&x.f, &bytes), DUALKV_OK);
+  EXPECT_EQ(bytes, 0u);
+  ASSERT_EQ(dualkv_bwd_workspace_size(&x.b, &bytes), DUALKV_OK);
+  EXPECT_EQ(bytes, 0u);
+  EXPECT_EQ(dualkv_fwd_workspace_size(&x.f, nullptr), DUALKV_ERROR_INVALID_ARGUMENT);
+  int64_t len = -1;
+  uint64_t key = 1;
+  const dualkv_layout l = x.layout.view();
+  ASSERT_EQ(dualkv_plan_size(&l, DUALKV_DEVICE_CPU, 0, DUALKV_DTYPE_FLOAT32, 8, &len, &key), DUALKV_OK);
+  EXPECT_EQ(len, 0);
+  EXPECT_EQ(dualkv_plan_size(&l, 9, 0, DUALKV_DTYPE_FLOAT32, 8, &len, &key), DUALKV_ERROR_INVALID_ARGUMENT);
+  EXPECT_EQ(dualkv_plan_size(nullptr, 0, 0, 0, 8, &len, &key), DUALKV_ERROR_INVALID_ARGUMENT);
+}
+
+TEST(ApiErrors, BuildInfoIsJson) {
+  const std::string info = dualkv_build_info();
+  EXPECT_EQ(info.front(), '{');
+  EXPECT_EQ(info.back(), '}');
+  EXPECT_NE(info.find("\"abi_version\": 1"), std::string::npos);
+  EXPECT_NE(info.find("\"cpu\""), std::string::npos);
+  EXPECT_EQ(dualkv_abi_version(), uint32_t(DUALKV_ABI_VERSION));
+  EXPECT_STREQ(dualkv_status_string(DUALKV_ERROR_INVALID_LAYOUT), "invalid layout");
+}
+
+}  // namespace
