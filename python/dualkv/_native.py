@@ -1,0 +1,251 @@
+"""ctypes binding of libdualkv (include/dualkv/dualkv.h).
+
+The library is found, in order, at ``$DUALKV_LIBRARY``, next to this file (``pip install .``), or
+in the repository's ``build/`` folder (``make build``). It is loaded on first use, so the pure
+PyTorch parts of the package (packing, log-probs, micro-batching) import without it.
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import pathlib
+import threading
+
+ABI_VERSION = 1
+
+# dualkv_status
+OK = 0
+ERROR_INVALID_ARGUMENT = 1
+ERROR_INVALID_LAYOUT = 2
+ERROR_UNSUPPORTED = 3
+ERROR_WORKSPACE = 4
+ERROR_VERSION = 5
+ERROR_CUDA = 6
+ERROR_INTERNAL = 7
+
+# dualkv_dtype
+DTYPE_FLOAT32 = 0
+DTYPE_FLOAT16 = 1
+DTYPE_BFLOAT16 = 2
+DTYPE_FLOAT64 = 3
+
+DEVICE_CPU = 0
+DEVICE_CUDA = 1
+
+FLAG_DETERMINISTIC = 1
+FLAG_ACCUMULATE_FP64 = 2
+
+
+class DualKVError(RuntimeError):
+    """An error reported by libdualkv; ``status`` is the C status code."""
+
+    status = ERROR_INTERNAL
+
+
+class ArgumentError(DualKVError, ValueError):
+    status = ERROR_INVALID_ARGUMENT
+
+
+class LayoutError(DualKVError, ValueError):
+    status = ERROR_INVALID_LAYOUT
+
+
+class UnsupportedError(DualKVError, NotImplementedError):
+    status = ERROR_UNSUPPORTED
+
+
+class WorkspaceError(DualKVError):
+    status = ERROR_WORKSPACE
+
+
+class VersionError(DualKVError):
+    status = ERROR_VERSION
+
+
+class CudaError(DualKVError):
+    status = ERROR_CUDA
+
+
+class LibraryNotFoundError(DualKVError, ImportError):
+    """libdualkv.so is missing or too old for this Python package."""
+
+
+_ERRORS = {
+    ERROR_INVALID_ARGUMENT: ArgumentError,
+    ERROR_INVALID_LAYOUT: LayoutError,
+    ERROR_UNSUPPORTED: UnsupportedError,
+    ERROR_WORKSPACE: WorkspaceError,
+    ERROR_VERSION: VersionError,
+    ERROR_CUDA: CudaError,
+}
+
+_i32p = ctypes.POINTER(ctypes.c_int32)
+
+
+class Layout_(ctypes.Structure):
+    _fields_ = [
+        ("num_segments", ctypes.c_int32),
+        ("num_tokens", ctypes.c_int32),
+        ("max_depth", ctypes.c_int32),
+        ("reserved0", ctypes.c_int32),
+        ("seg_offsets", ctypes.c_void_p),
+        ("seg_parent", ctypes.c_void_p),
+        ("seg_subtree_end", ctypes.c_void_p),
+        ("seg_position_offset", ctypes.c_void_p),
+        ("seg_depth", ctypes.c_void_p),
+    ]
+
+
+_COMMON_HEAD = [
+    ("struct_size", ctypes.c_uint32),
+    ("abi_version", ctypes.c_uint32),
+    ("device", ctypes.c_int32),
+    ("device_index", ctypes.c_int32),
+    ("dtype", ctypes.c_int32),
+    ("flags", ctypes.c_int32),
+    ("num_heads", ctypes.c_int32),
+    ("num_kv_heads", ctypes.c_int32),
+    ("head_dim", ctypes.c_int32),
+    ("num_threads", ctypes.c_int32),
+    ("softmax_scale", ctypes.c_double),
+    ("layout", Layout_),
+    ("plan", ctypes.c_void_p),
+    ("plan_len", ctypes.c_int64),
+    ("plan_key", ctypes.c_uint64),
+    ("q", ctypes.c_void_p),
+    ("k", ctypes.c_void_p),
+    ("v", ctypes.c_void_p),
+    ("q_token_stride", ctypes.c_int64),
+    ("q_head_stride", ctypes.c_int64),
+    ("k_token_stride", ctypes.c_int64),
+    ("k_head_stride", ctypes.c_int64),
+    ("v_token_stride", ctypes.c_int64),
+    ("v_head_stride", ctypes.c_int64),
+]
+
+
+class FwdParams(ctypes.Structure):
+    _fields_ = _COMMON_HEAD + [
+        ("out", ctypes.c_void_p),
+        ("out_token_stride", ctypes.c_int64),
+        ("out_head_stride", ctypes.c_int64),
+        ("lse", ctypes.c_void_p),
+        ("lse_head_stride", ctypes.c_int64),
+        ("workspace", ctypes.c_void_p),
+        ("workspace_bytes", ctypes.c_size_t),
+        ("stream", ctypes.c_void_p),
+    ]
+
+
+class BwdParams(ctypes.Structure):
+    _fields_ = _COMMON_HEAD + [
+        ("out", ctypes.c_void_p),
+        ("out_token_stride", ctypes.c_int64),
+        ("out_head_stride", ctypes.c_int64),
+        ("dout", ctypes.c_void_p),
+        ("dout_token_stride", ctypes.c_int64),
+        ("dout_head_stride", ctypes.c_int64),
+        ("lse", ctypes.c_void_p),
+        ("lse_head_stride", ctypes.c_int64),
+        ("dlse", ctypes.c_void_p),
+        ("dlse_head_stride", ctypes.c_int64),
+        ("dq", ctypes.c_void_p),
+        ("dq_token_stride", ctypes.c_int64),
+        ("dq_head_stride", ctypes.c_int64),
+        ("dk", ctypes.c_void_p),
+        ("dk_token_stride", ctypes.c_int64),
+        ("dk_head_stride", ctypes.c_int64),
+        ("dv", ctypes.c_void_p),
+        ("dv_token_stride", ctypes.c_int64),
+        ("dv_head_stride", ctypes.c_int64),
+        ("workspace", ctypes.c_void_p),
+        ("workspace_bytes", ctypes.c_size_t),
+        ("stream", ctypes.c_void_p),
+    ]
+
+
+def _candidates() -> list[pathlib.Path]:
+    here = pathlib.Path(__file__).resolve().parent
+    paths = []
+    if os.environ.get("DUALKV_LIBRARY"):
+        paths.append(pathlib.Path(os.environ["DUALKV_LIBRARY"]))
+    paths.append(here / "libdualkv.so")
+    paths.append(here.parent.parent / "build" / "libdualkv.so")
+    return paths
+
+
+_lib = None
+_lock = threading.Lock()
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    c = ctypes
+    lib.dualkv_abi_version.restype = c.c_uint32
+    lib.dualkv_build_info.restype = c.c_char_p
+    lib.dualkv_last_error.restype = c.c_char_p
+    lib.dualkv_status_string.restype = c.c_char_p
+    lib.dualkv_status_string.argtypes = [c.c_int]
+    lib.dualkv_layout_derive.argtypes = [_i32p, _i32p, c.c_int32, c.c_int64, _i32p, _i32p, _i32p, _i32p]
+    lib.dualkv_layout_position_ids.argtypes = [c.POINTER(Layout_), _i32p]
+    lib.dualkv_layout_visible_pairs.argtypes = [c.POINTER(Layout_), c.POINTER(c.c_int64)]
+    lib.dualkv_plan_size.argtypes = [c.POINTER(Layout_), c.c_int32, c.c_int32, c.c_int32, c.c_int32,
+                                     c.POINTER(c.c_int64), c.POINTER(c.c_uint64)]
+    lib.dualkv_plan_build.argtypes = [c.POINTER(Layout_), c.c_int32, c.c_int32, c.c_int32, c.c_int32,
+                                      _i32p, c.c_int64]
+    lib.dualkv_fwd_workspace_size.argtypes = [c.POINTER(FwdParams), c.POINTER(c.c_size_t)]
+    lib.dualkv_bwd_workspace_size.argtypes = [c.POINTER(BwdParams), c.POINTER(c.c_size_t)]
+    lib.dualkv_fwd.argtypes = [c.POINTER(FwdParams)]
+    lib.dualkv_bwd.argtypes = [c.POINTER(BwdParams)]
+    for name in ("dualkv_layout_derive", "dualkv_layout_position_ids", "dualkv_layout_visible_pairs",
+                 "dualkv_plan_size", "dualkv_plan_build", "dualkv_fwd_workspace_size",
+                 "dualkv_bwd_workspace_size", "dualkv_fwd", "dualkv_bwd"):
+        getattr(lib, name).restype = c.c_int
+
+
+def lib() -> ctypes.CDLL:
+    """The loaded library; raises LibraryNotFoundError with the paths tried."""
+    global _lib
+    if _lib is not None:
+        return _lib
+    with _lock:
+        if _lib is not None:
+            return _lib
+        tried = []
+        for path in _candidates():
+            if not path.is_file():
+                tried.append(f"{path} (missing)")
+                continue
+            try:
+                handle = ctypes.CDLL(str(path))
+            except OSError as e:
+                tried.append(f"{path} ({e})")
+                continue
+            if not hasattr(handle, "dualkv_abi_version"):
+                tried.append(f"{path} (not a libdualkv)")
+                continue
+            handle.dualkv_abi_version.restype = ctypes.c_uint32
+            version = handle.dualkv_abi_version()
+            if version != ABI_VERSION:
+                tried.append(f"{path} (ABI version {version}, this package needs {ABI_VERSION}: rebuild it)")
+                continue
+            _declare(handle)
+            _lib = handle
+            return _lib
+        raise LibraryNotFoundError(
+            "libdualkv.so not found or unusable; build it with `make build` or `pip install .`, "
+            "or point DUALKV_LIBRARY at it. Tried: " + "; ".join(tried))
+
+
+def check(status: int, what: str = "") -> None:
+    """Raises the typed exception of a failed call, with the library's message."""
+    if status == OK:
+        return
+    message = lib().dualkv_last_error().decode(errors="replace")
+    cls = _ERRORS.get(status, DualKVError)
+    raise cls(f"{what}: {message}" if what and not message.startswith(what) else message)
+
+
+def build_info() -> dict:
+    """What this libdualkv was built with: backends, CUDA archs, head dims, dtypes."""
+    return json.loads(lib().dualkv_build_info().decode())

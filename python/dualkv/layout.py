@@ -1,0 +1,282 @@
+"""The segment-forest layout of a packed micro-batch.
+
+A *segment* is a contiguous run of tokens of one tree node (a prompt, a response, a turn).
+Segments are stored in DFS pre-order: a parent precedes its children, and a segment's subtree is
+one contiguous token range right after it. A query token sees every token of its proper
+ancestors and, causally, its own segment. The GRPO case is a forest of depth 2: one root per
+prompt, one child per response. A forest of roots only is an ordinary packed (varlen) batch.
+
+The host knows all lengths when it builds a layout, so building one never syncs with a device;
+``Layout.to(device)`` makes one host-to-device copy of everything the kernels need (the derived
+arrays and the kernels' work plans for every head dim and dtype built for that device).
+"""
+from __future__ import annotations
+
+import ctypes
+from typing import Iterable, Sequence
+
+import torch
+
+from . import _native
+
+_MAX_TOKENS = 2**31 - 1
+
+_TORCH_DTYPES = {
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+    "float64": torch.float64,
+}
+
+DTYPE_CODES = {
+    torch.float32: _native.DTYPE_FLOAT32,
+    torch.float16: _native.DTYPE_FLOAT16,
+    torch.bfloat16: _native.DTYPE_BFLOAT16,
+    torch.float64: _native.DTYPE_FLOAT64,
+}
+
+
+def _as_int_list(values, what: str) -> list[int]:
+    if isinstance(values, torch.Tensor):
+        if values.dim() != 1 or values.dtype.is_floating_point or values.dtype == torch.bool:
+            raise _native.LayoutError(f"{what} must be a 1-D integer sequence, got {values.dtype} {tuple(values.shape)}")
+        return [int(x) for x in values.tolist()]
+    out = []
+    for x in values:
+        if isinstance(x, bool) or not hasattr(x, "__index__"):
+            raise _native.LayoutError(f"{what} must hold integers, got {type(x).__name__} {x!r}")
+        out.append(int(x))
+    return out
+
+
+class Layout:
+    """A validated segment forest; see the module docstring.
+
+    Build with :meth:`from_groups` (GRPO: prompts and their responses) or :meth:`from_tree`
+    (any forest). The metadata tensors are int32; ``device`` is where they live.
+    """
+
+    # Order of the derived arrays inside the packed metadata tensor (`meta`).
+    _FIELDS = ("seg_offsets", "seg_parent", "seg_subtree_end", "seg_position_offset", "seg_depth")
+
+    def __init__(self, segment_lens: Sequence[int], parents: Sequence[int]):
+        lens = _as_int_list(segment_lens, "segment_lens")
+        par = _as_int_list(parents, "parents")
+        if len(lens) == 0:
+            raise _native.LayoutError("layout: at least one segment is needed")
+        if len(lens) != len(par):
+            raise _native.LayoutError(f"layout: {len(lens)} segment lengths but {len(par)} parents")
+        for s, n in enumerate(lens):
+            if n < 1:
+                raise _native.LayoutError(f"layout: segment {s} has length {n}; every segment needs >= 1 token")
+        total = sum(lens)
+        if total > _MAX_TOKENS:
+            raise _native.LayoutError(
+                f"layout: {total} tokens exceed 2^31-1, the limit of 32-bit token indexing; split the micro-batch")
+        S = len(lens)
+        self.num_segments = S
+        self.num_tokens = total
+        # meta = [offsets (S+1) | parent | subtree_end | position_offset | depth], one buffer so
+        # that moving a layout to a device is one copy.
+        meta = torch.empty(5 * S + 1, dtype=torch.int32)
+        offsets = torch.zeros(S + 1, dtype=torch.int64)
+        offsets[1:] = torch.tensor(lens, dtype=torch.int64).cumsum(0)
+        meta[: S + 1] = offsets.to(torch.int32)
+        meta[S + 1: 2 * S + 1] = torch.tensor(par, dtype=torch.int32)
+        ptr = lambda i: ctypes.cast(meta.data_ptr() + 4 * i, _native._i32p)  # noqa: E731
+        max_depth = ctypes.c_int32(0)
+        lib = _native.lib()
+        _native.check(lib.dualkv_layout_derive(ptr(0), ptr(S + 1), S, total, ptr(2 * S + 1), ptr(3 * S + 1),
+                                               ptr(4 * S + 1), ctypes.byref(max_depth)), "layout")
+        self.max_depth = int(max_depth.value)
+        self._host_meta = meta
+        self.meta = meta  # on self.device
+        self.device = torch.device("cpu")
+        self._plans: dict = {}  # (dtype, head_dim) -> (plan tensor view, key) on self.device
+        self._position_ids = None
+
+    # ---- constructors ----
+    @classmethod
+    def from_tree(cls, segment_lens: Sequence[int], parents: Sequence[int]) -> "Layout":
+        """Any forest: ``parents[s]`` is the index of s's parent segment, or -1 for a root."""
+        return cls(segment_lens, parents)
+
+    @classmethod
+    def from_groups(cls, prompt_lens: Sequence[int], response_lens: Sequence[Sequence[int]]) -> "Layout":
+        """GRPO groups: group g is ``prompt_lens[g]`` tokens followed by its responses
+        ``response_lens[g][0], response_lens[g][1], ...``; groups follow each other."""
+        prompts = _as_int_list(prompt_lens, "prompt_lens")
+        if isinstance(response_lens, torch.Tensor):
+            response_lens = response_lens.tolist()
+        responses = list(response_lens)
+        if len(prompts) != len(responses):
+            raise _native.LayoutError(f"layout: {len(prompts)} prompts but {len(responses)} response lists")
+        lens, parents = [], []
+        for g, (p, rs) in enumerate(zip(prompts, responses)):
+            rs = _as_int_list(rs, f"response_lens[{g}]")
+            root = len(lens)
+            lens.append(p)
+            parents.append(-1)
+            lens.extend(rs)
+            parents.extend([root] * len(rs))
+        return cls(lens, parents)
+
+    @classmethod
+    def varlen(cls, seq_lens: Sequence[int]) -> "Layout":
+        """Independent causal sequences (a plain packed batch): a forest of roots."""
+        lens = _as_int_list(seq_lens, "seq_lens")
+        return cls(lens, [-1] * len(lens))
+
+    # ---- the arrays ----
+    def _field(self, i: int, meta: torch.Tensor) -> torch.Tensor:
+        S = self.num_segments
+        start = 0 if i == 0 else i * S + 1
+        return meta[start: start + (S + 1 if i == 0 else S)]
+
+    @property
+    def seg_offsets(self) -> torch.Tensor:
+        return self._field(0, self.meta)
+
+    @property
+    def seg_parent(self) -> torch.Tensor:
+        return self._field(1, self.meta)
+
+    @property
+    def seg_subtree_end(self) -> torch.Tensor:
+        return self._field(2, self.meta)
+
+    @property
+    def seg_position_offset(self) -> torch.Tensor:
+        return self._field(3, self.meta)
+
+    @property
+    def seg_depth(self) -> torch.Tensor:
+        return self._field(4, self.meta)
+
+    @property
+    def segment_lens(self) -> list[int]:
+        off = self._field(0, self._host_meta)
+        return (off[1:] - off[:-1]).tolist()
+
+    @property
+    def parents(self) -> list[int]:
+        return self._field(1, self._host_meta).tolist()
+
+    def c_layout(self, host: bool = False) -> _native.Layout_:
+        """The dualkv_layout struct over the host arrays or over the arrays on ``self.device``."""
+        meta = self._host_meta if host else self.meta
+        base, S = meta.data_ptr(), self.num_segments
+        return _native.Layout_(S, self.num_tokens, self.max_depth, 0, base, base + 4 * (S + 1),
+                               base + 4 * (2 * S + 1), base + 4 * (3 * S + 1), base + 4 * (4 * S + 1))
+
+    @property
+    def position_ids(self) -> torch.Tensor:
+        """int64 [T] RoPE positions: ancestors' total length + offset in the segment."""
+        if self._position_ids is None:
+            host = torch.empty(self.num_tokens, dtype=torch.int32)
+            c = self.c_layout(host=True)
+            _native.check(_native.lib().dualkv_layout_position_ids(
+                ctypes.byref(c), ctypes.cast(host.data_ptr(), _native._i32p)), "position_ids")
+            self._position_ids = host.to(torch.int64).to(self.device, non_blocking=True)
+        return self._position_ids
+
+    @property
+    def visible_pairs(self) -> int:
+        """Visible (query, key) pairs: forward FLOPs = 4 * H * D * visible_pairs."""
+        pairs = ctypes.c_int64(0)
+        c = self.c_layout(host=True)
+        _native.check(_native.lib().dualkv_layout_visible_pairs(ctypes.byref(c), ctypes.byref(pairs)),
+                      "visible_pairs")
+        return int(pairs.value)
+
+    def segment_ids(self) -> torch.Tensor:
+        """int64 [T]: the segment of every token (on ``self.device``)."""
+        lens = torch.tensor(self.segment_lens, dtype=torch.int64)
+        return torch.repeat_interleave(torch.arange(self.num_segments), lens).to(self.device)
+
+    # ---- devices ----
+    def to(self, device) -> "Layout":
+        """This layout with its arrays, and the kernels' work plans, on ``device``."""
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        if device == self.device:
+            return self
+        other = object.__new__(Layout)
+        other.__dict__.update(self.__dict__)
+        other.device = device
+        other._position_ids = None
+        other._plans = {}
+        if device.type == "cpu":
+            other.meta = self._host_meta
+            return other
+        if device.type != "cuda":
+            raise _native.UnsupportedError(f"layout: device type {device.type!r} is not supported (cpu, cuda)")
+        plans, keys, chunks, offset = {}, {}, [], 0
+        for dtype, head_dim in _cuda_configs():
+            built = _build_plan(self, device.index, dtype, head_dim)
+            if built is None:
+                continue
+            plan, key = built
+            if key not in keys:  # configs with the same tiling share one plan
+                keys[key] = (offset, plan.numel())
+                chunks.append(plan)
+                offset += plan.numel()
+            plans[(dtype, head_dim)] = key
+        host = torch.cat([self._host_meta] + chunks)
+        pinned = host.pin_memory() if torch.cuda.is_available() else host
+        on_device = pinned.to(device, non_blocking=True)
+        other.meta = on_device[: self._host_meta.numel()]
+        base = self._host_meta.numel()
+        for cfg, key in plans.items():
+            start, n = keys[key]
+            other._plans[cfg] = (on_device[base + start: base + start + n], key)
+        return other
+
+    def cuda(self, device=None) -> "Layout":
+        return self.to(device if device is not None else "cuda")
+
+    def plan_for(self, dtype: torch.dtype, head_dim: int):
+        """(plan tensor, key) for a CUDA attention call; raises naming why if none exists."""
+        if self.device.type == "cpu":
+            return self.meta[:0], 0
+        found = self._plans.get((dtype, head_dim))
+        if found is not None:
+            return found
+        # Not built for this config: ask the library why (e.g. head dim not compiled).
+        length, key = ctypes.c_int64(0), ctypes.c_uint64(0)
+        c = self.c_layout(host=True)
+        _native.check(_native.lib().dualkv_plan_size(ctypes.byref(c), _native.DEVICE_CUDA, self.device.index,
+                                                     DTYPE_CODES.get(dtype, -1), head_dim,
+                                                     ctypes.byref(length), ctypes.byref(key)), "attention")
+        raise _native.UnsupportedError(f"attention: no CUDA work plan for {dtype}, head_dim {head_dim}")
+
+    def __repr__(self) -> str:
+        return (f"Layout(segments={self.num_segments}, tokens={self.num_tokens}, max_depth={self.max_depth}, "
+                f"device={self.device})")
+
+
+def _cuda_configs() -> Iterable[tuple[torch.dtype, int]]:
+    info = _native.build_info()
+    cuda = info.get("cuda")
+    if not cuda:
+        return []
+    dtypes = [_TORCH_DTYPES[d] for d in cuda.get("dtypes", ["float16", "bfloat16"]) if d in _TORCH_DTYPES]
+    return [(dt, int(hd)) for dt in dtypes for hd in cuda.get("head_dims", [])]
+
+
+def _build_plan(layout: Layout, device_index: int, dtype: torch.dtype, head_dim: int):
+    lib = _native.lib()
+    c = layout.c_layout(host=True)
+    length, key = ctypes.c_int64(0), ctypes.c_uint64(0)
+    st = lib.dualkv_plan_size(ctypes.byref(c), _native.DEVICE_CUDA, device_index, DTYPE_CODES[dtype], head_dim,
+                              ctypes.byref(length), ctypes.byref(key))
+    if st == _native.ERROR_UNSUPPORTED:
+        return None  # e.g. an arch this GPU lacks; attention() reports it if it is ever asked for
+    _native.check(st, "plan")
+    plan = torch.empty(max(int(length.value), 0), dtype=torch.int32)
+    _native.check(lib.dualkv_plan_build(ctypes.byref(c), _native.DEVICE_CUDA, device_index, DTYPE_CODES[dtype],
+                                        head_dim, ctypes.cast(plan.data_ptr(), _native._i32p), plan.numel()),
+                  "plan")
+    key_value = int(key.value)  # a custom op takes int64: store the uint64 key as its signed twin
+    return plan, key_value - 2**64 if key_value >= 2**63 else key_value

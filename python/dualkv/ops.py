@@ -1,0 +1,191 @@
+"""``dualkv.attention``: the PyTorch op over the C ABI.
+
+Two ``torch.library.custom_op`` ops, ``dualkv::fwd`` and ``dualkv::bwd``, each with a fake
+(meta) implementation, joined by ``register_autograd``: the op works under autograd and
+``torch.compile(fullgraph=True)`` without graph breaks. Outputs and workspace are allocated here
+(destination passing); the library never allocates.
+"""
+from __future__ import annotations
+
+import ctypes
+import math
+from typing import Optional
+
+import torch
+
+from . import _native
+from .layout import DTYPE_CODES, Layout
+
+
+def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _device_fields(t: torch.Tensor):
+    if t.device.type == "cuda":
+        return _native.DEVICE_CUDA, t.device.index, torch.cuda.current_stream(t.device).cuda_stream
+    return _native.DEVICE_CPU, 0, 0
+
+
+def _c_layout(meta: torch.Tensor, num_segments: int, num_tokens: int, max_depth: int) -> _native.Layout_:
+    base, S = meta.data_ptr(), num_segments
+    return _native.Layout_(S, num_tokens, max_depth, 0, base, base + 4 * (S + 1), base + 4 * (2 * S + 1),
+                           base + 4 * (3 * S + 1), base + 4 * (4 * S + 1))
+
+
+def _fill_common(p, q, k, v, meta, plan, num_segments, max_depth, plan_key, softmax_scale, deterministic):
+    device, index, stream = _device_fields(q)
+    p.struct_size = ctypes.sizeof(p)
+    p.abi_version = _native.ABI_VERSION
+    p.device, p.device_index, p.stream = device, index, stream
+    p.dtype = DTYPE_CODES[q.dtype]
+    p.flags = _native.FLAG_DETERMINISTIC if deterministic else 0
+    p.num_heads, p.num_kv_heads, p.head_dim = q.shape[1], k.shape[1], q.shape[2]
+    p.num_threads = torch.get_num_threads() if device == _native.DEVICE_CPU else 0
+    p.softmax_scale = softmax_scale
+    p.layout = _c_layout(meta, num_segments, q.shape[0], max_depth)
+    p.plan, p.plan_len, p.plan_key = plan.data_ptr() if plan.numel() else None, plan.numel(), plan_key % 2**64
+    p.q, p.k, p.v = q.data_ptr(), k.data_ptr(), v.data_ptr()
+    p.q_token_stride, p.q_head_stride = q.stride(0), q.stride(1)
+    p.k_token_stride, p.k_head_stride = k.stride(0), k.stride(1)
+    p.v_token_stride, p.v_head_stride = v.stride(0), v.stride(1)
+
+
+def _workspace(query, params, device) -> torch.Tensor:
+    size = ctypes.c_size_t(0)
+    _native.check(query(ctypes.byref(params), ctypes.byref(size)), "attention")
+    return torch.empty(size.value, dtype=torch.uint8, device=device)
+
+
+@torch.library.custom_op("dualkv::fwd", mutates_args=())
+def _fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: torch.Tensor, plan: torch.Tensor,
+         num_segments: int, max_depth: int, plan_key: int, softmax_scale: float,
+         deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    lib = _native.lib()
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = torch.empty(q.shape[1], q.shape[0], dtype=_lse_dtype(q.dtype), device=q.device)
+    p = _native.FwdParams()
+    _fill_common(p, q, k, v, meta, plan, num_segments, max_depth, plan_key, softmax_scale, deterministic)
+    p.out, p.out_token_stride, p.out_head_stride = out.data_ptr(), out.stride(0), out.stride(1)
+    p.lse, p.lse_head_stride = lse.data_ptr(), lse.stride(0)
+    ws = _workspace(lib.dualkv_fwd_workspace_size, p, q.device)
+    p.workspace, p.workspace_bytes = (ws.data_ptr() if ws.numel() else None), ws.numel()
+    _native.check(lib.dualkv_fwd(ctypes.byref(p)), "attention")
+    return out, lse
+
+
+@_fwd.register_fake
+def _fwd_fake(q, k, v, meta, plan, num_segments, max_depth, plan_key, softmax_scale, deterministic):
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = q.new_empty((q.shape[1], q.shape[0]), dtype=_lse_dtype(q.dtype))
+    return out, lse
+
+
+@torch.library.custom_op("dualkv::bwd", mutates_args=())
+def _bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+         lse: torch.Tensor, dlse: Optional[torch.Tensor], meta: torch.Tensor, plan: torch.Tensor,
+         num_segments: int, max_depth: int, plan_key: int, softmax_scale: float,
+         deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    lib = _native.lib()
+    if dout.stride(-1) != 1:
+        dout = dout.contiguous()
+    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
+    dk = torch.empty_like(k, memory_format=torch.contiguous_format)
+    dv = torch.empty_like(v, memory_format=torch.contiguous_format)
+    p = _native.BwdParams()
+    _fill_common(p, q, k, v, meta, plan, num_segments, max_depth, plan_key, softmax_scale, deterministic)
+    p.out, p.out_token_stride, p.out_head_stride = out.data_ptr(), out.stride(0), out.stride(1)
+    p.dout, p.dout_token_stride, p.dout_head_stride = dout.data_ptr(), dout.stride(0), dout.stride(1)
+    p.lse, p.lse_head_stride = lse.data_ptr(), lse.stride(0)
+    if dlse is not None:
+        dlse = dlse.to(lse.dtype).contiguous()
+        p.dlse, p.dlse_head_stride = dlse.data_ptr(), dlse.stride(0)
+    p.dq, p.dq_token_stride, p.dq_head_stride = dq.data_ptr(), dq.stride(0), dq.stride(1)
+    p.dk, p.dk_token_stride, p.dk_head_stride = dk.data_ptr(), dk.stride(0), dk.stride(1)
+    p.dv, p.dv_token_stride, p.dv_head_stride = dv.data_ptr(), dv.stride(0), dv.stride(1)
+    ws = _workspace(lib.dualkv_bwd_workspace_size, p, q.device)
+    p.workspace, p.workspace_bytes = (ws.data_ptr() if ws.numel() else None), ws.numel()
+    _native.check(lib.dualkv_bwd(ctypes.byref(p)), "attention backward")
+    return dq, dk, dv
+
+
+@_bwd.register_fake
+def _bwd_fake(dout, q, k, v, out, lse, dlse, meta, plan, num_segments, max_depth, plan_key, softmax_scale,
+              deterministic):
+    return (torch.empty_like(q, memory_format=torch.contiguous_format),
+            torch.empty_like(k, memory_format=torch.contiguous_format),
+            torch.empty_like(v, memory_format=torch.contiguous_format))
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, meta, plan, num_segments, max_depth, plan_key, softmax_scale, deterministic = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, meta, plan)
+    ctx.config = (num_segments, max_depth, plan_key, softmax_scale, deterministic)
+
+
+def _backward(ctx, dout, dlse):
+    q, k, v, out, lse, meta, plan = ctx.saved_tensors
+    num_segments, max_depth, plan_key, softmax_scale, deterministic = ctx.config
+    if dout is None:
+        dout = torch.zeros_like(out)
+    dq, dk, dv = _bwd(dout, q, k, v, out, lse, dlse, meta, plan, num_segments, max_depth, plan_key,
+                      softmax_scale, deterministic)
+    return dq, dk, dv, None, None, None, None, None, None, None
+
+
+_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Layout) -> None:
+    if not isinstance(layout, Layout):
+        raise TypeError(f"attention: layout must be a dualkv.Layout, got {type(layout).__name__}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"attention: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 3:
+            raise _native.ArgumentError(f"attention: {name} must be [tokens, heads, head_dim], got shape {tuple(t.shape)}")
+        if t.dtype not in DTYPE_CODES:
+            raise _native.UnsupportedError(f"attention: {name} has dtype {t.dtype}; supported: float16, bfloat16, "
+                                           "float32 and float64 (CPU)")
+        if t.stride(-1) != 1:
+            raise _native.ArgumentError(f"attention: {name} must have a contiguous last dimension (stride {t.stride(-1)})")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise _native.ArgumentError(f"attention: q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype})")
+    if not (q.device == k.device == v.device):
+        raise _native.ArgumentError(f"attention: q, k, v are on different devices ({q.device}, {k.device}, {v.device})")
+    if k.shape != v.shape:
+        raise _native.ArgumentError(f"attention: k {tuple(k.shape)} and v {tuple(v.shape)} shapes differ")
+    if q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
+        raise _native.ArgumentError(f"attention: q {tuple(q.shape)} and k {tuple(k.shape)} disagree on tokens or head_dim")
+    if q.shape[0] != layout.num_tokens:
+        raise _native.ArgumentError(f"attention: q has {q.shape[0]} tokens but the layout has {layout.num_tokens}")
+    if q.shape[1] % k.shape[1] != 0:
+        raise _native.ArgumentError(f"attention: num_heads {q.shape[1]} is not a multiple of num_kv_heads {k.shape[1]}")
+    dev = q.device
+    if layout.device != dev and not (dev.type == "cuda" and layout.device.type == "cuda"
+                                     and layout.device.index == (dev.index if dev.index is not None else torch.cuda.current_device())):
+        raise _native.ArgumentError(f"attention: layout is on {layout.device} but q is on {dev}; use layout.to(q.device)")
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Layout,
+              softmax_scale: Optional[float] = None, deterministic: bool = False,
+              return_lse: bool = False):
+    """Exact attention over a segment forest (see :class:`dualkv.Layout`).
+
+    q ``[T, H, D]``, k and v ``[T, Hk, D]`` with ``H % Hk == 0`` (query head h reads kv head
+    ``h // (H // Hk)``), last dim contiguous. Returns ``out [T, H, D]`` in the input dtype, and
+    with ``return_lse=True`` also ``lse [H, T]`` (float32, natural log; float64 for float64
+    inputs). Differentiable w.r.t. q, k, v (and through lse). ``deterministic=True`` makes the
+    backward bit-identical run to run (the CPU backend always is).
+    """
+    _check_inputs(q, k, v, layout)
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(q.shape[-1])
+    softmax_scale = float(softmax_scale)
+    if not math.isfinite(softmax_scale) or softmax_scale <= 0:
+        raise _native.ArgumentError(f"attention: softmax_scale must be finite and > 0, got {softmax_scale}")
+    plan, key = layout.plan_for(q.dtype, q.shape[-1])
+    out, lse = _fwd(q, k, v, layout.meta, plan, layout.num_segments, layout.max_depth, key, softmax_scale,
+                    bool(deterministic))
+    return (out, lse) if return_lse else out

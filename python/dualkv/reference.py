@@ -1,0 +1,86 @@
+"""Independent dense references, in plain PyTorch.
+
+``visibility_mask`` rebuilds the mask from the layout's segment lengths and parents alone (it
+walks parent pointers; it does not use the library's derived arrays), so it cross-checks the
+C++ predicate. ``attention_ref`` is dense masked softmax attention in the dtype it is given:
+call it with float64 inputs for the reference, and with the low-precision inputs to estimate
+PyTorch's own rounding error (FlashAttention's tolerance rule).
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from .layout import Layout
+
+
+def ancestor_matrix(layout: Layout) -> torch.Tensor:
+    """bool [S, S]: ``A[s, a]`` iff a is a proper ancestor of s (by walking parent pointers)."""
+    parents = torch.tensor(layout.parents, dtype=torch.int64)
+    S = parents.numel()
+    A = torch.zeros(S, S, dtype=torch.bool)
+    cur = parents.clone()
+    rows = torch.arange(S)
+    while bool((cur >= 0).any()):
+        live = cur >= 0
+        A[rows[live], cur[live]] = True
+        cur = torch.where(live, parents[cur.clamp(min=0)], cur)
+    return A
+
+
+def visibility_mask(layout: Layout) -> torch.Tensor:
+    """bool [T, T]: ``M[i, j]`` iff query token i sees key token j (on the CPU)."""
+    lens = torch.tensor(layout.segment_lens, dtype=torch.int64)
+    seg = torch.repeat_interleave(torch.arange(lens.numel()), lens)
+    T = seg.numel()
+    idx = torch.arange(T)
+    same = (seg[:, None] == seg[None, :]) & (idx[None, :] <= idx[:, None])
+    return same | ancestor_matrix(layout)[seg[:, None], seg[None, :]]
+
+
+def position_ids_ref(layout: Layout) -> torch.Tensor:
+    """int64 [T]: number of visible keys of each token minus one (= its RoPE position)."""
+    return visibility_mask(layout).sum(1) - 1
+
+
+def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Layout,
+                  softmax_scale: Optional[float] = None, mask: Optional[torch.Tensor] = None):
+    """Dense masked attention in q's dtype: returns (out [T, H, D], lse [H, T])."""
+    T, H, D = q.shape
+    Hk = k.shape[1]
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(D)
+    if mask is None:
+        mask = visibility_mask(layout)
+    mask = mask.to(q.device)
+    kk = k.repeat_interleave(H // Hk, dim=1)
+    vv = v.repeat_interleave(H // Hk, dim=1)
+    scores = torch.einsum("ihd,jhd->hij", q, kk) * softmax_scale
+    scores = scores.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(scores.float() if q.dtype in (torch.float16, torch.bfloat16) else scores, dim=-1)
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.einsum("hij,jhd->ihd", probs, vv)
+    return out, lse
+
+
+def unpacked_groups(layout: Layout):
+    """For a depth-2 layout (roots with leaf children): per root-to-leaf path, the packed token
+    indices of the unpacked sequence ``prompt + response`` (the N×(P+R) view of GRPO)."""
+    lens = layout.segment_lens
+    parents = layout.parents
+    offsets = [0]
+    for n in lens:
+        offsets.append(offsets[-1] + n)
+    children = {s: [c for c in range(len(lens)) if parents[c] == s] for s in range(len(lens))}
+    paths = []
+    for s in range(len(lens)):
+        if children[s]:
+            continue
+        chain = [s]
+        while parents[chain[-1]] >= 0:
+            chain.append(parents[chain[-1]])
+        idx = torch.cat([torch.arange(offsets[c], offsets[c + 1]) for c in reversed(chain)])
+        paths.append(idx)
+    return paths
