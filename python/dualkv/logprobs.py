@@ -1,0 +1,363 @@
+"""Per-token log-probs (and entropy) of every response token of a packed batch.
+
+Token t >= 1 of row b is predicted by packed position ``response_offsets[b] + t - 1``; token 0 by
+the last prompt position of the row's group, which the N responses of the group share (one row of
+logits, N labels; in backward that row receives the sum of the N gradients, exactly as the N
+unpacked copies would).
+
+:func:`response_logprobs` fuses the LM head: it gathers only the hidden rows that predict a
+response token (the G last prompt positions plus every response position except the last token of
+each response), computes their logits chunk by chunk in fp32, and never materialises ``[T, V]``.
+Its backward recomputes each chunk's logits instead of keeping them, so the memory cost is a few
+chunk-sized buffers regardless of T.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Tuple, Union
+
+import torch
+from torch import Tensor
+
+from .packing import PackedBatch
+
+__all__ = ["response_logprobs", "response_logprobs_from_logits"]
+
+#: auto chunk size targets this many fp32 logits per chunk (512 MiB)
+_AUTO_CHUNK_ELEMS = 1 << 27
+
+
+# --------------------------------------------------------------------------------------------
+# Index plan (cached on the PackedBatch)
+# --------------------------------------------------------------------------------------------
+
+
+class _LogprobIndex:
+    """Which hidden rows to read and where every log-prob goes.
+
+    Selected rows ("sel", S = G + sum(R_b - 1) of them): first the G last-prompt positions (one per
+    group, in group order), then the response positions that predict a next response token, row by
+    row in packed order. Outputs (M = sum R_b) are sorted by their selected row: first every row's
+    token 0 (grouped by group), then tokens 1.. in packed order. So the outputs of a contiguous
+    range of selected rows are a contiguous range too, which makes chunking trivial.
+    """
+
+    def __init__(self, packed: PackedBatch):
+        dev = packed.device
+        G, B = packed.num_groups, packed.num_rows
+        R_max = packed.max_response_len
+        n_g = [len(rows) for rows in packed.group_rows]
+        rows_packed_l = [r for rows in packed.group_rows for r in rows]
+        lens = packed.row_response_lens
+        counts_l = [lens[r] - 1 for r in rows_packed_l]
+        M1 = sum(counts_l)
+        # group g's last prompt position: start of the group + P_g - 1 (host arithmetic)
+        group_last_l = []
+        start = 0
+        for g, rows in enumerate(packed.group_rows):
+            P = packed.group_prompt_lens[g]
+            group_last_l.append(start + P - 1)
+            start += P + sum(lens[r] for r in rows)
+        small = torch.tensor(
+            [rows_packed_l, counts_l, [g for g, n in enumerate(n_g) for _ in range(n)]],
+            dtype=torch.int64).to(dev)
+        rows_packed, counts, g_packed = small[0], small[1], small[2]
+        group_last = torch.tensor(group_last_l, dtype=torch.int64).to(dev)
+        ids = packed.input_ids.reshape(-1)
+        off = packed.response_offsets
+
+        # token 0 of every row (outputs 0..B-1)
+        off0 = off[rows_packed]
+        lab0 = ids[off0].to(torch.int64)
+        flat0 = rows_packed * R_max
+        # tokens 1.. (outputs B..M-1, selected rows G..S-1)
+        j = torch.repeat_interleave(torch.arange(B, device=dev), counts, output_size=M1)
+        local = torch.arange(M1, device=dev) - (torch.cumsum(counts, 0) - counts)[j]
+        b = rows_packed[j]
+        pos = off[b] + local
+        lab1 = ids[pos + 1].to(torch.int64)
+        flat1 = b * R_max + local + 1
+
+        self.sel_idx = torch.cat([group_last, pos])  # [S] packed positions
+        self.labels = torch.cat([lab0, lab1])  # [M]
+        self.out_row = torch.cat([g_packed, G + torch.arange(M1, device=dev)])  # [M] selected row
+        flat = torch.cat([flat0, flat1])
+        M = B + M1
+        inv = torch.full((B * R_max,), M, dtype=torch.int64, device=dev)
+        inv.scatter_(0, flat, torch.arange(M, device=dev))
+        self.inv = inv  # output slot -> value index (M = the appended zero)
+        self.num_sel = G + M1
+        self.num_out = M
+        self.num_groups = G
+        self.num_rows = B
+        self.shape = (B, R_max)
+        cum = [0]
+        for n in n_g:
+            cum.append(cum[-1] + n)
+        self._cum_n = cum
+
+    def out_start(self, s: int) -> int:
+        """First output index belonging to selected row s (s may be S)."""
+        G = self.num_groups
+        return self._cum_n[s] if s <= G else self.num_rows + (s - G)
+
+    def chunks(self, chunk_size: int) -> Tuple[Tuple[int, int, int, int], ...]:
+        out = []
+        for s0 in range(0, self.num_sel, chunk_size):
+            s1 = min(s0 + chunk_size, self.num_sel)
+            out.append((s0, s1, self.out_start(s0), self.out_start(s1)))
+        return tuple(out)
+
+    def scatter(self, vals: Tensor) -> Tensor:
+        """Values per output [M] -> [B, R_max] (zeros where masked). Differentiable."""
+        padded = torch.cat([vals, vals.new_zeros(1)])
+        return padded[self.inv].view(self.shape)
+
+
+def _index(packed: PackedBatch) -> _LogprobIndex:
+    idx = packed._cache.get("logprob_index")
+    if idx is None:
+        idx = _LogprobIndex(packed)
+        packed._cache["logprob_index"] = idx
+    return idx
+
+
+# --------------------------------------------------------------------------------------------
+# Chunked fused LM head + log-softmax
+# --------------------------------------------------------------------------------------------
+
+_MM_OUT_DTYPE_OK: Dict[str, bool] = {}
+
+
+def _mm_f32(a: Tensor, b: Tensor) -> Tensor:
+    """a @ b with low-precision inputs and an fp32 result (fp32 accumulation, no bf16 rounding)."""
+    key = a.device.type
+    if _MM_OUT_DTYPE_OK.get(key, key == "cuda"):
+        try:
+            r = torch.mm(a, b, out_dtype=torch.float32)
+            _MM_OUT_DTYPE_OK[key] = True
+            return r
+        except (RuntimeError, TypeError, NotImplementedError):
+            _MM_OUT_DTYPE_OK[key] = False
+    return torch.mm(a.float(), b.float())
+
+
+def _addmm_f32_(acc: Tensor, a: Tensor, b: Tensor) -> None:
+    """acc += a @ b, acc fp32, a and b low precision."""
+    key = acc.device.type
+    if _MM_OUT_DTYPE_OK.get(key, key == "cuda"):
+        try:
+            torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+            return
+        except (RuntimeError, TypeError, NotImplementedError):
+            _MM_OUT_DTYPE_OK[key] = False
+    acc.addmm_(a.float(), b.float())
+
+
+class _Head:
+    """How logits are formed from (hidden rows, weight) for the dtypes at hand."""
+
+    def __init__(self, hidden: Tensor, weight: Tensor):
+        lowp = (torch.float16, torch.bfloat16)
+        self.weight = weight
+        if hidden.dtype == weight.dtype and hidden.dtype in lowp:
+            self.lowp = True
+            self.dtype = torch.float32
+            self.w = weight
+        else:
+            self.lowp = False
+            self.dtype = torch.promote_types(torch.promote_types(hidden.dtype, weight.dtype), torch.float32)
+            self.w = weight if weight.dtype == self.dtype else weight.to(self.dtype)
+
+    def logits(self, x: Tensor) -> Tensor:
+        if self.lowp:
+            return _mm_f32(x, self.w.t())
+        return torch.mm(x.to(self.dtype), self.w.t())
+
+    def grad_input(self, dz: Tensor, out_dtype: torch.dtype) -> Tensor:
+        if self.lowp:
+            return torch.mm(dz.to(self.w.dtype), self.w).to(out_dtype)
+        return torch.mm(dz, self.w).to(out_dtype)
+
+    def new_weight_grad(self) -> Tensor:
+        return torch.zeros(self.weight.shape, dtype=self.dtype, device=self.weight.device)
+
+    def accumulate_weight_grad(self, acc: Tensor, dz: Tensor, x: Tensor) -> None:
+        if self.lowp:
+            _addmm_f32_(acc, dz.to(x.dtype).t(), x)
+        else:
+            acc.addmm_(dz.t(), x.to(self.dtype))
+
+
+class _FusedResponseLogprobs(torch.autograd.Function):
+    """(hidden [T, H], weight [V, H]) -> (log-prob per output [M], entropy per selected row [S])."""
+
+    @staticmethod
+    def forward(ctx, hidden: Tensor, weight: Tensor, sel_idx: Tensor, labels: Tensor, out_row: Tensor,
+                chunks: Tuple[Tuple[int, int, int, int], ...], temperature: float, want_entropy: bool):
+        head = _Head(hidden, weight)
+        S = sel_idx.numel()
+        M = labels.numel()
+        dev = hidden.device
+        logp = torch.empty(M, dtype=head.dtype, device=dev)
+        lse = torch.empty(S, dtype=head.dtype, device=dev)
+        ent = torch.empty(S if want_entropy else 0, dtype=head.dtype, device=dev)
+        for s0, s1, o0, o1 in chunks:
+            x = hidden.index_select(0, sel_idx[s0:s1])
+            z = head.logits(x)
+            if temperature != 1.0:
+                z.div_(temperature)
+            l = torch.logsumexp(z, dim=1)
+            lse[s0:s1] = l
+            rows = out_row[o0:o1] - s0
+            logp[o0:o1] = z[rows, labels[o0:o1]] - l[rows]
+            if want_entropy:
+                z.sub_(l.unsqueeze(1))  # log-softmax, in place
+                p = z.exp()
+                ent[s0:s1] = p.mul_(z).sum(1).neg_()
+                del p
+            del z
+        ctx.save_for_backward(hidden, weight, sel_idx, labels, out_row, lse, ent)
+        ctx.chunks = chunks
+        ctx.temperature = temperature
+        ctx.want_entropy = want_entropy
+        return logp, ent
+
+    @staticmethod
+    def backward(ctx, g_logp: Optional[Tensor], g_ent: Optional[Tensor]):
+        hidden, weight, sel_idx, labels, out_row, lse, ent = ctx.saved_tensors
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if not (need_h or need_w):
+            return (None,) * 8
+        head = _Head(hidden, weight)
+        temperature = ctx.temperature
+        use_ent = ctx.want_entropy and g_ent is not None and g_ent.numel() > 0
+        if g_logp is None:
+            g_logp = torch.zeros(labels.numel(), dtype=head.dtype, device=hidden.device)
+        g_logp = g_logp.to(head.dtype)
+        V = weight.shape[0]
+        dh = torch.zeros_like(hidden) if need_h else None
+        dw = head.new_weight_grad() if need_w else None
+        for s0, s1, o0, o1 in ctx.chunks:
+            x = hidden.index_select(0, sel_idx[s0:s1])
+            z = head.logits(x)
+            if temperature != 1.0:
+                z.div_(temperature)
+            rows = out_row[o0:o1] - s0
+            g = g_logp[o0:o1]
+            gsum = torch.zeros(s1 - s0, dtype=head.dtype, device=z.device).index_add_(0, rows, g)
+            z.sub_(lse[s0:s1].unsqueeze(1))  # log-softmax
+            if use_ent:
+                # dH/dz_j = -p_j (log p_j + H);  d logp_label/dz_j = [j == label] - p_j
+                p = z.exp()
+                ge = g_ent[s0:s1].to(head.dtype)
+                z.add_(ent[s0:s1].unsqueeze(1)).mul_(ge.unsqueeze(1)).add_(gsum.unsqueeze(1))
+                dz = z.mul_(p).neg_()
+                del p
+            else:
+                dz = z.exp_().mul_(-gsum.unsqueeze(1))
+            dz.view(-1).index_add_(0, rows * V + labels[o0:o1], g)
+            if temperature != 1.0:
+                dz.div_(temperature)
+            if need_h:
+                dh.index_copy_(0, sel_idx[s0:s1], head.grad_input(dz, hidden.dtype))
+            if need_w:
+                head.accumulate_weight_grad(dw, dz, x)
+            del dz, z
+        if need_w and dw.dtype != weight.dtype:
+            dw = dw.to(weight.dtype)
+        return dh, dw, None, None, None, None, None, None
+
+
+def _check_common(packed: PackedBatch, temperature: float, fn: str) -> float:
+    if not isinstance(packed, PackedBatch):
+        raise TypeError(f"{fn}: packed must be a PackedBatch (from dualkv.pack), got {type(packed).__name__}")
+    try:
+        t = float(temperature)
+    except (TypeError, ValueError):
+        raise TypeError(f"{fn}: temperature must be a positive float, got {temperature!r}")
+    if not (t > 0.0) or t == float("inf"):
+        raise ValueError(f"{fn}: temperature must be a positive finite float, got {temperature!r}")
+    return t
+
+
+def _per_token(x: Tensor, T: int, what: str, fn: str) -> Tensor:
+    if x.dim() == 3 and x.shape[0] == 1:
+        x = x[0]
+    if x.dim() != 2 or x.shape[0] != T:
+        raise ValueError(f"{fn}: {what} must be [T, D] or [1, T, D] with T={T} packed tokens, got shape "
+                         f"{tuple(x.shape)}")
+    return x
+
+
+def response_logprobs(hidden: Tensor, lm_head_weight: Tensor, packed: PackedBatch,
+                      temperature: float = 1.0, entropy: bool = False,
+                      chunk_size: Optional[int] = None) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+    """Log-probs ``[B, R_max]`` of every response token, in the original row order.
+
+    ``hidden``: ``[T, D]`` or ``[1, T, D]``, the packed model's last hidden states (after the final
+    norm); ``lm_head_weight``: ``[V, D]``. Logits are ``hidden @ W.T / temperature`` computed in fp32
+    (bf16/fp16 inputs are multiplied with fp32 accumulation and an fp32 result; fp64 inputs stay
+    fp64), ``chunk_size`` selected rows at a time (default: about 512 MiB of fp32 logits per chunk).
+
+    Returns fp32 log-probs ``[B, R_max]`` (fp64 for fp64 inputs) with 0 at masked positions, and,
+    if ``entropy``, the entropy of each predicting distribution ``[B, R_max]`` as well. Gradients
+    flow to ``hidden`` and ``lm_head_weight``; the weight gradient is accumulated in fp32.
+    """
+    fn = "response_logprobs"
+    temperature = _check_common(packed, temperature, fn)
+    if not isinstance(hidden, Tensor) or not isinstance(lm_head_weight, Tensor):
+        raise TypeError(f"{fn}: hidden and lm_head_weight must be tensors")
+    hidden = _per_token(hidden, packed.num_tokens, "hidden", fn)
+    if lm_head_weight.dim() != 2 or lm_head_weight.shape[1] != hidden.shape[1]:
+        raise ValueError(f"{fn}: lm_head_weight must be [V, D={hidden.shape[1]}], got shape "
+                         f"{tuple(lm_head_weight.shape)}")
+    if not (hidden.dtype.is_floating_point and lm_head_weight.dtype.is_floating_point):
+        raise TypeError(f"{fn}: hidden ({hidden.dtype}) and lm_head_weight ({lm_head_weight.dtype}) must be "
+                        "floating point")
+    if hidden.device != packed.device or lm_head_weight.device != packed.device:
+        raise ValueError(f"{fn}: hidden ({hidden.device}), lm_head_weight ({lm_head_weight.device}) and the "
+                         f"packed batch ({packed.device}) must be on one device")
+    V = lm_head_weight.shape[0]
+    if chunk_size is None:
+        chunk_size = max(16, min(8192, _AUTO_CHUNK_ELEMS // max(V, 1)))
+    if int(chunk_size) < 1:
+        raise ValueError(f"{fn}: chunk_size must be >= 1, got {chunk_size}")
+    idx = _index(packed)
+    chunks = idx.chunks(int(chunk_size))
+    logp, ent = _FusedResponseLogprobs.apply(hidden, lm_head_weight, idx.sel_idx, idx.labels, idx.out_row,
+                                             chunks, temperature, bool(entropy))
+    out = idx.scatter(logp)
+    if entropy:
+        return out, idx.scatter(ent[idx.out_row])
+    return out
+
+
+def response_logprobs_from_logits(logits: Tensor, packed: PackedBatch, temperature: float = 1.0,
+                                  entropy: bool = False) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+    """Same as :func:`response_logprobs` for precomputed logits ``[T, V]`` or ``[1, T, V]``.
+
+    Only the rows that predict a response token are read (upcast to fp32, fp64 stays fp64); plain
+    autograd, so the selected ``[S, V]`` rows are kept for backward.
+    """
+    fn = "response_logprobs_from_logits"
+    temperature = _check_common(packed, temperature, fn)
+    if not isinstance(logits, Tensor):
+        raise TypeError(f"{fn}: logits must be a tensor")
+    logits = _per_token(logits, packed.num_tokens, "logits", fn)
+    if not logits.dtype.is_floating_point:
+        raise TypeError(f"{fn}: logits must be floating point, got {logits.dtype}")
+    if logits.device != packed.device:
+        raise ValueError(f"{fn}: logits on {logits.device}, packed batch on {packed.device}")
+    idx = _index(packed)
+    z = logits.index_select(0, idx.sel_idx)
+    z = z.to(torch.promote_types(z.dtype, torch.float32))
+    if temperature != 1.0:
+        z = z / temperature
+    logsm = torch.log_softmax(z, dim=1)
+    logp = logsm[idx.out_row, idx.labels]
+    out = idx.scatter(logp)
+    if entropy:
+        ent = -(logsm.exp() * logsm).sum(1)
+        return out, idx.scatter(ent[idx.out_row])
+    return out
