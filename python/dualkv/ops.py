@@ -160,6 +160,9 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Lay
         raise _native.ArgumentError(f"attention: q {tuple(q.shape)} and k {tuple(k.shape)} disagree on tokens or head_dim")
     if q.shape[0] != layout.num_tokens:
         raise _native.ArgumentError(f"attention: q has {q.shape[0]} tokens but the layout has {layout.num_tokens}")
+    if q.shape[1] < 1 or k.shape[1] < 1 or q.shape[2] < 1:
+        raise _native.ArgumentError(f"attention: num_heads {q.shape[1]}, num_kv_heads {k.shape[1]} and head_dim "
+                                    f"{q.shape[2]} must all be >= 1")
     if q.shape[1] % k.shape[1] != 0:
         raise _native.ArgumentError(f"attention: num_heads {q.shape[1]} is not a multiple of num_kv_heads {k.shape[1]}")
     dev = q.device

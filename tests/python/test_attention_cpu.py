@@ -1,0 +1,199 @@
+"""dualkv.attention on the CPU backend vs independent references."""
+import math
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import dualkv
+from dualkv.reference import attention_ref, position_ids_ref, unpacked_groups, visibility_mask
+from conftest import random_forest
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def make_qkv(T, H, Hk, D, dtype=torch.float32, seed=0, requires_grad=True):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(T, H, D, generator=g).to(dtype)
+    k = torch.randn(T, Hk, D, generator=g).to(dtype)
+    v = torch.randn(T, Hk, D, generator=g).to(dtype)
+    return [t.requires_grad_(requires_grad) for t in (q, k, v)]
+
+
+def grads_of(fn, inputs, dout, dlse=None):
+    for t in inputs:
+        t.grad = None
+    out, lse = fn(*inputs)
+    loss = (out * dout).sum() + ((lse * dlse).sum() if dlse is not None else 0)
+    loss.backward()
+    return out.detach(), lse.detach(), [t.grad.clone() for t in inputs]
+
+
+@pytest.mark.parametrize("trial", range(50))
+def test_random_forests_match_fp64_reference(trial):
+    rng = random.Random(trial)
+    lens, parents = random_forest(rng, roots=rng.randint(1, 3), max_depth=rng.randint(1, 3),
+                                  max_len=20 if trial % 5 == 0 else 8)
+    layout = dualkv.Layout.from_tree(lens, parents)
+    Hk = rng.choice([1, 2])
+    H = Hk * rng.choice([1, 2, 4, 8])
+    D = rng.choice([64, 128, 256, 5, 24])
+    q, k, v = make_qkv(layout.num_tokens, H, Hk, D, seed=trial)
+    dout = torch.randn(layout.num_tokens, H, D, dtype=torch.float64)
+    dlse = torch.randn(H, layout.num_tokens, dtype=torch.float64) if trial % 2 else None
+    out, lse, grads = grads_of(lambda a, b, c: dualkv.attention(a, b, c, layout, return_lse=True), [q, k, v],
+                               dout.float(), None if dlse is None else dlse.float())
+    q64, k64, v64 = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    rout, rlse, rgrads = grads_of(lambda a, b, c: attention_ref(a, b, c, layout), [q64, k64, v64], dout, dlse)
+    assert out.dtype == torch.float32 and lse.dtype == torch.float32
+    assert rel(out, rout) <= 1e-5
+    assert rel(lse, rlse) <= 1e-5
+    for name, g, r in zip("qkv", grads, rgrads):
+        assert rel(g, r) <= 1e-5, name
+
+
+def test_mask_and_positions_cross_check(rng):
+    for _ in range(30):
+        lens, parents = random_forest(rng, roots=3, max_depth=3)
+        layout = dualkv.Layout.from_tree(lens, parents)
+        assert torch.equal(layout.position_ids, position_ids_ref(layout))
+        assert layout.visible_pairs == int(visibility_mask(layout).sum())
+
+
+def test_from_groups_layout():
+    layout = dualkv.Layout.from_groups([4, 2], [[3, 1], [5]])
+    assert layout.segment_lens == [4, 3, 1, 2, 5]
+    assert layout.parents == [-1, 0, 0, -1, 3]
+    assert layout.position_ids.tolist() == [0, 1, 2, 3, 4, 5, 6, 4, 0, 1, 2, 3, 4, 5, 6]
+    assert layout.max_depth == 2
+    assert dualkv.Layout.varlen([3, 2]).position_ids.tolist() == [0, 1, 2, 0, 1]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_equivalence_with_unpacked_causal_attention(seed):
+    """Packed [P | R_1..R_N] equals N independent causal sequences P+R_i: every response output,
+    and the prompt's dK/dV equal the sum of the N copies' gradients."""
+    rng = random.Random(seed)
+    prompts = [rng.randint(1, 12) for _ in range(3)]
+    responses = [[rng.randint(1, 9) for _ in range(rng.randint(1, 5))] for _ in prompts]
+    layout = dualkv.Layout.from_groups(prompts, responses)
+    H, Hk, D = 4, 2, 16
+    q, k, v = make_qkv(layout.num_tokens, H, Hk, D, dtype=torch.float64, seed=seed)
+    out = dualkv.attention(q, k, v, layout)
+    # Loss on response tokens only (GRPO trains on responses).
+    resp_mask = torch.ones(layout.num_tokens, dtype=torch.bool)
+    offsets = [0]
+    for n in layout.segment_lens:
+        offsets.append(offsets[-1] + n)
+    for s, p in enumerate(layout.parents):
+        if p < 0:
+            resp_mask[offsets[s]:offsets[s + 1]] = False
+    w = torch.randn(layout.num_tokens, H, D, dtype=torch.float64)
+    (out * w * resp_mask[:, None, None]).sum().backward()
+
+    # Unpacked: gather each prompt+response as its own causal sequence.
+    dk_sum = torch.zeros_like(k)
+    dv_sum = torch.zeros_like(v)
+    dq_sum = torch.zeros_like(q)
+    for idx in unpacked_groups(layout):
+        qu, ku, vu = [t.detach()[idx].clone().requires_grad_() for t in (q, k, v)]
+        ou = F.scaled_dot_product_attention(qu.transpose(0, 1)[None], ku.transpose(0, 1)[None],
+                                            vu.transpose(0, 1)[None], is_causal=True,
+                                            enable_gqa=True)[0].transpose(0, 1)
+        is_resp = resp_mask[idx]
+        torch.testing.assert_close(ou[is_resp], out.detach()[idx][is_resp], rtol=1e-12, atol=1e-12)
+        (ou * w[idx] * is_resp[:, None, None]).sum().backward()
+        dq_sum.index_add_(0, idx, qu.grad)
+        dk_sum.index_add_(0, idx, ku.grad)
+        dv_sum.index_add_(0, idx, vu.grad)
+    torch.testing.assert_close(k.grad, dk_sum, rtol=1e-11, atol=1e-11)
+    torch.testing.assert_close(v.grad, dv_sum, rtol=1e-11, atol=1e-11)
+    torch.testing.assert_close(q.grad, dq_sum, rtol=1e-11, atol=1e-11)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_tolerance_rule(dtype):
+    """Kernel error <= 2x PyTorch's own low-precision error vs fp64 (+ a tiny absolute term)."""
+    rng = random.Random(7)
+    lens, parents = random_forest(rng, roots=3, max_depth=3, max_len=16)
+    layout = dualkv.Layout.from_tree(lens, parents)
+    q, k, v = make_qkv(layout.num_tokens, 8, 2, 64, dtype=dtype, seed=3)
+    dout = torch.randn(layout.num_tokens, 8, 64).to(dtype)
+    out, lse, grads = grads_of(lambda a, b, c: dualkv.attention(a, b, c, layout, return_lse=True), [q, k, v], dout)
+    q64, k64, v64 = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    rout, rlse, rgrads = grads_of(lambda a, b, c: attention_ref(a, b, c, layout), [q64, k64, v64], dout.double())
+    ql, kl, vl = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    lout, llse, lgrads = grads_of(lambda a, b, c: attention_ref(a, b, c, layout), [ql, kl, vl], dout)
+    assert out.dtype == dtype
+    for mine, ref, low in [(out, rout, lout), (lse, rlse, llse)] + list(zip(grads, rgrads, lgrads)):
+        err = (mine.double() - ref).abs().max().item()
+        pt_err = (low.double() - ref).abs().max().item()
+        assert err <= 2 * pt_err + 1e-5, (err, pt_err)
+
+
+def test_strided_inputs_and_fused_qkv():
+    layout = dualkv.Layout.from_groups([5], [[3, 4]])
+    T, H, Hk, D = layout.num_tokens, 4, 2, 8
+    qkv = torch.randn(T, H + 2 * Hk, D, dtype=torch.float64)
+    q, k, v = qkv[:, :H], qkv[:, H:H + Hk], qkv[:, H + Hk:]
+    out = dualkv.attention(q, k, v, layout)
+    ref, _ = attention_ref(q, k, v, layout)
+    torch.testing.assert_close(out, ref)
+    # heads-major storage: [H, T, D] viewed as [T, H, D]
+    qh = torch.randn(H, T, D, dtype=torch.float64).transpose(0, 1)
+    torch.testing.assert_close(dualkv.attention(qh, k, v, layout), attention_ref(qh, k, v, layout)[0])
+
+
+def test_softmax_scale_and_accumulation():
+    layout = dualkv.Layout.from_groups([6], [[2, 3]])
+    q, k, v = make_qkv(layout.num_tokens, 2, 1, 4, dtype=torch.float64, requires_grad=False)
+    out = dualkv.attention(q, k, v, layout, softmax_scale=0.37)
+    torch.testing.assert_close(out, attention_ref(q, k, v, layout, softmax_scale=0.37)[0])
+
+
+def test_gradcheck_fp64():
+    layout = dualkv.Layout.from_tree([3, 2, 1, 2], [-1, 0, 1, 0])
+    q, k, v = make_qkv(layout.num_tokens, 2, 1, 3, dtype=torch.float64)
+    assert torch.autograd.gradcheck(lambda a, b, c: dualkv.attention(a, b, c, layout, return_lse=True), (q, k, v))
+
+
+def test_opcheck():
+    layout = dualkv.Layout.from_groups([4, 3], [[2, 3], [1]])
+    q, k, v = make_qkv(layout.num_tokens, 4, 2, 8, dtype=torch.float32)
+    plan, key = layout.plan_for(q.dtype, 8)
+    args = (q, k, v, layout.meta, plan, layout.num_segments, layout.max_depth, key, 0.35, False)
+    torch.library.opcheck(torch.ops.dualkv.fwd.default, args)
+    out, lse = torch.ops.dualkv.fwd(*args)
+    bargs = (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out.detach(), lse.detach(),
+             torch.randn_like(lse), layout.meta, plan, layout.num_segments, layout.max_depth, key, 0.35, False)
+    torch.library.opcheck(torch.ops.dualkv.bwd.default, bargs)
+
+
+def test_torch_compile_fullgraph():
+    layout = dualkv.Layout.from_groups([5, 2], [[3, 1], [4]])
+    q, k, v = make_qkv(layout.num_tokens, 4, 2, 8)
+
+    def f(q, k, v):
+        x = dualkv.attention(q * 2.0, k, v, layout)
+        return (x.square()).sum()
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    loss = compiled(q, k, v)
+    loss.backward()
+    grads = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    f(q, k, v).backward()
+    torch.testing.assert_close(loss, f(q, k, v))
+    for g, t in zip(grads, (q, k, v)):
+        torch.testing.assert_close(g, t.grad)
+
+
+def test_build_info_and_version():
+    info = dualkv.build_info()
+    assert "cpu" in info["backends"]
+    assert info["abi_version"] == 1
