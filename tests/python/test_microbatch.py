@@ -1,0 +1,163 @@
+"""plan_micro_batches: budget, exact coverage, splitting, rank balance, determinism, errors."""
+import random
+from types import SimpleNamespace
+
+import pytest
+
+from dualkv.microbatch import MicroBatchPlan, plan_micro_batches
+
+
+def skewed_groups(seed, G=96, max_p=4000, long_tail=True):
+    rng = random.Random(seed)
+    groups = []
+    for _ in range(G):
+        P = rng.randint(16, max_p)
+        N = rng.choice([1, 2, 4, 8, 16])
+        if long_tail:
+            rs = [max(1, min(8000, int(rng.lognormvariate(6.0, 1.2)))) for _ in range(N)]
+        else:
+            rs = [rng.randint(1, 2000) for _ in range(N)]
+        groups.append((P, rs))
+    return groups
+
+
+def check_plan(plan: MicroBatchPlan, groups, max_tokens, num_ranks):
+    assert plan.num_ranks == num_ranks and plan.max_tokens == max_tokens
+    per = plan.micro_batches_per_rank
+    assert per >= 1 and all(len(mbs) == per for mbs in plan.ranks)
+    seen = {}
+    empty = 0
+    for mbs in plan.ranks:
+        for mb in mbs:
+            assert mb.num_tokens <= max_tokens
+            tokens = 0
+            for (g, idx), p, rl in zip(mb.entries, mb.prompt_lens, mb.response_lens):
+                assert p == groups[g][0]
+                assert rl == tuple(groups[g][1][i] for i in idx)
+                assert list(idx) == sorted(set(idx)) and len(idx) >= 1
+                tokens += p + sum(rl)
+                for i in idx:
+                    assert (g, i) not in seen, f"response {(g, i)} planned twice"
+                    seen[(g, i)] = True
+            assert tokens == mb.num_tokens
+            empty += len(mb.entries) == 0
+    expected = {(g, i) for g, (_, rs) in enumerate(groups) for i in range(len(rs))}
+    assert set(seen) == expected, "every response exactly once"
+    assert empty == plan.num_empty
+    # groups that fit are never split
+    for g, (p, rs) in enumerate(groups):
+        pieces = [idx for mbs in plan.ranks for mb in mbs for gg, idx in mb.entries if gg == g]
+        if p + sum(rs) <= max_tokens:
+            assert len(pieces) == 1 and g not in plan.split_groups
+        else:
+            assert len(pieces) >= 2 and g in plan.split_groups
+    extra = sum(groups[g][0] * (sum(1 for mbs in plan.ranks for mb in mbs for gg, _ in mb.entries if gg == g) - 1)
+                for g in plan.split_groups)
+    assert plan.prompt_tokens_added == extra
+    total = sum(p + sum(rs) for p, rs in groups) + extra
+    assert plan.total_tokens == total
+    costs = plan.rank_costs
+    mean = sum(costs) / len(costs)
+    assert plan.imbalance == pytest.approx(max(costs) / mean - 1)
+
+
+@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize("num_ranks", [1, 2, 8])
+@pytest.mark.parametrize("max_tokens", [12000, 40000])
+def test_plans_are_valid(seed, num_ranks, max_tokens):
+    groups = skewed_groups(seed)
+    plan = plan_micro_batches(groups, max_tokens, num_ranks=num_ranks)
+    check_plan(plan, groups, max_tokens, num_ranks)
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("num_ranks", [4, 8, 16])
+def test_ranks_are_balanced_on_skewed_lengths(seed, num_ranks):
+    groups = skewed_groups(100 + seed, G=256)
+    plan = plan_micro_batches(groups, 32768, num_ranks=num_ranks)
+    check_plan(plan, groups, 32768, num_ranks)
+    assert plan.imbalance < 0.03, plan.summary()
+    # no more micro-batches than needed: the token lower bound rounded up to whole rounds
+    lower = -(-plan.total_tokens // 32768)
+    assert plan.micro_batches_per_rank <= -(-lower // num_ranks) + 1
+
+
+def test_oversized_group_is_split_into_fitting_subsets():
+    groups = [(1000, [3000, 2500, 2000, 1500, 1000, 500]), (10, [5])]
+    plan = plan_micro_batches(groups, 5000)
+    check_plan(plan, groups, 5000, 1)
+    assert plan.split_groups == (0,)
+    pieces = [idx for mb in plan.ranks[0] for g, idx in mb.entries if g == 0]
+    # 10500 response tokens with 4000 of room per piece: 3 pieces are needed and suffice
+    assert len(pieces) == 3
+    assert sorted(i for idx in pieces for i in idx) == list(range(6))
+    assert plan.prompt_tokens_added == 2000
+
+
+def test_deterministic():
+    groups = skewed_groups(7, G=200)
+    a = plan_micro_batches(groups, 20000, num_ranks=8)
+    b = plan_micro_batches([(p, list(rs)) for p, rs in groups], 20000, num_ranks=8)
+    assert a == b
+
+
+def test_more_ranks_than_groups_reports_empty_micro_batches():
+    groups = [(10, [5, 5]), (20, [1])]
+    plan = plan_micro_batches(groups, 1000, num_ranks=4)
+    check_plan(plan, groups, 1000, 4)
+    assert plan.micro_batches_per_rank == 1 and plan.num_empty == 2
+    assert "2 empty micro-batch(es)" in plan.summary()
+
+
+def test_objects_and_cost_fn():
+    groups = [SimpleNamespace(prompt_len=p, response_lens=rs) for p, rs in skewed_groups(3, G=40)]
+    as_tuples = [(x.prompt_len, x.response_lens) for x in groups]
+
+    def attn_cost(P, rs):  # tokens plus an attention term
+        return P + sum(rs) + 1e-3 * (P * P / 2 + sum(r * (P + r / 2) for r in rs))
+
+    plan = plan_micro_batches(groups, 30000, num_ranks=4, cost_fn=attn_cost)
+    check_plan(plan, as_tuples, 30000, 4)
+    for mbs in plan.ranks:
+        for mb in mbs:
+            assert mb.cost == pytest.approx(sum(attn_cost(p, rl) for p, rl in zip(mb.prompt_lens, mb.response_lens)))
+    assert plan.imbalance < 0.05
+
+
+def test_micro_batch_lengths_build_a_layout():
+    from dualkv.layout import Layout
+    groups = skewed_groups(4, G=12)
+    plan = plan_micro_batches(groups, 20000, num_ranks=2)
+    for mbs in plan.ranks:
+        for mb in mbs:
+            if mb.entries:
+                lay = Layout.from_groups(list(mb.prompt_lens), [list(r) for r in mb.response_lens])
+                assert lay.num_tokens == mb.num_tokens
+
+
+def test_errors():
+    with pytest.raises(ValueError, match=r"group 1 cannot fit: prompt \(90\) \+ response 0 \(20\) = 110 tokens > "
+                                         r"max_tokens=100"):
+        plan_micro_batches([(10, [5]), (90, [20, 5])], 100)
+    with pytest.raises(ValueError, match="max_tokens=1"):
+        plan_micro_batches([(1, [1])], 1)
+    with pytest.raises(ValueError, match=r"group 0, response 1 has length 0"):
+        plan_micro_batches([(3, [2, 0])], 100)
+    with pytest.raises(ValueError, match="group 0 has prompt length 0"):
+        plan_micro_batches([(0, [2])], 100)
+    with pytest.raises(ValueError, match="group 1 has no responses"):
+        plan_micro_batches([(3, [2]), (4, [])], 100)
+    with pytest.raises(ValueError, match="no groups"):
+        plan_micro_batches([], 100)
+    with pytest.raises(ValueError, match="num_ranks must be >= 1"):
+        plan_micro_batches([(3, [2])], 100, num_ranks=0)
+    with pytest.raises(TypeError, match="prompt_len must be an int"):
+        plan_micro_batches([(3.5, [2])], 100)
+    with pytest.raises(TypeError, match="response 0 length must be an int"):
+        plan_micro_batches([(3, ["2"])], 100)
+    with pytest.raises(TypeError, match=r"group 0 must be \(prompt_len, \[response_lens\]\)"):
+        plan_micro_batches([3], 100)
+    with pytest.raises(TypeError, match="max_tokens must be an int"):
+        plan_micro_batches([(3, [2])], 100.0)
+    with pytest.raises(ValueError, match="cost_fn returned"):
+        plan_micro_batches([(3, [2])], 100, cost_fn=lambda p, rs: -1.0)
