@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 #include <random>
+#include <type_traits>
 #include <vector>
 
 #include "forest_testing.h"
@@ -44,18 +45,23 @@ Problem<T> make_problem(std::mt19937& rng, int tokens, int H, int Hk, int D) {
 
 template <typename T>
 struct Outputs {
-  std::vector<T> out, lse, dq, dk, dv;
+  // lse is float64 for float64 inputs and float32 for every other dtype (the ABI contract).
+  using Lse = std::conditional_t<std::is_same_v<T, double>, double, float>;
+  std::vector<T> out, dq, dk, dv;
+  std::vector<Lse> lse;
 };
 
 template <typename T>
 Outputs<T> run_cpu(const HostLayout& layout, const Problem<T>& p, int32_t dtype, int threads, int32_t flags = 0) {
   const int64_t Tn = layout.num_tokens();
   Outputs<T> o;
-  o.out.assign(size_t(Tn) * p.H * p.D, T(NAN));
-  o.lse.assign(size_t(p.H) * Tn, T(NAN));
-  o.dq.assign(size_t(Tn) * p.H * p.D, T(NAN));
-  o.dk.assign(size_t(Tn) * p.Hk * p.D, T(NAN));
-  o.dv.assign(size_t(Tn) * p.Hk * p.D, T(NAN));
+  // Poison the outputs so that an element the backend fails to write is caught.
+  const T poison = std::is_floating_point_v<T> ? T(NAN) : T(0x7e00);
+  o.out.assign(size_t(Tn) * p.H * p.D, poison);
+  o.lse.assign(size_t(p.H) * Tn, NAN);
+  o.dq.assign(size_t(Tn) * p.H * p.D, poison);
+  o.dk.assign(size_t(Tn) * p.Hk * p.D, poison);
+  o.dv.assign(size_t(Tn) * p.Hk * p.D, poison);
 
   dualkv_fwd_params f{};
   f.struct_size = sizeof(f);
