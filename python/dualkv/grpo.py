@@ -1,0 +1,193 @@
+"""A small, exact GRPO / DAPO policy loss on ``[B, R_max]`` per-token log-probs.
+
+dualkv changes how log-probs are computed (packed, shared prompt), never the loss: these helpers
+follow the usual definitions (PPO clip, DAPO clip-higher, dual clip, GRPO group-normalised
+advantages, k1/k2/k3 KL estimators, veRL's loss aggregation modes) so that a packed and an unpacked
+update can be compared term by term.
+
+Conventions (as in veRL / TRL): ``ratio = exp(logprobs - old_logprobs)``; per-token policy loss
+``max(-A * ratio, -A * clip(ratio, 1 - clip_low, 1 + clip_high))``; with ``dual_clip = c`` and
+``A < 0`` that loss is further capped at ``-A * c``; the KL penalty against a reference policy is
+added per token (``kl_coef * kl``) before aggregation.
+"""
+from __future__ import annotations
+
+from typing import Dict, Optional, Sequence, Tuple, Union
+
+import torch
+from torch import Tensor
+
+__all__ = ["AGG_MODES", "KL_TYPES", "group_advantages", "kl_penalty", "aggregate", "policy_loss"]
+
+AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+KL_TYPES = ("k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl")
+
+_LOG_RATIO_CLAMP = 20.0  # exp(20) ~ 5e8: keeps a stale-policy ratio finite (as veRL does)
+
+
+def _group_index(group_ids, B: int, device) -> Tensor:
+    if isinstance(group_ids, Tensor):
+        if group_ids.dim() != 1 or group_ids.numel() != B:
+            raise ValueError(f"group_advantages: group_ids must be [B={B}], got shape {tuple(group_ids.shape)}")
+        if group_ids.dtype.is_floating_point:
+            raise TypeError(f"group_advantages: group_ids must be integers, got {group_ids.dtype}")
+        return torch.unique(group_ids.to(device), return_inverse=True)[1]
+    ids = list(group_ids)
+    if len(ids) != B:
+        raise ValueError(f"group_advantages: {len(ids)} group ids for {B} rewards")
+    codes: Dict = {}
+    return torch.tensor([codes.setdefault(u, len(codes)) for u in ids], dtype=torch.int64, device=device)
+
+
+def group_advantages(rewards: Tensor, group_ids: Union[Tensor, Sequence], normalize_std: bool = True,
+                     eps: float = 1e-6) -> Tensor:
+    """GRPO advantages ``[B]``: ``(r - mean_g) / (std_g + eps)`` per group (``normalize_std=False``:
+    ``r - mean_g``, Dr. GRPO). ``std_g`` is the unbiased (Bessel-corrected) standard deviation, as in
+    veRL and TRL. A group of one response gets advantage 0. ``group_ids``: int tensor ``[B]`` or any
+    sequence of hashables (e.g. veRL ``uid`` strings). Computed in float32 (float64 stays float64).
+    """
+    if not isinstance(rewards, Tensor) or rewards.dim() != 1:
+        raise ValueError("group_advantages: rewards must be a 1-D tensor [B]")
+    B = rewards.numel()
+    dtype = torch.float64 if rewards.dtype == torch.float64 else torch.float32
+    r = rewards.to(dtype)
+    g = _group_index(group_ids, B, r.device)
+    G = int(g.max()) + 1 if B else 0
+    count = torch.zeros(G, dtype=dtype, device=r.device).index_add_(0, g, torch.ones_like(r))
+    mean = torch.zeros(G, dtype=dtype, device=r.device).index_add_(0, g, r) / count
+    centred = r - mean[g]
+    if not normalize_std:
+        return centred
+    sq = torch.zeros(G, dtype=dtype, device=r.device).index_add_(0, g, centred * centred)
+    var = sq / (count - 1).clamp(min=1)
+    denom = var.sqrt() + eps
+    denom = torch.where(denom > 0, denom, torch.ones_like(denom))  # singleton / constant group: centred is 0
+    return centred / denom[g]
+
+
+def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, kl_type: str = "low_var_kl") -> Tensor:
+    """Per-token estimator of KL(policy || reference) from sampled-token log-probs.
+
+    ``k1``/``kl``: ``logp - ref``; ``abs``: ``|logp - ref|``; ``k2``/``mse``: ``(logp - ref)^2 / 2``;
+    ``k3``/``low_var_kl``: ``exp(ref - logp) - (ref - logp) - 1`` (Schulman's low-variance
+    estimator), clamped to [-10, 10] as veRL does.
+    """
+    d = logprobs - ref_logprobs
+    if kl_type in ("k1", "kl"):
+        return d
+    if kl_type == "abs":
+        return d.abs()
+    if kl_type in ("k2", "mse"):
+        return 0.5 * d * d
+    if kl_type in ("k3", "low_var_kl"):
+        x = (-d).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+        return (torch.exp(x) - x - 1).clamp(-10.0, 10.0)
+    raise ValueError(f"kl_penalty: unknown kl_type {kl_type!r}; one of {KL_TYPES}")
+
+
+def aggregate(values: Tensor, mask: Tensor, agg: str = "token-mean") -> Tensor:
+    """Aggregate per-token ``values [B, R]`` over ``mask``:
+
+    * ``token-mean``: sum over all valid tokens / number of valid tokens (DAPO);
+    * ``seq-mean-token-mean``: mean over sequences of each sequence's token mean (GRPO paper);
+    * ``seq-mean-token-sum``: mean over sequences of each sequence's token sum.
+
+    Sequences without a valid token are left out of the sequence means; with no valid token at all
+    the result is 0 (still differentiable).
+    """
+    m = mask.to(values.dtype)
+    v = torch.where(mask, values, torch.zeros((), dtype=values.dtype, device=values.device))
+    if agg == "token-mean":
+        return v.sum() / m.sum().clamp(min=1)
+    seq_len = m.sum(-1)
+    seq_sum = v.sum(-1)
+    has = seq_len > 0
+    n_seq = has.to(values.dtype).sum().clamp(min=1)
+    if agg == "seq-mean-token-mean":
+        return (seq_sum / seq_len.clamp(min=1)).sum() / n_seq
+    if agg == "seq-mean-token-sum":
+        return seq_sum.sum() / n_seq
+    raise ValueError(f"aggregate: unknown agg {agg!r}; one of {AGG_MODES}")
+
+
+def _masked_mean(x: Tensor, mask: Tensor) -> Tensor:
+    return torch.where(mask, x, torch.zeros((), dtype=x.dtype, device=x.device)).sum() / mask.sum().clamp(min=1)
+
+
+def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor,
+                clip_low: float = 0.2, clip_high: float = 0.2, dual_clip: Optional[float] = None,
+                ref_logprobs: Optional[Tensor] = None, kl_coef: float = 0.0, kl_type: str = "low_var_kl",
+                agg: str = "token-mean") -> Tuple[Tensor, Dict[str, float]]:
+    """Clipped policy-gradient loss over response tokens.
+
+    ``logprobs``, ``old_logprobs`` (and ``ref_logprobs``): ``[B, R_max]`` per-token log-probs of the
+    sampled tokens (``old``/``ref`` are treated as constants); ``advantages``: ``[B]`` (one per
+    response, broadcast over its tokens) or ``[B, R_max]``; ``mask``: ``[B, R_max]`` (bool or 0/1).
+    ``clip_high = 0.28`` with ``clip_low = 0.2`` is DAPO's clip-higher. ``dual_clip`` (e.g. 3.0)
+    caps the loss of negative-advantage tokens at ``-A * dual_clip``. With ``ref_logprobs`` and
+    ``kl_coef > 0`` adds ``kl_coef * kl_penalty(logprobs, ref_logprobs, kl_type)`` per token.
+
+    Returns ``(loss, metrics)``: the scalar loss (dtype of ``logprobs`` promoted to float32) and a dict
+    of floats: ``pg_loss``, ``clip_frac`` (tokens whose clipped term is active), ``clip_frac_low`` /
+    ``clip_frac_high`` (ratio below / above the clip range), ``approx_kl`` (mean of
+    ``old - logp``, i.e. k1 of KL(old || new)), ``ratio_mean``, ``ratio_max``, ``kl`` (reference KL,
+    if given), ``num_tokens``. Reading the metrics syncs with the device once.
+    """
+    if logprobs.dim() != 2:
+        raise ValueError(f"policy_loss: logprobs must be [B, R_max], got shape {tuple(logprobs.shape)}")
+    for name, t in (("old_logprobs", old_logprobs), ("mask", mask)) + \
+            ((("ref_logprobs", ref_logprobs),) if ref_logprobs is not None else ()):
+        if tuple(t.shape) != tuple(logprobs.shape):
+            raise ValueError(f"policy_loss: {name} shape {tuple(t.shape)} differs from logprobs "
+                             f"{tuple(logprobs.shape)}")
+    if not (clip_low >= 0 and clip_high >= 0):
+        raise ValueError(f"policy_loss: clip_low and clip_high must be >= 0, got {clip_low}, {clip_high}")
+    if dual_clip is not None and dual_clip <= 1.0:
+        raise ValueError(f"policy_loss: dual_clip must be > 1, got {dual_clip}")
+    if agg not in AGG_MODES:
+        raise ValueError(f"policy_loss: unknown agg {agg!r}; one of {AGG_MODES}")
+    dtype = torch.promote_types(logprobs.dtype, torch.float32)
+    logp = logprobs.to(dtype)
+    old = old_logprobs.detach().to(dtype)
+    mask = mask.to(torch.bool)
+    adv = advantages.detach().to(dtype)
+    if adv.dim() == 1:
+        if adv.numel() != logp.shape[0]:
+            raise ValueError(f"policy_loss: {adv.numel()} advantages for {logp.shape[0]} rows")
+        adv = adv.unsqueeze(1)
+    elif tuple(adv.shape) != tuple(logp.shape):
+        raise ValueError(f"policy_loss: advantages must be [B] or [B, R_max], got {tuple(adv.shape)}")
+
+    log_ratio = (logp - old).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+    ratio = torch.exp(log_ratio)
+    loss1 = -adv * ratio
+    loss2 = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    pg = torch.maximum(loss1, loss2)
+    clipped = loss2 > loss1
+    if dual_clip is not None:
+        loss3 = -adv * dual_clip
+        pg = torch.where(adv < 0, torch.minimum(pg, loss3), pg)
+    per_token = pg
+    kl = None
+    if ref_logprobs is not None:
+        kl = kl_penalty(logp, ref_logprobs.detach().to(dtype), kl_type)
+        if kl_coef:
+            per_token = per_token + kl_coef * kl
+    elif kl_coef:
+        raise ValueError("policy_loss: kl_coef > 0 needs ref_logprobs")
+    loss = aggregate(per_token, mask, agg)
+
+    with torch.no_grad():
+        stats = [aggregate(pg, mask, agg), _masked_mean(clipped.to(dtype), mask),
+                 _masked_mean((ratio < 1.0 - clip_low).to(dtype), mask),
+                 _masked_mean((ratio > 1.0 + clip_high).to(dtype), mask),
+                 _masked_mean(old - logp, mask), _masked_mean(ratio, mask),
+                 torch.where(mask, ratio, torch.zeros((), dtype=dtype, device=ratio.device)).max()
+                 if mask.any() else ratio.new_zeros(()),
+                 mask.sum().to(dtype)]
+        if kl is not None:
+            stats.append(aggregate(kl, mask, agg))
+        vals = torch.stack([s.to(dtype) for s in stats]).tolist()
+    names = ["pg_loss", "clip_frac", "clip_frac_low", "clip_frac_high", "approx_kl", "ratio_mean", "ratio_max",
+             "num_tokens"] + (["kl"] if kl is not None else [])
+    return loss, dict(zip(names, vals))
