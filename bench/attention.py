@@ -1,0 +1,394 @@
+"""Attention-only benchmark: dualkv (packed forest) against the ways GRPO/DAPO groups are computed
+today, all in ONE process on the same GPU.
+
+Methods (each on its own layout; TFLOP/s credited with that layout's visible (q, k) pairs):
+  dualkv     packed [P | R_1 | ... | R_N] per group, one launch per direction (dualkv.attention)
+  sdpa_flash expanded N x (P + R) batch, F.scaled_dot_product_attention(is_causal, enable_gqa) under
+             SDPBackend.FLASH_ATTENTION (PyTorch's FlashAttention-2)
+  sdpa_cudnn same call under SDPBackend.CUDNN_ATTENTION
+  flex       torch.compile'd flex_attention on the packed layout with a shared-prefix BlockMask
+  pgrouper   PrefixGrouper-style decomposition: prompt causal self-attention, then responses as
+             queries against [prompt K/V copied per response ; own K/V] (GQA expanded), SDPA
+
+FLOPs: forward = 4 * H * D * visible pairs, fwd+bwd = 3.5 x forward (FlashAttention convention).
+Timing: CUDA events, warm-up, median over iterations, inputs rotated over several random sets.
+
+  PYTHONPATH=python DUALKV_LIBRARY=build/libdualkv.so python3 bench/attention.py [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "python"))
+import dualkv  # noqa: E402
+
+DEFAULT_CONFIGS = [(16, 4096, 1024), (28, 4096, 2048), (16, 8192, 2048), (32, 8192, 1024),
+                   (8, 16384, 2048), (28, 16384, 2048), (4, 8192, 1024)]
+# Variable-length micro-batch: several groups with different prompt lengths and response lengths.
+VARLEN = {"name": "varlen", "prompts": [3000, 7000, 1500, 5000],
+          "responses": [[900, 1500, 300, 2100, 700, 1200, 40, 1800],
+                        [2048, 512, 1024, 1536],
+                        [100, 3000, 650, 1, 2200, 800],
+                        [1000, 1000, 1700, 250, 600]]}
+METHODS = ["dualkv", "sdpa_flash", "sdpa_cudnn", "flex", "pgrouper"]
+
+
+def log(msg: str) -> None:
+    print(f"[{datetime.datetime.now().strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def expanded_pairs(lens) -> int:
+    return sum(n * (n + 1) // 2 for n in lens)
+
+
+class Case:
+    """One micro-batch: groups of (prompt length, response lengths)."""
+
+    def __init__(self, name, prompts, responses):
+        self.name, self.prompts, self.responses = name, list(prompts), [list(r) for r in responses]
+        self.layout_cpu = dualkv.Layout.from_groups(self.prompts, self.responses)
+        self.T = self.layout_cpu.num_tokens
+        self.shared_pairs = self.layout_cpu.visible_pairs
+        self.seq_lens = [p + r for p, rs in zip(self.prompts, self.responses) for r in rs]
+        self.expanded_pairs = expanded_pairs(self.seq_lens)
+        self.uniform = len(self.prompts) == 1 and len(set(self.responses[0])) == 1
+
+    def describe(self):
+        return {"name": self.name, "prompts": self.prompts, "responses": self.responses,
+                "packed_tokens": self.T, "expanded_tokens": sum(self.seq_lens),
+                "shared_pairs": self.shared_pairs, "expanded_pairs": self.expanded_pairs,
+                "rho_attn": self.expanded_pairs / self.shared_pairs}
+
+
+def time_fn(fn, sets, warmup, iters):
+    """Median ms of fn(set) over iters calls (rotating input sets) after warmup calls."""
+    t0 = time.perf_counter()
+    fn(sets[0])
+    torch.cuda.synchronize()
+    first = time.perf_counter() - t0
+    if first > 0.5:  # slow configuration: fewer repetitions keep the run short
+        warmup, iters = min(warmup, 1), min(iters, 5)
+    for i in range(warmup):
+        fn(sets[(i + 1) % len(sets)])
+    torch.cuda.synchronize()
+    events = []
+    for i in range(iters):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        inp = sets[i % len(sets)]
+        s.record()
+        fn(inp)
+        e.record()
+        events.append((s, e))
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in events)
+
+
+def randn(shape, dtype, seed, requires_grad):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    t = torch.randn(shape, device="cuda", dtype=dtype, generator=g)
+    return t.requires_grad_(requires_grad)
+
+
+# ---- methods: each returns (setup(seed) -> inputs, fwd(inputs), fwdbwd(inputs), pairs) ----
+
+def method_dualkv(case, H, Hk, D, dtype, deterministic=False):
+    layout = case.layout_cpu.to("cuda")
+
+    def setup(seed):
+        return [randn((case.T, H, D), dtype, seed, True), randn((case.T, Hk, D), dtype, seed + 1, True),
+                randn((case.T, Hk, D), dtype, seed + 2, True), randn((case.T, H, D), dtype, seed + 3, False)]
+
+    def fwd(x):
+        with torch.no_grad():
+            return dualkv.attention(x[0], x[1], x[2], layout, deterministic=deterministic)
+
+    def fwdbwd(x):
+        for t in x[:3]:
+            t.grad = None
+        out = dualkv.attention(x[0], x[1], x[2], layout, deterministic=deterministic)
+        out.backward(x[3])
+
+    return setup, fwd, fwdbwd, case.shared_pairs
+
+
+def _padded_batch(case):
+    lens = case.seq_lens
+    return len(lens), max(lens)
+
+
+def method_sdpa(case, H, Hk, D, dtype, backend):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    be = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[backend]
+    B, S = _padded_batch(case)  # variable lengths: right-padded batch (padding never seen causally)
+
+    def setup(seed):
+        return [randn((B, H, S, D), dtype, seed, True), randn((B, Hk, S, D), dtype, seed + 1, True),
+                randn((B, Hk, S, D), dtype, seed + 2, True), randn((B, H, S, D), dtype, seed + 3, False)]
+
+    def call(x):
+        with sdpa_kernel(be):
+            return F.scaled_dot_product_attention(x[0], x[1], x[2], is_causal=True, enable_gqa=True)
+
+    def fwd(x):
+        with torch.no_grad():
+            return call(x)
+
+    def fwdbwd(x):
+        for t in x[:3]:
+            t.grad = None
+        call(x).backward(x[3])
+
+    return setup, fwd, fwdbwd, case.expanded_pairs
+
+
+_FLEX_COMPILED = {}
+
+
+def method_flex(case, H, Hk, D, dtype):
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    if "fn" not in _FLEX_COMPILED:
+        _FLEX_COMPILED["fn"] = torch.compile(flex_attention, dynamic=False)
+    flex = _FLEX_COMPILED["fn"]
+    layout = case.layout_cpu
+    seg = layout.segment_ids().to("cuda")
+    parent = torch.tensor(layout.parents, dtype=torch.int64, device="cuda")
+    T = case.T
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        sq, sk = seg[q_idx], seg[kv_idx]
+        return ((sq == sk) & (kv_idx <= q_idx)) | (parent[sq] == sk)
+
+    block_mask = create_block_mask(mask_mod, 1, 1, T, T, device="cuda", _compile=True)
+
+    def setup(seed):
+        return [randn((1, H, T, D), dtype, seed, True), randn((1, Hk, T, D), dtype, seed + 1, True),
+                randn((1, Hk, T, D), dtype, seed + 2, True), randn((1, H, T, D), dtype, seed + 3, False)]
+
+    def fwd(x):
+        with torch.no_grad():
+            return flex(x[0], x[1], x[2], block_mask=block_mask, enable_gqa=True)
+
+    def fwdbwd(x):
+        for t in x[:3]:
+            t.grad = None
+        flex(x[0], x[1], x[2], block_mask=block_mask, enable_gqa=True).backward(x[3])
+
+    return setup, fwd, fwdbwd, case.shared_pairs
+
+
+def method_pgrouper(case, H, Hk, D, dtype):
+    from torch.nn.attention.bias import causal_lower_right
+    if not case.uniform:
+        raise NotImplementedError("pgrouper baseline implemented for one group with equal response lengths")
+    P, N, R = case.prompts[0], len(case.responses[0]), case.responses[0][0]
+    G = H // Hk
+    bias = causal_lower_right(R, P + R)
+
+    def setup(seed):
+        return [randn((1, H, P, D), dtype, seed, True), randn((1, Hk, P, D), dtype, seed + 1, True),
+                randn((1, Hk, P, D), dtype, seed + 2, True),
+                randn((N, H, R, D), dtype, seed + 3, True), randn((N, Hk, R, D), dtype, seed + 4, True),
+                randn((N, Hk, R, D), dtype, seed + 5, True),
+                randn((1, H, P, D), dtype, seed + 6, False), randn((N, H, R, D), dtype, seed + 7, False)]
+
+    def call(x):
+        qp, kp, vp, qr, kr, vr = x[:6]
+        out_p = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, enable_gqa=True)
+        k_cat = torch.cat([kp.expand(N, -1, -1, -1), kr], dim=2).repeat_interleave(G, dim=1)
+        v_cat = torch.cat([vp.expand(N, -1, -1, -1), vr], dim=2).repeat_interleave(G, dim=1)
+        out_r = F.scaled_dot_product_attention(qr, k_cat, v_cat, attn_mask=bias)
+        return out_p, out_r
+
+    def fwd(x):
+        with torch.no_grad():
+            return call(x)
+
+    def fwdbwd(x):
+        for t in x[:6]:
+            t.grad = None
+        out_p, out_r = call(x)
+        torch.autograd.backward([out_p, out_r], [x[6], x[7]])
+
+    return setup, fwd, fwdbwd, case.shared_pairs
+
+
+def build_method(name, case, H, Hk, D, dtype):
+    if name == "dualkv":
+        return method_dualkv(case, H, Hk, D, dtype)
+    if name == "dualkv_det":
+        return method_dualkv(case, H, Hk, D, dtype, deterministic=True)
+    if name == "sdpa_flash":
+        return method_sdpa(case, H, Hk, D, dtype, "flash")
+    if name == "sdpa_cudnn":
+        return method_sdpa(case, H, Hk, D, dtype, "cudnn")
+    if name == "flex":
+        return method_flex(case, H, Hk, D, dtype)
+    if name == "pgrouper":
+        return method_pgrouper(case, H, Hk, D, dtype)
+    raise ValueError(name)
+
+
+def run_method(name, case, args, dtype):
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base_mem = torch.cuda.memory_allocated()
+    setup, fwd, fwdbwd, pairs = build_method(name, case, args.heads, args.kv_heads, args.head_dim, dtype)
+    sets = [setup(1000 * i + 17) for i in range(args.rotate)]
+    fwd_flops = 4.0 * args.heads * args.head_dim * pairs
+    res = {"pairs": pairs}
+    ms = time_fn(fwd, sets, args.warmup, args.iters)
+    res["fwd_ms"] = ms
+    res["fwd_tflops"] = fwd_flops / (ms * 1e-3) / 1e12
+    if not args.fwd_only:
+        ms = time_fn(fwdbwd, sets, args.warmup, args.iters)
+        res["fwdbwd_ms"] = ms
+        res["fwdbwd_tflops"] = 3.5 * fwd_flops / (ms * 1e-3) / 1e12
+    res["peak_gib"] = (torch.cuda.max_memory_allocated() - base_mem) / 2**30
+    del sets
+    return res
+
+
+def git_commit():
+    if os.environ.get("DUALKV_COMMIT"):
+        return os.environ["DUALKV_COMMIT"]
+    try:
+        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=HERE,
+                                       stderr=subprocess.DEVNULL).decode().strip()
+    except Exception:
+        return "unknown"
+
+
+def plot(results, path):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception as e:  # plotting is optional
+        log(f"no plot: {e}")
+        return
+    names = [c["case"]["name"] for c in results["cases"]]
+    methods = [m for m in results["methods"]]
+    fig, axes = plt.subplots(1, 2, figsize=(16, 5.5))
+    for ax, key, title in ((axes[0], "fwdbwd_ms", "fwd+bwd time (ms, lower is better)"),
+                           (axes[1], "fwdbwd_tflops", "fwd+bwd useful TFLOP/s (own layout)")):
+        width = 0.8 / max(len(methods), 1)
+        for j, m in enumerate(methods):
+            vals = [c["results"].get(m, {}).get(key, float("nan")) for c in results["cases"]]
+            ax.bar([i + j * width for i in range(len(names))], vals, width, label=m)
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(names))])
+        ax.set_xticklabels(names, rotation=30, ha="right", fontsize=8)
+        ax.set_title(title)
+        if key.endswith("_ms"):
+            ax.set_yscale("log")
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"{results['env']['gpu']}  H={results['shape']['H']} Hk={results['shape']['Hk']} "
+                 f"D={results['shape']['D']} {results['shape']['dtype']}  commit {results['env']['commit']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    log(f"plot: {path}")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="two small configs, fewer iterations")
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    ap.add_argument("--configs", default="", help="N,P,R;N,P,R;... (default: the issue's list)")
+    ap.add_argument("--no-varlen", action="store_true")
+    ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--rotate", type=int, default=2, help="input sets rotated between calls")
+    ap.add_argument("--fwd-only", action="store_true")
+    ap.add_argument("--out", default=str(HERE / "results"))
+    ap.add_argument("--tag", default="")
+    args = ap.parse_args()
+    dtype = getattr(torch, args.dtype)
+
+    if args.configs:
+        configs = [tuple(int(x) for x in c.split(",")) for c in args.configs.split(";") if c]
+    elif args.quick:
+        configs = [(16, 4096, 1024), (4, 8192, 1024)]
+    else:
+        configs = DEFAULT_CONFIGS
+    if args.quick:
+        args.warmup, args.iters = min(args.warmup, 2), min(args.iters, 5)
+    cases = [Case(f"N{n}_P{p}_R{r}", [p], [[r] * n]) for n, p, r in configs]
+    if not args.no_varlen:
+        cases.append(Case(VARLEN["name"], VARLEN["prompts"], VARLEN["responses"]))
+    methods = [m for m in args.methods.split(",") if m]
+
+    props = torch.cuda.get_device_properties(0)
+    env = {"gpu": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
+           "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version(), "commit": git_commit(),
+           "dualkv_build": dualkv._native.build_info(), "date": datetime.datetime.utcnow().isoformat() + "Z"}
+    shape = {"H": args.heads, "Hk": args.kv_heads, "D": args.head_dim, "dtype": args.dtype}
+    results = {"env": env, "shape": shape, "methods": methods, "quick": args.quick,
+               "flops": "fwd = 4*H*D*visible pairs of each method's own layout; fwd+bwd = 3.5 x fwd",
+               "cases": []}
+    log(f"{props.name}; shape {shape}; {len(cases)} cases x {methods}")
+    outdir = pathlib.Path(args.out)
+    outdir.mkdir(parents=True, exist_ok=True)
+    stamp = datetime.datetime.utcnow().strftime("%Y%m%d-%H%M%S")
+    tag = args.tag or ("quick" if args.quick else "full")
+    json_path = outdir / f"attention_{tag}_{stamp}.json"
+
+    for case in cases:
+        entry = {"case": case.describe(), "results": {}}
+        results["cases"].append(entry)
+        log(f"== {case.name}: packed {case.T} tokens, expanded {sum(case.seq_lens)}, "
+            f"rho_attn {case.expanded_pairs / case.shared_pairs:.2f}")
+        for m in methods:
+            try:
+                r = run_method(m, case, args, dtype)
+            except Exception as e:  # report and go on: one failing baseline must not kill the run
+                msg = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+                entry["results"][m] = {"error": msg}
+                log(f"   {m:11s} FAILED {msg}")
+                torch.cuda.empty_cache()
+                continue
+            entry["results"][m] = r
+            log(f"   {m:11s} fwd {r['fwd_ms']:9.3f} ms {r['fwd_tflops']:6.1f} TF/s | "
+                + (f"fwd+bwd {r['fwdbwd_ms']:9.3f} ms {r['fwdbwd_tflops']:6.1f} TF/s | " if "fwdbwd_ms" in r else "")
+                + f"peak {r['peak_gib']:6.2f} GiB")
+        base = entry["results"].get("dualkv", {})
+        for m, r in entry["results"].items():
+            if m != "dualkv" and "fwd_ms" in r and "fwd_ms" in base:
+                r["dualkv_speedup_fwd"] = r["fwd_ms"] / base["fwd_ms"]
+                if "fwdbwd_ms" in r and "fwdbwd_ms" in base:
+                    r["dualkv_speedup_fwdbwd"] = r["fwdbwd_ms"] / base["fwdbwd_ms"]
+        json_path.write_text(json.dumps(results, indent=1))  # partial results survive a crash
+
+    log(f"json: {json_path}")
+    # Summary table.
+    print("\ncase                 method        fwd ms   fwd TF/s  f+b ms    f+b TF/s  speedup(f+b)  peak GiB")
+    for c in results["cases"]:
+        for m, r in c["results"].items():
+            if "error" in r:
+                print(f"{c['case']['name']:20s} {m:11s}  error: {r['error'][:60]}")
+                continue
+            print(f"{c['case']['name']:20s} {m:11s} {r['fwd_ms']:8.3f} {r['fwd_tflops']:9.1f} "
+                  f"{r.get('fwdbwd_ms', float('nan')):9.3f} {r.get('fwdbwd_tflops', float('nan')):9.1f} "
+                  f"{r.get('dualkv_speedup_fwdbwd', 1.0 if m == 'dualkv' else float('nan')):10.2f}x "
+                  f"{r['peak_gib']:9.2f}")
+    plot(results, json_path.with_suffix(".png"))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,548 @@
+// Host side of the CUDA backend: support checks, the work planner, workspace sizes and dispatch
+// to the per-(head dim, dtype) launchers instantiated in the generated translation units.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "dualkv/dualkv.h"
+#include "internal.h"
+#include "kernel_params.h"
+#include "plan.h"
+
+namespace dualkv::detail {
+
+namespace {
+
+using namespace dualkv::cuda;
+
+// Built head dims (CMake defines DUALKV_CUDA_HDIM_<D> for each entry of DUALKV_HEAD_DIMS).
+constexpr int kBuiltHeadDims[] = {
+#if defined(DUALKV_CUDA_HDIM_64)
+    64,
+#endif
+#if defined(DUALKV_CUDA_HDIM_96)
+    96,
+#endif
+#if defined(DUALKV_CUDA_HDIM_128)
+    128,
+#endif
+#if defined(DUALKV_CUDA_HDIM_192)
+    192,
+#endif
+#if defined(DUALKV_CUDA_HDIM_256)
+    256,
+#endif
+    0};
+
+#ifndef DUALKV_CUDA_ARCHS_STRING
+#define DUALKV_CUDA_ARCHS_STRING "unknown"
+#endif
+
+bool head_dim_built(int d) {
+  for (int b : kBuiltHeadDims)
+    if (b == d && b != 0) return true;
+  return false;
+}
+
+std::string built_head_dims_string() {
+  std::string s;
+  for (int b : kBuiltHeadDims) {
+    if (b == 0) continue;
+    if (!s.empty()) s += ", ";
+    s += std::to_string(b);
+  }
+  return s.empty() ? "none" : s;
+}
+
+__global__ void probe_kernel(int* p) {
+  if (p) *p = 0;
+}
+
+// Sets the current device for the scope of a call and restores the caller's.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    if (cudaGetDevice(&prev_) != cudaSuccess) prev_ = -1;
+    if (prev_ != device) {
+      ok_ = cudaSetDevice(device) == cudaSuccess;
+      switched_ = true;
+    }
+  }
+  ~DeviceGuard() {
+    if (switched_ && prev_ >= 0) cudaSetDevice(prev_);
+  }
+  bool ok() const { return ok_; }
+
+ private:
+  int prev_ = -1;
+  bool ok_ = true;
+  bool switched_ = false;
+};
+
+constexpr int kMaxDevices = 64;
+struct DeviceInfo {
+  int status = -1;  // -1 unknown, 0 ok, 1 unsupported
+  int sms = 0;
+  int major = 0, minor = 0;
+  std::string error;
+};
+std::mutex g_device_mutex;
+DeviceInfo g_devices[kMaxDevices];
+
+// Returns DUALKV_OK and fills *info, or fails naming the reason.
+dualkv_status query_device(int32_t device_index, DeviceInfo* out) {
+  int count = 0;
+  cudaError_t err = cudaGetDeviceCount(&count);
+  if (err != cudaSuccess || count == 0) {
+    cudaGetLastError();
+    return fail(DUALKV_ERROR_UNSUPPORTED, "cuda: no usable CUDA device (%s)",
+                err != cudaSuccess ? cudaGetErrorString(err) : "device count is 0");
+  }
+  if (device_index < 0 || device_index >= count || device_index >= kMaxDevices)
+    return fail(DUALKV_ERROR_INVALID_ARGUMENT, "cuda: device_index %d out of range (%d devices)", device_index, count);
+  std::lock_guard<std::mutex> lock(g_device_mutex);
+  DeviceInfo& d = g_devices[device_index];
+  if (d.status < 0) {
+    cudaDeviceGetAttribute(&d.major, cudaDevAttrComputeCapabilityMajor, device_index);
+    cudaDeviceGetAttribute(&d.minor, cudaDevAttrComputeCapabilityMinor, device_index);
+    cudaDeviceGetAttribute(&d.sms, cudaDevAttrMultiProcessorCount, device_index);
+    if (d.major < 8) {
+      d.status = 1;
+      d.error = "cuda: device " + std::to_string(device_index) + " is sm_" + std::to_string(d.major) +
+                std::to_string(d.minor) + "; the CUDA backend needs sm_80 or newer";
+    } else {
+      DeviceGuard guard(device_index);
+      cudaFuncAttributes attr;
+      err = guard.ok() ? cudaFuncGetAttributes(&attr, probe_kernel) : cudaErrorInvalidDevice;
+      if (err != cudaSuccess) {
+        cudaGetLastError();
+        d.status = 1;
+        d.error = "cuda: this libdualkv has no kernels for device " + std::to_string(device_index) + " (sm_" +
+                  std::to_string(d.major) + std::to_string(d.minor) + "); built for CUDA archs " +
+                  DUALKV_CUDA_ARCHS_STRING + " (" + cudaGetErrorString(err) +
+                  "); rebuild with DUALKV_CUDA_ARCHS including this arch";
+      } else {
+        d.status = 0;
+      }
+    }
+  }
+  if (d.status != 0) return fail(DUALKV_ERROR_UNSUPPORTED, "%s", d.error.c_str());
+  *out = d;
+  return DUALKV_OK;
+}
+
+// ---- plan ----
+
+uint64_t mix64(uint64_t x) {
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+
+constexpr int kSlotBits = 20;
+constexpr uint64_t kSlotMask = (uint64_t(1) << kSlotBits) - 1;
+
+// The part of the plan key that names the tiling and the layout's S and T.
+uint64_t plan_key_hash(int head_dim, int32_t S, int32_t T) {
+  const TileShape ts = tile_shape_for(head_dim);
+  uint64_t h = mix64(static_cast<uint64_t>(kPlanVersion) << 48 | static_cast<uint64_t>(head_dim) << 32 |
+                     static_cast<uint64_t>(ts.fwd_block_m) << 16 | static_cast<uint64_t>(ts.bwd_block_n));
+  h = mix64(h ^ (static_cast<uint64_t>(ts.bwd_block_m) << 40) ^ static_cast<uint64_t>(static_cast<uint32_t>(S)));
+  h = mix64(h ^ (static_cast<uint64_t>(static_cast<uint32_t>(T)) << 7));
+  return h >> kSlotBits;
+}
+
+struct Plan {
+  std::vector<int32_t> data;
+  uint64_t key = 0;
+};
+
+dualkv_status build_plan(const dualkv_layout& l, int head_dim, int sms, Plan* out) {
+  const TileShape ts = tile_shape_for(head_dim);
+  const int32_t S = l.num_segments, T = l.num_tokens;
+  const int32_t* off = l.seg_offsets;
+  std::vector<int32_t> root(S);
+  for (int32_t s = 0; s < S; ++s) root[s] = l.seg_parent[s] < 0 ? s : root[l.seg_parent[s]];
+
+  struct Fwd { int32_t s, q0, q1, work; };
+  std::vector<Fwd> fwd;
+  for (int32_t s = 0; s < S; ++s)
+    for (int32_t q0 = off[s]; q0 < off[s + 1]; q0 += ts.fwd_block_m) {
+      const int32_t q1 = std::min(q0 + ts.fwd_block_m, off[s + 1]);
+      fwd.push_back({s, q0, q1, l.seg_position_offset[s] + (q1 - off[s])});
+    }
+  std::stable_sort(fwd.begin(), fwd.end(), [&](const Fwd& a, const Fwd& b) {
+    if (a.work != b.work) return a.work > b.work;
+    if (root[a.s] != root[b.s]) return root[a.s] < root[b.s];
+    const int32_t ra = a.q0 - off[a.s], rb = b.q0 - off[b.s];
+    if (ra != rb) return ra < rb;
+    return a.s < b.s;
+  });
+
+  // Backward KV tiles and their query ranges [k0, subtree token end).
+  struct Kv { int32_t s, k0, k1, qend; };
+  std::vector<Kv> kv;
+  int64_t total = 0;
+  for (int32_t s = 0; s < S; ++s) {
+    const int32_t qend = off[l.seg_subtree_end[s]];
+    for (int32_t k0 = off[s]; k0 < off[s + 1]; k0 += ts.bwd_block_n) {
+      kv.push_back({s, k0, std::min(k0 + ts.bwd_block_n, off[s + 1]), qend});
+      total += qend - k0;
+    }
+  }
+  // Split length: ranges longer than this are cut into several work items (fp32 partials reduced
+  // in a fixed order). DUALKV_CUDA_SPLIT_ROWS forces a length (tests use it to exercise splits).
+  int64_t split = std::max<int64_t>(8192, (total + sms - 1) / std::max(sms, 1));
+  if (const char* env = std::getenv("DUALKV_CUDA_SPLIT_ROWS")) {
+    const long long v = std::atoll(env);
+    if (v > 0) split = v;
+  }
+  split = (split + ts.bwd_block_m - 1) / ts.bwd_block_m * ts.bwd_block_m;
+  // Keep the slot count encodable in the key.
+  while (true) {
+    int64_t slots = 0;
+    for (const Kv& t : kv) {
+      const int64_t n = (t.qend - t.k0 + split - 1) / split;
+      if (n > 1) slots += n;
+    }
+    if (slots <= static_cast<int64_t>(kSlotMask)) break;
+    split *= 2;
+  }
+
+  struct Bwd { int32_t s, k0, k1, qa, qb, slot; };
+  struct Red { int32_t s, k0, k1, slot0, n; };
+  std::vector<Bwd> bwd;
+  std::vector<Red> red;
+  int32_t n_slots = 0;
+  for (const Kv& t : kv) {
+    const int64_t len = t.qend - t.k0;
+    const int32_t n = static_cast<int32_t>((len + split - 1) / split);
+    if (n == 1) {
+      bwd.push_back({t.s, t.k0, t.k1, t.k0, t.qend, -1});
+    } else {
+      red.push_back({t.s, t.k0, t.k1, n_slots, n});
+      for (int32_t i = 0; i < n; ++i) {
+        const int32_t qa = static_cast<int32_t>(t.k0 + i * split);
+        const int32_t qb = static_cast<int32_t>(std::min<int64_t>(qa + split, t.qend));
+        bwd.push_back({t.s, t.k0, t.k1, qa, qb, n_slots + i});
+      }
+      n_slots += n;
+    }
+  }
+  std::stable_sort(bwd.begin(), bwd.end(), [&](const Bwd& a, const Bwd& b) {
+    const int32_t wa = a.qb - a.qa, wb = b.qb - b.qa;
+    if (wa != wb) return wa > wb;
+    if (root[a.s] != root[b.s]) return root[a.s] < root[b.s];
+    return a.k0 != b.k0 ? a.k0 < b.k0 : a.qa < b.qa;
+  });
+
+  const int64_t fwd_off = kHeaderInts;
+  const int64_t bwd_off = fwd_off + static_cast<int64_t>(fwd.size()) * kFwdItemInts;
+  const int64_t red_off = bwd_off + static_cast<int64_t>(bwd.size()) * kBwdItemInts;
+  const int64_t total_len = red_off + static_cast<int64_t>(red.size()) * kRedItemInts;
+  if (total_len > INT32_MAX)
+    return fail(DUALKV_ERROR_UNSUPPORTED, "plan: layout too large for an int32 work plan");
+  std::vector<int32_t>& d = out->data;
+  d.assign(static_cast<size_t>(total_len), 0);
+  d[kHdrMagic] = kPlanMagic;
+  d[kHdrVersion] = kPlanVersion;
+  d[kHdrS] = S;
+  d[kHdrT] = T;
+  d[kHdrNumFwd] = static_cast<int32_t>(fwd.size());
+  d[kHdrNumBwd] = static_cast<int32_t>(bwd.size());
+  d[kHdrNumRed] = static_cast<int32_t>(red.size());
+  d[kHdrNumSlots] = n_slots;
+  d[kHdrFwdOffset] = static_cast<int32_t>(fwd_off);
+  d[kHdrBwdOffset] = static_cast<int32_t>(bwd_off);
+  d[kHdrRedOffset] = static_cast<int32_t>(red_off);
+  d[kHdrTotalLen] = static_cast<int32_t>(total_len);
+  d[kHdrHeadDim] = head_dim;
+  for (size_t i = 0; i < fwd.size(); ++i) {
+    int32_t* p = &d[fwd_off + i * kFwdItemInts];
+    p[0] = fwd[i].s; p[1] = fwd[i].q0; p[2] = fwd[i].q1; p[3] = fwd[i].work;
+  }
+  for (size_t i = 0; i < bwd.size(); ++i) {
+    int32_t* p = &d[bwd_off + i * kBwdItemInts];
+    p[0] = bwd[i].s; p[1] = bwd[i].k0; p[2] = bwd[i].k1; p[3] = bwd[i].qa; p[4] = bwd[i].qb; p[5] = bwd[i].slot;
+  }
+  for (size_t i = 0; i < red.size(); ++i) {
+    int32_t* p = &d[red_off + i * kRedItemInts];
+    p[0] = red[i].s; p[1] = red[i].k0; p[2] = red[i].k1; p[3] = red[i].slot0; p[4] = red[i].n; p[5] = 0;
+  }
+  out->key = (plan_key_hash(head_dim, S, T) << kSlotBits) | static_cast<uint64_t>(n_slots);
+  return DUALKV_OK;
+}
+
+template <typename Params>
+dualkv_status check_plan(const Params& p, const char* what) {
+  const uint64_t expect = plan_key_hash(p.head_dim, p.layout.num_segments, p.layout.num_tokens);
+  if ((p.plan_key >> kSlotBits) != expect)
+    return fail(DUALKV_ERROR_INVALID_ARGUMENT,
+                "%s: plan_key does not match this layout (S=%d, T=%d) and head_dim %d tiling; the plan was "
+                "built for another layout or configuration: rebuild it with dualkv_plan_build",
+                what, p.layout.num_segments, p.layout.num_tokens, p.head_dim);
+  if (p.plan_len < kHeaderInts)
+    return fail(DUALKV_ERROR_INVALID_ARGUMENT, "%s: plan_len %lld is too small", what,
+                static_cast<long long>(p.plan_len));
+  return DUALKV_OK;
+}
+
+bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0; }
+
+dualkv_status check_rows(const char* what, const char* name, const void* ptr, int64_t ts, int64_t hs) {
+  if (!aligned16(ptr) || ts % 8 != 0 || hs % 8 != 0)
+    return fail(DUALKV_ERROR_UNSUPPORTED,
+                "%s: %s needs 16-byte aligned rows on CUDA (pointer 16-byte aligned, token stride %lld and "
+                "head stride %lld multiples of 8 elements)",
+                what, name, static_cast<long long>(ts), static_cast<long long>(hs));
+  return DUALKV_OK;
+}
+
+dualkv_status cuda_fail(const char* what, cudaError_t err) {
+  return fail(DUALKV_ERROR_CUDA, "%s: CUDA error %s (%s)", what, cudaGetErrorName(err), cudaGetErrorString(err));
+}
+
+size_t bwd_partials_bytes(const dualkv_bwd_params& p) {
+  const size_t slots = static_cast<size_t>(p.plan_key & kSlotMask);
+  return slots * p.num_kv_heads * 2 * BwdConfig<128>::kBlockN * p.head_dim * sizeof(float);
+}
+
+cudaError_t dispatch_fwd(int D, int32_t dtype, const FwdArgs& a, int sms, cudaStream_t st, bool* found) {
+  *found = true;
+  const bool bf = dtype == DUALKV_DTYPE_BFLOAT16;
+  switch (D) {
+#if defined(DUALKV_CUDA_HDIM_64)
+    case 64: return bf ? launch_fwd<64, __nv_bfloat16>(a, sms, st) : launch_fwd<64, __half>(a, sms, st);
+#endif
+#if defined(DUALKV_CUDA_HDIM_96)
+    case 96: return bf ? launch_fwd<96, __nv_bfloat16>(a, sms, st) : launch_fwd<96, __half>(a, sms, st);
+#endif
+#if defined(DUALKV_CUDA_HDIM_128)
+    case 128: return bf ? launch_fwd<128, __nv_bfloat16>(a, sms, st) : launch_fwd<128, __half>(a, sms, st);
+#endif
+#if defined(DUALKV_CUDA_HDIM_192)
+    case 192: return bf ? launch_fwd<192, __nv_bfloat16>(a, sms, st) : launch_fwd<192, __half>(a, sms, st);
+#endif
+#if defined(DUALKV_CUDA_HDIM_256)
+    case 256: return bf ? launch_fwd<256, __nv_bfloat16>(a, sms, st) : launch_fwd<256, __half>(a, sms, st);
+#endif
+    default: *found = false; return cudaSuccess;
+  }
+}
+
+cudaError_t dispatch_bwd(int D, int32_t dtype, const BwdArgs& a, int sms, cudaStream_t st, bool* found) {
+  *found = true;
+  const bool bf = dtype == DUALKV_DTYPE_BFLOAT16;
+  switch (D) {
+#if defined(DUALKV_CUDA_HDIM_64)
+    case 64: return bf ? launch_bwd<64, __nv_bfloat16>(a, sms, st) : launch_bwd<64, __half>(a, sms, st);
+#endif
+#if defined(DUALKV_CUDA_HDIM_96)
+    case 96: return bf ? launch_bwd<96, __nv_bfloat16>(a, sms, st) : launch_bwd<96, __half>(a, sms, st);
+#endif
+#if defined(DUALKV_CUDA_HDIM_128)
+    case 128: return bf ? launch_bwd<128, __nv_bfloat16>(a, sms, st) : launch_bwd<128, __half>(a, sms, st);
+#endif
+#if defined(DUALKV_CUDA_HDIM_192)
+    case 192: return bf ? launch_bwd<192, __nv_bfloat16>(a, sms, st) : launch_bwd<192, __half>(a, sms, st);
+#endif
+#if defined(DUALKV_CUDA_HDIM_256)
+    case 256: return bf ? launch_bwd<256, __nv_bfloat16>(a, sms, st) : launch_bwd<256, __half>(a, sms, st);
+#endif
+    default: *found = false; return cudaSuccess;
+  }
+}
+
+LayoutPtrs layout_ptrs(const dualkv_layout& l) {
+  return LayoutPtrs{l.seg_offsets, l.seg_parent, l.seg_subtree_end, l.num_segments, l.num_tokens};
+}
+
+}  // namespace
+
+dualkv_status cuda_check_supported(int32_t device_index, int32_t dtype, int32_t head_dim) {
+  if (dtype != DUALKV_DTYPE_FLOAT16 && dtype != DUALKV_DTYPE_BFLOAT16)
+    return fail(DUALKV_ERROR_UNSUPPORTED, "cuda: dtype %s is not supported on CUDA (float16, bfloat16)",
+                dtype_name(dtype));
+  if (!head_dim_built(head_dim))
+    return fail(DUALKV_ERROR_UNSUPPORTED,
+                "cuda: head_dim %d is not built for CUDA %s (built head dims: %s; supported: 64, 96, 128, 192, "
+                "256 via -DDUALKV_HEAD_DIMS)",
+                head_dim, dtype_name(dtype), built_head_dims_string().c_str());
+  DeviceInfo info;
+  return query_device(device_index, &info);
+}
+
+dualkv_status cuda_plan_size(const dualkv_layout& host_layout, int32_t device_index, int32_t dtype,
+                             int32_t head_dim, int64_t* plan_len, uint64_t* plan_key) {
+  (void)dtype;
+  DeviceInfo info;
+  if (dualkv_status st = query_device(device_index, &info); st != DUALKV_OK) return st;
+  Plan plan;
+  if (dualkv_status st = build_plan(host_layout, head_dim, info.sms, &plan); st != DUALKV_OK) return st;
+  *plan_len = static_cast<int64_t>(plan.data.size());
+  *plan_key = plan.key;
+  return DUALKV_OK;
+}
+
+dualkv_status cuda_plan_build(const dualkv_layout& host_layout, int32_t device_index, int32_t dtype,
+                              int32_t head_dim, int32_t* plan, int64_t plan_len) {
+  (void)dtype;
+  DeviceInfo info;
+  if (dualkv_status st = query_device(device_index, &info); st != DUALKV_OK) return st;
+  Plan p;
+  if (dualkv_status st = build_plan(host_layout, head_dim, info.sms, &p); st != DUALKV_OK) return st;
+  if (plan_len != static_cast<int64_t>(p.data.size()))
+    return fail(DUALKV_ERROR_INVALID_ARGUMENT, "plan_build: plan_len %lld, but this layout's plan has %zu int32",
+                static_cast<long long>(plan_len), p.data.size());
+  std::memcpy(plan, p.data.data(), p.data.size() * sizeof(int32_t));
+  return DUALKV_OK;
+}
+
+size_t cuda_fwd_workspace_bytes(const dualkv_fwd_params& p) {
+  (void)p;
+  return 256;  // the work-item counter
+}
+
+size_t cuda_bwd_workspace_bytes(const dualkv_bwd_params& p) {
+  const size_t T = static_cast<size_t>(p.layout.num_tokens), H = static_cast<size_t>(p.num_heads);
+  size_t bytes = 256;                                   // counters
+  bytes += align_workspace(H * T * sizeof(float));      // delta
+  if (!(p.flags & DUALKV_FLAG_DETERMINISTIC))
+    bytes += align_workspace(T * H * p.head_dim * sizeof(float));  // dq accumulator
+  bytes += align_workspace(bwd_partials_bytes(p));
+  return bytes;
+}
+
+dualkv_status cuda_fwd(const dualkv_fwd_params& p) {
+  if (dualkv_status st = check_plan(p, "fwd"); st != DUALKV_OK) return st;
+  dualkv_status st;
+  if ((st = check_rows("fwd", "q", p.q, p.q_token_stride, p.q_head_stride))) return st;
+  if ((st = check_rows("fwd", "k", p.k, p.k_token_stride, p.k_head_stride))) return st;
+  if ((st = check_rows("fwd", "v", p.v, p.v_token_stride, p.v_head_stride))) return st;
+  if ((st = check_rows("fwd", "out", p.out, p.out_token_stride, p.out_head_stride))) return st;
+  DeviceInfo info;
+  if ((st = query_device(p.device_index, &info))) return st;
+  DeviceGuard guard(p.device_index);
+  if (!guard.ok()) return fail(DUALKV_ERROR_CUDA, "fwd: cannot select device %d", p.device_index);
+
+  FwdArgs a{};
+  a.layout = layout_ptrs(p.layout);
+  a.plan = p.plan;
+  a.plan_len = p.plan_len;
+  a.q = p.q; a.k = p.k; a.v = p.v; a.out = p.out;
+  a.lse = static_cast<float*>(p.lse);
+  a.q_ts = p.q_token_stride; a.q_hs = p.q_head_stride;
+  a.k_ts = p.k_token_stride; a.k_hs = p.k_head_stride;
+  a.v_ts = p.v_token_stride; a.v_hs = p.v_head_stride;
+  a.o_ts = p.out_token_stride; a.o_hs = p.out_head_stride;
+  a.lse_hs = p.lse_head_stride;
+  a.num_heads = p.num_heads; a.num_kv_heads = p.num_kv_heads;
+  a.scale = static_cast<float>(p.softmax_scale);
+  a.scale_log2 = static_cast<float>(p.softmax_scale * 1.4426950408889634);
+  a.counter = static_cast<int32_t*>(p.workspace);
+
+  cudaGetLastError();  // do not report an earlier, unrelated launch error as ours
+  bool found = false;
+  const cudaError_t err = dispatch_fwd(p.head_dim, p.dtype, a, info.sms, static_cast<cudaStream_t>(p.stream), &found);
+  if (!found)
+    return fail(DUALKV_ERROR_UNSUPPORTED, "fwd: head_dim %d is not built for CUDA", p.head_dim);
+  if (err != cudaSuccess) return cuda_fail("fwd", err);
+  return DUALKV_OK;
+}
+
+dualkv_status cuda_bwd(const dualkv_bwd_params& p) {
+  if (dualkv_status st = check_plan(p, "bwd"); st != DUALKV_OK) return st;
+  dualkv_status st;
+  if ((st = check_rows("bwd", "q", p.q, p.q_token_stride, p.q_head_stride))) return st;
+  if ((st = check_rows("bwd", "k", p.k, p.k_token_stride, p.k_head_stride))) return st;
+  if ((st = check_rows("bwd", "v", p.v, p.v_token_stride, p.v_head_stride))) return st;
+  if ((st = check_rows("bwd", "out", p.out, p.out_token_stride, p.out_head_stride))) return st;
+  if ((st = check_rows("bwd", "dout", p.dout, p.dout_token_stride, p.dout_head_stride))) return st;
+  if ((st = check_rows("bwd", "dq", p.dq, p.dq_token_stride, p.dq_head_stride))) return st;
+  if ((st = check_rows("bwd", "dk", p.dk, p.dk_token_stride, p.dk_head_stride))) return st;
+  if ((st = check_rows("bwd", "dv", p.dv, p.dv_token_stride, p.dv_head_stride))) return st;
+  DeviceInfo info;
+  if ((st = query_device(p.device_index, &info))) return st;
+  DeviceGuard guard(p.device_index);
+  if (!guard.ok()) return fail(DUALKV_ERROR_CUDA, "bwd: cannot select device %d", p.device_index);
+
+  BwdArgs a{};
+  a.layout = layout_ptrs(p.layout);
+  a.plan = p.plan;
+  a.plan_len = p.plan_len;
+  a.q = p.q; a.k = p.k; a.v = p.v; a.out = p.out; a.dout = p.dout;
+  a.lse = static_cast<const float*>(p.lse);
+  a.dlse = static_cast<const float*>(p.dlse);
+  a.dq = p.dq; a.dk = p.dk; a.dv = p.dv;
+  a.q_ts = p.q_token_stride; a.q_hs = p.q_head_stride;
+  a.k_ts = p.k_token_stride; a.k_hs = p.k_head_stride;
+  a.v_ts = p.v_token_stride; a.v_hs = p.v_head_stride;
+  a.o_ts = p.out_token_stride; a.o_hs = p.out_head_stride;
+  a.do_ts = p.dout_token_stride; a.do_hs = p.dout_head_stride;
+  a.lse_hs = p.lse_head_stride; a.dlse_hs = p.dlse_head_stride;
+  a.dq_ts = p.dq_token_stride; a.dq_hs = p.dq_head_stride;
+  a.dk_ts = p.dk_token_stride; a.dk_hs = p.dk_head_stride;
+  a.dv_ts = p.dv_token_stride; a.dv_hs = p.dv_head_stride;
+  a.num_heads = p.num_heads; a.num_kv_heads = p.num_kv_heads;
+  a.scale = static_cast<float>(p.softmax_scale);
+  a.scale_log2 = static_cast<float>(p.softmax_scale * 1.4426950408889634);
+  a.deterministic = (p.flags & DUALKV_FLAG_DETERMINISTIC) != 0;
+  a.n_slots = static_cast<int32_t>(p.plan_key & kSlotMask);
+
+  const size_t T = static_cast<size_t>(p.layout.num_tokens), H = static_cast<size_t>(p.num_heads);
+  char* ws = static_cast<char*>(p.workspace);
+  a.counters = reinterpret_cast<int32_t*>(ws);
+  ws += 256;
+  a.delta = reinterpret_cast<float*>(ws);
+  ws += align_workspace(H * T * sizeof(float));
+  if (!a.deterministic) {
+    a.dq_accum = reinterpret_cast<float*>(ws);
+    ws += align_workspace(T * H * p.head_dim * sizeof(float));
+  }
+  a.partials = a.n_slots > 0 ? reinterpret_cast<float*>(ws) : nullptr;
+
+  cudaGetLastError();
+  bool found = false;
+  const cudaError_t err = dispatch_bwd(p.head_dim, p.dtype, a, info.sms, static_cast<cudaStream_t>(p.stream), &found);
+  if (!found)
+    return fail(DUALKV_ERROR_UNSUPPORTED, "bwd: head_dim %d is not built for CUDA", p.head_dim);
+  if (err != cudaSuccess) return cuda_fail("bwd", err);
+  return DUALKV_OK;
+}
+
+std::string cuda_build_info_json() {
+  std::string archs = "[";
+  {
+    std::string s = DUALKV_CUDA_ARCHS_STRING;
+    size_t start = 0;
+    bool first = true;
+    while (start <= s.size()) {
+      size_t end = s.find(',', start);
+      if (end == std::string::npos) end = s.size();
+      if (end > start) {
+        archs += (first ? "\"" : ", \"") + s.substr(start, end - start) + "\"";
+        first = false;
+      }
+      start = end + 1;
+    }
+  }
+  archs += "]";
+  std::string dims = "[" + built_head_dims_string() + "]";
+  if (dims == "[none]") dims = "[]";
+  int runtime = 0;
+  cudaRuntimeGetVersion(&runtime);
+  return "\"cuda_archs\": " + archs + ", \"head_dims\": " + dims +
+         ", \"dtypes\": [\"float16\", \"bfloat16\"], \"kernels\": \"sm80-mma\", \"cuda_runtime\": " +
+         std::to_string(runtime);
+}
+
+}  // namespace dualkv::detail

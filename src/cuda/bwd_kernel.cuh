@@ -1,0 +1,549 @@
+// Backward kernels (sm80+ mma.sync path).
+//
+//   1. preprocess:  delta[h, t] = sum_d dO * O - dlse                      (one warp per row)
+//   2. kv kernel:   KV-tile-outer. A KV tile [k0, k1) of segment s is seen exactly by the
+//                   queries [k0, subtree_token_end(s)) (its own causal queries, then every
+//                   descendant's tokens, contiguous in DFS order) with the single mask k <= q.
+//                   dK/dV accumulate in registers over that range and over the H/Hk query heads
+//                   of the KV head (GQA summed in fp32), so no atomics touch dK/dV. Very long
+//                   ranges are split into work items writing fp32 partials, reduced in a fixed
+//                   order by (4). In the default mode dQ is accumulated by fp32 atomics.
+//   3. dq kernel:   deterministic mode only: query-tile-outer recomputation of dQ (no atomics),
+//                   or the fp32 -> dtype conversion of the atomic accumulator in default mode.
+//   4. reduce:      fixed-order sum of split partials into dK/dV.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <math_constants.h>
+
+#include "common.cuh"
+#include "fwd_kernel.cuh"
+#include "kernel_params.h"
+#include "plan.h"
+
+namespace dualkv::cuda {
+
+template <int D, typename T>
+__global__ void bwd_preprocess_kernel(const BwdArgs args) {
+  using Ops = TypeOps<T>;
+  const int lane = threadIdx.x & 31;
+  const int64_t warps_total = static_cast<int64_t>(gridDim.x) * (blockDim.x / 32);
+  const int64_t rows = static_cast<int64_t>(args.layout.num_tokens) * args.num_heads;
+  const T* og = static_cast<const T*>(args.out);
+  const T* dog = static_cast<const T*>(args.dout);
+  for (int64_t r = blockIdx.x * (blockDim.x / 32) + (threadIdx.x >> 5); r < rows; r += warps_total) {
+    const int32_t t = static_cast<int32_t>(r / args.num_heads);
+    const int h = static_cast<int>(r % args.num_heads);
+    const T* orow = og + t * args.o_ts + h * args.o_hs;
+    const T* dorow = dog + t * args.do_ts + h * args.do_hs;
+    float sum = 0.f;
+    for (int d = lane * 2; d < D; d += 64) {
+      const float2 o = Ops::unpack(*reinterpret_cast<const uint32_t*>(orow + d));
+      const float2 dd = Ops::unpack(*reinterpret_cast<const uint32_t*>(dorow + d));
+      sum += o.x * dd.x + o.y * dd.y;
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+    if (lane == 0) {
+      if (args.dlse != nullptr) sum -= args.dlse[h * args.dlse_hs + t];
+      args.delta[static_cast<int64_t>(h) * args.layout.num_tokens + t] = sum;
+    }
+  }
+}
+
+template <int D, typename T>
+struct BwdSmem {
+  using C = BwdConfig<D>;
+  T k[C::kBlockN * C::kPitch];
+  T v[C::kBlockN * C::kPitch];
+  T q[C::kBlockM * C::kPitch];
+  T dout[C::kBlockM * C::kPitch];
+  T pt[C::kBlockN * C::kPitchS];   // P^T  [kv][q]
+  T dst[C::kBlockN * C::kPitchS];  // dS^T [kv][q]
+  float lse[C::kBlockM];           // lse * log2(e); +inf for rows past the range
+  float delta[C::kBlockM];
+};
+
+template <int D, typename T, bool kAtomicDq>
+__global__ void __launch_bounds__(BwdConfig<D>::kThreads, 1)
+bwd_kv_kernel(const BwdArgs args) {
+  using C = BwdConfig<D>;
+  using Ops = TypeOps<T>;
+  constexpr int BM = C::kBlockM, BN = C::kBlockN, P = C::kPitch, PS = C::kPitchS, NT = C::kThreads;
+  constexpr int kHalfD = D / 2;
+  constexpr int kDB = kHalfD / 8;  // n8 blocks per warp for dK/dV/dQ (each warp owns D/2 columns)
+  static_assert(BN == 64 && BM == 64 && C::kWarps == 8, "warp tiling assumes 64x64 tiles, 8 warps");
+
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  BwdSmem<D, T>& sm = *reinterpret_cast<BwdSmem<D, T>*>(smem_raw);
+  __shared__ int32_t s_item;
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t4 = lane & 3;
+  const int w4 = warp & 3;   // 16-row slice (kv rows in phases 1 and 3, q rows in phase 4)
+  const int w2 = warp >> 2;  // half: q columns [32 w2, 32 w2 + 32) in phase 1, D half in 3 and 4
+  const LayoutPtrs& L = args.layout;
+  const int32_t* plan = args.plan;
+  if (plan[kHdrMagic] != kPlanMagic || plan[kHdrS] != L.num_segments || plan[kHdrT] != L.num_tokens)
+    return;
+  const int32_t n_work = plan[kHdrNumBwd];
+  const int32_t* items = plan + plan[kHdrBwdOffset];
+  const int H = args.num_heads, Hk = args.num_kv_heads;
+  const int group = H / Hk;
+  const int64_t n_items = static_cast<int64_t>(n_work) * Hk;
+  const int64_t T_ = L.num_tokens;
+
+  const T* __restrict__ qg = static_cast<const T*>(args.q);
+  const T* __restrict__ kg = static_cast<const T*>(args.k);
+  const T* __restrict__ vg = static_cast<const T*>(args.v);
+  const T* __restrict__ dog = static_cast<const T*>(args.dout);
+
+  while (true) {
+    __syncthreads();
+    if (tid == 0) s_item = atomicAdd(&args.counters[0], 1);
+    __syncthreads();
+    const int64_t item = s_item;
+    if (item >= n_items) break;
+    const int32_t w = static_cast<int32_t>(item / Hk);
+    const int hk = static_cast<int>(item % Hk);
+    const int32_t* it = items + w * kBwdItemInts;
+    const int32_t k0 = it[1], k1 = it[2], qa = it[3], qb = it[4], slot = it[5];
+    const int klen = k1 - k0;
+
+    load_tile_async<D, BN, P, NT>(sm.k, kg + k0 * args.k_ts + hk * args.k_hs, args.k_ts, klen, tid);
+    load_tile_async<D, BN, P, NT>(sm.v, vg + k0 * args.v_ts + hk * args.v_hs, args.v_ts, klen, tid);
+
+    // Flattened loop over (query head of the group, query tile of [qa, qb)).
+    const int tiles_per_head = (qb - qa + BM - 1) / BM;
+    const int n_steps = tiles_per_head * group;
+    auto issue_q = [&](int step) {
+      const int h = hk * group + step / tiles_per_head;
+      const int32_t qt = qa + (step % tiles_per_head) * BM;
+      const int rows = min(BM, qb - qt);
+      load_tile_async<D, BM, P, NT>(sm.q, qg + qt * args.q_ts + h * args.q_hs, args.q_ts, rows, tid);
+      load_tile_async<D, BM, P, NT>(sm.dout, dog + qt * args.do_ts + h * args.do_hs, args.do_ts, rows, tid);
+      cp_async_commit();
+      if (tid < BM) {
+        const bool valid = tid < rows;
+        sm.lse[tid] = valid ? args.lse[h * args.lse_hs + qt + tid] * kLog2e : CUDART_INF_F;
+        sm.delta[tid] = valid ? args.delta[h * T_ + qt + tid] : 0.f;
+      }
+    };
+    issue_q(0);
+
+    float dk[kDB][4], dv[kDB][4];
+#pragma unroll
+    for (int j = 0; j < kDB; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) dk[j][e] = dv[j][e] = 0.f;
+
+    cp_async_wait_all();
+    __syncthreads();
+
+    for (int step = 0; step < n_steps; ++step) {
+      const int h = hk * group + step / tiles_per_head;
+      const int32_t qt = qa + (step % tiles_per_head) * BM;
+
+      // Phase 1: S^T = K Q^T and dP^T = V dO^T for kv rows [16 w4, +16), q cols [32 w2, +32).
+      {
+        float st[4][4], dpt[4][4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) st[j][e] = dpt[j][e] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+          uint32_t ak[4], av[4];
+          ldmatrix_x4(ak, a_frag_addr(sm.k, P, w4 * 16, kk * 16, lane));
+          ldmatrix_x4(av, a_frag_addr(sm.v, P, w4 * 16, kk * 16, lane));
+#pragma unroll
+          for (int nb = 0; nb < 2; ++nb) {
+            uint32_t b[4];
+            ldmatrix_x4(b, bnk_frag_addr(sm.q, P, w2 * 32 + nb * 16, kk * 16, lane));
+            Ops::mma(st[2 * nb], ak, b[0], b[1]);
+            Ops::mma(st[2 * nb + 1], ak, b[2], b[3]);
+            ldmatrix_x4(b, bnk_frag_addr(sm.dout, P, w2 * 32 + nb * 16, kk * 16, lane));
+            Ops::mma(dpt[2 * nb], av, b[0], b[1]);
+            Ops::mma(dpt[2 * nb + 1], av, b[2], b[3]);
+          }
+        }
+        const bool need_mask = qt < k0 + BN - 1;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const int col = w2 * 32 + j * 8 + 2 * t4;
+          const float l0 = sm.lse[col], l1 = sm.lse[col + 1];
+          const float d0 = sm.delta[col], d1 = sm.delta[col + 1];
+#pragma unroll
+          for (int hr = 0; hr < 2; ++hr) {
+            const int row = w4 * 16 + g + hr * 8;
+            float p0 = exp2f(st[j][2 * hr] * args.scale_log2 - l0);
+            float p1 = exp2f(st[j][2 * hr + 1] * args.scale_log2 - l1);
+            if (need_mask) {
+              if (k0 + row > qt + col) p0 = 0.f;
+              if (k0 + row > qt + col + 1) p1 = 0.f;
+            }
+            const float ds0 = p0 * (dpt[j][2 * hr] - d0);
+            const float ds1 = p1 * (dpt[j][2 * hr + 1] - d1);
+            *reinterpret_cast<uint32_t*>(&sm.pt[row * PS + col]) = Ops::pack(p0, p1);
+            *reinterpret_cast<uint32_t*>(&sm.dst[row * PS + col]) = Ops::pack(ds0, ds1);
+          }
+        }
+      }
+      __syncthreads();
+
+      // Phase 3: dV += P^T dO, dK += dS^T Q for kv rows [16 w4, +16), d cols [D/2 w2, +D/2).
+#pragma unroll
+      for (int kk = 0; kk < BM / 16; ++kk) {
+        uint32_t ap[4], ads[4];
+        ldmatrix_x4(ap, a_frag_addr(sm.pt, PS, w4 * 16, kk * 16, lane));
+        ldmatrix_x4(ads, a_frag_addr(sm.dst, PS, w4 * 16, kk * 16, lane));
+#pragma unroll
+        for (int nd = 0; nd < kDB / 2; ++nd) {
+          uint32_t b[4];
+          ldmatrix_x4_trans(b, bkn_frag_addr(sm.dout, P, kk * 16, w2 * kHalfD + nd * 16, lane));
+          Ops::mma(dv[2 * nd], ap, b[0], b[1]);
+          Ops::mma(dv[2 * nd + 1], ap, b[2], b[3]);
+          ldmatrix_x4_trans(b, bkn_frag_addr(sm.q, P, kk * 16, w2 * kHalfD + nd * 16, lane));
+          Ops::mma(dk[2 * nd], ads, b[0], b[1]);
+          Ops::mma(dk[2 * nd + 1], ads, b[2], b[3]);
+        }
+      }
+      __syncthreads();  // Q, dO, lse, delta free for the next tile
+      if (step + 1 < n_steps) issue_q(step + 1);
+
+      if constexpr (kAtomicDq) {
+        // Phase 4: dQ[q rows 16 w4, +16][d half w2] += dS K, accumulated into fp32 by atomics.
+        float dq[kDB][4];
+#pragma unroll
+        for (int j = 0; j < kDB; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) dq[j][e] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk) {
+          uint32_t a[4];
+          ldmatrix_x4_trans(a, at_frag_addr(sm.dst, PS, w4 * 16, kk * 16, lane));
+#pragma unroll
+          for (int nd = 0; nd < kDB / 2; ++nd) {
+            uint32_t b[4];
+            ldmatrix_x4_trans(b, bkn_frag_addr(sm.k, P, kk * 16, w2 * kHalfD + nd * 16, lane));
+            Ops::mma(dq[2 * nd], a, b[0], b[1]);
+            Ops::mma(dq[2 * nd + 1], a, b[2], b[3]);
+          }
+        }
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+          const int32_t qi = qt + w4 * 16 + g + hr * 8;
+          if (qi < qb) {
+            float* dst = args.dq_accum + (static_cast<int64_t>(qi) * H + h) * D + w2 * kHalfD + 2 * t4;
+#pragma unroll
+            for (int j = 0; j < kDB; ++j) {
+              atomicAdd(dst + j * 8, dq[j][2 * hr]);
+              atomicAdd(dst + j * 8 + 1, dq[j][2 * hr + 1]);
+            }
+          }
+        }
+      }
+      cp_async_wait_all();
+      __syncthreads();
+    }
+
+    // Epilogue: dK scaled by the softmax scale. Direct write, or an fp32 partial for a split.
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const int row = w4 * 16 + g + hr * 8;
+      const int col0 = w2 * kHalfD + 2 * t4;
+      if (slot < 0) {
+        if (row < klen) {
+          T* dkr = static_cast<T*>(args.dk) + (k0 + row) * args.dk_ts + hk * args.dk_hs + col0;
+          T* dvr = static_cast<T*>(args.dv) + (k0 + row) * args.dv_ts + hk * args.dv_hs + col0;
+#pragma unroll
+          for (int j = 0; j < kDB; ++j) {
+            *reinterpret_cast<uint32_t*>(dkr + j * 8) =
+                Ops::pack(dk[j][2 * hr] * args.scale, dk[j][2 * hr + 1] * args.scale);
+            *reinterpret_cast<uint32_t*>(dvr + j * 8) = Ops::pack(dv[j][2 * hr], dv[j][2 * hr + 1]);
+          }
+        }
+      } else {
+        float* base = args.partials + ((static_cast<int64_t>(slot) * Hk + hk) * 2) * BN * D;
+        float* pk = base + row * D + col0;
+        float* pv = base + BN * D + row * D + col0;
+#pragma unroll
+        for (int j = 0; j < kDB; ++j) {
+          *reinterpret_cast<float2*>(pk + j * 8) = make_float2(dk[j][2 * hr], dk[j][2 * hr + 1]);
+          *reinterpret_cast<float2*>(pv + j * 8) = make_float2(dv[j][2 * hr], dv[j][2 * hr + 1]);
+        }
+      }
+    }
+  }
+}
+
+// Deterministic dQ: query-tile-outer, same walk over visible KV tiles as the forward.
+template <int D, typename T>
+struct DqSmem {
+  using C = FwdConfig<D>;
+  T q[C::kBlockM * C::kPitch];
+  T dout[C::kBlockM * C::kPitch];
+  T k[C::kBlockN * C::kPitch];
+  T v[C::kBlockN * C::kPitch];
+};
+
+template <int D, typename T>
+__global__ void __launch_bounds__(FwdConfig<D>::kThreads, 1)
+bwd_dq_kernel(const BwdArgs args) {
+  using C = FwdConfig<D>;
+  using Ops = TypeOps<T>;
+  constexpr int BM = C::kBlockM, BN = C::kBlockN, P = C::kPitch, NT = C::kThreads;
+  constexpr int kNB = BN / 8;
+  constexpr int kDB = D / 8;
+
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  DqSmem<D, T>& sm = *reinterpret_cast<DqSmem<D, T>*>(smem_raw);
+  __shared__ int32_t s_item;
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t4 = lane & 3;
+  const LayoutPtrs& L = args.layout;
+  const int32_t* plan = args.plan;
+  if (plan[kHdrMagic] != kPlanMagic || plan[kHdrS] != L.num_segments || plan[kHdrT] != L.num_tokens)
+    return;
+  const int32_t n_tiles = plan[kHdrNumFwd];
+  const int32_t* items = plan + plan[kHdrFwdOffset];
+  const int H = args.num_heads;
+  const int group = H / args.num_kv_heads;
+  const int64_t n_items = static_cast<int64_t>(n_tiles) * H;
+  const int64_t T_ = L.num_tokens;
+
+  while (true) {
+    __syncthreads();
+    if (tid == 0) s_item = atomicAdd(&args.counters[1], 1);
+    __syncthreads();
+    const int64_t item = s_item;
+    if (item >= n_items) break;
+    const int32_t tile = static_cast<int32_t>(item / H);
+    const int h = static_cast<int>(item % H);
+    const int hk = h / group;
+    const int32_t seg = items[tile * kFwdItemInts + 0];
+    const int32_t q0 = items[tile * kFwdItemInts + 1];
+    const int32_t q1 = items[tile * kFwdItemInts + 2];
+    const T* kh = static_cast<const T*>(args.k) + hk * args.k_hs;
+    const T* vh = static_cast<const T*>(args.v) + hk * args.v_hs;
+
+    KvWalker<BN> it;
+    it.init(L, seg, q1);
+    load_tile_async<D, BM, P, NT>(sm.q, static_cast<const T*>(args.q) + q0 * args.q_ts + h * args.q_hs,
+                                  args.q_ts, q1 - q0, tid);
+    load_tile_async<D, BM, P, NT>(sm.dout, static_cast<const T*>(args.dout) + q0 * args.do_ts + h * args.do_hs,
+                                  args.do_ts, q1 - q0, tid);
+    load_tile_async<D, BN, P, NT>(sm.k, kh + it.pos * args.k_ts, args.k_ts, it.len(), tid);
+    load_tile_async<D, BN, P, NT>(sm.v, vh + it.pos * args.v_ts, args.v_ts, it.len(), tid);
+    cp_async_commit();
+
+    const int row_base = warp * 16 + g;
+    float lse2[2], dl[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int32_t qi = q0 + row_base + r * 8;
+      const bool valid = qi < q1;
+      lse2[r] = valid ? args.lse[h * args.lse_hs + qi] * kLog2e : CUDART_INF_F;
+      dl[r] = valid ? args.delta[h * T_ + qi] : 0.f;
+    }
+    float acc[kDB][4];
+#pragma unroll
+    for (int j = 0; j < kDB; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+
+    cp_async_wait_all();
+    __syncthreads();
+    bool more = true;
+    while (more) {
+      const int32_t kpos = it.pos, klen = it.len();
+      const bool own = it.own;
+      float s[kNB][4], dp[kNB][4];
+#pragma unroll
+      for (int j = 0; j < kNB; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[j][e] = dp[j][e] = 0.f;
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) {
+        uint32_t aq[4], ao[4];
+        ldmatrix_x4(aq, a_frag_addr(sm.q, P, warp * 16, kk * 16, lane));
+        ldmatrix_x4(ao, a_frag_addr(sm.dout, P, warp * 16, kk * 16, lane));
+#pragma unroll
+        for (int nb = 0; nb < BN / 16; ++nb) {
+          uint32_t b[4];
+          ldmatrix_x4(b, bnk_frag_addr(sm.k, P, nb * 16, kk * 16, lane));
+          Ops::mma(s[2 * nb], aq, b[0], b[1]);
+          Ops::mma(s[2 * nb + 1], aq, b[2], b[3]);
+          ldmatrix_x4(b, bnk_frag_addr(sm.v, P, nb * 16, kk * 16, lane));
+          Ops::mma(dp[2 * nb], ao, b[0], b[1]);
+          Ops::mma(dp[2 * nb + 1], ao, b[2], b[3]);
+        }
+      }
+      const bool need_mask = klen < BN || (own && kpos + BN - 1 > q0);
+#pragma unroll
+      for (int j = 0; j < kNB; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int r = e >> 1;
+          float p = exp2f(s[j][e] * args.scale_log2 - lse2[r]);
+          if (need_mask) {
+            const int col = j * 8 + 2 * t4 + (e & 1);
+            const int32_t qi = q0 + row_base + r * 8;
+            if (col >= klen || (own && kpos + col > qi)) p = 0.f;
+          }
+          s[j][e] = p * (dp[j][e] - dl[r]);  // dS
+        }
+      }
+      // dQ += dS K
+#pragma unroll
+      for (int kk = 0; kk < BN / 16; ++kk) {
+        uint32_t a[4];
+        a[0] = Ops::pack(s[2 * kk][0], s[2 * kk][1]);
+        a[1] = Ops::pack(s[2 * kk][2], s[2 * kk][3]);
+        a[2] = Ops::pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+        a[3] = Ops::pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+#pragma unroll
+        for (int nd = 0; nd < D / 16; ++nd) {
+          uint32_t b[4];
+          ldmatrix_x4_trans(b, bkn_frag_addr(sm.k, P, kk * 16, nd * 16, lane));
+          Ops::mma(acc[2 * nd], a, b[0], b[1]);
+          Ops::mma(acc[2 * nd + 1], a, b[2], b[3]);
+        }
+      }
+      __syncthreads();  // everyone is done with K and V
+      more = it.next(L);
+      if (more) {
+        load_tile_async<D, BN, P, NT>(sm.k, kh + it.pos * args.k_ts, args.k_ts, it.len(), tid);
+        load_tile_async<D, BN, P, NT>(sm.v, vh + it.pos * args.v_ts, args.v_ts, it.len(), tid);
+        cp_async_commit();
+        cp_async_wait_all();
+        __syncthreads();
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int32_t qi = q0 + row_base + r * 8;
+      if (qi < q1) {
+        T* row = static_cast<T*>(args.dq) + qi * args.dq_ts + h * args.dq_hs + 2 * t4;
+#pragma unroll
+        for (int j = 0; j < kDB; ++j)
+          *reinterpret_cast<uint32_t*>(row + j * 8) =
+              Ops::pack(acc[j][2 * r] * args.scale, acc[j][2 * r + 1] * args.scale);
+      }
+    }
+  }
+}
+
+template <int D, typename T>
+__global__ void bwd_dq_convert_kernel(const BwdArgs args) {
+  using Ops = TypeOps<T>;
+  const int64_t H = args.num_heads;
+  const int64_t pairs = static_cast<int64_t>(args.layout.num_tokens) * H * (D / 2);
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < pairs;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t row = i / (D / 2);
+    const int d = static_cast<int>(i % (D / 2)) * 2;
+    const int64_t t = row / H, h = row % H;
+    const float2 v = *reinterpret_cast<const float2*>(args.dq_accum + row * D + d);
+    *reinterpret_cast<uint32_t*>(static_cast<T*>(args.dq) + t * args.dq_ts + h * args.dq_hs + d) =
+        Ops::pack(v.x * args.scale, v.y * args.scale);
+  }
+}
+
+template <int D, typename T>
+__global__ void bwd_reduce_kernel(const BwdArgs args) {
+  using Ops = TypeOps<T>;
+  constexpr int BN = BwdConfig<D>::kBlockN;
+  const int32_t* plan = args.plan;
+  const LayoutPtrs& L = args.layout;
+  if (plan[kHdrMagic] != kPlanMagic || plan[kHdrS] != L.num_segments || plan[kHdrT] != L.num_tokens)
+    return;
+  const int32_t n_red = plan[kHdrNumRed];
+  const int32_t* items = plan + plan[kHdrRedOffset];
+  const int Hk = args.num_kv_heads;
+  for (int64_t item = blockIdx.x; item < static_cast<int64_t>(n_red) * Hk; item += gridDim.x) {
+    const int32_t* it = items + (item / Hk) * kRedItemInts;
+    const int hk = static_cast<int>(item % Hk);
+    const int32_t k0 = it[1], k1 = it[2], slot0 = it[3], nsplit = it[4];
+    const int klen = k1 - k0;
+    for (int i = threadIdx.x; i < klen * (D / 2); i += blockDim.x) {
+      const int row = i / (D / 2), d = (i % (D / 2)) * 2;
+      float2 sk = make_float2(0.f, 0.f), sv = make_float2(0.f, 0.f);
+      for (int s = 0; s < nsplit; ++s) {  // fixed order: deterministic
+        const float* base = args.partials + ((static_cast<int64_t>(slot0 + s) * Hk + hk) * 2) * BN * D;
+        const float2 a = *reinterpret_cast<const float2*>(base + row * D + d);
+        const float2 b = *reinterpret_cast<const float2*>(base + BN * D + row * D + d);
+        sk.x += a.x; sk.y += a.y; sv.x += b.x; sv.y += b.y;
+      }
+      *reinterpret_cast<uint32_t*>(static_cast<T*>(args.dk) + (k0 + row) * args.dk_ts + hk * args.dk_hs + d) =
+          Ops::pack(sk.x * args.scale, sk.y * args.scale);
+      *reinterpret_cast<uint32_t*>(static_cast<T*>(args.dv) + (k0 + row) * args.dv_ts + hk * args.dv_hs + d) =
+          Ops::pack(sv.x, sv.y);
+    }
+  }
+}
+
+template <typename Kernel>
+int occupancy_blocks(Kernel kernel, int threads, size_t smem) {
+  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+  int n = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, smem) != cudaSuccess || n < 1) n = 1;
+  return n;
+}
+
+template <int D, typename T>
+cudaError_t launch_bwd_impl(const BwdArgs& args, int sms, cudaStream_t stream) {
+  cudaError_t err;
+  if ((err = cudaMemsetAsync(args.counters, 0, 4 * sizeof(int32_t), stream)) != cudaSuccess) return err;
+  const int64_t T_ = args.layout.num_tokens;
+  if (!args.deterministic) {
+    if ((err = cudaMemsetAsync(args.dq_accum, 0, sizeof(float) * T_ * args.num_heads * D, stream)) != cudaSuccess)
+      return err;
+  }
+  {
+    const int64_t rows = T_ * args.num_heads;
+    const int blocks = static_cast<int>(std::min<int64_t>((rows + 7) / 8, static_cast<int64_t>(sms) * 16));
+    bwd_preprocess_kernel<D, T><<<blocks, 256, 0, stream>>>(args);
+    if ((err = cudaGetLastError()) != cudaSuccess) return err;
+  }
+  {
+    using C = BwdConfig<D>;
+    const size_t smem = sizeof(BwdSmem<D, T>);
+    if (args.deterministic) {
+      auto kernel = bwd_kv_kernel<D, T, false>;
+      static int bps = occupancy_blocks(kernel, C::kThreads, smem);
+      if ((err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem))))
+        return err;
+      kernel<<<sms * bps, C::kThreads, smem, stream>>>(args);
+    } else {
+      auto kernel = bwd_kv_kernel<D, T, true>;
+      static int bps = occupancy_blocks(kernel, C::kThreads, smem);
+      if ((err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem))))
+        return err;
+      kernel<<<sms * bps, C::kThreads, smem, stream>>>(args);
+    }
+    if ((err = cudaGetLastError()) != cudaSuccess) return err;
+  }
+  if (args.deterministic) {
+    using C = FwdConfig<D>;
+    const size_t smem = sizeof(DqSmem<D, T>);
+    auto kernel = bwd_dq_kernel<D, T>;
+    static int bps = occupancy_blocks(kernel, C::kThreads, smem);
+    if ((err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem))))
+      return err;
+    kernel<<<sms * bps, C::kThreads, smem, stream>>>(args);
+  } else {
+    const int64_t pairs = T_ * args.num_heads * (D / 2);
+    const int blocks = static_cast<int>(std::min<int64_t>((pairs + 255) / 256, static_cast<int64_t>(sms) * 32));
+    bwd_dq_convert_kernel<D, T><<<blocks, 256, 0, stream>>>(args);
+  }
+  if ((err = cudaGetLastError()) != cudaSuccess) return err;
+  if (args.n_slots > 0) {
+    bwd_reduce_kernel<D, T><<<sms * 4, 256, 0, stream>>>(args);
+    if ((err = cudaGetLastError()) != cudaSuccess) return err;
+  }
+  return cudaSuccess;
+}
+
+}  // namespace dualkv::cuda

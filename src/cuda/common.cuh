@@ -1,0 +1,134 @@
+// Device helpers for the portable (sm80+) kernels: cp.async, ldmatrix, mma.sync m16n8k16.
+//
+// Fragment layouts of mma.m16n8k16 (g = lane / 4, t = lane % 4):
+//   A (16x16, 4 regs of 2 halves): a0 (row g, cols 2t..2t+1), a1 (row g+8, cols 2t..),
+//                                  a2 (row g, cols 2t+8..), a3 (row g+8, cols 2t+8..)
+//   B (16x8 k x n, 2 regs):        b0 (k 2t..2t+1, col g), b1 (k 2t+8.., col g)
+//   C (16x8, 4 floats):            c0, c1 (row g, cols 2t, 2t+1), c2, c3 (row g+8, same cols)
+// Two adjacent C tiles (cols 0-7, 8-15) of a row block therefore form one A fragment
+// (a0 = C0.c01, a1 = C0.c23, a2 = C1.c01, a3 = C1.c23), which is how P and dS feed the next mma
+// straight from registers.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+namespace dualkv::cuda {
+
+constexpr float kLog2e = 1.4426950408889634f;
+
+template <typename T> struct TypeOps;
+template <> struct TypeOps<__nv_bfloat16> {
+  static __device__ __forceinline__ uint32_t pack(float a, float b) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
+    return *reinterpret_cast<uint32_t*>(&v);
+  }
+  static __device__ __forceinline__ float2 unpack(uint32_t u) {
+    __nv_bfloat162 v = *reinterpret_cast<__nv_bfloat162*>(&u);
+    return __bfloat1622float2(v);
+  }
+  static __device__ __forceinline__ void mma(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+};
+template <> struct TypeOps<__half> {
+  static __device__ __forceinline__ uint32_t pack(float a, float b) {
+    __half2 v = __floats2half2_rn(a, b);
+    return *reinterpret_cast<uint32_t*>(&v);
+  }
+  static __device__ __forceinline__ float2 unpack(uint32_t u) {
+    __half2 v = *reinterpret_cast<__half2*>(&u);
+    return __half22float2(v);
+  }
+  static __device__ __forceinline__ void mma(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+};
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// 16-byte async copy global -> shared; src_bytes == 0 zero-fills the destination.
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+  const int bytes = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(smem)), "l"(gmem),
+               "r"(bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::); }
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t* r, const void* smem) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(smem)));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t* r, const void* smem) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(smem)));
+}
+
+// Address a lane passes to ldmatrix_x4 for a 16x16 A fragment at (row0, col0) of a row-major
+// smem tile with `pitch` elements per row.
+template <typename T>
+__device__ __forceinline__ const T* a_frag_addr(const T* base, int pitch, int row0, int col0, int lane) {
+  return base + (row0 + (lane & 7) + ((lane >> 3) & 1) * 8) * pitch + col0 + (lane >> 4) * 8;
+}
+// B fragments (two n8 blocks x k16) from a smem tile stored [n][k] row-major (e.g. K for Q K^T):
+// regs 0,1 -> n-block 0, regs 2,3 -> n-block 1. Use with ldmatrix_x4 (non-trans).
+template <typename T>
+__device__ __forceinline__ const T* bnk_frag_addr(const T* base, int pitch, int n0, int k0, int lane) {
+  return base + (n0 + (lane & 7) + (lane >> 4) * 8) * pitch + k0 + ((lane >> 3) & 1) * 8;
+}
+// B fragments (k16 x two n8 blocks) from a smem tile stored [k][n] row-major (e.g. V for P V):
+// regs 0,1 -> n-block 0, regs 2,3 -> n-block 1. Use with ldmatrix_x4_trans.
+template <typename T>
+__device__ __forceinline__ const T* bkn_frag_addr(const T* base, int pitch, int k0, int n0, int lane) {
+  return base + (k0 + (lane & 7) + ((lane >> 3) & 1) * 8) * pitch + n0 + (lane >> 4) * 8;
+}
+// A fragment (rows m, cols k) from a smem tile stored transposed, [k][m] row-major. Use with
+// ldmatrix_x4_trans.
+template <typename T>
+__device__ __forceinline__ const T* at_frag_addr(const T* base, int pitch, int m0, int k0, int lane) {
+  return base + (k0 + (lane & 7) + (lane >> 4) * 8) * pitch + m0 + ((lane >> 3) & 1) * 8;
+}
+
+// Loads rows [0, rows) of a [rows_max, D] tile from global (token-major, token stride in
+// elements) into smem with `pitch`; rows >= valid_rows are zero-filled. All threads participate.
+template <int D, int ROWS, int PITCH, int NT, typename T>
+__device__ __forceinline__ void load_tile_async(T* smem, const T* gmem, int64_t token_stride,
+                                                int valid_rows, int tid) {
+  constexpr int kChunksPerRow = D / 8;
+  constexpr int kChunks = ROWS * kChunksPerRow;
+#pragma unroll
+  for (int i = tid; i < kChunks; i += NT) {
+    const int row = i / kChunksPerRow;
+    const int c = i % kChunksPerRow;
+    const bool valid = row < valid_rows;
+    const T* src = valid ? gmem + static_cast<int64_t>(row) * token_stride + c * 8 : gmem;
+    cp_async16(smem + row * PITCH + c * 8, src, valid);
+  }
+}
+
+__device__ __forceinline__ float warp_max4(float v) {
+  v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
+  v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
+  return v;
+}
+__device__ __forceinline__ float warp_sum4(float v) {
+  v += __shfl_xor_sync(0xffffffffu, v, 1);
+  v += __shfl_xor_sync(0xffffffffu, v, 2);
+  return v;
+}
+
+}  // namespace dualkv::cuda

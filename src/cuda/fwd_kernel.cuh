@@ -1,0 +1,257 @@
+// Forward kernel (sm80+ mma.sync path): one CTA works through (query tile, head) items taken from
+// the plan in longest-work-first order. A query tile lies inside one segment s; it visits the KV
+// tiles of every proper ancestor of s (full rectangles, masked only at a ragged end) and then the
+// KV tiles of s up to its last query (causal mask on the diagonal tiles). Online softmax in fp32.
+#pragma once
+
+#include <cuda_runtime.h>
+#include <math_constants.h>
+
+#include "common.cuh"
+#include "kernel_params.h"
+#include "plan.h"
+
+namespace dualkv::cuda {
+
+// Walks the KV ranges a query tile of segment `seg` (queries [q0, q1)) sees: ancestors from the
+// parent up to the root, then the segment itself up to q1, in tiles of BN tokens.
+template <int BN>
+struct KvWalker {
+  int32_t seg;      // query segment
+  int32_t cur;      // segment of the current KV range
+  int32_t pos;      // first token of the current KV tile
+  int32_t end;      // end of the current KV range (exclusive)
+  int32_t own_end;  // q1
+  bool own;         // current range is the query segment itself
+
+  __device__ __forceinline__ void init(const LayoutPtrs& L, int32_t s, int32_t q1) {
+    seg = s;
+    own_end = q1;
+    const int32_t a = L.parent[s];
+    if (a >= 0) {
+      cur = a; pos = L.offsets[a]; end = L.offsets[a + 1]; own = false;
+    } else {
+      cur = s; pos = L.offsets[s]; end = q1; own = true;
+    }
+  }
+  __device__ __forceinline__ int32_t len() const { return min(BN, end - pos); }
+  // Advances; returns false when every range is done.
+  __device__ __forceinline__ bool next(const LayoutPtrs& L) {
+    pos += BN;
+    if (pos < end) return true;
+    if (own) return false;
+    const int32_t a = L.parent[cur];
+    if (a >= 0) {
+      cur = a; pos = L.offsets[a]; end = L.offsets[a + 1];
+    } else {
+      cur = seg; pos = L.offsets[seg]; end = own_end; own = true;
+    }
+    return true;
+  }
+};
+
+template <int D, typename T>
+struct FwdSmem {
+  using C = FwdConfig<D>;
+  T q[C::kBlockM * C::kPitch];
+  T k[C::kBlockN * C::kPitch];
+  T v[C::kBlockN * C::kPitch];
+};
+
+template <int D, typename T>
+__global__ void __launch_bounds__(FwdConfig<D>::kThreads, 1)
+fwd_kernel(const FwdArgs args) {
+  using C = FwdConfig<D>;
+  using Ops = TypeOps<T>;
+  constexpr int BM = C::kBlockM, BN = C::kBlockN, P = C::kPitch, NT = C::kThreads;
+  constexpr int kNB = BN / 8;  // n8 blocks of S
+  constexpr int kDB = D / 8;   // n8 blocks of O
+
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  FwdSmem<D, T>& sm = *reinterpret_cast<FwdSmem<D, T>*>(smem_raw);
+  __shared__ int32_t s_item;
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t4 = lane & 3;
+  const LayoutPtrs& L = args.layout;
+  const int32_t* plan = args.plan;
+  if (plan[kHdrMagic] != kPlanMagic || plan[kHdrS] != L.num_segments || plan[kHdrT] != L.num_tokens)
+    return;
+  const int32_t n_tiles = plan[kHdrNumFwd];
+  const int32_t* items = plan + plan[kHdrFwdOffset];
+  const int H = args.num_heads;
+  const int group = H / args.num_kv_heads;
+  const int64_t n_items = static_cast<int64_t>(n_tiles) * H;
+
+  const T* __restrict__ qg = static_cast<const T*>(args.q);
+  const T* __restrict__ kg = static_cast<const T*>(args.k);
+  const T* __restrict__ vg = static_cast<const T*>(args.v);
+  T* __restrict__ og = static_cast<T*>(args.out);
+
+  while (true) {
+    __syncthreads();  // the previous item is done with smem and s_item
+    if (tid == 0) s_item = atomicAdd(args.counter, 1);
+    __syncthreads();
+    const int64_t item = s_item;
+    if (item >= n_items) break;
+    const int32_t tile = static_cast<int32_t>(item / H);
+    const int h = static_cast<int>(item % H);
+    const int hk = h / group;
+    const int32_t seg = items[tile * kFwdItemInts + 0];
+    const int32_t q0 = items[tile * kFwdItemInts + 1];
+    const int32_t q1 = items[tile * kFwdItemInts + 2];
+
+    const T* qh = qg + h * args.q_hs;
+    const T* kh = kg + hk * args.k_hs;
+    const T* vh = vg + hk * args.v_hs;
+
+    KvWalker<BN> it;
+    it.init(L, seg, q1);
+    load_tile_async<D, BM, P, NT>(sm.q, qh + static_cast<int64_t>(q0) * args.q_ts, args.q_ts, q1 - q0, tid);
+    load_tile_async<D, BN, P, NT>(sm.k, kh + static_cast<int64_t>(it.pos) * args.k_ts, args.k_ts, it.len(), tid);
+    cp_async_commit();
+
+    float acc[kDB][4];
+#pragma unroll
+    for (int j = 0; j < kDB; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+    float row_max[2] = {-CUDART_INF_F, -CUDART_INF_F};
+    float row_sum[2] = {0.f, 0.f};
+    const int row_base = warp * 16 + g;  // rows row_base and row_base + 8 of the tile
+
+    cp_async_wait_all();
+    __syncthreads();
+
+    bool more = true;
+    while (more) {
+      const int32_t kpos = it.pos, klen = it.len();
+      const bool own = it.own;
+      // V of this KV tile streams in while S is computed.
+      load_tile_async<D, BN, P, NT>(sm.v, vh + static_cast<int64_t>(kpos) * args.v_ts, args.v_ts, klen, tid);
+      cp_async_commit();
+
+      float s[kNB][4];
+#pragma unroll
+      for (int j = 0; j < kNB; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) {
+        uint32_t a[4];
+        ldmatrix_x4(a, a_frag_addr(sm.q, P, warp * 16, kk * 16, lane));
+#pragma unroll
+        for (int nb = 0; nb < BN / 16; ++nb) {
+          uint32_t b[4];
+          ldmatrix_x4(b, bnk_frag_addr(sm.k, P, nb * 16, kk * 16, lane));
+          Ops::mma(s[2 * nb], a, b[0], b[1]);
+          Ops::mma(s[2 * nb + 1], a, b[2], b[3]);
+        }
+      }
+
+      // Masking: ragged KV tile end, and the causal diagonal of the query's own segment.
+      const bool need_mask = klen < BN || (own && kpos + BN - 1 > q0);
+      if (need_mask) {
+#pragma unroll
+        for (int j = 0; j < kNB; ++j) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int col = j * 8 + 2 * t4 + (e & 1);
+            const int32_t qi = q0 + row_base + (e >> 1) * 8;
+            const int32_t ki = kpos + col;
+            if (col >= klen || (own && ki > qi)) s[j][e] = -CUDART_INF_F;
+          }
+        }
+      }
+
+      // Online softmax (exp2 with the scale folded in).
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        float mx = row_max[r];
+#pragma unroll
+        for (int j = 0; j < kNB; ++j) mx = fmaxf(mx, fmaxf(s[j][2 * r], s[j][2 * r + 1]));
+        mx = warp_max4(mx);
+        const float m_scaled = mx == -CUDART_INF_F ? 0.f : mx * args.scale_log2;
+        const float alpha = exp2f(row_max[r] * args.scale_log2 - m_scaled);
+        row_max[r] = mx;
+        float sum = 0.f;
+#pragma unroll
+        for (int j = 0; j < kNB; ++j) {
+          s[j][2 * r] = exp2f(s[j][2 * r] * args.scale_log2 - m_scaled);
+          s[j][2 * r + 1] = exp2f(s[j][2 * r + 1] * args.scale_log2 - m_scaled);
+          sum += s[j][2 * r] + s[j][2 * r + 1];
+        }
+        row_sum[r] = row_sum[r] * alpha + sum;
+#pragma unroll
+        for (int j = 0; j < kDB; ++j) {
+          acc[j][2 * r] *= alpha;
+          acc[j][2 * r + 1] *= alpha;
+        }
+      }
+
+      cp_async_wait_all();
+      __syncthreads();  // V landed; every warp is done reading K
+      more = it.next(L);
+      if (more) {
+        load_tile_async<D, BN, P, NT>(sm.k, kh + static_cast<int64_t>(it.pos) * args.k_ts, args.k_ts, it.len(), tid);
+        cp_async_commit();
+      }
+
+      // O += P V
+#pragma unroll
+      for (int kk = 0; kk < BN / 16; ++kk) {
+        uint32_t a[4];
+        a[0] = Ops::pack(s[2 * kk][0], s[2 * kk][1]);
+        a[1] = Ops::pack(s[2 * kk][2], s[2 * kk][3]);
+        a[2] = Ops::pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+        a[3] = Ops::pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+#pragma unroll
+        for (int nd = 0; nd < D / 16; ++nd) {
+          uint32_t b[4];
+          ldmatrix_x4_trans(b, bkn_frag_addr(sm.v, P, kk * 16, nd * 16, lane));
+          Ops::mma(acc[2 * nd], a, b[0], b[1]);
+          Ops::mma(acc[2 * nd + 1], a, b[2], b[3]);
+        }
+      }
+      cp_async_wait_all();
+      __syncthreads();  // next K landed; every warp is done reading V
+    }
+
+    // Epilogue: normalise, write out and lse.
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const float total = warp_sum4(row_sum[r]);
+      const float inv = total > 0.f ? 1.f / total : 0.f;
+      const int32_t qi = q0 + row_base + r * 8;
+      if (qi < q1) {
+        T* orow = og + static_cast<int64_t>(qi) * args.o_ts + h * args.o_hs;
+#pragma unroll
+        for (int j = 0; j < kDB; ++j) {
+          *reinterpret_cast<uint32_t*>(orow + j * 8 + 2 * t4) =
+              Ops::pack(acc[j][2 * r] * inv, acc[j][2 * r + 1] * inv);
+        }
+        if (args.lse != nullptr && t4 == 0) {
+          const float lse = total > 0.f ? row_max[r] * args.scale + logf(total) : CUDART_INF_F;
+          args.lse[h * args.lse_hs + qi] = lse;
+        }
+      }
+    }
+  }
+}
+
+template <int D, typename T>
+cudaError_t launch_fwd_impl(const FwdArgs& args, int sms, cudaStream_t stream) {
+  using C = FwdConfig<D>;
+  const size_t smem = sizeof(FwdSmem<D, T>);
+  auto kernel = fwd_kernel<D, T>;
+  static int blocks_per_sm = [&] {
+    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+    int n = 0;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, C::kThreads, smem) != cudaSuccess || n < 1)
+      n = 1;
+    return n;
+  }();
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+  if (err != cudaSuccess) return err;
+  if ((err = cudaMemsetAsync(args.counter, 0, sizeof(int32_t), stream)) != cudaSuccess) return err;
+  kernel<<<sms * blocks_per_sm, C::kThreads, smem, stream>>>(args);
+  return cudaGetLastError();
+}
+
+}  // namespace dualkv::cuda

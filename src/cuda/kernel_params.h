@@ -1,0 +1,70 @@
+// Kernel-side parameter blocks (plain structs passed by value) and the launch entry points that
+// each per-(direction, head dim, dtype) translation unit instantiates.
+#pragma once
+
+#include <cuda_runtime_api.h>
+#include <stdint.h>
+
+#include "dualkv/dualkv.h"
+
+namespace dualkv::cuda {
+
+struct LayoutPtrs {
+  const int32_t* offsets;
+  const int32_t* parent;
+  const int32_t* subtree_end;
+  int32_t num_segments;
+  int32_t num_tokens;
+};
+
+struct FwdArgs {
+  LayoutPtrs layout;
+  const int32_t* plan;
+  int64_t plan_len;
+  const void* q;
+  const void* k;
+  const void* v;
+  void* out;
+  float* lse;  // may be null
+  int64_t q_ts, q_hs, k_ts, k_hs, v_ts, v_hs, o_ts, o_hs, lse_hs;
+  int32_t num_heads, num_kv_heads;
+  float scale;       // softmax scale
+  float scale_log2;  // scale * log2(e)
+  int32_t* counter;  // work-item counter, zeroed before the launch
+};
+
+struct BwdArgs {
+  LayoutPtrs layout;
+  const int32_t* plan;
+  int64_t plan_len;
+  const void* q;
+  const void* k;
+  const void* v;
+  const void* out;
+  const void* dout;
+  const float* lse;
+  const float* dlse;  // may be null
+  void* dq;
+  void* dk;
+  void* dv;
+  int64_t q_ts, q_hs, k_ts, k_hs, v_ts, v_hs, o_ts, o_hs, do_ts, do_hs;
+  int64_t lse_hs, dlse_hs;
+  int64_t dq_ts, dq_hs, dk_ts, dk_hs, dv_ts, dv_hs;
+  int32_t num_heads, num_kv_heads;
+  float scale, scale_log2;
+  bool deterministic;
+  int32_t n_slots;     // split-partial slots in the plan (from the plan key)
+  // workspace pieces
+  int32_t* counters;   // [4], zeroed before the launches
+  float* delta;        // [H, T]: rowsum(dO * O) - dlse
+  float* dq_accum;     // [T, H, D] fp32 (atomic mode only)
+  float* partials;     // [n_slots, Hk, 2, BlockN, D] fp32 split partial dK / dV
+};
+
+// Returns cudaSuccess or the first launch error. `sms` is the device's multiprocessor count.
+template <int D, typename T>
+cudaError_t launch_fwd(const FwdArgs& args, int sms, cudaStream_t stream);
+template <int D, typename T>
+cudaError_t launch_bwd(const BwdArgs& args, int sms, cudaStream_t stream);
+
+}  // namespace dualkv::cuda

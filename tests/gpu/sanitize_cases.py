@@ -1,0 +1,33 @@
+"""A few small layouts through the CUDA forward and backward, for compute-sanitizer (sanitize.sh)."""
+import os
+import sys
+
+import torch
+
+import dualkv
+
+
+def main() -> int:
+    dims = [int(d) for d in dualkv._native.build_info()["cuda"]["head_dims"]]
+    cases = [
+        ([130, 1, 64, 129], [-1, 0, 0, 0]),            # GRPO group, ragged tiles, 1-token response
+        ([5, 70, 3, 1, 200], [-1, 0, 1, -1, 3]),        # depth 3 + a second tree
+        ([1], [-1]),                                    # one token
+    ]
+    for D in dims:
+        for lens, parents in cases:
+            layout = dualkv.Layout.from_tree(lens, parents).to("cuda")
+            T = layout.num_tokens
+            for det in (False, True):
+                q = torch.randn(T, 4, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                k = torch.randn(T, 1, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                v = torch.randn(T, 1, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                out, lse = dualkv.attention(q, k, v, layout, deterministic=det, return_lse=True)
+                (out.float().sum() + lse.sum()).backward()
+                torch.cuda.synchronize()
+                print(f"ok D={D} lens={lens} det={det} split={os.environ.get('DUALKV_CUDA_SPLIT_ROWS')}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,265 @@
+"""CUDA backend against the float64 dense reference (FlashAttention's tolerance rule).
+
+For every output X (out, lse, dq, dk, dv): max|X_kernel - X_ref64| must be at most
+2 * max|X_torch_lowprec - X_ref64| + atol, where X_torch_lowprec is the same dense masked math done
+by PyTorch in the input dtype (dualkv.reference.attention_ref on bf16/fp16 tensors).
+"""
+from __future__ import annotations
+
+import math
+import os
+import random
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+if torch.cuda.is_available():
+    import dualkv
+    from dualkv import _native
+    from dualkv.reference import attention_ref
+
+ATOL = {"out": 1e-5, "lse": 1e-5, "dq": 1e-5, "dk": 1e-5, "dv": 1e-5}
+GQA = [(4, 4), (4, 1), (8, 2), (8, 1)]  # (H, Hk): group sizes 1, 4, 4, 8
+DTYPES = [torch.bfloat16, torch.float16]
+
+
+def built_head_dims():
+    if not torch.cuda.is_available():
+        return [128]
+    return [int(d) for d in _native.build_info().get("cuda", {}).get("head_dims", [])]
+
+
+def seg_len(rng: random.Random) -> int:
+    r = rng.random()
+    if r < 0.15:
+        return 1
+    if r < 0.25:
+        return rng.choice([127, 128, 129, 63, 64, 65])
+    if r < 0.6:
+        return rng.randint(2, 64)
+    if r < 0.9:
+        return rng.randint(65, 260)
+    return rng.randint(261, 520)
+
+
+def random_forest(rng: random.Random, max_tokens: int = 1400):
+    """(segment_lens, parents) in DFS pre-order: GRPO groups, deep trees or plain varlen."""
+    kind = rng.choice(["groups", "groups", "tree", "varlen"])
+    lens, parents = [], []
+    if kind == "groups":
+        for _ in range(rng.randint(1, 3)):
+            p = seg_len(rng)
+            lens.append(p)
+            parents.append(-1)
+            root = len(lens) - 1
+            for _ in range(rng.randint(1, 6)):
+                lens.append(seg_len(rng))
+                parents.append(root)
+    elif kind == "tree":
+        path = []
+        for i in range(rng.randint(2, 14)):
+            d = rng.randint(0, len(path))
+            parents.append(path[d - 1] if d > 0 else -1)
+            path = path[:d] + [i]
+            lens.append(seg_len(rng))
+    else:
+        for _ in range(rng.randint(1, 6)):
+            lens.append(seg_len(rng))
+            parents.append(-1)
+    # Keep the dense reference cheap: trim trailing segments past the token budget.
+    total, keep = 0, 0
+    for n in lens:
+        if keep > 0 and total + n > max_tokens:
+            break
+        total += n
+        keep += 1
+    return lens[:keep], parents[:keep]
+
+
+def make_inputs(layout_cpu, H, Hk, D, dtype, seed, device="cuda"):
+    g = torch.Generator(device=device).manual_seed(seed)
+    T = layout_cpu.num_tokens
+    q = torch.randn(T, H, D, device=device, dtype=dtype, generator=g)
+    k = torch.randn(T, Hk, D, device=device, dtype=dtype, generator=g)
+    v = torch.randn(T, Hk, D, device=device, dtype=dtype, generator=g)
+    dout = torch.randn(T, H, D, device=device, dtype=dtype, generator=g)
+    return q, k, v, dout
+
+
+def ref_grads(q, k, v, dout, layout_cpu, dtype, dlse=None):
+    """(out, lse, dq, dk, dv) of the dense reference computed in `dtype`."""
+    qq, kk, vv = (t.detach().to(dtype).requires_grad_(True) for t in (q, k, v))
+    out, lse = attention_ref(qq, kk, vv, layout_cpu)
+    loss = (out.to(dtype) * dout.to(dtype)).sum()
+    if dlse is not None:
+        loss = loss + (lse.to(dtype) * dlse.to(dtype)).sum()
+    loss.backward()
+    return [t.detach().double() for t in (out, lse, qq.grad, kk.grad, vv.grad)]
+
+
+def check_against_ref(name_vals, ref64, refpt, extra=""):
+    report = {}
+    for name, got, r64, rpt in zip(("out", "lse", "dq", "dk", "dv"), name_vals, ref64, refpt):
+        if got is None:
+            continue
+        err = (got.double() - r64).abs().max().item()
+        bound = 2 * (rpt - r64).abs().max().item() + ATOL[name]
+        report[name] = (err, bound)
+        assert math.isfinite(err), f"{name}: non-finite output {extra}"
+        assert err <= bound, f"{name}: max err {err:.3e} > bound {bound:.3e} {extra}"
+    return report
+
+
+def run_case(lens, parents, H, Hk, D, dtype, seed, deterministic=False, with_dlse=False):
+    layout_cpu = dualkv.Layout.from_tree(lens, parents)
+    layout = layout_cpu.to("cuda")
+    q, k, v, dout = make_inputs(layout_cpu, H, Hk, D, dtype, seed)
+    dlse = torch.randn(H, layout_cpu.num_tokens, device="cuda") if with_dlse else None
+    qq, kk, vv = (t.clone().requires_grad_(True) for t in (q, k, v))
+    out, lse = dualkv.attention(qq, kk, vv, layout, deterministic=deterministic, return_lse=True)
+    loss = (out.float() * dout.float()).sum()
+    if dlse is not None:
+        loss = loss + (lse * dlse).sum()
+    loss.backward()
+    ref64 = ref_grads(q, k, v, dout, layout_cpu, torch.float64, dlse)
+    refpt = ref_grads(q, k, v, dout, layout_cpu, dtype, dlse)
+    extra = f"(lens={lens}, parents={parents}, H={H}, Hk={Hk}, D={D}, {dtype}, det={deterministic})"
+    return check_against_ref([out, lse, qq.grad, kk.grad, vv.grad], ref64, refpt, extra)
+
+
+N_RANDOM = 120
+
+
+@pytest.mark.parametrize("case", range(N_RANDOM))
+def test_random_forests(case):
+    dims = built_head_dims()
+    rng = random.Random(1000 + case)
+    D = dims[case % len(dims)]
+    dtype = DTYPES[(case // len(dims)) % 2]
+    H, Hk = GQA[case % len(GQA)]
+    lens, parents = random_forest(rng, max_tokens=1400 if D <= 128 else 900)
+    run_case(lens, parents, H, Hk, D, dtype, seed=case, deterministic=(case % 5 == 0), with_dlse=(case % 7 == 0))
+
+
+@pytest.mark.parametrize("D", built_head_dims())
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_grpo_group_shapes(D, dtype):
+    # Prompt not a multiple of any tile; responses shorter and longer than a tile; 1-token segments.
+    lens = [301, 1, 17, 130, 129, 64, 300, 5, 1, 200]
+    parents = [-1, 0, 0, 0, 0, 0, -1, 6, 6, 6]
+    run_case(lens, parents, 8, 2, D, dtype, seed=7)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_split_query_ranges(deterministic, monkeypatch):
+    # Force the backward to split long query ranges over several work items (fp32 partials).
+    monkeypatch.setenv("DUALKV_CUDA_SPLIT_ROWS", "128")
+    D = built_head_dims()[0]
+    lens = [700, 300, 257, 1, 400]
+    parents = [-1, 0, 0, 0, 3]
+    run_case(lens, parents, 4, 1, D, torch.bfloat16, seed=11, deterministic=deterministic)
+
+
+def test_deep_chain():
+    # Depth 12 chain of odd lengths: every query walks 11 ancestors.
+    D = built_head_dims()[0]
+    lens = [37, 1, 90, 130, 3, 64, 65, 7, 129, 2, 50, 11]
+    parents = [-1] + list(range(len(lens) - 1))
+    run_case(lens, parents, 4, 2, D, torch.float16, seed=3)
+
+
+def _grads(layout, q, k, v, dout, deterministic):
+    qq, kk, vv = (t.clone().requires_grad_(True) for t in (q, k, v))
+    out = dualkv.attention(qq, kk, vv, layout, deterministic=deterministic)
+    out.backward(dout)
+    return out, qq.grad, kk.grad, vv.grad
+
+
+@pytest.mark.parametrize("D", built_head_dims())
+def test_deterministic_bitwise(D):
+    lens = [900, 300, 200, 257, 1, 640, 128]
+    parents = [-1, 0, 0, 0, 0, -1, 5]
+    layout_cpu = dualkv.Layout.from_tree(lens, parents)
+    layout = layout_cpu.to("cuda")
+    q, k, v, dout = make_inputs(layout_cpu, 8, 2, D, torch.bfloat16, seed=5)
+    first = _grads(layout, q, k, v, dout, True)
+    for _ in range(3):
+        again = _grads(layout, q, k, v, dout, True)
+        for a, b in zip(first, again):
+            assert torch.equal(a, b), "deterministic mode is not bit-identical run to run"
+
+
+def test_cuda_graph_capture_replay():
+    D = built_head_dims()[0]
+    lens = [333, 100, 250, 1, 129]
+    parents = [-1, 0, 0, 0, -1]
+    layout_cpu = dualkv.Layout.from_tree(lens, parents)
+    layout = layout_cpu.to("cuda")
+    q, k, v, dout = make_inputs(layout_cpu, 8, 2, D, torch.bfloat16, seed=9)
+    sq, sk, sv, sd = (t.clone() for t in (q, k, v, dout))
+    sq.requires_grad_(True); sk.requires_grad_(True); sv.requires_grad_(True)
+
+    def step():
+        sq.grad = sk.grad = sv.grad = None
+        out = dualkv.attention(sq, sk, sv, layout)
+        out.backward(sd)
+        return out
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    sq.grad = sk.grad = sv.grad = None
+    with torch.cuda.graph(graph):
+        g_out = dualkv.attention(sq, sk, sv, layout)
+        g_out.backward(sd)
+    # New data into the static inputs, replay, compare with eager.
+    q2, k2, v2, d2 = make_inputs(layout_cpu, 8, 2, D, torch.bfloat16, seed=10)
+    with torch.no_grad():
+        sq.copy_(q2); sk.copy_(k2); sv.copy_(v2); sd.copy_(d2)
+    graph.replay()
+    torch.cuda.synchronize()
+    out_e, dq_e, dk_e, dv_e = _grads(layout, q2, k2, v2, d2, False)
+    torch.testing.assert_close(g_out, out_e, atol=0, rtol=0)
+    for a, b in ((sq.grad, dq_e), (sk.grad, dk_e), (sv.grad, dv_e)):
+        torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)  # dq atomics: order may differ
+
+
+def test_strided_inputs():
+    # q, k, v as views of one fused qkv projection (token stride != H*D).
+    D = built_head_dims()[0]
+    lens = [200, 77, 150]
+    parents = [-1, 0, 0]
+    layout_cpu = dualkv.Layout.from_tree(lens, parents)
+    layout = layout_cpu.to("cuda")
+    T, H, Hk = layout_cpu.num_tokens, 4, 2
+    qkv = torch.randn(T, H + 2 * Hk, D, device="cuda", dtype=torch.bfloat16)
+    q, k, v = qkv[:, :H], qkv[:, H:H + Hk], qkv[:, H + Hk:]
+    out, lse = dualkv.attention(q, k, v, layout, return_lse=True)
+    r64 = attention_ref(q.double(), k.double(), v.double(), layout_cpu)
+    rpt = attention_ref(q, k, v, layout_cpu)
+    check_against_ref([out, lse], [r.double() for r in r64], [r.double() for r in rpt])
+
+
+def test_unbuilt_head_dim_is_a_clear_error():
+    layout = dualkv.Layout.from_tree([10], [-1]).to("cuda")
+    q = torch.randn(10, 2, 80, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(_native.DualKVError, match="head_dim 80"):
+        dualkv.attention(q, q, q, layout)
+
+
+def test_plan_from_another_layout_is_rejected():
+    a = dualkv.Layout.from_tree([100, 30], [-1, 0]).to("cuda")
+    b = dualkv.Layout.from_tree([50, 80, 1], [-1, 0, 0]).to("cuda")
+    D = built_head_dims()[0]
+    q = torch.randn(a.num_tokens, 2, D, device="cuda", dtype=torch.bfloat16)
+    plan_b, key_b = b.plan_for(torch.bfloat16, D)
+    a._plans[(torch.bfloat16, D)] = (plan_b, key_b)
+    with pytest.raises(_native.DualKVError, match="plan"):
+        dualkv.attention(q, q, q, a)
