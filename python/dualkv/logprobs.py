@@ -19,7 +19,7 @@ from typing import Dict, List, Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-from .packing import PackedBatch
+from .packing import PackedBatch, _segment_ids
 
 __all__ = ["response_logprobs", "response_logprobs_from_logits"]
 
@@ -58,11 +58,9 @@ class _LogprobIndex:
             P = packed.group_prompt_lens[g]
             group_last_l.append(start + P - 1)
             start += P + sum(lens[r] for r in rows)
-        small = torch.tensor(
-            [rows_packed_l, counts_l, [g for g, n in enumerate(n_g) for _ in range(n)]],
-            dtype=torch.int64).to(dev)
-        rows_packed, counts, g_packed = small[0], small[1], small[2]
-        group_last = torch.tensor(group_last_l, dtype=torch.int64).to(dev)
+        small = torch.tensor(rows_packed_l + counts_l + [g for g, n in enumerate(n_g) for _ in range(n)]
+                             + group_last_l, dtype=torch.int64).to(dev)  # one host->device copy
+        rows_packed, counts, g_packed, group_last = small.split([B, B, B, G])
         ids = packed.input_ids.reshape(-1)
         off = packed.response_offsets
 
@@ -71,7 +69,7 @@ class _LogprobIndex:
         lab0 = ids[off0].to(torch.int64)
         flat0 = rows_packed * R_max
         # tokens 1.. (outputs B..M-1, selected rows G..S-1)
-        j = torch.repeat_interleave(torch.arange(B, device=dev), counts, output_size=M1)
+        j = _segment_ids(counts, M1)
         local = torch.arange(M1, device=dev) - (torch.cumsum(counts, 0) - counts)[j]
         b = rows_packed[j]
         pos = off[b] + local
@@ -126,36 +124,45 @@ def _index(packed: PackedBatch) -> _LogprobIndex:
 # Chunked fused LM head + log-softmax
 # --------------------------------------------------------------------------------------------
 
-_MM_OUT_DTYPE_OK: Dict[str, bool] = {}
+#: whether torch.mm / torch.addmm with out_dtype (bf16/fp16 inputs, fp32 result) work, per
+#: (op, device type); probed on first use, the plain upcast is the fallback
+_OUT_DTYPE_OK: Dict[Tuple[str, str], bool] = {}
 
 
 def _mm_f32(a: Tensor, b: Tensor) -> Tensor:
     """a @ b with low-precision inputs and an fp32 result (fp32 accumulation, no bf16 rounding)."""
-    key = a.device.type
-    if _MM_OUT_DTYPE_OK.get(key, key == "cuda"):
+    key = ("mm", a.device.type)
+    if _OUT_DTYPE_OK.get(key, a.device.type == "cuda"):
         try:
             r = torch.mm(a, b, out_dtype=torch.float32)
-            _MM_OUT_DTYPE_OK[key] = True
+            _OUT_DTYPE_OK[key] = True
             return r
         except (RuntimeError, TypeError, NotImplementedError):
-            _MM_OUT_DTYPE_OK[key] = False
+            _OUT_DTYPE_OK[key] = False
     return torch.mm(a.float(), b.float())
 
 
 def _addmm_f32_(acc: Tensor, a: Tensor, b: Tensor) -> None:
-    """acc += a @ b, acc fp32, a and b low precision."""
-    key = acc.device.type
-    if _MM_OUT_DTYPE_OK.get(key, key == "cuda"):
+    """acc += a @ b in place, acc fp32, a and b low precision."""
+    key = ("addmm", acc.device.type)
+    if _OUT_DTYPE_OK.get(key, acc.device.type == "cuda"):
         try:
             torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+            _OUT_DTYPE_OK[key] = True
             return
         except (RuntimeError, TypeError, NotImplementedError):
-            _MM_OUT_DTYPE_OK[key] = False
+            _OUT_DTYPE_OK[key] = False
     acc.addmm_(a.float(), b.float())
 
 
 class _Head:
-    """How logits are formed from (hidden rows, weight) for the dtypes at hand."""
+    """How logits are formed from (hidden rows, weight) for the dtypes at hand.
+
+    bf16/fp16 hidden and weight of the same dtype: GEMMs take the low-precision operands and
+    produce fp32 (fp32 accumulation); the logit gradient is rounded to the input dtype for the two
+    backward GEMMs (as autograd through a bf16 matmul would), the weight gradient accumulates in
+    fp32. Anything else: everything in promote(hidden, weight, fp32).
+    """
 
     def __init__(self, hidden: Tensor, weight: Tensor):
         lowp = (torch.float16, torch.bfloat16)
@@ -174,23 +181,33 @@ class _Head:
             return _mm_f32(x, self.w.t())
         return torch.mm(x.to(self.dtype), self.w.t())
 
-    def grad_input(self, dz: Tensor, out_dtype: torch.dtype) -> Tensor:
-        if self.lowp:
-            return torch.mm(dz.to(self.w.dtype), self.w).to(out_dtype)
-        return torch.mm(dz, self.w).to(out_dtype)
+    def gemm_dtype(self) -> torch.dtype:
+        return self.w.dtype
 
     def new_weight_grad(self) -> Tensor:
         return torch.zeros(self.weight.shape, dtype=self.dtype, device=self.weight.device)
 
-    def accumulate_weight_grad(self, acc: Tensor, dz: Tensor, x: Tensor) -> None:
+    def backward_chunk(self, dz: Tensor, x: Tensor, dh: Optional[Tensor], rows: Tensor,
+                       dw: Optional[Tensor]) -> None:
+        """dh[rows] = dz @ W;  dw += dz.T @ x  (dz already in the GEMM dtype, see :meth:`gemm_dtype`)."""
         if self.lowp:
-            _addmm_f32_(acc, dz.to(x.dtype).t(), x)
+            if dh is not None:
+                dh.index_copy_(0, rows, torch.mm(dz, self.w).to(dh.dtype))
+            if dw is not None:
+                _addmm_f32_(dw, dz.t(), x)
         else:
-            acc.addmm_(dz.t(), x.to(self.dtype))
+            if dh is not None:
+                dh.index_copy_(0, rows, torch.mm(dz, self.w).to(dh.dtype))
+            if dw is not None:
+                dw.addmm_(dz.t(), x.to(self.dtype))
 
 
 class _FusedResponseLogprobs(torch.autograd.Function):
-    """(hidden [T, H], weight [V, H]) -> (log-prob per output [M], entropy per selected row [S])."""
+    """(hidden [T, H], weight [V, H]) -> (log-prob per output [M], entropy per selected row [S]).
+
+    Memory per chunk of C selected rows: forward one fp32 [C, V] buffer (two with entropy),
+    backward one fp32 [C, V] buffer (two with entropy) plus its half-size copy for bf16/fp16.
+    """
 
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, sel_idx: Tensor, labels: Tensor, out_row: Tensor,
@@ -207,15 +224,23 @@ class _FusedResponseLogprobs(torch.autograd.Function):
             z = head.logits(x)
             if temperature != 1.0:
                 z.div_(temperature)
-            l = torch.logsumexp(z, dim=1)
-            lse[s0:s1] = l
             rows = out_row[o0:o1] - s0
-            logp[o0:o1] = z[rows, labels[o0:o1]] - l[rows]
+            m = z.amax(dim=1, keepdim=True)
+            z.sub_(m)  # shifted logits y = z - max
+            tgt = z[rows, labels[o0:o1]]
             if want_entropy:
-                z.sub_(l.unsqueeze(1))  # log-softmax, in place
-                p = z.exp()
-                ent[s0:s1] = p.mul_(z).sum(1).neg_()
-                del p
+                e = z.exp()
+                se = e.sum(1)
+                ey = e.mul_(z).sum(1)  # sum exp(y) * y
+                del e
+            else:
+                se = z.exp_().sum(1)
+            log_se = se.log()
+            lse[s0:s1] = m.squeeze(1) + log_se
+            logp[o0:o1] = tgt - log_se[rows]
+            if want_entropy:
+                # H = -sum p log p,  p = exp(y) / se,  log p = y - log se
+                ent[s0:s1] = log_se - ey / se
             del z
         ctx.save_for_backward(hidden, weight, sel_idx, labels, out_row, lse, ent)
         ctx.chunks = chunks
@@ -239,7 +264,8 @@ class _FusedResponseLogprobs(torch.autograd.Function):
         dh = torch.zeros_like(hidden) if need_h else None
         dw = head.new_weight_grad() if need_w else None
         for s0, s1, o0, o1 in ctx.chunks:
-            x = hidden.index_select(0, sel_idx[s0:s1])
+            sel = sel_idx[s0:s1]
+            x = hidden.index_select(0, sel)
             z = head.logits(x)
             if temperature != 1.0:
                 z.div_(temperature)
@@ -256,14 +282,14 @@ class _FusedResponseLogprobs(torch.autograd.Function):
                 del p
             else:
                 dz = z.exp_().mul_(-gsum.unsqueeze(1))
+            del z
             dz.view(-1).index_add_(0, rows * V + labels[o0:o1], g)
             if temperature != 1.0:
                 dz.div_(temperature)
-            if need_h:
-                dh.index_copy_(0, sel_idx[s0:s1], head.grad_input(dz, hidden.dtype))
-            if need_w:
-                head.accumulate_weight_grad(dw, dz, x)
-            del dz, z
+            if dz.dtype != head.gemm_dtype():
+                dz = dz.to(head.gemm_dtype())  # rebinding frees the fp32 chunk; the half-size copy lives on
+            head.backward_chunk(dz, x, dh, sel, dw)
+            del dz
         if need_w and dw.dtype != weight.dtype:
             dw = dw.to(weight.dtype)
         return dh, dw, None, None, None, None, None, None

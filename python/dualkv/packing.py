@@ -306,28 +306,28 @@ def pack_padded(input_ids: Tensor, attention_mask: Tensor, response_mask: Option
     keys, uid_given = _group_keys(uid, B, dev)
 
     # -- device-side lengths and checks (no host sync here) ----------------------------------------
-    am = attention_mask
-    col_p = torch.arange(Lp, device=dev)
     col_r = torch.arange(Lr, device=dev)
     flags = torch.zeros(B, dtype=torch.int64, device=dev)
 
     def flag(bit: int, rows_bad: Tensor) -> None:
         flags.bitwise_or_(rows_bad.to(torch.int64) << bit)
 
-    if am.dtype != torch.bool:
-        flag(_BAD_VALUES, ((am != 0) & (am != 1)).any(1))
-    amb = am != 0
+    amb, bad = _bool_mask(attention_mask)
+    if bad is not None:
+        flag(_BAD_VALUES, bad)
     pm = amb[:, :Lp]
     plen = pm.sum(1)
-    flag(_PROMPT_HOLES, (pm != (col_p.unsqueeze(0) >= (Lp - plen).unsqueeze(1))).any(1))
+    # left-padded <=> no 1 followed by a 0
+    flag(_PROMPT_HOLES, torch.gt(pm[:, :-1], pm[:, 1:]).any(1))
     flag(_EMPTY_PROMPT, plen == 0)
     ram = amb[:, Lp:]
     if response_mask is not None:
-        if response_mask.dtype != torch.bool:
-            flag(_BAD_VALUES, ((response_mask != 0) & (response_mask != 1)).any(1))
-        rm = response_mask != 0
+        rm, bad = _bool_mask(response_mask)
+        if bad is not None:
+            flag(_BAD_VALUES, bad)
         rlen = rm.sum(1)
-        flag(_RESP_HOLES, (rm != (col_r.unsqueeze(0) < rlen.unsqueeze(1))).any(1))
+        # right-padded <=> no 0 followed by a 1
+        flag(_RESP_HOLES, torch.lt(rm[:, :-1], rm[:, 1:]).any(1))
         flag(_MASK_DISAGREE, (rm != ram).any(1))
         if response_lens is not None:
             rl = _lens_tensor(response_lens, B, dev)
@@ -340,7 +340,7 @@ def pack_padded(input_ids: Tensor, attention_mask: Tensor, response_mask: Option
     else:
         rm = ram
         rlen = rm.sum(1)
-        flag(_RESP_HOLES, (rm != (col_r.unsqueeze(0) < rlen.unsqueeze(1))).any(1))
+        flag(_RESP_HOLES, torch.lt(rm[:, :-1], rm[:, 1:]).any(1))
     flag(_EMPTY_RESPONSE, rlen == 0)
 
     prompt_ids = input_ids[:, :Lp]
@@ -441,6 +441,14 @@ def _raise_flags(flags: Tensor, row_group: Tensor, Lp: int, Lr: int) -> None:
 def _same_device(name: str, t: Tensor, dev: torch.device) -> None:
     if t.device != dev:
         raise ValueError(f"pack_padded: {name} is on {t.device}, input_ids on {dev}")
+
+
+def _bool_mask(m: Tensor) -> Tuple[Tensor, Optional[Tensor]]:
+    """(m != 0, rows holding values other than 0/1 or None for a bool mask)."""
+    if m.dtype == torch.bool:
+        return m, None
+    b = m != 0
+    return b, (m != b.to(m.dtype)).any(1)
 
 
 def _lens_tensor(lens: Union[Tensor, Sequence[int]], B: int, dev: torch.device) -> Tensor:
@@ -553,7 +561,7 @@ def _factorize(keys: Tensor) -> Tuple[Tensor, Tensor]:
 
 def _prompt_mismatch(prompt_ids: Tensor, pm: Tensor, plen: Tensor, rep: Tensor) -> Tensor:
     """Per row: True if its prompt differs from the prompt of its group's first row."""
-    diff = (prompt_ids != prompt_ids[rep]) & pm
+    diff = torch.ne(prompt_ids, prompt_ids[rep]).logical_and_(pm)
     return (plen != plen[rep]) | diff.any(1)
 
 
@@ -563,8 +571,20 @@ def _gather_segments(flat_src: Tensor, seg_src: List[int], seg_lens: List[int], 
     src, lens = meta[0], meta[1]
     T = int(sum(seg_lens))
     starts = torch.cumsum(lens, 0) - lens
-    delta = torch.repeat_interleave(src - starts, lens, output_size=T)
-    return flat_src[torch.arange(T, device=dev) + delta]
+    seg = _segment_ids(lens, T)
+    return flat_src[torch.arange(T, device=dev) + (src - starts)[seg]]
+
+
+def _segment_ids(counts: Tensor, total: int) -> Tensor:
+    """Segment index of each of ``total`` elements, segment s having ``counts[s] >= 0`` elements.
+
+    The same as ``repeat_interleave(arange(S), counts, output_size=total)`` (no host sync because
+    ``total`` is given), built from a scatter and a cumsum, which is much faster on CPU.
+    """
+    starts = torch.cumsum(counts, 0) - counts
+    marks = torch.zeros(total + 1, dtype=torch.int64, device=counts.device)
+    marks.index_add_(0, starts, torch.ones_like(starts))  # empty segments share their successor's start
+    return marks[:total].cumsum(0) - 1
 
 
 def _finish(ids: Tensor, prompt_lens: List[int], group_rows: Tuple[Tuple[int, ...], ...],
@@ -581,7 +601,7 @@ def _finish(ids: Tensor, prompt_lens: List[int], group_rows: Tuple[Tuple[int, ..
     # per-row maps, vectorised over the (small) host tensors, then one host->device copy
     n_g = torch.tensor([len(rows) for rows in group_rows], dtype=torch.int64)
     rows_packed = torch.tensor([r for rows in group_rows for r in rows], dtype=torch.int64)
-    g_packed = torch.repeat_interleave(torch.arange(G, dtype=torch.int64), n_g)
+    g_packed = _segment_ids(n_g, B)
     j = torch.arange(B, dtype=torch.int64)
     seg_of_packed_row = j + g_packed + 1  # g + 1 prompts and j responses precede it
     prompt_seg = torch.arange(G, dtype=torch.int64) + (torch.cumsum(n_g, 0) - n_g)
