@@ -1,0 +1,357 @@
+"""Hugging Face transformers integration: ``attn_implementation="dualkv"``.
+
+Importing this module registers ``"dualkv"`` in transformers' ``AttentionInterface``. A model then
+runs on a packed micro-batch (``[prompt | resp_1 | ... | resp_N]`` per group, see
+:func:`dualkv.pack`) with the layout passed as a forward keyword::
+
+    import dualkv
+    from dualkv.integrations import transformers as dkt
+
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="dualkv")
+    dkt.guard(model)            # or: dkt.enable(model) on an already built model
+    packed = dualkv.pack(prompts, responses)
+    out = model.model(**dkt.model_inputs(packed))   # input_ids, position_ids, dualkv_layout, use_cache
+
+transformers forwards unknown keywords from ``model(...)`` down to the attention function, so the
+layout reaches every layer (with and without gradient checkpointing). No dense mask is built: the
+mask factory of transformers exits early for attention implementations that have no registered
+mask function, and "dualkv" registers none.
+
+The position-ids trap. A packed dualkv batch restarts positions at P for every response. A stock
+attention path (sdpa, eager, flash) ignores the layout keyword and infers sequence boundaries from
+position ids, so it would silently compute the wrong attention (responses after the first lose
+their prompt, or see each other). Guards:
+
+* a dualkv model called without a layout raises :class:`MissingLayoutError` (in the attention
+  function itself, so it holds for any model built with ``attn_implementation="dualkv"``);
+* :func:`guard` (installed by :func:`enable`) adds a forward pre-hook that raises
+  :class:`WrongAttentionError` when a layout is given to a model whose attention implementation is
+  not "dualkv" (e.g. after ``set_attn_implementation("sdpa")``), and when a stock-attention model
+  receives dualkv-style position ids (a restart at a position other than 0);
+* sliding-window attention and attention-logit softcapping raise :class:`dualkv.UnsupportedError`
+  ("not supported yet") in :func:`check_config` / :func:`enable` and in the attention function.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Any, Dict, Optional
+
+import torch
+
+from .._native import ArgumentError, DualKVError, UnsupportedError
+from ..layout import Layout
+from ..ops import attention as _dualkv_attention
+
+try:
+    from transformers import AttentionInterface as _AttentionInterface
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise ImportError("dualkv.integrations.transformers needs transformers >= 5.0 "
+                      "(pip install 'transformers>=5')") from exc
+
+__all__ = [
+    "ATTN_IMPLEMENTATION", "LAYOUT_KWARG", "DETERMINISTIC_KWARG", "TESTED_MODEL_TYPES",
+    "MissingLayoutError", "WrongAttentionError",
+    "register", "dualkv_attention_forward", "check_config", "check_model", "enable", "disable", "guard",
+    "is_enabled", "model_inputs",
+]
+
+#: the name to pass as ``attn_implementation``
+ATTN_IMPLEMENTATION = "dualkv"
+#: the forward keyword that carries the :class:`dualkv.Layout`
+LAYOUT_KWARG = "dualkv_layout"
+#: optional forward keyword: ``True`` makes attention's backward bit-reproducible
+DETERMINISTIC_KWARG = "dualkv_deterministic"
+#: model types whose equivalence with the unpacked computation is tested (others may work)
+TESTED_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3", "qwen3_moe", "mistral"})
+
+_HOOK_ATTR = "_dualkv_guard_handle"
+
+
+class MissingLayoutError(DualKVError, ValueError):
+    """A dualkv-attention model was called without ``dualkv_layout=``."""
+
+
+class WrongAttentionError(DualKVError, ValueError):
+    """A packed dualkv batch reached a model whose attention is not dualkv."""
+
+
+# ----------------------------------------------------------------------------------------------
+# the attention function
+# ----------------------------------------------------------------------------------------------
+
+def dualkv_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                             value: torch.Tensor, attention_mask: Optional[torch.Tensor],
+                             scaling: Optional[float] = None, dropout: float = 0.0,
+                             sliding_window: Optional[int] = None, softcap: Optional[float] = None,
+                             **kwargs: Any):
+    """The ``AttentionInterface`` function: query ``[1, H, T, D]``, key/value ``[1, Hk, T, D]``
+    (transformers' layout) -> ``([1, T, H, D], None)``; attention over ``kwargs["dualkv_layout"]``."""
+    layout = kwargs.get(LAYOUT_KWARG)
+    if layout is None:
+        raise MissingLayoutError(
+            f"dualkv attention needs the packed layout: call the model with {LAYOUT_KWARG}=<dualkv.Layout> "
+            "and the layout's position_ids (see dualkv.integrations.transformers.model_inputs). Without it the "
+            "shared-prompt structure is unknown; to run ordinary batches, switch the model back with "
+            "model.set_attn_implementation('sdpa').")
+    if not isinstance(layout, Layout):
+        raise TypeError(f"dualkv attention: {LAYOUT_KWARG} must be a dualkv.Layout, got {type(layout).__name__}")
+    if sliding_window is not None:
+        raise UnsupportedError(
+            f"dualkv attention: sliding-window attention (window {sliding_window}) is not supported yet; "
+            "use a configuration without a sliding window (e.g. sliding_window=None for Mistral)")
+    if softcap is not None or kwargs.get("s_aux") is not None:
+        raise UnsupportedError("dualkv attention: attention-logit softcapping and attention sinks are not "
+                               "supported yet")
+    if dropout and module.training:
+        raise UnsupportedError(f"dualkv attention: attention dropout ({dropout}) is not supported; set "
+                               "config.attention_dropout = 0.0")
+    if attention_mask is not None:
+        raise ArgumentError(
+            "dualkv attention: got an attention mask; the layout defines visibility, so pass attention_mask=None "
+            f"(a {type(attention_mask).__name__} of shape {tuple(getattr(attention_mask, 'shape', ()))} was built)")
+    if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
+        raise ArgumentError(f"dualkv attention: expected 4-D query/key/value [B, heads, T, D], got "
+                            f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}")
+    if query.shape[0] != 1:
+        raise ArgumentError(f"dualkv attention: a packed batch has batch size 1 (all groups in one row), got "
+                            f"{query.shape[0]}; use dualkv.pack to build input_ids [1, T]")
+    if key.shape[2] != query.shape[2]:
+        raise UnsupportedError(
+            f"dualkv attention: {key.shape[2]} keys for {query.shape[2]} queries; KV caches (generation) are "
+            "not supported, call the model with use_cache=False")
+    if query.shape[2] != layout.num_tokens:
+        raise ArgumentError(f"dualkv attention: the model got {query.shape[2]} tokens but the layout has "
+                            f"{layout.num_tokens}")
+    q = query[0].transpose(0, 1)  # [T, H, D], last dim contiguous
+    k = key[0].transpose(0, 1)
+    v = value[0].transpose(0, 1)
+    if k.dtype != q.dtype:
+        k = k.to(q.dtype)
+    if v.dtype != q.dtype:
+        v = v.to(q.dtype)
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if k.stride(-1) != 1:
+        k = k.contiguous()
+    if v.stride(-1) != 1:
+        v = v.contiguous()
+    if scaling is None:
+        scaling = getattr(module, "scaling", None)
+    out = _dualkv_attention(q, k, v, layout, softmax_scale=scaling,
+                            deterministic=bool(kwargs.get(DETERMINISTIC_KWARG, False)))
+    return out.unsqueeze(0), None
+
+
+def register() -> None:
+    """Register ``"dualkv"`` in transformers' global ``AttentionInterface`` (idempotent; done on
+    import). No mask function is registered on purpose: transformers then builds no mask at all."""
+    _AttentionInterface.register(ATTN_IMPLEMENTATION, dualkv_attention_forward)
+
+
+register()
+
+
+# ----------------------------------------------------------------------------------------------
+# configuration checks
+# ----------------------------------------------------------------------------------------------
+
+def _attn_impl(config) -> Optional[str]:
+    impl = getattr(config, "_attn_implementation", None)
+    if isinstance(impl, dict):  # composite models: the text part decides
+        impl = impl.get("text_config", impl.get("", None))
+    return impl
+
+
+def _sliding_window_in_use(config) -> Optional[int]:
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        if any("sliding" in str(t) for t in layer_types):
+            return window if window is not None else -1
+        return None  # a window value with no sliding layer (Qwen2/Qwen3 with max_window_layers) is inert
+    if getattr(config, "use_sliding_window", None) is False:
+        return None
+    return window
+
+
+def check_config(config) -> None:
+    """Raise :class:`dualkv.UnsupportedError` for features dualkv attention does not support yet:
+    sliding-window attention, attention-logit softcapping, attention sinks, attention dropout, a
+    non-causal model. Warns for model types outside :data:`TESTED_MODEL_TYPES`."""
+    text = getattr(config, "text_config", None) or config
+    name = getattr(text, "model_type", type(text).__name__)
+    window = _sliding_window_in_use(text)
+    if window is not None:
+        raise UnsupportedError(
+            f"dualkv: {name} uses sliding-window attention (sliding_window={window}); this is not supported yet. "
+            "If every sequence is shorter than the window the window is inert: set config.sliding_window = None "
+            "(Mistral v0.2+ checkpoints already do).")
+    if getattr(text, "attn_logit_softcapping", None) is not None:
+        raise UnsupportedError(f"dualkv: {name} uses attention-logit softcapping "
+                               f"({text.attn_logit_softcapping}); this is not supported yet")
+    if getattr(text, "final_logit_softcapping", None) is not None:
+        warnings.warn(f"dualkv: {name} softcaps its final logits; dualkv.response_logprobs does not apply "
+                      "final-logit softcapping, compute log-probs from model logits instead", stacklevel=3)
+    if float(getattr(text, "attention_dropout", 0.0) or 0.0) != 0.0:
+        raise UnsupportedError(f"dualkv: attention dropout ({text.attention_dropout}) is not supported; set "
+                               "config.attention_dropout = 0.0")
+    if not getattr(text, "is_causal", True):
+        raise UnsupportedError(f"dualkv: {name} is configured as non-causal; dualkv attention is causal")
+    if name not in TESTED_MODEL_TYPES:
+        warnings.warn(f"dualkv: model type {name!r} is not among the tested ones ({sorted(TESTED_MODEL_TYPES)}); "
+                      "check the packed model against the unpacked one before training", stacklevel=3)
+
+
+def is_enabled(model) -> bool:
+    """True if the model's attention implementation is dualkv."""
+    return _attn_impl(model.config) == ATTN_IMPLEMENTATION
+
+
+# ----------------------------------------------------------------------------------------------
+# the guard (forward pre-hook)
+# ----------------------------------------------------------------------------------------------
+
+def _dualkv_style_positions(position_ids: torch.Tensor) -> bool:
+    """True if positions restart at a value other than 0 (the signature of a shared-prompt packing;
+    ordinary packed batches restart at 0). One device sync; used only on the stock path."""
+    if position_ids.dim() == 3:  # M-RoPE style [3, B, T]: look at the first component
+        position_ids = position_ids[0]
+    if position_ids.dim() == 1:
+        position_ids = position_ids.unsqueeze(0)
+    if position_ids.shape[-1] < 2:
+        return False
+    step = position_ids[:, 1:] - position_ids[:, :-1]
+    restart = (step != 1) & (position_ids[:, 1:] != 0)
+    return bool(restart.any())
+
+
+def check_model(model, kwargs: Optional[Dict[str, Any]] = None, *, check_positions: bool = True) -> None:
+    """Raise if calling ``model(**kwargs)`` would mix a dualkv batch with the wrong attention.
+
+    * a layout is given but the model's attention implementation is not dualkv
+      -> :class:`WrongAttentionError`;
+    * the model uses dualkv attention but no layout is given -> :class:`MissingLayoutError`;
+    * the model uses dualkv attention, a layout is given but the token count disagrees
+      -> :class:`dualkv.ArgumentError`;
+    * ``check_positions`` and a stock-attention model gets position ids that restart at a non-zero
+      value (a dualkv packing) -> :class:`WrongAttentionError` (costs one device sync).
+
+    With ``kwargs=None`` only the model's configuration is checked (:func:`check_config` when
+    enabled).
+    """
+    enabled = is_enabled(model)
+    if kwargs is None:
+        if enabled:
+            check_config(model.config)
+        return
+    layout = kwargs.get(LAYOUT_KWARG)
+    impl = _attn_impl(model.config)
+    if layout is not None and not enabled:
+        raise WrongAttentionError(
+            f"a dualkv layout was passed to a model whose attention implementation is {impl!r}: that attention "
+            "ignores the layout and would let responses see each other or lose their prompt. Call "
+            "dualkv.integrations.transformers.enable(model) first.")
+    if enabled:
+        if layout is None:
+            raise MissingLayoutError(
+                f"the model uses dualkv attention but was called without {LAYOUT_KWARG}=; pass the packed batch's "
+                "layout (dualkv.integrations.transformers.model_inputs(packed)), or switch back with "
+                "dualkv.integrations.transformers.disable(model) for ordinary batches")
+        if not isinstance(layout, Layout):
+            raise TypeError(f"{LAYOUT_KWARG} must be a dualkv.Layout, got {type(layout).__name__}")
+        ids = kwargs.get("input_ids")
+        if ids is None:
+            ids = kwargs.get("inputs_embeds")
+        if ids is not None:
+            if ids.shape[0] != 1:
+                raise ArgumentError(f"a packed dualkv batch has batch size 1, got input of shape {tuple(ids.shape)}")
+            if ids.shape[1] != layout.num_tokens:
+                raise ArgumentError(f"the input has {ids.shape[1]} tokens but the layout has {layout.num_tokens}")
+        return
+    if check_positions:
+        pos = kwargs.get("position_ids")
+        if isinstance(pos, torch.Tensor) and _dualkv_style_positions(pos):
+            raise WrongAttentionError(
+                f"position ids restart at a non-zero value (a dualkv shared-prompt packing?) but the model's "
+                f"attention implementation is {impl!r}, which would infer wrong sequence boundaries from them. "
+                "Use dualkv.integrations.transformers.enable(model) and pass dualkv_layout=, or pass "
+                "check_positions=False to guard() if these positions are intended.")
+
+
+def _make_pre_hook(check_positions: bool):
+    def _pre_hook(module, args, kwargs):
+        if args:  # positional input_ids
+            kwargs = dict(kwargs)
+            kwargs.setdefault("input_ids", args[0])
+            check_model(module, kwargs, check_positions=check_positions)
+            return None
+        check_model(module, kwargs, check_positions=check_positions)
+        layout = kwargs.get(LAYOUT_KWARG)
+        if layout is not None and is_enabled(module):
+            changed = False
+            if kwargs.get("position_ids") is None:  # the layout knows the right RoPE positions
+                kwargs["position_ids"] = layout.position_ids.unsqueeze(0)
+                changed = True
+            if kwargs.get("use_cache") is None:  # no KV cache for a packed training batch
+                kwargs["use_cache"] = False
+                changed = True
+            if changed:
+                return args, kwargs
+        return None
+    return _pre_hook
+
+
+def guard(model, *, check_positions: bool = True):
+    """Install the forward pre-hook that runs :func:`check_model` on every call (idempotent).
+
+    With a layout on a dualkv model, missing ``position_ids`` are filled from the layout and
+    ``use_cache`` defaults to False. Works on the top-level model (``...ForCausalLM``) and on its
+    base model. Returns the model.
+    """
+    old = getattr(model, _HOOK_ATTR, None)
+    if old is not None:
+        old.remove()
+    handle = model.register_forward_pre_hook(_make_pre_hook(check_positions), with_kwargs=True)
+    object.__setattr__(model, _HOOK_ATTR, handle)
+    base = getattr(model, "base_model", None)
+    if base is not None and base is not model:  # calls to model.model(...) are guarded too
+        old = getattr(base, _HOOK_ATTR, None)
+        if old is not None:
+            old.remove()
+        object.__setattr__(base, _HOOK_ATTR,
+                           base.register_forward_pre_hook(_make_pre_hook(check_positions), with_kwargs=True))
+    return model
+
+
+def enable(model, *, check_positions: bool = True):
+    """Switch a built model to dualkv attention and install :func:`guard`. Raises
+    :class:`dualkv.UnsupportedError` for unsupported configurations. Returns the model."""
+    check_config(model.config)
+    register()
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    return guard(model, check_positions=check_positions)
+
+
+def disable(model, attn_implementation: str = "sdpa"):
+    """Switch the model back to a stock attention implementation; the guard stays installed, so a
+    dualkv batch passed by mistake still raises. Returns the model."""
+    model.set_attn_implementation(attn_implementation)
+    return model
+
+
+def model_inputs(packed, layout: Optional[Layout] = None) -> Dict[str, Any]:
+    """Forward keywords for a packed batch: ``input_ids [1, T]``, ``position_ids [1, T]``,
+    ``dualkv_layout`` and ``use_cache=False``.
+
+    ``packed`` is a :class:`dualkv.PackedBatch`, or a ``[1, T]`` / ``[T]`` token tensor together with
+    ``layout``.
+    """
+    if layout is None:
+        ids, pos, layout = packed.input_ids, packed.position_ids, packed.layout
+    else:
+        ids = packed if packed.dim() == 2 else packed.unsqueeze(0)
+        lay = layout.to(ids.device)
+        pos, layout = lay.position_ids.unsqueeze(0), lay
+    if pos.dim() == 1:
+        pos = pos.unsqueeze(0)
+    return {"input_ids": ids, "position_ids": pos, LAYOUT_KWARG: layout, "use_cache": False}

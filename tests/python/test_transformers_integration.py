@@ -1,0 +1,258 @@
+"""attn_implementation="dualkv" in transformers: the packed model equals the unpacked one.
+
+For tiny random Llama, Qwen2, Qwen3, Qwen3-MoE and Mistral models in fp32: the logits of every
+token of every unpacked row, the per-token response log-probs, the GRPO loss and EVERY parameter
+gradient of the packed dualkv model equal those of the stock model (eager or sdpa) run on the
+unpacked N x (P + R) batch. Plus the position-ids guards, gradient checkpointing and torch.compile.
+"""
+import copy
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import dualkv  # noqa: E402
+from dualkv.grpo import group_advantages, policy_loss  # noqa: E402
+from dualkv.integrations import transformers as dkt  # noqa: E402
+from dualkv.logprobs import response_logprobs  # noqa: E402
+from dualkv.packing import pack  # noqa: E402
+from dualkv.reference import unpacked_groups  # noqa: E402
+
+VOCAB = 96
+COMMON = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              vocab_size=VOCAB, max_position_embeddings=128, attention_dropout=0.0, use_cache=False)
+
+
+def make_config(kind: str):
+    if kind == "llama":
+        return transformers.LlamaConfig(**COMMON, head_dim=8)
+    if kind == "qwen2":
+        return transformers.Qwen2Config(**COMMON)  # q/k/v biases
+    if kind == "qwen3":
+        return transformers.Qwen3Config(**COMMON, head_dim=8)
+    if kind == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(**COMMON, head_dim=8, num_experts=4, num_experts_per_tok=2,
+                                           moe_intermediate_size=16, decoder_sparse_step=1)
+    if kind == "mistral":
+        return transformers.MistralConfig(**COMMON, head_dim=8, sliding_window=None)
+    raise ValueError(kind)
+
+
+def make_model(kind: str, attn: str = "sdpa", seed: int = 0):
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(make_config(kind), attn_implementation=attn)
+    model = model.float().train()
+    with torch.no_grad():  # random norms and biases, so that every parameter matters
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+PROMPTS = [7, 4, 9]
+RESPONSES = [[3, 1, 5], [4, 2], [1, 6, 2, 3]]  # includes 1-token responses
+
+
+def rollouts(seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, VOCAB, (p,), generator=g) for p in PROMPTS]
+    responses = [[torch.randint(0, VOCAB, (r,), generator=g) for r in rs] for rs in RESPONSES]
+    return prompts, responses
+
+
+def padded(prompts, responses):
+    rows = [(p, r) for p, rs in zip(prompts, responses) for r in rs]
+    L = max(p.numel() + r.numel() for p, r in rows)
+    ids = torch.zeros(len(rows), L, dtype=torch.long)
+    for b, (p, r) in enumerate(rows):
+        ids[b, :p.numel() + r.numel()] = torch.cat([p, r])
+    return ids, rows
+
+
+def std_logprobs_from_logits(logits, rows, r_max):
+    """Plain per-token log-probs of each row's response from full [B, L, V] logits."""
+    out = torch.zeros(len(rows), r_max, dtype=torch.float32)
+    cols = []
+    for b, (p, r) in enumerate(rows):
+        P, R = p.numel(), r.numel()
+        lp = torch.log_softmax(logits[b, P - 1:P + R - 1].float(), dim=-1)
+        cols.append(lp.gather(1, r.unsqueeze(1)).squeeze(1))
+        out = out.index_put((torch.full((R,), b), torch.arange(R)), cols[-1])
+    return out
+
+
+def rel_err(a, b):
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+@pytest.mark.parametrize("kind,attn", [("llama", "eager"), ("qwen2", "sdpa"), ("qwen3", "sdpa"),
+                                       ("qwen3_moe", "eager"), ("mistral", "sdpa")])
+def test_packed_equals_unpacked(kind, attn):
+    std = make_model(kind, attn)
+    dk = dkt.enable(copy.deepcopy(std))
+    assert dkt.is_enabled(dk) and not dkt.is_enabled(std)
+    prompts, responses = rollouts()
+    packed = pack(prompts, responses)
+    ids, rows = padded(prompts, responses)
+    B, R_max = len(rows), packed.max_response_len
+    mask = packed.response_mask()
+
+    # 1. logits of every real token of every unpacked row (prompt and response positions)
+    out_std = std(input_ids=ids, use_cache=False)
+    out_dk = dk(**dkt.model_inputs(packed), output_hidden_states=True)
+    for b, idx in enumerate(unpacked_groups(packed.layout)):
+        n = idx.numel()
+        torch.testing.assert_close(out_dk.logits[0, idx], out_std.logits[b, :n], rtol=1e-5, atol=1e-5)
+
+    # 2. per-token log-probs: plain log-softmax on the unpacked logits vs the fused packed routine
+    lp_std = std_logprobs_from_logits(out_std.logits, rows, R_max)
+    hidden = out_dk.hidden_states[-1]
+    lp_dk = response_logprobs(hidden, dk.lm_head.weight, packed)
+    torch.testing.assert_close(lp_dk, lp_std, rtol=1e-5, atol=1e-5)
+    assert bool((lp_dk[~mask] == 0).all())
+
+    # 3. GRPO loss and every parameter gradient
+    g = torch.Generator().manual_seed(3)
+    old = (lp_std.detach() + 0.3 * torch.randn(lp_std.shape, generator=g)) * mask  # some clipping
+    adv = group_advantages(torch.randn(B, generator=g), packed.row_group)
+    loss_std, m_std = policy_loss(lp_std, old, adv, mask, clip_high=0.28)
+    loss_dk, m_dk = policy_loss(lp_dk, old, adv, mask, clip_high=0.28)
+    assert 0 < m_std["clip_frac"] < 1 and m_std["clip_frac"] == m_dk["clip_frac"]
+    assert abs(loss_std.item() - loss_dk.item()) <= 1e-5 * max(1.0, abs(loss_std.item()))
+    loss_std.backward()
+    loss_dk.backward()
+    grads_dk = dict(dk.named_parameters())
+    checked = 0
+    for name, p in std.named_parameters():
+        q = grads_dk[name]
+        if p.grad is None:
+            assert q.grad is None or float(q.grad.abs().max()) == 0.0, name
+            continue
+        assert q.grad is not None, name
+        assert rel_err(q.grad, p.grad) <= 1e-5, (name, rel_err(q.grad, p.grad))
+        checked += 1
+    assert checked >= len(list(std.parameters())) - 1  # every parameter that has a gradient
+
+
+def test_position_ids_filled_from_layout_and_kernel_kwargs():
+    dk = dkt.enable(make_model("qwen3"))
+    prompts, responses = rollouts()
+    packed = pack(prompts, responses)
+    full = dk(**dkt.model_inputs(packed)).logits
+    auto = dk(input_ids=packed.input_ids, dualkv_layout=packed.layout).logits  # hook fills position_ids
+    torch.testing.assert_close(auto, full, rtol=0, atol=0)
+    det = dk(**dkt.model_inputs(packed), dualkv_deterministic=True).logits
+    torch.testing.assert_close(det, full, rtol=1e-6, atol=1e-6)
+    # model_inputs from a token tensor and a layout
+    kw = dkt.model_inputs(packed.input_ids[0], packed.layout)
+    assert kw["input_ids"].shape == (1, packed.num_tokens) and kw["position_ids"].shape == (1, packed.num_tokens)
+    torch.testing.assert_close(dk(**kw).logits, full, rtol=0, atol=0)
+
+
+def test_guard_missing_layout():
+    dk = dkt.enable(make_model("llama"))
+    ids = torch.randint(0, VOCAB, (1, 10))
+    with pytest.raises(dkt.MissingLayoutError, match="dualkv_layout"):
+        dk(input_ids=ids)
+    # a model built directly with attn_implementation="dualkv" (no hook) raises in the attention function
+    raw = make_model("qwen3", attn="dualkv")
+    with pytest.raises(dkt.MissingLayoutError, match="dualkv_layout"):
+        raw(input_ids=ids)
+
+
+def test_guard_layout_on_stock_attention():
+    prompts, responses = rollouts()
+    packed = pack(prompts, responses)
+    std = dkt.guard(make_model("qwen3", "sdpa"))
+    with pytest.raises(dkt.WrongAttentionError, match="enable"):
+        std(**dkt.model_inputs(packed))
+    with pytest.raises(dkt.WrongAttentionError):
+        std.model(**dkt.model_inputs(packed))  # the base model is guarded too
+    # the shared-prompt position ids alone (no layout) on a stock path: the silent trap
+    with pytest.raises(dkt.WrongAttentionError, match="restart"):
+        std(input_ids=packed.input_ids, position_ids=packed.position_ids)
+    # ordinary packing (restarts at 0) and plain batches stay allowed
+    std(input_ids=packed.input_ids[:, :8], position_ids=torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2]]))
+    std(input_ids=torch.randint(0, VOCAB, (2, 6)))
+    # a dualkv model switched back to stock attention keeps its guard
+    dk = dkt.enable(make_model("qwen3"))
+    dk(**dkt.model_inputs(packed))
+    dkt.disable(dk)
+    with pytest.raises(dkt.WrongAttentionError):
+        dk(**dkt.model_inputs(packed))
+    with pytest.raises(dkt.WrongAttentionError):
+        dkt.check_model(dk, {"dualkv_layout": packed.layout})
+
+
+def test_guard_bad_batches():
+    dk = dkt.enable(make_model("qwen3"))
+    prompts, responses = rollouts()
+    packed = pack(prompts, responses)
+    kw = dkt.model_inputs(packed)
+    with pytest.raises(dualkv.ArgumentError, match="layout has"):
+        dk(**dict(kw, input_ids=kw["input_ids"][:, :-1], position_ids=kw["position_ids"][:, :-1]))
+    with pytest.raises(dualkv.ArgumentError, match="batch size 1"):
+        dk(**dict(kw, input_ids=kw["input_ids"].expand(2, -1), position_ids=kw["position_ids"].expand(2, -1)))
+    with pytest.raises(TypeError, match="dualkv.Layout"):
+        dk(**dict(kw, dualkv_layout="not a layout"))
+
+
+def test_unsupported_configs():
+    with pytest.raises(dualkv.UnsupportedError, match="sliding-window attention.*not supported yet"):
+        dkt.check_config(transformers.MistralConfig(**COMMON, sliding_window=16))
+    m = make_model("mistral")
+    m.config.sliding_window = 16
+    with pytest.raises(dualkv.UnsupportedError, match="not supported yet"):
+        dkt.enable(m)
+    qwen2 = transformers.Qwen2Config(**COMMON, use_sliding_window=True, sliding_window=16, max_window_layers=1)
+    with pytest.raises(dualkv.UnsupportedError, match="sliding"):
+        dkt.check_config(qwen2)
+    dkt.check_config(transformers.Qwen2Config(**COMMON))  # window value present but not in use: fine
+    cfg = make_config("qwen3")
+    cfg.attn_logit_softcapping = 50.0
+    with pytest.raises(dualkv.UnsupportedError, match="softcapping.*not supported yet"):
+        dkt.check_config(cfg)
+    with pytest.raises(dualkv.UnsupportedError, match="not supported yet"):
+        dkt.check_config(transformers.Gemma2Config(**COMMON, head_dim=8))
+    # a model built directly with attn_implementation="dualkv" and a window: the attention function raises
+    torch.manual_seed(0)
+    raw = transformers.AutoModelForCausalLM.from_config(
+        transformers.MistralConfig(**COMMON, head_dim=8, sliding_window=16), attn_implementation="dualkv")
+    packed = pack(*rollouts())
+    with pytest.raises(dualkv.UnsupportedError, match="sliding-window"):
+        raw(**dkt.model_inputs(packed))
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_gradient_checkpointing(reentrant):
+    base = dkt.enable(make_model("qwen3"))
+    ckpt = copy.deepcopy(base)
+    ckpt.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    dkt.guard(ckpt)
+    prompts, responses = rollouts()
+    packed = pack(prompts, responses)
+    for m in (base, ckpt):
+        out = m.model(**dkt.model_inputs(packed))
+        lp = response_logprobs(out.last_hidden_state, m.lm_head.weight, packed)
+        (lp * packed.response_mask()).sum().backward()
+    for (name, p), q in zip(base.named_parameters(), ckpt.parameters()):
+        assert q.grad is not None, name
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-6, atol=1e-7)
+
+
+def test_torch_compile_fullgraph():
+    """The whole HF model compiles with fullgraph=True (aot_eager backend: dynamo + AOTAutograd, no C++
+    codegen, to keep the test fast on CPU); outputs and gradients equal eager mode."""
+    torch._dynamo.reset()
+    eager = dkt.enable(make_model("qwen3"))
+    comp_model = copy.deepcopy(eager)
+    compiled = torch.compile(comp_model, backend="aot_eager", fullgraph=True)
+    packed = pack(*rollouts())
+    ref = eager(**dkt.model_inputs(packed)).logits
+    out = compiled(**dkt.model_inputs(packed)).logits
+    torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
+    ref.square().mean().backward()
+    out.square().mean().backward()
+    for (name, p), q in zip(eager.named_parameters(), comp_model.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-7, msg=name)
