@@ -1,0 +1,402 @@
+"""``python -m dualkv demo``: one GRPO policy update computed the standard way and with dualkv.
+
+Nothing is downloaded: the model is a Qwen3-shaped causal LM with random weights built from a
+``Qwen3Config`` (``tiny`` for the CPU, ``0.6b`` / ``1.7b`` shapes for a GPU), the rollouts are
+synthetic groups with variable prompt and response lengths.
+
+* **standard**: the N·(P+R) view. One right-padded row per response (``prompt + response + pad``),
+  stock SDPA attention with ``is_causal`` and no mask (right padding is never seen by a real token
+  under causal attention, so the response positions are exact), log-probs computed only at the
+  positions that predict response tokens.
+* **dualkv**: the same weights on the packed ``[prompt | resp_1 | ... | resp_N]`` stream
+  (P + ΣR_i tokens per group), ``attn_implementation="dualkv"``, log-probs by
+  :func:`dualkv.logprobs.response_logprobs` (the first token of every response from the shared
+  last prompt position).
+
+Both use the same fused log-prob routine (the standard one on its unpacked, unpadded tokens) and the
+same GRPO loss (:func:`dualkv.grpo.policy_loss`), so the differences printed are those of the
+packing and the attention. A policy update here is forward + backward (the optimizer step is the
+same for both and left out). The demo checks its own equivalence and exits non-zero if the
+differences exceed the tolerance (see :data:`TOLERANCES`).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import math
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+__all__ = ["MODEL_SIZES", "TOLERANCES", "Rollouts", "qwen3_config", "make_rollouts", "build_model",
+           "padded_batch", "standard_logprobs", "dualkv_logprobs", "grad_vector", "run_demo", "main"]
+
+#: Qwen3-shaped configurations (random weights). ``tiny`` runs on a CPU in seconds.
+MODEL_SIZES: Dict[str, Dict] = {
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, vocab_size=512, tie_word_embeddings=False),
+    "0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                 num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True),
+    "1.7b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
+                 num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True),
+    "4b": dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
+               num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True),
+    "8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+               num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=False),
+}
+
+#: Equivalence bounds of the demo's self-check, per compute dtype:
+#: (max |Δ log-prob|, |Δ loss| / max(1, |loss|), ||Δ grad|| / ||grad||).
+#: fp32/fp64: both paths are exact up to summation order. bf16/fp16: the two paths run different
+#: attention kernels and different token counts through bf16 matmuls, so they differ by bf16 noise
+#: (the H200 anchor measured up to 0.12-0.24 max |Δ log-prob| between two correct bf16 attention
+#: kernels on random 1.7B/8B models); the bounds sit above that noise and far below what a wrong
+#: mask gives (a response seeing another one, or losing its prompt, moves log-probs by O(1)).
+TOLERANCES: Dict[torch.dtype, Tuple[float, float, float]] = {
+    torch.float64: (1e-8, 1e-9, 1e-9),
+    torch.float32: (1e-4, 1e-5, 1e-5),
+    torch.bfloat16: (0.5, 2e-2, 5e-2),
+    torch.float16: (0.25, 1e-2, 2e-2),
+}
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16, "float64": torch.float64, "fp64": torch.float64}
+
+
+def qwen3_config(size: str = "tiny", **overrides):
+    """A ``Qwen3Config`` of one of :data:`MODEL_SIZES` (plus ``overrides``)."""
+    from transformers import Qwen3Config
+    if size not in MODEL_SIZES:
+        raise ValueError(f"unknown model size {size!r}; one of {sorted(MODEL_SIZES)}")
+    kw = dict(MODEL_SIZES[size], rope_theta=1e6, rms_norm_eps=1e-6, max_position_embeddings=65536,
+              attention_dropout=0.0, use_cache=False)
+    kw.update(overrides)
+    cfg = Qwen3Config(**kw)
+    if getattr(cfg, "rope_parameters", None) is not None and "rope_theta" in kw:
+        cfg.rope_parameters["rope_theta"] = kw["rope_theta"]
+    return cfg
+
+
+def build_model(config, device, dtype, seed: int = 0, attn_implementation: str = "sdpa"):
+    """A causal LM with random weights (deterministic in ``seed``), on ``device`` in ``dtype``."""
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation,
+                                             dtype=torch.float32)
+    return model.to(device=device, dtype=dtype)
+
+
+@dataclass
+class Rollouts:
+    """Synthetic GRPO rollouts: ``prompts[g]`` and ``responses[g][i]`` (1-D token tensors on the
+    CPU), one reward per response (rows numbered group by group)."""
+    prompts: List[torch.Tensor]
+    responses: List[List[torch.Tensor]]
+    rewards: torch.Tensor
+    group_ids: torch.Tensor
+
+    @property
+    def prompt_lens(self) -> List[int]:
+        return [int(p.numel()) for p in self.prompts]
+
+    @property
+    def response_lens(self) -> List[List[int]]:
+        return [[int(r.numel()) for r in rs] for rs in self.responses]
+
+    def row_lens(self) -> Tuple[List[int], List[int]]:
+        """(prompt length, response length) of every row."""
+        P, R = [], []
+        for p, rs in zip(self.prompt_lens, self.response_lens):
+            P += [p] * len(rs)
+            R += rs
+        return P, R
+
+    @property
+    def unpacked_tokens(self) -> int:
+        P, R = self.row_lens()
+        return sum(P) + sum(R)
+
+    @property
+    def packed_tokens(self) -> int:
+        return sum(self.prompt_lens) + sum(sum(rs) for rs in self.response_lens)
+
+
+def make_rollouts(groups: int, n: int, prompt_len: int, response_len: int, vocab: int, seed: int = 0,
+                  vary: bool = True) -> Rollouts:
+    """``groups`` groups of ``n`` responses; with ``vary``, prompt lengths are uniform in
+    [3P/4, P] and response lengths in [R/4, R] (at least 1 token); rewards are 0/1."""
+    g = torch.Generator().manual_seed(seed)
+
+    def length(hi: int, lo: int) -> int:
+        lo = max(1, min(lo, hi))
+        return int(torch.randint(lo, hi + 1, (1,), generator=g)) if vary else hi
+
+    prompts, responses = [], []
+    for _ in range(groups):
+        prompts.append(torch.randint(0, vocab, (length(prompt_len, (3 * prompt_len) // 4),), generator=g))
+        responses.append([torch.randint(0, vocab, (length(response_len, response_len // 4),), generator=g)
+                          for _ in range(n)])
+    rewards = torch.randint(0, 2, (groups * n,), generator=g).float()
+    group_ids = torch.arange(groups).repeat_interleave(n)
+    return Rollouts(prompts, responses, rewards, group_ids)
+
+
+# ----------------------------------------------------------------------------------------------
+# the two ways to compute response log-probs
+# ----------------------------------------------------------------------------------------------
+
+def padded_batch(rollouts: Rollouts, device) -> Dict[str, torch.Tensor]:
+    """The unpacked view: ``input_ids [B, max(P+R)]`` (right-padded with token 0), ``valid [B, L]``."""
+    P, R = rollouts.row_lens()
+    L = max(p + r for p, r in zip(P, R))
+    B = len(P)
+    ids = torch.zeros(B, L, dtype=torch.long)
+    b = 0
+    for p, rs in zip(rollouts.prompts, rollouts.responses):
+        for r in rs:
+            ids[b, :p.numel()] = p
+            ids[b, p.numel():p.numel() + r.numel()] = r
+            b += 1
+    lens = torch.tensor([p + r for p, r in zip(P, R)])
+    valid = torch.arange(L).unsqueeze(0) < lens.unsqueeze(1)
+    return {"input_ids": ids.to(device), "valid": valid.to(device)}
+
+
+def _unshared_pack(rollouts: Rollouts, device):
+    """PackedBatch of the unpacked rows (each response with its own prompt copy): the token order of
+    the real tokens of :func:`padded_batch`, row after row."""
+    from .packing import pack
+    prompts, responses = [], []
+    for p, rs in zip(rollouts.prompts, rollouts.responses):
+        for r in rs:
+            prompts.append(p.to(device))
+            responses.append([r.to(device)])
+    return pack(prompts, responses)
+
+
+def standard_logprobs(model, batch: Dict[str, torch.Tensor], rows_packed, chunk_size: Optional[int] = None):
+    """Response log-probs ``[B, R_max]`` the standard way: the model on the right-padded unpacked
+    batch (stock attention, causal, no mask), then log-probs at the response-predicting positions
+    of the real tokens only (same fused routine as the dualkv path)."""
+    from .logprobs import response_logprobs
+    out = model.model(input_ids=batch["input_ids"], use_cache=False)
+    hidden = out.last_hidden_state[batch["valid"]]  # [sum(P+R), d], row after row
+    return response_logprobs(hidden, model.lm_head.weight, rows_packed, chunk_size=chunk_size)
+
+
+def dualkv_logprobs(model, packed, chunk_size: Optional[int] = None):
+    """Response log-probs ``[B, R_max]`` of the packed batch with dualkv attention."""
+    from .integrations.transformers import model_inputs
+    from .logprobs import response_logprobs
+    out = model.model(**model_inputs(packed))
+    return response_logprobs(out.last_hidden_state, model.lm_head.weight, packed, chunk_size=chunk_size)
+
+
+def grad_vector(model) -> torch.Tensor:
+    """All parameter gradients, flattened into one float32 vector (zeros where a gradient is None)."""
+    parts = []
+    for p in model.parameters():
+        g = p.grad
+        parts.append((g if g is not None else torch.zeros_like(p)).detach().reshape(-1).float())
+    return torch.cat(parts)
+
+
+# ----------------------------------------------------------------------------------------------
+# the demo
+# ----------------------------------------------------------------------------------------------
+
+def _progress(iterable, desc: str, quiet: bool):
+    if quiet:
+        return iterable
+    try:
+        from tqdm.auto import tqdm
+        return tqdm(iterable, desc=desc, leave=False, dynamic_ncols=True)
+    except ImportError:  # pragma: no cover
+        print(f"  {desc} ...", flush=True)
+        return iterable
+
+
+class _Timer:
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def __enter__(self):
+        if self.cuda:
+            self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self.start.record()
+        else:
+            self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        if self.cuda:
+            self.end.record()
+            self.end.synchronize()
+            self.seconds = self.start.elapsed_time(self.end) / 1e3
+        else:
+            self.seconds = time.perf_counter() - self.t0
+
+
+def _defaults(args) -> None:
+    cuda = args.device.startswith("cuda")
+    if args.model_size is None:
+        args.model_size = "0.6b" if cuda else "tiny"
+    small = args.model_size == "tiny"
+    if args.dtype is None:
+        args.dtype = "bfloat16" if cuda else "float32"
+    for name, cpu_value, gpu_value in (("groups", 3, 2), ("n", 4, 16), ("prompt_len", 48, 2048),
+                                       ("response_len", 24, 512)):
+        if getattr(args, name) is None:
+            setattr(args, name, cpu_value if small else gpu_value)
+    if args.gradient_checkpointing is None:
+        args.gradient_checkpointing = cuda and not small
+
+
+def run_demo(args) -> Dict:
+    """Run the demo for parsed ``args`` (see :func:`main`); returns the measured numbers and
+    ``ok`` (the equivalence check)."""
+    from .grpo import group_advantages, policy_loss
+    from .integrations import transformers as dkt
+    from .packing import pack
+
+    _defaults(args)
+    device = torch.device(args.device)
+    dtype = _DTYPES[args.dtype]
+    say = (lambda *a: None) if args.quiet else (lambda *a: print(*a, flush=True))
+    cfg = qwen3_config(args.model_size)
+    model = build_model(cfg, device, dtype, seed=args.seed, attn_implementation="sdpa")
+    model.train()
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    dkt.guard(model)
+    n_params = sum(p.numel() for p in model.parameters())
+
+    ro = make_rollouts(args.groups, args.n, args.prompt_len, args.response_len, cfg.vocab_size, seed=args.seed + 1)
+    batch = padded_batch(ro, device)
+    rows_packed = _unshared_pack(ro, device)
+    packed = pack([p.to(device) for p in ro.prompts], [[r.to(device) for r in rs] for rs in ro.responses])
+    mask = packed.response_mask()
+    adv = group_advantages(ro.rewards.to(device), ro.group_ids.to(device))
+    B, L = batch["input_ids"].shape
+    rho = ro.unpacked_tokens / ro.packed_tokens
+    say(f"dualkv demo: Qwen3-shaped {args.model_size} ({n_params / 1e6:.1f}M params, random weights), {device}, "
+        f"{args.dtype}, gradient checkpointing {'on' if args.gradient_checkpointing else 'off'}")
+    say(f"  rollouts: {args.groups} groups x N={args.n}, P<={args.prompt_len}, R<={args.response_len}  "
+        f"(prompts {ro.prompt_lens}, responses {min(min(r) for r in ro.response_lens)}.."
+        f"{max(max(r) for r in ro.response_lens)})")
+    say(f"  tokens: standard {ro.unpacked_tokens} real ({B}x{L} = {B * L} padded)  |  dualkv packed "
+        f"{ro.packed_tokens}  ->  rho = {rho:.2f}")
+
+    with torch.no_grad():  # the "old" policy: current log-probs plus a little noise (a stale policy)
+        dkt.disable(model)
+        old = standard_logprobs(model, batch, rows_packed)
+        noise = torch.randn(old.shape, generator=torch.Generator().manual_seed(args.seed + 2)).to(device)
+        old = torch.where(mask, old + 0.05 * noise, torch.zeros_like(old))
+
+    def update(path: str):
+        model.zero_grad(set_to_none=True)
+        if path == "standard":
+            logp = standard_logprobs(model, batch, rows_packed)
+        else:
+            logp = dualkv_logprobs(model, packed)
+        loss, metrics = policy_loss(logp, old, adv, mask, clip_low=args.clip_low, clip_high=args.clip_high)
+        loss.backward()
+        return logp.detach(), loss.detach(), metrics
+
+    results: Dict[str, Dict] = {}
+    grads: Dict[str, torch.Tensor] = {}
+    for path in ("standard", "dualkv"):
+        if path == "standard":
+            dkt.disable(model, "sdpa")
+        else:
+            dkt.enable(model)
+        times, peak = [], None
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+        for step in _progress(range(args.steps + 1), f"{path:>8}", args.quiet):
+            with _Timer(device) as t:
+                logp, loss, metrics = update(path)
+            if step == 0:  # warm-up, and the values compared below
+                grads[path] = grad_vector(model).cpu()
+                results[path] = {"logp": logp.float().cpu(), "loss": float(loss), "metrics": metrics}
+            else:
+                times.append(t.seconds)
+        if device.type == "cuda":
+            peak = torch.cuda.max_memory_allocated(device) / 2**30
+        results[path]["seconds"] = statistics.median(times) if times else float("nan")
+        results[path]["peak_gib"] = peak
+        model.zero_grad(set_to_none=True)
+
+    m = mask.cpu()
+    d_logp = (results["standard"]["logp"] - results["dualkv"]["logp"]).abs()[m]
+    max_dlogp = float(d_logp.max())
+    mean_dlogp = float(d_logp.mean())
+    loss_s, loss_d = results["standard"]["loss"], results["dualkv"]["loss"]
+    d_loss = abs(loss_s - loss_d)
+    g_norm = float(grads["standard"].norm())
+    rel_grad = float((grads["standard"] - grads["dualkv"]).norm()) / max(g_norm, 1e-30)
+    tol = TOLERANCES[dtype]
+    ok = (max_dlogp <= tol[0] and d_loss / max(1.0, abs(loss_s)) <= tol[1] and rel_grad <= tol[2]
+          and math.isfinite(loss_d))
+    t_s, t_d = results["standard"]["seconds"], results["dualkv"]["seconds"]
+    say("")
+    say(f"  {'':<22}{'standard':>14}{'dualkv':>14}")
+    say(f"  {'tokens through model':<22}{B * L:>14}{ro.packed_tokens:>14}")
+    say(f"  {'loss':<22}{loss_s:>14.6g}{loss_d:>14.6g}")
+    say(f"  {'clip fraction':<22}{results['standard']['metrics']['clip_frac']:>14.4f}"
+        f"{results['dualkv']['metrics']['clip_frac']:>14.4f}")
+    say(f"  {'time / update (s)':<22}{t_s:>14.4f}{t_d:>14.4f}")
+    if device.type == "cuda":
+        say(f"  {'peak memory (GiB)':<22}{results['standard']['peak_gib']:>14.2f}{results['dualkv']['peak_gib']:>14.2f}")
+    say("")
+    say(f"  rho (token compression)         {rho:.2f}")
+    say(f"  speedup (standard / dualkv)     {t_s / t_d:.2f}x  (median of {args.steps} updates after a warm-up)")
+    say(f"  max |delta log-prob|            {max_dlogp:.3e}   (bound {tol[0]:.0e}; mean {mean_dlogp:.2e})")
+    say(f"  |delta loss|                    {d_loss:.3e}   (bound {tol[1]:.0e} x max(1, |loss|))")
+    say(f"  grad diff norm / grad norm      {rel_grad:.3e}   (bound {tol[2]:.0e}; {grads['standard'].numel()} "
+        "gradient entries)")
+    say(f"  equivalence check: {'PASSED' if ok else 'FAILED'} ({args.dtype} tolerances)")
+    return {"ok": ok, "rho": rho, "max_dlogp": max_dlogp, "mean_dlogp": mean_dlogp, "d_loss": d_loss,
+            "rel_grad": rel_grad, "seconds_standard": t_s, "seconds_dualkv": t_d,
+            "speedup": t_s / t_d if t_d > 0 else float("nan"),
+            "peak_gib_standard": results["standard"]["peak_gib"], "peak_gib_dualkv": results["dualkv"]["peak_gib"],
+            "tokens_standard_padded": B * L, "tokens_standard_real": ro.unpacked_tokens,
+            "tokens_packed": ro.packed_tokens, "loss_standard": loss_s, "loss_dualkv": loss_d}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model-size", choices=sorted(MODEL_SIZES), default=None,
+                        help="Qwen3-shaped config with random weights (default: tiny on cpu, 0.6b on cuda)")
+    parser.add_argument("--groups", type=int, default=None, help="prompt groups (default 3 cpu / 2 gpu)")
+    parser.add_argument("-N", "--n", type=int, default=None, help="responses per group (default 4 / 16)")
+    parser.add_argument("-P", "--prompt-len", type=int, default=None, help="max prompt length (default 48 / 2048)")
+    parser.add_argument("-R", "--response-len", type=int, default=None,
+                        help="max response length (default 24 / 512)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", choices=sorted(_DTYPES), default=None,
+                        help="default float32 on cpu, bfloat16 on cuda")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--steps", type=int, default=3, help="timed updates per path (after one warm-up)")
+    parser.add_argument("--clip-low", type=float, default=0.2)
+    parser.add_argument("--clip-high", type=float, default=0.28, help="DAPO clip-higher (default 0.28)")
+    parser.add_argument("--gradient-checkpointing", dest="gradient_checkpointing", action="store_true",
+                        default=None, help="default: on for GPU model sizes")
+    parser.add_argument("--no-gradient-checkpointing", dest="gradient_checkpointing", action="store_false")
+    parser.add_argument("--quiet", action="store_true", help="no progress bars or table")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m dualkv demo", description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    res = run_demo(args)
+    return 0 if res["ok"] else 1
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
