@@ -38,6 +38,63 @@ struct HostLayout {
   }
 };
 
+// Params for contiguous [T, heads, D] operands on the CPU backend.
+inline dualkv_fwd_params contiguous_fwd_params(const HostLayout& layout, int32_t dtype, int H, int Hk, int D,
+                                               double scale, const void* q, const void* k, const void* v,
+                                               void* out, void* lse) {
+  dualkv_fwd_params f{};
+  f.struct_size = sizeof(f);
+  f.abi_version = DUALKV_ABI_VERSION;
+  f.device = DUALKV_DEVICE_CPU;
+  f.dtype = dtype;
+  f.num_heads = H;
+  f.num_kv_heads = Hk;
+  f.head_dim = D;
+  f.softmax_scale = scale;
+  f.layout = layout.view();
+  f.q = q;
+  f.k = k;
+  f.v = v;
+  f.out = out;
+  f.lse = lse;
+  f.q_token_stride = f.out_token_stride = int64_t(H) * D;
+  f.k_token_stride = f.v_token_stride = int64_t(Hk) * D;
+  f.q_head_stride = f.k_head_stride = f.v_head_stride = f.out_head_stride = D;
+  f.lse_head_stride = layout.num_tokens();
+  return f;
+}
+
+inline dualkv_bwd_params contiguous_bwd_params(const dualkv_fwd_params& f, const void* dout, void* dq, void* dk,
+                                               void* dv) {
+  dualkv_bwd_params b{};
+  b.struct_size = sizeof(b);
+  b.abi_version = DUALKV_ABI_VERSION;
+  b.device = f.device;
+  b.dtype = f.dtype;
+  b.flags = f.flags;
+  b.num_heads = f.num_heads;
+  b.num_kv_heads = f.num_kv_heads;
+  b.head_dim = f.head_dim;
+  b.num_threads = f.num_threads;
+  b.softmax_scale = f.softmax_scale;
+  b.layout = f.layout;
+  b.q = f.q;
+  b.k = f.k;
+  b.v = f.v;
+  b.out = f.out;
+  b.lse = f.lse;
+  b.lse_head_stride = f.lse_head_stride;
+  b.dout = dout;
+  b.dq = dq;
+  b.dk = dk;
+  b.dv = dv;
+  b.q_token_stride = b.out_token_stride = b.dout_token_stride = b.dq_token_stride = f.q_token_stride;
+  b.k_token_stride = b.v_token_stride = b.dk_token_stride = b.dv_token_stride = f.k_token_stride;
+  b.q_head_stride = b.k_head_stride = b.v_head_stride = b.out_head_stride = b.dout_head_stride =
+      b.dq_head_stride = b.dk_head_stride = b.dv_head_stride = f.head_dim;
+  return b;
+}
+
 // Random forest in DFS pre-order: `roots` trees, each node has up to `max_children` children down
 // to `max_depth` levels, segment lengths in [1, max_len] (with a bias to 1-token segments).
 inline void random_forest(std::mt19937& rng, int roots, int max_depth, int max_children, int max_len,

@@ -31,47 +31,9 @@ struct Fixture {
     dk.assign(k.size(), 0);
     dv.assign(k.size(), 0);
     lse.assign(size_t(H) * T, 0);
-    f.struct_size = sizeof(f);
-    f.abi_version = DUALKV_ABI_VERSION;
-    f.device = DUALKV_DEVICE_CPU;
-    f.dtype = DUALKV_DTYPE_FLOAT32;
-    f.num_heads = H;
-    f.num_kv_heads = Hk;
-    f.head_dim = D;
-    f.softmax_scale = 0.3;
-    f.layout = layout.view();
-    f.q = q.data();
-    f.k = k.data();
-    f.v = v.data();
-    f.out = out.data();
-    f.lse = lse.data();
-    f.q_token_stride = f.out_token_stride = H * D;
-    f.k_token_stride = f.v_token_stride = Hk * D;
-    f.q_head_stride = f.k_head_stride = f.v_head_stride = f.out_head_stride = D;
-    f.lse_head_stride = T;
-    b.struct_size = sizeof(b);
-    b.abi_version = DUALKV_ABI_VERSION;
-    b.device = DUALKV_DEVICE_CPU;
-    b.dtype = DUALKV_DTYPE_FLOAT32;
-    b.num_heads = H;
-    b.num_kv_heads = Hk;
-    b.head_dim = D;
-    b.softmax_scale = 0.3;
-    b.layout = layout.view();
-    b.q = q.data();
-    b.k = k.data();
-    b.v = v.data();
-    b.out = out.data();
-    b.dout = dout.data();
-    b.lse = lse.data();
-    b.dq = dq.data();
-    b.dk = dk.data();
-    b.dv = dv.data();
-    b.q_token_stride = b.out_token_stride = b.dout_token_stride = b.dq_token_stride = H * D;
-    b.k_token_stride = b.v_token_stride = b.dk_token_stride = b.dv_token_stride = Hk * D;
-    b.q_head_stride = b.k_head_stride = b.v_head_stride = b.out_head_stride = b.dout_head_stride =
-        b.dq_head_stride = b.dk_head_stride = b.dv_head_stride = D;
-    b.lse_head_stride = T;
+    f = dualkv::testing::contiguous_fwd_params(layout, DUALKV_DTYPE_FLOAT32, H, Hk, D, 0.3, q.data(), k.data(),
+                                               v.data(), out.data(), lse.data());
+    b = dualkv::testing::contiguous_bwd_params(f, dout.data(), dq.data(), dk.data(), dv.data());
   }
 };
 

@@ -63,55 +63,13 @@ Outputs<T> run_cpu(const HostLayout& layout, const Problem<T>& p, int32_t dtype,
   o.dk.assign(size_t(Tn) * p.Hk * p.D, poison);
   o.dv.assign(size_t(Tn) * p.Hk * p.D, poison);
 
-  dualkv_fwd_params f{};
-  f.struct_size = sizeof(f);
-  f.abi_version = DUALKV_ABI_VERSION;
-  f.device = DUALKV_DEVICE_CPU;
-  f.dtype = dtype;
+  dualkv_fwd_params f = dualkv::testing::contiguous_fwd_params(layout, dtype, p.H, p.Hk, p.D, p.scale, p.q.data(),
+                                                                p.k.data(), p.v.data(), o.out.data(), o.lse.data());
   f.flags = flags;
-  f.num_heads = p.H;
-  f.num_kv_heads = p.Hk;
-  f.head_dim = p.D;
   f.num_threads = threads;
-  f.softmax_scale = p.scale;
-  f.layout = layout.view();
-  f.q = p.q.data();
-  f.k = p.k.data();
-  f.v = p.v.data();
-  f.q_token_stride = f.out_token_stride = int64_t(p.H) * p.D;
-  f.k_token_stride = f.v_token_stride = int64_t(p.Hk) * p.D;
-  f.q_head_stride = f.k_head_stride = f.v_head_stride = f.out_head_stride = p.D;
-  f.out = o.out.data();
-  f.lse = o.lse.data();
-  f.lse_head_stride = Tn;
   EXPECT_EQ(dualkv_fwd(&f), DUALKV_OK) << dualkv_last_error();
-
-  dualkv_bwd_params b{};
-  b.struct_size = sizeof(b);
-  b.abi_version = DUALKV_ABI_VERSION;
-  b.device = DUALKV_DEVICE_CPU;
-  b.dtype = dtype;
-  b.flags = flags;
-  b.num_heads = p.H;
-  b.num_kv_heads = p.Hk;
-  b.head_dim = p.D;
-  b.num_threads = threads;
-  b.softmax_scale = p.scale;
-  b.layout = layout.view();
-  b.q = p.q.data();
-  b.k = p.k.data();
-  b.v = p.v.data();
-  b.out = o.out.data();
-  b.dout = p.dout.data();
-  b.lse = o.lse.data();
-  b.lse_head_stride = Tn;
-  b.dq = o.dq.data();
-  b.dk = o.dk.data();
-  b.dv = o.dv.data();
-  b.q_token_stride = b.out_token_stride = b.dout_token_stride = b.dq_token_stride = int64_t(p.H) * p.D;
-  b.k_token_stride = b.v_token_stride = b.dk_token_stride = b.dv_token_stride = int64_t(p.Hk) * p.D;
-  b.q_head_stride = b.k_head_stride = b.v_head_stride = b.out_head_stride = b.dout_head_stride =
-      b.dq_head_stride = b.dk_head_stride = b.dv_head_stride = p.D;
+  dualkv_bwd_params b =
+      dualkv::testing::contiguous_bwd_params(f, p.dout.data(), o.dq.data(), o.dk.data(), o.dv.data());
   EXPECT_EQ(dualkv_bwd(&b), DUALKV_OK) << dualkv_last_error();
   return o;
 }
