@@ -19,7 +19,7 @@ from typing import Dict, List, Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-from .packing import PackedBatch, _segment_ids
+from .packing import PackedBatch, _segment_ids, _to_device
 
 __all__ = ["response_logprobs", "response_logprobs_from_logits"]
 
@@ -58,8 +58,8 @@ class _LogprobIndex:
             P = packed.group_prompt_lens[g]
             group_last_l.append(start + P - 1)
             start += P + sum(lens[r] for r in rows)
-        small = torch.tensor(rows_packed_l + counts_l + [g for g, n in enumerate(n_g) for _ in range(n)]
-                             + group_last_l, dtype=torch.int64).to(dev)  # one host->device copy
+        small = _to_device(torch.tensor(rows_packed_l + counts_l + [g for g, n in enumerate(n_g) for _ in range(n)]
+                                        + group_last_l, dtype=torch.int64), dev)  # one host->device copy
         rows_packed, counts, g_packed, group_last = small.split([B, B, B, G])
         ids = packed.input_ids.reshape(-1)
         off = packed.response_offsets
@@ -129,8 +129,12 @@ def _index(packed: PackedBatch) -> _LogprobIndex:
 _OUT_DTYPE_OK: Dict[Tuple[str, str], bool] = {}
 
 
-def _mm_f32(a: Tensor, b: Tensor) -> Tensor:
-    """a @ b with low-precision inputs and an fp32 result (fp32 accumulation, no bf16 rounding)."""
+def _mm_f32(a: Tensor, b: Tensor, b_f32=None) -> Tensor:
+    """a @ b with low-precision inputs and an fp32 result (fp32 accumulation, no bf16 rounding).
+
+    Where the out_dtype GEMM is unavailable, ``b_f32()`` (an fp32 copy of b, cached by the caller)
+    is used with an upcast a.
+    """
     key = ("mm", a.device.type)
     if _OUT_DTYPE_OK.get(key, a.device.type == "cuda"):
         try:
@@ -139,7 +143,7 @@ def _mm_f32(a: Tensor, b: Tensor) -> Tensor:
             return r
         except (RuntimeError, TypeError, NotImplementedError):
             _OUT_DTYPE_OK[key] = False
-    return torch.mm(a.float(), b.float())
+    return torch.mm(a.float(), b_f32() if b_f32 is not None else b.float())
 
 
 def _addmm_f32_(acc: Tensor, a: Tensor, b: Tensor) -> None:
@@ -171,6 +175,7 @@ class _Head:
             self.lowp = True
             self.dtype = torch.float32
             self.w = weight
+            self._w32 = None
         else:
             self.lowp = False
             self.dtype = torch.promote_types(torch.promote_types(hidden.dtype, weight.dtype), torch.float32)
@@ -178,8 +183,14 @@ class _Head:
 
     def logits(self, x: Tensor) -> Tensor:
         if self.lowp:
-            return _mm_f32(x, self.w.t())
+            return _mm_f32(x, self.w.t(), self._w32_t)
         return torch.mm(x.to(self.dtype), self.w.t())
+
+    def _w32_t(self) -> Tensor:
+        """fp32 copy of W.T for the fallback GEMM, made once per call (V x D x 4 bytes)."""
+        if self._w32 is None:
+            self._w32 = self.w.float().t()
+        return self._w32
 
     def gemm_dtype(self) -> torch.dtype:
         return self.w.dtype

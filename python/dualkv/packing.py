@@ -443,6 +443,13 @@ def _same_device(name: str, t: Tensor, dev: torch.device) -> None:
         raise ValueError(f"pack_padded: {name} is on {t.device}, input_ids on {dev}")
 
 
+def _to_device(t: Tensor, dev: torch.device) -> Tensor:
+    """Small host tensor -> ``dev`` without blocking the host (pinned staging buffer on CUDA)."""
+    if dev.type == "cuda":
+        return t.pin_memory().to(dev, non_blocking=True)
+    return t.to(dev)
+
+
 def _bool_mask(m: Tensor) -> Tuple[Tensor, Optional[Tensor]]:
     """(m != 0, rows holding values other than 0/1 or None for a bool mask)."""
     if m.dtype == torch.bool:
@@ -458,7 +465,7 @@ def _lens_tensor(lens: Union[Tensor, Sequence[int]], B: int, dev: torch.device) 
         t = lens.reshape(-1).to(device=dev, dtype=torch.int64)
     else:
         try:
-            t = torch.tensor([int(x) for x in lens], dtype=torch.int64, device=dev)
+            t = _to_device(torch.tensor([int(x) for x in lens], dtype=torch.int64), dev)
         except (TypeError, ValueError) as e:
             raise TypeError(f"pack_padded: response_lens must be a tensor or a sequence of ints ({e})")
     if t.numel() != B:
@@ -493,7 +500,7 @@ def _group_keys(uid: Any, B: int, dev: torch.device) -> Tuple[Optional[Tensor], 
         keys = [codes.setdefault(u, len(codes)) for u in uid]
     except TypeError:
         raise TypeError("pack_padded: uid entries must be hashable (str or int)")
-    return torch.tensor(keys, dtype=torch.int64, device=dev), True
+    return _to_device(torch.tensor(keys, dtype=torch.int64), dev), True
 
 
 def _as_signed64(c: int) -> int:
@@ -567,7 +574,7 @@ def _prompt_mismatch(prompt_ids: Tensor, pm: Tensor, plen: Tensor, rep: Tensor) 
 
 def _gather_segments(flat_src: Tensor, seg_src: List[int], seg_lens: List[int], dev: torch.device) -> Tensor:
     """Concatenate ``flat_src[seg_src[s] : seg_src[s] + seg_lens[s]]`` for all s (one gather)."""
-    meta = torch.tensor([seg_src, seg_lens], dtype=torch.int64).to(dev)
+    meta = _to_device(torch.tensor([seg_src, seg_lens], dtype=torch.int64), dev)
     src, lens = meta[0], meta[1]
     T = int(sum(seg_lens))
     starts = torch.cumsum(lens, 0) - lens
@@ -612,7 +619,7 @@ def _finish(ids: Tensor, prompt_lens: List[int], group_rows: Tuple[Tuple[int, ..
     response_offsets = seg_off[row_segment]
     prompt_last = (seg_off[prompt_seg] + P - 1)[row_group]
     rlens = torch.tensor(row_lens, dtype=torch.int64)
-    meta = torch.stack([row_group, row_segment, response_offsets, rlens, prompt_last]).to(dev)
+    meta = _to_device(torch.stack([row_group, row_segment, response_offsets, rlens, prompt_last]), dev)
     unpacked_tokens = int((P[row_group] + rlens).sum())
     lay = layout.to(dev)
     pos = lay.position_ids.to(device=dev, dtype=torch.int64).reshape(1, T)

@@ -364,3 +364,40 @@ def test_cuda_matches_cpu():
     gl = pack([p.cuda() for p in prompts], [[r.cuda() for r in rs] for rs in responses])
     cl = pack(prompts, responses)
     assert torch.equal(gl.input_ids.cpu(), cl.input_ids)
+
+
+def _count_syncs(fn) -> int:
+    """Synchronizing CUDA calls made by fn (torch's sync debug mode), after a warm-up call."""
+    import warnings
+    fn()
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message).lower() for w in caught)
+
+
+@cuda
+def test_cuda_host_syncs_do_not_grow_with_rows():
+    from dualkv.logprobs import response_logprobs
+    counts = []
+    for G, n in ((2, 2), (12, 8)):
+        rng = random.Random(G)
+        prompts, responses = random_groups(rng, G=G, max_n=n)
+        ids, am, rm, uid, rows = padded_batch(prompts, responses, rng)
+        ids, am, rm = ids.cuda(), am.cuda(), rm.cuda()
+        pb = pack(input_ids=ids, attention_mask=am, response_mask=rm, uid=uid)
+        h = torch.randn(pb.num_tokens, 16, device="cuda", requires_grad=True)
+        w = torch.randn(VOCAB, 16, device="cuda", requires_grad=True)
+
+        def logprobs():
+            response_logprobs(h, w, pb, chunk_size=8).sum().backward()
+
+        counts.append((_count_syncs(lambda: pack(input_ids=ids, attention_mask=am, response_mask=rm, uid=uid)),
+                       _count_syncs(lambda: pack(input_ids=ids, attention_mask=am, response_mask=rm)),
+                       _count_syncs(logprobs)))
+    assert counts[0] == counts[1], f"host syncs (pack uid, pack hash, logprobs) small vs large batch: {counts}"
