@@ -115,7 +115,10 @@ class _LogprobIndex:
 def _index(packed: PackedBatch) -> _LogprobIndex:
     idx = packed._cache.get("logprob_index")
     if idx is None:
-        idx = _LogprobIndex(packed)
+        # normal (not inference-mode) tensors, so a plan first built for old log-probs under
+        # torch.inference_mode() can later be saved for backward
+        with torch.inference_mode(False):
+            idx = _LogprobIndex(packed)
         packed._cache["logprob_index"] = idx
     return idx
 

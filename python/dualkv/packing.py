@@ -92,8 +92,9 @@ class PackedBatch:
         """``[B, R_max]`` bool: True where row b has a response token t."""
         m = self._cache.get("response_mask")
         if m is None:
-            t = torch.arange(self.max_response_len, device=self.device)
-            m = t.unsqueeze(0) < self.response_lens.unsqueeze(1)
+            with torch.inference_mode(False):  # cached: usable later in autograd
+                t = torch.arange(self.max_response_len, device=self.device)
+                m = t.unsqueeze(0) < self.response_lens.unsqueeze(1)
             self._cache["response_mask"] = m
         return m
 
@@ -101,9 +102,10 @@ class PackedBatch:
         """``[B, R_max]`` int64 packed index of response token (b, t) (clamped where masked)."""
         idx = self._cache.get("response_index")
         if idx is None:
-            t = torch.arange(self.max_response_len, device=self.device)
-            idx = self.response_offsets.unsqueeze(1) + t.unsqueeze(0)
-            idx = idx.clamp_(max=max(self.num_tokens - 1, 0))
+            with torch.inference_mode(False):  # cached: usable later in autograd
+                t = torch.arange(self.max_response_len, device=self.device)
+                idx = self.response_offsets.unsqueeze(1) + t.unsqueeze(0)
+                idx = idx.clamp_(max=max(self.num_tokens - 1, 0))
             self._cache["response_index"] = idx
         return idx
 

@@ -227,3 +227,19 @@ def test_cuda_bf16_matches_fp64_reference(entropy):
     (ref_lp.sum() + (ref_ent.sum() if entropy else 0)).backward()
     torch.testing.assert_close(h.grad.double(), h64.grad, rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(w.grad.double(), w64.grad, rtol=2e-2, atol=2e-2)
+
+
+def test_plan_built_under_inference_mode_is_reusable_for_training():
+    with torch.inference_mode():
+        pb = random_packed(8)
+        h = torch.randn(pb.num_tokens, 8)
+        w = torch.randn(37, 8)
+        old = response_logprobs(h, w, pb)
+        pb.unpack(h)
+    h2 = h.clone().requires_grad_()
+    w2 = w.clone().requires_grad_()
+    lp = response_logprobs(h2, w2, pb)
+    out, _ = pb.unpack(h2)
+    (lp.sum() + out.sum()).backward()
+    torch.testing.assert_close(lp.detach(), old)
+    assert h2.grad is not None and w2.grad is not None
