@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# One device call: correctness tests, then the micro-benchmark (run from the repository root, with
+# build-sm90/ built here by harness/build.sh and carried). Logs go to $OUT when it is set.
+set -uo pipefail
+OUTDIR=${OUT:-/tmp/sm90_out}
+mkdir -p "$OUTDIR"
+export PYTHONPATH=python DUALKV_LIBRARY=$PWD/build-sm90/libdualkv.so PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu --format=csv,noheader
+python3 -c "import torch; print(torch.__version__, torch.cuda.get_device_capability(), torch.backends.cudnn.version())"
+python3 -c "
+import ctypes; l = ctypes.CDLL('build-sm90/libsm90test.so'); r = ctypes.c_int(); s = ctypes.c_int()
+for dt in (1, 2): print('attrs dtype', dt, l.dualkv_sm90_test_attrs(dt, 128, ctypes.byref(r), ctypes.byref(s)), 'regs', r.value, 'smem', s.value)"
+DUALKV_SM90_TEST_VERBOSE=1 timeout ${TEST_TIMEOUT:-150} python3 -m pytest -q -s -p no:cacheprovider --timeout 60 \
+  tests/gpu/test_sm90_fwd.py "$@" > "$OUTDIR/pytest.log" 2>&1
+rc=$?
+grep -E "err .* bound" "$OUTDIR/pytest.log" | awk '{print}' > "$OUTDIR/errors.log"
+echo "pytest rc=$rc; cases: $(wc -l < "$OUTDIR/errors.log")"
+tail -n 25 "$OUTDIR/pytest.log"
+if [ $rc -ne 0 ] && command -v compute-sanitizer > /dev/null && [ -n "${SANITIZE:-}" ]; then
+  timeout 120 compute-sanitizer --tool memcheck python3 -m pytest -q -x -p no:cacheprovider \
+    tests/gpu/test_sm90_fwd.py -k "single_token or deep_chain" > "$OUTDIR/sanitizer.log" 2>&1
+  grep -m 20 -E "Invalid|ERROR|error" "$OUTDIR/sanitizer.log"; tail -n 5 "$OUTDIR/sanitizer.log"
+fi
+if [ -z "${NO_BENCH:-}" ]; then
+  timeout ${BENCH_TIMEOUT:-150} python3 bench/sm90_fwd.py ${BENCH_ARGS:-} 2>&1 | tee "$OUTDIR/bench.log"
+fi

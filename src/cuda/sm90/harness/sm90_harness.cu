@@ -1,0 +1,71 @@
+// Test-only shim: an extern "C" launcher of the sm90 forward over raw pointers, so the kernel can be
+// tested from Python (ctypes) before it is wired into the library's dispatcher. Not part of libdualkv.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "sm90/fwd_sm90.h"
+#include "sm90/fwd_sm90_kernel.cuh"
+
+using dualkv::cuda::FwdArgs;
+
+extern "C" int dualkv_sm90_test_fwd(int dtype /*1 fp16, 2 bf16*/, int head_dim, const int32_t* offsets,
+                                    const int32_t* parent, const int32_t* subtree_end, int32_t S, int32_t T,
+                                    const int32_t* plan, int64_t plan_len, const void* q, const void* k,
+                                    const void* v, void* out, float* lse, const int64_t* strides /*9*/,
+                                    int32_t H, int32_t Hk, float scale, int32_t* counter, void* stream) {
+  FwdArgs a{};
+  a.layout.offsets = offsets;
+  a.layout.parent = parent;
+  a.layout.subtree_end = subtree_end;
+  a.layout.num_segments = S;
+  a.layout.num_tokens = T;
+  a.plan = plan;
+  a.plan_len = plan_len;
+  a.q = q; a.k = k; a.v = v; a.out = out; a.lse = lse;
+  a.q_ts = strides[0]; a.q_hs = strides[1];
+  a.k_ts = strides[2]; a.k_hs = strides[3];
+  a.v_ts = strides[4]; a.v_hs = strides[5];
+  a.o_ts = strides[6]; a.o_hs = strides[7];
+  a.lse_hs = strides[8];
+  a.num_heads = H; a.num_kv_heads = Hk;
+  a.scale = scale;
+  a.scale_log2 = scale * 1.4426950408889634f;
+  a.counter = counter;
+  cudaStream_t st = static_cast<cudaStream_t>(stream);
+  namespace s9 = dualkv::cuda::sm90;
+  cudaError_t e = cudaErrorInvalidValue;
+  switch (head_dim * 10 + dtype) {
+#ifdef DUALKV_SM90_HDIM_64
+    case 641: e = s9::run_fwd<__half, 64>(a, st); break;
+    case 642: e = s9::run_fwd<__nv_bfloat16, 64>(a, st); break;
+#endif
+#ifdef DUALKV_SM90_HDIM_128
+    case 1281: e = s9::run_fwd<__half, 128>(a, st); break;
+    case 1282: e = s9::run_fwd<__nv_bfloat16, 128>(a, st); break;
+#endif
+#ifdef DUALKV_SM90_HDIM_256
+    case 2561: e = s9::run_fwd<__half, 256>(a, st); break;
+    case 2562: e = s9::run_fwd<__nv_bfloat16, 256>(a, st); break;
+#endif
+    default: break;
+  }
+  return static_cast<int>(e);
+}
+
+// Registers and static smem of one instantiation (for the report).
+extern "C" int dualkv_sm90_test_attrs(int dtype, int head_dim, int* regs, int* smem) {
+  cudaFuncAttributes attr{};
+  cudaError_t e = cudaErrorInvalidValue;
+  namespace s9 = dualkv::cuda::sm90;
+  switch (head_dim * 10 + dtype) {
+#ifdef DUALKV_SM90_HDIM_128
+    case 1281: e = cudaFuncGetAttributes(&attr, s9::fwd_sm90_kernel<__half, 128>); *smem = s9::Sm90FwdConfig<128>::kSmemBytes; break;
+    case 1282: e = cudaFuncGetAttributes(&attr, s9::fwd_sm90_kernel<__nv_bfloat16, 128>); *smem = s9::Sm90FwdConfig<128>::kSmemBytes; break;
+#endif
+    default: break;
+  }
+  *regs = attr.numRegs;
+  return static_cast<int>(e);
+}
