@@ -163,6 +163,8 @@ def main():
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--chunk-sizes", default="auto,2048",
                     help="comma-separated chunk sizes for response_logprobs ('auto' = the default)")
+    ap.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,
+                    help="hidden / lm-head dtype (default: bfloat16 on CUDA, float32 on CPU)")
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--skip-logprobs", action="store_true")
     ap.add_argument("--out", default=os.path.join("bench", "results", "pipeline.json"))
@@ -204,7 +206,7 @@ def main():
 
     # ---- (b) response log-probs ------------------------------------------------------------------
     if not args.skip_logprobs:
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
         gen = torch.Generator(device=device).manual_seed(0)
         T, H, V = pb.num_tokens, args.hidden, args.vocab
         hidden = torch.randn(T, H, device=device, dtype=dtype, generator=gen)
