@@ -1,0 +1,459 @@
+"""End-to-end GRPO policy-update benchmark: a Qwen3-shaped model, three ways, one GPU, one process.
+
+One *update* = forward + backward over a sequence of micro-batches (gradient accumulation; the
+optimizer step is the same for every method and left out), loss = GRPO/DAPO clipped policy loss
+(``dualkv.grpo.policy_loss``, clip 0.2/0.28, token-mean) on per-token response log-probs. Every
+micro-batch holds whole groups (default one group: N responses of one prompt); prompt and response
+lengths vary between micro-batches, so every micro-batch has a different packed length, as in
+training. Random weights, bf16, train mode, gradient checkpointing (non-reentrant).
+
+Methods (same model object, the attention implementation is switched between methods):
+
+  std     the unpacked N x (P + R) batch: one right-padded row per response, SDPA forced to the
+          cuDNN backend, is_causal and no mask (right padding is never seen by a real token, so
+          the response positions are exact)
+  flex    the packed [P | R_1 | ... | R_N] stream, compiled FlexAttention with a shared-prefix
+          BlockMask built for every micro-batch (the build is timed: training pays it per batch;
+          compiles happen in the warm-up). On a CPU, where FlexAttention has no backward, the
+          dense mask of the same mask_mod is used with SDPA (a smoke test of the mask only).
+  dualkv  the packed stream with attn_implementation="dualkv"
+
+All three compute log-probs only at the positions that predict response tokens, with the same fused
+routine (``dualkv.logprobs.response_logprobs``; for std on the unpacked rows' real tokens), so the
+differences come from the token count and the attention.
+
+Reported per (model, config, method): median seconds per update (CUDA events), sample tokens/s
+(unpacked tokens N*(P+R) of the update per second), speedup over std, peak memory, MFU and the max
+|delta log-prob| against std on the first micro-batch (bf16 noise between different kernels).
+MFU counts the useful FLOPs of the *shared* problem (identical for all methods, so MFU ratios are
+speed ratios): 6 * linear params * packed tokens + 6 * V * d * logit rows + attention 3.5 * 4 * H * D *
+visible pairs per layer; gradient-checkpointing recompute is not counted; peak = --peak-tflops
+(H200 dense bf16: 989 TFLOP/s).
+
+  python bench/e2e.py                                  # 0.6b and 1.7b, the two default configs
+  python bench/e2e.py --models 8b --configs 16,4096,1024
+  python bench/e2e.py --grid                           # more (N, P, R)
+  python bench/e2e.py --device cpu --tiny              # smoke test on a CPU (tiny model, tiny configs)
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import pathlib
+import platform
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+
+import torch
+
+HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "python"))
+
+import dualkv  # noqa: E402
+from dualkv.demo import MODEL_SIZES, qwen3_config  # noqa: E402
+from dualkv.grpo import group_advantages, policy_loss  # noqa: E402
+from dualkv.logprobs import response_logprobs  # noqa: E402
+from dualkv.packing import pack  # noqa: E402
+
+DEFAULT_CONFIGS = [(16, 4096, 1024), (8, 16384, 2048)]
+GRID_CONFIGS = [(16, 2048, 512), (16, 4096, 1024), (32, 4096, 1024), (16, 8192, 1024), (8, 8192, 2048),
+                (16, 8192, 2048), (8, 16384, 2048), (4, 32768, 2048)]
+TINY_CONFIGS = [(4, 64, 32), (3, 128, 48)]
+METHODS = ("std", "flex", "dualkv")
+FLEX_IMPL = "dualkv_bench_flex"
+
+
+def log(msg: str) -> None:
+    print(f"[{datetime.datetime.now().strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# micro-batches
+# ----------------------------------------------------------------------------------------------
+
+class MicroBatch:
+    """Groups of one micro-batch, the inputs of the three methods, and its FLOP counts."""
+
+    def __init__(self, prompts, responses, rewards, device):
+        self.prompts = [p.to(device) for p in prompts]
+        self.responses = [[r.to(device) for r in rs] for rs in responses]
+        self.packed = pack(self.prompts, self.responses)
+        self.T = self.packed.num_tokens
+        rows = [(p, r) for p, rs in zip(self.prompts, self.responses) for r in rs]
+        self.B = len(rows)
+        self.L = max(p.numel() + r.numel() for p, r in rows)
+        ids = torch.zeros(self.B, self.L, dtype=torch.long, device=device)
+        lens = []
+        for b, (p, r) in enumerate(rows):
+            ids[b, :p.numel() + r.numel()] = torch.cat([p, r])
+            lens.append(p.numel() + r.numel())
+        self.std_ids = ids
+        lens_t = torch.tensor(lens, device=device)
+        self.std_valid = torch.arange(self.L, device=device).unsqueeze(0) < lens_t.unsqueeze(1)
+        self.std_rows = pack([p for p, _ in rows], [[r] for _, r in rows])  # real tokens, row after row
+        self.unpacked_tokens = int(sum(lens))
+        self.mask = self.packed.response_mask()
+        gid = torch.arange(len(self.prompts), device=device).repeat_interleave(
+            torch.tensor([len(rs) for rs in self.responses], device=device))
+        self.adv = group_advantages(rewards.to(device), gid)
+        self.old = None  # set after a no-grad pass
+        # shared-prefix metadata for FlexAttention (depth-2 forest: prompt root + responses)
+        lay = self.packed.layout
+        seg = lay.segment_ids().to(device)
+        parents = torch.tensor(lay.parents, dtype=torch.int64, device=device)
+        root_of_seg = torch.where(parents < 0, torch.arange(parents.numel(), device=device), parents)
+        self.flex_seg = seg
+        self.flex_root = root_of_seg[seg]
+        self.flex_is_prompt = (parents < 0)[seg]
+        self._mask_mod = None
+        self.shared_pairs = lay.visible_pairs
+        self.logit_rows = int(sum(r.numel() for rs in self.responses for r in rs))
+
+    def mask_mod(self):
+        """The shared-prefix mask_mod (one function object per micro-batch, so that compiled
+        FlexAttention sees a stable closure across iterations)."""
+        if self._mask_mod is None:
+            seg, root, is_prompt = self.flex_seg, self.flex_root, self.flex_is_prompt
+
+            def shared_prefix(b, h, q, kv):
+                return (root[q] == root[kv]) & (kv <= q) & (is_prompt[kv] | (seg[q] == seg[kv]))
+            self._mask_mod = shared_prefix
+        return self._mask_mod
+
+
+def make_micro_batches(n, P, R, count, groups_per_mb, vocab, seed, device):
+    """``count`` micro-batches of ``groups_per_mb`` groups; prompt lengths uniform in [0.85P, P],
+    response lengths in [R/2, R] (so packed lengths differ between micro-batches)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(count):
+        prompts, responses = [], []
+        for _ in range(groups_per_mb):
+            p = int(torch.randint(max(1, int(0.85 * P)), P + 1, (1,), generator=g))
+            prompts.append(torch.randint(0, vocab, (p,), generator=g))
+            responses.append([torch.randint(0, vocab, (int(torch.randint(max(1, R // 2), R + 1, (1,), generator=g)),),
+                                            generator=g) for _ in range(n)])
+        rewards = torch.randint(0, 2, (groups_per_mb * n,), generator=g).float()
+        out.append(MicroBatch(prompts, responses, rewards, device))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# FlexAttention as a transformers attention implementation
+# ----------------------------------------------------------------------------------------------
+
+_FLEX = {}
+
+
+def _flex_fn(compiled: bool):
+    from torch.nn.attention.flex_attention import flex_attention
+    if not compiled:
+        return flex_attention
+    if "fn" not in _FLEX:
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 256)
+        if hasattr(torch._dynamo.config, "recompile_limit"):
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
+        _FLEX["fn"] = torch.compile(flex_attention, dynamic=False)
+    return _FLEX["fn"]
+
+
+def flex_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    block_mask = kwargs["flex_block_mask"]
+    if isinstance(block_mask, torch.Tensor):  # CPU stand-in: FlexAttention has no CPU backward
+        out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=block_mask,
+                                                               scale=scaling, enable_gqa=True)
+        return out.transpose(1, 2), None
+    flex = _flex_fn(kwargs.get("flex_compiled", True))
+    out = flex(query, key, value, block_mask=block_mask, scale=scaling, enable_gqa=True)
+    return out.transpose(1, 2), None
+
+
+def register_flex():
+    from transformers import AttentionInterface
+    AttentionInterface.register(FLEX_IMPL, flex_attention_forward)
+
+
+def build_block_mask(mb: MicroBatch, device):
+    """The shared-prefix BlockMask of a micro-batch; on a CPU (no FlexAttention backward there) the
+    dense boolean mask of the same mask_mod, used with SDPA, so the smoke test still checks it."""
+    from torch.nn.attention.flex_attention import create_block_mask, create_mask
+    if device.type == "cpu":
+        return create_mask(mb.mask_mod(), None, None, mb.T, mb.T, device=device)
+    return create_block_mask(mb.mask_mod(), None, None, mb.T, mb.T, device=device)
+
+
+# ----------------------------------------------------------------------------------------------
+# one micro-batch, each method
+# ----------------------------------------------------------------------------------------------
+
+def _sdpa_context(device, backend: str):
+    import contextlib
+    if device.type != "cuda" or backend == "default":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    return sdpa_kernel([{"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+                         "efficient": SDPBackend.EFFICIENT_ATTENTION}[backend]])
+
+
+def logprobs_of(method, model, mb: MicroBatch, args, device):
+    if method == "std":
+        out = model.model(input_ids=mb.std_ids, use_cache=False)
+        hidden = out.last_hidden_state[mb.std_valid]
+        return response_logprobs(hidden, model.lm_head.weight, mb.std_rows)
+    kw = dict(input_ids=mb.packed.input_ids, position_ids=mb.packed.position_ids, use_cache=False)
+    if method == "flex":
+        kw.update(flex_block_mask=build_block_mask(mb, device), flex_compiled=args.flex_compile)
+    else:
+        kw.update(dualkv_layout=mb.packed.layout)
+    out = model.model(**kw)
+    return response_logprobs(out.last_hidden_state, model.lm_head.weight, mb.packed)
+
+
+def micro_step(method, model, mb, args, device, scale):
+    with _sdpa_context(device, args.sdpa_backend if method == "std" else "default"):
+        logp = logprobs_of(method, model, mb, args, device)
+        loss, _ = policy_loss(logp, mb.old, mb.adv, mb.mask, clip_low=0.2, clip_high=0.28)
+        (loss * scale).backward()
+    return logp.detach()
+
+
+def set_method(model, method):
+    impl = {"std": "sdpa", "flex": FLEX_IMPL, "dualkv": "dualkv"}[method]
+    model.set_attn_implementation(impl)
+
+
+# ----------------------------------------------------------------------------------------------
+# FLOPs
+# ----------------------------------------------------------------------------------------------
+
+def useful_flops(cfg, mbs):
+    """Useful fwd+bwd FLOPs of the shared (packed) problem over the micro-batches."""
+    d, L = cfg.hidden_size, cfg.num_hidden_layers
+    H, Hk, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    per_layer = d * (H * D) * 2 + d * (Hk * D) * 2 + 3 * d * cfg.intermediate_size  # q,o + k,v + MLP
+    linear = per_layer * L
+    total = 0.0
+    for mb in mbs:
+        total += 6.0 * linear * mb.T + 6.0 * cfg.vocab_size * d * mb.logit_rows
+        total += 3.5 * 4.0 * H * D * mb.shared_pairs * L
+    return total
+
+
+# ----------------------------------------------------------------------------------------------
+# the run
+# ----------------------------------------------------------------------------------------------
+
+def timed_update(method, model, mbs, args, device):
+    model.zero_grad(set_to_none=True)
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+    t0 = time.perf_counter()
+    logps = [micro_step(method, model, mb, args, device, 1.0 / len(mbs)) for mb in mbs]
+    if device.type == "cuda":
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3, logps
+    return time.perf_counter() - t0, logps
+
+
+def run_config(model, cfg, size, n, P, R, args, device):
+    dtype = next(model.parameters()).dtype
+    mbs = make_micro_batches(n, P, R, args.micro_batches, args.groups_per_mb, cfg.vocab_size, args.seed, device)
+    set_method(model, "std")
+    with torch.no_grad():  # the "old" policy log-probs: the std ones plus a little noise
+        for i, mb in enumerate(mbs):
+            with _sdpa_context(device, args.sdpa_backend):
+                lp = logprobs_of("std", model, mb, args, device)
+            gen = torch.Generator().manual_seed(args.seed + 100 + i)
+            mb.old = torch.where(mb.mask, lp + 0.05 * torch.randn(lp.shape, generator=gen).to(device),
+                                 torch.zeros_like(lp))
+    flops = useful_flops(cfg, mbs)
+    unpacked = sum(mb.unpacked_tokens for mb in mbs)
+    packed = sum(mb.T for mb in mbs)
+    padded = sum(mb.B * mb.L for mb in mbs)
+    base = {"model": size, "N": n, "P": P, "R": R, "micro_batches": len(mbs), "groups_per_mb": args.groups_per_mb,
+            "packed_lengths": [mb.T for mb in mbs], "unpacked_tokens": unpacked, "packed_tokens": packed,
+            "padded_tokens": padded, "rho_tokens": unpacked / packed,
+            "rho_attn": sum(sum(x * (x + 1) // 2 for x in (mb.std_valid.sum(1).tolist())) for mb in mbs)
+            / sum(mb.shared_pairs for mb in mbs),
+            "useful_flops": flops, "dtype": str(dtype).replace("torch.", "")}
+    results, ref_logp = [], None
+    for method in args.methods:
+        rec = dict(base, method=method)
+        try:
+            set_method(model, method)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats(device)
+            t_w = time.perf_counter()
+            for _ in range(args.warmup):
+                _, logps = timed_update(method, model, mbs, args, device)
+            rec["warmup_s"] = time.perf_counter() - t_w
+            times = []
+            for _ in range(args.iters):
+                t, logps = timed_update(method, model, mbs, args, device)
+                times.append(t)
+            model.zero_grad(set_to_none=True)
+            sec = statistics.median(times)
+            rec.update(seconds=sec, times=times, tokens_per_s=unpacked / sec, packed_tokens_per_s=packed / sec)
+            if device.type == "cuda":
+                rec["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+                rec["mfu"] = flops / sec / (args.peak_tflops * 1e12)
+            lp0 = logps[0].float()
+            if method == "std" or ref_logp is None:
+                ref_logp = ref_logp if ref_logp is not None else lp0
+            m = mbs[0].mask
+            rec["max_abs_dlogp_vs_std"] = float((lp0 - ref_logp).abs()[m].max()) if ref_logp is not None else None
+            rec["status"] = "ok"
+        except Exception as exc:  # OOM or an unavailable backend: record it, go on
+            oom = isinstance(exc, getattr(torch.cuda, "OutOfMemoryError", ())) or "out of memory" in str(exc)
+            rec["status"] = "oom" if oom else "error"
+            rec["error"] = f"{type(exc).__name__}: {str(exc)[:500]}"
+            if not oom:
+                traceback.print_exc()
+            model.zero_grad(set_to_none=True)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        results.append(rec)
+        log(f"  {size:>5} N={n:<3} P={P:<6} R={R:<5} {method:<7} {rec['status']:<5} "
+            + (f"{rec['seconds']:.3f} s/update, {rec['tokens_per_s']:,.0f} tok/s"
+               + (f", peak {rec['peak_gib']:.1f} GiB, MFU {100 * rec['mfu']:.1f}%" if 'mfu' in rec else "")
+               if rec["status"] == "ok" else rec.get("error", "")))
+    std = next((r for r in results if r["method"] == "std" and r["status"] == "ok"), None)
+    for r in results:
+        if std is not None and r["status"] == "ok":
+            r["speedup_vs_std"] = std["seconds"] / r["seconds"]
+    return results
+
+
+def environment(device):
+    env = {"torch": torch.__version__, "python": platform.python_version(), "device": str(device),
+           "dualkv": dualkv.__version__, "time": datetime.datetime.now().isoformat(timespec="seconds")}
+    try:
+        import transformers
+        env["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    if device.type == "cuda":
+        env["gpu"] = torch.cuda.get_device_name(device)
+        env["cudnn"] = torch.backends.cudnn.version()
+    try:
+        env["dualkv_build"] = dualkv.build_info()
+    except Exception as exc:  # noqa: BLE001
+        env["dualkv_build"] = f"unavailable: {exc}"
+    try:
+        env["git_commit"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=HERE, capture_output=True, text=True,
+                                           timeout=10).stdout.strip()
+    except Exception:  # noqa: BLE001
+        pass
+    return env
+
+
+def summary(results):
+    head = (f"{'model':>6} {'N':>3} {'P':>6} {'R':>5} {'rho':>5} {'method':>7} {'s/update':>9} {'tok/s':>11} "
+            f"{'speedup':>8} {'peak GiB':>9} {'MFU %':>6} {'max|dlogp|':>10}")
+    lines = [head, "-" * len(head)]
+    for r in results:
+        if r["status"] != "ok":
+            lines.append(f"{r['model']:>6} {r['N']:>3} {r['P']:>6} {r['R']:>5} {r['rho_tokens']:>5.2f} "
+                         f"{r['method']:>7} {r['status']:>9}")
+            continue
+        peak = f"{r['peak_gib']:.1f}" if "peak_gib" in r else "-"
+        mfu = f"{100 * r['mfu']:.1f}" if "mfu" in r else "-"
+        d = r.get("max_abs_dlogp_vs_std")
+        lines.append(f"{r['model']:>6} {r['N']:>3} {r['P']:>6} {r['R']:>5} {r['rho_tokens']:>5.2f} {r['method']:>7} "
+                     f"{r['seconds']:>9.3f} {r['tokens_per_s']:>11,.0f} {r.get('speedup_vs_std', float('nan')):>7.2f}x "
+                     f"{peak:>9} {mfu:>6} {d if d is None else format(d, '.3g'):>10}")
+    return "\n".join(lines)
+
+
+def parse_configs(text):
+    out = []
+    for part in text.split(";"):
+        part = part.strip()
+        if part:
+            n, p, r = (int(x) for x in part.split(","))
+            out.append((n, p, r))
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default=None, help=f"comma list of {sorted(MODEL_SIZES)} (default 0.6b,1.7b)")
+    ap.add_argument("--configs", default=None, help="N,P,R;N,P,R (default 16,4096,1024;8,16384,2048)")
+    ap.add_argument("--grid", action="store_true", help="run the larger grid of (N, P, R)")
+    ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--micro-batches", type=int, default=4, help="micro-batches per update")
+    ap.add_argument("--groups-per-mb", type=int, default=1)
+    ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=1, help="warm-up updates (compiles happen here)")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    ap.add_argument("--tiny", action="store_true", help="tiny model and configs (CPU smoke test)")
+    ap.add_argument("--no-grad-ckpt", action="store_true", help="disable gradient checkpointing")
+    ap.add_argument("--sdpa-backend", default="cudnn", choices=["cudnn", "flash", "efficient", "default"],
+                    help="SDPA backend of the std method on CUDA")
+    ap.add_argument("--flex-compile", dest="flex_compile", action="store_true", default=None)
+    ap.add_argument("--no-flex-compile", dest="flex_compile", action="store_false",
+                    help="eager FlexAttention (default on a CPU)")
+    ap.add_argument("--peak-tflops", type=float, default=989.4, help="MFU denominator (H200 dense bf16)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=None, help="JSON path (default bench/results/e2e-<time>.json)")
+    args = ap.parse_args(argv)
+
+    device = torch.device(args.device)
+    if args.flex_compile is None:
+        args.flex_compile = device.type == "cuda"
+    models = (args.models or ("tiny" if args.tiny else "0.6b,1.7b")).split(",")
+    configs = parse_configs(args.configs) if args.configs else (
+        TINY_CONFIGS if args.tiny else GRID_CONFIGS if args.grid else DEFAULT_CONFIGS)
+    args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    for m in args.methods:
+        if m not in METHODS:
+            ap.error(f"unknown method {m!r}; one of {METHODS}")
+    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[args.dtype]
+    out_path = pathlib.Path(args.out) if args.out else (
+        HERE / "results" / f"e2e-{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}.json")
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+
+    import dualkv.integrations.transformers  # noqa: F401  (registers "dualkv")
+    register_flex()
+    from transformers import AutoModelForCausalLM
+
+    env = environment(device)
+    log(f"e2e benchmark on {env.get('gpu', device)}: models {models}, configs {configs}, methods {args.methods}")
+    all_results = []
+    for size in models:
+        cfg = qwen3_config(size)
+        torch.manual_seed(args.seed)
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=dtype)
+        model.train()
+        if not args.no_grad_ckpt:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        log(f"model {size}: {sum(p.numel() for p in model.parameters()) / 1e9:.3f} B params, {dtype}, "
+            f"gradient checkpointing {'off' if args.no_grad_ckpt else 'on'}")
+        for n, P, R in configs:
+            all_results += run_config(model, cfg, size, n, P, R, args, device)
+            out_path.write_text(json.dumps({"environment": env, "args": vars(args), "results": all_results},
+                                           indent=1, default=str))
+        del model
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    print()
+    print(summary(all_results))
+    print(f"\nresults: {out_path}")
+    bad = [r for r in all_results if r["status"] == "error"]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
