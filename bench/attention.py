@@ -160,7 +160,8 @@ _FLEX_COMPILED = {}
 def method_flex(case, H, Hk, D, dtype):
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
     if "fn" not in _FLEX_COMPILED:
-        _FLEX_COMPILED["fn"] = torch.compile(flex_attention, dynamic=False)
+        # Default (automatic) dynamic shapes: one recompilation, then shared by every sequence length.
+        _FLEX_COMPILED["fn"] = torch.compile(flex_attention)
     flex = _FLEX_COMPILED["fn"]
     layout = case.layout_cpu
     seg = layout.segment_ids().to("cuda")
@@ -337,7 +338,7 @@ def main():
     props = torch.cuda.get_device_properties(0)
     env = {"gpu": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
            "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version(), "commit": git_commit(),
-           "dualkv_build": dualkv._native.build_info(), "date": datetime.datetime.utcnow().isoformat() + "Z"}
+           "dualkv_build": dualkv._native.build_info(), "date": datetime.datetime.now(datetime.timezone.utc).replace(tzinfo=None).isoformat() + "Z"}
     shape = {"H": args.heads, "Hk": args.kv_heads, "D": args.head_dim, "dtype": args.dtype}
     results = {"env": env, "shape": shape, "methods": methods, "quick": args.quick,
                "flops": "fwd = 4*H*D*visible pairs of each method's own layout; fwd+bwd = 3.5 x fwd",
@@ -345,7 +346,7 @@ def main():
     log(f"{props.name}; shape {shape}; {len(cases)} cases x {methods}")
     outdir = pathlib.Path(args.out)
     outdir.mkdir(parents=True, exist_ok=True)
-    stamp = datetime.datetime.utcnow().strftime("%Y%m%d-%H%M%S")
+    stamp = datetime.datetime.now(datetime.timezone.utc).replace(tzinfo=None).strftime("%Y%m%d-%H%M%S")
     tag = args.tag or ("quick" if args.quick else "full")
     json_path = outdir / f"attention_{tag}_{stamp}.json"
 

@@ -72,9 +72,11 @@ bwd_kv_kernel(const BwdArgs args) {
   using C = BwdConfig<D>;
   using Ops = TypeOps<T>;
   constexpr int BM = C::kBlockM, BN = C::kBlockN, P = C::kPitch, PS = C::kPitchS, NT = C::kThreads;
+  constexpr int MI = C::kMI;
+  constexpr int kWR = C::kWarps / 2;  // row groups of 16 * MI rows
   constexpr int kHalfD = D / 2;
   constexpr int kDB = kHalfD / 8;  // n8 blocks per warp for dK/dV/dQ (each warp owns D/2 columns)
-  static_assert(BN == 64 && BM == 64 && C::kWarps == 8, "warp tiling assumes 64x64 tiles, 8 warps");
+  static_assert(BN == 64 && BM == 64 && kWR * 16 * MI == 64, "warp tiling assumes 64x64 tiles");
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   BwdSmem<D, T>& sm = *reinterpret_cast<BwdSmem<D, T>*>(smem_raw);
@@ -82,8 +84,8 @@ bwd_kv_kernel(const BwdArgs args) {
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t4 = lane & 3;
-  const int w4 = warp & 3;   // 16-row slice (kv rows in phases 1 and 3, q rows in phase 4)
-  const int w2 = warp >> 2;  // half: q columns [32 w2, 32 w2 + 32) in phase 1, D half in 3 and 4
+  const int row0 = (warp % kWR) * 16 * MI;  // kv rows (phases 1, 3) or q rows (phase 4)
+  const int wc = warp / kWR;                // q columns [32 wc, +32) in phase 1; D half in 3 and 4
   const LayoutPtrs& L = args.layout;
   const int32_t* plan = args.plan;
   if (plan[kHdrMagic] != kPlanMagic || plan[kHdrS] != L.num_segments || plan[kHdrT] != L.num_tokens)
@@ -108,8 +110,8 @@ bwd_kv_kernel(const BwdArgs args) {
     if (item >= n_items) break;
     const int32_t w = static_cast<int32_t>(item / Hk);
     const int hk = static_cast<int>(item % Hk);
-    const int32_t* it = items + w * kBwdItemInts;
-    const int32_t k0 = it[1], k1 = it[2], qa = it[3], qb = it[4], slot = it[5];
+    const int32_t* wi = items + w * kBwdItemInts;
+    const int32_t k0 = wi[1], k1 = wi[2], qa = wi[3], qb = wi[4], slot = wi[5];
     const int klen = k1 - k0;
 
     load_tile_async<D, BN, P, NT>(sm.k, kg + k0 * args.k_ts + hk * args.k_hs, args.k_ts, klen, tid);
@@ -125,19 +127,21 @@ bwd_kv_kernel(const BwdArgs args) {
       load_tile_async<D, BM, P, NT>(sm.q, qg + qt * args.q_ts + h * args.q_hs, args.q_ts, rows, tid);
       load_tile_async<D, BM, P, NT>(sm.dout, dog + qt * args.do_ts + h * args.do_hs, args.do_ts, rows, tid);
       cp_async_commit();
-      if (tid < BM) {
-        const bool valid = tid < rows;
-        sm.lse[tid] = valid ? args.lse[h * args.lse_hs + qt + tid] * kLog2e : CUDART_INF_F;
-        sm.delta[tid] = valid ? args.delta[h * T_ + qt + tid] : 0.f;
+      for (int i = tid; i < BM; i += NT) {
+        const bool valid = i < rows;
+        sm.lse[i] = valid ? args.lse[h * args.lse_hs + qt + i] * kLog2e : CUDART_INF_F;
+        sm.delta[i] = valid ? args.delta[h * T_ + qt + i] : 0.f;
       }
     };
     issue_q(0);
 
-    float dk[kDB][4], dv[kDB][4];
+    float dk[MI][kDB][4], dv[MI][kDB][4];
 #pragma unroll
-    for (int j = 0; j < kDB; ++j)
+    for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) dk[j][e] = dv[j][e] = 0.f;
+      for (int j = 0; j < kDB; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dk[mi][j][e] = dv[mi][j][e] = 0.f;
 
     cp_async_wait_all();
     __syncthreads();
@@ -146,133 +150,175 @@ bwd_kv_kernel(const BwdArgs args) {
       const int h = hk * group + step / tiles_per_head;
       const int32_t qt = qa + (step % tiles_per_head) * BM;
 
-      // Phase 1: S^T = K Q^T and dP^T = V dO^T for kv rows [16 w4, +16), q cols [32 w2, +32).
+      // Phase 1: S^T = K Q^T and dP^T = V dO^T for kv rows [row0, +16 MI), q cols [32 wc, +32).
       {
-        float st[4][4], dpt[4][4];
+        float st[MI][4][4], dpt[MI][4][4];
 #pragma unroll
-        for (int j = 0; j < 4; ++j)
+        for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) st[j][e] = dpt[j][e] = 0.f;
+          for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) st[mi][j][e] = dpt[mi][j][e] = 0.f;
 #pragma unroll
         for (int kk = 0; kk < D / 16; ++kk) {
-          uint32_t ak[4], av[4];
-          ldmatrix_x4(ak, a_frag_addr(sm.k, P, w4 * 16, kk * 16, lane));
-          ldmatrix_x4(av, a_frag_addr(sm.v, P, w4 * 16, kk * 16, lane));
+          uint32_t ak[MI][4], av[MI][4];
+#pragma unroll
+          for (int mi = 0; mi < MI; ++mi) {
+            ldmatrix_x4(ak[mi], a_frag_addr(sm.k, P, row0 + mi * 16, kk * 16, lane));
+            ldmatrix_x4(av[mi], a_frag_addr(sm.v, P, row0 + mi * 16, kk * 16, lane));
+          }
 #pragma unroll
           for (int nb = 0; nb < 2; ++nb) {
             uint32_t b[4];
-            ldmatrix_x4(b, bnk_frag_addr(sm.q, P, w2 * 32 + nb * 16, kk * 16, lane));
-            Ops::mma(st[2 * nb], ak, b[0], b[1]);
-            Ops::mma(st[2 * nb + 1], ak, b[2], b[3]);
-            ldmatrix_x4(b, bnk_frag_addr(sm.dout, P, w2 * 32 + nb * 16, kk * 16, lane));
-            Ops::mma(dpt[2 * nb], av, b[0], b[1]);
-            Ops::mma(dpt[2 * nb + 1], av, b[2], b[3]);
+            ldmatrix_x4(b, bnk_frag_addr(sm.q, P, wc * 32 + nb * 16, kk * 16, lane));
+#pragma unroll
+            for (int mi = 0; mi < MI; ++mi) {
+              Ops::mma(st[mi][2 * nb], ak[mi], b[0], b[1]);
+              Ops::mma(st[mi][2 * nb + 1], ak[mi], b[2], b[3]);
+            }
+            ldmatrix_x4(b, bnk_frag_addr(sm.dout, P, wc * 32 + nb * 16, kk * 16, lane));
+#pragma unroll
+            for (int mi = 0; mi < MI; ++mi) {
+              Ops::mma(dpt[mi][2 * nb], av[mi], b[0], b[1]);
+              Ops::mma(dpt[mi][2 * nb + 1], av[mi], b[2], b[3]);
+            }
           }
         }
         const bool need_mask = qt < k0 + BN - 1;
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
-          const int col = w2 * 32 + j * 8 + 2 * t4;
+          const int col = wc * 32 + j * 8 + 2 * t4;
           const float l0 = sm.lse[col], l1 = sm.lse[col + 1];
           const float d0 = sm.delta[col], d1 = sm.delta[col + 1];
 #pragma unroll
-          for (int hr = 0; hr < 2; ++hr) {
-            const int row = w4 * 16 + g + hr * 8;
-            float p0 = exp2f(st[j][2 * hr] * args.scale_log2 - l0);
-            float p1 = exp2f(st[j][2 * hr + 1] * args.scale_log2 - l1);
-            if (need_mask) {
-              if (k0 + row > qt + col) p0 = 0.f;
-              if (k0 + row > qt + col + 1) p1 = 0.f;
+          for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+            for (int hr = 0; hr < 2; ++hr) {
+              const int row = row0 + mi * 16 + g + hr * 8;
+              float p0 = exp2f(st[mi][j][2 * hr] * args.scale_log2 - l0);
+              float p1 = exp2f(st[mi][j][2 * hr + 1] * args.scale_log2 - l1);
+              if (need_mask) {
+                if (k0 + row > qt + col) p0 = 0.f;
+                if (k0 + row > qt + col + 1) p1 = 0.f;
+              }
+              const float ds0 = p0 * (dpt[mi][j][2 * hr] - d0);
+              const float ds1 = p1 * (dpt[mi][j][2 * hr + 1] - d1);
+              *reinterpret_cast<uint32_t*>(&sm.pt[row * PS + col]) = Ops::pack(p0, p1);
+              *reinterpret_cast<uint32_t*>(&sm.dst[row * PS + col]) = Ops::pack(ds0, ds1);
             }
-            const float ds0 = p0 * (dpt[j][2 * hr] - d0);
-            const float ds1 = p1 * (dpt[j][2 * hr + 1] - d1);
-            *reinterpret_cast<uint32_t*>(&sm.pt[row * PS + col]) = Ops::pack(p0, p1);
-            *reinterpret_cast<uint32_t*>(&sm.dst[row * PS + col]) = Ops::pack(ds0, ds1);
-          }
         }
       }
       __syncthreads();
 
-      // Phase 3: dV += P^T dO, dK += dS^T Q for kv rows [16 w4, +16), d cols [D/2 w2, +D/2).
+      // Phase 3: dV += P^T dO, dK += dS^T Q for kv rows [row0, +16 MI), d cols [D/2 wc, +D/2).
 #pragma unroll
       for (int kk = 0; kk < BM / 16; ++kk) {
-        uint32_t ap[4], ads[4];
-        ldmatrix_x4(ap, a_frag_addr(sm.pt, PS, w4 * 16, kk * 16, lane));
-        ldmatrix_x4(ads, a_frag_addr(sm.dst, PS, w4 * 16, kk * 16, lane));
+        uint32_t ap[MI][4], ads[MI][4];
+#pragma unroll
+        for (int mi = 0; mi < MI; ++mi) {
+          ldmatrix_x4(ap[mi], a_frag_addr(sm.pt, PS, row0 + mi * 16, kk * 16, lane));
+          ldmatrix_x4(ads[mi], a_frag_addr(sm.dst, PS, row0 + mi * 16, kk * 16, lane));
+        }
 #pragma unroll
         for (int nd = 0; nd < kDB / 2; ++nd) {
           uint32_t b[4];
-          ldmatrix_x4_trans(b, bkn_frag_addr(sm.dout, P, kk * 16, w2 * kHalfD + nd * 16, lane));
-          Ops::mma(dv[2 * nd], ap, b[0], b[1]);
-          Ops::mma(dv[2 * nd + 1], ap, b[2], b[3]);
-          ldmatrix_x4_trans(b, bkn_frag_addr(sm.q, P, kk * 16, w2 * kHalfD + nd * 16, lane));
-          Ops::mma(dk[2 * nd], ads, b[0], b[1]);
-          Ops::mma(dk[2 * nd + 1], ads, b[2], b[3]);
+          ldmatrix_x4_trans(b, bkn_frag_addr(sm.dout, P, kk * 16, wc * kHalfD + nd * 16, lane));
+#pragma unroll
+          for (int mi = 0; mi < MI; ++mi) {
+            Ops::mma(dv[mi][2 * nd], ap[mi], b[0], b[1]);
+            Ops::mma(dv[mi][2 * nd + 1], ap[mi], b[2], b[3]);
+          }
+          ldmatrix_x4_trans(b, bkn_frag_addr(sm.q, P, kk * 16, wc * kHalfD + nd * 16, lane));
+#pragma unroll
+          for (int mi = 0; mi < MI; ++mi) {
+            Ops::mma(dk[mi][2 * nd], ads[mi], b[0], b[1]);
+            Ops::mma(dk[mi][2 * nd + 1], ads[mi], b[2], b[3]);
+          }
         }
       }
       __syncthreads();  // Q, dO, lse, delta free for the next tile
       if (step + 1 < n_steps) issue_q(step + 1);
 
       if constexpr (kAtomicDq) {
-        // Phase 4: dQ[q rows 16 w4, +16][d half w2] += dS K, accumulated into fp32 by atomics.
-        float dq[kDB][4];
+        // Phase 4: dQ[q rows row0.., d half wc] += dS K, accumulated into fp32 by atomics.
+        float dq[MI][kDB][4];
 #pragma unroll
-        for (int j = 0; j < kDB; ++j)
+        for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) dq[j][e] = 0.f;
+          for (int j = 0; j < kDB; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) dq[mi][j][e] = 0.f;
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk) {
-          uint32_t a[4];
-          ldmatrix_x4_trans(a, at_frag_addr(sm.dst, PS, w4 * 16, kk * 16, lane));
+          uint32_t a[MI][4];
+#pragma unroll
+          for (int mi = 0; mi < MI; ++mi)
+            ldmatrix_x4_trans(a[mi], at_frag_addr(sm.dst, PS, row0 + mi * 16, kk * 16, lane));
 #pragma unroll
           for (int nd = 0; nd < kDB / 2; ++nd) {
             uint32_t b[4];
-            ldmatrix_x4_trans(b, bkn_frag_addr(sm.k, P, kk * 16, w2 * kHalfD + nd * 16, lane));
-            Ops::mma(dq[2 * nd], a, b[0], b[1]);
-            Ops::mma(dq[2 * nd + 1], a, b[2], b[3]);
-          }
-        }
+            ldmatrix_x4_trans(b, bkn_frag_addr(sm.k, P, kk * 16, wc * kHalfD + nd * 16, lane));
 #pragma unroll
-        for (int hr = 0; hr < 2; ++hr) {
-          const int32_t qi = qt + w4 * 16 + g + hr * 8;
-          if (qi < qb) {
-            float* dst = args.dq_accum + (static_cast<int64_t>(qi) * H + h) * D + w2 * kHalfD + 2 * t4;
-#pragma unroll
-            for (int j = 0; j < kDB; ++j) {
-              atomicAdd(dst + j * 8, dq[j][2 * hr]);
-              atomicAdd(dst + j * 8 + 1, dq[j][2 * hr + 1]);
+            for (int mi = 0; mi < MI; ++mi) {
+              Ops::mma(dq[mi][2 * nd], a[mi], b[0], b[1]);
+              Ops::mma(dq[mi][2 * nd + 1], a[mi], b[2], b[3]);
             }
           }
         }
+#pragma unroll
+        for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+          for (int hr = 0; hr < 2; ++hr) {
+            const int32_t qi = qt + row0 + mi * 16 + g + hr * 8;
+            if (qi < qb) {
+              float* dst = args.dq_accum + (static_cast<int64_t>(qi) * H + h) * D + wc * kHalfD + 2 * t4;
+#pragma unroll
+              for (int j = 0; j < kDB; ++j) {
+                atomicAdd(dst + j * 8, dq[mi][j][2 * hr]);
+                atomicAdd(dst + j * 8 + 1, dq[mi][j][2 * hr + 1]);
+              }
+            }
+          }
       }
       cp_async_wait_all();
       __syncthreads();
     }
 
     // Epilogue: dK scaled by the softmax scale. Direct write, or an fp32 partial for a split.
+    const int col0 = wc * kHalfD + 2 * t4;
+    if (slot < 0) {
+      T* dkb = static_cast<T*>(args.dk) + k0 * args.dk_ts + hk * args.dk_hs + col0;
+      T* dvb = static_cast<T*>(args.dv) + k0 * args.dv_ts + hk * args.dv_hs + col0;
 #pragma unroll
-    for (int hr = 0; hr < 2; ++hr) {
-      const int row = w4 * 16 + g + hr * 8;
-      const int col0 = w2 * kHalfD + 2 * t4;
-      if (slot < 0) {
-        if (row < klen) {
-          T* dkr = static_cast<T*>(args.dk) + (k0 + row) * args.dk_ts + hk * args.dk_hs + col0;
-          T* dvr = static_cast<T*>(args.dv) + (k0 + row) * args.dv_ts + hk * args.dv_hs + col0;
+      for (int mi = 0; mi < MI; ++mi) {
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+          const int row = row0 + mi * 16 + g + hr * 8;
+          const bool ok = row < klen;
 #pragma unroll
           for (int j = 0; j < kDB; ++j) {
-            *reinterpret_cast<uint32_t*>(dkr + j * 8) =
-                Ops::pack(dk[j][2 * hr] * args.scale, dk[j][2 * hr + 1] * args.scale);
-            *reinterpret_cast<uint32_t*>(dvr + j * 8) = Ops::pack(dv[j][2 * hr], dv[j][2 * hr + 1]);
+            if (ok) {
+              *reinterpret_cast<uint32_t*>(dkb + row * args.dk_ts + j * 8) =
+                  Ops::pack(dk[mi][j][2 * hr] * args.scale, dk[mi][j][2 * hr + 1] * args.scale);
+              *reinterpret_cast<uint32_t*>(dvb + row * args.dv_ts + j * 8) =
+                  Ops::pack(dv[mi][j][2 * hr], dv[mi][j][2 * hr + 1]);
+            }
           }
         }
-      } else {
-        float* base = args.partials + ((static_cast<int64_t>(slot) * Hk + hk) * 2) * BN * D;
-        float* pk = base + row * D + col0;
-        float* pv = base + BN * D + row * D + col0;
+      }
+    } else {
+      float* base = args.partials + ((static_cast<int64_t>(slot) * Hk + hk) * 2) * BN * D + col0;
 #pragma unroll
-        for (int j = 0; j < kDB; ++j) {
-          *reinterpret_cast<float2*>(pk + j * 8) = make_float2(dk[j][2 * hr], dk[j][2 * hr + 1]);
-          *reinterpret_cast<float2*>(pv + j * 8) = make_float2(dv[j][2 * hr], dv[j][2 * hr + 1]);
+      for (int mi = 0; mi < MI; ++mi) {
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+          const int row = row0 + mi * 16 + g + hr * 8;
+#pragma unroll
+          for (int j = 0; j < kDB; ++j) {
+            *reinterpret_cast<float2*>(base + row * D + j * 8) = make_float2(dk[mi][j][2 * hr], dk[mi][j][2 * hr + 1]);
+            *reinterpret_cast<float2*>(base + BN * D + row * D + j * 8) =
+                make_float2(dv[mi][j][2 * hr], dv[mi][j][2 * hr + 1]);
+          }
         }
       }
     }
@@ -282,7 +328,7 @@ bwd_kv_kernel(const BwdArgs args) {
 // Deterministic dQ: query-tile-outer, same walk over visible KV tiles as the forward.
 template <int D, typename T>
 struct DqSmem {
-  using C = FwdConfig<D>;
+  using C = DqConfig<D>;
   T q[C::kBlockM * C::kPitch];
   T dout[C::kBlockM * C::kPitch];
   T k[C::kBlockN * C::kPitch];
@@ -290,9 +336,9 @@ struct DqSmem {
 };
 
 template <int D, typename T>
-__global__ void __launch_bounds__(FwdConfig<D>::kThreads, 1)
+__global__ void __launch_bounds__(DqConfig<D>::kThreads, 1)
 bwd_dq_kernel(const BwdArgs args) {
-  using C = FwdConfig<D>;
+  using C = DqConfig<D>;
   using Ops = TypeOps<T>;
   constexpr int BM = C::kBlockM, BN = C::kBlockN, P = C::kPitch, NT = C::kThreads;
   constexpr int kNB = BN / 8;
@@ -526,7 +572,7 @@ cudaError_t launch_bwd_impl(const BwdArgs& args, int sms, cudaStream_t stream) {
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
   }
   if (args.deterministic) {
-    using C = FwdConfig<D>;
+    using C = DqConfig<D>;
     const size_t smem = sizeof(DqSmem<D, T>);
     auto kernel = bwd_dq_kernel<D, T>;
     static int bps = occupancy_blocks(kernel, C::kThreads, smem);

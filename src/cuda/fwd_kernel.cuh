@@ -63,7 +63,7 @@ __global__ void __launch_bounds__(FwdConfig<D>::kThreads, 1)
 fwd_kernel(const FwdArgs args) {
   using C = FwdConfig<D>;
   using Ops = TypeOps<T>;
-  constexpr int BM = C::kBlockM, BN = C::kBlockN, P = C::kPitch, NT = C::kThreads;
+  constexpr int BM = C::kBlockM, BN = C::kBlockN, P = C::kPitch, NT = C::kThreads, MI = C::kMI;
   constexpr int kNB = BN / 8;  // n8 blocks of S
   constexpr int kDB = D / 8;   // n8 blocks of O
 
@@ -87,6 +87,7 @@ fwd_kernel(const FwdArgs args) {
   const T* __restrict__ kg = static_cast<const T*>(args.k);
   const T* __restrict__ vg = static_cast<const T*>(args.v);
   T* __restrict__ og = static_cast<T*>(args.out);
+  const int warp_row0 = warp * 16 * MI;  // first tile row of this warp
 
   while (true) {
     __syncthreads();  // the previous item is done with smem and s_item
@@ -101,22 +102,26 @@ fwd_kernel(const FwdArgs args) {
     const int32_t q0 = items[tile * kFwdItemInts + 1];
     const int32_t q1 = items[tile * kFwdItemInts + 2];
 
-    const T* qh = qg + h * args.q_hs;
     const T* kh = kg + hk * args.k_hs;
     const T* vh = vg + hk * args.v_hs;
 
     KvWalker<BN> it;
     it.init(L, seg, q1);
-    load_tile_async<D, BM, P, NT>(sm.q, qh + static_cast<int64_t>(q0) * args.q_ts, args.q_ts, q1 - q0, tid);
+    load_tile_async<D, BM, P, NT>(sm.q, qg + h * args.q_hs + static_cast<int64_t>(q0) * args.q_ts, args.q_ts,
+                                  q1 - q0, tid);
     load_tile_async<D, BN, P, NT>(sm.k, kh + static_cast<int64_t>(it.pos) * args.k_ts, args.k_ts, it.len(), tid);
     cp_async_commit();
 
-    float acc[kDB][4];
+    float acc[MI][kDB][4];
 #pragma unroll
-    for (int j = 0; j < kDB; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
-    float row_max[2] = {-CUDART_INF_F, -CUDART_INF_F};
-    float row_sum[2] = {0.f, 0.f};
-    const int row_base = warp * 16 + g;  // rows row_base and row_base + 8 of the tile
+    for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+      for (int j = 0; j < kDB; ++j) acc[mi][j][0] = acc[mi][j][1] = acc[mi][j][2] = acc[mi][j][3] = 0.f;
+    float row_max[MI][2], row_sum[MI][2];
+#pragma unroll
+    for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) { row_max[mi][r] = -CUDART_INF_F; row_sum[mi][r] = 0.f; }
 
     cp_async_wait_all();
     __syncthreads();
@@ -129,61 +134,69 @@ fwd_kernel(const FwdArgs args) {
       load_tile_async<D, BN, P, NT>(sm.v, vh + static_cast<int64_t>(kpos) * args.v_ts, args.v_ts, klen, tid);
       cp_async_commit();
 
-      float s[kNB][4];
+      float s[MI][kNB][4];
 #pragma unroll
-      for (int j = 0; j < kNB; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+      for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+        for (int j = 0; j < kNB; ++j) s[mi][j][0] = s[mi][j][1] = s[mi][j][2] = s[mi][j][3] = 0.f;
 #pragma unroll
       for (int kk = 0; kk < D / 16; ++kk) {
-        uint32_t a[4];
-        ldmatrix_x4(a, a_frag_addr(sm.q, P, warp * 16, kk * 16, lane));
+        uint32_t a[MI][4];
+#pragma unroll
+        for (int mi = 0; mi < MI; ++mi) ldmatrix_x4(a[mi], a_frag_addr(sm.q, P, warp_row0 + mi * 16, kk * 16, lane));
 #pragma unroll
         for (int nb = 0; nb < BN / 16; ++nb) {
           uint32_t b[4];
           ldmatrix_x4(b, bnk_frag_addr(sm.k, P, nb * 16, kk * 16, lane));
-          Ops::mma(s[2 * nb], a, b[0], b[1]);
-          Ops::mma(s[2 * nb + 1], a, b[2], b[3]);
-        }
-      }
-
-      // Masking: ragged KV tile end, and the causal diagonal of the query's own segment.
-      const bool need_mask = klen < BN || (own && kpos + BN - 1 > q0);
-      if (need_mask) {
 #pragma unroll
-        for (int j = 0; j < kNB; ++j) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int col = j * 8 + 2 * t4 + (e & 1);
-            const int32_t qi = q0 + row_base + (e >> 1) * 8;
-            const int32_t ki = kpos + col;
-            if (col >= klen || (own && ki > qi)) s[j][e] = -CUDART_INF_F;
+          for (int mi = 0; mi < MI; ++mi) {
+            Ops::mma(s[mi][2 * nb], a[mi], b[0], b[1]);
+            Ops::mma(s[mi][2 * nb + 1], a[mi], b[2], b[3]);
           }
         }
       }
 
+      // Masking: ragged KV tile end, and the causal diagonal of the query's own segment.
+      const bool need_mask = klen < BN || (own && kpos + BN - 1 > q0 + warp_row0);
+      if (need_mask) {
+#pragma unroll
+        for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+          for (int j = 0; j < kNB; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const int col = j * 8 + 2 * t4 + (e & 1);
+              const int32_t qi = q0 + warp_row0 + mi * 16 + g + (e >> 1) * 8;
+              if (col >= klen || (own && kpos + col > qi)) s[mi][j][e] = -CUDART_INF_F;
+            }
+      }
+
       // Online softmax (exp2 with the scale folded in).
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        float mx = row_max[r];
+      for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
-        for (int j = 0; j < kNB; ++j) mx = fmaxf(mx, fmaxf(s[j][2 * r], s[j][2 * r + 1]));
-        mx = warp_max4(mx);
-        const float m_scaled = mx == -CUDART_INF_F ? 0.f : mx * args.scale_log2;
-        const float alpha = exp2f(row_max[r] * args.scale_log2 - m_scaled);
-        row_max[r] = mx;
-        float sum = 0.f;
+        for (int r = 0; r < 2; ++r) {
+          float mx = row_max[mi][r];
 #pragma unroll
-        for (int j = 0; j < kNB; ++j) {
-          s[j][2 * r] = exp2f(s[j][2 * r] * args.scale_log2 - m_scaled);
-          s[j][2 * r + 1] = exp2f(s[j][2 * r + 1] * args.scale_log2 - m_scaled);
-          sum += s[j][2 * r] + s[j][2 * r + 1];
+          for (int j = 0; j < kNB; ++j) mx = fmaxf(mx, fmaxf(s[mi][j][2 * r], s[mi][j][2 * r + 1]));
+          mx = warp_max4(mx);
+          const float m_scaled = mx == -CUDART_INF_F ? 0.f : mx * args.scale_log2;
+          const float alpha = exp2f(row_max[mi][r] * args.scale_log2 - m_scaled);
+          row_max[mi][r] = mx;
+          float sum = 0.f;
+#pragma unroll
+          for (int j = 0; j < kNB; ++j) {
+            s[mi][j][2 * r] = exp2f(s[mi][j][2 * r] * args.scale_log2 - m_scaled);
+            s[mi][j][2 * r + 1] = exp2f(s[mi][j][2 * r + 1] * args.scale_log2 - m_scaled);
+            sum += s[mi][j][2 * r] + s[mi][j][2 * r + 1];
+          }
+          row_sum[mi][r] = row_sum[mi][r] * alpha + sum;
+#pragma unroll
+          for (int j = 0; j < kDB; ++j) {
+            acc[mi][j][2 * r] *= alpha;
+            acc[mi][j][2 * r + 1] *= alpha;
+          }
         }
-        row_sum[r] = row_sum[r] * alpha + sum;
-#pragma unroll
-        for (int j = 0; j < kDB; ++j) {
-          acc[j][2 * r] *= alpha;
-          acc[j][2 * r + 1] *= alpha;
-        }
-      }
 
       cp_async_wait_all();
       __syncthreads();  // V landed; every warp is done reading K
@@ -196,17 +209,23 @@ fwd_kernel(const FwdArgs args) {
       // O += P V
 #pragma unroll
       for (int kk = 0; kk < BN / 16; ++kk) {
-        uint32_t a[4];
-        a[0] = Ops::pack(s[2 * kk][0], s[2 * kk][1]);
-        a[1] = Ops::pack(s[2 * kk][2], s[2 * kk][3]);
-        a[2] = Ops::pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-        a[3] = Ops::pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+        uint32_t a[MI][4];
+#pragma unroll
+        for (int mi = 0; mi < MI; ++mi) {
+          a[mi][0] = Ops::pack(s[mi][2 * kk][0], s[mi][2 * kk][1]);
+          a[mi][1] = Ops::pack(s[mi][2 * kk][2], s[mi][2 * kk][3]);
+          a[mi][2] = Ops::pack(s[mi][2 * kk + 1][0], s[mi][2 * kk + 1][1]);
+          a[mi][3] = Ops::pack(s[mi][2 * kk + 1][2], s[mi][2 * kk + 1][3]);
+        }
 #pragma unroll
         for (int nd = 0; nd < D / 16; ++nd) {
           uint32_t b[4];
           ldmatrix_x4_trans(b, bkn_frag_addr(sm.v, P, kk * 16, nd * 16, lane));
-          Ops::mma(acc[2 * nd], a, b[0], b[1]);
-          Ops::mma(acc[2 * nd + 1], a, b[2], b[3]);
+#pragma unroll
+          for (int mi = 0; mi < MI; ++mi) {
+            Ops::mma(acc[mi][2 * nd], a[mi], b[0], b[1]);
+            Ops::mma(acc[mi][2 * nd + 1], a[mi], b[2], b[3]);
+          }
         }
       }
       cp_async_wait_all();
@@ -215,23 +234,25 @@ fwd_kernel(const FwdArgs args) {
 
     // Epilogue: normalise, write out and lse.
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const float total = warp_sum4(row_sum[r]);
-      const float inv = total > 0.f ? 1.f / total : 0.f;
-      const int32_t qi = q0 + row_base + r * 8;
-      if (qi < q1) {
-        T* orow = og + static_cast<int64_t>(qi) * args.o_ts + h * args.o_hs;
+    for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
-        for (int j = 0; j < kDB; ++j) {
-          *reinterpret_cast<uint32_t*>(orow + j * 8 + 2 * t4) =
-              Ops::pack(acc[j][2 * r] * inv, acc[j][2 * r + 1] * inv);
-        }
-        if (args.lse != nullptr && t4 == 0) {
-          const float lse = total > 0.f ? row_max[r] * args.scale + logf(total) : CUDART_INF_F;
-          args.lse[h * args.lse_hs + qi] = lse;
+      for (int r = 0; r < 2; ++r) {
+        const float total = warp_sum4(row_sum[mi][r]);
+        const float inv = total > 0.f ? 1.f / total : 0.f;
+        const int32_t qi = q0 + warp_row0 + mi * 16 + g + r * 8;
+        if (qi < q1) {
+          T* orow = og + static_cast<int64_t>(qi) * args.o_ts + h * args.o_hs;
+#pragma unroll
+          for (int j = 0; j < kDB; ++j) {
+            *reinterpret_cast<uint32_t*>(orow + j * 8 + 2 * t4) =
+                Ops::pack(acc[mi][j][2 * r] * inv, acc[mi][j][2 * r + 1] * inv);
+          }
+          if (args.lse != nullptr && t4 == 0) {
+            const float lse = total > 0.f ? row_max[mi][r] * args.scale + logf(total) : CUDART_INF_F;
+            args.lse[h * args.lse_hs + qi] = lse;
+          }
         }
       }
-    }
   }
 }
 

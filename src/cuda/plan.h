@@ -39,18 +39,32 @@ constexpr int kFwdItemInts = 4;
 constexpr int kBwdItemInts = 6;
 constexpr int kRedItemInts = 6;
 
-// Forward (and deterministic dQ) kernel: 8 warps x 16 query rows; KV tiles of kBlockN rows.
+// Forward kernel: warps of kMI x 16 query rows (kMI = 2 shares every K/V fragment between two
+// row blocks, halving shared-memory traffic; D > 128 keeps 1 for registers); 128-row query tiles.
 template <int D> struct FwdConfig {
-  static constexpr int kWarps = 8;
+  static constexpr int kMI = D <= 128 ? 2 : 1;
+  static constexpr int kWarps = 8 / kMI;
   static constexpr int kThreads = kWarps * 32;
-  static constexpr int kBlockM = 16 * kWarps;
+  static constexpr int kBlockM = 16 * kMI * kWarps;
   static constexpr int kBlockN = D <= 128 ? 64 : 32;
   static constexpr int kPitch = D + 8;  // +16 B per row: conflict-free ldmatrix without swizzle
 };
 
-// Backward KV-outer kernel: KV tile of kBlockN rows, query tiles of kBlockM rows, 8 warps.
-template <int D> struct BwdConfig {
+// Deterministic dQ kernel: same 128-row query tiles as the forward (it reuses the forward items).
+template <int D> struct DqConfig {
   static constexpr int kWarps = 8;
+  static constexpr int kThreads = kWarps * 32;
+  static constexpr int kBlockM = 16 * kWarps;
+  static constexpr int kBlockN = D <= 128 ? 64 : 32;
+  static constexpr int kPitch = D + 8;
+};
+
+// Backward KV-outer kernel: 64-row KV tile, 64-row query tiles. Warps are laid out 2 x (kWarps/2):
+// each owns kMI x 16 rows (kv rows for S^T/dP^T/dK/dV, query rows for dQ) and half of the columns.
+// D <= 128: 4 warps x 32 rows (two CTAs per SM); D > 128: 8 warps x 16 rows (register budget).
+template <int D> struct BwdConfig {
+  static constexpr int kMI = D <= 128 ? 2 : 1;
+  static constexpr int kWarps = 8 / kMI;
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kBlockM = 64;
   static constexpr int kBlockN = 64;

@@ -119,7 +119,9 @@ struct Sm90Barriers {
   int32_t* items;
 };
 
-template <typename T, int D>
+// kPingPong: the two consumer warpgroups take turns issuing their wgmma batches (named barriers
+// 1 and 2), so that one's softmax runs while the other's matrix products occupy the tensor cores.
+template <typename T, int D, bool kPingPong>
 __global__ void __launch_bounds__(Sm90FwdConfig<D>::kThreads, 1)
 fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
   using C = Sm90FwdConfig<D>;
@@ -236,6 +238,17 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
   const uint32_t q_base = smem_u32(sQ) + cw * 64 * 128;
   const uint32_t k_base = smem_u32(sK);
   const uint32_t v_base = smem_u32(sV);
+  // Turn-taking between the consumer warpgroups: warpgroup c waits on barrier 1 + c before issuing
+  // and then lets the other one go. Warpgroup 0 starts.
+  auto turn_wait = [&]() {
+    if constexpr (kPingPong) named_bar_sync(1 + cw, 256);
+  };
+  auto turn_pass = [&]() {
+    if constexpr (kPingPong) named_bar_arrive(1 + (cw ^ 1), 256);
+  };
+  if constexpr (kPingPong) {
+    if (cw == 1) named_bar_arrive(1, 256);
+  }
 
   uint32_t q_iter = 0, kv_iter = 0;
   for (uint32_t n = 0;; ++n) {
@@ -334,9 +347,11 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
     // First KV tile: S, softmax, P.
     uint32_t st = kv_iter % S;
     mbar_wait(&B.k_full[st], (kv_iter / S) & 1);
+    turn_wait();
     wgmma_fence();
     issue_qk(st);
     wgmma_commit();
+    turn_pass();
     wgmma_wait<0>();
     fence_regs(s);
     int32_t kpos = kv.pos, klen = kv.len();
@@ -358,13 +373,15 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
       kpos = kv.pos; klen = kv.len(); own = kv.own;
       st = kv_iter % S;
       mbar_wait(&B.k_full[st], (kv_iter / S) & 1);
+      const uint32_t pst = prev % S;
+      mbar_wait(&B.v_full[pst], (prev / S) & 1);
+      turn_wait();
       wgmma_fence();
       issue_qk(st);
       wgmma_commit();
-      const uint32_t pst = prev % S;
-      mbar_wait(&B.v_full[pst], (prev / S) & 1);
       issue_pv(pst);
       wgmma_commit();
+      turn_pass();
       wgmma_wait<1>();  // S of this tile is ready; P V of the previous one may still run
       fence_regs(s);
       more = kv.advance(L);
@@ -393,9 +410,11 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
     {
       const uint32_t pst = prev % S;
       mbar_wait(&B.v_full[pst], (prev / S) & 1);
+      turn_wait();
       wgmma_fence();
       issue_pv(pst);
       wgmma_commit();
+      turn_pass();
       wgmma_wait<0>();
       fence_regs(o);
       fence_regs(pf);

@@ -63,8 +63,11 @@ inline int sm_count() {
 
 }  // namespace detail
 
-template <typename Element, int HeadDim>
-cudaError_t run_fwd(const FwdArgs& args, cudaStream_t stream) {
+// Consumer warpgroups take turns issuing their matrix products (see fwd_sm90_kernel).
+constexpr bool kDefaultPingPong = true;
+
+template <typename Element, int HeadDim, bool kPingPong>
+cudaError_t launch_fwd_variant(const FwdArgs& args, cudaStream_t stream) {
   using C = Sm90FwdConfig<HeadDim>;
   constexpr CUtensorMapDataType dt = Pack2<Element>::kTmaType;
   const int T = args.layout.num_tokens;
@@ -76,7 +79,7 @@ cudaError_t run_fwd(const FwdArgs& args, cudaStream_t stream) {
       !detail::make_map(&p.tk, dt, args.k, HeadDim, Hk, T, args.k_hs, args.k_ts, C::kBlockN) ||
       !detail::make_map(&p.tv, dt, args.v, HeadDim, Hk, T, args.v_hs, args.v_ts, C::kBlockN))
     return cudaErrorNotSupported;
-  auto kernel = fwd_sm90_kernel<Element, HeadDim>;
+  auto kernel = fwd_sm90_kernel<Element, HeadDim, kPingPong>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          static_cast<int>(C::kSmemBytes));
   if (err != cudaSuccess) return err;
@@ -85,6 +88,11 @@ cudaError_t run_fwd(const FwdArgs& args, cudaStream_t stream) {
   if ((err = cudaMemsetAsync(args.counter, 0, sizeof(int32_t), stream)) != cudaSuccess) return err;
   kernel<<<sms, C::kThreads, C::kSmemBytes, stream>>>(p);
   return cudaGetLastError();
+}
+
+template <typename Element, int HeadDim>
+cudaError_t run_fwd(const FwdArgs& args, cudaStream_t stream) {
+  return launch_fwd_variant<Element, HeadDim, kDefaultPingPong>(args, stream);
 }
 
 }  // namespace dualkv::cuda::sm90

@@ -11,7 +11,7 @@ NVCC=${NVCC:-/usr/local/cuda/bin/nvcc}
 FLAGS=(-gencode=arch=compute_90a,code=sm_90a -O3 -DNDEBUG --use_fast_math -std=c++17 -lineinfo
        --expt-relaxed-constexpr -Xptxas=--warn-on-spills -Xcompiler -fPIC -Iinclude -Isrc -Isrc/cuda)
 DEFS=()
-SRCS=(src/cuda/sm90/fwd_sm90_common.cu src/cuda/sm90/harness/sm90_harness.cu)
+SRCS=(src/cuda/sm90/fwd_sm90_common.cu src/cuda/sm90/harness/sm90_harness.cu src/cuda/sm90/harness/sm90_harness_variants.cu)
 for d in $HDIMS; do
   DEFS+=(-DDUALKV_SM90_HDIM_$d=1)
   SRCS+=(src/cuda/sm90/fwd_sm90_hdim${d}_bf16.cu src/cuda/sm90/fwd_sm90_hdim${d}_fp16.cu)

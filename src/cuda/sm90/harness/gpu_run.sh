@@ -7,9 +7,6 @@ mkdir -p "$OUTDIR"
 export PYTHONPATH=python DUALKV_LIBRARY=$PWD/build-sm90/libdualkv.so PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu --format=csv,noheader
 python3 -c "import torch; print(torch.__version__, torch.cuda.get_device_capability(), torch.backends.cudnn.version())"
-python3 -c "
-import ctypes; l = ctypes.CDLL('build-sm90/libsm90test.so'); r = ctypes.c_int(); s = ctypes.c_int()
-for dt in (1, 2): print('attrs dtype', dt, l.dualkv_sm90_test_attrs(dt, 128, ctypes.byref(r), ctypes.byref(s)), 'regs', r.value, 'smem', s.value)"
 DUALKV_SM90_TEST_VERBOSE=1 timeout ${TEST_TIMEOUT:-150} python3 -m pytest -q -s -p no:cacheprovider --timeout 60 \
   tests/gpu/test_sm90_fwd.py "$@" > "$OUTDIR/pytest.log" 2>&1
 rc=$?

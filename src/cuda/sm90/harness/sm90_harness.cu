@@ -6,9 +6,15 @@
 #include <stdint.h>
 
 #include "sm90/fwd_sm90.h"
-#include "sm90/fwd_sm90_kernel.cuh"
+#include "sm90/fwd_sm90.h"
 
 using dualkv::cuda::FwdArgs;
+
+// sm90_harness_variants.cu: the non-default (no ping-pong) hdim-128 kernels, for A/B runs.
+cudaError_t sm90_test_alt_variant(int dtype, int head_dim, const FwdArgs& a, cudaStream_t st);
+
+static int g_variant = 0;  // 0: run_fwd (the default); 1: the alternative variant
+extern "C" void dualkv_sm90_test_set_variant(int v) { g_variant = v; }
 
 extern "C" int dualkv_sm90_test_fwd(int dtype /*1 fp16, 2 bf16*/, int head_dim, const int32_t* offsets,
                                     const int32_t* parent, const int32_t* subtree_end, int32_t S, int32_t T,
@@ -36,6 +42,7 @@ extern "C" int dualkv_sm90_test_fwd(int dtype /*1 fp16, 2 bf16*/, int head_dim, 
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   namespace s9 = dualkv::cuda::sm90;
   cudaError_t e = cudaErrorInvalidValue;
+  if (g_variant == 1) return static_cast<int>(sm90_test_alt_variant(dtype, head_dim, a, st));
   switch (head_dim * 10 + dtype) {
 #ifdef DUALKV_SM90_HDIM_64
     case 641: e = s9::run_fwd<__half, 64>(a, st); break;
@@ -51,21 +58,5 @@ extern "C" int dualkv_sm90_test_fwd(int dtype /*1 fp16, 2 bf16*/, int head_dim, 
 #endif
     default: break;
   }
-  return static_cast<int>(e);
-}
-
-// Registers and static smem of one instantiation (for the report).
-extern "C" int dualkv_sm90_test_attrs(int dtype, int head_dim, int* regs, int* smem) {
-  cudaFuncAttributes attr{};
-  cudaError_t e = cudaErrorInvalidValue;
-  namespace s9 = dualkv::cuda::sm90;
-  switch (head_dim * 10 + dtype) {
-#ifdef DUALKV_SM90_HDIM_128
-    case 1281: e = cudaFuncGetAttributes(&attr, s9::fwd_sm90_kernel<__half, 128>); *smem = s9::Sm90FwdConfig<128>::kSmemBytes; break;
-    case 1282: e = cudaFuncGetAttributes(&attr, s9::fwd_sm90_kernel<__nv_bfloat16, 128>); *smem = s9::Sm90FwdConfig<128>::kSmemBytes; break;
-#endif
-    default: break;
-  }
-  *regs = attr.numRegs;
   return static_cast<int>(e);
 }
