@@ -66,7 +66,7 @@ def _grads(out, inputs, seeds):
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 @pytest.mark.parametrize("entropy", [False, True])
-@pytest.mark.parametrize("chunk_size", [1, 3, None])
+@pytest.mark.parametrize("chunk_size", [2, 5, None])
 def test_fused_matches_unpacked_fp64(seed, temperature, entropy, chunk_size):
     pb = random_packed(seed)
     T, D, V = pb.num_tokens, 8, 37
