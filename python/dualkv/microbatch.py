@@ -34,6 +34,11 @@ class MicroBatch:
     def __len__(self) -> int:
         return len(self.entries)
 
+    def rows(self, group_rows: Sequence[Sequence[int]]) -> List[int]:
+        """Batch rows of this micro-batch given ``group_rows[g][i]`` = row of response i of group g
+        (e.g. :attr:`dualkv.PackedBatch.group_rows`), in entry order."""
+        return [int(group_rows[g][i]) for g, idx in self.entries for i in idx]
+
 
 @dataclass(frozen=True)
 class MicroBatchPlan:

@@ -223,6 +223,20 @@ def test_groups_view_feeds_planner():
     assert sum(p + sum(rs) for p, rs in groups) == pb.num_tokens
     plan = plan_micro_batches(groups, max_tokens=pb.num_tokens)
     assert plan.total_tokens == pb.num_tokens
+    # micro-batches of at most ~half the tokens, rows selected from the padded batch and re-packed
+    budget = max(p + max(rs) for p, rs in groups) + pb.num_tokens // 2
+    plan = plan_micro_batches(groups, max_tokens=budget, num_ranks=2)
+    seen = []
+    for mbs in plan.ranks:
+        for mb in mbs:
+            if not mb.entries:
+                continue
+            rows = mb.rows(pb.group_rows)
+            seen.extend(rows)
+            sub = pack(input_ids=ids[rows], attention_mask=am[rows], response_mask=rm[rows],
+                       uid=[uid[r] for r in rows])
+            assert sub.num_tokens == mb.num_tokens <= budget
+    assert sorted(seen) == list(range(pb.num_rows))
 
 
 def test_large_batch_is_fast_enough():
