@@ -6,11 +6,16 @@ P + N·R tokens instead of N·(P+R), and use :func:`attention` where the model c
 from ._native import (ArgumentError, CudaError, DualKVError, LayoutError, LibraryNotFoundError,
                       UnsupportedError, VersionError, WorkspaceError, build_info)
 from .layout import Layout
+from .logprobs import response_logprobs, response_logprobs_from_logits
+from .microbatch import MicroBatch, MicroBatchPlan, plan_micro_batches
 from .ops import attention
+from .packing import PackedBatch, pack, pack_groups, pack_padded, unpack
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ArgumentError", "CudaError", "DualKVError", "Layout", "LayoutError", "LibraryNotFoundError",
-    "UnsupportedError", "VersionError", "WorkspaceError", "attention", "build_info", "__version__",
+    "MicroBatch", "MicroBatchPlan", "PackedBatch", "UnsupportedError", "VersionError", "WorkspaceError",
+    "attention", "build_info", "pack", "pack_groups", "pack_padded", "plan_micro_batches",
+    "response_logprobs", "response_logprobs_from_logits", "unpack", "__version__",
 ]
