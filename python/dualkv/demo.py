@@ -85,9 +85,11 @@ def build_model(config, device, dtype, seed: int = 0, attn_implementation: str =
     """A causal LM with random weights (deterministic in ``seed``), on ``device`` in ``dtype``."""
     from transformers import AutoModelForCausalLM
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation,
-                                             dtype=torch.float32)
-    return model.to(device=device, dtype=dtype)
+    if torch.device(device).type == "cuda":
+        torch.cuda.manual_seed_all(seed)
+    with torch.device(device):  # initialise on the device: a 1.7B fp32 init on the host is slow
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=dtype)
+    return model
 
 
 @dataclass

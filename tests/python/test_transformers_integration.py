@@ -142,6 +142,8 @@ def test_position_ids_filled_from_layout_and_kernel_kwargs():
     full = dk(**dkt.model_inputs(packed)).logits
     auto = dk(input_ids=packed.input_ids, dualkv_layout=packed.layout).logits  # hook fills position_ids
     torch.testing.assert_close(auto, full, rtol=0, atol=0)
+    positional = dk(packed.input_ids, dualkv_layout=packed.layout).logits
+    torch.testing.assert_close(positional, full, rtol=0, atol=0)
     det = dk(**dkt.model_inputs(packed), dualkv_deterministic=True).logits
     torch.testing.assert_close(det, full, rtol=1e-6, atol=1e-6)
     # model_inputs from a token tensor and a layout

@@ -278,22 +278,28 @@ def check_model(model, kwargs: Optional[Dict[str, Any]] = None, *, check_positio
                 "check_positions=False to guard() if these positions are intended.")
 
 
+def _forward_params(module) -> tuple:
+    import inspect
+    try:
+        return tuple(inspect.signature(module.forward).parameters)
+    except (TypeError, ValueError):
+        return ()
+
+
 def _make_pre_hook(check_positions: bool):
     def _pre_hook(module, args, kwargs):
-        if args:  # positional input_ids
-            kwargs = dict(kwargs)
-            kwargs.setdefault("input_ids", args[0])
-            check_model(module, kwargs, check_positions=check_positions)
-            return None
-        check_model(module, kwargs, check_positions=check_positions)
+        seen = kwargs
+        if args and "input_ids" not in kwargs:  # input_ids given positionally
+            seen = dict(kwargs, input_ids=args[0])
+        check_model(module, seen, check_positions=check_positions)
         layout = kwargs.get(LAYOUT_KWARG)
         if layout is not None and is_enabled(module):
             changed = False
-            if kwargs.get("position_ids") is None:  # the layout knows the right RoPE positions
+            if kwargs.get("position_ids") is None and len(args) < 3:  # the layout knows the RoPE positions
                 kwargs["position_ids"] = layout.position_ids.unsqueeze(0)
                 changed = True
-            if kwargs.get("use_cache") is None:  # no KV cache for a packed training batch
-                kwargs["use_cache"] = False
+            if kwargs.get("use_cache") is None and "use_cache" in _forward_params(module):
+                kwargs["use_cache"] = False  # no KV cache for a packed training batch
                 changed = True
             if changed:
                 return args, kwargs
