@@ -46,7 +46,12 @@ def main():
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--no-sdpa", action="store_true")
+    ap.add_argument("--variant", type=int, default=0, help="0: default kernel; 1: alternative (A/B)")
+    ap.add_argument("--windows", default="0", help="scheduling windows to time (0: the default)")
     args = ap.parse_args()
+    import test_sm90_fwd
+    test_sm90_fwd.lib().dualkv_sm90_test_set_variant(args.variant)
+    windows = [int(w) for w in args.windows.split(",")]
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     H, Hk = (int(x) for x in args.heads.split(","))
     D = args.head_dim
@@ -63,8 +68,11 @@ def main():
         out = torch.empty_like(q)
         lse = torch.empty(H, T, device="cuda", dtype=torch.float32)
         flops = 4 * H * D * prob.pairs()
-        med, lo, hi = time_ms(lambda: run_sm90(prob, q, k, v, out=out, lse=lse), args.iters)
-        rows.append((shape, "sm90", med, lo, hi, flops / med / 1e9))
+        for w in windows:
+            test_sm90_fwd.lib().dualkv_sm90_test_set_window(w)
+            med, lo, hi = time_ms(lambda: run_sm90(prob, q, k, v, out=out, lse=lse), args.iters)
+            rows.append((shape, f"sm90/v{args.variant}w{w}", med, lo, hi, flops / med / 1e9))
+        test_sm90_fwd.lib().dualkv_sm90_test_set_window(0)
         del q, k, v, out, lse
         if not args.no_sdpa:
             S = P + R
@@ -82,9 +90,9 @@ def main():
                     rows.append((shape, name + f" ({type(e).__name__})", float("nan"), 0, 0, float("nan")))
             del qe, ke, ve
         torch.cuda.empty_cache()
-    print(f"{'N,P,R':>14} {'kernel':>8} {'median ms':>10} {'min':>8} {'max':>8} {'TFLOP/s':>8}   ({args.dtype}, H={H}, Hk={Hk}, D={D})")
+    print(f"{'N,P,R':>14} {'kernel':>10} {'median ms':>10} {'min':>8} {'max':>8} {'TFLOP/s':>8}   ({args.dtype}, H={H}, Hk={Hk}, D={D})")
     for shape, name, med, lo, hi, tf in rows:
-        print(f"{shape:>14} {name:>8} {med:10.3f} {lo:8.3f} {hi:8.3f} {tf:8.1f}")
+        print(f"{shape:>14} {name:>10} {med:10.3f} {lo:8.3f} {hi:8.3f} {tf:8.1f}")
 
 
 if __name__ == "__main__":

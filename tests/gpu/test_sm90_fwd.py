@@ -52,6 +52,10 @@ def lib():
             [ctypes.c_int, ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_int32, ctypes.c_int32]
             + [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 6
             + [ctypes.c_int32, ctypes.c_int32, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p])
+        # 0: the default kernel (run_fwd); 1: the alternative variant (A/B runs, hdim 128 only)
+        _LIB.dualkv_sm90_test_set_variant(int(os.environ.get("DUALKV_SM90_VARIANT", "0")))
+        # 0: the default scheduling window; > 0: that many tiles per window
+        _LIB.dualkv_sm90_test_set_window(int(os.environ.get("DUALKV_SM90_WINDOW", "0")))
     return _LIB
 
 

@@ -9,6 +9,11 @@
 
 namespace dualkv::cuda::sm90 {
 
+// Defaults of run_fwd. kDefaultPingPong: the consumer warpgroups take turns issuing their matrix
+// products. kDefaultTileWindow: tiles per scheduling window (decode_item in fwd_sm90_kernel.cuh).
+constexpr bool kDefaultPingPong = true;
+constexpr int kDefaultTileWindow = 16;
+
 // Launches the forward kernel for one micro-batch on `stream`. Zeroes args.counter first (the
 // work-item counter), like the sm80 launcher. Returns cudaErrorNotSupported when the inputs do not
 // meet the TMA constraints (every base pointer 16-byte aligned, token and head strides multiples of
@@ -16,6 +21,12 @@ namespace dualkv::cuda::sm90 {
 // capability 9.0 (sm_90a code).
 template <typename Element, int HeadDim>
 cudaError_t run_fwd(const FwdArgs& args, cudaStream_t stream);
+
+// The same with the scheduling knobs explicit (A/B runs): kPingPong (consumer warpgroups take
+// turns issuing wgmma) and tile_window (tiles per scheduling window, >= 1). run_fwd uses the
+// defaults of fwd_sm90_launch.cuh. Instantiated for kPingPong = the default by each unit.
+template <typename Element, int HeadDim, bool kPingPong>
+cudaError_t launch_fwd_variant(const FwdArgs& args, cudaStream_t stream, int tile_window);
 
 // Whether this build has an sm90 forward kernel for `head_dim` (either dtype).
 bool fwd_supported(int head_dim);

@@ -76,7 +76,23 @@ template <int D>
 struct Sm90FwdParams {
   FwdArgs a;
   CUtensorMap tq, tk, tv;
+  int32_t tile_window;  // see decode_item
 };
+
+// Work item -> (query tile, head). The plan lists tiles longest-work-first; items walk windows of
+// `window` consecutive tiles (similar work, usually one prompt group), heads outer and tiles inner,
+// so the CTAs running at one time read the K/V of few KV heads and that K/V stays in L2.
+// window == 1 is the sm80 order (tile = item / H, head = item % H).
+__device__ __forceinline__ void decode_item(int32_t item, int32_t n_tiles, int H, int32_t window, int32_t& tile,
+                                            int& h) {
+  const int32_t per_w = window * H;
+  const int32_t w = item / per_w;
+  const int32_t r = item - w * per_w;
+  const int32_t first = w * window;
+  const int32_t cnt = min(window, n_tiles - first);
+  h = r / cnt;
+  tile = first + (r - h * cnt);
+}
 
 // The KV ranges a query tile [q0, q1) of segment `seg` sees, in tiles of BN tokens.
 template <int BN>
@@ -153,6 +169,7 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
   const int H = a.num_heads;
   const int group = H / a.num_kv_heads;
   const int32_t n_items = n_tiles * H;
+  const int32_t window = max(1, p.tile_window);
 
   constexpr uint32_t kConsumerWarps = 8;
   if (threadIdx.x == 0) {
@@ -187,8 +204,9 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
       B.items[slot] = item;
       mbar_arrive(&B.item_full[slot]);
       if (item >= n_items) break;
-      const int32_t tile = item / H;
-      const int h = item - tile * H;
+      int32_t tile;
+      int h;
+      decode_item(item, n_tiles, H, window, tile, h);
       const int hk = h / group;
       const int32_t seg = items[tile * kFwdItemInts + 0];
       const int32_t q0 = items[tile * kFwdItemInts + 1];
@@ -258,8 +276,9 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
     __syncwarp();
     if (lane == 0) mbar_arrive(&B.item_empty[slot]);
     if (item >= n_items) break;
-    const int32_t tile = item / H;
-    const int h = item - tile * H;
+    int32_t tile;
+    int h;
+    decode_item(item, n_tiles, H, window, tile, h);
     const int32_t seg = items[tile * kFwdItemInts + 0];
     const int32_t q0 = items[tile * kFwdItemInts + 1];
     const int32_t q1 = items[tile * kFwdItemInts + 2];

@@ -63,11 +63,9 @@ inline int sm_count() {
 
 }  // namespace detail
 
-// Consumer warpgroups take turns issuing their matrix products (see fwd_sm90_kernel).
-constexpr bool kDefaultPingPong = true;
 
 template <typename Element, int HeadDim, bool kPingPong>
-cudaError_t launch_fwd_variant(const FwdArgs& args, cudaStream_t stream) {
+cudaError_t launch_fwd_variant(const FwdArgs& args, cudaStream_t stream, int tile_window) {
   using C = Sm90FwdConfig<HeadDim>;
   constexpr CUtensorMapDataType dt = Pack2<Element>::kTmaType;
   const int T = args.layout.num_tokens;
@@ -75,6 +73,7 @@ cudaError_t launch_fwd_variant(const FwdArgs& args, cudaStream_t stream) {
   if (!fwd_args_supported(args, HeadDim, 2)) return cudaErrorNotSupported;
   Sm90FwdParams<HeadDim> p;
   p.a = args;
+  p.tile_window = tile_window > 0 ? tile_window : 1;
   if (!detail::make_map(&p.tq, dt, args.q, HeadDim, H, T, args.q_hs, args.q_ts, C::kBlockM) ||
       !detail::make_map(&p.tk, dt, args.k, HeadDim, Hk, T, args.k_hs, args.k_ts, C::kBlockN) ||
       !detail::make_map(&p.tv, dt, args.v, HeadDim, Hk, T, args.v_hs, args.v_ts, C::kBlockN))
@@ -92,7 +91,7 @@ cudaError_t launch_fwd_variant(const FwdArgs& args, cudaStream_t stream) {
 
 template <typename Element, int HeadDim>
 cudaError_t run_fwd(const FwdArgs& args, cudaStream_t stream) {
-  return launch_fwd_variant<Element, HeadDim, kDefaultPingPong>(args, stream);
+  return launch_fwd_variant<Element, HeadDim, kDefaultPingPong>(args, stream, kDefaultTileWindow);
 }
 
 }  // namespace dualkv::cuda::sm90

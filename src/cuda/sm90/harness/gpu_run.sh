@@ -18,6 +18,22 @@ if [ $rc -ne 0 ] && command -v compute-sanitizer > /dev/null && [ -n "${SANITIZE
     tests/gpu/test_sm90_fwd.py -k "single_token or deep_chain" > "$OUTDIR/sanitizer.log" 2>&1
   grep -m 20 -E "Invalid|ERROR|error" "$OUTDIR/sanitizer.log"; tail -n 5 "$OUTDIR/sanitizer.log"
 fi
+if [ -n "${ALT_VARIANT:-}" ]; then
+  DUALKV_SM90_VARIANT=1 DUALKV_SM90_TEST_HDIMS=128 DUALKV_SM90_TEST_N=16 timeout 100 python3 -m pytest -q -p no:cacheprovider \
+    --timeout 60 tests/gpu/test_sm90_fwd.py > "$OUTDIR/pytest_alt.log" 2>&1
+  echo "alt variant pytest rc=$?"; tail -n 3 "$OUTDIR/pytest_alt.log"
+fi
+if [ -n "${WINDOW_TEST:-}" ]; then
+  DUALKV_SM90_WINDOW=$WINDOW_TEST DUALKV_SM90_TEST_HDIMS=128 DUALKV_SM90_TEST_N=24 timeout 100 python3 -m pytest -q \
+    -p no:cacheprovider --timeout 60 tests/gpu/test_sm90_fwd.py > "$OUTDIR/pytest_window.log" 2>&1
+  echo "window $WINDOW_TEST pytest rc=$?"; tail -n 3 "$OUTDIR/pytest_window.log"
+fi
 if [ -z "${NO_BENCH:-}" ]; then
-  timeout ${BENCH_TIMEOUT:-150} python3 bench/sm90_fwd.py ${BENCH_ARGS:-} 2>&1 | tee "$OUTDIR/bench.log"
+  timeout 100 python3 bench/sm90_fwd.py --variant 0 ${BENCH_ARGS:-} 2>&1 | tee "$OUTDIR/bench.log"
+  if [ -n "${ALT_VARIANT:-}" ]; then
+    timeout 60 python3 bench/sm90_fwd.py --variant 1 --no-sdpa ${ALT_BENCH_ARGS:-} 2>&1 | tee -a "$OUTDIR/bench.log"
+  fi
+  if [ -n "${BENCH_FP16:-}" ]; then
+    timeout 60 python3 bench/sm90_fwd.py --variant 0 --no-sdpa --dtype fp16 2>&1 | tee -a "$OUTDIR/bench.log"
+  fi
 fi

@@ -7,8 +7,8 @@
 using dualkv::cuda::FwdArgs;
 namespace s9 = dualkv::cuda::sm90;
 
-cudaError_t sm90_test_alt_variant(int dtype, int head_dim, const FwdArgs& a, cudaStream_t st) {
+cudaError_t sm90_test_alt_variant(int dtype, int head_dim, const FwdArgs& a, cudaStream_t st, int window) {
   if (head_dim != 128) return cudaErrorInvalidValue;
-  if (dtype == 1) return s9::launch_fwd_variant<__half, 128, !s9::kDefaultPingPong>(a, st);
-  return s9::launch_fwd_variant<__nv_bfloat16, 128, !s9::kDefaultPingPong>(a, st);
+  if (dtype == 1) return s9::launch_fwd_variant<__half, 128, !s9::kDefaultPingPong>(a, st, window > 0 ? window : s9::kDefaultTileWindow);
+  return s9::launch_fwd_variant<__nv_bfloat16, 128, !s9::kDefaultPingPong>(a, st, window > 0 ? window : s9::kDefaultTileWindow);
 }
