@@ -17,7 +17,7 @@ from dualkv.grpo import group_advantages, policy_loss  # noqa: E402
 from dualkv.integrations import transformers as dkt  # noqa: E402
 from dualkv.logprobs import response_logprobs  # noqa: E402
 from dualkv.packing import pack  # noqa: E402
-from dualkv.reference import unpacked_groups  # noqa: E402
+from dualkv.reference import unpacked_groups, visibility_mask  # noqa: E402
 
 VOCAB = 96
 COMMON = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -150,6 +150,25 @@ def test_position_ids_filled_from_layout_and_kernel_kwargs():
     kw = dkt.model_inputs(packed.input_ids[0], packed.layout)
     assert kw["input_ids"].shape == (1, packed.num_tokens) and kw["position_ids"].shape == (1, packed.num_tokens)
     torch.testing.assert_close(dk(**kw).logits, full, rtol=0, atol=0)
+
+
+def test_dense_reference_implementation():
+    """attn_implementation="dualkv_reference" (dense-mask SDPA over the layout) equals dualkv."""
+    dk = dkt.enable(make_model("qwen3_moe"))
+    ref = dkt.enable(copy.deepcopy(dk), reference=True)
+    assert dkt.is_enabled(ref) and ref.config._attn_implementation == dkt.REFERENCE_IMPLEMENTATION
+    packed = pack(*rollouts())
+    a = dk(**dkt.model_inputs(packed)).logits
+    b = ref(**dkt.model_inputs(packed)).logits
+    torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+    a.square().mean().backward()
+    b.square().mean().backward()
+    for (name, p), q in zip(dk.named_parameters(), ref.parameters()):
+        assert rel_err(q.grad, p.grad) <= 1e-5, name
+    mask = dkt.dense_visibility_mask(packed.layout, "cpu")
+    assert torch.equal(mask, visibility_mask(packed.layout))
+    with pytest.raises(dkt.MissingLayoutError):
+        ref(input_ids=packed.input_ids)
 
 
 def test_guard_missing_layout():

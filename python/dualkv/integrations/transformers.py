@@ -34,6 +34,7 @@ their prompt, or see each other). Guards:
 from __future__ import annotations
 
 import warnings
+import weakref
 from typing import Any, Dict, Optional
 
 import torch
@@ -49,14 +50,17 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
                       "(pip install 'transformers>=5')") from exc
 
 __all__ = [
-    "ATTN_IMPLEMENTATION", "LAYOUT_KWARG", "DETERMINISTIC_KWARG", "TESTED_MODEL_TYPES",
+    "ATTN_IMPLEMENTATION", "REFERENCE_IMPLEMENTATION", "LAYOUT_KWARG", "DETERMINISTIC_KWARG", "TESTED_MODEL_TYPES",
     "MissingLayoutError", "WrongAttentionError",
-    "register", "dualkv_attention_forward", "check_config", "check_model", "enable", "disable", "guard",
-    "is_enabled", "model_inputs",
+    "register", "dualkv_attention_forward", "dense_reference_attention_forward", "dense_visibility_mask",
+    "check_config", "check_model", "enable", "disable", "guard", "is_enabled", "model_inputs",
 ]
 
 #: the name to pass as ``attn_implementation``
 ATTN_IMPLEMENTATION = "dualkv"
+#: dense-mask SDPA over the same layout (a checking aid: O(T^2) memory)
+REFERENCE_IMPLEMENTATION = "dualkv_reference"
+_LAYOUT_IMPLEMENTATIONS = (ATTN_IMPLEMENTATION, REFERENCE_IMPLEMENTATION)
 #: the forward keyword that carries the :class:`dualkv.Layout`
 LAYOUT_KWARG = "dualkv_layout"
 #: optional forward keyword: ``True`` makes attention's backward bit-reproducible
@@ -79,13 +83,8 @@ class WrongAttentionError(DualKVError, ValueError):
 # the attention function
 # ----------------------------------------------------------------------------------------------
 
-def dualkv_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
-                             value: torch.Tensor, attention_mask: Optional[torch.Tensor],
-                             scaling: Optional[float] = None, dropout: float = 0.0,
-                             sliding_window: Optional[int] = None, softcap: Optional[float] = None,
-                             **kwargs: Any):
-    """The ``AttentionInterface`` function: query ``[1, H, T, D]``, key/value ``[1, Hk, T, D]``
-    (transformers' layout) -> ``([1, T, H, D], None)``; attention over ``kwargs["dualkv_layout"]``."""
+def _packed_qkv(module, query, key, value, attention_mask, scaling, dropout, sliding_window, softcap, kwargs):
+    """Validate one attention call and return (q, k, v as [T, heads, D], layout, scaling)."""
     layout = kwargs.get(LAYOUT_KWARG)
     if layout is None:
         raise MissingLayoutError(
@@ -137,15 +136,72 @@ def dualkv_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
         v = v.contiguous()
     if scaling is None:
         scaling = getattr(module, "scaling", None)
+    if scaling is None:
+        scaling = q.shape[-1] ** -0.5
+    return q, k, v, layout, float(scaling)
+
+
+def dualkv_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                             value: torch.Tensor, attention_mask: Optional[torch.Tensor],
+                             scaling: Optional[float] = None, dropout: float = 0.0,
+                             sliding_window: Optional[int] = None, softcap: Optional[float] = None,
+                             **kwargs: Any):
+    """The ``AttentionInterface`` function: query ``[1, H, T, D]``, key/value ``[1, Hk, T, D]``
+    (transformers' layout) -> ``([1, T, H, D], None)``; attention over ``kwargs["dualkv_layout"]``."""
+    q, k, v, layout, scaling = _packed_qkv(module, query, key, value, attention_mask, scaling, dropout,
+                                           sliding_window, softcap, kwargs)
     out = _dualkv_attention(q, k, v, layout, softmax_scale=scaling,
                             deterministic=bool(kwargs.get(DETERMINISTIC_KWARG, False)))
     return out.unsqueeze(0), None
 
 
+_DENSE_MASKS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def dense_visibility_mask(layout: Layout, device) -> torch.Tensor:
+    """bool ``[T, T]`` on ``device``: query i sees key j (built on the device from segment ids and the
+    segment ancestor matrix; cached per layout and device). O(T^2) memory: for checks only."""
+    device = torch.device(device)
+    cache = _DENSE_MASKS.setdefault(layout, {})
+    mask = cache.get(device)
+    if mask is None:
+        from ..reference import ancestor_matrix
+        lens = torch.tensor(layout.segment_lens, dtype=torch.int64)
+        seg = torch.repeat_interleave(torch.arange(lens.numel()), lens).to(device)
+        anc = ancestor_matrix(layout).to(device)
+        idx = torch.arange(seg.numel(), device=device)
+        mask = ((seg[:, None] == seg[None, :]) & (idx[None, :] <= idx[:, None])) | anc[seg[:, None], seg[None, :]]
+        cache.clear()
+        cache[device] = mask
+    return mask
+
+
+def dense_reference_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                                      value: torch.Tensor, attention_mask: Optional[torch.Tensor],
+                                      scaling: Optional[float] = None, dropout: float = 0.0,
+                                      sliding_window: Optional[int] = None, softcap: Optional[float] = None,
+                                      **kwargs: Any):
+    """``attn_implementation="dualkv_reference"``: the same contract as "dualkv", computed by PyTorch
+    SDPA with the dense ``[T, T]`` visibility mask of the layout. O(T^2) memory; for checking the
+    kernels (and measuring PyTorch's own low-precision noise) on the packed tokens, not for training."""
+    q, k, v, layout, scaling = _packed_qkv(module, query, key, value, attention_mask, scaling, dropout,
+                                           sliding_window, softcap, kwargs)
+    rep = q.shape[1] // k.shape[1]
+    if rep > 1:  # expand GQA so that SDPA's memory-efficient masked kernel applies
+        k = k.repeat_interleave(rep, dim=1)
+        v = v.repeat_interleave(rep, dim=1)
+    mask = dense_visibility_mask(layout, q.device)
+    out = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                                           attn_mask=mask, scale=scaling)
+    return out.transpose(0, 1).unsqueeze(0), None
+
+
 def register() -> None:
-    """Register ``"dualkv"`` in transformers' global ``AttentionInterface`` (idempotent; done on
-    import). No mask function is registered on purpose: transformers then builds no mask at all."""
+    """Register ``"dualkv"`` and ``"dualkv_reference"`` in transformers' global ``AttentionInterface``
+    (idempotent; done on import). No mask function is registered on purpose: transformers then
+    builds no mask at all."""
     _AttentionInterface.register(ATTN_IMPLEMENTATION, dualkv_attention_forward)
+    _AttentionInterface.register(REFERENCE_IMPLEMENTATION, dense_reference_attention_forward)
 
 
 register()
@@ -203,8 +259,8 @@ def check_config(config) -> None:
 
 
 def is_enabled(model) -> bool:
-    """True if the model's attention implementation is dualkv."""
-    return _attn_impl(model.config) == ATTN_IMPLEMENTATION
+    """True if the model's attention implementation is dualkv (or its dense reference)."""
+    return _attn_impl(model.config) in _LAYOUT_IMPLEMENTATIONS
 
 
 # ----------------------------------------------------------------------------------------------
@@ -329,12 +385,13 @@ def guard(model, *, check_positions: bool = True):
     return model
 
 
-def enable(model, *, check_positions: bool = True):
+def enable(model, *, check_positions: bool = True, reference: bool = False):
     """Switch a built model to dualkv attention and install :func:`guard`. Raises
-    :class:`dualkv.UnsupportedError` for unsupported configurations. Returns the model."""
+    :class:`dualkv.UnsupportedError` for unsupported configurations. ``reference=True`` selects
+    ``"dualkv_reference"`` (dense-mask SDPA over the layout, for checks). Returns the model."""
     check_config(model.config)
     register()
-    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    model.set_attn_implementation(REFERENCE_IMPLEMENTATION if reference else ATTN_IMPLEMENTATION)
     return guard(model, check_positions=check_positions)
 
 
