@@ -262,6 +262,24 @@ def run_method(name, case, args, dtype):
     return res
 
 
+def profile_dualkv(case, args, dtype):
+    from torch.profiler import ProfilerActivity, profile
+    for name in ("dualkv", "dualkv_det"):
+        setup, fwd, fwdbwd, _ = build_method(name, case, args.heads, args.kv_heads, args.head_dim, dtype)
+        x = setup(5)
+        for _ in range(2):
+            fwdbwd(x)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                fwdbwd(x)
+            torch.cuda.synchronize()
+        log(f"profile {name} on {case.name} (3 x fwd+bwd):")
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=70),
+              flush=True)
+        del x
+
+
 def git_commit():
     if os.environ.get("DUALKV_COMMIT"):
         return os.environ["DUALKV_COMMIT"]
@@ -319,6 +337,8 @@ def main():
     ap.add_argument("--fwd-only", action="store_true")
     ap.add_argument("--out", default=str(HERE / "results"))
     ap.add_argument("--tag", default="")
+    ap.add_argument("--profile", action="store_true",
+                    help="print per-kernel CUDA times of dualkv fwd+bwd (both dQ modes) on the first case")
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
 
@@ -349,6 +369,9 @@ def main():
     stamp = datetime.datetime.now(datetime.timezone.utc).replace(tzinfo=None).strftime("%Y%m%d-%H%M%S")
     tag = args.tag or ("quick" if args.quick else "full")
     json_path = outdir / f"attention_{tag}_{stamp}.json"
+
+    if args.profile:
+        profile_dualkv(cases[0], args, dtype)
 
     for case in cases:
         entry = {"case": case.describe(), "results": {}}

@@ -265,6 +265,27 @@ bwd_kv_kernel(const BwdArgs args) {
             }
           }
         }
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+        // sm90: one 16-byte vector atomic per n8 block. Lanes t, t^1 swap halves so that the even
+        // lane holds row g, cols [2t, 2t+4) and the odd lane row g+8, cols [2t-2, 2t+2).
+        const bool odd = t4 & 1;
+#pragma unroll
+        for (int mi = 0; mi < MI; ++mi) {
+          const int32_t qi = qt + row0 + mi * 16 + g + (odd ? 8 : 0);
+          const int col = wc * kHalfD + 2 * t4 - (odd ? 2 : 0);
+          float* dst = args.dq_accum + (static_cast<int64_t>(qi) * H + h) * D + col;
+#pragma unroll
+          for (int j = 0; j < kDB; ++j) {
+            const float s0 = odd ? dq[mi][j][0] : dq[mi][j][2];
+            const float s1 = odd ? dq[mi][j][1] : dq[mi][j][3];
+            const float r0 = __shfl_xor_sync(0xffffffffu, s0, 1);
+            const float r1 = __shfl_xor_sync(0xffffffffu, s1, 1);
+            const float4 v = odd ? make_float4(r0, r1, dq[mi][j][2], dq[mi][j][3])
+                                 : make_float4(dq[mi][j][0], dq[mi][j][1], r0, r1);
+            if (qi < qb) atomicAdd(reinterpret_cast<float4*>(dst + j * 8), v);
+          }
+        }
+#else
 #pragma unroll
         for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
@@ -279,6 +300,7 @@ bwd_kv_kernel(const BwdArgs args) {
               }
             }
           }
+#endif
       }
       cp_async_wait_all();
       __syncthreads();
@@ -340,7 +362,7 @@ __global__ void __launch_bounds__(DqConfig<D>::kThreads, 1)
 bwd_dq_kernel(const BwdArgs args) {
   using C = DqConfig<D>;
   using Ops = TypeOps<T>;
-  constexpr int BM = C::kBlockM, BN = C::kBlockN, P = C::kPitch, NT = C::kThreads;
+  constexpr int BM = C::kBlockM, BN = C::kBlockN, P = C::kPitch, NT = C::kThreads, MI = C::kMI;
   constexpr int kNB = BN / 8;
   constexpr int kDB = D / 8;
 
@@ -360,6 +382,7 @@ bwd_dq_kernel(const BwdArgs args) {
   const int group = H / args.num_kv_heads;
   const int64_t n_items = static_cast<int64_t>(n_tiles) * H;
   const int64_t T_ = L.num_tokens;
+  const int warp_row0 = warp * 16 * MI;
 
   while (true) {
     __syncthreads();
@@ -386,18 +409,21 @@ bwd_dq_kernel(const BwdArgs args) {
     load_tile_async<D, BN, P, NT>(sm.v, vh + it.pos * args.v_ts, args.v_ts, it.len(), tid);
     cp_async_commit();
 
-    const int row_base = warp * 16 + g;
-    float lse2[2], dl[2];
+    float lse2[MI][2], dl[MI][2];
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int32_t qi = q0 + row_base + r * 8;
-      const bool valid = qi < q1;
-      lse2[r] = valid ? args.lse[h * args.lse_hs + qi] * kLog2e : CUDART_INF_F;
-      dl[r] = valid ? args.delta[h * T_ + qi] : 0.f;
-    }
-    float acc[kDB][4];
+    for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
-    for (int j = 0; j < kDB; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+      for (int r = 0; r < 2; ++r) {
+        const int32_t qi = q0 + warp_row0 + mi * 16 + g + r * 8;
+        const bool valid = qi < q1;
+        lse2[mi][r] = valid ? args.lse[h * args.lse_hs + qi] * kLog2e : CUDART_INF_F;
+        dl[mi][r] = valid ? args.delta[h * T_ + qi] : 0.f;
+      }
+    float acc[MI][kDB][4];
+#pragma unroll
+    for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+      for (int j = 0; j < kDB; ++j) acc[mi][j][0] = acc[mi][j][1] = acc[mi][j][2] = acc[mi][j][3] = 0.f;
 
     cp_async_wait_all();
     __syncthreads();
@@ -405,56 +431,74 @@ bwd_dq_kernel(const BwdArgs args) {
     while (more) {
       const int32_t kpos = it.pos, klen = it.len();
       const bool own = it.own;
-      float s[kNB][4], dp[kNB][4];
+      float s[MI][kNB][4], dp[MI][kNB][4];
 #pragma unroll
-      for (int j = 0; j < kNB; ++j)
+      for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) s[j][e] = dp[j][e] = 0.f;
+        for (int j = 0; j < kNB; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) s[mi][j][e] = dp[mi][j][e] = 0.f;
 #pragma unroll
       for (int kk = 0; kk < D / 16; ++kk) {
-        uint32_t aq[4], ao[4];
-        ldmatrix_x4(aq, a_frag_addr(sm.q, P, warp * 16, kk * 16, lane));
-        ldmatrix_x4(ao, a_frag_addr(sm.dout, P, warp * 16, kk * 16, lane));
+        uint32_t aq[MI][4], ao[MI][4];
+#pragma unroll
+        for (int mi = 0; mi < MI; ++mi) {
+          ldmatrix_x4(aq[mi], a_frag_addr(sm.q, P, warp_row0 + mi * 16, kk * 16, lane));
+          ldmatrix_x4(ao[mi], a_frag_addr(sm.dout, P, warp_row0 + mi * 16, kk * 16, lane));
+        }
 #pragma unroll
         for (int nb = 0; nb < BN / 16; ++nb) {
           uint32_t b[4];
           ldmatrix_x4(b, bnk_frag_addr(sm.k, P, nb * 16, kk * 16, lane));
-          Ops::mma(s[2 * nb], aq, b[0], b[1]);
-          Ops::mma(s[2 * nb + 1], aq, b[2], b[3]);
-          ldmatrix_x4(b, bnk_frag_addr(sm.v, P, nb * 16, kk * 16, lane));
-          Ops::mma(dp[2 * nb], ao, b[0], b[1]);
-          Ops::mma(dp[2 * nb + 1], ao, b[2], b[3]);
-        }
-      }
-      const bool need_mask = klen < BN || (own && kpos + BN - 1 > q0);
 #pragma unroll
-      for (int j = 0; j < kNB; ++j) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int r = e >> 1;
-          float p = exp2f(s[j][e] * args.scale_log2 - lse2[r]);
-          if (need_mask) {
-            const int col = j * 8 + 2 * t4 + (e & 1);
-            const int32_t qi = q0 + row_base + r * 8;
-            if (col >= klen || (own && kpos + col > qi)) p = 0.f;
+          for (int mi = 0; mi < MI; ++mi) {
+            Ops::mma(s[mi][2 * nb], aq[mi], b[0], b[1]);
+            Ops::mma(s[mi][2 * nb + 1], aq[mi], b[2], b[3]);
           }
-          s[j][e] = p * (dp[j][e] - dl[r]);  // dS
+          ldmatrix_x4(b, bnk_frag_addr(sm.v, P, nb * 16, kk * 16, lane));
+#pragma unroll
+          for (int mi = 0; mi < MI; ++mi) {
+            Ops::mma(dp[mi][2 * nb], ao[mi], b[0], b[1]);
+            Ops::mma(dp[mi][2 * nb + 1], ao[mi], b[2], b[3]);
+          }
         }
       }
+      const bool need_mask = klen < BN || (own && kpos + BN - 1 > q0 + warp_row0);
+#pragma unroll
+      for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+        for (int j = 0; j < kNB; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int r = e >> 1;
+            float p = exp2f(s[mi][j][e] * args.scale_log2 - lse2[mi][r]);
+            if (need_mask) {
+              const int col = j * 8 + 2 * t4 + (e & 1);
+              const int32_t qi = q0 + warp_row0 + mi * 16 + g + r * 8;
+              if (col >= klen || (own && kpos + col > qi)) p = 0.f;
+            }
+            s[mi][j][e] = p * (dp[mi][j][e] - dl[mi][r]);  // dS
+          }
       // dQ += dS K
 #pragma unroll
       for (int kk = 0; kk < BN / 16; ++kk) {
-        uint32_t a[4];
-        a[0] = Ops::pack(s[2 * kk][0], s[2 * kk][1]);
-        a[1] = Ops::pack(s[2 * kk][2], s[2 * kk][3]);
-        a[2] = Ops::pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-        a[3] = Ops::pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+        uint32_t a[MI][4];
+#pragma unroll
+        for (int mi = 0; mi < MI; ++mi) {
+          a[mi][0] = Ops::pack(s[mi][2 * kk][0], s[mi][2 * kk][1]);
+          a[mi][1] = Ops::pack(s[mi][2 * kk][2], s[mi][2 * kk][3]);
+          a[mi][2] = Ops::pack(s[mi][2 * kk + 1][0], s[mi][2 * kk + 1][1]);
+          a[mi][3] = Ops::pack(s[mi][2 * kk + 1][2], s[mi][2 * kk + 1][3]);
+        }
 #pragma unroll
         for (int nd = 0; nd < D / 16; ++nd) {
           uint32_t b[4];
           ldmatrix_x4_trans(b, bkn_frag_addr(sm.k, P, kk * 16, nd * 16, lane));
-          Ops::mma(acc[2 * nd], a, b[0], b[1]);
-          Ops::mma(acc[2 * nd + 1], a, b[2], b[3]);
+#pragma unroll
+          for (int mi = 0; mi < MI; ++mi) {
+            Ops::mma(acc[mi][2 * nd], a[mi], b[0], b[1]);
+            Ops::mma(acc[mi][2 * nd + 1], a[mi], b[2], b[3]);
+          }
         }
       }
       __syncthreads();  // everyone is done with K and V
@@ -468,16 +512,18 @@ bwd_dq_kernel(const BwdArgs args) {
       }
     }
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int32_t qi = q0 + row_base + r * 8;
-      if (qi < q1) {
-        T* row = static_cast<T*>(args.dq) + qi * args.dq_ts + h * args.dq_hs + 2 * t4;
+    for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
-        for (int j = 0; j < kDB; ++j)
-          *reinterpret_cast<uint32_t*>(row + j * 8) =
-              Ops::pack(acc[j][2 * r] * args.scale, acc[j][2 * r + 1] * args.scale);
+      for (int r = 0; r < 2; ++r) {
+        const int32_t qi = q0 + warp_row0 + mi * 16 + g + r * 8;
+        if (qi < q1) {
+          T* row = static_cast<T*>(args.dq) + qi * args.dq_ts + h * args.dq_hs + 2 * t4;
+#pragma unroll
+          for (int j = 0; j < kDB; ++j)
+            *reinterpret_cast<uint32_t*>(row + j * 8) =
+                Ops::pack(acc[mi][j][2 * r] * args.scale, acc[mi][j][2 * r + 1] * args.scale);
+        }
       }
-    }
   }
 }
 

@@ -50,12 +50,14 @@ template <int D> struct FwdConfig {
   static constexpr int kPitch = D + 8;  // +16 B per row: conflict-free ldmatrix without swizzle
 };
 
-// Deterministic dQ kernel: same 128-row query tiles as the forward (it reuses the forward items).
+// Deterministic dQ kernel: same 128-row query tiles as the forward (it reuses the forward items);
+// kMI row blocks per warp as in the forward, KV tiles short enough for S, dP and dQ in registers.
 template <int D> struct DqConfig {
-  static constexpr int kWarps = 8;
+  static constexpr int kMI = D <= 128 ? 2 : 1;
+  static constexpr int kWarps = 8 / kMI;
   static constexpr int kThreads = kWarps * 32;
-  static constexpr int kBlockM = 16 * kWarps;
-  static constexpr int kBlockN = D <= 128 ? 64 : 32;
+  static constexpr int kBlockM = 16 * kMI * kWarps;
+  static constexpr int kBlockN = 32;
   static constexpr int kPitch = D + 8;
 };
 

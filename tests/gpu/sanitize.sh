@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # compute-sanitizer memcheck + racecheck over a few small layouts (forward and backward, both
-# dQ modes, with and without split query ranges).
+# dQ modes). DUALKV_CUDA_SPLIT_ROWS=64 splits every KV tile whose query range is longer than 64
+# rows, so one pass covers split (partials + reduction) and unsplit items; SAN_SPLITS="0 64"
+# runs both settings.
 #   DUALKV_LIBRARY=build/libdualkv.so PYTHONPATH=python tests/gpu/sanitize.sh
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
@@ -8,7 +10,7 @@ cs="${COMPUTE_SANITIZER:-compute-sanitizer}"
 command -v "$cs" >/dev/null || cs=/usr/local/cuda/bin/compute-sanitizer
 status=0
 for tool in memcheck racecheck; do
-  for split in "" 64; do
+  for split in ${SAN_SPLITS:-64}; do
     echo "== $tool (DUALKV_CUDA_SPLIT_ROWS=${split:-default})"
     if ! DUALKV_CUDA_SPLIT_ROWS="$split" "$cs" --tool "$tool" --error-exitcode 99 \
         --target-processes all python3 "$here/sanitize_cases.py"; then
