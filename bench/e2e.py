@@ -263,74 +263,96 @@ def timed_update(method, model, mbs, args, device):
     return time.perf_counter() - t0, logps
 
 
+def _std_logprobs_nograd(model, mbs, args, device):
+    """The "old" policy log-probs: the std ones plus a little noise. Falls back from cuDNN to the
+    flash SDPA backend if cuDNN has no kernel for this shape (recorded in the results)."""
+    set_method(model, "std")
+    for i, mb in enumerate(mbs):
+        with torch.no_grad():
+            try:
+                with _sdpa_context(device, args.sdpa_backend):
+                    lp = logprobs_of("std", model, mb, args, device)
+            except RuntimeError as exc:
+                if args.sdpa_backend != "cudnn" or "No available kernel" not in str(exc):
+                    raise
+                log(f"  cuDNN SDPA has no kernel here ({str(exc)[:160]}); std uses the flash backend from now on")
+                args.sdpa_backend = "flash"
+                with _sdpa_context(device, args.sdpa_backend):
+                    lp = logprobs_of("std", model, mb, args, device)
+        gen = torch.Generator().manual_seed(args.seed + 100 + i)
+        mb.old = torch.where(mb.mask, lp + 0.05 * torch.randn(lp.shape, generator=gen).to(device), torch.zeros_like(lp))
+
+
+def measure(method, model, mbs, args, device, base, flops):
+    """Warm-up and timed updates of one method; returns its record (status ok / oom / error)."""
+    rec = dict(base, method=method)
+    if method == "std" and device.type == "cuda":
+        rec["sdpa_backend"] = args.sdpa_backend
+    unpacked, packed = base["unpacked_tokens"], base["packed_tokens"]
+    try:
+        set_method(model, method)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+        t_w = time.perf_counter()
+        logps = None
+        for _ in range(args.warmup):
+            _, logps = timed_update(method, model, mbs, args, device)
+        rec["warmup_s"] = time.perf_counter() - t_w
+        times = []
+        for _ in range(max(1, args.iters)):
+            t, logps = timed_update(method, model, mbs, args, device)
+            times.append(t)
+        sec = statistics.median(times)
+        rec.update(seconds=sec, times=times, tokens_per_s=unpacked / sec, packed_tokens_per_s=packed / sec)
+        if device.type == "cuda":
+            rec["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+            rec["mfu"] = flops / sec / (args.peak_tflops * 1e12)
+        rec["logp0"] = logps[0].float()
+        rec["status"] = "ok"
+    except Exception as exc:  # OOM or an unavailable backend: record it, go on
+        oom = isinstance(exc, getattr(torch.cuda, "OutOfMemoryError", ())) or "out of memory" in str(exc)
+        rec["status"] = "oom" if oom else "error"
+        rec["error"] = f"{type(exc).__name__}: {str(exc)[:500]}"
+        if not oom:
+            traceback.print_exc()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    finally:
+        model.zero_grad(set_to_none=True)
+    return rec
+
+
 def run_config(model, cfg, size, n, P, R, args, device):
     dtype = next(model.parameters()).dtype
     mbs = make_micro_batches(n, P, R, args.micro_batches, args.groups_per_mb, cfg.vocab_size, args.seed, device)
-    set_method(model, "std")
-    with torch.no_grad():  # the "old" policy log-probs: the std ones plus a little noise
-        for i, mb in enumerate(mbs):
-            with _sdpa_context(device, args.sdpa_backend):
-                lp = logprobs_of("std", model, mb, args, device)
-            gen = torch.Generator().manual_seed(args.seed + 100 + i)
-            mb.old = torch.where(mb.mask, lp + 0.05 * torch.randn(lp.shape, generator=gen).to(device),
-                                 torch.zeros_like(lp))
+    _std_logprobs_nograd(model, mbs, args, device)
     flops = useful_flops(cfg, mbs)
     unpacked = sum(mb.unpacked_tokens for mb in mbs)
     packed = sum(mb.T for mb in mbs)
-    padded = sum(mb.B * mb.L for mb in mbs)
     base = {"model": size, "N": n, "P": P, "R": R, "micro_batches": len(mbs), "groups_per_mb": args.groups_per_mb,
             "packed_lengths": [mb.T for mb in mbs], "unpacked_tokens": unpacked, "packed_tokens": packed,
-            "padded_tokens": padded, "rho_tokens": unpacked / packed,
-            "rho_attn": sum(sum(x * (x + 1) // 2 for x in (mb.std_valid.sum(1).tolist())) for mb in mbs)
+            "padded_tokens": sum(mb.B * mb.L for mb in mbs), "rho_tokens": unpacked / packed,
+            "rho_attn": sum(sum(x * (x + 1) // 2 for x in mb.std_valid.sum(1).tolist()) for mb in mbs)
             / sum(mb.shared_pairs for mb in mbs),
             "useful_flops": flops, "dtype": str(dtype).replace("torch.", "")}
-    results, ref_logp = [], None
+    results = []
     for method in args.methods:
-        rec = dict(base, method=method)
-        try:
-            set_method(model, method)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-                torch.cuda.empty_cache()
-                torch.cuda.reset_peak_memory_stats(device)
-            t_w = time.perf_counter()
-            for _ in range(args.warmup):
-                _, logps = timed_update(method, model, mbs, args, device)
-            rec["warmup_s"] = time.perf_counter() - t_w
-            times = []
-            for _ in range(args.iters):
-                t, logps = timed_update(method, model, mbs, args, device)
-                times.append(t)
-            model.zero_grad(set_to_none=True)
-            sec = statistics.median(times)
-            rec.update(seconds=sec, times=times, tokens_per_s=unpacked / sec, packed_tokens_per_s=packed / sec)
-            if device.type == "cuda":
-                rec["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
-                rec["mfu"] = flops / sec / (args.peak_tflops * 1e12)
-            lp0 = logps[0].float()
-            if method == "std" or ref_logp is None:
-                ref_logp = ref_logp if ref_logp is not None else lp0
-            m = mbs[0].mask
-            rec["max_abs_dlogp_vs_std"] = float((lp0 - ref_logp).abs()[m].max()) if ref_logp is not None else None
-            rec["status"] = "ok"
-        except Exception as exc:  # OOM or an unavailable backend: record it, go on
-            oom = isinstance(exc, getattr(torch.cuda, "OutOfMemoryError", ())) or "out of memory" in str(exc)
-            rec["status"] = "oom" if oom else "error"
-            rec["error"] = f"{type(exc).__name__}: {str(exc)[:500]}"
-            if not oom:
-                traceback.print_exc()
-            model.zero_grad(set_to_none=True)
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+        rec = measure(method, model, mbs, args, device, base, flops)
         results.append(rec)
         log(f"  {size:>5} N={n:<3} P={P:<6} R={R:<5} {method:<7} {rec['status']:<5} "
             + (f"{rec['seconds']:.3f} s/update, {rec['tokens_per_s']:,.0f} tok/s"
-               + (f", peak {rec['peak_gib']:.1f} GiB, MFU {100 * rec['mfu']:.1f}%" if 'mfu' in rec else "")
+               + (f", peak {rec['peak_gib']:.1f} GiB, MFU {100 * rec['mfu']:.1f}%" if "mfu" in rec else "")
                if rec["status"] == "ok" else rec.get("error", "")))
     std = next((r for r in results if r["method"] == "std" and r["status"] == "ok"), None)
+    m = mbs[0].mask
+    std_lp0 = std.get("logp0") if std is not None else None
     for r in results:
+        lp0 = r.pop("logp0", None)
         if std is not None and r["status"] == "ok":
             r["speedup_vs_std"] = std["seconds"] / r["seconds"]
+            r["max_abs_dlogp_vs_std"] = float((lp0 - std_lp0).abs()[m].max())
     return results
 
 

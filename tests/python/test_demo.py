@@ -55,3 +55,19 @@ def test_info_cli():
                           timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "dualkv" in proc.stdout and "abi_version" in proc.stdout
+
+
+def test_bench_e2e_cpu_smoke(tmp_path):
+    """bench/e2e.py runs end to end on a CPU (--tiny); the three methods agree (fp32)."""
+    import json
+    out = tmp_path / "e2e.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "e2e.py"), "--device", "cpu", "--tiny", "--dtype",
+                           "float32", "--configs", "3,40,16", "--micro-batches", "2", "--iters", "1", "--out",
+                           str(out)], capture_output=True, text=True, env=_env(), timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads(out.read_text())["results"]
+    assert [r["method"] for r in res] == ["std", "flex", "dualkv"]
+    for r in res:
+        assert r["status"] == "ok", r
+        assert r["max_abs_dlogp_vs_std"] <= 1e-4, r
+        assert r["rho_tokens"] > 1.5 and len(set(r["packed_lengths"])) == 2
