@@ -264,8 +264,12 @@ def test_gradient_checkpointing(reentrant):
 
 def test_torch_compile_fullgraph():
     """The whole HF model compiles with fullgraph=True (aot_eager backend: dynamo + AOTAutograd, no C++
-    codegen, to keep the test fast on CPU); outputs and gradients equal eager mode."""
+    codegen, to keep the test fast on CPU; inductor was checked by hand); outputs and gradients equal
+    eager mode. Default (automatic) dynamic shapes: after one recompile, new packed lengths and
+    segment counts reuse the graph."""
+    from torch._dynamo.utils import counters
     torch._dynamo.reset()
+    counters.clear()
     eager = dkt.enable(make_model("qwen3"))
     comp_model = copy.deepcopy(eager)
     compiled = torch.compile(comp_model, backend="aot_eager", fullgraph=True)
@@ -277,3 +281,12 @@ def test_torch_compile_fullgraph():
     out.square().mean().backward()
     for (name, p), q in zip(eager.named_parameters(), comp_model.parameters()):
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-7, msg=name)
+    g = torch.Generator().manual_seed(5)
+    graphs = []
+    for prompts, responses in (([6, 3], [[2, 2, 4], [1, 3]]), ([9], [[5, 1, 2, 7]])):  # new T and segment counts
+        other = pack([torch.randint(0, VOCAB, (p,), generator=g) for p in prompts],
+                     [[torch.randint(0, VOCAB, (r,), generator=g) for r in rs] for rs in responses])
+        torch.testing.assert_close(compiled(**dkt.model_inputs(other)).logits,
+                                   eager(**dkt.model_inputs(other)).logits, rtol=1e-6, atol=1e-6)
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[1] == graphs[0], "a third layout recompiled: dynamic shapes did not take"
