@@ -46,7 +46,7 @@ def main():
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--no-sdpa", action="store_true")
-    ap.add_argument("--variant", type=int, default=0, help="0: default kernel; 1: alternative (A/B)")
+    ap.add_argument("--variant", type=int, default=0, help="0: default kernel; 1-3: alternatives of the test shim (A/B)")
     ap.add_argument("--windows", default="0", help="scheduling windows to time (0: the default)")
     args = ap.parse_args()
     import test_sm90_fwd

@@ -16,6 +16,9 @@
 //   item_full[2] / item_empty[2]   work item hand-off (producer -> consumers -> producer)
 //   q_full / q_empty               Q tile loaded / every consumer warp done reading it
 //   k_full[S], v_full[S] / kv_empty[S]   KV stage loaded / every consumer warp done with it
+//   k_empty[S]                     (kSplitRelease only) every consumer warp done with the K tile of a
+//                                  stage: released once S = Q K^T completes, so the next K load
+//                                  starts an iteration earlier; kv_empty then guards V alone
 // Phases follow running counters kept identically by producer and consumers.
 #pragma once
 
@@ -67,7 +70,7 @@ struct Sm90FwdConfig {
   static constexpr uint32_t kOffK = kQBytes;
   static constexpr uint32_t kOffV = kOffK + kStages * kKVBytes;
   static constexpr uint32_t kOffBar = kOffV + kStages * kKVBytes;
-  static constexpr uint32_t kBarBytes = 8 * (3 * kStages + 2 + 4) + 16;
+  static constexpr uint32_t kBarBytes = 8 * (4 * kStages + 2 + 4) + 16;
   static constexpr uint32_t kSmemBytes = kOffBar + kBarBytes + 1024;  // + alignment slack
   static_assert(D % 64 == 0, "head dim must be a multiple of 64");
 };
@@ -128,6 +131,7 @@ struct Sm90Barriers {
   uint64_t* k_full;
   uint64_t* v_full;
   uint64_t* kv_empty;
+  uint64_t* k_empty;
   uint64_t* q_full;
   uint64_t* q_empty;
   uint64_t* item_full;
@@ -137,7 +141,7 @@ struct Sm90Barriers {
 
 // kPingPong: the two consumer warpgroups take turns issuing their wgmma batches (named barriers
 // 1 and 2), so that one's softmax runs while the other's matrix products occupy the tensor cores.
-template <typename T, int D, bool kPingPong>
+template <typename T, int D, bool kPingPong, bool kSplitRelease>
 __global__ void __launch_bounds__(Sm90FwdConfig<D>::kThreads, 1)
 fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
   using C = Sm90FwdConfig<D>;
@@ -159,6 +163,7 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
   B.item_full = bars + 3 * S + 2;
   B.item_empty = bars + 3 * S + 4;
   B.items = reinterpret_cast<int32_t*>(bars + 3 * S + 6);
+  B.k_empty = bars + 3 * S + 8;
 
   const FwdArgs& a = p.a;
   const LayoutPtrs& L = a.layout;
@@ -177,6 +182,7 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
       mbar_init(&B.k_full[i], 1);
       mbar_init(&B.v_full[i], 1);
       mbar_init(&B.kv_empty[i], kConsumerWarps);
+      mbar_init(&B.k_empty[i], kConsumerWarps);
     }
     mbar_init(B.q_full, 1);
     mbar_init(B.q_empty, kConsumerWarps);
@@ -217,7 +223,10 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
       bool q_issued = false;
       do {
         const uint32_t st = kv_iter % S, kph = (kv_iter / S) & 1;
-        mbar_wait(&B.kv_empty[st], kph ^ 1);
+        if constexpr (kSplitRelease)
+          mbar_wait(&B.k_empty[st], kph ^ 1);
+        else
+          mbar_wait(&B.kv_empty[st], kph ^ 1);
         mbar_arrive_expect_tx(&B.k_full[st], C::kKVBytes);
 #pragma unroll
         for (int b = 0; b < C::kBoxes; ++b)
@@ -233,6 +242,7 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
           ++q_iter;
           q_issued = true;
         }
+        if constexpr (kSplitRelease) mbar_wait(&B.kv_empty[st], kph ^ 1);
         mbar_arrive_expect_tx(&B.v_full[st], C::kKVBytes);
 #pragma unroll
         for (int b = 0; b < C::kBoxes; ++b)
@@ -373,6 +383,10 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
     turn_pass();
     wgmma_wait<0>();
     fence_regs(s);
+    if constexpr (kSplitRelease) {
+      __syncwarp();
+      if (lane == 0) mbar_arrive(&B.k_empty[st]);
+    }
     int32_t kpos = kv.pos, klen = kv.len();
     bool own = kv.own;
     bool more = kv.advance(L);
@@ -403,6 +417,10 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
       turn_pass();
       wgmma_wait<1>();  // S of this tile is ready; P V of the previous one may still run
       fence_regs(s);
+      if constexpr (kSplitRelease) {
+        __syncwarp();
+        if (lane == 0) mbar_arrive(&B.k_empty[st]);
+      }
       more = kv.advance(L);
       if (!more) {
         __syncwarp();

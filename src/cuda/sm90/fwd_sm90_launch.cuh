@@ -64,7 +64,7 @@ inline int sm_count() {
 }  // namespace detail
 
 
-template <typename Element, int HeadDim, bool kPingPong>
+template <typename Element, int HeadDim, bool kPingPong, bool kSplitRelease>
 cudaError_t launch_fwd_variant(const FwdArgs& args, cudaStream_t stream, int tile_window) {
   using C = Sm90FwdConfig<HeadDim>;
   constexpr CUtensorMapDataType dt = Pack2<Element>::kTmaType;
@@ -78,7 +78,7 @@ cudaError_t launch_fwd_variant(const FwdArgs& args, cudaStream_t stream, int til
       !detail::make_map(&p.tk, dt, args.k, HeadDim, Hk, T, args.k_hs, args.k_ts, C::kBlockN) ||
       !detail::make_map(&p.tv, dt, args.v, HeadDim, Hk, T, args.v_hs, args.v_ts, C::kBlockN))
     return cudaErrorNotSupported;
-  auto kernel = fwd_sm90_kernel<Element, HeadDim, kPingPong>;
+  auto kernel = fwd_sm90_kernel<Element, HeadDim, kPingPong, kSplitRelease>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          static_cast<int>(C::kSmemBytes));
   if (err != cudaSuccess) return err;
@@ -91,7 +91,8 @@ cudaError_t launch_fwd_variant(const FwdArgs& args, cudaStream_t stream, int til
 
 template <typename Element, int HeadDim>
 cudaError_t run_fwd(const FwdArgs& args, cudaStream_t stream) {
-  return launch_fwd_variant<Element, HeadDim, kDefaultPingPong>(args, stream, kDefaultTileWindow);
+  return launch_fwd_variant<Element, HeadDim, kDefaultPingPong, kDefaultSplitRelease>(args, stream,
+                                                                                  kDefaultTileWindow);
 }
 
 }  // namespace dualkv::cuda::sm90

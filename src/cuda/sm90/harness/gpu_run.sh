@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # One device call: correctness tests, then the micro-benchmark (run from the repository root, with
 # build-sm90/ built here by harness/build.sh and carried). Logs go to $OUT when it is set.
+# Example (what the A/B of the split K/V release needs, ~60 s of device time when warm):
+#   ALT_VARIANTS="2 3" DUALKV_SM90_TEST_HDIMS=64,128,256 BENCH_ARGS="--windows 16 --iters 15" \
+#     src/cuda/sm90/harness/gpu_run.sh
 set -uo pipefail
 OUTDIR=${OUT:-/tmp/sm90_out}
 mkdir -p "$OUTDIR"
@@ -18,11 +21,12 @@ if [ $rc -ne 0 ] && command -v compute-sanitizer > /dev/null && [ -n "${SANITIZE
     tests/gpu/test_sm90_fwd.py -k "single_token or deep_chain" > "$OUTDIR/sanitizer.log" 2>&1
   grep -m 20 -E "Invalid|ERROR|error" "$OUTDIR/sanitizer.log"; tail -n 5 "$OUTDIR/sanitizer.log"
 fi
-if [ -n "${ALT_VARIANT:-}" ]; then
-  DUALKV_SM90_VARIANT=1 DUALKV_SM90_TEST_HDIMS=128 DUALKV_SM90_TEST_N=16 timeout 100 python3 -m pytest -q -p no:cacheprovider \
-    --timeout 60 tests/gpu/test_sm90_fwd.py > "$OUTDIR/pytest_alt.log" 2>&1
-  echo "alt variant pytest rc=$?"; tail -n 3 "$OUTDIR/pytest_alt.log"
-fi
+# ALT_VARIANTS="1 2 3": also test (hdim 128) and time the alternative variants of the test shim.
+for v in ${ALT_VARIANTS:-}; do
+  DUALKV_SM90_VARIANT=$v DUALKV_SM90_TEST_HDIMS=128 DUALKV_SM90_TEST_N=16 timeout 100 python3 -m pytest -q \
+    -p no:cacheprovider --timeout 60 tests/gpu/test_sm90_fwd.py > "$OUTDIR/pytest_alt$v.log" 2>&1
+  echo "variant $v pytest rc=$?"; tail -n 2 "$OUTDIR/pytest_alt$v.log"
+done
 if [ -n "${WINDOW_TEST:-}" ]; then
   DUALKV_SM90_WINDOW=$WINDOW_TEST DUALKV_SM90_TEST_HDIMS=128 DUALKV_SM90_TEST_N=24 timeout 100 python3 -m pytest -q \
     -p no:cacheprovider --timeout 60 tests/gpu/test_sm90_fwd.py > "$OUTDIR/pytest_window.log" 2>&1
@@ -30,9 +34,9 @@ if [ -n "${WINDOW_TEST:-}" ]; then
 fi
 if [ -z "${NO_BENCH:-}" ]; then
   timeout 100 python3 bench/sm90_fwd.py --variant 0 ${BENCH_ARGS:-} 2>&1 | tee "$OUTDIR/bench.log"
-  if [ -n "${ALT_VARIANT:-}" ]; then
-    timeout 60 python3 bench/sm90_fwd.py --variant 1 --no-sdpa ${ALT_BENCH_ARGS:-} 2>&1 | tee -a "$OUTDIR/bench.log"
-  fi
+  for v in ${ALT_VARIANTS:-}; do
+    timeout 60 python3 bench/sm90_fwd.py --variant $v --no-sdpa ${ALT_BENCH_ARGS:-} 2>&1 | tee -a "$OUTDIR/bench.log"
+  done
   if [ -n "${BENCH_FP16:-}" ]; then
     timeout 60 python3 bench/sm90_fwd.py --variant 0 --no-sdpa --dtype fp16 2>&1 | tee -a "$OUTDIR/bench.log"
   fi

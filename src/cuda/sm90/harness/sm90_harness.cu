@@ -11,9 +11,10 @@
 using dualkv::cuda::FwdArgs;
 
 // sm90_harness_variants.cu: the non-default (no ping-pong) hdim-128 kernels, for A/B runs.
-cudaError_t sm90_test_alt_variant(int dtype, int head_dim, const FwdArgs& a, cudaStream_t st, int window);
+cudaError_t sm90_test_alt_variant(int variant, int dtype, int head_dim, const FwdArgs& a, cudaStream_t st,
+                                  int window);
 
-static int g_variant = 0;  // 0: run_fwd (the default); 1: the alternative variant
+static int g_variant = 0;  // 0: run_fwd (the default); 1-3: alternatives (sm90_harness_variants.cu)
 extern "C" void dualkv_sm90_test_set_variant(int v) { g_variant = v; }
 static int g_window = 0;  // 0: run_fwd's default tile window; > 0: that window
 extern "C" void dualkv_sm90_test_set_window(int w) { g_window = w; }
@@ -44,20 +45,20 @@ extern "C" int dualkv_sm90_test_fwd(int dtype /*1 fp16, 2 bf16*/, int head_dim, 
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   namespace s9 = dualkv::cuda::sm90;
   cudaError_t e = cudaErrorInvalidValue;
-  if (g_variant == 1) return static_cast<int>(sm90_test_alt_variant(dtype, head_dim, a, st, g_window));
-  constexpr bool kPP = s9::kDefaultPingPong;
+  if (g_variant != 0) return static_cast<int>(sm90_test_alt_variant(g_variant, dtype, head_dim, a, st, g_window));
+  constexpr bool kPP = s9::kDefaultPingPong, kSR = s9::kDefaultSplitRelease;
   switch (head_dim * 10 + dtype) {
 #ifdef DUALKV_SM90_HDIM_64
-    case 641: e = g_window > 0 ? s9::launch_fwd_variant<__half, 64, kPP>(a, st, g_window) : s9::run_fwd<__half, 64>(a, st); break;
-    case 642: e = g_window > 0 ? s9::launch_fwd_variant<__nv_bfloat16, 64, kPP>(a, st, g_window) : s9::run_fwd<__nv_bfloat16, 64>(a, st); break;
+    case 641: e = g_window > 0 ? s9::launch_fwd_variant<__half, 64, kPP, kSR>(a, st, g_window) : s9::run_fwd<__half, 64>(a, st); break;
+    case 642: e = g_window > 0 ? s9::launch_fwd_variant<__nv_bfloat16, 64, kPP, kSR>(a, st, g_window) : s9::run_fwd<__nv_bfloat16, 64>(a, st); break;
 #endif
 #ifdef DUALKV_SM90_HDIM_128
-    case 1281: e = g_window > 0 ? s9::launch_fwd_variant<__half, 128, kPP>(a, st, g_window) : s9::run_fwd<__half, 128>(a, st); break;
-    case 1282: e = g_window > 0 ? s9::launch_fwd_variant<__nv_bfloat16, 128, kPP>(a, st, g_window) : s9::run_fwd<__nv_bfloat16, 128>(a, st); break;
+    case 1281: e = g_window > 0 ? s9::launch_fwd_variant<__half, 128, kPP, kSR>(a, st, g_window) : s9::run_fwd<__half, 128>(a, st); break;
+    case 1282: e = g_window > 0 ? s9::launch_fwd_variant<__nv_bfloat16, 128, kPP, kSR>(a, st, g_window) : s9::run_fwd<__nv_bfloat16, 128>(a, st); break;
 #endif
 #ifdef DUALKV_SM90_HDIM_256
-    case 2561: e = g_window > 0 ? s9::launch_fwd_variant<__half, 256, kPP>(a, st, g_window) : s9::run_fwd<__half, 256>(a, st); break;
-    case 2562: e = g_window > 0 ? s9::launch_fwd_variant<__nv_bfloat16, 256, kPP>(a, st, g_window) : s9::run_fwd<__nv_bfloat16, 256>(a, st); break;
+    case 2561: e = g_window > 0 ? s9::launch_fwd_variant<__half, 256, kPP, kSR>(a, st, g_window) : s9::run_fwd<__half, 256>(a, st); break;
+    case 2562: e = g_window > 0 ? s9::launch_fwd_variant<__nv_bfloat16, 256, kPP, kSR>(a, st, g_window) : s9::run_fwd<__nv_bfloat16, 256>(a, st); break;
 #endif
     default: break;
   }
