@@ -42,8 +42,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "info":
         return _info()
-    from .demo import run_demo
-    return 0 if run_demo(args)["ok"] else 1
+    from .demo import run_cli
+    return run_cli(args)
 
 
 if __name__ == "__main__":

@@ -387,7 +387,8 @@ def run_demo(args) -> Dict:
         say(f"  PyTorch's own {args.dtype} noise (dense-mask SDPA on the packed tokens vs standard): max |delta "
             f"log-prob| {ref[0]:.3e}, loss {ref[2]:.2e}, grad {ref[3]:.3e}; bounds = min(ceiling, 2 x noise + "
             "1e-2 / 1e-3 / 1e-2)")
-    say(f"  equivalence check: {'PASSED' if ok else 'FAILED'} ({args.dtype} tolerances)")
+    print(f"  equivalence check: {'PASSED' if ok else 'FAILED'} ({args.dtype} tolerances: max |delta log-prob| "
+          f"{max_dlogp:.2e}, grad diff {rel_grad:.2e})", flush=True)
     return {"ok": ok, "rho": rho, "bounds": tol, "reference": ref, "max_dlogp": max_dlogp, "mean_dlogp": mean_dlogp,
             "d_loss": d_loss,
             "rel_grad": rel_grad, "seconds_standard": t_s, "seconds_dualkv": t_d,
@@ -421,12 +422,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quiet", action="store_true", help="no progress bars or table")
 
 
+def run_cli(args) -> int:
+    """Run the demo; exit status 0 if the equivalence check passed, 1 if it failed, 2 if a path could
+    not run (e.g. no dualkv kernel for this device, dtype or head dim)."""
+    from ._native import DualKVError
+    try:
+        res = run_demo(args)
+    except DualKVError as exc:
+        print(f"dualkv demo: the dualkv path could not run on {args.device} ({args.dtype}): "
+              f"{type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+    return 0 if res["ok"] else 1
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m dualkv demo", description=__doc__.split("\n\n")[0])
     add_arguments(parser)
-    args = parser.parse_args(argv)
-    res = run_demo(args)
-    return 0 if res["ok"] else 1
+    return run_cli(parser.parse_args(argv))
 
 
 if __name__ == "__main__":  # pragma: no cover
