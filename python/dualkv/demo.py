@@ -22,7 +22,6 @@ differences exceed the tolerance (see :data:`TOLERANCES`).
 from __future__ import annotations
 
 import argparse
-import copy
 import math
 import statistics
 import sys
