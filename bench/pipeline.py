@@ -175,6 +175,8 @@ def main():
         args.repeats = min(args.repeats, 3)
     device = torch.device(args.device)
     if device.type == "cuda":
+        # torch < 2.12 rejects set_device("cuda") without an index
+        device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
         torch.cuda.set_device(device)
     results = {
         "config": {k: v for k, v in vars(args).items() if k != "out"},
