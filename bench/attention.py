@@ -321,7 +321,42 @@ def plot(results, path):
     log(f"plot: {path}")
 
 
+def markdown(path):
+    """Markdown tables (fwd and fwd+bwd) from a results JSON written by this script."""
+    res = json.loads(pathlib.Path(path).read_text())
+    methods = res["methods"]
+    env = res["env"]
+    print(f"{env['gpu']}, torch {env['torch']}, CUDA {env['cuda']}, cuDNN {env['cudnn']}, commit {env['commit']}; "
+          f"H={res['shape']['H']}, Hk={res['shape']['Hk']}, D={res['shape']['D']}, {res['shape']['dtype']}\n")
+    for key, title in (("fwd", "forward"), ("fwdbwd", "forward + backward")):
+        print(f"**{title}**: ms (useful TFLOP/s on the method's own layout); speedup = method time / dualkv time\n")
+        print("| config | rho_attn | " + " | ".join(methods) + " |")
+        print("|---|---|" + "---|" * len(methods))
+        for c in res["cases"]:
+            cells = []
+            base = c["results"].get("dualkv", {}).get(f"{key}_ms")
+            for m in methods:
+                r = c["results"].get(m, {})
+                if f"{key}_ms" not in r:
+                    cells.append("n/a" if "error" in r else "")
+                    continue
+                cell = f"{r[f'{key}_ms']:.2f} ({r[f'{key}_tflops']:.0f})"
+                if m != "dualkv" and base:
+                    cell += f" {r[f'{key}_ms'] / base:.2f}x"
+                cells.append(cell)
+            print(f"| {c['case']['name']} | {c['case']['rho_attn']:.2f} | " + " | ".join(cells) + " |")
+        print()
+    print("| config | " + " | ".join(f"{m} peak GiB" for m in methods) + " |")
+    print("|---|" + "---|" * len(methods))
+    for c in res["cases"]:
+        print(f"| {c['case']['name']} | " + " | ".join(
+            f"{c['results'][m]['peak_gib']:.1f}" if "peak_gib" in c["results"].get(m, {}) else "n/a"
+            for m in methods) + " |")
+
+
 def main():
+    if len(sys.argv) == 3 and sys.argv[1] == "--markdown":
+        return markdown(sys.argv[2])
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="two small configs, fewer iterations")
     ap.add_argument("--heads", type=int, default=32)

@@ -313,7 +313,7 @@ dualkv_status cuda_fail(const char* what, cudaError_t err) {
 
 size_t bwd_partials_bytes(const dualkv_bwd_params& p) {
   const size_t slots = static_cast<size_t>(p.plan_key & kSlotMask);
-  return slots * p.num_kv_heads * 2 * BwdConfig<128>::kBlockN * p.head_dim * sizeof(float);
+  return slots * p.num_kv_heads * 2 * tile_shape_for(p.head_dim).bwd_block_n * p.head_dim * sizeof(float);
 }
 
 cudaError_t dispatch_fwd(int D, int32_t dtype, const FwdArgs& a, int sms, cudaStream_t st, bool* found) {

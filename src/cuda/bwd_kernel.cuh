@@ -75,8 +75,9 @@ bwd_kv_kernel(const BwdArgs args) {
   constexpr int MI = C::kMI;
   constexpr int kWR = C::kWarps / 2;  // row groups of 16 * MI rows
   constexpr int kHalfD = D / 2;
-  constexpr int kDB = kHalfD / 8;  // n8 blocks per warp for dK/dV/dQ (each warp owns D/2 columns)
-  static_assert(BN == 64 && BM == 64 && kWR * 16 * MI == 64, "warp tiling assumes 64x64 tiles");
+  constexpr int kDB = kHalfD / 8;  // n8 blocks per warp for dK/dV (each warp owns D/2 columns)
+  constexpr int MQ = C::kMQ, kDW = D / C::kDC, kQB = kDW / 8;  // phase-4 (dQ) warp tile
+  static_assert(BM == 64 && kWR * 16 * MI == BN, "warp tiling");
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   BwdSmem<D, T>& sm = *reinterpret_cast<BwdSmem<D, T>*>(smem_raw);
@@ -85,7 +86,9 @@ bwd_kv_kernel(const BwdArgs args) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t4 = lane & 3;
   const int row0 = (warp % kWR) * 16 * MI;  // kv rows (phases 1, 3) or q rows (phase 4)
-  const int wc = warp / kWR;                // q columns [32 wc, +32) in phase 1; D half in 3 and 4
+  const int wc = warp / kWR;                // q columns [32 wc, +32) in phase 1; D half in 3
+  const int qrow0 = (warp % C::kQR) * 16 * MQ;  // phase 4: query rows
+  const int dcol0 = (warp / C::kQR) * kDW;      // phase 4: d columns
   const LayoutPtrs& L = args.layout;
   const int32_t* plan = args.plan;
   if (plan[kHdrMagic] != kPlanMagic || plan[kHdrS] != L.num_segments || plan[kHdrT] != L.num_tokens)
@@ -240,26 +243,26 @@ bwd_kv_kernel(const BwdArgs args) {
       if (step + 1 < n_steps) issue_q(step + 1);
 
       if constexpr (kAtomicDq) {
-        // Phase 4: dQ[q rows row0.., d half wc] += dS K, accumulated into fp32 by atomics.
-        float dq[MI][kDB][4];
+        // Phase 4: dQ[q rows qrow0.., d cols dcol0..] += dS K, accumulated into fp32 by atomics.
+        float dq[MQ][kQB][4];
 #pragma unroll
-        for (int mi = 0; mi < MI; ++mi)
+        for (int mi = 0; mi < MQ; ++mi)
 #pragma unroll
-          for (int j = 0; j < kDB; ++j)
+          for (int j = 0; j < kQB; ++j)
 #pragma unroll
             for (int e = 0; e < 4; ++e) dq[mi][j][e] = 0.f;
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk) {
-          uint32_t a[MI][4];
+          uint32_t a[MQ][4];
 #pragma unroll
-          for (int mi = 0; mi < MI; ++mi)
-            ldmatrix_x4_trans(a[mi], at_frag_addr(sm.dst, PS, row0 + mi * 16, kk * 16, lane));
+          for (int mi = 0; mi < MQ; ++mi)
+            ldmatrix_x4_trans(a[mi], at_frag_addr(sm.dst, PS, qrow0 + mi * 16, kk * 16, lane));
 #pragma unroll
-          for (int nd = 0; nd < kDB / 2; ++nd) {
+          for (int nd = 0; nd < kQB / 2; ++nd) {
             uint32_t b[4];
-            ldmatrix_x4_trans(b, bkn_frag_addr(sm.k, P, kk * 16, wc * kHalfD + nd * 16, lane));
+            ldmatrix_x4_trans(b, bkn_frag_addr(sm.k, P, kk * 16, dcol0 + nd * 16, lane));
 #pragma unroll
-            for (int mi = 0; mi < MI; ++mi) {
+            for (int mi = 0; mi < MQ; ++mi) {
               Ops::mma(dq[mi][2 * nd], a[mi], b[0], b[1]);
               Ops::mma(dq[mi][2 * nd + 1], a[mi], b[2], b[3]);
             }
@@ -270,12 +273,12 @@ bwd_kv_kernel(const BwdArgs args) {
         // lane holds row g, cols [2t, 2t+4) and the odd lane row g+8, cols [2t-2, 2t+2).
         const bool odd = t4 & 1;
 #pragma unroll
-        for (int mi = 0; mi < MI; ++mi) {
-          const int32_t qi = qt + row0 + mi * 16 + g + (odd ? 8 : 0);
-          const int col = wc * kHalfD + 2 * t4 - (odd ? 2 : 0);
+        for (int mi = 0; mi < MQ; ++mi) {
+          const int32_t qi = qt + qrow0 + mi * 16 + g + (odd ? 8 : 0);
+          const int col = dcol0 + 2 * t4 - (odd ? 2 : 0);
           float* dst = args.dq_accum + (static_cast<int64_t>(qi) * H + h) * D + col;
 #pragma unroll
-          for (int j = 0; j < kDB; ++j) {
+          for (int j = 0; j < kQB; ++j) {
             const float s0 = odd ? dq[mi][j][0] : dq[mi][j][2];
             const float s1 = odd ? dq[mi][j][1] : dq[mi][j][3];
             const float r0 = __shfl_xor_sync(0xffffffffu, s0, 1);
@@ -287,14 +290,14 @@ bwd_kv_kernel(const BwdArgs args) {
         }
 #else
 #pragma unroll
-        for (int mi = 0; mi < MI; ++mi)
+        for (int mi = 0; mi < MQ; ++mi)
 #pragma unroll
           for (int hr = 0; hr < 2; ++hr) {
-            const int32_t qi = qt + row0 + mi * 16 + g + hr * 8;
+            const int32_t qi = qt + qrow0 + mi * 16 + g + hr * 8;
             if (qi < qb) {
-              float* dst = args.dq_accum + (static_cast<int64_t>(qi) * H + h) * D + wc * kHalfD + 2 * t4;
+              float* dst = args.dq_accum + (static_cast<int64_t>(qi) * H + h) * D + dcol0 + 2 * t4;
 #pragma unroll
-              for (int j = 0; j < kDB; ++j) {
+              for (int j = 0; j < kQB; ++j) {
                 atomicAdd(dst + j * 8, dq[mi][j][2 * hr]);
                 atomicAdd(dst + j * 8 + 1, dq[mi][j][2 * hr + 1]);
               }

@@ -61,17 +61,23 @@ template <int D> struct DqConfig {
   static constexpr int kPitch = D + 8;
 };
 
-// Backward KV-outer kernel: 64-row KV tile, 64-row query tiles. Warps are laid out 2 x (kWarps/2):
-// each owns kMI x 16 rows (kv rows for S^T/dP^T/dK/dV, query rows for dQ) and half of the columns.
-// D <= 128: 4 warps x 32 rows (two CTAs per SM); D > 128: 8 warps x 16 rows (register budget).
+// Backward KV-outer kernel: KV tiles of kBlockN rows, 64-row query tiles, 8 warps laid out
+// 4 x 2: each owns kMI x 16 KV rows (S^T, dP^T, dK, dV) and half of the columns. D <= 128:
+// kMI = 2, 128-row KV tiles (each KV tile's dQ atomics cover twice the work of a 64-row tile);
+// D > 128: kMI = 1, 64-row KV tiles (register budget). dQ (phase 4) uses its own layout:
+// kMQ x 16 query rows by D / kDC columns per warp.
 template <int D> struct BwdConfig {
   static constexpr int kMI = D <= 128 ? 2 : 1;
-  static constexpr int kWarps = 8 / kMI;
+  static constexpr int kWarps = 8;
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kBlockM = 64;
-  static constexpr int kBlockN = 64;
+  static constexpr int kBlockN = 4 * 16 * kMI;
+  static constexpr int kMQ = (kMI == 2 && (D / 4) % 16 == 0) ? 2 : 1;
+  static constexpr int kQR = kBlockM / (16 * kMQ);  // query row groups in phase 4
+  static constexpr int kDC = kWarps / kQR;          // column groups in phase 4
   static constexpr int kPitch = D + 8;
   static constexpr int kPitchS = kBlockM + 8;
+  static_assert((D / kDC) % 16 == 0, "phase-4 warp columns must be a multiple of 16");
 };
 
 // Runtime description of the tiling, used by the planner (host) for a head dim.
@@ -82,8 +88,8 @@ struct TileShape {
 };
 
 inline TileShape tile_shape_for(int head_dim) {
-  (void)head_dim;
-  return TileShape{FwdConfig<128>::kBlockM, BwdConfig<128>::kBlockM, BwdConfig<128>::kBlockN};
+  return head_dim <= 128 ? TileShape{FwdConfig<128>::kBlockM, BwdConfig<128>::kBlockM, BwdConfig<128>::kBlockN}
+                         : TileShape{FwdConfig<256>::kBlockM, BwdConfig<256>::kBlockM, BwdConfig<256>::kBlockN};
 }
 
 }  // namespace dualkv::cuda

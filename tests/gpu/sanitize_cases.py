@@ -9,6 +9,8 @@ import dualkv
 
 def main() -> int:
     dims = [int(d) for d in dualkv._native.build_info()["cuda"]["head_dims"]]
+    if os.environ.get("SAN_DIMS"):  # e.g. SAN_DIMS=128,256 to shorten a run
+        dims = [d for d in dims if str(d) in os.environ["SAN_DIMS"].split(",")]
     cases = [
         ([130, 1, 64, 129], [-1, 0, 0, 0]),            # GRPO group, ragged tiles, 1-token response
         ([5, 70, 3, 1, 200], [-1, 0, 1, -1, 3]),        # depth 3 + a second tree
