@@ -44,15 +44,17 @@ class MBar:
         return (self.completed & 1) != parity
 
 
-class NamedBar:  # bar.sync / bar.arrive with 256 threads = two warpgroups
+class NamedBar:  # bar.sync / bar.arrive with 256 threads = two warpgroups of 128
     def __init__(self):
-        self.pending = 0
+        self.pending = set()
         self.generation = 0
 
-    def arrive(self):
-        self.pending += 1
-        if self.pending == 2:
-            self.pending = 0
+    def arrive(self, who):
+        # A warpgroup arriving twice in one barrier instance would complete it on its own.
+        assert who not in self.pending, f"{who} arrives twice on one named-barrier instance"
+        self.pending.add(who)
+        if len(self.pending) == 2:
+            self.pending = set()
             self.generation += 1
 
 
@@ -131,12 +133,12 @@ def simulate(rng, n_items, tiles_of, S, split, pingpong):
         def turn_wait():
             if pingpong:
                 gen = turn[cw].generation
-                turn[cw].arrive()  # bar.sync: counts this warpgroup, then waits for the generation
+                turn[cw].arrive(cw)  # bar.sync: counts this warpgroup, then waits for the generation
                 yield from wait(lambda: turn[cw].generation > gen)
 
         def turn_pass():
             if pingpong:
-                turn[cw ^ 1].arrive()
+                turn[cw ^ 1].arrive(cw)
 
         def read(buf, version):
             assert buf.loaded, f"{me} reads {buf.name} before its TMA completed"
@@ -150,7 +152,7 @@ def simulate(rng, n_items, tiles_of, S, split, pingpong):
                     b.readers.discard(me)
 
         if pingpong and cw == 1:
-            turn[0].arrive()
+            turn[0].arrive(cw)
         n = 0
         while True:
             slot, ph = n & 1, (n >> 1) & 1
