@@ -135,6 +135,34 @@ def test_packed_equals_unpacked(kind, attn):
     assert checked >= len(list(std.parameters())) - 1  # every parameter that has a gradient
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_tolerance_rule(dtype):
+    """bf16/fp16: the packed dualkv model's error against the fp32 truth is at most 2x the error of the
+    stock model on the unpacked batch in the same dtype, plus a small absolute term."""
+    truth_model = make_model("qwen3", "sdpa")
+    with torch.no_grad():  # weights representable in the low precision dtype, so fp32 is the exact truth
+        for p in truth_model.parameters():
+            p.copy_(p.to(dtype).float())
+    low = copy.deepcopy(truth_model).to(dtype)
+    dk = dkt.enable(copy.deepcopy(low))
+    prompts, responses = rollouts()
+    packed = pack(prompts, responses)
+    ids, rows = padded(prompts, responses)
+    with torch.no_grad():
+        truth = std_logprobs_from_logits(truth_model(input_ids=ids).logits, rows, packed.max_response_len)
+        hidden = low.model(input_ids=ids).last_hidden_state  # logits in fp32, as response_logprobs does
+        lp_std = std_logprobs_from_logits(hidden.float() @ low.lm_head.weight.float().T, rows,
+                                          packed.max_response_len)
+        out = dk.model(**dkt.model_inputs(packed))
+        lp_dk = response_logprobs(out.last_hidden_state, dk.lm_head.weight, packed)
+    m = packed.response_mask()
+    err_std = float((lp_std - truth).abs()[m].max())
+    err_dk = float((lp_dk - truth).abs()[m].max())
+    assert err_std > 0
+    print(f"{dtype}: max |log-prob error| vs fp32: stock unpacked {err_std:.3e}, dualkv packed {err_dk:.3e}")
+    assert err_dk <= 2 * err_std + 1e-3, (err_dk, err_std)
+
+
 def test_position_ids_filled_from_layout_and_kernel_kwargs():
     dk = dkt.enable(make_model("qwen3"))
     prompts, responses = rollouts()
