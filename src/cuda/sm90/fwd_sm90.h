@@ -35,7 +35,8 @@ cudaError_t launch_fwd_variant(const FwdArgs& args, cudaStream_t stream, int til
 // Whether this build has an sm90 forward kernel for `head_dim` (either dtype).
 bool fwd_supported(int head_dim);
 
-// Whether `args` meets the sm90 kernel's alignment constraints for `head_dim` (see run_fwd).
+// Whether `args` meets the sm90 kernel's alignment constraints for `head_dim` (see run_fwd; also:
+// out 4-byte aligned with even token and head strides).
 bool fwd_args_supported(const FwdArgs& args, int head_dim, int element_bytes);
 
 }  // namespace dualkv::cuda::sm90

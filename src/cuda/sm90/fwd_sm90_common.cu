@@ -31,6 +31,8 @@ static bool aligned16(const void* p, int64_t ts, int64_t hs, int heads, int elem
 bool fwd_args_supported(const FwdArgs& a, int head_dim, int element_bytes) {
   if (head_dim % 64 != 0 || element_bytes != 2) return false;
   if (a.layout.num_tokens <= 0 || a.num_heads <= 0 || a.num_kv_heads <= 0) return false;
+  // The epilogue stores pairs of elements (4 bytes) straight from registers.
+  if (reinterpret_cast<uintptr_t>(a.out) % 4 != 0 || a.o_ts % 2 != 0 || a.o_hs % 2 != 0) return false;
   return aligned16(a.q, a.q_ts, a.q_hs, a.num_heads, element_bytes) &&
          aligned16(a.k, a.k_ts, a.k_hs, a.num_kv_heads, element_bytes) &&
          aligned16(a.v, a.v_ts, a.v_hs, a.num_kv_heads, element_bytes);
