@@ -219,8 +219,10 @@ def test_guard_layout_on_stock_attention():
     with pytest.raises(dkt.WrongAttentionError):
         std.model(**dkt.model_inputs(packed))  # the base model is guarded too
     # the shared-prompt position ids alone (no layout) on a stock path: the silent trap
-    with pytest.raises(dkt.WrongAttentionError, match="restart"):
+    with pytest.raises(dkt.WrongAttentionError, match="drop back"):
         std(input_ids=packed.input_ids, position_ids=packed.position_ids)
+    # generate()-style positions of left-padded rows are fine
+    std(input_ids=torch.randint(0, VOCAB, (2, 6)), position_ids=torch.tensor([[1, 1, 1, 0, 1, 2], [0, 1, 2, 3, 4, 5]]))
     # ordinary packing (restarts at 0) and plain batches stay allowed
     std(input_ids=packed.input_ids[:, :8], position_ids=torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2]]))
     std(input_ids=torch.randint(0, VOCAB, (2, 6)))

@@ -268,8 +268,10 @@ def is_enabled(model) -> bool:
 # ----------------------------------------------------------------------------------------------
 
 def _dualkv_style_positions(position_ids: torch.Tensor) -> bool:
-    """True if positions restart at a value other than 0 (the signature of a shared-prompt packing;
-    ordinary packed batches restart at 0). One device sync; used only on the stock path."""
+    """True if positions drop back to a value other than 0 (the signature of a shared-prompt
+    packing: P + R_1 - 1 -> P). Ordinary packed batches restart at 0, and generate()'s left-padded
+    positions (1, 1, 1, 0, 1, 2, ...) never decrease to a positive value. One device sync; used only
+    on the stock path."""
     if position_ids.dim() == 3:  # M-RoPE style [3, B, T]: look at the first component
         position_ids = position_ids[0]
     if position_ids.dim() == 1:
@@ -277,7 +279,7 @@ def _dualkv_style_positions(position_ids: torch.Tensor) -> bool:
     if position_ids.shape[-1] < 2:
         return False
     step = position_ids[:, 1:] - position_ids[:, :-1]
-    restart = (step != 1) & (position_ids[:, 1:] != 0)
+    restart = (step < 0) & (position_ids[:, 1:] != 0)
     return bool(restart.any())
 
 
@@ -328,7 +330,7 @@ def check_model(model, kwargs: Optional[Dict[str, Any]] = None, *, check_positio
         pos = kwargs.get("position_ids")
         if isinstance(pos, torch.Tensor) and _dualkv_style_positions(pos):
             raise WrongAttentionError(
-                f"position ids restart at a non-zero value (a dualkv shared-prompt packing?) but the model's "
+                f"position ids drop back to a non-zero value (a dualkv shared-prompt packing?) but the model's "
                 f"attention implementation is {impl!r}, which would infer wrong sequence boundaries from them. "
                 "Use dualkv.integrations.transformers.enable(model) and pass dualkv_layout=, or pass "
                 "check_positions=False to guard() if these positions are intended.")
