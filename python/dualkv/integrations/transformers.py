@@ -291,7 +291,7 @@ def check_model(model, kwargs: Optional[Dict[str, Any]] = None, *, check_positio
     * the model uses dualkv attention but no layout is given -> :class:`MissingLayoutError`;
     * the model uses dualkv attention, a layout is given but the token count disagrees
       -> :class:`dualkv.ArgumentError`;
-    * ``check_positions`` and a stock-attention model gets position ids that restart at a non-zero
+    * ``check_positions`` and a stock-attention model gets position ids that drop back to a non-zero
       value (a dualkv packing) -> :class:`WrongAttentionError` (costs one device sync).
 
     With ``kwargs=None`` only the model's configuration is checked (:func:`check_config` when
