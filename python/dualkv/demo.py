@@ -193,10 +193,8 @@ def standard_logprobs(model, batch: Dict[str, torch.Tensor], rows_packed, chunk_
 
 def dualkv_logprobs(model, packed, chunk_size: Optional[int] = None):
     """Response log-probs ``[B, R_max]`` of the packed batch with dualkv attention."""
-    from .integrations.transformers import model_inputs
-    from .logprobs import response_logprobs
-    out = model.model(**model_inputs(packed))
-    return response_logprobs(out.last_hidden_state, model.lm_head.weight, packed, chunk_size=chunk_size)
+    from .integrations.transformers import packed_logprobs
+    return packed_logprobs(model, packed, chunk_size=chunk_size)
 
 
 def grad_vector(model) -> torch.Tensor:

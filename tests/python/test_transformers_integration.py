@@ -199,6 +199,18 @@ def test_dense_reference_implementation():
         ref(input_ids=packed.input_ids)
 
 
+def test_packed_logprobs_one_call():
+    dk = dkt.enable(make_model("mistral"))
+    packed = pack(*rollouts())
+    hidden = dk.model(**dkt.model_inputs(packed)).last_hidden_state
+    expect, ent_expect = response_logprobs(hidden, dk.lm_head.weight, packed, temperature=0.7, entropy=True)
+    got, ent = dkt.packed_logprobs(dk, packed, temperature=0.7, entropy=True)
+    torch.testing.assert_close(got, expect, rtol=0, atol=0)
+    torch.testing.assert_close(ent, ent_expect, rtol=0, atol=0)
+    with pytest.raises(dkt.WrongAttentionError):
+        dkt.packed_logprobs(make_model("mistral"), packed)
+
+
 def test_guard_missing_layout():
     dk = dkt.enable(make_model("llama"))
     ids = torch.randint(0, VOCAB, (1, 10))

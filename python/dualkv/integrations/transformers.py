@@ -53,7 +53,7 @@ __all__ = [
     "ATTN_IMPLEMENTATION", "REFERENCE_IMPLEMENTATION", "LAYOUT_KWARG", "DETERMINISTIC_KWARG", "TESTED_MODEL_TYPES",
     "MissingLayoutError", "WrongAttentionError",
     "register", "dualkv_attention_forward", "dense_reference_attention_forward", "dense_visibility_mask",
-    "check_config", "check_model", "enable", "disable", "guard", "is_enabled", "model_inputs",
+    "check_config", "check_model", "enable", "disable", "guard", "is_enabled", "model_inputs", "packed_logprobs",
 ]
 
 #: the name to pass as ``attn_implementation``
@@ -420,3 +420,30 @@ def model_inputs(packed, layout: Optional[Layout] = None) -> Dict[str, Any]:
     if pos.dim() == 1:
         pos = pos.unsqueeze(0)
     return {"input_ids": ids, "position_ids": pos, LAYOUT_KWARG: layout, "use_cache": False}
+
+
+def packed_logprobs(model, packed, temperature: float = 1.0, entropy: bool = False,
+                    chunk_size: Optional[int] = None, **forward_kwargs):
+    """Response log-probs ``[B, R_max]`` (fp32; and entropy if asked) of a packed batch in one call:
+    the base model on the packed tokens with dualkv attention, then
+    :func:`dualkv.logprobs.response_logprobs` on its last hidden states and the LM-head weight (the
+    logits are never materialised for all T tokens). ``forward_kwargs`` go to the base model."""
+    from ..logprobs import response_logprobs
+    if not is_enabled(model):
+        raise WrongAttentionError(f"packed_logprobs: the model's attention implementation is "
+                                  f"{_attn_impl(model.config)!r}; call dualkv.integrations.transformers.enable(model)")
+    head = model.get_output_embeddings()
+    if head is None or not hasattr(head, "weight"):
+        raise UnsupportedError("packed_logprobs: the model has no linear output embedding (lm_head)")
+    if getattr(head, "bias", None) is not None:
+        raise UnsupportedError("packed_logprobs: an LM head with a bias is not supported; compute log-probs "
+                               "from model(...).logits with dualkv.logprobs.response_logprobs_from_logits")
+    text = getattr(model.config, "text_config", None) or model.config
+    scale = getattr(text, "logit_scale", None)
+    if getattr(text, "final_logit_softcapping", None) is not None or scale not in (None, 1, 1.0):
+        raise UnsupportedError("packed_logprobs: final-logit softcapping / logit scaling is not applied by "
+                               "response_logprobs; use response_logprobs_from_logits on model(...).logits")
+    base = model.get_decoder() if hasattr(model, "get_decoder") else model.base_model
+    out = base(**model_inputs(packed), **forward_kwargs)
+    return response_logprobs(out.last_hidden_state, head.weight, packed, temperature=temperature,
+                             entropy=entropy, chunk_size=chunk_size)
