@@ -5,6 +5,7 @@ P + N·R tokens instead of N·(P+R), and use :func:`attention` where the model c
 """
 from ._native import (ArgumentError, CudaError, DualKVError, LayoutError, LibraryNotFoundError,
                       UnsupportedError, VersionError, WorkspaceError, build_info)
+from .grpo import group_advantages, policy_loss
 from .layout import Layout
 from .logprobs import response_logprobs, response_logprobs_from_logits
 from .microbatch import MicroBatch, MicroBatchPlan, plan_micro_batches
@@ -16,6 +17,6 @@ __version__ = "0.1.0"
 __all__ = [
     "ArgumentError", "CudaError", "DualKVError", "Layout", "LayoutError", "LibraryNotFoundError",
     "MicroBatch", "MicroBatchPlan", "PackedBatch", "UnsupportedError", "VersionError", "WorkspaceError",
-    "attention", "build_info", "pack", "pack_groups", "pack_padded", "plan_micro_batches",
+    "attention", "build_info", "group_advantages", "policy_loss", "pack", "pack_groups", "pack_padded", "plan_micro_batches",
     "response_logprobs", "response_logprobs_from_logits", "unpack", "__version__",
 ]

@@ -185,9 +185,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Layout,
     _check_inputs(q, k, v, layout)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
-    softmax_scale = float(softmax_scale)
-    if not math.isfinite(softmax_scale) or softmax_scale <= 0:
-        raise _native.ArgumentError(f"attention: softmax_scale must be finite and > 0, got {softmax_scale}")
+    # Under torch.compile(dynamic=True) the scale may be a symbolic float: leave it to the library
+    # (which checks it too) rather than forcing a concrete value here.
+    if isinstance(softmax_scale, (int, float)):
+        softmax_scale = float(softmax_scale)
+        if not math.isfinite(softmax_scale) or softmax_scale <= 0:
+            raise _native.ArgumentError(f"attention: softmax_scale must be finite and > 0, got {softmax_scale}")
     plan, key = layout.plan_for(q.dtype, q.shape[-1])
     out, lse = _fwd(q, k, v, layout.meta, plan, layout.num_segments, layout.max_depth, key, softmax_scale,
                     bool(deterministic))
