@@ -16,6 +16,9 @@
 #include "internal.h"
 #include "kernel_params.h"
 #include "plan.h"
+#ifdef DUALKV_WITH_SM90
+#include "sm90/fwd_sm90.h"
+#endif
 
 namespace dualkv::detail {
 
@@ -451,6 +454,32 @@ dualkv_status cuda_fwd(const dualkv_fwd_params& p) {
   a.counter = static_cast<int32_t*>(p.workspace);
 
   cudaGetLastError();  // do not report an earlier, unrelated launch error as ours
+#ifdef DUALKV_WITH_SM90
+  // Hopper forward (wgmma + TMA) when built for this head dim and the strides suit TMA; it returns
+  // cudaErrorNotSupported otherwise, and the portable kernel below runs. DUALKV_DISABLE_SM90=1
+  // forces the portable kernel.
+  if (info.major == 9 && info.minor == 0 && sm90::fwd_supported(p.head_dim) &&
+      sm90::fwd_args_supported(a, p.head_dim, 2) && std::getenv("DUALKV_DISABLE_SM90") == nullptr) {
+    const bool bf = p.dtype == DUALKV_DTYPE_BFLOAT16;
+    const cudaStream_t s = static_cast<cudaStream_t>(p.stream);
+    cudaError_t e = cudaErrorNotSupported;
+    switch (p.head_dim) {
+#ifdef DUALKV_SM90_HDIM_64
+      case 64: e = bf ? sm90::run_fwd<__nv_bfloat16, 64>(a, s) : sm90::run_fwd<__half, 64>(a, s); break;
+#endif
+#ifdef DUALKV_SM90_HDIM_128
+      case 128: e = bf ? sm90::run_fwd<__nv_bfloat16, 128>(a, s) : sm90::run_fwd<__half, 128>(a, s); break;
+#endif
+#ifdef DUALKV_SM90_HDIM_256
+      case 256: e = bf ? sm90::run_fwd<__nv_bfloat16, 256>(a, s) : sm90::run_fwd<__half, 256>(a, s); break;
+#endif
+      default: break;
+    }
+    if (e == cudaSuccess) return DUALKV_OK;
+    if (e != cudaErrorNotSupported) return cuda_fail("fwd", e);
+    cudaGetLastError();
+  }
+#endif
   bool found = false;
   const cudaError_t err = dispatch_fwd(p.head_dim, p.dtype, a, info.sms, static_cast<cudaStream_t>(p.stream), &found);
   if (!found)
@@ -540,9 +569,21 @@ std::string cuda_build_info_json() {
   if (dims == "[none]") dims = "[]";
   int runtime = 0;
   cudaRuntimeGetVersion(&runtime);
+  // Which forward kernels exist: the portable mma.sync path always; the Hopper wgmma+TMA forward
+  // for the head dims listed (used on sm_90 devices unless DUALKV_DISABLE_SM90 is set).
+  std::string sm90_dims;
+#ifdef DUALKV_SM90_HDIM_64
+  sm90_dims += std::string(sm90_dims.empty() ? "" : ", ") + "64";
+#endif
+#ifdef DUALKV_SM90_HDIM_128
+  sm90_dims += std::string(sm90_dims.empty() ? "" : ", ") + "128";
+#endif
+#ifdef DUALKV_SM90_HDIM_256
+  sm90_dims += std::string(sm90_dims.empty() ? "" : ", ") + "256";
+#endif
   return "\"cuda_archs\": " + archs + ", \"head_dims\": " + dims +
-         ", \"dtypes\": [\"float16\", \"bfloat16\"], \"kernels\": \"sm80-mma\", \"cuda_runtime\": " +
-         std::to_string(runtime);
+         ", \"dtypes\": [\"float16\", \"bfloat16\"], \"kernels\": \"sm80-mma\", \"sm90_fwd_head_dims\": [" +
+         sm90_dims + "], \"cuda_runtime\": " + std::to_string(runtime);
 }
 
 }  // namespace dualkv::detail
