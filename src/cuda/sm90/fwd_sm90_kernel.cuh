@@ -30,6 +30,7 @@
 #include <stdint.h>
 
 #include "kernel_params.h"
+#include "kv_walker.cuh"
 #include "plan.h"
 #include "sm90/ptx.cuh"
 #include "sm90/wgmma_ops.cuh"
@@ -96,36 +97,6 @@ __device__ __forceinline__ void decode_item(int32_t item, int32_t n_tiles, int H
   h = r / cnt;
   tile = first + (r - h * cnt);
 }
-
-// The KV ranges a query tile [q0, q1) of segment `seg` sees, in tiles of BN tokens.
-template <int BN>
-struct KvCursor {
-  int32_t seg, cur, pos, end, own_end;
-  bool own;
-  __device__ __forceinline__ void start(const LayoutPtrs& L, int32_t s, int32_t q1) {
-    seg = s;
-    own_end = q1;
-    const int32_t a = L.parent[s];
-    if (a >= 0) {
-      cur = a; pos = L.offsets[a]; end = L.offsets[a + 1]; own = false;
-    } else {
-      cur = s; pos = L.offsets[s]; end = q1; own = true;
-    }
-  }
-  __device__ __forceinline__ int32_t len() const { return min(BN, end - pos); }
-  __device__ __forceinline__ bool advance(const LayoutPtrs& L) {
-    pos += BN;
-    if (pos < end) return true;
-    if (own) return false;
-    const int32_t a = L.parent[cur];
-    if (a >= 0) {
-      cur = a; pos = L.offsets[a]; end = L.offsets[a + 1];
-    } else {
-      cur = seg; pos = L.offsets[seg]; end = own_end; own = true;
-    }
-    return true;
-  }
-};
 
 struct Sm90Barriers {
   uint64_t* k_full;
@@ -218,8 +189,8 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
       const int32_t q0 = items[tile * kFwdItemInts + 1];
       const int32_t q1 = items[tile * kFwdItemInts + 2];
 
-      KvCursor<BN> kv;
-      kv.start(L, seg, q1);
+      KvWalker<BN> kv;
+      kv.init(L, seg, q1);
       bool q_issued = false;
       do {
         const uint32_t st = kv_iter % S, kph = (kv_iter / S) & 1;
@@ -248,7 +219,7 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
         for (int b = 0; b < C::kBoxes; ++b)
           tma_load_3d(sV + st * C::kKVBytes + b * C::kKVBoxBytes, &p.tv, &B.v_full[st], b * 64, hk, kv.pos);
         ++kv_iter;
-      } while (kv.advance(L));
+      } while (kv.next(L));
     }
     return;
   }
@@ -302,8 +273,8 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
     float s[BN / 2];
     uint32_t pf[BN / 4];
 
-    KvCursor<BN> kv;
-    kv.start(L, seg, q1);
+    KvWalker<BN> kv;
+    kv.init(L, seg, q1);
 
     // S = Q K^T for the stage `st` into s.
     auto issue_qk = [&](uint32_t st) {
@@ -389,7 +360,7 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
     }
     int32_t kpos = kv.pos, klen = kv.len();
     bool own = kv.own;
-    bool more = kv.advance(L);
+    bool more = kv.next(L);
     if (!more) {
       __syncwarp();
       if (lane == 0) mbar_arrive(B.q_empty);
@@ -421,7 +392,7 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
         __syncwarp();
         if (lane == 0) mbar_arrive(&B.k_empty[st]);
       }
-      more = kv.advance(L);
+      more = kv.next(L);
       if (!more) {
         __syncwarp();
         if (lane == 0) mbar_arrive(B.q_empty);
