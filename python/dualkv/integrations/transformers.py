@@ -46,8 +46,8 @@ from ..ops import attention as _dualkv_attention
 try:
     from transformers import AttentionInterface as _AttentionInterface
 except ImportError as exc:  # pragma: no cover - depends on the environment
-    raise ImportError("dualkv.integrations.transformers needs transformers >= 5.0 "
-                      "(pip install 'transformers>=5')") from exc
+    raise ImportError("dualkv.integrations.transformers needs transformers >= 4.56 "
+                      "(pip install 'transformers>=4.56')") from exc
 
 __all__ = [
     "ATTN_IMPLEMENTATION", "REFERENCE_IMPLEMENTATION", "LAYOUT_KWARG", "DETERMINISTIC_KWARG", "TESTED_MODEL_TYPES",
