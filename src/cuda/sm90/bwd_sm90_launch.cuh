@@ -1,0 +1,97 @@
+// Host side of the sm90 backward: TMA descriptors, shared-memory opt-in, persistent launch of the
+// main kernel, and the full backward sequence reusing the sm80 auxiliary kernels. Included by the
+// per-(head dim, dtype) translation units only.
+#pragma once
+
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+
+#include "bwd_kernel.cuh"  // the sm80 preprocess / dQ / conversion / reduction kernels
+#include "sm90/bwd_sm90.h"
+#include "sm90/bwd_sm90_kernel.cuh"
+#include "sm90/fwd_sm90_launch.cuh"  // detail::make_map, detail::sm_count
+
+namespace dualkv::cuda::sm90 {
+
+template <typename Element, int HeadDim>
+cudaError_t run_bwd_main(const BwdArgs& args, cudaStream_t stream) {
+  using C = Sm90BwdConfig<HeadDim>;
+  static_assert(BwdConfig<HeadDim>::kBlockN == C::kBlockN, "sm90 backward: plan KV tiles must be kBlockN rows");
+  static_assert(BwdConfig<HeadDim>::kBlockM == C::kBlockM, "sm90 backward: plan splits are multiples of kBlockM");
+  constexpr CUtensorMapDataType dt = Pack2<Element>::kTmaType;
+  if (!bwd_args_supported(args, HeadDim, 2)) return cudaErrorNotSupported;
+  const int T = args.layout.num_tokens;
+  const int H = args.num_heads, Hk = args.num_kv_heads;
+  Sm90BwdParams<HeadDim> p;
+  p.a = args;
+  p.counter = args.counters + 2;
+  if (!detail::make_map(&p.tq, dt, args.q, HeadDim, H, T, args.q_hs, args.q_ts, C::kBlockM) ||
+      !detail::make_map(&p.tdo, dt, args.dout, HeadDim, H, T, args.do_hs, args.do_ts, C::kBlockM) ||
+      !detail::make_map(&p.tk, dt, args.k, HeadDim, Hk, T, args.k_hs, args.k_ts, C::kBlockN) ||
+      !detail::make_map(&p.tv, dt, args.v, HeadDim, Hk, T, args.v_hs, args.v_ts, C::kBlockN))
+    return cudaErrorNotSupported;
+  const int sms = detail::sm_count();
+  if (sms <= 0) return cudaErrorInvalidDevice;
+  cudaError_t err;
+  if ((err = cudaMemsetAsync(p.counter, 0, sizeof(int32_t), stream)) != cudaSuccess) return err;
+  if (args.deterministic) {
+    auto kernel = bwd_sm90_kernel<Element, HeadDim, false>;
+    if ((err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    static_cast<int>(C::kSmemBytes))) != cudaSuccess)
+      return err;
+    kernel<<<sms, C::kThreads, C::kSmemBytes, stream>>>(p);
+  } else {
+    auto kernel = bwd_sm90_kernel<Element, HeadDim, true>;
+    if ((err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    static_cast<int>(C::kSmemBytes))) != cudaSuccess)
+      return err;
+    kernel<<<sms, C::kThreads, C::kSmemBytes, stream>>>(p);
+  }
+  return cudaGetLastError();
+}
+
+template <typename Element, int HeadDim>
+cudaError_t run_bwd(const BwdArgs& args, cudaStream_t stream) {
+  constexpr int D = HeadDim;
+  using T = Element;
+  if (!bwd_args_supported(args, HeadDim, 2)) return cudaErrorNotSupported;
+  const int sms = detail::sm_count();
+  if (sms <= 0) return cudaErrorInvalidDevice;
+  cudaError_t err;
+  if ((err = cudaMemsetAsync(args.counters, 0, 4 * sizeof(int32_t), stream)) != cudaSuccess) return err;
+  const int64_t T_ = args.layout.num_tokens;
+  if (!args.deterministic) {
+    if ((err = cudaMemsetAsync(args.dq_accum, 0, sizeof(float) * T_ * args.num_heads * D, stream)) != cudaSuccess)
+      return err;
+  }
+  {
+    const int64_t rows = T_ * args.num_heads;
+    const int blocks = static_cast<int>(std::min<int64_t>((rows + 7) / 8, static_cast<int64_t>(sms) * 16));
+    bwd_preprocess_kernel<D, T><<<blocks, 256, 0, stream>>>(args);
+    if ((err = cudaGetLastError()) != cudaSuccess) return err;
+  }
+  if ((err = run_bwd_main<Element, HeadDim>(args, stream)) != cudaSuccess) return err;
+  if (args.deterministic) {
+    using DC = DqConfig<D>;
+    const size_t smem = sizeof(DqSmem<D, T>);
+    auto kernel = bwd_dq_kernel<D, T>;
+    static int bps = occupancy_blocks(kernel, DC::kThreads, smem);
+    if ((err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem))))
+      return err;
+    kernel<<<sms * bps, DC::kThreads, smem, stream>>>(args);
+  } else {
+    const int64_t pairs = T_ * args.num_heads * (D / 2);
+    const int blocks = static_cast<int>(std::min<int64_t>((pairs + 255) / 256, static_cast<int64_t>(sms) * 32));
+    bwd_dq_convert_kernel<D, T><<<blocks, 256, 0, stream>>>(args);
+  }
+  if ((err = cudaGetLastError()) != cudaSuccess) return err;
+  if (args.n_slots > 0) {
+    bwd_reduce_kernel<D, T><<<sms * 4, 256, 0, stream>>>(args);
+    if ((err = cudaGetLastError()) != cudaSuccess) return err;
+  }
+  return cudaSuccess;
+}
+
+}  // namespace dualkv::cuda::sm90
