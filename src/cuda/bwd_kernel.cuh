@@ -587,8 +587,11 @@ int occupancy_blocks(Kernel kernel, int threads, size_t smem) {
   return n;
 }
 
+// The backward is prologue (zeroing, dO.O preprocess), the KV-outer main kernel, and epilogue
+// (dQ: conversion of the fp32 accumulator or the deterministic dQ kernel; split reductions). The
+// Hopper backward (sm90/bwd_sm90_launch.cuh) replaces only the main kernel and reuses the rest.
 template <int D, typename T>
-cudaError_t launch_bwd_impl(const BwdArgs& args, int sms, cudaStream_t stream) {
+cudaError_t launch_bwd_prologue(const BwdArgs& args, int sms, cudaStream_t stream) {
   cudaError_t err;
   if ((err = cudaMemsetAsync(args.counters, 0, 4 * sizeof(int32_t), stream)) != cudaSuccess) return err;
   const int64_t T_ = args.layout.num_tokens;
@@ -602,6 +605,12 @@ cudaError_t launch_bwd_impl(const BwdArgs& args, int sms, cudaStream_t stream) {
     bwd_preprocess_kernel<D, T><<<blocks, 256, 0, stream>>>(args);
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
   }
+  return cudaSuccess;
+}
+
+template <int D, typename T>
+cudaError_t launch_bwd_main(const BwdArgs& args, int sms, cudaStream_t stream) {
+  cudaError_t err;
   {
     using C = BwdConfig<D>;
     const size_t smem = sizeof(BwdSmem<D, T>);
@@ -620,6 +629,13 @@ cudaError_t launch_bwd_impl(const BwdArgs& args, int sms, cudaStream_t stream) {
     }
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
   }
+  return cudaSuccess;
+}
+
+template <int D, typename T>
+cudaError_t launch_bwd_epilogue(const BwdArgs& args, int sms, cudaStream_t stream) {
+  cudaError_t err;
+  const int64_t T_ = args.layout.num_tokens;
   if (args.deterministic) {
     using C = DqConfig<D>;
     const size_t smem = sizeof(DqSmem<D, T>);
@@ -639,6 +655,14 @@ cudaError_t launch_bwd_impl(const BwdArgs& args, int sms, cudaStream_t stream) {
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
   }
   return cudaSuccess;
+}
+
+template <int D, typename T>
+cudaError_t launch_bwd_impl(const BwdArgs& args, int sms, cudaStream_t stream) {
+  cudaError_t err;
+  if ((err = launch_bwd_prologue<D, T>(args, sms, stream)) != cudaSuccess) return err;
+  if ((err = launch_bwd_main<D, T>(args, sms, stream)) != cudaSuccess) return err;
+  return launch_bwd_epilogue<D, T>(args, sms, stream);
 }
 
 }  // namespace dualkv::cuda

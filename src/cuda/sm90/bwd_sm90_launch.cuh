@@ -60,38 +60,9 @@ cudaError_t run_bwd(const BwdArgs& args, cudaStream_t stream) {
   const int sms = detail::sm_count();
   if (sms <= 0) return cudaErrorInvalidDevice;
   cudaError_t err;
-  if ((err = cudaMemsetAsync(args.counters, 0, 4 * sizeof(int32_t), stream)) != cudaSuccess) return err;
-  const int64_t T_ = args.layout.num_tokens;
-  if (!args.deterministic) {
-    if ((err = cudaMemsetAsync(args.dq_accum, 0, sizeof(float) * T_ * args.num_heads * D, stream)) != cudaSuccess)
-      return err;
-  }
-  {
-    const int64_t rows = T_ * args.num_heads;
-    const int blocks = static_cast<int>(std::min<int64_t>((rows + 7) / 8, static_cast<int64_t>(sms) * 16));
-    bwd_preprocess_kernel<D, T><<<blocks, 256, 0, stream>>>(args);
-    if ((err = cudaGetLastError()) != cudaSuccess) return err;
-  }
+  if ((err = launch_bwd_prologue<D, T>(args, sms, stream)) != cudaSuccess) return err;
   if ((err = run_bwd_main<Element, HeadDim>(args, stream)) != cudaSuccess) return err;
-  if (args.deterministic) {
-    using DC = DqConfig<D>;
-    const size_t smem = sizeof(DqSmem<D, T>);
-    auto kernel = bwd_dq_kernel<D, T>;
-    static int bps = occupancy_blocks(kernel, DC::kThreads, smem);
-    if ((err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem))))
-      return err;
-    kernel<<<sms * bps, DC::kThreads, smem, stream>>>(args);
-  } else {
-    const int64_t pairs = T_ * args.num_heads * (D / 2);
-    const int blocks = static_cast<int>(std::min<int64_t>((pairs + 255) / 256, static_cast<int64_t>(sms) * 32));
-    bwd_dq_convert_kernel<D, T><<<blocks, 256, 0, stream>>>(args);
-  }
-  if ((err = cudaGetLastError()) != cudaSuccess) return err;
-  if (args.n_slots > 0) {
-    bwd_reduce_kernel<D, T><<<sms * 4, 256, 0, stream>>>(args);
-    if ((err = cudaGetLastError()) != cudaSuccess) return err;
-  }
-  return cudaSuccess;
+  return launch_bwd_epilogue<D, T>(args, sms, stream);
 }
 
 }  // namespace dualkv::cuda::sm90
