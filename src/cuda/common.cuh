@@ -103,6 +103,36 @@ __device__ __forceinline__ const T* at_frag_addr(const T* base, int pitch, int m
   return base + (k0 + (lane & 7) + (lane >> 4) * 8) * pitch + m0 + ((lane >> 3) & 1) * 8;
 }
 
+// acc[MI][D/8] += A · B for one warp: A is MI row blocks of 16 x BN columns held in fp32
+// accumulator fragments (rounded to T here), B a [BN][D] smem tile stored [k][n] with `pitch`.
+// The forward's O += P·V and the deterministic dQ kernel's dQ += dS·K are this product.
+template <typename T, int MI, int BN, int D>
+__device__ __forceinline__ void mma_frags_times_smem(float (&acc)[MI][D / 8][4], const float (&a_frags)[MI][BN / 8][4],
+                                                     const T* b_smem, int pitch, int lane) {
+  using Ops = TypeOps<T>;
+#pragma unroll
+  for (int kk = 0; kk < BN / 16; ++kk) {
+    uint32_t a[MI][4];
+#pragma unroll
+    for (int mi = 0; mi < MI; ++mi) {
+      a[mi][0] = Ops::pack(a_frags[mi][2 * kk][0], a_frags[mi][2 * kk][1]);
+      a[mi][1] = Ops::pack(a_frags[mi][2 * kk][2], a_frags[mi][2 * kk][3]);
+      a[mi][2] = Ops::pack(a_frags[mi][2 * kk + 1][0], a_frags[mi][2 * kk + 1][1]);
+      a[mi][3] = Ops::pack(a_frags[mi][2 * kk + 1][2], a_frags[mi][2 * kk + 1][3]);
+    }
+#pragma unroll
+    for (int nd = 0; nd < D / 16; ++nd) {
+      uint32_t b[4];
+      ldmatrix_x4_trans(b, bkn_frag_addr(b_smem, pitch, kk * 16, nd * 16, lane));
+#pragma unroll
+      for (int mi = 0; mi < MI; ++mi) {
+        Ops::mma(acc[mi][2 * nd], a[mi], b[0], b[1]);
+        Ops::mma(acc[mi][2 * nd + 1], a[mi], b[2], b[3]);
+      }
+    }
+  }
+}
+
 // Loads rows [0, rows) of a [rows_max, D] tile from global (token-major, token stride in
 // elements) into smem with `pitch`; rows >= valid_rows are zero-filled. All threads participate.
 template <int D, int ROWS, int PITCH, int NT, typename T>

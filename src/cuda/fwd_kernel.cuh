@@ -171,27 +171,7 @@ fwd_kernel(const FwdArgs args) {
       }
 
       // O += P V
-#pragma unroll
-      for (int kk = 0; kk < BN / 16; ++kk) {
-        uint32_t a[MI][4];
-#pragma unroll
-        for (int mi = 0; mi < MI; ++mi) {
-          a[mi][0] = Ops::pack(s[mi][2 * kk][0], s[mi][2 * kk][1]);
-          a[mi][1] = Ops::pack(s[mi][2 * kk][2], s[mi][2 * kk][3]);
-          a[mi][2] = Ops::pack(s[mi][2 * kk + 1][0], s[mi][2 * kk + 1][1]);
-          a[mi][3] = Ops::pack(s[mi][2 * kk + 1][2], s[mi][2 * kk + 1][3]);
-        }
-#pragma unroll
-        for (int nd = 0; nd < D / 16; ++nd) {
-          uint32_t b[4];
-          ldmatrix_x4_trans(b, bkn_frag_addr(sm.v, P, kk * 16, nd * 16, lane));
-#pragma unroll
-          for (int mi = 0; mi < MI; ++mi) {
-            Ops::mma(acc[mi][2 * nd], a[mi], b[0], b[1]);
-            Ops::mma(acc[mi][2 * nd + 1], a[mi], b[2], b[3]);
-          }
-        }
-      }
+      mma_frags_times_smem<T, MI, BN, D>(acc, s, sm.v, P, lane);
       cp_async_wait_all();
       __syncthreads();  // next K landed; every warp is done reading V
     }
