@@ -164,10 +164,8 @@ class Layout:
 
     def c_layout(self, host: bool = False) -> _native.Layout_:
         """The dualkv_layout struct over the host arrays or over the arrays on ``self.device``."""
-        meta = self._host_meta if host else self.meta
-        base, S = meta.data_ptr(), self.num_segments
-        return _native.Layout_(S, self.num_tokens, self.max_depth, 0, base, base + 4 * (S + 1),
-                               base + 4 * (2 * S + 1), base + 4 * (3 * S + 1), base + 4 * (4 * S + 1))
+        return c_layout_struct(self._host_meta if host else self.meta, self.num_segments, self.num_tokens,
+                               self.max_depth)
 
     @property
     def position_ids(self) -> torch.Tensor:
@@ -254,6 +252,14 @@ class Layout:
     def __repr__(self) -> str:
         return (f"Layout(segments={self.num_segments}, tokens={self.num_tokens}, max_depth={self.max_depth}, "
                 f"device={self.device})")
+
+
+def c_layout_struct(meta: torch.Tensor, num_segments: int, num_tokens: int, max_depth: int) -> _native.Layout_:
+    """The C dualkv_layout over a metadata buffer [offsets (S+1) | parent | subtree_end |
+    position_offset | depth] (int32, on any device)."""
+    base, S = meta.data_ptr(), num_segments
+    return _native.Layout_(S, num_tokens, max_depth, 0, base, base + 4 * (S + 1), base + 4 * (2 * S + 1),
+                           base + 4 * (3 * S + 1), base + 4 * (4 * S + 1))
 
 
 def _cuda_configs() -> Iterable[tuple[torch.dtype, int]]:

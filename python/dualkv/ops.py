@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 
 from . import _native
-from .layout import DTYPE_CODES, Layout
+from .layout import DTYPE_CODES, Layout, c_layout_struct
 
 
 def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -27,12 +27,6 @@ def _device_fields(t: torch.Tensor):
     return _native.DEVICE_CPU, 0, 0
 
 
-def _c_layout(meta: torch.Tensor, num_segments: int, num_tokens: int, max_depth: int) -> _native.Layout_:
-    base, S = meta.data_ptr(), num_segments
-    return _native.Layout_(S, num_tokens, max_depth, 0, base, base + 4 * (S + 1), base + 4 * (2 * S + 1),
-                           base + 4 * (3 * S + 1), base + 4 * (4 * S + 1))
-
-
 def _fill_common(p, q, k, v, meta, plan, num_segments, max_depth, plan_key, softmax_scale, deterministic):
     device, index, stream = _device_fields(q)
     p.struct_size = ctypes.sizeof(p)
@@ -43,7 +37,7 @@ def _fill_common(p, q, k, v, meta, plan, num_segments, max_depth, plan_key, soft
     p.num_heads, p.num_kv_heads, p.head_dim = q.shape[1], k.shape[1], q.shape[2]
     p.num_threads = torch.get_num_threads() if device == _native.DEVICE_CPU else 0
     p.softmax_scale = softmax_scale
-    p.layout = _c_layout(meta, num_segments, q.shape[0], max_depth)
+    p.layout = c_layout_struct(meta, num_segments, q.shape[0], max_depth)
     p.plan, p.plan_len, p.plan_key = plan.data_ptr() if plan.numel() else None, plan.numel(), plan_key % 2**64
     p.q, p.k, p.v = q.data_ptr(), k.data_ptr(), v.data_ptr()
     p.q_token_stride, p.q_head_stride = q.stride(0), q.stride(1)

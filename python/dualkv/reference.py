@@ -73,10 +73,10 @@ def unpacked_groups(layout: Layout):
     offsets = [0]
     for n in lens:
         offsets.append(offsets[-1] + n)
-    children = {s: [c for c in range(len(lens)) if parents[c] == s] for s in range(len(lens))}
+    has_children = set(p for p in parents if p >= 0)
     paths = []
     for s in range(len(lens)):
-        if children[s]:
+        if s in has_children:
             continue
         chain = [s]
         while parents[chain[-1]] >= 0:
