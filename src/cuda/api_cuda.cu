@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdlib>
+#include <cstdio>
 #include <cstring>
 #include <mutex>
 #include <string>
@@ -18,6 +19,9 @@
 #include "plan.h"
 #ifdef DUALKV_WITH_SM90
 #include "sm90/fwd_sm90.h"
+#endif
+#ifdef DUALKV_WITH_SM90_BWD
+#include "sm90/bwd_sm90.h"
 #endif
 
 namespace dualkv::detail {
@@ -425,6 +429,22 @@ size_t cuda_bwd_workspace_bytes(const dualkv_bwd_params& p) {
   return bytes;
 }
 
+// DUALKV_LOG_KERNELS=1: one line on stderr per call saying which kernel family runs and, when the
+// Hopper kernel is passed over, why (the fallbacks are silent otherwise, by design).
+static void log_kernel_choice(const char* dir, const char* kernel, const char* why) {
+  static const bool on = std::getenv("DUALKV_LOG_KERNELS") != nullptr;
+  if (on) std::fprintf(stderr, "[dualkv] %s: %s%s%s\n", dir, kernel, why[0] ? " (" : "", why[0] ? why : "");
+}
+
+// Why the Hopper kernel of one direction is not used ("" when it may be tried).
+[[maybe_unused]] static const char* sm90_skip_reason(const DeviceInfo& info, bool built_for_dim, bool args_ok, const char* env) {
+  if (!(info.major == 9 && info.minor == 0)) return "device is not sm_90";
+  if (!built_for_dim) return "no sm90 kernel built for this head dim";
+  if (!args_ok) return "pointers/strides unsuitable for TMA";
+  if (std::getenv(env) != nullptr) return env;
+  return "";
+}
+
 dualkv_status cuda_fwd(const dualkv_fwd_params& p) {
   if (dualkv_status st = check_plan(p, "fwd"); st != DUALKV_OK) return st;
   dualkv_status st;
@@ -458,8 +478,9 @@ dualkv_status cuda_fwd(const dualkv_fwd_params& p) {
   // Hopper forward (wgmma + TMA) when built for this head dim and the strides suit TMA; it returns
   // cudaErrorNotSupported otherwise, and the portable kernel below runs. DUALKV_DISABLE_SM90=1
   // forces the portable kernel.
-  if (info.major == 9 && info.minor == 0 && sm90::fwd_supported(p.head_dim) &&
-      sm90::fwd_args_supported(a, p.head_dim, 2) && std::getenv("DUALKV_DISABLE_SM90") == nullptr) {
+  const char* fwd_skip = sm90_skip_reason(info, sm90::fwd_supported(p.head_dim),
+                                          sm90::fwd_args_supported(a, p.head_dim, 2), "DUALKV_DISABLE_SM90");
+  if (fwd_skip[0] == '\0') {
     const bool bf = p.dtype == DUALKV_DTYPE_BFLOAT16;
     const cudaStream_t s = static_cast<cudaStream_t>(p.stream);
     cudaError_t e = cudaErrorNotSupported;
@@ -475,10 +496,17 @@ dualkv_status cuda_fwd(const dualkv_fwd_params& p) {
 #endif
       default: break;
     }
-    if (e == cudaSuccess) return DUALKV_OK;
+    if (e == cudaSuccess) {
+      log_kernel_choice("fwd", "sm90 wgmma", "");
+      return DUALKV_OK;
+    }
     if (e != cudaErrorNotSupported) return cuda_fail("fwd", e);
     cudaGetLastError();
+    fwd_skip = "sm90 launcher declined";
   }
+  log_kernel_choice("fwd", "sm80 mma", fwd_skip);
+#else
+  log_kernel_choice("fwd", "sm80 mma", "");
 #endif
   bool found = false;
   const cudaError_t err = dispatch_fwd(p.head_dim, p.dtype, a, info.sms, static_cast<cudaStream_t>(p.stream), &found);
@@ -540,6 +568,38 @@ dualkv_status cuda_bwd(const dualkv_bwd_params& p) {
   a.partials = a.n_slots > 0 ? reinterpret_cast<float*>(ws) : nullptr;
 
   cudaGetLastError();
+#ifdef DUALKV_WITH_SM90_BWD
+  // Hopper backward main kernel (wgmma + TMA) when built for this head dim and the strides suit
+  // TMA; it returns cudaErrorNotSupported otherwise, having launched nothing, and the portable
+  // backward below runs. Same plan and workspace; the preprocess, dQ and reduction kernels are the
+  // sm80 ones. DUALKV_DISABLE_SM90_BWD=1 forces the portable main kernel.
+  const char* bwd_skip = sm90_skip_reason(info, sm90::bwd_supported(p.head_dim),
+                                          sm90::bwd_args_supported(a, p.head_dim, 2), "DUALKV_DISABLE_SM90_BWD");
+  if (bwd_skip[0] == '\0') {
+    const bool bf = p.dtype == DUALKV_DTYPE_BFLOAT16;
+    const cudaStream_t s = static_cast<cudaStream_t>(p.stream);
+    cudaError_t e = cudaErrorNotSupported;
+    switch (p.head_dim) {
+#ifdef DUALKV_SM90_BWD_HDIM_64
+      case 64: e = bf ? sm90::run_bwd<__nv_bfloat16, 64>(a, s) : sm90::run_bwd<__half, 64>(a, s); break;
+#endif
+#ifdef DUALKV_SM90_BWD_HDIM_128
+      case 128: e = bf ? sm90::run_bwd<__nv_bfloat16, 128>(a, s) : sm90::run_bwd<__half, 128>(a, s); break;
+#endif
+      default: break;
+    }
+    if (e == cudaSuccess) {
+      log_kernel_choice("bwd", "sm90 wgmma main kernel", "");
+      return DUALKV_OK;
+    }
+    if (e != cudaErrorNotSupported) return cuda_fail("bwd", e);
+    cudaGetLastError();
+    bwd_skip = "sm90 launcher declined";
+  }
+  log_kernel_choice("bwd", "sm80 mma", bwd_skip);
+#else
+  log_kernel_choice("bwd", "sm80 mma", "");
+#endif
   bool found = false;
   const cudaError_t err = dispatch_bwd(p.head_dim, p.dtype, a, info.sms, static_cast<cudaStream_t>(p.stream), &found);
   if (!found)
@@ -581,9 +641,18 @@ std::string cuda_build_info_json() {
 #ifdef DUALKV_SM90_HDIM_256
   sm90_dims += std::string(sm90_dims.empty() ? "" : ", ") + "256";
 #endif
+  // The Hopper backward main kernel (DUALKV_SM90_BWD builds), used on sm_90 devices unless
+  // DUALKV_DISABLE_SM90_BWD is set.
+  std::string sm90_bwd_dims;
+#ifdef DUALKV_SM90_BWD_HDIM_64
+  sm90_bwd_dims += std::string(sm90_bwd_dims.empty() ? "" : ", ") + "64";
+#endif
+#ifdef DUALKV_SM90_BWD_HDIM_128
+  sm90_bwd_dims += std::string(sm90_bwd_dims.empty() ? "" : ", ") + "128";
+#endif
   return "\"cuda_archs\": " + archs + ", \"head_dims\": " + dims +
          ", \"dtypes\": [\"float16\", \"bfloat16\"], \"kernels\": \"sm80-mma\", \"sm90_fwd_head_dims\": [" +
-         sm90_dims + "], \"cuda_runtime\": " + std::to_string(runtime);
+         sm90_dims + "], \"sm90_bwd_head_dims\": [" + sm90_bwd_dims + "], \"cuda_runtime\": " + std::to_string(runtime);
 }
 
 }  // namespace dualkv::detail

@@ -114,6 +114,14 @@ __device__ __forceinline__ void bwd_fence_proxy_async() {
 
 constexpr uint32_t kBwdQdoFullCount = 33;  // lane 0's arrive_expect_tx + 32 lanes after lse/delta
 constexpr uint32_t kBwdConsumerWarps = 8;
+// qdo_empty arrivals: one per consumer warp (lane 0, after __syncwarp, which orders the warp's
+// lse/delta reads before it). DUALKV_SM90_BWD_PER_THREAD_RELEASE=1 makes every consumer thread
+// arrive instead: a diagnostic build for compute-sanitizer racecheck (docs/hopper.md).
+#if defined(DUALKV_SM90_BWD_PER_THREAD_RELEASE)
+constexpr uint32_t kBwdQdoEmptyCount = kBwdConsumerWarps * 32;
+#else
+constexpr uint32_t kBwdQdoEmptyCount = kBwdConsumerWarps;
+#endif
 constexpr uint32_t kBwdDsBarrier = 1;      // named barrier id (0 is __syncthreads)
 
 template <typename T, int D, bool kAtomicDq>
@@ -152,7 +160,7 @@ bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
       mbar_init(&B.item_full[i], 1);
       mbar_init(&B.item_empty[i], kBwdConsumerWarps);
       mbar_init(&B.qdo_full[i], kBwdQdoFullCount);
-      mbar_init(&B.qdo_empty[i], kBwdConsumerWarps);
+      mbar_init(&B.qdo_empty[i], kBwdQdoEmptyCount);
     }
     mbar_init(B.kv_full, 1);
     mbar_init(B.kv_empty, kBwdConsumerWarps);
@@ -386,7 +394,7 @@ bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
         fence_regs(pf);
         fence_regs(dsf);
         __syncwarp();
-        if (lane == 0) mbar_arrive(&B.qdo_empty[st]);
+        if (kBwdQdoEmptyCount != kBwdConsumerWarps || lane == 0) mbar_arrive(&B.qdo_empty[st]);
         // 16-byte atomics: lanes t, t^1 swap halves so the even lane holds row g, cols [2t, 2t+4)
         // and the odd lane row g+8, cols [2t-2, 2t+2).
         const bool odd = t4 & 1;
@@ -410,7 +418,7 @@ bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
         fence_regs(pf);
         fence_regs(dsf);
         __syncwarp();
-        if (lane == 0) mbar_arrive(&B.qdo_empty[st]);
+        if (kBwdQdoEmptyCount != kBwdConsumerWarps || lane == 0) mbar_arrive(&B.qdo_empty[st]);
       }
     }
     // K and V are free: the producer may load the next item's tile during the epilogue.

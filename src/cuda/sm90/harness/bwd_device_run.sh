@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# One device call for the Hopper backward main kernel. Builds nothing and applies nothing: it uses
-# build-sm90bwd-lib/libdualkv.so, built beforehand (docs/hopper.md, "Backward") from a tree with
-# src/cuda/sm90/bwd_integration.patch applied and -DDUALKV_SM90_BWD=ON, and carried to the device:
+# One device call for the Hopper backward main kernel. Builds nothing: it uses
+# build-sm90bwd-lib/libdualkv.so, a library built beforehand for 90a (DUALKV_SM90_BWD is ON by
+# default; docs/hopper.md, "Backward") and carried to the device:
 #   run(carry=["build-sm90bwd-lib"], command="src/cuda/sm90/harness/bwd_device_run.sh")
 # Steps (logs under $OUT, or /tmp/sm90bwd_out):
 #   1. tests/gpu/test_sm90_bwd.py                  the new kernel vs the float64 reference
