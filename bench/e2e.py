@@ -38,10 +38,12 @@ visible pairs per layer; gradient-checkpointing recompute is not counted; peak =
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import pathlib
 import platform
+import signal
 import statistics
 import subprocess
 import sys
@@ -252,13 +254,44 @@ def useful_flops(cfg, mbs):
 # the run
 # ----------------------------------------------------------------------------------------------
 
-def timed_update(method, model, mbs, args, device):
+class MethodTimeout(Exception):
+    pass
+
+
+@contextlib.contextmanager
+def _time_limit(seconds: float, what: str):
+    """Raise MethodTimeout in the main thread after `seconds` (0: no limit). A baseline whose compiles
+    never finish (FlexAttention recompiling per packed length) is then recorded as a timeout and the
+    run goes on, instead of eating the whole device call."""
+    if not seconds or not hasattr(signal, "SIGALRM"):
+        yield
+        return
+
+    def fire(signum, frame):
+        raise MethodTimeout(f"{what} exceeded --method-timeout {seconds:.0f} s")
+    old = signal.signal(signal.SIGALRM, fire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def timed_update(method, model, mbs, args, device, progress=False):
     model.zero_grad(set_to_none=True)
     if device.type == "cuda":
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
     t0 = time.perf_counter()
-    logps = [micro_step(method, model, mb, args, device, 1.0 / len(mbs)) for mb in mbs]
+    logps = []
+    for i, mb in enumerate(mbs):
+        t_mb = time.perf_counter()
+        logps.append(micro_step(method, model, mb, args, device, 1.0 / len(mbs)))
+        if progress:  # first (compiling) update of a compiled baseline: where does the time go
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            log(f"    {method} micro-batch {i + 1}/{len(mbs)} (T={mb.T}): {time.perf_counter() - t_mb:.1f} s")
     if device.type == "cuda":
         end.record()
         end.synchronize()
@@ -286,6 +319,21 @@ def _std_logprobs_nograd(model, mbs, args, device):
         mb.old = torch.where(mb.mask, lp + 0.05 * torch.randn(lp.shape, generator=gen).to(device), torch.zeros_like(lp))
 
 
+def _mask_build_seconds(mbs, device, reps: int = 3) -> float:
+    """Median wall time of building every micro-batch's BlockMask once (what one flex update pays)."""
+    samples = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        for mb in mbs:
+            build_block_mask(mb, device)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples)
+
+
 def measure(method, model, mbs, args, device, base, flops):
     """Warm-up and timed updates of one method; returns its record (status ok / oom / error)."""
     rec = dict(base, method=method)
@@ -300,25 +348,32 @@ def measure(method, model, mbs, args, device, base, flops):
             torch.cuda.reset_peak_memory_stats(device)
         t_w = time.perf_counter()
         logps = None
-        for _ in range(args.warmup):
-            _, logps = timed_update(method, model, mbs, args, device)
+        with _time_limit(args.method_timeout, f"{method} warm-up"):
+            for _ in range(args.warmup):
+                _, logps = timed_update(method, model, mbs, args, device, progress=method == "flex")
         rec["warmup_s"] = time.perf_counter() - t_w
         times = []
-        for _ in range(max(1, args.iters)):
-            t, logps = timed_update(method, model, mbs, args, device)
-            times.append(t)
+        with _time_limit(args.method_timeout, f"{method} timed updates"):
+            for _ in range(max(1, args.iters)):
+                t, logps = timed_update(method, model, mbs, args, device)
+                times.append(t)
         sec = statistics.median(times)
         rec.update(seconds=sec, times=times, tokens_per_s=unpacked / sec, packed_tokens_per_s=packed / sec)
         if device.type == "cuda":
             rec["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
             rec["mfu"] = flops / sec / (args.peak_tflops * 1e12)
+        if method == "flex":  # the per-update BlockMask builds inside `seconds`, timed alone
+            rec["mask_build_s"] = _mask_build_seconds(mbs, device)
+            rec["seconds_excl_mask"] = sec - rec["mask_build_s"]
+            # warm-up = first update = every compile (one per distinct packed length with dynamic=False)
+            rec["compile_s"] = max(0.0, rec["warmup_s"] - sec * args.warmup)
         rec["logp0"] = logps[0].float()
         rec["status"] = "ok"
-    except Exception as exc:  # OOM or an unavailable backend: record it, go on
+    except Exception as exc:  # OOM, a timeout or an unavailable backend: record it, go on
         oom = isinstance(exc, getattr(torch.cuda, "OutOfMemoryError", ())) or "out of memory" in str(exc)
-        rec["status"] = "oom" if oom else "error"
+        rec["status"] = "oom" if oom else "timeout" if isinstance(exc, MethodTimeout) else "error"
         rec["error"] = f"{type(exc).__name__}: {str(exc)[:500]}"
-        if not oom:
+        if rec["status"] == "error":
             traceback.print_exc()
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -397,6 +452,9 @@ def summary(results):
         lines.append(f"{r['model']:>6} {r['N']:>3} {r['P']:>6} {r['R']:>5} {r['rho_tokens']:>5.2f} {r['method']:>7} "
                      f"{r['seconds']:>9.3f} {r['tokens_per_s']:>11,.0f} {r.get('speedup_vs_std', float('nan')):>7.2f}x "
                      f"{peak:>9} {mfu:>6} {d if d is None else format(d, '.3g'):>10}")
+        if r["method"] == "flex" and "mask_build_s" in r:
+            lines.append(f"{'':>38} flex: mask builds {r['mask_build_s']:.3f} s/update (excluded: "
+                         f"{r['seconds_excl_mask']:.3f} s), compiles in the first update {r['compile_s']:.1f} s")
     return "\n".join(lines)
 
 
@@ -433,6 +491,9 @@ def main(argv=None):
                     help="build BlockMasks with create_block_mask(_compile=True) (default; compiles in the warm-up)")
     ap.add_argument("--no-flex-mask-compile", dest="flex_mask_compile", action="store_false",
                     help="eager BlockMask build (O(T^2) memory)")
+    ap.add_argument("--method-timeout", type=float, default=0,
+                    help="seconds allowed per method for its warm-up and again for its timed updates (0: none); "
+                         "past it the method is recorded as a timeout")
     ap.add_argument("--peak-tflops", type=float, default=989.4, help="MFU denominator (H200 dense bf16)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="JSON path (default bench/results/e2e-<time>.json)")
