@@ -29,8 +29,11 @@ from dualkv.convergence import CURVES, Run, Setup, deviation, noise_envelope, st
 NOISE_FACTOR = 3.0
 #: the "tiny absolute term" of the noise-floor check, relative to max |std curve| (fp32). Early
 #: steps can have a noise floor of exactly 0 (e.g. the same gradient norm bit for bit) while dualkv
-#: differs by one rounding; measured: needed at most 3e-7 relative over seeds 0-2.
-TINY_FP32 = 1e-6
+#: differs by one rounding. Measured: at most 3e-7 relative over seeds 0-2 on the 2-core CI machine,
+#: but 1.6e-6 (logp, step 28 of 30) on the GPU host's 16-core CPU, whose GEMM kernels round
+#: differently: the single reduction-order twin happened to stay closer to std there. 3e-6 is ~2x
+#: that; the lr+0.1% run still exceeds the threshold on 26-30 of 30 steps per curve, by a median 15-93x.
+TINY_FP32 = 3e-6
 #: fp32 bounds on max_s |std - dualkv| / max_s |std curve|. The two paths are the same math, so
 #: they differ by summation order only: ~1e-7 in the first step, amplified by 30 optimizer steps
 #: (the training is stable, not chaotic, at lr 1e-3: the gap grows ~10x, not exponentially).
