@@ -284,7 +284,8 @@ def git_commit():
     if os.environ.get("DUALKV_COMMIT"):
         return os.environ["DUALKV_COMMIT"]
     try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=HERE,
+        # "-dirty" when tracked files differ from the commit: the number then belongs to no commit
+        return subprocess.check_output(["git", "describe", "--always", "--dirty", "--abbrev=7"], cwd=HERE,
                                        stderr=subprocess.DEVNULL).decode().strip()
     except Exception:
         return "unknown"

@@ -430,8 +430,8 @@ def environment(device):
     except Exception as exc:  # noqa: BLE001
         env["dualkv_build"] = f"unavailable: {exc}"
     try:
-        env["git_commit"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=HERE, capture_output=True, text=True,
-                                           timeout=10).stdout.strip()
+        env["git_commit"] = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=40"], cwd=HERE,
+                                           capture_output=True, text=True, timeout=10).stdout.strip()
     except Exception:  # noqa: BLE001
         pass
     return env
