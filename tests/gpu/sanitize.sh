@@ -7,7 +7,7 @@
 # On Hopper, racecheck reports hazards on the sm90 backward's lse/delta staging (one lane per warp
 # releases the stage after __syncwarp, an ordering racecheck does not follow); a library built with
 # CMAKE_CUDA_FLAGS=-DDUALKV_SM90_BWD_PER_THREAD_RELEASE=1 (every thread releases) reports 0 hazards
-# (docs/hopper.md, "Sanitizers"). Use that build for the racecheck pass on an sm_90 device.
+# (docs/hopper.md, "Sanitizers"). RACECHECK_LIBRARY=<that build's .so> makes the racecheck pass use it.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 cs="${COMPUTE_SANITIZER:-compute-sanitizer}"
@@ -16,7 +16,9 @@ status=0
 for tool in memcheck racecheck; do
   for split in ${SAN_SPLITS:-64}; do
     echo "== $tool (DUALKV_CUDA_SPLIT_ROWS=${split:-default})"
-    if ! DUALKV_CUDA_SPLIT_ROWS="$split" "$cs" --tool "$tool" --error-exitcode 99 \
+    lib="$DUALKV_LIBRARY"
+    if [ "$tool" = racecheck ] && [ -n "${RACECHECK_LIBRARY:-}" ]; then lib="$RACECHECK_LIBRARY"; fi
+    if ! DUALKV_LIBRARY="$lib" DUALKV_CUDA_SPLIT_ROWS="$split" "$cs" --tool "$tool" --error-exitcode 99 \
         --target-processes all python3 "$here/sanitize_cases.py"; then
       echo "!! $tool reported errors"; status=1
     fi
