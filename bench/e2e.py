@@ -370,7 +370,7 @@ def measure(method, model, mbs, args, device, base, flops):
         rec["logp0"] = logps[0].float()
         rec["status"] = "ok"
     except Exception as exc:  # OOM, a timeout or an unavailable backend: record it, go on
-        oom = isinstance(exc, getattr(torch.cuda, "OutOfMemoryError", ())) or "out of memory" in str(exc)
+        oom = _is_oom(exc)
         rec["status"] = "oom" if oom else "timeout" if isinstance(exc, MethodTimeout) else "error"
         rec["error"] = f"{type(exc).__name__}: {str(exc)[:500]}"
         if rec["status"] == "error":
@@ -380,6 +380,45 @@ def measure(method, model, mbs, args, device, base, flops):
     finally:
         model.zero_grad(set_to_none=True)
     return rec
+
+
+def _is_oom(exc) -> bool:
+    return isinstance(exc, getattr(torch.cuda, "OutOfMemoryError", ())) or "out of memory" in str(exc)
+
+
+def probe_max_groups(method, model, cfg, n, P, R, args, device):
+    """The largest micro-batch (in whole groups of N responses, doubling from 1 up to --probe-limit)
+    whose forward + backward fits on the device with this method; returns (groups, record)."""
+    best = {"max_mb_groups": 0}
+    g = 1
+    set_method(model, method)
+    while g <= args.probe_limit:
+        mb = None
+        try:
+            mb = make_micro_batches(n, P, R, 1, g, cfg.vocab_size, args.seed + 1000 + g, device)[0]
+            mb.old = torch.zeros(mb.mask.shape, device=device)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats(device)
+            with _time_limit(args.method_timeout, f"{method} probe at {g} groups"):
+                micro_step(method, model, mb, args, device, 1.0)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            best = {"max_mb_groups": g, "max_mb_unpacked_tokens": mb.unpacked_tokens, "max_mb_packed_tokens": mb.T}
+            if device.type == "cuda":
+                best["max_mb_peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+        except Exception as exc:  # noqa: BLE001
+            if not _is_oom(exc):
+                best["probe_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+            break
+        finally:
+            del mb
+            model.zero_grad(set_to_none=True)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        g *= 2
+    best["probe_limit_reached"] = g > args.probe_limit
+    return best
 
 
 def run_config(model, cfg, size, n, P, R, args, device):
@@ -398,6 +437,10 @@ def run_config(model, cfg, size, n, P, R, args, device):
     results = []
     for method in args.methods:
         rec = measure(method, model, mbs, args, device, base, flops)
+        if args.probe_max_mb and rec["status"] == "ok":
+            rec.update(probe_max_groups(method, model, cfg, n, P, R, args, device))
+            log(f"  {method}: largest micro-batch that fits: {rec['max_mb_groups']} group(s) of N={n}"
+                + (" (probe limit reached)" if rec["probe_limit_reached"] else ""))
         results.append(rec)
         log(f"  {size:>5} N={n:<3} P={P:<6} R={R:<5} {method:<7} {rec['status']:<5} "
             + (f"{rec['seconds']:.3f} s/update, {rec['tokens_per_s']:,.0f} tok/s"
@@ -437,9 +480,55 @@ def environment(device):
     return env
 
 
+def _max_mb_text(r) -> str:
+    """Largest micro-batch that fit, in groups ('>=k' when the probe stopped at its limit), or '-'."""
+    if "max_mb_groups" not in r:
+        return "-"
+    return (">=" if r.get("probe_limit_reached") else "") + str(r["max_mb_groups"])
+
+
+def plot(results, path):
+    """Seconds per update and speedup over std, one panel per model, bars per (config, method)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception as exc:  # plotting is optional
+        log(f"no plot: {exc}")
+        return
+    ok = [r for r in results if r["status"] == "ok"]
+    models = list(dict.fromkeys(r["model"] for r in ok))
+    if not models:
+        return
+    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
+    for ax, m in zip(axes[0], models):
+        rows = [r for r in ok if r["model"] == m]
+        cases = list(dict.fromkeys((r["N"], r["P"], r["R"]) for r in rows))
+        methods = list(dict.fromkeys(r["method"] for r in rows))
+        width = 0.8 / len(methods)
+        for j, meth in enumerate(methods):
+            for i, c in enumerate(cases):
+                r = next((x for x in rows if (x["N"], x["P"], x["R"]) == c and x["method"] == meth), None)
+                if r is None:
+                    continue
+                ax.bar(i + j * width, r["seconds"], width, color=f"C{j}", label=meth if i == 0 else None)
+                ax.text(i + j * width, r["seconds"], f"{r.get('speedup_vs_std', float('nan')):.2f}x",
+                        ha="center", va="bottom", fontsize=7)
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cases))])
+        ax.set_xticklabels([f"N{n} P{p} R{rr}\nrho {next(x['rho_tokens'] for x in rows if (x['N'], x['P'], x['R']) == (n, p, rr)):.2f}"
+                            for n, p, rr in cases], fontsize=8)
+        ax.set_ylabel("seconds per policy update")
+        ax.set_title(f"Qwen3-{m} shape")
+        ax.grid(axis="y", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    log(f"plot: {path}")
+
+
 def summary(results):
     head = (f"{'model':>6} {'N':>3} {'P':>6} {'R':>5} {'rho':>5} {'method':>7} {'s/update':>9} {'tok/s':>11} "
-            f"{'speedup':>8} {'peak GiB':>9} {'MFU %':>6} {'max|dlogp|':>10}")
+            f"{'speedup':>8} {'peak GiB':>9} {'MFU %':>6} {'max|dlogp|':>10} {'max mb':>7}")
     lines = [head, "-" * len(head)]
     for r in results:
         if r["status"] != "ok":
@@ -451,7 +540,8 @@ def summary(results):
         d = r.get("max_abs_dlogp_vs_std")
         lines.append(f"{r['model']:>6} {r['N']:>3} {r['P']:>6} {r['R']:>5} {r['rho_tokens']:>5.2f} {r['method']:>7} "
                      f"{r['seconds']:>9.3f} {r['tokens_per_s']:>11,.0f} {r.get('speedup_vs_std', float('nan')):>7.2f}x "
-                     f"{peak:>9} {mfu:>6} {d if d is None else format(d, '.3g'):>10}")
+                     f"{peak:>9} {mfu:>6} {d if d is None else format(d, '.3g'):>10} "
+                     f"{_max_mb_text(r):>7}")
         if r["method"] == "flex" and "mask_build_s" in r:
             lines.append(f"{'':>38} flex: mask builds {r['mask_build_s']:.3f} s/update (excluded: "
                          f"{r['seconds_excl_mask']:.3f} s), compiles in the first update {r['compile_s']:.1f} s")
@@ -494,6 +584,9 @@ def main(argv=None):
     ap.add_argument("--method-timeout", type=float, default=0,
                     help="seconds allowed per method for its warm-up and again for its timed updates (0: none); "
                          "past it the method is recorded as a timeout")
+    ap.add_argument("--probe-max-mb", action="store_true",
+                    help="also find the largest micro-batch (whole groups, doubling) that fits, per method")
+    ap.add_argument("--probe-limit", type=int, default=32, help="largest group count the probe tries")
     ap.add_argument("--peak-tflops", type=float, default=989.4, help="MFU denominator (H200 dense bf16)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="JSON path (default bench/results/e2e-<time>.json)")
@@ -541,6 +634,7 @@ def main(argv=None):
             torch.cuda.empty_cache()
     print()
     print(summary(all_results))
+    plot(all_results, out_path.with_suffix(".png"))
     print(f"\nresults: {out_path}")
     bad = [r for r in all_results if r["status"] == "error"]
     return 1 if bad else 0

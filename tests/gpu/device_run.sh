@@ -8,7 +8,8 @@
 #                $RACECHECK_LIBRARY when set (the per-thread-release diagnostic build, docs/hopper.md)
 #   bench        bench/attention.py, every config and method, hdim 128 (~2 min); bench-quick: 2 configs
 #   bench-dims   dualkv vs cuDNN at hdim 64 and 256, three configs (~1 min)
-#   e2e          bench/e2e.py std + dualkv, 1.7b and 8b, both issue configs (~6 min)
+#   e2e          bench/e2e.py std + dualkv, 1.7b and 8b, both issue configs (~6 min); E2E_ARGS=--probe-max-mb
+#                adds the largest micro-batch that fits per method (a few more minutes)
 #   e2e-flex     bench/e2e.py flex alone, 1.7b, with a per-method timeout and per-micro-batch progress
 #   noise        bench/logprob_noise.py, 1.7b and 8b: dualkv's bf16 log-probs vs an fp32 truth
 set -uo pipefail
@@ -38,7 +39,7 @@ for step in "$@"; do
                     | tee "$OUT/bench_d$d.log" | tail -8
                 done ;;
     e2e) for m in 1.7b 8b; do
-           timeout "${E2E_TIMEOUT:-300}" python3 bench/e2e.py --models $m --configs "16,4096,1024;8,16384,2048" \
+           timeout "${E2E_TIMEOUT:-300}" python3 bench/e2e.py --models $m --configs "16,4096,1024;8,16384,2048" ${E2E_ARGS:-} \
              --methods std,dualkv --micro-batches 2 --iters 2 --method-timeout 150 --out "$OUT/e2e_$m.json" 2>&1 \
              | grep -v Warning | tee "$OUT/e2e_$m.log" | tail -8
          done ;;

@@ -110,3 +110,20 @@ def test_bench_logprob_noise_cpu_smoke(tmp_path):
     rep = json.loads(out.read_text())
     assert rep["passes"] and 0 < rep["vs_fp32"]["dualkv"]["max"] <= rep["bound"]
     assert rep["vs_fp32"]["std_default"]["max"] > 0  # bf16 vs fp32 differs: the rule is not vacuous
+
+
+def test_bench_e2e_probe_and_plot(tmp_path):
+    """--probe-max-mb records the largest micro-batch tried that fit (a CPU never runs out, so the
+    probe stops at its limit and says so); the run writes a plot next to its JSON."""
+    import json
+    e2e = _load_bench("e2e")
+    out = tmp_path / "e2e.json"
+    rc = e2e.main(["--device", "cpu", "--tiny", "--dtype", "float32", "--configs", "3,40,16", "--micro-batches", "1",
+                   "--iters", "1", "--methods", "std,dualkv", "--probe-max-mb", "--probe-limit", "2", "--out", str(out)])
+    assert rc == 0
+    res = json.loads(out.read_text())["results"]
+    for r in res:
+        assert r["max_mb_groups"] == 2 and r["probe_limit_reached"], r
+        assert r["max_mb_unpacked_tokens"] > r["max_mb_packed_tokens"] > 0
+    pytest.importorskip("matplotlib")
+    assert out.with_suffix(".png").stat().st_size > 0
