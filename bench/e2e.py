@@ -43,6 +43,7 @@ import datetime
 import json
 import pathlib
 import platform
+import re
 import signal
 import statistics
 import subprocess
@@ -334,6 +335,40 @@ def _mask_build_seconds(mbs, device, reps: int = 3) -> float:
     return statistics.median(samples)
 
 
+#: kernel-name patterns of the GPU time breakdown (first match wins; lower-case names)
+KERNEL_CATEGORIES = (
+    ("attention", re.compile(r"dualkv::|flash|fmha|sdpa|flex_attention|cudnn.*(attn|attention|sdpa)")),
+    ("gemm", re.compile(r"gemm|nvjet|cutlass|xmma|cublas|s16816|s1688|wgmma")),
+)
+
+
+def kernel_category(name: str) -> str:
+    """'attention', 'gemm' (linear layers and the LM head of the log-probs) or 'other' (norms, RoPE,
+    activations, softmax/log-prob reductions, copies, the loss)."""
+    low = name.lower()
+    for cat, pat in KERNEL_CATEGORIES:
+        if pat.search(low):
+            return cat
+    return "other"
+
+
+def gpu_time_breakdown(method, model, mbs, args, device):
+    """Device time of one update by kernel category (torch.profiler; CUDA only), in ms."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        timed_update(method, model, mbs, args, device)
+        torch.cuda.synchronize(device)
+    out = {"attention": 0.0, "gemm": 0.0, "other": 0.0}
+    for e in prof.key_averages():
+        if e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        us = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0)
+        out[kernel_category(e.key)] += us / 1e3
+    out["total"] = sum(out.values())
+    model.zero_grad(set_to_none=True)
+    return out
+
+
 def measure(method, model, mbs, args, device, base, flops):
     """Warm-up and timed updates of one method; returns its record (status ok / oom / error)."""
     rec = dict(base, method=method)
@@ -367,6 +402,11 @@ def measure(method, model, mbs, args, device, base, flops):
             rec["seconds_excl_mask"] = sec - rec["mask_build_s"]
             # warm-up = first update = every compile (one per distinct packed length with dynamic=False)
             rec["compile_s"] = max(0.0, rec["warmup_s"] - sec * args.warmup)
+        if args.breakdown and device.type == "cuda":
+            rec["breakdown_ms"] = gpu_time_breakdown(method, model, mbs, args, device)
+            b = rec["breakdown_ms"]
+            log(f"    {method} GPU time per update: attention {b['attention']:.0f} ms, GEMM {b['gemm']:.0f} ms, "
+                f"other {b['other']:.0f} ms (total {b['total']:.0f} ms)")
         rec["logp0"] = logps[0].float()
         rec["status"] = "ok"
     except Exception as exc:  # OOM, a timeout or an unavailable backend: record it, go on
@@ -587,6 +627,8 @@ def main(argv=None):
     ap.add_argument("--probe-max-mb", action="store_true",
                     help="also find the largest micro-batch (whole groups, doubling) that fits, per method")
     ap.add_argument("--probe-limit", type=int, default=32, help="largest group count the probe tries")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="one extra profiled update per method: GPU time in attention / GEMM / other kernels")
     ap.add_argument("--peak-tflops", type=float, default=989.4, help="MFU denominator (H200 dense bf16)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="JSON path (default bench/results/e2e-<time>.json)")

@@ -8,8 +8,9 @@
 #                $RACECHECK_LIBRARY when set (the per-thread-release diagnostic build, docs/hopper.md)
 #   bench        bench/attention.py, every config and method, hdim 128 (~2 min); bench-quick: 2 configs
 #   bench-dims   dualkv vs cuDNN at hdim 64 and 256, three configs (~1 min)
-#   e2e          bench/e2e.py std + dualkv, 1.7b and 8b, both issue configs (~6 min); E2E_ARGS=--probe-max-mb
-#                adds the largest micro-batch that fits per method (a few more minutes)
+#   e2e          bench/e2e.py std + dualkv, 1.7b and 8b, both issue configs (~6 min); E2E_ARGS="--breakdown
+#                --probe-max-mb" adds the GPU time by kernel category and
+#                the largest micro-batch that fits per method (a few more minutes)
 #   e2e-flex     bench/e2e.py flex alone, 1.7b, with a per-method timeout and per-micro-batch progress
 #   noise        bench/logprob_noise.py, 1.7b and 8b: dualkv's bf16 log-probs vs an fp32 truth
 set -uo pipefail

@@ -127,3 +127,21 @@ def test_bench_e2e_probe_and_plot(tmp_path):
         assert r["max_mb_unpacked_tokens"] > r["max_mb_packed_tokens"] > 0
     pytest.importorskip("matplotlib")
     assert out.with_suffix(".png").stat().st_size > 0
+
+
+def test_bench_e2e_kernel_categories():
+    """The breakdown's name patterns put the kernels of every method where they belong."""
+    e2e = _load_bench("e2e")
+    cases = {
+        "void dualkv::cuda::sm90::bwd_sm90_kernel<__nv_bfloat16, 128, true>(...)": "attention",
+        "void dualkv::cuda::fwd_kernel<128, __half>(dualkv::cuda::FwdArgs)": "attention",
+        "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3": "attention",
+        "void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<...>": "attention",
+        "triton_tem_fused_flex_attention_backward_0": "attention",
+        "nvjet_tst_256x128_64x4_2x1_v_bz_coopA_NNT": "gemm",
+        "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64": "gemm",
+        "void at::native::vectorized_elementwise_kernel<4, at::native::silu_kernel...>": "other",
+        "triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0": "other",
+    }
+    for name, cat in cases.items():
+        assert e2e.kernel_category(name) == cat, name
