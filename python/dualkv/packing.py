@@ -405,7 +405,9 @@ _FLAG_TEXT = {
     _BAD_VALUES: "attention_mask/response_mask values other than 0 and 1",
     _PROMPT_HOLES: "prompt part of attention_mask is not left-padded (holes or right padding)",
     _EMPTY_PROMPT: "prompt of length 0 (every response needs at least one prompt token)",
-    _RESP_HOLES: "response mask is not right-padded (holes or left padding)",
+    _RESP_HOLES: "response mask is not right-padded (holes or left padding; a multi-turn loss mask with "
+                 "holes for tool tokens is not a length mask: pass response_length=Lr instead, and apply the "
+                 "loss mask to the [B, Lr] log-probs)",
     _MASK_DISAGREE: "response mask disagrees with attention_mask[:, Lp:]",
     _LENS_DISAGREE: "response_lens disagrees with response_mask",
     _LENS_RANGE: "response_lens outside [0, Lr]",

@@ -420,3 +420,22 @@ def test_cuda_host_syncs_do_not_grow_with_rows():
     # must hold: a small constant, independent of the batch size, and none in the log-probs.
     for pack_uid, pack_hash, lp in counts:
         assert pack_uid <= 2 and pack_hash <= 2 and lp == 0, f"host syncs (pack uid, pack hash, logprobs): {counts}"
+
+
+def test_multi_turn_loss_mask_with_holes():
+    """veRL multi-turn: attention covers the whole response, the loss mask has holes at tool tokens.
+    Packing with response_length works and the [B, Lr] columns line up with the loss mask; passing
+    the loss mask as response_mask is refused with a message that says what to do."""
+    ids, am, rm, uid = _simple()
+    Lr = rm.shape[1]
+    Lp = ids.shape[1] - Lr
+    loss_mask = rm.clone()
+    loss_mask[2, 1] = 0  # a "tool" token in the middle of row 2's response
+    with pytest.raises(ValueError, match=r"pass response_length=Lr instead"):
+        pack(input_ids=ids, attention_mask=am, response_mask=loss_mask, uid=uid)
+    packed = pack(input_ids=ids, attention_mask=am, response_length=Lr, uid=uid)
+    assert packed.response_lens.tolist() == rm.sum(1).tolist()
+    tokens, mask = packed.unpack(packed.input_ids[0].float())
+    assert tokens.shape == (ids.shape[0], Lr) and torch.equal(mask, rm.bool())
+    assert torch.equal(tokens[mask].long(), ids[:, Lp:][rm.bool()])  # the response's own columns
+    assert torch.equal((mask & loss_mask.bool()), loss_mask.bool())  # the loss mask applies as is
