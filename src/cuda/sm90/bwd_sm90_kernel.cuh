@@ -22,6 +22,14 @@
 //       barrier 1), then warpgroup c computes dQ[:, cD/2 .. +D/2] = dS K[:, half] (SS, B N-major)
 //       and adds it to the fp32 dQ accumulator with 16-byte atomics (skipped in deterministic mode,
 //       where the sm80 query-outer dQ kernel runs afterwards).
+//   dQ by bulk reduce (compile-time switch DUALKV_SM90_BWD_DQ_BULK=1, kBwdDqBulk; default off and
+//     not yet run on a GPU): instead of the atomics, warpgroup c stores its fp32 dQ half into a
+//     staging buffer (64 x D fp32, double-buffered by step parity, 128B-swizzled boxes of 32
+//     columns; rows >= qb stored as 0), and thread 32 of the producer warpgroup (the "dQ writer")
+//     adds the whole tile to dq_accum with D/32 TMA reduce-adds (cp.reduce.async.bulk.tensor), so
+//     per step a math thread issues D/8 8-byte shared stores instead of D/16 16-byte global atomics
+//     (+ D/8 shuffles), and the L2 reductions no longer go through the math warps' load/store
+//     queues. The writer walks the same items and steps as the consumers.
 //   Rows of Q/dO past qb get lse = +inf (P = 0); TMA zero-fills past T. KV rows past k1 (the next
 //   segment's tokens, loaded by TMA) are masked explicitly.
 //
@@ -34,6 +42,11 @@
 //                                 double-buffered by step parity, so a buffer is rewritten only
 //                                 after the other warpgroup passed the next step's barrier, i.e.
 //                                 after its dQ wgmma of this step retired.
+//   kBwdDqBulk only (non-deterministic kernel):
+//   item_empty[2]                 9 arrivals: the 8 consumer warps + the dQ writer
+//   dq_full[2] / dq_empty[2]      staging buffer of the step written by every consumer warp (lane
+//                                 0 after each lane's stores + fence.proxy.async + __syncwarp) /
+//                                 the writer's reduces of it have read it (wait_group.read)
 // Phases follow running counters kept identically by producer and consumers. The CPU model of
 // this protocol is harness/bwd_protocol_model.py.
 #pragma once
@@ -54,7 +67,18 @@
 
 namespace dualkv::cuda::sm90 {
 
-template <int D>
+// dQ through a smem staging buffer and TMA reduce-adds instead of per-thread global atomics (see
+// the header comment). A build-wide switch rather than a template parameter: the kernel keeps its
+// name (tests and DUALKV_LOG_KERNELS match it) and the default build compiles to the same code.
+#if DUALKV_SM90_BWD_DQ_BULK
+constexpr bool kBwdDqBulk = true;
+#else
+constexpr bool kBwdDqBulk = false;
+#endif
+
+// kDqStage: the layout of the bulk-dQ kernel (kAtomicDq && kBwdDqBulk); the deterministic kernel
+// keeps the plain layout in a bulk build too.
+template <int D, bool kDqStage = false>
 struct Sm90BwdConfig {
   static constexpr int kBlockM = 64;   // query rows per step
   static constexpr int kBlockN = 128;  // KV rows per item (= the plan's BwdConfig<D>::kBlockN)
@@ -69,17 +93,27 @@ struct Sm90BwdConfig {
   static constexpr uint32_t kDSBoxBytes = kBlockM * 128;
   static constexpr uint32_t kDSBytes = kBlockM * kBlockN * 2;
   static constexpr int kDqN = D / 2;  // dQ columns per consumer warpgroup
-  // smem: K | V | Q[2] | dO[2] | dS[2] | lse[2][64] | delta[2][64] | barriers + item slots.
+  // dQ staging (kDqStage): 64 rows x D fp32 per buffer, as D/32 boxes of 32 columns (128-byte
+  // rows, 128B swizzle: the float2 stores of an accumulator fragment then hit every bank once).
+  static constexpr int kDqBoxes = D / 32;
+  static constexpr uint32_t kDqBoxBytes = kBlockM * 128;
+  static constexpr uint32_t kDqStageBytes = kDqStage ? kBlockM * D * 4 : 0;
+  // smem: K | V | Q[2] | dO[2] | dS[2] | dQ staging[2] (kDqStage) | lse[2][64] | delta[2][64] |
+  // barriers + item slots.
   static constexpr uint32_t kOffK = 0;
   static constexpr uint32_t kOffV = kOffK + kKVBytes;
   static constexpr uint32_t kOffQ = kOffV + kKVBytes;
   static constexpr uint32_t kOffDO = kOffQ + 2 * kQBytes;
   static constexpr uint32_t kOffDS = kOffDO + 2 * kQBytes;
-  static constexpr uint32_t kOffLse = kOffDS + 2 * kDSBytes;
+  static constexpr uint32_t kOffDQ = kOffDS + 2 * kDSBytes;
+  static constexpr uint32_t kOffLse = kOffDQ + 2 * kDqStageBytes;
   static constexpr uint32_t kOffDelta = kOffLse + 2 * kBlockM * 4;
   static constexpr uint32_t kOffBar = kOffDelta + 2 * kBlockM * 4;
-  static constexpr uint32_t kBarBytes = 8 * 10 + 16;
+  // 10 mbarriers + 2 item slots (16 B); kDqStage adds dq_full[2], dq_empty[2] after the slots.
+  static constexpr uint32_t kBarBytes = kDqStage ? 8 * 16 : 8 * 10 + 16;
   static constexpr uint32_t kSmemBytes = kOffBar + kBarBytes + 1024;  // + alignment slack
+  // D = 128: 165,984 B; with kDqStage + 65,536 (staging) + 32 (barriers) = 231,552 of 232,448 B.
+  static_assert(kSmemBytes <= 227 * 1024, "sm90 backward: over the 227 KiB opt-in smem limit");
   static_assert(D == 64 || D == 128, "sm90 backward: head dim 64 or 128");
   static_assert(kDqN % 32 == 0 && (kDqN <= 64), "dQ half must lie inside one 64-column box");
 };
@@ -89,6 +123,9 @@ struct Sm90BwdParams {
   BwdArgs a;
   CUtensorMap tq, tk, tv, tdo;
   int32_t* counter;  // work-item counter, zeroed before the launch
+#if DUALKV_SM90_BWD_DQ_BULK
+  CUtensorMap tdq;  // dq_accum [T, H, D] fp32, box 32 columns x 1 head x 64 rows, 128B swizzle
+#endif
 };
 
 struct Sm90BwdBarriers {
@@ -99,6 +136,8 @@ struct Sm90BwdBarriers {
   uint64_t* qdo_full;
   uint64_t* qdo_empty;
   int32_t* items;
+  uint64_t* dq_full;  // kBwdDqBulk only
+  uint64_t* dq_empty;
 };
 
 // stmatrix x4, transposed: lane l gives the smem row address of row (l % 8) of matrix l / 8.
@@ -110,6 +149,9 @@ __device__ __forceinline__ void bwd_stmatrix_x4_trans(uint32_t addr, uint32_t r0
 }
 __device__ __forceinline__ void bwd_fence_proxy_async() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+__device__ __forceinline__ void bwd_st_shared_f32x2(uint32_t addr, float x, float y) {
+  asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(x), "f"(y) : "memory");
 }
 
 constexpr uint32_t kBwdQdoFullCount = 33;  // lane 0's arrive_expect_tx + 32 lanes after lse/delta
@@ -123,11 +165,16 @@ constexpr uint32_t kBwdQdoEmptyCount = kBwdConsumerWarps * 32;
 constexpr uint32_t kBwdQdoEmptyCount = kBwdConsumerWarps;
 #endif
 constexpr uint32_t kBwdDsBarrier = 1;      // named barrier id (0 is __syncthreads)
+// dq_full arrivals (kBwdDqBulk): as qdo_empty, one per consumer warp (every thread in the
+// per-thread-release diagnostic build).
+constexpr uint32_t kBwdDqFullCount = kBwdQdoEmptyCount;
 
 template <typename T, int D, bool kAtomicDq>
 __global__ void __launch_bounds__(Sm90BwdConfig<D>::kThreads, 1)
 bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
-  using C = Sm90BwdConfig<D>;
+  // The deterministic kernel computes no dQ, so it has no writer (nor staging) even in a bulk build.
+  constexpr bool kBulk = kAtomicDq && kBwdDqBulk;
+  using C = Sm90BwdConfig<D, kBulk>;
   constexpr int BM = C::kBlockM, BN = C::kBlockN;
 
   extern __shared__ __align__(1024) uint8_t smem_raw[];
@@ -144,6 +191,10 @@ bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
   B.qdo_full = bars + 6;
   B.qdo_empty = bars + 8;
   B.items = reinterpret_cast<int32_t*>(bars + 10);
+  if constexpr (kBulk) {
+    B.dq_full = bars + 12;
+    B.dq_empty = bars + 14;
+  }
 
   const BwdArgs& a = p.a;
   const LayoutPtrs& L = a.layout;
@@ -158,9 +209,13 @@ bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
   if (threadIdx.x == 0) {
     for (int i = 0; i < 2; ++i) {
       mbar_init(&B.item_full[i], 1);
-      mbar_init(&B.item_empty[i], kBwdConsumerWarps);
+      mbar_init(&B.item_empty[i], kBwdConsumerWarps + (kBulk ? 1 : 0));
       mbar_init(&B.qdo_full[i], kBwdQdoFullCount);
       mbar_init(&B.qdo_empty[i], kBwdQdoEmptyCount);
+      if constexpr (kBulk) {
+        mbar_init(&B.dq_full[i], kBwdDqFullCount);
+        mbar_init(&B.dq_empty[i], 1);
+      }
     }
     mbar_init(B.kv_full, 1);
     mbar_init(B.kv_empty, kBwdConsumerWarps);
@@ -172,6 +227,48 @@ bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
   if (wg == 0) {
     // ------------------------------------------------------------------ producer (warp 0)
     setmaxnreg_dec<C::kProducerRegs>();
+#if DUALKV_SM90_BWD_DQ_BULK
+    if constexpr (kBulk) {
+      if (threadIdx.x == 32) {
+        // ---------------------------------------------------------------- dQ writer (warp 1)
+        // Follows the consumers' items and steps; per step, once both warpgroups staged their dQ
+        // halves (dq_full), adds the 64 x D tile to dq_accum[qt.., h, :] with one TMA reduce per
+        // 32-column box (rows past T are clipped by TMA; rows in [qb, qt + 64) were staged as 0).
+        // The buffer is handed back once the reduces have read it; their global adds complete
+        // asynchronously (waited for only before exit).
+        tma_prefetch_desc(&p.tdq);
+        uint32_t step = 0;
+        for (uint32_t n = 0;; ++n) {
+          const uint32_t slot = n & 1, ph = (n >> 1) & 1;
+          mbar_wait(&B.item_full[slot], ph);
+          const int32_t item = B.items[slot];
+          mbar_arrive(&B.item_empty[slot]);
+          if (item >= n_items) break;
+          const int32_t w = item / Hk;
+          const int hk = item - w * Hk;
+          const int32_t* wi = witems + w * kBwdItemInts;
+          const int32_t qa = wi[3], qb = wi[4];
+          const int32_t tiles = (qb - qa + BM - 1) / BM;
+          const int32_t n_steps = tiles * group;
+          for (int32_t s = 0; s < n_steps; ++s, ++step) {
+            const int h = hk * group + s / tiles;
+            const int32_t qt = qa + (s % tiles) * BM;
+            const uint32_t st = step & 1;
+            mbar_wait(&B.dq_full[st], (step >> 1) & 1);
+            const uint8_t* stage = smem + C::kOffDQ + st * C::kDqStageBytes;
+#pragma unroll
+            for (int b = 0; b < C::kDqBoxes; ++b) tma_reduce_add_3d(&p.tdq, stage + b * C::kDqBoxBytes, b * 32, h, qt);
+            bulk_commit_group();
+            bulk_wait_group_read<0>();
+            mbar_arrive(&B.dq_empty[st]);
+          }
+        }
+        // The smem sources are read already; wait for the adds themselves before the CTA retires.
+        bulk_wait_group<0>();
+        return;
+      }
+    }
+#endif
     if (threadIdx.x >= 32) return;
     const int lane = threadIdx.x;
     if (lane == 0) {
@@ -395,21 +492,43 @@ bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
         fence_regs(dsf);
         __syncwarp();
         if (kBwdQdoEmptyCount != kBwdConsumerWarps || lane == 0) mbar_arrive(&B.qdo_empty[st]);
-        // 16-byte atomics: lanes t, t^1 swap halves so the even lane holds row g, cols [2t, 2t+4)
-        // and the odd lane row g+8, cols [2t-2, 2t+2).
-        const bool odd = t4 & 1;
-        const int32_t qi = qt + warp * 16 + g + (odd ? 8 : 0);
-        const int col = cw * C::kDqN + 2 * t4 - (odd ? 2 : 0);
-        float* dst = a.dq_accum + (static_cast<int64_t>(qi) * H + h) * D + col;
+        if constexpr (kBwdDqBulk) {
+          // Stage this warpgroup's dQ half for the writer: rows r0 = 16 warp + g and r0 + 8 (both
+          // with r % 8 == g), columns 8j + 2t4 of the half, in box (column / 32) at 16-byte chunk
+          // (column % 32) / 4 XOR g. Rows >= qb as 0: the reduce box always covers 64 rows.
+          mbar_wait(&B.dq_empty[st], ((step >> 1) & 1) ^ 1);
+          const int r0 = warp * 16 + g;
+          const bool v0 = qt + r0 < qb, v1 = qt + r0 + 8 < qb;
+          const uint32_t row_base = smem_u32(smem + C::kOffDQ) + st * C::kDqStageBytes + r0 * 128 + (t4 & 1) * 8;
 #pragma unroll
-        for (int j = 0; j < C::kDqN / 8; ++j) {
-          const float s0 = odd ? dq[4 * j + 0] : dq[4 * j + 2];
-          const float s1 = odd ? dq[4 * j + 1] : dq[4 * j + 3];
-          const float r0 = __shfl_xor_sync(0xffffffffu, s0, 1);
-          const float r1 = __shfl_xor_sync(0xffffffffu, s1, 1);
-          const float4 v4 = odd ? make_float4(r0, r1, dq[4 * j + 2], dq[4 * j + 3])
-                                : make_float4(dq[4 * j + 0], dq[4 * j + 1], r0, r1);
-          if (qi < qb) atomicAdd(reinterpret_cast<float4*>(dst + j * 8), v4);
+          for (int j = 0; j < C::kDqN / 8; ++j) {
+            const uint32_t box = (cw * C::kDqN) / 32 + j / 4;
+            const uint32_t chunk = static_cast<uint32_t>((2 * (j % 4) + (t4 >> 1)) ^ g);
+            const uint32_t addr = row_base + box * C::kDqBoxBytes + (chunk << 4);
+            bwd_st_shared_f32x2(addr, v0 ? dq[4 * j + 0] : 0.f, v0 ? dq[4 * j + 1] : 0.f);
+            bwd_st_shared_f32x2(addr + 8 * 128, v1 ? dq[4 * j + 2] : 0.f, v1 ? dq[4 * j + 3] : 0.f);
+          }
+          // Generic-proxy stores before the writer's async-proxy (TMA) reads.
+          bwd_fence_proxy_async();
+          __syncwarp();
+          if (kBwdDqFullCount != kBwdConsumerWarps || lane == 0) mbar_arrive(&B.dq_full[st]);
+        } else {
+          // 16-byte atomics: lanes t, t^1 swap halves so the even lane holds row g, cols [2t, 2t+4)
+          // and the odd lane row g+8, cols [2t-2, 2t+2).
+          const bool odd = t4 & 1;
+          const int32_t qi = qt + warp * 16 + g + (odd ? 8 : 0);
+          const int col = cw * C::kDqN + 2 * t4 - (odd ? 2 : 0);
+          float* dst = a.dq_accum + (static_cast<int64_t>(qi) * H + h) * D + col;
+#pragma unroll
+          for (int j = 0; j < C::kDqN / 8; ++j) {
+            const float s0 = odd ? dq[4 * j + 0] : dq[4 * j + 2];
+            const float s1 = odd ? dq[4 * j + 1] : dq[4 * j + 3];
+            const float r0 = __shfl_xor_sync(0xffffffffu, s0, 1);
+            const float r1 = __shfl_xor_sync(0xffffffffu, s1, 1);
+            const float4 v4 = odd ? make_float4(r0, r1, dq[4 * j + 2], dq[4 * j + 3])
+                                  : make_float4(dq[4 * j + 0], dq[4 * j + 1], r0, r1);
+            if (qi < qb) atomicAdd(reinterpret_cast<float4*>(dst + j * 8), v4);
+          }
         }
       } else {
         wgmma_wait<0>();

@@ -15,6 +15,23 @@
 
 namespace dualkv::cuda::sm90 {
 
+#if DUALKV_SM90_BWD_DQ_BULK
+// Tensor map over the fp32 dQ accumulator [T, heads, D] (contiguous): box = 32 columns (128 B) x 1
+// head x 64 rows, 128-byte swizzle, the layout of the kernel's dQ staging boxes. Used only to
+// reduce-add into it; TMA skips the box's rows past T.
+inline bool make_dq_accum_map(CUtensorMap* map, float* base, int D, int heads, int T, int rows) {
+  detail::EncodeTiledFn fn = detail::encode_fn();
+  if (fn == nullptr) return false;
+  cuuint64_t dims[3] = {static_cast<cuuint64_t>(D), static_cast<cuuint64_t>(heads), static_cast<cuuint64_t>(T)};
+  cuuint64_t strides[2] = {static_cast<cuuint64_t>(D) * 4, static_cast<cuuint64_t>(heads) * D * 4};
+  cuuint32_t box[3] = {32, 1, static_cast<cuuint32_t>(rows)};
+  cuuint32_t estr[3] = {1, 1, 1};
+  return fn(map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 3, base, dims, strides, box, estr, CU_TENSOR_MAP_INTERLEAVE_NONE,
+            CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_NONE,
+            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+#endif
+
 template <typename Element, int HeadDim>
 cudaError_t run_bwd_main(const BwdArgs& args, cudaStream_t stream) {
   using C = Sm90BwdConfig<HeadDim>;
@@ -32,6 +49,10 @@ cudaError_t run_bwd_main(const BwdArgs& args, cudaStream_t stream) {
       !detail::make_map(&p.tk, dt, args.k, HeadDim, Hk, T, args.k_hs, args.k_ts, C::kBlockN) ||
       !detail::make_map(&p.tv, dt, args.v, HeadDim, Hk, T, args.v_hs, args.v_ts, C::kBlockN))
     return cudaErrorNotSupported;
+#if DUALKV_SM90_BWD_DQ_BULK
+  if (!args.deterministic && !make_dq_accum_map(&p.tdq, args.dq_accum, HeadDim, H, T, C::kBlockM))
+    return cudaErrorNotSupported;
+#endif
   const int sms = detail::sm_count();
   if (sms <= 0) return cudaErrorInvalidDevice;
   cudaError_t err;
@@ -44,10 +65,11 @@ cudaError_t run_bwd_main(const BwdArgs& args, cudaStream_t stream) {
     kernel<<<sms, C::kThreads, C::kSmemBytes, stream>>>(p);
   } else {
     auto kernel = bwd_sm90_kernel<Element, HeadDim, true>;
-    if ((err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    static_cast<int>(C::kSmemBytes))) != cudaSuccess)
+    constexpr uint32_t smem = Sm90BwdConfig<HeadDim, kBwdDqBulk>::kSmemBytes;  // + dQ staging in a bulk build
+    if ((err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem))) !=
+        cudaSuccess)
       return err;
-    kernel<<<sms, C::kThreads, C::kSmemBytes, stream>>>(p);
+    kernel<<<sms, C::kThreads, smem, stream>>>(p);
   }
   return cudaGetLastError();
 }

@@ -15,12 +15,27 @@ Checked, over random interleavings of random work (items with 1-6 query steps):
     overwrite lse/delta while a consumer may read them,
   - a consumer warpgroup never overwrites its dS half while a dQ wgmma (of either warpgroup) reads it,
   - every read sees the version it expects: the item's K/V, the step's Q/dO and all 32 lanes' lse /
-    delta values, both halves of the step's dS.
+    delta values, both halves of the step's dS, and every actor the item the producer handed out
+    in that ring position.
+--bulk models the DUALKV_SM90_BWD_DQ_BULK=1 build: a fourth actor, the dQ writer (thread 32),
+takes the items too (item_empty then counts 9 arrivals); per step each consumer warp stores its
+16 x D/2 quarter of dQ into the step's staging buffer (double-buffered by step parity) after
+waiting dq_empty, and arrives on dq_full (8 warps); the writer waits dq_full, issues the TMA
+reduces, whose smem reads happen at random later times, waits cp.async.bulk.wait_group.read 0 and
+arrives on dq_empty. Checked in addition: no consumer overwrites a staging quarter that an issued
+reduce has not read yet, every reduce reads the step's version of all 8 quarters, the writer
+exits with no reduce still reading smem.
 --mutant NAME plants a bug and expects the model to catch it (exit status 0 when it does):
   single_ds (one dS buffer), count32 (qdo_full initialised to 32 arrivals instead of 33),
   early_kv (kv_empty released before the item's last step), no_ds_bar (no named barrier before dQ),
-  early_qdo (qdo_empty arrived before the dK / dQ wgmmas retire).
-Run: python3 src/cuda/sm90/harness/bwd_protocol_model.py [--runs N] [--deterministic] [--mutant NAME]
+  early_qdo (qdo_empty arrived before the dK / dQ wgmmas retire); with --bulk also:
+  dq_no_wait_read (dq_empty arrived right after the reduces' commit, before wait_group.read),
+  dq_no_empty_wait (consumers store into the staging buffer without waiting dq_empty),
+  dq_full4 (dq_full initialised to 4 arrivals: one warpgroup's), dq_missing_arrive (warpgroup 1
+  skips its dq_full arrival on an item's last step), item_empty8 (item_empty left at 8 arrivals
+  although the writer arrives too).
+Run: python3 src/cuda/sm90/harness/bwd_protocol_model.py [--runs N] [--deterministic] [--bulk]
+     [--mutant NAME]
 """
 from __future__ import annotations
 
@@ -88,11 +103,12 @@ class Buffer:
         self.version, self.loaded = version, loaded
 
 
-def simulate(rng, steps_of, deterministic=False, mutant=None):
+def simulate(rng, steps_of, deterministic=False, mutant=None, bulk=False):
     n_items = len(steps_of)
     stages = 2
+    writer_on = bulk and not deterministic  # the deterministic kernel has no writer in a bulk build
     item_full = [MBar(1) for _ in range(2)]
-    item_empty = [MBar(8) for _ in range(2)]
+    item_empty = [MBar(8 + (1 if writer_on and mutant != "item_empty8" else 0)) for _ in range(2)]
     kv_full, kv_empty = MBar(1), MBar(8)
     qdo_count = 32 if mutant == "count32" else 33
     qdo_full = [MBar(qdo_count) for _ in range(stages)]
@@ -107,6 +123,12 @@ def simulate(rng, steps_of, deterministic=False, mutant=None):
     dS = [[Buffer(f"dS{b}.half{c}") for c in range(2)] for b in range(n_ds)]
     inflight = []  # (barrier, buffer)
     counter = [0]
+    # dQ staging (bulk): [buffer][warpgroup][warp] quarters of 16 rows x D/2 columns.
+    n_dq = 2
+    dq_stage = [[[Buffer(f"dQstage{b}.wg{c}.w{w}") for w in range(4)] for c in range(2)] for b in range(n_dq)]
+    dq_full = [MBar(4 if mutant == "dq_full4" else 8) for _ in range(n_dq)]
+    dq_empty = [MBar(1) for _ in range(n_dq)]
+    bulk_reads = []  # reduces issued, smem not read yet: (reader name, buffer, expected version)
 
     def wait(cond):
         while not cond():
@@ -168,6 +190,7 @@ def simulate(rng, steps_of, deterministic=False, mutant=None):
             slot, ph = n & 1, (n >> 1) & 1
             yield from wait(lambda: item_full[slot].ready(ph))
             item = slots[slot]
+            check(item == n, f"{me} reads item {item} in ring position {n}")
             item_empty[slot].arrive(4)
             if item >= n_items:
                 return
@@ -208,25 +231,76 @@ def simulate(rng, steps_of, deterministic=False, mutant=None):
                 retire(0)
                 if mutant != "early_qdo":
                     qdo_empty[st].arrive(4)
+                if writer_on:                                             # stage dQ, per warp
+                    b = step % n_dq
+                    if mutant != "dq_no_empty_wait":
+                        yield from wait(lambda: dq_empty[b].ready(((step // n_dq) & 1) ^ 1))
+                    for w in rng.sample(range(4), 4):
+                        dq_stage[b][cw][w].write((item, s), loaded=True)  # st.shared + fence.proxy.async
+                        if not (mutant == "dq_missing_arrive" and cw == 1 and s == n_steps - 1):
+                            dq_full[b].arrive()                           # lane 0 after __syncwarp
+                        if rng.random() < 0.3:
+                            yield "step"
                 step += 1
-                yield "step"                                              # dQ atomics
+                yield "step"                                              # dQ atomics / next step
             if mutant != "early_kv":
                 kv_empty.arrive(4)
             yield "step"                                                  # epilogue
             n += 1
 
+    def writer():
+        me = "writer"
+        step = n = 0
+        while True:
+            slot, ph = n & 1, (n >> 1) & 1
+            yield from wait(lambda: item_full[slot].ready(ph))
+            item = slots[slot]
+            check(item == n, f"{me} reads item {item} in ring position {n}")
+            item_empty[slot].arrive()
+            if item >= n_items:
+                yield from wait(lambda: not bulk_reads)                   # bulk wait_group 0
+                return
+            for s in range(steps_of[item]):
+                b = step % n_dq
+                yield from wait(lambda: dq_full[b].ready((step // n_dq) & 1))
+                for c in range(2):                                        # D/32 reduces, all 8 quarters
+                    for w in range(4):
+                        buf = dq_stage[b][c][w]
+                        name = f"reduce{step}"
+                        buf.readers.add(name)
+                        bulk_reads.append((name, buf, (item, s)))
+                yield "step"                                              # commit_group
+                if mutant != "dq_no_wait_read":
+                    yield from wait(lambda: not bulk_reads)               # wait_group.read 0
+                dq_empty[b].arrive()
+                step += 1
+                yield "step"
+            n += 1
+
     procs = {"producer": producer(), "wg0": consumer(0), "wg1": consumer(1)}
+    if writer_on:
+        procs["writer"] = writer()
+        # Per-run actor speeds, so that some runs let the writer lag items behind the consumers.
+        speed = {name: rng.choice([1.0, 1.0, 0.1, 4.0]) for name in procs}
     steps = stalled = 0
     while procs:
         steps += 1
         check(steps < 3_000_000, "runaway")
-        if inflight and rng.random() < 0.3:
-            bar, buf = inflight.pop(rng.randrange(len(inflight)))
-            buf.loaded = True
-            bar.complete_tx(1)
+        if (inflight or bulk_reads) and rng.random() < 0.3:
+            k = rng.randrange(len(inflight) + len(bulk_reads))
+            if k < len(inflight):
+                bar, buf = inflight.pop(k)
+                buf.loaded = True
+                bar.complete_tx(1)
+            else:                                                         # a reduce reads its source now
+                name, buf, version = bulk_reads.pop(k - len(inflight))
+                check(buf.loaded and buf.version == version,
+                      f"{name} reads {buf.name} v{buf.version}, expected v{version}")
+                buf.readers.discard(name)
             stalled = 0
             continue
-        name = rng.choice(list(procs))
+        names = list(procs)
+        name = rng.choices(names, [speed[x] for x in names])[0] if writer_on else rng.choice(names)
         try:
             r = next(procs[name])
         except StopIteration:
@@ -235,32 +309,73 @@ def simulate(rng, steps_of, deterministic=False, mutant=None):
             continue
         if r == "blocked":
             stalled += 1
-            check(not (stalled > 5000 and not inflight), f"deadlock: {sorted(procs)} blocked, no TMA in flight")
+            check(not (stalled > 5000 and not inflight and not bulk_reads),
+                  f"deadlock: {sorted(procs)} blocked, no TMA in flight")
         else:
             stalled = 0
     return steps
 
 
-def run_many(runs, seed, deterministic, mutant):
+def check_dq_staging_layout():
+    """The consumers' dQ staging addresses (bwd_sm90_kernel.cuh, kBwdDqBulk) against the layout the
+    dq_accum tensor map reads (box 32 fp32 columns x 64 rows, 128B swizzle: byte offset o of a box
+    holds element (row o // 128, 16-byte chunk ((o // 16) % 8) ^ (row % 8), word (o // 4) % 4)),
+    for D = 64 and 128: every (row, column) written once, at its place; each 8-byte store
+    instruction of a warp touches every bank at most twice (2 wavefronts for 256 B, the minimum)."""
+    for D in (64, 128):
+        dq_n, box_bytes = D // 2, 64 * 128
+        written = {}
+        for cw in range(2):
+            for warp in range(4):
+                for j in range(dq_n // 8):
+                    for half in range(2):                   # the two stores of iteration j
+                        banks = {}
+                        for lane in range(32):
+                            g, t4 = lane >> 2, lane & 3
+                            r0 = warp * 16 + g
+                            box = (cw * dq_n) // 32 + j // 4
+                            chunk = (2 * (j % 4) + (t4 >> 1)) ^ g
+                            addr = r0 * 128 + (t4 & 1) * 8 + box * box_bytes + (chunk << 4) + half * 8 * 128
+                            row, col = r0 + 8 * half, cw * dq_n + 8 * j + 2 * t4  # fragment's element
+                            for e in range(2):
+                                a = addr + 4 * e
+                                b, o = divmod(a, box_bytes)
+                                trow = o // 128
+                                tcol = b * 32 + (((o // 16) % 8) ^ (trow % 8)) * 4 + (o // 4) % 4
+                                check((trow, tcol) == (row, col + e), f"D={D}: ({row},{col + e}) at {a}")
+                                check(a not in written, f"D={D}: address {a} written twice")
+                                written[a] = (row, col + e)
+                                banks.setdefault((a // 4) % 32, set()).add(a // 4)
+                        check(max(len(v) for v in banks.values()) <= 2, f"D={D}: bank conflict in store {j}")
+        check(len(written) == 64 * D, f"D={D}: {len(written)} elements written, expected {64 * D}")
+
+
+def run_many(runs, seed, deterministic, mutant, bulk=False):
     rng = random.Random(seed)
     for _ in range(runs):
         n_items = rng.randint(1, 10)
         steps_of = [rng.choice([1, 1, 2, 3, rng.randint(1, 6)]) for _ in range(n_items)]
-        simulate(rng, steps_of, deterministic, mutant)
+        simulate(rng, steps_of, deterministic, mutant, bulk)
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", type=int, default=300)
     ap.add_argument("--deterministic", action="store_true", help="no dS / dQ (deterministic mode)")
-    ap.add_argument("--mutant", choices=["single_ds", "count32", "early_kv", "no_ds_bar", "early_qdo"])
+    ap.add_argument("--bulk", action="store_true", help="dQ by staging + TMA reduce (DUALKV_SM90_BWD_DQ_BULK=1)")
+    ap.add_argument("--mutant", choices=["single_ds", "count32", "early_kv", "no_ds_bar", "early_qdo",
+                                         "dq_no_wait_read", "dq_no_empty_wait", "dq_full4", "dq_missing_arrive",
+                                         "item_empty8"])
     args = ap.parse_args()
     if args.mutant is None:
-        run_many(args.runs, 1, args.deterministic, None)
-        print(f"ok: {args.runs} random runs (deterministic={args.deterministic})")
+        if args.bulk:
+            check_dq_staging_layout()
+            print("ok: dQ staging addresses = the tensor map's 128B-swizzled boxes, no bank conflicts")
+        run_many(args.runs, 1, args.deterministic, None, args.bulk)
+        print(f"ok: {args.runs} random runs (deterministic={args.deterministic}, bulk={args.bulk})")
         return 0
     try:
-        run_many(args.runs, 1, args.deterministic, args.mutant)
+        run_many(args.runs, 1, args.deterministic, args.mutant, args.bulk)
     except ProtocolError as e:
         print(f"mutant {args.mutant} caught: {e}")
         return 0
