@@ -13,6 +13,8 @@ import random
 import pytest
 import torch
 
+import forests  # tests/gpu/forests.py (pytest puts this directory on sys.path)
+
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -33,50 +35,12 @@ def built_head_dims():
 
 
 def seg_len(rng: random.Random) -> int:
-    r = rng.random()
-    if r < 0.15:
-        return 1
-    if r < 0.25:
-        return rng.choice([127, 128, 129, 63, 64, 65])
-    if r < 0.6:
-        return rng.randint(2, 64)
-    if r < 0.9:
-        return rng.randint(65, 260)
-    return rng.randint(261, 520)
+    """Lengths around the portable kernels' 64/128-row tiles, short, mid and long."""
+    return forests.segment_length(rng, [127, 128, 129, 63, 64, 65])
 
 
 def random_forest(rng: random.Random, max_tokens: int = 1400):
-    """(segment_lens, parents) in DFS pre-order: GRPO groups, deep trees or plain varlen."""
-    kind = rng.choice(["groups", "groups", "tree", "varlen"])
-    lens, parents = [], []
-    if kind == "groups":
-        for _ in range(rng.randint(1, 3)):
-            p = seg_len(rng)
-            lens.append(p)
-            parents.append(-1)
-            root = len(lens) - 1
-            for _ in range(rng.randint(1, 6)):
-                lens.append(seg_len(rng))
-                parents.append(root)
-    elif kind == "tree":
-        path = []
-        for i in range(rng.randint(2, 14)):
-            d = rng.randint(0, len(path))
-            parents.append(path[d - 1] if d > 0 else -1)
-            path = path[:d] + [i]
-            lens.append(seg_len(rng))
-    else:
-        for _ in range(rng.randint(1, 6)):
-            lens.append(seg_len(rng))
-            parents.append(-1)
-    # Keep the dense reference cheap: trim trailing segments past the token budget.
-    total, keep = 0, 0
-    for n in lens:
-        if keep > 0 and total + n > max_tokens:
-            break
-        total += n
-        keep += 1
-    return lens[:keep], parents[:keep]
+    return forests.random_forest(rng, seg_len, max_tokens)
 
 
 def make_inputs(layout_cpu, H, Hk, D, dtype, seed, device="cuda"):

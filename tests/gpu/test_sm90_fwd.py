@@ -20,6 +20,8 @@ import random
 import pytest
 import torch
 
+import forests  # tests/gpu/forests.py (pytest puts this directory on sys.path)
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 ATOL = 1e-5
 PLAN_MAGIC = 0x444B5631
@@ -212,44 +214,13 @@ def check(lens, parents, H, Hk, D, dtype, seed, strided=False):
 
 
 def seg_len(rng):
-    r = rng.random()
-    if r < 0.15:
-        return 1
-    if r < 0.3:
-        return rng.choice([127, 128, 129, 63, 64, 65, 255, 256, 257])
-    if r < 0.6:
-        return rng.randint(2, 64)
-    if r < 0.9:
-        return rng.randint(65, 300)
-    return rng.randint(301, 700)
+    """Lengths around the sm90 forward's 128-row query and 64/128-row KV tiles (and 256)."""
+    return forests.segment_length(rng, [127, 128, 129, 63, 64, 65, 255, 256, 257], cuts=(0.15, 0.3, 0.6, 0.9),
+                                  small=64, mid=300, large=700)
 
 
 def random_forest(rng, max_tokens=1500):
-    kind = rng.choice(["groups", "groups", "tree", "varlen"])
-    lens, parents = [], []
-    if kind == "groups":
-        for _ in range(rng.randint(1, 3)):
-            lens.append(seg_len(rng)); parents.append(-1)
-            root = len(lens) - 1
-            for _ in range(rng.randint(1, 6)):
-                lens.append(seg_len(rng)); parents.append(root)
-    elif kind == "tree":
-        path = []
-        for i in range(rng.randint(2, 14)):
-            d = rng.randint(0, len(path))
-            parents.append(path[d - 1] if d > 0 else -1)
-            path = path[:d] + [i]
-            lens.append(seg_len(rng))
-    else:
-        for _ in range(rng.randint(1, 6)):
-            lens.append(seg_len(rng)); parents.append(-1)
-    total, keep = 0, 0
-    for n in lens:
-        if keep > 0 and total + n > max_tokens:
-            break
-        total += n
-        keep += 1
-    return lens[:keep], parents[:keep]
+    return forests.random_forest(rng, seg_len, max_tokens)
 
 
 GQA = [(4, 4), (4, 1), (8, 2), (8, 1)]

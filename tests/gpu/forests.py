@@ -1,0 +1,61 @@
+"""Random segment forests for the GPU kernel tests: GRPO groups, random trees, plain varlen.
+
+One generator for every GPU test module; each module picks the length mix that probes its kernel's
+tiles (lengths at tile edges, short, mid, long). Lists are DFS pre-order ``(segment_lens, parents)``
+as ``dualkv.Layout.from_tree`` takes them.
+"""
+from __future__ import annotations
+
+import random
+from typing import Callable, List, Sequence, Tuple
+
+
+def segment_length(rng: random.Random, edges: Sequence[int], cuts=(0.15, 0.25, 0.6, 0.9),
+                   small: int = 64, mid: int = 260, large: int = 520) -> int:
+    """1 token with probability cuts[0]; a tile-edge length from ``edges`` up to cuts[1]; then
+    uniform in [2, small], [small + 1, mid] up to cuts[2], cuts[3]; else [mid + 1, large]."""
+    r = rng.random()
+    if r < cuts[0]:
+        return 1
+    if r < cuts[1]:
+        return rng.choice(list(edges))
+    if r < cuts[2]:
+        return rng.randint(2, small)
+    if r < cuts[3]:
+        return rng.randint(small + 1, mid)
+    return rng.randint(mid + 1, large)
+
+
+def random_forest(rng: random.Random, seg_len: Callable[[random.Random], int], max_tokens: int,
+                  max_responses: int = 6, max_tree: int = 14) -> Tuple[List[int], List[int]]:
+    """A quarter of the time a random tree of 2..max_tree segments (any depth), a quarter plain
+    varlen (1-6 roots), else 1-3 GRPO groups of 1..max_responses responses. Trailing segments past
+    ``max_tokens`` are dropped (at least one segment is kept) so the dense reference stays cheap."""
+    kind = rng.choice(["groups", "groups", "tree", "varlen"])
+    lens, parents = [], []
+    if kind == "groups":
+        for _ in range(rng.randint(1, 3)):
+            lens.append(seg_len(rng))
+            parents.append(-1)
+            root = len(lens) - 1
+            for _ in range(rng.randint(1, max_responses)):
+                lens.append(seg_len(rng))
+                parents.append(root)
+    elif kind == "tree":
+        path: List[int] = []  # the current root-to-leaf path; a new segment hangs at a random depth
+        for i in range(rng.randint(2, max_tree)):
+            d = rng.randint(0, len(path))
+            parents.append(path[d - 1] if d > 0 else -1)
+            path = path[:d] + [i]
+            lens.append(seg_len(rng))
+    else:
+        for _ in range(rng.randint(1, 6)):
+            lens.append(seg_len(rng))
+            parents.append(-1)
+    total, keep = 0, 0
+    for n in lens:
+        if keep > 0 and total + n > max_tokens:
+            break
+        total += n
+        keep += 1
+    return lens[:keep], parents[:keep]
