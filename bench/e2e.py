@@ -128,9 +128,10 @@ class MicroBatch:
         return self._mask_mod
 
 
-def make_micro_batches(n, P, R, count, groups_per_mb, vocab, seed, device):
+def make_micro_batches(n, P, R, count, groups_per_mb, vocab, seed, device, equal_responses=False):
     """``count`` micro-batches of ``groups_per_mb`` groups; prompt lengths uniform in [0.85P, P],
-    response lengths in [R/2, R] (so packed lengths differ between micro-batches)."""
+    response lengths in [R/2, R], or all R with ``equal_responses`` (packed lengths still differ
+    between micro-batches through the prompts)."""
     g = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(count):
@@ -138,7 +139,9 @@ def make_micro_batches(n, P, R, count, groups_per_mb, vocab, seed, device):
         for _ in range(groups_per_mb):
             p = int(torch.randint(max(1, int(0.85 * P)), P + 1, (1,), generator=g))
             prompts.append(torch.randint(0, vocab, (p,), generator=g))
-            responses.append([torch.randint(0, vocab, (int(torch.randint(max(1, R // 2), R + 1, (1,), generator=g)),),
+            # length then tokens, response by response (the draw order of the recorded runs)
+            responses.append([torch.randint(0, vocab, (R if equal_responses else
+                                                        int(torch.randint(max(1, R // 2), R + 1, (1,), generator=g)),),
                                             generator=g) for _ in range(n)])
         rewards = torch.randint(0, 2, (groups_per_mb * n,), generator=g).float()
         out.append(MicroBatch(prompts, responses, rewards, device))
@@ -435,7 +438,8 @@ def probe_max_groups(method, model, cfg, n, P, R, args, device):
     while g <= args.probe_limit:
         mb = None
         try:
-            mb = make_micro_batches(n, P, R, 1, g, cfg.vocab_size, args.seed + 1000 + g, device)[0]
+            mb = make_micro_batches(n, P, R, 1, g, cfg.vocab_size, args.seed + 1000 + g, device,
+                                    args.equal_responses)[0]
             mb.old = torch.zeros(mb.mask.shape, device=device)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -463,12 +467,14 @@ def probe_max_groups(method, model, cfg, n, P, R, args, device):
 
 def run_config(model, cfg, size, n, P, R, args, device):
     dtype = next(model.parameters()).dtype
-    mbs = make_micro_batches(n, P, R, args.micro_batches, args.groups_per_mb, cfg.vocab_size, args.seed, device)
+    mbs = make_micro_batches(n, P, R, args.micro_batches, args.groups_per_mb, cfg.vocab_size, args.seed, device,
+                             args.equal_responses)
     _std_logprobs_nograd(model, mbs, args, device)
     flops = useful_flops(cfg, mbs)
     unpacked = sum(mb.unpacked_tokens for mb in mbs)
     packed = sum(mb.T for mb in mbs)
     base = {"model": size, "N": n, "P": P, "R": R, "micro_batches": len(mbs), "groups_per_mb": args.groups_per_mb,
+            "responses": "equal" if args.equal_responses else "variable",
             "packed_lengths": [mb.T for mb in mbs], "unpacked_tokens": unpacked, "packed_tokens": packed,
             "padded_tokens": sum(mb.B * mb.L for mb in mbs), "rho_tokens": unpacked / packed,
             "rho_attn": sum(sum(x * (x + 1) // 2 for x in mb.std_valid.sum(1).tolist()) for mb in mbs)
@@ -604,6 +610,8 @@ def main(argv=None):
     ap.add_argument("--configs", default=None, help="N,P,R;N,P,R (default 16,4096,1024;8,16384,2048)")
     ap.add_argument("--grid", action="store_true", help="run the larger grid of (N, P, R)")
     ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--equal-responses", action="store_true",
+                    help="every response exactly R tokens (default: uniform in [R/2, R])")
     ap.add_argument("--micro-batches", type=int, default=4, help="micro-batches per update")
     ap.add_argument("--groups-per-mb", type=int, default=1)
     ap.add_argument("--iters", type=int, default=3)

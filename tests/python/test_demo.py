@@ -145,3 +145,13 @@ def test_bench_e2e_kernel_categories():
     }
     for name, cat in cases.items():
         assert e2e.kernel_category(name) == cat, name
+
+
+def test_bench_e2e_equal_responses():
+    """--equal-responses: every response is exactly R tokens; prompts still vary, so the packed
+    lengths of the micro-batches differ."""
+    import torch
+    e2e = _load_bench("e2e")
+    mbs = e2e.make_micro_batches(4, 64, 32, 3, 2, 1000, 0, torch.device("cpu"), equal_responses=True)
+    assert all(r.numel() == 32 for mb in mbs for rs in mb.responses for r in rs)
+    assert len({mb.T for mb in mbs}) > 1
