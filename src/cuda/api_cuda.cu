@@ -433,7 +433,11 @@ size_t cuda_bwd_workspace_bytes(const dualkv_bwd_params& p) {
 // Hopper kernel is passed over, why (the fallbacks are silent otherwise, by design).
 static void log_kernel_choice(const char* dir, const char* kernel, const char* why) {
   static const bool on = std::getenv("DUALKV_LOG_KERNELS") != nullptr;
-  if (on) std::fprintf(stderr, "[dualkv] %s: %s%s%s\n", dir, kernel, why[0] ? " (" : "", why[0] ? why : "");
+  if (!on) return;
+  if (why[0] != '\0')
+    std::fprintf(stderr, "[dualkv] %s: %s (%s)\n", dir, kernel, why);
+  else
+    std::fprintf(stderr, "[dualkv] %s: %s\n", dir, kernel);
 }
 
 // Why the Hopper kernel of one direction is not used ("" when it may be tried).

@@ -1,0 +1,72 @@
+"""DUALKV_LOG_KERNELS=1: one stderr line per call naming the kernel family and why the Hopper one
+was passed over. The switch is read once per process, so each case runs in a subprocess."""
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+SNIPPET = """
+import torch, dualkv
+layout = dualkv.Layout.from_groups([200], [[70, 1]]).to("cuda")
+T = layout.num_tokens
+q, k, v = (torch.randn(T, h, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for h in (4, 1, 1))
+dualkv.attention(q, k, v, layout).sum().backward()
+torch.cuda.synchronize()
+"""
+
+
+def kernel_log(**env) -> list[str]:
+    e = dict(os.environ, DUALKV_LOG_KERNELS="1", **env)
+    e["PYTHONPATH"] = str(ROOT / "python") + os.pathsep + e.get("PYTHONPATH", "")
+    res = subprocess.run([sys.executable, "-c", SNIPPET], env=e, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    return [line for line in res.stderr.splitlines() if line.startswith("[dualkv]")]
+
+
+def built(direction: str) -> bool:
+    from dualkv import _native
+    info = _native.build_info().get("cuda", {})
+    return 128 in [int(d) for d in info.get(f"sm90_{direction}_head_dims", [])]
+
+
+def test_log_names_the_kernels():
+    lines = kernel_log()
+    assert any(line.startswith("[dualkv] fwd: ") for line in lines), lines
+    assert any(line.startswith("[dualkv] bwd: ") for line in lines), lines
+    hopper = torch.cuda.get_device_capability() == (9, 0)
+    fwd = next(line for line in lines if line.startswith("[dualkv] fwd: "))
+    bwd = next(line for line in lines if line.startswith("[dualkv] bwd: "))
+    assert ("sm90 wgmma" in fwd) == (hopper and built("fwd")), fwd
+    assert ("sm90 wgmma" in bwd) == (hopper and built("bwd")), bwd
+    if not hopper:
+        assert "device is not sm_90" in fwd or "sm90" not in fwd, fwd
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() != (9, 0),
+                    reason="the Hopper kernels apply to sm_90 only")
+def test_log_gives_the_reason_of_a_fallback():
+    lines = kernel_log(DUALKV_DISABLE_SM90="1", DUALKV_DISABLE_SM90_BWD="1")
+    fwd = next(line for line in lines if line.startswith("[dualkv] fwd: "))
+    bwd = next(line for line in lines if line.startswith("[dualkv] bwd: "))
+    assert fwd.startswith("[dualkv] fwd: sm80 mma"), fwd
+    assert bwd.startswith("[dualkv] bwd: sm80 mma"), bwd
+    if built("fwd"):
+        assert "(DUALKV_DISABLE_SM90)" in fwd, fwd
+    if built("bwd"):
+        assert "(DUALKV_DISABLE_SM90_BWD)" in bwd, bwd
+
+
+def test_no_log_without_the_switch():
+    e = {k: v for k, v in os.environ.items() if k != "DUALKV_LOG_KERNELS"}
+    e["PYTHONPATH"] = str(ROOT / "python") + os.pathsep + e.get("PYTHONPATH", "")
+    res = subprocess.run([sys.executable, "-c", SNIPPET], env=e, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "[dualkv]" not in res.stderr
