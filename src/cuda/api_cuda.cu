@@ -590,6 +590,9 @@ dualkv_status cuda_bwd(const dualkv_bwd_params& p) {
 #ifdef DUALKV_SM90_BWD_HDIM_128
       case 128: e = bf ? sm90::run_bwd<__nv_bfloat16, 128>(a, s) : sm90::run_bwd<__half, 128>(a, s); break;
 #endif
+#ifdef DUALKV_SM90_BWD_HDIM_256
+      case 256: e = bf ? sm90::run_bwd<__nv_bfloat16, 256>(a, s) : sm90::run_bwd<__half, 256>(a, s); break;
+#endif
       default: break;
     }
     if (e == cudaSuccess) {
@@ -653,6 +656,9 @@ std::string cuda_build_info_json() {
 #endif
 #ifdef DUALKV_SM90_BWD_HDIM_128
   sm90_bwd_dims += std::string(sm90_bwd_dims.empty() ? "" : ", ") + "128";
+#endif
+#ifdef DUALKV_SM90_BWD_HDIM_256
+  sm90_bwd_dims += std::string(sm90_bwd_dims.empty() ? "" : ", ") + "256";
 #endif
   return "\"cuda_archs\": " + archs + ", \"head_dims\": " + dims +
          ", \"dtypes\": [\"float16\", \"bfloat16\"], \"kernels\": \"sm80-mma\", \"sm90_fwd_head_dims\": [" +

@@ -33,7 +33,7 @@ bool bwd_supported(int head_dim);
 
 // Whether `args` meets the kernel's constraints: q, k, v, dout 16-byte aligned with token (and,
 // for more than one head, head) strides multiples of 16 bytes (TMA); dk, dv 4-byte aligned with
-// even strides; head_dim 64 or 128.
+// even strides; head_dim 64 or 128 (or 256 in DUALKV_SM90_BWD_D256 builds).
 bool bwd_args_supported(const BwdArgs& args, int head_dim, int element_bytes);
 
 }  // namespace dualkv::cuda::sm90

@@ -11,6 +11,7 @@
 #include "bwd_kernel.cuh"  // the sm80 preprocess / dQ / conversion / reduction kernels
 #include "sm90/bwd_sm90.h"
 #include "sm90/bwd_sm90_kernel.cuh"
+#include "sm90/bwd_sm90_kernel_d256.cuh"
 #include "sm90/fwd_sm90_launch.cuh"  // detail::make_map, detail::sm_count
 
 namespace dualkv::cuda::sm90 {
@@ -32,46 +33,81 @@ inline bool make_dq_accum_map(CUtensorMap* map, float* base, int D, int heads, i
 }
 #endif
 
-template <typename Element, int HeadDim>
-cudaError_t run_bwd_main(const BwdArgs& args, cudaStream_t stream) {
-  using C = Sm90BwdConfig<HeadDim>;
-  static_assert(BwdConfig<HeadDim>::kBlockN == C::kBlockN, "sm90 backward: plan KV tiles must be kBlockN rows");
-  static_assert(BwdConfig<HeadDim>::kBlockM == C::kBlockM, "sm90 backward: plan splits are multiples of kBlockM");
+// Head dim 256 (bwd_sm90_kernel_d256.cuh; DUALKV_SM90_BWD_D256 builds): 64-row KV tiles, dQ always by
+// per-thread atomics (a DUALKV_SM90_BWD_DQ_BULK build keeps them for this head dim).
+template <typename Element>
+cudaError_t run_bwd_main_d256(const BwdArgs& args, cudaStream_t stream) {
+  using C = Sm90BwdConfigD256;
+  static_assert(BwdConfig<256>::kBlockN == C::kBlockN, "sm90 backward d256: plan KV tiles must be kBlockN rows");
+  static_assert(BwdConfig<256>::kBlockM == C::kBlockM, "sm90 backward d256: plan splits are multiples of kBlockM");
   constexpr CUtensorMapDataType dt = Pack2<Element>::kTmaType;
-  if (!bwd_args_supported(args, HeadDim, 2)) return cudaErrorNotSupported;
+  if (!bwd_args_supported(args, 256, 2)) return cudaErrorNotSupported;
   const int T = args.layout.num_tokens;
   const int H = args.num_heads, Hk = args.num_kv_heads;
-  Sm90BwdParams<HeadDim> p;
+  Sm90BwdParams<256> p;
   p.a = args;
   p.counter = args.counters + 2;
-  if (!detail::make_map(&p.tq, dt, args.q, HeadDim, H, T, args.q_hs, args.q_ts, C::kBlockM) ||
-      !detail::make_map(&p.tdo, dt, args.dout, HeadDim, H, T, args.do_hs, args.do_ts, C::kBlockM) ||
-      !detail::make_map(&p.tk, dt, args.k, HeadDim, Hk, T, args.k_hs, args.k_ts, C::kBlockN) ||
-      !detail::make_map(&p.tv, dt, args.v, HeadDim, Hk, T, args.v_hs, args.v_ts, C::kBlockN))
+  if (!detail::make_map(&p.tq, dt, args.q, 256, H, T, args.q_hs, args.q_ts, C::kBlockM) ||
+      !detail::make_map(&p.tdo, dt, args.dout, 256, H, T, args.do_hs, args.do_ts, C::kBlockM) ||
+      !detail::make_map(&p.tk, dt, args.k, 256, Hk, T, args.k_hs, args.k_ts, C::kBlockN) ||
+      !detail::make_map(&p.tv, dt, args.v, 256, Hk, T, args.v_hs, args.v_ts, C::kBlockN))
     return cudaErrorNotSupported;
-#if DUALKV_SM90_BWD_DQ_BULK
-  if (!args.deterministic && !make_dq_accum_map(&p.tdq, args.dq_accum, HeadDim, H, T, C::kBlockM))
-    return cudaErrorNotSupported;
-#endif
   const int sms = detail::sm_count();
   if (sms <= 0) return cudaErrorInvalidDevice;
   cudaError_t err;
   if ((err = cudaMemsetAsync(p.counter, 0, sizeof(int32_t), stream)) != cudaSuccess) return err;
-  if (args.deterministic) {
-    auto kernel = bwd_sm90_kernel<Element, HeadDim, false>;
-    if ((err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    static_cast<int>(C::kSmemBytes))) != cudaSuccess)
-      return err;
-    kernel<<<sms, C::kThreads, C::kSmemBytes, stream>>>(p);
-  } else {
-    auto kernel = bwd_sm90_kernel<Element, HeadDim, true>;
-    constexpr uint32_t smem = Sm90BwdConfig<HeadDim, kBwdDqBulk>::kSmemBytes;  // + dQ staging in a bulk build
-    if ((err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem))) !=
-        cudaSuccess)
-      return err;
-    kernel<<<sms, C::kThreads, smem, stream>>>(p);
-  }
+  auto kernel = args.deterministic ? bwd_sm90_kernel_d256<Element, false> : bwd_sm90_kernel_d256<Element, true>;
+  if ((err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  static_cast<int>(C::kSmemBytes))) != cudaSuccess)
+    return err;
+  kernel<<<sms, C::kThreads, C::kSmemBytes, stream>>>(p);
   return cudaGetLastError();
+}
+
+template <typename Element, int HeadDim>
+cudaError_t run_bwd_main(const BwdArgs& args, cudaStream_t stream) {
+  if constexpr (HeadDim == 256) {
+    return run_bwd_main_d256<Element>(args, stream);
+  } else {
+    using C = Sm90BwdConfig<HeadDim>;
+    static_assert(BwdConfig<HeadDim>::kBlockN == C::kBlockN, "sm90 backward: plan KV tiles must be kBlockN rows");
+    static_assert(BwdConfig<HeadDim>::kBlockM == C::kBlockM, "sm90 backward: plan splits are multiples of kBlockM");
+    constexpr CUtensorMapDataType dt = Pack2<Element>::kTmaType;
+    if (!bwd_args_supported(args, HeadDim, 2)) return cudaErrorNotSupported;
+    const int T = args.layout.num_tokens;
+    const int H = args.num_heads, Hk = args.num_kv_heads;
+    Sm90BwdParams<HeadDim> p;
+    p.a = args;
+    p.counter = args.counters + 2;
+    if (!detail::make_map(&p.tq, dt, args.q, HeadDim, H, T, args.q_hs, args.q_ts, C::kBlockM) ||
+        !detail::make_map(&p.tdo, dt, args.dout, HeadDim, H, T, args.do_hs, args.do_ts, C::kBlockM) ||
+        !detail::make_map(&p.tk, dt, args.k, HeadDim, Hk, T, args.k_hs, args.k_ts, C::kBlockN) ||
+        !detail::make_map(&p.tv, dt, args.v, HeadDim, Hk, T, args.v_hs, args.v_ts, C::kBlockN))
+      return cudaErrorNotSupported;
+  #if DUALKV_SM90_BWD_DQ_BULK
+    if (!args.deterministic && !make_dq_accum_map(&p.tdq, args.dq_accum, HeadDim, H, T, C::kBlockM))
+      return cudaErrorNotSupported;
+  #endif
+    const int sms = detail::sm_count();
+    if (sms <= 0) return cudaErrorInvalidDevice;
+    cudaError_t err;
+    if ((err = cudaMemsetAsync(p.counter, 0, sizeof(int32_t), stream)) != cudaSuccess) return err;
+    if (args.deterministic) {
+      auto kernel = bwd_sm90_kernel<Element, HeadDim, false>;
+      if ((err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      static_cast<int>(C::kSmemBytes))) != cudaSuccess)
+        return err;
+      kernel<<<sms, C::kThreads, C::kSmemBytes, stream>>>(p);
+    } else {
+      auto kernel = bwd_sm90_kernel<Element, HeadDim, true>;
+      constexpr uint32_t smem = Sm90BwdConfig<HeadDim, kBwdDqBulk>::kSmemBytes;  // + dQ staging in a bulk build
+      if ((err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem))) !=
+          cudaSuccess)
+        return err;
+      kernel<<<sms, C::kThreads, smem, stream>>>(p);
+    }
+    return cudaGetLastError();
+  }
 }
 
 template <typename Element, int HeadDim>

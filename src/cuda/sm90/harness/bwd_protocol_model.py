@@ -34,8 +34,20 @@ exits with no reduce still reading smem.
   dq_full4 (dq_full initialised to 4 arrivals: one warpgroup's), dq_missing_arrive (warpgroup 1
   skips its dq_full arrival on an item's last step), item_empty8 (item_empty left at 8 arrivals
   although the writer arrives too).
+--d256 models the head-dim-256 kernel (bwd_sm90_kernel_d256.cuh): same producer, item ring, K/V and
+Q/dO/lse/delta ring, but the consumer warpgroups split the step by role: wg0 computes S^T = K Q^T,
+reads lse, stores P^T into the single P buffer and arrives (no wait) on named barrier 2, then issues
+dV += P^T dO; wg1 computes dP^T = V dO^T, syncs on barrier 2, loads P^T and delta, issues
+dK += dS^T Q and (atomic-dQ kernel) stores the whole dS into the single dS buffer. Atomic-dQ kernel:
+both retire their dV/dK group, arrive on qdo_empty, sync on barrier 1, issue dQ (reads dS and K),
+retire it. Deterministic kernel: both retire, arrive on qdo_empty, then wg0 syncs and wg1 only
+arrives on barrier 1 (the P buffer's release). A named-barrier instance that an actor reaches twice
+(two generations in flight) is an error. Mutants for --d256: p_no_bar (wg1 loads P^T without the
+barrier-2 sync), det_no_end_bar (deterministic: wg0 skips the end-of-step barrier 1), p_arrive_early
+(wg0 arrives on barrier 2 before its P^T stores), d256_early_qdo (qdo_empty arrived
+before dV/dK retire), d256_no_ds_bar (atomic: no barrier 1 before dQ); count32 and early_kv apply too.
 Run: python3 src/cuda/sm90/harness/bwd_protocol_model.py [--runs N] [--deterministic] [--bulk]
-     [--mutant NAME]
+     [--d256] [--mutant NAME]
 """
 from __future__ import annotations
 
@@ -103,7 +115,7 @@ class Buffer:
         self.version, self.loaded = version, loaded
 
 
-def simulate(rng, steps_of, deterministic=False, mutant=None, bulk=False):
+def simulate(rng, steps_of, deterministic=False, mutant=None, bulk=False, d256=False):
     n_items = len(steps_of)
     stages = 2
     writer_on = bulk and not deterministic  # the deterministic kernel has no writer in a bulk build
@@ -248,6 +260,103 @@ def simulate(rng, steps_of, deterministic=False, mutant=None, bulk=False):
             yield "step"                                                  # epilogue
             n += 1
 
+    p_bar = NamedBar(2)
+    P1 = Buffer("P")           # d256: P^T fragments (single buffer)
+    dS1 = Buffer("dS")         # d256: dS [q][kv] (single buffer)
+
+    def consumer_d256(cw):
+        me = f"wg{cw}"
+        groups = []
+
+        def read(buf, version):
+            check(buf.loaded, f"{me} reads {buf.name} before it was written/loaded")
+            check(buf.version == version, f"{me} reads {buf.name} v{buf.version}, expected v{version}")
+            buf.readers.add(me)
+            return buf
+
+        def retire(keep):
+            while len(groups) > keep:
+                for b in groups.pop(0):
+                    b.readers.discard(me)
+
+        def sync(bar):
+            gen = bar.generation
+            bar.arrive(me)
+            yield from wait(lambda: bar.generation > gen)
+
+        kv_iter = step = n = 0
+        while True:
+            slot, ph = n & 1, (n >> 1) & 1
+            yield from wait(lambda: item_full[slot].ready(ph))
+            item = slots[slot]
+            check(item == n, f"{me} reads item {item} in ring position {n}")
+            item_empty[slot].arrive(4)
+            if item >= n_items:
+                return
+            yield from wait(lambda: kv_full.ready(kv_iter & 1))
+            kv_iter += 1
+            n_steps = steps_of[item]
+            for s in range(n_steps):
+                st = step % stages
+                v = (item, s)
+                yield from wait(lambda: qdo_full[st].ready((step // stages) & 1))
+                if mutant == "early_kv" and s == n_steps - 1:                     # K/V still to be read
+                    kv_empty.arrive(4)
+                if cw == 0:
+                    groups.append({read(K, item), read(Q[st], v)})                # S^T = K Q^T
+                    yield "step"
+                    retire(0)
+                    for b in [read(lse[st][l], v) for l in range(32)]:           # exp2: lse
+                        b.readers.discard(me)
+                    if mutant == "p_arrive_early":
+                        p_bar.arrive(me)
+                        yield "step"
+                    P1.write(v, loaded=True)                                      # st.shared P^T
+                    yield "step"
+                    if mutant != "p_arrive_early":
+                        p_bar.arrive(me)                                          # bar.arrive 2
+                    groups.append({read(dO[st], v)})                              # dV += P^T dO
+                else:
+                    groups.append({read(V, item), read(dO[st], v)})              # dP^T = V dO^T
+                    yield "step"
+                    retire(0)
+                    if mutant != "p_no_bar":
+                        yield from sync(p_bar)                                    # bar.sync 2
+                    pread = read(P1, v)                                           # ld.shared P^T
+                    for b in [read(lse[st][l], v) for l in range(32)]:           # delta
+                        b.readers.discard(me)
+                    yield "step"
+                    groups.append({read(Q[st], v)})                               # dK += dS^T Q
+                    if not deterministic:
+                        dS1.write(v, loaded=True)                                 # stmatrix + fence
+                    pread.readers.discard(me)                                     # P^T consumed (dS)
+                if mutant == "d256_early_qdo":
+                    qdo_empty[st].arrive(4)
+                yield "step"
+                retire(0)
+                if mutant != "d256_early_qdo":
+                    qdo_empty[st].arrive(4)
+                if not deterministic:
+                    if mutant != "d256_no_ds_bar":
+                        yield from sync(ds_bar)                                   # bar.sync 1
+                    groups.append({read(dS1, v), read(K, item)})                  # dQ = dS K
+                    yield "step"
+                    retire(0)
+                    yield "step"                                                  # atomics
+                else:
+                    if cw == 0:
+                        if mutant != "det_no_end_bar":
+                            yield from sync(ds_bar)                               # bar.sync 1
+                    else:
+                        ds_bar.arrive(me)                                         # bar.arrive 1
+                step += 1
+                yield "step"
+            retire(0)
+            if mutant != "early_kv":
+                kv_empty.arrive(4)
+            yield "step"                                                          # epilogue
+            n += 1
+
     def writer():
         me = "writer"
         step = n = 0
@@ -277,7 +386,8 @@ def simulate(rng, steps_of, deterministic=False, mutant=None, bulk=False):
                 yield "step"
             n += 1
 
-    procs = {"producer": producer(), "wg0": consumer(0), "wg1": consumer(1)}
+    cons = consumer_d256 if d256 else consumer
+    procs = {"producer": producer(), "wg0": cons(0), "wg1": cons(1)}
     if writer_on:
         procs["writer"] = writer()
         # Per-run actor speeds, so that some runs let the writer lag items behind the consumers.
@@ -350,12 +460,12 @@ def check_dq_staging_layout():
         check(len(written) == 64 * D, f"D={D}: {len(written)} elements written, expected {64 * D}")
 
 
-def run_many(runs, seed, deterministic, mutant, bulk=False):
+def run_many(runs, seed, deterministic, mutant, bulk=False, d256=False):
     rng = random.Random(seed)
     for _ in range(runs):
         n_items = rng.randint(1, 10)
         steps_of = [rng.choice([1, 1, 2, 3, rng.randint(1, 6)]) for _ in range(n_items)]
-        simulate(rng, steps_of, deterministic, mutant, bulk)
+        simulate(rng, steps_of, deterministic, mutant, bulk, d256)
 
 
 def main():
@@ -365,17 +475,20 @@ def main():
     ap.add_argument("--bulk", action="store_true", help="dQ by staging + TMA reduce (DUALKV_SM90_BWD_DQ_BULK=1)")
     ap.add_argument("--mutant", choices=["single_ds", "count32", "early_kv", "no_ds_bar", "early_qdo",
                                          "dq_no_wait_read", "dq_no_empty_wait", "dq_full4", "dq_missing_arrive",
-                                         "item_empty8"])
+                                         "item_empty8", "p_no_bar", "det_no_end_bar", "p_arrive_early",
+                                         "d256_early_qdo", "d256_no_ds_bar"])
+    ap.add_argument("--d256", action="store_true", help="the head-dim-256 kernel (bwd_sm90_kernel_d256.cuh)")
     args = ap.parse_args()
     if args.mutant is None:
         if args.bulk:
             check_dq_staging_layout()
             print("ok: dQ staging addresses = the tensor map's 128B-swizzled boxes, no bank conflicts")
-        run_many(args.runs, 1, args.deterministic, None, args.bulk)
-        print(f"ok: {args.runs} random runs (deterministic={args.deterministic}, bulk={args.bulk})")
+        run_many(args.runs, 1, args.deterministic, None, args.bulk, args.d256)
+        print(f"ok: {args.runs} random runs (deterministic={args.deterministic}, bulk={args.bulk}, "
+              f"d256={args.d256})")
         return 0
     try:
-        run_many(args.runs, 1, args.deterministic, args.mutant, args.bulk)
+        run_many(args.runs, 1, args.deterministic, args.mutant, args.bulk, args.d256)
     except ProtocolError as e:
         print(f"mutant {args.mutant} caught: {e}")
         return 0

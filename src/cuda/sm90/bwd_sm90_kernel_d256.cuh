@@ -1,0 +1,427 @@
+// Hopper backward main kernel for head dim 256 (sm_90a): KV-tile-outer, wgmma + TMA + warp
+// specialisation. Built only with the CMake option DUALKV_SM90_BWD_D256 (default OFF).
+//
+// Same contract as bwd_sm90_kernel (bwd_sm90_kernel.cuh) and the portable bwd_kv_kernel: the plan's
+// backward items (seg, k0, k1, qa, qb, slot) with BwdConfig<256>::kBlockN = 64 KV rows, the same
+// workspace, the same outputs (dK * scale and dV for unsplit items; unscaled fp32 partials
+// [slot, Hk, 2, 64, 256] for split items; fp32 atomic adds of dS K into dq_accum [T, H, 256] unless
+// deterministic).
+//
+// Why not the D <= 128 scheme (each consumer warpgroup owns half of the KV rows and keeps their dK
+// and dV): 64 KV rows x 256 columns of dK plus dV are 2 x 64 x 256 fp32 = 256 registers per thread
+// of one warpgroup. Here the two consumer warpgroups split the work by role instead, each keeping
+// one 64 x 256 fp32 accumulator (128 registers per thread) for the whole item:
+//
+//   warpgroup 1 ("P" role, owns dV):           warpgroup 2 ("dS" role, owns dK):
+//     S^T  = K Q^T        (SS m64n64, k 256)     dP^T = V dO^T        (SS m64n64, k 256)
+//     P^T  = exp2(S^T scale log2e - lse log2e), masked (kv row >= klen, or kv > q)
+//     P^T -> smem (fp32 accumulator fragments, thread-linear), named barrier 2 (arrive)
+//                                                 named barrier 2 (sync), P^T <- smem
+//                                                 dS^T = P^T (dP^T - delta)
+//     dV += P^T dO        (RS m64n256, k 64)     dK += dS^T Q         (RS m64n256, k 64)
+//                                                 dS^T -> smem as dS [q][kv] (stmatrix.trans,
+//                                                 128B swizzle; atomic-dQ kernel only)
+//     named barrier 1 (both warpgroups; atomic-dQ kernel only)
+//     dQ[:, 0..128)   = dS K[:, 0..128)          dQ[:, 128..256) = dS K[:, 128..256)  (SS m64n128,
+//                                                 B N-major), 16-byte red.global.add.v4.f32
+//
+// so the tensor work per query tile is the useful 5 x (2 x 64 x 64 x 256) FLOP, 2.5 units per
+// warpgroup (no recomputation of S^T or dP^T), the softmax numerators cross between the warpgroups
+// once per step as 16 KiB of fp32 (so dS^T = P^T (dP^T - delta) is computed from the same fp32 P^T
+// as in the D <= 128 kernel), and dS crosses once as there.
+//
+// Buffers for P^T and dS are single: the dS warpgroup rewrites dS of step s+1 only after the P
+// barrier of step s+1, which the P warpgroup reaches after its dQ wgmma of step s retired; the P
+// warpgroup rewrites P^T of step s+1 only after the step-s barrier 1, which the dS warpgroup
+// reaches after it loaded P^T of step s. The deterministic kernel computes no dQ and stores no dS;
+// barrier 1 stays as the step's end (the dS warpgroup arrives, the P warpgroup syncs) for the
+// P^T buffer. The producer warp, the item ring, K/V (one buffer per item, kv_full / kv_empty) and
+// the Q/dO/lse/delta ring (2 stages, qdo_full / qdo_empty) are those of bwd_sm90_kernel. The CPU
+// model of this protocol: harness/bwd_protocol_model.py --d256.
+#pragma once
+
+#include "sm90/bwd_sm90_kernel.cuh"
+
+namespace dualkv::cuda::sm90 {
+
+struct Sm90BwdConfigD256 {
+  static constexpr int D = 256;
+  static constexpr int kBlockM = 64;  // query rows per step
+  static constexpr int kBlockN = 64;  // KV rows per item (= BwdConfig<256>::kBlockN)
+  static constexpr int kThreads = 384;
+  static constexpr int kConsumerRegs = 232;
+  static constexpr int kProducerRegs = 40;
+  static constexpr int kBoxes = D / 64;  // TMA boxes of 64 columns (128 B of 16-bit)
+  static constexpr uint32_t kQBoxBytes = kBlockM * 128;
+  static constexpr uint32_t kQBytes = kBlockM * D * 2;  // one Q (or dO) stage: 32 KiB
+  static constexpr uint32_t kKVBoxBytes = kBlockN * 128;
+  static constexpr uint32_t kKVBytes = kBlockN * D * 2;  // K (or V): 32 KiB
+  static constexpr uint32_t kPBytes = kBlockM * kBlockN * 4;  // P^T fp32 fragments: 16 KiB
+  static constexpr uint32_t kDSBytes = kBlockM * kBlockN * 2;  // dS [q][kv], one swizzled box
+  static constexpr int kDqN = D / 2;  // dQ columns per consumer warpgroup
+  // smem: K | V | Q[2] | dO[2] | P^T | dS | lse[2][64] | delta[2][64] | barriers + item slots.
+  static constexpr uint32_t kOffK = 0;
+  static constexpr uint32_t kOffV = kOffK + kKVBytes;
+  static constexpr uint32_t kOffQ = kOffV + kKVBytes;
+  static constexpr uint32_t kOffDO = kOffQ + 2 * kQBytes;
+  static constexpr uint32_t kOffP = kOffDO + 2 * kQBytes;
+  static constexpr uint32_t kOffDS = kOffP + kPBytes;
+  static constexpr uint32_t kOffLse = kOffDS + kDSBytes;
+  static constexpr uint32_t kOffDelta = kOffLse + 2 * kBlockM * 4;
+  static constexpr uint32_t kOffBar = kOffDelta + 2 * kBlockM * 4;
+  static constexpr uint32_t kBarBytes = 8 * 10 + 16;  // 10 mbarriers + 2 item slots
+  static constexpr uint32_t kSmemBytes = kOffBar + kBarBytes + 1024;  // + alignment slack
+  // 221,184 (K, V, 2 x Q, 2 x dO: 192 KiB; P^T 16 KiB; dS 8 KiB) + 1,024 (lse/delta) + 96 (barriers,
+  // item slots) + 1,024 (alignment slack) = 223,328 of 232,448 B.
+  static_assert(kSmemBytes <= 227 * 1024, "sm90 backward d256: over the 227 KiB opt-in smem limit");
+  static_assert(kOffP % 1024 == 0 && kOffDS % 1024 == 0, "swizzled buffers need 1 KiB alignment");
+};
+
+constexpr uint32_t kBwdPBarrier = 2;  // named barrier: P^T of the step stored by the P warpgroup
+
+__device__ __forceinline__ void bwd_st_shared_v4(uint32_t addr, uint32_t a, uint32_t b, uint32_t c, uint32_t d) {
+  asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(a), "r"(b), "r"(c), "r"(d)
+               : "memory");
+}
+__device__ __forceinline__ uint4 bwd_ld_shared_v4(uint32_t addr) {
+  uint4 v;
+  asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "r"(addr)
+               : "memory");
+  return v;
+}
+
+template <typename T, bool kAtomicDq>
+__global__ void __launch_bounds__(Sm90BwdConfigD256::kThreads, 1)
+bwd_sm90_kernel_d256(const __grid_constant__ Sm90BwdParams<256> p) {
+  using C = Sm90BwdConfigD256;
+  constexpr int BM = C::kBlockM, BN = C::kBlockN, D = C::D;
+
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  const uint32_t pad = (1024u - (smem_u32(smem_raw) & 1023u)) & 1023u;
+  uint8_t* smem = smem_raw + pad;
+  float* s_lse = reinterpret_cast<float*>(smem + C::kOffLse);
+  float* s_delta = reinterpret_cast<float*>(smem + C::kOffDelta);
+  uint64_t* bars = reinterpret_cast<uint64_t*>(smem + C::kOffBar);
+  Sm90BwdBarriers B;
+  B.item_full = bars;
+  B.item_empty = bars + 2;
+  B.kv_full = bars + 4;
+  B.kv_empty = bars + 5;
+  B.qdo_full = bars + 6;
+  B.qdo_empty = bars + 8;
+  B.items = reinterpret_cast<int32_t*>(bars + 10);
+
+  const BwdArgs& a = p.a;
+  const LayoutPtrs& L = a.layout;
+  const int32_t* plan = a.plan;
+  if (plan[kHdrMagic] != kPlanMagic || plan[kHdrS] != L.num_segments || plan[kHdrT] != L.num_tokens) return;
+  const int32_t n_work = plan[kHdrNumBwd];
+  const int32_t* witems = plan + plan[kHdrBwdOffset];
+  const int H = a.num_heads, Hk = a.num_kv_heads;
+  const int group = H / Hk;
+  const int32_t n_items = n_work * Hk;
+
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < 2; ++i) {
+      mbar_init(&B.item_full[i], 1);
+      mbar_init(&B.item_empty[i], kBwdConsumerWarps);
+      mbar_init(&B.qdo_full[i], kBwdQdoFullCount);
+      mbar_init(&B.qdo_empty[i], kBwdQdoEmptyCount);
+    }
+    mbar_init(B.kv_full, 1);
+    mbar_init(B.kv_empty, kBwdConsumerWarps);
+    mbar_fence_init();
+  }
+  __syncthreads();
+
+  const int wg = threadIdx.x / 128;
+  if (wg == 0) {
+    // ------------------------------------------------------------------ producer (warp 0)
+    setmaxnreg_dec<C::kProducerRegs>();
+    if (threadIdx.x >= 32) return;
+    const int lane = threadIdx.x;
+    if (lane == 0) {
+      tma_prefetch_desc(&p.tq);
+      tma_prefetch_desc(&p.tk);
+      tma_prefetch_desc(&p.tv);
+      tma_prefetch_desc(&p.tdo);
+    }
+    const int64_t T_ = L.num_tokens;
+    uint32_t kv_iter = 0, step = 0;
+    for (uint32_t n = 0;; ++n) {
+      const uint32_t slot = n & 1, ph = (n >> 1) & 1;
+      mbar_wait(&B.item_empty[slot], ph ^ 1);
+      int32_t item = 0;
+      if (lane == 0) {
+        item = atomicAdd(p.counter, 1);
+        B.items[slot] = item;
+        mbar_arrive(&B.item_full[slot]);
+      }
+      item = __shfl_sync(0xffffffffu, item, 0);
+      if (item >= n_items) break;
+      const int32_t w = item / Hk;
+      const int hk = item - w * Hk;
+      const int32_t* wi = witems + w * kBwdItemInts;
+      const int32_t k0 = wi[1], qa = wi[3], qb = wi[4];
+      if (lane == 0) {
+        mbar_wait(B.kv_empty, (kv_iter & 1) ^ 1);
+        mbar_arrive_expect_tx(B.kv_full, 2 * C::kKVBytes);
+#pragma unroll
+        for (int b = 0; b < C::kBoxes; ++b) {
+          tma_load_3d(smem + C::kOffK + b * C::kKVBoxBytes, &p.tk, B.kv_full, b * 64, hk, k0);
+          tma_load_3d(smem + C::kOffV + b * C::kKVBoxBytes, &p.tv, B.kv_full, b * 64, hk, k0);
+        }
+      }
+      ++kv_iter;
+      const int32_t tiles = (qb - qa + BM - 1) / BM;
+      const int32_t n_steps = tiles * group;
+      for (int32_t s = 0; s < n_steps; ++s, ++step) {
+        const int h = hk * group + s / tiles;
+        const int32_t qt = qa + (s % tiles) * BM;
+        const uint32_t st = step & 1;
+        mbar_wait(&B.qdo_empty[st], ((step >> 1) & 1) ^ 1);
+        if (lane == 0) {
+          mbar_arrive_expect_tx(&B.qdo_full[st], 2 * C::kQBytes);
+#pragma unroll
+          for (int b = 0; b < C::kBoxes; ++b) {
+            tma_load_3d(smem + C::kOffQ + st * C::kQBytes + b * C::kQBoxBytes, &p.tq, &B.qdo_full[st], b * 64, h,
+                        qt);
+            tma_load_3d(smem + C::kOffDO + st * C::kQBytes + b * C::kQBoxBytes, &p.tdo, &B.qdo_full[st], b * 64,
+                        h, qt);
+          }
+        }
+#pragma unroll
+        for (int i = lane; i < BM; i += 32) {
+          const int32_t qi = qt + i;
+          const bool valid = qi < qb;
+          s_lse[st * BM + i] = valid ? a.lse[h * a.lse_hs + qi] * kLog2e : CUDART_INF_F;
+          s_delta[st * BM + i] = valid ? a.delta[h * T_ + qi] : 0.f;
+        }
+        mbar_arrive(&B.qdo_full[st]);
+      }
+    }
+    return;
+  }
+
+  // -------------------------------------------------------------------- consumers
+  setmaxnreg_inc<C::kConsumerRegs>();
+  using MmaS = Wgmma<T, BM>;         // S^T, dP^T: m64 (kv) x n64 (q), k = d
+  using MmaKV = Wgmma<T, D>;         // dV, dK: m64 (kv) x n256, k = q, A from registers
+  using MmaQ = WgmmaTB<T, C::kDqN>;  // dQ half: m64 (q) x n128, k = kv
+  const int cw = wg - 1;             // 0: P role (S, P, dV); 1: dS role (dP, dS, dK)
+  const bool p_role = cw == 0;
+  const int tid = threadIdx.x & 127;
+  const int warp = tid >> 5, lane = tid & 31;
+  const int g = lane >> 2, t4 = lane & 3;
+  const float sl2 = a.scale_log2;
+  // First product's A operand: K (P role) or V (dS role), all 64 KV rows.
+  const uint32_t a_rows = smem_u32(smem + (p_role ? C::kOffK : C::kOffV));
+  // dQ: B = K[:, 128 cw .. +128) read N-major: boxes 2 cw and 2 cw + 1.
+  const uint32_t k_dq = smem_u32(smem + C::kOffK) + (cw * C::kDqN / 64) * C::kKVBoxBytes;
+  const uint32_t q_smem = smem_u32(smem + C::kOffQ);
+  const uint32_t do_smem = smem_u32(smem + C::kOffDO);
+  const uint32_t ds_buf = smem_u32(smem + C::kOffDS);
+  const uint32_t p_thread = smem_u32(smem + C::kOffP) + tid * 16;  // + i * 2048: floats 4i .. 4i+3
+  const int kv_row0 = warp * 16 + g;  // tile-local KV row of accumulator rows (+8 for e >= 2)
+
+  uint32_t kv_iter = 0, step = 0;
+  for (uint32_t n = 0;; ++n) {
+    const uint32_t slot = n & 1, ph = (n >> 1) & 1;
+    mbar_wait(&B.item_full[slot], ph);
+    const int32_t item = B.items[slot];
+    __syncwarp();
+    if (lane == 0) mbar_arrive(&B.item_empty[slot]);
+    if (item >= n_items) break;
+    const int32_t w = item / Hk;
+    const int hk = item - w * Hk;
+    const int32_t* wi = witems + w * kBwdItemInts;
+    const int32_t k0 = wi[1], k1 = wi[2], qa = wi[3], qb = wi[4], pslot = wi[5];
+    const int klen = k1 - k0;
+    const int32_t tiles = (qb - qa + BM - 1) / BM;
+    const int32_t n_steps = tiles * group;
+    const bool tail = klen < BN;  // the tile's KV range ends inside it (TMA loaded further tokens)
+
+    float acc[D / 2];  // dV (P role) or dK (dS role): 64 x 256 fp32
+#pragma unroll
+    for (int i = 0; i < D / 2; ++i) acc[i] = 0.f;
+
+    mbar_wait(B.kv_full, kv_iter & 1);
+    ++kv_iter;
+
+    for (int32_t s = 0; s < n_steps; ++s, ++step) {
+      const int h = hk * group + s / tiles;
+      const int32_t qt = qa + (s % tiles) * BM;
+      const uint32_t st = step & 1;
+      const uint32_t qb_s = q_smem + st * C::kQBytes;
+      const uint32_t dob_s = do_smem + st * C::kQBytes;
+      mbar_wait(&B.qdo_full[st], (step >> 1) & 1);
+
+      // S^T = K Q^T (P role) or dP^T = V dO^T (dS role).
+      const uint32_t b_first = p_role ? qb_s : dob_s;
+      float sacc[BM / 2];
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) {
+        const uint32_t box = kk / 4, within = (kk % 4) * 32;
+        MmaS::ss(sacc, make_desc_sw128(a_rows + box * C::kKVBoxBytes + within, 16, 1024),
+                 make_desc_sw128(b_first + box * C::kQBoxBytes + within, 16, 1024), kk > 0 ? 1 : 0);
+      }
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_regs(sacc);
+
+      // A fragments (m = kv, k = q) of P^T (P role) or dS^T (dS role).
+      uint32_t frag[BM / 4];
+      if (p_role) {
+        const float* lse_s = s_lse + st * BM;
+        const bool mask = tail || qt < k0 + BN - 1;
+#pragma unroll
+        for (int j = 0; j < BM / 8; ++j) {
+          const int c = j * 8 + 2 * t4;
+          const float2 l2 = *reinterpret_cast<const float2*>(lse_s + c);
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const float lv = (e & 1) ? l2.y : l2.x;
+            float pv = fast_exp2(fmaf(sacc[4 * j + e], sl2, -lv));
+            if (mask) {
+              const int r = kv_row0 + (e >> 1) * 8;
+              if (r >= klen || k0 + r > qt + c + (e & 1)) pv = 0.f;
+            }
+            sacc[4 * j + e] = pv;
+          }
+        }
+#pragma unroll
+        for (int i = 0; i < BM / 8; ++i)
+          bwd_st_shared_v4(p_thread + i * 2048, __float_as_uint(sacc[4 * i]), __float_as_uint(sacc[4 * i + 1]),
+                           __float_as_uint(sacc[4 * i + 2]), __float_as_uint(sacc[4 * i + 3]));
+        named_bar_arrive(kBwdPBarrier, 256);
+      } else {
+        named_bar_sync(kBwdPBarrier, 256);
+        const float* delta_s = s_delta + st * BM;
+#pragma unroll
+        for (int j = 0; j < BM / 8; ++j) {
+          const uint4 pq = bwd_ld_shared_v4(p_thread + j * 2048);
+          const float pv[4] = {__uint_as_float(pq.x), __uint_as_float(pq.y), __uint_as_float(pq.z),
+                               __uint_as_float(pq.w)};
+          const float2 d2 = *reinterpret_cast<const float2*>(delta_s + j * 8 + 2 * t4);
+#pragma unroll
+          for (int e = 0; e < 4; ++e) sacc[4 * j + e] = pv[e] * (sacc[4 * j + e] - ((e & 1) ? d2.y : d2.x));
+        }
+      }
+#pragma unroll
+      for (int kk = 0; kk < BM / 16; ++kk) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) frag[4 * kk + i] = Pack2<T>::pack(sacc[8 * kk + 2 * i], sacc[8 * kk + 2 * i + 1]);
+      }
+
+      // dV += P^T dO (P role) or dK += dS^T Q (dS role): B = dO / Q [q][d] read N-major.
+      const uint32_t b_kv = p_role ? dob_s : qb_s;
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < BM / 16; ++kk)
+        MmaKV::rs(acc, &frag[4 * kk], make_desc_sw128(b_kv + kk * 16 * 128, C::kQBoxBytes, 1024), 1);
+      wgmma_commit();
+
+      if constexpr (kAtomicDq) {
+        if (!p_role) {
+          // dS^T (kv x q fragments) -> dS [q][kv], one 128B-swizzled box of 64 kv columns.
+          const int m = lane >> 3;
+          const int kvl = warp * 16 + (m & 1) * 8;
+          const uint32_t chunk = static_cast<uint32_t>(kvl / 8);
+#pragma unroll
+          for (int kk = 0; kk < BM / 16; ++kk) {
+            const uint32_t q = kk * 16 + (m >> 1) * 8 + (lane & 7);
+            bwd_stmatrix_x4_trans(ds_buf + q * 128 + ((chunk ^ (q & 7)) << 4), frag[4 * kk + 0], frag[4 * kk + 1],
+                                  frag[4 * kk + 2], frag[4 * kk + 3]);
+          }
+          bwd_fence_proxy_async();
+        }
+        // Retire dV / dK first: their A fragments then die before the dQ accumulators live (with
+        // both, 128 + 16 + 64 registers, ptxas serialises the wgmmas).
+        wgmma_wait<0>();
+        fence_regs(acc);
+        fence_regs(frag);
+        // Q, dO, lse and delta of the stage are no longer read (dQ reads only dS and K).
+        __syncwarp();
+        if (kBwdQdoEmptyCount != kBwdConsumerWarps || lane == 0) mbar_arrive(&B.qdo_empty[st]);
+        named_bar_sync(kBwdDsBarrier, 256);  // dS of the step written
+        float dq[C::kDqN / 2];
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk)
+          MmaQ::ss(dq, make_desc_sw128(ds_buf + kk * 32, 16, 1024),
+                   make_desc_sw128(k_dq + kk * 16 * 128, C::kKVBoxBytes, 1024), kk > 0 ? 1 : 0);
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_regs(dq);
+        // 16-byte atomics: lanes t, t^1 swap halves so the even lane holds row g, cols [2t, 2t+4)
+        // and the odd lane row g+8, cols [2t-2, 2t+2).
+        const bool odd = t4 & 1;
+        const int32_t qi = qt + warp * 16 + g + (odd ? 8 : 0);
+        const int col = cw * C::kDqN + 2 * t4 - (odd ? 2 : 0);
+        float* dst = a.dq_accum + (static_cast<int64_t>(qi) * H + h) * D + col;
+#pragma unroll
+        for (int j = 0; j < C::kDqN / 8; ++j) {
+          const float s0 = odd ? dq[4 * j + 0] : dq[4 * j + 2];
+          const float s1 = odd ? dq[4 * j + 1] : dq[4 * j + 3];
+          const float r0 = __shfl_xor_sync(0xffffffffu, s0, 1);
+          const float r1 = __shfl_xor_sync(0xffffffffu, s1, 1);
+          const float4 v4 = odd ? make_float4(r0, r1, dq[4 * j + 2], dq[4 * j + 3])
+                                : make_float4(dq[4 * j + 0], dq[4 * j + 1], r0, r1);
+          if (qi < qb) atomicAdd(reinterpret_cast<float4*>(dst + j * 8), v4);
+        }
+      } else {
+        wgmma_wait<0>();
+        fence_regs(acc);
+        fence_regs(frag);
+        __syncwarp();
+        if (kBwdQdoEmptyCount != kBwdConsumerWarps || lane == 0) mbar_arrive(&B.qdo_empty[st]);
+        // The dS warpgroup has loaded P^T of this step; the P warpgroup may rewrite it next step.
+        if (p_role)
+          named_bar_sync(kBwdDsBarrier, 256);
+        else
+          named_bar_arrive(kBwdDsBarrier, 256);
+      }
+    }
+    // K and V are free: the producer may load the next item's tile during the epilogue.
+    __syncwarp();
+    if (lane == 0) mbar_arrive(B.kv_empty);
+
+    // Epilogue: dK scaled by the softmax scale (dS role) and dV (P role), or fp32 partials
+    // (unscaled, all 64 rows) for a split item: [slot][hk][0] = dK, [1] = dV.
+    if (pslot < 0) {
+      const bool is_dk = !p_role;
+      T* base = is_dk ? static_cast<T*>(a.dk) + static_cast<int64_t>(k0) * a.dk_ts + static_cast<int64_t>(hk) * a.dk_hs
+                      : static_cast<T*>(a.dv) + static_cast<int64_t>(k0) * a.dv_ts + static_cast<int64_t>(hk) * a.dv_hs;
+      const int64_t ts = is_dk ? a.dk_ts : a.dv_ts;
+      const float sc = is_dk ? a.scale : 1.f;
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        const int r = kv_row0 + hr * 8;
+        if (r < klen) {
+#pragma unroll
+          for (int j = 0; j < D / 8; ++j) {
+            const int col = j * 8 + 2 * t4;
+            *reinterpret_cast<uint32_t*>(base + static_cast<int64_t>(r) * ts + col) =
+                Pack2<T>::pack(acc[4 * j + 2 * hr] * sc, acc[4 * j + 2 * hr + 1] * sc);
+          }
+        }
+      }
+    } else {
+      float* base = a.partials + ((static_cast<int64_t>(pslot) * Hk + hk) * 2 + (p_role ? 1 : 0)) * BN * D;
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        const int r = kv_row0 + hr * 8;
+#pragma unroll
+        for (int j = 0; j < D / 8; ++j) {
+          const int col = j * 8 + 2 * t4;
+          *reinterpret_cast<float2*>(base + r * D + col) = make_float2(acc[4 * j + 2 * hr], acc[4 * j + 2 * hr + 1]);
+        }
+      }
+    }
+  }
+}
+
+}  // namespace dualkv::cuda::sm90
