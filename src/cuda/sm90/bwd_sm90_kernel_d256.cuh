@@ -30,6 +30,11 @@
 // once per step as 16 KiB of fp32 (so dS^T = P^T (dP^T - delta) is computed from the same fp32 P^T
 // as in the D <= 128 kernel), and dS crosses once as there.
 //
+// Issue order (kBwdD256StaggerDp, default): the dS warpgroup issues dP^T after the P warpgroup's
+// S^T retired (named barrier 3: P warpgroup arrives, dS warpgroup syncs), so the tensor work runs
+// S^T | dP^T (overlapping the exponentials) | dV, dK | dQ instead of S^T + dP^T together, then
+// the exponentials with the tensor cores idle.
+//
 // Buffers for P^T and dS are single: the dS warpgroup rewrites dS of step s+1 only after the P
 // barrier of step s+1, which the P warpgroup reaches after its dQ wgmma of step s retired; the P
 // warpgroup rewrites P^T of step s+1 only after the step-s barrier 1, which the dS warpgroup
@@ -78,6 +83,15 @@ struct Sm90BwdConfigD256 {
 };
 
 constexpr uint32_t kBwdPBarrier = 2;  // named barrier: P^T of the step stored by the P warpgroup
+constexpr uint32_t kBwdSBarrier = 3;  // named barrier: S^T of the step retired (kBwdD256StaggerDp)
+
+// Staggered issue (DUALKV_SM90_BWD_D256_STAGGER, default 1): the dS warpgroup issues dP^T only once
+// the P warpgroup's S^T has retired (named barrier 3), so S^T has the tensor cores to itself and the
+// exponentials of P^T overlap dP^T instead of following both products; 0 issues both at once.
+#ifndef DUALKV_SM90_BWD_D256_STAGGER
+#define DUALKV_SM90_BWD_D256_STAGGER 1
+#endif
+constexpr bool kBwdD256StaggerDp = DUALKV_SM90_BWD_D256_STAGGER != 0;
 
 __device__ __forceinline__ void bwd_st_shared_v4(uint32_t addr, uint32_t a, uint32_t b, uint32_t c, uint32_t d) {
   asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(a), "r"(b), "r"(c), "r"(d)
@@ -261,6 +275,7 @@ bwd_sm90_kernel_d256(const __grid_constant__ Sm90BwdParams<256> p) {
       // S^T = K Q^T (P role) or dP^T = V dO^T (dS role).
       const uint32_t b_first = p_role ? qb_s : dob_s;
       float sacc[BM / 2];
+      if (kBwdD256StaggerDp && !p_role) named_bar_sync(kBwdSBarrier, 256);
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < D / 16; ++kk) {
@@ -271,6 +286,7 @@ bwd_sm90_kernel_d256(const __grid_constant__ Sm90BwdParams<256> p) {
       wgmma_commit();
       wgmma_wait<0>();
       fence_regs(sacc);
+      if (kBwdD256StaggerDp && p_role) named_bar_arrive(kBwdSBarrier, 256);
 
       // A fragments (m = kv, k = q) of P^T (P role) or dS^T (dS role).
       uint32_t frag[BM / 4];

@@ -36,7 +36,8 @@ exits with no reduce still reading smem.
   although the writer arrives too).
 --d256 models the head-dim-256 kernel (bwd_sm90_kernel_d256.cuh): same producer, item ring, K/V and
 Q/dO/lse/delta ring, but the consumer warpgroups split the step by role: wg0 computes S^T = K Q^T,
-reads lse, stores P^T into the single P buffer and arrives (no wait) on named barrier 2, then issues
+arrives (no wait) on named barrier 3 once it retired (wg1 syncs there before issuing dP^T; not with
+--no-stagger), reads lse, stores P^T into the single P buffer and arrives (no wait) on named barrier 2, then issues
 dV += P^T dO; wg1 computes dP^T = V dO^T, syncs on barrier 2, loads P^T and delta, issues
 dK += dS^T Q and (atomic-dQ kernel) stores the whole dS into the single dS buffer. Atomic-dQ kernel:
 both retire their dV/dK group, arrive on qdo_empty, sync on barrier 1, issue dQ (reads dS and K),
@@ -47,7 +48,7 @@ barrier-2 sync), det_no_end_bar (deterministic: wg0 skips the end-of-step barrie
 (wg0 arrives on barrier 2 before its P^T stores), d256_early_qdo (qdo_empty arrived
 before dV/dK retire), d256_no_ds_bar (atomic: no barrier 1 before dQ); count32 and early_kv apply too.
 Run: python3 src/cuda/sm90/harness/bwd_protocol_model.py [--runs N] [--deterministic] [--bulk]
-     [--d256] [--mutant NAME]
+     [--d256 [--no-stagger]] [--mutant NAME]
 """
 from __future__ import annotations
 
@@ -115,7 +116,7 @@ class Buffer:
         self.version, self.loaded = version, loaded
 
 
-def simulate(rng, steps_of, deterministic=False, mutant=None, bulk=False, d256=False):
+def simulate(rng, steps_of, deterministic=False, mutant=None, bulk=False, d256=False, stagger=True):
     n_items = len(steps_of)
     stages = 2
     writer_on = bulk and not deterministic  # the deterministic kernel has no writer in a bulk build
@@ -261,6 +262,7 @@ def simulate(rng, steps_of, deterministic=False, mutant=None, bulk=False, d256=F
             n += 1
 
     p_bar = NamedBar(2)
+    s_bar = NamedBar(2)        # d256, staggered issue: S^T retired (wg0 arrives, wg1 syncs)
     P1 = Buffer("P")           # d256: P^T fragments (single buffer)
     dS1 = Buffer("dS")         # d256: dS [q][kv] (single buffer)
 
@@ -306,6 +308,8 @@ def simulate(rng, steps_of, deterministic=False, mutant=None, bulk=False, d256=F
                     groups.append({read(K, item), read(Q[st], v)})                # S^T = K Q^T
                     yield "step"
                     retire(0)
+                    if stagger:
+                        s_bar.arrive(me)                                          # bar.arrive 3
                     for b in [read(lse[st][l], v) for l in range(32)]:           # exp2: lse
                         b.readers.discard(me)
                     if mutant == "p_arrive_early":
@@ -317,6 +321,8 @@ def simulate(rng, steps_of, deterministic=False, mutant=None, bulk=False, d256=F
                         p_bar.arrive(me)                                          # bar.arrive 2
                     groups.append({read(dO[st], v)})                              # dV += P^T dO
                 else:
+                    if stagger:
+                        yield from sync(s_bar)                                    # bar.sync 3
                     groups.append({read(V, item), read(dO[st], v)})              # dP^T = V dO^T
                     yield "step"
                     retire(0)
@@ -460,12 +466,12 @@ def check_dq_staging_layout():
         check(len(written) == 64 * D, f"D={D}: {len(written)} elements written, expected {64 * D}")
 
 
-def run_many(runs, seed, deterministic, mutant, bulk=False, d256=False):
+def run_many(runs, seed, deterministic, mutant, bulk=False, d256=False, stagger=True):
     rng = random.Random(seed)
     for _ in range(runs):
         n_items = rng.randint(1, 10)
         steps_of = [rng.choice([1, 1, 2, 3, rng.randint(1, 6)]) for _ in range(n_items)]
-        simulate(rng, steps_of, deterministic, mutant, bulk, d256)
+        simulate(rng, steps_of, deterministic, mutant, bulk, d256, stagger)
 
 
 def main():
@@ -478,17 +484,19 @@ def main():
                                          "item_empty8", "p_no_bar", "det_no_end_bar", "p_arrive_early",
                                          "d256_early_qdo", "d256_no_ds_bar"])
     ap.add_argument("--d256", action="store_true", help="the head-dim-256 kernel (bwd_sm90_kernel_d256.cuh)")
+    ap.add_argument("--no-stagger", action="store_true",
+                    help="--d256 built with DUALKV_SM90_BWD_D256_STAGGER=0 (no named barrier 3)")
     args = ap.parse_args()
     if args.mutant is None:
         if args.bulk:
             check_dq_staging_layout()
             print("ok: dQ staging addresses = the tensor map's 128B-swizzled boxes, no bank conflicts")
-        run_many(args.runs, 1, args.deterministic, None, args.bulk, args.d256)
+        run_many(args.runs, 1, args.deterministic, None, args.bulk, args.d256, not args.no_stagger)
         print(f"ok: {args.runs} random runs (deterministic={args.deterministic}, bulk={args.bulk}, "
-              f"d256={args.d256})")
+              f"d256={args.d256}{', no stagger' if args.d256 and args.no_stagger else ''})")
         return 0
     try:
-        run_many(args.runs, 1, args.deterministic, args.mutant, args.bulk, args.d256)
+        run_many(args.runs, 1, args.deterministic, args.mutant, args.bulk, args.d256, not args.no_stagger)
     except ProtocolError as e:
         print(f"mutant {args.mutant} caught: {e}")
         return 0
