@@ -20,6 +20,8 @@ import random
 import pytest
 import torch
 
+import forests  # tests/gpu/forests.py (pytest puts this directory on sys.path)
+
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -50,48 +52,13 @@ NAMES = ("out", "lse", "dq", "dk", "dv")
 
 
 def pick_len(rng: random.Random) -> int:
-    x = rng.random()
-    if x < 0.15:
-        return 1
-    if x < 0.35:  # around the 64-row query tiles and 128-row KV tiles
-        return rng.choice([63, 64, 65, 127, 128, 129, 191, 255, 256, 257])
-    if x < 0.65:
-        return rng.randint(2, 80)
-    if x < 0.9:
-        return rng.randint(81, 300)
-    return rng.randint(301, 700)
+    """Lengths around the 64-row query tiles and 128-row KV tiles (and 192/256), short, mid, long."""
+    return forests.segment_length(rng, [63, 64, 65, 127, 128, 129, 191, 255, 256, 257], cuts=(0.15, 0.35, 0.65, 0.9),
+                                  small=80, mid=300, large=700)
 
 
 def forest(rng: random.Random, budget: int = 1500):
-    """(lens, parents) in DFS pre-order: GRPO groups, a random tree or plain varlen."""
-    kind = rng.choice(["groups", "groups", "tree", "varlen"])
-    lens, parents = [], []
-    if kind == "groups":
-        for _ in range(rng.randint(1, 3)):
-            lens.append(pick_len(rng))
-            parents.append(-1)
-            root = len(lens) - 1
-            for _ in range(rng.randint(1, 7)):
-                lens.append(pick_len(rng))
-                parents.append(root)
-    elif kind == "tree":
-        stack = []
-        for i in range(rng.randint(2, 12)):
-            depth = rng.randint(0, len(stack))
-            parents.append(stack[depth - 1] if depth else -1)
-            stack = stack[:depth] + [i]
-            lens.append(pick_len(rng))
-    else:
-        for _ in range(rng.randint(1, 6)):
-            lens.append(pick_len(rng))
-            parents.append(-1)
-    total, n = 0, 0
-    for length in lens:
-        if n and total + length > budget:
-            break
-        total += length
-        n += 1
-    return lens[:n], parents[:n]
+    return forests.random_forest(rng, pick_len, budget, max_responses=7, max_tree=12)
 
 
 def inputs(layout_cpu, H, Hk, D, dtype, seed):
