@@ -10,6 +10,13 @@
 #   run(carry=["build-dqbulk/libdualkv.so", "build-h200/libdualkv.so"],
 #       command="src/cuda/sm90/harness/bwd_dq_bulk_device_run.sh", timeout_s=600)
 # (or carry the two folders whole: about 55 MiB together, under the 64 MiB limit).
+# Both prepared backward variants in one call: build the bulk library with -DDUALKV_SM90_BWD_D256=ON
+# and "-DDUALKV_HEAD_DIMS=64;128;256" too, copy the two .so files into one small folder and carry it:
+#   mkdir -p build-carry && cp build-sm90next/libdualkv.so build-carry/next.so && \
+#     cp build-h200/libdualkv.so build-carry/default.so
+#   run(carry=["build-carry"], command="BULK_LIB=$PWD/build-carry/next.so BASE_LIB=$PWD/build-carry/default.so
+#       src/cuda/sm90/harness/bwd_dq_bulk_device_run.sh")
+# Step 1 then also tests head dim 256, and step 3c benches it against the portable backward.
 # Steps (7 files under $OUT, or /tmp/dqbulk_out: 2 test logs, the suite's report, 2 bench logs and
 # their json), about 8 minutes at most (timeouts 130 + 170 + 2 x 90 s):
 #   0. which library is which: build info; UTMAREDG (the TMA reduce) counted in each one's SASS when
@@ -91,6 +98,23 @@ if [ -z "${SKIP_BENCH:-}" ]; then
     grep -E "^\[[0-9:]+\] " "$OUTDIR/bench_base.log" | grep -v "profile dualkv" | tail -n 8
   else
     echo "== 3b. no default library (build-h200/libdualkv.so or build-sm90bwd-lib/libdualkv.so) carried"
+  fi
+fi
+# 3c. A bulk library that also carries the D = 256 backward (-DDUALKV_SM90_BWD_D256=ON: one build
+# checks both prepared variants; step 1 then covers head dim 256 too): hdim-256 bench, both builds.
+if [ -z "${SKIP_BENCH:-}" ] && [ $rc1 -ne 124 ] && DUALKV_LIBRARY=$BULK_LIB python3 -c \
+    "import sys, dualkv; sys.exit(256 not in dualkv._native.build_info()['cuda'].get('sm90_bwd_head_dims', []))"; then
+  C256=${BENCH_CONFIGS_256:-"16,4096,1024;8,16384,2048"}
+  echo "== 3c. bench hdim 256: sm90 D=256 backward (bulk library) vs portable (default library)"
+  timeout ${BENCH_TIMEOUT:-90} python3 bench/attention.py --head-dim 256 --configs "$C256" --no-varlen \
+    --methods dualkv,sdpa_cudnn --out /tmp/dqbulk_bench_d256 --tag d256_sm90 > "$OUTDIR/bench_d256.log" 2>&1
+  echo "bench d256 sm90 rc=$? t=$(elapsed)s"; cp /tmp/dqbulk_bench_d256/*.json "$OUTDIR/" 2>/dev/null
+  grep -E "^N[0-9]+_P" "$OUTDIR/bench_d256.log" | tail -n 4
+  if [ -n "${BASE_LIB:-}" ]; then
+    DUALKV_LIBRARY=$BASE_LIB timeout ${BENCH_TIMEOUT:-90} python3 bench/attention.py --head-dim 256 --configs "$C256" \
+      --no-varlen --methods dualkv --out /tmp/dqbulk_bench_d256p --tag d256_portable > "$OUTDIR/bench_d256_portable.log" 2>&1
+    echo "bench d256 portable rc=$? t=$(elapsed)s"; cp /tmp/dqbulk_bench_d256p/*.json "$OUTDIR/" 2>/dev/null
+    grep -E "^N[0-9]+_P" "$OUTDIR/bench_d256_portable.log" | tail -n 2
   fi
 fi
 echo "total t=$(elapsed)s"
