@@ -56,64 +56,7 @@ import argparse
 import random
 import sys
 
-
-class ProtocolError(AssertionError):
-    pass
-
-
-def check(cond, msg):
-    if not cond:
-        raise ProtocolError(msg)
-
-
-class MBar:
-    def __init__(self, count):
-        self.count, self.arrived, self.tx, self.completed = count, 0, 0, 0
-
-    def _maybe_complete(self):
-        if self.arrived == self.count and self.tx == 0:
-            self.completed += 1
-            self.arrived = 0
-
-    def arrive(self, n=1):
-        for _ in range(n):  # arrivals past the count start the next phase (as on the hardware)
-            self.arrived += 1
-            self._maybe_complete()
-
-    def arrive_expect_tx(self, tx):
-        self.tx += tx
-        self.arrive()
-
-    def complete_tx(self, tx):
-        self.tx -= tx
-        check(self.tx >= 0, "negative transaction count")
-        self._maybe_complete()
-
-    def ready(self, parity):  # mbarrier.try_wait.parity
-        return (self.completed & 1) != parity
-
-
-class NamedBar:
-    def __init__(self, parties):
-        self.parties, self.pending, self.generation = parties, set(), 0
-
-    def arrive(self, who):
-        check(who not in self.pending, f"{who} arrives twice on one named-barrier instance")
-        self.pending.add(who)
-        if len(self.pending) == self.parties:
-            self.pending = set()
-            self.generation += 1
-
-
-class Buffer:
-    """A smem buffer written by TMA (async) or by generic stores; readers = actors reading it."""
-
-    def __init__(self, name):
-        self.name, self.version, self.loaded, self.readers = name, None, False, set()
-
-    def write(self, version, loaded=False):
-        check(not self.readers, f"{self.name} (v{self.version}) overwritten while read by {sorted(self.readers)}")
-        self.version, self.loaded = version, loaded
+from mbar_sim import Buffer, MBar, NamedBar, ProtocolError, check
 
 
 def simulate(rng, steps_of, deterministic=False, mutant=None, bulk=False, d256=False, stagger=True):

@@ -16,55 +16,11 @@ from __future__ import annotations
 import argparse
 import random
 
-
-class MBar:
-    def __init__(self, count):
-        self.count, self.arrived, self.tx, self.completed = count, 0, 0, 0
-
-    def _maybe_complete(self):
-        if self.arrived == self.count and self.tx == 0:
-            self.completed += 1
-            self.arrived = 0
-
-    def arrive(self, n=1):
-        self.arrived += n
-        assert self.arrived <= self.count, "too many arrivals in one phase"
-        self._maybe_complete()
-
-    def arrive_expect_tx(self, tx):
-        self.tx += tx
-        self.arrive()
-
-    def complete_tx(self, tx):
-        self.tx -= tx
-        assert self.tx >= 0
-        self._maybe_complete()
-
-    def ready(self, parity):  # mbarrier.try_wait.parity
-        return (self.completed & 1) != parity
+from mbar_sim import Buffer, MBar as _MBar, NamedBar
 
 
-class NamedBar:  # bar.sync / bar.arrive with 256 threads = two warpgroups of 128
-    def __init__(self):
-        self.pending = set()
-        self.generation = 0
-
-    def arrive(self, who):
-        # A warpgroup arriving twice in one barrier instance would complete it on its own.
-        assert who not in self.pending, f"{who} arrives twice on one named-barrier instance"
-        self.pending.add(who)
-        if len(self.pending) == 2:
-            self.pending = set()
-            self.generation += 1
-
-
-class Buffer:
-    def __init__(self, name):
-        self.name, self.version, self.loaded, self.readers = name, None, False, set()
-
-    def tma_write(self, version):
-        assert not self.readers, f"TMA overwrites {self.name} (v{self.version}) while read by {self.readers}"
-        self.version, self.loaded = version, False
+def MBar(count):  # every arrival of this model is accounted for: more than `count` per phase is a bug
+    return _MBar(count, strict=True)
 
 
 def simulate(rng, n_items, tiles_of, S, split, pingpong):
@@ -88,7 +44,7 @@ def simulate(rng, n_items, tiles_of, S, split, pingpong):
             yield "blocked"
 
     def tma(bar, buf, version):
-        buf.tma_write(version)
+        buf.write(version)
         inflight_tma.append((bar, buf))
 
     def producer():
