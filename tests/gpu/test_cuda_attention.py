@@ -13,7 +13,8 @@ import random
 import pytest
 import torch
 
-import forests  # tests/gpu/forests.py (pytest puts this directory on sys.path)
+import cases  # tests/gpu/cases.py (pytest puts this directory on sys.path)
+from cases import kernel_grads, make_inputs, ref_grads
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -36,32 +37,11 @@ def built_head_dims():
 
 def seg_len(rng: random.Random) -> int:
     """Lengths around the portable kernels' 64/128-row tiles, short, mid and long."""
-    return forests.segment_length(rng, [127, 128, 129, 63, 64, 65])
+    return cases.segment_length(rng, [127, 128, 129, 63, 64, 65])
 
 
 def random_forest(rng: random.Random, max_tokens: int = 1400):
-    return forests.random_forest(rng, seg_len, max_tokens)
-
-
-def make_inputs(layout_cpu, H, Hk, D, dtype, seed, device="cuda"):
-    g = torch.Generator(device=device).manual_seed(seed)
-    T = layout_cpu.num_tokens
-    q = torch.randn(T, H, D, device=device, dtype=dtype, generator=g)
-    k = torch.randn(T, Hk, D, device=device, dtype=dtype, generator=g)
-    v = torch.randn(T, Hk, D, device=device, dtype=dtype, generator=g)
-    dout = torch.randn(T, H, D, device=device, dtype=dtype, generator=g)
-    return q, k, v, dout
-
-
-def ref_grads(q, k, v, dout, layout_cpu, dtype, dlse=None):
-    """(out, lse, dq, dk, dv) of the dense reference computed in `dtype`."""
-    qq, kk, vv = (t.detach().to(dtype).requires_grad_(True) for t in (q, k, v))
-    out, lse = attention_ref(qq, kk, vv, layout_cpu)
-    loss = (out.to(dtype) * dout.to(dtype)).sum()
-    if dlse is not None:
-        loss = loss + (lse.to(dtype) * dlse.to(dtype)).sum()
-    loss.backward()
-    return [t.detach().double() for t in (out, lse, qq.grad, kk.grad, vv.grad)]
+    return cases.random_forest(rng, seg_len, max_tokens)
 
 
 _REPORT = []  # (test id, output, max error, bound) for DUALKV_TEST_REPORT
@@ -104,16 +84,11 @@ def run_case(lens, parents, H, Hk, D, dtype, seed, deterministic=False, with_dls
     layout = layout_cpu.to("cuda")
     q, k, v, dout = make_inputs(layout_cpu, H, Hk, D, dtype, seed)
     dlse = torch.randn(H, layout_cpu.num_tokens, device="cuda") if with_dlse else None
-    qq, kk, vv = (t.clone().requires_grad_(True) for t in (q, k, v))
-    out, lse = dualkv.attention(qq, kk, vv, layout, deterministic=deterministic, return_lse=True)
-    loss = (out.float() * dout.float()).sum()
-    if dlse is not None:
-        loss = loss + (lse * dlse).sum()
-    loss.backward()
+    got = kernel_grads(q, k, v, dout, layout, deterministic, dlse)
     ref64 = ref_grads(q, k, v, dout, layout_cpu, torch.float64, dlse)
     refpt = ref_grads(q, k, v, dout, layout_cpu, dtype, dlse)
     extra = f"(lens={lens}, parents={parents}, H={H}, Hk={Hk}, D={D}, {dtype}, det={deterministic})"
-    return check_against_ref([out, lse, qq.grad, kk.grad, vv.grad], ref64, refpt, extra)
+    return check_against_ref(got, ref64, refpt, extra)
 
 
 N_RANDOM = 120

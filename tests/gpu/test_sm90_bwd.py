@@ -20,7 +20,8 @@ import random
 import pytest
 import torch
 
-import forests  # tests/gpu/forests.py (pytest puts this directory on sys.path)
+import cases  # tests/gpu/cases.py (pytest puts this directory on sys.path)
+from cases import kernel_grads, make_inputs, ref_grads
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -28,7 +29,6 @@ pytestmark = [pytest.mark.gpu,
 if torch.cuda.is_available():
     import dualkv
     from dualkv import _native
-    from dualkv.reference import attention_ref
 
 
 def sm90_bwd_dims() -> list[int]:
@@ -53,39 +53,12 @@ NAMES = ("out", "lse", "dq", "dk", "dv")
 
 def pick_len(rng: random.Random) -> int:
     """Lengths around the 64-row query tiles and 128-row KV tiles (and 192/256), short, mid, long."""
-    return forests.segment_length(rng, [63, 64, 65, 127, 128, 129, 191, 255, 256, 257], cuts=(0.15, 0.35, 0.65, 0.9),
+    return cases.segment_length(rng, [63, 64, 65, 127, 128, 129, 191, 255, 256, 257], cuts=(0.15, 0.35, 0.65, 0.9),
                                   small=80, mid=300, large=700)
 
 
 def forest(rng: random.Random, budget: int = 1500):
-    return forests.random_forest(rng, pick_len, budget, max_responses=7, max_tree=12)
-
-
-def inputs(layout_cpu, H, Hk, D, dtype, seed):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    T = layout_cpu.num_tokens
-    return [torch.randn(T, h, D, device="cuda", dtype=dtype, generator=g) for h in (H, Hk, Hk, H)]
-
-
-def reference(q, k, v, dout, layout_cpu, dtype, dlse=None):
-    qq, kk, vv = (t.detach().to(dtype).requires_grad_(True) for t in (q, k, v))
-    out, lse = attention_ref(qq, kk, vv, layout_cpu)
-    loss = (out.to(dtype) * dout.to(dtype)).sum()
-    if dlse is not None:
-        loss = loss + (lse.to(dtype) * dlse.to(dtype)).sum()
-    loss.backward()
-    return [t.detach().double() for t in (out, lse, qq.grad, kk.grad, vv.grad)]
-
-
-def kernel_grads(q, k, v, dout, layout, deterministic=False, dlse=None):
-    qq, kk, vv = (t.clone().requires_grad_(True) for t in (q, k, v))
-    out, lse = dualkv.attention(qq, kk, vv, layout, deterministic=deterministic, return_lse=True)
-    loss = (out.float() * dout.float()).sum()
-    if dlse is not None:
-        loss = loss + (lse * dlse).sum()
-    loss.backward()
-    torch.cuda.synchronize()
-    return [out, lse, qq.grad, kk.grad, vv.grad]
+    return cases.random_forest(rng, pick_len, budget, max_responses=7, max_tree=12)
 
 
 def check(got, ref64, refpt, what):
@@ -104,11 +77,11 @@ def check(got, ref64, refpt, what):
 def run(lens, parents, H, Hk, D, dtype, seed, deterministic=False, with_dlse=False):
     layout_cpu = dualkv.Layout.from_tree(lens, parents)
     layout = layout_cpu.to("cuda")
-    q, k, v, dout = inputs(layout_cpu, H, Hk, D, dtype, seed)
+    q, k, v, dout = make_inputs(layout_cpu, H, Hk, D, dtype, seed)
     dlse = torch.randn(H, layout_cpu.num_tokens, device="cuda") if with_dlse else None
     got = kernel_grads(q, k, v, dout, layout, deterministic, dlse)
-    ref64 = reference(q, k, v, dout, layout_cpu, torch.float64, dlse)
-    refpt = reference(q, k, v, dout, layout_cpu, dtype, dlse)
+    ref64 = ref_grads(q, k, v, dout, layout_cpu, torch.float64, dlse)
+    refpt = ref_grads(q, k, v, dout, layout_cpu, dtype, dlse)
     what = f"(lens={lens}, parents={parents}, H={H}, Hk={Hk}, D={D}, {dtype}, det={deterministic})"
     return check(got, ref64, refpt, what), got
 
@@ -171,7 +144,7 @@ def test_deterministic_bitwise(D):
     parents = [-1, 0, 0, 0, 0, -1, 5]
     layout_cpu = dualkv.Layout.from_tree(lens, parents)
     layout = layout_cpu.to("cuda")
-    q, k, v, dout = inputs(layout_cpu, 8, 2, D, torch.bfloat16, seed=19)
+    q, k, v, dout = make_inputs(layout_cpu, 8, 2, D, torch.bfloat16, seed=19)
     first = kernel_grads(q, k, v, dout, layout, deterministic=True)
     for _ in range(3):
         again = kernel_grads(q, k, v, dout, layout, deterministic=True)
@@ -192,8 +165,8 @@ def test_strided_inputs():
     dout = torch.randn(T, H, D, device="cuda", dtype=torch.bfloat16, generator=g)
     q, k, v = qkv[:, :H], qkv[:, H:H + Hk], qkv[:, H + Hk:]
     got = kernel_grads(q, k, v, dout, layout)
-    ref64 = reference(q, k, v, dout, layout_cpu, torch.float64)
-    refpt = reference(q, k, v, dout, layout_cpu, torch.bfloat16)
+    ref64 = ref_grads(q, k, v, dout, layout_cpu, torch.float64)
+    refpt = ref_grads(q, k, v, dout, layout_cpu, torch.bfloat16)
     check(got, ref64, refpt, "(strided qkv)")
 
 
@@ -230,14 +203,14 @@ def test_broadcast_dout_falls_back():
     lens, parents = [150, 70, 1], [-1, 0, 0]
     layout_cpu = dualkv.Layout.from_tree(lens, parents)
     layout = layout_cpu.to("cuda")
-    q, k, v, _ = inputs(layout_cpu, 4, 2, D, torch.bfloat16, seed=31)
+    q, k, v, _ = make_inputs(layout_cpu, 4, 2, D, torch.bfloat16, seed=31)
     w = torch.randn(D, device="cuda", dtype=torch.bfloat16)
     qq, kk, vv = (t.clone().requires_grad_(True) for t in (q, k, v))
     out = dualkv.attention(qq, kk, vv, layout)
     (out * w).sum().backward()
     dout = w.expand_as(out)
-    ref64 = reference(q, k, v, dout, layout_cpu, torch.float64)
-    refpt = reference(q, k, v, dout, layout_cpu, torch.bfloat16)
+    ref64 = ref_grads(q, k, v, dout, layout_cpu, torch.float64)
+    refpt = ref_grads(q, k, v, dout, layout_cpu, torch.bfloat16)
     for name, x, r64, rpt in zip(("dq", "dk", "dv"), (qq.grad, kk.grad, vv.grad), ref64[2:], refpt[2:]):
         err = (x.double() - r64).abs().max().item()
         bound = 2 * (rpt - r64).abs().max().item() + 1e-5

@@ -20,7 +20,7 @@ import random
 import pytest
 import torch
 
-import forests  # tests/gpu/forests.py (pytest puts this directory on sys.path)
+import cases  # tests/gpu/cases.py (pytest puts this directory on sys.path)
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 ATOL = 1e-5
@@ -215,12 +215,12 @@ def check(lens, parents, H, Hk, D, dtype, seed, strided=False):
 
 def seg_len(rng):
     """Lengths around the sm90 forward's 128-row query and 64/128-row KV tiles (and 256)."""
-    return forests.segment_length(rng, [127, 128, 129, 63, 64, 65, 255, 256, 257], cuts=(0.15, 0.3, 0.6, 0.9),
+    return cases.segment_length(rng, [127, 128, 129, 63, 64, 65, 255, 256, 257], cuts=(0.15, 0.3, 0.6, 0.9),
                                   small=64, mid=300, large=700)
 
 
 def random_forest(rng, max_tokens=1500):
-    return forests.random_forest(rng, seg_len, max_tokens)
+    return cases.random_forest(rng, seg_len, max_tokens)
 
 
 GQA = [(4, 4), (4, 1), (8, 2), (8, 1)]

@@ -1,13 +1,16 @@
-"""Random segment forests for the GPU kernel tests: GRPO groups, random trees, plain varlen.
+"""What the GPU kernel tests share: random segment forests (GRPO groups, random trees, plain varlen),
+inputs, the dense reference's outputs and gradients, and the kernel's.
 
-One generator for every GPU test module; each module picks the length mix that probes its kernel's
-tiles (lengths at tile edges, short, mid, long). Lists are DFS pre-order ``(segment_lens, parents)``
-as ``dualkv.Layout.from_tree`` takes them.
+Each test module picks the length mix that probes its kernel's tiles (lengths at tile edges, short,
+mid, long). Forests are DFS pre-order ``(segment_lens, parents)`` as ``dualkv.Layout.from_tree``
+takes them.
 """
 from __future__ import annotations
 
 import random
 from typing import Callable, List, Sequence, Tuple
+
+import torch
 
 
 def segment_length(rng: random.Random, edges: Sequence[int], cuts=(0.15, 0.25, 0.6, 0.9),
@@ -59,3 +62,36 @@ def random_forest(rng: random.Random, seg_len: Callable[[random.Random], int], m
         total += n
         keep += 1
     return lens[:keep], parents[:keep]
+
+
+def make_inputs(layout_cpu, H, Hk, D, dtype, seed, device="cuda"):
+    """q [T, H, D], k, v [T, Hk, D], dout [T, H, D], standard normal from one seeded generator."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    T = layout_cpu.num_tokens
+    return [torch.randn(T, h, D, device=device, dtype=dtype, generator=g) for h in (H, Hk, Hk, H)]
+
+
+def ref_grads(q, k, v, dout, layout_cpu, dtype, dlse=None):
+    """(out, lse, dq, dk, dv) of the dense reference computed in `dtype`, as float64."""
+    from dualkv.reference import attention_ref
+    qq, kk, vv = (t.detach().to(dtype).requires_grad_(True) for t in (q, k, v))
+    out, lse = attention_ref(qq, kk, vv, layout_cpu)
+    loss = (out.to(dtype) * dout.to(dtype)).sum()
+    if dlse is not None:
+        loss = loss + (lse.to(dtype) * dlse.to(dtype)).sum()
+    loss.backward()
+    return [t.detach().double() for t in (out, lse, qq.grad, kk.grad, vv.grad)]
+
+
+def kernel_grads(q, k, v, dout, layout, deterministic=False, dlse=None):
+    """[out, lse, dq, dk, dv] of dualkv.attention for the loss sum(out * dout) (+ sum(lse * dlse))."""
+    import dualkv
+    qq, kk, vv = (t.clone().requires_grad_(True) for t in (q, k, v))
+    out, lse = dualkv.attention(qq, kk, vv, layout, deterministic=deterministic, return_lse=True)
+    loss = (out.float() * dout.float()).sum()
+    if dlse is not None:
+        loss = loss + (lse * dlse).sum()
+    loss.backward()
+    if out.is_cuda:
+        torch.cuda.synchronize()
+    return [out, lse, qq.grad, kk.grad, vv.grad]
