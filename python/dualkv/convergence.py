@@ -40,7 +40,6 @@ Tests: ``tests/python/test_convergence.py``.
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import time
 from dataclasses import dataclass, field, replace

@@ -1,5 +1,4 @@
 """dualkv.attention on the CPU backend vs independent references."""
-import math
 import random
 
 import pytest

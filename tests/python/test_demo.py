@@ -59,11 +59,8 @@ def test_info_cli(capsys):
 
 def test_bench_e2e_cpu_smoke(tmp_path):
     """bench/e2e.py runs end to end on a CPU (--tiny); the three methods agree (fp32)."""
-    import importlib.util
     import json
-    spec = importlib.util.spec_from_file_location("dualkv_bench_e2e", ROOT / "bench" / "e2e.py")
-    e2e = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(e2e)
+    e2e = _load_bench("e2e")
     out = tmp_path / "e2e.json"
     rc = e2e.main(["--device", "cpu", "--tiny", "--dtype", "float32", "--configs", "3,40,16", "--micro-batches", "2",
                    "--iters", "1", "--out", str(out)])

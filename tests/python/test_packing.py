@@ -6,7 +6,7 @@ import torch
 
 import dualkv.packing as packing
 from dualkv.layout import Layout
-from dualkv.packing import PackedBatch, pack, pack_groups, pack_padded
+from dualkv.packing import PackedBatch, pack
 
 VOCAB = 1000
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
