@@ -59,6 +59,26 @@ import sys
 from mbar_sim import Buffer, MBar, NamedBar, ProtocolError, check
 
 
+def wgmma_reads(me):
+    """One warpgroup's smem reads by wgmma: `read(buf, version)` checks that the buffer holds that
+    version and marks it read by `me`; the buffers of each committed group (a set appended to
+    `groups`, oldest first) stay read until `retire(keep)` leaves only the newest `keep` groups."""
+    groups = []
+
+    def read(buf, version):
+        check(buf.loaded, f"{me} reads {buf.name} before it was written/loaded")
+        check(buf.version == version, f"{me} reads {buf.name} v{buf.version}, expected v{version}")
+        buf.readers.add(me)
+        return buf
+
+    def retire(keep):
+        while len(groups) > keep:
+            for b in groups.pop(0):
+                b.readers.discard(me)
+
+    return groups, read, retire
+
+
 def simulate(rng, steps_of, deterministic=False, mutant=None, bulk=False, d256=False, stagger=True):
     n_items = len(steps_of)
     stages = 2
@@ -128,18 +148,7 @@ def simulate(rng, steps_of, deterministic=False, mutant=None, bulk=False, d256=F
 
     def consumer(cw):
         me = f"wg{cw}"
-        groups = []  # committed wgmma groups, oldest first: sets of buffers read
-
-        def read(buf, version):
-            check(buf.loaded, f"{me} reads {buf.name} before it was written/loaded")
-            check(buf.version == version, f"{me} reads {buf.name} v{buf.version}, expected v{version}")
-            buf.readers.add(me)
-            return buf
-
-        def retire(keep):
-            while len(groups) > keep:
-                for b in groups.pop(0):
-                    b.readers.discard(me)
+        groups, read, retire = wgmma_reads(me)
 
         kv_iter = step = n = 0
         while True:
@@ -211,18 +220,7 @@ def simulate(rng, steps_of, deterministic=False, mutant=None, bulk=False, d256=F
 
     def consumer_d256(cw):
         me = f"wg{cw}"
-        groups = []
-
-        def read(buf, version):
-            check(buf.loaded, f"{me} reads {buf.name} before it was written/loaded")
-            check(buf.version == version, f"{me} reads {buf.name} v{buf.version}, expected v{version}")
-            buf.readers.add(me)
-            return buf
-
-        def retire(keep):
-            while len(groups) > keep:
-                for b in groups.pop(0):
-                    b.readers.discard(me)
+        groups, read, retire = wgmma_reads(me)
 
         def sync(bar):
             gen = bar.generation
