@@ -229,7 +229,7 @@ def pack_groups(prompts: Sequence[Tensor], responses: Sequence[Sequence[Tensor]]
                 raise TypeError(f"pack_groups: {name} is a {type(t).__name__}, expected a tensor")
             if t.dim() != 1:
                 raise ValueError(f"pack_groups: {name} must be 1-D, got shape {tuple(t.shape)}")
-            if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+            if not _is_integer(t):
                 raise TypeError(f"pack_groups: {name} must hold integer token ids, got {t.dtype}")
             if t.numel() == 0:
                 what = "prompt" if name.startswith("prompts") else "response"
@@ -269,7 +269,7 @@ def pack_padded(input_ids: Tensor, attention_mask: Tensor, response_mask: Option
         raise TypeError(f"pack_padded: input_ids must be a tensor, got {type(input_ids).__name__}")
     if input_ids.dim() != 2:
         raise ValueError(f"pack_padded: input_ids must be [B, Lp + Lr], got shape {tuple(input_ids.shape)}")
-    if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
+    if not _is_integer(input_ids):
         raise TypeError(f"pack_padded: input_ids must hold integer token ids, got {input_ids.dtype}")
     B, L = input_ids.shape
     if B == 0:
@@ -442,6 +442,11 @@ def _raise_flags(flags: Tensor, row_group: Tensor, Lp: int, Lr: int) -> None:
     raise ValueError(f"pack_padded (Lp={Lp}, Lr={Lr}): " + "; ".join(msgs))
 
 
+def _is_integer(t: Tensor) -> bool:
+    """Integer dtype proper (token ids, lengths): not floating, complex or bool."""
+    return not (t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool)
+
+
 def _same_device(name: str, t: Tensor, dev: torch.device) -> None:
     if t.device != dev:
         raise ValueError(f"pack_padded: {name} is on {t.device}, input_ids on {dev}")
@@ -464,7 +469,7 @@ def _bool_mask(m: Tensor) -> Tuple[Tensor, Optional[Tensor]]:
 
 def _lens_tensor(lens: Union[Tensor, Sequence[int]], B: int, dev: torch.device) -> Tensor:
     if isinstance(lens, Tensor):
-        if lens.dtype.is_floating_point or lens.dtype.is_complex or lens.dtype == torch.bool:
+        if not _is_integer(lens):
             raise TypeError(f"pack_padded: response_lens must be integers, got {lens.dtype}")
         t = lens.reshape(-1).to(device=dev, dtype=torch.int64)
     else:
