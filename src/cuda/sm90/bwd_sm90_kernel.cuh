@@ -22,14 +22,15 @@
 //       barrier 1), then warpgroup c computes dQ[:, cD/2 .. +D/2] = dS K[:, half] (SS, B N-major)
 //       and adds it to the fp32 dQ accumulator with 16-byte atomics (skipped in deterministic mode,
 //       where the sm80 query-outer dQ kernel runs afterwards).
-//   dQ by bulk reduce (compile-time switch DUALKV_SM90_BWD_DQ_BULK=1, kBwdDqBulk; default off and
-//     not yet run on a GPU): instead of the atomics, warpgroup c stores its fp32 dQ half into a
-//     staging buffer (64 x D fp32, double-buffered by step parity, 128B-swizzled boxes of 32
-//     columns; rows >= qb stored as 0), and thread 32 of the producer warpgroup (the "dQ writer")
-//     adds the whole tile to dq_accum with D/32 TMA reduce-adds (cp.reduce.async.bulk.tensor), so
-//     per step a math thread issues D/8 8-byte shared stores instead of D/16 16-byte global atomics
-//     (+ D/8 shuffles), and the L2 reductions no longer go through the math warps' load/store
-//     queues. The writer walks the same items and steps as the consumers.
+//   dQ by bulk reduce (compile-time switch DUALKV_SM90_BWD_DQ_BULK=1, kBwdDqBulk; the CMake option of
+//     that name, default ON, sets it; OFF keeps the atomics above): instead of the atomics,
+//     warpgroup c stores its fp32 dQ half into a staging buffer (64 x D fp32, double-buffered by
+//     step parity, 128B-swizzled boxes of 32 columns; rows >= qb stored as 0), and thread 32 of the
+//     producer warpgroup (the "dQ writer") adds the whole tile to dq_accum with D/32 TMA reduce-adds
+//     (cp.reduce.async.bulk.tensor), so per step a math thread issues D/8 8-byte shared stores
+//     instead of D/16 16-byte global atomics (+ D/8 shuffles), and the L2 reductions no longer go
+//     through the math warps' load/store queues. The writer walks the same items and steps as the
+//     consumers.
 //   Rows of Q/dO past qb get lse = +inf (P = 0); TMA zero-fills past T. KV rows past k1 (the next
 //   segment's tokens, loaded by TMA) are masked explicitly.
 //

@@ -34,11 +34,18 @@ if(DUALKV_SM90_BWD)
     endif()
   endforeach()
   # Head dim 256 (bwd_sm90_kernel_d256.cuh: the two consumer warpgroups split the work by role, S/P/dV
-  # and dP/dS/dK), DUALKV_SM90_BWD_D256, default OFF until it has run on a device: its two units
-  # and DUALKV_SM90_BWD_HDIM_256=1 when 256 is in DUALKV_HEAD_DIMS.
-  option(DUALKV_SM90_BWD_D256 "Compile the Hopper backward main kernel for head dim 256 (not yet run on a GPU)" OFF)
+  # and dP/dS/dK), DUALKV_SM90_BWD_D256 (default ON; OFF keeps the portable backward at head dim
+  # 256, 2 fewer units): its two units and DUALKV_SM90_BWD_HDIM_256=1 when 256 is in DUALKV_HEAD_DIMS.
+  option(DUALKV_SM90_BWD_D256 "Compile the Hopper backward main kernel for head dim 256" ON)
   if(DUALKV_SM90_BWD_D256 AND (256 IN_LIST DUALKV_HEAD_DIMS))
     list(APPEND DKV_SM90_SOURCES ${_dkv_sm90_dir}/bwd_sm90_hdim256_bf16.cu ${_dkv_sm90_dir}/bwd_sm90_hdim256_fp16.cu)
     list(APPEND DKV_SM90_DEFINITIONS DUALKV_SM90_BWD_HDIM_256=1)
+  endif()
+  # dQ of head dims 64/128 by smem staging + TMA bulk reduce-add instead of per-thread 16-byte
+  # atomics (bwd_sm90_kernel.cuh), DUALKV_SM90_BWD_DQ_BULK (default ON: the main kernel 23% faster
+  # on the H200, docs/hopper.md). OFF builds the atomic variant for an A/B.
+  option(DUALKV_SM90_BWD_DQ_BULK "Hopper backward: dQ by TMA bulk reduce-add (OFF: per-thread atomics)" ON)
+  if(DUALKV_SM90_BWD_DQ_BULK)
+    list(APPEND DKV_SM90_DEFINITIONS DUALKV_SM90_BWD_DQ_BULK=1)
   endif()
 endif()
