@@ -14,8 +14,9 @@ Methods (same model object, the attention implementation is switched between met
           the response positions are exact)
   flex    the packed [P | R_1 | ... | R_N] stream, compiled FlexAttention with a shared-prefix
           BlockMask built for every micro-batch (the build is timed: training pays it per batch;
-          compiled mask build by default; compiles happen in the warm-up). On a CPU, where FlexAttention has no backward, the
-          dense mask of the same mask_mod is used with SDPA (a smoke test of the mask only).
+          eager create_block_mask by default, as frameworks ship it; --flex-mask-compile for the
+          compiled build; compiles happen in the warm-up). On a CPU, where FlexAttention has no
+          backward, the dense mask of the same mask_mod is used with SDPA (a smoke test of the mask only).
   dualkv  the packed stream with attn_implementation="dualkv"
 
 All three compute log-probs only at the positions that predict response tokens, with the same fused
@@ -30,6 +31,12 @@ speed ratios): 6 * linear params * packed tokens + 6 * V * d * logit rows + atte
 visible pairs per layer; gradient-checkpointing recompute is not counted; peak = --peak-tflops
 (H200 dense bf16: 989 TFLOP/s).
 
+Time limits (--method-timeout): each method's warm-up (its compiles), its mask-build timing and its
+timed updates are bounded; a method past its limit is recorded as a timeout and the run goes on with
+the next method and config; a section that cannot be interrupted ends the process 60 s later. The
+JSON is saved before and after every method (the one in progress says "running"); the summary table
+is also written next to it (.txt).
+
   python bench/e2e.py                                  # 0.6b and 1.7b, the two default configs
   python bench/e2e.py --models 8b --configs 16,4096,1024
   python bench/e2e.py --grid                           # more (N, P, R)
@@ -40,7 +47,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import faulthandler
 import json
+import os
 import pathlib
 import platform
 import re
@@ -258,28 +267,62 @@ def useful_flops(cfg, mbs):
 # the run
 # ----------------------------------------------------------------------------------------------
 
-class MethodTimeout(Exception):
-    pass
+class MethodTimeout(BaseException):
+    """A section ran past --method-timeout. A BaseException (like KeyboardInterrupt), so that the broad
+    ``except Exception`` of compiler code (fallbacks, autotuners) cannot swallow it."""
+
+
+#: seconds past a soft time limit after which the process is ended (see _time_limit)
+HARD_TIMEOUT_GRACE_S = 60.0
+#: sections that timed out in this process (then the script exits without waiting on compile workers)
+TIMED_OUT: list = []
 
 
 @contextlib.contextmanager
 def _time_limit(seconds: float, what: str):
-    """Raise MethodTimeout in the main thread after `seconds` (0: no limit). A baseline whose compiles
-    never finish (FlexAttention recompiling per packed length) is then recorded as a timeout and the
-    run goes on, instead of eating the whole device call."""
+    """Bound a section to `seconds` (0: no limit), so that a hang (a compile that never finishes, say
+    ptxas on FlexAttention's compiled mask build) is recorded and the run goes on to the next
+    method / config instead of eating the whole device call. Two levels:
+
+    1. soft: SIGALRM raises MethodTimeout in the main thread at its next bytecode; a blocking wait on
+       a child process is interrupted too (subprocess.run kills its child, e.g. a stuck ptxas, on the
+       way out). The caller records the method as a timeout and goes on.
+    2. hard: if the section has not unwound HARD_TIMEOUT_GRACE_S later (stuck inside C code that never
+       returns to Python), faulthandler's watchdog (its own C thread, no GIL needed) prints every
+       thread's stack and ends the process with exit code 1. The results JSON, saved before and after
+       every method, then shows that method as status "running".
+
+    An outer SIGALRM timer (pytest-timeout's, say) gets its remaining time back afterwards; a
+    faulthandler.dump_traceback_later set by someone else is cancelled (there is only one)."""
     if not seconds or not hasattr(signal, "SIGALRM"):
         yield
         return
 
+    armed = [True]
+
     def fire(signum, frame):
-        raise MethodTimeout(f"{what} exceeded --method-timeout {seconds:.0f} s")
+        if armed[0]:  # not once the section has ended (an alarm racing the clean-up below)
+            armed[0] = False
+            TIMED_OUT.append(what)
+            raise MethodTimeout(f"{what} exceeded its time limit of {seconds:.0f} s (--method-timeout)")
     old = signal.signal(signal.SIGALRM, fire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
+    t0 = time.monotonic()
+    prev_delay, prev_interval = signal.setitimer(signal.ITIMER_REAL, seconds)
+    faulthandler.dump_traceback_later(seconds + HARD_TIMEOUT_GRACE_S, exit=True)
     try:
         yield
     finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, old)
+        while True:  # the clean-up always completes, even if the alarm fires in its first steps
+            try:
+                armed[0] = False
+                signal.setitimer(signal.ITIMER_REAL, 0)
+                faulthandler.cancel_dump_traceback_later()
+                signal.signal(signal.SIGALRM, old)
+                break
+            except MethodTimeout:
+                continue
+        if prev_delay > 0:
+            signal.setitimer(signal.ITIMER_REAL, max(1e-3, prev_delay - (time.monotonic() - t0)), prev_interval)
 
 
 def timed_update(method, model, mbs, args, device, progress=False):
@@ -391,7 +434,11 @@ def measure(method, model, mbs, args, device, base, flops):
                 _, logps = timed_update(method, model, mbs, args, device, progress=method == "flex")
         rec["warmup_s"] = time.perf_counter() - t_w
         times = []
-        with _time_limit(args.method_timeout, f"{method} timed updates"):
+        # no compiles are left after the warm-up (same micro-batches), so the timed updates may take
+        # as long as twice the warm-up's pace: a long update (8B, P=16384) is not cut at --method-timeout
+        timed_limit = args.method_timeout and max(
+            args.method_timeout, 2.0 * max(1, args.iters) * rec["warmup_s"] / max(1, args.warmup))
+        with _time_limit(timed_limit, f"{method} timed updates"):
             for _ in range(max(1, args.iters)):
                 t, logps = timed_update(method, model, mbs, args, device)
                 times.append(t)
@@ -401,18 +448,22 @@ def measure(method, model, mbs, args, device, base, flops):
             rec["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
             rec["mfu"] = flops / sec / (args.peak_tflops * 1e12)
         if method == "flex":  # the per-update BlockMask builds inside `seconds`, timed alone
-            rec["mask_build_s"] = _mask_build_seconds(mbs, device)
+            with _time_limit(args.method_timeout, "flex mask builds"):
+                rec["mask_build_s"] = _mask_build_seconds(mbs, device)
             rec["seconds_excl_mask"] = sec - rec["mask_build_s"]
             # warm-up = first update = every compile (one per distinct packed length with dynamic=False)
             rec["compile_s"] = max(0.0, rec["warmup_s"] - sec * args.warmup)
+            rec["flex_mask_compile"] = bool(_FLEX.get("mask_compile"))
+            rec["flex_compile"] = bool(args.flex_compile)
         if args.breakdown and device.type == "cuda":
-            rec["breakdown_ms"] = gpu_time_breakdown(method, model, mbs, args, device)
+            with _time_limit(timed_limit, f"{method} profiled update"):
+                rec["breakdown_ms"] = gpu_time_breakdown(method, model, mbs, args, device)
             b = rec["breakdown_ms"]
             log(f"    {method} GPU time per update: attention {b['attention']:.0f} ms, GEMM {b['gemm']:.0f} ms, "
                 f"other {b['other']:.0f} ms (total {b['total']:.0f} ms)")
         rec["logp0"] = logps[0].float()
         rec["status"] = "ok"
-    except Exception as exc:  # OOM, a timeout or an unavailable backend: record it, go on
+    except (Exception, MethodTimeout) as exc:  # OOM, a timeout or an unavailable backend: record it, go on
         oom = _is_oom(exc)
         rec["status"] = "oom" if oom else "timeout" if isinstance(exc, MethodTimeout) else "error"
         rec["error"] = f"{type(exc).__name__}: {str(exc)[:500]}"
@@ -451,7 +502,7 @@ def probe_max_groups(method, model, cfg, n, P, R, args, device):
             best = {"max_mb_groups": g, "max_mb_unpacked_tokens": mb.unpacked_tokens, "max_mb_packed_tokens": mb.T}
             if device.type == "cuda":
                 best["max_mb_peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
-        except Exception as exc:  # noqa: BLE001
+        except (Exception, MethodTimeout) as exc:  # noqa: BLE001
             if not _is_oom(exc):
                 best["probe_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
             break
@@ -465,7 +516,14 @@ def probe_max_groups(method, model, cfg, n, P, R, args, device):
     return best
 
 
-def run_config(model, cfg, size, n, P, R, args, device):
+def _json_record(r):
+    return {k: v for k, v in r.items() if k != "logp0"}
+
+
+def run_config(model, cfg, size, n, P, R, args, device, save=None):
+    """Every method on one (N, P, R); ``save(records)``, when given, is called before each method (its
+    record says status "running") and after it, so a process killed from outside (a hard timeout,
+    the device call's limit) leaves every finished method in the JSON and names the one that hung."""
     dtype = next(model.parameters()).dtype
     mbs = make_micro_batches(n, P, R, args.micro_batches, args.groups_per_mb, cfg.vocab_size, args.seed, device,
                              args.equal_responses)
@@ -482,6 +540,8 @@ def run_config(model, cfg, size, n, P, R, args, device):
             "useful_flops": flops, "dtype": str(dtype).replace("torch.", "")}
     results = []
     for method in args.methods:
+        if save is not None:
+            save([_json_record(r) for r in results] + [dict(base, method=method, status="running")])
         rec = measure(method, model, mbs, args, device, base, flops)
         if args.probe_max_mb and rec["status"] == "ok":
             rec.update(probe_max_groups(method, model, cfg, n, P, R, args, device))
@@ -492,14 +552,27 @@ def run_config(model, cfg, size, n, P, R, args, device):
             + (f"{rec['seconds']:.3f} s/update, {rec['tokens_per_s']:,.0f} tok/s"
                + (f", peak {rec['peak_gib']:.1f} GiB, MFU {100 * rec['mfu']:.1f}%" if "mfu" in rec else "")
                if rec["status"] == "ok" else rec.get("error", "")))
+        if save is not None:
+            save([_json_record(r) for r in results])
     std = next((r for r in results if r["method"] == "std" and r["status"] == "ok"), None)
+    dkv = next((r for r in results if r["method"] == "dualkv" and r["status"] == "ok"), None)
     m = mbs[0].mask
     std_lp0 = std.get("logp0") if std is not None else None
+    dkv_lp0 = dkv.get("logp0") if dkv is not None else None
     for r in results:
         lp0 = r.pop("logp0", None)
-        if std is not None and r["status"] == "ok":
+        if r["status"] != "ok":
+            continue
+        if std is not None:
             r["speedup_vs_std"] = std["seconds"] / r["seconds"]
             r["max_abs_dlogp_vs_std"] = float((lp0 - std_lp0).abs()[m].max())
+        if dkv is not None and r is not dkv:  # how much faster dualkv is than this method
+            r["dualkv_speedup"] = r["seconds"] / dkv["seconds"]
+            if "seconds_excl_mask" in r:
+                r["dualkv_speedup_excl_mask"] = r["seconds_excl_mask"] / dkv["seconds"]
+            r["max_abs_dlogp_vs_dualkv"] = float((lp0 - dkv_lp0).abs()[m].max())
+    if save is not None:
+        save(results)
     return results
 
 
@@ -558,8 +631,9 @@ def plot(results, path):
                 if r is None:
                     continue
                 ax.bar(i + j * width, r["seconds"], width, color=f"C{j}", label=meth if i == 0 else None)
-                ax.text(i + j * width, r["seconds"], f"{r.get('speedup_vs_std', float('nan')):.2f}x",
-                        ha="center", va="bottom", fontsize=7)
+                if "speedup_vs_std" in r:
+                    ax.text(i + j * width, r["seconds"], f"{r['speedup_vs_std']:.2f}x", ha="center", va="bottom",
+                            fontsize=7)
         ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cases))])
         ax.set_xticklabels([f"N{n} P{p} R{rr}\nrho {next(x['rho_tokens'] for x in rows if (x['N'], x['P'], x['R']) == (n, p, rr)):.2f}"
                             for n, p, rr in cases], fontsize=8)
@@ -572,25 +646,35 @@ def plot(results, path):
     log(f"plot: {path}")
 
 
+def _fmt(value, spec, suffix="") -> str:
+    """``value`` formatted with ``spec`` (plus ``suffix``), or '-' when the value is missing (a method
+    that ran without std or dualkv in the same config has no speedup or log-prob difference)."""
+    return "-" if value is None else format(value, spec) + suffix
+
+
 def summary(results):
+    """The table of a run: one row per (model, config, method); 'speedup' is std's time over this
+    method's, 'dkv x' this method's time over dualkv's (the acceptance's "faster than FlexAttention")."""
     head = (f"{'model':>6} {'N':>3} {'P':>6} {'R':>5} {'rho':>5} {'method':>7} {'s/update':>9} {'tok/s':>11} "
-            f"{'speedup':>8} {'peak GiB':>9} {'MFU %':>6} {'max|dlogp|':>10} {'max mb':>7}")
+            f"{'speedup':>8} {'dkv x':>6} {'peak GiB':>9} {'MFU %':>6} {'max|dlogp|':>10} {'max mb':>7}")
     lines = [head, "-" * len(head)]
     for r in results:
         if r["status"] != "ok":
             lines.append(f"{r['model']:>6} {r['N']:>3} {r['P']:>6} {r['R']:>5} {r['rho_tokens']:>5.2f} "
-                         f"{r['method']:>7} {r['status']:>9}")
+                         f"{r['method']:>7} {r['status']:>9}  {r.get('error', '')[:80]}")
             continue
-        peak = f"{r['peak_gib']:.1f}" if "peak_gib" in r else "-"
-        mfu = f"{100 * r['mfu']:.1f}" if "mfu" in r else "-"
-        d = r.get("max_abs_dlogp_vs_std")
+        peak = _fmt(r.get("peak_gib"), ".1f")
+        mfu = _fmt(100 * r["mfu"] if "mfu" in r else None, ".1f")
         lines.append(f"{r['model']:>6} {r['N']:>3} {r['P']:>6} {r['R']:>5} {r['rho_tokens']:>5.2f} {r['method']:>7} "
-                     f"{r['seconds']:>9.3f} {r['tokens_per_s']:>11,.0f} {r.get('speedup_vs_std', float('nan')):>7.2f}x "
-                     f"{peak:>9} {mfu:>6} {d if d is None else format(d, '.3g'):>10} "
-                     f"{_max_mb_text(r):>7}")
+                     f"{r['seconds']:>9.3f} {r['tokens_per_s']:>11,.0f} {_fmt(r.get('speedup_vs_std'), '.2f', 'x'):>8} "
+                     f"{_fmt(r.get('dualkv_speedup'), '.2f', 'x'):>6} {peak:>9} {mfu:>6} "
+                     f"{_fmt(r.get('max_abs_dlogp_vs_std'), '.3g'):>10} {_max_mb_text(r):>7}")
         if r["method"] == "flex" and "mask_build_s" in r:
+            excl = _fmt(r.get("dualkv_speedup_excl_mask"), ".2f", "x")
             lines.append(f"{'':>38} flex: mask builds {r['mask_build_s']:.3f} s/update (excluded: "
-                         f"{r['seconds_excl_mask']:.3f} s), compiles in the first update {r['compile_s']:.1f} s")
+                         f"{r['seconds_excl_mask']:.3f} s; dualkv speedup over that {excl}), compiles in the first "
+                         f"update {r['compile_s']:.1f} s ({'compiled' if r.get('flex_mask_compile') else 'eager'} "
+                         "mask build)")
     return "\n".join(lines)
 
 
@@ -625,13 +709,20 @@ def main(argv=None):
     ap.add_argument("--flex-compile", dest="flex_compile", action="store_true", default=None)
     ap.add_argument("--no-flex-compile", dest="flex_compile", action="store_false",
                     help="eager FlexAttention (default on a CPU)")
-    ap.add_argument("--flex-mask-compile", dest="flex_mask_compile", action="store_true", default=True,
-                    help="build BlockMasks with create_block_mask(_compile=True) (default; compiles in the warm-up)")
+    ap.add_argument("--flex-mask-compile", dest="flex_mask_compile", action="store_true", default=False,
+                    help="opt-in: build BlockMasks with create_block_mask(_compile=True) (compiled in the warm-up; "
+                         "O(T) memory). Not the default: on the H200 (torch 2.11, triton 3.6) its sort kernel "
+                         "hung in ptxas for > 180 s at T ~ 15.6K (122 blocks of 128), while the eager build "
+                         "costs ~0.025 s per update there")
     ap.add_argument("--no-flex-mask-compile", dest="flex_mask_compile", action="store_false",
-                    help="eager BlockMask build (O(T^2) memory)")
+                    help="eager create_block_mask, as frameworks ship it (default; O(T^2) transient memory: "
+                         "a few GiB at T ~ 30K)")
     ap.add_argument("--method-timeout", type=float, default=0,
-                    help="seconds allowed per method for its warm-up and again for its timed updates (0: none); "
-                         "past it the method is recorded as a timeout")
+                    help="seconds allowed per method for its warm-up (compiles), for its mask-build timing, and "
+                         "for its timed updates (those get at least 2x the warm-up's pace) (0: none); past it "
+                         "the method is recorded as a timeout and the run goes on; a section still stuck "
+                         f"{HARD_TIMEOUT_GRACE_S:.0f} s later (inside C code) ends the process (exit code 1) "
+                         "with the JSON saved up to that method")
     ap.add_argument("--probe-max-mb", action="store_true",
                     help="also find the largest micro-batch (whole groups, doubling) that fits, per method")
     ap.add_argument("--probe-limit", type=int, default=32, help="largest group count the probe tries")
@@ -663,6 +754,10 @@ def main(argv=None):
     from transformers import AutoModelForCausalLM
 
     env = environment(device)
+
+    def save(results):
+        out_path.write_text(json.dumps({"environment": env, "args": vars(args), "results": results},
+                                       indent=1, default=str))
     log(f"e2e benchmark on {env.get('gpu', device)}: models {models}, configs {configs}, methods {args.methods}")
     all_results = []
     for size in models:
@@ -676,14 +771,16 @@ def main(argv=None):
         log(f"model {size}: {sum(p.numel() for p in model.parameters()) / 1e9:.3f} B params, {dtype}, "
             f"gradient checkpointing {'off' if args.no_grad_ckpt else 'on'}")
         for n, P, R in configs:
-            all_results += run_config(model, cfg, size, n, P, R, args, device)
-            out_path.write_text(json.dumps({"environment": env, "args": vars(args), "results": all_results},
-                                           indent=1, default=str))
+            all_results += run_config(model, cfg, size, n, P, R, args, device,
+                                      save=lambda partial: save(all_results + partial))
         del model
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    save(all_results)
+    table = summary(all_results)
     print()
-    print(summary(all_results))
+    print(table)
+    out_path.with_suffix(".txt").write_text(table + "\n")
     plot(all_results, out_path.with_suffix(".png"))
     print(f"\nresults: {out_path}")
     bad = [r for r in all_results if r["status"] == "error"]
@@ -691,4 +788,10 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    rc = main()
+    if TIMED_OUT:  # a compile worker or compiler child may still be stuck: do not wait for it at exit
+        log(f"timed out: {TIMED_OUT}; exiting without waiting for compile workers")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(rc)
+    sys.exit(rc)

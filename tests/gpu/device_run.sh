@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What one device session runs, step by step; logs and JSON go to $OUT (or ./device-out).
-#   tests/gpu/device_run.sh tests [sanitize] [bench-quick|bench] [bench-dims] [e2e] [e2e-flex] [noise]
+#   tests/gpu/device_run.sh tests [sanitize] [bench-quick|bench] [bench-dims] [e2e] [e2e-flex] [e2e-all] [noise]
 # The library is $DUALKV_LIBRARY (default build-h200/libdualkv.so, a 90a build made on the host and
 # carried: docs/hopper.md "Running it"). Steps, with their device time on an H200:
 #   tests        tests/gpu + the GPU cases of tests/python (~1.5 min)
@@ -11,8 +11,34 @@
 #   e2e          bench/e2e.py std + dualkv, 1.7b and 8b, both issue configs (~6 min); E2E_ARGS="--breakdown
 #                --probe-max-mb" adds the GPU time by kernel category and
 #                the largest micro-batch that fits per method (a few more minutes)
-#   e2e-flex     bench/e2e.py flex alone, 1.7b, with a per-method timeout and per-micro-batch progress
-#   noise        bench/logprob_noise.py, 1.7b and 8b: dualkv's bf16 log-probs vs an fp32 truth
+#   e2e-flex     bench/e2e.py std, dualkv, flex, 1.7b, with a per-method timeout and per-micro-batch progress
+#   e2e-all      issue 6's acceptance, each comparison measured in one run: per model in $E2E_MODELS
+#                (default "1.7b 8b") ONE bench/e2e.py process with both issue configs
+#                "16,4096,1024;8,16384,2048" and std,dualkv,flex (flex last: a hang there costs least),
+#                --micro-batches 2 --iters 2 --warmup 1. Limits: --method-timeout 120 s per method
+#                section (warm-up with its compiles, the mask-build timing; the timed updates get at
+#                least 2x the warm-up's pace), a section still stuck 60 s later ends the process; the
+#                process is cut by `timeout` at $E2E_CAP_1_7B / $E2E_CAP_8B s (260 / 520 when E2E_MODELS
+#                names one model, 200 / 380 when both share the call); results are
+#                saved before and after every method (e2e_all_<m>.json; a killed run shows "running").
+#                Estimate on the H200 (per update, measured 2026-11-29: 1.7B std 5.6 / 12.8 s at
+#                P4096 / P16384, dualkv 1.40 / 3.16, flex 1.64 / 4.10; 8B std 18.9 / 21-42 (42 s was
+#                logged as 4 micro-batches, assumed here for 2 to be safe), dualkv 4.37 / ~9.9, flex
+#                ~5.1 / ~12.8; flex compiles 15-42 s per config in its warm-up; 3 updates per method
+#                plus a no-grad std pass per config):
+#                  1.7b: start 15 + P4096 (1+17+4+5+15..40) + P16384 (3+38+10+12+17..42) ~ 140-190 s
+#                  8b:   start 25 + P4096 (5+57+13+15+15..40) + P16384 (5..11+63..126+30+38+17..42)
+#                        ~ 290-405 s
+#                So, one device call each:  E2E_MODELS=1.7b tests/gpu/device_run.sh noise e2e-all
+#                (~90 + 140-190 s, bounded by 120+200+260 s) and  E2E_MODELS=8b tests/gpu/device_run.sh
+#                e2e-all  (~290-405 s, bounded by 520 s). Both models in one call (the default, caps
+#                200 + 380 s) is enough only if 8B P16384 std is ~21 s/update (then ~430-480 s in all).
+#   noise        bench/logprob_noise.py, $NOISE_MODELS (default "1.7b 8b"), N16 P4096 R1024: dualkv's bf16
+#                log-probs vs an fp32 truth (row by row, chunked fp32 attention). Estimate: 1.7b ~25 s,
+#                8b ~60 s (fp32 truth ~1.2 PFLOP at ~45 TFLOP/s); peak ~34 GiB allocated at 8b (fp32
+#                weights 30.5 GiB + one row's activations and a 1 GiB score chunk); limits 120 / 200 s
+# Long-running python writes to a log file, not into a pipe: a compiler child left behind by a cut
+# process (ptxas) would otherwise hold the pipe open and stall the step.
 set -uo pipefail
 OUT="${OUT:-device-out}"; mkdir -p "$OUT"
 export PYTHONPATH="$PWD/python" PYTHONUNBUFFERED=1
@@ -40,15 +66,30 @@ for step in "$@"; do
                     | tee "$OUT/bench_d$d.log" | tail -8
                 done ;;
     e2e) for m in 1.7b 8b; do
-           timeout "${E2E_TIMEOUT:-300}" python3 bench/e2e.py --models $m --configs "16,4096,1024;8,16384,2048" ${E2E_ARGS:-} \
-             --methods std,dualkv --micro-batches 2 --iters 2 --method-timeout 150 --out "$OUT/e2e_$m.json" 2>&1 \
-             | grep -v Warning | tee "$OUT/e2e_$m.log" | tail -8
+           timeout -k 10 "${E2E_TIMEOUT:-300}" python3 bench/e2e.py --models $m --configs "16,4096,1024;8,16384,2048" \
+             ${E2E_ARGS:-} --methods std,dualkv --micro-batches 2 --iters 2 --method-timeout 150 \
+             --out "$OUT/e2e_$m.json" > "$OUT/e2e_$m.log" 2>&1
+           echo "e2e $m rc=$?"; grep -v -i "warn" "$OUT/e2e_$m.log" | tail -8
          done ;;
-    e2e-flex) timeout "${E2E_TIMEOUT:-420}" python3 bench/e2e.py --models 1.7b --configs "${E2E_CONFIGS:-16,4096,1024}" \
+    e2e-flex) timeout -k 10 "${E2E_TIMEOUT:-420}" python3 bench/e2e.py --models 1.7b --configs "${E2E_CONFIGS:-16,4096,1024}" \
                 --methods std,dualkv,flex --micro-batches 2 --iters 2 --method-timeout 180 \
-                --out "$OUT/e2e_flex.json" 2>&1 | grep -v -i "warn\|create_block_mask(" | tee "$OUT/e2e_flex.log" | tail -14 ;;
-    noise) for m in 1.7b 8b; do
-             timeout 150 python3 bench/logprob_noise.py --model $m --out "$OUT/noise_$m.json" 2>&1 | tail -22
+                --out "$OUT/e2e_flex.json" > "$OUT/e2e_flex.log" 2>&1
+              echo "e2e-flex rc=$?"; grep -v -i "warn\|create_block_mask(" "$OUT/e2e_flex.log" | tail -14 ;;
+    e2e-all) models="${E2E_MODELS:-1.7b 8b}"; one=$([ "$(echo $models | wc -w)" = 1 ] && echo 1 || echo 0)
+             for m in $models; do  # caps: one model per call, or both fitting one call together
+               case $m in 8b) cap=${E2E_CAP_8B:-$([ $one = 1 ] && echo 520 || echo 380)} ;;
+                          *) cap=${E2E_CAP_1_7B:-$([ $one = 1 ] && echo 260 || echo 200)} ;; esac
+               timeout -k 10 "$cap" python3 bench/e2e.py --models $m --configs "16,4096,1024;8,16384,2048" \
+                 --methods std,dualkv,flex --micro-batches 2 --iters 2 --warmup 1 --method-timeout 120 ${E2E_ARGS:-} \
+                 --out "$OUT/e2e_all_$m.json" > "$OUT/e2e_all_$m.log" 2>&1
+               echo "e2e-all $m rc=$? (cap $cap s)"
+               grep -v -i "warn\|create_block_mask(" "$OUT/e2e_all_$m.log" | tail -16
+             done ;;
+    noise) for m in ${NOISE_MODELS:-1.7b 8b}; do
+             case $m in 8b) cap=200 ;; *) cap=120 ;; esac
+             timeout -k 10 "$cap" python3 bench/logprob_noise.py --model $m --out "$OUT/noise_$m.json" \
+               > "$OUT/noise_$m.log" 2>&1
+             echo "noise $m rc=$?"; grep -v -i "warn" "$OUT/noise_$m.log" | tail -42
            done ;;
     *) echo "unknown step $step" ;;
   esac

@@ -1,0 +1,178 @@
+"""bench/e2e.py on a CPU: the summary table without std, the time limits (a hang in FlexAttention's
+mask build or in a compiler child process is cut and the run goes on; a section stuck beyond the
+soft limit ends the process), and the JSON saved method by method."""
+import json
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from test_demo import ROOT, _env, _load_bench  # noqa: E402
+
+TINY = ["--device", "cpu", "--tiny", "--dtype", "float32", "--micro-batches", "2", "--iters", "1"]
+
+
+def _rec(method, **kw):
+    r = {"model": "tiny", "N": 3, "P": 40, "R": 16, "rho_tokens": 2.1, "method": method, "status": "ok",
+         "seconds": 1.0, "tokens_per_s": 1000.0}
+    r.update(kw)
+    return r
+
+
+def test_summary_without_std():
+    """No std in the run (or std failed): speedup and max|dlogp| print as '-', no TypeError."""
+    e2e = _load_bench("e2e")
+    table = e2e.summary([
+        _rec("flex", seconds=1.2, dualkv_speedup=1.2, mask_build_s=0.01, seconds_excl_mask=1.19,
+             dualkv_speedup_excl_mask=1.19, compile_s=15.0),
+        _rec("dualkv"),
+        _rec("std", status="timeout", error="MethodTimeout: std warm-up exceeded its time limit"),
+    ])
+    lines = table.splitlines()
+    flex, dualkv = lines[2].split(), lines[4].split()
+    assert flex[6:10] == ["1.200", "1,000", "-", "1.20x"], table
+    assert dualkv[8:9] == ["-"] and dualkv[-2:] == ["-", "-"], table
+    assert "dualkv speedup over that 1.19x" in lines[3] and "eager mask build" in lines[3]
+    assert "timeout" in lines[5] and "MethodTimeout" in lines[5]
+
+
+def test_run_without_std_prints_table(tmp_path):
+    """--methods flex,dualkv end to end: the table is printed and written next to the JSON; flex's
+    record says how much faster dualkv is (with and without the mask builds) and the mask was built
+    eagerly (the default)."""
+    e2e = _load_bench("e2e")
+    out = tmp_path / "e2e.json"
+    assert e2e.main(TINY + ["--configs", "3,40,16", "--methods", "flex,dualkv", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["args"]["flex_mask_compile"] is False
+    flex, dualkv = data["results"]
+    assert flex["status"] == dualkv["status"] == "ok"
+    assert "speedup_vs_std" not in flex and flex["dualkv_speedup"] > 0 and flex["dualkv_speedup_excl_mask"] > 0
+    assert flex["max_abs_dlogp_vs_dualkv"] <= 1e-4 and flex["flex_mask_compile"] is False
+    table = out.with_suffix(".txt").read_text()
+    assert "flex" in table and "dualkv" in table and "mask builds" in table
+
+
+def test_hung_mask_build_is_cut_and_run_goes_on(tmp_path, monkeypatch):
+    """A mask build that never returns (time.sleep, or a child process such as a stuck ptxas) is cut
+    at --method-timeout; flex is recorded as a timeout, the next method and the next config run."""
+    e2e = _load_bench("e2e")
+    children = []
+
+    def hung_build(mb, device):
+        if not children:  # first config: a stuck compiler child process
+            children.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]))
+            children[-1].wait()  # what subprocess.run does; the timeout interrupts it
+        time.sleep(60)
+    monkeypatch.setattr(e2e, "build_block_mask", hung_build)
+    out = tmp_path / "e2e.json"
+    t0 = time.monotonic()
+    rc = e2e.main(TINY + ["--configs", "3,40,16;2,24,8", "--methods", "flex,dualkv", "--method-timeout", "2",
+                          "--out", str(out)])
+    assert rc == 0 and time.monotonic() - t0 < 40
+    res = json.loads(out.read_text())["results"]
+    assert [(r["N"], r["method"], r["status"]) for r in res] == [
+        (3, "flex", "timeout"), (3, "dualkv", "ok"), (2, "flex", "timeout"), (2, "dualkv", "ok")]
+    assert "flex warm-up exceeded" in res[0]["error"]
+    assert e2e.TIMED_OUT == ["flex warm-up", "flex warm-up"]
+    children[0].kill()
+    children[0].wait()
+
+
+def test_results_saved_before_and_after_each_method(tmp_path, monkeypatch):
+    """The JSON on disk names the method in progress (status "running") and holds every finished one,
+    so a process killed from outside loses nothing it had finished."""
+    e2e = _load_bench("e2e")
+    out = tmp_path / "e2e.json"
+    seen = []
+    real = e2e.measure
+
+    def spy(method, *a, **kw):
+        res = json.loads(out.read_text())["results"]
+        seen.append([(r["method"], r["status"]) for r in res])
+        return real(method, *a, **kw)
+    monkeypatch.setattr(e2e, "measure", spy)
+    assert e2e.main(TINY + ["--configs", "3,40,16", "--methods", "std,dualkv", "--out", str(out)]) == 0
+    assert seen == [[("std", "running")], [("std", "ok"), ("dualkv", "running")]]
+    assert [r["status"] for r in json.loads(out.read_text())["results"]] == ["ok", "ok"]
+
+
+def test_time_limit_restores_an_outer_alarm():
+    """An outer SIGALRM timer (pytest-timeout's) keeps its remaining time after a limited section."""
+    e2e = _load_bench("e2e")
+    fired = []
+    old = signal.signal(signal.SIGALRM, lambda *a: fired.append(1))
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 100)
+        with e2e._time_limit(5, "quick section"):
+            pass
+        remaining = signal.getitimer(signal.ITIMER_REAL)[0]
+        assert 90 < remaining <= 100 and not fired
+        with pytest.raises(e2e.MethodTimeout):
+            with e2e._time_limit(0.2, "slow section"):
+                time.sleep(5)
+        assert 90 < signal.getitimer(signal.ITIMER_REAL)[0] <= 100
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def test_method_timeout_is_not_swallowed_by_except_exception():
+    """Compiler code catches Exception broadly; MethodTimeout is a BaseException and gets through."""
+    e2e = _load_bench("e2e")
+    with pytest.raises(e2e.MethodTimeout):
+        with e2e._time_limit(0.2, "section"):
+            try:
+                time.sleep(5)
+            except Exception:  # noqa: BLE001  (what a fallback in library code would do)
+                pass
+            time.sleep(5)
+
+
+def test_stuck_section_ends_the_process():
+    """When the soft timeout cannot interrupt (here SIGALRM is blocked, as if stuck inside C code),
+    the hard watchdog prints the stacks and ends the process soon after the grace period."""
+    code = textwrap.dedent(f"""
+        import importlib.util, signal, sys, time
+        sys.path.insert(0, {str(ROOT / 'bench')!r})
+        spec = importlib.util.spec_from_file_location("e2e_bench", {str(ROOT / 'bench' / 'e2e.py')!r})
+        e2e = importlib.util.module_from_spec(spec); spec.loader.exec_module(e2e)
+        e2e.HARD_TIMEOUT_GRACE_S = 1.0
+        signal.pthread_sigmask(signal.SIG_BLOCK, {{signal.SIGALRM}})
+        print("start", flush=True)
+        with e2e._time_limit(0.5, "stuck"):
+            time.sleep(60)
+        print("not reached", flush=True)
+    """)
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(), timeout=120)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "start" in proc.stdout and "not reached" not in proc.stdout
+    assert "Timeout" in proc.stderr
+    assert time.monotonic() - t0 < 60
+
+
+def test_device_run_e2e_all_step_is_planned():
+    """tests/gpu/device_run.sh's e2e-all step: both issue configs and all three methods in one process
+    per model, with per-method and per-process time limits that fit one 600 s device call."""
+    text = (ROOT / "tests" / "gpu" / "device_run.sh").read_text()
+    def step(name):
+        body = text[text.index(f"    {name})"):]
+        return body[:body.index("done ;;")]
+    e2e_all, noise = step("e2e-all"), step("noise")
+    assert '"16,4096,1024;8,16384,2048"' in e2e_all and "--methods std,dualkv,flex" in e2e_all
+    assert "--micro-batches 2 --iters 2 --warmup 1 --method-timeout 120" in e2e_all and "timeout -k" in e2e_all
+    assert "> \"$OUT/e2e_all_$m.log\"" in e2e_all  # a file, not a pipe a stuck child could hold open
+    caps = {k: (int(a), int(b)) for k, a, b in
+            re.findall(r"cap=\$\{(E2E_CAP_\w+):-\$\(\[ \$one = 1 \] && echo (\d+) \|\| echo (\d+)\)\}", e2e_all)}
+    noise_caps = [int(c) for c in re.findall(r"cap=(\d+)", noise)]
+    (alone_17, both_17), (alone_8, both_8) = caps["E2E_CAP_1_7B"], caps["E2E_CAP_8B"]
+    # the planned calls, each under 600 s with 10 s to spare: "noise e2e-all" for 1.7b, "e2e-all" for
+    # 8b, or both models in one "e2e-all"
+    assert sum(noise_caps) + alone_17 <= 590 and alone_8 <= 590 and both_17 + both_8 <= 590
