@@ -29,7 +29,8 @@ def test_forward_protocol_finds_the_one_stage_deadlock():
 
 
 BWD_MODES = [[], ["--deterministic"], ["--bulk"], ["--bulk", "--deterministic"], ["--d256"],
-             ["--d256", "--deterministic"], ["--d256", "--no-stagger"]]
+             ["--d256", "--deterministic"], ["--d256", "--no-stagger"], ["--d256", "--bulk"],
+             ["--d256", "--bulk", "--deterministic"]]
 
 
 @pytest.mark.parametrize("flags", BWD_MODES, ids=lambda f: " ".join(f) or "default")
@@ -45,7 +46,10 @@ BWD_MUTANTS = [
                               "dq_missing_arrive", "item_empty8")
 ] + [
     (["--d256"], m) for m in ("count32", "early_kv", "p_no_bar", "p_arrive_early", "d256_early_qdo", "d256_no_ds_bar")
-] + [(["--d256", "--deterministic"], "det_no_end_bar")]
+] + [(["--d256", "--deterministic"], "det_no_end_bar")] + [
+    (["--d256", "--bulk"], m) for m in ("d256_consumer_release", "d256_qdo_empty8", "d256_stage_no_bar",
+                                        "dq_no_wait_read", "dq_full4", "dq_missing_arrive", "item_empty8")
+]
 
 
 @pytest.mark.parametrize("flags,mutant", BWD_MUTANTS, ids=lambda x: x if isinstance(x, str) else " ".join(x) or "default")
@@ -58,3 +62,10 @@ def test_d256_fragment_index_model():
     pytest.importorskip("numpy")
     res = run_model("bwd_d256_fragment_model.py")
     assert res.returncode == 0 and res.stdout.strip().splitlines()[-1].startswith("ok:"), res.stdout[-1500:]
+
+
+@pytest.mark.parametrize("mutant", ["stage_no_xor", "stage_row8", "stage_box", "stage_no_zero", "stage_same_buf"])
+def test_d256_fragment_index_model_catches_planted_bug(mutant):
+    pytest.importorskip("numpy")
+    res = run_model("bwd_d256_fragment_model.py", "--mutant", mutant)
+    assert res.returncode == 0 and f"mutant {mutant} caught" in res.stdout, res.stdout[-1500:]

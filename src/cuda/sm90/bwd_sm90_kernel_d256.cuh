@@ -1,5 +1,5 @@
 // Hopper backward main kernel for head dim 256 (sm_90a): KV-tile-outer, wgmma + TMA + warp
-// specialisation. Built only with the CMake option DUALKV_SM90_BWD_D256 (default OFF).
+// specialisation. Built with the CMake option DUALKV_SM90_BWD_D256 (default ON since f0046e3).
 //
 // Same contract as bwd_sm90_kernel (bwd_sm90_kernel.cuh) and the portable bwd_kv_kernel: the plan's
 // backward items (seg, k0, k1, qa, qb, slot) with BwdConfig<256>::kBlockN = 64 KV rows, the same
@@ -43,11 +43,34 @@
 // P^T buffer. The producer warp, the item ring, K/V (one buffer per item, kv_full / kv_empty) and
 // the Q/dO/lse/delta ring (2 stages, qdo_full / qdo_empty) are those of bwd_sm90_kernel. The CPU
 // model of this protocol: harness/bwd_protocol_model.py --d256.
+//
+// dQ by bulk reduce (compile-time switch DUALKV_SM90_BWD_D256_DQ_BULK=1, kBwdD256DqBulk; needs
+// DUALKV_SM90_BWD_DQ_BULK for the dq_accum tensor map; atomic-dQ kernel only): there is no room for
+// the D <= 128 kernel's separate 2 x 64 KiB staging buffers, but after barrier 1 the step's Q and dO
+// stage (2 x 32 KiB) is dead: S^T, dP^T, dV and dK, its only readers, have retired in both
+// warpgroups. So each warpgroup stages its fp32 dQ half (64 x 128 = four 32-column boxes of
+// 8 KiB, 128B swizzle) into that stage, the P warpgroup into the Q buffer, the dS warpgroup into the
+// dO buffer (rows >= qb as 0), fences the stores for the async proxy and arrives on dq_full[stage]
+// (one arrival per warp); the dQ writer (thread 32, idle before) follows the items and steps, waits
+// dq_full, issues the 8 TMA reduce-adds into dq_accum, waits until they have read smem and only
+// then releases the stage to the producer (qdo_empty, its single arrival). The consumers no longer
+// arrive on qdo_empty, and their math warps issue no global atomics. The CPU model: --d256 --bulk.
 #pragma once
 
 #include "sm90/bwd_sm90_kernel.cuh"
 
 namespace dualkv::cuda::sm90 {
+
+// dQ by bulk reduce from the dead Q/dO stage (see the header comment). A build-wide switch, like
+// kBwdDqBulk: the kernel keeps its name and a default build compiles to the same code.
+#if DUALKV_SM90_BWD_D256_DQ_BULK
+#if !DUALKV_SM90_BWD_DQ_BULK
+#error "DUALKV_SM90_BWD_D256_DQ_BULK needs DUALKV_SM90_BWD_DQ_BULK (the dq_accum tensor map)"
+#endif
+constexpr bool kBwdD256DqBulk = true;
+#else
+constexpr bool kBwdD256DqBulk = false;
+#endif
 
 struct Sm90BwdConfigD256 {
   static constexpr int D = 256;
@@ -74,7 +97,13 @@ struct Sm90BwdConfigD256 {
   static constexpr uint32_t kOffLse = kOffDS + kDSBytes;
   static constexpr uint32_t kOffDelta = kOffLse + 2 * kBlockM * 4;
   static constexpr uint32_t kOffBar = kOffDelta + 2 * kBlockM * 4;
-  static constexpr uint32_t kBarBytes = 8 * 10 + 16;  // 10 mbarriers + 2 item slots
+  // 10 mbarriers + 2 item slots; the bulk-dQ kernel (kBwdD256DqBulk) adds dq_full[2] after the slots.
+  static constexpr uint32_t kBarBytes = 8 * 10 + 16 + (kBwdD256DqBulk ? 8 * 2 : 0);
+  // dQ staging boxes of the bulk-dQ kernel: 32 fp32 columns x 64 rows (128-byte rows), four per
+  // warpgroup half, in the step's Q (columns 0..127) or dO (128..255) stage.
+  static constexpr int kDqBoxes = D / 32;
+  static constexpr uint32_t kDqBoxBytes = kBlockM * 128;
+  static_assert(kDqBoxes / 2 * kDqBoxBytes == kQBytes, "a dQ half fills one Q (or dO) stage exactly");
   static constexpr uint32_t kSmemBytes = kOffBar + kBarBytes + 1024;  // + alignment slack
   // 221,184 (K, V, 2 x Q, 2 x dO: 192 KiB; P^T 16 KiB; dS 8 KiB) + 1,024 (lse/delta) + 96 (barriers,
   // item slots) + 1,024 (alignment slack) = 223,328 of 232,448 B.
@@ -111,6 +140,7 @@ __global__ void __launch_bounds__(Sm90BwdConfigD256::kThreads, 1)
 bwd_sm90_kernel_d256(const __grid_constant__ Sm90BwdParams<256> p) {
   using C = Sm90BwdConfigD256;
   constexpr int BM = C::kBlockM, BN = C::kBlockN, D = C::D;
+  constexpr bool kBulk = kAtomicDq && kBwdD256DqBulk;
 
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   const uint32_t pad = (1024u - (smem_u32(smem_raw) & 1023u)) & 1023u;
@@ -126,6 +156,7 @@ bwd_sm90_kernel_d256(const __grid_constant__ Sm90BwdParams<256> p) {
   B.qdo_full = bars + 6;
   B.qdo_empty = bars + 8;
   B.items = reinterpret_cast<int32_t*>(bars + 10);
+  if constexpr (kBulk) B.dq_full = bars + 12;
 
   const BwdArgs& a = p.a;
   const LayoutPtrs& L = a.layout;
@@ -140,9 +171,11 @@ bwd_sm90_kernel_d256(const __grid_constant__ Sm90BwdParams<256> p) {
   if (threadIdx.x == 0) {
     for (int i = 0; i < 2; ++i) {
       mbar_init(&B.item_full[i], 1);
-      mbar_init(&B.item_empty[i], kBwdConsumerWarps);
+      mbar_init(&B.item_empty[i], kBwdConsumerWarps + (kBulk ? 1 : 0));
       mbar_init(&B.qdo_full[i], kBwdQdoFullCount);
-      mbar_init(&B.qdo_empty[i], kBwdQdoEmptyCount);
+      // kBulk: the writer alone releases a stage, once its reduces have read the dQ staged there.
+      mbar_init(&B.qdo_empty[i], kBulk ? 1 : kBwdQdoEmptyCount);
+      if constexpr (kBulk) mbar_init(&B.dq_full[i], kBwdDqFullCount);
     }
     mbar_init(B.kv_full, 1);
     mbar_init(B.kv_empty, kBwdConsumerWarps);
@@ -154,6 +187,54 @@ bwd_sm90_kernel_d256(const __grid_constant__ Sm90BwdParams<256> p) {
   if (wg == 0) {
     // ------------------------------------------------------------------ producer (warp 0)
     setmaxnreg_dec<C::kProducerRegs>();
+#if DUALKV_SM90_BWD_D256_DQ_BULK
+    if constexpr (kBulk) {
+      if (threadIdx.x == 32) {
+        // ---------------------------------------------------------------- dQ writer (warp 1)
+        // Follows the consumers' items and steps; per step, once both warpgroups staged their dQ
+        // halves in the step's Q/dO stage (dq_full), adds the 64 x 256 tile to dq_accum[qt.., h, :]
+        // with one TMA reduce per 32-column box (rows past T clipped by TMA; rows in [qb, qt + 64)
+        // were staged as 0), waits until the reduces have read smem and releases the stage to the
+        // producer (qdo_empty). The global adds complete asynchronously (waited for before exit).
+        tma_prefetch_desc(&p.tdq);
+        uint32_t step = 0;
+        for (uint32_t n = 0;; ++n) {
+          const uint32_t slot = n & 1, ph = (n >> 1) & 1;
+          mbar_wait(&B.item_full[slot], ph);
+          const int32_t item = B.items[slot];
+          mbar_arrive(&B.item_empty[slot]);
+          if (item >= n_items) break;
+          const int32_t w = item / Hk;
+          const int hk = item - w * Hk;
+          const int32_t* wi = witems + w * kBwdItemInts;
+          const int32_t qa = wi[3], qb = wi[4];
+          // The consumers' step order (head-major, then 64-row query tiles), without their divisions;
+          // not unrolled: unrolled, the loop spilled 8 B on the producer warpgroup's 40 registers.
+#pragma unroll 1
+          for (int h = hk * group; h < (hk + 1) * group; ++h) {
+#pragma unroll 1
+            for (int32_t qt = qa; qt < qb; qt += BM, ++step) {
+              const uint32_t st = step & 1;
+              mbar_wait(&B.dq_full[st], (step >> 1) & 1);
+              const uint8_t* q_stage = smem + C::kOffQ + st * C::kQBytes;    // columns 0..127
+              const uint8_t* do_stage = smem + C::kOffDO + st * C::kQBytes;  // columns 128..255
+#pragma unroll
+              for (int b = 0; b < C::kDqBoxes / 2; ++b) {
+                tma_reduce_add_3d(&p.tdq, q_stage + b * C::kDqBoxBytes, b * 32, h, qt);
+                tma_reduce_add_3d(&p.tdq, do_stage + b * C::kDqBoxBytes, D / 2 + b * 32, h, qt);
+              }
+              bulk_commit_group();
+              bulk_wait_group_read<0>();
+              mbar_arrive(&B.qdo_empty[st]);
+            }
+          }
+        }
+        // The smem sources are read already; wait for the adds themselves before the CTA retires.
+        bulk_wait_group<0>();
+        return;
+      }
+    }
+#endif
     if (threadIdx.x >= 32) return;
     const int lane = threadIdx.x;
     if (lane == 0) {
@@ -359,9 +440,12 @@ bwd_sm90_kernel_d256(const __grid_constant__ Sm90BwdParams<256> p) {
         wgmma_wait<0>();
         fence_regs(acc);
         fence_regs(frag);
-        // Q, dO, lse and delta of the stage are no longer read (dQ reads only dS and K).
-        __syncwarp();
-        if (kBwdQdoEmptyCount != kBwdConsumerWarps || lane == 0) mbar_arrive(&B.qdo_empty[st]);
+        // Q, dO, lse and delta of the stage are no longer read (dQ reads only dS and K). kBulk: the
+        // stage is released by the writer instead, after the dQ staged in it has been read.
+        if constexpr (!kBulk) {
+          __syncwarp();
+          if (kBwdQdoEmptyCount != kBwdConsumerWarps || lane == 0) mbar_arrive(&B.qdo_empty[st]);
+        }
         named_bar_sync(kBwdDsBarrier, 256);  // dS of the step written
         float dq[C::kDqN / 2];
         wgmma_fence();
@@ -372,6 +456,28 @@ bwd_sm90_kernel_d256(const __grid_constant__ Sm90BwdParams<256> p) {
         wgmma_commit();
         wgmma_wait<0>();
         fence_regs(dq);
+        if constexpr (kBulk) {
+          // Stage this warpgroup's dQ half in the step's Q (P role) or dO (dS role) stage: rows
+          // r0 = 16 warp + g and r0 + 8 (both with r % 8 == g), half-columns 8j + 2t4 in box j / 4 at
+          // 16-byte chunk (2 (j % 4) + t4 / 2) XOR g, word pair t4 & 1. Both warpgroups passed
+          // barrier 1 after retiring dV and dK, so no wgmma reads either buffer any more. Rows >= qb
+          // as 0: the reduce box always covers 64 rows.
+          const int r0 = warp * 16 + g;
+          const bool v0 = qt + r0 < qb, v1 = qt + r0 + 8 < qb;
+          const uint32_t row_base = (p_role ? qb_s : dob_s) + r0 * 128 + (t4 & 1) * 8;
+#pragma unroll
+          for (int j = 0; j < C::kDqN / 8; ++j) {
+            const uint32_t chunk = static_cast<uint32_t>((2 * (j % 4) + (t4 >> 1)) ^ g);
+            const uint32_t addr = row_base + (j / 4) * C::kDqBoxBytes + (chunk << 4);
+            bwd_st_shared_f32x2(addr, v0 ? dq[4 * j + 0] : 0.f, v0 ? dq[4 * j + 1] : 0.f);
+            bwd_st_shared_f32x2(addr + 8 * 128, v1 ? dq[4 * j + 2] : 0.f, v1 ? dq[4 * j + 3] : 0.f);
+          }
+          // Generic-proxy stores before the writer's async-proxy (TMA) reads.
+          bwd_fence_proxy_async();
+          __syncwarp();
+          if (kBwdDqFullCount != kBwdConsumerWarps || lane == 0) mbar_arrive(&B.dq_full[st]);
+          continue;  // to the next step (no atomics)
+        }
         // 16-byte atomics: lanes t, t^1 swap halves so the even lane holds row g, cols [2t, 2t+4)
         // and the odd lane row g+8, cols [2t-2, 2t+2).
         const bool odd = t4 & 1;

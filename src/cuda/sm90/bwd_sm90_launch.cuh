@@ -33,8 +33,9 @@ inline bool make_dq_accum_map(CUtensorMap* map, float* base, int D, int heads, i
 }
 #endif
 
-// Head dim 256 (bwd_sm90_kernel_d256.cuh; DUALKV_SM90_BWD_D256 builds): 64-row KV tiles, dQ always by
-// per-thread atomics (a DUALKV_SM90_BWD_DQ_BULK build keeps them for this head dim).
+// Head dim 256 (bwd_sm90_kernel_d256.cuh; DUALKV_SM90_BWD_D256 builds): 64-row KV tiles, dQ by
+// per-thread atomics, or by TMA reduce-adds from the dead Q/dO stage in a DUALKV_SM90_BWD_D256_DQ_BULK
+// build (which needs DUALKV_SM90_BWD_DQ_BULK: the same dq_accum tensor map, 64-row boxes).
 template <typename Element>
 cudaError_t run_bwd_main_d256(const BwdArgs& args, cudaStream_t stream) {
   using C = Sm90BwdConfigD256;
@@ -52,6 +53,10 @@ cudaError_t run_bwd_main_d256(const BwdArgs& args, cudaStream_t stream) {
       !detail::make_map(&p.tk, dt, args.k, 256, Hk, T, args.k_hs, args.k_ts, C::kBlockN) ||
       !detail::make_map(&p.tv, dt, args.v, 256, Hk, T, args.v_hs, args.v_ts, C::kBlockN))
     return cudaErrorNotSupported;
+#if DUALKV_SM90_BWD_D256_DQ_BULK
+  if (!args.deterministic && !make_dq_accum_map(&p.tdq, args.dq_accum, 256, H, T, C::kBlockM))
+    return cudaErrorNotSupported;
+#endif
   const int sms = detail::sm_count();
   if (sms <= 0) return cudaErrorInvalidDevice;
   cudaError_t err;

@@ -48,4 +48,14 @@ if(DUALKV_SM90_BWD)
   if(DUALKV_SM90_BWD_DQ_BULK)
     list(APPEND DKV_SM90_DEFINITIONS DUALKV_SM90_BWD_DQ_BULK=1)
   endif()
+  # dQ of head dim 256 by TMA bulk reduce-adds too, staged in the step's Q/dO stage once its last
+  # reader retired (bwd_sm90_kernel_d256.cuh; no smem is left for separate staging buffers),
+  # DUALKV_SM90_BWD_D256_DQ_BULK (default OFF until measured on the device; needs DUALKV_SM90_BWD_DQ_BULK).
+  option(DUALKV_SM90_BWD_D256_DQ_BULK "Hopper backward, head dim 256: dQ by TMA bulk reduce-add (OFF: per-thread atomics)" OFF)
+  if(DUALKV_SM90_BWD_D256_DQ_BULK)
+    if(NOT DUALKV_SM90_BWD_DQ_BULK)
+      message(FATAL_ERROR "DUALKV_SM90_BWD_D256_DQ_BULK needs DUALKV_SM90_BWD_DQ_BULK=ON (the dq_accum tensor map)")
+    endif()
+    list(APPEND DKV_SM90_DEFINITIONS DUALKV_SM90_BWD_D256_DQ_BULK=1)
+  endif()
 endif()

@@ -13,9 +13,19 @@ emulated thread by thread, with the kernel's formulas:
     layout they must form (a0: row g, cols 2 t4..; a1: row g + 8; a2: cols + 8; a3: both),
   - the stmatrix.trans addresses of dS into the 128B-swizzled [q][kv] box, read back the way TMA /
     wgmma see that layout (byte o of the box: row o / 128, 16-byte chunk ((o / 16) % 8) ^ (row % 8)),
-  - the dQ atomics' (row, column) after the lane-pair shuffle, and the epilogue's (row, column).
+  - the dQ atomics' (row, column) after the lane-pair shuffle, and the epilogue's (row, column),
+  - the bulk-dQ kernel's staging (DUALKV_SM90_BWD_D256_DQ_BULK): each warpgroup's fp32 dQ half stored
+    by float2 into the step's Q (P role) or dO (dS role) stage as four 128B-swizzled boxes of 32
+    columns x 64 rows, read back the way the dq_accum tensor map's reduce reads a box (byte o: row
+    o / 128, 16-byte chunk ((o / 16) % 8) ^ (row % 8), word (o / 4) % 4); every byte of both
+    32 KiB stages written once, rows >= qb staged as 0 whatever the registers hold, each store
+    instruction of a warp at most 2 wavefronts (bank-conflict free for 256 B).
 Compared with float64 dense math on random data for items with a tail (klen < 64), a diagonal tile
 and query rows past qb. Exit status 0 when every check passes.
+--mutant NAME plants an index bug in the staging and expects a check to fail (exit status 0 when
+it does): stage_no_xor (chunk without the XOR g swizzle), stage_row8 (the row + 8 store at + 8 x 64
+bytes), stage_box (box j / 2 instead of j / 4), stage_no_zero (rows >= qb staged from registers),
+stage_same_buf (both warpgroups stage into the Q stage).
 """
 from __future__ import annotations
 
@@ -33,6 +43,53 @@ def bf16(x):
     u = a.view(np.uint32).astype(np.uint64)
     u = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16
     return u.astype(np.uint32).view(np.float32).astype(np.float64)
+
+
+MUTANT = None
+
+
+def stage_dq(dq_full, qt, qb):
+    """The bulk-dQ kernel's staging of dQ (kernel formulas), read back as the TMA reduce reads it."""
+    box_bytes = 64 * 128
+    stage_bytes = 4 * box_bytes                      # 32 KiB: one Q (or dO) stage
+    smem = {}                                        # (buffer, byte) -> fp32 value
+    for cw in range(2):
+        half = dq_full[:, 128 * cw:128 * cw + 128].copy()
+        half[qt + np.arange(BM) >= qb] += 1.0        # registers of rows >= qb need not be 0
+        buf = 0 if (cw == 0 or MUTANT == "stage_same_buf") else 1  # Q stage / dO stage
+        for warp in range(4):
+            for j in range(16):
+                for second in range(2):              # the two st.shared.v2 of iteration j
+                    banks = {}
+                    for lane in range(32):
+                        g, t4 = lane >> 2, lane & 3
+                        r0 = warp * 16 + g
+                        valid = qt + r0 + 8 * second < qb
+                        if MUTANT == "stage_no_zero":
+                            valid = True
+                        row_base = r0 * 128 + (t4 & 1) * 8
+                        chunk = (2 * (j % 4) + (t4 >> 1)) ^ (0 if MUTANT == "stage_no_xor" else g)
+                        box = j // 2 if MUTANT == "stage_box" else j // 4
+                        addr = row_base + box * box_bytes + (chunk << 4)
+                        addr += (8 * 64 if MUTANT == "stage_row8" else 8 * 128) * second
+                        r, c = r0 + 8 * second, 8 * j + 2 * t4
+                        for e in range(2):
+                            a = addr + 4 * e
+                            assert 0 <= a < stage_bytes, f"staging store outside the stage at {a}"
+                            assert (buf, a) not in smem, f"staging byte {a} of buffer {buf} written twice"
+                            smem[(buf, a)] = half[r, c + e] if valid else 0.0
+                            banks.setdefault((a // 4) % 32, set()).add(a // 4)
+                    assert max(len(v) for v in banks.values()) <= 2, f"bank conflict in store {j}.{second}"
+    assert len(smem) == 2 * stage_bytes // 4, f"{len(smem)} of {2 * stage_bytes // 4} staging words written"
+    # The writer's 8 reduces: box b of buffer cw at byte b * 8 KiB adds to columns 128 cw + 32 b.
+    added = np.full((BM, D), np.nan)
+    for cw in range(2):
+        for b in range(4):
+            for o in range(0, box_bytes, 4):
+                row = o // 128
+                col = 128 * cw + 32 * b + (((o // 16) % 8) ^ (row % 8)) * 4 + (o // 4) % 4
+                added[row, col] = smem[(cw, b * box_bytes + o)]
+    return added
 
 
 def emulate(k0, klen, qt, qb, rng):
@@ -182,6 +239,8 @@ def emulate(k0, klen, qt, qb, rng):
                     hits[qi - qt, col + 8 * j:col + 8 * j + 4] += 1
     valid = qt + np.arange(BM) < qb
     assert (hits[valid] == 1).all() and (hits[~valid] == 0).all(), "dQ atomics coverage"
+    dq_bulk = stage_dq(dq_full, qt, qb)
+    assert (dq_bulk[~valid] == 0).all(), "bulk dQ: rows >= qb not added as 0"
 
     # Epilogue mapping (unsplit): rows r < klen, columns 8 j + 2 t4 (+1), from acc[4 j + 2 hr (+1)].
     def epilogue(acc_mat):
@@ -201,20 +260,38 @@ def emulate(k0, klen, qt, qb, rng):
     assert not np.isnan(e_dv[:klen]).any() and np.isnan(e_dv[klen:]).all(), "epilogue rows"
     tol = 1e-9
     for name, got, ref in (("dv", e_dv[:klen], ref_dv[:klen]), ("dk", e_dk[:klen], ref_dk[:klen]),
-                           ("dq", dq_acc[valid], ref_dq[valid])):
+                           ("dq", dq_acc[valid], ref_dq[valid]), ("dq bulk", dq_bulk[valid], ref_dq[valid])):
         err = np.abs(got - ref).max() / max(1.0, np.abs(ref).max())
         assert err < tol, f"{name}: rel err {err:.3e} (k0={k0}, klen={klen}, qt={qt}, qb={qb})"
     return True
 
 
+MUTANTS = ("stage_no_xor", "stage_row8", "stage_box", "stage_no_zero", "stage_same_buf")
+
+
 def main():
+    global MUTANT
+    if len(sys.argv) == 3 and sys.argv[1] == "--mutant" and sys.argv[2] in MUTANTS:
+        MUTANT = sys.argv[2]
+    elif len(sys.argv) != 1:
+        print(f"usage: {sys.argv[0]} [--mutant {'|'.join(MUTANTS)}]")
+        return 2
     rng = np.random.default_rng(5)
     cases = [(0, 64, 0, 64), (0, 37, 0, 37), (100, 64, 100, 150), (100, 1, 100, 101),
              (0, 64, 64, 100), (64, 64, 0, 64), (7, 50, 40, 90), (0, 64, 200, 264)]
+    if MUTANT:
+        try:
+            for c in cases:
+                emulate(*c, rng)
+        except AssertionError as e:
+            print(f"mutant {MUTANT} caught: {e}")
+            return 0
+        print(f"mutant {MUTANT} NOT caught")
+        return 1
     for c in cases:
         emulate(*c, rng)
     print(f"ok: {len(cases)} items (tails, diagonal tiles, rows past qb): P hand-over, dS, A fragments, "
-          f"dS box layout, dQ atomics, epilogue all match float64")
+          f"dS box layout, dQ atomics, bulk dQ staging, epilogue all match float64")
     return 0
 
 

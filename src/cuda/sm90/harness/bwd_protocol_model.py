@@ -47,6 +47,17 @@ arrives on barrier 1 (the P buffer's release). A named-barrier instance that an 
 barrier-2 sync), det_no_end_bar (deterministic: wg0 skips the end-of-step barrier 1), p_arrive_early
 (wg0 arrives on barrier 2 before its P^T stores), d256_early_qdo (qdo_empty arrived
 before dV/dK retire), d256_no_ds_bar (atomic: no barrier 1 before dQ); count32 and early_kv apply too.
+--d256 --bulk models DUALKV_SM90_BWD_D256_DQ_BULK=1: after barrier 1 and the dQ wgmma each consumer
+warp stores its 16 x 128 quarter of the warpgroup's dQ half into the step's Q stage (wg0) or dO stage
+(wg1) and arrives on dq_full[stage] (8 warps); the consumers no longer arrive on qdo_empty; the writer
+waits dq_full, issues the reduces (smem read at random later times), waits wait_group.read 0 and
+arrives on qdo_empty (count 1), so the producer's next TMA load into the stage follows the reads.
+Checked in addition: a staging store never hits a Q/dO buffer that a wgmma still reads or that the
+producer has reloaded, no TMA load overwrites a quarter a reduce still reads, every reduce reads all
+8 quarters of its step. Mutants: d256_consumer_release (the release left where it was: the consumers
+arrive on qdo_empty, count 8, after dV/dK retire, the writer does not), d256_qdo_empty8 (qdo_empty left at 8 arrivals), d256_stage_no_bar (a warpgroup stages
+its dQ half without waiting for barrier 1, i.e. while the other may still read Q or dO), and
+dq_no_wait_read, dq_full4, dq_missing_arrive, item_empty8 as for --bulk.
 Run: python3 src/cuda/sm90/harness/bwd_protocol_model.py [--runs N] [--deterministic] [--bulk]
      [--d256 [--no-stagger]] [--mutant NAME]
 """
@@ -88,7 +99,10 @@ def simulate(rng, steps_of, deterministic=False, mutant=None, bulk=False, d256=F
     kv_full, kv_empty = MBar(1), MBar(8)
     qdo_count = 32 if mutant == "count32" else 33
     qdo_full = [MBar(qdo_count) for _ in range(stages)]
-    qdo_empty = [MBar(8) for _ in range(stages)]
+    # d256 bulk: the writer alone releases a Q/dO stage (after its reduces read the dQ staged there).
+    qdo_empty_count = (8 if not (d256 and writer_on) or mutant in ("d256_qdo_empty8", "d256_consumer_release")
+                       else 1)
+    qdo_empty = [MBar(qdo_empty_count) for _ in range(stages)]
     ds_bar = NamedBar(2)
     slots = [None, None]
     K, V = Buffer("K"), Buffer("V")
@@ -105,6 +119,10 @@ def simulate(rng, steps_of, deterministic=False, mutant=None, bulk=False, d256=F
     dq_full = [MBar(4 if mutant == "dq_full4" else 8) for _ in range(n_dq)]
     dq_empty = [MBar(1) for _ in range(n_dq)]
     bulk_reads = []  # reduces issued, smem not read yet: (reader name, buffer, expected version)
+    # d256 bulk: dQ staged in the Q (wg0) / dO (wg1) stage: [stage][warpgroup][warp] quarters of
+    # 16 rows x 128 columns, aliasing Q[stage] / dO[stage].
+    q_stage = [[[Buffer(f"dQin{'Q' if c == 0 else 'dO'}{b}.w{w}") for w in range(4)] for c in range(2)]
+               for b in range(stages)]
 
     def wait(cond):
         while not cond():
@@ -134,6 +152,9 @@ def simulate(rng, steps_of, deterministic=False, mutant=None, bulk=False, d256=F
             for s in range(steps_of[item]):
                 st = step % stages
                 yield from wait(lambda: qdo_empty[st].ready(((step // stages) & 1) ^ 1))
+                if d256 and writer_on:                                  # TMA rewrites the staged dQ too
+                    for quarter in q_stage[st][0] + q_stage[st][1]:
+                        quarter.write(None)
                 qdo_full[st].arrive_expect_tx(2)
                 tma(qdo_full[st], Q[st], (item, s))
                 tma(qdo_full[st], dO[st], (item, s))
@@ -281,15 +302,33 @@ def simulate(rng, steps_of, deterministic=False, mutant=None, bulk=False, d256=F
                     qdo_empty[st].arrive(4)
                 yield "step"
                 retire(0)
-                if mutant != "d256_early_qdo":
+                if mutant != "d256_early_qdo" and (not writer_on or mutant == "d256_consumer_release"):
                     qdo_empty[st].arrive(4)
                 if not deterministic:
-                    if mutant != "d256_no_ds_bar":
+                    stage_early = writer_on and mutant == "d256_stage_no_bar"
+                    if not stage_early and mutant != "d256_no_ds_bar":
                         yield from sync(ds_bar)                                   # bar.sync 1
-                    groups.append({read(dS1, v), read(K, item)})                  # dQ = dS K
-                    yield "step"
-                    retire(0)
-                    yield "step"                                                  # atomics
+                    if not stage_early:
+                        groups.append({read(dS1, v), read(K, item)})              # dQ = dS K
+                        yield "step"
+                        retire(0)
+                    if writer_on:                                                 # stage dQ, per warp
+                        big = Q[st] if cw == 0 else dO[st]
+                        for w in rng.sample(range(4), 4):
+                            check(not big.readers, f"{me} stages dQ into {big.name} while read by {sorted(big.readers)}")
+                            check(big.version == v, f"{me} stages dQ into {big.name} reloaded to v{big.version}")
+                            q_stage[st][cw][w].write(v, loaded=True)              # st.shared + fence
+                            if not (mutant == "dq_missing_arrive" and cw == 1 and s == n_steps - 1):
+                                dq_full[st].arrive()                              # lane 0 after __syncwarp
+                            if rng.random() < 0.3:
+                                yield "step"
+                    else:
+                        yield "step"                                              # atomics
+                    if stage_early:                                               # the bug's late barrier
+                        yield from sync(ds_bar)
+                        groups.append({read(dS1, v), read(K, item)})
+                        yield "step"
+                        retire(0)
                 else:
                     if cw == 0:
                         if mutant != "det_no_end_bar":
@@ -333,10 +372,40 @@ def simulate(rng, steps_of, deterministic=False, mutant=None, bulk=False, d256=F
                 yield "step"
             n += 1
 
+    def writer_d256():
+        """DUALKV_SM90_BWD_D256_DQ_BULK: the reduces read the dQ staged in the step's Q/dO stage;
+        the stage goes back to the producer (qdo_empty) once they have read it."""
+        me = "writer"
+        step = n = 0
+        while True:
+            slot, ph = n & 1, (n >> 1) & 1
+            yield from wait(lambda: item_full[slot].ready(ph))
+            item = slots[slot]
+            check(item == n, f"{me} reads item {item} in ring position {n}")
+            item_empty[slot].arrive()
+            if item >= n_items:
+                yield from wait(lambda: not bulk_reads)                   # bulk wait_group 0
+                return
+            for s in range(steps_of[item]):
+                st = step % stages
+                yield from wait(lambda: dq_full[st].ready((step // stages) & 1))
+                for buf in q_stage[st][0] + q_stage[st][1]:               # 8 reduces, all 8 quarters
+                    name = f"reduce{step}"
+                    buf.readers.add(name)
+                    bulk_reads.append((name, buf, (item, s)))
+                yield "step"                                              # commit_group
+                if mutant != "dq_no_wait_read":
+                    yield from wait(lambda: not bulk_reads)               # wait_group.read 0
+                if mutant != "d256_consumer_release":
+                    qdo_empty[st].arrive()
+                step += 1
+                yield "step"
+            n += 1
+
     cons = consumer_d256 if d256 else consumer
     procs = {"producer": producer(), "wg0": cons(0), "wg1": cons(1)}
     if writer_on:
-        procs["writer"] = writer()
+        procs["writer"] = writer_d256() if d256 else writer()
         # Per-run actor speeds, so that some runs let the writer lag items behind the consumers.
         speed = {name: rng.choice([1.0, 1.0, 0.1, 4.0]) for name in procs}
     steps = stalled = 0
@@ -423,13 +492,14 @@ def main():
     ap.add_argument("--mutant", choices=["single_ds", "count32", "early_kv", "no_ds_bar", "early_qdo",
                                          "dq_no_wait_read", "dq_no_empty_wait", "dq_full4", "dq_missing_arrive",
                                          "item_empty8", "p_no_bar", "det_no_end_bar", "p_arrive_early",
-                                         "d256_early_qdo", "d256_no_ds_bar"])
+                                         "d256_early_qdo", "d256_no_ds_bar", "d256_consumer_release",
+                                         "d256_qdo_empty8", "d256_stage_no_bar"])
     ap.add_argument("--d256", action="store_true", help="the head-dim-256 kernel (bwd_sm90_kernel_d256.cuh)")
     ap.add_argument("--no-stagger", action="store_true",
                     help="--d256 built with DUALKV_SM90_BWD_D256_STAGGER=0 (no named barrier 3)")
     args = ap.parse_args()
     if args.mutant is None:
-        if args.bulk:
+        if args.bulk and not args.d256:
             check_dq_staging_layout()
             print("ok: dQ staging addresses = the tensor map's 128B-swizzled boxes, no bank conflicts")
         run_many(args.runs, 1, args.deterministic, None, args.bulk, args.d256, not args.no_stagger)
