@@ -343,7 +343,12 @@ def simulate(rng, steps_of, deterministic=False, mutant=None, bulk=False, d256=F
             yield "step"                                                          # epilogue
             n += 1
 
-    def writer():
+    def writer(ring, full, buffers, release, release_mutant):
+        """The dQ writer (thread 32): per step, wait ``full`` of the step's ring slot, issue the TMA
+        reduces that read ``buffers(slot)`` (all 8 quarters), commit, wait for their reads, then
+        free the slot on ``release``. D <= 128: the dedicated staging ring (dq_full / dq_empty);
+        DUALKV_SM90_BWD_D256_DQ_BULK: the dQ staged in the step's Q/dO stage, handed back to the
+        producer (qdo_empty) once the reduces have read it."""
         me = "writer"
         step = n = 0
         while True:
@@ -356,48 +361,17 @@ def simulate(rng, steps_of, deterministic=False, mutant=None, bulk=False, d256=F
                 yield from wait(lambda: not bulk_reads)                   # bulk wait_group 0
                 return
             for s in range(steps_of[item]):
-                b = step % n_dq
-                yield from wait(lambda: dq_full[b].ready((step // n_dq) & 1))
-                for c in range(2):                                        # D/32 reduces, all 8 quarters
-                    for w in range(4):
-                        buf = dq_stage[b][c][w]
-                        name = f"reduce{step}"
-                        buf.readers.add(name)
-                        bulk_reads.append((name, buf, (item, s)))
-                yield "step"                                              # commit_group
-                if mutant != "dq_no_wait_read":
-                    yield from wait(lambda: not bulk_reads)               # wait_group.read 0
-                dq_empty[b].arrive()
-                step += 1
-                yield "step"
-            n += 1
-
-    def writer_d256():
-        """DUALKV_SM90_BWD_D256_DQ_BULK: the reduces read the dQ staged in the step's Q/dO stage;
-        the stage goes back to the producer (qdo_empty) once they have read it."""
-        me = "writer"
-        step = n = 0
-        while True:
-            slot, ph = n & 1, (n >> 1) & 1
-            yield from wait(lambda: item_full[slot].ready(ph))
-            item = slots[slot]
-            check(item == n, f"{me} reads item {item} in ring position {n}")
-            item_empty[slot].arrive()
-            if item >= n_items:
-                yield from wait(lambda: not bulk_reads)                   # bulk wait_group 0
-                return
-            for s in range(steps_of[item]):
-                st = step % stages
-                yield from wait(lambda: dq_full[st].ready((step // stages) & 1))
-                for buf in q_stage[st][0] + q_stage[st][1]:               # 8 reduces, all 8 quarters
+                b = step % ring
+                yield from wait(lambda: full[b].ready((step // ring) & 1))
+                for buf in buffers(b):                                    # D/32 reduces, all 8 quarters
                     name = f"reduce{step}"
                     buf.readers.add(name)
                     bulk_reads.append((name, buf, (item, s)))
                 yield "step"                                              # commit_group
                 if mutant != "dq_no_wait_read":
                     yield from wait(lambda: not bulk_reads)               # wait_group.read 0
-                if mutant != "d256_consumer_release":
-                    qdo_empty[st].arrive()
+                if mutant is None or mutant != release_mutant:
+                    release[b].arrive()
                 step += 1
                 yield "step"
             n += 1
@@ -405,7 +379,12 @@ def simulate(rng, steps_of, deterministic=False, mutant=None, bulk=False, d256=F
     cons = consumer_d256 if d256 else consumer
     procs = {"producer": producer(), "wg0": cons(0), "wg1": cons(1)}
     if writer_on:
-        procs["writer"] = writer_d256() if d256 else writer()
+        if d256:
+            procs["writer"] = writer(stages, dq_full, lambda st: q_stage[st][0] + q_stage[st][1], qdo_empty,
+                                     "d256_consumer_release")
+        else:
+            procs["writer"] = writer(n_dq, dq_full, lambda b: [buf for c in range(2) for buf in dq_stage[b][c]],
+                                     dq_empty, None)
         # Per-run actor speeds, so that some runs let the writer lag items behind the consumers.
         speed = {name: rng.choice([1.0, 1.0, 0.1, 4.0]) for name in procs}
     steps = stalled = 0
