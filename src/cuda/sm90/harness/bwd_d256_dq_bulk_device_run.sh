@@ -13,9 +13,10 @@
 #   mkdir -p build-d256dq/carry && cp build-d256dq/bulk/libdualkv.so build-d256dq/carry/bulk.so && \
 #     cp build-d256dq/default/libdualkv.so build-d256dq/carry/default.so
 #   run(carry=["build-d256dq/carry"], command="src/cuda/sm90/harness/bwd_d256_dq_bulk_device_run.sh",
-#       timeout_s=540)
+#       timeout_s=600)
 # Steps (files under $OUT, or /tmp/d256dq_out: 2 test logs, the suite's report, 2 bench logs and
-# their json), under 8 minutes (timeouts 120 + 140 + 2 x 100 s; the benches take ~40 s each):
+# their json), under 10 minutes (timeouts 120 + 140 + 2 x 100 + 4 x 30 s; the benches take ~40 s
+# each, step 3c ~15 s each):
 #   0. which library is which: build info; UTMAREDG (TMA reduce) and REDG (global atomics) counted
 #      in each library's bwd_sm90_kernel_d256 SASS when cuobjdump is there (bulk: UTMAREDG > 0 and
 #      no REDG in the atomic-dQ D = 256 kernels; default: REDG, no UTMAREDG there)
@@ -26,8 +27,10 @@
 #      N16 P4096 R1024, N32 P8192 R1024: bulk library with cuDNN, then the default library (dualkv
 #      only; cuDNN's numbers come from the first run, same session); skipped for the bulk library
 #      when step 1 hung
-# Knobs: BULK_LIB, BASE_LIB (library paths), SKIP_SUITE=1, SKIP_BENCH=1, BENCH_CONFIGS,
-# TEST1_TIMEOUT, TEST2_TIMEOUT, BENCH_TIMEOUT.
+#   3c. N8 P16384 R2048 with forced split lengths (DUALKV_CUDA_SPLIT_ROWS = $SPLIT_ROWS_AB, default
+#      "12288 24576"), both libraries, dualkv only
+# Knobs: BULK_LIB, BASE_LIB (library paths), SKIP_SUITE=1, SKIP_BENCH=1, BENCH_CONFIGS, SPLIT_ROWS_AB,
+# TEST1_TIMEOUT, TEST2_TIMEOUT, BENCH_TIMEOUT, SPLIT_TIMEOUT.
 set -uo pipefail
 OUTDIR=${OUT:-/tmp/d256dq_out}
 mkdir -p "$OUTDIR"
@@ -100,6 +103,22 @@ if [ -z "${SKIP_BENCH:-}" ]; then
     cp /tmp/d256dq_bench_base/*.json "$OUTDIR/" 2>/dev/null
     grep -E "profile dualkv|bwd_sm90|bwd_dq|bwd_pre|bwd_red|Self CUDA time total" "$OUTDIR/bench_base.log" | cut -c1-150
     grep -E "^\[[0-9:]+\] |^N[0-9]+_P" "$OUTDIR/bench_base.log" | grep -v "profile dualkv" | tail -n 10
+  fi
+  # 3c. The plan hypothesis, without a rebuild: at D = 256 the 64-row KV tiles double the plan's
+  # total work and with it the split length (max(8192, total / SMs) = 49,792 rows at N8 P16384 R2048),
+  # so that config has no split items and 288 KV tiles add into each response row's dQ. A forced split
+  # length (DUALKV_CUDA_SPLIT_ROWS, read when the plan is built) shows what shorter splits would give.
+  if [ $rc1 -ne 124 ]; then
+    for split in ${SPLIT_ROWS_AB:-12288 24576}; do
+      for lib in "$BULK_LIB" ${BASE_LIB:-}; do
+        echo "== 3c. N8 P16384 R2048, DUALKV_CUDA_SPLIT_ROWS=$split, $(basename "$lib")"
+        DUALKV_LIBRARY=$lib DUALKV_CUDA_SPLIT_ROWS=$split timeout ${SPLIT_TIMEOUT:-30} python3 bench/attention.py \
+          --head-dim 256 --configs "8,16384,2048" --no-varlen --methods dualkv --out /tmp/d256dq_bench_split \
+          --tag "d256_split${split}_$(basename "$lib" .so)" > "$OUTDIR/bench_split${split}_$(basename "$lib" .so).log" 2>&1
+        grep -E "^N[0-9]+_P" "$OUTDIR/bench_split${split}_$(basename "$lib" .so).log" | tail -n 1
+      done
+    done
+    cp /tmp/d256dq_bench_split/*.json "$OUTDIR/" 2>/dev/null
   fi
 fi
 echo "total t=$(elapsed)s"
