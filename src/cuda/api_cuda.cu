@@ -660,9 +660,26 @@ std::string cuda_build_info_json() {
 #ifdef DUALKV_SM90_BWD_HDIM_256
   sm90_bwd_dims += std::string(sm90_bwd_dims.empty() ? "" : ", ") + "256";
 #endif
+  // Compile-time kernel variants (CMake options) that change how a kernel computes, so that scripts
+  // comparing two builds can tell them apart.
+  std::string variants;
+  auto add_variant = [&variants](const char* name) {
+    variants += std::string(variants.empty() ? "\"" : ", \"") + name + "\"";
+  };
+#if DUALKV_SM90_BWD_DQ_BULK
+  add_variant("sm90_bwd_dq_bulk");
+#endif
+#if DUALKV_SM90_BWD_D256_DQ_BULK
+  add_variant("sm90_bwd_d256_dq_bulk");
+#endif
+#if defined(DUALKV_PORTABLE_FWD_V2)
+  add_variant("portable_fwd_v2");
+#endif
+  (void)add_variant;
   return "\"cuda_archs\": " + archs + ", \"head_dims\": " + dims +
          ", \"dtypes\": [\"float16\", \"bfloat16\"], \"kernels\": \"sm80-mma\", \"sm90_fwd_head_dims\": [" +
-         sm90_dims + "], \"sm90_bwd_head_dims\": [" + sm90_bwd_dims + "], \"cuda_runtime\": " + std::to_string(runtime);
+         sm90_dims + "], \"sm90_bwd_head_dims\": [" + sm90_bwd_dims + "], \"variants\": [" + variants +
+         "], \"cuda_runtime\": " + std::to_string(runtime);
 }
 
 }  // namespace dualkv::detail
