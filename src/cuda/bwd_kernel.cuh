@@ -147,7 +147,7 @@ bwd_kv_kernel(const BwdArgs args) {
 
 #if DUALKV_PORTABLE_BWD_V2 && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   __shared__ int64_t s_n_items;
-  if (tid == 0) s_n_items = n_items;  // read after the loop's first barrier
+  if (kBulkDq && tid == 0) s_n_items = n_items;  // read after the loop's first barrier
 #endif
   while (true) {
     __syncthreads();
@@ -703,10 +703,11 @@ cudaError_t launch_bwd_main(const BwdArgs& args, int sms, cudaStream_t stream) {
       auto kernel = bwd_kv_kernel<D, T, true>;
 #if DUALKV_PORTABLE_BWD_V2
       // The dQ staging tile follows BwdSmem, in the sm_90a code only: the binary that runs on this
-      // device says which (an sm_80 device may not have the extra 34 KB of shared memory).
+      // device says which (an sm_80 device may not have the extra 34 KB of shared memory; when the
+      // query fails, the tile is allocated: too much shared memory is safe, too little is not).
       static const bool staged = BwdDqStage<D>::kOn && [kernel] {
         cudaFuncAttributes fa{};
-        return cudaFuncGetAttributes(&fa, kernel) == cudaSuccess && fa.binaryVersion >= 90;
+        return cudaFuncGetAttributes(&fa, kernel) != cudaSuccess || fa.binaryVersion >= 90;
       }();
       const size_t smem = staged ? BwdDqStage<D>::kOffset + BwdDqStage<D>::kBytes : sizeof(BwdSmem<D, T>);
 #endif
