@@ -132,6 +132,16 @@ def simulate(rng, steps_of, deterministic=False, mutant=None, bulk=False, d256=F
         buf.write(version)
         inflight.append((bar, buf))
 
+    def take_item(me, n, arrivals):
+        """Ring position n of the work-item ring: wait for it, read the item, and release the slot
+        with ``arrivals`` (4 per consumer warpgroup, 1 for the dQ writer)."""
+        slot, ph = n & 1, (n >> 1) & 1
+        yield from wait(lambda: item_full[slot].ready(ph))
+        item = slots[slot]
+        check(item == n, f"{me} reads item {item} in ring position {n}")
+        item_empty[slot].arrive(arrivals)
+        return item
+
     def producer():
         kv_iter = step = n = 0
         while True:
@@ -173,11 +183,7 @@ def simulate(rng, steps_of, deterministic=False, mutant=None, bulk=False, d256=F
 
         kv_iter = step = n = 0
         while True:
-            slot, ph = n & 1, (n >> 1) & 1
-            yield from wait(lambda: item_full[slot].ready(ph))
-            item = slots[slot]
-            check(item == n, f"{me} reads item {item} in ring position {n}")
-            item_empty[slot].arrive(4)
+            item = yield from take_item(me, n, 4)
             if item >= n_items:
                 return
             yield from wait(lambda: kv_full.ready(kv_iter & 1))
@@ -250,11 +256,7 @@ def simulate(rng, steps_of, deterministic=False, mutant=None, bulk=False, d256=F
 
         kv_iter = step = n = 0
         while True:
-            slot, ph = n & 1, (n >> 1) & 1
-            yield from wait(lambda: item_full[slot].ready(ph))
-            item = slots[slot]
-            check(item == n, f"{me} reads item {item} in ring position {n}")
-            item_empty[slot].arrive(4)
+            item = yield from take_item(me, n, 4)
             if item >= n_items:
                 return
             yield from wait(lambda: kv_full.ready(kv_iter & 1))
@@ -352,11 +354,7 @@ def simulate(rng, steps_of, deterministic=False, mutant=None, bulk=False, d256=F
         me = "writer"
         step = n = 0
         while True:
-            slot, ph = n & 1, (n >> 1) & 1
-            yield from wait(lambda: item_full[slot].ready(ph))
-            item = slots[slot]
-            check(item == n, f"{me} reads item {item} in ring position {n}")
-            item_empty[slot].arrive()
+            item = yield from take_item(me, n, 1)
             if item >= n_items:
                 yield from wait(lambda: not bulk_reads)                   # bulk wait_group 0
                 return
