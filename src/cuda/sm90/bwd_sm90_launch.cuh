@@ -33,6 +33,43 @@ inline bool make_dq_accum_map(CUtensorMap* map, float* base, int D, int heads, i
 }
 #endif
 
+// The parameters of one main-kernel launch: the argument check, the TMA maps of Q, dO (BlockM-row
+// boxes), K, V (BlockN-row boxes) and, when dQ goes by bulk reduce (`bulk_dq`, not in deterministic
+// mode), of the fp32 dQ accumulator; the work counter zeroed on `stream`. cudaErrorNotSupported:
+// nothing was launched (the caller falls back to the sm80 kernel).
+template <typename Element, int HeadDim, int BlockM, int BlockN>
+cudaError_t prepare_bwd_params(const BwdArgs& args, bool bulk_dq, Sm90BwdParams<HeadDim>* p, cudaStream_t stream) {
+  constexpr CUtensorMapDataType dt = Pack2<Element>::kTmaType;
+  if (!bwd_args_supported(args, HeadDim, 2)) return cudaErrorNotSupported;
+  const int T = args.layout.num_tokens;
+  const int H = args.num_heads, Hk = args.num_kv_heads;
+  p->a = args;
+  p->counter = args.counters + 2;
+  if (!detail::make_map(&p->tq, dt, args.q, HeadDim, H, T, args.q_hs, args.q_ts, BlockM) ||
+      !detail::make_map(&p->tdo, dt, args.dout, HeadDim, H, T, args.do_hs, args.do_ts, BlockM) ||
+      !detail::make_map(&p->tk, dt, args.k, HeadDim, Hk, T, args.k_hs, args.k_ts, BlockN) ||
+      !detail::make_map(&p->tv, dt, args.v, HeadDim, Hk, T, args.v_hs, args.v_ts, BlockN))
+    return cudaErrorNotSupported;
+#if DUALKV_SM90_BWD_DQ_BULK
+  if (bulk_dq && !args.deterministic && !make_dq_accum_map(&p->tdq, args.dq_accum, HeadDim, H, T, BlockM))
+    return cudaErrorNotSupported;
+#else
+  (void)bulk_dq;
+#endif
+  if (detail::sm_count() <= 0) return cudaErrorInvalidDevice;
+  return cudaMemsetAsync(p->counter, 0, sizeof(int32_t), stream);
+}
+
+// A persistent launch: one CTA per SM, `smem` bytes of dynamic shared memory (opted into first).
+template <typename Params>
+cudaError_t launch_persistent(void (*kernel)(Params), uint32_t smem, int threads, const Params& p,
+                              cudaStream_t stream) {
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+  if (err != cudaSuccess) return err;
+  kernel<<<detail::sm_count(), threads, smem, stream>>>(p);
+  return cudaGetLastError();
+}
+
 // Head dim 256 (bwd_sm90_kernel_d256.cuh; DUALKV_SM90_BWD_D256 builds): 64-row KV tiles, dQ by
 // per-thread atomics, or by TMA reduce-adds from the dead Q/dO stage in a DUALKV_SM90_BWD_D256_DQ_BULK
 // build (which needs DUALKV_SM90_BWD_DQ_BULK: the same dq_accum tensor map, 64-row boxes).
@@ -41,32 +78,11 @@ cudaError_t run_bwd_main_d256(const BwdArgs& args, cudaStream_t stream) {
   using C = Sm90BwdConfigD256;
   static_assert(BwdConfig<256>::kBlockN == C::kBlockN, "sm90 backward d256: plan KV tiles must be kBlockN rows");
   static_assert(BwdConfig<256>::kBlockM == C::kBlockM, "sm90 backward d256: plan splits are multiples of kBlockM");
-  constexpr CUtensorMapDataType dt = Pack2<Element>::kTmaType;
-  if (!bwd_args_supported(args, 256, 2)) return cudaErrorNotSupported;
-  const int T = args.layout.num_tokens;
-  const int H = args.num_heads, Hk = args.num_kv_heads;
   Sm90BwdParams<256> p;
-  p.a = args;
-  p.counter = args.counters + 2;
-  if (!detail::make_map(&p.tq, dt, args.q, 256, H, T, args.q_hs, args.q_ts, C::kBlockM) ||
-      !detail::make_map(&p.tdo, dt, args.dout, 256, H, T, args.do_hs, args.do_ts, C::kBlockM) ||
-      !detail::make_map(&p.tk, dt, args.k, 256, Hk, T, args.k_hs, args.k_ts, C::kBlockN) ||
-      !detail::make_map(&p.tv, dt, args.v, 256, Hk, T, args.v_hs, args.v_ts, C::kBlockN))
-    return cudaErrorNotSupported;
-#if DUALKV_SM90_BWD_D256_DQ_BULK
-  if (!args.deterministic && !make_dq_accum_map(&p.tdq, args.dq_accum, 256, H, T, C::kBlockM))
-    return cudaErrorNotSupported;
-#endif
-  const int sms = detail::sm_count();
-  if (sms <= 0) return cudaErrorInvalidDevice;
-  cudaError_t err;
-  if ((err = cudaMemsetAsync(p.counter, 0, sizeof(int32_t), stream)) != cudaSuccess) return err;
+  cudaError_t err = prepare_bwd_params<Element, 256, C::kBlockM, C::kBlockN>(args, kBwdD256DqBulk, &p, stream);
+  if (err != cudaSuccess) return err;
   auto kernel = args.deterministic ? bwd_sm90_kernel_d256<Element, false> : bwd_sm90_kernel_d256<Element, true>;
-  if ((err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                  static_cast<int>(C::kSmemBytes))) != cudaSuccess)
-    return err;
-  kernel<<<sms, C::kThreads, C::kSmemBytes, stream>>>(p);
-  return cudaGetLastError();
+  return launch_persistent(kernel, C::kSmemBytes, C::kThreads, p, stream);
 }
 
 template <typename Element, int HeadDim>
@@ -77,41 +93,14 @@ cudaError_t run_bwd_main(const BwdArgs& args, cudaStream_t stream) {
     using C = Sm90BwdConfig<HeadDim>;
     static_assert(BwdConfig<HeadDim>::kBlockN == C::kBlockN, "sm90 backward: plan KV tiles must be kBlockN rows");
     static_assert(BwdConfig<HeadDim>::kBlockM == C::kBlockM, "sm90 backward: plan splits are multiples of kBlockM");
-    constexpr CUtensorMapDataType dt = Pack2<Element>::kTmaType;
-    if (!bwd_args_supported(args, HeadDim, 2)) return cudaErrorNotSupported;
-    const int T = args.layout.num_tokens;
-    const int H = args.num_heads, Hk = args.num_kv_heads;
     Sm90BwdParams<HeadDim> p;
-    p.a = args;
-    p.counter = args.counters + 2;
-    if (!detail::make_map(&p.tq, dt, args.q, HeadDim, H, T, args.q_hs, args.q_ts, C::kBlockM) ||
-        !detail::make_map(&p.tdo, dt, args.dout, HeadDim, H, T, args.do_hs, args.do_ts, C::kBlockM) ||
-        !detail::make_map(&p.tk, dt, args.k, HeadDim, Hk, T, args.k_hs, args.k_ts, C::kBlockN) ||
-        !detail::make_map(&p.tv, dt, args.v, HeadDim, Hk, T, args.v_hs, args.v_ts, C::kBlockN))
-      return cudaErrorNotSupported;
-  #if DUALKV_SM90_BWD_DQ_BULK
-    if (!args.deterministic && !make_dq_accum_map(&p.tdq, args.dq_accum, HeadDim, H, T, C::kBlockM))
-      return cudaErrorNotSupported;
-  #endif
-    const int sms = detail::sm_count();
-    if (sms <= 0) return cudaErrorInvalidDevice;
-    cudaError_t err;
-    if ((err = cudaMemsetAsync(p.counter, 0, sizeof(int32_t), stream)) != cudaSuccess) return err;
-    if (args.deterministic) {
-      auto kernel = bwd_sm90_kernel<Element, HeadDim, false>;
-      if ((err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      static_cast<int>(C::kSmemBytes))) != cudaSuccess)
-        return err;
-      kernel<<<sms, C::kThreads, C::kSmemBytes, stream>>>(p);
-    } else {
-      auto kernel = bwd_sm90_kernel<Element, HeadDim, true>;
-      constexpr uint32_t smem = Sm90BwdConfig<HeadDim, kBwdDqBulk>::kSmemBytes;  // + dQ staging in a bulk build
-      if ((err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem))) !=
-          cudaSuccess)
-        return err;
-      kernel<<<sms, C::kThreads, smem, stream>>>(p);
-    }
-    return cudaGetLastError();
+    cudaError_t err = prepare_bwd_params<Element, HeadDim, C::kBlockM, C::kBlockN>(args, kBwdDqBulk, &p, stream);
+    if (err != cudaSuccess) return err;
+    if (args.deterministic)
+      return launch_persistent(bwd_sm90_kernel<Element, HeadDim, false>, C::kSmemBytes, C::kThreads, p, stream);
+    // The atomic-dQ kernel of a bulk build has dQ staging buffers on top.
+    return launch_persistent(bwd_sm90_kernel<Element, HeadDim, true>, Sm90BwdConfig<HeadDim, kBwdDqBulk>::kSmemBytes,
+                             C::kThreads, p, stream);
   }
 }
 
