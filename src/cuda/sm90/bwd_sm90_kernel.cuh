@@ -162,8 +162,13 @@ constexpr uint32_t kBwdConsumerWarps = 8;
 // arrive instead: a diagnostic build for compute-sanitizer racecheck (docs/hopper.md).
 #if defined(DUALKV_SM90_BWD_PER_THREAD_RELEASE)
 constexpr uint32_t kBwdQdoEmptyCount = kBwdConsumerWarps * 32;
+// The diagnostic build also replaces the producer/consumer named-barrier hand-offs between the two
+// consumer warpgroups (bar.arrive on one side, bar.sync on the other: ordered by the PTX memory
+// model, but racecheck does not treat bar.arrive as a release) by bar.sync on both sides.
+constexpr bool kBwdRacecheckBarriers = true;
 #else
 constexpr uint32_t kBwdQdoEmptyCount = kBwdConsumerWarps;
+constexpr bool kBwdRacecheckBarriers = false;
 #endif
 constexpr uint32_t kBwdDsBarrier = 1;      // named barrier id (0 is __syncthreads)
 // dq_full arrivals (kBwdDqBulk): as qdo_empty, one per consumer warp (every thread in the

@@ -393,7 +393,10 @@ bwd_sm90_kernel_d256(const __grid_constant__ Sm90BwdParams<256> p) {
         for (int i = 0; i < BM / 8; ++i)
           bwd_st_shared_v4(p_thread + i * 2048, __float_as_uint(sacc[4 * i]), __float_as_uint(sacc[4 * i + 1]),
                            __float_as_uint(sacc[4 * i + 2]), __float_as_uint(sacc[4 * i + 3]));
-        named_bar_arrive(kBwdPBarrier, 256);
+        if (kBwdRacecheckBarriers)
+          named_bar_sync(kBwdPBarrier, 256);
+        else
+          named_bar_arrive(kBwdPBarrier, 256);
       } else {
         named_bar_sync(kBwdPBarrier, 256);
         const float* delta_s = s_delta + st * BM;
@@ -501,7 +504,7 @@ bwd_sm90_kernel_d256(const __grid_constant__ Sm90BwdParams<256> p) {
         __syncwarp();
         if (kBwdQdoEmptyCount != kBwdConsumerWarps || lane == 0) mbar_arrive(&B.qdo_empty[st]);
         // The dS warpgroup has loaded P^T of this step; the P warpgroup may rewrite it next step.
-        if (p_role)
+        if (p_role || kBwdRacecheckBarriers)
           named_bar_sync(kBwdDsBarrier, 256);
         else
           named_bar_arrive(kBwdDsBarrier, 256);
