@@ -66,41 +66,6 @@ struct BwdSmem {
   float delta[C::kBlockM];
 };
 
-#if DUALKV_PORTABLE_BWD_V2
-// Version-2 dQ at head dim 128 (CMake option DUALKV_PORTABLE_BWD_V2, default OFF; sm_90a code only,
-// sm_80 keeps its atomics; docs/cuda.md "Backward at head dim 128: dQ by bulk reduce"). Instead of
-// 16-byte global atomics issued by every thread at the end of each step (8 per thread, 32 KB per
-// 64 x 128 tile, drained through the SM's load/store path while all warps wait at the step's
-// barrier), each thread stores its fp32 dQ fragments into a shared staging tile and, after the
-// step's last barrier, warp 0 adds the tile's rows to dq_accum with bulk reduce-adds
-// (cp.reduce.async.bulk, one per 512-byte row) that the copy engine finishes while the next step
-// computes. The staging tile follows BwdSmem in dynamic shared memory (1 CTA per SM either way).
-template <int D> struct BwdDqStage {
-  static constexpr bool kOn = D == 128;
-  // Row pitch in floats: D + 8 makes the fragment stores (row g, column 2 t4 of a quarter warp)
-  // bank-conflict free and keeps each row 16-byte aligned, as the bulk copy requires.
-  static constexpr int kPitch = D + 8;
-  static constexpr size_t kOffset = (sizeof(BwdSmem<D, __nv_bfloat16>) + 127) / 128 * 128;
-  static constexpr size_t kBytes = BwdConfig<D>::kBlockM * kPitch * sizeof(float);
-  static_assert(sizeof(BwdSmem<D, __nv_bfloat16>) == sizeof(BwdSmem<D, __half>), "one offset for both dtypes");
-};
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-// Adds `bytes` (a multiple of 16) of fp32 from shared memory to global memory, asynchronously, in
-// this thread's current bulk group.
-__device__ __forceinline__ void bulk_reduce_add_f32(float* gdst, const float* ssrc, uint32_t bytes) {
-  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(gdst),
-               "r"(smem_addr(ssrc)), "r"(bytes)
-               : "memory");
-}
-__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
-// Until this thread's bulk groups have read their shared sources / completed their global writes.
-__device__ __forceinline__ void bulk_wait_read_all() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
-__device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
-// Orders this thread's generic-proxy shared stores before later async-proxy (bulk copy) reads.
-__device__ __forceinline__ void fence_proxy_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
-#endif
-#endif
-
 template <int D, typename T, bool kAtomicDq>
 __global__ void __launch_bounds__(BwdConfig<D>::kThreads, 1)
 bwd_kv_kernel(const BwdArgs args) {
@@ -117,11 +82,6 @@ bwd_kv_kernel(const BwdArgs args) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   BwdSmem<D, T>& sm = *reinterpret_cast<BwdSmem<D, T>*>(smem_raw);
   __shared__ int32_t s_item;
-#if DUALKV_PORTABLE_BWD_V2 && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  constexpr bool kBulkDq = kAtomicDq && BwdDqStage<D>::kOn;
-  constexpr int kSP = BwdDqStage<D>::kPitch;
-  float* const dq_stage = reinterpret_cast<float*>(smem_raw + BwdDqStage<D>::kOffset);
-#endif
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t4 = lane & 3;
@@ -145,22 +105,12 @@ bwd_kv_kernel(const BwdArgs args) {
   const T* __restrict__ vg = static_cast<const T*>(args.v);
   const T* __restrict__ dog = static_cast<const T*>(args.dout);
 
-#if DUALKV_PORTABLE_BWD_V2 && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  __shared__ int64_t s_n_items;
-  if (kBulkDq && tid == 0) s_n_items = n_items;  // read after the loop's first barrier
-#endif
   while (true) {
     __syncthreads();
     if (tid == 0) s_item = atomicAdd(&args.counters[0], 1);
     __syncthreads();
     const int64_t item = s_item;
-#if DUALKV_PORTABLE_BWD_V2 && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    // The item count is read from shared memory for each item: kept in a register through the
-    // loop, it is the one value ptxas spills here (4 bytes, HEAD and this variant alike).
-    if (item >= (kBulkDq ? s_n_items : n_items)) break;
-#else
     if (item >= n_items) break;
-#endif
     const int32_t w = static_cast<int32_t>(item / Hk);
     const int hk = static_cast<int>(item % Hk);
     const int32_t* wi = items + w * kBwdItemInts;
@@ -289,13 +239,6 @@ bwd_kv_kernel(const BwdArgs args) {
           }
         }
       }
-#if DUALKV_PORTABLE_BWD_V2 && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-      // The staging tile is rewritten after this barrier: the previous step's reduces must have read it
-      // (issued a whole step ago, so this wait is not expected to stall).
-      if constexpr (kBulkDq) {
-        if (lane < BM / C::kWarps) bulk_wait_read_all();
-      }
-#endif
       __syncthreads();  // Q, dO, lse, delta free for the next tile
       if (step + 1 < n_steps) issue_q(step + 1);
 
@@ -325,21 +268,6 @@ bwd_kv_kernel(const BwdArgs args) {
             }
           }
         }
-#if DUALKV_PORTABLE_BWD_V2 && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-        if constexpr (kBulkDq) {
-          // Stage the warp's 32 x 32 block of fp32 dQ (rows past qb are stored but never added).
-#pragma unroll
-          for (int mi = 0; mi < MQ; ++mi)
-#pragma unroll
-            for (int hr = 0; hr < 2; ++hr) {
-              float* srow = dq_stage + (qrow0 + mi * 16 + g + hr * 8) * kSP + dcol0 + 2 * t4;
-#pragma unroll
-              for (int j = 0; j < kQB; ++j)
-                *reinterpret_cast<float2*>(srow + j * 8) = make_float2(dq[mi][j][2 * hr], dq[mi][j][2 * hr + 1]);
-            }
-          fence_proxy_async_smem();
-        } else {
-#endif
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
         // sm90: one 16-byte vector atomic per n8 block. Lanes t, t^1 swap halves so that the even
         // lane holds row g, cols [2t, 2t+4) and the odd lane row g+8, cols [2t-2, 2t+2).
@@ -376,29 +304,9 @@ bwd_kv_kernel(const BwdArgs args) {
             }
           }
 #endif
-#if DUALKV_PORTABLE_BWD_V2 && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-        }
-#endif
       }
       cp_async_wait_all();
       __syncthreads();
-#if DUALKV_PORTABLE_BWD_V2 && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-      if constexpr (kBulkDq) {
-        // Every thread's staged dQ is visible (stores, proxy fence, barrier): lanes 0-7 of warp w add
-        // rows 8w + lane of the tile (those in this item's range) to dq_accum[qi, h, :] and move on.
-        // Spread over the warps because ptxas issues a bulk copy whose operands differ between
-        // lanes once per distinct lane (a loop over the active lanes).
-        constexpr int kRowsPerWarp = BM / C::kWarps;
-        if (lane < kRowsPerWarp) {
-          const int r = warp * kRowsPerWarp + lane;
-          const int32_t qi = qt + r;
-          if (qi < qb)
-            bulk_reduce_add_f32(args.dq_accum + (static_cast<int64_t>(qi) * H + h) * D, dq_stage + r * kSP,
-                                D * sizeof(float));
-          bulk_commit();
-        }
-      }
-#endif
     }
 
     // Epilogue: dK scaled by the softmax scale. Direct write, or an fp32 partial for a split.
@@ -440,13 +348,6 @@ bwd_kv_kernel(const BwdArgs args) {
       }
     }
   }
-#if DUALKV_PORTABLE_BWD_V2 && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  // The staging tile must stay allocated until the reduces have read it, and their adds must be done
-  // before the kernel counts as finished for the dQ conversion that follows.
-  if constexpr (kBulkDq) {
-    if (lane < BM / C::kWarps) bulk_wait_all();
-  }
-#endif
 }
 
 // Deterministic dQ: query-tile-outer, same walk over visible KV tiles as the forward.
@@ -701,16 +602,6 @@ cudaError_t launch_bwd_main(const BwdArgs& args, int sms, cudaStream_t stream) {
       kernel<<<sms * bps, C::kThreads, smem, stream>>>(args);
     } else {
       auto kernel = bwd_kv_kernel<D, T, true>;
-#if DUALKV_PORTABLE_BWD_V2
-      // The dQ staging tile follows BwdSmem, in the sm_90a code only: the binary that runs on this
-      // device says which (an sm_80 device may not have the extra 34 KB of shared memory; when the
-      // query fails, the tile is allocated: too much shared memory is safe, too little is not).
-      static const bool staged = BwdDqStage<D>::kOn && [kernel] {
-        cudaFuncAttributes fa{};
-        return cudaFuncGetAttributes(&fa, kernel) != cudaSuccess || fa.binaryVersion >= 90;
-      }();
-      const size_t smem = staged ? BwdDqStage<D>::kOffset + BwdDqStage<D>::kBytes : sizeof(BwdSmem<D, T>);
-#endif
       static int bps = occupancy_blocks(kernel, C::kThreads, smem);
       if ((err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem))))
         return err;

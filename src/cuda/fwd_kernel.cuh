@@ -201,7 +201,7 @@ fwd_kernel(const FwdArgs args) {
 }
 
 #if defined(DUALKV_PORTABLE_FWD_V2)
-// ---- Forward, version 2 (CMake option DUALKV_PORTABLE_FWD_V2, default OFF; head dim 128) ----
+// ---- Forward, version 2 (CMake option DUALKV_PORTABLE_FWD_V2, default ON; head dim 128) ----
 // Same work split, tiles, shared-memory tiles, masking and arithmetic as fwd_kernel; what changes
 // is the order of the KV-tile loop and what holds registers across it (docs/cuda.md, "Forward at
 // head dim 128: registers, spills and the version-2 loop"):
