@@ -405,12 +405,16 @@ def gpu_time_breakdown(method, model, mbs, args, device):
         timed_update(method, model, mbs, args, device)
         torch.cuda.synchronize(device)
     out = {"attention": 0.0, "gemm": 0.0, "other": 0.0}
+    kernels = []
     for e in prof.key_averages():
         if e.device_type != torch.autograd.DeviceType.CUDA:
             continue
         us = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0)
         out[kernel_category(e.key)] += us / 1e3
+        kernels.append({"name": e.key[:160], "category": kernel_category(e.key), "calls": e.count, "ms": us / 1e3})
     out["total"] = sum(out.values())
+    # the largest kernels by device time, to compare methods kernel by kernel (same GEMM shapes, ...)
+    out["kernels"] = sorted(kernels, key=lambda k: -k["ms"])[:60]
     model.zero_grad(set_to_none=True)
     return out
 
