@@ -381,6 +381,65 @@ def _mask_build_seconds(mbs, device, reps: int = 3) -> float:
     return statistics.median(samples)
 
 
+class GpuSampler:
+    """SM clock (MHz), board power (W) and temperature (C) sampled by ``nvidia-smi -lms`` while a
+    block runs; ``summary()`` gives medians (and the lowest clock). Used by --sample-clocks to see
+    whether one method runs the GPU at lower clocks than another (power limit). Without nvidia-smi
+    (or on a CPU) it records nothing and ``summary()`` is None."""
+
+    FIELDS = ("clocks.sm", "power.draw", "temperature.gpu")
+
+    def __init__(self, device: torch.device, period_ms: int = 50):
+        self.device, self.period_ms, self.samples, self._proc, self._thread = device, period_ms, [], None, None
+
+    def _gpu_id(self) -> str:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        index = self.device.index or 0
+        if visible:
+            ids = [v.strip() for v in visible.split(",") if v.strip()]
+            if index < len(ids):
+                return ids[index]
+        return str(index)
+
+    def __enter__(self):
+        import shutil
+        import threading
+        smi = shutil.which("nvidia-smi")
+        if self.device.type != "cuda" or smi is None:
+            return self
+        self._proc = subprocess.Popen(
+            [smi, "-i", self._gpu_id(), f"--query-gpu={','.join(self.FIELDS)}", "--format=csv,noheader,nounits",
+             f"-lms={self.period_ms}"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+
+        def read(stream):
+            for line in stream:
+                try:
+                    self.samples.append(tuple(float(x) for x in line.split(",")))
+                except ValueError:  # "[N/A]" fields or a partial line
+                    pass
+        self._thread = threading.Thread(target=read, args=(self._proc.stdout,), daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        if self._proc is not None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+            self._thread.join(timeout=5)
+        return False
+
+    def summary(self):
+        if not self.samples:
+            return None
+        clocks, power, temp = (sorted(col) for col in zip(*self.samples))
+        return {"samples": len(self.samples), "sm_clock_mhz_median": statistics.median(clocks),
+                "sm_clock_mhz_min": clocks[0], "power_w_median": statistics.median(power),
+                "temperature_c_max": temp[-1]}
+
+
 #: kernel-name patterns of the GPU time breakdown (first match wins; lower-case names)
 KERNEL_CATEGORIES = (
     ("attention", re.compile(r"dualkv::|flash|fmha|sdpa|flex_attention|cudnn.*(attn|attention|sdpa)")),
@@ -442,10 +501,18 @@ def measure(method, model, mbs, args, device, base, flops):
         # as long as twice the warm-up's pace: a long update (8B, P=16384) is not cut at --method-timeout
         timed_limit = args.method_timeout and max(
             args.method_timeout, 2.0 * max(1, args.iters) * rec["warmup_s"] / max(1, args.warmup))
-        with _time_limit(timed_limit, f"{method} timed updates"):
+        sampler = GpuSampler(device) if args.sample_clocks else contextlib.nullcontext()
+        with _time_limit(timed_limit, f"{method} timed updates"), sampler:
             for _ in range(max(1, args.iters)):
                 t, logps = timed_update(method, model, mbs, args, device)
                 times.append(t)
+        if args.sample_clocks:
+            rec["gpu_telemetry"] = sampler.summary()
+            if rec["gpu_telemetry"]:
+                g = rec["gpu_telemetry"]
+                log(f"    {method} during the timed updates: SM clock median {g['sm_clock_mhz_median']:.0f} MHz "
+                    f"(min {g['sm_clock_mhz_min']:.0f}), power median {g['power_w_median']:.0f} W, "
+                    f"max {g['temperature_c_max']:.0f} C ({g['samples']} samples)")
         sec = statistics.median(times)
         rec.update(seconds=sec, times=times, tokens_per_s=unpacked / sec, packed_tokens_per_s=packed / sec)
         if device.type == "cuda":
@@ -730,6 +797,8 @@ def main(argv=None):
     ap.add_argument("--probe-max-mb", action="store_true",
                     help="also find the largest micro-batch (whole groups, doubling) that fits, per method")
     ap.add_argument("--probe-limit", type=int, default=32, help="largest group count the probe tries")
+    ap.add_argument("--sample-clocks", action="store_true",
+                    help="sample SM clock, power and temperature (nvidia-smi) during each method's timed updates")
     ap.add_argument("--breakdown", action="store_true",
                     help="one extra profiled update per method: GPU time in attention / GEMM / other kernels")
     ap.add_argument("--peak-tflops", type=float, default=989.4, help="MFU denominator (H200 dense bf16)")
