@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What one device session runs, step by step; logs and JSON go to $OUT (or ./device-out).
-#   tests/gpu/device_run.sh tests [sanitize] [bench-quick|bench] [bench-dims] [e2e] [e2e-flex] [e2e-all] [noise]
+#   tests/gpu/device_run.sh tests [sanitize] [bench-quick|bench] [bench-dims] [e2e] [e2e-flex] [e2e-all] [e2e-grid] [noise]
 # The library is $DUALKV_LIBRARY (default build-h200/libdualkv.so, a 90a build made on the host and
 # carried: docs/hopper.md "Running it"). Steps, with their device time on an H200:
 #   tests        tests/gpu + the GPU cases of tests/python (~1.5 min)
@@ -33,6 +33,14 @@
 #                (~90 + 140-190 s, bounded by 120+200+260 s) and  E2E_MODELS=8b tests/gpu/device_run.sh
 #                e2e-all  (~290-405 s, bounded by 520 s). Both models in one call (the default, caps
 #                200 + 380 s) is enough only if 8B P16384 std is ~21 s/update (then ~430-480 s in all).
+#                Measured 2026-11-30 (tree 648a494): 1.7b e2e-all 188 s, 8b 333 s; E2E_ARGS="--breakdown
+#                --sample-clocks" adds one profiled update per method and the SM clock / power during
+#                the timed updates (to test whether dualkv's non-attention kernels run at lower clocks).
+#   e2e-grid     bench/e2e.py --grid (8 (N, P, R) configs from N16 P2048 R512 to N4 P32768 R2048, variable
+#                responses) for $E2E_GRID_MODEL (default 0.6b), methods $E2E_GRID_METHODS (default
+#                std,dualkv,flex), 2 micro-batches, 1 timed update after 1 warm-up, cut at $E2E_GRID_CAP
+#                (default 540) s; the JSON is saved after every method, so a cut run keeps what finished.
+#                Not yet run; estimate (0.6b is ~0.4x 1.7b's time): ~5-9 min, flex compiles ~15 s per config.
 #   noise        bench/logprob_noise.py, $NOISE_MODELS (default "1.7b 8b"), N16 P4096 R1024: dualkv's bf16
 #                log-probs vs an fp32 truth (row by row, chunked fp32 attention). Estimate: 1.7b ~25 s,
 #                8b ~60 s (fp32 truth ~1.2 PFLOP at ~45 TFLOP/s); peak ~34 GiB allocated at 8b (fp32
@@ -85,6 +93,10 @@ for step in "$@"; do
                echo "e2e-all $m rc=$? (cap $cap s)"
                grep -v -i "warn\|create_block_mask(" "$OUT/e2e_all_$m.log" | tail -16
              done ;;
+    e2e-grid) timeout -k 10 "${E2E_GRID_CAP:-540}" python3 bench/e2e.py --models "${E2E_GRID_MODEL:-0.6b}" --grid \
+                --methods "${E2E_GRID_METHODS:-std,dualkv,flex}" --micro-batches 2 --iters 1 --warmup 1 \
+                --method-timeout 90 ${E2E_ARGS:-} --out "$OUT/e2e_grid.json" > "$OUT/e2e_grid.log" 2>&1
+              echo "e2e-grid rc=$?"; grep -v -i "warn\|create_block_mask(" "$OUT/e2e_grid.log" | tail -34 ;;
     noise) for m in ${NOISE_MODELS:-1.7b 8b}; do
              case $m in 8b) cap=200 ;; *) cap=120 ;; esac
              timeout -k 10 "$cap" python3 bench/logprob_noise.py --model $m --out "$OUT/noise_$m.json" \
