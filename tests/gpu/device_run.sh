@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What one device session runs, step by step; logs and JSON go to $OUT (or ./device-out).
-#   tests/gpu/device_run.sh tests [sanitize] [bench-quick|bench] [bench-dims] [e2e] [e2e-flex] [e2e-all] [e2e-grid] [noise]
+#   tests/gpu/device_run.sh tests [sanitize] [bench-quick|bench] [bench-dims] [bench-portable] [e2e] [e2e-flex] [e2e-all] [e2e-grid] [noise]
 # The library is $DUALKV_LIBRARY (default build-h200/libdualkv.so, a 90a build made on the host and
 # carried: docs/hopper.md "Running it"). Steps, with their device time on an H200:
 #   tests        tests/gpu + the GPU cases of tests/python (~1.5 min)
@@ -8,6 +8,8 @@
 #                $RACECHECK_LIBRARY when set (the per-thread-release diagnostic build, docs/hopper.md)
 #   bench        bench/attention.py, every config and method, hdim 128 (~2 min); bench-quick: 2 configs
 #   bench-dims   dualkv vs cuDNN at hdim 64 and 256, three configs (~1 min)
+#   bench-portable  issue 3's acceptance run: the portable kernels (DUALKV_DISABLE_SM90{,_BWD}=1) against SDPA-flash
+#                on the unpacked batch, every config + varlen, hdim 128, one process (~2-3 min, not yet run)
 #   e2e          bench/e2e.py std + dualkv, 1.7b and 8b, both issue configs (~6 min); E2E_ARGS="--breakdown
 #                --probe-max-mb" adds the GPU time by kernel category and
 #                the largest micro-batch that fits per method (a few more minutes)
@@ -68,6 +70,8 @@ for step in "$@"; do
                    | tee "$OUT/bench.log" | tail -20 ;;
     bench) timeout "${BENCH_TIMEOUT:-420}" python3 bench/attention.py --iters 6 --warmup 2 --out "$OUT" ${BENCH_ARGS:-} \
              2>&1 | tee "$OUT/bench.log" | tail -45 ;;
+    bench-portable) DUALKV_DISABLE_SM90=1 DUALKV_DISABLE_SM90_BWD=1 timeout "${BENCH_TIMEOUT:-360}" python3 bench/attention.py --methods dualkv,sdpa_flash \
+                      --iters 6 --warmup 2 --out "$OUT" --tag portable ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_portable.log" | tail -24 ;;
     bench-dims) for d in 64 256; do
                   timeout 90 python3 bench/attention.py --head-dim $d --configs "16,4096,1024;8,16384,2048;32,8192,1024" \
                     --no-varlen --methods dualkv,sdpa_cudnn --iters 6 --warmup 2 --out "$OUT" --tag d$d 2>&1 \
