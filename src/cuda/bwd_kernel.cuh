@@ -350,6 +350,478 @@ bwd_kv_kernel(const BwdArgs args) {
   }
 }
 
+#if defined(DUALKV_PORTABLE_BWD_V3)
+// ---- Backward main kernel, version 3 (CMake option DUALKV_PORTABLE_BWD_V3, default OFF; head dim 128) ----
+// Same work items, tiles (128 KV x 64 query rows, 8 warps), warp split, masking, arithmetic and
+// outputs as bwd_kv_kernel; what changes is where the loads of the next step sit and the integer
+// work of the step loop (docs/cuda.md, "Backward v3"):
+//  - Q is double-buffered (q[2], 17 KB more: 155.5 KB per CTA, within sm_80's 163 KB): Q of step
+//    s + 1 is issued right after the barrier that opens step s and has the whole step to land.
+//  - The dV and dK products are split (FlashAttention-2's order): S/dP, [bar A], dV += P^T dO,
+//    [bar B], issue dO of step s + 1, dQ = dS K and its atomics, dK += dS^T Q. dO has the dQ and
+//    dK products to land, and the atomics drain while the dK mma.sync run.
+//  - lse/delta of step s + 1 are loaded from global into one register (threads 0-127) after bar A
+//    and stored to shared memory at the end of the step: no warp waits a global latency.
+//  - One wait and barrier per step, at its top (Q, dO, lse, delta of this step).
+//  - The Q/dO loader has a compile-time chunk count (4 x 16 B per thread and tile), the step's
+//    head / query tile advance incrementally (no division by the tile count per step), the
+//    ldmatrix addresses are 32-bit shared-memory offsets, and the item (k0, query range, slot,
+//    head) is decoded by thread 0 into shared memory and re-read where used: with it in registers
+//    the loop spills on sm_90a.
+//
+// Shared-memory hazards, step s (q[b] with b = s & 1; "top" = cp.async.wait_all + bar at the
+// start of step s; every other barrier is CTA-wide too):
+//   q[b]     read: S (before bar A), dK (after bar B). q[b ^ 1] is written by the cp.async of
+//            Q(s + 1), issued after top(s): its previous readers are S and dK of step s - 1,
+//            which every thread finished before arriving at top(s). Q(s + 1) is complete and
+//            visible at top(s + 1) (each thread waits for its own copies, then the barrier).
+//   dout     read: dP (before bar A), dV (between bar A and bar B). dO(s + 1) is issued after
+//            bar B; nothing reads dout after bar B in step s. Visible at top(s + 1).
+//   pt       written before bar A, read between bar A and bar B (dV). Next written after top(s + 1).
+//   dst      written before bar A, read after bar B (dQ, dK). Next written after top(s + 1).
+//   lse_delta read before bar A (P, dS). The values of step s + 1 are stored after the dK product
+//            (after bar B, so after every read of step s), read after top(s + 1).
+//   k, v     read only inside the step loop; the next item's loads are issued after the item
+//            loop's own barriers, which follow the last step of every thread.
+//   si       written by thread 0 between the item loop's two barriers, read by everyone after
+//            the second one and until the next item's first one.
+//   Across items: the last step issues nothing (no next step), so no cp.async is in flight
+//   into q/dout when the next item's prologue issues its loads into q[0] and dout.
+template <int D, typename T>
+struct BwdV3Smem {
+  using C = BwdConfig<D>;
+  T k[C::kBlockN * C::kPitch];
+  T v[C::kBlockN * C::kPitch];
+  T q[2][C::kBlockM * C::kPitch];  // double-buffered by step parity
+  T dout[C::kBlockM * C::kPitch];
+  T pt[C::kBlockN * C::kPitchS];   // P^T  [kv][q]
+  T dst[C::kBlockN * C::kPitchS];  // dS^T [kv][q]
+  float lse_delta[2 * C::kBlockM];  // [0, BM): lse * log2(e), +inf for rows past the range;
+                                   // [BM, 2 BM): delta, 0 past the range
+};
+
+// Item state of bwd_kv_kernel_v3, decoded by thread 0 (CTA-uniform, read from shared memory).
+struct BwdV3Item {
+  int32_t done, hk, k0, klen, qa, qb, slot, h_end;
+};
+
+__device__ __forceinline__ void ldsm_x4(uint32_t* r, uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+__device__ __forceinline__ void ldsm_x4_trans(uint32_t* r, uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+__device__ __forceinline__ void cp_async16_s(uint32_t saddr, const void* gmem, int bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(saddr), "l"(gmem), "r"(bytes));
+}
+
+// A [ROWS][D] tile, 16-byte chunks: thread tid copies column chunk tid % (D / 8) of rows
+// tid / (D / 8) + p * (NT * 8 / D). `s` is the shared address of its first chunk, `g` the global
+// address of its first chunk, `rows_left` = valid rows - its first row; invalid rows are
+// zero-filled (the copy then reads nothing; `fallback`, a valid address, is passed instead).
+template <int D, int ROWS, int PITCH, int NT, typename T>
+__device__ __forceinline__ void load_tile_v3(uint32_t s, const T* g, int64_t token_stride, int rows_left,
+                                             const T* fallback) {
+  constexpr int kRowsPerPass = NT / (D / 8);
+  static_assert(NT % (D / 8) == 0 && ROWS % kRowsPerPass == 0, "whole rows per pass");
+#pragma unroll
+  for (int p = 0; p < ROWS / kRowsPerPass; ++p) {
+    const bool valid = p * kRowsPerPass < rows_left;
+    cp_async16_s(s + p * kRowsPerPass * PITCH * static_cast<int>(sizeof(T)), valid ? g : fallback, valid ? 16 : 0);
+    g += kRowsPerPass * token_stride;
+  }
+}
+
+template <int D, typename T, bool kAtomicDq>
+__global__ void __launch_bounds__(BwdConfig<D>::kThreads, 1)
+bwd_kv_kernel_v3(const BwdArgs args) {
+  using C = BwdConfig<D>;
+  using Ops = TypeOps<T>;
+  constexpr int BM = C::kBlockM, BN = C::kBlockN, P = C::kPitch, PS = C::kPitchS, NT = C::kThreads;
+  constexpr int MI = C::kMI;
+  constexpr int kWR = C::kWarps / 2;
+  constexpr int kHalfD = D / 2;
+  constexpr int kDB = kHalfD / 8;
+  constexpr int MQ = C::kMQ, kDW = D / C::kDC, kQB = kDW / 8;
+  constexpr int E = static_cast<int>(sizeof(T));  // bytes per element
+  constexpr uint32_t kQBytes = BM * P * E;        // one q buffer
+  static_assert(BM == 64 && kWR * 16 * MI == BN, "warp tiling");
+  static_assert(2 * BM <= NT, "threads 0 .. 2 BM - 1 load lse and delta");
+
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  BwdV3Smem<D, T>& sm = *reinterpret_cast<BwdV3Smem<D, T>*>(smem_raw);
+  __shared__ BwdV3Item si;
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t4 = lane & 3;
+  const int row0 = (warp % kWR) * 16 * MI;
+  const int wc = warp / kWR;
+  const int qrow0 = (warp % C::kQR) * 16 * MQ;
+  const int dcol0 = (warp / C::kQR) * kDW;
+  const LayoutPtrs& L = args.layout;
+  const int32_t* plan = args.plan;
+  if (plan[kHdrMagic] != kPlanMagic || plan[kHdrS] != L.num_segments || plan[kHdrT] != L.num_tokens)
+    return;
+  const int H = args.num_heads;
+  const int64_t T_ = L.num_tokens;
+
+  const T* __restrict__ qg = static_cast<const T*>(args.q);
+  const T* __restrict__ kg = static_cast<const T*>(args.k);
+  const T* __restrict__ vg = static_cast<const T*>(args.v);
+  const T* __restrict__ dog = static_cast<const T*>(args.dout);
+
+  // Per-thread shared-memory byte offsets (32-bit), fixed for the kernel.
+  const uint32_t s_k = smem_addr(sm.k), s_v = smem_addr(sm.v), s_q0 = smem_addr(sm.q[0]);
+  const uint32_t s_do = smem_addr(sm.dout), s_pt = smem_addr(sm.pt), s_ds = smem_addr(sm.dst);
+  // ldmatrix lane offsets (elements): A fragment (a_frag_addr), B [n][k] (bnk_frag_addr),
+  // B [k][n] (bkn_frag_addr), A^T (at_frag_addr).
+  const int la_r = (lane & 7) + ((lane >> 3) & 1) * 8, la_c = (lane >> 4) * 8;
+  const int lb_r = (lane & 7) + (lane >> 4) * 8, lb_c = ((lane >> 3) & 1) * 8;
+  // Q/dO loader: row ld_r (+ 16 p), column chunk ld_c.
+  const int ld_r = tid / (D / 8), ld_c = (tid % (D / 8)) * 8;
+  const uint32_t s_ld = static_cast<uint32_t>((ld_r * P + ld_c) * E);
+
+  while (true) {
+    __syncthreads();  // every thread is done with the previous item (its shared memory and si)
+    if (tid == 0) {
+      // Only thread 0 decodes the item; the others read si after the barrier (and the epilogue
+      // re-reads it there instead of holding the item through the step loop in registers).
+      const int Hk = args.num_kv_heads;
+      const int64_t item = atomicAdd(&args.counters[0], 1);
+      si.done = item >= static_cast<int64_t>(plan[kHdrNumBwd]) * Hk;
+      if (!si.done) {
+        const int32_t* wi = plan + plan[kHdrBwdOffset] + static_cast<int32_t>(item / Hk) * kBwdItemInts;
+        const int hk = static_cast<int>(item % Hk);
+        si.hk = hk;
+        si.k0 = wi[1];
+        si.klen = wi[2] - wi[1];
+        si.qa = wi[3];
+        si.qb = wi[4];
+        si.slot = wi[5];
+        si.h_end = (hk + 1) * (H / Hk);
+      }
+    }
+    __syncthreads();
+    if (si.done) break;
+    // The item's values are read from si where they are used (volatile: not held in registers
+    // through the step loop, which needs all 255 but for these).
+    const int hk = si.hk;
+    const int32_t k0 = si.k0, qb = si.qb;
+    const int klen = si.klen;
+
+    load_tile_v3<D, BN, P, NT>(s_k + s_ld, kg + (k0 + ld_r) * args.k_ts + hk * args.k_hs + ld_c, args.k_ts,
+                               klen - ld_r, kg);
+    load_tile_v3<D, BN, P, NT>(s_v + s_ld, vg + (k0 + ld_r) * args.v_ts + hk * args.v_hs + ld_c, args.v_ts,
+                               klen - ld_r, vg);
+
+    // Flattened loop over (query head of the group, query tile of [qa, qb)): step s is head
+    // hk * group + s / tiles_per_head, tile qa + (s % tiles_per_head) * BM, advanced incrementally.
+    int h = si.h_end - H / args.num_kv_heads;
+    int32_t qt = si.qa;
+    // Step 0's Q, dO, lse, delta (the prologue: the global latency is paid once per item).
+    {
+      const int rows = min(BM, qb - qt);
+      load_tile_v3<D, BM, P, NT>(s_q0 + s_ld, qg + (qt + ld_r) * args.q_ts + h * args.q_hs + ld_c, args.q_ts,
+                                 rows - ld_r, qg);
+      load_tile_v3<D, BM, P, NT>(s_do + s_ld, dog + (qt + ld_r) * args.do_ts + h * args.do_hs + ld_c, args.do_ts,
+                                 rows - ld_r, dog);
+      cp_async_commit();
+      if (tid < BM) {
+        const bool valid = tid < rows;
+        sm.lse_delta[tid] = valid ? args.lse[h * args.lse_hs + qt + tid] * kLog2e : CUDART_INF_F;
+        sm.lse_delta[BM + tid] = valid ? args.delta[h * T_ + qt + tid] : 0.f;
+      }
+    }
+
+    float dk[MI][kDB][4], dv[MI][kDB][4];
+#pragma unroll
+    for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+      for (int j = 0; j < kDB; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dk[mi][j][e] = dv[mi][j][e] = 0.f;
+
+    uint32_t qbuf = 0;  // this step's Q buffer: step parity
+    bool has_next;
+    do {
+      // Next step's head and query tile.
+      int hn = h;
+      int32_t qtn = qt + BM;
+      const int32_t qb_ = load_shared_volatile(si.qb);
+      if (qtn >= qb_) { qtn = load_shared_volatile(si.qa); ++hn; }
+      has_next = hn < load_shared_volatile(si.h_end);
+      const int rows_next = min(BM, qb_ - qtn);
+      const uint32_t s_q = s_q0 + qbuf * kQBytes;
+
+      cp_async_wait_all();
+      __syncthreads();  // top: Q, dO, lse, delta of this step landed; step - 1 is done everywhere
+      if (has_next) {   // Q(step + 1) into the other buffer (last read by step - 1's S and dK)
+        load_tile_v3<D, BM, P, NT>(s_q0 + (qbuf ^ 1) * kQBytes + s_ld,
+                                   qg + (qtn + ld_r) * args.q_ts + hn * args.q_hs + ld_c, args.q_ts,
+                                   rows_next - ld_r, qg);
+        cp_async_commit();
+      }
+
+      // Phase 1: S^T = K Q^T and dP^T = V dO^T for kv rows [row0, +16 MI), q cols [32 wc, +32).
+      {
+        float st[MI][4][4], dpt[MI][4][4];
+#pragma unroll
+        for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+          for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) st[mi][j][e] = dpt[mi][j][e] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+          uint32_t ak[MI][4], av[MI][4];
+#pragma unroll
+          for (int mi = 0; mi < MI; ++mi) {
+            const uint32_t off = ((row0 + mi * 16 + la_r) * P + kk * 16 + la_c) * E;
+            ldsm_x4(ak[mi], s_k + off);
+            ldsm_x4(av[mi], s_v + off);
+          }
+#pragma unroll
+          for (int nb = 0; nb < 2; ++nb) {
+            const uint32_t off = ((wc * 32 + nb * 16 + lb_r) * P + kk * 16 + lb_c) * E;
+            uint32_t b[4];
+            ldsm_x4(b, s_q + off);
+#pragma unroll
+            for (int mi = 0; mi < MI; ++mi) {
+              Ops::mma(st[mi][2 * nb], ak[mi], b[0], b[1]);
+              Ops::mma(st[mi][2 * nb + 1], ak[mi], b[2], b[3]);
+            }
+            ldsm_x4(b, s_do + off);
+#pragma unroll
+            for (int mi = 0; mi < MI; ++mi) {
+              Ops::mma(dpt[mi][2 * nb], av[mi], b[0], b[1]);
+              Ops::mma(dpt[mi][2 * nb + 1], av[mi], b[2], b[3]);
+            }
+          }
+        }
+        const int32_t k0 = load_shared_volatile(si.k0);
+        const bool need_mask = qt < k0 + BN - 1;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const int col = wc * 32 + j * 8 + 2 * t4;
+          const float2 l = *reinterpret_cast<const float2*>(&sm.lse_delta[col]);
+          const float2 d = *reinterpret_cast<const float2*>(&sm.lse_delta[BM + col]);
+#pragma unroll
+          for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+            for (int hr = 0; hr < 2; ++hr) {
+              const int row = row0 + mi * 16 + g + hr * 8;
+              float p0 = exp2f(st[mi][j][2 * hr] * args.scale_log2 - l.x);
+              float p1 = exp2f(st[mi][j][2 * hr + 1] * args.scale_log2 - l.y);
+              if (need_mask) {
+                if (k0 + row > qt + col) p0 = 0.f;
+                if (k0 + row > qt + col + 1) p1 = 0.f;
+              }
+              const float ds0 = p0 * (dpt[mi][j][2 * hr] - d.x);
+              const float ds1 = p1 * (dpt[mi][j][2 * hr + 1] - d.y);
+              *reinterpret_cast<uint32_t*>(&sm.pt[row * PS + col]) = Ops::pack(p0, p1);
+              *reinterpret_cast<uint32_t*>(&sm.dst[row * PS + col]) = Ops::pack(ds0, ds1);
+            }
+        }
+      }
+      __syncthreads();  // bar A: P, dS written; lse, delta, and K/V/Q/dO of S and dP read
+
+      // lse/delta of step + 1 into a register (threads 0-63: lse, 64-127: delta); stored at the
+      // end of the step, so the load has the dV, dQ and dK products to land.
+      float ld_val = 0.f;
+      const int ld_i = tid & (BM - 1);
+      const bool ld_ok = has_next && tid < 2 * BM && ld_i < rows_next;
+      if (ld_ok)
+        ld_val = tid < BM ? args.lse[hn * args.lse_hs + qtn + ld_i] : args.delta[hn * T_ + qtn + ld_i];
+
+      // Phase 3a: dV += P^T dO for kv rows [row0, +16 MI), d cols [D/2 wc, +D/2).
+#pragma unroll
+      for (int kk = 0; kk < BM / 16; ++kk) {
+        uint32_t ap[MI][4];
+#pragma unroll
+        for (int mi = 0; mi < MI; ++mi)
+          ldsm_x4(ap[mi], s_pt + ((row0 + mi * 16 + la_r) * PS + kk * 16 + la_c) * E);
+#pragma unroll
+        for (int nd = 0; nd < kDB / 2; ++nd) {
+          uint32_t b[4];
+          ldsm_x4_trans(b, s_do + ((kk * 16 + la_r) * P + wc * kHalfD + nd * 16 + la_c) * E);
+#pragma unroll
+          for (int mi = 0; mi < MI; ++mi) {
+            Ops::mma(dv[mi][2 * nd], ap[mi], b[0], b[1]);
+            Ops::mma(dv[mi][2 * nd + 1], ap[mi], b[2], b[3]);
+          }
+        }
+      }
+      __syncthreads();  // bar B: every read of dout (dP, dV) and pt is done
+      if (has_next) {   // dO(step + 1)
+        load_tile_v3<D, BM, P, NT>(s_do + s_ld, dog + (qtn + ld_r) * args.do_ts + hn * args.do_hs + ld_c,
+                                   args.do_ts, rows_next - ld_r, dog);
+        cp_async_commit();
+      }
+
+      if constexpr (kAtomicDq) {
+        const int32_t qb = load_shared_volatile(si.qb);
+        // Phase 4: dQ[q rows qrow0.., d cols dcol0..] += dS K, accumulated into fp32 by atomics.
+        float dq[MQ][kQB][4];
+#pragma unroll
+        for (int mi = 0; mi < MQ; ++mi)
+#pragma unroll
+          for (int j = 0; j < kQB; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) dq[mi][j][e] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk) {
+          uint32_t a[MQ][4];
+#pragma unroll
+          for (int mi = 0; mi < MQ; ++mi)
+            ldsm_x4_trans(a[mi], s_ds + ((kk * 16 + lb_r) * PS + qrow0 + mi * 16 + lb_c) * E);
+#pragma unroll
+          for (int nd = 0; nd < kQB / 2; ++nd) {
+            uint32_t b[4];
+            ldsm_x4_trans(b, s_k + ((kk * 16 + la_r) * P + dcol0 + nd * 16 + la_c) * E);
+#pragma unroll
+            for (int mi = 0; mi < MQ; ++mi) {
+              Ops::mma(dq[mi][2 * nd], a[mi], b[0], b[1]);
+              Ops::mma(dq[mi][2 * nd + 1], a[mi], b[2], b[3]);
+            }
+          }
+        }
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+        const bool odd = t4 & 1;
+#pragma unroll
+        for (int mi = 0; mi < MQ; ++mi) {
+          const int32_t qi = qt + qrow0 + mi * 16 + g + (odd ? 8 : 0);
+          const int col = dcol0 + 2 * t4 - (odd ? 2 : 0);
+          float* dst = args.dq_accum + (static_cast<int64_t>(qi) * H + h) * D + col;
+#pragma unroll
+          for (int j = 0; j < kQB; ++j) {
+            const float s0 = odd ? dq[mi][j][0] : dq[mi][j][2];
+            const float s1 = odd ? dq[mi][j][1] : dq[mi][j][3];
+            const float r0 = __shfl_xor_sync(0xffffffffu, s0, 1);
+            const float r1 = __shfl_xor_sync(0xffffffffu, s1, 1);
+            const float4 v = odd ? make_float4(r0, r1, dq[mi][j][2], dq[mi][j][3])
+                                 : make_float4(dq[mi][j][0], dq[mi][j][1], r0, r1);
+            if (qi < qb) atomicAdd(reinterpret_cast<float4*>(dst + j * 8), v);
+          }
+        }
+#else
+#pragma unroll
+        for (int mi = 0; mi < MQ; ++mi)
+#pragma unroll
+          for (int hr = 0; hr < 2; ++hr) {
+            const int32_t qi = qt + qrow0 + mi * 16 + g + hr * 8;
+            if (qi < qb) {
+              float* dst = args.dq_accum + (static_cast<int64_t>(qi) * H + h) * D + dcol0 + 2 * t4;
+#pragma unroll
+              for (int j = 0; j < kQB; ++j) {
+                atomicAdd(dst + j * 8, dq[mi][j][2 * hr]);
+                atomicAdd(dst + j * 8 + 1, dq[mi][j][2 * hr + 1]);
+              }
+            }
+          }
+#endif
+      }
+
+      // Phase 3b: dK += dS^T Q for kv rows [row0, +16 MI), d cols [D/2 wc, +D/2).
+#pragma unroll
+      for (int kk = 0; kk < BM / 16; ++kk) {
+        uint32_t ads[MI][4];
+#pragma unroll
+        for (int mi = 0; mi < MI; ++mi)
+          ldsm_x4(ads[mi], s_ds + ((row0 + mi * 16 + la_r) * PS + kk * 16 + la_c) * E);
+#pragma unroll
+        for (int nd = 0; nd < kDB / 2; ++nd) {
+          uint32_t b[4];
+          ldsm_x4_trans(b, s_q + ((kk * 16 + la_r) * P + wc * kHalfD + nd * 16 + la_c) * E);
+#pragma unroll
+          for (int mi = 0; mi < MI; ++mi) {
+            Ops::mma(dk[mi][2 * nd], ads[mi], b[0], b[1]);
+            Ops::mma(dk[mi][2 * nd + 1], ads[mi], b[2], b[3]);
+          }
+        }
+      }
+
+      // lse/delta of step + 1 (after bar B: every read of this step's values is done); thread
+      // tid < 2 BM owns lse_delta[tid].
+      if (has_next && tid < 2 * BM) {
+        float v;
+        if (tid < BM) v = ld_ok ? ld_val * kLog2e : CUDART_INF_F;
+        else v = ld_ok ? ld_val : 0.f;
+        sm.lse_delta[tid] = v;
+      }
+      h = hn;
+      qt = qtn;
+      qbuf ^= 1;
+    } while (has_next);
+
+    // Epilogue: dK scaled by the softmax scale. Direct write, or an fp32 partial for a split.
+    // The item is re-read from si (nobody writes it before the item loop's next barrier).
+    const int32_t slot = load_shared_volatile(si.slot);
+    const int Hk = args.num_kv_heads;
+    const int col0 = wc * kHalfD + 2 * t4;
+    if (slot < 0) {
+      const int32_t k0 = load_shared_volatile(si.k0), klen = load_shared_volatile(si.klen);
+      const int hk = load_shared_volatile(si.hk);
+      T* dkb = static_cast<T*>(args.dk) + k0 * args.dk_ts + hk * args.dk_hs + col0;
+      T* dvb = static_cast<T*>(args.dv) + k0 * args.dv_ts + hk * args.dv_hs + col0;
+#pragma unroll
+      for (int mi = 0; mi < MI; ++mi) {
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+          const int row = row0 + mi * 16 + g + hr * 8;
+          const bool ok = row < klen;
+#pragma unroll
+          for (int j = 0; j < kDB; ++j) {
+            if (ok) {
+              *reinterpret_cast<uint32_t*>(dkb + row * args.dk_ts + j * 8) =
+                  Ops::pack(dk[mi][j][2 * hr] * args.scale, dk[mi][j][2 * hr + 1] * args.scale);
+              *reinterpret_cast<uint32_t*>(dvb + row * args.dv_ts + j * 8) =
+                  Ops::pack(dv[mi][j][2 * hr], dv[mi][j][2 * hr + 1]);
+            }
+          }
+        }
+      }
+    } else {
+      const int hk = load_shared_volatile(si.hk);
+      float* base = args.partials + ((static_cast<int64_t>(slot) * Hk + hk) * 2) * BN * D + col0;
+#pragma unroll
+      for (int mi = 0; mi < MI; ++mi) {
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+          const int row = row0 + mi * 16 + g + hr * 8;
+#pragma unroll
+          for (int j = 0; j < kDB; ++j) {
+            *reinterpret_cast<float2*>(base + row * D + j * 8) = make_float2(dk[mi][j][2 * hr], dk[mi][j][2 * hr + 1]);
+            *reinterpret_cast<float2*>(base + BN * D + row * D + j * 8) =
+                make_float2(dv[mi][j][2 * hr], dv[mi][j][2 * hr + 1]);
+          }
+        }
+      }
+    }
+  }
+}
+// Version 3 at head dim 128 only (the measured target); only the selected kernel is instantiated.
+template <int D, typename T, bool kAtomicDq>
+constexpr auto bwd_kv_kernel_selected() {
+  if constexpr (D == 128) {
+    return bwd_kv_kernel_v3<D, T, kAtomicDq>;
+  } else {
+    return bwd_kv_kernel<D, T, kAtomicDq>;
+  }
+}
+template <int D, typename T>
+constexpr size_t bwd_kv_smem_selected() {
+  if constexpr (D == 128) {
+    return sizeof(BwdV3Smem<D, T>);
+  } else {
+    return sizeof(BwdSmem<D, T>);
+  }
+}
+#endif  // DUALKV_PORTABLE_BWD_V3
+
 // Deterministic dQ: query-tile-outer, same walk over visible KV tiles as the forward.
 template <int D, typename T>
 struct DqSmem {
@@ -593,15 +1065,27 @@ cudaError_t launch_bwd_main(const BwdArgs& args, int sms, cudaStream_t stream) {
   cudaError_t err;
   {
     using C = BwdConfig<D>;
+#if defined(DUALKV_PORTABLE_BWD_V3)
+    const size_t smem = bwd_kv_smem_selected<D, T>();
+#else
     const size_t smem = sizeof(BwdSmem<D, T>);
+#endif
     if (args.deterministic) {
+#if defined(DUALKV_PORTABLE_BWD_V3)
+      auto kernel = bwd_kv_kernel_selected<D, T, false>();
+#else
       auto kernel = bwd_kv_kernel<D, T, false>;
+#endif
       static int bps = occupancy_blocks(kernel, C::kThreads, smem);
       if ((err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem))))
         return err;
       kernel<<<sms * bps, C::kThreads, smem, stream>>>(args);
     } else {
+#if defined(DUALKV_PORTABLE_BWD_V3)
+      auto kernel = bwd_kv_kernel_selected<D, T, true>();
+#else
       auto kernel = bwd_kv_kernel<D, T, true>;
+#endif
       static int bps = occupancy_blocks(kernel, C::kThreads, smem);
       if ((err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem))))
         return err;
