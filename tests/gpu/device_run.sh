@@ -35,6 +35,7 @@
 #                (~90 + 140-190 s, bounded by 120+200+260 s) and  E2E_MODELS=8b tests/gpu/device_run.sh
 #                e2e-all  (~290-405 s, bounded by 520 s). Both models in one call (the default, caps
 #                200 + 380 s) is enough only if 8B P16384 std is ~21 s/update (then ~430-480 s in all).
+#                E2E_CONFIGS / E2E_METHODS override the configs and the methods (in the order run).
 #                Measured 2026-11-30 (tree 648a494): 1.7b e2e-all 188 s, 8b 333 s; E2E_ARGS="--breakdown
 #                --sample-clocks" adds one profiled update per method and the SM clock / power during
 #                the timed updates (to test whether dualkv's non-attention kernels run at lower clocks).
@@ -91,8 +92,8 @@ for step in "$@"; do
              for m in $models; do  # caps: one model per call, or both fitting one call together
                case $m in 8b) cap=${E2E_CAP_8B:-$([ $one = 1 ] && echo 520 || echo 380)} ;;
                           *) cap=${E2E_CAP_1_7B:-$([ $one = 1 ] && echo 260 || echo 200)} ;; esac
-               timeout -k 10 "$cap" python3 bench/e2e.py --models $m --configs "16,4096,1024;8,16384,2048" \
-                 --methods std,dualkv,flex --micro-batches 2 --iters 2 --warmup 1 --method-timeout 120 ${E2E_ARGS:-} \
+               timeout -k 10 "$cap" python3 bench/e2e.py --models $m --configs "${E2E_CONFIGS:-16,4096,1024;8,16384,2048}" \
+                 --methods "${E2E_METHODS:-std,dualkv,flex}" --micro-batches 2 --iters 2 --warmup 1 --method-timeout 120 ${E2E_ARGS:-} \
                  --out "$OUT/e2e_all_$m.json" > "$OUT/e2e_all_$m.log" 2>&1
                echo "e2e-all $m rc=$? (cap $cap s)"
                grep -v -i "warn\|create_block_mask(" "$OUT/e2e_all_$m.log" | tail -16
