@@ -625,6 +625,10 @@ def run_config(model, cfg, size, n, P, R, args, device, save=None):
                if rec["status"] == "ok" else rec.get("error", "")))
         if save is not None:
             save([_json_record(r) for r in results])
+    if args.rounds > 0:
+        interleaved_rounds(results, model, mbs, args, device)
+        if save is not None:
+            save([_json_record(r) for r in results])
     std = next((r for r in results if r["method"] == "std" and r["status"] == "ok"), None)
     dkv = next((r for r in results if r["method"] == "dualkv" and r["status"] == "ok"), None)
     m = mbs[0].mask
@@ -642,9 +646,56 @@ def run_config(model, cfg, size, n, P, R, args, device, save=None):
             if "seconds_excl_mask" in r:
                 r["dualkv_speedup_excl_mask"] = r["seconds_excl_mask"] / dkv["seconds"]
             r["max_abs_dlogp_vs_dualkv"] = float((lp0 - dkv_lp0).abs()[m].max())
+            if "seconds_interleaved" in r and "seconds_interleaved" in dkv:
+                r["dualkv_speedup_interleaved"] = r["seconds_interleaved"] / dkv["seconds_interleaved"]
+                if "mask_build_s" in r:
+                    r["dualkv_speedup_interleaved_excl_mask"] = (
+                        (r["seconds_interleaved"] - r["mask_build_s"]) / dkv["seconds_interleaved"])
     if save is not None:
         save(results)
     return results
+
+
+def interleaved_rounds(results, model, mbs, args, device):
+    """--rounds K: after every method's own warm-up and timed updates, K more rounds of one timed
+    update per successful method, the order rotated every round (round r starts with method r mod M).
+    A method measured in one block after another inherits the GPU's state (clocks under the power
+    limit, temperature) from the one before; interleaving spreads that drift over all methods.
+    Adds seconds_interleaved (median) and interleaved_times to each record (and, with
+    --sample-clocks, the clock / power telemetry of those updates)."""
+    ok = [r for r in results if r["status"] == "ok"]
+    if len(ok) < 2:
+        return
+    samples = {r["method"]: [] for r in ok}
+    times = {r["method"]: [] for r in ok}
+    log(f"  interleaved: {args.rounds} round(s) of {', '.join(samples)}")
+    try:
+        for k in range(args.rounds):
+            for r in ok[k % len(ok):] + ok[:k % len(ok)]:
+                set_method(model, r["method"])
+                sampler = GpuSampler(device) if args.sample_clocks else contextlib.nullcontext()
+                with _time_limit(args.method_timeout and 2.0 * args.method_timeout,
+                                 f"{r['method']} interleaved update"), sampler:
+                    t, _ = timed_update(r["method"], model, mbs, args, device)
+                times[r["method"]].append(t)
+                if args.sample_clocks:
+                    samples[r["method"]].extend(sampler.samples)
+    except (Exception, MethodTimeout) as exc:  # keep the rounds that finished
+        log(f"  interleaved rounds stopped: {type(exc).__name__}: {str(exc)[:200]}")
+    finally:
+        model.zero_grad(set_to_none=True)
+    for r in ok:
+        ts = times[r["method"]]
+        if not ts:
+            continue
+        r["interleaved_times"] = ts
+        r["seconds_interleaved"] = statistics.median(ts)
+        if args.sample_clocks:
+            summary_sampler = GpuSampler(device)
+            summary_sampler.samples = samples[r["method"]]
+            r["gpu_telemetry_interleaved"] = summary_sampler.summary()
+        log(f"  interleaved {r['method']:<7} {r['seconds_interleaved']:.3f} s/update (median of {len(ts)}; "
+            f"own block {r['seconds']:.3f})")
 
 
 def environment(device):
@@ -746,6 +797,14 @@ def summary(results):
                          f"{r['seconds_excl_mask']:.3f} s; dualkv speedup over that {excl}), compiles in the first "
                          f"update {r['compile_s']:.1f} s ({'compiled' if r.get('flex_mask_compile') else 'eager'} "
                          "mask build)")
+        if "seconds_interleaved" in r:
+            extra = ""
+            if r.get("dualkv_speedup_interleaved") is not None:
+                extra = f"; dualkv speedup {_fmt(r['dualkv_speedup_interleaved'], '.2f', 'x')}"
+                if r.get("dualkv_speedup_interleaved_excl_mask") is not None:
+                    extra += f" ({_fmt(r['dualkv_speedup_interleaved_excl_mask'], '.2f', 'x')} excluding mask builds)"
+            lines.append(f"{'':>38} {r['method']}: interleaved {r['seconds_interleaved']:.3f} s/update "
+                         f"(median of {len(r['interleaved_times'])}){extra}")
     return "\n".join(lines)
 
 
@@ -797,6 +856,9 @@ def main(argv=None):
     ap.add_argument("--probe-max-mb", action="store_true",
                     help="also find the largest micro-batch (whole groups, doubling) that fits, per method")
     ap.add_argument("--probe-limit", type=int, default=32, help="largest group count the probe tries")
+    ap.add_argument("--rounds", type=int, default=0,
+                    help="after the per-method measurements, this many interleaved rounds of one timed update per "
+                         "method (order rotated), reported as seconds_interleaved")
     ap.add_argument("--sample-clocks", action="store_true",
                     help="sample SM clock, power and temperature (nvidia-smi) during each method's timed updates")
     ap.add_argument("--breakdown", action="store_true",

@@ -38,7 +38,8 @@
 #                E2E_CONFIGS / E2E_METHODS override the configs and the methods (in the order run).
 #                Measured 2026-11-30 (tree 648a494): 1.7b e2e-all 188 s, 8b 333 s; E2E_ARGS="--breakdown
 #                --sample-clocks" adds one profiled update per method and the SM clock / power during
-#                the timed updates (to test whether dualkv's non-attention kernels run at lower clocks).
+#                the timed updates (to test whether dualkv's non-attention kernels run at lower clocks);
+#                "--rounds K" adds K interleaved rounds of one update per method (order rotated).
 #   e2e-grid     bench/e2e.py --grid (8 (N, P, R) configs from N16 P2048 R512 to N4 P32768 R2048, variable
 #                responses) for $E2E_GRID_MODEL (default 0.6b), methods $E2E_GRID_METHODS (default
 #                std,dualkv,flex), 2 micro-batches, 1 timed update after 1 warm-up, cut at $E2E_GRID_CAP

@@ -167,7 +167,9 @@ def test_device_run_e2e_all_step_is_planned():
         body = text[text.index(f"    {name})"):]
         return body[:body.index("done ;;")]
     e2e_all, noise = step("e2e-all"), step("noise")
-    assert '"16,4096,1024;8,16384,2048"' in e2e_all and "--methods std,dualkv,flex" in e2e_all
+    # defaults: both issue configs, all three methods (E2E_CONFIGS / E2E_METHODS override them)
+    assert '"${E2E_CONFIGS:-16,4096,1024;8,16384,2048}"' in e2e_all
+    assert '--methods "${E2E_METHODS:-std,dualkv,flex}"' in e2e_all
     assert "--micro-batches 2 --iters 2 --warmup 1 --method-timeout 120" in e2e_all and "timeout -k" in e2e_all
     assert "> \"$OUT/e2e_all_$m.log\"" in e2e_all  # a file, not a pipe a stuck child could hold open
     caps = {k: (int(a), int(b)) for k, a, b in
@@ -205,3 +207,22 @@ def test_gpu_sampler_parses_nvidia_smi(tmp_path, monkeypatch):
     with e2e.GpuSampler(torch.device("cuda", 0)) as no_smi:
         pass
     assert no_smi.summary() is None
+
+
+def test_interleaved_rounds(tmp_path):
+    """--rounds 2: after the per-method blocks, two rounds of one update per method (order rotated);
+    each record gets its interleaved times and median, flex the dualkv speedup over them (with and
+    without the mask builds), and the table a line per method."""
+    e2e = _load_bench("e2e")
+    out = tmp_path / "e2e.json"
+    assert e2e.main(TINY + ["--configs", "3,40,16", "--methods", "flex,dualkv", "--rounds", "2",
+                            "--out", str(out)]) == 0
+    flex, dualkv = json.loads(out.read_text())["results"]
+    for r in (flex, dualkv):
+        assert len(r["interleaved_times"]) == 2 and r["seconds_interleaved"] > 0, r
+    assert flex["dualkv_speedup_interleaved"] == pytest.approx(flex["seconds_interleaved"] / dualkv["seconds_interleaved"])
+    assert flex["dualkv_speedup_interleaved_excl_mask"] == pytest.approx(
+        (flex["seconds_interleaved"] - flex["mask_build_s"]) / dualkv["seconds_interleaved"])
+    assert "dualkv_speedup_interleaved" not in dualkv
+    table = out.with_suffix(".txt").read_text()
+    assert "flex: interleaved" in table and "dualkv: interleaved" in table and "excluding mask builds" in table
