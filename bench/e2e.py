@@ -432,12 +432,18 @@ class GpuSampler:
         return False
 
     def summary(self):
-        if not self.samples:
-            return None
-        clocks, power, temp = (sorted(col) for col in zip(*self.samples))
-        return {"samples": len(self.samples), "sm_clock_mhz_median": statistics.median(clocks),
-                "sm_clock_mhz_min": clocks[0], "power_w_median": statistics.median(power),
-                "temperature_c_max": temp[-1]}
+        return telemetry_summary(self.samples)
+
+
+def telemetry_summary(samples):
+    """Medians of (SM clock MHz, power W, temperature C) samples, the lowest clock and the highest
+    temperature; None without samples."""
+    if not samples:
+        return None
+    clocks, power, temp = (sorted(col) for col in zip(*samples))
+    return {"samples": len(samples), "sm_clock_mhz_median": statistics.median(clocks),
+            "sm_clock_mhz_min": clocks[0], "power_w_median": statistics.median(power),
+            "temperature_c_max": temp[-1]}
 
 
 #: kernel-name patterns of the GPU time breakdown (first match wins; lower-case names)
@@ -691,9 +697,7 @@ def interleaved_rounds(results, model, mbs, args, device):
         r["interleaved_times"] = ts
         r["seconds_interleaved"] = statistics.median(ts)
         if args.sample_clocks:
-            summary_sampler = GpuSampler(device)
-            summary_sampler.samples = samples[r["method"]]
-            r["gpu_telemetry_interleaved"] = summary_sampler.summary()
+            r["gpu_telemetry_interleaved"] = telemetry_summary(samples[r["method"]])
         log(f"  interleaved {r['method']:<7} {r['seconds_interleaved']:.3f} s/update (median of {len(ts)}; "
             f"own block {r['seconds']:.3f})")
 
