@@ -323,7 +323,7 @@ def _check_common(packed: PackedBatch, temperature: float, fn: str) -> float:
 
 def _per_token(x: Tensor, T: int, what: str, fn: str) -> Tensor:
     if x.dim() == 3 and x.shape[0] == 1:
-        x = x[0]
+        x = x.squeeze(0)  # a view whose backward is a view too (x[0]'s allocates zeros and copies)
     if x.dim() != 2 or x.shape[0] != T:
         raise ValueError(f"{fn}: {what} must be [T, D] or [1, T, D] with T={T} packed tokens, got shape "
                          f"{tuple(x.shape)}")

@@ -116,6 +116,9 @@ def _setup_context(ctx, inputs, output):
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, meta, plan)
     ctx.config = (num_segments, max_depth, plan_key, softmax_scale, deterministic)
+    # An unused lse (the usual case) then reaches the backward as None instead of a zero [H, T]
+    # tensor that the kernels would read.
+    ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, dout, dlse):

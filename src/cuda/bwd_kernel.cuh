@@ -351,7 +351,7 @@ bwd_kv_kernel(const BwdArgs args) {
 }
 
 #if defined(DUALKV_PORTABLE_BWD_V3)
-// ---- Backward main kernel, version 3 (CMake option DUALKV_PORTABLE_BWD_V3, default OFF; head dim 128) ----
+// ---- Backward main kernel, version 3 (CMake option DUALKV_PORTABLE_BWD_V3, default ON; head dim 128) ----
 // Same work items, tiles (128 KV x 64 query rows, 8 warps), warp split, masking, arithmetic and
 // outputs as bwd_kv_kernel; what changes is where the loads of the next step sit and the integer
 // work of the step loop (docs/cuda.md, "Backward v3"):

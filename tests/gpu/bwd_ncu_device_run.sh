@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# One device step: where the backward's time goes, dualkv against FA2 (SDPA flash), head dim 128 bf16,
+# H = 32, Hk = 8, one (N, P, R) config ($NCU_CONFIG, default 28,16384,2048: issue 3's weakest case).
+#   1. kernel times of 3 fwd+bwd per method (torch profiler, one process): which kernels the backward
+#      runs and how long each takes (dualkv: preprocess / main / dQ convert / split reduce; FA2:
+#      dot(dO, O) / main / dQ convert)
+#   2. Nsight Compute on ONE launch of each backward main kernel (the second fwd+bwd; the first warms
+#      up): speed of light, pipe utilisation, warp stall reasons, scheduler, shared-memory bank
+#      conflicts, occupancy. --clock-control none (METHOD.md: leave the clocks alone).
+# The portable kernels are forced (DUALKV_DISABLE_SM90{,_BWD}=1) unless NCU_SM90=1.
+# Usage: run(carry=["build-h200/libdualkv.so"], command="tests/gpu/bwd_ncu_device_run.sh") (~1.5 min).
+set -uo pipefail
+OUTDIR=${OUT:-/tmp/ncu_out}; mkdir -p "$OUTDIR"
+export PYTHONPATH=$PWD/python:$PWD/bench PYTHONUNBUFFERED=1
+export DUALKV_LIBRARY=${DUALKV_LIBRARY:-$PWD/build-h200/libdualkv.so}
+[ -z "${NCU_SM90:-}" ] && export DUALKV_DISABLE_SM90=1 DUALKV_DISABLE_SM90_BWD=1
+CONFIG=${NCU_CONFIG:-28,16384,2048}
+DRIVER="$OUTDIR/bwd_ncu_driver.py"
+cat > "$DRIVER" <<'EOF'
+import sys, torch
+import attention as A
+mode, method, (N, P, R) = sys.argv[1], sys.argv[2], map(int, sys.argv[3].split(","))
+case = A.Case(f"N{N}_P{P}_R{R}", [P], [[R] * N])
+methods = ["dualkv", "sdpa_flash"] if method == "both" else [method]
+for m in methods:
+    setup, fwd, fwdbwd, _ = A.build_method(m, case, 32, 8, 128, torch.bfloat16)
+    x = setup(7)
+    if mode == "once":  # for ncu: the second call's kernels are profiled
+        for _ in range(2):
+            fwdbwd(x)
+        torch.cuda.synchronize()
+    else:
+        from torch.profiler import ProfilerActivity, profile
+        fwdbwd(x); torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                fwdbwd(x)
+            torch.cuda.synchronize()
+        print(f"== {m} {case.name}: 3 x fwd+bwd", flush=True)
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=10, max_name_column_width=90), flush=True)
+    del x
+EOF
+t0=$(date +%s)
+echo "== 1. kernel times (torch profiler) $CONFIG"
+timeout 120 python3 "$DRIVER" profile both "$CONFIG" > "$OUTDIR/bwd_kernels.log" 2>&1
+echo "rc=$? t=$(( $(date +%s) - t0 ))s"
+grep -E "^==|bwd|Bwd|dot_do|convert|reduce|preprocess|Self CUDA time" "$OUTDIR/bwd_kernels.log" | cut -c1-200 | head -40
+NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
+[ -n "$NCU" ] || { echo "no ncu"; exit 0; }
+SECTIONS="--section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis
+  --section MemoryWorkloadAnalysis_Tables --section WarpStateStats --section SchedulerStats
+  --section InstructionStats --section Occupancy --section LaunchStats"
+STALLS=""
+for r in barrier long_scoreboard short_scoreboard mio_throttle math_pipe_throttle wait not_selected selected \
+         dispatch_stall lg_throttle membar branch_resolving no_instruction drain sleeping tex_throttle misc; do
+  STALLS="$STALLS,smsp__warp_issue_stalled_${r}_per_warp_active.pct"
+done
+METRICS="sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,smsp__inst_executed.sum,\
+sm__cycles_elapsed.avg,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum,\
+l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum,l1tex__data_pipe_lsu_wavefronts_mem_shared.sum,\
+lts__t_sectors_op_red.sum,dram__bytes.sum,smsp__issue_active.avg.pct_of_peak_sustained_active$STALLS"
+for spec in "dualkv:regex:bwd_kv_kernel|bwd_sm90_kernel" "sdpa_flash:regex:flash_bwd_dq_dk_dv"; do
+  m=${spec%%:*}; k=${spec#*:}
+  echo "== 2. ncu $m ($k) t=$(( $(date +%s) - t0 ))s"
+  timeout 200 "$NCU" --clock-control none --target-processes all --kernel-name "$k" --launch-skip 1 --launch-count 1 \
+    $SECTIONS --metrics "$METRICS" python3 "$DRIVER" once "$m" "$CONFIG" > "$OUTDIR/ncu_$m.log" 2>&1
+  echo "rc=$? t=$(( $(date +%s) - t0 ))s"
+  grep -E "^  [a-z_]+.*\(|Duration|Throughput|Pipe|Issue|Stall|Warp Cycles|Eligible|Active Warps|Registers|Shared Memory|Bank|Executed Ipc|No Eligible|Theoretical Occ|Achieved Occ|smsp__|sm__|l1tex__|lts__|dram__" \
+    "$OUTDIR/ncu_$m.log" | cut -c1-150 | head -90
+done
+echo "done t=$(( $(date +%s) - t0 ))s"
