@@ -7,15 +7,17 @@
 #   2. Nsight Compute on ONE launch of each backward main kernel (the second fwd+bwd; the first warms
 #      up): speed of light, pipe utilisation, warp stall reasons, scheduler, shared-memory bank
 #      conflicts, occupancy. --clock-control none (METHOD.md: leave the clocks alone).
-# The portable kernels are forced (DUALKV_DISABLE_SM90{,_BWD}=1) unless NCU_SM90=1.
-# Usage: run(carry=["build-h200/libdualkv.so"], command="tests/gpu/bwd_ncu_device_run.sh") (~1.5 min).
+# The portable kernels are forced (DUALKV_DISABLE_SM90{,_BWD}=1) unless NCU_SM90=1. NCU_METHODS
+# (default "dualkv,sdpa_flash") picks the kernels of step 2; NCU_SKIP_PROFILE=1 skips step 1.
+# Usage: run(carry=["build-h200/libdualkv.so"], command="tests/gpu/bwd_ncu_device_run.sh"): measured 100 s at
+# N28 P16384 R2048 (426f4d0; ncu of dualkv alone ~40 s). Results: docs/benchmarks.md, session 5.
 set -uo pipefail
 OUTDIR=${OUT:-/tmp/ncu_out}; mkdir -p "$OUTDIR"
 export PYTHONPATH=$PWD/python:$PWD/bench PYTHONUNBUFFERED=1
 export DUALKV_LIBRARY=${DUALKV_LIBRARY:-$PWD/build-h200/libdualkv.so}
 [ -z "${NCU_SM90:-}" ] && export DUALKV_DISABLE_SM90=1 DUALKV_DISABLE_SM90_BWD=1
 CONFIG=${NCU_CONFIG:-28,16384,2048}
-DRIVER="$OUTDIR/bwd_ncu_driver.py"
+DRIVER=$(mktemp /tmp/bwd_ncu_driver_XXXX.py)  # not under $OUT: the device returns a limited number of files
 cat > "$DRIVER" <<'EOF'
 import sys, torch
 import attention as A
@@ -41,10 +43,12 @@ for m in methods:
     del x
 EOF
 t0=$(date +%s)
-echo "== 1. kernel times (torch profiler) $CONFIG"
-timeout 120 python3 "$DRIVER" profile both "$CONFIG" > "$OUTDIR/bwd_kernels.log" 2>&1
-echo "rc=$? t=$(( $(date +%s) - t0 ))s"
-grep -E "^==|bwd|Bwd|dot_do|convert|reduce|preprocess|Self CUDA time" "$OUTDIR/bwd_kernels.log" | cut -c1-200 | head -40
+if [ -z "${NCU_SKIP_PROFILE:-}" ]; then
+  echo "== 1. kernel times (torch profiler) $CONFIG"
+  timeout 120 python3 "$DRIVER" profile both "$CONFIG" > "$OUTDIR/bwd_kernels.log" 2>&1
+  echo "rc=$? t=$(( $(date +%s) - t0 ))s"
+  grep -E "^==|bwd|Bwd|dot_do|convert|reduce|preprocess|Self CUDA time" "$OUTDIR/bwd_kernels.log" | cut -c1-200 | head -40
+fi
 NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
 [ -n "$NCU" ] || { echo "no ncu"; exit 0; }
 SECTIONS="--section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis
@@ -61,6 +65,7 @@ l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum,l1tex__data_pipe_lsu_wa
 lts__t_sectors_op_red.sum,dram__bytes.sum,smsp__issue_active.avg.pct_of_peak_sustained_active$STALLS"
 for spec in "dualkv:regex:bwd_kv_kernel|bwd_sm90_kernel" "sdpa_flash:regex:flash_bwd_dq_dk_dv"; do
   m=${spec%%:*}; k=${spec#*:}
+  case ",${NCU_METHODS:-dualkv,sdpa_flash}," in *",$m,"*) ;; *) continue ;; esac
   echo "== 2. ncu $m ($k) t=$(( $(date +%s) - t0 ))s"
   timeout 200 "$NCU" --clock-control none --target-processes all --kernel-name "$k" --launch-skip 1 --launch-count 1 \
     $SECTIONS --metrics "$METRICS" python3 "$DRIVER" once "$m" "$CONFIG" > "$OUTDIR/ncu_$m.log" 2>&1
