@@ -9,7 +9,7 @@
 #   bench        bench/attention.py, every config and method, hdim 128 (~2 min); bench-quick: 2 configs
 #   bench-dims   dualkv vs cuDNN at hdim 64 and 256, three configs (~1 min)
 #   bench-portable  issue 3's acceptance run: the portable kernels (DUALKV_DISABLE_SM90{,_BWD}=1) against SDPA-flash
-#                on the unpacked batch, every config + varlen, hdim 128, one process (~2-3 min, not yet run)
+#                on the unpacked batch, every config + varlen, hdim 128, one process (measured 38 s at 426f4d0)
 #   e2e          bench/e2e.py std + dualkv, 1.7b and 8b, both issue configs (~6 min); E2E_ARGS="--breakdown
 #                --probe-max-mb" adds the GPU time by kernel category and
 #                the largest micro-batch that fits per method (a few more minutes)
@@ -44,7 +44,7 @@
 #                responses) for $E2E_GRID_MODEL (default 0.6b), methods $E2E_GRID_METHODS (default
 #                std,dualkv,flex), 2 micro-batches, 1 timed update after 1 warm-up, cut at $E2E_GRID_CAP
 #                (default 540) s; the JSON is saved after every method, so a cut run keeps what finished.
-#                Not yet run; estimate (0.6b is ~0.4x 1.7b's time): ~5-9 min, flex compiles ~15 s per config.
+#                Measured 311 s at 426f4d0 (E2E_GRID_CAP=450; flex compiles 11-15 s per config).
 #   noise        bench/logprob_noise.py, $NOISE_MODELS (default "1.7b 8b"), N16 P4096 R1024: dualkv's bf16
 #                log-probs vs an fp32 truth (row by row, chunked fp32 attention). Estimate: 1.7b ~25 s,
 #                8b ~60 s (fp32 truth ~1.2 PFLOP at ~45 TFLOP/s); peak ~34 GiB allocated at 8b (fp32
