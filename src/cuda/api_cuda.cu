@@ -678,6 +678,9 @@ std::string cuda_build_info_json() {
 #if defined(DUALKV_PORTABLE_BWD_V3)
   add_variant("portable_bwd_v3");
 #endif
+#if defined(DUALKV_PORTABLE_BWD_V4)
+  add_variant("portable_bwd_v4");
+#endif
   (void)add_variant;
   return "\"cuda_archs\": " + archs + ", \"head_dims\": " + dims +
          ", \"dtypes\": [\"float16\", \"bfloat16\"], \"kernels\": \"sm80-mma\", \"sm90_fwd_head_dims\": [" +

@@ -403,6 +403,12 @@ struct BwdV3Smem {
 // Item state of bwd_kv_kernel_v3, decoded by thread 0 (CTA-uniform, read from shared memory).
 struct BwdV3Item {
   int32_t done, hk, k0, klen, qa, qb, slot, h_end;
+#if defined(DUALKV_PORTABLE_BWD_V4)
+  // Version 4: the group's first query head, and the group size H / Hk (written once by thread 0
+  // before the item loop, re-read by it per item): no value of the prologue is held through the
+  // item loop, which spilled 4 bytes with the version-4 phase 1 (sm_90a deterministic kernel).
+  int32_t h_begin, group;
+#endif
 };
 
 __device__ __forceinline__ void ldsm_x4(uint32_t* r, uint32_t addr) {
@@ -485,6 +491,9 @@ bwd_kv_kernel_v3(const BwdArgs args) {
   const int ld_r = tid / (D / 8), ld_c = (tid % (D / 8)) * 8;
   const uint32_t s_ld = static_cast<uint32_t>((ld_r * P + ld_c) * E);
 
+#if defined(DUALKV_PORTABLE_BWD_V4)
+  if (tid == 0) si.group = H / args.num_kv_heads;  // written and read by thread 0 only
+#endif
   while (true) {
     __syncthreads();  // every thread is done with the previous item (its shared memory and si)
     if (tid == 0) {
@@ -502,7 +511,14 @@ bwd_kv_kernel_v3(const BwdArgs args) {
         si.qa = wi[3];
         si.qb = wi[4];
         si.slot = wi[5];
+#if defined(DUALKV_PORTABLE_BWD_V4)
+        si.h_end = (hk + 1) * load_shared_volatile(si.group);
+#else
         si.h_end = (hk + 1) * (H / Hk);
+#endif
+#if defined(DUALKV_PORTABLE_BWD_V4)
+        si.h_begin = hk * load_shared_volatile(si.group);
+#endif
       }
     }
     __syncthreads();
@@ -520,7 +536,11 @@ bwd_kv_kernel_v3(const BwdArgs args) {
 
     // Flattened loop over (query head of the group, query tile of [qa, qb)): step s is head
     // hk * group + s / tiles_per_head, tile qa + (s % tiles_per_head) * BM, advanced incrementally.
+#if defined(DUALKV_PORTABLE_BWD_V4)
+    int h = si.h_begin;
+#else
     int h = si.h_end - H / args.num_kv_heads;
+#endif
     int32_t qt = si.qa;
     // Step 0's Q, dO, lse, delta (the prologue: the global latency is paid once per item).
     {
@@ -566,6 +586,103 @@ bwd_kv_kernel_v3(const BwdArgs args) {
         cp_async_commit();
       }
 
+#if defined(DUALKV_PORTABLE_BWD_V4)
+      // Phase 1, version 4 (docs/cuda.md, "Backward v4"): S^T = K Q^T first, then dP^T = V dO^T
+      // with P = exp2(S scale log2e - lse) computed in place in `st` and stored to pt during the
+      // dP product (kk step kk handles the (j, mi) = (kk / MI, kk % MI) block, whose S is final),
+      // so the MUFU.EX2 latency and the P stores overlap the dP mma.sync instead of forming an
+      // mma-free stretch after both products; dS = P (dP - delta) and its stores follow the dP
+      // product. Fewer fragments live at once (K and Q, then V and dO) than in the fused loop.
+      // Every accumulator sees the same mma.sync in the same order as in version 3, and P / dS are
+      // the same expressions: the outputs are bit-identical.
+      {
+        static_assert(D / 16 == 4 * MI, "one (j, mi) block of P per kk step of the dP product");
+        float st[MI][4][4];  // S^T, then P^T in place
+#pragma unroll
+        for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+          for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) st[mi][j][e] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+          uint32_t ak[MI][4];
+#pragma unroll
+          for (int mi = 0; mi < MI; ++mi)
+            ldsm_x4(ak[mi], s_k + ((row0 + mi * 16 + la_r) * P + kk * 16 + la_c) * E);
+#pragma unroll
+          for (int nb = 0; nb < 2; ++nb) {
+            uint32_t b[4];
+            ldsm_x4(b, s_q + ((wc * 32 + nb * 16 + lb_r) * P + kk * 16 + lb_c) * E);
+#pragma unroll
+            for (int mi = 0; mi < MI; ++mi) {
+              Ops::mma(st[mi][2 * nb], ak[mi], b[0], b[1]);
+              Ops::mma(st[mi][2 * nb + 1], ak[mi], b[2], b[3]);
+            }
+          }
+        }
+        const int32_t k0 = load_shared_volatile(si.k0);
+        const bool need_mask = qt < k0 + BN - 1;
+        const int mask_ofs = k0 + row0 + g - qt - wc * 32 - 2 * t4;
+        float2 l;  // lse of column block j, loaded at its first (mi = 0) kk step
+        float dpt[MI][4][4];
+#pragma unroll
+        for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+          for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) dpt[mi][j][e] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+          uint32_t av[MI][4];
+#pragma unroll
+          for (int mi = 0; mi < MI; ++mi)
+            ldsm_x4(av[mi], s_v + ((row0 + mi * 16 + la_r) * P + kk * 16 + la_c) * E);
+#pragma unroll
+          for (int nb = 0; nb < 2; ++nb) {
+            uint32_t b[4];
+            ldsm_x4(b, s_do + ((wc * 32 + nb * 16 + lb_r) * P + kk * 16 + lb_c) * E);
+#pragma unroll
+            for (int mi = 0; mi < MI; ++mi) {
+              Ops::mma(dpt[mi][2 * nb], av[mi], b[0], b[1]);
+              Ops::mma(dpt[mi][2 * nb + 1], av[mi], b[2], b[3]);
+            }
+          }
+          // P of block (j, mi) = (kk / MI, kk % MI): independent of this step's mma.sync.
+          const int j = kk / MI, mi = kk % MI;
+          const int col = wc * 32 + j * 8 + 2 * t4;
+          if (mi == 0) l = *reinterpret_cast<const float2*>(&sm.lse_delta[col]);
+#pragma unroll
+          for (int hr = 0; hr < 2; ++hr) {
+            const int row = row0 + mi * 16 + g + hr * 8;
+            float p0 = exp2f(st[mi][j][2 * hr] * args.scale_log2 - l.x);
+            float p1 = exp2f(st[mi][j][2 * hr + 1] * args.scale_log2 - l.y);
+            // k0 + row > qt + col  <=>  mask_ofs + (row - row0 - g) - (col - wc 32 - 2 t4) > 0
+            if (need_mask) {
+              if (mask_ofs + mi * 16 + hr * 8 - j * 8 > 0) p0 = 0.f;
+              if (mask_ofs + mi * 16 + hr * 8 - j * 8 > 1) p1 = 0.f;
+            }
+            st[mi][j][2 * hr] = p0;
+            st[mi][j][2 * hr + 1] = p1;
+            *reinterpret_cast<uint32_t*>(&sm.pt[row * PS + col]) = Ops::pack(p0, p1);
+          }
+        }
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const int col = wc * 32 + j * 8 + 2 * t4;
+          const float2 d = *reinterpret_cast<const float2*>(&sm.lse_delta[BM + col]);
+#pragma unroll
+          for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+            for (int hr = 0; hr < 2; ++hr) {
+              const int row = row0 + mi * 16 + g + hr * 8;
+              const float ds0 = st[mi][j][2 * hr] * (dpt[mi][j][2 * hr] - d.x);
+              const float ds1 = st[mi][j][2 * hr + 1] * (dpt[mi][j][2 * hr + 1] - d.y);
+              *reinterpret_cast<uint32_t*>(&sm.dst[row * PS + col]) = Ops::pack(ds0, ds1);
+            }
+        }
+      }
+#else
       // Phase 1: S^T = K Q^T and dP^T = V dO^T for kv rows [row0, +16 MI), q cols [32 wc, +32).
       {
         float st[MI][4][4], dpt[MI][4][4];
@@ -627,6 +744,7 @@ bwd_kv_kernel_v3(const BwdArgs args) {
             }
         }
       }
+#endif  // DUALKV_PORTABLE_BWD_V4
       __syncthreads();  // bar A: P, dS written; lse, delta, and K/V/Q/dO of S and dP read
 
       // lse/delta of step + 1 into a register (threads 0-63: lse, 64-127: delta); stored at the
