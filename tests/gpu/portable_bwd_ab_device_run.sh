@@ -54,7 +54,7 @@ for which in $LIBS; do
   info=$(DUALKV_LIBRARY=$lib timeout 15 python3 -c "import dualkv; print(dualkv._native.build_info())" 2>&1 | tail -n 1)
   echo "$info"
   # Both libraries hold bwd_kv_kernel_v3 (v4 changes it in place): the build-info variant tells them apart.
-  case "$info" in *'"portable_bwd_v4"'*) echo "$which: variant portable_bwd_v4 present (v4: yes, base: no)";;
+  case "$info" in *portable_bwd_v4*) echo "$which: variant portable_bwd_v4 present (v4: yes, base: no)";;
     *) echo "$which: variant portable_bwd_v4 absent (v4: yes, base: no)";; esac
 done
 
