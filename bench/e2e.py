@@ -580,7 +580,9 @@ def probe_max_groups(method, model, cfg, n, P, R, args, device):
             if device.type == "cuda":
                 best["max_mb_peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
         except (Exception, MethodTimeout) as exc:  # noqa: BLE001
-            if not _is_oom(exc):
+            if _is_oom(exc):  # the allocator's message names the failed request ("Tried to allocate ...")
+                best["probe_oom"] = f"{g} groups: {' '.join(str(exc).split())[:240]}"
+            else:
                 best["probe_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
             break
         finally:
@@ -623,7 +625,9 @@ def run_config(model, cfg, size, n, P, R, args, device, save=None):
         if args.probe_max_mb and rec["status"] == "ok":
             rec.update(probe_max_groups(method, model, cfg, n, P, R, args, device))
             log(f"  {method}: largest micro-batch that fits: {rec['max_mb_groups']} group(s) of N={n}"
-                + (" (probe limit reached)" if rec["probe_limit_reached"] else ""))
+                + (" (probe limit reached)" if rec["probe_limit_reached"] else "")
+                + (f"; stopped by OOM at {rec['probe_oom'][:160]}" if "probe_oom" in rec else "")
+                + (f"; stopped by {rec['probe_error'][:160]}" if "probe_error" in rec else ""))
         results.append(rec)
         log(f"  {size:>5} N={n:<3} P={P:<6} R={R:<5} {method:<7} {rec['status']:<5} "
             + (f"{rec['seconds']:.3f} s/update, {rec['tokens_per_s']:,.0f} tok/s"

@@ -226,3 +226,25 @@ def test_interleaved_rounds(tmp_path):
     assert "dualkv_speedup_interleaved" not in dualkv
     table = out.with_suffix(".txt").read_text()
     assert "flex: interleaved" in table and "dualkv: interleaved" in table and "excluding mask builds" in table
+
+
+def test_probe_records_the_oom_that_stopped_it(tmp_path, monkeypatch):
+    """--probe-max-mb doubles the groups until a step fails; an out-of-memory failure is the expected
+    end and is recorded with the allocator's message (which request failed), any other error as
+    probe_error."""
+    import torch
+    e2e = _load_bench("e2e")
+    real = e2e.micro_step
+
+    def step(method, model, mb, args, device, scale):
+        if len(mb.adv) > 2 * 3:  # more than 2 groups of N = 3
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 17.00 GiB. GPU 0 has ...")
+        return real(method, model, mb, args, device, scale)
+    monkeypatch.setattr(e2e, "micro_step", step)
+    out = tmp_path / "e2e.json"
+    assert e2e.main(TINY + ["--configs", "3,40,16", "--methods", "dualkv", "--probe-max-mb", "--probe-limit", "8",
+                            "--out", str(out)]) == 0
+    rec = json.loads(out.read_text())["results"][0]
+    assert rec["max_mb_groups"] == 2 and rec["probe_limit_reached"] is False
+    assert rec["probe_oom"].startswith("4 groups: CUDA out of memory. Tried to allocate 17.00 GiB")
+    assert "probe_error" not in rec
