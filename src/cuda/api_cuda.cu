@@ -672,6 +672,9 @@ std::string cuda_build_info_json() {
 #if DUALKV_SM90_BWD_D256_DQ_BULK
   add_variant("sm90_bwd_d256_dq_bulk");
 #endif
+#if DUALKV_SM90_BWD_SOFTMAX_OVERLAP
+  add_variant("sm90_bwd_softmax_overlap");
+#endif
 #if defined(DUALKV_PORTABLE_FWD_V2)
   add_variant("portable_fwd_v2");
 #endif

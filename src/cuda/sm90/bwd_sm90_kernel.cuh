@@ -171,6 +171,44 @@ constexpr uint32_t kBwdQdoEmptyCount = kBwdConsumerWarps;
 constexpr bool kBwdRacecheckBarriers = false;
 #endif
 constexpr uint32_t kBwdDsBarrier = 1;      // named barrier id (0 is __syncthreads)
+
+// Softmax under the dP^T wgmma (compile-time switch DUALKV_SM90_BWD_SOFTMAX_OVERLAP=1; the CMake
+// option of that name, default OFF, sets it; docs/hopper.md "Where the D = 128 backward step's tensor
+// pipe idles"). The default source computes P^T between wgmma.wait_group 1 and 0, but ptxas sinks
+// 28 of the 32 MUFU.EX2 (and the masking) below the WARPGROUP.DEPBAR of dP^T, so they run with no
+// wgmma in flight. With the switch, P^T is computed in its own branch (masked or not: the mask test
+// is uniform per warpgroup and step), which keeps it above the wait (ptxas does not move it across
+// the join), and an unmasked step skips the per-element mask arithmetic; the dQ staging likewise
+// skips the row-validity selects on a full query tile. Same arithmetic, same results bit for bit.
+#if DUALKV_SM90_BWD_SOFTMAX_OVERLAP
+constexpr bool kBwdSoftmaxOverlap = true;
+#else
+constexpr bool kBwdSoftmaxOverlap = false;
+#endif
+
+// P^T = exp2(S^T scale log2e - lse log2e) in place, masked (kMask) where the KV row is past klen or
+// after the query. Accumulator fragment of m64 (kv) x n(2N) (q): element 4j + e is row
+// kv_row0 + 8 (e >> 1), column 8j + 2 t4 + (e & 1).
+template <bool kMask, int N>
+__device__ __forceinline__ void bwd_softmax_p(float (&sacc)[N], const float* lse_s, float sl2, int t4,
+                                              int kv_row0, int klen, int32_t k0, int32_t qt) {
+#pragma unroll
+  for (int j = 0; j < N / 4; ++j) {
+    const int c = j * 8 + 2 * t4;
+    const float2 l2 = *reinterpret_cast<const float2*>(lse_s + c);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float lv = (e & 1) ? l2.y : l2.x;
+      float pv = fast_exp2(fmaf(sacc[4 * j + e], sl2, -lv));
+      if constexpr (kMask) {
+        const int r = kv_row0 + (e >> 1) * 8;
+        if (r >= klen || k0 + r > qt + c + (e & 1)) pv = 0.f;
+      }
+      sacc[4 * j + e] = pv;
+    }
+  }
+}
+
 // dq_full arrivals (kBwdDqBulk): as qdo_empty, one per consumer warp (every thread in the
 // per-thread-release diagnostic build).
 constexpr uint32_t kBwdDqFullCount = kBwdQdoEmptyCount;
@@ -387,9 +425,22 @@ bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
     mbar_wait(B.kv_full, kv_iter & 1);
     ++kv_iter;
 
+    int32_t tile_i = 0, head_i = 0;  // s % tiles, s / tiles, kept by counting (kBwdSoftmaxOverlap)
     for (int32_t s = 0; s < n_steps; ++s, ++step) {
-      const int h = hk * group + s / tiles;
-      const int32_t qt = qa + (s % tiles) * BM;
+      int h;
+      int32_t qt;
+      if constexpr (kBwdSoftmaxOverlap) {
+        // No integer division in front of the step's first wgmma.
+        h = hk * group + head_i;
+        qt = qa + tile_i * BM;
+        if (++tile_i == tiles) {
+          tile_i = 0;
+          ++head_i;
+        }
+      } else {
+        h = hk * group + s / tiles;
+        qt = qa + (s % tiles) * BM;
+      }
       const uint32_t st = step & 1;
       const uint32_t qb_s = q_smem + st * C::kQBytes;
       const uint32_t dob_s = do_smem + st * C::kQBytes;
@@ -418,6 +469,12 @@ bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
       const float* lse_s = s_lse + st * BM;
       const float* delta_s = s_delta + st * BM;
       const bool mask = tail || qt < k0 + cw * 64 + 63;
+      if constexpr (kBwdSoftmaxOverlap) {
+        if (mask)
+          bwd_softmax_p<true>(sacc, lse_s, sl2, t4, kv_row0, klen, k0, qt);
+        else
+          bwd_softmax_p<false>(sacc, lse_s, sl2, t4, kv_row0, klen, k0, qt);
+      } else {
 #pragma unroll
       for (int j = 0; j < BM / 8; ++j) {
         const int c = j * 8 + 2 * t4;
@@ -432,6 +489,7 @@ bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
           }
           sacc[4 * j + e] = pv;
         }
+      }
       }
       wgmma_wait<0>();
       fence_regs(dpacc);
@@ -506,6 +564,17 @@ bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
           const int r0 = warp * 16 + g;
           const bool v0 = qt + r0 < qb, v1 = qt + r0 + 8 < qb;
           const uint32_t row_base = smem_u32(smem + C::kOffDQ) + st * C::kDqStageBytes + r0 * 128 + (t4 & 1) * 8;
+          if (kBwdSoftmaxOverlap && qt + BM <= qb) {
+            // A full query tile: every row valid, no selects.
+#pragma unroll
+            for (int j = 0; j < C::kDqN / 8; ++j) {
+              const uint32_t box = (cw * C::kDqN) / 32 + j / 4;
+              const uint32_t chunk = static_cast<uint32_t>((2 * (j % 4) + (t4 >> 1)) ^ g);
+              const uint32_t addr = row_base + box * C::kDqBoxBytes + (chunk << 4);
+              bwd_st_shared_f32x2(addr, dq[4 * j + 0], dq[4 * j + 1]);
+              bwd_st_shared_f32x2(addr + 8 * 128, dq[4 * j + 2], dq[4 * j + 3]);
+            }
+          } else {
 #pragma unroll
           for (int j = 0; j < C::kDqN / 8; ++j) {
             const uint32_t box = (cw * C::kDqN) / 32 + j / 4;
@@ -513,6 +582,7 @@ bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
             const uint32_t addr = row_base + box * C::kDqBoxBytes + (chunk << 4);
             bwd_st_shared_f32x2(addr, v0 ? dq[4 * j + 0] : 0.f, v0 ? dq[4 * j + 1] : 0.f);
             bwd_st_shared_f32x2(addr + 8 * 128, v1 ? dq[4 * j + 2] : 0.f, v1 ? dq[4 * j + 3] : 0.f);
+          }
           }
           // Generic-proxy stores before the writer's async-proxy (TMA) reads.
           bwd_fence_proxy_async();

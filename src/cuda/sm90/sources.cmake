@@ -48,6 +48,16 @@ if(DUALKV_SM90_BWD)
   if(DUALKV_SM90_BWD_DQ_BULK)
     list(APPEND DKV_SM90_DEFINITIONS DUALKV_SM90_BWD_DQ_BULK=1)
   endif()
+  # Head dims 64/128: P^T = exp2(...) computed in a uniform branch (masked / unmasked step) so that
+  # ptxas keeps it under the dP^T wgmma instead of after its wait, no per-element mask arithmetic on
+  # unmasked steps, no row selects when staging dQ of a full query tile, and the step's query tile
+  # by counting instead of a division (bwd_sm90_kernel.cuh), DUALKV_SM90_BWD_SOFTMAX_OVERLAP (default
+  # OFF: not yet measured on the device; OFF compiles to the same SASS as before the option,
+  # docs/hopper.md "Where the D = 128 backward step's tensor pipe idles"). Same results bit for bit.
+  option(DUALKV_SM90_BWD_SOFTMAX_OVERLAP "Hopper backward, head dims 64/128: softmax under the dP wgmma, unmasked fast path" OFF)
+  if(DUALKV_SM90_BWD_SOFTMAX_OVERLAP)
+    list(APPEND DKV_SM90_DEFINITIONS DUALKV_SM90_BWD_SOFTMAX_OVERLAP=1)
+  endif()
   # dQ of head dim 256 by TMA bulk reduce-adds too, staged in the step's Q/dO stage once its last
   # reader retired (bwd_sm90_kernel_d256.cuh; no smem is left for separate staging buffers),
   # DUALKV_SM90_BWD_D256_DQ_BULK (default ON: fwd+bwd 1.24-1.35x faster at head dim 256 on the H200,
