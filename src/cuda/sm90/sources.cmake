@@ -44,29 +44,22 @@ if(DUALKV_SM90_BWD)
   # dQ of head dims 64/128 by smem staging + TMA bulk reduce-add instead of per-thread 16-byte
   # atomics (bwd_sm90_kernel.cuh), DUALKV_SM90_BWD_DQ_BULK (default ON: the main kernel 23% faster
   # on the H200, docs/hopper.md). OFF builds the atomic variant for an A/B.
-  option(DUALKV_SM90_BWD_DQ_BULK "Hopper backward: dQ by TMA bulk reduce-add (OFF: per-thread atomics)" ON)
-  if(DUALKV_SM90_BWD_DQ_BULK)
-    list(APPEND DKV_SM90_DEFINITIONS DUALKV_SM90_BWD_DQ_BULK=1)
-  endif()
+  dkv_variant_option(DUALKV_SM90_BWD_DQ_BULK "Hopper backward: dQ by TMA bulk reduce-add (OFF: per-thread atomics)"
+                     ON DKV_SM90_DEFINITIONS)
   # Head dims 64/128: P^T = exp2(...) computed in a uniform branch (masked / unmasked step) so that
   # ptxas keeps it under the dP^T wgmma instead of after its wait, no per-element mask arithmetic on
   # unmasked steps, no row selects when staging dQ of a full query tile, and the step's query tile
   # by counting instead of a division (bwd_sm90_kernel.cuh), DUALKV_SM90_BWD_SOFTMAX_OVERLAP (default
   # OFF: not yet measured on the device; OFF compiles to the same SASS as before the option,
   # docs/hopper.md "Where the D = 128 backward step's tensor pipe idles"). Same results bit for bit.
-  option(DUALKV_SM90_BWD_SOFTMAX_OVERLAP "Hopper backward, head dims 64/128: softmax under the dP wgmma, unmasked fast path" OFF)
-  if(DUALKV_SM90_BWD_SOFTMAX_OVERLAP)
-    list(APPEND DKV_SM90_DEFINITIONS DUALKV_SM90_BWD_SOFTMAX_OVERLAP=1)
-  endif()
+  dkv_variant_option(DUALKV_SM90_BWD_SOFTMAX_OVERLAP
+                     "Hopper backward, head dims 64/128: softmax under the dP wgmma, unmasked fast path"
+                     OFF DKV_SM90_DEFINITIONS)
   # dQ of head dim 256 by TMA bulk reduce-adds too, staged in the step's Q/dO stage once its last
   # reader retired (bwd_sm90_kernel_d256.cuh; no smem is left for separate staging buffers),
   # DUALKV_SM90_BWD_D256_DQ_BULK (default ON: fwd+bwd 1.24-1.35x faster at head dim 256 on the H200,
   # docs/hopper.md; needs DUALKV_SM90_BWD_DQ_BULK). OFF builds the atomic variant for an A/B.
-  option(DUALKV_SM90_BWD_D256_DQ_BULK "Hopper backward, head dim 256: dQ by TMA bulk reduce-add (OFF: per-thread atomics)" ON)
-  if(DUALKV_SM90_BWD_D256_DQ_BULK)
-    if(NOT DUALKV_SM90_BWD_DQ_BULK)
-      message(FATAL_ERROR "DUALKV_SM90_BWD_D256_DQ_BULK needs DUALKV_SM90_BWD_DQ_BULK=ON (the dq_accum tensor map)")
-    endif()
-    list(APPEND DKV_SM90_DEFINITIONS DUALKV_SM90_BWD_D256_DQ_BULK=1)
-  endif()
+  dkv_variant_option(DUALKV_SM90_BWD_D256_DQ_BULK
+                     "Hopper backward, head dim 256: dQ by TMA bulk reduce-add (OFF: per-thread atomics)"
+                     ON DKV_SM90_DEFINITIONS REQUIRES DUALKV_SM90_BWD_DQ_BULK)  # its dq_accum tensor map
 endif()
