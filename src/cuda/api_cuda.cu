@@ -52,6 +52,9 @@ constexpr int kBuiltHeadDims[] = {
 #ifndef DUALKV_CUDA_ARCHS_STRING
 #define DUALKV_CUDA_ARCHS_STRING "unknown"
 #endif
+#ifndef DUALKV_CUDA_VARIANTS_STRING  // the kernel-variant CMake options that are ON (src/cuda/CMakeLists.txt)
+#define DUALKV_CUDA_VARIANTS_STRING ""
+#endif
 
 bool head_dim_built(int d) {
   for (int b : kBuiltHeadDims)
@@ -615,23 +618,25 @@ dualkv_status cuda_bwd(const dualkv_bwd_params& p) {
   return DUALKV_OK;
 }
 
-std::string cuda_build_info_json() {
-  std::string archs = "[";
-  {
-    std::string s = DUALKV_CUDA_ARCHS_STRING;
-    size_t start = 0;
-    bool first = true;
-    while (start <= s.size()) {
-      size_t end = s.find(',', start);
-      if (end == std::string::npos) end = s.size();
-      if (end > start) {
-        archs += (first ? "\"" : ", \"") + s.substr(start, end - start) + "\"";
-        first = false;
-      }
-      start = end + 1;
+// "a,b" -> ["a", "b"] (a JSON array of strings; empty items skipped).
+static std::string json_string_array(const std::string& csv) {
+  std::string out = "[";
+  size_t start = 0;
+  bool first = true;
+  while (start <= csv.size()) {
+    size_t end = csv.find(',', start);
+    if (end == std::string::npos) end = csv.size();
+    if (end > start) {
+      out += (first ? "\"" : ", \"") + csv.substr(start, end - start) + "\"";
+      first = false;
     }
+    start = end + 1;
   }
-  archs += "]";
+  return out + "]";
+}
+
+std::string cuda_build_info_json() {
+  const std::string archs = json_string_array(DUALKV_CUDA_ARCHS_STRING);
   std::string dims = "[" + built_head_dims_string() + "]";
   if (dims == "[none]") dims = "[]";
   int runtime = 0;
@@ -660,35 +665,10 @@ std::string cuda_build_info_json() {
 #ifdef DUALKV_SM90_BWD_HDIM_256
   sm90_bwd_dims += std::string(sm90_bwd_dims.empty() ? "" : ", ") + "256";
 #endif
-  // Compile-time kernel variants (CMake options) that change how a kernel computes, so that scripts
-  // comparing two builds can tell them apart.
-  std::string variants;
-  auto add_variant = [&variants](const char* name) {
-    variants += std::string(variants.empty() ? "\"" : ", \"") + name + "\"";
-  };
-#if DUALKV_SM90_BWD_DQ_BULK
-  add_variant("sm90_bwd_dq_bulk");
-#endif
-#if DUALKV_SM90_BWD_D256_DQ_BULK
-  add_variant("sm90_bwd_d256_dq_bulk");
-#endif
-#if DUALKV_SM90_BWD_SOFTMAX_OVERLAP
-  add_variant("sm90_bwd_softmax_overlap");
-#endif
-#if defined(DUALKV_PORTABLE_FWD_V2)
-  add_variant("portable_fwd_v2");
-#endif
-#if defined(DUALKV_PORTABLE_BWD_V3)
-  add_variant("portable_bwd_v3");
-#endif
-#if defined(DUALKV_PORTABLE_BWD_V4)
-  add_variant("portable_bwd_v4");
-#endif
-  (void)add_variant;
   return "\"cuda_archs\": " + archs + ", \"head_dims\": " + dims +
          ", \"dtypes\": [\"float16\", \"bfloat16\"], \"kernels\": \"sm80-mma\", \"sm90_fwd_head_dims\": [" +
-         sm90_dims + "], \"sm90_bwd_head_dims\": [" + sm90_bwd_dims + "], \"variants\": [" + variants +
-         "], \"cuda_runtime\": " + std::to_string(runtime);
+         sm90_dims + "], \"sm90_bwd_head_dims\": [" + sm90_bwd_dims + "], \"variants\": " + json_string_array(DUALKV_CUDA_VARIANTS_STRING) +
+         ", \"cuda_runtime\": " + std::to_string(runtime);
 }
 
 }  // namespace dualkv::detail
