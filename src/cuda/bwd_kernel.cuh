@@ -268,27 +268,6 @@ bwd_kv_kernel(const BwdArgs args) {
             }
           }
         }
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-        // sm90: one 16-byte vector atomic per n8 block. Lanes t, t^1 swap halves so that the even
-        // lane holds row g, cols [2t, 2t+4) and the odd lane row g+8, cols [2t-2, 2t+2).
-        const bool odd = t4 & 1;
-#pragma unroll
-        for (int mi = 0; mi < MQ; ++mi) {
-          const int32_t qi = qt + qrow0 + mi * 16 + g + (odd ? 8 : 0);
-          const int col = dcol0 + 2 * t4 - (odd ? 2 : 0);
-          float* dst = args.dq_accum + (static_cast<int64_t>(qi) * H + h) * D + col;
-#pragma unroll
-          for (int j = 0; j < kQB; ++j) {
-            const float s0 = odd ? dq[mi][j][0] : dq[mi][j][2];
-            const float s1 = odd ? dq[mi][j][1] : dq[mi][j][3];
-            const float r0 = __shfl_xor_sync(0xffffffffu, s0, 1);
-            const float r1 = __shfl_xor_sync(0xffffffffu, s1, 1);
-            const float4 v = odd ? make_float4(r0, r1, dq[mi][j][2], dq[mi][j][3])
-                                 : make_float4(dq[mi][j][0], dq[mi][j][1], r0, r1);
-            if (qi < qb) atomicAdd(reinterpret_cast<float4*>(dst + j * 8), v);
-          }
-        }
-#else
 #pragma unroll
         for (int mi = 0; mi < MQ; ++mi)
 #pragma unroll
@@ -297,13 +276,9 @@ bwd_kv_kernel(const BwdArgs args) {
             if (qi < qb) {
               float* dst = args.dq_accum + (static_cast<int64_t>(qi) * H + h) * D + dcol0 + 2 * t4;
 #pragma unroll
-              for (int j = 0; j < kQB; ++j) {
-                atomicAdd(dst + j * 8, dq[mi][j][2 * hr]);
-                atomicAdd(dst + j * 8 + 1, dq[mi][j][2 * hr + 1]);
-              }
+              for (int j = 0; j < kQB; ++j) atomic_add_pair(dst + j * 8, dq[mi][j][2 * hr], dq[mi][j][2 * hr + 1]);
             }
           }
-#endif
       }
       cp_async_wait_all();
       __syncthreads();
@@ -807,25 +782,6 @@ bwd_kv_kernel_v3(const BwdArgs args) {
             }
           }
         }
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-        const bool odd = t4 & 1;
-#pragma unroll
-        for (int mi = 0; mi < MQ; ++mi) {
-          const int32_t qi = qt + qrow0 + mi * 16 + g + (odd ? 8 : 0);
-          const int col = dcol0 + 2 * t4 - (odd ? 2 : 0);
-          float* dst = args.dq_accum + (static_cast<int64_t>(qi) * H + h) * D + col;
-#pragma unroll
-          for (int j = 0; j < kQB; ++j) {
-            const float s0 = odd ? dq[mi][j][0] : dq[mi][j][2];
-            const float s1 = odd ? dq[mi][j][1] : dq[mi][j][3];
-            const float r0 = __shfl_xor_sync(0xffffffffu, s0, 1);
-            const float r1 = __shfl_xor_sync(0xffffffffu, s1, 1);
-            const float4 v = odd ? make_float4(r0, r1, dq[mi][j][2], dq[mi][j][3])
-                                 : make_float4(dq[mi][j][0], dq[mi][j][1], r0, r1);
-            if (qi < qb) atomicAdd(reinterpret_cast<float4*>(dst + j * 8), v);
-          }
-        }
-#else
 #pragma unroll
         for (int mi = 0; mi < MQ; ++mi)
 #pragma unroll
@@ -834,13 +790,9 @@ bwd_kv_kernel_v3(const BwdArgs args) {
             if (qi < qb) {
               float* dst = args.dq_accum + (static_cast<int64_t>(qi) * H + h) * D + dcol0 + 2 * t4;
 #pragma unroll
-              for (int j = 0; j < kQB; ++j) {
-                atomicAdd(dst + j * 8, dq[mi][j][2 * hr]);
-                atomicAdd(dst + j * 8 + 1, dq[mi][j][2 * hr + 1]);
-              }
+              for (int j = 0; j < kQB; ++j) atomic_add_pair(dst + j * 8, dq[mi][j][2 * hr], dq[mi][j][2 * hr + 1]);
             }
           }
-#endif
       }
 
       // Phase 3b: dK += dS^T Q for kv rows [row0, +16 MI), d cols [D/2 wc, +D/2).

@@ -150,6 +150,21 @@ __device__ __forceinline__ void load_tile_async(T* smem, const T* gmem, int64_t 
   }
 }
 
+// dst[0] += a, dst[1] += b in fp32 global memory (dst 8-byte aligned): the dQ accumulation of the
+// backward, called with the two consecutive columns an mma.sync accumulator fragment holds per row.
+// sm_90+: one 8-byte vector atomic (red.global.add.v2.f32) read straight from the accumulator
+// registers. The 16-byte variant this replaced needed a lane-pair shuffle and selects per n8 block,
+// a serial register chain that was 21% of the portable backward's stall samples (ncu source view,
+// docs/cuda.md "dQ atomics"). Earlier archs: two scalar atomics.
+__device__ __forceinline__ void atomic_add_pair(float* dst, float a, float b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  atomicAdd(reinterpret_cast<float2*>(dst), make_float2(a, b));
+#else
+  atomicAdd(dst, a);
+  atomicAdd(dst + 1, b);
+#endif
+}
+
 __device__ __forceinline__ float warp_max4(float v) {
   v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
   v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
