@@ -9,7 +9,8 @@
 #      conflicts, occupancy. --clock-control none (METHOD.md: leave the clocks alone).
 # The portable kernels are forced (DUALKV_DISABLE_SM90{,_BWD}=1) unless NCU_SM90=1. NCU_METHODS
 # (default "dualkv,sdpa_flash") picks the kernels of step 2; NCU_SKIP_PROFILE=1 skips step 1;
-# NCU_SOURCE=1 adds step 3 (per-instruction stall sampling of dualkv's kernel; NCU_METHODS=none skips step 2).
+# NCU_SOURCE=1 adds step 3 (per-instruction stall sampling, NCU_SOURCE_METHODS, default dualkv; NCU_METHODS=none
+# skips step 2).
 # Usage: run(carry=["build-h200/libdualkv.so"], command="tests/gpu/bwd_ncu_device_run.sh"): measured 100 s at
 # N28 P16384 R2048 (426f4d0; ncu of dualkv alone ~40 s). Results: docs/benchmarks.md, session 5.
 set -uo pipefail
@@ -78,40 +79,25 @@ for spec in "dualkv:regex:bwd_kv_kernel|bwd_sm90_kernel" "sdpa_flash:regex:flash
   grep -E "^  [a-z_]+.*\(|Duration|Throughput|Pipe|Issue|Stall|Warp Cycles|Eligible|Active Warps|Registers|Shared Memory|Bank|Executed Ipc|No Eligible|Theoretical Occ|Achieved Occ|smsp__|sm__|l1tex__|lts__|dram__" \
     "$OUTDIR/ncu_$m.log" | cut -c1-150 | head -90
 done
-# 3. (NCU_SOURCE=1) per-instruction stall sampling of the dualkv main kernel: the source counters
-#    (warp-state PC sampling) saved in a report, exported as the SASS source page (CSV), and the 40
-#    instructions with the most stall samples printed with their dominant reasons. Not yet run: the
-#    CSV's column names are read from its header (printed when the expected ones are missing).
+# 3. (NCU_SOURCE=1) per-instruction stall sampling of the main kernel of each method in
+#    $NCU_SOURCE_METHODS (default dualkv; "dualkv,sdpa_flash" adds FA2's for a per-phase comparison):
+#    the source counters (warp-state PC sampling) saved in a report on the device, exported as the SASS
+#    source page (CSV, ~0.8 MB, comes back) and summarised by tests/gpu/ncu_source_summary.py (stall
+#    reasons, opcode shares, blocks of 40 instructions, top instructions). First run at 274e72f: ~45 s
+#    for dualkv at N28 P16384 R2048 (docs/cuda.md "dQ atomics").
 if [ -n "${NCU_SOURCE:-}" ]; then
-  echo "== 3. ncu source counters, dualkv t=$(( $(date +%s) - t0 ))s"
-  REP=/tmp/ncu_dualkv_source  # the report stays on the device (size); its CSV export comes back
-  timeout 240 "$NCU" --clock-control none --target-processes all --kernel-name "regex:bwd_kv_kernel|bwd_sm90_kernel" \
-    --launch-skip 1 --launch-count 1 --section SourceCounters --section WarpStateStats --import-source yes -f -o "$REP" \
-    python3 "$DRIVER" once dualkv "$CONFIG" > "$OUTDIR/ncu_source_run.log" 2>&1
-  echo "rc=$? t=$(( $(date +%s) - t0 ))s"
-  "$NCU" -i "$REP.ncu-rep" --page source --csv --print-source sass > "$OUTDIR/ncu_dualkv_sass.csv" 2> "$OUTDIR/ncu_source_export.err"
-  echo "export rc=$? ($(wc -l < "$OUTDIR/ncu_dualkv_sass.csv") lines)"
-  python3 - "$OUTDIR/ncu_dualkv_sass.csv" <<'PY'
-import csv, sys
-rows = list(csv.reader(open(sys.argv[1], newline="")))
-head = next((i for i, r in enumerate(rows) if any("Source" in c for c in r)), None)
-if head is None:
-    print("no header found; first lines:", rows[:3]); sys.exit(0)
-cols, data = rows[head], rows[head + 1:]
-def num(x):
-    try: return float(str(x).replace(",", ""))
-    except ValueError: return 0.0
-total = next((i for i, c in enumerate(cols) if "Warp Stall Sampling (All" in c), None)
-if total is None:
-    print("columns:", cols); sys.exit(0)
-src = next(i for i, c in enumerate(cols) if "Source" in c)
-stall_cols = [i for i, c in enumerate(cols) if "stall" in c.lower() and "Sampling" not in c]
-data = [r for r in data if len(r) == len(cols)]
-all_samples = sum(num(r[total]) for r in data) or 1.0
-print(f"{len(data)} SASS lines, {all_samples:.0f} stall samples; top 40:")
-for r in sorted(data, key=lambda r: -num(r[total]))[:40]:
-    top = sorted(((num(r[i]), cols[i]) for i in stall_cols), reverse=True)[:3]
-    print(f"{100 * num(r[total]) / all_samples:5.2f}%  {r[src][:60]:60s}  " + ", ".join(f"{c} {v:.0f}" for v, c in top if v > 0))
-PY
+  for spec in "dualkv:regex:bwd_kv_kernel|bwd_sm90_kernel" "sdpa_flash:regex:flash_bwd_dq_dk_dv"; do
+    m=${spec%%:*}; k=${spec#*:}
+    case ",${NCU_SOURCE_METHODS:-dualkv}," in *",$m,"*) ;; *) continue ;; esac
+    echo "== 3. ncu source counters, $m t=$(( $(date +%s) - t0 ))s"
+    REP=/tmp/ncu_${m}_source  # the report stays on the device (size); its CSV export comes back
+    timeout 240 "$NCU" --clock-control none --target-processes all --kernel-name "$k" \
+      --launch-skip 1 --launch-count 1 --section SourceCounters --section WarpStateStats --import-source yes -f -o "$REP" \
+      python3 "$DRIVER" once "$m" "$CONFIG" > "$OUTDIR/ncu_source_run_$m.log" 2>&1
+    echo "rc=$? t=$(( $(date +%s) - t0 ))s"
+    "$NCU" -i "$REP.ncu-rep" --page source --csv --print-source sass > "$OUTDIR/ncu_${m}_sass.csv" 2> "$OUTDIR/ncu_source_export_$m.err"
+    echo "export rc=$? ($(wc -l < "$OUTDIR/ncu_${m}_sass.csv") lines)"
+    python3 "$(dirname "$0")/ncu_source_summary.py" "$OUTDIR/ncu_${m}_sass.csv" --top 25
+  done
 fi
 echo "done t=$(( $(date +%s) - t0 ))s"

@@ -173,8 +173,8 @@ constexpr bool kBwdRacecheckBarriers = false;
 constexpr uint32_t kBwdDsBarrier = 1;      // named barrier id (0 is __syncthreads)
 
 // Softmax under the dP^T wgmma (compile-time switch DUALKV_SM90_BWD_SOFTMAX_OVERLAP=1; the CMake
-// option of that name, default OFF, sets it; docs/hopper.md "Where the D = 128 backward step's tensor
-// pipe idles"). The default source computes P^T between wgmma.wait_group 1 and 0, but ptxas sinks
+// option of that name, default ON since the H200 A/B at 274e72f (main kernel 4-6% faster), sets it;
+// docs/hopper.md "Where the D = 128 backward step's tensor pipe idles"). The default source computes P^T between wgmma.wait_group 1 and 0, but ptxas sinks
 // 28 of the 32 MUFU.EX2 (and the masking) below the WARPGROUP.DEPBAR of dP^T, so they run with no
 // wgmma in flight. With the switch, P^T is computed in its own branch (masked or not: the mask test
 // is uniform per warpgroup and step), which keeps it above the wait (ptxas does not move it across
