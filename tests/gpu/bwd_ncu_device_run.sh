@@ -83,17 +83,24 @@ done
 #    $NCU_SOURCE_METHODS (default dualkv; "dualkv,sdpa_flash" adds FA2's for a per-phase comparison):
 #    the source counters (warp-state PC sampling) saved in a report on the device, exported as the SASS
 #    source page (CSV, ~0.8 MB, comes back) and summarised by tests/gpu/ncu_source_summary.py (stall
-#    reasons, opcode shares, blocks of 40 instructions, top instructions). First run at 274e72f: ~45 s
-#    for dualkv at N28 P16384 R2048 (docs/cuda.md "dQ atomics").
+#    reasons, opcode shares, blocks of 40 instructions, top instructions). NCU_SOURCE_KERNEL=fwd samples
+#    the forward kernels instead. First run at 274e72f: ~45 s for dualkv's backward at N28 P16384
+#    R2048 (docs/cuda.md "dQ atomics"). Files: ncu_<method>_<bwd|fwd>_sass.csv.
 if [ -n "${NCU_SOURCE:-}" ]; then
-  for spec in "dualkv:regex:bwd_kv_kernel|bwd_sm90_kernel" "sdpa_flash:regex:flash_bwd_dq_dk_dv"; do
+  if [ "${NCU_SOURCE_KERNEL:-bwd}" = fwd ]; then  # the forward kernels instead (same driver: fwd+bwd twice)
+    SPECS="dualkv:regex:fwd_kernel|fwd_sm90_kernel sdpa_flash:regex:flash_fwd_kernel"
+  else
+    SPECS="dualkv:regex:bwd_kv_kernel|bwd_sm90_kernel sdpa_flash:regex:flash_bwd_dq_dk_dv"
+  fi
+  for spec in $SPECS; do
     m=${spec%%:*}; k=${spec#*:}
     case ",${NCU_SOURCE_METHODS:-dualkv}," in *",$m,"*) ;; *) continue ;; esac
+    m=${m}_${NCU_SOURCE_KERNEL:-bwd}
     echo "== 3. ncu source counters, $m t=$(( $(date +%s) - t0 ))s"
     REP=/tmp/ncu_${m}_source  # the report stays on the device (size); its CSV export comes back
     timeout 240 "$NCU" --clock-control none --target-processes all --kernel-name "$k" \
       --launch-skip 1 --launch-count 1 --section SourceCounters --section WarpStateStats --import-source yes -f -o "$REP" \
-      python3 "$DRIVER" once "$m" "$CONFIG" > "$OUTDIR/ncu_source_run_$m.log" 2>&1
+      python3 "$DRIVER" once "${m%_*}" "$CONFIG" > "$OUTDIR/ncu_source_run_$m.log" 2>&1
     echo "rc=$? t=$(( $(date +%s) - t0 ))s"
     "$NCU" -i "$REP.ncu-rep" --page source --csv --print-source sass > "$OUTDIR/ncu_${m}_sass.csv" 2> "$OUTDIR/ncu_source_export_$m.err"
     echo "export rc=$? ($(wc -l < "$OUTDIR/ncu_${m}_sass.csv") lines)"
