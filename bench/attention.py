@@ -11,7 +11,9 @@ Methods (each on its own layout; TFLOP/s credited with that layout's visible (q,
              queries against [prompt K/V copied per response ; own K/V] (GQA expanded), SDPA
 
 FLOPs: forward = 4 * H * D * visible pairs, fwd+bwd = 3.5 x forward (FlashAttention convention).
-Timing: CUDA events, warm-up, median over iterations, inputs rotated over several random sets.
+Timing: CUDA events, warm-up, median over iterations, inputs rotated over several random sets;
+--rounds K measures every method K times per case, interleaved in rotated order, and reports the
+median round (and, as dualkv_speedup_*_rounds, the median of same-round ratios).
 
   PYTHONPATH=python DUALKV_LIBRARY=build/libdualkv.so python3 bench/attention.py [--quick]
 """
@@ -261,6 +263,49 @@ def run_method(name, case, args, dtype):
     return res
 
 
+def round_orders(methods, rounds):
+    """Method order of each round: round r starts at method r mod M (rotated), so no method is
+    always measured first or right after the same neighbour."""
+    m = len(methods)
+    return [methods[r % m:] + methods[:r % m] for r in range(rounds)] if m else []
+
+
+def combine_rounds(per_round):
+    """One result from a method's per-round results (each as run_method returns it): the median
+    time of the rounds (TFLOP/s recomputed from it), the largest peak, and the per-round times.
+    An error in any round makes the whole result that error."""
+    errors = [r["error"] for r in per_round if "error" in r]
+    if errors:
+        return {"error": errors[0]}
+    if len(per_round) == 1:
+        return dict(per_round[0])
+    out = {"pairs": per_round[0]["pairs"], "rounds": len(per_round)}
+    for key in ("fwd", "fwdbwd"):
+        ms = [r[f"{key}_ms"] for r in per_round if f"{key}_ms" in r]
+        if ms:
+            med = statistics.median(ms)
+            out[f"{key}_ms"] = med
+            # TF/s of the median time: flops = tflops * ms is the same in every round.
+            out[f"{key}_tflops"] = per_round[0][f"{key}_tflops"] * per_round[0][f"{key}_ms"] / med
+            out[f"{key}_ms_rounds"] = ms
+    out["peak_gib"] = max(r["peak_gib"] for r in per_round)
+    return out
+
+
+def round_speedups(per_method, key):
+    """Median over rounds of (method time / dualkv time) in the same round, per method."""
+    base = per_method.get("dualkv", [])
+    out = {}
+    for m, rs in per_method.items():
+        if m == "dualkv":
+            continue
+        ratios = [r[f"{key}_ms"] / b[f"{key}_ms"] for r, b in zip(rs, base)
+                  if f"{key}_ms" in r and f"{key}_ms" in b and "error" not in r and "error" not in b]
+        if len(ratios) > 1:
+            out[m] = statistics.median(ratios)
+    return out
+
+
 def profile_dualkv(case, args, dtype):
     from torch.profiler import ProfilerActivity, profile
     for name in ("dualkv", "dualkv_det"):
@@ -369,6 +414,9 @@ def main():
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--rotate", type=int, default=2, help="input sets rotated between calls")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="measure every method this many times per case, interleaved in rotated order; "
+                         "report the median round (ratios: median of same-round ratios)")
     ap.add_argument("--fwd-only", action="store_true")
     ap.add_argument("--out", default=str(HERE / "results"))
     ap.add_argument("--tag", default="")
@@ -395,7 +443,7 @@ def main():
            "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version(), "commit": git_commit(),
            "dualkv_build": dualkv._native.build_info(), "date": datetime.datetime.now(datetime.timezone.utc).replace(tzinfo=None).isoformat() + "Z"}
     shape = {"H": args.heads, "Hk": args.kv_heads, "D": args.head_dim, "dtype": args.dtype}
-    results = {"env": env, "shape": shape, "methods": methods, "quick": args.quick,
+    results = {"env": env, "shape": shape, "methods": methods, "quick": args.quick, "rounds": max(1, args.rounds),
                "flops": "fwd = 4*H*D*visible pairs of each method's own layout; fwd+bwd = 3.5 x fwd",
                "cases": []}
     log(f"{props.name}; shape {shape}; {len(cases)} cases x {methods}")
@@ -413,25 +461,35 @@ def main():
         results["cases"].append(entry)
         log(f"== {case.name}: packed {case.T} tokens, expanded {sum(case.seq_lens)}, "
             f"rho_attn {case.expanded_pairs / case.shared_pairs:.2f}")
+        per_method = {m: [] for m in methods}
+        for rnd, order in enumerate(round_orders(methods, max(1, args.rounds))):
+            for m in order:
+                if per_method[m] and "error" in per_method[m][-1]:
+                    continue  # failed in an earlier round: do not retry
+                tag = f" (round {rnd + 1})" if args.rounds > 1 else ""
+                try:
+                    r = run_method(m, case, args, dtype)
+                except Exception as e:  # report and go on: one failing baseline must not kill the run
+                    msg = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+                    per_method[m].append({"error": msg})
+                    log(f"   {m:11s} FAILED{tag} {msg}")
+                    torch.cuda.empty_cache()
+                    continue
+                per_method[m].append(r)
+                log(f"   {m:11s} fwd {r['fwd_ms']:9.3f} ms {r['fwd_tflops']:6.1f} TF/s | "
+                    + (f"fwd+bwd {r['fwdbwd_ms']:9.3f} ms {r['fwdbwd_tflops']:6.1f} TF/s | " if "fwdbwd_ms" in r else "")
+                    + f"peak {r['peak_gib']:6.2f} GiB{tag}")
         for m in methods:
-            try:
-                r = run_method(m, case, args, dtype)
-            except Exception as e:  # report and go on: one failing baseline must not kill the run
-                msg = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
-                entry["results"][m] = {"error": msg}
-                log(f"   {m:11s} FAILED {msg}")
-                torch.cuda.empty_cache()
-                continue
-            entry["results"][m] = r
-            log(f"   {m:11s} fwd {r['fwd_ms']:9.3f} ms {r['fwd_tflops']:6.1f} TF/s | "
-                + (f"fwd+bwd {r['fwdbwd_ms']:9.3f} ms {r['fwdbwd_tflops']:6.1f} TF/s | " if "fwdbwd_ms" in r else "")
-                + f"peak {r['peak_gib']:6.2f} GiB")
+            entry["results"][m] = combine_rounds(per_method[m])
         base = entry["results"].get("dualkv", {})
         for m, r in entry["results"].items():
             if m != "dualkv" and "fwd_ms" in r and "fwd_ms" in base:
                 r["dualkv_speedup_fwd"] = r["fwd_ms"] / base["fwd_ms"]
                 if "fwdbwd_ms" in r and "fwdbwd_ms" in base:
                     r["dualkv_speedup_fwdbwd"] = r["fwdbwd_ms"] / base["fwdbwd_ms"]
+        for key in ("fwd", "fwdbwd"):  # with rounds: ratios of times measured next to each other
+            for m, v in round_speedups(per_method, key).items():
+                entry["results"][m][f"dualkv_speedup_{key}_rounds"] = v
         json_path.write_text(json.dumps(results, indent=1))  # partial results survive a crash
 
     log(f"json: {json_path}")

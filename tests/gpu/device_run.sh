@@ -9,7 +9,9 @@
 #   bench        bench/attention.py, every config and method, hdim 128 (~2 min); bench-quick: 2 configs
 #   bench-dims   dualkv vs cuDNN at hdim 64 and 256, three configs (~1 min)
 #   bench-portable  issue 3's acceptance run: the portable kernels (DUALKV_DISABLE_SM90{,_BWD}=1) against SDPA-flash
-#                on the unpacked batch, every config + varlen, hdim 128, one process (measured 38 s at 426f4d0)
+#                on the unpacked batch, every config + varlen, hdim 128, one process (measured 38 s at 426f4d0);
+#                BENCH_ARGS="--rounds 3" interleaves 3 rounds of both methods per config and reports the median
+#                round (~2 min): run-to-run spread is 1-2%, about the size of the remaining gaps
 #   e2e          bench/e2e.py std + dualkv, 1.7b and 8b, both issue configs (~6 min); E2E_ARGS="--breakdown
 #                --probe-max-mb" adds the GPU time by kernel category and
 #                the largest micro-batch that fits per method (a few more minutes)
