@@ -260,6 +260,54 @@ __device__ __forceinline__ U load_shared_volatile(const U& x) {
   return *reinterpret_cast<const volatile U*>(&x);
 }
 
+#if defined(DUALKV_PORTABLE_FWD_V3)
+// ---- Forward, version 3 (CMake option DUALKV_PORTABLE_FWD_V3, default OFF; candidate) ----
+// The K and V tile loads of fwd_kernel_v2's KV loop with FlashAttention-2's address arithmetic
+// (docs/cuda.md "Forward v3"): one 64-bit source pointer per thread, formed once per tile from the
+// thread's first token (pos + row0, 32-bit) and advanced by the CTA's rows per pass (a uniform
+// 64-bit step), 2 integer instructions per 16-byte chunk. load_tile_v2 forms every chunk's address
+// from its own 64-bit row product and a select (~90 integer instructions per tile and thread on
+// sm_90a, 140 instructions before the first HMMA of an iteration). A full tile (every KV tile but a
+// ragged range end; the test is uniform over the CTA) takes the unpredicated form; a partial tile
+// zero-fills the missing rows as load_tile_v2 does, with the pointer held at the last real row.
+// sm_80 keeps version 2's load (the new form spills 8 bytes there). Same bytes land in the same
+// shared-memory places as with load_tile_v2, so results are bit-identical.
+template <int D, int ROWS, int PITCH, int NT, typename T>
+__device__ __forceinline__ void load_kv_tile_v3(T* smem, const T* head, int32_t pos, int64_t token_stride,
+                                                int valid_rows, int tid) {
+  constexpr int kChunksPerRow = D / 8;
+  static_assert(NT % kChunksPerRow == 0, "a pass of the CTA must cover whole rows");
+  constexpr int kRowsPerPass = NT / kChunksPerRow;
+  static_assert(ROWS % kRowsPerPass == 0, "the tile must be a whole number of passes");
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  const int row0 = tid / kChunksPerRow;
+  const int col = (tid % kChunksPerRow) * 8;
+  // A zero-filled chunk still gets the address of a real row (load_tile_v2 uses the tile's row 0):
+  // the pointer starts at the thread's row or the tile's last real row, and only moves on to rows
+  // that exist.
+  const T* src = head + static_cast<int64_t>(pos + min(row0, valid_rows - 1)) * token_stride + col;
+  const int64_t step = kRowsPerPass * token_stride;
+  if (valid_rows >= ROWS) {
+#pragma unroll
+    for (int p = 0; p < ROWS / kRowsPerPass; ++p) {
+      cp_async16(smem + (row0 + p * kRowsPerPass) * PITCH + col, src, true);
+      src += step;
+    }
+  } else {
+#pragma unroll
+    for (int p = 0; p < ROWS / kRowsPerPass; ++p) {
+      const int row = row0 + p * kRowsPerPass;
+      cp_async16(smem + row * PITCH + col, src, row < valid_rows);
+      if (row + kRowsPerPass < valid_rows) src += step;
+    }
+  }
+#else
+  // sm_80: version 2's load (with this form ptxas spills 8 bytes there).
+  load_tile_v2<D, ROWS, PITCH, NT>(smem, head + static_cast<int64_t>(pos) * token_stride, token_stride, valid_rows, tid);
+#endif
+}
+#endif
+
 template <int D, typename T>
 __global__ void __launch_bounds__(FwdConfig<D>::kThreads, 1)
 fwd_kernel_v2(const FwdArgs args) {
@@ -335,8 +383,12 @@ fwd_kernel_v2(const FwdArgs args) {
     do {
       cp_async_wait_all();
       __syncthreads();  // K (and Q on the first tile) landed; every warp is done reading the previous V
+#if defined(DUALKV_PORTABLE_FWD_V3)
+      load_kv_tile_v3<D, BN, P, NT>(sm.v, st.vh, st.walk[slot].pos, args.v_ts, st.walk[slot].len(), tid);
+#else
       load_tile_v2<D, BN, P, NT>(sm.v, st.vh + static_cast<int64_t>(st.walk[slot].pos) * args.v_ts, args.v_ts,
                                  st.walk[slot].len(), tid);
+#endif
       cp_async_commit();
 
       float s[MI][kNB][4];
@@ -389,7 +441,11 @@ fwd_kernel_v2(const FwdArgs args) {
         KvWalker<BN> w = st.walk[slot];
         more = w.next(L);
         if (more) {
+#if defined(DUALKV_PORTABLE_FWD_V3)
+          load_kv_tile_v3<D, BN, P, NT>(sm.k, st.kh, w.pos, args.k_ts, w.len(), tid);
+#else
           load_tile_v2<D, BN, P, NT>(sm.k, st.kh + static_cast<int64_t>(w.pos) * args.k_ts, args.k_ts, w.len(), tid);
+#endif
           cp_async_commit();
         }
         // Nobody reads walk[slot ^ 1] before the next iteration's first barrier.
