@@ -432,6 +432,22 @@ bwd_kv_kernel_v3(const BwdArgs args) {
   constexpr uint32_t kQBytes = BM * P * E;        // one q buffer
   static_assert(BM == 64 && kWR * 16 * MI == BN, "warp tiling");
   static_assert(2 * BM <= NT, "threads 0 .. 2 BM - 1 load lse and delta");
+#if defined(DUALKV_PORTABLE_BWD_V5)
+#if !defined(DUALKV_PORTABLE_BWD_V4)
+#error "DUALKV_PORTABLE_BWD_V5 requires DUALKV_PORTABLE_BWD_V4"
+#endif
+  // Version 5 (docs/cuda.md "Backward v5"): the loads of step + 1 (Q, lse/delta, dO) are issued
+  // after kk step kV5IssueKK of the product that follows their barrier (S, dV, dQ / dK) instead of
+  // right after it, so every barrier is followed by ldmatrix -> mma.sync (FA2's schedule) and the
+  // loaders' 64-bit address arithmetic overlaps queued mma.sync. Arithmetic and mma.sync order are
+  // unchanged: outputs are bit-identical. Hazards: each load stays in its barrier interval.
+  // Q(s+1) -> q[(s+1)&1]: issued between top(s) and bar A(s) as before (S(s) reads the other
+  // buffer; its last readers, S and dK of s - 1, finished before top(s)). dO(s+1) -> dout: issued
+  // inside dQ (or dK) of s, after bar B(s) (last dout reads: dP, dV before bar B) as before. lse/delta:
+  // only the global load into a register moved (into dV); the shared store stays after dK. All
+  // are waited for at top(s+1); the last step issues nothing.
+  constexpr int kV5IssueKK = 0;
+#endif
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   BwdV3Smem<D, T>& sm = *reinterpret_cast<BwdV3Smem<D, T>*>(smem_raw);
@@ -554,12 +570,14 @@ bwd_kv_kernel_v3(const BwdArgs args) {
 
       cp_async_wait_all();
       __syncthreads();  // top: Q, dO, lse, delta of this step landed; step - 1 is done everywhere
+#if !defined(DUALKV_PORTABLE_BWD_V5)
       if (has_next) {   // Q(step + 1) into the other buffer (last read by step - 1's S and dK)
         load_tile_v3<D, BM, P, NT>(s_q0 + (qbuf ^ 1) * kQBytes + s_ld,
                                    qg + (qtn + ld_r) * args.q_ts + hn * args.q_hs + ld_c, args.q_ts,
                                    rows_next - ld_r, qg);
         cp_async_commit();
       }
+#endif
 
 #if defined(DUALKV_PORTABLE_BWD_V4)
       // Phase 1, version 4 (docs/cuda.md, "Backward v4"): S^T = K Q^T first, then dP^T = V dO^T
@@ -595,6 +613,17 @@ bwd_kv_kernel_v3(const BwdArgs args) {
               Ops::mma(st[mi][2 * nb + 1], ak[mi], b[2], b[3]);
             }
           }
+#if defined(DUALKV_PORTABLE_BWD_V5)
+          // Version 5: Q(step + 1) is issued after kk step kV5IssueKK of S, not right after the
+          // barrier, so the warps leave the barrier with ldmatrix -> mma.sync and the loader's
+          // address arithmetic overlaps queued mma.sync (same buffer, same barrier interval).
+          if (kk == kV5IssueKK && has_next) {
+            load_tile_v3<D, BM, P, NT>(s_q0 + (qbuf ^ 1) * kQBytes + s_ld,
+                                       qg + (qtn + ld_r) * args.q_ts + hn * args.q_hs + ld_c, args.q_ts,
+                                       rows_next - ld_r, qg);
+            cp_async_commit();
+          }
+#endif
         }
         const int32_t k0 = load_shared_volatile(si.k0);
         const bool need_mask = qt < k0 + BN - 1;
@@ -727,8 +756,10 @@ bwd_kv_kernel_v3(const BwdArgs args) {
       float ld_val = 0.f;
       const int ld_i = tid & (BM - 1);
       const bool ld_ok = has_next && tid < 2 * BM && ld_i < rows_next;
+#if !defined(DUALKV_PORTABLE_BWD_V5)
       if (ld_ok)
         ld_val = tid < BM ? args.lse[hn * args.lse_hs + qtn + ld_i] : args.delta[hn * T_ + qtn + ld_i];
+#endif
 
       // Phase 3a: dV += P^T dO for kv rows [row0, +16 MI), d cols [D/2 wc, +D/2).
 #pragma unroll
@@ -747,13 +778,30 @@ bwd_kv_kernel_v3(const BwdArgs args) {
             Ops::mma(dv[mi][2 * nd + 1], ap[mi], b[2], b[3]);
           }
         }
+#if defined(DUALKV_PORTABLE_BWD_V5)
+        // Version 5: lse/delta of step + 1 after kk step kV5IssueKK of dV (was right after bar A).
+        if (kk == kV5IssueKK && ld_ok)
+          ld_val = tid < BM ? args.lse[hn * args.lse_hs + qtn + ld_i] : args.delta[hn * T_ + qtn + ld_i];
+#endif
       }
       __syncthreads();  // bar B: every read of dout (dP, dV) and pt is done
+#if defined(DUALKV_PORTABLE_BWD_V5)
+      // Version 5: dO(step + 1) is issued after kk step kV5IssueKK of the next product (dQ; dK in
+      // the deterministic mode), still after bar B.
+      auto issue_do_next = [&]() {
+        if (has_next) {
+          load_tile_v3<D, BM, P, NT>(s_do + s_ld, dog + (qtn + ld_r) * args.do_ts + hn * args.do_hs + ld_c,
+                                     args.do_ts, rows_next - ld_r, dog);
+          cp_async_commit();
+        }
+      };
+#else
       if (has_next) {   // dO(step + 1)
         load_tile_v3<D, BM, P, NT>(s_do + s_ld, dog + (qtn + ld_r) * args.do_ts + hn * args.do_hs + ld_c,
                                    args.do_ts, rows_next - ld_r, dog);
         cp_async_commit();
       }
+#endif
 
       if constexpr (kAtomicDq) {
         const int32_t qb = load_shared_volatile(si.qb);
@@ -781,6 +829,9 @@ bwd_kv_kernel_v3(const BwdArgs args) {
               Ops::mma(dq[mi][2 * nd + 1], a[mi], b[2], b[3]);
             }
           }
+#if defined(DUALKV_PORTABLE_BWD_V5)
+          if (kk == kV5IssueKK) issue_do_next();
+#endif
         }
 #pragma unroll
         for (int mi = 0; mi < MQ; ++mi)
@@ -812,6 +863,11 @@ bwd_kv_kernel_v3(const BwdArgs args) {
             Ops::mma(dk[mi][2 * nd + 1], ads[mi], b[2], b[3]);
           }
         }
+#if defined(DUALKV_PORTABLE_BWD_V5)
+        if constexpr (!kAtomicDq) {
+          if (kk == kV5IssueKK) issue_do_next();
+        }
+#endif
       }
 
       // lse/delta of step + 1 (after bar B: every read of this step's values is done); thread
