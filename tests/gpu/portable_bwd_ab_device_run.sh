@@ -11,7 +11,8 @@
 #   mkdir -p build-pbwd/carry && for b in base cand; do cp build-pbwd/$b/libdualkv.so build-pbwd/carry/$b.so; done
 #   run(carry=["build-pbwd/carry"], command="tests/gpu/portable_bwd_ab_device_run.sh", timeout_s=540)
 # (Pass variant options explicitly: an existing build directory keeps its cached values.)
-# Steps (logs and json under $OUT, or /tmp/pbwd_out). About 4 minutes with ROUNDS=2:
+# Steps (bench JSON under $OUT, or /tmp/pbwd_out; logs and plots under $LOGDIR). About 3 minutes with ROUNDS=2;
+# two A/Bs fit one call with OUT=$OUT/a ... ; OUT=$OUT/b ... (8 JSON files come back):
 #   0. which library is which: build info and md5 of each
 #   1. tests/gpu/test_cuda_attention.py, portable kernels forced (the whole CUDA suite at the built
 #      head dims: forward and backward against the float64 reference, determinism, graphs, strides,
@@ -28,7 +29,10 @@
 # SKIP_RACECHECK=1, TEST_TIMEOUT, BENCH_TIMEOUT, RACE_TIMEOUT.
 set -uo pipefail
 OUTDIR=${OUT:-/tmp/pbwd_out}
-mkdir -p "$OUTDIR"
+# Only the bench JSONs go to $OUTDIR (the device returns a limited number of files; the logs'
+# essential lines are printed below). Logs and the plots stay in $LOGDIR on the device.
+LOGDIR=${LOGDIR:-$(mktemp -d /tmp/pbwd_logs_XXXX)}
+mkdir -p "$OUTDIR" "$LOGDIR"
 export PYTHONPATH=$PWD/python PYTHONUNBUFFERED=1
 export DUALKV_DISABLE_SM90=1 DUALKV_DISABLE_SM90_BWD=1  # the portable forward and backward
 BASE_LIB=${BASE_LIB:-$PWD/build-pbwd/carry/base.so}
@@ -53,11 +57,11 @@ done
 PT_TIMEOUT=$(python3 -c "import pytest_timeout" 2>/dev/null && echo "--timeout 60" || echo "")
 if [ -z "${SKIP_TESTS:-}" ]; then
   echo "== 1. test_cuda_attention.py (candidate library, portable kernels) t=$(elapsed)s"
-  DUALKV_LIBRARY=$CAND_LIB DUALKV_TEST_REPORT="$OUTDIR/cuda_attention_report_cand.json" timeout ${TEST_TIMEOUT:-110} \
+  DUALKV_LIBRARY=$CAND_LIB DUALKV_TEST_REPORT="$LOGDIR/cuda_attention_report_cand.json" timeout ${TEST_TIMEOUT:-110} \
     python3 -m pytest -q -p no:cacheprovider $PT_TIMEOUT --maxfail=20 tests/gpu/test_cuda_attention.py \
-    > "$OUTDIR/test_cuda_attention_cand.log" 2>&1
+    > "$LOGDIR/test_cuda_attention_cand.log" 2>&1
   echo "test_cuda_attention rc=$? (124 = timeout) t=$(elapsed)s"
-  tail -n 12 "$OUTDIR/test_cuda_attention_cand.log"
+  tail -n 12 "$LOGDIR/test_cuda_attention_cand.log"
 fi
 
 for round in $(seq 1 ${ROUNDS:-2}); do
@@ -65,9 +69,9 @@ for round in $(seq 1 ${ROUNDS:-2}); do
     lib=$(lib_of $which)
     echo "== 2. bench round $round, $which library t=$(elapsed)s"
     DUALKV_LIBRARY=$lib timeout ${BENCH_TIMEOUT:-85} python3 bench/attention.py --configs "$CONFIGS" --no-varlen \
-      --methods dualkv,sdpa_flash --out "$OUTDIR" --tag "pbwd_${which}_r$round" > "$OUTDIR/bench_${which}_r$round.log" 2>&1
+      --methods dualkv,sdpa_flash --out "$OUTDIR" --tag "pbwd_${which}_r$round" > "$LOGDIR/bench_${which}_r$round.log" 2>&1
     echo "bench $which rc=$? t=$(elapsed)s"
-    grep -E "TF/s|FAILED|Error" "$OUTDIR/bench_${which}_r$round.log" | tail -n 8
+    grep -E "TF/s|FAILED|Error" "$LOGDIR/bench_${which}_r$round.log" | tail -n 8
   done
 done
 
@@ -77,11 +81,11 @@ if [ -z "${SKIP_RACECHECK:-}" ]; then
   if [ -n "$CS" ]; then
     DUALKV_LIBRARY=$CAND_LIB DUALKV_CUDA_SPLIT_ROWS=64 SAN_DIMS=${SAN_DIMS:-128} timeout ${RACE_TIMEOUT:-50} \
       "$CS" --tool racecheck --error-exitcode 99 --target-processes all python3 tests/gpu/sanitize_cases.py \
-      > "$OUTDIR/racecheck_cand.log" 2>&1
+      > "$LOGDIR/racecheck_cand.log" 2>&1
     echo "racecheck rc=$? (0 = no hazard, 99 = hazards, 124 = timeout) t=$(elapsed)s"
-    grep -E "RACECHECK SUMMARY|^ok " "$OUTDIR/racecheck_cand.log" | tail -n 10
+    grep -E "RACECHECK SUMMARY|^ok " "$LOGDIR/racecheck_cand.log" | tail -n 10
     echo "kernels named in race reports (none expected):"
-    grep -E "Race reported|Error" "$OUTDIR/racecheck_cand.log" | grep -oE "[A-Za-z0-9_]*kernel[A-Za-z0-9_]*" | sort | uniq -c | head
+    grep -E "Race reported|Error" "$LOGDIR/racecheck_cand.log" | grep -oE "[A-Za-z0-9_]*kernel[A-Za-z0-9_]*" | sort | uniq -c | head
   else
     echo "no compute-sanitizer"
   fi
@@ -115,4 +119,5 @@ for name, by in rows.items():
             b, v = by[f"base_{r}"], by[f"cand_{r}"]
             print(f"{name:18s} {r} cand/base forward {v[0] / b[0]:.3f}, fwd+bwd {v[2] / b[2]:.3f}, backward {v[4] / b[4]:.3f}")
 EOF
+mv "$OUTDIR"/attention_pbwd_*.png "$LOGDIR"/ 2>/dev/null
 echo "done t=$(elapsed)s"
