@@ -53,6 +53,48 @@ __global__ void bwd_preprocess_kernel(const BwdArgs args) {
   }
 }
 
+// Epilogue of both KV kernels: the warp's dK (times the softmax scale) and dV fragments, rows
+// row_g + 16 mi + 8 hr of the tile (row_g = the warp's first row + g), columns 8 j from the pointers
+// (which already include the thread's column). Straight to dk / dv for rows < klen, ...
+template <int MI, int kDB, typename T>
+__device__ __forceinline__ void store_dk_dv(const BwdArgs& args, const float (&dk)[MI][kDB][4],
+                                            const float (&dv)[MI][kDB][4], T* dkb, T* dvb, int row_g, int klen) {
+  using Ops = TypeOps<T>;
+#pragma unroll
+  for (int mi = 0; mi < MI; ++mi) {
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const int row = row_g + mi * 16 + hr * 8;
+      const bool ok = row < klen;
+#pragma unroll
+      for (int j = 0; j < kDB; ++j) {
+        if (ok) {
+          *reinterpret_cast<uint32_t*>(dkb + row * args.dk_ts + j * 8) =
+              Ops::pack(dk[mi][j][2 * hr] * args.scale, dk[mi][j][2 * hr + 1] * args.scale);
+          *reinterpret_cast<uint32_t*>(dvb + row * args.dv_ts + j * 8) = Ops::pack(dv[mi][j][2 * hr], dv[mi][j][2 * hr + 1]);
+        }
+      }
+    }
+  }
+}
+// ... or, for a split item, as unscaled fp32 partials: dK at base, dV at base + BN D (row pitch D).
+template <int BN, int D, int MI, int kDB>
+__device__ __forceinline__ void store_dk_dv_partial(float* base, const float (&dk)[MI][kDB][4],
+                                                    const float (&dv)[MI][kDB][4], int row_g) {
+#pragma unroll
+  for (int mi = 0; mi < MI; ++mi) {
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const int row = row_g + mi * 16 + hr * 8;
+#pragma unroll
+      for (int j = 0; j < kDB; ++j) {
+        *reinterpret_cast<float2*>(base + row * D + j * 8) = make_float2(dk[mi][j][2 * hr], dk[mi][j][2 * hr + 1]);
+        *reinterpret_cast<float2*>(base + BN * D + row * D + j * 8) = make_float2(dv[mi][j][2 * hr], dv[mi][j][2 * hr + 1]);
+      }
+    }
+  }
+}
+
 template <int D, typename T>
 struct BwdSmem {
   using C = BwdConfig<D>;
@@ -289,38 +331,10 @@ bwd_kv_kernel(const BwdArgs args) {
     if (slot < 0) {
       T* dkb = static_cast<T*>(args.dk) + k0 * args.dk_ts + hk * args.dk_hs + col0;
       T* dvb = static_cast<T*>(args.dv) + k0 * args.dv_ts + hk * args.dv_hs + col0;
-#pragma unroll
-      for (int mi = 0; mi < MI; ++mi) {
-#pragma unroll
-        for (int hr = 0; hr < 2; ++hr) {
-          const int row = row0 + mi * 16 + g + hr * 8;
-          const bool ok = row < klen;
-#pragma unroll
-          for (int j = 0; j < kDB; ++j) {
-            if (ok) {
-              *reinterpret_cast<uint32_t*>(dkb + row * args.dk_ts + j * 8) =
-                  Ops::pack(dk[mi][j][2 * hr] * args.scale, dk[mi][j][2 * hr + 1] * args.scale);
-              *reinterpret_cast<uint32_t*>(dvb + row * args.dv_ts + j * 8) =
-                  Ops::pack(dv[mi][j][2 * hr], dv[mi][j][2 * hr + 1]);
-            }
-          }
-        }
-      }
+      store_dk_dv(args, dk, dv, dkb, dvb, row0 + g, klen);
     } else {
       float* base = args.partials + ((static_cast<int64_t>(slot) * Hk + hk) * 2) * BN * D + col0;
-#pragma unroll
-      for (int mi = 0; mi < MI; ++mi) {
-#pragma unroll
-        for (int hr = 0; hr < 2; ++hr) {
-          const int row = row0 + mi * 16 + g + hr * 8;
-#pragma unroll
-          for (int j = 0; j < kDB; ++j) {
-            *reinterpret_cast<float2*>(base + row * D + j * 8) = make_float2(dk[mi][j][2 * hr], dk[mi][j][2 * hr + 1]);
-            *reinterpret_cast<float2*>(base + BN * D + row * D + j * 8) =
-                make_float2(dv[mi][j][2 * hr], dv[mi][j][2 * hr + 1]);
-          }
-        }
-      }
+      store_dk_dv_partial<BN, D>(base, dk, dv, row0 + g);
     }
   }
 }
@@ -396,6 +410,7 @@ __device__ __forceinline__ void ldsm_x4_trans(uint32_t* r, uint32_t addr) {
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(addr));
 }
+
 __device__ __forceinline__ void cp_async16_s(uint32_t saddr, const void* gmem, int bytes) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(saddr), "l"(gmem), "r"(bytes));
 }
@@ -893,39 +908,11 @@ bwd_kv_kernel_v3(const BwdArgs args) {
       const int hk = load_shared_volatile(si.hk);
       T* dkb = static_cast<T*>(args.dk) + k0 * args.dk_ts + hk * args.dk_hs + col0;
       T* dvb = static_cast<T*>(args.dv) + k0 * args.dv_ts + hk * args.dv_hs + col0;
-#pragma unroll
-      for (int mi = 0; mi < MI; ++mi) {
-#pragma unroll
-        for (int hr = 0; hr < 2; ++hr) {
-          const int row = row0 + mi * 16 + g + hr * 8;
-          const bool ok = row < klen;
-#pragma unroll
-          for (int j = 0; j < kDB; ++j) {
-            if (ok) {
-              *reinterpret_cast<uint32_t*>(dkb + row * args.dk_ts + j * 8) =
-                  Ops::pack(dk[mi][j][2 * hr] * args.scale, dk[mi][j][2 * hr + 1] * args.scale);
-              *reinterpret_cast<uint32_t*>(dvb + row * args.dv_ts + j * 8) =
-                  Ops::pack(dv[mi][j][2 * hr], dv[mi][j][2 * hr + 1]);
-            }
-          }
-        }
-      }
+      store_dk_dv(args, dk, dv, dkb, dvb, row0 + g, klen);
     } else {
       const int hk = load_shared_volatile(si.hk);
       float* base = args.partials + ((static_cast<int64_t>(slot) * Hk + hk) * 2) * BN * D + col0;
-#pragma unroll
-      for (int mi = 0; mi < MI; ++mi) {
-#pragma unroll
-        for (int hr = 0; hr < 2; ++hr) {
-          const int row = row0 + mi * 16 + g + hr * 8;
-#pragma unroll
-          for (int j = 0; j < kDB; ++j) {
-            *reinterpret_cast<float2*>(base + row * D + j * 8) = make_float2(dk[mi][j][2 * hr], dk[mi][j][2 * hr + 1]);
-            *reinterpret_cast<float2*>(base + BN * D + row * D + j * 8) =
-                make_float2(dv[mi][j][2 * hr], dv[mi][j][2 * hr + 1]);
-          }
-        }
-      }
+      store_dk_dv_partial<BN, D>(base, dk, dv, row0 + g);
     }
   }
 }
