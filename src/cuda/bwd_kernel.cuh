@@ -583,15 +583,20 @@ bwd_kv_kernel_v3(const BwdArgs args) {
       const int rows_next = min(BM, qb_ - qtn);
       const uint32_t s_q = s_q0 + qbuf * kQBytes;
 
+      // Q(step + 1) into the other buffer (last read by step - 1's S and dK).
+      auto issue_q_next = [&]() {
+        if (has_next) {
+          load_tile_v3<D, BM, P, NT>(s_q0 + (qbuf ^ 1) * kQBytes + s_ld,
+                                     qg + (qtn + ld_r) * args.q_ts + hn * args.q_hs + ld_c, args.q_ts,
+                                     rows_next - ld_r, qg);
+          cp_async_commit();
+        }
+      };
+
       cp_async_wait_all();
       __syncthreads();  // top: Q, dO, lse, delta of this step landed; step - 1 is done everywhere
 #if !defined(DUALKV_PORTABLE_BWD_V5)
-      if (has_next) {   // Q(step + 1) into the other buffer (last read by step - 1's S and dK)
-        load_tile_v3<D, BM, P, NT>(s_q0 + (qbuf ^ 1) * kQBytes + s_ld,
-                                   qg + (qtn + ld_r) * args.q_ts + hn * args.q_hs + ld_c, args.q_ts,
-                                   rows_next - ld_r, qg);
-        cp_async_commit();
-      }
+      issue_q_next();
 #endif
 
 #if defined(DUALKV_PORTABLE_BWD_V4)
@@ -632,12 +637,7 @@ bwd_kv_kernel_v3(const BwdArgs args) {
           // Version 5: Q(step + 1) is issued after kk step kV5IssueKK of S, not right after the
           // barrier, so the warps leave the barrier with ldmatrix -> mma.sync and the loader's
           // address arithmetic overlaps queued mma.sync (same buffer, same barrier interval).
-          if (kk == kV5IssueKK && has_next) {
-            load_tile_v3<D, BM, P, NT>(s_q0 + (qbuf ^ 1) * kQBytes + s_ld,
-                                       qg + (qtn + ld_r) * args.q_ts + hn * args.q_hs + ld_c, args.q_ts,
-                                       rows_next - ld_r, qg);
-            cp_async_commit();
-          }
+          if (kk == kV5IssueKK) issue_q_next();
 #endif
         }
         const int32_t k0 = load_shared_volatile(si.k0);
@@ -771,9 +771,12 @@ bwd_kv_kernel_v3(const BwdArgs args) {
       float ld_val = 0.f;
       const int ld_i = tid & (BM - 1);
       const bool ld_ok = has_next && tid < 2 * BM && ld_i < rows_next;
+      auto load_lse_delta_next = [&]() {
+        if (ld_ok)
+          ld_val = tid < BM ? args.lse[hn * args.lse_hs + qtn + ld_i] : args.delta[hn * T_ + qtn + ld_i];
+      };
 #if !defined(DUALKV_PORTABLE_BWD_V5)
-      if (ld_ok)
-        ld_val = tid < BM ? args.lse[hn * args.lse_hs + qtn + ld_i] : args.delta[hn * T_ + qtn + ld_i];
+      load_lse_delta_next();
 #endif
 
       // Phase 3a: dV += P^T dO for kv rows [row0, +16 MI), d cols [D/2 wc, +D/2).
@@ -795,13 +798,11 @@ bwd_kv_kernel_v3(const BwdArgs args) {
         }
 #if defined(DUALKV_PORTABLE_BWD_V5)
         // Version 5: lse/delta of step + 1 after kk step kV5IssueKK of dV (was right after bar A).
-        if (kk == kV5IssueKK && ld_ok)
-          ld_val = tid < BM ? args.lse[hn * args.lse_hs + qtn + ld_i] : args.delta[hn * T_ + qtn + ld_i];
+        if (kk == kV5IssueKK) load_lse_delta_next();
 #endif
       }
       __syncthreads();  // bar B: every read of dout (dP, dV) and pt is done
-#if defined(DUALKV_PORTABLE_BWD_V5)
-      // Version 5: dO(step + 1) is issued after kk step kV5IssueKK of the next product (dQ; dK in
+      // dO(step + 1); version 5 issues it after kk step kV5IssueKK of the next product (dQ; dK in
       // the deterministic mode), still after bar B.
       auto issue_do_next = [&]() {
         if (has_next) {
@@ -810,12 +811,8 @@ bwd_kv_kernel_v3(const BwdArgs args) {
           cp_async_commit();
         }
       };
-#else
-      if (has_next) {   // dO(step + 1)
-        load_tile_v3<D, BM, P, NT>(s_do + s_ld, dog + (qtn + ld_r) * args.do_ts + hn * args.do_hs + ld_c,
-                                   args.do_ts, rows_next - ld_r, dog);
-        cp_async_commit();
-      }
+#if !defined(DUALKV_PORTABLE_BWD_V5)
+      issue_do_next();
 #endif
 
       if constexpr (kAtomicDq) {

@@ -261,7 +261,7 @@ __device__ __forceinline__ U load_shared_volatile(const U& x) {
 }
 
 #if defined(DUALKV_PORTABLE_FWD_V3)
-// ---- Forward, version 3 (CMake option DUALKV_PORTABLE_FWD_V3, default OFF; candidate) ----
+// ---- Forward, version 3 (CMake option DUALKV_PORTABLE_FWD_V3, default ON since 6d6683d's H200 A/B) ----
 // The K and V tile loads of fwd_kernel_v2's KV loop with FlashAttention-2's address arithmetic
 // (docs/cuda.md "Forward v3"): one 64-bit source pointer per thread, formed once per tile from the
 // thread's first token (pos + row0, 32-bit) and advanced by the CTA's rows per pass (a uniform

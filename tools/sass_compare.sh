@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Per-function SASS of generated kernel translation units, normalised so two builds can be diffed:
+#   tools/sass_compare.sh dump DIR [-DFLAG ...]   compile and write DIR/<tu>_<arch>.sass
+#   tools/sass_compare.sh diff DIR_A DIR_B        compare two dumps (exit 1 on any difference)
+# Why: a refactor of a kernel header that keeps the SASS byte-identical keeps the measured speed,
+# so it needs no device run. TUS (default: bwd hdim 64/128/256 bf16 + 128 fp16) and ARCHS
+# (default: 80 90a) select what is compiled; the generated .cu files come from a configured CUDA
+# build (BUILD, default build-h200). Addresses and encodings are dropped, only instructions stay.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+mode=${1:?dump|diff}; shift
+if [[ $mode == diff ]]; then
+  a=${1:?}; b=${2:?}; rc=0
+  for f in "$a"/*.sass; do
+    if ! cmp -s "$f" "$b/$(basename "$f")"; then echo "DIFF $(basename "$f")"; rc=1; else echo "same $(basename "$f")"; fi
+  done
+  exit $rc
+fi
+out=${1:?output dir}; shift
+mkdir -p "$out"
+BUILD=${BUILD:-build-h200}
+TUS=${TUS:-"bwd_hdim64_bf16 bwd_hdim128_bf16 bwd_hdim256_bf16 bwd_hdim128_fp16"}
+ARCHS=${ARCHS:-"80 90a"}
+NVCC=${NVCC:-nvcc}
+CUOBJDUMP=${CUOBJDUMP:-$(command -v cuobjdump || echo .venv/lib/python3.11/site-packages/triton/backends/nvidia/bin/cuobjdump)}
+pids=()
+for tu in $TUS; do
+  for arch in $ARCHS; do
+    (
+      "$NVCC" -O3 -DNDEBUG --use_fast_math -lineinfo --expt-relaxed-constexpr -std=c++17 -Xcompiler=-fPIC \
+        -I include -I src -I src/cuda "$@" -gencode=arch=compute_$arch,code=sm_$arch -cubin \
+        -o "$out/${tu}_$arch.cubin" "$BUILD/src/cuda/generated/$tu.cu"
+      "$CUOBJDUMP" -sass "$out/${tu}_$arch.cubin" | grep -v 'identifier =' |
+        sed -e 's@/\*[0-9a-f]\{4\}\*/@@' -e 's@/\* 0x[0-9a-f]* \*/@@' > "$out/${tu}_$arch.sass"
+      rm -f "$out/${tu}_$arch.cubin"
+    ) &
+    pids+=($!)
+  done
+done
+for p in "${pids[@]}"; do wait "$p"; done
+echo "wrote $(ls "$out"/*.sass | wc -l) listings to $out"
