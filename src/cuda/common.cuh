@@ -54,6 +54,13 @@ template <> struct TypeOps<__half> {
   }
 };
 
+// A value in shared memory re-read at its point of use (volatile: the compiler may not keep it in
+// registers from an earlier read), for CTA-uniform state written by one thread.
+template <typename U>
+__device__ __forceinline__ U load_shared_volatile(const U& x) {
+  return *reinterpret_cast<const volatile U*>(&x);
+}
+
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }

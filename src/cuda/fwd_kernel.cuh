@@ -255,11 +255,6 @@ __device__ __forceinline__ void load_tile_v2(T* smem, const T* gmem, int64_t tok
 #endif
 }
 
-template <typename U>
-__device__ __forceinline__ U load_shared_volatile(const U& x) {
-  return *reinterpret_cast<const volatile U*>(&x);
-}
-
 #if defined(DUALKV_PORTABLE_FWD_V3)
 // ---- Forward, version 3 (CMake option DUALKV_PORTABLE_FWD_V3, default ON since 6d6683d's H200 A/B) ----
 // The K and V tile loads of fwd_kernel_v2's KV loop with FlashAttention-2's address arithmetic
