@@ -4,8 +4,10 @@
 #   tools/sass_compare.sh diff DIR_A DIR_B        compare two dumps (exit 1 on any difference)
 # Why: a refactor of a kernel header that keeps the SASS byte-identical keeps the measured speed,
 # so it needs no device run. TUS (default: bwd hdim 64/128/256 bf16 + 128 fp16) and ARCHS
-# (default: 80 90a) select what is compiled; the generated .cu files come from a configured CUDA
-# build (BUILD, default build-h200). Addresses and encodings are dropped, only instructions stay.
+# (default: 80 90a) select what is compiled: a TU is a generated file of a configured CUDA build
+# (BUILD, default build-h200) named without .cu, or a source path such as
+# src/cuda/sm90/bwd_sm90_hdim128_bf16.cu (with ARCHS=90a). Addresses and encodings are dropped,
+# only instructions stay.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:?dump|diff}; shift
@@ -25,11 +27,13 @@ NVCC=${NVCC:-nvcc}
 CUOBJDUMP=${CUOBJDUMP:-$(command -v cuobjdump || echo .venv/lib/python3.11/site-packages/triton/backends/nvidia/bin/cuobjdump)}
 pids=()
 for tu in $TUS; do
+  src=$tu; [[ -f $src ]] || src=$BUILD/src/cuda/generated/$tu.cu
+  tu=$(basename "$tu" .cu)
   for arch in $ARCHS; do
     (
       "$NVCC" -O3 -DNDEBUG --use_fast_math -lineinfo --expt-relaxed-constexpr -std=c++17 -Xcompiler=-fPIC \
         -I include -I src -I src/cuda "$@" -gencode=arch=compute_$arch,code=sm_$arch -cubin \
-        -o "$out/${tu}_$arch.cubin" "$BUILD/src/cuda/generated/$tu.cu"
+        -o "$out/${tu}_$arch.cubin" "$src"
       "$CUOBJDUMP" -sass "$out/${tu}_$arch.cubin" | grep -v 'identifier =' |
         sed -e 's@/\*[0-9a-f]\{4\}\*/@@' -e 's@/\* 0x[0-9a-f]* \*/@@' > "$out/${tu}_$arch.sass"
       rm -f "$out/${tu}_$arch.cubin"

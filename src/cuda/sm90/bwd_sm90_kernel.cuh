@@ -186,12 +186,13 @@ constexpr bool kBwdSoftmaxOverlap = true;
 constexpr bool kBwdSoftmaxOverlap = false;
 #endif
 
-// P^T = exp2(S^T scale log2e - lse log2e) in place, masked (kMask) where the KV row is past klen or
-// after the query. Accumulator fragment of m64 (kv) x n(2N) (q): element 4j + e is row
-// kv_row0 + 8 (e >> 1), column 8j + 2 t4 + (e & 1).
-template <bool kMask, int N>
+// P^T = exp2(S^T scale log2e - lse log2e) in place, masked (if mask) where the KV row is past klen
+// or after the query. Accumulator fragment of m64 (kv) x n(2N) (q): element 4j + e is row
+// kv_row0 + 8 (e >> 1), column 8j + 2 t4 + (e & 1). A constant mask (the softmax-overlap step calls
+// it once per branch of a uniform test) compiles to a loop without mask arithmetic.
+template <int N>
 __device__ __forceinline__ void bwd_softmax_p(float (&sacc)[N], const float* lse_s, float sl2, int t4,
-                                              int kv_row0, int klen, int32_t k0, int32_t qt) {
+                                              int kv_row0, int klen, int32_t k0, int32_t qt, bool mask) {
 #pragma unroll
   for (int j = 0; j < N / 4; ++j) {
     const int c = j * 8 + 2 * t4;
@@ -200,7 +201,7 @@ __device__ __forceinline__ void bwd_softmax_p(float (&sacc)[N], const float* lse
     for (int e = 0; e < 4; ++e) {
       const float lv = (e & 1) ? l2.y : l2.x;
       float pv = fast_exp2(fmaf(sacc[4 * j + e], sl2, -lv));
-      if constexpr (kMask) {
+      if (mask) {
         const int r = kv_row0 + (e >> 1) * 8;
         if (r >= klen || k0 + r > qt + c + (e & 1)) pv = 0.f;
       }
@@ -471,25 +472,11 @@ bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
       const bool mask = tail || qt < k0 + cw * 64 + 63;
       if constexpr (kBwdSoftmaxOverlap) {
         if (mask)
-          bwd_softmax_p<true>(sacc, lse_s, sl2, t4, kv_row0, klen, k0, qt);
+          bwd_softmax_p(sacc, lse_s, sl2, t4, kv_row0, klen, k0, qt, true);
         else
-          bwd_softmax_p<false>(sacc, lse_s, sl2, t4, kv_row0, klen, k0, qt);
+          bwd_softmax_p(sacc, lse_s, sl2, t4, kv_row0, klen, k0, qt, false);
       } else {
-#pragma unroll
-      for (int j = 0; j < BM / 8; ++j) {
-        const int c = j * 8 + 2 * t4;
-        const float2 l2 = *reinterpret_cast<const float2*>(lse_s + c);
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const float lv = (e & 1) ? l2.y : l2.x;
-          float pv = fast_exp2(fmaf(sacc[4 * j + e], sl2, -lv));
-          if (mask) {
-            const int r = kv_row0 + (e >> 1) * 8;
-            if (r >= klen || k0 + r > qt + c + (e & 1)) pv = 0.f;
-          }
-          sacc[4 * j + e] = pv;
-        }
-      }
+        bwd_softmax_p(sacc, lse_s, sl2, t4, kv_row0, klen, k0, qt, mask);
       }
       wgmma_wait<0>();
       fence_regs(dpacc);

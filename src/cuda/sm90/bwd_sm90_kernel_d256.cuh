@@ -373,22 +373,7 @@ bwd_sm90_kernel_d256(const __grid_constant__ Sm90BwdParams<256> p) {
       uint32_t frag[BM / 4];
       if (p_role) {
         const float* lse_s = s_lse + st * BM;
-        const bool mask = tail || qt < k0 + BN - 1;
-#pragma unroll
-        for (int j = 0; j < BM / 8; ++j) {
-          const int c = j * 8 + 2 * t4;
-          const float2 l2 = *reinterpret_cast<const float2*>(lse_s + c);
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const float lv = (e & 1) ? l2.y : l2.x;
-            float pv = fast_exp2(fmaf(sacc[4 * j + e], sl2, -lv));
-            if (mask) {
-              const int r = kv_row0 + (e >> 1) * 8;
-              if (r >= klen || k0 + r > qt + c + (e & 1)) pv = 0.f;
-            }
-            sacc[4 * j + e] = pv;
-          }
-        }
+        bwd_softmax_p(sacc, lse_s, sl2, t4, kv_row0, klen, k0, qt, tail || qt < k0 + BN - 1);
 #pragma unroll
         for (int i = 0; i < BM / 8; ++i)
           bwd_st_shared_v4(p_thread + i * 2048, __float_as_uint(sacc[4 * i]), __float_as_uint(sacc[4 * i + 1]),
