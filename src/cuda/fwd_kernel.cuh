@@ -255,9 +255,10 @@ __device__ __forceinline__ void load_tile_v2(T* smem, const T* gmem, int64_t tok
 #endif
 }
 
-#if defined(DUALKV_PORTABLE_FWD_V3)
-// ---- Forward, version 3 (CMake option DUALKV_PORTABLE_FWD_V3, default ON since 6d6683d's H200 A/B) ----
-// The K and V tile loads of fwd_kernel_v2's KV loop with FlashAttention-2's address arithmetic
+// The K and V tile loads of fwd_kernel_v2's KV loop: rows [pos, pos + valid_rows) of one head
+// (head = its row 0), zero-filled up to ROWS.
+// Version 3 (CMake option DUALKV_PORTABLE_FWD_V3, default ON since the H200 A/B of session 7,
+// `14e0b7f`; OFF: load_tile_v2 on every arch) uses FlashAttention-2's address arithmetic
 // (docs/cuda.md "Forward v3"): one 64-bit source pointer per thread, formed once per tile from the
 // thread's first token (pos + row0, 32-bit) and advanced by the CTA's rows per pass (a uniform
 // 64-bit step), 2 integer instructions per 16-byte chunk. load_tile_v2 forms every chunk's address
@@ -268,13 +269,13 @@ __device__ __forceinline__ void load_tile_v2(T* smem, const T* gmem, int64_t tok
 // sm_80 keeps version 2's load (the new form spills 8 bytes there). Same bytes land in the same
 // shared-memory places as with load_tile_v2, so results are bit-identical.
 template <int D, int ROWS, int PITCH, int NT, typename T>
-__device__ __forceinline__ void load_kv_tile_v3(T* smem, const T* head, int32_t pos, int64_t token_stride,
-                                                int valid_rows, int tid) {
+__device__ __forceinline__ void load_kv_tile(T* smem, const T* head, int32_t pos, int64_t token_stride,
+                                             int valid_rows, int tid) {
   constexpr int kChunksPerRow = D / 8;
   static_assert(NT % kChunksPerRow == 0, "a pass of the CTA must cover whole rows");
   constexpr int kRowsPerPass = NT / kChunksPerRow;
   static_assert(ROWS % kRowsPerPass == 0, "the tile must be a whole number of passes");
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#if defined(DUALKV_PORTABLE_FWD_V3) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   const int row0 = tid / kChunksPerRow;
   const int col = (tid % kChunksPerRow) * 8;
   // A zero-filled chunk still gets the address of a real row (load_tile_v2 uses the tile's row 0):
@@ -297,11 +298,10 @@ __device__ __forceinline__ void load_kv_tile_v3(T* smem, const T* head, int32_t 
     }
   }
 #else
-  // sm_80: version 2's load (with this form ptxas spills 8 bytes there).
+  // Version 2's load (OFF, and sm_80, where ptxas spills 8 bytes with the form above).
   load_tile_v2<D, ROWS, PITCH, NT>(smem, head + static_cast<int64_t>(pos) * token_stride, token_stride, valid_rows, tid);
 #endif
 }
-#endif
 
 template <int D, typename T>
 __global__ void __launch_bounds__(FwdConfig<D>::kThreads, 1)
@@ -378,12 +378,7 @@ fwd_kernel_v2(const FwdArgs args) {
     do {
       cp_async_wait_all();
       __syncthreads();  // K (and Q on the first tile) landed; every warp is done reading the previous V
-#if defined(DUALKV_PORTABLE_FWD_V3)
-      load_kv_tile_v3<D, BN, P, NT>(sm.v, st.vh, st.walk[slot].pos, args.v_ts, st.walk[slot].len(), tid);
-#else
-      load_tile_v2<D, BN, P, NT>(sm.v, st.vh + static_cast<int64_t>(st.walk[slot].pos) * args.v_ts, args.v_ts,
-                                 st.walk[slot].len(), tid);
-#endif
+      load_kv_tile<D, BN, P, NT>(sm.v, st.vh, st.walk[slot].pos, args.v_ts, st.walk[slot].len(), tid);
       cp_async_commit();
 
       float s[MI][kNB][4];
@@ -436,11 +431,7 @@ fwd_kernel_v2(const FwdArgs args) {
         KvWalker<BN> w = st.walk[slot];
         more = w.next(L);
         if (more) {
-#if defined(DUALKV_PORTABLE_FWD_V3)
-          load_kv_tile_v3<D, BN, P, NT>(sm.k, st.kh, w.pos, args.k_ts, w.len(), tid);
-#else
-          load_tile_v2<D, BN, P, NT>(sm.k, st.kh + static_cast<int64_t>(w.pos) * args.k_ts, args.k_ts, w.len(), tid);
-#endif
+          load_kv_tile<D, BN, P, NT>(sm.k, st.kh, w.pos, args.k_ts, w.len(), tid);
           cp_async_commit();
         }
         // Nobody reads walk[slot ^ 1] before the next iteration's first barrier.
