@@ -519,11 +519,9 @@ bwd_kv_kernel_v3(const BwdArgs args) {
         si.slot = wi[5];
 #if defined(DUALKV_PORTABLE_BWD_V4)
         si.h_end = (hk + 1) * load_shared_volatile(si.group);
+        si.h_begin = hk * load_shared_volatile(si.group);
 #else
         si.h_end = (hk + 1) * (H / Hk);
-#endif
-#if defined(DUALKV_PORTABLE_BWD_V4)
-        si.h_begin = hk * load_shared_volatile(si.group);
 #endif
       }
     }
