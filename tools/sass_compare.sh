@@ -2,6 +2,9 @@
 # Per-function SASS of generated kernel translation units, normalised so two builds can be diffed:
 #   tools/sass_compare.sh dump DIR [-DFLAG ...]   compile and write DIR/<tu>_<arch>.sass
 #   tools/sass_compare.sh diff DIR_A DIR_B        compare two dumps (exit 1 on any difference)
+#   tools/sass_compare.sh diff-regs DIR_A DIR_B   the same with register / predicate numbers and
+#                                                 spacing ignored: "same" = the same instructions in
+#                                                 the same order, possibly other registers
 # Why: a refactor of a kernel header that keeps the SASS byte-identical keeps the measured speed,
 # so it needs no device run. TUS (default: bwd hdim 64/128/256 bf16 + 128 fp16) and ARCHS
 # (default: 80 90a) select what is compiled: a TU is a generated file of a configured CUDA build
@@ -11,10 +14,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:?dump|diff}; shift
-if [[ $mode == diff ]]; then
+if [[ $mode == diff || $mode == diff-regs ]]; then
   a=${1:?}; b=${2:?}; rc=0
+  norm() { if [[ $mode == diff-regs ]]; then sed -E 's/\bU?R[0-9]+/R/g; s/\bU?P[0-9]/P/g; s/[[:space:]]+/ /g' "$1"; else cat "$1"; fi; }
   for f in "$a"/*.sass; do
-    if ! cmp -s "$f" "$b/$(basename "$f")"; then echo "DIFF $(basename "$f")"; rc=1; else echo "same $(basename "$f")"; fi
+    if ! cmp -s <(norm "$f") <(norm "$b/$(basename "$f")"); then echo "DIFF $(basename "$f")"; rc=1; else echo "same $(basename "$f")"; fi
   done
   exit $rc
 fi

@@ -174,8 +174,8 @@ constexpr uint32_t kBwdDsBarrier = 1;      // named barrier id (0 is __syncthrea
 
 // Softmax under the dP^T wgmma (compile-time switch DUALKV_SM90_BWD_SOFTMAX_OVERLAP=1; the CMake
 // option of that name, default ON since the H200 A/B at 274e72f (main kernel 4-6% faster), sets it;
-// docs/hopper.md "Where the D = 128 backward step's tensor pipe idles"). The default source computes P^T between wgmma.wait_group 1 and 0, but ptxas sinks
-// 28 of the 32 MUFU.EX2 (and the masking) below the WARPGROUP.DEPBAR of dP^T, so they run with no
+// docs/hopper.md "Where the D = 128 backward step's tensor pipe idles"). Without it the step
+// computes P^T between wgmma.wait_group 1 and 0, but ptxas sinks 28 of the 32 MUFU.EX2 (and the masking) below the WARPGROUP.DEPBAR of dP^T, so they run with no
 // wgmma in flight. With the switch, P^T is computed in its own branch (masked or not: the mask test
 // is uniform per warpgroup and step), which keeps it above the wait (ptxas does not move it across
 // the join), and an unmasked step skips the per-element mask arithmetic; the dQ staging likewise
@@ -551,26 +551,22 @@ bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
           const int r0 = warp * 16 + g;
           const bool v0 = qt + r0 < qb, v1 = qt + r0 + 8 < qb;
           const uint32_t row_base = smem_u32(smem + C::kOffDQ) + st * C::kDqStageBytes + r0 * 128 + (t4 & 1) * 8;
-          if (kBwdSoftmaxOverlap && qt + BM <= qb) {
-            // A full query tile: every row valid, no selects.
+          // A full query tile (softmax-overlap build) stores without the row selects.
+          auto stage = [&](bool select_rows) {
 #pragma unroll
             for (int j = 0; j < C::kDqN / 8; ++j) {
               const uint32_t box = (cw * C::kDqN) / 32 + j / 4;
               const uint32_t chunk = static_cast<uint32_t>((2 * (j % 4) + (t4 >> 1)) ^ g);
               const uint32_t addr = row_base + box * C::kDqBoxBytes + (chunk << 4);
-              bwd_st_shared_f32x2(addr, dq[4 * j + 0], dq[4 * j + 1]);
-              bwd_st_shared_f32x2(addr + 8 * 128, dq[4 * j + 2], dq[4 * j + 3]);
+              const bool w0 = !select_rows || v0, w1 = !select_rows || v1;
+              bwd_st_shared_f32x2(addr, w0 ? dq[4 * j + 0] : 0.f, w0 ? dq[4 * j + 1] : 0.f);
+              bwd_st_shared_f32x2(addr + 8 * 128, w1 ? dq[4 * j + 2] : 0.f, w1 ? dq[4 * j + 3] : 0.f);
             }
-          } else {
-#pragma unroll
-          for (int j = 0; j < C::kDqN / 8; ++j) {
-            const uint32_t box = (cw * C::kDqN) / 32 + j / 4;
-            const uint32_t chunk = static_cast<uint32_t>((2 * (j % 4) + (t4 >> 1)) ^ g);
-            const uint32_t addr = row_base + box * C::kDqBoxBytes + (chunk << 4);
-            bwd_st_shared_f32x2(addr, v0 ? dq[4 * j + 0] : 0.f, v0 ? dq[4 * j + 1] : 0.f);
-            bwd_st_shared_f32x2(addr + 8 * 128, v1 ? dq[4 * j + 2] : 0.f, v1 ? dq[4 * j + 3] : 0.f);
-          }
-          }
+          };
+          if (kBwdSoftmaxOverlap && qt + BM <= qb)
+            stage(false);
+          else
+            stage(true);
           // Generic-proxy stores before the writer's async-proxy (TMA) reads.
           bwd_fence_proxy_async();
           __syncwarp();
