@@ -9,6 +9,9 @@ Methods (each on its own layout; TFLOP/s credited with that layout's visible (q,
   flex       torch.compile'd flex_attention on the packed layout with a shared-prefix BlockMask
   pgrouper   PrefixGrouper-style decomposition: prompt causal self-attention, then responses as
              queries against [prompt K/V copied per response ; own K/V] (GQA expanded), SDPA
+  dualkv_ab  dualkv through a second build of libdualkv (--ab-library PATH) loaded into the same
+             process, with its own layouts and plans: A/B of two builds, e.g. a change against the
+             library it started from (with --rounds 3: same-round time ratios, see ab_summary)
 
 FLOPs: forward = 4 * H * D * visible pairs, fwd+bwd = 3.5 x forward (FlashAttention convention).
 Timing: CUDA events, warm-up, median over iterations, inputs rotated over several random sets;
@@ -16,11 +19,17 @@ Timing: CUDA events, warm-up, median over iterations, inputs rotated over severa
 median round (and, as dualkv_speedup_*_rounds, the median of same-round ratios).
 
   PYTHONPATH=python DUALKV_LIBRARY=build/libdualkv.so python3 bench/attention.py [--quick]
+  ... bench/attention.py --ab-library base/libdualkv.so --ab-label 72977b9 --rounds 3   (A/B of two builds)
+The Hopper kernels are switched off per call by DUALKV_DISABLE_SM90=1 / DUALKV_DISABLE_SM90_BWD=1
+(read by either library at call time), so the A/B of the portable path is the same command with both set.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ctypes
 import datetime
+import hashlib
 import json
 import os
 import pathlib
@@ -45,6 +54,55 @@ VARLEN = {"name": "varlen", "prompts": [3000, 7000, 1500, 5000],
                         [100, 3000, 650, 1, 2200, 800],
                         [1000, 1000, 1700, 250, 600]]}
 METHODS = ["dualkv", "sdpa_flash", "sdpa_cudnn", "flex", "pgrouper"]
+
+
+class Library:
+    """One build of libdualkv. Inside ``active()`` every call of the dualkv package (layout
+    derivation, plan building, the kernels, including an autograd backward run from the block) goes
+    to this build: a second build loaded with ``load(path)`` runs next to the default one in the same
+    process (separate copies of the .so, each with its own statically linked CUDA runtime)."""
+
+    def __init__(self, handle: ctypes.CDLL):
+        self.handle = handle
+        self.path = pathlib.Path(handle._name).resolve()
+
+    @classmethod
+    def default(cls) -> "Library":
+        """The build the dualkv package loads ($DUALKV_LIBRARY, ...)."""
+        return cls(dualkv._native.lib())
+
+    @classmethod
+    def load(cls, path) -> "Library":
+        """Another build; it must speak this package's C ABI version (the params structs)."""
+        path = pathlib.Path(path).resolve()
+        if not path.is_file():
+            raise FileNotFoundError(f"--ab-library: {path} does not exist")
+        handle = ctypes.CDLL(str(path))
+        if not hasattr(handle, "dualkv_abi_version"):
+            raise ValueError(f"--ab-library: {path} is not a libdualkv")
+        handle.dualkv_abi_version.restype = ctypes.c_uint32
+        version = handle.dualkv_abi_version()
+        if version != dualkv._native.ABI_VERSION:
+            raise ValueError(f"--ab-library: {path} has C ABI version {version}, this dualkv package drives "
+                             f"version {dualkv._native.ABI_VERSION}")
+        dualkv._native._declare(handle)
+        return cls(handle)
+
+    @contextlib.contextmanager
+    def active(self):
+        saved = dualkv._native.lib()
+        dualkv._native._lib = self.handle
+        try:
+            yield self
+        finally:
+            dualkv._native._lib = saved
+
+    def describe(self) -> dict:
+        """Where the build is and what it is: path, sha256 of the file, its build info."""
+        with self.active():
+            info = dualkv._native.build_info()
+        return {"path": str(self.path), "sha256": hashlib.sha256(self.path.read_bytes()).hexdigest(),
+                "build": info}
 
 
 def log(msg: str) -> None:
@@ -105,22 +163,26 @@ def randn(shape, dtype, seed, requires_grad):
 
 # ---- methods: each returns (setup(seed) -> inputs, fwd(inputs), fwdbwd(inputs), pairs) ----
 
-def method_dualkv(case, H, Hk, D, dtype, deterministic=False):
-    layout = case.layout_cpu.to("cuda")
+def method_dualkv(case, H, Hk, D, dtype, library, deterministic=False):
+    # Every library builds its own layout and plans (the plan format may differ between builds);
+    # both sides of an A/B pay the same library switch around each call.
+    with library.active():
+        layout = dualkv.Layout.from_groups(case.prompts, case.responses).to("cuda")
 
     def setup(seed):
         return [randn((case.T, H, D), dtype, seed, True), randn((case.T, Hk, D), dtype, seed + 1, True),
                 randn((case.T, Hk, D), dtype, seed + 2, True), randn((case.T, H, D), dtype, seed + 3, False)]
 
     def fwd(x):
-        with torch.no_grad():
+        with library.active(), torch.no_grad():
             return dualkv.attention(x[0], x[1], x[2], layout, deterministic=deterministic)
 
     def fwdbwd(x):
         for t in x[:3]:
             t.grad = None
-        out = dualkv.attention(x[0], x[1], x[2], layout, deterministic=deterministic)
-        out.backward(x[3])
+        with library.active():
+            out = dualkv.attention(x[0], x[1], x[2], layout, deterministic=deterministic)
+            out.backward(x[3])
 
     return setup, fwd, fwdbwd, case.shared_pairs
 
@@ -227,11 +289,16 @@ def method_pgrouper(case, H, Hk, D, dtype):
     return setup, fwd, fwdbwd, case.shared_pairs
 
 
-def build_method(name, case, H, Hk, D, dtype):
+def build_method(name, case, H, Hk, D, dtype, libraries):
+    """``libraries``: {"dualkv": the default build, "dualkv_ab": the --ab-library build or absent}."""
     if name == "dualkv":
-        return method_dualkv(case, H, Hk, D, dtype)
+        return method_dualkv(case, H, Hk, D, dtype, libraries["dualkv"])
     if name == "dualkv_det":
-        return method_dualkv(case, H, Hk, D, dtype, deterministic=True)
+        return method_dualkv(case, H, Hk, D, dtype, libraries["dualkv"], deterministic=True)
+    if name == "dualkv_ab":
+        if "dualkv_ab" not in libraries:
+            raise ValueError("method dualkv_ab needs --ab-library PATH")
+        return method_dualkv(case, H, Hk, D, dtype, libraries["dualkv_ab"])
     if name == "sdpa_flash":
         return method_sdpa(case, H, Hk, D, dtype, "flash")
     if name == "sdpa_cudnn":
@@ -243,11 +310,11 @@ def build_method(name, case, H, Hk, D, dtype):
     raise ValueError(name)
 
 
-def run_method(name, case, args, dtype):
+def run_method(name, case, args, dtype, libraries):
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     base_mem = torch.cuda.memory_allocated()
-    setup, fwd, fwdbwd, pairs = build_method(name, case, args.heads, args.kv_heads, args.head_dim, dtype)
+    setup, fwd, fwdbwd, pairs = build_method(name, case, args.heads, args.kv_heads, args.head_dim, dtype, libraries)
     sets = [setup(1000 * i + 17) for i in range(args.rotate)]
     fwd_flops = 4.0 * args.heads * args.head_dim * pairs
     res = {"pairs": pairs}
@@ -292,24 +359,106 @@ def combine_rounds(per_round):
     return out
 
 
+def same_round_ratios(per_method, num, den, key):
+    """(num time / den time) of every round in which both were measured (``key``: fwd or fwdbwd)."""
+    return [a[f"{key}_ms"] / b[f"{key}_ms"] for a, b in zip(per_method.get(num, []), per_method.get(den, []))
+            if f"{key}_ms" in a and f"{key}_ms" in b]
+
+
 def round_speedups(per_method, key):
     """Median over rounds of (method time / dualkv time) in the same round, per method."""
-    base = per_method.get("dualkv", [])
     out = {}
-    for m, rs in per_method.items():
+    for m in per_method:
         if m == "dualkv":
             continue
-        ratios = [r[f"{key}_ms"] / b[f"{key}_ms"] for r, b in zip(rs, base)
-                  if f"{key}_ms" in r and f"{key}_ms" in b and "error" not in r and "error" not in b]
+        ratios = same_round_ratios(per_method, m, "dualkv", key)
         if len(ratios) > 1:
             out[m] = statistics.median(ratios)
     return out
 
 
-def profile_dualkv(case, args, dtype):
+def ab_summary(per_method, tolerance):
+    """The A/B of two builds on one case: per direction, the same-round ratios dualkv time /
+    dualkv_ab time (> 1: the default build is slower), their median, whether the default build was
+    slower in every round, and ``within`` = median <= 1 + tolerance and not slower in every round
+    (a build counts as no slower only if both hold). Empty without two rounds of both builds."""
+    out = {}
+    for key in ("fwd", "fwdbwd"):
+        ratios = same_round_ratios(per_method, "dualkv", "dualkv_ab", key)
+        if len(ratios) < 2:
+            continue
+        med = statistics.median(ratios)
+        slower_always = all(r > 1.0 for r in ratios)
+        out[key] = {"time_ratios": ratios, "median": med, "slower_every_round": slower_always,
+                    "within": med <= 1.0 + tolerance and not slower_always}
+    return out
+
+
+def measure_case(methods, rounds, run):
+    """Every method ``rounds`` times (at least once), interleaved in the rotated orders of
+    round_orders; ``run(method)`` measures once (run_method). Returns {method: [result per round]};
+    a method that fails is recorded as {"error": ...} and not tried again in later rounds."""
+    per_method = {m: [] for m in methods}
+    for rnd, order in enumerate(round_orders(methods, max(1, rounds))):
+        for m in order:
+            if per_method[m] and "error" in per_method[m][-1]:
+                continue
+            tag = f" (round {rnd + 1})" if rounds > 1 else ""
+            try:
+                r = run(m)
+            except Exception as e:  # report and go on: one failing baseline must not kill the run
+                msg = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+                per_method[m].append({"error": msg})
+                log(f"   {m:11s} FAILED{tag} {msg}")
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+                continue
+            per_method[m].append(r)
+            log(f"   {m:11s} fwd {r['fwd_ms']:9.3f} ms {r['fwd_tflops']:6.1f} TF/s | "
+                + (f"fwd+bwd {r['fwdbwd_ms']:9.3f} ms {r['fwdbwd_tflops']:6.1f} TF/s | " if "fwdbwd_ms" in r else "")
+                + f"peak {r['peak_gib']:6.2f} GiB{tag}")
+    return per_method
+
+
+def case_results(per_method, ab_tolerance):
+    """A case's entry from its per-round results: {"results": {method: combined rounds, with
+    dualkv_speedup_* (median-round times) and dualkv_speedup_*_rounds (same-round ratios)}}, plus
+    {"ab": ab_summary} when both builds ran."""
+    results = {m: combine_rounds(rs) for m, rs in per_method.items()}
+    base = results.get("dualkv", {})
+    for m, r in results.items():
+        if m != "dualkv" and "fwd_ms" in r and "fwd_ms" in base:
+            r["dualkv_speedup_fwd"] = r["fwd_ms"] / base["fwd_ms"]
+            if "fwdbwd_ms" in r and "fwdbwd_ms" in base:
+                r["dualkv_speedup_fwdbwd"] = r["fwdbwd_ms"] / base["fwdbwd_ms"]
+    for key in ("fwd", "fwdbwd"):  # with rounds: ratios of times measured next to each other
+        for m, v in round_speedups(per_method, key).items():
+            results[m][f"dualkv_speedup_{key}_rounds"] = v
+    entry = {"results": results}
+    ab = ab_summary(per_method, ab_tolerance)
+    if ab:
+        entry["ab"] = ab
+    return entry
+
+
+def ab_table(results) -> str:
+    """The A/B verdict of a run, one line per case and direction."""
+    lines = [f"A/B: dualkv ({results['env']['dualkv_library']['path']}) time / dualkv_ab "
+             f"({results['env']['dualkv_ab_library']['path']}, {results['env'].get('ab_label') or 'no label'}) "
+             f"time, same round; within = median <= {1 + results['ab_tolerance']:.2f} and not slower in every round",
+             f"{'case':20s} {'dir':6s} {'median':>7s}  {'rounds':24s} verdict"]
+    for c in results["cases"]:
+        for key, a in c.get("ab", {}).items():
+            verdict = "within" if a["within"] else "OUTSIDE" + (" (slower every round)" if a["slower_every_round"] else "")
+            lines.append(f"{c['case']['name']:20s} {key:6s} {a['median']:7.3f}  "
+                         f"{' '.join(f'{r:.3f}' for r in a['time_ratios']):24s} {verdict}")
+    return "\n".join(lines)
+
+
+def profile_dualkv(case, args, dtype, libraries):
     from torch.profiler import ProfilerActivity, profile
     for name in ("dualkv", "dualkv_det"):
-        setup, fwd, fwdbwd, _ = build_method(name, case, args.heads, args.kv_heads, args.head_dim, dtype)
+        setup, fwd, fwdbwd, _ = build_method(name, case, args.heads, args.kv_heads, args.head_dim, dtype, libraries)
         x = setup(5)
         for _ in range(2):
             fwdbwd(x)
@@ -397,6 +546,8 @@ def markdown(path):
         print(f"| {c['case']['name']} | " + " | ".join(
             f"{c['results'][m]['peak_gib']:.1f}" if "peak_gib" in c["results"].get(m, {}) else "n/a"
             for m in methods) + " |")
+    if any("ab" in c for c in res["cases"]):
+        print("\n```\n" + ab_table(res) + "\n```")
 
 
 def main():
@@ -422,6 +573,11 @@ def main():
     ap.add_argument("--tag", default="")
     ap.add_argument("--profile", action="store_true",
                     help="print per-kernel CUDA times of dualkv fwd+bwd (both dQ modes) on the first case")
+    ap.add_argument("--ab-library", default="",
+                    help="a second libdualkv build, run as method dualkv_ab in this process (added to --methods)")
+    ap.add_argument("--ab-label", default="", help="what the --ab-library build is (e.g. the commit it was built from)")
+    ap.add_argument("--ab-tolerance", type=float, default=0.02,
+                    help="A/B verdict: the default build's median same-round time ratio may exceed 1 by this much")
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
 
@@ -437,13 +593,25 @@ def main():
     if not args.no_varlen:
         cases.append(Case(VARLEN["name"], VARLEN["prompts"], VARLEN["responses"]))
     methods = [m for m in args.methods.split(",") if m]
+    libraries = {"dualkv": Library.default()}
+    if args.ab_library:
+        libraries["dualkv_ab"] = Library.load(args.ab_library)
+        if "dualkv_ab" not in methods:
+            methods.append("dualkv_ab")
 
     props = torch.cuda.get_device_properties(0)
     env = {"gpu": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
            "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version(), "commit": git_commit(),
-           "dualkv_build": dualkv._native.build_info(), "date": datetime.datetime.now(datetime.timezone.utc).replace(tzinfo=None).isoformat() + "Z"}
+           "dualkv_library": libraries["dualkv"].describe(),
+           # switches the libraries read at call time (DUALKV_DISABLE_SM90, ...): they decide the kernels
+           "dualkv_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("DUALKV_")},
+           "date": datetime.datetime.now(datetime.timezone.utc).replace(tzinfo=None).isoformat() + "Z"}
+    if "dualkv_ab" in libraries:
+        env["dualkv_ab_library"] = libraries["dualkv_ab"].describe()
+        env["ab_label"] = args.ab_label
     shape = {"H": args.heads, "Hk": args.kv_heads, "D": args.head_dim, "dtype": args.dtype}
     results = {"env": env, "shape": shape, "methods": methods, "quick": args.quick, "rounds": max(1, args.rounds),
+               "ab_tolerance": args.ab_tolerance,
                "flops": "fwd = 4*H*D*visible pairs of each method's own layout; fwd+bwd = 3.5 x fwd",
                "cases": []}
     log(f"{props.name}; shape {shape}; {len(cases)} cases x {methods}")
@@ -454,42 +622,14 @@ def main():
     json_path = outdir / f"attention_{tag}_{stamp}.json"
 
     if args.profile:
-        profile_dualkv(cases[0], args, dtype)
+        profile_dualkv(cases[0], args, dtype, libraries)
 
     for case in cases:
-        entry = {"case": case.describe(), "results": {}}
-        results["cases"].append(entry)
         log(f"== {case.name}: packed {case.T} tokens, expanded {sum(case.seq_lens)}, "
             f"rho_attn {case.expanded_pairs / case.shared_pairs:.2f}")
-        per_method = {m: [] for m in methods}
-        for rnd, order in enumerate(round_orders(methods, max(1, args.rounds))):
-            for m in order:
-                if per_method[m] and "error" in per_method[m][-1]:
-                    continue  # failed in an earlier round: do not retry
-                tag = f" (round {rnd + 1})" if args.rounds > 1 else ""
-                try:
-                    r = run_method(m, case, args, dtype)
-                except Exception as e:  # report and go on: one failing baseline must not kill the run
-                    msg = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
-                    per_method[m].append({"error": msg})
-                    log(f"   {m:11s} FAILED{tag} {msg}")
-                    torch.cuda.empty_cache()
-                    continue
-                per_method[m].append(r)
-                log(f"   {m:11s} fwd {r['fwd_ms']:9.3f} ms {r['fwd_tflops']:6.1f} TF/s | "
-                    + (f"fwd+bwd {r['fwdbwd_ms']:9.3f} ms {r['fwdbwd_tflops']:6.1f} TF/s | " if "fwdbwd_ms" in r else "")
-                    + f"peak {r['peak_gib']:6.2f} GiB{tag}")
-        for m in methods:
-            entry["results"][m] = combine_rounds(per_method[m])
-        base = entry["results"].get("dualkv", {})
-        for m, r in entry["results"].items():
-            if m != "dualkv" and "fwd_ms" in r and "fwd_ms" in base:
-                r["dualkv_speedup_fwd"] = r["fwd_ms"] / base["fwd_ms"]
-                if "fwdbwd_ms" in r and "fwdbwd_ms" in base:
-                    r["dualkv_speedup_fwdbwd"] = r["fwdbwd_ms"] / base["fwdbwd_ms"]
-        for key in ("fwd", "fwdbwd"):  # with rounds: ratios of times measured next to each other
-            for m, v in round_speedups(per_method, key).items():
-                entry["results"][m][f"dualkv_speedup_{key}_rounds"] = v
+        per_method = measure_case(methods, args.rounds,
+                                  lambda m: run_method(m, case, args, dtype, libraries))
+        results["cases"].append(dict(case_results(per_method, args.ab_tolerance), case=case.describe()))
         json_path.write_text(json.dumps(results, indent=1))  # partial results survive a crash
 
     log(f"json: {json_path}")
@@ -504,6 +644,8 @@ def main():
                   f"{r.get('fwdbwd_ms', float('nan')):9.3f} {r.get('fwdbwd_tflops', float('nan')):9.1f} "
                   f"{r.get('dualkv_speedup_fwdbwd', 1.0 if m == 'dualkv' else float('nan')):10.2f}x "
                   f"{r['peak_gib']:9.2f}")
+    if "dualkv_ab" in libraries:
+        print("\n" + ab_table(results))
     plot(results, json_path.with_suffix(".png"))
 
 

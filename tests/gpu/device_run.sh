@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What one device session runs, step by step; logs and JSON go to $OUT (or ./device-out).
-#   tests/gpu/device_run.sh tests [sanitize] [bench-quick|bench] [bench-dims] [bench-portable] [e2e] [e2e-flex] [e2e-all] [e2e-grid] [noise]
+#   tests/gpu/device_run.sh tests [sanitize] [bench-quick|bench] [bench-dims] [bench-portable] [ab] [e2e] [e2e-flex] [e2e-all] [e2e-grid] [noise]
 # The library is $DUALKV_LIBRARY (default build-h200/libdualkv.so, a 90a build made on the host and
 # carried: docs/hopper.md "Running it"). Steps, with their device time on an H200:
 #   tests        tests/gpu + the GPU cases of tests/python (~1.5 min)
@@ -12,6 +12,18 @@
 #                on the unpacked batch, every config + varlen, hdim 128, one process (measured 38 s at 426f4d0);
 #                BENCH_ARGS="--rounds 3" interleaves 3 rounds of both methods per config and reports the median
 #                round (~2 min): run-to-run spread is 1-2%, about the size of the remaining gaps
+#   ab           A/B of two library builds in one process per (path, head dim): $DUALKV_LIBRARY against
+#                $AB_LIBRARY (required; e.g. a build of the issue's start commit, made on the host like
+#                build-h200 and carried; $AB_LABEL names it, e.g. 72977b9), bench/attention.py every config
+#                + varlen, methods dualkv + dualkv_ab, --rounds 3 (interleaved, same-round ratios),
+#                --iters 6 --warmup 2, for each path in $AB_PATHS (default "sm90 portable"; portable =
+#                DUALKV_DISABLE_SM90=1 DUALKV_DISABLE_SM90_BWD=1, read by both builds at call time) and each
+#                head dim in $AB_DIMS (default "64 128 256"). Prints the verdict table of each process
+#                (within = median ratio <= 1.02 and not slower in every round); JSON ab_<path>_d<dim>_*.json.
+#                Estimate (from bench-portable's 38 s for 2 methods x 8 cases x 1 round at 426f4d0): ~40-60 s
+#                per (path, dim) at D 64/128 on sm90, ~60-90 s portable, up to ~2x that at D 256: ~6-8 min for
+#                all six, each process cut at $AB_TIMEOUT (default 150) s. If one call would be too long:
+#                AB_PATHS=sm90 in one call, AB_PATHS=portable in the next.
 #   e2e          bench/e2e.py std + dualkv, 1.7b and 8b, both issue configs (~6 min); E2E_ARGS="--breakdown
 #                --probe-max-mb" adds the GPU time by kernel category and
 #                the largest micro-batch that fits per method (a few more minutes)
@@ -51,6 +63,7 @@
 #                log-probs vs an fp32 truth (row by row, chunked fp32 attention). Estimate: 1.7b ~25 s,
 #                8b ~60 s (fp32 truth ~1.2 PFLOP at ~45 TFLOP/s); peak ~34 GiB allocated at 8b (fp32
 #                weights 30.5 GiB + one row's activations and a 1 GiB score chunk); limits 120 / 200 s
+# More than 8 files in $OUT at the end are packed into $OUT/device-out.tgz (a device call returns 8 files).
 # Long-running python writes to a log file, not into a pipe: a compiler child left behind by a cut
 # process (ptxas) would otherwise hold the pipe open and stall the step.
 set -uo pipefail
@@ -81,6 +94,16 @@ for step in "$@"; do
                     --no-varlen --methods dualkv,sdpa_cudnn --iters 6 --warmup 2 --out "$OUT" --tag d$d 2>&1 \
                     | tee "$OUT/bench_d$d.log" | tail -8
                 done ;;
+    ab) [ -f "${AB_LIBRARY:-}" ] || { echo "ab: set AB_LIBRARY to the second build's libdualkv.so"; continue; }
+        for path in ${AB_PATHS:-sm90 portable}; do
+          case $path in portable) sw="DUALKV_DISABLE_SM90=1 DUALKV_DISABLE_SM90_BWD=1" ;; *) sw="" ;; esac
+          for d in ${AB_DIMS:-64 128 256}; do
+            env $sw timeout -k 10 "${AB_TIMEOUT:-150}" python3 bench/attention.py --head-dim $d --methods dualkv \
+              --ab-library "$AB_LIBRARY" --ab-label "${AB_LABEL:-}" --rounds 3 --iters 6 --warmup 2 \
+              --out "$OUT" --tag "ab_${path}_d$d" > "$OUT/ab_${path}_d$d.log" 2>&1
+            echo "ab $path d$d rc=$?"; sed -n '/^A\/B:/,$p' "$OUT/ab_${path}_d$d.log"
+          done
+        done ;;
     e2e) for m in 1.7b 8b; do
            timeout -k 10 "${E2E_TIMEOUT:-300}" python3 bench/e2e.py --models $m --configs "16,4096,1024;8,16384,2048" \
              ${E2E_ARGS:-} --methods std,dualkv --micro-batches 2 --iters 2 --method-timeout 150 \
@@ -115,3 +138,8 @@ for step in "$@"; do
   esac
 done
 echo "== done (t=$(( $(date +%s) - t0 )) s)"
+# At most 8 files come back from a device call: more than that travel as one archive.
+if [ "$(find "$OUT" -type f | wc -l)" -gt 8 ]; then
+  tar -C "$OUT" -czf /tmp/device-out.tgz . && find "$OUT" -mindepth 1 -delete && mv /tmp/device-out.tgz "$OUT/" \
+    && echo "packed $OUT into device-out.tgz"
+fi
