@@ -298,29 +298,32 @@ def _time_limit(seconds: float, what: str):
         yield
         return
 
-    armed = [True]
+    armed = [False]
 
     def fire(signum, frame):
-        if armed[0]:  # not once the section has ended (an alarm racing the clean-up below)
+        if armed[0]:  # a no-op before the section starts and once its clean-up has begun
             armed[0] = False
             TIMED_OUT.append(what)
             raise MethodTimeout(f"{what} exceeded its time limit of {seconds:.0f} s (--method-timeout)")
+    # Everything that our alarm can interrupt happens inside the try, so the clean-up always runs (an
+    # alarm firing while the timers were still being armed once skipped it and left the watchdog
+    # armed: it ended the process a minute later). Before the try an outer timer is paused (its
+    # remaining time kept) and the handler installed, still disarmed.
+    prev_delay, prev_interval = signal.setitimer(signal.ITIMER_REAL, 0)
     old = signal.signal(signal.SIGALRM, fire)
     t0 = time.monotonic()
-    prev_delay, prev_interval = signal.setitimer(signal.ITIMER_REAL, seconds)
-    faulthandler.dump_traceback_later(seconds + HARD_TIMEOUT_GRACE_S, exit=True)
     try:
+        faulthandler.dump_traceback_later(seconds + HARD_TIMEOUT_GRACE_S, exit=True)
+        armed[0] = True
+        signal.setitimer(signal.ITIMER_REAL, seconds)
         yield
     finally:
-        while True:  # the clean-up always completes, even if the alarm fires in its first steps
-            try:
-                armed[0] = False
-                signal.setitimer(signal.ITIMER_REAL, 0)
-                faulthandler.cancel_dump_traceback_later()
-                signal.signal(signal.SIGALRM, old)
-                break
-            except MethodTimeout:
-                continue
+        # A plain store first (CPython runs signal handlers only at calls, function entries and
+        # backward jumps): from here on the alarm is a no-op and cannot interrupt the clean-up.
+        armed[0] = False
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        faulthandler.cancel_dump_traceback_later()
+        signal.signal(signal.SIGALRM, old)
         if prev_delay > 0:
             signal.setitimer(signal.ITIMER_REAL, max(1e-3, prev_delay - (time.monotonic() - t0)), prev_interval)
 

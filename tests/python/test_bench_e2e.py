@@ -248,3 +248,34 @@ def test_probe_records_the_oom_that_stopped_it(tmp_path, monkeypatch):
     assert rec["max_mb_groups"] == 2 and rec["probe_limit_reached"] is False
     assert rec["probe_oom"].startswith("4 groups: CUDA out of memory. Tried to allocate 17.00 GiB")
     assert "probe_error" not in rec
+
+
+def test_tiny_time_limits_leave_nothing_armed():
+    """Regression (flaky `make test`): an alarm that fires while _time_limit is still arming itself
+    must not skip the clean-up. Hundreds of sections with limits from 1 us to 2 ms (so the alarm lands
+    in every step of the set-up) each end in MethodTimeout or normally, with the SIGALRM handler
+    restored and no timer left; and the process outlives the hard watchdog's grace period, i.e. no
+    watchdog was left armed (it would end the process with exit code 1)."""
+    code = textwrap.dedent(f"""
+        import importlib.util, signal, sys, time
+        sys.path.insert(0, {str(ROOT / 'bench')!r})
+        spec = importlib.util.spec_from_file_location("e2e_bench", {str(ROOT / 'bench' / 'e2e.py')!r})
+        e2e = importlib.util.module_from_spec(spec); spec.loader.exec_module(e2e)
+        e2e.HARD_TIMEOUT_GRACE_S = 0.5
+        original = signal.getsignal(signal.SIGALRM)
+        timeouts = 0
+        for i in range(400):
+            limit = 1e-6 * (1 + i % 40) ** 2  # 1 us .. 1.6 ms
+            try:
+                with e2e._time_limit(limit, "tiny"):
+                    time.sleep(0.003)
+            except e2e.MethodTimeout:
+                timeouts += 1
+            assert signal.getsignal(signal.SIGALRM) is original, i
+            assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0), i
+        time.sleep(2.0)  # four grace periods: a watchdog left armed would have ended the process
+        print("survived", timeouts, flush=True)
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(), timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.startswith("survived") and int(proc.stdout.split()[1]) > 300, proc.stdout
