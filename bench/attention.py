@@ -29,12 +29,9 @@ import argparse
 import contextlib
 import ctypes
 import datetime
-import hashlib
 import json
-import os
 import pathlib
 import statistics
-import subprocess
 import sys
 import time
 
@@ -42,8 +39,10 @@ import torch
 import torch.nn.functional as F
 
 HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "python"))
 import dualkv  # noqa: E402
+import provenance  # noqa: E402
 
 DEFAULT_CONFIGS = [(16, 4096, 1024), (28, 4096, 2048), (16, 8192, 2048), (32, 8192, 1024),
                    (8, 16384, 2048), (28, 16384, 2048), (4, 8192, 1024)]
@@ -98,11 +97,10 @@ class Library:
             dualkv._native._lib = saved
 
     def describe(self) -> dict:
-        """Where the build is and what it is: path, sha256 of the file, its build info."""
+        """Where the build is and what it is: path, sha256 and date of the file, its build info."""
         with self.active():
             info = dualkv._native.build_info()
-        return {"path": str(self.path), "sha256": hashlib.sha256(self.path.read_bytes()).hexdigest(),
-                "build": info}
+        return dict(provenance.library_record(self.path), build=info)
 
 
 def log(msg: str) -> None:
@@ -473,17 +471,6 @@ def profile_dualkv(case, args, dtype, libraries):
         del x
 
 
-def git_commit():
-    if os.environ.get("DUALKV_COMMIT"):
-        return os.environ["DUALKV_COMMIT"]
-    try:
-        # "-dirty" when tracked files differ from the commit: the number then belongs to no commit
-        return subprocess.check_output(["git", "describe", "--always", "--dirty", "--abbrev=7"], cwd=HERE,
-                                       stderr=subprocess.DEVNULL).decode().strip()
-    except Exception:
-        return "unknown"
-
-
 def plot(results, path):
     try:
         import matplotlib
@@ -578,8 +565,12 @@ def main():
     ap.add_argument("--ab-label", default="", help="what the --ab-library build is (e.g. the commit it was built from)")
     ap.add_argument("--ab-tolerance", type=float, default=0.02,
                     help="A/B verdict: the default build's median same-round time ratio may exceed 1 by this much")
+    ap.add_argument("--allow-dirty", action="store_true",
+                    help="measure a tree that is not a commit (the result is marked dirty; see provenance.py)")
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
+    tree = provenance.git_state()
+    provenance.check_tree(tree, args.allow_dirty)
 
     if args.configs:
         configs = [tuple(int(x) for x in c.split(",")) for c in args.configs.split(";") if c]
@@ -599,13 +590,7 @@ def main():
         if "dualkv_ab" not in methods:
             methods.append("dualkv_ab")
 
-    props = torch.cuda.get_device_properties(0)
-    env = {"gpu": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
-           "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version(), "commit": git_commit(),
-           "dualkv_library": libraries["dualkv"].describe(),
-           # switches the libraries read at call time (DUALKV_DISABLE_SM90, ...): they decide the kernels
-           "dualkv_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("DUALKV_")},
-           "date": datetime.datetime.now(datetime.timezone.utc).replace(tzinfo=None).isoformat() + "Z"}
+    env = provenance.record(tree, "cuda")
     if "dualkv_ab" in libraries:
         env["dualkv_ab_library"] = libraries["dualkv_ab"].describe()
         env["ab_label"] = args.ab_label
@@ -614,7 +599,7 @@ def main():
                "ab_tolerance": args.ab_tolerance,
                "flops": "fwd = 4*H*D*visible pairs of each method's own layout; fwd+bwd = 3.5 x fwd",
                "cases": []}
-    log(f"{props.name}; shape {shape}; {len(cases)} cases x {methods}")
+    log(f"{env['gpu']}; shape {shape}; {len(cases)} cases x {methods}")
     outdir = pathlib.Path(args.out)
     outdir.mkdir(parents=True, exist_ok=True)
     stamp = datetime.datetime.now(datetime.timezone.utc).replace(tzinfo=None).strftime("%Y%m%d-%H%M%S")
