@@ -3,15 +3,22 @@ today, all in ONE process on the same GPU.
 
 Methods (each on its own layout; TFLOP/s credited with that layout's visible (q, k) pairs):
   dualkv     packed [P | R_1 | ... | R_N] per group, one launch per direction (dualkv.attention)
-  sdpa_flash expanded N x (P + R) batch, F.scaled_dot_product_attention(is_causal, enable_gqa) under
-             SDPBackend.FLASH_ATTENTION (PyTorch's FlashAttention-2)
-  sdpa_cudnn same call under SDPBackend.CUDNN_ATTENTION
-  flex       torch.compile'd flex_attention on the packed layout with a shared-prefix BlockMask
+  sdpa_flash the expanded N x (P + R) sequences, F.scaled_dot_product_attention(is_causal, enable_gqa)
+             under SDPBackend.FLASH_ATTENTION (PyTorch's FlashAttention-2), one batched call per
+             distinct sequence length: no padding (the varlen case is several calls)
+  sdpa_cudnn same calls under SDPBackend.CUDNN_ATTENTION
+  fa4_dense  FlashAttention-4 (flash_attn.cute) causal on the expanded sequences: flash_attn_func on
+             the batch, flash_attn_varlen_func when lengths differ: the generic kernel's rate
+  flex       compiled flex_attention (Triton kernels) on the packed layout, BlockMask of the forest rule
+  flex_fa4   the same with kernel_options={"BACKEND": "FLASH"}: FlashAttention-4 under Flex, the
+             strongest peer (baselines-h200.md section 11); block size per head dim (FLEX_BLOCK)
   pgrouper   PrefixGrouper-style decomposition: prompt causal self-attention, then responses as
              queries against [prompt K/V copied per response ; own K/V] (GQA expanded), SDPA
   dualkv_ab  dualkv through a second build of libdualkv (--ab-library PATH) loaded into the same
              process, with its own layouts and plans: A/B of two builds, e.g. a change against the
              library it started from (with --rounds 3: same-round time ratios, see ab_summary)
+A method whose package is missing (FA4 off the GPU machine) is recorded as "skipped: ...". Flex's
+block-mask build and every method's first call (the compiles) are reported apart from the timing.
 
 FLOPs: forward = 4 * H * D * visible pairs, fwd+bwd = 3.5 x forward (FlashAttention convention).
 Timing: CUDA events, warm-up, median over iterations, inputs rotated over several random sets;
@@ -26,11 +33,16 @@ The Hopper kernels are switched off per call by DUALKV_DISABLE_SM90=1 / DUALKV_D
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import ctypes
 import datetime
+import functools
+import itertools
 import json
+import math
 import pathlib
+import re
 import statistics
 import sys
 import time
@@ -52,7 +64,7 @@ VARLEN = {"name": "varlen", "prompts": [3000, 7000, 1500, 5000],
                         [2048, 512, 1024, 1536],
                         [100, 3000, 650, 1, 2200, 800],
                         [1000, 1000, 1700, 250, 600]]}
-METHODS = ["dualkv", "sdpa_flash", "sdpa_cudnn", "flex", "pgrouper"]
+METHODS = ["dualkv", "sdpa_flash", "sdpa_cudnn", "fa4_dense", "flex", "flex_fa4", "pgrouper"]
 
 
 class Library:
@@ -123,6 +135,13 @@ class Case:
         self.expanded_pairs = expanded_pairs(self.seq_lens)
         self.uniform = len(self.prompts) == 1 and len(set(self.responses[0])) == 1
 
+    def key_end(self) -> torch.Tensor:
+        """int64 [T]: for each key token, the token where its segment's subtree ends. The forest rule
+        in one gather: query q sees key k iff k <= q < key_end[k] (DFS order)."""
+        lay = self.layout_cpu
+        off, end = lay.seg_offsets.to(torch.int64), lay.seg_subtree_end.to(torch.int64)
+        return off[end][lay.segment_ids()]
+
     def describe(self):
         return {"name": self.name, "prompts": self.prompts, "responses": self.responses,
                 "packed_tokens": self.T, "expanded_tokens": sum(self.seq_lens),
@@ -130,13 +149,24 @@ class Case:
                 "rho_attn": self.expanded_pairs / self.shared_pairs}
 
 
-def time_fn(fn, sets, warmup, iters):
-    """Median ms of fn(set) over iters calls (rotating input sets) after warmup calls."""
-    t0 = time.perf_counter()
-    fn(sets[0])
+class Unavailable(RuntimeError):
+    """A peer this machine cannot run (its package is not installed): recorded as skipped."""
+
+
+def timed_ms(fn, x) -> float:
+    """Wall ms of one synchronised call."""
     torch.cuda.synchronize()
-    first = time.perf_counter() - t0
-    if first > 0.5:  # slow configuration: fewer repetitions keep the run short
+    t0 = time.perf_counter()
+    fn(x)
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def time_fn(fn, sets, warmup, iters):
+    """(median ms of fn(set) over iters calls after warmup calls, rotating input sets; seconds of
+    the first call, compiles included)."""
+    first_s = timed_ms(fn, sets[0]) / 1e3
+    if timed_ms(fn, sets[1 % len(sets)]) > 500:  # slow configuration: fewer repetitions keep the run short
         warmup, iters = min(warmup, 1), min(iters, 5)
     for i in range(warmup):
         fn(sets[(i + 1) % len(sets)])
@@ -150,7 +180,7 @@ def time_fn(fn, sets, warmup, iters):
         e.record()
         events.append((s, e))
     torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in events)
+    return statistics.median(s.elapsed_time(e) for s, e in events), first_s
 
 
 def randn(shape, dtype, seed, requires_grad):
@@ -159,7 +189,45 @@ def randn(shape, dtype, seed, requires_grad):
     return t.requires_grad_(requires_grad)
 
 
-# ---- methods: each returns (setup(seed) -> inputs, fwd(inputs), fwdbwd(inputs), pairs) ----
+def qkv_do(q_shape, kv_shape, dtype, seed):
+    """[q, k, v] (requiring grad) and [d_out] (the gradient fed to the backward)."""
+    return ([randn(q_shape, dtype, seed, True), randn(kv_shape, dtype, seed + 1, True),
+             randn(kv_shape, dtype, seed + 2, True)], [randn(q_shape, dtype, seed + 3, False)])
+
+
+def directions(call, n_inputs, scope=contextlib.nullcontext):
+    """fwd(x) and fwdbwd(x) of a method whose input list x holds n_inputs tensors that require grad
+    followed by one gradient per output of call(x) (a tensor or a list of tensors); both run inside
+    scope() (the library switch of the dualkv methods)."""
+    def fwd(x):
+        with scope(), torch.no_grad():
+            return call(x)
+
+    def fwdbwd(x):
+        for t in x[:n_inputs]:
+            t.grad = None
+        with scope():
+            out = call(x)
+            torch.autograd.backward(out if isinstance(out, list) else [out], x[n_inputs:])
+    return fwd, fwdbwd
+
+
+def _first(out):
+    """FA4's functions return out or (out, lse), depending on the version."""
+    return out[0] if isinstance(out, tuple) else out
+
+
+def fa4():
+    """FlashAttention-4's (flash_attn_func, flash_attn_varlen_func); Unavailable if not installed."""
+    try:
+        from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
+    except Exception as e:  # noqa: BLE001  (ImportError, or a CuTe DSL that fails to load)
+        raise Unavailable(f"skipped: FlashAttention-4 (flash_attn.cute) is not importable ({type(e).__name__}: "
+                          f"{str(e)[:120]}); install it with tests/gpu/device_run.sh fa4-install") from None
+    return flash_attn_func, flash_attn_varlen_func
+
+
+# ---- methods: each returns (setup(seed) -> inputs, fwd(inputs), fwdbwd(inputs), pairs, extras) ----
 
 def method_dualkv(case, H, Hk, D, dtype, library, deterministic=False):
     # Every library builds its own layout and plans (the plan format may differ between builds);
@@ -168,87 +236,154 @@ def method_dualkv(case, H, Hk, D, dtype, library, deterministic=False):
         layout = dualkv.Layout.from_groups(case.prompts, case.responses).to("cuda")
 
     def setup(seed):
-        return [randn((case.T, H, D), dtype, seed, True), randn((case.T, Hk, D), dtype, seed + 1, True),
-                randn((case.T, Hk, D), dtype, seed + 2, True), randn((case.T, H, D), dtype, seed + 3, False)]
+        x, do = qkv_do((case.T, H, D), (case.T, Hk, D), dtype, seed)
+        return x + do
 
-    def fwd(x):
-        with library.active(), torch.no_grad():
-            return dualkv.attention(x[0], x[1], x[2], layout, deterministic=deterministic)
-
-    def fwdbwd(x):
-        for t in x[:3]:
-            t.grad = None
-        with library.active():
-            out = dualkv.attention(x[0], x[1], x[2], layout, deterministic=deterministic)
-            out.backward(x[3])
-
-    return setup, fwd, fwdbwd, case.shared_pairs
-
-
-def _padded_batch(case):
-    lens = case.seq_lens
-    return len(lens), max(lens)
+    fwd, fwdbwd = directions(lambda x: dualkv.attention(x[0], x[1], x[2], layout, deterministic=deterministic),
+                             3, library.active)
+    return setup, fwd, fwdbwd, case.shared_pairs, {}
 
 
 def method_sdpa(case, H, Hk, D, dtype, backend):
+    """SDPA on the expanded sequences, one batched call per distinct length (no padding: every
+    computed pair is a real one; one call when all sequences have the same length)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     be = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[backend]
-    B, S = _padded_batch(case)  # variable lengths: right-padded batch (padding never seen causally)
+    buckets = sorted(collections.Counter(case.seq_lens).items())
 
     def setup(seed):
-        return [randn((B, H, S, D), dtype, seed, True), randn((B, Hk, S, D), dtype, seed + 1, True),
-                randn((B, Hk, S, D), dtype, seed + 2, True), randn((B, H, S, D), dtype, seed + 3, False)]
+        ins, grads = [], []
+        for i, (L, n) in enumerate(buckets):
+            x, do = qkv_do((n, H, L, D), (n, Hk, L, D), dtype, seed + 10 * i)
+            ins += x
+            grads += do
+        return ins + grads
 
     def call(x):
         with sdpa_kernel(be):
-            return F.scaled_dot_product_attention(x[0], x[1], x[2], is_causal=True, enable_gqa=True)
+            return [F.scaled_dot_product_attention(x[3 * i], x[3 * i + 1], x[3 * i + 2], is_causal=True,
+                                                   enable_gqa=True) for i in range(len(buckets))]
 
-    def fwd(x):
-        with torch.no_grad():
-            return call(x)
+    fwd, fwdbwd = directions(call, 3 * len(buckets))
+    return setup, fwd, fwdbwd, case.expanded_pairs, {"calls": len(buckets)}
 
-    def fwdbwd(x):
-        for t in x[:3]:
-            t.grad = None
-        call(x).backward(x[3])
 
-    return setup, fwd, fwdbwd, case.expanded_pairs
+def method_fa4_dense(case, H, Hk, D, dtype):
+    """FA4 causal on the expanded sequences: flash_attn_func on [N, S, H, D] when all have one
+    length, else flash_attn_varlen_func on the concatenated sequences (no padding)."""
+    dense, varlen = fa4()
+    lens = case.seq_lens
+    if len(set(lens)) == 1:
+        q_shape, kv_shape = (len(lens), lens[0], H, D), (len(lens), lens[0], Hk, D)
+
+        def call(x):
+            return _first(dense(x[0], x[1], x[2], causal=True))
+    else:
+        total, longest = sum(lens), max(lens)
+        cu = torch.tensor([0] + list(itertools.accumulate(lens)), dtype=torch.int32, device="cuda")
+        q_shape, kv_shape = (total, H, D), (total, Hk, D)
+
+        def call(x):
+            return _first(varlen(x[0], x[1], x[2], cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest,
+                                 max_seqlen_k=longest, causal=True))
+
+    def setup(seed):
+        x, do = qkv_do(q_shape, kv_shape, dtype, seed)
+        return x + do
+
+    fwd, fwdbwd = directions(call, 3)
+    return setup, fwd, fwdbwd, case.expanded_pairs, {"call": "flash_attn_func" if len(set(lens)) == 1
+                                                     else "flash_attn_varlen_func"}
 
 
 _FLEX_COMPILED = {}
+#: BlockMask BLOCK_SIZE (query, key) of each Flex backend: Triton's default; FA4's sm90 kernels want
+#: multiples of their tiles (256 x 128 works at head dims 64 / 128, baselines-h200.md section 11).
+#: A size a kernel refuses ("sparse_block_size[i] must be a multiple of tile_x=t") is raised to the
+#: next multiple of every tile seen so far and compiled again (head dim 256: tile_n = 80).
+FLEX_BLOCK = {"TRITON": (128, 128), "FLASH": (256, 128)}
+FLEX_BLOCK_TRIES = 4
+_TILE_ERROR = re.compile(r"sparse_block_size\[([01])\][^\n]*?multiple of (?:tile_[mn]=)?(\d+)")
 
 
-def method_flex(case, H, Hk, D, dtype):
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-    if "fn" not in _FLEX_COMPILED:
-        # Default (automatic) dynamic shapes: one recompilation, then shared by every sequence length.
-        _FLEX_COMPILED["fn"] = torch.compile(flex_attention)
-    flex = _FLEX_COMPILED["fn"]
-    layout = case.layout_cpu
-    seg = layout.segment_ids().to("cuda")
-    parent = torch.tensor(layout.parents, dtype=torch.int64, device="cuda")
+def next_block_size(block, tiles, message):
+    """The BLOCK_SIZE to try after `message` (a refused size), or None if it names no tile;
+    ``tiles`` ([set(), set()], per side) collects every tile a kernel asked for."""
+    m = _TILE_ERROR.search(message)
+    if m is None:
+        return None
+    side, tile = int(m.group(1)), int(m.group(2))
+    tiles[side].add(tile)
+    step = functools.reduce(math.lcm, tiles[side])
+    out = list(block)
+    out[side] = -(-block[side] // step) * step
+    if out[side] == block[side]:
+        out[side] += step
+    return tuple(out)
+
+
+def compiled_flex(backend):
+    """torch.compile'd flex_attention, one per backend. Static shapes: this benchmark times kernels
+    (the best case for Flex; bench/e2e.py compiles with automatic dynamic shapes, as users do)."""
+    from torch.nn.attention.flex_attention import flex_attention
+    if backend not in _FLEX_COMPILED:
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 256)
+        if hasattr(torch._dynamo.config, "recompile_limit"):
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
+        _FLEX_COMPILED[backend] = torch.compile(flex_attention, dynamic=False)
+    return _FLEX_COMPILED[backend]
+
+
+def method_flex(case, H, Hk, D, dtype, backend):
+    """Compiled FlexAttention on the packed layout; backend "TRITON" (its default kernels) or "FLASH"
+    (FlashAttention-4 under Flex). The block mask is built here, once per case (a training loop
+    builds one per micro-batch): its first build (compiled) and a steady rebuild are reported, and
+    so are the compiles of the first forward and forward+backward calls, apart from the timing."""
+    from torch.nn.attention.flex_attention import create_block_mask
+    if backend == "FLASH":
+        fa4()
+    flex = compiled_flex(backend)
+    key_end = case.key_end().to("cuda")
     T = case.T
 
     def mask_mod(b, h, q_idx, kv_idx):
-        sq, sk = seg[q_idx], seg[kv_idx]
-        return ((sq == sk) & (kv_idx <= q_idx)) | (parent[sq] == sk)
+        return (kv_idx <= q_idx) & (q_idx < key_end[kv_idx])
 
-    block_mask = create_block_mask(mask_mod, 1, 1, T, T, device="cuda", _compile=True)
+    def build(block):
+        return create_block_mask(mask_mod, 1, 1, T, T, device="cuda", BLOCK_SIZE=block, _compile=True)
 
     def setup(seed):
-        return [randn((1, H, T, D), dtype, seed, True), randn((1, Hk, T, D), dtype, seed + 1, True),
-                randn((1, Hk, T, D), dtype, seed + 2, True), randn((1, H, T, D), dtype, seed + 3, False)]
+        x, do = qkv_do((1, H, T, D), (1, Hk, T, D), dtype, seed)
+        return x + do
 
-    def fwd(x):
-        with torch.no_grad():
-            return flex(x[0], x[1], x[2], block_mask=block_mask, enable_gqa=True)
+    options = {"BACKEND": backend} if backend == "FLASH" else None
+    extras = {"block_size_tried": []}
+    block, tiles, probe = FLEX_BLOCK[backend], [set(), set()], setup(7)
+    for _ in range(FLEX_BLOCK_TRIES):
+        t0 = time.perf_counter()
+        block_mask = build(block)
+        torch.cuda.synchronize()
+        extras["mask_first_build_s"] = time.perf_counter() - t0
 
-    def fwdbwd(x):
-        for t in x[:3]:
-            t.grad = None
-        flex(x[0], x[1], x[2], block_mask=block_mask, enable_gqa=True).backward(x[3])
-
-    return setup, fwd, fwdbwd, case.shared_pairs
+        def call(x, bm=block_mask):
+            return flex(x[0], x[1], x[2], block_mask=bm, enable_gqa=True, kernel_options=options)
+        fwd, fwdbwd = directions(call, 3)
+        try:  # the first calls compile (forward alone, then forward + backward)
+            extras["compile_fwd_s"] = timed_ms(fwd, probe) / 1e3
+            extras["compile_fwdbwd_s"] = timed_ms(fwdbwd, probe) / 1e3
+            break
+        except Exception as e:  # noqa: BLE001  (a refused block size is data, and maybe retried)
+            msg = " ".join(str(e).split())
+            extras["block_size_tried"].append({"block_size": list(block), "error": msg[:400]})
+            block = next_block_size(block, tiles, msg)
+            if block is None:
+                raise
+    else:
+        raise RuntimeError(f"no block size accepted after {FLEX_BLOCK_TRIES} tries: {extras['block_size_tried']}")
+    extras["block_size"] = list(block)
+    extras["mask_build_ms"] = statistics.median(timed_ms(lambda _: build(block), None) for _ in range(3))
+    del probe
+    return setup, fwd, fwdbwd, case.shared_pairs, extras
 
 
 def method_pgrouper(case, H, Hk, D, dtype):
@@ -260,11 +395,9 @@ def method_pgrouper(case, H, Hk, D, dtype):
     bias = causal_lower_right(R, P + R)
 
     def setup(seed):
-        return [randn((1, H, P, D), dtype, seed, True), randn((1, Hk, P, D), dtype, seed + 1, True),
-                randn((1, Hk, P, D), dtype, seed + 2, True),
-                randn((N, H, R, D), dtype, seed + 3, True), randn((N, Hk, R, D), dtype, seed + 4, True),
-                randn((N, Hk, R, D), dtype, seed + 5, True),
-                randn((1, H, P, D), dtype, seed + 6, False), randn((N, H, R, D), dtype, seed + 7, False)]
+        prompt, d_prompt = qkv_do((1, H, P, D), (1, Hk, P, D), dtype, seed)
+        resp, d_resp = qkv_do((N, H, R, D), (N, Hk, R, D), dtype, seed + 4)
+        return prompt + resp + d_prompt + d_resp
 
     def call(x):
         qp, kp, vp, qr, kr, vr = x[:6]
@@ -272,19 +405,10 @@ def method_pgrouper(case, H, Hk, D, dtype):
         k_cat = torch.cat([kp.expand(N, -1, -1, -1), kr], dim=2).repeat_interleave(G, dim=1)
         v_cat = torch.cat([vp.expand(N, -1, -1, -1), vr], dim=2).repeat_interleave(G, dim=1)
         out_r = F.scaled_dot_product_attention(qr, k_cat, v_cat, attn_mask=bias)
-        return out_p, out_r
+        return [out_p, out_r]
 
-    def fwd(x):
-        with torch.no_grad():
-            return call(x)
-
-    def fwdbwd(x):
-        for t in x[:6]:
-            t.grad = None
-        out_p, out_r = call(x)
-        torch.autograd.backward([out_p, out_r], [x[6], x[7]])
-
-    return setup, fwd, fwdbwd, case.shared_pairs
+    fwd, fwdbwd = directions(call, 6)
+    return setup, fwd, fwdbwd, case.shared_pairs, {}
 
 
 def build_method(name, case, H, Hk, D, dtype, libraries):
@@ -301,8 +425,12 @@ def build_method(name, case, H, Hk, D, dtype, libraries):
         return method_sdpa(case, H, Hk, D, dtype, "flash")
     if name == "sdpa_cudnn":
         return method_sdpa(case, H, Hk, D, dtype, "cudnn")
+    if name == "fa4_dense":
+        return method_fa4_dense(case, H, Hk, D, dtype)
     if name == "flex":
-        return method_flex(case, H, Hk, D, dtype)
+        return method_flex(case, H, Hk, D, dtype, "TRITON")
+    if name == "flex_fa4":
+        return method_flex(case, H, Hk, D, dtype, "FLASH")
     if name == "pgrouper":
         return method_pgrouper(case, H, Hk, D, dtype)
     raise ValueError(name)
@@ -312,18 +440,18 @@ def run_method(name, case, args, dtype, libraries):
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     base_mem = torch.cuda.memory_allocated()
-    setup, fwd, fwdbwd, pairs = build_method(name, case, args.heads, args.kv_heads, args.head_dim, dtype, libraries)
+    setup, fwd, fwdbwd, pairs, extras = build_method(name, case, args.heads, args.kv_heads, args.head_dim, dtype,
+                                                     libraries)
     sets = [setup(1000 * i + 17) for i in range(args.rotate)]
     fwd_flops = 4.0 * args.heads * args.head_dim * pairs
     res = {"pairs": pairs}
-    ms = time_fn(fwd, sets, args.warmup, args.iters)
-    res["fwd_ms"] = ms
-    res["fwd_tflops"] = fwd_flops / (ms * 1e-3) / 1e12
+    res["fwd_ms"], res["fwd_first_s"] = time_fn(fwd, sets, args.warmup, args.iters)
+    res["fwd_tflops"] = fwd_flops / (res["fwd_ms"] * 1e-3) / 1e12
     if not args.fwd_only:
-        ms = time_fn(fwdbwd, sets, args.warmup, args.iters)
-        res["fwdbwd_ms"] = ms
-        res["fwdbwd_tflops"] = 3.5 * fwd_flops / (ms * 1e-3) / 1e12
+        res["fwdbwd_ms"], res["fwdbwd_first_s"] = time_fn(fwdbwd, sets, args.warmup, args.iters)
+        res["fwdbwd_tflops"] = 3.5 * fwd_flops / (res["fwdbwd_ms"] * 1e-3) / 1e12
     res["peak_gib"] = (torch.cuda.max_memory_allocated() - base_mem) / 2**30
+    res.update(extras)
     del sets
     return res
 
@@ -335,16 +463,21 @@ def round_orders(methods, rounds):
     return [methods[r % m:] + methods[:r % m] for r in range(rounds)] if m else []
 
 
+TIMING_KEYS = ("pairs", "fwd_ms", "fwd_tflops", "fwdbwd_ms", "fwdbwd_tflops", "peak_gib")
+
+
 def combine_rounds(per_round):
     """One result from a method's per-round results (each as run_method returns it): the median
-    time of the rounds (TFLOP/s recomputed from it), the largest peak, and the per-round times.
+    time of the rounds (TFLOP/s recomputed from it), the largest peak, the per-round times, and the
+    first round's other entries (compile and mask-build costs: later rounds find them cached).
     An error in any round makes the whole result that error."""
     errors = [r["error"] for r in per_round if "error" in r]
     if errors:
         return {"error": errors[0]}
     if len(per_round) == 1:
         return dict(per_round[0])
-    out = {"pairs": per_round[0]["pairs"], "rounds": len(per_round)}
+    out = {k: v for k, v in per_round[0].items() if k not in TIMING_KEYS}
+    out.update(pairs=per_round[0]["pairs"], rounds=len(per_round))
     for key in ("fwd", "fwdbwd"):
         ms = [r[f"{key}_ms"] for r in per_round if f"{key}_ms" in r]
         if ms:
@@ -439,6 +572,29 @@ def case_results(per_method, ab_tolerance):
     return entry
 
 
+def summary_table(results) -> str:
+    """One line per (case, method): times, useful TFLOP/s, dualkv's speedup over the method
+    (same-round median with --rounds), peak memory; a Flex method's compile and block-mask costs on
+    a line of their own (outside the timing)."""
+    lines = [f"{'case':20s} {'method':11s} {'fwd ms':>8s} {'fwd TF/s':>9s} {'f+b ms':>9s} {'f+b TF/s':>9s} "
+             f"{'dkv x f+b':>10s} {'peak GiB':>9s}"]
+    for c in results["cases"]:
+        for m, r in c["results"].items():
+            if "error" in r:
+                lines.append(f"{c['case']['name']:20s} {m:11s} {r['error'][:100]}")
+                continue
+            speedup = r.get("dualkv_speedup_fwdbwd_rounds", r.get("dualkv_speedup_fwdbwd"))
+            lines.append(f"{c['case']['name']:20s} {m:11s} {r['fwd_ms']:8.3f} {r['fwd_tflops']:9.1f} "
+                         f"{r.get('fwdbwd_ms', float('nan')):9.3f} {r.get('fwdbwd_tflops', float('nan')):9.1f} "
+                         f"{'' if speedup is None else f'{speedup:.2f}x':>10s} {r['peak_gib']:9.2f}")
+            if "mask_build_ms" in r:
+                lines.append(f"{'':32s} {m}: block mask {r['block_size'][0]}x{r['block_size'][1]}, first build "
+                             f"{r['mask_first_build_s']:.2f} s, then {r['mask_build_ms']:.1f} ms per build; compile "
+                             f"fwd {r['compile_fwd_s']:.1f} s, fwd+bwd {r['compile_fwdbwd_s']:.1f} s (outside the "
+                             "times above)")
+    return "\n".join(lines)
+
+
 def ab_table(results) -> str:
     """The A/B verdict of a run, one line per case and direction."""
     lines = [f"A/B: dualkv ({results['env']['dualkv_library']['path']}) time / dualkv_ab "
@@ -456,7 +612,8 @@ def ab_table(results) -> str:
 def profile_dualkv(case, args, dtype, libraries):
     from torch.profiler import ProfilerActivity, profile
     for name in ("dualkv", "dualkv_det"):
-        setup, fwd, fwdbwd, _ = build_method(name, case, args.heads, args.kv_heads, args.head_dim, dtype, libraries)
+        setup, fwd, fwdbwd, _, _ = build_method(name, case, args.heads, args.kv_heads, args.head_dim, dtype,
+                                                libraries)
         x = setup(5)
         for _ in range(2):
             fwdbwd(x)
@@ -618,17 +775,7 @@ def main():
         json_path.write_text(json.dumps(results, indent=1))  # partial results survive a crash
 
     log(f"json: {json_path}")
-    # Summary table.
-    print("\ncase                 method        fwd ms   fwd TF/s  f+b ms    f+b TF/s  speedup(f+b)  peak GiB")
-    for c in results["cases"]:
-        for m, r in c["results"].items():
-            if "error" in r:
-                print(f"{c['case']['name']:20s} {m:11s}  error: {r['error'][:60]}")
-                continue
-            print(f"{c['case']['name']:20s} {m:11s} {r['fwd_ms']:8.3f} {r['fwd_tflops']:9.1f} "
-                  f"{r.get('fwdbwd_ms', float('nan')):9.3f} {r.get('fwdbwd_tflops', float('nan')):9.1f} "
-                  f"{r.get('dualkv_speedup_fwdbwd', 1.0 if m == 'dualkv' else float('nan')):10.2f}x "
-                  f"{r['peak_gib']:9.2f}")
+    print("\n" + summary_table(results))
     if "dualkv_ab" in libraries:
         print("\n" + ab_table(results))
     plot(results, json_path.with_suffix(".png"))

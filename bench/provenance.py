@@ -29,7 +29,8 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 SWITCH_PREFIXES = ("DUALKV_", "CUDA_", "CUBLAS", "CUDNN", "NVIDIA_TF32", "PYTORCH_", "TORCH", "TRITON_",
                    "CUTE_DSL", "FLASH_ATTENTION", "OMP_NUM_THREADS", "NCCL_")
 #: distributions whose version decides a method's speed (the pip name; absent ones are left out)
-PACKAGES = ("torch", "triton", "transformers", "flash-attn-4", "nvidia-cutlass-dsl", "quack-kernels", "numpy")
+PACKAGES = ("torch", "triton", "transformers", "flash-attn-4", "nvidia-cutlass-dsl", "nvidia-cutlass-dsl-libs-cu13",
+            "quack-kernels", "numpy")
 #: untracked results do not make a tree dirty (a run writes them)
 RESULTS_DIRS = ("bench/results/",)
 

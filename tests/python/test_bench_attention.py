@@ -142,3 +142,69 @@ def test_ab_table_names_both_builds_and_the_verdicts():
     assert "/new/libdualkv.so" in table[0] and "/base/libdualkv.so, 72977b9" in table[0] and "1.02" in table[0]
     assert table[2].split()[:3] == ["N16_P4096", "fwd", "1.100"] and table[2].endswith("OUTSIDE")
     assert table[3].split()[:3] == ["N16_P4096", "fwdbwd", "1.000"] and table[3].endswith("within")
+
+
+def test_key_end_is_the_forest_rule():
+    """Flex's mask_mod (k <= q < key_end[k]) is the visibility of dualkv.reference, GRPO groups."""
+    import torch
+
+    from dualkv.reference import visibility_mask
+    case = attention.Case("c", [5, 3], [[2, 4, 1], [3]])
+    end = case.key_end()
+    idx = torch.arange(case.T)
+    mask = (idx[None, :] <= idx[:, None]) & (idx[:, None] < end[None, :])
+    assert torch.equal(mask, visibility_mask(case.layout_cpu))
+    assert int(mask.sum()) == case.shared_pairs
+
+
+def test_next_block_size_follows_the_refused_tiles():
+    tiles = [set(), set()]
+    msg = "RuntimeError: CuteDSL template failed: sparse_block_size[1] must be a multiple of tile_n=80"
+    assert attention.next_block_size((256, 128), tiles, msg) == (256, 160)
+    # a second kernel (the backward, say) asks for 64 on the same side: a multiple of both
+    assert attention.next_block_size((256, 160), tiles, "sparse_block_size[1] must be a multiple of tile_n=64") \
+        == (256, 320)
+    assert attention.next_block_size((64, 320), tiles, "sparse_block_size[0] must be a multiple of tile_m=128") \
+        == (128, 320)
+    assert attention.next_block_size((256, 128), [set(), set()], "out of memory") is None
+
+
+def test_fa4_missing_is_a_clear_skip(monkeypatch):
+    import builtins
+    real_import = builtins.__import__
+
+    def no_flash(name, *a, **kw):
+        if name.startswith("flash_attn"):
+            raise ImportError("No module named 'flash_attn'")
+        return real_import(name, *a, **kw)
+    monkeypatch.setattr(builtins, "__import__", no_flash)
+    with pytest.raises(attention.Unavailable, match="skipped: FlashAttention-4 .* fa4-install"):
+        attention.fa4()
+    per = attention.measure_case(["fa4_dense"], 2, lambda m: attention.fa4())
+    assert per["fa4_dense"] == [{"error": per["fa4_dense"][0]["error"]}]  # recorded once, not retried
+    assert per["fa4_dense"][0]["error"].startswith("Unavailable: skipped: FlashAttention-4")
+
+
+def test_directions_feed_every_output_its_gradient():
+    import torch
+    a, b = torch.randn(3, requires_grad=True), torch.randn(3, requires_grad=True)
+    ga, gb = torch.randn(3), torch.randn(3)
+    fwd, fwdbwd = attention.directions(lambda x: [x[0] * 2, x[1] * 3], 2)
+    out = fwd([a, b, ga, gb])
+    assert not out[0].requires_grad
+    fwdbwd([a, b, ga, gb])
+    assert torch.equal(a.grad, 2 * ga) and torch.equal(b.grad, 3 * gb)
+    fwdbwd([a, b, ga, gb])  # grads are reset between calls, not accumulated
+    assert torch.equal(a.grad, 2 * ga)
+
+
+def test_summary_table_states_flex_costs_apart():
+    flex = dict(res(2.0, 8.0), block_size=[256, 160], mask_first_build_s=3.5, mask_build_ms=1.25,
+                compile_fwd_s=9.0, compile_fwdbwd_s=21.0, dualkv_speedup_fwdbwd=2.0)
+    results = {"cases": [{"case": {"name": "N16"}, "results": {"dualkv": res(1.0, 4.0), "flex_fa4": flex,
+                                                              "fa4_dense": {"error": "Unavailable: skipped: x"}}}]}
+    lines = attention.summary_table(results).splitlines()
+    assert lines[2].split()[1] == "flex_fa4" and "2.00x" in lines[2]
+    assert "block mask 256x160, first build 3.50 s, then 1.2 ms per build" in lines[3]
+    assert "compile fwd 9.0 s, fwd+bwd 21.0 s" in lines[3]
+    assert lines[4].split()[:3] == ["N16", "fa4_dense", "Unavailable:"]
