@@ -37,12 +37,9 @@ import collections
 import contextlib
 import ctypes
 import datetime
-import functools
 import itertools
 import json
-import math
 import pathlib
-import re
 import statistics
 import sys
 import time
@@ -55,6 +52,8 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "python"))
 import dualkv  # noqa: E402
 import provenance  # noqa: E402
+from peers import (FLEX_BACKENDS, FLEX_BLOCK, compiled_flex, fa4, first_output, kernel_options,  # noqa: E402
+                   next_block_size)
 
 DEFAULT_CONFIGS = [(16, 4096, 1024), (28, 4096, 2048), (16, 8192, 2048), (32, 8192, 1024),
                    (8, 16384, 2048), (28, 16384, 2048), (4, 8192, 1024)]
@@ -149,10 +148,6 @@ class Case:
                 "rho_attn": self.expanded_pairs / self.shared_pairs}
 
 
-class Unavailable(RuntimeError):
-    """A peer this machine cannot run (its package is not installed): recorded as skipped."""
-
-
 def timed_ms(fn, x) -> float:
     """Wall ms of one synchronised call."""
     torch.cuda.synchronize()
@@ -212,21 +207,6 @@ def directions(call, n_inputs, scope=contextlib.nullcontext):
     return fwd, fwdbwd
 
 
-def _first(out):
-    """FA4's functions return out or (out, lse), depending on the version."""
-    return out[0] if isinstance(out, tuple) else out
-
-
-def fa4():
-    """FlashAttention-4's (flash_attn_func, flash_attn_varlen_func); Unavailable if not installed."""
-    try:
-        from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
-    except Exception as e:  # noqa: BLE001  (ImportError, or a CuTe DSL that fails to load)
-        raise Unavailable(f"skipped: FlashAttention-4 (flash_attn.cute) is not importable ({type(e).__name__}: "
-                          f"{str(e)[:120]}); install it with tests/gpu/device_run.sh fa4-install") from None
-    return flash_attn_func, flash_attn_varlen_func
-
-
 # ---- methods: each returns (setup(seed) -> inputs, fwd(inputs), fwdbwd(inputs), pairs, extras) ----
 
 def method_dualkv(case, H, Hk, D, dtype, library, deterministic=False):
@@ -277,14 +257,14 @@ def method_fa4_dense(case, H, Hk, D, dtype):
         q_shape, kv_shape = (len(lens), lens[0], H, D), (len(lens), lens[0], Hk, D)
 
         def call(x):
-            return _first(dense(x[0], x[1], x[2], causal=True))
+            return first_output(dense(x[0], x[1], x[2], causal=True))
     else:
         total, longest = sum(lens), max(lens)
         cu = torch.tensor([0] + list(itertools.accumulate(lens)), dtype=torch.int32, device="cuda")
         q_shape, kv_shape = (total, H, D), (total, Hk, D)
 
         def call(x):
-            return _first(varlen(x[0], x[1], x[2], cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest,
+            return first_output(varlen(x[0], x[1], x[2], cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest,
                                  max_seqlen_k=longest, causal=True))
 
     def setup(seed):
@@ -296,42 +276,8 @@ def method_fa4_dense(case, H, Hk, D, dtype):
                                                      else "flash_attn_varlen_func"}
 
 
-_FLEX_COMPILED = {}
-#: BlockMask BLOCK_SIZE (query, key) of each Flex backend: Triton's default; FA4's sm90 kernels want
-#: multiples of their tiles (256 x 128 works at head dims 64 / 128, baselines-h200.md section 11).
-#: A size a kernel refuses ("sparse_block_size[i] must be a multiple of tile_x=t") is raised to the
-#: next multiple of every tile seen so far and compiled again (head dim 256: tile_n = 80).
-FLEX_BLOCK = {"TRITON": (128, 128), "FLASH": (256, 128)}
+#: tries of method_flex at finding a block size the kernels accept (each one compiles)
 FLEX_BLOCK_TRIES = 4
-_TILE_ERROR = re.compile(r"sparse_block_size\[([01])\][^\n]*?multiple of (?:tile_[mn]=)?(\d+)")
-
-
-def next_block_size(block, tiles, message):
-    """The BLOCK_SIZE to try after `message` (a refused size), or None if it names no tile;
-    ``tiles`` ([set(), set()], per side) collects every tile a kernel asked for."""
-    m = _TILE_ERROR.search(message)
-    if m is None:
-        return None
-    side, tile = int(m.group(1)), int(m.group(2))
-    tiles[side].add(tile)
-    step = functools.reduce(math.lcm, tiles[side])
-    out = list(block)
-    out[side] = -(-block[side] // step) * step
-    if out[side] == block[side]:
-        out[side] += step
-    return tuple(out)
-
-
-def compiled_flex(backend):
-    """torch.compile'd flex_attention, one per backend. Static shapes: this benchmark times kernels
-    (the best case for Flex; bench/e2e.py compiles with automatic dynamic shapes, as users do)."""
-    from torch.nn.attention.flex_attention import flex_attention
-    if backend not in _FLEX_COMPILED:
-        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 256)
-        if hasattr(torch._dynamo.config, "recompile_limit"):
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
-        _FLEX_COMPILED[backend] = torch.compile(flex_attention, dynamic=False)
-    return _FLEX_COMPILED[backend]
 
 
 def method_flex(case, H, Hk, D, dtype, backend):
@@ -342,7 +288,7 @@ def method_flex(case, H, Hk, D, dtype, backend):
     from torch.nn.attention.flex_attention import create_block_mask
     if backend == "FLASH":
         fa4()
-    flex = compiled_flex(backend)
+    flex = compiled_flex(backend, dynamic=False)  # kernel rate: the best case for Flex (e2e: automatic)
     key_end = case.key_end().to("cuda")
     T = case.T
 
@@ -356,7 +302,7 @@ def method_flex(case, H, Hk, D, dtype, backend):
         x, do = qkv_do((1, H, T, D), (1, Hk, T, D), dtype, seed)
         return x + do
 
-    options = {"BACKEND": backend} if backend == "FLASH" else None
+    options = kernel_options(backend)
     extras = {"block_size_tried": []}
     block, tiles, probe = FLEX_BLOCK[backend], [set(), set()], setup(7)
     for _ in range(FLEX_BLOCK_TRIES):
@@ -427,10 +373,8 @@ def build_method(name, case, H, Hk, D, dtype, libraries):
         return method_sdpa(case, H, Hk, D, dtype, "cudnn")
     if name == "fa4_dense":
         return method_fa4_dense(case, H, Hk, D, dtype)
-    if name == "flex":
-        return method_flex(case, H, Hk, D, dtype, "TRITON")
-    if name == "flex_fa4":
-        return method_flex(case, H, Hk, D, dtype, "FLASH")
+    if name in FLEX_BACKENDS:
+        return method_flex(case, H, Hk, D, dtype, FLEX_BACKENDS[name])
     if name == "pgrouper":
         return method_pgrouper(case, H, Hk, D, dtype)
     raise ValueError(name)

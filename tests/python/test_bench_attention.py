@@ -9,6 +9,7 @@ import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "bench"))
 import attention  # noqa: E402
+import peers  # noqa: E402
 
 
 def res(fwd_ms, fwdbwd_ms, peak=1.0, pairs=1000):
@@ -160,13 +161,13 @@ def test_key_end_is_the_forest_rule():
 def test_next_block_size_follows_the_refused_tiles():
     tiles = [set(), set()]
     msg = "RuntimeError: CuteDSL template failed: sparse_block_size[1] must be a multiple of tile_n=80"
-    assert attention.next_block_size((256, 128), tiles, msg) == (256, 160)
+    assert peers.next_block_size((256, 128), tiles, msg) == (256, 160)
     # a second kernel (the backward, say) asks for 64 on the same side: a multiple of both
-    assert attention.next_block_size((256, 160), tiles, "sparse_block_size[1] must be a multiple of tile_n=64") \
+    assert peers.next_block_size((256, 160), tiles, "sparse_block_size[1] must be a multiple of tile_n=64") \
         == (256, 320)
-    assert attention.next_block_size((64, 320), tiles, "sparse_block_size[0] must be a multiple of tile_m=128") \
+    assert peers.next_block_size((64, 320), tiles, "sparse_block_size[0] must be a multiple of tile_m=128") \
         == (128, 320)
-    assert attention.next_block_size((256, 128), [set(), set()], "out of memory") is None
+    assert peers.next_block_size((256, 128), [set(), set()], "out of memory") is None
 
 
 def test_fa4_missing_is_a_clear_skip(monkeypatch):
@@ -178,9 +179,9 @@ def test_fa4_missing_is_a_clear_skip(monkeypatch):
             raise ImportError("No module named 'flash_attn'")
         return real_import(name, *a, **kw)
     monkeypatch.setattr(builtins, "__import__", no_flash)
-    with pytest.raises(attention.Unavailable, match="skipped: FlashAttention-4 .* fa4-install"):
-        attention.fa4()
-    per = attention.measure_case(["fa4_dense"], 2, lambda m: attention.fa4())
+    with pytest.raises(peers.Unavailable, match="skipped: FlashAttention-4 .* fa4-install"):
+        peers.fa4()
+    per = attention.measure_case(["fa4_dense"], 2, lambda m: peers.fa4())
     assert per["fa4_dense"] == [{"error": per["fa4_dense"][0]["error"]}]  # recorded once, not retried
     assert per["fa4_dense"][0]["error"].startswith("Unavailable: skipped: FlashAttention-4")
 
