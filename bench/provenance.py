@@ -8,8 +8,8 @@ sha256 of the file, its build info) and every environment switch that changes be
 triton settings, ...).
 
 ``check_tree()`` refuses a measurement from a tree that is not a commit: tracked changes, or
-untracked files that git does not ignore outside ``bench/results/`` (a new module the run would
-import). ``--allow-dirty`` (or ``DUALKV_ALLOW_DIRTY=1``) runs it anyway; the result then says
+untracked source files that git does not ignore (a new module the run would import; outputs,
+wheels and other untracked data do not count). ``--allow-dirty`` (or ``DUALKV_ALLOW_DIRTY=1``) runs it anyway; the result then says
 ``dirty: true``, lists the changes, and its commit ends in ``-dirty``. Without git (a copy of the
 tree), ``DUALKV_COMMIT`` may declare the commit; the record marks it unverified.
 """
@@ -31,8 +31,9 @@ SWITCH_PREFIXES = ("DUALKV_", "CUDA_", "CUBLAS", "CUDNN", "NVIDIA_TF32", "PYTORC
 #: distributions whose version decides a method's speed (the pip name; absent ones are left out)
 PACKAGES = ("torch", "triton", "transformers", "flash-attn-4", "nvidia-cutlass-dsl", "nvidia-cutlass-dsl-libs-cu13",
             "quack-kernels", "numpy")
-#: untracked results do not make a tree dirty (a run writes them)
-RESULTS_DIRS = ("bench/results/",)
+#: untracked files with these suffixes (or names) make a tree dirty: code the run could load
+SOURCE_SUFFIXES = (".py", ".c", ".cc", ".cpp", ".cu", ".cuh", ".h", ".hpp", ".cmake", ".sh", ".toml")
+SOURCE_NAMES = ("CMakeLists.txt", "Makefile")
 
 
 class DirtyTreeError(RuntimeError):
@@ -52,7 +53,8 @@ def git_state(root=REPO) -> dict:
     except (OSError, subprocess.SubprocessError):
         declared = os.environ.get("DUALKV_COMMIT")
         return {"commit": declared, "dirty": declared is None, "changes": [], "verified": False}
-    changes = [ln for ln in lines if not (ln.startswith("??") and ln[3:].startswith(RESULTS_DIRS))]
+    changes = [ln for ln in lines if not ln.startswith("??") or ln.endswith(SOURCE_SUFFIXES)
+               or pathlib.PurePath(ln[3:]).name in SOURCE_NAMES]
     return {"commit": commit, "dirty": bool(changes), "changes": changes, "verified": True}
 
 

@@ -66,7 +66,7 @@ def test_hung_mask_build_is_cut_and_run_goes_on(tmp_path, monkeypatch):
     e2e = _load_bench("e2e")
     children = []
 
-    def hung_build(mb, device):
+    def hung_build(mb, device, backend):
         if not children:  # first config: a stuck compiler child process
             children.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]))
             children[-1].wait()  # what subprocess.run does; the timeout interrupts it
@@ -228,27 +228,48 @@ def test_interleaved_rounds(tmp_path):
     assert "flex: interleaved" in table and "dualkv: interleaved" in table and "excluding mask builds" in table
 
 
-def test_probe_records_the_oom_that_stopped_it(tmp_path, monkeypatch):
-    """--probe-max-mb doubles the groups until a step fails; an out-of-memory failure is the expected
-    end and is recorded with the allocator's message (which request failed), any other error as
-    probe_error."""
+def test_probe_bisects_to_the_largest_micro_batch_that_fits(tmp_path, monkeypatch):
+    """--probe-max-mb doubles the groups until a step runs out of memory, then bisects between the
+    last count that fitted and the first that failed: with steps failing above 5 groups it tries
+    1, 2, 4, 8 (OOM), 6 (OOM), 5 and reports 5, and the OOM of the smallest failing count (6) with
+    the allocator's message; any other error stops the probe as probe_error."""
     import torch
     e2e = _load_bench("e2e")
     real = e2e.micro_step
+    fits_up_to = {"groups": 5}
 
     def step(method, model, mb, args, device, scale):
-        if len(mb.adv) > 2 * 3:  # more than 2 groups of N = 3
-            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 17.00 GiB. GPU 0 has ...")
+        groups = len(mb.adv) // 3  # N = 3
+        if groups > fits_up_to["groups"]:
+            raise torch.cuda.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {groups}.00 GiB. GPU 0 has ...")
         return real(method, model, mb, args, device, scale)
     monkeypatch.setattr(e2e, "micro_step", step)
-    out = tmp_path / "e2e.json"
-    assert e2e.main(TINY + ["--configs", "3,40,16", "--methods", "dualkv", "--probe-max-mb", "--probe-limit", "8",
-                            "--out", str(out)]) == 0
-    rec = json.loads(out.read_text())["results"][0]
-    assert rec["max_mb_groups"] == 2 and rec["probe_limit_reached"] is False
-    assert rec["probe_oom"].startswith("4 groups: CUDA out of memory. Tried to allocate 17.00 GiB")
-    assert "probe_error" not in rec
 
+    def probe(limit):
+        out = tmp_path / f"e2e_{limit}.json"
+        assert e2e.main(TINY + ["--configs", "3,40,16", "--micro-batches", "1", "--methods", "dualkv",
+                                "--probe-max-mb", "--probe-limit", str(limit), "--out", str(out)]) == 0
+        return json.loads(out.read_text())["results"][0]
+    rec = probe(32)
+    assert rec["max_mb_groups"] == 5 and rec["probe_first_fail"] == 6 and rec["probe_limit_reached"] is False
+    assert [g for g, _ in rec["probe_tried"]] == [1, 2, 4, 8, 6, 5]
+    assert rec["probe_oom"].startswith("6 groups: CUDA out of memory. Tried to allocate 6.00 GiB")
+    assert "probe_error" not in rec
+    fits_up_to["groups"] = 2  # fails at 4 after 1, 2: bisection tries 3
+    rec = probe(32)
+    assert rec["max_mb_groups"] == 2 and [g for g, _ in rec["probe_tried"]] == [1, 2, 4, 3]
+    fits_up_to["groups"] = 100  # nothing fails up to a limit that is not a power of two
+    rec = probe(6)
+    assert rec["max_mb_groups"] == 6 and rec["probe_limit_reached"] and [g for g, _ in rec["probe_tried"]] == [1, 2, 4, 6]
+
+    def broken(method, model, mb, args, device, scale):  # the timed updates (1 group) run; 2 groups fail
+        if len(mb.adv) > 3:
+            raise RuntimeError("no kernel for this shape")
+        return real(method, model, mb, args, device, scale)
+    monkeypatch.setattr(e2e, "micro_step", broken)
+    rec = probe(8)
+    assert rec["max_mb_groups"] == 1 and rec["probe_error"].startswith("RuntimeError: no kernel")
+    assert rec["probe_limit_reached"] is False and rec["probe_tried"] == [[1, "ok"], [2, "error"]]
 
 def test_tiny_time_limits_leave_nothing_armed():
     """Regression (flaky `make test`): an alarm that fires while _time_limit is still arming itself
@@ -279,3 +300,31 @@ def test_tiny_time_limits_leave_nothing_armed():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(), timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.startswith("survived") and int(proc.stdout.split()[1]) > 300, proc.stdout
+
+
+def test_fa4_methods_are_skipped_without_fa4_and_the_protocol_is_recorded(tmp_path):
+    """Without FlashAttention-4 (any CPU machine) fa4_dense and flex_fa4 are recorded as skipped with
+    the reason and the run succeeds; the default method list on a CPU leaves them out. Every result
+    states the protocol (optimizer step excluded, std on right-padded rows) and its provenance."""
+    e2e = _load_bench("e2e")
+    out = tmp_path / "e2e.json"
+    assert e2e.main(TINY + ["--configs", "3,40,16", "--methods", "std,fa4_dense,flex_fa4,dualkv",
+                            "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    status = {r["method"]: r["status"] for r in data["results"]}
+    assert status == {"std": "ok", "fa4_dense": "skipped", "flex_fa4": "skipped", "dualkv": "ok"}
+    skipped = next(r for r in data["results"] if r["method"] == "flex_fa4")
+    assert "FlashAttention-4" in skipped["error"] and "fa4-install" in skipped["error"]
+    assert "optimizer step is excluded" in data["protocol"]["update"] and "right-padded" in data["protocol"]["std"]
+    env = data["environment"]
+    assert len(env["commit"].removesuffix("-dirty")) == 40 and "switches" in env and "torch" in env["packages"]
+    table = out.with_suffix(".txt").read_text()
+    assert "optimizer step is excluded" in table and "skipped" in table
+    assert e2e.main(TINY + ["--configs", "3,40,16", "--out", str(out)]) == 0
+    assert [r["method"] for r in json.loads(out.read_text())["results"]] == ["std", "flex", "dualkv"]
+
+
+def test_grid_needs_three_timed_updates():
+    e2e = _load_bench("e2e")
+    with pytest.raises(SystemExit):
+        e2e.main(["--device", "cpu", "--tiny", "--grid", "--iters", "2"])

@@ -33,14 +33,18 @@ def test_clean_and_dirty_trees(tmp_path, monkeypatch):
     (tmp_path / "build" / "libdualkv.so").write_text("ignored")
     (tmp_path / "bench" / "results").mkdir(parents=True)
     (tmp_path / "bench" / "results" / "attention.json").write_text("{}")  # a run's own output
+    (tmp_path / ".fa4").mkdir()
+    (tmp_path / ".fa4" / "flash_attn_4-4.0.0b36-py3-none-any.whl").write_text("")  # carried wheels
     state = provenance.git_state(tmp_path)
     assert state == {"commit": head, "dirty": False, "changes": [], "verified": True} and len(head) == 40
     provenance.check_tree(state, allow_dirty=False)  # clean: no error
 
     (tmp_path / "a.py").write_text("x = 2\n")  # a tracked change
     (tmp_path / "new_module.py").write_text("")  # an untracked file a run could import
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "CMakeLists.txt").write_text("")
     state = provenance.git_state(tmp_path)
-    assert state["dirty"] and sorted(state["changes"]) == [" M a.py", "?? new_module.py"]
+    assert state["dirty"] and sorted(state["changes"]) == [" M a.py", "?? new_module.py", "?? sub/CMakeLists.txt"]
     with pytest.raises(provenance.DirtyTreeError, match="differs from .* M a.py.*--allow-dirty"):
         provenance.check_tree(state, allow_dirty=False)
     provenance.check_tree(state, allow_dirty=True)
