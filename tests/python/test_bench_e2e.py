@@ -159,26 +159,40 @@ def test_stuck_section_ends_the_process():
     assert time.monotonic() - t0 < 60
 
 
-def test_device_run_e2e_all_step_is_planned():
-    """tests/gpu/device_run.sh's e2e-all step: both issue configs and all three methods in one process
-    per model, with per-method and per-process time limits that fit one 600 s device call."""
+def _device_run_step(name):
+    """The body of one step of tests/gpu/device_run.sh (up to the next step's label)."""
     text = (ROOT / "tests" / "gpu" / "device_run.sh").read_text()
-    def step(name):
-        body = text[text.index(f"    {name})"):]
-        return body[:body.index("done ;;")]
-    e2e_all, noise = step("e2e-all"), step("noise")
-    # defaults: both issue configs, all three methods (E2E_CONFIGS / E2E_METHODS override them)
-    assert '"${E2E_CONFIGS:-16,4096,1024;8,16384,2048}"' in e2e_all
-    assert '--methods "${E2E_METHODS:-std,dualkv,flex}"' in e2e_all
-    assert "--micro-batches 2 --iters 2 --warmup 1 --method-timeout 120" in e2e_all and "timeout -k" in e2e_all
+    body = text[text.index(f"\n    {name}) ") + 1:]
+    end = re.search(r"\n    [\w-]+\) |\n    \*\) ", body)
+    return body[:end.start()]
+
+
+def test_device_run_e2e_steps_are_planned():
+    """tests/gpu/device_run.sh: e2e-all is issue 23's acceptance (P 8K-16K, >= 4 micro-batches, >= 3
+    timed updates, Flex-FA4 last) for one model per call, e2e-grid times >= 3 updates per cell, and
+    every process is cut inside one 600 s device call."""
+    e2e_all, grid = _device_run_step("e2e-all"), _device_run_step("e2e-grid")
+    assert '"${E2E_CONFIGS:-16,8192,1024;8,16384,2048}"' in e2e_all
+    assert '--methods "${E2E_METHODS:-std,dualkv,flex_fa4}"' in e2e_all
+    assert "--micro-batches 4 --iters 3 --warmup 1" in e2e_all and "timeout -k 10" in e2e_all
     assert "> \"$OUT/e2e_all_$m.log\"" in e2e_all  # a file, not a pipe a stuck child could hold open
-    caps = {k: (int(a), int(b)) for k, a, b in
-            re.findall(r"cap=\$\{(E2E_CAP_\w+):-\$\(\[ \$one = 1 \] && echo (\d+) \|\| echo (\d+)\)\}", e2e_all)}
-    noise_caps = [int(c) for c in re.findall(r"cap=(\d+)", noise)]
-    (alone_17, both_17), (alone_8, both_8) = caps["E2E_CAP_1_7B"], caps["E2E_CAP_8B"]
-    # the planned calls, each under 600 s with 10 s to spare: "noise e2e-all" for 1.7b, "e2e-all" for
-    # 8b, or both models in one "e2e-all"
-    assert sum(noise_caps) + alone_17 <= 590 and alone_8 <= 590 and both_17 + both_8 <= 590
+    assert "--iters 3" in grid and "flex_fa4" in grid
+    text = (ROOT / "tests" / "gpu" / "device_run.sh").read_text()
+    caps = [int(c) for c in re.findall(r"timeout(?: -k 10)? \"\$\{\w+:-(\d+)\}\"", text)]
+    caps += [int(c) for c in re.findall(r"timeout(?: -k 10)? (\d+) ", text)]
+    assert len(caps) >= 10 and max(caps) <= 590, caps
+
+
+def test_device_run_ab_and_fa4_steps():
+    """The A/B step runs both paths at head dims 64/128/256 with 3 interleaved rounds against
+    $AB_LIBRARY; fa4-install runs the install lines of ../shared/tools/fa4-wheels.sh."""
+    ab, install = _device_run_step("ab"), _device_run_step("fa4-install")
+    assert "--ab-library \"$AB_LIBRARY\"" in ab and "--rounds 3" in ab
+    assert "${AB_PATHS:-sm90 portable}" in ab and "${AB_DIMS:-64 128 256}" in ab
+    assert "DUALKV_DISABLE_SM90=1 DUALKV_DISABLE_SM90_BWD=1" in ab
+    assert "cat /tmp/fa4/part_aa" in install and "pip install -q --no-index --no-deps --no-compile --target /tmp/site" in install
+    assert "tar -xJf /tmp/fa4/cu13.tar.xz -C /tmp/site" in install
+    assert "/tmp/site/nvidia_cutlass_dsl/dsl_packages" in install
 
 
 def test_gpu_sampler_parses_nvidia_smi(tmp_path, monkeypatch):
