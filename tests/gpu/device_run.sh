@@ -55,6 +55,8 @@
 #                  1.7b, all three methods: ~210 s per config, ~430-470 s in all
 #                  8b: std alone needs ~85 s per update at P16384: run E2E_METHODS=dualkv,flex_fa4 (~450 s),
 #                      and std in a call of its own per config if the speedup over std is wanted.
+#                Flex compiles with torch's automatic dynamic shapes (as users do); if flex_fa4 fails on the
+#                symbolic-shape recompile, E2E_ARGS=--flex-static compiles per packed length instead (data either way).
 #                E2E_ARGS="--rounds K" adds K interleaved rounds of one update per method (order rotated);
 #                "--breakdown --sample-clocks" one profiled update per method and the SM clock / power.
 #   e2e-grid     bench/e2e.py --grid (8 (N, P, R) configs from N16 P2048 R512 to N4 P32768 R2048, variable
