@@ -49,7 +49,8 @@ def git_state(root=REPO) -> dict:
     """{"commit": full hash or None, "dirty": bool, "changes": [porcelain lines], "verified": bool}."""
     try:
         commit = _git(root, "rev-parse", "HEAD").strip()
-        lines = _git(root, "status", "--porcelain=v1", "--untracked-files=all").splitlines()
+        # mode-only differences (a copy of the tree that lost executable bits) change no code
+        lines = _git(root, "-c", "core.fileMode=false", "status", "--porcelain=v1", "--untracked-files=all").splitlines()
     except (OSError, subprocess.SubprocessError):
         declared = os.environ.get("DUALKV_COMMIT")
         return {"commit": declared, "dirty": declared is None, "changes": [], "verified": False}
