@@ -547,7 +547,8 @@ def ab_table(results) -> str:
              f"{'case':20s} {'dir':6s} {'median':>7s}  {'rounds':24s} verdict"]
     for c in results["cases"]:
         for key, a in c.get("ab", {}).items():
-            verdict = "within" if a["within"] else "OUTSIDE" + (" (slower every round)" if a["slower_every_round"] else "")
+            verdict = ("within" if a["within"]
+                       else "OUTSIDE" + (" (slower every round)" if a["slower_every_round"] else ""))
             lines.append(f"{c['case']['name']:20s} {key:6s} {a['median']:7.3f}  "
                          f"{' '.join(f'{r:.3f}' for r in a['time_ratios']):24s} {verdict}")
     return "\n".join(lines)

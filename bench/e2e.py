@@ -76,7 +76,8 @@ sys.path.insert(0, str(HERE.parent / "python"))
 
 import dualkv  # noqa: E402
 import provenance  # noqa: E402
-from peers import FLEX_BACKENDS, FLEX_BLOCK, Unavailable, compiled_flex, fa4, first_output, kernel_options  # noqa: E402
+from peers import (FLEX_BACKENDS, FLEX_BLOCK, Unavailable, compiled_flex, fa4, first_output,  # noqa: E402
+                   kernel_options)
 from dualkv.demo import MODEL_SIZES, qwen3_config  # noqa: E402
 from dualkv.grpo import group_advantages, policy_loss  # noqa: E402
 from dualkv.logprobs import response_logprobs  # noqa: E402
@@ -269,7 +270,8 @@ def micro_step(method, model, mb, args, device, scale):
 def set_method(model, method):
     if method in ("fa4_dense", "flex_fa4"):
         fa4()  # raises Unavailable (the method is skipped) when FA4 is not installed
-    impl = {"std": "sdpa", "fa4_dense": FA4_IMPL, "flex": FLEX_IMPL, "flex_fa4": FLEX_IMPL, "dualkv": "dualkv"}[method]
+    impl = {"std": "sdpa", "fa4_dense": FA4_IMPL, "flex": FLEX_IMPL, "flex_fa4": FLEX_IMPL,
+            "dualkv": "dualkv"}[method]
     model.set_attn_implementation(impl)
 
 

@@ -9,8 +9,9 @@ triton settings, ...).
 
 ``check_tree()`` refuses a measurement from a tree that is not a commit: tracked changes, or
 untracked source files that git does not ignore (a new module the run would import; outputs,
-wheels and other untracked data do not count). ``--allow-dirty`` (or ``DUALKV_ALLOW_DIRTY=1``) runs it anyway; the result then says
-``dirty: true``, lists the changes, and its commit ends in ``-dirty``. Without git (a copy of the
+wheels and other untracked data do not count). ``--allow-dirty`` (or ``DUALKV_ALLOW_DIRTY=1``)
+runs it anyway; the result then says ``dirty: true``, lists the changes, and its commit ends in
+``-dirty``. Without git (a copy of the
 tree), ``DUALKV_COMMIT`` may declare the commit; the record marks it unverified.
 """
 from __future__ import annotations
@@ -50,7 +51,8 @@ def git_state(root=REPO) -> dict:
     try:
         commit = _git(root, "rev-parse", "HEAD").strip()
         # mode-only differences (a copy of the tree that lost executable bits) change no code
-        lines = _git(root, "-c", "core.fileMode=false", "status", "--porcelain=v1", "--untracked-files=all").splitlines()
+        lines = _git(root, "-c", "core.fileMode=false", "status", "--porcelain=v1",
+                     "--untracked-files=all").splitlines()
     except (OSError, subprocess.SubprocessError):
         declared = os.environ.get("DUALKV_COMMIT")
         return {"commit": declared, "dirty": declared is None, "changes": [], "verified": False}

@@ -42,8 +42,9 @@ def test_rows_of_new_and_old_files(tmp_path, monkeypatch):
            "results": []}
     (tmp_path / "e2e_grid_0.6b.json").write_text(json.dumps(old))
     rows = results_index.render(tmp_path).splitlines()[-2:]
-    assert rows[0].startswith("| attention_h64: ") and "| " + "ab" * 6 + " | yes | NVIDIA H200 | 2026-12-02T10:00:00 |" \
-        in rows[0] and "attention.py --head-dim 64 | attention_h64.png |" in rows[0]
+    assert rows[0].startswith("| attention_h64: ")
+    assert "| " + "ab" * 6 + " | yes | NVIDIA H200 | 2026-12-02T10:00:00 |" in rows[0]
+    assert "attention.py --head-dim 64 | attention_h64.png |" in rows[0]
     assert "| " + "cd" * 6 + " | no (dirty tree) |" in rows[1] and "| not recorded |" in rows[1]
     (tmp_path / "attention_full_20261202.json").write_text(json.dumps(new))
     with pytest.raises(ValueError, match="not a benchmark"):
