@@ -3,12 +3,22 @@ today, all in ONE process on the same GPU.
 
 Methods (each on its own layout; TFLOP/s credited with that layout's visible (q, k) pairs):
   dualkv     packed [P | R_1 | ... | R_N] per group, one launch per direction (dualkv.attention)
-  sdpa_flash expanded N x (P + R) batch, F.scaled_dot_product_attention(is_causal, enable_gqa) under
-             SDPBackend.FLASH_ATTENTION (PyTorch's FlashAttention-2)
-  sdpa_cudnn same call under SDPBackend.CUDNN_ATTENTION
-  flex       torch.compile'd flex_attention on the packed layout with a shared-prefix BlockMask
+  sdpa_flash the expanded N x (P + R) sequences, F.scaled_dot_product_attention(is_causal, enable_gqa)
+             under SDPBackend.FLASH_ATTENTION (PyTorch's FlashAttention-2), one batched call per
+             distinct sequence length: no padding (the varlen case is several calls)
+  sdpa_cudnn same calls under SDPBackend.CUDNN_ATTENTION
+  fa4_dense  FlashAttention-4 (flash_attn.cute) causal on the expanded sequences: flash_attn_func on
+             the batch, flash_attn_varlen_func when lengths differ: the generic kernel's rate
+  flex       compiled flex_attention (Triton kernels) on the packed layout, BlockMask of the forest rule
+  flex_fa4   the same with kernel_options={"BACKEND": "FLASH"}: FlashAttention-4 under Flex, the
+             strongest peer (baselines-h200.md section 11); block size per head dim (FLEX_BLOCK)
   pgrouper   PrefixGrouper-style decomposition: prompt causal self-attention, then responses as
              queries against [prompt K/V copied per response ; own K/V] (GQA expanded), SDPA
+  dualkv_ab  dualkv through a second build of libdualkv (--ab-library PATH) loaded into the same
+             process, with its own layouts and plans: A/B of two builds, e.g. a change against the
+             library it started from (with --rounds 3: same-round time ratios, see ab_summary)
+A method whose package is missing (FA4 off the GPU machine) is recorded as "skipped: ...". Flex's
+block-mask build and every method's first call (the compiles) are reported apart from the timing.
 
 FLOPs: forward = 4 * H * D * visible pairs, fwd+bwd = 3.5 x forward (FlashAttention convention).
 Timing: CUDA events, warm-up, median over iterations, inputs rotated over several random sets;
@@ -16,16 +26,21 @@ Timing: CUDA events, warm-up, median over iterations, inputs rotated over severa
 median round (and, as dualkv_speedup_*_rounds, the median of same-round ratios).
 
   PYTHONPATH=python DUALKV_LIBRARY=build/libdualkv.so python3 bench/attention.py [--quick]
+  ... bench/attention.py --ab-library base/libdualkv.so --ab-label 72977b9 --rounds 3   (A/B of two builds)
+The Hopper kernels are switched off per call by DUALKV_DISABLE_SM90=1 / DUALKV_DISABLE_SM90_BWD=1
+(read by either library at call time), so the A/B of the portable path is the same command with both set.
 """
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
+import ctypes
 import datetime
+import itertools
 import json
-import os
 import pathlib
 import statistics
-import subprocess
 import sys
 import time
 
@@ -33,8 +48,12 @@ import torch
 import torch.nn.functional as F
 
 HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "python"))
 import dualkv  # noqa: E402
+import provenance  # noqa: E402
+from peers import (FLEX_BACKENDS, FLEX_BLOCK, compiled_flex, fa4, first_output, kernel_options,  # noqa: E402
+                   next_block_size)
 
 DEFAULT_CONFIGS = [(16, 4096, 1024), (28, 4096, 2048), (16, 8192, 2048), (32, 8192, 1024),
                    (8, 16384, 2048), (28, 16384, 2048), (4, 8192, 1024)]
@@ -44,7 +63,55 @@ VARLEN = {"name": "varlen", "prompts": [3000, 7000, 1500, 5000],
                         [2048, 512, 1024, 1536],
                         [100, 3000, 650, 1, 2200, 800],
                         [1000, 1000, 1700, 250, 600]]}
-METHODS = ["dualkv", "sdpa_flash", "sdpa_cudnn", "flex", "pgrouper"]
+METHODS = ["dualkv", "sdpa_flash", "sdpa_cudnn", "fa4_dense", "flex", "flex_fa4", "pgrouper"]
+
+
+class Library:
+    """One build of libdualkv. Inside ``active()`` every call of the dualkv package (layout
+    derivation, plan building, the kernels, including an autograd backward run from the block) goes
+    to this build: a second build loaded with ``load(path)`` runs next to the default one in the same
+    process (separate copies of the .so, each with its own statically linked CUDA runtime)."""
+
+    def __init__(self, handle: ctypes.CDLL):
+        self.handle = handle
+        self.path = pathlib.Path(handle._name).resolve()
+
+    @classmethod
+    def default(cls) -> "Library":
+        """The build the dualkv package loads ($DUALKV_LIBRARY, ...)."""
+        return cls(dualkv._native.lib())
+
+    @classmethod
+    def load(cls, path) -> "Library":
+        """Another build; it must speak this package's C ABI version (the params structs)."""
+        path = pathlib.Path(path).resolve()
+        if not path.is_file():
+            raise FileNotFoundError(f"--ab-library: {path} does not exist")
+        handle = ctypes.CDLL(str(path))
+        if not hasattr(handle, "dualkv_abi_version"):
+            raise ValueError(f"--ab-library: {path} is not a libdualkv")
+        handle.dualkv_abi_version.restype = ctypes.c_uint32
+        version = handle.dualkv_abi_version()
+        if version != dualkv._native.ABI_VERSION:
+            raise ValueError(f"--ab-library: {path} has C ABI version {version}, this dualkv package drives "
+                             f"version {dualkv._native.ABI_VERSION}")
+        dualkv._native._declare(handle)
+        return cls(handle)
+
+    @contextlib.contextmanager
+    def active(self):
+        saved = dualkv._native.lib()
+        dualkv._native._lib = self.handle
+        try:
+            yield self
+        finally:
+            dualkv._native._lib = saved
+
+    def describe(self) -> dict:
+        """Where the build is and what it is: path, sha256 and date of the file, its build info."""
+        with self.active():
+            info = dualkv._native.build_info()
+        return dict(provenance.library_record(self.path), build=info)
 
 
 def log(msg: str) -> None:
@@ -67,6 +134,13 @@ class Case:
         self.expanded_pairs = expanded_pairs(self.seq_lens)
         self.uniform = len(self.prompts) == 1 and len(set(self.responses[0])) == 1
 
+    def key_end(self) -> torch.Tensor:
+        """int64 [T]: for each key token, the token where its segment's subtree ends. The forest rule
+        in one gather: query q sees key k iff k <= q < key_end[k] (DFS order)."""
+        lay = self.layout_cpu
+        off, end = lay.seg_offsets.to(torch.int64), lay.seg_subtree_end.to(torch.int64)
+        return off[end][lay.segment_ids()]
+
     def describe(self):
         return {"name": self.name, "prompts": self.prompts, "responses": self.responses,
                 "packed_tokens": self.T, "expanded_tokens": sum(self.seq_lens),
@@ -74,13 +148,20 @@ class Case:
                 "rho_attn": self.expanded_pairs / self.shared_pairs}
 
 
-def time_fn(fn, sets, warmup, iters):
-    """Median ms of fn(set) over iters calls (rotating input sets) after warmup calls."""
-    t0 = time.perf_counter()
-    fn(sets[0])
+def timed_ms(fn, x) -> float:
+    """Wall ms of one synchronised call."""
     torch.cuda.synchronize()
-    first = time.perf_counter() - t0
-    if first > 0.5:  # slow configuration: fewer repetitions keep the run short
+    t0 = time.perf_counter()
+    fn(x)
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def time_fn(fn, sets, warmup, iters):
+    """(median ms of fn(set) over iters calls after warmup calls, rotating input sets; seconds of
+    the first call, compiles included)."""
+    first_s = timed_ms(fn, sets[0]) / 1e3
+    if timed_ms(fn, sets[1 % len(sets)]) > 500:  # slow configuration: fewer repetitions keep the run short
         warmup, iters = min(warmup, 1), min(iters, 5)
     for i in range(warmup):
         fn(sets[(i + 1) % len(sets)])
@@ -94,7 +175,7 @@ def time_fn(fn, sets, warmup, iters):
         e.record()
         events.append((s, e))
     torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in events)
+    return statistics.median(s.elapsed_time(e) for s, e in events), first_s
 
 
 def randn(shape, dtype, seed, requires_grad):
@@ -103,92 +184,152 @@ def randn(shape, dtype, seed, requires_grad):
     return t.requires_grad_(requires_grad)
 
 
-# ---- methods: each returns (setup(seed) -> inputs, fwd(inputs), fwdbwd(inputs), pairs) ----
+def qkv_do(q_shape, kv_shape, dtype, seed):
+    """[q, k, v] (requiring grad) and [d_out] (the gradient fed to the backward)."""
+    return ([randn(q_shape, dtype, seed, True), randn(kv_shape, dtype, seed + 1, True),
+             randn(kv_shape, dtype, seed + 2, True)], [randn(q_shape, dtype, seed + 3, False)])
 
-def method_dualkv(case, H, Hk, D, dtype, deterministic=False):
-    layout = case.layout_cpu.to("cuda")
 
-    def setup(seed):
-        return [randn((case.T, H, D), dtype, seed, True), randn((case.T, Hk, D), dtype, seed + 1, True),
-                randn((case.T, Hk, D), dtype, seed + 2, True), randn((case.T, H, D), dtype, seed + 3, False)]
-
+def directions(call, n_inputs, scope=contextlib.nullcontext):
+    """fwd(x) and fwdbwd(x) of a method whose input list x holds n_inputs tensors that require grad
+    followed by one gradient per output of call(x) (a tensor or a list of tensors); both run inside
+    scope() (the library switch of the dualkv methods)."""
     def fwd(x):
-        with torch.no_grad():
-            return dualkv.attention(x[0], x[1], x[2], layout, deterministic=deterministic)
-
-    def fwdbwd(x):
-        for t in x[:3]:
-            t.grad = None
-        out = dualkv.attention(x[0], x[1], x[2], layout, deterministic=deterministic)
-        out.backward(x[3])
-
-    return setup, fwd, fwdbwd, case.shared_pairs
-
-
-def _padded_batch(case):
-    lens = case.seq_lens
-    return len(lens), max(lens)
-
-
-def method_sdpa(case, H, Hk, D, dtype, backend):
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    be = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[backend]
-    B, S = _padded_batch(case)  # variable lengths: right-padded batch (padding never seen causally)
-
-    def setup(seed):
-        return [randn((B, H, S, D), dtype, seed, True), randn((B, Hk, S, D), dtype, seed + 1, True),
-                randn((B, Hk, S, D), dtype, seed + 2, True), randn((B, H, S, D), dtype, seed + 3, False)]
-
-    def call(x):
-        with sdpa_kernel(be):
-            return F.scaled_dot_product_attention(x[0], x[1], x[2], is_causal=True, enable_gqa=True)
-
-    def fwd(x):
-        with torch.no_grad():
+        with scope(), torch.no_grad():
             return call(x)
 
     def fwdbwd(x):
-        for t in x[:3]:
+        for t in x[:n_inputs]:
             t.grad = None
-        call(x).backward(x[3])
-
-    return setup, fwd, fwdbwd, case.expanded_pairs
-
-
-_FLEX_COMPILED = {}
+        with scope():
+            out = call(x)
+            torch.autograd.backward(out if isinstance(out, list) else [out], x[n_inputs:])
+    return fwd, fwdbwd
 
 
-def method_flex(case, H, Hk, D, dtype):
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-    if "fn" not in _FLEX_COMPILED:
-        # Default (automatic) dynamic shapes: one recompilation, then shared by every sequence length.
-        _FLEX_COMPILED["fn"] = torch.compile(flex_attention)
-    flex = _FLEX_COMPILED["fn"]
-    layout = case.layout_cpu
-    seg = layout.segment_ids().to("cuda")
-    parent = torch.tensor(layout.parents, dtype=torch.int64, device="cuda")
+# ---- methods: each returns (setup(seed) -> inputs, fwd(inputs), fwdbwd(inputs), pairs, extras) ----
+
+def method_dualkv(case, H, Hk, D, dtype, library, deterministic=False):
+    # Every library builds its own layout and plans (the plan format may differ between builds);
+    # both sides of an A/B pay the same library switch around each call.
+    with library.active():
+        layout = dualkv.Layout.from_groups(case.prompts, case.responses).to("cuda")
+
+    def setup(seed):
+        x, do = qkv_do((case.T, H, D), (case.T, Hk, D), dtype, seed)
+        return x + do
+
+    fwd, fwdbwd = directions(lambda x: dualkv.attention(x[0], x[1], x[2], layout, deterministic=deterministic),
+                             3, library.active)
+    return setup, fwd, fwdbwd, case.shared_pairs, {}
+
+
+def method_sdpa(case, H, Hk, D, dtype, backend):
+    """SDPA on the expanded sequences, one batched call per distinct length (no padding: every
+    computed pair is a real one; one call when all sequences have the same length)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    be = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[backend]
+    buckets = sorted(collections.Counter(case.seq_lens).items())
+
+    def setup(seed):
+        ins, grads = [], []
+        for i, (L, n) in enumerate(buckets):
+            x, do = qkv_do((n, H, L, D), (n, Hk, L, D), dtype, seed + 10 * i)
+            ins += x
+            grads += do
+        return ins + grads
+
+    def call(x):
+        with sdpa_kernel(be):
+            return [F.scaled_dot_product_attention(x[3 * i], x[3 * i + 1], x[3 * i + 2], is_causal=True,
+                                                   enable_gqa=True) for i in range(len(buckets))]
+
+    fwd, fwdbwd = directions(call, 3 * len(buckets))
+    return setup, fwd, fwdbwd, case.expanded_pairs, {"calls": len(buckets)}
+
+
+def method_fa4_dense(case, H, Hk, D, dtype):
+    """FA4 causal on the expanded sequences: flash_attn_func on [N, S, H, D] when all have one
+    length, else flash_attn_varlen_func on the concatenated sequences (no padding)."""
+    dense, varlen = fa4()
+    lens = case.seq_lens
+    if len(set(lens)) == 1:
+        q_shape, kv_shape = (len(lens), lens[0], H, D), (len(lens), lens[0], Hk, D)
+
+        def call(x):
+            return first_output(dense(x[0], x[1], x[2], causal=True))
+    else:
+        total, longest = sum(lens), max(lens)
+        cu = torch.tensor([0] + list(itertools.accumulate(lens)), dtype=torch.int32, device="cuda")
+        q_shape, kv_shape = (total, H, D), (total, Hk, D)
+
+        def call(x):
+            return first_output(varlen(x[0], x[1], x[2], cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest,
+                                 max_seqlen_k=longest, causal=True))
+
+    def setup(seed):
+        x, do = qkv_do(q_shape, kv_shape, dtype, seed)
+        return x + do
+
+    fwd, fwdbwd = directions(call, 3)
+    return setup, fwd, fwdbwd, case.expanded_pairs, {"call": "flash_attn_func" if len(set(lens)) == 1
+                                                     else "flash_attn_varlen_func"}
+
+
+#: tries of method_flex at finding a block size the kernels accept (each one compiles)
+FLEX_BLOCK_TRIES = 4
+
+
+def method_flex(case, H, Hk, D, dtype, backend):
+    """Compiled FlexAttention on the packed layout; backend "TRITON" (its default kernels) or "FLASH"
+    (FlashAttention-4 under Flex). The block mask is built here, once per case (a training loop
+    builds one per micro-batch): its first build (compiled) and a steady rebuild are reported, and
+    so are the compiles of the first forward and forward+backward calls, apart from the timing."""
+    from torch.nn.attention.flex_attention import create_block_mask
+    if backend == "FLASH":
+        fa4()
+    flex = compiled_flex(backend, dynamic=False)  # kernel rate: the best case for Flex (e2e: automatic)
+    key_end = case.key_end().to("cuda")
     T = case.T
 
     def mask_mod(b, h, q_idx, kv_idx):
-        sq, sk = seg[q_idx], seg[kv_idx]
-        return ((sq == sk) & (kv_idx <= q_idx)) | (parent[sq] == sk)
+        return (kv_idx <= q_idx) & (q_idx < key_end[kv_idx])
 
-    block_mask = create_block_mask(mask_mod, 1, 1, T, T, device="cuda", _compile=True)
+    def build(block):
+        return create_block_mask(mask_mod, 1, 1, T, T, device="cuda", BLOCK_SIZE=block, _compile=True)
 
     def setup(seed):
-        return [randn((1, H, T, D), dtype, seed, True), randn((1, Hk, T, D), dtype, seed + 1, True),
-                randn((1, Hk, T, D), dtype, seed + 2, True), randn((1, H, T, D), dtype, seed + 3, False)]
+        x, do = qkv_do((1, H, T, D), (1, Hk, T, D), dtype, seed)
+        return x + do
 
-    def fwd(x):
-        with torch.no_grad():
-            return flex(x[0], x[1], x[2], block_mask=block_mask, enable_gqa=True)
+    options = kernel_options(backend)
+    extras = {"block_size_tried": []}
+    block, tiles, probe = FLEX_BLOCK[backend], [set(), set()], setup(7)
+    for _ in range(FLEX_BLOCK_TRIES):
+        t0 = time.perf_counter()
+        block_mask = build(block)
+        torch.cuda.synchronize()
+        extras["mask_first_build_s"] = time.perf_counter() - t0
 
-    def fwdbwd(x):
-        for t in x[:3]:
-            t.grad = None
-        flex(x[0], x[1], x[2], block_mask=block_mask, enable_gqa=True).backward(x[3])
-
-    return setup, fwd, fwdbwd, case.shared_pairs
+        def call(x, bm=block_mask):
+            return flex(x[0], x[1], x[2], block_mask=bm, enable_gqa=True, kernel_options=options)
+        fwd, fwdbwd = directions(call, 3)
+        try:  # the first calls compile (forward alone, then forward + backward)
+            extras["compile_fwd_s"] = timed_ms(fwd, probe) / 1e3
+            extras["compile_fwdbwd_s"] = timed_ms(fwdbwd, probe) / 1e3
+            break
+        except Exception as e:  # noqa: BLE001  (a refused block size is data, and maybe retried)
+            msg = " ".join(str(e).split())
+            extras["block_size_tried"].append({"block_size": list(block), "error": msg[:400]})
+            block = next_block_size(block, tiles, msg)
+            if block is None:
+                raise
+    else:
+        raise RuntimeError(f"no block size accepted after {FLEX_BLOCK_TRIES} tries: {extras['block_size_tried']}")
+    extras["block_size"] = list(block)
+    extras["mask_build_ms"] = statistics.median(timed_ms(lambda _: build(block), None) for _ in range(3))
+    del probe
+    return setup, fwd, fwdbwd, case.shared_pairs, extras
 
 
 def method_pgrouper(case, H, Hk, D, dtype):
@@ -200,11 +341,9 @@ def method_pgrouper(case, H, Hk, D, dtype):
     bias = causal_lower_right(R, P + R)
 
     def setup(seed):
-        return [randn((1, H, P, D), dtype, seed, True), randn((1, Hk, P, D), dtype, seed + 1, True),
-                randn((1, Hk, P, D), dtype, seed + 2, True),
-                randn((N, H, R, D), dtype, seed + 3, True), randn((N, Hk, R, D), dtype, seed + 4, True),
-                randn((N, Hk, R, D), dtype, seed + 5, True),
-                randn((1, H, P, D), dtype, seed + 6, False), randn((N, H, R, D), dtype, seed + 7, False)]
+        prompt, d_prompt = qkv_do((1, H, P, D), (1, Hk, P, D), dtype, seed)
+        resp, d_resp = qkv_do((N, H, R, D), (N, Hk, R, D), dtype, seed + 4)
+        return prompt + resp + d_prompt + d_resp
 
     def call(x):
         qp, kp, vp, qr, kr, vr = x[:6]
@@ -212,53 +351,51 @@ def method_pgrouper(case, H, Hk, D, dtype):
         k_cat = torch.cat([kp.expand(N, -1, -1, -1), kr], dim=2).repeat_interleave(G, dim=1)
         v_cat = torch.cat([vp.expand(N, -1, -1, -1), vr], dim=2).repeat_interleave(G, dim=1)
         out_r = F.scaled_dot_product_attention(qr, k_cat, v_cat, attn_mask=bias)
-        return out_p, out_r
+        return [out_p, out_r]
 
-    def fwd(x):
-        with torch.no_grad():
-            return call(x)
-
-    def fwdbwd(x):
-        for t in x[:6]:
-            t.grad = None
-        out_p, out_r = call(x)
-        torch.autograd.backward([out_p, out_r], [x[6], x[7]])
-
-    return setup, fwd, fwdbwd, case.shared_pairs
+    fwd, fwdbwd = directions(call, 6)
+    return setup, fwd, fwdbwd, case.shared_pairs, {}
 
 
-def build_method(name, case, H, Hk, D, dtype):
+def build_method(name, case, H, Hk, D, dtype, libraries):
+    """``libraries``: {"dualkv": the default build, "dualkv_ab": the --ab-library build or absent}."""
     if name == "dualkv":
-        return method_dualkv(case, H, Hk, D, dtype)
+        return method_dualkv(case, H, Hk, D, dtype, libraries["dualkv"])
     if name == "dualkv_det":
-        return method_dualkv(case, H, Hk, D, dtype, deterministic=True)
+        return method_dualkv(case, H, Hk, D, dtype, libraries["dualkv"], deterministic=True)
+    if name == "dualkv_ab":
+        if "dualkv_ab" not in libraries:
+            raise ValueError("method dualkv_ab needs --ab-library PATH")
+        return method_dualkv(case, H, Hk, D, dtype, libraries["dualkv_ab"])
     if name == "sdpa_flash":
         return method_sdpa(case, H, Hk, D, dtype, "flash")
     if name == "sdpa_cudnn":
         return method_sdpa(case, H, Hk, D, dtype, "cudnn")
-    if name == "flex":
-        return method_flex(case, H, Hk, D, dtype)
+    if name == "fa4_dense":
+        return method_fa4_dense(case, H, Hk, D, dtype)
+    if name in FLEX_BACKENDS:
+        return method_flex(case, H, Hk, D, dtype, FLEX_BACKENDS[name])
     if name == "pgrouper":
         return method_pgrouper(case, H, Hk, D, dtype)
     raise ValueError(name)
 
 
-def run_method(name, case, args, dtype):
+def run_method(name, case, args, dtype, libraries):
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     base_mem = torch.cuda.memory_allocated()
-    setup, fwd, fwdbwd, pairs = build_method(name, case, args.heads, args.kv_heads, args.head_dim, dtype)
+    setup, fwd, fwdbwd, pairs, extras = build_method(name, case, args.heads, args.kv_heads, args.head_dim, dtype,
+                                                     libraries)
     sets = [setup(1000 * i + 17) for i in range(args.rotate)]
     fwd_flops = 4.0 * args.heads * args.head_dim * pairs
     res = {"pairs": pairs}
-    ms = time_fn(fwd, sets, args.warmup, args.iters)
-    res["fwd_ms"] = ms
-    res["fwd_tflops"] = fwd_flops / (ms * 1e-3) / 1e12
+    res["fwd_ms"], res["fwd_first_s"] = time_fn(fwd, sets, args.warmup, args.iters)
+    res["fwd_tflops"] = fwd_flops / (res["fwd_ms"] * 1e-3) / 1e12
     if not args.fwd_only:
-        ms = time_fn(fwdbwd, sets, args.warmup, args.iters)
-        res["fwdbwd_ms"] = ms
-        res["fwdbwd_tflops"] = 3.5 * fwd_flops / (ms * 1e-3) / 1e12
+        res["fwdbwd_ms"], res["fwdbwd_first_s"] = time_fn(fwdbwd, sets, args.warmup, args.iters)
+        res["fwdbwd_tflops"] = 3.5 * fwd_flops / (res["fwdbwd_ms"] * 1e-3) / 1e12
     res["peak_gib"] = (torch.cuda.max_memory_allocated() - base_mem) / 2**30
+    res.update(extras)
     del sets
     return res
 
@@ -270,16 +407,21 @@ def round_orders(methods, rounds):
     return [methods[r % m:] + methods[:r % m] for r in range(rounds)] if m else []
 
 
+TIMING_KEYS = ("pairs", "fwd_ms", "fwd_tflops", "fwdbwd_ms", "fwdbwd_tflops", "peak_gib")
+
+
 def combine_rounds(per_round):
     """One result from a method's per-round results (each as run_method returns it): the median
-    time of the rounds (TFLOP/s recomputed from it), the largest peak, and the per-round times.
+    time of the rounds (TFLOP/s recomputed from it), the largest peak, the per-round times, and the
+    first round's other entries (compile and mask-build costs: later rounds find them cached).
     An error in any round makes the whole result that error."""
     errors = [r["error"] for r in per_round if "error" in r]
     if errors:
         return {"error": errors[0]}
     if len(per_round) == 1:
         return dict(per_round[0])
-    out = {"pairs": per_round[0]["pairs"], "rounds": len(per_round)}
+    out = {k: v for k, v in per_round[0].items() if k not in TIMING_KEYS}
+    out.update(pairs=per_round[0]["pairs"], rounds=len(per_round))
     for key in ("fwd", "fwdbwd"):
         ms = [r[f"{key}_ms"] for r in per_round if f"{key}_ms" in r]
         if ms:
@@ -292,24 +434,131 @@ def combine_rounds(per_round):
     return out
 
 
+def same_round_ratios(per_method, num, den, key):
+    """(num time / den time) of every round in which both were measured (``key``: fwd or fwdbwd)."""
+    return [a[f"{key}_ms"] / b[f"{key}_ms"] for a, b in zip(per_method.get(num, []), per_method.get(den, []))
+            if f"{key}_ms" in a and f"{key}_ms" in b]
+
+
 def round_speedups(per_method, key):
     """Median over rounds of (method time / dualkv time) in the same round, per method."""
-    base = per_method.get("dualkv", [])
     out = {}
-    for m, rs in per_method.items():
+    for m in per_method:
         if m == "dualkv":
             continue
-        ratios = [r[f"{key}_ms"] / b[f"{key}_ms"] for r, b in zip(rs, base)
-                  if f"{key}_ms" in r and f"{key}_ms" in b and "error" not in r and "error" not in b]
+        ratios = same_round_ratios(per_method, m, "dualkv", key)
         if len(ratios) > 1:
             out[m] = statistics.median(ratios)
     return out
 
 
-def profile_dualkv(case, args, dtype):
+def ab_summary(per_method, tolerance):
+    """The A/B of two builds on one case: per direction, the same-round ratios dualkv time /
+    dualkv_ab time (> 1: the default build is slower), their median, whether the default build was
+    slower in every round, and ``within`` = median <= 1 + tolerance and not slower in every round
+    (a build counts as no slower only if both hold). Empty without two rounds of both builds."""
+    out = {}
+    for key in ("fwd", "fwdbwd"):
+        ratios = same_round_ratios(per_method, "dualkv", "dualkv_ab", key)
+        if len(ratios) < 2:
+            continue
+        med = statistics.median(ratios)
+        slower_always = all(r > 1.0 for r in ratios)
+        out[key] = {"time_ratios": ratios, "median": med, "slower_every_round": slower_always,
+                    "within": med <= 1.0 + tolerance and not slower_always}
+    return out
+
+
+def measure_case(methods, rounds, run):
+    """Every method ``rounds`` times (at least once), interleaved in the rotated orders of
+    round_orders; ``run(method)`` measures once (run_method). Returns {method: [result per round]};
+    a method that fails is recorded as {"error": ...} and not tried again in later rounds."""
+    per_method = {m: [] for m in methods}
+    for rnd, order in enumerate(round_orders(methods, max(1, rounds))):
+        for m in order:
+            if per_method[m] and "error" in per_method[m][-1]:
+                continue
+            tag = f" (round {rnd + 1})" if rounds > 1 else ""
+            try:
+                r = run(m)
+            except Exception as e:  # report and go on: one failing baseline must not kill the run
+                msg = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+                per_method[m].append({"error": msg})
+                log(f"   {m:11s} FAILED{tag} {msg}")
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+                continue
+            per_method[m].append(r)
+            log(f"   {m:11s} fwd {r['fwd_ms']:9.3f} ms {r['fwd_tflops']:6.1f} TF/s | "
+                + (f"fwd+bwd {r['fwdbwd_ms']:9.3f} ms {r['fwdbwd_tflops']:6.1f} TF/s | " if "fwdbwd_ms" in r else "")
+                + f"peak {r['peak_gib']:6.2f} GiB{tag}")
+    return per_method
+
+
+def case_results(per_method, ab_tolerance):
+    """A case's entry from its per-round results: {"results": {method: combined rounds, with
+    dualkv_speedup_* (median-round times) and dualkv_speedup_*_rounds (same-round ratios)}}, plus
+    {"ab": ab_summary} when both builds ran."""
+    results = {m: combine_rounds(rs) for m, rs in per_method.items()}
+    base = results.get("dualkv", {})
+    for m, r in results.items():
+        if m != "dualkv" and "fwd_ms" in r and "fwd_ms" in base:
+            r["dualkv_speedup_fwd"] = r["fwd_ms"] / base["fwd_ms"]
+            if "fwdbwd_ms" in r and "fwdbwd_ms" in base:
+                r["dualkv_speedup_fwdbwd"] = r["fwdbwd_ms"] / base["fwdbwd_ms"]
+    for key in ("fwd", "fwdbwd"):  # with rounds: ratios of times measured next to each other
+        for m, v in round_speedups(per_method, key).items():
+            results[m][f"dualkv_speedup_{key}_rounds"] = v
+    entry = {"results": results}
+    ab = ab_summary(per_method, ab_tolerance)
+    if ab:
+        entry["ab"] = ab
+    return entry
+
+
+def summary_table(results) -> str:
+    """One line per (case, method): times, useful TFLOP/s, dualkv's speedup over the method
+    (same-round median with --rounds), peak memory; a Flex method's compile and block-mask costs on
+    a line of their own (outside the timing)."""
+    lines = [f"{'case':20s} {'method':11s} {'fwd ms':>8s} {'fwd TF/s':>9s} {'f+b ms':>9s} {'f+b TF/s':>9s} "
+             f"{'dkv x f+b':>10s} {'peak GiB':>9s}"]
+    for c in results["cases"]:
+        for m, r in c["results"].items():
+            if "error" in r:
+                lines.append(f"{c['case']['name']:20s} {m:11s} {r['error'][:100]}")
+                continue
+            speedup = r.get("dualkv_speedup_fwdbwd_rounds", r.get("dualkv_speedup_fwdbwd"))
+            lines.append(f"{c['case']['name']:20s} {m:11s} {r['fwd_ms']:8.3f} {r['fwd_tflops']:9.1f} "
+                         f"{r.get('fwdbwd_ms', float('nan')):9.3f} {r.get('fwdbwd_tflops', float('nan')):9.1f} "
+                         f"{'' if speedup is None else f'{speedup:.2f}x':>10s} {r['peak_gib']:9.2f}")
+            if "mask_build_ms" in r:
+                lines.append(f"{'':32s} {m}: block mask {r['block_size'][0]}x{r['block_size'][1]}, first build "
+                             f"{r['mask_first_build_s']:.2f} s, then {r['mask_build_ms']:.1f} ms per build; compile "
+                             f"fwd {r['compile_fwd_s']:.1f} s, fwd+bwd {r['compile_fwdbwd_s']:.1f} s (outside the "
+                             "times above)")
+    return "\n".join(lines)
+
+
+def ab_table(results) -> str:
+    """The A/B verdict of a run, one line per case and direction."""
+    lines = [f"A/B: dualkv ({results['env']['dualkv_library']['path']}) time / dualkv_ab "
+             f"({results['env']['dualkv_ab_library']['path']}, {results['env'].get('ab_label') or 'no label'}) "
+             f"time, same round; within = median <= {1 + results['ab_tolerance']:.2f} and not slower in every round",
+             f"{'case':20s} {'dir':6s} {'median':>7s}  {'rounds':24s} verdict"]
+    for c in results["cases"]:
+        for key, a in c.get("ab", {}).items():
+            verdict = ("within" if a["within"]
+                       else "OUTSIDE" + (" (slower every round)" if a["slower_every_round"] else ""))
+            lines.append(f"{c['case']['name']:20s} {key:6s} {a['median']:7.3f}  "
+                         f"{' '.join(f'{r:.3f}' for r in a['time_ratios']):24s} {verdict}")
+    return "\n".join(lines)
+
+
+def profile_dualkv(case, args, dtype, libraries):
     from torch.profiler import ProfilerActivity, profile
     for name in ("dualkv", "dualkv_det"):
-        setup, fwd, fwdbwd, _ = build_method(name, case, args.heads, args.kv_heads, args.head_dim, dtype)
+        setup, fwd, fwdbwd, _, _ = build_method(name, case, args.heads, args.kv_heads, args.head_dim, dtype,
+                                                libraries)
         x = setup(5)
         for _ in range(2):
             fwdbwd(x)
@@ -322,17 +571,6 @@ def profile_dualkv(case, args, dtype):
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=70),
               flush=True)
         del x
-
-
-def git_commit():
-    if os.environ.get("DUALKV_COMMIT"):
-        return os.environ["DUALKV_COMMIT"]
-    try:
-        # "-dirty" when tracked files differ from the commit: the number then belongs to no commit
-        return subprocess.check_output(["git", "describe", "--always", "--dirty", "--abbrev=7"], cwd=HERE,
-                                       stderr=subprocess.DEVNULL).decode().strip()
-    except Exception:
-        return "unknown"
 
 
 def plot(results, path):
@@ -397,6 +635,8 @@ def markdown(path):
         print(f"| {c['case']['name']} | " + " | ".join(
             f"{c['results'][m]['peak_gib']:.1f}" if "peak_gib" in c["results"].get(m, {}) else "n/a"
             for m in methods) + " |")
+    if any("ab" in c for c in res["cases"]):
+        print("\n```\n" + ab_table(res) + "\n```")
 
 
 def main():
@@ -422,8 +662,17 @@ def main():
     ap.add_argument("--tag", default="")
     ap.add_argument("--profile", action="store_true",
                     help="print per-kernel CUDA times of dualkv fwd+bwd (both dQ modes) on the first case")
+    ap.add_argument("--ab-library", default="",
+                    help="a second libdualkv build, run as method dualkv_ab in this process (added to --methods)")
+    ap.add_argument("--ab-label", default="", help="what the --ab-library build is (e.g. the commit it was built from)")
+    ap.add_argument("--ab-tolerance", type=float, default=0.02,
+                    help="A/B verdict: the default build's median same-round time ratio may exceed 1 by this much")
+    ap.add_argument("--allow-dirty", action="store_true",
+                    help="measure a tree that is not a commit (the result is marked dirty; see provenance.py)")
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
+    tree = provenance.git_state()
+    provenance.check_tree(tree, args.allow_dirty)
 
     if args.configs:
         configs = [tuple(int(x) for x in c.split(",")) for c in args.configs.split(";") if c]
@@ -437,16 +686,22 @@ def main():
     if not args.no_varlen:
         cases.append(Case(VARLEN["name"], VARLEN["prompts"], VARLEN["responses"]))
     methods = [m for m in args.methods.split(",") if m]
+    libraries = {"dualkv": Library.default()}
+    if args.ab_library:
+        libraries["dualkv_ab"] = Library.load(args.ab_library)
+        if "dualkv_ab" not in methods:
+            methods.append("dualkv_ab")
 
-    props = torch.cuda.get_device_properties(0)
-    env = {"gpu": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
-           "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version(), "commit": git_commit(),
-           "dualkv_build": dualkv._native.build_info(), "date": datetime.datetime.now(datetime.timezone.utc).replace(tzinfo=None).isoformat() + "Z"}
+    env = provenance.record(tree, "cuda")
+    if "dualkv_ab" in libraries:
+        env["dualkv_ab_library"] = libraries["dualkv_ab"].describe()
+        env["ab_label"] = args.ab_label
     shape = {"H": args.heads, "Hk": args.kv_heads, "D": args.head_dim, "dtype": args.dtype}
     results = {"env": env, "shape": shape, "methods": methods, "quick": args.quick, "rounds": max(1, args.rounds),
+               "ab_tolerance": args.ab_tolerance,
                "flops": "fwd = 4*H*D*visible pairs of each method's own layout; fwd+bwd = 3.5 x fwd",
                "cases": []}
-    log(f"{props.name}; shape {shape}; {len(cases)} cases x {methods}")
+    log(f"{env['gpu']}; shape {shape}; {len(cases)} cases x {methods}")
     outdir = pathlib.Path(args.out)
     outdir.mkdir(parents=True, exist_ok=True)
     stamp = datetime.datetime.now(datetime.timezone.utc).replace(tzinfo=None).strftime("%Y%m%d-%H%M%S")
@@ -454,56 +709,20 @@ def main():
     json_path = outdir / f"attention_{tag}_{stamp}.json"
 
     if args.profile:
-        profile_dualkv(cases[0], args, dtype)
+        profile_dualkv(cases[0], args, dtype, libraries)
 
     for case in cases:
-        entry = {"case": case.describe(), "results": {}}
-        results["cases"].append(entry)
         log(f"== {case.name}: packed {case.T} tokens, expanded {sum(case.seq_lens)}, "
             f"rho_attn {case.expanded_pairs / case.shared_pairs:.2f}")
-        per_method = {m: [] for m in methods}
-        for rnd, order in enumerate(round_orders(methods, max(1, args.rounds))):
-            for m in order:
-                if per_method[m] and "error" in per_method[m][-1]:
-                    continue  # failed in an earlier round: do not retry
-                tag = f" (round {rnd + 1})" if args.rounds > 1 else ""
-                try:
-                    r = run_method(m, case, args, dtype)
-                except Exception as e:  # report and go on: one failing baseline must not kill the run
-                    msg = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
-                    per_method[m].append({"error": msg})
-                    log(f"   {m:11s} FAILED{tag} {msg}")
-                    torch.cuda.empty_cache()
-                    continue
-                per_method[m].append(r)
-                log(f"   {m:11s} fwd {r['fwd_ms']:9.3f} ms {r['fwd_tflops']:6.1f} TF/s | "
-                    + (f"fwd+bwd {r['fwdbwd_ms']:9.3f} ms {r['fwdbwd_tflops']:6.1f} TF/s | " if "fwdbwd_ms" in r else "")
-                    + f"peak {r['peak_gib']:6.2f} GiB{tag}")
-        for m in methods:
-            entry["results"][m] = combine_rounds(per_method[m])
-        base = entry["results"].get("dualkv", {})
-        for m, r in entry["results"].items():
-            if m != "dualkv" and "fwd_ms" in r and "fwd_ms" in base:
-                r["dualkv_speedup_fwd"] = r["fwd_ms"] / base["fwd_ms"]
-                if "fwdbwd_ms" in r and "fwdbwd_ms" in base:
-                    r["dualkv_speedup_fwdbwd"] = r["fwdbwd_ms"] / base["fwdbwd_ms"]
-        for key in ("fwd", "fwdbwd"):  # with rounds: ratios of times measured next to each other
-            for m, v in round_speedups(per_method, key).items():
-                entry["results"][m][f"dualkv_speedup_{key}_rounds"] = v
+        per_method = measure_case(methods, args.rounds,
+                                  lambda m: run_method(m, case, args, dtype, libraries))
+        results["cases"].append(dict(case_results(per_method, args.ab_tolerance), case=case.describe()))
         json_path.write_text(json.dumps(results, indent=1))  # partial results survive a crash
 
     log(f"json: {json_path}")
-    # Summary table.
-    print("\ncase                 method        fwd ms   fwd TF/s  f+b ms    f+b TF/s  speedup(f+b)  peak GiB")
-    for c in results["cases"]:
-        for m, r in c["results"].items():
-            if "error" in r:
-                print(f"{c['case']['name']:20s} {m:11s}  error: {r['error'][:60]}")
-                continue
-            print(f"{c['case']['name']:20s} {m:11s} {r['fwd_ms']:8.3f} {r['fwd_tflops']:9.1f} "
-                  f"{r.get('fwdbwd_ms', float('nan')):9.3f} {r.get('fwdbwd_tflops', float('nan')):9.1f} "
-                  f"{r.get('dualkv_speedup_fwdbwd', 1.0 if m == 'dualkv' else float('nan')):10.2f}x "
-                  f"{r['peak_gib']:9.2f}")
+    print("\n" + summary_table(results))
+    if "dualkv_ab" in libraries:
+        print("\n" + ab_table(results))
     plot(results, json_path.with_suffix(".png"))
 
 

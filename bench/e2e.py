@@ -1,25 +1,32 @@
-"""End-to-end GRPO policy-update benchmark: a Qwen3-shaped model, three ways, one GPU, one process.
+"""End-to-end GRPO policy-update benchmark: a Qwen3-shaped model, every way, one GPU, one process.
 
-One *update* = forward + backward over a sequence of micro-batches (gradient accumulation; the
-optimizer step is the same for every method and left out), loss = GRPO/DAPO clipped policy loss
+One *update* = forward + backward over a sequence of micro-batches (gradient accumulation); the
+optimizer step is excluded (the same for every method). Loss = GRPO/DAPO clipped policy loss
 (``dualkv.grpo.policy_loss``, clip 0.2/0.28, token-mean) on per-token response log-probs. Every
 micro-batch holds whole groups (default one group: N responses of one prompt); prompt and response
 lengths vary between micro-batches, so every micro-batch has a different packed length, as in
 training. Random weights, bf16, train mode, gradient checkpointing (non-reentrant).
 
-Methods (same model object, the attention implementation is switched between methods):
+Methods (same model object, the attention implementation is switched between methods; PROTOCOL):
 
-  std     the unpacked N x (P + R) batch: one right-padded row per response, SDPA forced to the
-          cuDNN backend, is_causal and no mask (right padding is never seen by a real token, so
-          the response positions are exact)
-  flex    the packed [P | R_1 | ... | R_N] stream, compiled FlexAttention with a shared-prefix
-          BlockMask built for every micro-batch (the build is timed: training pays it per batch;
-          eager create_block_mask by default, as frameworks ship it; --flex-mask-compile for the
-          compiled build; compiles happen in the warm-up). On a CPU, where FlexAttention has no
-          backward, the dense mask of the same mask_mod is used with SDPA (a smoke test of the mask only).
-  dualkv  the packed stream with attn_implementation="dualkv"
+  std        the unpacked N x (P + R) batch: one right-padded row per response (every layer also
+             computes the padding), SDPA forced to the cuDNN backend, is_causal and no mask (right
+             padding is never seen by a real token, so the response positions are exact)
+  fa4_dense  the std rows with FlashAttention-4 causal (flash_attn_func) as the attention
+  flex       the packed [P | R_1 | ... | R_N] stream, compiled FlexAttention (Triton kernels) with a
+             BlockMask of the forest rule built for every micro-batch (the build is timed: training
+             pays it per batch; eager create_block_mask by default, as frameworks ship it;
+             --flex-mask-compile for the compiled build). Compiled as users compile it: torch's
+             automatic dynamic shapes (--flex-static: a recompile per packed length); the compiles
+             happen in the warm-up and are reported as compile_s. On a CPU, where FlexAttention has
+             no backward, the dense mask of the same mask_mod is used with SDPA (a smoke test of the
+             mask only).
+  flex_fa4   the same with kernel_options={"BACKEND": "FLASH"}: FlashAttention-4 under Flex
+  dualkv     the packed stream with attn_implementation="dualkv"
+fa4_dense and flex_fa4 need FlashAttention-4 (tests/gpu/device_run.sh fa4-install); without it they
+are recorded as "skipped" (and left out of the default list on a CPU).
 
-All three compute log-probs only at the positions that predict response tokens, with the same fused
+All compute log-probs only at the positions that predict response tokens, with the same fused
 routine (``dualkv.logprobs.response_logprobs``; for std on the unpacked rows' real tokens), so the
 differences come from the token count and the attention.
 
@@ -35,11 +42,13 @@ Time limits (--method-timeout): each method's warm-up (its compiles), its mask-b
 timed updates are bounded; a method past its limit is recorded as a timeout and the run goes on with
 the next method and config; a section that cannot be interrupted ends the process 60 s later. The
 JSON is saved before and after every method (the one in progress says "running"); the summary table
-is also written next to it (.txt).
+is also written next to it (.txt). The JSON records its provenance (provenance.py: the exact commit,
+versions including FA4 and the CuTe DSL, switches, the library); a GPU run refuses a dirty tree
+unless --allow-dirty.
 
   python bench/e2e.py                                  # 0.6b and 1.7b, the two default configs
   python bench/e2e.py --models 8b --configs 16,4096,1024
-  python bench/e2e.py --grid                           # more (N, P, R)
+  python bench/e2e.py --grid                           # more (N, P, R); >= 3 timed updates per cell
   python bench/e2e.py --device cpu --tiny              # smoke test on a CPU (tiny model, tiny configs)
 """
 from __future__ import annotations
@@ -51,7 +60,6 @@ import faulthandler
 import json
 import os
 import pathlib
-import platform
 import re
 import signal
 import statistics
@@ -63,9 +71,13 @@ import traceback
 import torch
 
 HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "python"))
 
 import dualkv  # noqa: E402
+import provenance  # noqa: E402
+from peers import (FLEX_BACKENDS, FLEX_BLOCK, Unavailable, compiled_flex, fa4, first_output,  # noqa: E402
+                   kernel_options)
 from dualkv.demo import MODEL_SIZES, qwen3_config  # noqa: E402
 from dualkv.grpo import group_advantages, policy_loss  # noqa: E402
 from dualkv.logprobs import response_logprobs  # noqa: E402
@@ -75,8 +87,20 @@ DEFAULT_CONFIGS = [(16, 4096, 1024), (8, 16384, 2048)]
 GRID_CONFIGS = [(16, 2048, 512), (16, 4096, 1024), (32, 4096, 1024), (16, 8192, 1024), (8, 8192, 2048),
                 (16, 8192, 2048), (8, 16384, 2048), (4, 32768, 2048)]
 TINY_CONFIGS = [(4, 64, 32), (3, 128, 48)]
-METHODS = ("std", "flex", "dualkv")
+METHODS = ("std", "fa4_dense", "flex", "flex_fa4", "dualkv")
 FLEX_IMPL = "dualkv_bench_flex"
+FA4_IMPL = "dualkv_bench_fa4"
+#: what one timed update is, written into every result (and the table)
+PROTOCOL = {
+    "update": "forward + backward over every micro-batch of the update (gradient accumulation); the optimizer "
+              "step is excluded (the same for every method)",
+    "std": "one right-padded row per response (N x (P + R) tokens; every layer also computes the padding, "
+           "which no real token attends to)",
+    "fa4_dense": "the std rows with FlashAttention-4 causal (flash_attn_func) as the attention",
+    "flex": "the packed stream, compiled FlexAttention (Triton kernels), a BlockMask built per micro-batch",
+    "flex_fa4": "the same with kernel_options BACKEND=FLASH (FlashAttention-4 under Flex)",
+    "dualkv": "the packed stream with attn_implementation='dualkv'",
+}
 
 
 def log(msg: str) -> None:
@@ -113,27 +137,22 @@ class MicroBatch:
             torch.tensor([len(rs) for rs in self.responses], device=device))
         self.adv = group_advantages(rewards.to(device), gid)
         self.old = None  # set after a no-grad pass
-        # shared-prefix metadata for FlexAttention (depth-2 forest: prompt root + responses)
+        # FlexAttention's mask: the forest rule in one gather, k <= q < key_end[k] (DFS order)
         lay = self.packed.layout
-        seg = lay.segment_ids().to(device)
-        parents = torch.tensor(lay.parents, dtype=torch.int64, device=device)
-        root_of_seg = torch.where(parents < 0, torch.arange(parents.numel(), device=device), parents)
-        self.flex_seg = seg
-        self.flex_root = root_of_seg[seg]
-        self.flex_is_prompt = (parents < 0)[seg]
+        self.key_end = lay.seg_offsets.long()[lay.seg_subtree_end.long()][lay.segment_ids()].to(device)
         self._mask_mod = None
         self.shared_pairs = lay.visible_pairs
         self.logit_rows = int(sum(r.numel() for rs in self.responses for r in rs))
 
     def mask_mod(self):
-        """The shared-prefix mask_mod (one function object per micro-batch, so that compiled
+        """The forest-rule mask_mod (one function object per micro-batch, so that compiled
         FlexAttention sees a stable closure across iterations)."""
         if self._mask_mod is None:
-            seg, root, is_prompt = self.flex_seg, self.flex_root, self.flex_is_prompt
+            key_end = self.key_end
 
-            def shared_prefix(b, h, q, kv):
-                return (root[q] == root[kv]) & (kv <= q) & (is_prompt[kv] | (seg[q] == seg[kv]))
-            self._mask_mod = shared_prefix
+            def forest(b, h, q, kv):
+                return (kv <= q) & (q < key_end[kv])
+            self._mask_mod = forest
         return self._mask_mod
 
 
@@ -158,22 +177,12 @@ def make_micro_batches(n, P, R, count, groups_per_mb, vocab, seed, device, equal
 
 
 # ----------------------------------------------------------------------------------------------
-# FlexAttention as a transformers attention implementation
+# the peers as transformers attention implementations
 # ----------------------------------------------------------------------------------------------
 
+#: run settings of the Flex methods: "compiled" (default on CUDA), "dynamic" (None: automatic dynamic
+#: shapes, as a training framework compiles; False: static), "mask_compile" (compiled mask builds)
 _FLEX = {}
-
-
-def _flex_fn(compiled: bool):
-    from torch.nn.attention.flex_attention import flex_attention
-    if not compiled:
-        return flex_attention
-    if "fn" not in _FLEX:
-        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 256)
-        if hasattr(torch._dynamo.config, "recompile_limit"):
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
-        _FLEX["fn"] = torch.compile(flex_attention, dynamic=False)
-    return _FLEX["fn"]
 
 
 def flex_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -182,28 +191,44 @@ def flex_attention_forward(module, query, key, value, attention_mask, scaling=No
         out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=block_mask,
                                                                scale=scaling, enable_gqa=True)
         return out.transpose(1, 2), None
-    flex = _flex_fn(kwargs.get("flex_compiled", True))
-    out = flex(query, key, value, block_mask=block_mask, scale=scaling, enable_gqa=True)
+    backend = kwargs["flex_backend"]
+    if _FLEX.get("compiled", True):
+        flex = compiled_flex(backend, _FLEX.get("dynamic"))
+    else:
+        from torch.nn.attention.flex_attention import flex_attention as flex
+    out = flex(query, key, value, block_mask=block_mask, scale=scaling, enable_gqa=True,
+               kernel_options=kernel_options(backend))
     return out.transpose(1, 2), None
 
 
-def register_flex():
+def fa4_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """FlashAttention-4 causal on the (right-padded) rows of the std method; q/k/v arrive [B, H, S, D]."""
+    dense, _ = fa4()
+    out = dense(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), softmax_scale=scaling,
+                causal=True)
+    return first_output(out), None
+
+
+def register_peers():
     from transformers import AttentionInterface
     AttentionInterface.register(FLEX_IMPL, flex_attention_forward)
+    AttentionInterface.register(FA4_IMPL, fa4_attention_forward)
 
 
-def build_block_mask(mb: MicroBatch, device):
-    """The shared-prefix BlockMask of a micro-batch; on a CPU (no FlexAttention backward there) the
-    dense boolean mask of the same mask_mod, used with SDPA, so the smoke test still checks it."""
+def build_block_mask(mb: MicroBatch, device, backend="TRITON"):
+    """The BlockMask of a micro-batch for a Flex backend (its block size, peers.FLEX_BLOCK); on a CPU
+    (no FlexAttention backward there) the dense boolean mask of the same mask_mod, used with SDPA, so
+    the smoke test still checks it."""
     from torch.nn.attention.flex_attention import create_block_mask, create_mask
     if device.type == "cpu":
         return create_mask(mb.mask_mod(), None, None, mb.T, mb.T, device=device)
+    kw = dict(device=device, BLOCK_SIZE=FLEX_BLOCK[backend])
     if _FLEX.get("mask_compile"):
         try:  # compiled mask build: O(T) memory, fast after its compile (the best case for the baseline)
-            return create_block_mask(mb.mask_mod(), None, None, mb.T, mb.T, device=device, _compile=True)
+            return create_block_mask(mb.mask_mod(), None, None, mb.T, mb.T, _compile=True, **kw)
         except TypeError:  # a torch without the private _compile flag
             _FLEX["mask_compile"] = False
-    return create_block_mask(mb.mask_mod(), None, None, mb.T, mb.T, device=device)
+    return create_block_mask(mb.mask_mod(), None, None, mb.T, mb.T, **kw)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -220,13 +245,14 @@ def _sdpa_context(device, backend: str):
 
 
 def logprobs_of(method, model, mb: MicroBatch, args, device):
-    if method == "std":
+    if method in ("std", "fa4_dense"):
         out = model.model(input_ids=mb.std_ids, use_cache=False)
         hidden = out.last_hidden_state[mb.std_valid]
         return response_logprobs(hidden, model.lm_head.weight, mb.std_rows)
     kw = dict(input_ids=mb.packed.input_ids, position_ids=mb.packed.position_ids, use_cache=False)
-    if method == "flex":
-        kw.update(flex_block_mask=build_block_mask(mb, device), flex_compiled=args.flex_compile)
+    if method in FLEX_BACKENDS:
+        backend = FLEX_BACKENDS[method]
+        kw.update(flex_block_mask=build_block_mask(mb, device, backend), flex_backend=backend)
     else:
         kw.update(dualkv_layout=mb.packed.layout)
     out = model.model(**kw)
@@ -242,7 +268,10 @@ def micro_step(method, model, mb, args, device, scale):
 
 
 def set_method(model, method):
-    impl = {"std": "sdpa", "flex": FLEX_IMPL, "dualkv": "dualkv"}[method]
+    if method in ("fa4_dense", "flex_fa4"):
+        fa4()  # raises Unavailable (the method is skipped) when FA4 is not installed
+    impl = {"std": "sdpa", "fa4_dense": FA4_IMPL, "flex": FLEX_IMPL, "flex_fa4": FLEX_IMPL,
+            "dualkv": "dualkv"}[method]
     model.set_attn_implementation(impl)
 
 
@@ -298,29 +327,32 @@ def _time_limit(seconds: float, what: str):
         yield
         return
 
-    armed = [True]
+    armed = [False]
 
     def fire(signum, frame):
-        if armed[0]:  # not once the section has ended (an alarm racing the clean-up below)
+        if armed[0]:  # a no-op before the section starts and once its clean-up has begun
             armed[0] = False
             TIMED_OUT.append(what)
             raise MethodTimeout(f"{what} exceeded its time limit of {seconds:.0f} s (--method-timeout)")
+    # Everything that our alarm can interrupt happens inside the try, so the clean-up always runs (an
+    # alarm firing while the timers were still being armed once skipped it and left the watchdog
+    # armed: it ended the process a minute later). Before the try an outer timer is paused (its
+    # remaining time kept) and the handler installed, still disarmed.
+    prev_delay, prev_interval = signal.setitimer(signal.ITIMER_REAL, 0)
     old = signal.signal(signal.SIGALRM, fire)
     t0 = time.monotonic()
-    prev_delay, prev_interval = signal.setitimer(signal.ITIMER_REAL, seconds)
-    faulthandler.dump_traceback_later(seconds + HARD_TIMEOUT_GRACE_S, exit=True)
     try:
+        faulthandler.dump_traceback_later(seconds + HARD_TIMEOUT_GRACE_S, exit=True)
+        armed[0] = True
+        signal.setitimer(signal.ITIMER_REAL, seconds)
         yield
     finally:
-        while True:  # the clean-up always completes, even if the alarm fires in its first steps
-            try:
-                armed[0] = False
-                signal.setitimer(signal.ITIMER_REAL, 0)
-                faulthandler.cancel_dump_traceback_later()
-                signal.signal(signal.SIGALRM, old)
-                break
-            except MethodTimeout:
-                continue
+        # A plain store first (CPython runs signal handlers only at calls, function entries and
+        # backward jumps): from here on the alarm is a no-op and cannot interrupt the clean-up.
+        armed[0] = False
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        faulthandler.cancel_dump_traceback_later()
+        signal.signal(signal.SIGALRM, old)
         if prev_delay > 0:
             signal.setitimer(signal.ITIMER_REAL, max(1e-3, prev_delay - (time.monotonic() - t0)), prev_interval)
 
@@ -366,15 +398,15 @@ def _std_logprobs_nograd(model, mbs, args, device):
         mb.old = torch.where(mb.mask, lp + 0.05 * torch.randn(lp.shape, generator=gen).to(device), torch.zeros_like(lp))
 
 
-def _mask_build_seconds(mbs, device, reps: int = 3) -> float:
-    """Median wall time of building every micro-batch's BlockMask once (what one flex update pays)."""
+def _mask_build_seconds(mbs, device, backend, reps: int = 3) -> float:
+    """Median wall time of building every micro-batch's BlockMask once (what one Flex update pays)."""
     samples = []
     for _ in range(reps):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         t0 = time.perf_counter()
         for mb in mbs:
-            build_block_mask(mb, device)
+            build_block_mask(mb, device, backend)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         samples.append(time.perf_counter() - t0)
@@ -500,7 +532,7 @@ def measure(method, model, mbs, args, device, base, flops):
         logps = None
         with _time_limit(args.method_timeout, f"{method} warm-up"):
             for _ in range(args.warmup):
-                _, logps = timed_update(method, model, mbs, args, device, progress=method == "flex")
+                _, logps = timed_update(method, model, mbs, args, device, progress=method in FLEX_BACKENDS)
         rec["warmup_s"] = time.perf_counter() - t_w
         times = []
         # no compiles are left after the warm-up (same micro-batches), so the timed updates may take
@@ -524,14 +556,16 @@ def measure(method, model, mbs, args, device, base, flops):
         if device.type == "cuda":
             rec["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
             rec["mfu"] = flops / sec / (args.peak_tflops * 1e12)
-        if method == "flex":  # the per-update BlockMask builds inside `seconds`, timed alone
-            with _time_limit(args.method_timeout, "flex mask builds"):
-                rec["mask_build_s"] = _mask_build_seconds(mbs, device)
+        if method in FLEX_BACKENDS:  # the per-update BlockMask builds inside `seconds`, timed alone
+            with _time_limit(args.method_timeout, f"{method} mask builds"):
+                rec["mask_build_s"] = _mask_build_seconds(mbs, device, FLEX_BACKENDS[method])
             rec["seconds_excl_mask"] = sec - rec["mask_build_s"]
-            # warm-up = first update = every compile (one per distinct packed length with dynamic=False)
+            # the warm-up (first update) pays every compile: the first packed length, then one
+            # recompile with symbolic shapes (automatic dynamic), or one per length with --flex-static
             rec["compile_s"] = max(0.0, rec["warmup_s"] - sec * args.warmup)
-            rec["flex_mask_compile"] = bool(_FLEX.get("mask_compile"))
-            rec["flex_compile"] = bool(args.flex_compile)
+            rec.update(flex_mask_compile=bool(_FLEX.get("mask_compile")), flex_compile=bool(args.flex_compile),
+                       flex_dynamic="static" if args.flex_static else "automatic",
+                       block_size=list(FLEX_BLOCK[FLEX_BACKENDS[method]]))
         if args.breakdown and device.type == "cuda":
             with _time_limit(timed_limit, f"{method} profiled update"):
                 rec["breakdown_ms"] = gpu_time_breakdown(method, model, mbs, args, device)
@@ -542,7 +576,8 @@ def measure(method, model, mbs, args, device, base, flops):
         rec["status"] = "ok"
     except (Exception, MethodTimeout) as exc:  # OOM, a timeout or an unavailable backend: record it, go on
         oom = _is_oom(exc)
-        rec["status"] = "oom" if oom else "timeout" if isinstance(exc, MethodTimeout) else "error"
+        rec["status"] = ("oom" if oom else "timeout" if isinstance(exc, MethodTimeout)
+                         else "skipped" if isinstance(exc, Unavailable) else "error")
         rec["error"] = f"{type(exc).__name__}: {str(exc)[:500]}"
         if rec["status"] == "error":
             traceback.print_exc()
@@ -558,12 +593,15 @@ def _is_oom(exc) -> bool:
 
 
 def probe_max_groups(method, model, cfg, n, P, R, args, device):
-    """The largest micro-batch (in whole groups of N responses, doubling from 1 up to --probe-limit)
-    whose forward + backward fits on the device with this method; returns (groups, record)."""
-    best = {"max_mb_groups": 0}
-    g = 1
+    """The largest micro-batch (in whole groups of N responses, up to --probe-limit) whose forward +
+    backward fits on the device with this method: doubling from 1 group until a step fails, then
+    bisection between the last count that fitted and the first that failed. Returns the record:
+    max_mb_groups, the smallest failing count (probe_first_fail) and its out-of-memory message
+    (probe_oom), every count tried (probe_tried), probe_limit_reached when nothing failed."""
     set_method(model, method)
-    while g <= args.probe_limit:
+    best = {"max_mb_groups": 0, "probe_tried": []}
+
+    def fits(g) -> bool:
         mb = None
         try:
             mb = make_micro_batches(n, P, R, 1, g, cfg.vocab_size, args.seed + 1000 + g, device,
@@ -576,22 +614,38 @@ def probe_max_groups(method, model, cfg, n, P, R, args, device):
                 micro_step(method, model, mb, args, device, 1.0)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-            best = {"max_mb_groups": g, "max_mb_unpacked_tokens": mb.unpacked_tokens, "max_mb_packed_tokens": mb.T}
+            best.update(max_mb_groups=g, max_mb_unpacked_tokens=mb.unpacked_tokens, max_mb_packed_tokens=mb.T)
             if device.type == "cuda":
                 best["max_mb_peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+            best["probe_tried"].append([g, "ok"])
+            return True
         except (Exception, MethodTimeout) as exc:  # noqa: BLE001
-            if _is_oom(exc):  # the allocator's message names the failed request ("Tried to allocate ...")
-                best["probe_oom"] = f"{g} groups: {' '.join(str(exc).split())[:240]}"
-            else:
-                best["probe_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-            break
+            if not _is_oom(exc):  # not a size limit: the probe cannot go on
+                best["probe_tried"].append([g, "error"])
+                raise
+            best["probe_tried"].append([g, "oom"])
+            if g < best.get("probe_first_fail", g + 1):  # the allocator's message names the failed request
+                best.update(probe_first_fail=g, probe_oom=f"{g} groups: {' '.join(str(exc).split())[:240]}")
+            return False
         finally:
             del mb
             model.zero_grad(set_to_none=True)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-        g *= 2
-    best["probe_limit_reached"] = g > args.probe_limit
+
+    lo, hi, g = 0, None, 1
+    try:
+        while hi is None and g <= args.probe_limit:
+            if fits(g):
+                lo, g = g, (min(2 * g, args.probe_limit) if g < args.probe_limit else g + 1)
+            else:
+                hi = g
+        while hi is not None and hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    except (Exception, MethodTimeout) as exc:  # noqa: BLE001
+        best["probe_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+    best["probe_limit_reached"] = hi is None and "probe_error" not in best
     return best
 
 
@@ -706,27 +760,9 @@ def interleaved_rounds(results, model, mbs, args, device):
             f"own block {r['seconds']:.3f})")
 
 
-def environment(device):
-    env = {"torch": torch.__version__, "python": platform.python_version(), "device": str(device),
-           "dualkv": dualkv.__version__, "time": datetime.datetime.now().isoformat(timespec="seconds")}
-    try:
-        import transformers
-        env["transformers"] = transformers.__version__
-    except ImportError:
-        pass
-    if device.type == "cuda":
-        env["gpu"] = torch.cuda.get_device_name(device)
-        env["cudnn"] = torch.backends.cudnn.version()
-    try:
-        env["dualkv_build"] = dualkv.build_info()
-    except Exception as exc:  # noqa: BLE001
-        env["dualkv_build"] = f"unavailable: {exc}"
-    try:
-        env["git_commit"] = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=40"], cwd=HERE,
-                                           capture_output=True, text=True, timeout=10).stdout.strip()
-    except Exception:  # noqa: BLE001
-        pass
-    return env
+def environment(device, tree):
+    """Provenance (commit, versions, switches, the library; provenance.py) plus the package's version."""
+    return dict(provenance.record(tree, device), device=str(device), dualkv=dualkv.__version__)
 
 
 def _max_mb_text(r) -> str:
@@ -785,23 +821,23 @@ def _fmt(value, spec, suffix="") -> str:
 def summary(results):
     """The table of a run: one row per (model, config, method); 'speedup' is std's time over this
     method's, 'dkv x' this method's time over dualkv's (the acceptance's "faster than FlexAttention")."""
-    head = (f"{'model':>6} {'N':>3} {'P':>6} {'R':>5} {'rho':>5} {'method':>7} {'s/update':>9} {'tok/s':>11} "
+    head = (f"{'model':>6} {'N':>3} {'P':>6} {'R':>5} {'rho':>5} {'method':>9} {'s/update':>9} {'tok/s':>11} "
             f"{'speedup':>8} {'dkv x':>6} {'peak GiB':>9} {'MFU %':>6} {'max|dlogp|':>10} {'max mb':>7}")
     lines = [head, "-" * len(head)]
     for r in results:
         if r["status"] != "ok":
             lines.append(f"{r['model']:>6} {r['N']:>3} {r['P']:>6} {r['R']:>5} {r['rho_tokens']:>5.2f} "
-                         f"{r['method']:>7} {r['status']:>9}  {r.get('error', '')[:80]}")
+                         f"{r['method']:>9} {r['status']:>9}  {r.get('error', '')[:80]}")
             continue
         peak = _fmt(r.get("peak_gib"), ".1f")
         mfu = _fmt(100 * r["mfu"] if "mfu" in r else None, ".1f")
-        lines.append(f"{r['model']:>6} {r['N']:>3} {r['P']:>6} {r['R']:>5} {r['rho_tokens']:>5.2f} {r['method']:>7} "
+        lines.append(f"{r['model']:>6} {r['N']:>3} {r['P']:>6} {r['R']:>5} {r['rho_tokens']:>5.2f} {r['method']:>9} "
                      f"{r['seconds']:>9.3f} {r['tokens_per_s']:>11,.0f} {_fmt(r.get('speedup_vs_std'), '.2f', 'x'):>8} "
                      f"{_fmt(r.get('dualkv_speedup'), '.2f', 'x'):>6} {peak:>9} {mfu:>6} "
                      f"{_fmt(r.get('max_abs_dlogp_vs_std'), '.3g'):>10} {_max_mb_text(r):>7}")
-        if r["method"] == "flex" and "mask_build_s" in r:
+        if r["method"] in FLEX_BACKENDS and "mask_build_s" in r:
             excl = _fmt(r.get("dualkv_speedup_excl_mask"), ".2f", "x")
-            lines.append(f"{'':>38} flex: mask builds {r['mask_build_s']:.3f} s/update (excluded: "
+            lines.append(f"{'':>38} {r['method']}: mask builds {r['mask_build_s']:.3f} s/update (excluded: "
                          f"{r['seconds_excl_mask']:.3f} s; dualkv speedup over that {excl}), compiles in the first "
                          f"update {r['compile_s']:.1f} s ({'compiled' if r.get('flex_mask_compile') else 'eager'} "
                          "mask build)")
@@ -813,6 +849,7 @@ def summary(results):
                     extra += f" ({_fmt(r['dualkv_speedup_interleaved_excl_mask'], '.2f', 'x')} excluding mask builds)"
             lines.append(f"{'':>38} {r['method']}: interleaved {r['seconds_interleaved']:.3f} s/update "
                          f"(median of {len(r['interleaved_times'])}){extra}")
+    lines.append(f"update: {PROTOCOL['update']}; std: {PROTOCOL['std']}")
     return "\n".join(lines)
 
 
@@ -831,7 +868,8 @@ def main(argv=None):
     ap.add_argument("--models", default=None, help=f"comma list of {sorted(MODEL_SIZES)} (default 0.6b,1.7b)")
     ap.add_argument("--configs", default=None, help="N,P,R;N,P,R (default 16,4096,1024;8,16384,2048)")
     ap.add_argument("--grid", action="store_true", help="run the larger grid of (N, P, R)")
-    ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--methods", default=None,
+                    help=f"comma list of {METHODS} (default: all on CUDA; on a CPU the ones without FA4)")
     ap.add_argument("--equal-responses", action="store_true",
                     help="every response exactly R tokens (default: uniform in [R/2, R])")
     ap.add_argument("--micro-batches", type=int, default=4, help="micro-batches per update")
@@ -844,6 +882,11 @@ def main(argv=None):
     ap.add_argument("--no-grad-ckpt", action="store_true", help="disable gradient checkpointing")
     ap.add_argument("--sdpa-backend", default="cudnn", choices=["cudnn", "flash", "efficient", "default"],
                     help="SDPA backend of the std method on CUDA")
+    ap.add_argument("--allow-dirty", action="store_true",
+                    help="measure on a GPU from a tree that is not a commit (the result is marked dirty)")
+    ap.add_argument("--flex-static", action="store_true",
+                    help="compile Flex with static shapes (a recompile per packed length) instead of torch's "
+                         "default automatic dynamic shapes (what a training framework gets)")
     ap.add_argument("--flex-compile", dest="flex_compile", action="store_true", default=None)
     ap.add_argument("--no-flex-compile", dest="flex_compile", action="store_false",
                     help="eager FlexAttention (default on a CPU)")
@@ -862,7 +905,8 @@ def main(argv=None):
                          f"{HARD_TIMEOUT_GRACE_S:.0f} s later (inside C code) ends the process (exit code 1) "
                          "with the JSON saved up to that method")
     ap.add_argument("--probe-max-mb", action="store_true",
-                    help="also find the largest micro-batch (whole groups, doubling) that fits, per method")
+                    help="also find the largest micro-batch (whole groups; doubling, then bisection) that fits, "
+                         "per method")
     ap.add_argument("--probe-limit", type=int, default=32, help="largest group count the probe tries")
     ap.add_argument("--rounds", type=int, default=0,
                     help="after the per-method measurements, this many interleaved rounds of one timed update per "
@@ -877,9 +921,17 @@ def main(argv=None):
     args = ap.parse_args(argv)
 
     device = torch.device(args.device)
+    tree = provenance.git_state()
+    if device.type == "cuda":  # a measurement; a CPU run is a smoke test (its result records dirty: true)
+        provenance.check_tree(tree, args.allow_dirty)
     if args.flex_compile is None:
         args.flex_compile = device.type == "cuda"
-    _FLEX["mask_compile"] = args.flex_mask_compile
+    _FLEX.update(compiled=args.flex_compile, dynamic=False if args.flex_static else None,
+                 mask_compile=args.flex_mask_compile)
+    if args.grid and args.iters < 3:
+        ap.error("--grid: time at least 3 updates per cell (--iters 3 or more)")
+    if args.methods is None:
+        args.methods = ",".join(m for m in METHODS if device.type == "cuda" or "fa4" not in m)
     models = (args.models or ("tiny" if args.tiny else "0.6b,1.7b")).split(",")
     configs = parse_configs(args.configs) if args.configs else (
         TINY_CONFIGS if args.tiny else GRID_CONFIGS if args.grid else DEFAULT_CONFIGS)
@@ -893,14 +945,14 @@ def main(argv=None):
     out_path.parent.mkdir(parents=True, exist_ok=True)
 
     import dualkv.integrations.transformers  # noqa: F401  (registers "dualkv")
-    register_flex()
+    register_peers()
     from transformers import AutoModelForCausalLM
 
-    env = environment(device)
+    env = environment(device, tree)
 
     def save(results):
-        out_path.write_text(json.dumps({"environment": env, "args": vars(args), "results": results},
-                                       indent=1, default=str))
+        out_path.write_text(json.dumps({"environment": env, "protocol": PROTOCOL, "args": vars(args),
+                                        "results": results}, indent=1, default=str))
     log(f"e2e benchmark on {env.get('gpu', device)}: models {models}, configs {configs}, methods {args.methods}")
     all_results = []
     for size in models:

@@ -41,6 +41,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "python"))
 
 import e2e  # noqa: E402  (micro-batches and the per-method log-prob routine of the e2e benchmark)
+import provenance  # noqa: E402
 from dualkv.demo import qwen3_config  # noqa: E402
 from dualkv.logprobs import response_logprobs  # noqa: E402
 from dualkv.packing import pack  # noqa: E402
@@ -163,8 +164,12 @@ def main(argv=None) -> int:
                     help="fp32 attention scores per query chunk, MiB (chunked truth)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--allow-dirty", action="store_true", help="measure a tree that is not a commit (marked dirty)")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
+    tree = provenance.git_state()
+    if device.type == "cuda":  # a measurement; a CPU run is a smoke test (its result records dirty: true)
+        provenance.check_tree(tree, args.allow_dirty)
     import dualkv.integrations.transformers  # noqa: F401  (registers "dualkv")
     from transformers import AutoModelForCausalLM
     register_truth()
@@ -241,6 +246,7 @@ def main(argv=None) -> int:
         report["truth"].update(rows_per_pass=max(1, args.truth_rows), chunk_mib=args.truth_chunk_mib,
                                max_chunk_queries=_BUDGET["max_chunk"])
     report["seconds"] = seconds
+    report["provenance"] = provenance.record(tree, device)
     if peak:
         report["peak_gib"] = peak
     print(json.dumps(report, indent=1))

@@ -31,7 +31,9 @@ try:
 except Exception:  # the script also runs from a checkout without PYTHONPATH
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import dualkv.logprobs as logprobs_mod  # noqa: E402
+import provenance  # noqa: E402
 from dualkv.layout import Layout  # noqa: E402
 from dualkv.logprobs import response_logprobs  # noqa: E402
 from dualkv.packing import pack  # noqa: E402
@@ -168,7 +170,11 @@ def main():
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--skip-logprobs", action="store_true")
     ap.add_argument("--out", default=os.path.join("bench", "results", "pipeline.json"))
+    ap.add_argument("--allow-dirty", action="store_true", help="measure a tree that is not a commit (marked dirty)")
     args = ap.parse_args()
+    tree = provenance.git_state()
+    if args.device.startswith("cuda"):  # a measurement; a CPU run is a check (its result records dirty: true)
+        provenance.check_tree(tree, args.allow_dirty)
     if args.small:
         args.groups, args.per_group, args.prompt_len, args.response_len = 4, 4, 64, 16
         args.vocab, args.hidden, args.chunk_sizes = 1000, 64, "auto,7"
@@ -180,8 +186,8 @@ def main():
         torch.cuda.set_device(device)
     results = {
         "config": {k: v for k, v in vars(args).items() if k != "out"},
-        "env": {"torch": torch.__version__, "python": platform.python_version(),
-                "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()},
+        "env": dict(provenance.record(tree, device),
+                    device=torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()),
     }
 
     # ---- (a) pack ------------------------------------------------------------------------------

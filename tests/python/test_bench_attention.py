@@ -9,6 +9,7 @@ import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "bench"))
 import attention  # noqa: E402
+import peers  # noqa: E402
 
 
 def res(fwd_ms, fwdbwd_ms, peak=1.0, pairs=1000):
@@ -48,3 +49,163 @@ def test_round_speedups_pair_rounds():
     assert "broken" not in fwd and "dualkv" not in fwd
     assert attention.round_speedups(per, "fwdbwd")["fa2"] == pytest.approx(2.0)
     assert attention.round_speedups({"dualkv": [res(1, 4)], "fa2": [res(2, 8)]}, "fwd") == {}  # one round: none
+
+
+def test_measure_case_interleaves_rounds_and_stops_retrying_a_failure():
+    calls = []
+    times = {"dualkv": iter([1.0, 1.1, 1.0]), "dualkv_ab": iter([1.0, 1.0, 1.05])}
+
+    def run(m):
+        calls.append(m)
+        if m == "broken":
+            raise RuntimeError("no kernel\nsecond line")
+        t = next(times[m])
+        return res(t, 4 * t)
+    per = attention.measure_case(["dualkv", "dualkv_ab", "broken"], 3, run)
+    # round r starts at method r mod 3; "broken" is tried once only
+    assert calls == ["dualkv", "dualkv_ab", "broken", "dualkv_ab", "dualkv", "dualkv", "dualkv_ab"]
+    assert per["broken"] == [{"error": "RuntimeError: no kernel"}]
+    assert [r["fwd_ms"] for r in per["dualkv"]] == [1.0, 1.1, 1.0]
+    assert len(attention.measure_case(["a"], 0, lambda m: res(1, 4))["a"]) == 1  # at least one round
+
+
+def test_ab_summary_same_round_ratios_and_verdict():
+    per = {"dualkv": [res(1.00, 4.0), res(1.10, 4.4), res(1.02, 4.0)],
+           "dualkv_ab": [res(1.00, 3.9), res(1.00, 4.0), res(1.00, 3.8)]}
+    ab = attention.ab_summary(per, 0.02)
+    assert ab["fwd"]["time_ratios"] == pytest.approx([1.0, 1.1, 1.02])
+    assert ab["fwd"]["median"] == pytest.approx(1.02)
+    # 2% slower at the median but not in every round: within
+    assert ab["fwd"]["within"] and not ab["fwd"]["slower_every_round"]
+    # slower in every round (by 1.1-5%): outside, even though the median 1.026 is close
+    assert ab["fwdbwd"]["slower_every_round"] and not ab["fwdbwd"]["within"]
+    # faster in every round: within
+    fast = attention.ab_summary({"dualkv": [res(1, 4)] * 3, "dualkv_ab": [res(2, 8)] * 3}, 0.02)
+    assert fast["fwd"]["within"] and fast["fwd"]["median"] == 0.5
+    # a median past the tolerance is outside even if one round was faster
+    slow = attention.ab_summary({"dualkv": [res(1.0, 4), res(1.1, 4), res(1.1, 4)],
+                                 "dualkv_ab": [res(1.01, 4), res(1.0, 4), res(1.0, 4)]}, 0.02)
+    assert not slow["fwd"]["within"] and not slow["fwd"]["slower_every_round"]
+    # one round, or a failed build: no verdict
+    assert attention.ab_summary({"dualkv": [res(1, 4)], "dualkv_ab": [res(1, 4)]}, 0.02) == {}
+    assert attention.ab_summary({"dualkv": [res(1, 4)] * 3, "dualkv_ab": [{"error": "x"}]}, 0.02) == {}
+
+
+def test_case_results_combines_rounds_and_adds_the_ab():
+    per = {"dualkv": [res(1.0, 4.0), res(1.2, 4.0), res(1.1, 4.0)],
+           "dualkv_ab": [res(1.0, 4.0), res(1.0, 4.0), res(1.0, 4.0)],
+           "sdpa_flash": [res(3.0, 12.0), res(3.0, 12.0), res(3.0, 12.0)]}
+    entry = attention.case_results(per, 0.02)
+    assert entry["results"]["dualkv"]["fwd_ms"] == 1.1
+    assert entry["results"]["sdpa_flash"]["dualkv_speedup_fwd"] == pytest.approx(3.0 / 1.1)
+    assert entry["results"]["sdpa_flash"]["dualkv_speedup_fwd_rounds"] == pytest.approx(3.0 / 1.1)
+    assert entry["ab"]["fwd"]["median"] == pytest.approx(1.1) and not entry["ab"]["fwd"]["within"]
+    assert entry["ab"]["fwdbwd"]["within"]
+    assert "ab" not in attention.case_results({"dualkv": per["dualkv"]}, 0.02)
+
+
+def test_a_second_library_build_runs_in_the_same_process(tmp_path):
+    """Library.load: a copy of the library at another path is a separate build in this process;
+    inside active() every dualkv call (layout, attention) goes to it, and the default comes back."""
+    import shutil
+
+    import torch
+
+    import dualkv
+    default = attention.Library.default()
+    copy = tmp_path / "libdualkv_ab.so"
+    shutil.copy(default.path, copy)
+    other = attention.Library.load(copy)
+    assert other.handle is not default.handle and other.path == copy.resolve()
+    layout = dualkv.Layout.from_groups([5], [[3, 2]])
+    q, k, v = (torch.randn(layout.num_tokens, 2, 8, dtype=torch.float64) for _ in range(3))
+    ref = dualkv.attention(q, k, v, layout)
+    with other.active():
+        assert dualkv._native.lib() is other.handle
+        out = dualkv.attention(q, k, v, dualkv.Layout.from_groups([5], [[3, 2]]))
+    assert dualkv._native.lib() is default.handle
+    assert torch.equal(out, ref)
+    info = other.describe()
+    assert info["path"] == str(copy.resolve()) and len(info["sha256"]) == 64 and "abi_version" in info["build"]
+    with pytest.raises(FileNotFoundError):
+        attention.Library.load(tmp_path / "missing.so")
+    not_dualkv = pathlib.Path(torch.__file__).parent / "lib" / "libc10.so"
+    with pytest.raises(ValueError, match="not a libdualkv"):
+        attention.Library.load(not_dualkv)
+
+
+def test_ab_table_names_both_builds_and_the_verdicts():
+    per = {"dualkv": [res(1.0, 4.0), res(1.1, 4.4), res(1.1, 4.4)], "dualkv_ab": [res(1.0, 4.4)] * 3}
+    results = {"env": {"dualkv_library": {"path": "/new/libdualkv.so"}, "ab_label": "72977b9",
+                       "dualkv_ab_library": {"path": "/base/libdualkv.so"}},
+               "ab_tolerance": 0.02, "cases": [dict(attention.case_results(per, 0.02), case={"name": "N16_P4096"})]}
+    table = attention.ab_table(results).splitlines()
+    assert "/new/libdualkv.so" in table[0] and "/base/libdualkv.so, 72977b9" in table[0] and "1.02" in table[0]
+    assert table[2].split()[:3] == ["N16_P4096", "fwd", "1.100"] and table[2].endswith("OUTSIDE")
+    assert table[3].split()[:3] == ["N16_P4096", "fwdbwd", "1.000"] and table[3].endswith("within")
+
+
+def test_key_end_is_the_forest_rule():
+    """Flex's mask_mod (k <= q < key_end[k]) is the visibility of dualkv.reference, GRPO groups."""
+    import torch
+
+    from dualkv.reference import visibility_mask
+    case = attention.Case("c", [5, 3], [[2, 4, 1], [3]])
+    end = case.key_end()
+    idx = torch.arange(case.T)
+    mask = (idx[None, :] <= idx[:, None]) & (idx[:, None] < end[None, :])
+    assert torch.equal(mask, visibility_mask(case.layout_cpu))
+    assert int(mask.sum()) == case.shared_pairs
+
+
+def test_next_block_size_follows_the_refused_tiles():
+    tiles = [set(), set()]
+    msg = "RuntimeError: CuteDSL template failed: sparse_block_size[1] must be a multiple of tile_n=80"
+    assert peers.next_block_size((256, 128), tiles, msg) == (256, 160)
+    # a second kernel (the backward, say) asks for 64 on the same side: a multiple of both
+    assert peers.next_block_size((256, 160), tiles, "sparse_block_size[1] must be a multiple of tile_n=64") \
+        == (256, 320)
+    assert peers.next_block_size((64, 320), tiles, "sparse_block_size[0] must be a multiple of tile_m=128") \
+        == (128, 320)
+    assert peers.next_block_size((256, 128), [set(), set()], "out of memory") is None
+
+
+def test_fa4_missing_is_a_clear_skip(monkeypatch):
+    import builtins
+    real_import = builtins.__import__
+
+    def no_flash(name, *a, **kw):
+        if name.startswith("flash_attn"):
+            raise ImportError("No module named 'flash_attn'")
+        return real_import(name, *a, **kw)
+    monkeypatch.setattr(builtins, "__import__", no_flash)
+    with pytest.raises(peers.Unavailable, match="skipped: FlashAttention-4 .* fa4-install"):
+        peers.fa4()
+    per = attention.measure_case(["fa4_dense"], 2, lambda m: peers.fa4())
+    assert per["fa4_dense"] == [{"error": per["fa4_dense"][0]["error"]}]  # recorded once, not retried
+    assert per["fa4_dense"][0]["error"].startswith("Unavailable: skipped: FlashAttention-4")
+
+
+def test_directions_feed_every_output_its_gradient():
+    import torch
+    a, b = torch.randn(3, requires_grad=True), torch.randn(3, requires_grad=True)
+    ga, gb = torch.randn(3), torch.randn(3)
+    fwd, fwdbwd = attention.directions(lambda x: [x[0] * 2, x[1] * 3], 2)
+    out = fwd([a, b, ga, gb])
+    assert not out[0].requires_grad
+    fwdbwd([a, b, ga, gb])
+    assert torch.equal(a.grad, 2 * ga) and torch.equal(b.grad, 3 * gb)
+    fwdbwd([a, b, ga, gb])  # grads are reset between calls, not accumulated
+    assert torch.equal(a.grad, 2 * ga)
+
+
+def test_summary_table_states_flex_costs_apart():
+    flex = dict(res(2.0, 8.0), block_size=[256, 160], mask_first_build_s=3.5, mask_build_ms=1.25,
+                compile_fwd_s=9.0, compile_fwdbwd_s=21.0, dualkv_speedup_fwdbwd=2.0)
+    results = {"cases": [{"case": {"name": "N16"}, "results": {"dualkv": res(1.0, 4.0), "flex_fa4": flex,
+                                                              "fa4_dense": {"error": "Unavailable: skipped: x"}}}]}
+    lines = attention.summary_table(results).splitlines()
+    assert lines[2].split()[1] == "flex_fa4" and "2.00x" in lines[2]
+    assert "block mask 256x160, first build 3.50 s, then 1.2 ms per build" in lines[3]
+    assert "compile fwd 9.0 s, fwd+bwd 21.0 s" in lines[3]
+    assert lines[4].split()[:3] == ["N16", "fa4_dense", "Unavailable:"]

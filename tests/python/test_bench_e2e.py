@@ -66,7 +66,7 @@ def test_hung_mask_build_is_cut_and_run_goes_on(tmp_path, monkeypatch):
     e2e = _load_bench("e2e")
     children = []
 
-    def hung_build(mb, device):
+    def hung_build(mb, device, backend):
         if not children:  # first config: a stuck compiler child process
             children.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]))
             children[-1].wait()  # what subprocess.run does; the timeout interrupts it
@@ -159,26 +159,41 @@ def test_stuck_section_ends_the_process():
     assert time.monotonic() - t0 < 60
 
 
-def test_device_run_e2e_all_step_is_planned():
-    """tests/gpu/device_run.sh's e2e-all step: both issue configs and all three methods in one process
-    per model, with per-method and per-process time limits that fit one 600 s device call."""
+def _device_run_step(name):
+    """The body of one step of tests/gpu/device_run.sh (up to the next step's label)."""
     text = (ROOT / "tests" / "gpu" / "device_run.sh").read_text()
-    def step(name):
-        body = text[text.index(f"    {name})"):]
-        return body[:body.index("done ;;")]
-    e2e_all, noise = step("e2e-all"), step("noise")
-    # defaults: both issue configs, all three methods (E2E_CONFIGS / E2E_METHODS override them)
-    assert '"${E2E_CONFIGS:-16,4096,1024;8,16384,2048}"' in e2e_all
-    assert '--methods "${E2E_METHODS:-std,dualkv,flex}"' in e2e_all
-    assert "--micro-batches 2 --iters 2 --warmup 1 --method-timeout 120" in e2e_all and "timeout -k" in e2e_all
+    body = text[text.index(f"\n    {name}) ") + 1:]
+    end = re.search(r"\n    [\w-]+\) |\n    \*\) ", body)
+    return body[:end.start()]
+
+
+def test_device_run_e2e_steps_are_planned():
+    """tests/gpu/device_run.sh: e2e-all is issue 23's acceptance (P 8K-16K, >= 4 micro-batches, >= 3
+    timed updates, Flex-FA4 last) for one model per call, e2e-grid times >= 3 updates per cell, and
+    every process is cut inside one 600 s device call."""
+    e2e_all, grid = _device_run_step("e2e-all"), _device_run_step("e2e-grid")
+    assert '"${E2E_CONFIGS:-16,8192,1024;8,16384,2048}"' in e2e_all
+    assert '--methods "${E2E_METHODS:-std,dualkv,flex_fa4}"' in e2e_all
+    assert "--micro-batches 4 --iters 3 --warmup 1" in e2e_all and "timeout -k 10" in e2e_all
     assert "> \"$OUT/e2e_all_$m.log\"" in e2e_all  # a file, not a pipe a stuck child could hold open
-    caps = {k: (int(a), int(b)) for k, a, b in
-            re.findall(r"cap=\$\{(E2E_CAP_\w+):-\$\(\[ \$one = 1 \] && echo (\d+) \|\| echo (\d+)\)\}", e2e_all)}
-    noise_caps = [int(c) for c in re.findall(r"cap=(\d+)", noise)]
-    (alone_17, both_17), (alone_8, both_8) = caps["E2E_CAP_1_7B"], caps["E2E_CAP_8B"]
-    # the planned calls, each under 600 s with 10 s to spare: "noise e2e-all" for 1.7b, "e2e-all" for
-    # 8b, or both models in one "e2e-all"
-    assert sum(noise_caps) + alone_17 <= 590 and alone_8 <= 590 and both_17 + both_8 <= 590
+    assert "--iters 3" in grid and "flex_fa4" in grid
+    text = (ROOT / "tests" / "gpu" / "device_run.sh").read_text()
+    caps = [int(c) for c in re.findall(r"timeout(?: -k 10)? \"\$\{\w+:-(\d+)\}\"", text)]
+    caps += [int(c) for c in re.findall(r"timeout(?: -k 10)? (\d+) ", text)]
+    assert len(caps) >= 10 and max(caps) <= 590, caps
+
+
+def test_device_run_ab_and_fa4_steps():
+    """The A/B step runs both paths at head dims 64/128/256 with 3 interleaved rounds against
+    $AB_LIBRARY; fa4-install runs the install lines of ../shared/tools/fa4-wheels.sh."""
+    ab, install = _device_run_step("ab"), _device_run_step("fa4-install")
+    assert "--ab-library \"$AB_LIBRARY\"" in ab and "--rounds 3" in ab
+    assert "${AB_PATHS:-sm90 portable}" in ab and "${AB_DIMS:-64 128 256}" in ab
+    assert "DUALKV_DISABLE_SM90=1 DUALKV_DISABLE_SM90_BWD=1" in ab
+    assert "cat /tmp/fa4/part_aa" in install
+    assert "pip install -q --no-index --no-deps --no-compile --target /tmp/site" in install
+    assert "tar -xJf /tmp/fa4/cu13.tar.xz -C /tmp/site" in install
+    assert "/tmp/site/nvidia_cutlass_dsl/dsl_packages" in install
 
 
 def test_gpu_sampler_parses_nvidia_smi(tmp_path, monkeypatch):
@@ -228,23 +243,104 @@ def test_interleaved_rounds(tmp_path):
     assert "flex: interleaved" in table and "dualkv: interleaved" in table and "excluding mask builds" in table
 
 
-def test_probe_records_the_oom_that_stopped_it(tmp_path, monkeypatch):
-    """--probe-max-mb doubles the groups until a step fails; an out-of-memory failure is the expected
-    end and is recorded with the allocator's message (which request failed), any other error as
-    probe_error."""
+def test_probe_bisects_to_the_largest_micro_batch_that_fits(tmp_path, monkeypatch):
+    """--probe-max-mb doubles the groups until a step runs out of memory, then bisects between the
+    last count that fitted and the first that failed: with steps failing above 5 groups it tries
+    1, 2, 4, 8 (OOM), 6 (OOM), 5 and reports 5, and the OOM of the smallest failing count (6) with
+    the allocator's message; any other error stops the probe as probe_error."""
     import torch
     e2e = _load_bench("e2e")
     real = e2e.micro_step
+    fits_up_to = {"groups": 5}
 
     def step(method, model, mb, args, device, scale):
-        if len(mb.adv) > 2 * 3:  # more than 2 groups of N = 3
-            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 17.00 GiB. GPU 0 has ...")
+        groups = len(mb.adv) // 3  # N = 3
+        if groups > fits_up_to["groups"]:
+            raise torch.cuda.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {groups}.00 GiB. GPU 0 has ...")
         return real(method, model, mb, args, device, scale)
     monkeypatch.setattr(e2e, "micro_step", step)
-    out = tmp_path / "e2e.json"
-    assert e2e.main(TINY + ["--configs", "3,40,16", "--methods", "dualkv", "--probe-max-mb", "--probe-limit", "8",
-                            "--out", str(out)]) == 0
-    rec = json.loads(out.read_text())["results"][0]
-    assert rec["max_mb_groups"] == 2 and rec["probe_limit_reached"] is False
-    assert rec["probe_oom"].startswith("4 groups: CUDA out of memory. Tried to allocate 17.00 GiB")
+
+    def probe(limit):
+        out = tmp_path / f"e2e_{limit}.json"
+        assert e2e.main(TINY + ["--configs", "3,40,16", "--micro-batches", "1", "--methods", "dualkv",
+                                "--probe-max-mb", "--probe-limit", str(limit), "--out", str(out)]) == 0
+        return json.loads(out.read_text())["results"][0]
+    rec = probe(32)
+    assert rec["max_mb_groups"] == 5 and rec["probe_first_fail"] == 6 and rec["probe_limit_reached"] is False
+    assert [g for g, _ in rec["probe_tried"]] == [1, 2, 4, 8, 6, 5]
+    assert rec["probe_oom"].startswith("6 groups: CUDA out of memory. Tried to allocate 6.00 GiB")
     assert "probe_error" not in rec
+    fits_up_to["groups"] = 2  # fails at 4 after 1, 2: bisection tries 3
+    rec = probe(32)
+    assert rec["max_mb_groups"] == 2 and [g for g, _ in rec["probe_tried"]] == [1, 2, 4, 3]
+    fits_up_to["groups"] = 100  # nothing fails up to a limit that is not a power of two
+    rec = probe(6)
+    assert rec["max_mb_groups"] == 6 and rec["probe_limit_reached"]
+    assert [g for g, _ in rec["probe_tried"]] == [1, 2, 4, 6]
+
+    def broken(method, model, mb, args, device, scale):  # the timed updates (1 group) run; 2 groups fail
+        if len(mb.adv) > 3:
+            raise RuntimeError("no kernel for this shape")
+        return real(method, model, mb, args, device, scale)
+    monkeypatch.setattr(e2e, "micro_step", broken)
+    rec = probe(8)
+    assert rec["max_mb_groups"] == 1 and rec["probe_error"].startswith("RuntimeError: no kernel")
+    assert rec["probe_limit_reached"] is False and rec["probe_tried"] == [[1, "ok"], [2, "error"]]
+
+def test_tiny_time_limits_leave_nothing_armed():
+    """Regression (flaky `make test`): an alarm that fires while _time_limit is still arming itself
+    must not skip the clean-up. Hundreds of sections with limits from 1 us to 2 ms (so the alarm lands
+    in every step of the set-up) each end in MethodTimeout or normally, with the SIGALRM handler
+    restored and no timer left; and the process outlives the hard watchdog's grace period, i.e. no
+    watchdog was left armed (it would end the process with exit code 1)."""
+    code = textwrap.dedent(f"""
+        import importlib.util, signal, sys, time
+        sys.path.insert(0, {str(ROOT / 'bench')!r})
+        spec = importlib.util.spec_from_file_location("e2e_bench", {str(ROOT / 'bench' / 'e2e.py')!r})
+        e2e = importlib.util.module_from_spec(spec); spec.loader.exec_module(e2e)
+        e2e.HARD_TIMEOUT_GRACE_S = 0.5
+        original = signal.getsignal(signal.SIGALRM)
+        timeouts = 0
+        for i in range(400):
+            limit = 1e-6 * (1 + i % 40) ** 2  # 1 us .. 1.6 ms
+            try:
+                with e2e._time_limit(limit, "tiny"):
+                    time.sleep(0.003)
+            except e2e.MethodTimeout:
+                timeouts += 1
+            assert signal.getsignal(signal.SIGALRM) is original, i
+            assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0), i
+        time.sleep(2.0)  # four grace periods: a watchdog left armed would have ended the process
+        print("survived", timeouts, flush=True)
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(), timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.startswith("survived") and int(proc.stdout.split()[1]) > 300, proc.stdout
+
+
+def test_fa4_methods_are_skipped_without_fa4_and_the_protocol_is_recorded(tmp_path):
+    """Without FlashAttention-4 (any CPU machine) fa4_dense and flex_fa4 are recorded as skipped with
+    the reason and the run succeeds; the default method list on a CPU leaves them out. Every result
+    states the protocol (optimizer step excluded, std on right-padded rows) and its provenance."""
+    e2e = _load_bench("e2e")
+    out = tmp_path / "e2e.json"
+    assert e2e.main(TINY + ["--configs", "3,40,16", "--methods", "std,fa4_dense,flex_fa4,dualkv",
+                            "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    status = {r["method"]: r["status"] for r in data["results"]}
+    assert status == {"std": "ok", "fa4_dense": "skipped", "flex_fa4": "skipped", "dualkv": "ok"}
+    skipped = next(r for r in data["results"] if r["method"] == "flex_fa4")
+    assert "FlashAttention-4" in skipped["error"] and "fa4-install" in skipped["error"]
+    assert "optimizer step is excluded" in data["protocol"]["update"] and "right-padded" in data["protocol"]["std"]
+    env = data["environment"]
+    assert len(env["commit"].removesuffix("-dirty")) == 40 and "switches" in env and "torch" in env["packages"]
+    table = out.with_suffix(".txt").read_text()
+    assert "optimizer step is excluded" in table and "skipped" in table
+    assert e2e.main(TINY + ["--configs", "3,40,16", "--out", str(out)]) == 0
+    assert [r["method"] for r in json.loads(out.read_text())["results"]] == ["std", "flex", "dualkv"]
+
+
+def test_grid_needs_three_timed_updates():
+    e2e = _load_bench("e2e")
+    with pytest.raises(SystemExit):
+        e2e.main(["--device", "cpu", "--tiny", "--grid", "--iters", "2"])

@@ -1,0 +1,81 @@
+"""The peer kernels of the benchmarks, set up the way their users set them up: FlashAttention-4
+(``flash_attn.cute``, CuTe DSL) and compiled FlexAttention on its Triton or its FLASH (FA4) backend.
+
+FA4 is not on PyPI for this project's machines; ``tests/gpu/device_run.sh fa4-install`` installs
+the wheels that ``../shared/tools/fa4-wheels.sh`` prepares. Without it, ``fa4()`` raises
+``Unavailable`` and the benchmarks record the method as skipped.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import re
+
+import torch
+
+
+class Unavailable(RuntimeError):
+    """A peer this machine cannot run (its package is not installed): recorded as skipped."""
+
+
+def fa4():
+    """FlashAttention-4's (flash_attn_func, flash_attn_varlen_func); Unavailable if not installed."""
+    try:
+        from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
+    except Exception as e:  # noqa: BLE001  (ImportError, or a CuTe DSL that fails to load)
+        raise Unavailable(f"skipped: FlashAttention-4 (flash_attn.cute) is not importable ({type(e).__name__}: "
+                          f"{str(e)[:120]}); install it with tests/gpu/device_run.sh fa4-install") from None
+    return flash_attn_func, flash_attn_varlen_func
+
+
+def first_output(out):
+    """FA4's functions return out or (out, lse), depending on the version."""
+    return out[0] if isinstance(out, tuple) else out
+
+
+#: FlexAttention backends by method name, and their kernel_options
+FLEX_BACKENDS = {"flex": "TRITON", "flex_fa4": "FLASH"}
+#: BlockMask BLOCK_SIZE (query, key) of each Flex backend: Triton's default; FA4's sm90 kernels want
+#: multiples of their tiles (256 x 128 works at head dims 64 / 128, baselines-h200.md section 11;
+#: head dim 256 has tile_n = 80, see next_block_size).
+FLEX_BLOCK = {"TRITON": (128, 128), "FLASH": (256, 128)}
+_TILE_ERROR = re.compile(r"sparse_block_size\[([01])\][^\n]*?multiple of (?:tile_[mn]=)?(\d+)")
+
+
+def kernel_options(backend: str):
+    return {"BACKEND": backend} if backend == "FLASH" else None
+
+
+def next_block_size(block, tiles, message):
+    """The BLOCK_SIZE to try after a kernel refused ``block`` with ``message`` ("sparse_block_size[i]
+    must be a multiple of tile_x=t"), or None if the message names no tile. ``tiles`` ([set(), set()],
+    per side) collects every tile asked for, so the next size is a multiple of all of them."""
+    m = _TILE_ERROR.search(message)
+    if m is None:
+        return None
+    side, tile = int(m.group(1)), int(m.group(2))
+    tiles[side].add(tile)
+    step = functools.reduce(math.lcm, tiles[side])
+    out = list(block)
+    out[side] = -(-block[side] // step) * step
+    if out[side] == block[side]:
+        out[side] += step
+    return tuple(out)
+
+
+_COMPILED = {}
+
+
+def compiled_flex(backend: str, dynamic):
+    """torch.compile'd flex_attention, one per (backend, dynamic). dynamic=None is torch's default
+    (automatic dynamic shapes: a second packed length recompiles with symbolic shapes), what a
+    training framework gets; dynamic=False recompiles per shape (the best kernel rate)."""
+    from torch.nn.attention.flex_attention import flex_attention
+    key = (backend, dynamic)
+    if key not in _COMPILED:
+        # every micro-batch has a new packed length: torch's default limit (8) would fall back to eager
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 256)
+        if hasattr(torch._dynamo.config, "recompile_limit"):
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
+        _COMPILED[key] = torch.compile(flex_attention, dynamic=dynamic)
+    return _COMPILED[key]
