@@ -5,15 +5,15 @@ function, the way vLLM output is fed in), so every logged number and every param
 GRPO steps must agree up to summation order. Plus: the log-prob path itself (budget-split forwards,
 masked rows, gradients), whole-group slicing, transformers generation, and bad input.
 """
-import os
-import zlib
+import importlib.util
+import json
+import pathlib
 
 import pytest
 import torch
 
 pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")
-tokenizers = pytest.importorskip("tokenizers")
 
 import transformers  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
@@ -22,21 +22,25 @@ import dualkv  # noqa: E402
 from dualkv.demo import qwen3_config  # noqa: E402
 from dualkv.integrations.trl import DualKVGRPOConfig, DualKVGRPOTrainer, group_slices  # noqa: E402
 
-os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is marked experimental
+REPO = pathlib.Path(__file__).resolve().parents[2]
+
+
+def _load(path: pathlib.Path):
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+example = _load(REPO / "examples" / "trl_grpo.py")  # its tokenizer and rollout function serve the tests too
 VOCAB = 64
-EOS = 1
 MAX_COMPLETION = 8
 PROMPTS = ["t5 t9 t13", "t7 t2 t40 t33 t8", "t11", "t20 t21 t22 t23"]
+rollout = example.synthetic_rollout((1, MAX_COMPLETION), VOCAB)
 
 
 def make_tokenizer():
-    vocab = {f"t{i}": i for i in range(VOCAB)}
-    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab=vocab, unk_token="t0"))
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
-    out = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="t0", eos_token=f"t{EOS}",
-                                               unk_token="t0")
-    out.padding_side = "left"
-    return out
+    return example.word_tokenizer(VOCAB)
 
 
 @pytest.fixture(scope="module")
@@ -52,21 +56,6 @@ def checkpoint(tmp_path_factory):
     model.save_pretrained(path)
     make_tokenizer().save_pretrained(path)
     return str(path)
-
-
-def rollout(prompts, trainer):
-    """Completions as a fixed function of (step, row, prompt): some truncated (no EOS, full length)."""
-    tok = trainer.processing_class
-    prompt_ids, completion_ids = [], []
-    for i, p in enumerate(prompts):
-        g = torch.Generator().manual_seed(zlib.crc32(f"{trainer.state.global_step}/{i}/{p}".encode()))
-        n = int(torch.randint(1, MAX_COMPLETION + 1, (1,), generator=g))
-        c = torch.randint(2, VOCAB, (n,), generator=g).tolist()
-        if n < MAX_COMPLETION:
-            c[-1] = EOS
-        prompt_ids.append(tok(p)["input_ids"])
-        completion_ids.append(c)
-    return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": None}
 
 
 def reward(prompts, completions, completion_ids, **kwargs):
@@ -236,3 +225,18 @@ def test_unservable_models_are_refused(tmp_path, config, message):
     make_tokenizer().save_pretrained(path)
     with pytest.raises(dualkv.UnsupportedError, match=message):
         make_trainer(str(path), tmp_path, True)
+
+
+def test_example_runs_and_matches_stock():
+    argv = ["--steps", "2", "--groups", "2"]
+    stock, packed = example.main(argv + ["--stock"]), example.main(argv)
+    assert [h["loss"] for h in packed] == pytest.approx([h["loss"] for h in stock], rel=1e-5, abs=1e-7)
+
+
+def test_bench_smoke(tmp_path):
+    bench = _load(REPO / "bench" / "trl_step.py")
+    bench.main(["--device", "cpu", "--model", "tiny", "--dtype", "fp32", "--groups", "2", "-N", "4", "--prompt-len",
+                "8,16", "--completion-len", "2,8", "--slices", "2", "--out", str(tmp_path)])
+    report = json.loads(next(tmp_path.glob("trl_step-*.json")).read_text())
+    assert report["tokens"]["rho"] > 1.5 and report["verdict"]["logprob_ok"]
+    assert report["logprob_error"]["dualkv"]["max"] < 1e-5  # fp32: summation order only
