@@ -9,7 +9,7 @@ CPU. Everything else is veRL's own code: ``DataProto.to_tensordict``, ``left_rig
 unpacked rows on sdpa (packed sequences recognised from the position restarts, which is veRL's
 remove_padding path on CPU); the dualkv engine runs the same rows packed per uid.
 """
-import copy
+import pathlib
 from functools import partial
 
 import numpy as np
@@ -196,3 +196,41 @@ def test_bad_input_is_refused():
     window.module.config.sliding_window, window.module.config.layer_types = 4, ["sliding_attention"] * 2
     with pytest.raises(dualkv.UnsupportedError, match="sliding-window"):
         run(window, rollout_batch(), max_tokens=64, mode="infer")
+
+
+def test_example_config_is_valid_verl():
+    """examples/verl_grpo.yaml sets only keys veRL 0.9.1 has, and its actor/rollout sections load."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl.utils.import_utils import import_external_libs
+
+    examples = pathlib.Path(__file__).resolve().parents[2] / "examples"
+    verl_config = pathlib.Path(impl.__file__).resolve().parents[3] / "trainer" / "config"
+    with initialize_config_dir(config_dir=str(verl_config), version_base=None):
+        stock = compose(config_name="ppo_trainer")
+    with initialize_config_dir(config_dir=str(examples), version_base=None):
+        cfg = compose(config_name="verl_grpo")
+    raw = OmegaConf.to_container(OmegaConf.load(examples / "verl_grpo.yaml"))
+    absent = object()
+
+    def leaves(node, path):
+        for key, value in node.items():
+            if isinstance(value, dict) and key != "override_config":  # override_config is a free-form dict
+                yield from leaves(value, path + [key])
+            else:
+                yield ".".join(path + [key])
+
+    def known(key):  # present in veRL's config (a required "???" value counts)
+        parent, _, name = key.rpartition(".")
+        node = OmegaConf.select(stock, parent, default=absent) if parent else stock
+        return node is not absent and name in node.keys()
+
+    unknown = [k for k in leaves({k: v for k, v in raw.items() if k not in ("hydra", "defaults")}, []) if not known(k)]
+    assert not unknown
+    actor = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
+    assert actor.use_dynamic_bsz and not actor.shuffle and actor.ulysses_sequence_parallel_size == 1
+    assert cfg.actor_rollout_ref.ref.log_prob_use_dynamic_bsz and cfg.actor_rollout_ref.rollout.log_prob_use_dynamic_bsz
+    assert cfg.actor_rollout_ref.model.override_config.attn_implementation == "dualkv"
+    import_external_libs(cfg.actor_rollout_ref.model.external_lib)  # what HFModelConfig does in every worker
+    assert impl.prepare_micro_batches is dkv._prepare_micro_batches
