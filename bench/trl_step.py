@@ -80,7 +80,10 @@ def make_trainer(cls, config_cls, model, args, vocab, dataset, extra):
     trainer = cls(model=model, reward_funcs=length_reward, args=config, train_dataset=dataset,
                   processing_class=word_tokenizer(vocab), rollout_func=synthetic_rollout(args.completion_len, vocab))
     trainer.model.train()
-    trainer.current_gradient_accumulation_steps = args.slices  # set by Trainer's loop, read by compute_loss
+    # both are set up by Trainer.train(), which this benchmark does not run: checkpointing (non-reentrant, TRL's
+    # default) and the accumulation count that compute_loss reads
+    trainer.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    trainer.current_gradient_accumulation_steps = args.slices
     return trainer
 
 
@@ -170,7 +173,8 @@ def main(argv=None) -> int:
             update(trainer, slices[name])
         with Clock(device) as lp:
             logprob_pass(trainer, batches[name])
-        times[name] = {"update_s": c.seconds, "logprobs_s": lp.seconds}
+        times[name] = {"update_s": c.seconds, "logprobs_s": lp.seconds,
+                       "gradient_checkpointing": bool(trainer.model.is_gradient_checkpointing)}
         if device.type == "cuda":
             times[name]["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
         print(f"{name}: {times[name]}", flush=True)
