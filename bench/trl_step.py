@@ -30,7 +30,6 @@ import datetime
 import json
 import pathlib
 import sys
-import time
 import types
 
 import torch
@@ -46,6 +45,7 @@ from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 from trl.trainer.utils import shuffle_sequence_dict, split_tensor_dict  # noqa: E402
 from trl_grpo import length_reward, random_prompts, synthetic_rollout, word_tokenizer  # noqa: E402
 
+from dualkv.demo import _Timer as Clock  # noqa: E402  (CUDA events on a GPU, wall clock otherwise)
 from dualkv.demo import qwen3_config  # noqa: E402
 from dualkv.integrations.trl import DualKVGRPOConfig, DualKVGRPOTrainer, group_slices  # noqa: E402
 
@@ -85,29 +85,6 @@ def make_trainer(cls, config_cls, model, args, vocab, dataset, extra):
     trainer.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     trainer.current_gradient_accumulation_steps = args.slices
     return trainer
-
-
-class Clock:
-    """Seconds between synchronised points (CUDA events on a GPU)."""
-
-    def __init__(self, device):
-        self.cuda = device.type == "cuda"
-
-    def __enter__(self):
-        if self.cuda:
-            self.start, self.stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            self.start.record()
-        else:
-            self.t0 = time.perf_counter()
-        return self
-
-    def __exit__(self, *exc):
-        if self.cuda:
-            self.stop.record()
-            self.stop.synchronize()
-            self.seconds = self.start.elapsed_time(self.stop) / 1e3
-        else:
-            self.seconds = time.perf_counter() - self.t0
 
 
 def update(trainer, slices):
