@@ -38,10 +38,9 @@ N = 4  # rollout.n
 @pytest.fixture(scope="module", autouse=True)
 def cpu_process_group(tmp_path_factory):
     """A one-rank gloo group (veRL all-reduces token counts over the data-parallel group)."""
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", init_method=f"file://{tmp_path_factory.mktemp('pg')}/store", rank=0,
-                                world_size=1)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path_factory.mktemp('pg')}/store", rank=0, world_size=1)
     yield
+    dist.destroy_process_group()
 
 
 @pytest.fixture(autouse=True)

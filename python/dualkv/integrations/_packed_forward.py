@@ -15,10 +15,12 @@ so the position-ids guard of :mod:`dualkv.integrations.transformers` sees a cons
 from __future__ import annotations
 
 import functools
+import types
 from dataclasses import dataclass
 from typing import Any, Dict, Optional
 
 import torch
+from transformers.utils import ModelOutput
 
 from .._native import ArgumentError, UnsupportedError, build_info
 from ..logprobs import response_logprobs
@@ -34,17 +36,19 @@ __all__ = ["PACKED_KWARG", "PackedLogprobs", "check_servable", "forward_kwargs",
 
 #: forward keyword carrying the :class:`dualkv.PackedBatch`
 PACKED_KWARG = "dualkv_packed"
-_INSTALLED_ATTR = "_dualkv_packed_forward"
+_PREVIOUS_ATTR = "_dualkv_previous_forward"  #: the forward that install() wrapped
 #: inputs a packed call must not carry: the packed batch defines the tokens and the visibility
 _FOREIGN_INPUTS = ("inputs_embeds", "attention_mask", "labels")
 
 
 @dataclass
-class PackedLogprobs:
+class PackedLogprobs(ModelOutput):
     """What ``model(dualkv_packed=...)`` returns: fp32 ``[B, R_max]`` in the packed batch's row order,
-    zeros where a row has no response token."""
+    zeros where a row has no response token. A ``ModelOutput`` (a registered pytree node) so that FSDP2
+    finds its tensors and registers the pre-backward hook that re-gathers the root parameters (the LM
+    head) before ``response_logprobs``' backward runs."""
 
-    log_probs: torch.Tensor
+    log_probs: Optional[torch.Tensor] = None
     entropy: Optional[torch.Tensor] = None
 
 
@@ -105,21 +109,22 @@ def install(model):
     ``model`` is the Hugging Face causal LM itself (under PEFT: ``get_base_model()``), with dualkv
     attention enabled. Other keywords (``dualkv_deterministic``, ``output_router_logits``) reach the
     decoder. The wrapper keeps the previous forward's signature visible (``__wrapped__``) because
-    ``generate`` validates its keywords against it.
+    ``generate`` validates its keywords against it; both forwards are methods bound to the model, so a
+    deep copy of the model calls its own modules.
     """
-    if getattr(model, _INSTALLED_ATTR, False):
+    if getattr(model, _PREVIOUS_ATTR, None) is not None:
         return model
     previous = model.forward
 
     @functools.wraps(previous)
-    def forward(*args, dualkv_packed: Optional[PackedBatch] = None, dualkv_temperature: float = 1.0,
+    def forward(self, *args, dualkv_packed: Optional[PackedBatch] = None, dualkv_temperature: float = 1.0,
                 dualkv_entropy: bool = False, **kwargs):
         if dualkv_packed is None:
-            return previous(*args, **kwargs)
-        return _packed_logprobs(model, dualkv_packed, dualkv_temperature, dualkv_entropy, args, kwargs)
+            return getattr(self, _PREVIOUS_ATTR)(*args, **kwargs)
+        return _packed_logprobs(self, dualkv_packed, dualkv_temperature, dualkv_entropy, args, kwargs)
 
-    model.forward = forward
-    object.__setattr__(model, _INSTALLED_ATTR, True)
+    object.__setattr__(model, _PREVIOUS_ATTR, previous)
+    model.forward = types.MethodType(forward, model)
     return model
 
 
@@ -142,6 +147,11 @@ def _packed_logprobs(model, packed: PackedBatch, temperature: float, entropy: bo
     # run in bf16 while its backward (outside autocast) recomputes them in fp32.
     with torch.autocast(hidden.device.type, enabled=False):
         result = response_logprobs(hidden, weight, packed, temperature=temperature, entropy=entropy)
-    if entropy:
-        return PackedLogprobs(log_probs=result[0], entropy=result[1])
-    return PackedLogprobs(log_probs=result)
+    logp, ent = result if entropy else (result, None)
+    return PackedLogprobs(log_probs=_own_storage(logp), entropy=_own_storage(ent))
+
+
+def _own_storage(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """FSDP2 hooks a module's outputs for its pre-backward all-gather, and warns about views (an in-place
+    op on one would drop the hook); response_logprobs returns reshaped views of small [B, R_max] tensors."""
+    return t.clone() if t is not None and t._base is not None else t
