@@ -163,8 +163,7 @@ def test_update_matches_remove_padding():
 def test_micro_batches_keep_groups_whole():
     proto = rollout_batch(groups=5, seed=2)
     td = engine_batch(proto, max_tokens=30, mode="train")
-    engine = make_engine("dualkv")
-    tu.assign_non_tensor(td, dualkv=True)
+    tu.assign_non_tensor(td, dualkv=True)  # what forward_backward_batch marks on a dualkv engine's batch
     micro, indices = impl.prepare_micro_batches(data=td, dp_group=dist.group.WORLD)
     uid = list(proto.non_tensor_batch["uid"])
     seen = sorted(r for rows in indices for r in rows)
@@ -176,7 +175,13 @@ def test_micro_batches_keep_groups_whole():
         ids = dkv._pack(mb)
         packed_tokens.append(ids.num_tokens)
     assert max(packed_tokens) <= 30 and len(micro) >= 2
-    assert engine is not None
+
+
+def test_micro_batch_count_is_raised_to_the_other_ranks():
+    # another data-parallel rank planned more micro-batches: split the largest ones (a cut group packs twice)
+    assert dkv._split_to([[0, 1, 2, 3], [4, 5]], 4) == [[0], [1], [2, 3], [4, 5]]
+    with pytest.raises(ValueError, match="give every rank at least 3 rows"):
+        dkv._split_to([[0], [1]], 3)
 
 
 def test_bad_input_is_refused():

@@ -31,7 +31,7 @@ packed all-to-all attention: :func:`_sp_shard` is where it plugs in.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Tuple
 
 import torch
 
