@@ -27,10 +27,11 @@ system-deps:
 	  else echo "error: need libgtest-dev and cmake (run as root or install them)"; exit 1; fi; \
 	fi
 
-$(VENV)/.stamp: requirements-dev.txt
+$(VENV)/.stamp: requirements-dev.txt requirements-rl.txt requirements-verl.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -r requirements-dev.txt
+	$(PY) -m pip install -q -r requirements-dev.txt -r requirements-rl.txt
+	$(PY) -m pip install -q --no-deps -r requirements-verl.txt
 	touch $@
 
 setup: system-deps $(VENV)/.stamp

@@ -5,12 +5,15 @@ never pulls in transformers, TRL or veRL:
 
 * :mod:`dualkv.integrations.transformers` -- ``attn_implementation="dualkv"`` for Hugging Face
   causal LMs (Llama, Qwen2, Qwen3, Qwen3-MoE, Mistral), with guards against the position-ids trap.
+* :mod:`dualkv.integrations.trl` -- ``DualKVGRPOTrainer``: TRL's GRPO trainer with packed log-prob
+  forwards.
+* :mod:`dualkv.integrations.verl` -- a veRL plug-in (``external_lib``) for the FSDP engine.
 """
 from __future__ import annotations
 
 import importlib
 
-__all__ = ["transformers"]
+__all__ = ["transformers", "trl", "verl"]
 
 
 def __getattr__(name):

@@ -1,0 +1,193 @@
+"""One TRL GRPO policy update: stock ``GRPOTrainer`` vs ``DualKVGRPOTrainer`` (issue 20's GPU acceptance).
+
+One process, one random-weight Qwen3-shaped model (bf16, gradient checkpointing) copied into both
+trainers, the same generation batch fed to both (the rollout function of examples/trl_grpo.py stands in
+for vLLM): G prompts x N completions, prompt lengths uniform in --prompt-len, completion lengths in
+--completion-len. Each trainer builds its generation batch with TRL's own ``_generate_and_score_completions``
+and splits it the way its ``_prepare_inputs`` does (stock: shuffled rows; dualkv: whole groups) into
+--slices gradient-accumulation slices. Measured, with CUDA events after one warm-up slice:
+
+* update: forward + backward (``compute_loss`` + backward, TRL's dapo loss) of every slice;
+* logprobs: the no-grad log-prob pass over the whole batch (old / reference log-probs), in
+  micro-batches of ``per_device_train_batch_size`` rows (stock) or the same padded-token budget (dualkv).
+
+Accuracy (the tolerance rule of DESIGN.md section 7, as bench/logprob_noise.py applies it): on the rows
+of the first group, each trainer's bf16 log-probs against an fp32 truth (the same weights upcast, exact
+fp32 attention, row by row): max|dualkv - truth| <= 2 max|stock - truth| + 1e-3.
+Speed: rho = unpadded tokens (sum over rows of P + C) / packed tokens (sum over groups of P + sum C);
+the acceptance is update speedup >= 0.85 rho. JSON (environment, commit, tokens, times, errors, verdict)
+to --out.
+
+    python bench/trl_step.py                       # G8 x N16, P 2K-8K, C 0.5K-2K, 1.7B, on the GPU
+    python bench/trl_step.py --device cpu --model tiny --groups 2 -N 4 --prompt-len 8,16 \\
+        --completion-len 2,8 --slices 2 --dtype fp32          # smoke test
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import json
+import pathlib
+import sys
+import types
+
+import torch
+
+HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "python"))
+sys.path.insert(0, str(HERE.parent / "examples"))
+
+import logprob_noise  # noqa: E402  (exact fp32 truth, row by row)
+from e2e import environment  # noqa: E402
+from trl import GRPOConfig, GRPOTrainer  # noqa: E402
+from trl.trainer.utils import shuffle_sequence_dict, split_tensor_dict  # noqa: E402
+from trl_grpo import length_reward, random_prompts, synthetic_rollout, word_tokenizer  # noqa: E402
+
+from dualkv.demo import _Timer as Clock  # noqa: E402  (CUDA events on a GPU, wall clock otherwise)
+from dualkv.demo import qwen3_config  # noqa: E402
+from dualkv.integrations.trl import DualKVGRPOConfig, DualKVGRPOTrainer, group_slices  # noqa: E402
+
+
+def _range(text: str):
+    lo, _, hi = text.partition(",")
+    return int(lo), int(hi or lo)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="1.7b", help="dualkv.demo size (tiny, 0.6b, 1.7b, 4b, 8b)")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    p.add_argument("--groups", type=int, default=8)
+    p.add_argument("-N", dest="n", type=int, default=16)
+    p.add_argument("--prompt-len", type=_range, default=(2048, 8192))
+    p.add_argument("--completion-len", type=_range, default=(512, 2048))
+    p.add_argument("--slices", type=int, default=8, help="gradient-accumulation slices (steps_per_generation)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=str(HERE / "results"))
+    return p.parse_args(argv)
+
+
+def make_trainer(cls, config_cls, model, args, vocab, dataset, extra):
+    rows = args.groups * args.n
+    config = config_cls(output_dir="/tmp/trl_step", num_generations=args.n, per_device_train_batch_size=rows // args.slices,
+                        steps_per_generation=args.slices, gradient_accumulation_steps=args.slices,
+                        max_completion_length=args.completion_len[1], report_to="none", save_strategy="no",
+                        use_cpu=args.device == "cpu", bf16=args.dtype == "bf16", gradient_checkpointing=True,
+                        loss_type="dapo", seed=args.seed, disable_tqdm=True, **extra)
+    trainer = cls(model=model, reward_funcs=length_reward, args=config, train_dataset=dataset,
+                  processing_class=word_tokenizer(vocab), rollout_func=synthetic_rollout(args.completion_len, vocab))
+    trainer.model.train()
+    # both are set up by Trainer.train(), which this benchmark does not run: checkpointing (non-reentrant, TRL's
+    # default) and the accumulation count that compute_loss reads
+    trainer.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    trainer.current_gradient_accumulation_steps = args.slices
+    return trainer
+
+
+def update(trainer, slices):
+    """compute_loss + backward over every slice (one optimizer step's worth), gradients dropped after."""
+    for piece in slices:
+        with trainer.compute_loss_context_manager():
+            loss = trainer.compute_loss(trainer.model, piece)
+        trainer.accelerator.backward(loss)
+    trainer.model.zero_grad(set_to_none=True)
+
+
+def logprob_pass(trainer, batch, rows=None):
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
+    mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
+    if rows is not None:
+        ids, mask = ids[rows], mask[rows]
+    with torch.no_grad():
+        return trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, batch["completion_ids"].shape[1],
+                                                          batch_size=trainer.args.per_device_train_batch_size)[0]
+
+
+def tokens(batch, n):
+    plen, clen = batch["prompt_mask"].sum(1).tolist(), batch["completion_mask"].sum(1).tolist()
+    unpadded = sum(plen) + sum(clen)
+    packed = sum(plen[g] for g in range(0, len(plen), n)) + sum(clen)  # rows g..g+n-1 share prompt g
+    padded = batch["prompt_ids"].numel() + batch["completion_ids"].numel()
+    return dict(unpadded=unpadded, packed=packed, padded=padded, rho=unpadded / packed, rho_padded=padded / packed)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    cfg = qwen3_config(args.model)
+    torch.manual_seed(args.seed)
+    from transformers import AutoModelForCausalLM
+    with torch.device(device):
+        base = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    prompts = random_prompts(args.groups, args.prompt_len, cfg.vocab_size, seed=args.seed)
+    from datasets import Dataset
+    dataset = Dataset.from_dict({"prompt": prompts})
+    report = {"env": environment(device), "args": vars(args), "time": datetime.datetime.now().isoformat()}
+    trainers = {"stock": make_trainer(GRPOTrainer, GRPOConfig, copy.deepcopy(base), args, cfg.vocab_size, dataset, {}),
+                "dualkv": make_trainer(DualKVGRPOTrainer, DualKVGRPOConfig, base, args, cfg.vocab_size, dataset,
+                                       {"use_dualkv": True})}
+    inputs = [{"prompt": p} for p in prompts for _ in range(args.n)]  # RepeatSampler's order
+    batches, slices = {}, {}
+    for name, trainer in trainers.items():
+        batches[name] = trainer._generate_and_score_completions(inputs)
+        torch.manual_seed(args.seed)  # both draw the same row permutation
+        slices[name] = (group_slices(batches[name], args.slices) if name == "dualkv"
+                        else split_tensor_dict(shuffle_sequence_dict(batches[name]), args.slices))
+    assert torch.equal(batches["stock"]["completion_ids"], batches["dualkv"]["completion_ids"])
+    report["tokens"] = tokens(batches["stock"], args.n)
+    print(f"tokens {report['tokens']}", flush=True)
+
+    times = {}
+    for name, trainer in trainers.items():
+        update(trainer, slices[name][:1])  # warm-up: kernels, allocator, planner
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        with Clock(device) as c:
+            update(trainer, slices[name])
+        with Clock(device) as lp:
+            logprob_pass(trainer, batches[name])
+        times[name] = {"update_s": c.seconds, "logprobs_s": lp.seconds,
+                       "gradient_checkpointing": bool(trainer.model.is_gradient_checkpointing)}
+        if device.type == "cuda":
+            times[name]["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+        print(f"{name}: {times[name]}", flush=True)
+    report["times"] = times
+
+    # accuracy on the first group's rows, against the fp32 truth
+    rows = list(range(args.n))
+    got = {name: logprob_pass(trainer, batches[name], rows).float() for name, trainer in trainers.items()}
+    batch = batches["stock"]
+    prompt = batch["prompt_ids"][0][batch["prompt_mask"][0].bool()]
+    completions = [batch["completion_ids"][r][batch["completion_mask"][r].bool()] for r in rows]
+    mask = batch["completion_mask"][rows].bool()
+    truth_model = trainers["stock"].model.float()  # last use of the stock model: upcast in place (exact)
+    logprob_noise.register_truth()
+    logprob_noise._fp32_ieee()
+    truth_model.set_attn_implementation(logprob_noise.TRUTH_IMPL)
+    mb = types.SimpleNamespace(prompts=[prompt], responses=[completions], mask=mask)
+    with torch.no_grad():
+        truth = logprob_noise.truth_rows(truth_model, mb, 1)
+    err = {name: (v[:, :truth.shape[1]] - truth).abs()[mask[:, :truth.shape[1]]] for name, v in got.items()}
+    report["logprob_error"] = {name: {"max": float(e.max()), "mean": float(e.mean())} for name, e in err.items()}
+    bound = 2 * report["logprob_error"]["stock"]["max"] + 1e-3
+    speedup = times["stock"]["update_s"] / times["dualkv"]["update_s"]
+    target = 0.85 * report["tokens"]["rho"]
+    report["verdict"] = {"update_speedup": speedup, "logprobs_speedup": times["stock"]["logprobs_s"] /
+                         times["dualkv"]["logprobs_s"], "target_speedup": target, "speed_ok": speedup >= target,
+                         "logprob_bound": bound, "logprob_ok": report["logprob_error"]["dualkv"]["max"] <= bound}
+    print(json.dumps(report["logprob_error"]), flush=True)
+    print(json.dumps(report["verdict"]), flush=True)
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"trl_step-{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}.json"
+    path.write_text(json.dumps(report, indent=1))
+    print(f"wrote {path}")
+    return 0 if report["verdict"]["speed_ok"] and report["verdict"]["logprob_ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

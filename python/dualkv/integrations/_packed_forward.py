@@ -1,0 +1,157 @@
+"""The piece the TRL and veRL adapters share: response log-probs computed inside the model's own forward.
+
+Trainers call the *wrapped* model (DDP, FSDP1/2, DeepSpeed) so that the wrapper's hooks run: FSDP
+all-gathers the root group (embedding, final norm, LM head) in its pre-forward hook and arms the
+gradient reduction for backward. Reading ``lm_head.weight`` outside that forward sees a sharded
+parameter. So :func:`install` makes ``model(**forward_kwargs(packed))`` run the decoder on the
+packed tokens and :func:`dualkv.logprobs.response_logprobs` on its last hidden states and the LM-head
+weight, both inside ``model.forward`` (the way TRL's fused LM head and veRL's fused kernels do it).
+Without ``dualkv_packed`` the model's previous forward runs unchanged (generation, value heads).
+The call carries the usual packed inputs too (``input_ids``, ``position_ids``, ``dualkv_layout``),
+so the position-ids guard of :mod:`dualkv.integrations.transformers` sees a consistent batch.
+
+:func:`check_servable` refuses, before any work, what this path cannot compute exactly.
+"""
+from __future__ import annotations
+
+import functools
+import types
+from dataclasses import dataclass
+from typing import Any, Dict, Optional
+
+import torch
+from transformers.utils import ModelOutput
+
+from .._native import ArgumentError, UnsupportedError, build_info
+from ..logprobs import response_logprobs
+from ..packing import PackedBatch
+from . import transformers as dkt
+
+try:  # FSDP2 keeps parameters that are not unsharded by a hook as DTensors
+    from torch.distributed.tensor import DTensor
+except ImportError:  # pragma: no cover - torch without torch.distributed.tensor
+    DTensor = ()
+
+__all__ = ["PACKED_KWARG", "PackedLogprobs", "check_servable", "forward_kwargs", "install"]
+
+#: forward keyword carrying the :class:`dualkv.PackedBatch`
+PACKED_KWARG = "dualkv_packed"
+_PREVIOUS_ATTR = "_dualkv_previous_forward"  #: the forward that install() wrapped
+#: inputs a packed call must not carry: the packed batch defines the tokens and the visibility
+_FOREIGN_INPUTS = ("inputs_embeds", "attention_mask", "labels")
+
+
+@dataclass
+class PackedLogprobs(ModelOutput):
+    """What ``model(dualkv_packed=...)`` returns: fp32 ``[B, R_max]`` in the packed batch's row order,
+    zeros where a row has no response token. A ``ModelOutput`` (a registered pytree node) so that FSDP2
+    finds its tensors and registers the pre-backward hook that re-gathers the root parameters (the LM
+    head) before ``response_logprobs``' backward runs."""
+
+    log_probs: Optional[torch.Tensor] = None
+    entropy: Optional[torch.Tensor] = None
+
+
+def _text_config(config):
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def check_servable(model, device: Optional[torch.device] = None) -> None:
+    """Raise :class:`dualkv.UnsupportedError` if the packed path cannot serve ``model`` exactly.
+
+    Refused: what :func:`dualkv.integrations.transformers.check_config` refuses (sliding windows,
+    softcapping, sinks, attention dropout), decoder layers that are not attention (linear
+    attention, Mamba: they would ignore the layout), an LM head with a bias, final-logit
+    softcapping or logit scaling (``response_logprobs`` applies none of them), and a head dim the
+    native library was not built for on ``device``.
+    """
+    config = model.config
+    text = _text_config(config)
+    name = getattr(text, "model_type", type(model).__name__)
+    dkt.check_config(config)
+    mixers = sorted({str(t) for t in (getattr(text, "layer_types", None) or ())} - {"full_attention"})
+    if mixers:
+        raise UnsupportedError(f"dualkv: {name} has {', '.join(mixers)} layers; only full-attention decoder layers "
+                               "follow the packed layout")
+    head = model.get_output_embeddings()
+    if head is None or not isinstance(getattr(head, "weight", None), torch.Tensor):
+        raise UnsupportedError(f"dualkv: {name} has no linear LM head (get_output_embeddings() gives {head!r})")
+    if getattr(head, "bias", None) is not None:
+        raise UnsupportedError(f"dualkv: {name} has an LM head with a bias, which response_logprobs does not add")
+    scale = getattr(text, "logit_scale", None)
+    if getattr(text, "final_logit_softcapping", None) is not None or scale not in (None, 1, 1.0):
+        raise UnsupportedError(f"dualkv: {name} softcaps or scales its final logits, which response_logprobs "
+                               "does not apply")
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    device = torch.device(device) if device is not None else None
+    info = build_info()
+    if device is not None and device.type == "cuda":
+        built = [int(d) for d in info.get("cuda", {}).get("head_dims", [])]
+        if head_dim not in built:
+            raise UnsupportedError(f"dualkv: {name} has head dim {head_dim}; this libdualkv was built for CUDA head "
+                                   f"dims {built} (rebuild with HEAD_DIMS including {head_dim})")
+    elif head_dim > int(info["cpu"]["max_head_dim"]):
+        raise UnsupportedError(f"dualkv: {name} has head dim {head_dim}; the CPU backend takes at most "
+                               f"{info['cpu']['max_head_dim']}")
+
+
+def forward_kwargs(packed: PackedBatch, temperature: float = 1.0, entropy: bool = False) -> Dict[str, Any]:
+    """Keywords of a packed log-prob call: ``model(**forward_kwargs(packed), ...)`` on a model prepared
+    with :func:`install` returns :class:`PackedLogprobs`."""
+    return dict(dkt.model_inputs(packed), dualkv_packed=packed, dualkv_temperature=temperature,
+                dualkv_entropy=entropy)
+
+
+def install(model):
+    """Let ``model(**forward_kwargs(packed, temperature, entropy), **kw)`` return :class:`PackedLogprobs`
+    computed inside ``model.forward`` (idempotent; returns the model).
+
+    ``model`` is the Hugging Face causal LM itself (under PEFT: ``get_base_model()``), with dualkv
+    attention enabled. Other keywords (``dualkv_deterministic``, ``output_router_logits``) reach the
+    decoder. The wrapper keeps the previous forward's signature visible (``__wrapped__``) because
+    ``generate`` validates its keywords against it; both forwards are methods bound to the model, so a
+    deep copy of the model calls its own modules.
+    """
+    if getattr(model, _PREVIOUS_ATTR, None) is not None:
+        return model
+    previous = model.forward
+
+    @functools.wraps(previous)
+    def forward(self, *args, dualkv_packed: Optional[PackedBatch] = None, dualkv_temperature: float = 1.0,
+                dualkv_entropy: bool = False, **kwargs):
+        if dualkv_packed is None:
+            return getattr(self, _PREVIOUS_ATTR)(*args, **kwargs)
+        return _packed_logprobs(self, dualkv_packed, dualkv_temperature, dualkv_entropy, args, kwargs)
+
+    object.__setattr__(model, _PREVIOUS_ATTR, previous)
+    model.forward = types.MethodType(forward, model)
+    return model
+
+
+def _packed_logprobs(model, packed: PackedBatch, temperature: float, entropy: bool, args, kwargs) -> PackedLogprobs:
+    if not isinstance(packed, PackedBatch):
+        raise TypeError(f"{PACKED_KWARG} must be a dualkv.PackedBatch, got {type(packed).__name__}")
+    foreign = [k for k in _FOREIGN_INPUTS if kwargs.get(k) is not None]
+    if args or foreign:
+        raise ArgumentError(f"model({PACKED_KWARG}=...) takes its inputs from forward_kwargs(packed); got "
+                            f"{'positional arguments' if args else ', '.join(foreign)} as well")
+    if kwargs.get(dkt.LAYOUT_KWARG) is not packed.layout or kwargs.get("input_ids") is not packed.input_ids:
+        raise ArgumentError(f"model({PACKED_KWARG}=...): input_ids and {dkt.LAYOUT_KWARG} must be the packed batch's "
+                            "own (pass **forward_kwargs(packed))")
+    out = model.base_model(**kwargs)
+    hidden = out.last_hidden_state
+    weight = model.get_output_embeddings().weight
+    if isinstance(weight, DTensor):  # not unsharded by a root hook (e.g. a head outside the root group)
+        weight = weight.full_tensor()
+    # response_logprobs computes its logits in fp32 itself; under autocast its forward GEMMs would
+    # run in bf16 while its backward (outside autocast) recomputes them in fp32.
+    with torch.autocast(hidden.device.type, enabled=False):
+        result = response_logprobs(hidden, weight, packed, temperature=temperature, entropy=entropy)
+    logp, ent = result if entropy else (result, None)
+    return PackedLogprobs(log_probs=_own_storage(logp), entropy=_own_storage(ent))
+
+
+def _own_storage(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """FSDP2 hooks a module's outputs for its pre-backward all-gather, and warns about views (an in-place
+    op on one would drop the hook); response_logprobs returns reshaped views of small [B, R_max] tensors."""
+    return t.clone() if t is not None and t._base is not None else t

@@ -1,0 +1,300 @@
+"""TRL ``GRPOTrainer`` on dualkv: every group's prompt is run once per forward.
+
+::
+
+    from dualkv.integrations.trl import DualKVGRPOConfig, DualKVGRPOTrainer
+
+    args = DualKVGRPOConfig(output_dir="out", num_generations=8, per_device_train_batch_size=16, use_dualkv=True)
+    trainer = DualKVGRPOTrainer(model="Qwen/Qwen3-1.7B", reward_funcs=reward, args=args, train_dataset=ds)
+    trainer.train()
+
+What changes against the stock trainer (TRL 1.16.0, see ``requirements-rl.txt``):
+
+* ``_get_per_token_logps_and_entropies`` (old, reference and training log-probs): the padded
+  ``[B, P + C]`` rows are packed as ``[prompt | completion_1 | ... | completion_N]`` per distinct
+  prompt (exact grouping by prompt tokens, so vLLM, rollout-function and transformers batches all
+  work), run through the wrapped model with dualkv attention, and returned as TRL's
+  ``[B, logits_to_keep]`` fp32 log-probs (and entropies), zeros where TRL's are zero. TRL's loss,
+  clipping, KL, entropy masks and logging run unchanged on them. Forwards without gradient are cut
+  into micro-batches of whole groups under a packed-token budget (``dualkv_max_tokens``; by default
+  the tokens of one stock chunk, ``batch_size`` padded rows), with the same count on every process.
+* ``_prepare_inputs``: the generation batch is shuffled and cut into ``steps_per_generation``
+  slices of whole groups (equal row counts, balanced by packed tokens) instead of by rows, so each
+  slice packs every prompt once. It draws the same random permutation as TRL's row shuffle.
+* Generation with transformers (``use_vllm=False``) runs on the model's original attention.
+
+Refused before any work (:class:`dualkv.UnsupportedError`): vision-language models, Liger kernels,
+the MoE router auxiliary loss (it would count each prompt once instead of N times; set
+``router_aux_loss_coef=0.0``), DeepSpeed ZeRO-3 (the fused LM-head backward would need the head
+re-gathered), and models :func:`check_servable` refuses. Completions longer than
+``max_completion_length`` and empty prompts raise ``ValueError`` when they are generated.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+
+from .._native import UnsupportedError
+from ..microbatch import plan_micro_batches
+from ..packing import pack_groups, pack_padded
+from . import transformers as dkt
+from ._packed_forward import check_servable, forward_kwargs, install
+
+try:
+    from accelerate.utils import is_peft_model
+    from trl import GRPOConfig, GRPOTrainer
+    from trl.trainer.utils import split_tensor_dict
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise ImportError("dualkv.integrations.trl needs TRL (pip install -r requirements-rl.txt)") from exc
+
+__all__ = ["DualKVGRPOConfig", "DualKVGRPOTrainer", "group_slices"]
+
+
+@dataclass
+class DualKVGRPOConfig(GRPOConfig):
+    """:class:`trl.GRPOConfig` plus the dualkv switches."""
+
+    use_dualkv: bool = field(default=True, metadata={"help": "Pack each group as prompt once + its completions and "
+                                                             "run the policy update on dualkv attention."})
+    dualkv_max_tokens: Optional[int] = field(default=None, metadata={
+        "help": "Packed-token budget of one forward without gradient (old and reference log-probs). Default: the "
+                "tokens of one stock chunk (batch_size padded rows)."})
+    dualkv_deterministic: bool = field(default=False, metadata={
+        "help": "Bit-reproducible attention backward."})
+
+
+class DualKVGRPOTrainer(GRPOTrainer):
+    """:class:`trl.GRPOTrainer` whose log-prob forwards run packed on dualkv (see the module docstring).
+
+    With ``args.use_dualkv=False`` it is the stock trainer.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._dualkv = bool(getattr(self.args, "use_dualkv", True))
+        if not self._dualkv:
+            return
+        self._max_tokens = getattr(self.args, "dualkv_max_tokens", None)
+        self._deterministic = bool(getattr(self.args, "dualkv_deterministic", False))
+        models = self._hf_models()
+        for model in models:
+            check_servable(model, self.accelerator.device)
+        self._refuse_unsupported()
+        # generate() needs a stock attention: the policy's own, or sdpa if it was built with dualkv
+        policy = models[0]
+        self._generation_attn = "sdpa" if dkt.is_enabled(policy) else policy.config._attn_implementation
+        for model in models:
+            dkt.enable(model)
+            install(model)
+
+    # -- set-up -------------------------------------------------------------------------------------
+
+    def _hf_models(self) -> List[torch.nn.Module]:
+        """The Hugging Face causal LMs whose forward this trainer calls: the policy and the reference."""
+        models = []
+        for m in (self.model, self.ref_model):
+            if m is None:
+                continue
+            m = self.accelerator.unwrap_model(m)
+            if is_peft_model(m):
+                m = m.get_base_model()
+            models.append(m)
+        return models
+
+    def _refuse_unsupported(self) -> None:
+        args = self.args
+        if self._is_vlm:
+            raise UnsupportedError("DualKVGRPOTrainer: vision-language models are not supported (image tokens in the "
+                                   "prompt need their own packing); use GRPOTrainer")
+        if args.use_liger_kernel:
+            raise UnsupportedError("DualKVGRPOTrainer: use_liger_kernel replaces model code the packed path has not "
+                                   "been checked with; set use_liger_kernel=False")
+        if self.aux_loss_enabled:
+            raise UnsupportedError(
+                "DualKVGRPOTrainer: the MoE router auxiliary loss is enabled (router_aux_loss_coef="
+                f"{self.router_aux_loss_coef}); on a packed batch it would count each prompt token once instead of "
+                "num_generations times. Set router_aux_loss_coef=0.0 in the GRPOConfig.")
+        plugin = getattr(self.accelerator.state, "deepspeed_plugin", None)
+        if plugin is not None and plugin.zero_stage == 3:
+            raise UnsupportedError("DualKVGRPOTrainer: DeepSpeed ZeRO-3 is not supported (the fused LM-head backward "
+                                   "would need the head re-gathered); use FSDP or ZeRO-1/2")
+        if self._max_tokens is not None and self._max_tokens < 2:
+            raise ValueError(f"DualKVGRPOTrainer: dualkv_max_tokens must be >= 2, got {self._max_tokens}")
+
+    # -- generation -----------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _stock_attention(self):
+        """The policy's original attention for transformers generation (no backward runs inside)."""
+        if not self._dualkv or self.use_vllm:
+            yield
+            return
+        policy = self._hf_models()[0]
+        policy.set_attn_implementation(self._generation_attn)
+        try:
+            yield
+        finally:
+            policy.set_attn_implementation(dkt.ATTN_IMPLEMENTATION)
+
+    def _generate_single_turn(self, *args, **kwargs):
+        with self._stock_attention():
+            return super()._generate_single_turn(*args, **kwargs)
+
+    def _generate(self, prompts: list):
+        out = super()._generate(prompts)
+        if self._dualkv:
+            self._check_rollouts(out[0], out[1])
+        return out
+
+    def _check_rollouts(self, prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]]) -> None:
+        """Bad rollouts raise here, before any log-prob forward."""
+        limit = self.max_completion_length
+        too_long = [i for i, c in enumerate(completion_ids) if len(c) > limit]
+        if too_long:
+            raise ValueError(f"DualKVGRPOTrainer: completions longer than max_completion_length={limit}: rows "
+                             f"{too_long[:8]} (lengths {[len(completion_ids[i]) for i in too_long[:8]]})")
+        empty = [i for i, p in enumerate(prompt_ids) if len(p) == 0]
+        if empty:
+            raise ValueError(f"DualKVGRPOTrainer: empty prompts (every completion needs at least one prompt token): "
+                             f"rows {empty[:8]}")
+
+    # -- splitting a generation batch into gradient-accumulation slices -------------------------------
+
+    def _prepare_inputs(self, generation_batch):
+        if not (self._dualkv and self.model.training):
+            return super()._prepare_inputs(generation_batch)
+        # TRL's train branch, with group_slices in place of shuffle_sequence_dict + split_tensor_dict
+        # (pixel-value regrouping is left out: vision-language models are refused).
+        generate_every = self.args.steps_per_generation * self.num_iterations
+        if self._step % generate_every == 0 or self._buffered_inputs is None:
+            batch = self._generate_and_score_completions(generation_batch)
+            self._buffered_inputs = group_slices(batch, self.args.steps_per_generation)
+        return self._buffered_inputs[self._step % self.args.steps_per_generation]
+
+    # -- the log-prob forwards ------------------------------------------------------------------------
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
+                                           compute_entropy=False, compute_aux_loss=False, **multimodal):
+        if not self._dualkv:
+            return super()._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
+                compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss, **multimodal)
+        given = sorted(k for k, v in multimodal.items() if v is not None)
+        if given or compute_aux_loss:
+            raise UnsupportedError(f"DualKVGRPOTrainer: {', '.join(given) or 'the router auxiliary loss'} cannot be "
+                                   "computed on a packed batch")
+        B, L = input_ids.shape
+        C = int(logits_to_keep)
+        lens = attention_mask[:, L - C:].sum(1).tolist()  # the one host read of this call
+        rows = [b for b in range(B) if lens[b] > 0]  # all-masked rows (truncated completions) stay zero
+        micro = self._plan(input_ids, attention_mask, rows, C, batch_size)
+        extra = {dkt.DETERMINISTIC_KWARG: True} if self._deterministic else {}
+        done, logps, ents = [], [], []
+        anchor = None  # an exact zero carrying the graph of forwards that had nothing to score
+        for mb_rows in micro:
+            if mb_rows:
+                idx = torch.tensor(mb_rows, device=input_ids.device)
+                packed = pack_padded(input_ids.index_select(0, idx), attention_mask.index_select(0, idx),
+                                     response_length=C)
+            else:  # a process with nothing to score still runs a forward: FSDP/DDP collectives must line up
+                tok = input_ids[:1, -1]
+                packed = pack_groups([tok], [[tok]])
+            with self.accelerator.autocast():
+                out = model(**forward_kwargs(packed, self.temperature, compute_entropy), **extra)
+            if mb_rows:
+                done.extend(mb_rows)
+                logps.append(out.log_probs)
+                ents.append(out.entropy)
+            else:  # backward must reach this forward too, so that its collectives run on every process
+                zero = out.log_probs.sum() * 0.0
+                anchor = zero if anchor is None else anchor + zero
+        logp = _scatter_rows(logps, done, B, C, input_ids.device)
+        if anchor is not None:
+            logp = logp + anchor
+        ent = _scatter_rows(ents, done, B, C, input_ids.device) if compute_entropy else None
+        return logp, ent, None
+
+    def _plan(self, input_ids, attention_mask, rows: List[int], C: int, batch_size: Optional[int]) -> List[List[int]]:
+        """Row lists of the forwards to run: one for the training forward, whole groups under the token budget
+        otherwise, padded with empty lists to the largest count over the processes."""
+        if batch_size is None:
+            return [rows]
+        micro: List[List[int]] = []
+        if rows:
+            budget = self._max_tokens or batch_size * input_ids.shape[1]
+            idx = torch.tensor(rows, device=input_ids.device)
+            packed = pack_padded(input_ids.index_select(0, idx), attention_mask.index_select(0, idx),
+                                 response_length=C)
+            plan = plan_micro_batches(packed.groups(), max_tokens=budget)
+            micro = [[rows[r] for r in mb.rows(packed.group_rows)] for mb in plan.ranks[0] if mb.entries]
+        if self.accelerator.num_processes > 1:
+            count = torch.tensor([len(micro)], device=input_ids.device)
+            most = int(self.accelerator.gather(count).max())
+            micro += [[] for _ in range(most - len(micro))]
+        return micro or [[]]
+
+
+def _scatter_rows(pieces: List[torch.Tensor], rows: List[int], num_rows: int, width: int, device) -> torch.Tensor:
+    """Row k of ``cat(pieces)`` -> row ``rows[k]`` of a ``[num_rows, width]`` fp32 zero tensor (differentiable)."""
+    if not rows:
+        return torch.zeros(num_rows, width, dtype=torch.float32, device=device)
+    values = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+    if rows == list(range(num_rows)):
+        return values
+    out = values.new_zeros((num_rows, width))
+    return out.index_copy(0, torch.tensor(rows, device=values.device), values)
+
+
+def _exact_groups(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> List[int]:
+    """Group index of every row: rows with identical (unpadded) prompt tokens share one."""
+    keep = prompt_mask.bool()
+    sig = torch.where(keep, prompt_ids.long(), torch.full_like(prompt_ids, -1, dtype=torch.long))
+    sig = torch.cat([keep.sum(1, keepdim=True), sig], dim=1)
+    return torch.unique(sig, dim=0, return_inverse=True)[1].tolist()
+
+
+def group_slices(batch: Dict[str, Any], num_slices: int) -> List[Dict[str, Any]]:
+    """Shuffle a TRL generation batch and cut it into ``num_slices`` slices of equal row count, each holding
+    whole groups (rows with identical prompts) where the group sizes allow it.
+
+    The random permutation is the one TRL's ``shuffle_sequence_dict`` draws (``torch.randperm(B)``), so the
+    RNG stream is the stock one; it orders the groups. When every group has n rows and a slice holds a
+    multiple of n, groups go to slices longest-packed-first onto the least-loaded slice with room
+    (packed tokens: prompt + completions); otherwise groups are laid out in order and cut like
+    ``split_tensor_dict`` (a group may then straddle two slices: still exact, packed twice).
+    """
+    prompt_ids, prompt_mask = batch["prompt_ids"], batch["prompt_mask"]
+    B = prompt_ids.shape[0]
+    perm = torch.randperm(B).tolist()
+    group = _exact_groups(prompt_ids, prompt_mask)
+    cost_rows = torch.stack([prompt_mask.sum(1), batch["completion_mask"].sum(1)]).tolist()
+    members: Dict[int, List[int]] = {}
+    for r in perm:  # groups in order of first appearance in the permutation
+        members.setdefault(group[r], []).append(r)
+    groups = list(members.values())
+    size = B // num_slices
+    n = len(groups[0])
+    if all(len(g) == n for g in groups) and size % n == 0:
+        cost = [cost_rows[0][g[0]] + sum(cost_rows[1][r] for r in g) for g in groups]
+        slices: List[List[int]] = [[] for _ in range(num_slices)]
+        load = [0] * num_slices
+        for k in sorted(range(len(groups)), key=lambda k: -cost[k]):  # stable: ties keep the random order
+            s = min((s for s in range(num_slices) if len(slices[s]) < size), key=lambda s: load[s])
+            slices[s].extend(groups[k])
+            load[s] += cost[k]
+        order = [r for s in slices for r in s]
+    else:
+        order = [r for g in groups for r in g]
+    index = torch.tensor(order)
+
+    def permute(v):
+        if isinstance(v, torch.Tensor):
+            return v if v.dim() == 0 else v[index.to(v.device)]
+        if isinstance(v, list):
+            return [v[i] for i in order]
+        return v
+
+    return split_tensor_dict({k: permute(v) for k, v in batch.items()}, num_slices)

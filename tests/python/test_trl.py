@@ -1,0 +1,285 @@
+"""TRL's GRPOTrainer vs dualkv's DualKVGRPOTrainer on a tiny random Qwen3 (fp32, CPU).
+
+Both trainers start from the same checkpoint and get the same completions (a deterministic rollout
+function, the way vLLM output is fed in), so every logged number and every parameter after a few
+GRPO steps must agree up to summation order. Plus: the log-prob path itself (budget-split forwards,
+masked rows, gradients), whole-group slicing, transformers generation, and bad input.
+"""
+import importlib.util
+import json
+import pathlib
+
+import pytest
+import torch
+
+pytest.importorskip("trl")
+datasets = pytest.importorskip("datasets")
+
+import transformers  # noqa: E402
+from trl import GRPOConfig, GRPOTrainer  # noqa: E402
+
+import dualkv  # noqa: E402
+from dualkv.demo import qwen3_config  # noqa: E402
+from dualkv.integrations.trl import DualKVGRPOConfig, DualKVGRPOTrainer, group_slices  # noqa: E402
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+
+
+def _load(path: pathlib.Path):
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+example = _load(REPO / "examples" / "trl_grpo.py")  # its tokenizer and rollout function serve the tests too
+VOCAB = 64
+MAX_COMPLETION = 8
+PROMPTS = ["t5 t9 t13", "t7 t2 t40 t33 t8", "t11", "t20 t21 t22 t23"]
+rollout = example.synthetic_rollout((1, MAX_COMPLETION), VOCAB)
+
+
+def make_tokenizer():
+    return example.word_tokenizer(VOCAB)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A tiny random Qwen3 with random norms, saved with its tokenizer (TRL loads the reference model by path)."""
+    path = tmp_path_factory.mktemp("tiny_qwen3")
+    torch.manual_seed(0)
+    model = transformers.Qwen3ForCausalLM(qwen3_config("tiny", vocab_size=VOCAB, max_position_embeddings=256))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(path)
+    make_tokenizer().save_pretrained(path)
+    return str(path)
+
+
+def reward(prompts, completions, completion_ids, **kwargs):
+    return [float(sum(c) % 7) - 0.5 * len(c) for c in completion_ids]
+
+
+def make_trainer(checkpoint, tmp_path, dualkv_on, rollout_func=rollout, **overrides):
+    kw = dict(output_dir=str(tmp_path / ("dualkv" if dualkv_on else "stock")), per_device_train_batch_size=8,
+              num_generations=4, max_completion_length=MAX_COMPLETION, max_steps=3, learning_rate=0.1, optim="sgd",
+              report_to="none", use_cpu=True, logging_steps=1, save_strategy="no", seed=0,
+              gradient_checkpointing=False, model_init_kwargs={"dtype": torch.float32}, disable_tqdm=True,
+              bf16=False)
+    kw.update(overrides)
+    args = DualKVGRPOConfig(**kw) if dualkv_on else GRPOConfig(**kw)
+    cls = DualKVGRPOTrainer if dualkv_on else GRPOTrainer
+    return cls(model=checkpoint, reward_funcs=reward, args=args, train_dataset=datasets.Dataset.from_dict(
+        {"prompt": PROMPTS}), processing_class=make_tokenizer(), rollout_func=rollout_func)
+
+
+def train_both(checkpoint, tmp_path, **overrides):
+    out = []
+    for dualkv_on in (False, True):
+        torch.manual_seed(0)
+        trainer = make_trainer(checkpoint, tmp_path, dualkv_on, **overrides)
+        trainer.train()
+        out.append(trainer)
+    return out
+
+
+LOGGED = ("loss", "grad_norm", "entropy", "kl", "clip_ratio/low_mean", "clip_ratio/high_mean",
+          "clip_ratio/region_mean", "reward", "completions/mean_length")
+
+
+def assert_same_run(stock, packed, checkpoint, keys=LOGGED):
+    steps = [(a, b) for a, b in zip(stock.state.log_history, packed.state.log_history) if "loss" in a]
+    assert len(steps) == stock.args.max_steps
+    for a, b in steps:
+        for k in keys:
+            if k in a:
+                assert b[k] == pytest.approx(a[k], rel=1e-5, abs=1e-6), (k, a["step"], a[k], b[k])
+    # the parameter update, relative to its size (plain SGD: AdamW divides each gradient element by its own
+    # running scale, which turns 1e-7 summation-order noise of a near-zero element into a visible step)
+    start = transformers.Qwen3ForCausalLM.from_pretrained(checkpoint).state_dict()
+    diff = update = 0.0
+    for name, p in stock.model.named_parameters():
+        diff += float((dict(packed.model.named_parameters())[name] - p).double().pow(2).sum())
+        update += float((p - start[name]).double().pow(2).sum())
+    assert (diff / update) ** 0.5 <= 1e-5
+
+
+def test_grpo_steps_match_stock(checkpoint, tmp_path):
+    # grpo loss (per-sequence means), a reference model (KL), 2 PPO iterations (old log-probs, clipping active),
+    # truncated completions masked out, a high-entropy token mask (entropies enter the loss)
+    stock, packed = train_both(checkpoint, tmp_path, loss_type="grpo", beta=0.1, num_iterations=2,
+                               mask_truncated_completions=True, top_entropy_quantile=0.5)
+    assert_same_run(stock, packed, checkpoint)
+    clipped = [h["clip_ratio/region_mean"] for h in stock.state.log_history if "clip_ratio/region_mean" in h]
+    assert max(clipped) > 0.05  # the comparison covers the clipped branch of the loss
+
+
+def test_group_slices_match_stock_dapo(checkpoint, tmp_path):
+    # two gradient-accumulation slices per generation: stock slices by shuffled rows, dualkv by whole groups;
+    # with dapo's global token normalisation the accumulated update does not depend on the partition
+    stock, packed = train_both(checkpoint, tmp_path, loss_type="dapo", per_device_train_batch_size=4,
+                               steps_per_generation=2, gradient_accumulation_steps=2, num_iterations=1)
+    assert_same_run(stock, packed, checkpoint, keys=("loss", "grad_norm", "reward"))
+    for piece in packed._buffered_inputs:  # one group of 4 identical prompts per slice
+        ids = piece["prompt_ids"].masked_fill(piece["prompt_mask"] == 0, -1)
+        assert torch.equal(ids, ids[:1].expand_as(ids))
+
+
+def test_logprobs_and_gradients_match_stock(checkpoint, tmp_path):
+    stock = make_trainer(checkpoint, tmp_path, False)
+    packed = make_trainer(checkpoint, tmp_path, True)
+    tok = stock.processing_class
+    # 3 prompts, repeated non-adjacently; row 5's completion is fully masked (a truncated completion)
+    prompts = [tok(p)["input_ids"] for p in PROMPTS[:3]]
+    order = [0, 1, 0, 2, 1, 0, 2, 1]
+    g = torch.Generator().manual_seed(3)
+    comps = [torch.randint(2, VOCAB, (int(torch.randint(1, 7, (1,), generator=g)),), generator=g) for _ in order]
+    Lp, Lc = max(len(p) for p in prompts), max(len(c) for c in comps)
+    ids = torch.zeros(len(order), Lp + Lc, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, (k, c) in enumerate(zip(order, comps)):
+        p = torch.tensor(prompts[k])
+        ids[b, Lp - len(p):Lp], mask[b, Lp - len(p):Lp] = p, 1
+        ids[b, Lp:Lp + len(c)], mask[b, Lp:Lp + len(c)] = c, 1
+    mask[5, Lp:] = 0
+    for batch_size in (None, 2):  # one forward; forwards of whole groups under a 2-row token budget
+        results = []
+        for trainer in (stock, packed):
+            trainer.model.zero_grad()
+            logp, ent, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, Lc,
+                                                                      batch_size=batch_size, compute_entropy=True)
+            ((logp * mask[:, Lp:]).sum() + 0.1 * (ent * mask[:, Lp:]).sum()).backward()
+            grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters()}
+            results.append((logp.detach(), ent.detach(), grads))
+        (lp_s, en_s, gr_s), (lp_d, en_d, gr_d) = results
+        torch.testing.assert_close(lp_d, lp_s, rtol=0, atol=1e-5)
+        torch.testing.assert_close(en_d, en_s, rtol=0, atol=1e-5)
+        assert torch.count_nonzero(lp_d[5]) == 0 and torch.count_nonzero(lp_d[:5]) > 0
+        for name, g_s in gr_s.items():
+            assert float((gr_d[name] - g_s).norm()) <= 1e-5 * float(g_s.norm()), name
+
+
+def test_transformers_generation_matches_stock(checkpoint, tmp_path):
+    # no rollout function: completions sampled by model.generate, which must run on the stock attention
+    stock, packed = train_both(checkpoint, tmp_path, rollout_func=None, max_steps=1, temperature=1.0)
+    assert_same_run(stock, packed, checkpoint)
+    assert packed.model.config._attn_implementation == "dualkv"
+
+
+def test_group_slices_balance_whole_groups():
+    rows = []  # 4 groups of 2 rows; group g has a prompt of g + 1 tokens and completions of 3g + 1 tokens
+    for g in range(4):
+        rows += [(g, g + 1, 3 * g + 1)] * 2
+    order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(0)).tolist()
+    rows = [rows[i] for i in order]
+    Lp, Lc = 4, 10
+    batch = {"prompt_ids": torch.zeros(8, Lp, dtype=torch.long), "prompt_mask": torch.zeros(8, Lp, dtype=torch.long),
+             "completion_mask": torch.zeros(8, Lc, dtype=torch.long), "advantages": torch.arange(8.0),
+             "num_items_in_batch": torch.tensor(5), "tag": list(range(8))}
+    for b, (g, p, c) in enumerate(rows):
+        batch["prompt_ids"][b, Lp - p:] = 10 + g
+        batch["prompt_mask"][b, Lp - p:] = 1
+        batch["completion_mask"][b, :c] = 1
+    slices = group_slices(batch, 2)
+    cost = []
+    for s in slices:
+        assert s["num_items_in_batch"] is batch["num_items_in_batch"]
+        groups = [rows[t][0] for t in s["tag"]]
+        assert len(set(groups)) == 2 and all(groups.count(g) == 2 for g in groups)  # 2 whole groups
+        assert s["advantages"].tolist() == [float(t) for t in s["tag"]]  # rows stay aligned across keys
+        cost.append(sum(rows[t][1] / 2 + rows[t][2] for t in s["tag"]))
+    assert cost == [27.0, 27.0]  # groups cost 3, 10, 17, 24 packed tokens: {24, 3} and {17, 10}
+
+
+def test_bad_input_is_refused(checkpoint, tmp_path):
+    def too_long(prompts, trainer):
+        out = rollout(prompts, trainer)
+        out["completion_ids"][3] = [5] * (MAX_COMPLETION + 2)
+        return out
+
+    trainer = make_trainer(checkpoint, tmp_path, True, rollout_func=too_long, max_steps=1)
+    with pytest.raises(ValueError, match="longer than max_completion_length=8: rows \\[3\\]"):
+        trainer.train()
+
+
+TINY = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=8, vocab_size=VOCAB)
+
+
+@pytest.mark.parametrize("config, message", [
+    (transformers.Qwen3Config(**TINY, sliding_window=4, use_sliding_window=True,
+                              layer_types=["sliding_attention", "full_attention"]), "sliding-window"),
+    (transformers.Qwen3Config(**dict(TINY, head_dim=1024)), "head dim 1024"),
+    (transformers.Qwen3MoeConfig(**TINY, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16),
+     "router_aux_loss_coef"),  # TRL turns the router loss on for MoE models by default
+    (transformers.Qwen3NextConfig(**TINY, linear_num_value_heads=2, linear_num_key_heads=2, linear_key_head_dim=8,
+                                  linear_value_head_dim=8, num_experts=4, num_experts_per_tok=2,
+                                  moe_intermediate_size=16, shared_expert_intermediate_size=16,
+                                  layer_types=["linear_attention", "full_attention"]), "linear_attention layers"),
+])
+def test_unservable_models_are_refused(tmp_path, config, message):
+    path = tmp_path / "model"
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    make_tokenizer().save_pretrained(path)
+    with pytest.raises(dualkv.UnsupportedError, match=message):
+        make_trainer(str(path), tmp_path, True)
+
+
+def test_example_runs_and_matches_stock():
+    argv = ["--steps", "2", "--groups", "2"]
+    stock, packed = example.main(argv + ["--stock"]), example.main(argv)
+    assert [h["loss"] for h in packed] == pytest.approx([h["loss"] for h in stock], rel=1e-5, abs=1e-7)
+
+
+def test_bench_smoke(tmp_path):
+    bench = _load(REPO / "bench" / "trl_step.py")
+    bench.main(["--device", "cpu", "--model", "tiny", "--dtype", "fp32", "--groups", "2", "-N", "4", "--prompt-len",
+                "8,16", "--completion-len", "2,8", "--slices", "2", "--out", str(tmp_path)])
+    report = json.loads(next(tmp_path.glob("trl_step-*.json")).read_text())
+    assert report["tokens"]["rho"] > 1.5 and report["verdict"]["logprob_ok"]
+    assert report["logprob_error"]["dualkv"]["max"] < 1e-5  # fp32: summation order only
+
+
+def test_packed_forward_under_fsdp2(tmp_path):
+    """The packed log-prob forward on an FSDP2-sharded model (CPU mesh, gloo, one rank: parameters are
+    DTensors, the root group holding the LM head is gathered by FSDP's hooks) equals the plain model."""
+    import copy
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from dualkv.integrations import transformers as dkt
+    from dualkv.integrations._packed_forward import forward_kwargs, install
+    from dualkv.packing import pack
+
+    torch.manual_seed(0)
+    plain = transformers.Qwen3ForCausalLM(qwen3_config("tiny", vocab_size=VOCAB))
+    install(dkt.enable(plain))
+    sharded = copy.deepcopy(plain)  # the forward install() added is a bound method: the copy calls its own modules
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        for layer in sharded.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(sharded, mesh=mesh)
+        g = torch.Generator().manual_seed(1)
+        packed = pack([torch.randint(2, VOCAB, (5,), generator=g), torch.randint(2, VOCAB, (2,), generator=g)],
+                      [[torch.randint(2, VOCAB, (n,), generator=g) for n in (3, 1, 4)], [torch.randint(2, VOCAB, (2,))]])
+        results = []
+        for model in (plain, sharded):
+            out = model(**forward_kwargs(packed, 0.7, True))
+            (out.log_probs.sum() + 0.1 * out.entropy.sum()).backward()
+            grads = {n: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+                     for n, p in model.named_parameters()}
+            results.append((out.log_probs.detach(), out.entropy.detach(), grads))
+        (lp_a, en_a, gr_a), (lp_b, en_b, gr_b) = results
+        assert type(sharded.lm_head.weight).__name__ == "DTensor"
+        torch.testing.assert_close(lp_b, lp_a, rtol=0, atol=1e-6)
+        torch.testing.assert_close(en_b, en_a, rtol=0, atol=1e-6)
+        for name, g_a in gr_a.items():
+            assert gr_b[name] is not None and float((gr_b[name] - g_a).norm()) <= 1e-6 * float(g_a.norm()), name
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,240 @@
+"""The veRL plug-in (dualkv.integrations.verl) against veRL's own remove_padding path, on CPU.
+
+veRL's FSDP engine cannot be initialised without an accelerator (its platform layer has no CPU
+platform and ``initialize`` queries CUDA memory), so the engine object is built around a plain
+tiny Qwen3 (fp32) with the attributes its methods read, and veRL's device lookups are pointed at the
+CPU. Everything else is veRL's own code: ``DataProto.to_tensordict``, ``left_right_2_no_padding``,
+``forward_backward_batch`` with its micro-batching, ``prepare_model_inputs/outputs``, ``ppo_loss``
+(clipping active, entropy bonus, KL loss) and the output re-ordering. The stock engine runs the
+unpacked rows on sdpa (packed sequences recognised from the position restarts, which is veRL's
+remove_padding path on CPU); the dualkv engine runs the same rows packed per uid.
+"""
+import pathlib
+from functools import partial
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("verl")
+import torch.distributed as dist  # noqa: E402
+import transformers  # noqa: E402
+from verl import DataProto  # noqa: E402
+from verl.utils import seqlen_balancing  # noqa: E402
+from verl.utils import tensordict_utils as tu  # noqa: E402
+from verl.workers.config import FSDPActorConfig, FSDPEngineConfig  # noqa: E402
+from verl.workers.engine.fsdp import transformer_impl as impl  # noqa: E402
+from verl.workers.utils.losses import ppo_loss  # noqa: E402
+from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding  # noqa: E402
+
+import dualkv  # noqa: E402
+from dualkv.demo import qwen3_config  # noqa: E402
+from dualkv.integrations import verl as dkv  # noqa: E402
+
+VOCAB = 64
+N = 4  # rollout.n
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cpu_process_group(tmp_path_factory):
+    """A one-rank gloo group (veRL all-reduces token counts over the data-parallel group)."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path_factory.mktemp('pg')}/store", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.fixture(autouse=True)
+def cpu_device(monkeypatch):
+    monkeypatch.setattr(impl, "get_device_id", lambda: "cpu")
+    monkeypatch.setattr(impl, "get_device_name", lambda: "cpu")
+    monkeypatch.setattr(seqlen_balancing, "get_device_name", lambda: "cpu")
+
+
+def make_model(attn):
+    torch.manual_seed(0)
+    model = transformers.Qwen3ForCausalLM(qwen3_config("tiny", vocab_size=VOCAB))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    model.set_attn_implementation(attn)
+    return model.train()
+
+
+def make_engine(attn, **config):
+    """FSDPEngineWithLMHead around a plain module: the attributes forward_backward_batch reads."""
+    engine = impl.FSDPEngineWithLMHead.__new__(impl.FSDPEngineWithLMHead)
+    engine.module = make_model(attn)
+    engine.engine_config = FSDPEngineConfig(strategy="fsdp2", use_torch_compile=False, **config)
+    engine.ulysses_sequence_parallel_size = 1
+    engine.use_ulysses_sp = False
+    engine.ulysses_device_mesh = None
+    engine.pad_to_length = False
+    engine._autocast_dtype = torch.float32
+    engine.scaler = None
+    engine.compute_entropy_from_logits = impl.verl_F.entropy_from_logits
+    return engine
+
+
+def rollout_batch(groups=3, seed=0, uids=None):
+    """A veRL rollout batch: `groups` prompts x N responses, left-padded prompts, right-padded responses,
+    rows of a group interleaved with other groups (as after veRL's balancing)."""
+    g = torch.Generator().manual_seed(seed)
+    plens = [int(torch.randint(2, 9, (1,), generator=g)) for _ in range(groups)]
+    prompts = [torch.randint(2, VOCAB, (p,), generator=g) for p in plens]
+    rows = [(k, int(torch.randint(1, 7, (1,), generator=g))) for k in range(groups) for _ in range(N)]
+    rows = [rows[i] for i in torch.randperm(len(rows), generator=g).tolist()]
+    Lp, Lr = max(plens), max(r for _, r in rows)
+    B = len(rows)
+    prompt_ids = torch.zeros(B, Lp, dtype=torch.long)
+    response_ids = torch.zeros(B, Lr, dtype=torch.long)
+    mask = torch.zeros(B, Lp + Lr, dtype=torch.long)
+    for b, (k, r) in enumerate(rows):
+        prompt_ids[b, Lp - plens[k]:] = prompts[k]
+        response_ids[b, :r] = torch.randint(2, VOCAB, (r,), generator=g)
+        mask[b, Lp - plens[k]:Lp + r] = 1
+    response_mask = mask[:, Lp:].clone()
+    batch = {
+        "prompts": prompt_ids, "responses": response_ids, "input_ids": torch.cat([prompt_ids, response_ids], 1),
+        "attention_mask": mask, "position_ids": (mask.cumsum(1) - 1).clamp(min=0), "response_mask": response_mask,
+        "old_log_probs": -3.0 - torch.rand(B, Lr, generator=g) * response_mask,
+        "ref_log_prob": -3.0 - torch.rand(B, Lr, generator=g) * response_mask,
+        "advantages": torch.randn(B, 1, generator=g).expand(B, Lr) * response_mask,
+    }
+    uid = np.array(uids if uids is not None else [f"prompt-{k}" for k, _ in rows], dtype=object)
+    return DataProto.from_dict(batch, non_tensors={"uid": uid}, meta_info={"temperature": 0.7})
+
+
+def engine_batch(proto, max_tokens, mode):
+    """What veRL's trainer and worker hand to the engine (ray_trainer._update_actor / train_batch)."""
+    td = left_right_2_no_padding(proto.to_tensordict())
+    tu.assign_non_tensor(td, calculate_entropy=True, global_batch_size=len(proto), compute_loss=mode == "train",
+                         use_remove_padding=True, use_dynamic_bsz=True, max_token_len_per_gpu=max_tokens,
+                         micro_batch_size_per_gpu=2, use_fused_kernels=False)
+    return td
+
+
+def actor_config():
+    config = FSDPActorConfig(strategy="fsdp2", rollout_n=N, ppo_mini_batch_size=3, use_dynamic_bsz=True,
+                             ppo_max_token_len_per_gpu=64, clip_ratio_low=0.2, clip_ratio_high=0.28,
+                             entropy_coeff=0.01, use_kl_loss=True, kl_loss_coef=0.05)
+    return config
+
+
+def run(engine, proto, max_tokens, mode):
+    td = engine_batch(proto, max_tokens, mode)
+    engine.module.zero_grad()
+    if mode == "train":
+        out = engine.forward_backward_batch(td, loss_function=partial(ppo_loss, config=actor_config()))
+        grads = {n: p.grad.clone() for n, p in engine.module.named_parameters()}
+        return out, grads, td
+    with torch.no_grad():
+        out = engine.forward_backward_batch(td, loss_function=None, forward_only=True)
+    return out, None, td
+
+
+def test_log_probs_match_remove_padding():
+    proto = rollout_batch()
+    stock, _, td = run(make_engine("sdpa"), proto, max_tokens=48, mode="infer")
+    packed, _, _ = run(make_engine(dualkv.integrations.transformers.ATTN_IMPLEMENTATION), proto, max_tokens=48,
+                       mode="infer")
+    for key in ("log_probs", "entropy"):
+        a = no_padding_2_padding(stock["model_output"][key], td)
+        b = no_padding_2_padding(packed["model_output"][key], td)
+        mask = proto.batch["response_mask"].bool()
+        assert a.shape == b.shape == mask.shape
+        torch.testing.assert_close(b[mask], a[mask], rtol=0, atol=1e-5)
+
+
+def test_update_matches_remove_padding():
+    proto = rollout_batch(groups=4, seed=1)
+    stock, g_stock, _ = run(make_engine("sdpa"), proto, max_tokens=40, mode="train")
+    packed, g_packed, _ = run(make_engine("dualkv"), proto, max_tokens=40, mode="train")
+    # micro-batches differ (rows vs whole groups); ppo_loss normalises by the global token count, so the summed
+    # loss and the accumulated gradient do not depend on the split
+    assert sum(packed["loss"]) == pytest.approx(sum(stock["loss"]), rel=1e-5)
+    for name, g in g_stock.items():
+        assert float((g_packed[name] - g).norm()) <= 1e-5 * float(g.norm()), name
+    for key in ("actor/pg_loss", "actor/entropy_loss", "kl_loss"):  # summed over micro-batches, like the loss
+        assert sum(packed["metrics"][key].values) == pytest.approx(sum(stock["metrics"][key].values), rel=1e-5), key
+    assert max(stock["metrics"]["actor/pg_clipfrac"].values) > 0  # the clipped branch is covered
+
+
+def test_micro_batches_keep_groups_whole():
+    proto = rollout_batch(groups=5, seed=2)
+    td = engine_batch(proto, max_tokens=30, mode="train")
+    tu.assign_non_tensor(td, dualkv=True)  # what forward_backward_batch marks on a dualkv engine's batch
+    micro, indices = impl.prepare_micro_batches(data=td, dp_group=dist.group.WORLD)
+    uid = list(proto.non_tensor_batch["uid"])
+    seen = sorted(r for rows in indices for r in rows)
+    assert seen == list(range(len(proto)))
+    packed_tokens = []
+    for mb, rows in zip(micro, indices):
+        groups = {uid[r] for r in rows}
+        assert all(sum(uid[r] == u for r in rows) == N for u in groups)  # whole groups
+        ids = dkv._pack(mb)
+        packed_tokens.append(ids.num_tokens)
+    assert max(packed_tokens) <= 30 and len(micro) >= 2
+
+
+def test_micro_batch_count_is_raised_to_the_other_ranks():
+    # another data-parallel rank planned more micro-batches: split the largest ones (a cut group packs twice)
+    assert dkv._split_to([[0, 1, 2, 3], [4, 5]], 4) == [[0], [1], [2, 3], [4, 5]]
+    with pytest.raises(ValueError, match="give every rank at least 3 rows"):
+        dkv._split_to([[0], [1]], 3)
+
+
+def test_bad_input_is_refused():
+    engine = make_engine("dualkv")
+    uids = ["a"] * N + ["b"] * (2 * N)  # group "b" spans two different prompts
+    with pytest.raises(ValueError, match="same uid have different prompt tokens"):
+        run(engine, rollout_batch(uids=uids), max_tokens=64, mode="infer")
+    td = engine_batch(rollout_batch(), 64, "infer")
+    tu.assign_non_tensor(td, use_remove_padding=False)
+    with pytest.raises(dualkv.UnsupportedError, match="use_remove_padding=True"):
+        engine.prepare_model_inputs(td)
+    engine.use_ulysses_sp = True
+    with pytest.raises(dualkv.UnsupportedError, match="Ulysses"):
+        engine.prepare_model_inputs(engine_batch(rollout_batch(), 64, "infer"))
+    window = make_engine("dualkv")
+    window.module.config.sliding_window, window.module.config.layer_types = 4, ["sliding_attention"] * 2
+    with pytest.raises(dualkv.UnsupportedError, match="sliding-window"):
+        run(window, rollout_batch(), max_tokens=64, mode="infer")
+
+
+def test_example_config_is_valid_verl():
+    """examples/verl_grpo.yaml sets only keys veRL 0.9.1 has, and its actor/rollout sections load."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl.utils.import_utils import import_external_libs
+
+    examples = pathlib.Path(__file__).resolve().parents[2] / "examples"
+    verl_config = pathlib.Path(impl.__file__).resolve().parents[3] / "trainer" / "config"
+    with initialize_config_dir(config_dir=str(verl_config), version_base=None):
+        stock = compose(config_name="ppo_trainer")
+    with initialize_config_dir(config_dir=str(examples), version_base=None):
+        cfg = compose(config_name="verl_grpo")
+    raw = OmegaConf.to_container(OmegaConf.load(examples / "verl_grpo.yaml"))
+    absent = object()
+
+    def leaves(node, path):
+        for key, value in node.items():
+            if isinstance(value, dict) and key != "override_config":  # override_config is a free-form dict
+                yield from leaves(value, path + [key])
+            else:
+                yield ".".join(path + [key])
+
+    def known(key):  # present in veRL's config (a required "???" value counts)
+        parent, _, name = key.rpartition(".")
+        node = OmegaConf.select(stock, parent, default=absent) if parent else stock
+        return node is not absent and name in node.keys()
+
+    unknown = [k for k in leaves({k: v for k, v in raw.items() if k not in ("hydra", "defaults")}, []) if not known(k)]
+    assert not unknown
+    actor = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
+    assert actor.use_dynamic_bsz and not actor.shuffle and actor.ulysses_sequence_parallel_size == 1
+    assert cfg.actor_rollout_ref.ref.log_prob_use_dynamic_bsz and cfg.actor_rollout_ref.rollout.log_prob_use_dynamic_bsz
+    assert cfg.actor_rollout_ref.model.override_config.attn_implementation == "dualkv"
+    import_external_libs(cfg.actor_rollout_ref.model.external_lib)  # what HFModelConfig does in every worker
+    assert impl.prepare_micro_batches is dkv._prepare_micro_batches
