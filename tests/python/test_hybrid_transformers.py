@@ -1,0 +1,199 @@
+"""Hybrid linear-attention models (Qwen3.5, Qwen3.5-MoE, Qwen3-Next) with dualkv: full attention on
+dualkv, Gated DeltaNet layers through the state fork, one layout for both.
+
+For tiny random models in fp32: the logits of every token of every unpacked row, the response
+log-probs, the GRPO loss and every parameter gradient of the packed model equal the stock model's on
+the unpacked batch (1e-5); the same on a depth-3 tree (multi-turn); 1-token responses and responses
+shorter than the conv kernel are in every batch. Guards: a packed batch never reaches the stock
+recurrence, and caches or masks on a packed batch raise typed errors.
+"""
+import copy
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from test_transformers_integration import padded, rel_err, std_logprobs_from_logits  # noqa: E402
+
+import dualkv  # noqa: E402
+from dualkv.grpo import group_advantages, policy_loss  # noqa: E402
+from dualkv.integrations import gated_deltanet as gdn  # noqa: E402
+from dualkv.integrations import transformers as dkt  # noqa: E402
+from dualkv.logprobs import response_logprobs  # noqa: E402
+from dualkv.packing import pack  # noqa: E402
+from dualkv.reference import unpacked_groups  # noqa: E402
+
+VOCAB = 96
+COMMON = dict(hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+              vocab_size=VOCAB, max_position_embeddings=128, attention_dropout=0.0, use_cache=False,
+              linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=6, linear_num_key_heads=2,
+              linear_num_value_heads=4)  # layers: 3 Gated DeltaNet, 1 full attention
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16)
+KINDS = ["qwen3_5", "qwen3_5_moe", "qwen3_next"]
+
+
+def make_config(kind: str):
+    if kind == "qwen3_5":
+        return transformers.Qwen3_5TextConfig(**COMMON, intermediate_size=48)
+    if kind == "qwen3_5_moe":
+        return transformers.Qwen3_5MoeTextConfig(**COMMON, **MOE)
+    if kind == "qwen3_next":
+        return transformers.Qwen3NextConfig(**COMMON, **MOE, intermediate_size=48, decoder_sparse_step=1)
+    raise ValueError(kind)
+
+
+def make_model(kind: str, seed: int = 0):
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(make_config(kind), attn_implementation="sdpa")
+    model = model.float().train()
+    with torch.no_grad():  # random norms and gates, so that every parameter matters
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith(("bias", "dt_bias")):
+                p.add_(0.1 * torch.randn_like(p))
+            if name.endswith("A_log"):  # slow decays (the init draws A up to 16): states reach the responses
+                p.copy_(torch.empty_like(p).uniform_(0.02, 0.3).log())
+    return model
+
+
+PROMPTS = [7, 3, 9]
+RESPONSES = [[3, 1, 5], [4, 2], [1, 6, 2, 8]]  # 1-token responses, responses shorter than the conv kernel
+
+
+def rollouts(seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, VOCAB, (p,), generator=g) for p in PROMPTS]
+    responses = [[torch.randint(0, VOCAB, (r,), generator=g) for r in rs] for rs in RESPONSES]
+    return prompts, responses
+
+
+def check_grads(std, dk):
+    grads = dict(dk.named_parameters())
+    checked = 0
+    for name, p in std.named_parameters():
+        q = grads[name]
+        if p.grad is None:
+            assert q.grad is None or float(q.grad.abs().max()) == 0.0, name
+            continue
+        assert q.grad is not None, name
+        assert rel_err(q.grad, p.grad) <= 1e-5, (name, rel_err(q.grad, p.grad))
+        checked += 1
+    return checked
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_packed_equals_unpacked(kind):
+    std = make_model(kind)
+    dk = dkt.enable(copy.deepcopy(std))
+    assert not gdn.unforked_hybrid(dk) and gdn.unforked_hybrid(std)
+    prompts, responses = rollouts()
+    packed = pack(prompts, responses)
+    ids, rows = padded(prompts, responses)
+    B, R_max = len(rows), packed.max_response_len
+    mask = packed.response_mask()
+
+    # 1. logits of every real token of every unpacked row
+    out_std = std(input_ids=ids, use_cache=False)
+    out_dk = dk(**dkt.model_inputs(packed), output_hidden_states=True)
+    for b, idx in enumerate(unpacked_groups(packed.layout)):
+        torch.testing.assert_close(out_dk.logits[0, idx], out_std.logits[b, :idx.numel()], rtol=1e-5, atol=1e-5)
+
+    # 2. per-token response log-probs (fused packed routine vs plain log-softmax on the unpacked logits)
+    lp_std = std_logprobs_from_logits(out_std.logits, rows, R_max)
+    lp_dk = response_logprobs(out_dk.hidden_states[-1], dk.lm_head.weight, packed)
+    torch.testing.assert_close(lp_dk, lp_std, rtol=1e-5, atol=1e-5)
+
+    # 3. GRPO loss and every parameter gradient
+    g = torch.Generator().manual_seed(3)
+    old = (lp_std.detach() + 0.3 * torch.randn(lp_std.shape, generator=g)) * mask
+    adv = group_advantages(torch.randn(B, generator=g), packed.row_group)
+    loss_std, _ = policy_loss(lp_std, old, adv, mask, clip_high=0.28)
+    loss_dk, _ = policy_loss(lp_dk, old, adv, mask, clip_high=0.28)
+    assert abs(loss_std.item() - loss_dk.item()) <= 1e-5 * max(1.0, abs(loss_std.item()))
+    loss_std.backward()
+    loss_dk.backward()
+    assert check_grads(std, dk) >= len(list(std.parameters())) - 1
+
+
+def test_depth_three_tree():
+    """Multi-turn rollouts: system prompt -> two first turns (one of 2 tokens) -> second turns (1 to 5
+    tokens). Logits of every root-to-leaf row and every parameter gradient of a loss that counts each
+    packed token once equal the unpacked model's."""
+    std = make_model("qwen3_5", seed=4)
+    dk = dkt.enable(copy.deepcopy(std))
+    lens, parents = [6, 2, 1, 3, 4, 5, 2], [-1, 0, 1, 1, 0, 4, 4]
+    layout = dualkv.Layout.from_tree(lens, parents)
+    assert layout.max_depth == 3
+    T = layout.num_tokens
+    g = torch.Generator().manual_seed(5)
+    tokens = torch.randint(0, VOCAB, (T,), generator=g)
+    paths = unpacked_groups(layout)
+    L = max(p.numel() for p in paths)
+    ids = torch.zeros(len(paths), L, dtype=torch.long)
+    for b, p in enumerate(paths):
+        ids[b, :p.numel()] = tokens[p]
+    logits_std = std(input_ids=ids, use_cache=False).logits
+    logits_dk = dk(**dkt.model_inputs(tokens, layout)).logits[0]
+    weight = torch.randn(T, VOCAB, generator=g)
+    seen = torch.zeros(T, dtype=torch.bool)
+    loss_std = 0
+    for b, p in enumerate(paths):
+        torch.testing.assert_close(logits_dk[p], logits_std[b, :p.numel()], rtol=1e-5, atol=1e-5)
+        new = ~seen[p]
+        loss_std = loss_std + (logits_std[b, :p.numel()][new] * weight[p[new]]).sum()
+        seen[p] = True
+    loss_dk = (logits_dk * weight).sum()
+    torch.testing.assert_close(loss_dk, loss_std, rtol=1e-5, atol=1e-5)
+    loss_std.backward()
+    loss_dk.backward()
+    assert check_grads(std, dk) >= len(list(std.parameters())) - 1
+
+
+def test_gradient_checkpointing_and_reference_attention():
+    """The layout survives checkpoint recompute (it is a forward keyword, not module state), and the
+    dense-mask reference attention composes with the state fork."""
+    dk = dkt.enable(make_model("qwen3_next"))
+    ref = dkt.enable(copy.deepcopy(dk), reference=True)
+    ckpt = copy.deepcopy(dk)
+    ckpt.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    packed = pack(*rollouts(seed=2))
+    outs = [m(**dkt.model_inputs(packed)).logits for m in (dk, ref, ckpt)]
+    for o in outs[1:]:
+        torch.testing.assert_close(o, outs[0], rtol=1e-5, atol=1e-5)
+    for o in outs:
+        o.square().mean().backward()
+    for (name, p), q, c in zip(dk.named_parameters(), ref.parameters(), ckpt.parameters()):
+        assert rel_err(q.grad, p.grad) <= 1e-5 and rel_err(c.grad, p.grad) <= 1e-5, name
+
+
+def test_guards():
+    prompts, responses = rollouts()
+    packed = pack(prompts, responses)
+    # dualkv attention without the fork: the stock GDN layers would run across segment boundaries
+    bare = make_model("qwen3_5")
+    bare.set_attn_implementation("dualkv")
+    with pytest.raises(dkt.WrongAttentionError, match="Gated DeltaNet"):
+        bare(**dkt.model_inputs(packed))  # from the attention function itself
+    with pytest.raises(dkt.WrongAttentionError, match="Gated DeltaNet"):
+        dkt.guard(bare)(**dkt.model_inputs(packed))  # from the guard, before any layer runs
+    # the stock model given a packed batch
+    with pytest.raises(dkt.WrongAttentionError):
+        dkt.guard(make_model("qwen3_5"))(**dkt.model_inputs(packed))
+
+    dk = dkt.enable(make_model("qwen3_5"))
+    with pytest.raises(dkt.MissingLayoutError):
+        dk(input_ids=packed.input_ids)
+    with pytest.raises(dualkv.UnsupportedError, match="cache"):
+        dk(**dict(dkt.model_inputs(packed), use_cache=True))
+    gdn_layer = dk.model.layers[0].linear_attn
+    hidden = torch.randn(1, packed.num_tokens, 32)
+    with pytest.raises(dualkv.ArgumentError, match="attention mask"):
+        gdn_layer(hidden, attention_mask=torch.ones(1, packed.num_tokens), dualkv_layout=packed.layout)
+    with pytest.raises(dualkv.ArgumentError, match="hidden states"):
+        gdn_layer(hidden[:, 1:], dualkv_layout=packed.layout)
+
+    # switched back to stock attention, an ordinary batch runs the stock GDN forward unchanged
+    std = make_model("qwen3_5")
+    dkt.disable(dk)
+    ids, _ = padded(prompts, responses)
+    torch.testing.assert_close(dk(input_ids=ids).logits, std(input_ids=ids).logits, rtol=0, atol=0)
