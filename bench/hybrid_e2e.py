@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import inspect
 import json
 import pathlib
 import statistics
@@ -248,26 +249,34 @@ def measure(method, model, mbs, args, device):
 # ----------------------------------------------------------------------------------------------
 
 @contextlib.contextmanager
-def fp32_truth_mode(model, device):
-    """The model upcast in place (exact), TF32 off, the GDN layers on transformers' own PyTorch chunked
-    recurrence (the function its fla wrapper falls back to), SDPA's fp32-capable backends; restored
-    (bf16 round trip is exact: no weight changed) on exit."""
-    import sys as _sys
-    dtype = next(model.parameters()).dtype
-    modules = {_sys.modules[type(m).__module__] for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet")}
+def torch_reference_gdn(model):
+    """The stock GDN layers on transformers' own PyTorch chunked recurrence (the function its fla
+    wrapper falls back to) instead of fla: for the fp32 truth, and on a CPU, where fla cannot run."""
+    modules = {sys.modules[type(m).__module__] for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet")}
     saved = {mod: mod.torch_chunk_gated_delta_rule for mod in modules}
-    tf32 = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
-    model.float()
     for mod, fn in saved.items():
-        mod.torch_chunk_gated_delta_rule = getattr(fn, "__wrapped__", fn)
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    set_method(model, "std")
+        mod.torch_chunk_gated_delta_rule = inspect.unwrap(fn)
     try:
         yield
     finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
         for mod, fn in saved.items():
             mod.torch_chunk_gated_delta_rule = fn
+
+
+@contextlib.contextmanager
+def fp32_truth_mode(model):
+    """The model upcast in place (exact), TF32 off, the GDN layers on the PyTorch recurrence; restored
+    on exit (the bf16 round trip is exact: no weight changed)."""
+    dtype = next(model.parameters()).dtype
+    tf32 = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    model.float()
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    set_method(model, "std")
+    try:
+        with torch_reference_gdn(model):
+            yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
         model.to(dtype)
 
 
@@ -275,7 +284,7 @@ def truth_logprobs(model, mb: MicroBatch, rows: int, device):
     """fp32 log-probs of the first ``rows`` rows of ``mb``, one unpadded row at a time: [rows, R_max]."""
     out = torch.zeros(rows, mb.packed.max_response_len, dtype=torch.float64, device=device)
     pairs = [(p, r) for p, rs in zip(mb.prompts, mb.responses) for r in rs][:rows]
-    with torch.no_grad(), fp32_truth_mode(model, device):
+    with torch.no_grad(), fp32_truth_mode(model):
         for b, (p, r) in enumerate(pairs):
             row = pack([p], [[r]])
             if device.type == "cuda":
@@ -370,7 +379,8 @@ def main(argv=None):
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--flex-backend", default="FLASH", choices=["FLASH", "TRITON"],
                     help="FlexAttention kernel_options BACKEND (FLASH: FA4, needs flash_attn.cute)")
-    ap.add_argument("--micro-batches", type=int, default=2, help="micro-batches (one group each) per update")
+    ap.add_argument("--micro-batches", type=int, default=1,
+                    help="micro-batches (one group of N rows each) per update, gradients accumulated")
     ap.add_argument("--iters", type=int, default=2)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--truth-rows", type=int, default=2, help="rows of the fp32 truth (0: skip the tolerance rule)")
@@ -426,8 +436,9 @@ def main(argv=None):
     log(f"hybrid e2e on {env.get('gpu', device)}: Qwen3.5 {shape} dims, {layers} layers "
         f"({cfg.layer_types.count('linear_attention')} GDN), {sum(p.numel() for p in model.parameters()) / 1e9:.2f} B "
         f"params, {dtype}, fla {env['fla']}, flex backend {args.flex_backend}; configs {configs}")
-    for n, P, R in configs:
-        all_results += run_config(model, cfg, n, P, R, args, device, save)
+    with torch_reference_gdn(model) if device.type == "cpu" else contextlib.nullcontext():
+        for n, P, R in configs:
+            all_results += run_config(model, cfg, n, P, R, args, device, save)
     save([])
     table = summary(all_results)
     print()

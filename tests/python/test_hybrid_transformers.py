@@ -8,6 +8,8 @@ shorter than the conv kernel are in every batch. Guards: a packed batch never re
 recurrence, and caches or masks on a packed batch raise typed errors.
 """
 import copy
+import importlib
+import inspect
 
 import pytest
 import torch
@@ -54,6 +56,15 @@ def make_model(kind: str, seed: int = 0):
             if name.endswith("A_log"):  # slow decays (the init draws A up to 16): states reach the responses
                 p.copy_(torch.empty_like(p).uniform_(0.02, 0.3).log())
     return model
+
+
+@pytest.fixture(autouse=True)
+def stock_gdn_in_pytorch(monkeypatch):
+    """The unpacked reference runs transformers' own PyTorch GDN recurrence, also where
+    flash-linear-attention is installed (transformers would pick its kernels, which need CUDA)."""
+    for name in ("qwen3_5", "qwen3_5_moe", "qwen3_next"):
+        module = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
+        monkeypatch.setattr(module, "torch_chunk_gated_delta_rule", inspect.unwrap(module.torch_chunk_gated_delta_rule))
 
 
 PROMPTS = [7, 3, 9]
