@@ -48,8 +48,8 @@ HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "python"))
 
-from e2e import (MethodTimeout, MicroBatch, _sdpa_context, _time_limit, build_block_mask,  # noqa: E402
-                 environment, log, make_micro_batches)
+import e2e  # noqa: E402  (micro-batches, the std and dualkv log-prob routine, the old log-probs, time limits)
+from e2e import MethodTimeout, MicroBatch, _sdpa_context, _time_limit, build_block_mask, log  # noqa: E402
 from dualkv.grpo import policy_loss  # noqa: E402
 from dualkv.integrations import gated_deltanet as gdn  # noqa: E402
 from dualkv.logprobs import response_logprobs  # noqa: E402
@@ -90,10 +90,8 @@ def flex_attention_forward(module, query, key, value, attention_mask, scaling=No
     """transformers attention function: FlexAttention over the micro-batch's shared-prefix BlockMask
     (on a CPU, where FlexAttention has no backward, SDPA with the dense mask of the same mask_mod)."""
     block_mask = kwargs["flex_block_mask"]
-    if isinstance(block_mask, torch.Tensor):
-        out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=block_mask,
-                                                               scale=scaling, enable_gqa=True)
-        return out.transpose(1, 2), None
+    if isinstance(block_mask, torch.Tensor):  # bench/e2e.py's CPU stand-in
+        return e2e.flex_attention_forward(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
     if "fn" not in _FLEX:
         from torch.nn.attention.flex_attention import flex_attention
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 256)
@@ -149,18 +147,15 @@ def prepare_model(model):
 # one micro-batch, each method
 # ----------------------------------------------------------------------------------------------
 
-def logprobs_of(method, model, mb: MicroBatch, device):
-    if method == "std":
-        out = model.model(input_ids=mb.std_ids, use_cache=False)
-        return response_logprobs(out.last_hidden_state[mb.std_valid], model.lm_head.weight, mb.std_rows)
-    kw = dict(input_ids=mb.packed.input_ids, position_ids=mb.packed.position_ids, use_cache=False)
-    if method == "flex":
-        if not hasattr(mb, "expansion"):
-            mb.expansion = Expansion(mb, device)
-        kw.update(flex_block_mask=build_block_mask(mb, device), **{EXPAND_KWARG: mb.expansion})
-    else:
-        kw.update(dualkv_layout=mb.packed.layout)
-    out = model.model(**kw)
+def logprobs_of(method, model, mb: MicroBatch, args, device):
+    """Response log-probs of one micro-batch: std and dualkv as bench/e2e.py computes them, flex with the
+    GDN layers unpacked."""
+    if method != "flex":
+        return e2e.logprobs_of(method, model, mb, args, device)
+    if not hasattr(mb, "expansion"):
+        mb.expansion = Expansion(mb, device)
+    out = model.model(input_ids=mb.packed.input_ids, position_ids=mb.packed.position_ids, use_cache=False,
+                      flex_block_mask=build_block_mask(mb, device), **{EXPAND_KWARG: mb.expansion})
     return response_logprobs(out.last_hidden_state, model.lm_head.weight, mb.packed)
 
 
@@ -178,7 +173,7 @@ def timed_update(method, model, mbs, args, device):
     logps = []
     for mb in mbs:
         with _sdpa_context(device, args.sdpa_backend if method == "std" else "default"):
-            logp = logprobs_of(method, model, mb, device)
+            logp = logprobs_of(method, model, mb, args, device)
             loss, _ = policy_loss(logp, mb.old, mb.adv, mb.mask, clip_low=0.2, clip_high=0.28)
             (loss / len(mbs)).backward()
         logps.append(logp.detach())
@@ -187,26 +182,6 @@ def timed_update(method, model, mbs, args, device):
         end.synchronize()
         return start.elapsed_time(end) / 1e3, logps
     return time.perf_counter() - t0, logps
-
-
-def old_logprobs(model, mbs, args, device):
-    """The "old" policy log-probs: std's (no grad) plus a little noise, so the clipped loss is live.
-    Falls back from cuDNN to the flash SDPA backend if cuDNN has no kernel for the shape."""
-    set_method(model, "std")
-    for i, mb in enumerate(mbs):
-        with torch.no_grad():
-            try:
-                with _sdpa_context(device, args.sdpa_backend):
-                    lp = logprobs_of("std", model, mb, device)
-            except RuntimeError as exc:
-                if args.sdpa_backend != "cudnn" or "No available kernel" not in str(exc):
-                    raise
-                log(f"  cuDNN SDPA has no kernel here; std uses the flash backend from now on ({str(exc)[:120]})")
-                args.sdpa_backend = "flash"
-                with _sdpa_context(device, args.sdpa_backend):
-                    lp = logprobs_of("std", model, mb, device)
-        gen = torch.Generator().manual_seed(args.seed + 100 + i)
-        mb.old = torch.where(mb.mask, lp + 0.05 * torch.randn(lp.shape, generator=gen).to(device), torch.zeros_like(lp))
 
 
 def measure(method, model, mbs, args, device):
@@ -303,8 +278,8 @@ def truth_logprobs(model, mb: MicroBatch, rows: int, device):
 # ----------------------------------------------------------------------------------------------
 
 def run_config(model, cfg, n, P, R, args, device, save):
-    mbs = make_micro_batches(n, P, R, args.micro_batches, 1, cfg.vocab_size, args.seed, device)
-    old_logprobs(model, mbs, args, device)
+    mbs = e2e.make_micro_batches(n, P, R, args.micro_batches, 1, cfg.vocab_size, args.seed, device)
+    e2e._std_logprobs_nograd(model, mbs, args, device)  # the "old" policy: std log-probs plus noise
     unpacked, packed = sum(mb.unpacked_tokens for mb in mbs), sum(mb.T for mb in mbs)
     rho = unpacked / packed
     base = {"N": n, "P": P, "R": R, "layers": cfg.num_hidden_layers, "micro_batches": len(mbs),
@@ -356,19 +331,13 @@ def summary(results):
             lines.append(f"{r['N']:>3} {r['P']:>6} {r['R']:>5} {r['rho_tokens']:>5.2f} {r['method']:>7} "
                          f"{r['status']:>9}  {r.get('error', '')[:90]}")
             continue
-
-        def f(key, spec):
-            return format(r[key], spec) if key in r else "-"
+        fmt = e2e._fmt
         ok = "-" if "within_tolerance" not in r else ("yes" if r["within_tolerance"] else "NO")
         lines.append(f"{r['N']:>3} {r['P']:>6} {r['R']:>5} {r['rho_tokens']:>5.2f} {r['method']:>7} "
-                     f"{r['seconds']:>9.3f} {f('speedup_vs_std', '.2f'):>8} {r['target_speedup']:>7.2f} "
-                     f"{f('peak_gib', '.1f'):>9} {f('max_abs_dlogp_vs_truth', '.3g'):>13} "
-                     f"{f('tolerance_bound', '.3g'):>7} {ok:>3}")
+                     f"{r['seconds']:>9.3f} {fmt(r.get('speedup_vs_std'), '.2f'):>8} {r['target_speedup']:>7.2f} "
+                     f"{fmt(r.get('peak_gib'), '.1f'):>9} {fmt(r.get('max_abs_dlogp_vs_truth'), '.3g'):>13} "
+                     f"{fmt(r.get('tolerance_bound'), '.3g'):>7} {ok:>3}")
     return "\n".join(lines)
-
-
-def parse_configs(text):
-    return [tuple(int(x) for x in part.split(",")) for part in text.split(";") if part.strip()]
 
 
 def main(argv=None):
@@ -397,7 +366,7 @@ def main(argv=None):
     device = torch.device(args.device)
     shape = args.shape or ("tiny" if args.tiny else "9b")
     layers = args.layers or (4 if args.tiny else 8)
-    configs = parse_configs(args.configs) if args.configs else (TINY_CONFIGS if args.tiny else DEFAULT_CONFIGS)
+    configs = e2e.parse_configs(args.configs) if args.configs else (TINY_CONFIGS if args.tiny else DEFAULT_CONFIGS)
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     for m in args.methods:
         if m not in METHODS:
@@ -410,7 +379,7 @@ def main(argv=None):
     from transformers import AutoModelForCausalLM
 
     from dualkv.state_fork import fla_available
-    env = environment(device)
+    env = e2e.environment(device)
     env["fla"] = fla_available()
     try:
         import fla

@@ -141,26 +141,21 @@ class StateFork:
 
         host: List[Tensor] = [order, inverse]
         depths = []
-        depth_sorted = depth[seg_order]
-        first_seg = 0
-        for d in range(int(depth.max()) + 1):
-            n = int((depth_sorted == d).sum())
-            seg_lens = lens_sorted[first_seg:first_seg + n]
-            cu = torch.zeros(n + 1, dtype=torch.int64)
+        first = [0] + torch.bincount(depth).cumsum(0).tolist()  # first depth-major segment of every depth
+        for d in range(len(first) - 1):
+            s0, s1 = first[d], first[d + 1]
+            seg_lens = lens_sorted[s0:s1]
+            cu = torch.zeros(s1 - s0 + 1, dtype=torch.int64)
             cu[1:] = seg_lens.cumsum(0)
-            t0 = int(starts_sorted[first_seg])
-            slot = None
-            if d > 0:  # parent's position among the previous depth's segments
-                slot = rank[parents[seg_order[first_seg:first_seg + n]]] - prev_first
-            L_max = int(seg_lens.max())
-            col = torch.arange(L_max)
+            t0 = int(starts_sorted[s0])
+            # each segment's parent among the previous depth's segments
+            slot = rank[parents[seg_order[s0:s1]]] - first[d - 1] if d > 0 else None
+            col = torch.arange(int(seg_lens.max()))
             inside = col[None, :] < seg_lens[:, None]
             pad_index = torch.where(inside, cu[:-1, None] + col[None, :], torch.full((), int(cu[-1])))
             valid = torch.nonzero(inside.reshape(-1)).squeeze(1)
             depths.append((t0, t0 + int(cu[-1]), cu, slot, pad_index, valid))
             host += [cu] + ([slot] if slot is not None else []) + [pad_index.reshape(-1), valid]
-            prev_first = first_seg
-            first_seg += n
         moved = _to_device(host, self.device)
         self._order, self._inverse = moved[0], moved[1]
         self.depths: List[_Depth] = []
@@ -223,7 +218,7 @@ class StateFork:
         if bias is not None and tuple(bias.shape) != (x.shape[1],):
             raise ArgumentError(f"{fn}: bias must be [C={x.shape[1]}], got {tuple(bias.shape)}")
         if activation not in _ACTIVATIONS:
-            raise UnsupportedError(f"{fn}: activation {activation!r} is not supported ({sorted(map(str, _ACTIVATIONS))})")
+            raise UnsupportedError(f"{fn}: activation {activation!r} is not supported (None, 'silu', 'swish')")
         self._check_device(fn, x, weight)
         C, K = weight.shape
         rows, keep = self._conv_index(K)

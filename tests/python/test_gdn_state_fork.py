@@ -10,25 +10,8 @@ import torch.nn.functional as F
 
 from conftest import random_forest
 from dualkv import ArgumentError, Layout, LayoutError, UnsupportedError
+from dualkv.reference import unpacked_groups
 from dualkv.state_fork import StateFork, fla_available, state_fork
-
-
-def root_paths(layout: Layout):
-    """Packed token indices of every root-to-leaf path (the unpacked sequences), in path order."""
-    lens, parents = layout.segment_lens, layout.parents
-    offsets = [0]
-    for n in lens:
-        offsets.append(offsets[-1] + n)
-    parent_set = set(parents)
-    paths = []
-    for s in range(len(lens)):
-        if s in parent_set:
-            continue
-        chain = [s]
-        while parents[chain[-1]] >= 0:
-            chain.append(parents[chain[-1]])
-        paths.append(torch.cat([torch.arange(offsets[c], offsets[c + 1]) for c in reversed(chain)]))
-    return paths
 
 
 def conv_ref(x, weight, bias):
@@ -80,7 +63,7 @@ def unpacked(layout, inp):
     """The same per root-to-leaf path, each path its own sequence (packed index of every output)."""
     ys, os_, idx = [], [], []
     scale = inp["q"].shape[-1] ** -0.5
-    for path in root_paths(layout):
+    for path in unpacked_groups(layout):
         ys.append(conv_ref(inp["x"][path], inp["weight"], inp["bias"]))
         os_.append(rule_ref(l2n(inp["q"][path]) * scale, l2n(inp["k"][path]), inp["v"][path],
                             -F.softplus(inp["a"][path]), inp["b"][path].sigmoid()))
@@ -208,7 +191,7 @@ def test_fla_backend_tolerance_rule(dtype):
     o_fork = state_fork(layout).gated_delta_rule(*low, g32, beta, use_qk_l2norm=True, backend="fla")
     err_fork = err_std = 0.0
     scale = D ** -0.5
-    for path in root_paths(layout):
+    for path in unpacked_groups(layout):
         p = path.cuda()
         ref = rule_ref(l2n(q[p]) * scale, l2n(k[p]), v[p], g64[p], beta64[p])
         o_std, _ = chunk_gated_delta_rule(*(t[p].unsqueeze(0) for t in low), g32[p].unsqueeze(0),

@@ -16,13 +16,12 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from test_transformers_integration import padded, rel_err, std_logprobs_from_logits  # noqa: E402
+from test_transformers_integration import (assert_grads_match, assert_packed_equals_unpacked, padded,  # noqa: E402
+                                            rel_err)
 
 import dualkv  # noqa: E402
-from dualkv.grpo import group_advantages, policy_loss  # noqa: E402
 from dualkv.integrations import gated_deltanet as gdn  # noqa: E402
 from dualkv.integrations import transformers as dkt  # noqa: E402
-from dualkv.logprobs import response_logprobs  # noqa: E402
 from dualkv.packing import pack  # noqa: E402
 from dualkv.reference import unpacked_groups  # noqa: E402
 
@@ -78,52 +77,12 @@ def rollouts(seed: int = 1):
     return prompts, responses
 
 
-def check_grads(std, dk):
-    grads = dict(dk.named_parameters())
-    checked = 0
-    for name, p in std.named_parameters():
-        q = grads[name]
-        if p.grad is None:
-            assert q.grad is None or float(q.grad.abs().max()) == 0.0, name
-            continue
-        assert q.grad is not None, name
-        assert rel_err(q.grad, p.grad) <= 1e-5, (name, rel_err(q.grad, p.grad))
-        checked += 1
-    return checked
-
-
 @pytest.mark.parametrize("kind", KINDS)
 def test_packed_equals_unpacked(kind):
     std = make_model(kind)
     dk = dkt.enable(copy.deepcopy(std))
     assert not gdn.unforked_hybrid(dk) and gdn.unforked_hybrid(std)
-    prompts, responses = rollouts()
-    packed = pack(prompts, responses)
-    ids, rows = padded(prompts, responses)
-    B, R_max = len(rows), packed.max_response_len
-    mask = packed.response_mask()
-
-    # 1. logits of every real token of every unpacked row
-    out_std = std(input_ids=ids, use_cache=False)
-    out_dk = dk(**dkt.model_inputs(packed), output_hidden_states=True)
-    for b, idx in enumerate(unpacked_groups(packed.layout)):
-        torch.testing.assert_close(out_dk.logits[0, idx], out_std.logits[b, :idx.numel()], rtol=1e-5, atol=1e-5)
-
-    # 2. per-token response log-probs (fused packed routine vs plain log-softmax on the unpacked logits)
-    lp_std = std_logprobs_from_logits(out_std.logits, rows, R_max)
-    lp_dk = response_logprobs(out_dk.hidden_states[-1], dk.lm_head.weight, packed)
-    torch.testing.assert_close(lp_dk, lp_std, rtol=1e-5, atol=1e-5)
-
-    # 3. GRPO loss and every parameter gradient
-    g = torch.Generator().manual_seed(3)
-    old = (lp_std.detach() + 0.3 * torch.randn(lp_std.shape, generator=g)) * mask
-    adv = group_advantages(torch.randn(B, generator=g), packed.row_group)
-    loss_std, _ = policy_loss(lp_std, old, adv, mask, clip_high=0.28)
-    loss_dk, _ = policy_loss(lp_dk, old, adv, mask, clip_high=0.28)
-    assert abs(loss_std.item() - loss_dk.item()) <= 1e-5 * max(1.0, abs(loss_std.item()))
-    loss_std.backward()
-    loss_dk.backward()
-    assert check_grads(std, dk) >= len(list(std.parameters())) - 1
+    assert_packed_equals_unpacked(std, dk, *rollouts())
 
 
 def test_depth_three_tree():
@@ -157,7 +116,7 @@ def test_depth_three_tree():
     torch.testing.assert_close(loss_dk, loss_std, rtol=1e-5, atol=1e-5)
     loss_std.backward()
     loss_dk.backward()
-    assert check_grads(std, dk) >= len(list(std.parameters())) - 1
+    assert_grads_match(std, dk)
 
 
 def test_gradient_checkpointing_and_reference_attention():
