@@ -93,8 +93,9 @@ class _Depth:
     cu_seqlens: Tensor  # int64 [n + 1] on the fork's device
     cu_seqlens_cpu: Tensor  # the same on the host (fla reads lengths from it without a device sync)
     parent_slot: Optional[Tensor]  # int64 [n]: each segment's parent among the previous depth's segments
-    pad_index: Tensor  # int64 [n, L_max]: rows of the depth's tokens, n*... = zero row (torch backend)
+    pad_index: Tensor  # int64 [n, L_max]: each segment's rows, padded with the index of a zero row (torch)
     valid: Tensor  # int64 [num tokens]: flat positions of the real tokens in [n * L_max]
+    fla_chunks: Optional[Tensor] = None  # fla's chunk table of cu_seqlens, made on the first fla call
 
 
 class StateFork:
@@ -156,21 +157,13 @@ class StateFork:
             valid = torch.nonzero(inside.reshape(-1)).squeeze(1)
             depths.append((t0, t0 + int(cu[-1]), cu, slot, pad_index, valid))
             host += [cu] + ([slot] if slot is not None else []) + [pad_index.reshape(-1), valid]
-        moved = _to_device(host, self.device)
-        self._order, self._inverse = moved[0], moved[1]
+        moved = iter(_to_device(host, self.device))
+        self._order, self._inverse = next(moved), next(moved)
         self.depths: List[_Depth] = []
-        i = 2
         for t0, t1, cu, slot, pad_index, valid in depths:
-            cu_dev = moved[i]
-            i += 1
-            slot_dev = None
-            if slot is not None:
-                slot_dev = moved[i]
-                i += 1
-            pad_dev = moved[i].view(pad_index.shape)
-            valid_dev = moved[i + 1]
-            i += 2
-            self.depths.append(_Depth((t0, t1), cu_dev, cu, slot_dev, pad_dev, valid_dev))
+            cu_dev = next(moved)
+            slot_dev = next(moved) if slot is not None else None
+            self.depths.append(_Depth((t0, t1), cu_dev, cu, slot_dev, next(moved).view(pad_index.shape), next(moved)))
         self._conv: Dict[int, Tuple[Tensor, Tensor]] = {}
 
     # ---- the causal convolution -----------------------------------------------------------------
@@ -306,12 +299,21 @@ def _to_device(tensors: List[Tensor], device: torch.device) -> List[Tensor]:
     return list(moved.split([t.numel() for t in tensors]))
 
 
+#: fla's chunk length (its default, passed explicitly so that the chunk table below matches)
+_FLA_CHUNK = 64
+
+
 def _rule_fla(q, k, v, g, beta, part: _Depth, h0, scale, l2norm, want_final):
     """One depth on flash-linear-attention: a varlen batch of the depth's segments."""
+    if part.fla_chunks is None:  # once per layout and depth, not per layer: fla builds it on the host
+        from fla.ops.utils.index import prepare_chunk_indices
+        with torch.inference_mode(False):
+            part.fla_chunks = prepare_chunk_indices(part.cu_seqlens, _FLA_CHUNK, cu_seqlens_cpu=part.cu_seqlens_cpu)
     o, final = _fla_rule()(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.unsqueeze(0), beta.unsqueeze(0),
                            scale=scale, initial_state=h0, output_final_state=want_final,
                            use_qk_l2norm_in_kernel=l2norm, cu_seqlens=part.cu_seqlens,
-                           cu_seqlens_cpu=part.cu_seqlens_cpu)
+                           cu_seqlens_cpu=part.cu_seqlens_cpu, chunk_indices=part.fla_chunks,
+                           chunk_size=_FLA_CHUNK)
     return o.squeeze(0), final
 
 
