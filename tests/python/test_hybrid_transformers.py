@@ -22,8 +22,10 @@ from test_transformers_integration import (assert_grads_match, assert_packed_equ
 import dualkv  # noqa: E402
 from dualkv.integrations import gated_deltanet as gdn  # noqa: E402
 from dualkv.integrations import transformers as dkt  # noqa: E402
+from dualkv.logprobs import response_logprobs  # noqa: E402
 from dualkv.packing import pack  # noqa: E402
 from dualkv.reference import unpacked_groups  # noqa: E402
+from dualkv.state_fork import fla_available  # noqa: E402
 
 VOCAB = 96
 COMMON = dict(hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
@@ -167,3 +169,57 @@ def test_guards():
     dkt.disable(dk)
     ids, _ = padded(prompts, responses)
     torch.testing.assert_close(dk(input_ids=ids).logits, std(input_ids=ids).logits, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not fla_available(), reason="flash-linear-attention is not installed")
+def test_cuda_bf16_tolerance_rule():
+    """On a GPU with fla: a small Qwen3.5 (head dims 64) in bf16 with dualkv CUDA attention and the fla
+    state fork, packed: its log-prob error against the fp32 unpacked truth is at most 2x the stock bf16
+    unpacked model's + 1e-3, and its backward gives finite gradients."""
+    cfg = transformers.Qwen3_5TextConfig(
+        hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1,
+        head_dim=64, vocab_size=VOCAB, max_position_embeddings=4096, use_cache=False, linear_conv_kernel_dim=4,
+        linear_key_head_dim=64, linear_value_head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4)
+    torch.manual_seed(0)
+    truth_model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").cuda().float()
+    with torch.no_grad():  # slow decays, and weights representable in bf16 (fp32 is then the exact truth)
+        for name, p in truth_model.named_parameters():
+            if name.endswith("A_log"):
+                p.copy_(torch.empty_like(p).uniform_(0.02, 0.3).log())
+            p.copy_(p.to(torch.bfloat16).float())
+    low = copy.deepcopy(truth_model).to(torch.bfloat16)
+    dk = dkt.enable(copy.deepcopy(low))
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, VOCAB, (p,), generator=g).cuda() for p in (300, 77)]
+    responses = [[torch.randint(0, VOCAB, (r,), generator=g).cuda() for r in rs] for rs in ((1, 90, 2, 40), (3, 64))]
+    packed = pack(prompts, responses)
+    rows = [(p, r) for p, rs in zip(prompts, responses) for r in rs]
+    ids, _ = padded(prompts, responses)
+    ids = ids.cuda()
+    lens = torch.tensor([p.numel() + r.numel() for p, r in rows], device="cuda")
+    valid = torch.arange(ids.shape[1], device="cuda")[None, :] < lens[:, None]
+    row_batch = pack([p for p, _ in rows], [[r] for _, r in rows])
+
+    def unpacked_logprobs(model):
+        hidden = model.model(input_ids=ids, use_cache=False).last_hidden_state[valid]
+        return response_logprobs(hidden, model.lm_head.weight, row_batch)
+
+    tf32 = torch.backends.cudnn.allow_tf32, torch.get_float32_matmul_precision()
+    torch.backends.cudnn.allow_tf32 = False  # the truth in true fp32 (convolutions, matmuls)
+    torch.set_float32_matmul_precision("highest")
+    try:
+        with torch.no_grad():
+            truth = unpacked_logprobs(truth_model)
+            lp_std = unpacked_logprobs(low)
+    finally:
+        torch.backends.cudnn.allow_tf32 = tf32[0]
+        torch.set_float32_matmul_precision(tf32[1])
+    lp_dk = dkt.packed_logprobs(dk, packed)
+    m = packed.response_mask()
+    err_std = float((lp_std - truth).abs()[m].max())
+    err_dk = float((lp_dk.detach() - truth).abs()[m].max())
+    print(f"bf16 max |log-prob error| vs fp32: stock unpacked {err_std:.3e}, dualkv + state fork {err_dk:.3e}")
+    assert err_dk <= 2 * err_std + 1e-3, (err_dk, err_std)
+    lp_dk[m].sum().backward()
+    assert all(p.grad is not None and bool(p.grad.isfinite().all()) for p in dk.parameters() if p.requires_grad)
