@@ -164,6 +164,15 @@ def test_guards():
     with pytest.raises(dualkv.ArgumentError, match="hidden states"):
         gdn_layer(hidden[:, 1:], dualkv_layout=packed.layout)
 
+    # a GDN class whose projections are unknown is refused before anything is changed
+    class OtherGatedDeltaNet(torch.nn.Module):
+        pass
+    odd = make_model("qwen3_5")
+    odd.model.layers[1].linear_attn = OtherGatedDeltaNet()
+    with pytest.raises(dualkv.UnsupportedError, match="in_proj_qkv"):
+        gdn.install(odd)
+    assert gdn.unforked_hybrid(odd) and "forward" not in vars(odd.model.layers[0].linear_attn)
+
     # switched back to stock attention, an ordinary batch runs the stock GDN forward unchanged
     std = make_model("qwen3_5")
     dkt.disable(dk)

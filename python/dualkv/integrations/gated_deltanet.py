@@ -51,17 +51,17 @@ def install(model: torch.nn.Module) -> int:
     """Fork every Gated DeltaNet module of ``model`` (idempotent) and mark the modules that hold a
     config (see :func:`unforked_hybrid`). Returns the number of GDN modules. Raises
     :class:`dualkv.UnsupportedError` for a GDN module whose projection layout is unknown."""
-    count = 0
+    layers = [m for m in model.modules() if _is_gdn(m)]
+    for module in layers:  # all checked before any is changed
+        if not (hasattr(module, "in_proj_qkv") or hasattr(module, "in_proj_qkvz")):
+            raise UnsupportedError(f"dualkv: {type(module).__name__} has neither in_proj_qkv (Qwen3.5) nor "
+                                   "in_proj_qkvz (Qwen3-Next); its packed forward is not implemented")
+    for module in layers:
+        module.forward = types.MethodType(forked_forward, module)
     for module in model.modules():
-        if _is_gdn(module):
-            if not (hasattr(module, "in_proj_qkv") or hasattr(module, "in_proj_qkvz")):
-                raise UnsupportedError(f"dualkv: {type(module).__name__} has neither in_proj_qkv (Qwen3.5) nor "
-                                       "in_proj_qkvz (Qwen3-Next); its packed forward is not implemented")
-            module.forward = types.MethodType(forked_forward, module)
-            count += 1
-        elif hasattr(module, "config"):
+        if hasattr(module, "config") and not _is_gdn(module):
             object.__setattr__(module, _FORKED_MARK, True)
-    return count
+    return len(layers)
 
 
 def unforked_hybrid(module: torch.nn.Module) -> bool:
