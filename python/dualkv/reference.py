@@ -66,8 +66,8 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Lay
 
 
 def unpacked_groups(layout: Layout):
-    """For a depth-2 layout (roots with leaf children): per root-to-leaf path, the packed token
-    indices of the unpacked sequence ``prompt + response`` (the N×(P+R) view of GRPO)."""
+    """Per root-to-leaf path (leaves in packed order, any depth), the packed token indices of the
+    unpacked sequence, e.g. ``prompt + response`` (the N×(P+R) view of GRPO)."""
     lens = layout.segment_lens
     parents = layout.parents
     offsets = [0]

@@ -86,13 +86,33 @@ def rel_err(a, b):
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
+def assert_grads_match(std, dk):
+    """Every parameter gradient of ``dk`` equals ``std``'s (relative error <= 1e-5)."""
+    grads_dk = dict(dk.named_parameters())
+    checked = 0
+    for name, p in std.named_parameters():
+        q = grads_dk[name]
+        if p.grad is None:
+            assert q.grad is None or float(q.grad.abs().max()) == 0.0, name
+            continue
+        assert q.grad is not None, name
+        assert rel_err(q.grad, p.grad) <= 1e-5, (name, rel_err(q.grad, p.grad))
+        checked += 1
+    assert checked >= len(list(std.parameters())) - 1  # every parameter that has a gradient
+
+
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "qwen3_moe", "mistral"])
 def test_packed_equals_unpacked(kind, attn):
     std = make_model(kind, attn)
     dk = dkt.enable(copy.deepcopy(std))
     assert dkt.is_enabled(dk) and not dkt.is_enabled(std)
-    prompts, responses = rollouts()
+    assert_packed_equals_unpacked(std, dk, *rollouts())
+
+
+def assert_packed_equals_unpacked(std, dk, prompts, responses):
+    """The packed dualkv model ``dk`` against the stock model ``std`` on the unpacked batch (fp32):
+    logits of every row, response log-probs, GRPO loss and every parameter gradient."""
     packed = pack(prompts, responses)
     ids, rows = padded(prompts, responses)
     B, R_max = len(rows), packed.max_response_len
@@ -122,17 +142,7 @@ def test_packed_equals_unpacked(kind, attn):
     assert abs(loss_std.item() - loss_dk.item()) <= 1e-5 * max(1.0, abs(loss_std.item()))
     loss_std.backward()
     loss_dk.backward()
-    grads_dk = dict(dk.named_parameters())
-    checked = 0
-    for name, p in std.named_parameters():
-        q = grads_dk[name]
-        if p.grad is None:
-            assert q.grad is None or float(q.grad.abs().max()) == 0.0, name
-            continue
-        assert q.grad is not None, name
-        assert rel_err(q.grad, p.grad) <= 1e-5, (name, rel_err(q.grad, p.grad))
-        checked += 1
-    assert checked >= len(list(std.parameters())) - 1  # every parameter that has a gradient
+    assert_grads_match(std, dk)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -30,6 +30,11 @@ their prompt, or see each other). Guards:
   receives dualkv-style position ids (a restart at a position other than 0);
 * sliding-window attention and attention-logit softcapping raise :class:`dualkv.UnsupportedError`
   ("not supported yet") in :func:`check_config` / :func:`enable` and in the attention function.
+
+Hybrid models (Qwen3.5, Qwen3.5-MoE, Qwen3-Next: Gated DeltaNet layers between the attention
+layers): :func:`enable` also forks the recurrent state of every GDN layer at the segment boundaries
+(:mod:`dualkv.integrations.gated_deltanet`); a packed batch reaching a hybrid model whose GDN layers
+were not forked raises :class:`WrongAttentionError`.
 """
 from __future__ import annotations
 
@@ -42,6 +47,7 @@ import torch
 from .._native import ArgumentError, DualKVError, UnsupportedError
 from ..layout import Layout
 from ..ops import attention as _dualkv_attention
+from . import gated_deltanet as _gdn
 
 try:
     from transformers import AttentionInterface as _AttentionInterface
@@ -66,7 +72,8 @@ LAYOUT_KWARG = "dualkv_layout"
 #: optional forward keyword: ``True`` makes attention's backward bit-reproducible
 DETERMINISTIC_KWARG = "dualkv_deterministic"
 #: model types whose equivalence with the unpacked computation is tested (others may work)
-TESTED_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3", "qwen3_moe", "mistral"})
+TESTED_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3", "qwen3_moe", "mistral",
+                                "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"})
 
 _HOOK_ATTR = "_dualkv_guard_handle"
 
@@ -76,7 +83,15 @@ class MissingLayoutError(DualKVError, ValueError):
 
 
 class WrongAttentionError(DualKVError, ValueError):
-    """A packed dualkv batch reached a model whose attention is not dualkv."""
+    """A packed dualkv batch reached a model whose attention is not dualkv (or a hybrid model whose
+    Gated DeltaNet layers run the stock recurrence)."""
+
+
+def _unforked_hybrid_error() -> WrongAttentionError:
+    return WrongAttentionError(
+        "a packed dualkv batch reached a hybrid model whose Gated DeltaNet layers run the stock recurrence, which "
+        "would let each response continue from the previous response's state; call "
+        "dualkv.integrations.transformers.enable(model), which forks the recurrent state at segment boundaries")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -94,6 +109,8 @@ def _packed_qkv(module, query, key, value, attention_mask, scaling, dropout, sli
             "model.set_attn_implementation('sdpa').")
     if not isinstance(layout, Layout):
         raise TypeError(f"dualkv attention: {LAYOUT_KWARG} must be a dualkv.Layout, got {type(layout).__name__}")
+    if _gdn.unforked_hybrid(module):
+        raise _unforked_hybrid_error()
     if sliding_window is not None:
         raise UnsupportedError(
             f"dualkv attention: sliding-window attention (window {sliding_window}) is not supported yet; "
@@ -320,6 +337,8 @@ def check_model(model, kwargs: Optional[Dict[str, Any]] = None, *, check_positio
                 "dualkv.integrations.transformers.disable(model) for ordinary batches")
         if not isinstance(layout, Layout):
             raise TypeError(f"{LAYOUT_KWARG} must be a dualkv.Layout, got {type(layout).__name__}")
+        if _gdn.unforked_hybrid(model):
+            raise _unforked_hybrid_error()
         ids = kwargs.get("input_ids")
         if ids is None:
             ids = kwargs.get("inputs_embeds")
@@ -391,12 +410,15 @@ def guard(model, *, check_positions: bool = True):
 
 
 def enable(model, *, check_positions: bool = True, reference: bool = False):
-    """Switch a built model to dualkv attention and install :func:`guard`. Raises
+    """Switch a built model to dualkv attention and install :func:`guard`; in a hybrid model, also fork
+    the Gated DeltaNet layers' state (:func:`dualkv.integrations.gated_deltanet.install`). Raises
     :class:`dualkv.UnsupportedError` for unsupported configurations. ``reference=True`` selects
     ``"dualkv_reference"`` (dense-mask SDPA over the layout, for checks). Returns the model."""
     check_config(model.config)
     register()
     model.set_attn_implementation(REFERENCE_IMPLEMENTATION if reference else ATTN_IMPLEMENTATION)
+    if _gdn.is_hybrid(model.config):
+        _gdn.install(model)
     return guard(model, check_positions=check_positions)
 
 

@@ -1,0 +1,445 @@
+"""End-to-end GRPO policy update of a Qwen3.5-shaped hybrid model (Gated DeltaNet + full attention).
+
+Qwen3.5 interleaves three Gated DeltaNet (GDN) layers with one full-attention layer. Packing a group
+as ``[P | R_1 | ... | R_N]`` pays off only if the GDN layers run packed as well: dualkv forks their
+recurrent state and conv tail at the prompt (dualkv.state_fork). One update = forward + backward over
+the micro-batches (gradient accumulation, no optimizer step), GRPO clipped loss on the response
+log-probs (dualkv.logprobs.response_logprobs for every method), bf16, train mode, gradient
+checkpointing. Random weights; the Qwen3.5-9B dimensions of transformers' Qwen3_5TextConfig with the
+depth cut to --layers (default 16 of 32: 12 GDN + 4 attention layers, 5.5 B parameters; at 32 layers
+the unpacked path at P = 16K would need ~140 GiB, over the H200's memory; see docs/hybrid.md).
+
+Methods (one model object; the attention implementation and the GDN forward switch per method):
+
+  std     the unpacked N x (P + R) batch, right-padded rows, SDPA (cuDNN) attention, stock GDN layers
+          (flash-linear-attention's chunk kernel when installed, as transformers picks it)
+  flex    what a user can assemble today: the packed stream with compiled FlexAttention (shared-prefix
+          BlockMask built per micro-batch, --flex-backend FLASH = FA4 on Hopper, needs flash_attn.cute)
+          on the attention layers, and the GDN layers unpacked: each GDN layer copies the packed hidden
+          states out to the N rows (prompt repeated), runs the stock module on them and takes every
+          token's output back from one row
+  dualkv  the packed stream: dualkv attention + the state fork on the GDN layers (one layout for both)
+
+Reported per (config, method): median seconds per update (CUDA events), speedup over std, the
+acceptance target 0.8 x rho (rho = unpacked / packed tokens), the FLOP ceiling of the speedup (see
+flop_ceiling: the log-prob head works on the same response rows in both methods, so the ceiling is
+below rho, and the more so the shallower the model), peak memory, and the log-prob
+tolerance rule of bench/logprob_noise.py: the truth is the std path in fp32 (model upcast in place,
+exact; TF32 off; transformers' PyTorch GDN recurrence; --truth-rows rows of the first micro-batch,
+one at a time); a method passes if max|logp - truth| <= 2 * max|std_bf16 - truth| + 1e-3.
+
+  python bench/hybrid_e2e.py --configs 16,4096,1024           # ~2.5 min on an H200 (estimate)
+  python bench/hybrid_e2e.py --configs 16,16384,1024          # ~4 min (estimate); both: the default, ~6.5 min
+  python bench/hybrid_e2e.py --flex-backend TRITON            # Flex without FA4
+  python bench/hybrid_e2e.py --device cpu --tiny              # smoke test on a CPU
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import inspect
+import json
+import pathlib
+import statistics
+import sys
+import time
+import traceback
+
+import torch
+
+HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "python"))
+
+import e2e  # noqa: E402  (micro-batches, the std and dualkv log-prob routine, the old log-probs, time limits)
+from e2e import MethodTimeout, MicroBatch, _sdpa_context, _time_limit, build_block_mask, log  # noqa: E402
+from dualkv.grpo import policy_loss  # noqa: E402
+from dualkv.integrations import gated_deltanet as gdn  # noqa: E402
+from dualkv.logprobs import response_logprobs  # noqa: E402
+from dualkv.packing import pack  # noqa: E402
+from dualkv.reference import unpacked_groups  # noqa: E402
+
+METHODS = ("dualkv", "std", "flex")  # flex last: a compile that hangs costs the least there
+DEFAULT_CONFIGS = [(16, 4096, 1024), (16, 16384, 1024)]
+TINY_CONFIGS = [(4, 48, 16), (3, 40, 9)]
+FLEX_IMPL = "dualkv_bench_hybrid_flex"
+EXPAND_KWARG = "bench_gdn_expand"
+
+#: transformers' Qwen3_5TextConfig defaults (the Qwen3.5-9B dimensions), depth set by --layers
+SHAPES = {
+    "9b": dict(hidden_size=4096, intermediate_size=12288, num_attention_heads=16, num_key_value_heads=4, head_dim=256,
+               linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+               linear_value_head_dim=128, linear_conv_kernel_dim=4, vocab_size=248320),
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                 linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                 linear_value_head_dim=16, linear_conv_kernel_dim=4, vocab_size=512),
+}
+
+
+def hybrid_config(shape: str, layers: int):
+    from transformers import Qwen3_5TextConfig
+    return Qwen3_5TextConfig(**SHAPES[shape], num_hidden_layers=layers, max_position_embeddings=65536,
+                             rms_norm_eps=1e-6, attention_dropout=0.0, tie_word_embeddings=False, use_cache=False)
+
+
+# ----------------------------------------------------------------------------------------------
+# the flex baseline: FlexAttention on the packed stream, GDN layers on the unpacked rows
+# ----------------------------------------------------------------------------------------------
+
+_FLEX = {}
+
+
+def flex_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers attention function: FlexAttention over the micro-batch's shared-prefix BlockMask
+    (on a CPU, where FlexAttention has no backward, SDPA with the dense mask of the same mask_mod)."""
+    block_mask = kwargs["flex_block_mask"]
+    if isinstance(block_mask, torch.Tensor):  # bench/e2e.py's CPU stand-in
+        return e2e.flex_attention_forward(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
+    if "fn" not in _FLEX:
+        from torch.nn.attention.flex_attention import flex_attention
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 256)
+        _FLEX["fn"] = torch.compile(flex_attention, dynamic=False)
+    options = {"BACKEND": _FLEX["backend"]}
+    out = _FLEX["fn"](query, key, value, block_mask=block_mask, scale=scaling, enable_gqa=True,
+                      kernel_options=options)
+    return out.transpose(1, 2), None
+
+
+class Expansion:
+    """Packed <-> unpacked token maps of one micro-batch: ``rows`` [B, L] packed index of every
+    position of every unpacked row (right padding repeats token 0: causally never seen), ``back`` [T]
+    the flat [B * L] position each packed token's output is taken from (its first row)."""
+
+    def __init__(self, mb: MicroBatch, device):
+        paths = unpacked_groups(mb.packed.layout)
+        L = max(p.numel() for p in paths)
+        rows = torch.zeros(len(paths), L, dtype=torch.int64)
+        back = torch.full((mb.T,), -1, dtype=torch.int64)
+        for b, p in enumerate(paths):
+            rows[b, :p.numel()] = p
+            new = back[p] < 0
+            back[p[new]] = b * L + torch.arange(p.numel())[new]
+        self.rows, self.back = rows.to(device), back.to(device)
+
+
+def bench_gdn_forward(self, hidden_states, **kwargs):
+    """GDN forward of this benchmark: unpacked for the flex baseline, else dualkv's (forked with a
+    layout, stock without)."""
+    ex = kwargs.get(EXPAND_KWARG)
+    if ex is None:
+        return gdn.forked_forward(self, hidden_states, **kwargs)
+    x = hidden_states[0][ex.rows]  # [B, L, D]: every row gets its own copy of the prompt
+    y = type(self).forward(self, x)
+    return y.reshape(-1, y.shape[-1])[ex.back].unsqueeze(0)
+
+
+def prepare_model(model):
+    """Fork the GDN layers for dualkv (and mark the model), then route them through bench_gdn_forward."""
+    import types
+    from transformers import AttentionInterface
+
+    import dualkv.integrations.transformers  # noqa: F401  (registers "dualkv")
+    AttentionInterface.register(FLEX_IMPL, flex_attention_forward)
+    gdn.install(model)
+    for m in model.modules():
+        if type(m).__name__.endswith("GatedDeltaNet"):
+            m.forward = types.MethodType(bench_gdn_forward, m)
+
+
+# ----------------------------------------------------------------------------------------------
+# one micro-batch, each method
+# ----------------------------------------------------------------------------------------------
+
+def logprobs_of(method, model, mb: MicroBatch, args, device):
+    """Response log-probs of one micro-batch: std and dualkv as bench/e2e.py computes them, flex with the
+    GDN layers unpacked."""
+    if method != "flex":
+        return e2e.logprobs_of(method, model, mb, args, device)
+    if not hasattr(mb, "expansion"):
+        mb.expansion = Expansion(mb, device)
+    out = model.model(input_ids=mb.packed.input_ids, position_ids=mb.packed.position_ids, use_cache=False,
+                      flex_block_mask=build_block_mask(mb, device), **{EXPAND_KWARG: mb.expansion})
+    return response_logprobs(out.last_hidden_state, model.lm_head.weight, mb.packed)
+
+
+def set_method(model, method):
+    model.set_attn_implementation({"std": "sdpa", "flex": FLEX_IMPL, "dualkv": "dualkv"}[method])
+
+
+def timed_update(method, model, mbs, args, device):
+    """(seconds, log-probs of every micro-batch) of one update."""
+    model.zero_grad(set_to_none=True)
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+    t0 = time.perf_counter()
+    logps = []
+    for mb in mbs:
+        with _sdpa_context(device, args.sdpa_backend if method == "std" else "default"):
+            logp = logprobs_of(method, model, mb, args, device)
+            loss, _ = policy_loss(logp, mb.old, mb.adv, mb.mask, clip_low=0.2, clip_high=0.28)
+            (loss / len(mbs)).backward()
+        logps.append(logp.detach())
+    if device.type == "cuda":
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3, logps
+    return time.perf_counter() - t0, logps
+
+
+def measure(method, model, mbs, args, device):
+    rec = {"method": method}
+    try:
+        set_method(model, method)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+        t_w = time.perf_counter()
+        with _time_limit(args.method_timeout, f"{method} warm-up"):
+            for _ in range(args.warmup):
+                timed_update(method, model, mbs, args, device)
+        rec["warmup_s"] = time.perf_counter() - t_w
+        times = []
+        with _time_limit(args.method_timeout, f"{method} timed updates"):
+            for _ in range(max(1, args.iters)):
+                t, logps = timed_update(method, model, mbs, args, device)
+                times.append(t)
+        rec.update(seconds=statistics.median(times), times=times, status="ok")
+        if device.type == "cuda":
+            rec["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+        rec["logp0"] = logps[0].float()
+    except (Exception, MethodTimeout) as exc:  # OOM, timeout, an unavailable backend: record it, go on
+        rec["status"] = "timeout" if isinstance(exc, MethodTimeout) else (
+            "oom" if "out of memory" in str(exc) else "error")
+        rec["error"] = f"{type(exc).__name__}: {str(exc)[:500]}"
+        if rec["status"] == "error":
+            traceback.print_exc()
+    finally:
+        model.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return rec
+
+
+# ----------------------------------------------------------------------------------------------
+# the fp32 truth of the log-prob tolerance rule
+# ----------------------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def torch_reference_gdn(model):
+    """The stock GDN layers on transformers' own PyTorch chunked recurrence (the function its fla
+    wrapper falls back to) instead of fla: for the fp32 truth, and on a CPU, where fla cannot run."""
+    modules = {sys.modules[type(m).__module__] for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet")}
+    saved = {mod: mod.torch_chunk_gated_delta_rule for mod in modules}
+    for mod, fn in saved.items():
+        mod.torch_chunk_gated_delta_rule = inspect.unwrap(fn)
+    try:
+        yield
+    finally:
+        for mod, fn in saved.items():
+            mod.torch_chunk_gated_delta_rule = fn
+
+
+@contextlib.contextmanager
+def fp32_truth_mode(model):
+    """The model upcast in place (exact), TF32 off, the GDN layers on the PyTorch recurrence; restored
+    on exit (the bf16 round trip is exact: no weight changed)."""
+    dtype = next(model.parameters()).dtype
+    tf32 = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    model.float()
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    set_method(model, "std")
+    try:
+        with torch_reference_gdn(model):
+            yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
+        model.to(dtype)
+
+
+def truth_logprobs(model, mb: MicroBatch, rows: int, device):
+    """fp32 log-probs of the first ``rows`` rows of ``mb``, one unpadded row at a time: [rows, R_max]."""
+    out = torch.zeros(rows, mb.packed.max_response_len, dtype=torch.float64, device=device)
+    pairs = [(p, r) for p, rs in zip(mb.prompts, mb.responses) for r in rs][:rows]
+    with torch.no_grad(), fp32_truth_mode(model):
+        for b, (p, r) in enumerate(pairs):
+            row = pack([p], [[r]])
+            if device.type == "cuda":
+                from torch.nn.attention import SDPBackend, sdpa_kernel
+                ctx = sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+            else:
+                ctx = contextlib.nullcontext()
+            with ctx:
+                hidden = model.model(input_ids=row.input_ids, use_cache=False).last_hidden_state
+            out[b, :r.numel()] = response_logprobs(hidden, model.lm_head.weight, row)[0].double()
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# the run
+# ----------------------------------------------------------------------------------------------
+
+def flop_ceiling(model, cfg, mbs) -> float:
+    """The speedup over std that dualkv would reach if every kernel ran at the same efficiency: the
+    ratio of the two methods' work, counted as 8 x layer parameters x tokens (forward, checkpoint
+    recompute, backward), 8 x V x d x logit rows (the log-prob head on the response rows: the same rows
+    for both methods, so it does not shrink with packing) and 4.5 x 4 H D x visible pairs per attention
+    layer. The GDN recurrence itself (linear in tokens, a few percent of a layer) is left out."""
+    layer_params = sum(p.numel() for p in model.model.layers.parameters())
+    head = 8.0 * model.lm_head.weight.numel()
+    attn = 4.5 * 4 * cfg.num_attention_heads * cfg.head_dim * cfg.layer_types.count("full_attention")
+    std = packed = 0.0
+    for mb in mbs:
+        lens = mb.std_valid.sum(1).tolist()
+        std_pairs = sum(x * (x + 1) // 2 for x in lens)
+        std += 8.0 * layer_params * mb.unpacked_tokens + head * mb.logit_rows + attn * std_pairs
+        packed += 8.0 * layer_params * mb.T + head * mb.logit_rows + attn * mb.shared_pairs
+    return std / packed
+
+
+def run_config(model, cfg, n, P, R, args, device, save):
+    mbs = e2e.make_micro_batches(n, P, R, args.micro_batches, 1, cfg.vocab_size, args.seed, device)
+    e2e._std_logprobs_nograd(model, mbs, args, device)  # the "old" policy: std log-probs plus noise
+    unpacked, packed = sum(mb.unpacked_tokens for mb in mbs), sum(mb.T for mb in mbs)
+    rho = unpacked / packed
+    base = {"N": n, "P": P, "R": R, "layers": cfg.num_hidden_layers, "micro_batches": len(mbs),
+            "packed_lengths": [mb.T for mb in mbs], "unpacked_tokens": unpacked, "packed_tokens": packed,
+            "rho_tokens": rho, "target_speedup": 0.8 * rho, "flop_ceiling": flop_ceiling(model, cfg, mbs)}
+    results = []
+
+    def save_public(extra=()):
+        save([{k: v for k, v in r.items() if k != "logp0"} for r in results] + list(extra))
+    for method in args.methods:
+        save_public([dict(base, method=method, status="running")])
+        rec = dict(base, **measure(method, model, mbs, args, device))
+        results.append(rec)
+        log(f"  N={n} P={P} R={R} {method:<7} {rec['status']:<7} "
+            + (f"{rec['seconds']:.3f} s/update" + (f", peak {rec['peak_gib']:.1f} GiB" if "peak_gib" in rec else "")
+               if rec["status"] == "ok" else rec.get("error", "")))
+        save_public()
+    ok = [r for r in results if r["status"] == "ok"]
+    std = next((r for r in ok if r["method"] == "std"), None)
+    std_lp0 = std["logp0"] if std is not None else None
+    mask = mbs[0].mask
+    if args.truth_rows > 0 and ok:
+        rows = min(args.truth_rows, mbs[0].B)
+        t0 = time.perf_counter()
+        truth = truth_logprobs(model, mbs[0], rows, device)
+        for r in ok:
+            r["max_abs_dlogp_vs_truth"] = float((r["logp0"][:rows].double() - truth).abs()[mask[:rows]].max())
+        log(f"  fp32 truth of {rows} row(s): {time.perf_counter() - t0:.1f} s")
+    for r in ok:
+        lp0 = r.pop("logp0")
+        if std is None:
+            continue
+        r["speedup_vs_std"] = std["seconds"] / r["seconds"]
+        r["meets_target"] = r["speedup_vs_std"] >= r["target_speedup"]
+        r["max_abs_dlogp_vs_std"] = float((lp0 - std_lp0).abs()[mask].max())
+        if "max_abs_dlogp_vs_truth" in r:
+            r["tolerance_bound"] = 2 * std["max_abs_dlogp_vs_truth"] + 1e-3
+            r["within_tolerance"] = r["max_abs_dlogp_vs_truth"] <= r["tolerance_bound"]
+    save(results)
+    return results
+
+
+def summary(results):
+    head = (f"{'N':>3} {'P':>6} {'R':>5} {'rho':>5} {'method':>7} {'s/update':>9} {'speedup':>8} {'0.8rho':>7} "
+            f"{'ceiling':>7} {'peak GiB':>9} {'|dlogp| truth':>13} {'bound':>7} {'ok':>3}")
+    lines = [head, "-" * len(head)]
+    for r in results:
+        if r["status"] != "ok":
+            lines.append(f"{r['N']:>3} {r['P']:>6} {r['R']:>5} {r['rho_tokens']:>5.2f} {r['method']:>7} "
+                         f"{r['status']:>9}  {r.get('error', '')[:90]}")
+            continue
+        fmt = e2e._fmt
+        ok = "-" if "within_tolerance" not in r else ("yes" if r["within_tolerance"] else "NO")
+        lines.append(f"{r['N']:>3} {r['P']:>6} {r['R']:>5} {r['rho_tokens']:>5.2f} {r['method']:>7} "
+                     f"{r['seconds']:>9.3f} {fmt(r.get('speedup_vs_std'), '.2f'):>8} {r['target_speedup']:>7.2f} "
+                     f"{r['flop_ceiling']:>7.2f} "
+                     f"{fmt(r.get('peak_gib'), '.1f'):>9} {fmt(r.get('max_abs_dlogp_vs_truth'), '.3g'):>13} "
+                     f"{fmt(r.get('tolerance_bound'), '.3g'):>7} {ok:>3}")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default=None, choices=sorted(SHAPES), help="model dimensions (default 9b)")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="decoder layers (default 16 of Qwen3.5-9B's 32: 12 GDN + 4 attention; 4k keeps 3:1)")
+    ap.add_argument("--configs", default=None, help="N,P,R;N,P,R (default 16,4096,1024;16,16384,1024)")
+    ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--flex-backend", default="FLASH", choices=["FLASH", "TRITON"],
+                    help="FlexAttention kernel_options BACKEND (FLASH: FA4, needs flash_attn.cute)")
+    ap.add_argument("--micro-batches", type=int, default=1,
+                    help="micro-batches (one group of N rows each) per update, gradients accumulated")
+    ap.add_argument("--iters", type=int, default=2)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--truth-rows", type=int, default=2, help="rows of the fp32 truth (0: skip the tolerance rule)")
+    ap.add_argument("--sdpa-backend", default="cudnn", choices=["cudnn", "flash", "efficient", "default"])
+    ap.add_argument("--method-timeout", type=float, default=150.0,
+                    help="seconds per method for its warm-up and for its timed updates (0: none)")
+    ap.add_argument("--no-grad-ckpt", action="store_true")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--tiny", action="store_true", help="tiny model and configs (CPU smoke test)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=None, help="JSON path (default bench/results/hybrid_e2e-<time>.json)")
+    args = ap.parse_args(argv)
+
+    device = torch.device(args.device)
+    shape = args.shape or ("tiny" if args.tiny else "9b")
+    layers = args.layers or (4 if args.tiny else 16)
+    configs = e2e.parse_configs(args.configs) if args.configs else (TINY_CONFIGS if args.tiny else DEFAULT_CONFIGS)
+    args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    for m in args.methods:
+        if m not in METHODS:
+            ap.error(f"unknown method {m!r}; one of {METHODS}")
+    _FLEX["backend"] = args.flex_backend
+    out_path = pathlib.Path(args.out) if args.out else (
+        HERE / "results" / f"hybrid_e2e-{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}.json")
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+
+    from transformers import AutoModelForCausalLM
+
+    from dualkv.state_fork import fla_available
+    env = e2e.environment(device)
+    env["fla"] = fla_available()
+    try:
+        import fla
+        env["fla_version"] = fla.__version__
+    except ImportError:
+        pass
+    cfg = hybrid_config(shape, layers)
+    env["model"] = {"shape": shape, "layers": layers, "layer_types": cfg.layer_types}
+
+    all_results = []
+
+    def save(partial):
+        out_path.write_text(json.dumps({"environment": env, "args": vars(args), "results": all_results + partial},
+                                       indent=1, default=str))
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    torch.manual_seed(args.seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=dtype)
+    model.train()
+    prepare_model(model)
+    if not args.no_grad_ckpt:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    log(f"hybrid e2e on {env.get('gpu', device)}: Qwen3.5 {shape} dims, {layers} layers "
+        f"({cfg.layer_types.count('linear_attention')} GDN), {sum(p.numel() for p in model.parameters()) / 1e9:.2f} B "
+        f"params, {dtype}, fla {env['fla']}, flex backend {args.flex_backend}; configs {configs}")
+    with torch_reference_gdn(model) if device.type == "cpu" else contextlib.nullcontext():
+        for n, P, R in configs:
+            all_results += run_config(model, cfg, n, P, R, args, device, save)
+    save([])
+    table = summary(all_results)
+    print()
+    print(table)
+    out_path.with_suffix(".txt").write_text(table + "\n")
+    print(f"\nresults: {out_path}")
+    return 1 if any(r["status"] == "error" for r in all_results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

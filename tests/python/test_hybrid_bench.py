@@ -1,0 +1,26 @@
+"""bench/hybrid_e2e.py on a CPU (tiny hybrid model, fp32): every method runs and computes the same
+log-probs as the unpacked path (the flex baseline's unpacked GDN layers included), and the fp32
+truth of the tolerance rule is wired up."""
+import json
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from test_demo import _load_bench  # noqa: E402
+
+
+def test_hybrid_bench_cpu_smoke(tmp_path):
+    bench = _load_bench("hybrid_e2e")
+    out = tmp_path / "hybrid.json"
+    rc = bench.main(["--device", "cpu", "--tiny", "--configs", "3,24,7", "--micro-batches", "2", "--iters", "1",
+                     "--warmup", "0", "--out", str(out)])
+    assert rc == 0
+    results = json.loads(out.read_text())["results"]
+    assert [r["method"] for r in results] == ["dualkv", "std", "flex"]
+    for r in results:
+        assert r["status"] == "ok", r
+        assert r["max_abs_dlogp_vs_std"] < 1e-4, r
+        assert r["within_tolerance"] and r["max_abs_dlogp_vs_truth"] < 1e-4, r
+        assert r["rho_tokens"] > 1 and r["target_speedup"] == pytest.approx(0.8 * r["rho_tokens"])
+    assert out.with_suffix(".txt").read_text().count("\n") == 5  # header, rule, three methods
