@@ -91,14 +91,14 @@ class SequenceShard:
     Pass it where a :class:`dualkv.Layout` goes (``dualkv_layout=`` of a transformers model, see
     :meth:`model_inputs`): the attention layers then run :func:`attention` over the group.
 
-    Attributes: ``packed`` (the whole micro-batch, unpadded), ``layout`` (the global layout with the
-    pad segment, on the packed batch's device), ``group``, ``size``, ``rank``, ``start`` / ``stop``
-    (this rank's packed token range), ``input_ids`` / ``position_ids`` (``[1, stop - start]``, slices
-    of the padded global arrays).
+    Attributes: ``packed`` (the whole micro-batch, unpadded; None for a shard of a bare layout),
+    ``layout`` (the global layout with the pad segment), ``group``, ``size``, ``rank``, ``start`` /
+    ``stop`` (this rank's packed token range), ``input_ids`` / ``position_ids`` (``[1, stop - start]``,
+    slices of the padded global arrays; no ids for a bare layout).
     """
 
-    def __init__(self, packed: PackedBatch, layout: Layout, group, size: int, rank: int,
-                 input_ids: Tensor, position_ids: Tensor):
+    def __init__(self, packed: Optional[PackedBatch], layout: Layout, group, size: int, rank: int,
+                 input_ids: Optional[Tensor], position_ids: Tensor):
         self.packed = packed
         self.layout = layout
         self.group = group
@@ -117,11 +117,14 @@ class SequenceShard:
 
     @property
     def device(self) -> torch.device:
-        return self.packed.device
+        return self.layout.device
 
     def model_inputs(self) -> Dict[str, Any]:
         """Forward keywords of a transformers model for this rank: ``input_ids``, ``position_ids``
         (this rank's slices), ``dualkv_layout=self`` and ``use_cache=False``."""
+        if self.input_ids is None:
+            raise TypeError("SequenceShard.model_inputs: a shard of a bare layout has no token ids; shard the "
+                            "PackedBatch")
         return {"input_ids": self.input_ids, "position_ids": self.position_ids, "dualkv_layout": self,
                 "use_cache": False}
 
@@ -136,32 +139,42 @@ class SequenceShard:
         agree(self.group, self.device, problem, "dualkv sequence parallelism")
 
     def __repr__(self) -> str:
+        pad = self.num_tokens - self.packed.num_tokens if self.packed is not None else "?"
         return (f"SequenceShard(rank {self.rank} of {self.size}, tokens [{self.start}, {self.stop}) of "
-                f"{self.num_tokens} ({self.num_tokens - self.packed.num_tokens} pad))")
+                f"{self.num_tokens} ({pad} pad))")
 
 
-def shard(packed: PackedBatch, group=None, *, pad_token_id: int = 0) -> SequenceShard:
-    """This rank's :class:`SequenceShard` of ``packed`` over the sequence-parallel ``group``.
+def shard(batch: Union[PackedBatch, Layout], group=None, *, pad_token_id: int = 0) -> SequenceShard:
+    """This rank's :class:`SequenceShard` of a packed micro-batch over the sequence-parallel ``group``.
 
-    Collective over ``group``: every rank must call it with the same packed micro-batch; ranks whose
-    layouts differ all raise :class:`dualkv.LayoutError`. ``group=None``: no sequence parallelism
-    (one rank, no pad, no collective). The pad (``num_tokens`` rounded up to a multiple of the group
-    size) is one root segment of ``pad_token_id`` tokens at positions 0, 1, ...
+    ``batch``: the :class:`dualkv.PackedBatch`, or only its :class:`dualkv.Layout` (a shard for
+    :func:`attention` alone: no token ids, no log-probs). Collective over ``group``: every rank must
+    call it with the same micro-batch; ranks whose layouts differ all raise
+    :class:`dualkv.LayoutError`. ``group=None``: no sequence parallelism (one rank, no pad, no
+    collective). The pad (the token count rounded up to a multiple of the group size) is one root
+    segment of ``pad_token_id`` tokens at positions 0, 1, ...
     """
-    if not isinstance(packed, PackedBatch):
-        raise TypeError(f"dualkv.distributed.shard: expected a dualkv.PackedBatch, got {type(packed).__name__}")
+    if isinstance(batch, PackedBatch):
+        packed, layout, ids, pos = batch, batch.layout, batch.input_ids, batch.position_ids
+    elif isinstance(batch, Layout):
+        packed, layout, ids, pos = None, batch, None, None
+    else:
+        raise TypeError(f"dualkv.distributed.shard: expected a dualkv.PackedBatch or Layout, got "
+                        f"{type(batch).__name__}")
     size, rank = _size_rank(group)
-    layout, T = packed.layout, packed.num_tokens
-    agree(group, packed.device, None, "dualkv.distributed.shard: the packed micro-batches differ between ranks",
+    T = layout.num_tokens
+    agree(group, layout.device, None, "dualkv.distributed.shard: the packed micro-batches differ between ranks",
           {"tokens": T, "segments": layout.num_segments, "fingerprint": _fingerprint(layout)}, LayoutError)
     pad = -T % size
-    ids, pos = packed.input_ids, packed.position_ids
     if pad:
-        layout = Layout.from_tree(layout.segment_lens + [pad], layout.parents + [-1]).to(packed.device)
-        ids = torch.cat([ids, ids.new_full((1, pad), pad_token_id)], dim=1)
+        layout = Layout.from_tree(layout.segment_lens + [pad], layout.parents + [-1]).to(layout.device)
+        if ids is not None:
+            ids = torch.cat([ids, ids.new_full((1, pad), pad_token_id)], dim=1)
+        pos = None
+    if pos is None:
         pos = layout.position_ids.view(1, -1)
     n = (T + pad) // size
-    return SequenceShard(packed, layout, group, size, rank, ids[:, rank * n:(rank + 1) * n],
+    return SequenceShard(packed, layout, group, size, rank, None if ids is None else ids[:, rank * n:(rank + 1) * n],
                          pos[:, rank * n:(rank + 1) * n])
 
 
@@ -249,8 +262,8 @@ def response_logprobs(hidden: Tensor, lm_head_weight: Tensor, shard: SequenceSha
     a data-parallel mean over the SP ranks follows (veRL's convention).
     """
     fn = "dualkv.distributed.response_logprobs"
-    if not isinstance(shard, SequenceShard):
-        raise TypeError(f"{fn}: shard must be a SequenceShard, got {type(shard).__name__}")
+    if not isinstance(shard, SequenceShard) or shard.packed is None:
+        raise TypeError(f"{fn}: shard must be a SequenceShard of a PackedBatch, got {shard!r}")
     packed = shard.packed
     temperature = _check_common(packed, temperature, fn)
     hidden = _check_head(hidden, lm_head_weight, shard.num_local_tokens, packed.device, fn)

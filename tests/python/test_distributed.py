@@ -75,8 +75,15 @@ def test_shard_without_group_is_the_single_rank_path():
         sh.check_tokens(5)
     with pytest.raises(dualkv.ArgumentError, match="q has 3 tokens"):
         distributed.attention(q[:3], k[:3], v[:3], sh)
-    with pytest.raises(TypeError, match="expected a dualkv.PackedBatch"):
-        distributed.shard(packed.layout)
+    with pytest.raises(TypeError, match="expected a dualkv.PackedBatch or Layout"):
+        distributed.shard(packed.input_ids)
+    bare = distributed.shard(packed.layout)
+    assert bare.input_ids is None and torch.equal(bare.position_ids, packed.position_ids)
+    assert torch.equal(distributed.attention(q, k, v, bare), dualkv.attention(q, k, v, packed.layout))
+    with pytest.raises(TypeError, match="no token ids"):
+        bare.model_inputs()
+    with pytest.raises(TypeError, match="of a PackedBatch"):
+        distributed.response_logprobs(q[:, 0], q[:1, 0], bare)
 
 
 @pytest.mark.parametrize("entropy", [False, True])
