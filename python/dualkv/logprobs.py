@@ -159,7 +159,7 @@ class _LogprobIndex:
     def scatter(self, vals: Tensor) -> Tensor:
         """Values per output [M] -> [B, R_max] (zeros where masked). Differentiable."""
         padded = torch.cat([vals, vals.new_zeros(1)])
-        return padded[self.inv].view(self.shape)
+        return padded[self.inv.view(self.shape)]  # a new tensor, not a view (FSDP2 warns about views)
 
 
 def _index(packed: PackedBatch) -> _LogprobIndex:
