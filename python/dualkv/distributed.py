@@ -163,8 +163,9 @@ def shard(batch: Union[PackedBatch, Layout], group=None, *, pad_token_id: int = 
                         f"{type(batch).__name__}")
     size, rank = _size_rank(group)
     T = layout.num_tokens
-    agree(group, layout.device, None, "dualkv.distributed.shard: the packed micro-batches differ between ranks",
-          {"tokens": T, "segments": layout.num_segments, "fingerprint": _fingerprint(layout)}, LayoutError)
+    if size > 1:
+        agree(group, layout.device, None, "dualkv.distributed.shard: the packed micro-batches differ between ranks",
+              {"tokens": T, "segments": layout.num_segments, "fingerprint": _fingerprint(layout)}, LayoutError)
     pad = -T % size
     if pad:
         layout = Layout.from_tree(layout.segment_lens + [pad], layout.parents + [-1]).to(layout.device)
