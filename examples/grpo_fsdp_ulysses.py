@@ -116,11 +116,11 @@ def init_distributed(args):
     return device, grid
 
 
-def make_model(args, device, fsdp_mesh=None):
+def make_model(args, device, fsdp_mesh=None, attention="dualkv"):
     """The Qwen3-shaped model with dualkv attention (same seed, same weights on every rank); with a
     mesh, FSDP2 over it (each decoder layer, then the root: embeddings, final norm, LM head)."""
     model = build_model(qwen3_config(args.model_size), device, DTYPES[args.dtype], seed=args.seed,
-                        attn_implementation="dualkv")
+                        attn_implementation=attention)
     model.train()
     dkt.guard(model)
     if not args.no_checkpointing:
@@ -212,11 +212,14 @@ def _sync(device):
 
 def one_process_update(args, dtype_name, batch, device, weights=None):
     """The whole plan's micro-batches one after another in this process, no FSDP, no SP; with
-    ``weights`` (a state dict), those weights cast to ``dtype_name``. Returns (run, model weights)."""
+    ``weights`` (a state dict), those weights cast to ``dtype_name``. Returns (run, model weights).
+    fp32 on a GPU, where the dualkv kernels take bf16/fp16 only, attends by dense-mask SDPA over the
+    same layout ("dualkv_reference")."""
     saved = args.dtype
     args.dtype = dtype_name
+    fp32_on_gpu = device.type == "cuda" and DTYPES[dtype_name] == torch.float32
     try:
-        model = make_model(args, device)
+        model = make_model(args, device, attention="dualkv_reference" if fp32_on_gpu else "dualkv")
         if weights is not None:
             model.load_state_dict(weights)
         mbs = [mb for rank_mbs in batch.plan.ranks for mb in rank_mbs if mb.entries]
