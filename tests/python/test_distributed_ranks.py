@@ -231,17 +231,19 @@ def case_model_sp_checkpointing(rank, world):
 
 
 def case_model_sp_compile(rank, world):
-    """Decoder layers compiled (aot_eager: dynamo + AOTAutograd) with the all-to-alls inside equal
-    eager SP."""
+    """Decoder layers compiled with fullgraph=True (aot_eager: dynamo + AOTAutograd), the all-to-alls
+    inside, equal eager SP."""
     model = qwen3()
     prompts, responses = rollouts(*ROLLOUTS["odd"])
     packed = pack(prompts, responses)
     old, adv, mask = loss_inputs(packed)
     sh = distributed.shard(packed, dist.group.WORLD)
     want = packed_update(model, sh, old, adv, mask)
+    torch._dynamo.reset()
     for layer in model.model.layers:
-        layer.compile(backend="aot_eager")
+        layer.compile(backend="aot_eager", fullgraph=True)  # fullgraph: the all-to-alls trace, no graph break
     got = packed_update(model, sh, old, adv, mask)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1
     assert_update_close(got, want, 1e-12, "compiled vs eager")
 
 
