@@ -29,7 +29,6 @@ import pathlib
 import statistics
 import sys
 import tempfile
-import time
 
 import torch
 import torch.distributed as dist
@@ -41,7 +40,7 @@ sys.path.insert(0, str(HERE.parent / "python"))
 from e2e import environment, make_micro_batches  # noqa: E402
 
 from dualkv import distributed  # noqa: E402
-from dualkv.demo import build_model, qwen3_config  # noqa: E402
+from dualkv.demo import _Timer, build_model, qwen3_config  # noqa: E402
 from dualkv.grpo import policy_loss  # noqa: E402
 from dualkv.integrations import transformers as dkt  # noqa: E402
 from dualkv.logprobs import response_logprobs  # noqa: E402
@@ -61,21 +60,14 @@ def logprobs(method, model, mb, group):
 def timed_update(method, model, mbs, group, device):
     """Seconds of one update (forward + backward of every micro-batch), and the log-probs."""
     model.zero_grad(set_to_none=True)
-    if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-    t0 = time.perf_counter()
     out = []
-    for mb in mbs:
-        logp = logprobs(method, model, mb, group)
-        loss, _ = policy_loss(logp, mb.old, mb.adv, mb.mask, clip_low=0.2, clip_high=0.28)
-        (loss / len(mbs)).backward()
-        out.append(logp.detach())
-    if device.type == "cuda":
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3, out
-    return time.perf_counter() - t0, out
+    with _Timer(device) as timer:  # CUDA events on a GPU
+        for mb in mbs:
+            logp = logprobs(method, model, mb, group)
+            loss, _ = policy_loss(logp, mb.old, mb.adv, mb.mask, clip_low=0.2, clip_high=0.28)
+            (loss / len(mbs)).backward()
+            out.append(logp.detach())
+    return timer.seconds, out
 
 
 def main(argv=None) -> int:

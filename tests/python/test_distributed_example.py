@@ -34,3 +34,15 @@ def test_example_runs_and_checks_under_torchrun(tmp_path):
     assert "attention outputs bit-equal per head shard (deterministic): True" in log
     result = json.loads(out.read_text())
     assert result["world"] == 4 and result["check"]["ok"] and len(result["updates"]) == 2
+
+
+def test_overhead_benchmark_smoke(tmp_path):
+    """bench/distributed_overhead.py (the 1% check of the single-rank path, run on the GPU) runs on a
+    CPU with a tiny model, and both paths give the same log-probs."""
+    out = tmp_path / "overhead.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "distributed_overhead.py"), "--device", "cpu",
+                           "--tiny", "--rounds", "1", "--out", str(out)], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    result = json.loads(out.read_text())
+    assert result["max_abs_dlogp"] == 0.0 and len(result["times"]["distributed"]) == 1
