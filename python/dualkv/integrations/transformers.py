@@ -30,6 +30,11 @@ their prompt, or see each other). Guards:
   receives dualkv-style position ids (a restart at a position other than 0);
 * sliding-window attention and attention-logit softcapping raise :class:`dualkv.UnsupportedError`
   ("not supported yet") in :func:`check_config` / :func:`enable` and in the attention function.
+
+Distributed (docs/distributed.md): ``dualkv_layout=`` may be a
+:class:`dualkv.distributed.SequenceShard` (Ulysses sequence parallelism: the model gets this rank's
+tokens, attention does an all-to-all around :func:`dualkv.attention`), and :func:`packed_logprobs`
+runs inside the model's own forward call, so FSDP2 gathers the sharded LM head.
 """
 from __future__ import annotations
 
@@ -306,7 +311,8 @@ def check_model(model, kwargs: Optional[Dict[str, Any]] = None, *, check_positio
       -> :class:`WrongAttentionError`;
     * the model uses dualkv attention but no layout is given -> :class:`MissingLayoutError`;
     * the model uses dualkv attention, a layout is given but the token count disagrees
-      -> :class:`dualkv.ArgumentError`;
+      -> :class:`dualkv.ArgumentError` (for a :class:`dualkv.distributed.SequenceShard`: the rank's
+      share, checked collectively, so that every rank of the group raises);
     * ``check_positions`` and a stock-attention model gets position ids that drop back to a non-zero
       value (a dualkv packing) -> :class:`WrongAttentionError` (costs one device sync).
 
@@ -468,7 +474,7 @@ def packed_logprobs(model, packed, temperature: float = 1.0, entropy: bool = Fal
 
     Both run inside the model's own forward call (its forward is swapped for the duration), so
     wrappers that hook the root module see a normal forward: under FSDP2 (``fully_shard``) the root's
-    sharded parameters (LM head, embeddings) are gathered, and autocast applies.
+    sharded parameters (LM head, embeddings) are gathered.
 
     ``packed`` may be a :class:`dualkv.distributed.SequenceShard`: the model then runs this rank's
     tokens with Ulysses attention and :func:`dualkv.distributed.response_logprobs` returns the whole
