@@ -227,6 +227,12 @@ def case_model_sp(rank, world, checkpointing=False):
         got = got[:3] + (sum_over(dist.group.WORLD, got[3]),)
         assert_update_close(got, want, 1e-10, f"{name}: SP={world} vs SP=1")
         assert_update_close(got, std, 1e-10, f"{name}: SP={world} vs unpacked")
+        # grad_scale = s for a harness that averages over the SP ranks (veRL's convention)
+        model.zero_grad(set_to_none=True)
+        logp, ent = dkt.packed_logprobs(model, sh, entropy=True, grad_scale=float(world))
+        grpo_loss(logp, ent, old, adv, mask).backward()
+        for n, g in sum_over(dist.group.WORLD, grads(model)).items():
+            assert rel(g / world, want[3][n]) <= 1e-10, f"{name}: grad_scale={world}, gradient of {n}"
 
 
 def case_model_sp_checkpointing(rank, world):
