@@ -14,7 +14,8 @@ chunk-sized buffers regardless of T.
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Tuple, Union
+import bisect
+from typing import Dict, NamedTuple, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -32,84 +33,133 @@ _AUTO_CHUNK_ELEMS = 1 << 27
 # --------------------------------------------------------------------------------------------
 
 
+class _IndexPart(NamedTuple):
+    """The selected rows of one packed token range ``[lo, hi)`` and their outputs."""
+
+    sel_idx: Tensor  #: ``[s]`` selected rows, as positions relative to ``lo``
+    labels: Tensor  #: ``[m]`` the label of every output
+    out_row: Tensor  #: ``[m]`` the selected row (local) of every output
+    chunks: Tuple[Tuple[int, int, int, int], ...]  #: (row start, row end, output start, output end), local
+    out_range: Tuple[int, int]  #: the outputs of this part in the whole batch's output order
+
+
 class _LogprobIndex:
     """Which hidden rows to read and where every log-prob goes.
 
-    Selected rows ("sel", S = G + sum(R_b - 1) of them): first the G last-prompt positions (one per
-    group, in group order), then the response positions that predict a next response token, row by
-    row in packed order. Outputs (M = sum R_b) are sorted by their selected row: first every row's
-    token 0 (grouped by group), then tokens 1.. in packed order. So the outputs of a contiguous
-    range of selected rows are a contiguous range too, which makes chunking trivial.
+    Selected rows ("sel", S = G + sum(R_b - 1) of them) are the packed positions that predict a
+    response token, in token order: group by group, the group's last prompt position, then every
+    response position except each response's last token. Outputs (M = sum R_b) are sorted by their
+    selected row: the last prompt position's N outputs (token 0 of each row of the group), then one
+    output per response position. So the selected rows of any packed token range are one
+    contiguous range, and so are their outputs: chunking is bookkeeping on host ints, and a
+    sequence-parallel rank's rows (a token range) map to one contiguous range of outputs.
     """
 
     def __init__(self, packed: PackedBatch):
         dev = packed.device
         G, B = packed.num_groups, packed.num_rows
         R_max = packed.max_response_len
+        lens = packed.row_response_lens
         n_g = [len(rows) for rows in packed.group_rows]
         rows_packed_l = [r for rows in packed.group_rows for r in rows]
-        lens = packed.row_response_lens
         counts_l = [lens[r] - 1 for r in rows_packed_l]
         M1 = sum(counts_l)
-        # group g's last prompt position: start of the group + P_g - 1 (host arithmetic)
+        # host, per group: first token, last prompt position, first selected row, first output
+        self._group_start, self._group_sel, self._group_out, self._cum_n = [], [], [], [0]
         group_last_l = []
-        start = 0
+        start = sel = out = 0
         for g, rows in enumerate(packed.group_rows):
-            P = packed.group_prompt_lens[g]
+            P, c = packed.group_prompt_lens[g], sum(lens[r] - 1 for r in rows)
+            self._group_start.append(start)
+            self._group_sel.append(sel)
+            self._group_out.append(out)
             group_last_l.append(start + P - 1)
+            self._cum_n.append(self._cum_n[-1] + n_g[g])
             start += P + sum(lens[r] for r in rows)
-        small = _to_device(torch.tensor(rows_packed_l + counts_l + [g for g, n in enumerate(n_g) for _ in range(n)]
-                                        + group_last_l, dtype=torch.int64), dev)  # one host->device copy
-        rows_packed, counts, g_packed, group_last = small.split([B, B, B, G])
+            sel += 1 + c
+            out += n_g[g] + c
+        self._groups_t = packed.group_prompt_lens, packed.group_rows, lens
+        g_of_row_l = [g for g, n in enumerate(n_g) for _ in range(n)]
+        small = _to_device(torch.tensor(rows_packed_l + counts_l + g_of_row_l + group_last_l + self._group_sel
+                                        + [self._group_out[g] + k for g, n in enumerate(n_g) for k in range(n)]
+                                        + self._cum_n[1:], dtype=torch.int64), dev)  # one host->device copy
+        rows_packed, counts, g_packed, group_last, group_sel, out0, cum_n = small.split([B, B, B, G, G, B, G])
         ids = packed.input_ids.reshape(-1)
         off = packed.response_offsets
+        S, M = G + M1, B + M1
 
-        # token 0 of every row (outputs 0..B-1)
-        off0 = off[rows_packed]
-        lab0 = ids[off0].to(torch.int64)
+        # token 0 of every row: predicted by its group's last prompt position
+        lab0 = ids[off[rows_packed]].to(torch.int64)
         flat0 = rows_packed * R_max
-        # tokens 1.. (outputs B..M-1, selected rows G..S-1)
+        # tokens 1..: j-th response position (packed order) predicts token local + 1 of its row;
+        # before it come j response positions and g + 1 last prompt positions (g its group)
         j = _segment_ids(counts, M1)
         local = torch.arange(M1, device=dev) - (torch.cumsum(counts, 0) - counts)[j]
         b = rows_packed[j]
         pos = off[b] + local
         lab1 = ids[pos + 1].to(torch.int64)
         flat1 = b * R_max + local + 1
+        g1 = g_packed[j]
+        sel1 = torch.arange(M1, device=dev) + g1 + 1
+        out1 = torch.arange(M1, device=dev) + cum_n[g1]
 
-        self.sel_idx = torch.cat([group_last, pos])  # [S] packed positions
-        self.labels = torch.cat([lab0, lab1])  # [M]
-        self.out_row = torch.cat([g_packed, G + torch.arange(M1, device=dev)])  # [M] selected row
-        flat = torch.cat([flat0, flat1])
-        M = B + M1
+        self.sel_idx = torch.empty(S, dtype=torch.int64, device=dev)  # [S] packed positions
+        self.sel_idx[group_sel] = group_last
+        self.sel_idx[sel1] = pos
+        self.labels = torch.empty(M, dtype=torch.int64, device=dev)  # [M]
+        self.labels[out0] = lab0
+        self.labels[out1] = lab1
+        self.out_row = torch.empty(M, dtype=torch.int64, device=dev)  # [M] selected row
+        self.out_row[out0] = group_sel[g_packed]
+        self.out_row[out1] = sel1
         inv = torch.full((B * R_max,), M, dtype=torch.int64, device=dev)
-        inv.scatter_(0, flat, torch.arange(M, device=dev))
+        inv[flat0] = out0
+        inv[flat1] = out1
         self.inv = inv  # output slot -> value index (M = the appended zero)
-        self.num_sel = G + M1
+        self.num_sel = S
         self.num_out = M
-        self.num_groups = G
-        self.num_rows = B
+        self.num_tokens = packed.num_tokens
         self.shape = (B, R_max)
-        cum = [0]
-        for n in n_g:
-            cum.append(cum[-1] + n)
-        self._cum_n = cum
 
     def out_start(self, s: int) -> int:
-        """First output index belonging to selected row s (s may be S)."""
-        G = self.num_groups
-        return self._cum_n[s] if s <= G else self.num_rows + (s - G)
+        """First output of selected row s (s may be S): one output per row, plus n_g - 1 more for
+        every last prompt position before s."""
+        g = bisect.bisect_left(self._group_sel, s)
+        return s + self._cum_n[g] - g
 
-    def chunks(self, chunk_size: int) -> Tuple[Tuple[int, int, int, int], ...]:
-        out = []
-        for s0 in range(0, self.num_sel, chunk_size):
-            s1 = min(s0 + chunk_size, self.num_sel)
-            out.append((s0, s1, self.out_start(s0), self.out_start(s1)))
-        return tuple(out)
+    def sel_before(self, t: int) -> int:
+        """Number of selected rows at packed positions < t (0 <= t <= T)."""
+        g = bisect.bisect_right(self._group_start, t) - 1
+        if g < 0:
+            return 0
+        prompt_lens, group_rows, lens = self._groups_t
+        n = self._group_sel[g]
+        p_end = self._group_start[g] + prompt_lens[g]
+        if t < p_end:
+            return n
+        n, o = n + 1, p_end
+        for r in group_rows[g]:
+            n += min(max(t - o, 0), lens[r] - 1)
+            o += lens[r]
+        return n
+
+    def part(self, lo: int, hi: int, chunk_size: int) -> _IndexPart:
+        """The selected rows at packed positions ``[lo, hi)``, chunked ``chunk_size`` rows at a time."""
+        s_lo, s_hi = self.sel_before(lo), self.sel_before(hi)
+        o_lo, o_hi = self.out_start(s_lo), self.out_start(s_hi)
+        chunks = []
+        for s0 in range(s_lo, s_hi, chunk_size):
+            s1 = min(s0 + chunk_size, s_hi)
+            chunks.append((s0 - s_lo, s1 - s_lo, self.out_start(s0) - o_lo, self.out_start(s1) - o_lo))
+        sel = self.sel_idx[s_lo:s_hi]
+        out_row = self.out_row[o_lo:o_hi]
+        return _IndexPart(sel - lo if lo else sel, self.labels[o_lo:o_hi], out_row - s_lo if s_lo else out_row,
+                          tuple(chunks), (o_lo, o_hi))
 
     def scatter(self, vals: Tensor) -> Tensor:
         """Values per output [M] -> [B, R_max] (zeros where masked). Differentiable."""
         padded = torch.cat([vals, vals.new_zeros(1)])
-        return padded[self.inv].view(self.shape)
+        return padded[self.inv.view(self.shape)]  # a new tensor, not a view (FSDP2 warns about views)
 
 
 def _index(packed: PackedBatch) -> _LogprobIndex:
@@ -226,6 +276,14 @@ class _FusedResponseLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, sel_idx: Tensor, labels: Tensor, out_row: Tensor,
                 chunks: Tuple[Tuple[int, int, int, int], ...], temperature: float, want_entropy: bool):
+        # autocast off (here and in backward, which autograd may run under the caller's autocast):
+        # the GEMMs and the fp32 softmax are chosen by _Head from the dtypes they are given
+        with torch.autocast(hidden.device.type, enabled=False):
+            return _FusedResponseLogprobs._forward(ctx, hidden, weight, sel_idx, labels, out_row, chunks,
+                                                   temperature, want_entropy)
+
+    @staticmethod
+    def _forward(ctx, hidden, weight, sel_idx, labels, out_row, chunks, temperature, want_entropy):
         head = _Head(hidden, weight)
         S = sel_idx.numel()
         M = labels.numel()
@@ -258,12 +316,18 @@ class _FusedResponseLogprobs(torch.autograd.Function):
             del z
         ctx.save_for_backward(hidden, weight, sel_idx, labels, out_row, lse, ent)
         ctx.chunks = chunks
+        ctx.device_type = hidden.device.type
         ctx.temperature = temperature
         ctx.want_entropy = want_entropy
         return logp, ent
 
     @staticmethod
     def backward(ctx, g_logp: Optional[Tensor], g_ent: Optional[Tensor]):
+        with torch.autocast(ctx.device_type, enabled=False):
+            return _FusedResponseLogprobs._backward(ctx, g_logp, g_ent)
+
+    @staticmethod
+    def _backward(ctx, g_logp: Optional[Tensor], g_ent: Optional[Tensor]):
         hidden, weight, sel_idx, labels, out_row, lse, ent = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if not (need_h or need_w):
@@ -330,6 +394,48 @@ def _per_token(x: Tensor, T: int, what: str, fn: str) -> Tensor:
     return x
 
 
+def _check_head(hidden: Tensor, lm_head_weight: Tensor, num_tokens: int, device: torch.device, fn: str) -> Tensor:
+    """Validate (hidden [T, D] or [1, T, D], weight [V, D]); returns hidden as [T, D]."""
+    if not isinstance(hidden, Tensor) or not isinstance(lm_head_weight, Tensor):
+        raise TypeError(f"{fn}: hidden and lm_head_weight must be tensors")
+    hidden = _per_token(hidden, num_tokens, "hidden", fn)
+    if lm_head_weight.dim() != 2 or lm_head_weight.shape[1] != hidden.shape[1]:
+        raise ValueError(f"{fn}: lm_head_weight must be [V, D={hidden.shape[1]}], got shape "
+                         f"{tuple(lm_head_weight.shape)}")
+    if not (hidden.dtype.is_floating_point and lm_head_weight.dtype.is_floating_point):
+        raise TypeError(f"{fn}: hidden ({hidden.dtype}) and lm_head_weight ({lm_head_weight.dtype}) must be "
+                        "floating point")
+    if hidden.device != device or lm_head_weight.device != device:
+        raise ValueError(f"{fn}: hidden ({hidden.device}), lm_head_weight ({lm_head_weight.device}) and the "
+                         f"packed batch ({device}) must be on one device")
+    return hidden
+
+
+def _chunk_rows(vocab: int, chunk_size: Optional[int], fn: str) -> int:
+    if chunk_size is None:
+        return max(16, min(8192, _AUTO_CHUNK_ELEMS // max(vocab, 1)))
+    if int(chunk_size) < 1:
+        raise ValueError(f"{fn}: chunk_size must be >= 1, got {chunk_size}")
+    return int(chunk_size)
+
+
+def _fused_values(hidden: Tensor, weight: Tensor, part: _IndexPart, temperature: float,
+                  entropy: bool) -> Tuple[Tensor, Optional[Tensor]]:
+    """Log-prob (and entropy) of every output of ``part`` from its rows of ``hidden``.
+
+    Under autocast the GEMMs take the autocast dtype, as the model's LM head would (with fp32
+    accumulation and an fp32 softmax, as without autocast); the cast is differentiable, so the
+    weight gradient reaches the fp32 master weight.
+    """
+    dev = hidden.device.type
+    if torch.is_autocast_enabled(dev):
+        low = torch.get_autocast_dtype(dev)
+        hidden, weight = hidden.to(low), weight.to(low)
+    logp, ent = _FusedResponseLogprobs.apply(hidden, weight, part.sel_idx, part.labels, part.out_row, part.chunks,
+                                             temperature, entropy)
+    return logp, (ent[part.out_row] if entropy else None)
+
+
 def response_logprobs(hidden: Tensor, lm_head_weight: Tensor, packed: PackedBatch,
                       temperature: float = 1.0, entropy: bool = False,
                       chunk_size: Optional[int] = None) -> Union[Tensor, Tuple[Tensor, Tensor]]:
@@ -339,6 +445,7 @@ def response_logprobs(hidden: Tensor, lm_head_weight: Tensor, packed: PackedBatc
     norm); ``lm_head_weight``: ``[V, D]``. Logits are ``hidden @ W.T / temperature`` computed in fp32
     (bf16/fp16 inputs are multiplied with fp32 accumulation and an fp32 result; fp64 inputs stay
     fp64), ``chunk_size`` selected rows at a time (default: about 512 MiB of fp32 logits per chunk).
+    Under autocast, hidden and weight enter the GEMMs in the autocast dtype.
 
     Returns fp32 log-probs ``[B, R_max]`` (fp64 for fp64 inputs) with 0 at masked positions, and,
     if ``entropy``, the entropy of each predicting distribution ``[B, R_max]`` as well. Gradients
@@ -346,31 +453,13 @@ def response_logprobs(hidden: Tensor, lm_head_weight: Tensor, packed: PackedBatc
     """
     fn = "response_logprobs"
     temperature = _check_common(packed, temperature, fn)
-    if not isinstance(hidden, Tensor) or not isinstance(lm_head_weight, Tensor):
-        raise TypeError(f"{fn}: hidden and lm_head_weight must be tensors")
-    hidden = _per_token(hidden, packed.num_tokens, "hidden", fn)
-    if lm_head_weight.dim() != 2 or lm_head_weight.shape[1] != hidden.shape[1]:
-        raise ValueError(f"{fn}: lm_head_weight must be [V, D={hidden.shape[1]}], got shape "
-                         f"{tuple(lm_head_weight.shape)}")
-    if not (hidden.dtype.is_floating_point and lm_head_weight.dtype.is_floating_point):
-        raise TypeError(f"{fn}: hidden ({hidden.dtype}) and lm_head_weight ({lm_head_weight.dtype}) must be "
-                        "floating point")
-    if hidden.device != packed.device or lm_head_weight.device != packed.device:
-        raise ValueError(f"{fn}: hidden ({hidden.device}), lm_head_weight ({lm_head_weight.device}) and the "
-                         f"packed batch ({packed.device}) must be on one device")
-    V = lm_head_weight.shape[0]
-    if chunk_size is None:
-        chunk_size = max(16, min(8192, _AUTO_CHUNK_ELEMS // max(V, 1)))
-    if int(chunk_size) < 1:
-        raise ValueError(f"{fn}: chunk_size must be >= 1, got {chunk_size}")
+    hidden = _check_head(hidden, lm_head_weight, packed.num_tokens, packed.device, fn)
     idx = _index(packed)
-    chunks = idx.chunks(int(chunk_size))
-    logp, ent = _FusedResponseLogprobs.apply(hidden, lm_head_weight, idx.sel_idx, idx.labels, idx.out_row,
-                                             chunks, temperature, bool(entropy))
-    out = idx.scatter(logp)
+    part = idx.part(0, packed.num_tokens, _chunk_rows(lm_head_weight.shape[0], chunk_size, fn))
+    logp, ent = _fused_values(hidden, lm_head_weight, part, temperature, bool(entropy))
     if entropy:
-        return out, idx.scatter(ent[idx.out_row])
-    return out
+        return idx.scatter(logp), idx.scatter(ent)
+    return idx.scatter(logp)
 
 
 def response_logprobs_from_logits(logits: Tensor, packed: PackedBatch, temperature: float = 1.0,

@@ -2,13 +2,23 @@
 
 A group (prompt P, responses R_1..R_N) costs P + sum R_i packed tokens. Groups are never split
 unless one alone exceeds the budget; then it is split into response subsets, each carrying its own
-copy of the prompt (the fewest subsets first-fit-decreasing finds). Every rank gets the same number
-of micro-batches (so collectives line up); ranks are balanced by total cost (packed tokens unless a
-cost function is given), longest-processing-time first. Pure host code, deterministic.
+copy of the prompt (the fewest subsets first-fit-decreasing finds). The plan is made in three
+steps, each O(n log n) in the number of groups:
+
+1. items: whole groups, or the response subsets of a group over the budget (the step where another
+   way of cutting a large group, e.g. running its prompt once, plugs in);
+2. ranks: every group, with all its items, goes to one rank, longest-processing-time first on the
+   balancing cost (packed tokens unless a cost function is given);
+3. micro-batches: each rank packs its items first-fit decreasing under the budget (so one rank gets
+   exactly as many micro-batches as first-fit decreasing), and every rank is padded with empty
+   micro-batches to the largest count, so that collectives line up.
+
+Pure host code, deterministic.
 """
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
@@ -30,6 +40,11 @@ class MicroBatch:
     @property
     def num_responses(self) -> int:
         return sum(len(r) for _, r in self.entries)
+
+    @property
+    def response_tokens(self) -> int:
+        """Response tokens (the tokens a token-mean loss averages over)."""
+        return sum(sum(r) for r in self.response_lens)
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -64,6 +79,11 @@ class MicroBatchPlan:
     @property
     def total_tokens(self) -> int:
         return sum(self.rank_tokens)
+
+    @property
+    def response_tokens(self) -> int:
+        """Response tokens over all ranks: the denominator of a global token-mean loss."""
+        return sum(mb.response_tokens for mbs in self.ranks for mb in mbs)
 
     def summary(self) -> str:
         lines = [f"{self.num_ranks} rank(s) x {self.micro_batches_per_rank} micro-batch(es), budget "
@@ -112,64 +132,65 @@ def _normalise(groups: Sequence[Any]) -> List[Tuple[int, List[int]]]:
     return out
 
 
+class _FirstFit:
+    """First-fit bin packing in O(log n) per item: a max tree over the free room of the bins.
+
+    Leaves are bins, in opening order; a bin not opened yet has the whole capacity free, so the
+    leftmost leaf with enough room is exactly the bin first-fit picks (an open one, or the next new
+    one). ``capacity`` bounds every item; ``max_items`` bounds the number of bins.
+    """
+
+    def __init__(self, capacity: int, max_items: int):
+        self.size = 1 << max(0, (max_items - 1).bit_length())
+        self.room = [capacity] * (2 * self.size)
+        self.num_bins = 0
+
+    def add(self, need: int) -> int:
+        """Put an item of ``need`` (<= capacity) into the first bin with room; returns the bin."""
+        room, i = self.room, 1
+        while i < self.size:
+            i = 2 * i if room[2 * i] >= need else 2 * i + 1
+        b = i - self.size
+        room[i] -= need
+        i //= 2
+        while i:
+            room[i] = max(room[2 * i], room[2 * i + 1])
+            i //= 2
+        self.num_bins = max(self.num_bins, b + 1)
+        return b
+
+
+def _first_fit_decreasing(sizes: Sequence[int], capacity: int) -> List[List[int]]:
+    """Indices of ``sizes`` per bin, first-fit decreasing (ties by index); every size <= capacity."""
+    bins: List[List[int]] = []
+    packer = _FirstFit(capacity, len(sizes))
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        b = packer.add(sizes[i])
+        if b == len(bins):
+            bins.append([])
+        bins[b].append(i)
+    return bins
+
+
 def _split_group(g: int, p: int, rs: List[int], max_tokens: int) -> List[Tuple[int, ...]]:
     """Response subsets of one group, each fitting with its prompt: first-fit decreasing."""
-    cap = max_tokens - p
-    order = sorted(range(len(rs)), key=lambda i: (-rs[i], i))
-    longest = order[0]
-    if rs[longest] > cap:
+    longest = max(range(len(rs)), key=lambda i: (rs[i], -i))
+    if p + rs[longest] > max_tokens:
         raise ValueError(f"plan_micro_batches: group {g} cannot fit: prompt ({p}) + response {longest} "
                          f"({rs[longest]}) = {p + rs[longest]} tokens > max_tokens={max_tokens}")
-    bins: List[List[int]] = []
-    loads: List[int] = []
-    for i in order:
-        for b in range(len(bins)):
-            if loads[b] + rs[i] <= cap:
-                bins[b].append(i)
-                loads[b] += rs[i]
-                break
-        else:
-            bins.append([i])
-            loads.append(rs[i])
-    return [tuple(sorted(b)) for b in bins]
+    return [tuple(sorted(b)) for b in _first_fit_decreasing(rs, max_tokens - p)]
 
 
-def _ffd_bins(sizes: List[int], cap: int) -> int:
-    """Number of bins first-fit decreasing uses (a lower bound for the search below)."""
-    loads: List[int] = []
-    for s in sorted(sizes, reverse=True):
-        for b in range(len(loads)):
-            if loads[b] + s <= cap:
-                loads[b] += s
-                break
-        else:
-            loads.append(s)
-    return len(loads)
-
-
-def _assign(items, tokens, costs, num_ranks: int, per_rank: int, max_tokens: int):
-    """LPT over ranks with a token capacity per micro-batch; None if some item fits nowhere."""
-    rank_cost = [0.0] * num_ranks
-    bin_tokens = [[0] * per_rank for _ in range(num_ranks)]
-    bin_cost = [[0.0] * per_rank for _ in range(num_ranks)]
-    bin_items: List[List[List[int]]] = [[[] for _ in range(per_rank)] for _ in range(num_ranks)]
-    order = sorted(range(len(items)), key=lambda k: (-costs[k], -tokens[k], k))
-    for k in order:
-        best = None
-        for r in sorted(range(num_ranks), key=lambda r: (rank_cost[r], r)):
-            fits = [j for j in range(per_rank) if bin_tokens[r][j] + tokens[k] <= max_tokens]
-            if fits:
-                j = min(fits, key=lambda j: (bin_cost[r][j], bin_tokens[r][j], j))
-                best = (r, j)
-                break
-        if best is None:
-            return None
-        r, j = best
-        rank_cost[r] += costs[k]
-        bin_tokens[r][j] += tokens[k]
-        bin_cost[r][j] += costs[k]
-        bin_items[r][j].append(k)
-    return bin_items
+def _balance_groups(costs: Sequence[float], num_ranks: int) -> List[List[int]]:
+    """Groups per rank: longest-processing-time first (largest cost to the least-loaded rank, ties
+    by index), O(n log n) with a heap."""
+    heap = [(0.0, r) for r in range(num_ranks)]
+    ranks: List[List[int]] = [[] for _ in range(num_ranks)]
+    for g in sorted(range(len(costs)), key=lambda g: (-costs[g], g)):
+        load, r = heapq.heappop(heap)
+        ranks[r].append(g)
+        heapq.heappush(heap, (load + costs[g], r))
+    return ranks
 
 
 def plan_micro_batches(groups: Sequence[Any], max_tokens: int, num_ranks: int = 1,
@@ -197,11 +218,13 @@ def plan_micro_batches(groups: Sequence[Any], max_tokens: int, num_ranks: int = 
     if not gs:
         raise ValueError("plan_micro_batches: no groups")
 
-    # 1. items: whole groups, or response subsets of groups over the budget
+    # 1. items: whole groups, or response subsets of groups over the budget (each with its prompt)
     items: List[Tuple[int, Tuple[int, ...]]] = []
+    group_items: List[List[int]] = []
     split: List[int] = []
     added = 0
     for g, (p, rs) in enumerate(gs):
+        first = len(items)
         if p + sum(rs) <= max_tokens:
             items.append((g, tuple(range(len(rs)))))
         else:
@@ -209,6 +232,7 @@ def plan_micro_batches(groups: Sequence[Any], max_tokens: int, num_ranks: int = 
             split.append(g)
             added += p * (len(pieces) - 1)
             items.extend((g, piece) for piece in pieces)
+        group_items.append(list(range(first, len(items))))
     tokens = [gs[g][0] + sum(gs[g][1][i] for i in idx) for g, idx in items]
     if cost_fn is None:
         costs = [float(t) for t in tokens]
@@ -220,29 +244,34 @@ def plan_micro_batches(groups: Sequence[Any], max_tokens: int, num_ranks: int = 
                 raise ValueError(f"plan_micro_batches: cost_fn returned {c} for group {g}; need a finite cost >= 0")
             costs.append(c)
 
-    # 2. fewest micro-batches per rank that LPT can fill, starting from the FFD count
-    per_rank = max(1, -(-_ffd_bins(tokens, max_tokens) // num_ranks))
-    while True:
-        bins = _assign(items, tokens, costs, num_ranks, per_rank, max_tokens)
-        if bins is not None:
-            break
-        per_rank += 1  # terminates: with one micro-batch per item everything fits
+    # 2. ranks: every group (all pieces of a split one) on one rank, balanced by cost
+    group_costs = [sum(costs[k] for k in ks) for ks in group_items]
+    rank_items = [[k for g in sorted(gs_r) for k in group_items[g]]
+                  for gs_r in _balance_groups(group_costs, num_ranks)]
 
-    # 3. materialise, deterministic order
+    # 3. micro-batches of each rank: first-fit decreasing under the budget; then every rank is
+    #    padded with empty micro-batches to the largest count
+    rank_bins = [[[ks[i] for i in b] for b in _first_fit_decreasing([tokens[k] for k in ks], max_tokens)]
+                 for ks in rank_items]
+    per_rank = max(1, max(len(bins) for bins in rank_bins))
     ranks = []
     num_empty = 0
-    for r in range(num_ranks):
+    for bins in rank_bins:
+        num_empty += per_rank - len(bins)
         mbs = []
-        for ks in bins[r]:
-            ks = sorted(ks, key=lambda k: (items[k][0], items[k][1]))
-            entries = tuple(items[k] for k in ks)
+        for ks in bins + [[] for _ in range(per_rank - len(bins))]:
+            # items are numbered in (group, piece) order, and two pieces of one group never share
+            # a micro-batch (the second would have fitted into the first), so this sorts entries
+            # by group
+            entries = tuple(items[k] for k in sorted(ks))
             mbs.append(MicroBatch(
                 entries=entries,
                 prompt_lens=tuple(gs[g][0] for g, _ in entries),
                 response_lens=tuple(tuple(gs[g][1][i] for i in idx) for g, idx in entries),
                 num_tokens=sum(tokens[k] for k in ks),
                 cost=sum(costs[k] for k in ks)))
-            num_empty += not ks
+        # largest first on every rank, so that the micro-batches run in lockstep (FSDP, SP
+        # collectives) have similar sizes
         mbs.sort(key=lambda mb: (-mb.num_tokens, mb.entries))
         ranks.append(tuple(mbs))
     rank_tokens = tuple(sum(mb.num_tokens for mb in mbs) for mbs in ranks)

@@ -1,5 +1,6 @@
 """plan_micro_batches: budget, exact coverage, splitting, rank balance, determinism, errors."""
 import random
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -80,6 +81,60 @@ def test_ranks_are_balanced_on_skewed_lengths(seed, num_ranks):
     # no more micro-batches than needed: the token lower bound rounded up to whole rounds
     lower = -(-plan.total_tokens // 32768)
     assert plan.micro_batches_per_rank <= -(-lower // num_ranks) + 1
+
+
+def naive_ffd_count(sizes, cap):
+    """First-fit decreasing, the textbook O(n * bins) way."""
+    loads = []
+    for s in sorted(sizes, reverse=True):
+        for b, load in enumerate(loads):
+            if load + s <= cap:
+                loads[b] += s
+                break
+        else:
+            loads.append(s)
+    return len(loads)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_one_rank_uses_exactly_the_first_fit_decreasing_count(seed):
+    groups = skewed_groups(200 + seed, G=300)
+    plan = plan_micro_batches(groups, 16384)
+    check_plan(plan, groups, 16384, 1)
+    items = [mb_entry for mb in plan.ranks[0] for mb_entry in zip(mb.prompt_lens, mb.response_lens)]
+    assert plan.micro_batches_per_rank == naive_ffd_count([p + sum(rl) for p, rl in items], 16384)
+    assert plan.num_empty == 0
+
+
+def test_split_groups_stay_on_one_rank():
+    groups = [(3000, [4000] * 5), (10, [5] * 3)] + [(100, [200, 300])] * 20
+    plan = plan_micro_batches(groups, 8000, num_ranks=4)
+    check_plan(plan, groups, 8000, 4)
+    assert plan.split_groups == (0,)
+    owners = {r for r, mbs in enumerate(plan.ranks) for mb in mbs for g, _ in mb.entries if g == 0}
+    assert len(owners) == 1
+
+
+def test_ten_thousand_groups_plan_in_under_a_second():
+    # issue 22: 4,096 groups x 4 responses at budget 8,192 took 276 s. CPU time of this process,
+    # so that other load on the machine does not make the test flaky.
+    rng = random.Random(5)
+    groups = [(rng.randint(64, 4096), [rng.randint(16, 2048) for _ in range(4)]) for _ in range(10000)]
+    t0 = time.process_time()
+    plan = plan_micro_batches(groups, 8192)
+    one_rank = time.process_time() - t0
+    t0 = time.process_time()
+    plan_micro_batches(groups, 16384, num_ranks=16)
+    sixteen_ranks = time.process_time() - t0
+    assert one_rank < 1.0 and sixteen_ranks < 1.0, (one_rank, sixteen_ranks)
+    assert plan.total_tokens == sum(p + sum(rs) for p, rs in groups) + plan.prompt_tokens_added
+
+
+def test_response_tokens():
+    groups = [(10, [5, 7]), (20, [1])]
+    plan = plan_micro_batches(groups, 1000, num_ranks=3)
+    assert plan.response_tokens == 13
+    assert sorted(mb.response_tokens for mbs in plan.ranks for mb in mbs) == [0, 1, 12]
 
 
 def test_oversized_group_is_split_into_fitting_subsets():

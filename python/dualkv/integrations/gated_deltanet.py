@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from .._native import ArgumentError, UnsupportedError
+from ..layout import Layout
 from ..state_fork import state_fork
 
 __all__ = ["LINEAR_ATTENTION", "is_hybrid", "install", "unforked_hybrid", "forked_forward"]
@@ -80,6 +81,10 @@ def forked_forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any)
     if layout is None:
         return type(self).forward(self, hidden_states, *args, **kwargs)
     name = type(self).__name__
+    if not isinstance(layout, Layout):  # a dualkv.distributed.SequenceShard: this rank holds a token slice
+        raise UnsupportedError(f"{name} (dualkv state fork): Ulysses sequence parallelism is not supported on "
+                               "Gated DeltaNet layers (the recurrent state would have to cross token shards); "
+                               f"pass a dualkv.Layout, got {type(layout).__name__}")
     if args:
         raise ArgumentError(f"{name} (dualkv state fork): pass cache and attention_mask by keyword")
     if kwargs.get("cache") is not None or kwargs.get("cache_params") is not None:

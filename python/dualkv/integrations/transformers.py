@@ -35,6 +35,11 @@ Hybrid models (Qwen3.5, Qwen3.5-MoE, Qwen3-Next: Gated DeltaNet layers between t
 layers): :func:`enable` also forks the recurrent state of every GDN layer at the segment boundaries
 (:mod:`dualkv.integrations.gated_deltanet`); a packed batch reaching a hybrid model whose GDN layers
 were not forked raises :class:`WrongAttentionError`.
+
+Distributed (docs/distributed.md): ``dualkv_layout=`` may be a
+:class:`dualkv.distributed.SequenceShard` (Ulysses sequence parallelism: the model gets this rank's
+tokens, attention does an all-to-all around :func:`dualkv.attention`), and :func:`packed_logprobs`
+runs inside the model's own forward call, so FSDP2 gathers the sharded LM head.
 """
 from __future__ import annotations
 
@@ -44,7 +49,9 @@ from typing import Any, Dict, Optional
 
 import torch
 
+from .. import distributed as _dist
 from .._native import ArgumentError, DualKVError, UnsupportedError
+from ..distributed import SequenceShard
 from ..layout import Layout
 from ..ops import attention as _dualkv_attention
 from . import gated_deltanet as _gdn
@@ -107,8 +114,9 @@ def _packed_qkv(module, query, key, value, attention_mask, scaling, dropout, sli
             "and the layout's position_ids (see dualkv.integrations.transformers.model_inputs). Without it the "
             "shared-prompt structure is unknown; to run ordinary batches, switch the model back with "
             "model.set_attn_implementation('sdpa').")
-    if not isinstance(layout, Layout):
-        raise TypeError(f"dualkv attention: {LAYOUT_KWARG} must be a dualkv.Layout, got {type(layout).__name__}")
+    if not isinstance(layout, (Layout, SequenceShard)):
+        raise TypeError(f"dualkv attention: {LAYOUT_KWARG} must be a dualkv.Layout or a "
+                        f"dualkv.distributed.SequenceShard, got {type(layout).__name__}")
     if _gdn.unforked_hybrid(module):
         raise _unforked_hybrid_error()
     if sliding_window is not None:
@@ -135,9 +143,9 @@ def _packed_qkv(module, query, key, value, attention_mask, scaling, dropout, sli
         raise UnsupportedError(
             f"dualkv attention: {key.shape[2]} keys for {query.shape[2]} queries; KV caches (generation) are "
             "not supported, call the model with use_cache=False")
-    if query.shape[2] != layout.num_tokens:
+    if query.shape[2] != _num_input_tokens(layout):
         raise ArgumentError(f"dualkv attention: the model got {query.shape[2]} tokens but the layout has "
-                            f"{layout.num_tokens}")
+                            f"{_num_input_tokens(layout)}")
     # squeeze(0), not [0]: both are views, but select's backward allocates a zero [1, heads, T, D]
     # tensor and copies the gradient into it (a fill and a strided copy per tensor and layer, measured
     # as ~0.5% of the 1.7B update); squeeze's backward is a view.
@@ -170,9 +178,17 @@ def dualkv_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     (transformers' layout) -> ``([1, T, H, D], None)``; attention over ``kwargs["dualkv_layout"]``."""
     q, k, v, layout, scaling = _packed_qkv(module, query, key, value, attention_mask, scaling, dropout,
                                            sliding_window, softcap, kwargs)
-    out = _dualkv_attention(q, k, v, layout, softmax_scale=scaling,
-                            deterministic=bool(kwargs.get(DETERMINISTIC_KWARG, False)))
+    deterministic = bool(kwargs.get(DETERMINISTIC_KWARG, False))
+    if isinstance(layout, SequenceShard):  # Ulysses: all-to-all around the same attention
+        out = _dist.attention(q, k, v, layout, softmax_scale=scaling, deterministic=deterministic)
+    else:
+        out = _dualkv_attention(q, k, v, layout, softmax_scale=scaling, deterministic=deterministic)
     return out.unsqueeze(0), None
+
+
+def _num_input_tokens(layout) -> int:
+    """Tokens a model input must have: the layout's, or this rank's share of a sequence shard."""
+    return layout.num_local_tokens if isinstance(layout, SequenceShard) else layout.num_tokens
 
 
 _DENSE_MASKS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -206,6 +222,8 @@ def dense_reference_attention_forward(module: torch.nn.Module, query: torch.Tens
     kernels (and measuring PyTorch's own low-precision noise) on the packed tokens, not for training."""
     q, k, v, layout, scaling = _packed_qkv(module, query, key, value, attention_mask, scaling, dropout,
                                            sliding_window, softcap, kwargs)
+    if isinstance(layout, SequenceShard):
+        raise UnsupportedError("dualkv_reference attention does not run sequence-parallel; use \"dualkv\"")
     rep = q.shape[1] // k.shape[1]
     if rep > 1:  # expand GQA so that SDPA's memory-efficient masked kernel applies
         k = k.repeat_interleave(rep, dim=1)
@@ -310,7 +328,8 @@ def check_model(model, kwargs: Optional[Dict[str, Any]] = None, *, check_positio
       -> :class:`WrongAttentionError`;
     * the model uses dualkv attention but no layout is given -> :class:`MissingLayoutError`;
     * the model uses dualkv attention, a layout is given but the token count disagrees
-      -> :class:`dualkv.ArgumentError`;
+      -> :class:`dualkv.ArgumentError` (for a :class:`dualkv.distributed.SequenceShard`: the rank's
+      share, checked collectively, so that every rank of the group raises);
     * ``check_positions`` and a stock-attention model gets position ids that drop back to a non-zero
       value (a dualkv packing) -> :class:`WrongAttentionError` (costs one device sync).
 
@@ -335,18 +354,21 @@ def check_model(model, kwargs: Optional[Dict[str, Any]] = None, *, check_positio
                 f"the model uses dualkv attention but was called without {LAYOUT_KWARG}=; pass the packed batch's "
                 "layout (dualkv.integrations.transformers.model_inputs(packed)), or switch back with "
                 "dualkv.integrations.transformers.disable(model) for ordinary batches")
-        if not isinstance(layout, Layout):
-            raise TypeError(f"{LAYOUT_KWARG} must be a dualkv.Layout, got {type(layout).__name__}")
+        if not isinstance(layout, (Layout, SequenceShard)):
+            raise TypeError(f"{LAYOUT_KWARG} must be a dualkv.Layout or a dualkv.distributed.SequenceShard, got "
+                            f"{type(layout).__name__}")
         if _gdn.unforked_hybrid(model):
             raise _unforked_hybrid_error()
         ids = kwargs.get("input_ids")
         if ids is None:
             ids = kwargs.get("inputs_embeds")
-        if ids is not None:
-            if ids.shape[0] != 1:
-                raise ArgumentError(f"a packed dualkv batch has batch size 1, got input of shape {tuple(ids.shape)}")
-            if ids.shape[1] != layout.num_tokens:
-                raise ArgumentError(f"the input has {ids.shape[1]} tokens but the layout has {layout.num_tokens}")
+        if ids is not None and ids.shape[0] != 1:
+            raise ArgumentError(f"a packed dualkv batch has batch size 1, got input of shape {tuple(ids.shape)}")
+        if isinstance(layout, SequenceShard):
+            # collective: a rank fed the wrong tokens fails on every rank, not in the first all-to-all
+            layout.check_tokens(ids.shape[1] if ids is not None else layout.num_local_tokens)
+        elif ids is not None and ids.shape[1] != layout.num_tokens:
+            raise ArgumentError(f"the input has {ids.shape[1]} tokens but the layout has {layout.num_tokens}")
         return
     if check_positions:
         pos = kwargs.get("position_ids")
@@ -376,7 +398,7 @@ def _make_pre_hook(check_positions: bool):
         if layout is not None and is_enabled(module):
             changed = False
             if kwargs.get("position_ids") is None and len(args) < 3:  # the layout knows the RoPE positions
-                kwargs["position_ids"] = layout.position_ids.unsqueeze(0)
+                kwargs["position_ids"] = layout.position_ids.view(1, -1)  # a shard's: its slice of the global ones
                 changed = True
             if kwargs.get("use_cache") is None and "use_cache" in _forward_params(module):
                 kwargs["use_cache"] = False  # no KV cache for a packed training batch
@@ -433,9 +455,12 @@ def model_inputs(packed, layout: Optional[Layout] = None) -> Dict[str, Any]:
     """Forward keywords for a packed batch: ``input_ids [1, T]``, ``position_ids [1, T]``,
     ``dualkv_layout`` and ``use_cache=False``.
 
-    ``packed`` is a :class:`dualkv.PackedBatch`, or a ``[1, T]`` / ``[T]`` token tensor together with
+    ``packed`` is a :class:`dualkv.PackedBatch`, a :class:`dualkv.distributed.SequenceShard` (this
+    rank's tokens and the shard as the layout), or a ``[1, T]`` / ``[T]`` token tensor together with
     ``layout``.
     """
+    if isinstance(packed, SequenceShard):
+        return packed.model_inputs()
     if layout is None:
         ids, pos, layout = packed.input_ids, packed.position_ids, packed.layout
     else:
@@ -447,12 +472,36 @@ def model_inputs(packed, layout: Optional[Layout] = None) -> Dict[str, Any]:
     return {"input_ids": ids, "position_ids": pos, LAYOUT_KWARG: layout, "use_cache": False}
 
 
+def _call_as_forward(model, fn, **kwargs):
+    """``model(**kwargs)`` with ``fn`` standing in for ``model.forward``: the root module's hooks run
+    around it (FSDP2's all-gather of the root's parameters, such as the LM head and the embeddings,
+    its backward hooks on the outputs, and the guard), as for TRL's forward redirection."""
+    own = model.__dict__.get("forward")
+    model.forward = fn
+    try:
+        return model(**kwargs)
+    finally:
+        if own is None:
+            del model.forward
+        else:
+            model.forward = own
+
+
 def packed_logprobs(model, packed, temperature: float = 1.0, entropy: bool = False,
-                    chunk_size: Optional[int] = None, **forward_kwargs):
+                    chunk_size: Optional[int] = None, grad_scale: float = 1.0, **forward_kwargs):
     """Response log-probs ``[B, R_max]`` (fp32; and entropy if asked) of a packed batch in one call:
     the base model on the packed tokens with dualkv attention, then
     :func:`dualkv.logprobs.response_logprobs` on its last hidden states and the LM-head weight (the
-    logits are never materialised for all T tokens). ``forward_kwargs`` go to the base model."""
+    logits are never materialised for all T tokens). ``forward_kwargs`` go to the base model.
+
+    Both run inside the model's own forward call (its forward is swapped for the duration), so
+    wrappers that hook the root module see a normal forward: under FSDP2 (``fully_shard``) the root's
+    sharded parameters (LM head, embeddings) are gathered.
+
+    ``packed`` may be a :class:`dualkv.distributed.SequenceShard`: the model then runs this rank's
+    tokens with Ulysses attention and :func:`dualkv.distributed.response_logprobs` returns the whole
+    micro-batch's log-probs on every rank of the group (``grad_scale`` as there).
+    """
     from ..logprobs import response_logprobs
     if not is_enabled(model):
         raise WrongAttentionError(f"packed_logprobs: the model's attention implementation is "
@@ -469,6 +518,14 @@ def packed_logprobs(model, packed, temperature: float = 1.0, entropy: bool = Fal
         raise UnsupportedError("packed_logprobs: final-logit softcapping / logit scaling is not applied by "
                                "response_logprobs; use response_logprobs_from_logits on model(...).logits")
     base = model.get_decoder() if hasattr(model, "get_decoder") else model.base_model
-    out = base(**model_inputs(packed), **forward_kwargs)
-    return response_logprobs(out.last_hidden_state, head.weight, packed, temperature=temperature,
-                             entropy=entropy, chunk_size=chunk_size)
+
+    def forward(**kwargs):
+        hidden = base(**kwargs).last_hidden_state
+        weight = model.get_output_embeddings().weight  # read here: the gathered one under FSDP2
+        if isinstance(packed, SequenceShard):
+            return _dist.response_logprobs(hidden, weight, packed, temperature=temperature, entropy=entropy,
+                                           chunk_size=chunk_size, grad_scale=grad_scale)
+        return response_logprobs(hidden, weight, packed, temperature=temperature, entropy=entropy,
+                                 chunk_size=chunk_size)
+
+    return _call_as_forward(model, forward, **model_inputs(packed), **forward_kwargs)

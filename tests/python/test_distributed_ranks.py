@@ -1,0 +1,476 @@
+"""dualkv.distributed over real process groups: gloo on the CPU, 2 and 4 ranks, fp64.
+
+Ulysses SP=2 and SP=4 against SP=1 and against the unpacked stock model (attention outputs bit-equal,
+log-probs, loss and every parameter gradient within 1e-10 relative); FSDP2 (DP, SP, DP x SP) against
+one process; torch.compile'd decoder layers; odd token counts (pad), shard boundaries inside a
+prompt and at segment edges, SP > KV heads, an empty micro-batch on one rank; bad inputs raise a
+typed error on every rank.
+
+Each world size is one launch (spawned processes; importing torch dominates the cost): every rank
+runs all the cases of its world in order and records each one's outcome, and the tests read them.
+A collective that hangs times out after PG_TIMEOUT_S (gloo), and the whole world is killed after
+WORLD_DEADLINE_S, so a deadlock fails the tests instead of hanging CI.
+"""
+from __future__ import annotations
+
+import copy
+import datetime
+import json
+import os
+import pathlib
+import time
+import traceback
+import types
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+transformers = pytest.importorskip("transformers")
+if torch.cuda.is_available():  # device time is scarce: the GPU machine runs the NCCL example instead
+    pytest.skip("the gloo multi-process suite runs in CI on the CPU (docs/distributed.md section 6 lists the GPU runs)",
+                allow_module_level=True)
+
+import dualkv  # noqa: E402
+from dualkv import distributed  # noqa: E402
+from dualkv.grpo import group_advantages, policy_loss  # noqa: E402
+from dualkv.integrations import transformers as dkt  # noqa: E402
+from dualkv.microbatch import plan_micro_batches  # noqa: E402
+from dualkv.packing import pack  # noqa: E402
+
+PG_TIMEOUT_S = 60
+WORLD_DEADLINE_S = 420
+VOCAB = 64
+#: (prompt lengths, response lengths): 47 tokens (odd: padded; SP=2 cuts at a segment edge, SP=4
+#: inside a response and at edges), and 32 tokens (SP=2 cuts right after the first prompt, so rank
+#: 0's last token predicts every first response token; SP=4 cuts inside both prompts)
+ROLLOUTS = {"odd": ([7, 4, 9], [[3, 1, 5], [4, 2], [1, 6, 2, 3]]), "cut_prompt": ([16, 3], [[2, 5], [4, 2]])}
+
+
+# ----------------------------------------------------------------------------------------------
+# helpers (run inside the ranks)
+# ----------------------------------------------------------------------------------------------
+
+def rel(a, b) -> float:
+    return float((a - b).norm() / b.norm().clamp_min(1e-300))
+
+
+def _rms_norm_in_input_dtype(self, x):
+    """RMSNorm in the input's dtype. transformers' computes in fp32, a downcast for fp64 inputs whose
+    rounding turns two exact fp64 paths that differ by summation order (1e-16) into 1e-9 apart."""
+    return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+
+def qwen3(heads=4, kv_heads=2, seed=0, attn="dualkv"):
+    cfg = transformers.Qwen3Config(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=heads,
+                                   num_key_value_heads=kv_heads, head_dim=8, vocab_size=VOCAB,
+                                   max_position_embeddings=128, attention_dropout=0.0, use_cache=False,
+                                   tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=attn).double().train()
+    with torch.no_grad():  # random norms, so that every parameter matters
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    for m in model.modules():
+        if type(m).__name__.endswith("RMSNorm"):
+            m.forward = types.MethodType(_rms_norm_in_input_dtype, m)
+    return dkt.guard(model) if attn == "dualkv" else model
+
+
+def rollouts(prompt_lens, response_lens, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, VOCAB, (p,), generator=g) for p in prompt_lens]
+    responses = [[torch.randint(0, VOCAB, (r,), generator=g) for r in rs] for rs in response_lens]
+    return prompts, responses
+
+
+def loss_inputs(packed, seed=2):
+    """Old log-probs (near the model's, so that clipping is active on some tokens) and advantages."""
+    g = torch.Generator().manual_seed(seed)
+    mask = packed.response_mask()
+    old = (-4.1 + 0.3 * torch.randn(mask.shape, generator=g, dtype=torch.float64)) * mask
+    adv = group_advantages(torch.randn(packed.num_rows, generator=g, dtype=torch.float64), packed.row_group)
+    return old, adv, mask
+
+
+def grpo_loss(logp, ent, old, adv, mask):
+    loss, _ = policy_loss(logp, old, adv, mask, clip_high=0.28)
+    return loss - 0.01 * (ent * mask).sum() / mask.sum()  # an entropy bonus: its gradient path is checked too
+
+
+def packed_update(model, batch, old, adv, mask, scale=1.0):
+    """log-probs, entropy, loss and the gradients of one packed (or sharded) micro-batch."""
+    model.zero_grad(set_to_none=True)
+    logp, ent = dkt.packed_logprobs(model, batch, entropy=True)
+    loss = grpo_loss(logp, ent, old, adv, mask)
+    (loss * scale).backward()
+    return logp.detach(), ent.detach(), loss.detach(), grads(model)
+
+
+def grads(model):
+    out = {}
+    for name, p in model.named_parameters():
+        g = p.grad
+        if hasattr(g, "full_tensor"):  # FSDP2: a sharded DTensor
+            g = g.full_tensor()
+        out[name] = g.detach().clone()
+    return out
+
+
+def unpacked_update(model, prompts, responses, packed, old, adv, mask):
+    """The same update on the unpacked N x (P + R) rows with the stock SDPA attention."""
+    std = copy.deepcopy(model)
+    std.set_attn_implementation("sdpa")  # eager computes its softmax in fp32
+    std.zero_grad(set_to_none=True)
+    rows = [(p, r) for p, rs in zip(prompts, responses) for r in rs]
+    L = max(p.numel() + r.numel() for p, r in rows)
+    ids = torch.zeros(len(rows), L, dtype=torch.long)
+    for b, (p, r) in enumerate(rows):
+        ids[b, :p.numel() + r.numel()] = torch.cat([p, r])
+    logits = std(input_ids=ids, use_cache=False).logits
+    logp = torch.zeros(mask.shape, dtype=torch.float64)
+    ent = torch.zeros(mask.shape, dtype=torch.float64)
+    for b, (p, r) in enumerate(rows):
+        P, R = p.numel(), r.numel()
+        lsm = torch.log_softmax(logits[b, P - 1:P + R - 1], dim=-1)
+        logp = logp.index_put((torch.full((R,), b), torch.arange(R)), lsm.gather(1, r.unsqueeze(1)).squeeze(1))
+        ent = ent.index_put((torch.full((R,), b), torch.arange(R)), -(lsm.exp() * lsm).sum(1))
+    loss = grpo_loss(logp, ent, old, adv, mask)
+    loss.backward()
+    return logp.detach(), ent.detach(), loss.detach(), grads(std)
+
+
+def sum_over(group, gs):
+    for g in gs.values():
+        dist.all_reduce(g, group=group)
+    return gs
+
+
+def assert_update_close(got, want, tol, what):
+    (lp, ent, loss, gs), (lp_w, ent_w, loss_w, gs_w) = got, want
+    assert rel(lp, lp_w) <= tol, f"{what}: log-probs {rel(lp, lp_w):.2e}"
+    assert rel(ent, ent_w) <= tol, f"{what}: entropy {rel(ent, ent_w):.2e}"
+    assert abs(float(loss - loss_w)) <= tol * max(1.0, abs(float(loss_w))), f"{what}: loss {loss} vs {loss_w}"
+    for name, g in gs_w.items():
+        assert rel(gs[name], g) <= tol, f"{what}: gradient of {name} {rel(gs[name], g):.2e}"
+
+
+def fsdp_model(model, mesh):
+    from torch.distributed.fsdp import fully_shard
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+# ----------------------------------------------------------------------------------------------
+# cases
+# ----------------------------------------------------------------------------------------------
+
+def case_attention_sp(rank, world):
+    """dualkv.distributed.attention (SP = world) vs dualkv.attention on all tokens: outputs bit-equal,
+    dq bit-equal, dk / dv <= 1e-12 (the KV replicas' gradients are summed in another order)."""
+    group = dist.group.WORLD
+    forests = {name: dualkv.Layout.from_groups(*lens) for name, lens in ROLLOUTS.items()}
+    forests["many"] = dualkv.Layout.from_groups([1 + i % 5 for i in range(40)], [[1 + (i * 7 + j) % 4 for j in range(1 + i % 3)]
+                                                                                for i in range(40)])
+    forests["depth3"] = dualkv.Layout.from_tree([5, 3, 2, 1, 4, 2, 6], [-1, 0, 1, 1, 0, -1, 5])
+    heads = [(4, 2), (4, 1), (8, 2), (2 * world, 2 * world)]
+    g = torch.Generator().manual_seed(0)
+    for name, lay in forests.items():
+        sh = distributed.shard(lay, group)
+        T, Tp = lay.num_tokens, sh.num_tokens
+        for H, Hk in heads:
+            q = torch.randn(T, H, 16, generator=g, dtype=torch.float64)
+            k, v = (torch.randn(T, Hk, 16, generator=g, dtype=torch.float64) for _ in range(2))
+            dout = torch.randn(T, H, 16, generator=g, dtype=torch.float64)
+            ref_in = [x.clone().requires_grad_() for x in (q, k, v)]
+            ref = dualkv.attention(*ref_in, lay)
+            (ref * dout).sum().backward()
+
+            def local(x):
+                return torch.cat([x, x.new_zeros(Tp - T, *x.shape[1:])])[sh.start:sh.stop]
+            mine = [local(x).requires_grad_() for x in (q, k, v)]
+            out = distributed.attention(*mine, sh)
+            (out * local(dout)).sum().backward()
+            what = f"{name}, H={H}, Hk={Hk}"
+            assert torch.equal(out, local(ref)), what
+            assert torch.equal(mine[0].grad, local(ref_in[0].grad)), what
+            for a, b in zip(mine[1:], ref_in[1:]):
+                assert (a.grad - local(b.grad)).abs().max() <= 1e-12 * b.grad.abs().max(), what
+            if Hk > 1 and world // Hk > 1:
+                # the check has teeth: KV heads tiled over the ranks (rank r reads KV head r % Hk,
+                # Tensor.repeat) instead of replicated would not pass it
+                tiled = torch.arange(world) % Hk
+                kt, vt = (x[:, tiled].repeat_interleave(H // world, dim=1) for x in (k, v))
+                wrong = dualkv.attention(q, kt, vt, lay)
+                assert not torch.allclose(local(wrong), out), what
+
+
+def case_model_sp(rank, world, checkpointing=False):
+    """A tiny Qwen3 (GQA 4/2) through the transformers backend: SP = world vs SP = 1 vs the unpacked
+    stock model, fp64: log-probs, entropy, GRPO loss and every parameter gradient (summed over the SP
+    ranks) within 1e-10 relative."""
+    for name, lens in ROLLOUTS.items():
+        model = qwen3()
+        prompts, responses = rollouts(*lens)
+        packed = pack(prompts, responses)
+        old, adv, mask = loss_inputs(packed)
+        want = packed_update(model, packed, old, adv, mask)
+        std = unpacked_update(model, prompts, responses, packed, old, adv, mask)
+        assert_update_close(want, std, 1e-10, f"{name}: SP=1 vs unpacked")
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        sh = distributed.shard(packed, dist.group.WORLD)
+        got = packed_update(model, sh, old, adv, mask)
+        got = got[:3] + (sum_over(dist.group.WORLD, got[3]),)
+        assert_update_close(got, want, 1e-10, f"{name}: SP={world} vs SP=1")
+        assert_update_close(got, std, 1e-10, f"{name}: SP={world} vs unpacked")
+        # grad_scale = s for a harness that averages over the SP ranks (veRL's convention)
+        model.zero_grad(set_to_none=True)
+        logp, ent = dkt.packed_logprobs(model, sh, entropy=True, grad_scale=float(world))
+        grpo_loss(logp, ent, old, adv, mask).backward()
+        for n, g in sum_over(dist.group.WORLD, grads(model)).items():
+            assert rel(g / world, want[3][n]) <= 1e-10, f"{name}: grad_scale={world}, gradient of {n}"
+
+
+def case_model_sp_checkpointing(rank, world):
+    case_model_sp(rank, world, checkpointing=True)
+
+
+def case_model_sp_compile(rank, world):
+    """Decoder layers compiled with fullgraph=True (aot_eager: dynamo + AOTAutograd), the all-to-alls
+    inside, equal eager SP."""
+    model = qwen3()
+    prompts, responses = rollouts(*ROLLOUTS["odd"])
+    packed = pack(prompts, responses)
+    old, adv, mask = loss_inputs(packed)
+    sh = distributed.shard(packed, dist.group.WORLD)
+    want = packed_update(model, sh, old, adv, mask)
+    torch._dynamo.reset()
+    for layer in model.model.layers:
+        layer.compile(backend="aot_eager", fullgraph=True)  # fullgraph: the all-to-alls trace, no graph break
+    got = packed_update(model, sh, old, adv, mask)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1
+    assert_update_close(got, want, 1e-12, "compiled vs eager")
+
+
+def _plan_and_losses(groups_lens, max_tokens, num_ranks):
+    prompts, responses = rollouts(*groups_lens)
+    plan = plan_micro_batches([(p.numel(), [r.numel() for r in rs]) for p, rs in zip(prompts, responses)],
+                              max_tokens, num_ranks=num_ranks)
+    g = torch.Generator().manual_seed(4)
+    old = [[-4.1 + 0.3 * torch.randn(r.numel(), generator=g, dtype=torch.float64) for r in rs] for rs in responses]
+    rewards = [torch.randn(len(rs), generator=g, dtype=torch.float64) for rs in responses]
+    adv = [group_advantages(r, torch.zeros(len(r), dtype=torch.long)) for r in rewards]
+    return prompts, responses, plan, old, adv
+
+
+def _mb_loss_inputs(entries, old, adv, packed):
+    mask = packed.response_mask()
+    o = torch.zeros(mask.shape, dtype=torch.float64)
+    rows = [(g, i) for g, idx in entries for i in idx]
+    for b, (g, i) in enumerate(rows):
+        o[b, :old[g][i].numel()] = old[g][i]
+    a = torch.stack([adv[g][i] for g, i in rows])
+    return o, a, mask
+
+
+def _dp_update(model, rank_mbs, prompts, responses, plan, old, adv, sp_group, loss_scale):
+    """One rank's part of a DP (x SP) update: its micro-batches (a placeholder for an empty one),
+    token-mean over the whole batch."""
+    model.zero_grad(set_to_none=True)
+    for mb in rank_mbs:
+        if mb.entries:
+            packed = pack([prompts[g] for g, _ in mb.entries], [[responses[g][i] for i in idx] for g, idx in mb.entries])
+            o, a, mask = _mb_loss_inputs(mb.entries, old, adv, packed)
+        else:
+            packed = distributed.placeholder_batch("cpu")
+        batch = distributed.shard(packed, sp_group) if sp_group is not None else packed
+        logp, ent = dkt.packed_logprobs(model, batch, entropy=True)
+        if mb.entries:
+            loss = grpo_loss(logp, ent, o, a, mask) * (mb.response_tokens / plan.response_tokens)
+        else:
+            loss = logp.sum() * 0.0  # same forward and backward, no contribution
+        (loss * loss_scale).backward()
+    return grads(model)
+
+
+def _single_process_update(model, prompts, responses, old, adv):
+    """The whole batch in one packed micro-batch, one process, token-mean."""
+    model.zero_grad(set_to_none=True)
+    packed = pack(prompts, responses)
+    entries = [(g, tuple(range(len(rs)))) for g, rs in enumerate(responses)]
+    o, a, mask = _mb_loss_inputs(entries, old, adv, packed)
+    logp, ent = dkt.packed_logprobs(model, packed, entropy=True)
+    # token-mean over the batch of the per-micro-batch GRPO loss = sum over groups weighted by tokens
+    loss = 0.0
+    for g, rs in enumerate(responses):
+        sub = pack([prompts[g]], [rs])
+        rows = list(range(sum(len(r) for r in responses[:g]), sum(len(r) for r in responses[:g + 1])))
+        sub_mask = mask[rows][:, :sub.max_response_len]
+        tokens = int(sub_mask.sum())
+        loss = loss + grpo_loss(logp[rows][:, :sub.max_response_len], ent[rows][:, :sub.max_response_len],
+                                o[rows][:, :sub.max_response_len], a[rows], sub_mask) * tokens
+    total = int(mask.sum())
+    (loss / total).backward()
+    return grads(model)
+
+
+#: four groups; at a budget of 40 tokens over two ranks group 0 (50 tokens) is split into two
+#: micro-batches on one rank and the other rank has one micro-batch and one empty one
+DP_GROUPS = ([20, 5, 6, 4], [[10, 10, 10], [3, 4], [2, 2, 3], [1, 5]])
+
+
+def case_fsdp_dp(rank, world):
+    """FSDP2 over 2 ranks, DP=2: plan_micro_batches over the ranks (one rank runs a placeholder for
+    its empty micro-batch; with a `continue` instead the other rank would hang in FSDP's
+    collectives), global token-mean loss; every gradient equals the one-process update."""
+    from torch.distributed.device_mesh import init_device_mesh
+    prompts, responses, plan, old, adv = _plan_and_losses(DP_GROUPS, 40, world)
+    assert plan.num_empty == 1 and plan.micro_batches_per_rank == 2, plan.summary()
+    want = _single_process_update(qwen3(), prompts, responses, old, adv)
+    model = fsdp_model(qwen3(), init_device_mesh("cpu", (world,)))
+    got = _dp_update(model, plan.ranks[rank], prompts, responses, plan, old, adv, None, loss_scale=world)
+    for name, g in want.items():  # FSDP averages over the ranks: the loss was scaled by the world size
+        assert rel(got[name], g) <= 1e-10, f"gradient of {name}: {rel(got[name], g):.2e}"
+
+
+def case_fsdp_sp(rank, world):
+    """FSDP2 over 2 ranks, SP=2 (DP=1), gradient checkpointing: equals one process."""
+    from torch.distributed.device_mesh import init_device_mesh
+    prompts, responses = rollouts(*ROLLOUTS["odd"])
+    packed = pack(prompts, responses)
+    old, adv, mask = loss_inputs(packed)
+    want = packed_update(qwen3(), packed, old, adv, mask)
+    model = qwen3()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model = fsdp_model(model, init_device_mesh("cpu", (world,)))
+    got = packed_update(model, distributed.shard(packed, dist.group.WORLD), old, adv, mask, scale=world)
+    assert_update_close(got, want, 1e-10, "FSDP2 SP=2 vs one process")
+
+
+def case_fsdp_dp_sp(rank, world):
+    """4 ranks: FSDP2 over all of them, DP=2 x SP=2 (the SP groups from a 2-D device mesh), several
+    groups per DP rank, one empty micro-batch: equals one process."""
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "sp"))
+    dp_rank, sp_group = mesh.get_local_rank("dp"), mesh["sp"].get_group()
+    prompts, responses, plan, old, adv = _plan_and_losses(DP_GROUPS, 40, 2)
+    want = _single_process_update(qwen3(), prompts, responses, old, adv)
+    model = fsdp_model(qwen3(), init_device_mesh("cpu", (world,)))
+    got = _dp_update(model, plan.ranks[dp_rank], prompts, responses, plan, old, adv, sp_group, loss_scale=world)
+    for name, g in want.items():
+        assert rel(got[name], g) <= 1e-10, f"gradient of {name}: {rel(got[name], g):.2e}"
+
+
+def case_bad_layouts_differ(rank, world):
+    lens = ROLLOUTS["odd"]
+    responses = [list(rs) for rs in lens[1]]
+    responses[1][0] += rank == world - 1  # the last rank packed a different batch
+    packed = pack(*rollouts(lens[0], responses))
+    with pytest.raises(dualkv.LayoutError, match="differ between ranks"):
+        distributed.shard(packed, dist.group.WORLD)
+
+
+def case_bad_token_count(rank, world):
+    """One rank feeds the model the whole packed batch instead of its shard: every rank raises (the
+    guard's collective check), none waits in an all-to-all."""
+    model = qwen3()
+    packed = pack(*rollouts(*ROLLOUTS["odd"]))
+    sh = distributed.shard(packed, dist.group.WORLD)
+    ids = packed.input_ids if rank == 0 else sh.input_ids
+    pos = packed.position_ids if rank == 0 else sh.position_ids
+    with pytest.raises(dualkv.ArgumentError, match="rank 0 got 47 tokens but its shard holds|rank\\(s\\) \\[0\\]"):
+        model(input_ids=ids, position_ids=pos, dualkv_layout=sh)
+
+
+def case_bad_heads(rank, world):
+    """Query heads not divisible by the SP size, and KV heads neither dividing nor a multiple of it:
+    ArgumentError on every rank (the model's shapes are the same on every rank)."""
+    packed = pack(*rollouts(*ROLLOUTS["odd"]))
+    sh = distributed.shard(packed, dist.group.WORLD)
+    bad = [(3, 1, "3 query heads are not divisible")] if world == 2 else \
+          [(6, 2, "6 query heads are not divisible"), (12, 3, "3 KV heads")]
+    for H, Hk, msg in bad:
+        model = qwen3(heads=H, kv_heads=Hk)
+        with pytest.raises(dualkv.ArgumentError, match=msg):
+            dkt.packed_logprobs(model, sh)
+
+
+CASES = {
+    2: ["attention_sp", "model_sp", "model_sp_checkpointing", "model_sp_compile", "fsdp_dp", "fsdp_sp",
+        "bad_layouts_differ", "bad_token_count", "bad_heads"],
+    4: ["attention_sp", "model_sp", "fsdp_dp_sp", "bad_layouts_differ", "bad_token_count", "bad_heads"],
+}
+
+
+# ----------------------------------------------------------------------------------------------
+# the launch
+# ----------------------------------------------------------------------------------------------
+
+def _worker(rank, world, init_file, out_dir, cases):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))
+    results = {}
+    path = pathlib.Path(out_dir) / f"rank{rank}.json"
+    for name in cases:
+        t0 = time.monotonic()
+        try:
+            globals()[f"case_{name}"](rank, world)
+            results[name] = {"ok": True, "seconds": round(time.monotonic() - t0, 1)}
+        except BaseException:  # noqa: BLE001 - recorded, read by the test
+            results[name] = {"ok": False, "error": traceback.format_exc()}
+        path.write_text(json.dumps(results))
+        failed = torch.tensor([0 if results[name]["ok"] else 1])
+        dist.all_reduce(failed)
+        if int(failed):  # the ranks may be out of step now: skip the remaining cases
+            break
+    dist.destroy_process_group()
+
+
+_WORLDS: dict = {}
+
+
+def _results(world: int, tmp_path_factory):
+    """Run (once) every case of ``world`` ranks; per case a list of (rank, outcome)."""
+    if world not in _WORLDS:
+        tmp = tmp_path_factory.mktemp(f"world{world}")
+        ctx = mp.start_processes(_worker, args=(world, str(tmp / "init"), str(tmp), CASES[world]), nprocs=world,
+                                 join=False, start_method="spawn")
+        deadline = time.monotonic() + WORLD_DEADLINE_S
+        note = ""
+        try:
+            while not ctx.join(timeout=max(1.0, deadline - time.monotonic())):
+                if time.monotonic() >= deadline:
+                    note = f"killed after {WORLD_DEADLINE_S} s (deadlock?)"
+                    break
+        except Exception as exc:  # a rank died outside a case
+            note = f"{type(exc).__name__}: {exc}"
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+                p.join()
+        per_rank = []
+        for r in range(world):
+            f = tmp / f"rank{r}.json"
+            per_rank.append(json.loads(f.read_text()) if f.exists() else {})
+        _WORLDS[world] = (per_rank, note)
+    return _WORLDS[world]
+
+
+@pytest.mark.parametrize("world,case", [(w, c) for w, cs in CASES.items() for c in cs])
+def test_distributed(world, case, tmp_path_factory):
+    if not dist.is_gloo_available():
+        pytest.skip("torch.distributed without gloo")
+    per_rank, note = _results(world, tmp_path_factory)
+    problems = []
+    for r, res in enumerate(per_rank):
+        outcome = res.get(case)
+        if outcome is None:
+            problems.append(f"rank {r}: did not run or finish ({note or 'an earlier case failed'})")
+        elif not outcome["ok"]:
+            problems.append(f"rank {r}:\n{outcome['error']}")
+    assert not problems, "\n".join(problems)
