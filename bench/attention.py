@@ -52,8 +52,8 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "python"))
 import dualkv  # noqa: E402
 import provenance  # noqa: E402
-from peers import (FLEX_BACKENDS, FLEX_BLOCK, compiled_flex, fa4, first_output, kernel_options,  # noqa: E402
-                   next_block_size)
+from peers import (FLEX_BACKENDS, FLEX_BLOCK, accepted_block_size, compiled_flex, fa4, first_output,  # noqa: E402
+                   kernel_options)
 
 DEFAULT_CONFIGS = [(16, 4096, 1024), (28, 4096, 2048), (16, 8192, 2048), (32, 8192, 1024),
                    (8, 16384, 2048), (28, 16384, 2048), (4, 8192, 1024)]
@@ -276,15 +276,12 @@ def method_fa4_dense(case, H, Hk, D, dtype):
                                                      else "flash_attn_varlen_func"}
 
 
-#: tries of method_flex at finding a block size the kernels accept (each one compiles)
-FLEX_BLOCK_TRIES = 4
-
-
 def method_flex(case, H, Hk, D, dtype, backend):
     """Compiled FlexAttention on the packed layout; backend "TRITON" (its default kernels) or "FLASH"
     (FlashAttention-4 under Flex). The block mask is built here, once per case (a training loop
     builds one per micro-batch): its first build (compiled) and a steady rebuild are reported, and
-    so are the compiles of the first forward and forward+backward calls, apart from the timing."""
+    so are the compiles of the first forward and forward+backward calls, apart from the timing. A
+    block size the kernels refuse is raised to one they accept (peers.accepted_block_size)."""
     from torch.nn.attention.flex_attention import create_block_mask
     if backend == "FLASH":
         fa4()
@@ -303,32 +300,24 @@ def method_flex(case, H, Hk, D, dtype, backend):
         return x + do
 
     options = kernel_options(backend)
-    extras = {"block_size_tried": []}
-    block, tiles, probe = FLEX_BLOCK[backend], [set(), set()], setup(7)
-    for _ in range(FLEX_BLOCK_TRIES):
+    extras = {}
+    probe = setup(7)
+
+    def compile_with(block):  # the first calls compile (forward alone, then forward + backward)
         t0 = time.perf_counter()
         block_mask = build(block)
         torch.cuda.synchronize()
         extras["mask_first_build_s"] = time.perf_counter() - t0
 
-        def call(x, bm=block_mask):
-            return flex(x[0], x[1], x[2], block_mask=bm, enable_gqa=True, kernel_options=options)
+        def call(x):
+            return flex(x[0], x[1], x[2], block_mask=block_mask, enable_gqa=True, kernel_options=options)
         fwd, fwdbwd = directions(call, 3)
-        try:  # the first calls compile (forward alone, then forward + backward)
-            extras["compile_fwd_s"] = timed_ms(fwd, probe) / 1e3
-            extras["compile_fwdbwd_s"] = timed_ms(fwdbwd, probe) / 1e3
-            break
-        except Exception as e:  # noqa: BLE001  (a refused block size is data, and maybe retried)
-            msg = " ".join(str(e).split())
-            extras["block_size_tried"].append({"block_size": list(block), "error": msg[:400]})
-            block = next_block_size(block, tiles, msg)
-            if block is None:
-                raise
-    else:
-        raise RuntimeError(f"no block size accepted after {FLEX_BLOCK_TRIES} tries: {extras['block_size_tried']}")
+        extras["compile_fwd_s"] = timed_ms(fwd, probe) / 1e3
+        extras["compile_fwdbwd_s"] = timed_ms(fwdbwd, probe) / 1e3
+        return fwd, fwdbwd
+    (fwd, fwdbwd), block, extras["block_size_tried"] = accepted_block_size(compile_with, FLEX_BLOCK[backend])
     extras["block_size"] = list(block)
     extras["mask_build_ms"] = statistics.median(timed_ms(lambda _: build(block), None) for _ in range(3))
-    del probe
     return setup, fwd, fwdbwd, case.shared_pairs, extras
 
 

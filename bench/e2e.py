@@ -185,6 +185,11 @@ def make_micro_batches(n, P, R, count, groups_per_mb, vocab, seed, device, equal
 _FLEX = {}
 
 
+def configure_flex(compiled: bool, dynamic, mask_compile: bool) -> None:
+    """How flex_attention_forward and build_block_mask run from now on (the settings of _FLEX)."""
+    _FLEX.update(compiled=compiled, dynamic=dynamic, mask_compile=mask_compile)
+
+
 def flex_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     block_mask = kwargs["flex_block_mask"]
     if isinstance(block_mask, torch.Tensor):  # CPU stand-in: FlexAttention has no CPU backward
@@ -215,14 +220,14 @@ def register_peers():
     AttentionInterface.register(FA4_IMPL, fa4_attention_forward)
 
 
-def build_block_mask(mb: MicroBatch, device, backend="TRITON"):
-    """The BlockMask of a micro-batch for a Flex backend (its block size, peers.FLEX_BLOCK); on a CPU
-    (no FlexAttention backward there) the dense boolean mask of the same mask_mod, used with SDPA, so
-    the smoke test still checks it."""
+def build_block_mask(mb: MicroBatch, device, backend="TRITON", block=None):
+    """The BlockMask of a micro-batch for a Flex backend (block size ``block``, by default the backend's
+    peers.FLEX_BLOCK); on a CPU (no FlexAttention backward there) the dense boolean mask of the same
+    mask_mod, used with SDPA, so the smoke test still checks it."""
     from torch.nn.attention.flex_attention import create_block_mask, create_mask
     if device.type == "cpu":
         return create_mask(mb.mask_mod(), None, None, mb.T, mb.T, device=device)
-    kw = dict(device=device, BLOCK_SIZE=FLEX_BLOCK[backend])
+    kw = dict(device=device, BLOCK_SIZE=tuple(block or FLEX_BLOCK[backend]))
     if _FLEX.get("mask_compile"):
         try:  # compiled mask build: O(T) memory, fast after its compile (the best case for the baseline)
             return create_block_mask(mb.mask_mod(), None, None, mb.T, mb.T, _compile=True, **kw)
@@ -926,8 +931,7 @@ def main(argv=None):
         provenance.check_tree(tree, args.allow_dirty)
     if args.flex_compile is None:
         args.flex_compile = device.type == "cuda"
-    _FLEX.update(compiled=args.flex_compile, dynamic=False if args.flex_static else None,
-                 mask_compile=args.flex_mask_compile)
+    configure_flex(args.flex_compile, False if args.flex_static else None, args.flex_mask_compile)
     if args.grid and args.iters < 3:
         ap.error("--grid: time at least 3 updates per cell (--iters 3 or more)")
     if args.methods is None:

@@ -13,11 +13,14 @@ Methods (one model object; the attention implementation and the GDN forward swit
 
   std     the unpacked N x (P + R) batch, right-padded rows, SDPA (cuDNN) attention, stock GDN layers
           (flash-linear-attention's chunk kernel when installed, as transformers picks it)
-  flex    what a user can assemble today: the packed stream with compiled FlexAttention (shared-prefix
-          BlockMask built per micro-batch, --flex-backend FLASH = FA4 on Hopper, needs flash_attn.cute)
-          on the attention layers, and the GDN layers unpacked: each GDN layer copies the packed hidden
-          states out to the N rows (prompt repeated), runs the stock module on them and takes every
-          token's output back from one row
+  flex    what a user can assemble today: the packed stream with compiled FlexAttention on the
+          attention layers (bench/e2e.py's Flex method: the forest-rule BlockMask built per micro-batch;
+          --flex-backend FLASH: kernel_options BACKEND=FLASH, FlashAttention-4 under Flex, recorded as
+          skipped without FA4; TRITON: Flex's Triton kernels; static shapes, compiled in the warm-up),
+          and the GDN layers unpacked: each GDN layer copies the packed hidden states out to the N
+          rows (prompt repeated), runs the stock module on them and takes every token's output back
+          from one row. FA4's kernels refuse a block size that is not a multiple of their tiles (head
+          dim 256: tile_n = 80): the warm-up raises it to one they accept (peers.accepted_block_size)
   dualkv  the packed stream: dualkv attention + the state fork on the GDN layers (one layout for both)
 
 Reported per (config, method): median seconds per update (CUDA events), speedup over std, the
@@ -27,6 +30,10 @@ below rho, and the more so the shallower the model), peak memory, and the log-pr
 tolerance rule of bench/logprob_noise.py: the truth is the std path in fp32 (model upcast in place,
 exact; TF32 off; transformers' PyTorch GDN recurrence; --truth-rows rows of the first micro-batch,
 one at a time); a method passes if max|logp - truth| <= 2 * max|std_bf16 - truth| + 1e-3.
+
+The JSON records the provenance of bench/e2e.py (provenance.py: exact commit, versions including
+FA4, fla and the CuTe DSL, switches, the library). A GPU run refuses a tree that is not a commit
+unless --allow-dirty; a copy without .git (the device machine) declares it with DUALKV_COMMIT.
 
   python bench/hybrid_e2e.py --configs 16,4096,1024           # ~2.5 min on an H200 (estimate)
   python bench/hybrid_e2e.py --configs 16,16384,1024          # ~4 min (estimate); both: the default, ~6.5 min
@@ -52,8 +59,10 @@ HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "python"))
 
-import e2e  # noqa: E402  (micro-batches, the std and dualkv log-prob routine, the old log-probs, time limits)
+import e2e  # noqa: E402  (micro-batches, the std and dualkv log-prob routine, Flex, old log-probs, time limits)
+import provenance  # noqa: E402
 from e2e import MethodTimeout, MicroBatch, _sdpa_context, _time_limit, build_block_mask, log  # noqa: E402
+from peers import FLEX_BLOCK, Unavailable, accepted_block_size, fa4  # noqa: E402
 from dualkv.grpo import policy_loss  # noqa: E402
 from dualkv.integrations import gated_deltanet as gdn  # noqa: E402
 from dualkv.logprobs import response_logprobs  # noqa: E402
@@ -63,7 +72,6 @@ from dualkv.reference import unpacked_groups  # noqa: E402
 METHODS = ("dualkv", "std", "flex")  # flex last: a compile that hangs costs the least there
 DEFAULT_CONFIGS = [(16, 4096, 1024), (16, 16384, 1024)]
 TINY_CONFIGS = [(4, 48, 16), (3, 40, 9)]
-FLEX_IMPL = "dualkv_bench_hybrid_flex"
 EXPAND_KWARG = "bench_gdn_expand"
 
 #: transformers' Qwen3_5TextConfig defaults (the Qwen3.5-9B dimensions), depth set by --layers
@@ -84,27 +92,8 @@ def hybrid_config(shape: str, layers: int):
 
 
 # ----------------------------------------------------------------------------------------------
-# the flex baseline: FlexAttention on the packed stream, GDN layers on the unpacked rows
+# the flex baseline: FlexAttention on the packed stream (bench/e2e.py's), GDN layers on the unpacked rows
 # ----------------------------------------------------------------------------------------------
-
-_FLEX = {}
-
-
-def flex_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """transformers attention function: FlexAttention over the micro-batch's shared-prefix BlockMask
-    (on a CPU, where FlexAttention has no backward, SDPA with the dense mask of the same mask_mod)."""
-    block_mask = kwargs["flex_block_mask"]
-    if isinstance(block_mask, torch.Tensor):  # bench/e2e.py's CPU stand-in
-        return e2e.flex_attention_forward(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
-    if "fn" not in _FLEX:
-        from torch.nn.attention.flex_attention import flex_attention
-        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 256)
-        _FLEX["fn"] = torch.compile(flex_attention, dynamic=False)
-    options = {"BACKEND": _FLEX["backend"]}
-    out = _FLEX["fn"](query, key, value, block_mask=block_mask, scale=scaling, enable_gqa=True,
-                      kernel_options=options)
-    return out.transpose(1, 2), None
-
 
 class Expansion:
     """Packed <-> unpacked token maps of one micro-batch: ``rows`` [B, L] packed index of every
@@ -137,10 +126,9 @@ def bench_gdn_forward(self, hidden_states, **kwargs):
 def prepare_model(model):
     """Fork the GDN layers for dualkv (and mark the model), then route them through bench_gdn_forward."""
     import types
-    from transformers import AttentionInterface
 
     import dualkv.integrations.transformers  # noqa: F401  (registers "dualkv")
-    AttentionInterface.register(FLEX_IMPL, flex_attention_forward)
+    e2e.register_peers()
     gdn.install(model)
     for m in model.modules():
         if type(m).__name__.endswith("GatedDeltaNet"):
@@ -153,18 +141,21 @@ def prepare_model(model):
 
 def logprobs_of(method, model, mb: MicroBatch, args, device):
     """Response log-probs of one micro-batch: std and dualkv as bench/e2e.py computes them, flex with the
-    GDN layers unpacked."""
+    GDN layers unpacked (BlockMask of block size args.flex_block)."""
     if method != "flex":
         return e2e.logprobs_of(method, model, mb, args, device)
     if not hasattr(mb, "expansion"):
         mb.expansion = Expansion(mb, device)
     out = model.model(input_ids=mb.packed.input_ids, position_ids=mb.packed.position_ids, use_cache=False,
-                      flex_block_mask=build_block_mask(mb, device), **{EXPAND_KWARG: mb.expansion})
+                      flex_block_mask=build_block_mask(mb, device, args.flex_backend, args.flex_block),
+                      flex_backend=args.flex_backend, **{EXPAND_KWARG: mb.expansion})
     return response_logprobs(out.last_hidden_state, model.lm_head.weight, mb.packed)
 
 
-def set_method(model, method):
-    model.set_attn_implementation({"std": "sdpa", "flex": FLEX_IMPL, "dualkv": "dualkv"}[method])
+def set_method(model, method, args, device):
+    if method == "flex" and args.flex_backend == "FLASH" and device.type == "cuda":
+        fa4()  # raises Unavailable (the method is skipped) when FA4 is not installed
+    model.set_attn_implementation({"std": "sdpa", "flex": e2e.FLEX_IMPL, "dualkv": "dualkv"}[method])
 
 
 def timed_update(method, model, mbs, args, device):
@@ -191,15 +182,25 @@ def timed_update(method, model, mbs, args, device):
 def measure(method, model, mbs, args, device):
     rec = {"method": method}
     try:
-        set_method(model, method)
+        set_method(model, method, args, device)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
-        t_w = time.perf_counter()
-        with _time_limit(args.method_timeout, f"{method} warm-up"):
+
+        def warm_up(flex_block=None):
+            if flex_block is not None:
+                args.flex_block = flex_block
             for _ in range(args.warmup):
                 timed_update(method, model, mbs, args, device)
+        t_w = time.perf_counter()
+        with _time_limit(args.method_timeout, f"{method} warm-up"):
+            if method == "flex":  # its first (compiling) update also finds a block size the kernels accept
+                _, block, refused = accepted_block_size(warm_up, args.flex_block)
+                rec.update(flex_backend=args.flex_backend, flex_dynamic="static", block_size=list(block),
+                           block_size_tried=refused)
+            else:
+                warm_up()
         rec["warmup_s"] = time.perf_counter() - t_w
         times = []
         with _time_limit(args.method_timeout, f"{method} timed updates"):
@@ -211,8 +212,8 @@ def measure(method, model, mbs, args, device):
             rec["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
         rec["logp0"] = logps[0].float()
     except (Exception, MethodTimeout) as exc:  # OOM, timeout, an unavailable backend: record it, go on
-        rec["status"] = "timeout" if isinstance(exc, MethodTimeout) else (
-            "oom" if "out of memory" in str(exc) else "error")
+        rec["status"] = ("oom" if e2e._is_oom(exc) else "timeout" if isinstance(exc, MethodTimeout)
+                         else "skipped" if isinstance(exc, Unavailable) else "error")
         rec["error"] = f"{type(exc).__name__}: {str(exc)[:500]}"
         if rec["status"] == "error":
             traceback.print_exc()
@@ -250,7 +251,7 @@ def fp32_truth_mode(model):
     tf32 = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
     model.float()
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    set_method(model, "std")
+    model.set_attn_implementation("sdpa")
     try:
         with torch_reference_gdn(model):
             yield
@@ -381,6 +382,8 @@ def main(argv=None):
     ap.add_argument("--method-timeout", type=float, default=150.0,
                     help="seconds per method for its warm-up and for its timed updates (0: none)")
     ap.add_argument("--no-grad-ckpt", action="store_true")
+    ap.add_argument("--allow-dirty", action="store_true",
+                    help="measure on a GPU from a tree that is not a commit (the result is marked dirty)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true", help="tiny model and configs (CPU smoke test)")
     ap.add_argument("--seed", type=int, default=0)
@@ -388,6 +391,9 @@ def main(argv=None):
     args = ap.parse_args(argv)
 
     device = torch.device(args.device)
+    tree = provenance.git_state()
+    if device.type == "cuda":  # a measurement; a CPU run is a smoke test (its result records dirty: true)
+        provenance.check_tree(tree, args.allow_dirty)
     shape = args.shape or ("tiny" if args.tiny else "9b")
     layers = args.layers or (4 if args.tiny else 16)
     configs = e2e.parse_configs(args.configs) if args.configs else (TINY_CONFIGS if args.tiny else DEFAULT_CONFIGS)
@@ -395,7 +401,8 @@ def main(argv=None):
     for m in args.methods:
         if m not in METHODS:
             ap.error(f"unknown method {m!r}; one of {METHODS}")
-    _FLEX["backend"] = args.flex_backend
+    e2e.configure_flex(compiled=True, dynamic=False, mask_compile=False)  # eager mask builds, as frameworks ship
+    args.flex_block = FLEX_BLOCK[args.flex_backend]  # then the block size the kernels accepted
     out_path = pathlib.Path(args.out) if args.out else (
         HERE / "results" / f"hybrid_e2e-{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}.json")
     out_path.parent.mkdir(parents=True, exist_ok=True)
@@ -403,13 +410,8 @@ def main(argv=None):
     from transformers import AutoModelForCausalLM
 
     from dualkv.state_fork import fla_available
-    env = e2e.environment(device)
-    env["fla"] = fla_available()
-    try:
-        import fla
-        env["fla_version"] = fla.__version__
-    except ImportError:
-        pass
+    env = e2e.environment(device, tree)
+    env["fla"] = fla_available()  # its version: env["packages"]["fla-core"]
     cfg = hybrid_config(shape, layers)
     env["model"] = {"shape": shape, "layers": layers, "layer_types": cfg.layer_types}
 

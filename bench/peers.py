@@ -63,6 +63,28 @@ def next_block_size(block, tiles, message):
     return tuple(out)
 
 
+#: tries at finding a block size a Flex backend's kernels accept (each one compiles)
+FLEX_BLOCK_TRIES = 4
+
+
+def accepted_block_size(attempt, block, tries=FLEX_BLOCK_TRIES):
+    """``attempt(block)``, run again with next_block_size's next size while a kernel refuses the block
+    size (the refusal is raised by the first, compiling call). Returns (what attempt returned, the
+    block size it ran with, the refusals [{"block_size", "error"}]); an error that names no tile is
+    raised as it is."""
+    tiles, refused = [set(), set()], []
+    for _ in range(tries):
+        try:
+            return attempt(block), block, refused
+        except Exception as e:  # noqa: BLE001  (a refused block size is data, and maybe retried)
+            msg = " ".join(str(e).split())
+            refused.append({"block_size": list(block), "error": msg[:400]})
+            block = next_block_size(block, tiles, msg)
+            if block is None:
+                raise
+    raise RuntimeError(f"no block size accepted after {tries} tries: {refused}")
+
+
 _COMPILED = {}
 
 

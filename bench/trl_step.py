@@ -15,8 +15,10 @@ Accuracy (the tolerance rule of DESIGN.md section 7, as bench/logprob_noise.py a
 of the first group, each trainer's bf16 log-probs against an fp32 truth (the same weights upcast, exact
 fp32 attention, row by row): max|dualkv - truth| <= 2 max|stock - truth| + 1e-3.
 Speed: rho = unpadded tokens (sum over rows of P + C) / packed tokens (sum over groups of P + sum C);
-the acceptance is update speedup >= 0.85 rho. JSON (environment, commit, tokens, times, errors, verdict)
-to --out.
+the acceptance is update speedup >= 0.85 rho. JSON (environment, tokens, times, errors, verdict) to
+--out; the environment is bench/e2e.py's provenance (provenance.py: exact commit, versions including
+TRL, switches, the library). A GPU run refuses a tree that is not a commit unless --allow-dirty; a
+copy without .git (the device machine) declares it with DUALKV_COMMIT.
 
     python bench/trl_step.py                       # G8 x N16, P 2K-8K, C 0.5K-2K, 1.7B, on the GPU
     python bench/trl_step.py --device cpu --model tiny --groups 2 -N 4 --prompt-len 8,16 \\
@@ -40,6 +42,7 @@ sys.path.insert(0, str(HERE.parent / "python"))
 sys.path.insert(0, str(HERE.parent / "examples"))
 
 import logprob_noise  # noqa: E402  (exact fp32 truth, row by row)
+import provenance  # noqa: E402
 from e2e import environment  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 from trl.trainer.utils import shuffle_sequence_dict, split_tensor_dict  # noqa: E402
@@ -66,6 +69,8 @@ def parse_args(argv=None):
     p.add_argument("--completion-len", type=_range, default=(512, 2048))
     p.add_argument("--slices", type=int, default=8, help="gradient-accumulation slices (steps_per_generation)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--allow-dirty", action="store_true",
+                   help="measure on a GPU from a tree that is not a commit (the result is marked dirty)")
     p.add_argument("--out", default=str(HERE / "results"))
     return p.parse_args(argv)
 
@@ -117,6 +122,9 @@ def tokens(batch, n):
 def main(argv=None) -> int:
     args = parse_args(argv)
     device = torch.device(args.device)
+    tree = provenance.git_state()
+    if device.type == "cuda":  # a measurement; a CPU run is a smoke test (its result records dirty: true)
+        provenance.check_tree(tree, args.allow_dirty)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     cfg = qwen3_config(args.model)
     torch.manual_seed(args.seed)
@@ -126,7 +134,7 @@ def main(argv=None) -> int:
     prompts = random_prompts(args.groups, args.prompt_len, cfg.vocab_size, seed=args.seed)
     from datasets import Dataset
     dataset = Dataset.from_dict({"prompt": prompts})
-    report = {"env": environment(device), "args": vars(args), "time": datetime.datetime.now().isoformat()}
+    report = {"env": environment(device, tree), "args": vars(args)}  # env["date"]: when it ran
     trainers = {"stock": make_trainer(GRPOTrainer, GRPOConfig, copy.deepcopy(base), args, cfg.vocab_size, dataset, {}),
                 "dualkv": make_trainer(DualKVGRPOTrainer, DualKVGRPOConfig, base, args, cfg.vocab_size, dataset,
                                        {"use_dualkv": True})}

@@ -2,9 +2,12 @@
 # What one device session runs, step by step; logs and JSON go to $OUT (or ./device-out).
 #   tests/gpu/device_run.sh [fa4-stage] [fa4-install] [tests] [sanitize] [bench-quick|bench] [bench-dims]
 #                           [bench-portable] [ab] [e2e] [e2e-flex] [e2e-all] [e2e-grid] [noise]
+#                           [wheels] [hybrid] [trl-step]
 # The library is $DUALKV_LIBRARY (default build-h200/libdualkv.so, a 90a build made on the host and
 # carried: docs/hopper.md "Running it"). Every benchmark refuses a tree that is not a commit (commit
-# first; DUALKV_ALLOW_DIRTY=1 runs anyway and marks the results dirty: bench/provenance.py).
+# first; DUALKV_ALLOW_DIRTY=1 runs anyway and marks the results dirty: bench/provenance.py). The device
+# machine's copy of the tree has no .git: DUALKV_COMMIT=<full hash of the commit sent> declares it (the
+# results record it with commit_verified: false); without it every GPU benchmark refuses to run.
 # Steps, with their device time on an H200 (measured where a commit is named, else estimated):
 #   fa4-stage    first call of two (the wheels are over one call's 64 MiB): copies $FA4_DIR/a/part_aa (carry
 #                .fa4/a; FA4_DIR defaults to .fa4, made by ../shared/tools/fa4-wheels.sh) to /tmp/fa4 (~1 s)
@@ -68,6 +71,16 @@
 #                log-probs vs an fp32 truth (row by row, chunked fp32 attention). Estimate: 1.7b ~25 s,
 #                8b ~60 s (fp32 truth ~1.2 PFLOP at ~45 TFLOP/s); peak ~34 GiB allocated at 8b (fp32
 #                weights 30.5 GiB + one row's activations and a 1 GiB score chunk); limits 120 / 200 s
+#   wheels       pip-installs the carried wheel folders $WHEEL_DIRS (default ".whl-gdn .whl-trl": fla-core 0.6.0;
+#                trl 1.16.0, datasets 5.2.0, dill 0.4.1, multiprocess 0.70.19) into /tmp/site and exports
+#                PYTHONPATH for the steps after it (a few s); prints the versions
+#   hybrid       issue 21's acceptance: bench/hybrid_e2e.py (Qwen3.5-9B dimensions cut to 16 layers, random
+#                weights) at $HYBRID_CONFIGS (default 16,4096,1024; the other acceptance point 16,16384,1024 in
+#                a call of its own), methods dualkv, std and flex (FA4 under Flex: run fa4-install before it;
+#                HYBRID_ARGS="--flex-backend TRITON" for Flex on Triton), cut at $HYBRID_CAP (default 570) s.
+#                Estimates (no GPU number yet): ~2.5 min at P 4K, ~4 min at P 16K. Needs wheels (fla-core)
+#   trl-step     issue 20's acceptance: bench/trl_step.py (1.7B, G8 x N16, P 2K-8K, C 0.5K-2K; TRL_ARGS adds
+#                options), cut at $TRL_CAP (default 570) s; needs wheels (trl, datasets). Estimate ~3 min
 # More than 8 files in $OUT at the end are packed into $OUT/device-out.tgz (a device call returns 8 files).
 # Long-running python writes to a log file, not into a pipe: a compiler child left behind by a cut
 # process (ptxas) would otherwise hold the pipe open and stall the step.
@@ -144,6 +157,22 @@ print('FA4', m.version('flash-attn-4'), 'CuTe DSL', m.version('nvidia-cutlass-ds
                > "$OUT/noise_$m.log" 2>&1
              echo "noise $m rc=$?"; grep -v -i "warn" "$OUT/noise_$m.log" | tail -42
            done ;;
+    wheels) for d in ${WHEEL_DIRS:-.whl-gdn .whl-trl}; do
+              [ -d "$d" ] || { echo "wheels: $d not carried"; continue; }
+              python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$d"/*.whl \
+                || echo "wheels $d FAILED"
+            done
+            export PYTHONPATH="/tmp/site:$PYTHONPATH"
+            python3 -c "import importlib.metadata as m
+for n in ('fla-core', 'trl', 'datasets', 'accelerate'):
+    try: print(n, m.version(n))
+    except m.PackageNotFoundError: print(n, 'not installed')" ;;
+    hybrid) timeout -k 10 "${HYBRID_CAP:-570}" python3 bench/hybrid_e2e.py --configs "${HYBRID_CONFIGS:-16,4096,1024}" \
+              ${HYBRID_ARGS:-} --out "$OUT/hybrid.json" > "$OUT/hybrid.log" 2>&1
+            echo "hybrid rc=$?"; grep -v -i "warn\|create_block_mask(" "$OUT/hybrid.log" | tail -14 ;;
+    trl-step) timeout -k 10 "${TRL_CAP:-570}" python3 bench/trl_step.py ${TRL_ARGS:-} --out "$OUT" \
+                > "$OUT/trl_step.log" 2>&1
+              echo "trl-step rc=$?"; grep -v -i "warn" "$OUT/trl_step.log" | tail -10 ;;
     *) echo "unknown step $step" ;;
   esac
 done

@@ -170,6 +170,32 @@ def test_next_block_size_follows_the_refused_tiles():
     assert peers.next_block_size((256, 128), [set(), set()], "out of memory") is None
 
 
+def test_accepted_block_size_retries_refusals_only():
+    """A refused block size is retried with the next one (every refusal recorded); an error that names
+    no tile is raised as it is, and so is a run out of tries."""
+    ran = []
+
+    def attempt(block):
+        ran.append(block)
+        if block[1] % 80:
+            raise RuntimeError("BackendCompilerFailed:\n sparse_block_size[1] must be a multiple of tile_n=80")
+        return "compiled"
+    assert peers.accepted_block_size(attempt, (256, 128)) == (
+        "compiled", (256, 160), [{"block_size": [256, 128], "error": "BackendCompilerFailed: sparse_block_size[1] "
+                                  "must be a multiple of tile_n=80"}])
+    assert ran == [(256, 128), (256, 160)]
+
+    def oom(block):
+        raise RuntimeError("CUDA out of memory")
+    with pytest.raises(RuntimeError, match="out of memory"):
+        peers.accepted_block_size(oom, (256, 128))
+
+    def never(block):
+        raise RuntimeError(f"sparse_block_size[0] must be a multiple of tile_m={block[0] + 1}")
+    with pytest.raises(RuntimeError, match="no block size accepted after 2 tries"):
+        peers.accepted_block_size(never, (64, 64), tries=2)
+
+
 def test_fa4_missing_is_a_clear_skip(monkeypatch):
     import builtins
     real_import = builtins.__import__
