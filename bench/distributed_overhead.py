@@ -37,6 +37,7 @@ HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "python"))
 
+import provenance  # noqa: E402
 from e2e import environment, make_micro_batches  # noqa: E402
 
 from dualkv import distributed  # noqa: E402
@@ -80,9 +81,14 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true", help="tiny model and config (CPU smoke test)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--allow-dirty", action="store_true",
+                    help="measure on a GPU from a tree that is not a commit (the result is marked dirty)")
     ap.add_argument("--out", default=None, help="JSON path (default bench/results/distributed_overhead-<time>.json)")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
+    tree = provenance.git_state()
+    if device.type == "cuda":  # a measurement; a CPU run is a smoke test (its result records dirty: true)
+        provenance.check_tree(tree, args.allow_dirty)
     size = args.model or ("tiny" if args.tiny else "1.7b")
     n, P, R = (4, 64, 32) if args.tiny else (int(x) for x in args.config.split(","))
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -118,7 +124,7 @@ def main(argv=None) -> int:
     ratios = [d / p for p, d in zip(times["plain"], times["distributed"])]
     med = {m: statistics.median(ts) for m, ts in times.items()}
     verdict = statistics.median(ratios) <= 1.01
-    result = {"environment": environment(device), "args": vars(args), "model": size, "config": [n, P, R],
+    result = {"environment": environment(device, tree), "args": vars(args), "model": size, "config": [n, P, R],
               "packed_lengths": [mb.T for mb in mbs], "times": times, "median_seconds": med,
               "median_round_ratio": statistics.median(ratios), "ratio_of_medians": med["distributed"] / med["plain"],
               "max_abs_dlogp": d_logp, "within_1_percent": verdict}
