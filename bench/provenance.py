@@ -47,15 +47,20 @@ def _git(root, *args) -> str:
 
 
 def git_state(root=REPO) -> dict:
-    """{"commit": full hash or None, "dirty": bool, "changes": [porcelain lines], "verified": bool}."""
+    """{"commit": full hash or None, "dirty": bool, "changes": [porcelain lines], "verified": bool}.
+
+    DUALKV_COMMIT, when set, declares the commit and is taken over git (unverified): the device
+    machine gets a copy of the working tree whose .git may be an older snapshot of the repository."""
+    declared = os.environ.get("DUALKV_COMMIT")
+    if declared:
+        return {"commit": declared, "dirty": False, "changes": [], "verified": False}
     try:
         commit = _git(root, "rev-parse", "HEAD").strip()
         # mode-only differences (a copy of the tree that lost executable bits) change no code
         lines = _git(root, "-c", "core.fileMode=false", "status", "--porcelain=v1",
                      "--untracked-files=all").splitlines()
     except (OSError, subprocess.SubprocessError):
-        declared = os.environ.get("DUALKV_COMMIT")
-        return {"commit": declared, "dirty": declared is None, "changes": [], "verified": False}
+        return {"commit": None, "dirty": True, "changes": [], "verified": False}
     changes = [ln for ln in lines if not ln.startswith("??") or ln.endswith(SOURCE_SUFFIXES)
                or pathlib.PurePath(ln[3:]).name in SOURCE_NAMES]
     return {"commit": commit, "dirty": bool(changes), "changes": changes, "verified": True}
