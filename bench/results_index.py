@@ -39,6 +39,12 @@ BENCHMARKS = {
     "logprob_noise_1.7b": "bench/logprob_noise.py, 1.7B N16 P4096 R1024 (step noise)",
     "logprob_noise_8b": "bench/logprob_noise.py, 8B N16 P4096 R1024 (step noise)",
     "pipeline": "bench/pipeline.py, pack() and response_logprobs() on the GPU",
+    "distributed_overhead": "bench/distributed_overhead.py, 1.7B N16 P4096 R1024, the single-rank path of "
+                            "dualkv.distributed vs the plain path, 10 interleaved rounds (issue 18)",
+    "trl_step_1.7b": "bench/trl_step.py, one TRL GRPO update stock vs DualKVGRPOTrainer, 1.7B (issue 20; "
+                     "step trl-step); .g8_cut.log: the G8 run, cut at its cap after both updates",
+    "hybrid_e2e": "bench/hybrid_e2e.py, Qwen3.5-shaped GRPO update, dualkv + GDN state fork vs std vs Flex "
+                  "(issue 21; step hybrid)",
 }
 
 HEADER = """# bench/results: the latest result of each benchmark
