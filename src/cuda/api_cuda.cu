@@ -52,9 +52,6 @@ constexpr int kBuiltHeadDims[] = {
 #ifndef DUALKV_CUDA_ARCHS_STRING
 #define DUALKV_CUDA_ARCHS_STRING "unknown"
 #endif
-#ifndef DUALKV_CUDA_VARIANTS_STRING  // the kernel-variant CMake options that are ON (src/cuda/CMakeLists.txt)
-#define DUALKV_CUDA_VARIANTS_STRING ""
-#endif
 
 bool head_dim_built(int d) {
   for (int b : kBuiltHeadDims)
@@ -665,9 +662,12 @@ std::string cuda_build_info_json() {
 #ifdef DUALKV_SM90_BWD_HDIM_256
   sm90_bwd_dims += std::string(sm90_bwd_dims.empty() ? "" : ", ") + "256";
 #endif
+  // Kernels per arch and direction: the portable mma.sync kernels for every built head dim, the
+  // Hopper ones for those listed (used on sm_90 devices unless DUALKV_DISABLE_SM90[_BWD] is set).
+  const std::string kernels = "{\"sm80\": {\"fwd\": " + dims + ", \"bwd\": " + dims + "}, \"sm90\": {\"fwd\": [" +
+                              sm90_dims + "], \"bwd\": [" + sm90_bwd_dims + "]}}";
   return "\"cuda_archs\": " + archs + ", \"head_dims\": " + dims +
-         ", \"dtypes\": [\"float16\", \"bfloat16\"], \"kernels\": \"sm80-mma\", \"sm90_fwd_head_dims\": [" +
-         sm90_dims + "], \"sm90_bwd_head_dims\": [" + sm90_bwd_dims + "], \"variants\": " + json_string_array(DUALKV_CUDA_VARIANTS_STRING) +
+         ", \"dtypes\": [\"float16\", \"bfloat16\"], \"kernels\": " + kernels +
          ", \"cuda_runtime\": " + std::to_string(runtime);
 }
 

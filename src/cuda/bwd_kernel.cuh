@@ -339,7 +339,6 @@ bwd_kv_kernel(const BwdArgs args) {
   }
 }
 
-#if defined(DUALKV_PORTABLE_BWD_V3)
 // ---- Backward main kernel, version 3 (CMake option DUALKV_PORTABLE_BWD_V3, default ON; head dim 128) ----
 // Same work items, tiles (128 KV x 64 query rows, 8 warps), warp split, masking, arithmetic and
 // outputs as bwd_kv_kernel; what changes is where the loads of the next step sit and the integer
@@ -392,12 +391,10 @@ struct BwdV3Smem {
 // Item state of bwd_kv_kernel_v3, decoded by thread 0 (CTA-uniform, read from shared memory).
 struct BwdV3Item {
   int32_t done, hk, k0, klen, qa, qb, slot, h_end;
-#if defined(DUALKV_PORTABLE_BWD_V4)
   // Version 4: the group's first query head, and the group size H / Hk (written once by thread 0
   // before the item loop, re-read by it per item): no value of the prologue is held through the
   // item loop, which spilled 4 bytes with the version-4 phase 1 (sm_90a deterministic kernel).
   int32_t h_begin, group;
-#endif
 };
 
 __device__ __forceinline__ void ldsm_x4(uint32_t* r, uint32_t addr) {
@@ -447,10 +444,6 @@ bwd_kv_kernel_v3(const BwdArgs args) {
   constexpr uint32_t kQBytes = BM * P * E;        // one q buffer
   static_assert(BM == 64 && kWR * 16 * MI == BN, "warp tiling");
   static_assert(2 * BM <= NT, "threads 0 .. 2 BM - 1 load lse and delta");
-#if defined(DUALKV_PORTABLE_BWD_V5)
-#if !defined(DUALKV_PORTABLE_BWD_V4)
-#error "DUALKV_PORTABLE_BWD_V5 requires DUALKV_PORTABLE_BWD_V4"
-#endif
   // Version 5 (docs/cuda.md "Backward v5"): the loads of step + 1 (Q, lse/delta, dO) are issued
   // after kk step kV5IssueKK of the product that follows their barrier (S, dV, dQ / dK) instead of
   // right after it, so every barrier is followed by ldmatrix -> mma.sync (FA2's schedule) and the
@@ -462,7 +455,6 @@ bwd_kv_kernel_v3(const BwdArgs args) {
   // only the global load into a register moved (into dV); the shared store stays after dK. All
   // are waited for at top(s+1); the last step issues nothing.
   constexpr int kV5IssueKK = 0;
-#endif
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   BwdV3Smem<D, T>& sm = *reinterpret_cast<BwdV3Smem<D, T>*>(smem_raw);
@@ -497,9 +489,7 @@ bwd_kv_kernel_v3(const BwdArgs args) {
   const int ld_r = tid / (D / 8), ld_c = (tid % (D / 8)) * 8;
   const uint32_t s_ld = static_cast<uint32_t>((ld_r * P + ld_c) * E);
 
-#if defined(DUALKV_PORTABLE_BWD_V4)
   if (tid == 0) si.group = H / args.num_kv_heads;  // written and read by thread 0 only
-#endif
   while (true) {
     __syncthreads();  // every thread is done with the previous item (its shared memory and si)
     if (tid == 0) {
@@ -517,12 +507,8 @@ bwd_kv_kernel_v3(const BwdArgs args) {
         si.qa = wi[3];
         si.qb = wi[4];
         si.slot = wi[5];
-#if defined(DUALKV_PORTABLE_BWD_V4)
         si.h_end = (hk + 1) * load_shared_volatile(si.group);
         si.h_begin = hk * load_shared_volatile(si.group);
-#else
-        si.h_end = (hk + 1) * (H / Hk);
-#endif
       }
     }
     __syncthreads();
@@ -540,11 +526,7 @@ bwd_kv_kernel_v3(const BwdArgs args) {
 
     // Flattened loop over (query head of the group, query tile of [qa, qb)): step s is head
     // hk * group + s / tiles_per_head, tile qa + (s % tiles_per_head) * BM, advanced incrementally.
-#if defined(DUALKV_PORTABLE_BWD_V4)
     int h = si.h_begin;
-#else
-    int h = si.h_end - H / args.num_kv_heads;
-#endif
     int32_t qt = si.qa;
     // Step 0's Q, dO, lse, delta (the prologue: the global latency is paid once per item).
     {
@@ -593,11 +575,7 @@ bwd_kv_kernel_v3(const BwdArgs args) {
 
       cp_async_wait_all();
       __syncthreads();  // top: Q, dO, lse, delta of this step landed; step - 1 is done everywhere
-#if !defined(DUALKV_PORTABLE_BWD_V5)
-      issue_q_next();
-#endif
 
-#if defined(DUALKV_PORTABLE_BWD_V4)
       // Phase 1, version 4 (docs/cuda.md, "Backward v4"): S^T = K Q^T first, then dP^T = V dO^T
       // with P = exp2(S scale log2e - lse) computed in place in `st` and stored to pt during the
       // dP product (kk step kk handles the (j, mi) = (kk / MI, kk % MI) block, whose S is final),
@@ -631,12 +609,10 @@ bwd_kv_kernel_v3(const BwdArgs args) {
               Ops::mma(st[mi][2 * nb + 1], ak[mi], b[2], b[3]);
             }
           }
-#if defined(DUALKV_PORTABLE_BWD_V5)
           // Version 5: Q(step + 1) is issued after kk step kV5IssueKK of S, not right after the
           // barrier, so the warps leave the barrier with ldmatrix -> mma.sync and the loader's
           // address arithmetic overlaps queued mma.sync (same buffer, same barrier interval).
           if (kk == kV5IssueKK) issue_q_next();
-#endif
         }
         const int32_t k0 = load_shared_volatile(si.k0);
         const bool need_mask = qt < k0 + BN - 1;
@@ -699,69 +675,6 @@ bwd_kv_kernel_v3(const BwdArgs args) {
             }
         }
       }
-#else
-      // Phase 1: S^T = K Q^T and dP^T = V dO^T for kv rows [row0, +16 MI), q cols [32 wc, +32).
-      {
-        float st[MI][4][4], dpt[MI][4][4];
-#pragma unroll
-        for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-          for (int j = 0; j < 4; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) st[mi][j][e] = dpt[mi][j][e] = 0.f;
-#pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) {
-          uint32_t ak[MI][4], av[MI][4];
-#pragma unroll
-          for (int mi = 0; mi < MI; ++mi) {
-            const uint32_t off = ((row0 + mi * 16 + la_r) * P + kk * 16 + la_c) * E;
-            ldsm_x4(ak[mi], s_k + off);
-            ldsm_x4(av[mi], s_v + off);
-          }
-#pragma unroll
-          for (int nb = 0; nb < 2; ++nb) {
-            const uint32_t off = ((wc * 32 + nb * 16 + lb_r) * P + kk * 16 + lb_c) * E;
-            uint32_t b[4];
-            ldsm_x4(b, s_q + off);
-#pragma unroll
-            for (int mi = 0; mi < MI; ++mi) {
-              Ops::mma(st[mi][2 * nb], ak[mi], b[0], b[1]);
-              Ops::mma(st[mi][2 * nb + 1], ak[mi], b[2], b[3]);
-            }
-            ldsm_x4(b, s_do + off);
-#pragma unroll
-            for (int mi = 0; mi < MI; ++mi) {
-              Ops::mma(dpt[mi][2 * nb], av[mi], b[0], b[1]);
-              Ops::mma(dpt[mi][2 * nb + 1], av[mi], b[2], b[3]);
-            }
-          }
-        }
-        const int32_t k0 = load_shared_volatile(si.k0);
-        const bool need_mask = qt < k0 + BN - 1;
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const int col = wc * 32 + j * 8 + 2 * t4;
-          const float2 l = *reinterpret_cast<const float2*>(&sm.lse_delta[col]);
-          const float2 d = *reinterpret_cast<const float2*>(&sm.lse_delta[BM + col]);
-#pragma unroll
-          for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-            for (int hr = 0; hr < 2; ++hr) {
-              const int row = row0 + mi * 16 + g + hr * 8;
-              float p0 = exp2f(st[mi][j][2 * hr] * args.scale_log2 - l.x);
-              float p1 = exp2f(st[mi][j][2 * hr + 1] * args.scale_log2 - l.y);
-              if (need_mask) {
-                if (k0 + row > qt + col) p0 = 0.f;
-                if (k0 + row > qt + col + 1) p1 = 0.f;
-              }
-              const float ds0 = p0 * (dpt[mi][j][2 * hr] - d.x);
-              const float ds1 = p1 * (dpt[mi][j][2 * hr + 1] - d.y);
-              *reinterpret_cast<uint32_t*>(&sm.pt[row * PS + col]) = Ops::pack(p0, p1);
-              *reinterpret_cast<uint32_t*>(&sm.dst[row * PS + col]) = Ops::pack(ds0, ds1);
-            }
-        }
-      }
-#endif  // DUALKV_PORTABLE_BWD_V4
       __syncthreads();  // bar A: P, dS written; lse, delta, and K/V/Q/dO of S and dP read
 
       // lse/delta of step + 1 into a register (threads 0-63: lse, 64-127: delta); stored at the
@@ -773,9 +686,6 @@ bwd_kv_kernel_v3(const BwdArgs args) {
         if (ld_ok)
           ld_val = tid < BM ? args.lse[hn * args.lse_hs + qtn + ld_i] : args.delta[hn * T_ + qtn + ld_i];
       };
-#if !defined(DUALKV_PORTABLE_BWD_V5)
-      load_lse_delta_next();
-#endif
 
       // Phase 3a: dV += P^T dO for kv rows [row0, +16 MI), d cols [D/2 wc, +D/2).
 #pragma unroll
@@ -794,10 +704,8 @@ bwd_kv_kernel_v3(const BwdArgs args) {
             Ops::mma(dv[mi][2 * nd + 1], ap[mi], b[2], b[3]);
           }
         }
-#if defined(DUALKV_PORTABLE_BWD_V5)
         // Version 5: lse/delta of step + 1 after kk step kV5IssueKK of dV (was right after bar A).
         if (kk == kV5IssueKK) load_lse_delta_next();
-#endif
       }
       __syncthreads();  // bar B: every read of dout (dP, dV) and pt is done
       // dO(step + 1); version 5 issues it after kk step kV5IssueKK of the next product (dQ; dK in
@@ -809,9 +717,6 @@ bwd_kv_kernel_v3(const BwdArgs args) {
           cp_async_commit();
         }
       };
-#if !defined(DUALKV_PORTABLE_BWD_V5)
-      issue_do_next();
-#endif
 
       if constexpr (kAtomicDq) {
         const int32_t qb = load_shared_volatile(si.qb);
@@ -839,9 +744,7 @@ bwd_kv_kernel_v3(const BwdArgs args) {
               Ops::mma(dq[mi][2 * nd + 1], a[mi], b[2], b[3]);
             }
           }
-#if defined(DUALKV_PORTABLE_BWD_V5)
           if (kk == kV5IssueKK) issue_do_next();
-#endif
         }
 #pragma unroll
         for (int mi = 0; mi < MQ; ++mi)
@@ -873,11 +776,9 @@ bwd_kv_kernel_v3(const BwdArgs args) {
             Ops::mma(dk[mi][2 * nd + 1], ads[mi], b[2], b[3]);
           }
         }
-#if defined(DUALKV_PORTABLE_BWD_V5)
         if constexpr (!kAtomicDq) {
           if (kk == kV5IssueKK) issue_do_next();
         }
-#endif
       }
 
       // lse/delta of step + 1 (after bar B: every read of this step's values is done); thread
@@ -928,7 +829,6 @@ constexpr size_t bwd_kv_smem_selected() {
     return sizeof(BwdSmem<D, T>);
   }
 }
-#endif  // DUALKV_PORTABLE_BWD_V3
 
 // Deterministic dQ: query-tile-outer, same walk over visible KV tiles as the forward.
 template <int D, typename T>
@@ -1173,27 +1073,15 @@ cudaError_t launch_bwd_main(const BwdArgs& args, int sms, cudaStream_t stream) {
   cudaError_t err;
   {
     using C = BwdConfig<D>;
-#if defined(DUALKV_PORTABLE_BWD_V3)
     const size_t smem = bwd_kv_smem_selected<D, T>();
-#else
-    const size_t smem = sizeof(BwdSmem<D, T>);
-#endif
     if (args.deterministic) {
-#if defined(DUALKV_PORTABLE_BWD_V3)
       auto kernel = bwd_kv_kernel_selected<D, T, false>();
-#else
-      auto kernel = bwd_kv_kernel<D, T, false>;
-#endif
       static int bps = occupancy_blocks(kernel, C::kThreads, smem);
       if ((err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem))))
         return err;
       kernel<<<sms * bps, C::kThreads, smem, stream>>>(args);
     } else {
-#if defined(DUALKV_PORTABLE_BWD_V3)
       auto kernel = bwd_kv_kernel_selected<D, T, true>();
-#else
-      auto kernel = bwd_kv_kernel<D, T, true>;
-#endif
       static int bps = occupancy_blocks(kernel, C::kThreads, smem);
       if ((err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem))))
         return err;

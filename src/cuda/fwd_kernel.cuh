@@ -200,8 +200,7 @@ fwd_kernel(const FwdArgs args) {
   }
 }
 
-#if defined(DUALKV_PORTABLE_FWD_V2)
-// ---- Forward, version 2 (CMake option DUALKV_PORTABLE_FWD_V2, default ON; head dim 128) ----
+// ---- Forward, version 2 (head dim 128) ----
 // Same work split, tiles, shared-memory tiles, masking and arithmetic as fwd_kernel; what changes
 // is the order of the KV-tile loop and what holds registers across it (docs/cuda.md, "Forward at
 // head dim 128: registers, spills and the version-2 loop"):
@@ -257,8 +256,7 @@ __device__ __forceinline__ void load_tile_v2(T* smem, const T* gmem, int64_t tok
 
 // The K and V tile loads of fwd_kernel_v2's KV loop: rows [pos, pos + valid_rows) of one head
 // (head = its row 0), zero-filled up to ROWS.
-// Version 3 (CMake option DUALKV_PORTABLE_FWD_V3, default ON since the H200 A/B of session 7,
-// `14e0b7f`; OFF: load_tile_v2 on every arch) uses FlashAttention-2's address arithmetic
+// On sm_90a (forward v3, measured 1.01-1.04x version 2's loads on the H200) it uses FlashAttention-2's address arithmetic
 // (docs/cuda.md "Forward v3"): one 64-bit source pointer per thread, formed once per tile from the
 // thread's first token (pos + row0, 32-bit) and advanced by the CTA's rows per pass (a uniform
 // 64-bit step), 2 integer instructions per 16-byte chunk. load_tile_v2 forms every chunk's address
@@ -275,7 +273,7 @@ __device__ __forceinline__ void load_kv_tile(T* smem, const T* head, int32_t pos
   static_assert(NT % kChunksPerRow == 0, "a pass of the CTA must cover whole rows");
   constexpr int kRowsPerPass = NT / kChunksPerRow;
   static_assert(ROWS % kRowsPerPass == 0, "the tile must be a whole number of passes");
-#if defined(DUALKV_PORTABLE_FWD_V3) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   const int row0 = tid / kChunksPerRow;
   const int col = (tid % kChunksPerRow) * 8;
   // A zero-filled chunk still gets the address of a real row (load_tile_v2 uses the tile's row 0):
@@ -298,7 +296,7 @@ __device__ __forceinline__ void load_kv_tile(T* smem, const T* head, int32_t pos
     }
   }
 #else
-  // Version 2's load (OFF, and sm_80, where ptxas spills 8 bytes with the form above).
+  // sm_80: version 2's load (ptxas spills 8 bytes there with the form above).
   load_tile_v2<D, ROWS, PITCH, NT>(smem, head + static_cast<int64_t>(pos) * token_stride, token_stride, valid_rows, tid);
 #endif
 }
@@ -529,17 +527,12 @@ constexpr auto fwd_kernel_selected() {
     return fwd_kernel<D, T>;
   }
 }
-#endif  // DUALKV_PORTABLE_FWD_V2
 
 template <int D, typename T>
 cudaError_t launch_fwd_impl(const FwdArgs& args, int sms, cudaStream_t stream) {
   using C = FwdConfig<D>;
   const size_t smem = sizeof(FwdSmem<D, T>);
-#if defined(DUALKV_PORTABLE_FWD_V2)
   auto kernel = fwd_kernel_selected<D, T>();
-#else
-  auto kernel = fwd_kernel<D, T>;
-#endif
   static int blocks_per_sm = [&] {
     cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
     int n = 0;

@@ -38,11 +38,9 @@ bool bwd_args_supported(const BwdArgs& a, int head_dim, int element_bytes) {
   if (a.layout.num_tokens <= 0 || a.num_heads <= 0 || a.num_kv_heads <= 0) return false;
   if (a.num_heads % a.num_kv_heads != 0) return false;
   if (!a.deterministic && a.dq_accum == nullptr) return false;
-#if DUALKV_SM90_BWD_DQ_BULK
   // The dQ accumulator is a TMA reduce target (global address 16-byte aligned). Head dim 256 is one
   // only in a DUALKV_SM90_BWD_D256_DQ_BULK build (else per-thread atomics); the check is harmless there.
   if (!a.deterministic && reinterpret_cast<uintptr_t>(a.dq_accum) % 16 != 0) return false;
-#endif
   // The epilogue stores pairs of elements (4 bytes) straight from registers.
   if (reinterpret_cast<uintptr_t>(a.dk) % 4 != 0 || a.dk_ts % 2 != 0 || a.dk_hs % 2 != 0) return false;
   if (reinterpret_cast<uintptr_t>(a.dv) % 4 != 0 || a.dv_ts % 2 != 0 || a.dv_hs % 2 != 0) return false;

@@ -68,17 +68,8 @@
 
 namespace dualkv::cuda::sm90 {
 
-// dQ through a smem staging buffer and TMA reduce-adds instead of per-thread global atomics (see
-// the header comment). A build-wide switch rather than a template parameter: the kernel keeps its
-// name (tests and DUALKV_LOG_KERNELS match it) and the default build compiles to the same code.
-#if DUALKV_SM90_BWD_DQ_BULK
-constexpr bool kBwdDqBulk = true;
-#else
-constexpr bool kBwdDqBulk = false;
-#endif
-
-// kDqStage: the layout of the bulk-dQ kernel (kAtomicDq && kBwdDqBulk); the deterministic kernel
-// keeps the plain layout in a bulk build too.
+// kDqStage: the layout of the dQ-computing kernel (kAtomicDq), with the dQ staging buffers; the
+// deterministic kernel has none.
 template <int D, bool kDqStage = false>
 struct Sm90BwdConfig {
   static constexpr int kBlockM = 64;   // query rows per step
@@ -124,9 +115,7 @@ struct Sm90BwdParams {
   BwdArgs a;
   CUtensorMap tq, tk, tv, tdo;
   int32_t* counter;  // work-item counter, zeroed before the launch
-#if DUALKV_SM90_BWD_DQ_BULK
   CUtensorMap tdq;  // dq_accum [T, H, D] fp32, box 32 columns x 1 head x 64 rows, 128B swizzle
-#endif
 };
 
 struct Sm90BwdBarriers {
@@ -172,20 +161,6 @@ constexpr bool kBwdRacecheckBarriers = false;
 #endif
 constexpr uint32_t kBwdDsBarrier = 1;      // named barrier id (0 is __syncthreads)
 
-// Softmax under the dP^T wgmma (compile-time switch DUALKV_SM90_BWD_SOFTMAX_OVERLAP=1; the CMake
-// option of that name, default ON since the H200 A/B at 274e72f (main kernel 4-6% faster), sets it;
-// docs/hopper.md "Where the D = 128 backward step's tensor pipe idles"). Without it the step
-// computes P^T between wgmma.wait_group 1 and 0, but ptxas sinks 28 of the 32 MUFU.EX2 (and the masking) below the WARPGROUP.DEPBAR of dP^T, so they run with no
-// wgmma in flight. With the switch, P^T is computed in its own branch (masked or not: the mask test
-// is uniform per warpgroup and step), which keeps it above the wait (ptxas does not move it across
-// the join), and an unmasked step skips the per-element mask arithmetic; the dQ staging likewise
-// skips the row-validity selects on a full query tile. Same arithmetic, same results bit for bit.
-#if DUALKV_SM90_BWD_SOFTMAX_OVERLAP
-constexpr bool kBwdSoftmaxOverlap = true;
-#else
-constexpr bool kBwdSoftmaxOverlap = false;
-#endif
-
 // P^T = exp2(S^T scale log2e - lse log2e) in place, masked (if mask) where the KV row is past klen
 // or after the query. Accumulator fragment of m64 (kv) x n(2N) (q): element 4j + e is row
 // kv_row0 + 8 (e >> 1), column 8j + 2 t4 + (e & 1). A constant mask (the softmax-overlap step calls
@@ -210,15 +185,15 @@ __device__ __forceinline__ void bwd_softmax_p(float (&sacc)[N], const float* lse
   }
 }
 
-// dq_full arrivals (kBwdDqBulk): as qdo_empty, one per consumer warp (every thread in the
+// dq_full arrivals: as qdo_empty, one per consumer warp (every thread in the
 // per-thread-release diagnostic build).
 constexpr uint32_t kBwdDqFullCount = kBwdQdoEmptyCount;
 
 template <typename T, int D, bool kAtomicDq>
 __global__ void __launch_bounds__(Sm90BwdConfig<D>::kThreads, 1)
 bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
-  // The deterministic kernel computes no dQ, so it has no writer (nor staging) even in a bulk build.
-  constexpr bool kBulk = kAtomicDq && kBwdDqBulk;
+  // The deterministic kernel computes no dQ, so it has no dQ writer (nor staging).
+  constexpr bool kBulk = kAtomicDq;
   using C = Sm90BwdConfig<D, kBulk>;
   constexpr int BM = C::kBlockM, BN = C::kBlockN;
 
@@ -272,7 +247,6 @@ bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
   if (wg == 0) {
     // ------------------------------------------------------------------ producer (warp 0)
     setmaxnreg_dec<C::kProducerRegs>();
-#if DUALKV_SM90_BWD_DQ_BULK
     if constexpr (kBulk) {
       if (threadIdx.x == 32) {
         // ---------------------------------------------------------------- dQ writer (warp 1)
@@ -313,7 +287,6 @@ bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
         return;
       }
     }
-#endif
     if (threadIdx.x >= 32) return;
     const int lane = threadIdx.x;
     if (lane == 0) {
@@ -426,21 +399,14 @@ bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
     mbar_wait(B.kv_full, kv_iter & 1);
     ++kv_iter;
 
-    int32_t tile_i = 0, head_i = 0;  // s % tiles, s / tiles, kept by counting (kBwdSoftmaxOverlap)
+    int32_t tile_i = 0, head_i = 0;  // s % tiles, s / tiles, kept by counting
     for (int32_t s = 0; s < n_steps; ++s, ++step) {
-      int h;
-      int32_t qt;
-      if constexpr (kBwdSoftmaxOverlap) {
-        // No integer division in front of the step's first wgmma.
-        h = hk * group + head_i;
-        qt = qa + tile_i * BM;
-        if (++tile_i == tiles) {
-          tile_i = 0;
-          ++head_i;
-        }
-      } else {
-        h = hk * group + s / tiles;
-        qt = qa + (s % tiles) * BM;
+      // No integer division in front of the step's first wgmma.
+      const int h = hk * group + head_i;
+      const int32_t qt = qa + tile_i * BM;
+      if (++tile_i == tiles) {
+        tile_i = 0;
+        ++head_i;
       }
       const uint32_t st = step & 1;
       const uint32_t qb_s = q_smem + st * C::kQBytes;
@@ -469,15 +435,16 @@ bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
       fence_regs(sacc);
       const float* lse_s = s_lse + st * BM;
       const float* delta_s = s_delta + st * BM;
+      // Softmax under the dP^T wgmma (H200 A/B at 274e72f: main kernel 4-6% faster than computing
+      // P^T between wgmma.wait_group 1 and 0, where ptxas sank 28 of the 32 MUFU.EX2 and the
+      // masking below the WARPGROUP.DEPBAR of dP^T). P^T is computed in its own branch, masked or
+      // not (the test is uniform per warpgroup and step): ptxas does not move it across the join,
+      // and an unmasked step skips the per-element mask arithmetic.
       const bool mask = tail || qt < k0 + cw * 64 + 63;
-      if constexpr (kBwdSoftmaxOverlap) {
-        if (mask)
-          bwd_softmax_p(sacc, lse_s, sl2, t4, kv_row0, klen, k0, qt, true);
-        else
-          bwd_softmax_p(sacc, lse_s, sl2, t4, kv_row0, klen, k0, qt, false);
-      } else {
-        bwd_softmax_p(sacc, lse_s, sl2, t4, kv_row0, klen, k0, qt, mask);
-      }
+      if (mask)
+        bwd_softmax_p(sacc, lse_s, sl2, t4, kv_row0, klen, k0, qt, true);
+      else
+        bwd_softmax_p(sacc, lse_s, sl2, t4, kv_row0, klen, k0, qt, false);
       wgmma_wait<0>();
       fence_regs(dpacc);
 #pragma unroll
@@ -543,52 +510,33 @@ bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
         fence_regs(dsf);
         __syncwarp();
         if (kBwdQdoEmptyCount != kBwdConsumerWarps || lane == 0) mbar_arrive(&B.qdo_empty[st]);
-        if constexpr (kBwdDqBulk) {
-          // Stage this warpgroup's dQ half for the writer: rows r0 = 16 warp + g and r0 + 8 (both
-          // with r % 8 == g), columns 8j + 2t4 of the half, in box (column / 32) at 16-byte chunk
-          // (column % 32) / 4 XOR g. Rows >= qb as 0: the reduce box always covers 64 rows.
-          mbar_wait(&B.dq_empty[st], ((step >> 1) & 1) ^ 1);
-          const int r0 = warp * 16 + g;
-          const bool v0 = qt + r0 < qb, v1 = qt + r0 + 8 < qb;
-          const uint32_t row_base = smem_u32(smem + C::kOffDQ) + st * C::kDqStageBytes + r0 * 128 + (t4 & 1) * 8;
-          // A full query tile (softmax-overlap build) stores without the row selects.
-          auto stage = [&](bool select_rows) {
-#pragma unroll
-            for (int j = 0; j < C::kDqN / 8; ++j) {
-              const uint32_t box = (cw * C::kDqN) / 32 + j / 4;
-              const uint32_t chunk = static_cast<uint32_t>((2 * (j % 4) + (t4 >> 1)) ^ g);
-              const uint32_t addr = row_base + box * C::kDqBoxBytes + (chunk << 4);
-              const bool w0 = !select_rows || v0, w1 = !select_rows || v1;
-              bwd_st_shared_f32x2(addr, w0 ? dq[4 * j + 0] : 0.f, w0 ? dq[4 * j + 1] : 0.f);
-              bwd_st_shared_f32x2(addr + 8 * 128, w1 ? dq[4 * j + 2] : 0.f, w1 ? dq[4 * j + 3] : 0.f);
-            }
-          };
-          if (kBwdSoftmaxOverlap && qt + BM <= qb)
-            stage(false);
-          else
-            stage(true);
-          // Generic-proxy stores before the writer's async-proxy (TMA) reads.
-          bwd_fence_proxy_async();
-          __syncwarp();
-          if (kBwdDqFullCount != kBwdConsumerWarps || lane == 0) mbar_arrive(&B.dq_full[st]);
-        } else {
-          // 16-byte atomics: lanes t, t^1 swap halves so the even lane holds row g, cols [2t, 2t+4)
-          // and the odd lane row g+8, cols [2t-2, 2t+2).
-          const bool odd = t4 & 1;
-          const int32_t qi = qt + warp * 16 + g + (odd ? 8 : 0);
-          const int col = cw * C::kDqN + 2 * t4 - (odd ? 2 : 0);
-          float* dst = a.dq_accum + (static_cast<int64_t>(qi) * H + h) * D + col;
+        // Stage this warpgroup's dQ half for the writer: rows r0 = 16 warp + g and r0 + 8 (both
+        // with r % 8 == g), columns 8j + 2t4 of the half, in box (column / 32) at 16-byte chunk
+        // (column % 32) / 4 XOR g. Rows >= qb as 0: the reduce box always covers 64 rows.
+        mbar_wait(&B.dq_empty[st], ((step >> 1) & 1) ^ 1);
+        const int r0 = warp * 16 + g;
+        const bool v0 = qt + r0 < qb, v1 = qt + r0 + 8 < qb;
+        const uint32_t row_base = smem_u32(smem + C::kOffDQ) + st * C::kDqStageBytes + r0 * 128 + (t4 & 1) * 8;
+        // A full query tile stores without the row selects.
+        auto stage = [&](bool select_rows) {
 #pragma unroll
           for (int j = 0; j < C::kDqN / 8; ++j) {
-            const float s0 = odd ? dq[4 * j + 0] : dq[4 * j + 2];
-            const float s1 = odd ? dq[4 * j + 1] : dq[4 * j + 3];
-            const float r0 = __shfl_xor_sync(0xffffffffu, s0, 1);
-            const float r1 = __shfl_xor_sync(0xffffffffu, s1, 1);
-            const float4 v4 = odd ? make_float4(r0, r1, dq[4 * j + 2], dq[4 * j + 3])
-                                  : make_float4(dq[4 * j + 0], dq[4 * j + 1], r0, r1);
-            if (qi < qb) atomicAdd(reinterpret_cast<float4*>(dst + j * 8), v4);
+            const uint32_t box = (cw * C::kDqN) / 32 + j / 4;
+            const uint32_t chunk = static_cast<uint32_t>((2 * (j % 4) + (t4 >> 1)) ^ g);
+            const uint32_t addr = row_base + box * C::kDqBoxBytes + (chunk << 4);
+            const bool w0 = !select_rows || v0, w1 = !select_rows || v1;
+            bwd_st_shared_f32x2(addr, w0 ? dq[4 * j + 0] : 0.f, w0 ? dq[4 * j + 1] : 0.f);
+            bwd_st_shared_f32x2(addr + 8 * 128, w1 ? dq[4 * j + 2] : 0.f, w1 ? dq[4 * j + 3] : 0.f);
           }
-        }
+        };
+        if (qt + BM <= qb)
+          stage(false);
+        else
+          stage(true);
+        // Generic-proxy stores before the writer's async-proxy (TMA) reads.
+        bwd_fence_proxy_async();
+        __syncwarp();
+        if (kBwdDqFullCount != kBwdConsumerWarps || lane == 0) mbar_arrive(&B.dq_full[st]);
       } else {
         wgmma_wait<0>();
         fence_regs(dk);

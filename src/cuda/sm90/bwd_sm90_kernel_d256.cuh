@@ -61,17 +61,6 @@
 
 namespace dualkv::cuda::sm90 {
 
-// dQ by bulk reduce from the dead Q/dO stage (see the header comment). A build-wide switch, like
-// kBwdDqBulk: the kernel keeps its name and a default build compiles to the same code.
-#if DUALKV_SM90_BWD_D256_DQ_BULK
-#if !DUALKV_SM90_BWD_DQ_BULK
-#error "DUALKV_SM90_BWD_D256_DQ_BULK needs DUALKV_SM90_BWD_DQ_BULK (the dq_accum tensor map)"
-#endif
-constexpr bool kBwdD256DqBulk = true;
-#else
-constexpr bool kBwdD256DqBulk = false;
-#endif
-
 struct Sm90BwdConfigD256 {
   static constexpr int D = 256;
   static constexpr int kBlockM = 64;  // query rows per step
@@ -97,8 +86,8 @@ struct Sm90BwdConfigD256 {
   static constexpr uint32_t kOffLse = kOffDS + kDSBytes;
   static constexpr uint32_t kOffDelta = kOffLse + 2 * kBlockM * 4;
   static constexpr uint32_t kOffBar = kOffDelta + 2 * kBlockM * 4;
-  // 10 mbarriers + 2 item slots; the bulk-dQ kernel (kBwdD256DqBulk) adds dq_full[2] after the slots.
-  static constexpr uint32_t kBarBytes = 8 * 10 + 16 + (kBwdD256DqBulk ? 8 * 2 : 0);
+  // 10 mbarriers + 2 item slots, then dq_full[2] (used by the dQ-computing kernel only).
+  static constexpr uint32_t kBarBytes = 8 * 10 + 16 + 8 * 2;
   // dQ staging boxes of the bulk-dQ kernel: 32 fp32 columns x 64 rows (128-byte rows), four per
   // warpgroup half, in the step's Q (columns 0..127) or dO (128..255) stage.
   static constexpr int kDqBoxes = D / 32;
@@ -112,15 +101,9 @@ struct Sm90BwdConfigD256 {
 };
 
 constexpr uint32_t kBwdPBarrier = 2;  // named barrier: P^T of the step stored by the P warpgroup
-constexpr uint32_t kBwdSBarrier = 3;  // named barrier: S^T of the step retired (kBwdD256StaggerDp)
-
-// Staggered issue (DUALKV_SM90_BWD_D256_STAGGER, default 1): the dS warpgroup issues dP^T only once
-// the P warpgroup's S^T has retired (named barrier 3), so S^T has the tensor cores to itself and the
-// exponentials of P^T overlap dP^T instead of following both products; 0 issues both at once.
-#ifndef DUALKV_SM90_BWD_D256_STAGGER
-#define DUALKV_SM90_BWD_D256_STAGGER 1
-#endif
-constexpr bool kBwdD256StaggerDp = DUALKV_SM90_BWD_D256_STAGGER != 0;
+// Named barrier: S^T of the step retired. The dS warpgroup issues dP^T only then, so S^T has the
+// tensor cores to itself and the exponentials of P^T overlap dP^T instead of following both products.
+constexpr uint32_t kBwdSBarrier = 3;
 
 __device__ __forceinline__ void bwd_st_shared_v4(uint32_t addr, uint32_t a, uint32_t b, uint32_t c, uint32_t d) {
   asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(a), "r"(b), "r"(c), "r"(d)
@@ -140,7 +123,7 @@ __global__ void __launch_bounds__(Sm90BwdConfigD256::kThreads, 1)
 bwd_sm90_kernel_d256(const __grid_constant__ Sm90BwdParams<256> p) {
   using C = Sm90BwdConfigD256;
   constexpr int BM = C::kBlockM, BN = C::kBlockN, D = C::D;
-  constexpr bool kBulk = kAtomicDq && kBwdD256DqBulk;
+  constexpr bool kBulk = kAtomicDq;  // dQ by bulk reduce from the dead Q/dO stage
 
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   const uint32_t pad = (1024u - (smem_u32(smem_raw) & 1023u)) & 1023u;
@@ -187,7 +170,6 @@ bwd_sm90_kernel_d256(const __grid_constant__ Sm90BwdParams<256> p) {
   if (wg == 0) {
     // ------------------------------------------------------------------ producer (warp 0)
     setmaxnreg_dec<C::kProducerRegs>();
-#if DUALKV_SM90_BWD_D256_DQ_BULK
     if constexpr (kBulk) {
       if (threadIdx.x == 32) {
         // ---------------------------------------------------------------- dQ writer (warp 1)
@@ -234,7 +216,6 @@ bwd_sm90_kernel_d256(const __grid_constant__ Sm90BwdParams<256> p) {
         return;
       }
     }
-#endif
     if (threadIdx.x >= 32) return;
     const int lane = threadIdx.x;
     if (lane == 0) {
@@ -356,7 +337,7 @@ bwd_sm90_kernel_d256(const __grid_constant__ Sm90BwdParams<256> p) {
       // S^T = K Q^T (P role) or dP^T = V dO^T (dS role).
       const uint32_t b_first = p_role ? qb_s : dob_s;
       float sacc[BM / 2];
-      if (kBwdD256StaggerDp && !p_role) named_bar_sync(kBwdSBarrier, 256);
+      if (!p_role) named_bar_sync(kBwdSBarrier, 256);
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < D / 16; ++kk) {
@@ -367,7 +348,7 @@ bwd_sm90_kernel_d256(const __grid_constant__ Sm90BwdParams<256> p) {
       wgmma_commit();
       wgmma_wait<0>();
       fence_regs(sacc);
-      if (kBwdD256StaggerDp && p_role) named_bar_arrive(kBwdSBarrier, 256);
+      if (p_role) named_bar_arrive(kBwdSBarrier, 256);
 
       // A fragments (m = kv, k = q) of P^T (P role) or dS^T (dS role).
       uint32_t frag[BM / 4];
@@ -428,12 +409,8 @@ bwd_sm90_kernel_d256(const __grid_constant__ Sm90BwdParams<256> p) {
         wgmma_wait<0>();
         fence_regs(acc);
         fence_regs(frag);
-        // Q, dO, lse and delta of the stage are no longer read (dQ reads only dS and K). kBulk: the
-        // stage is released by the writer instead, after the dQ staged in it has been read.
-        if constexpr (!kBulk) {
-          __syncwarp();
-          if (kBwdQdoEmptyCount != kBwdConsumerWarps || lane == 0) mbar_arrive(&B.qdo_empty[st]);
-        }
+        // Q, dO, lse and delta of the stage are no longer read (dQ reads only dS and K); the stage
+        // is released by the dQ writer, after the dQ staged in it has been read.
         named_bar_sync(kBwdDsBarrier, 256);  // dS of the step written
         float dq[C::kDqN / 2];
         wgmma_fence();
@@ -444,44 +421,25 @@ bwd_sm90_kernel_d256(const __grid_constant__ Sm90BwdParams<256> p) {
         wgmma_commit();
         wgmma_wait<0>();
         fence_regs(dq);
-        if constexpr (kBulk) {
-          // Stage this warpgroup's dQ half in the step's Q (P role) or dO (dS role) stage: rows
-          // r0 = 16 warp + g and r0 + 8 (both with r % 8 == g), half-columns 8j + 2t4 in box j / 4 at
-          // 16-byte chunk (2 (j % 4) + t4 / 2) XOR g, word pair t4 & 1. Both warpgroups passed
-          // barrier 1 after retiring dV and dK, so no wgmma reads either buffer any more. Rows >= qb
-          // as 0: the reduce box always covers 64 rows.
-          const int r0 = warp * 16 + g;
-          const bool v0 = qt + r0 < qb, v1 = qt + r0 + 8 < qb;
-          const uint32_t row_base = (p_role ? qb_s : dob_s) + r0 * 128 + (t4 & 1) * 8;
-#pragma unroll
-          for (int j = 0; j < C::kDqN / 8; ++j) {
-            const uint32_t chunk = static_cast<uint32_t>((2 * (j % 4) + (t4 >> 1)) ^ g);
-            const uint32_t addr = row_base + (j / 4) * C::kDqBoxBytes + (chunk << 4);
-            bwd_st_shared_f32x2(addr, v0 ? dq[4 * j + 0] : 0.f, v0 ? dq[4 * j + 1] : 0.f);
-            bwd_st_shared_f32x2(addr + 8 * 128, v1 ? dq[4 * j + 2] : 0.f, v1 ? dq[4 * j + 3] : 0.f);
-          }
-          // Generic-proxy stores before the writer's async-proxy (TMA) reads.
-          bwd_fence_proxy_async();
-          __syncwarp();
-          if (kBwdDqFullCount != kBwdConsumerWarps || lane == 0) mbar_arrive(&B.dq_full[st]);
-          continue;  // to the next step (no atomics)
-        }
-        // 16-byte atomics: lanes t, t^1 swap halves so the even lane holds row g, cols [2t, 2t+4)
-        // and the odd lane row g+8, cols [2t-2, 2t+2).
-        const bool odd = t4 & 1;
-        const int32_t qi = qt + warp * 16 + g + (odd ? 8 : 0);
-        const int col = cw * C::kDqN + 2 * t4 - (odd ? 2 : 0);
-        float* dst = a.dq_accum + (static_cast<int64_t>(qi) * H + h) * D + col;
+        // Stage this warpgroup's dQ half in the step's Q (P role) or dO (dS role) stage: rows
+        // r0 = 16 warp + g and r0 + 8 (both with r % 8 == g), half-columns 8j + 2t4 in box j / 4 at
+        // 16-byte chunk (2 (j % 4) + t4 / 2) XOR g, word pair t4 & 1. Both warpgroups passed
+        // barrier 1 after retiring dV and dK, so no wgmma reads either buffer any more. Rows >= qb
+        // as 0: the reduce box always covers 64 rows.
+        const int r0 = warp * 16 + g;
+        const bool v0 = qt + r0 < qb, v1 = qt + r0 + 8 < qb;
+        const uint32_t row_base = (p_role ? qb_s : dob_s) + r0 * 128 + (t4 & 1) * 8;
 #pragma unroll
         for (int j = 0; j < C::kDqN / 8; ++j) {
-          const float s0 = odd ? dq[4 * j + 0] : dq[4 * j + 2];
-          const float s1 = odd ? dq[4 * j + 1] : dq[4 * j + 3];
-          const float r0 = __shfl_xor_sync(0xffffffffu, s0, 1);
-          const float r1 = __shfl_xor_sync(0xffffffffu, s1, 1);
-          const float4 v4 = odd ? make_float4(r0, r1, dq[4 * j + 2], dq[4 * j + 3])
-                                : make_float4(dq[4 * j + 0], dq[4 * j + 1], r0, r1);
-          if (qi < qb) atomicAdd(reinterpret_cast<float4*>(dst + j * 8), v4);
+          const uint32_t chunk = static_cast<uint32_t>((2 * (j % 4) + (t4 >> 1)) ^ g);
+          const uint32_t addr = row_base + (j / 4) * C::kDqBoxBytes + (chunk << 4);
+          bwd_st_shared_f32x2(addr, v0 ? dq[4 * j + 0] : 0.f, v0 ? dq[4 * j + 1] : 0.f);
+          bwd_st_shared_f32x2(addr + 8 * 128, v1 ? dq[4 * j + 2] : 0.f, v1 ? dq[4 * j + 3] : 0.f);
         }
+        // Generic-proxy stores before the writer's async-proxy (TMA) reads.
+        bwd_fence_proxy_async();
+        __syncwarp();
+        if (kBwdDqFullCount != kBwdConsumerWarps || lane == 0) mbar_arrive(&B.dq_full[st]);
       } else {
         wgmma_wait<0>();
         fence_regs(acc);

@@ -16,7 +16,6 @@
 
 namespace dualkv::cuda::sm90 {
 
-#if DUALKV_SM90_BWD_DQ_BULK
 // Tensor map over the fp32 dQ accumulator [T, heads, D] (contiguous): box = 32 columns (128 B) x 1
 // head x 64 rows, 128-byte swizzle, the layout of the kernel's dQ staging boxes. Used only to
 // reduce-add into it; TMA skips the box's rows past T.
@@ -31,14 +30,13 @@ inline bool make_dq_accum_map(CUtensorMap* map, float* base, int D, int heads, i
             CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_NONE,
             CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
-#endif
 
 // The parameters of one main-kernel launch: the argument check, the TMA maps of Q, dO (BlockM-row
-// boxes), K, V (BlockN-row boxes) and, when dQ goes by bulk reduce (`bulk_dq`, not in deterministic
-// mode), of the fp32 dQ accumulator; the work counter zeroed on `stream`. cudaErrorNotSupported:
+// boxes), K, V (BlockN-row boxes) and, unless deterministic (no dQ), of the fp32 dQ accumulator; the
+// work counter zeroed on `stream`. cudaErrorNotSupported:
 // nothing was launched (the caller falls back to the sm80 kernel).
 template <typename Element, int HeadDim, int BlockM, int BlockN>
-cudaError_t prepare_bwd_params(const BwdArgs& args, bool bulk_dq, Sm90BwdParams<HeadDim>* p, cudaStream_t stream) {
+cudaError_t prepare_bwd_params(const BwdArgs& args, Sm90BwdParams<HeadDim>* p, cudaStream_t stream) {
   constexpr CUtensorMapDataType dt = Pack2<Element>::kTmaType;
   if (!bwd_args_supported(args, HeadDim, 2)) return cudaErrorNotSupported;
   const int T = args.layout.num_tokens;
@@ -50,12 +48,8 @@ cudaError_t prepare_bwd_params(const BwdArgs& args, bool bulk_dq, Sm90BwdParams<
       !detail::make_map(&p->tk, dt, args.k, HeadDim, Hk, T, args.k_hs, args.k_ts, BlockN) ||
       !detail::make_map(&p->tv, dt, args.v, HeadDim, Hk, T, args.v_hs, args.v_ts, BlockN))
     return cudaErrorNotSupported;
-#if DUALKV_SM90_BWD_DQ_BULK
-  if (bulk_dq && !args.deterministic && !make_dq_accum_map(&p->tdq, args.dq_accum, HeadDim, H, T, BlockM))
+  if (!args.deterministic && !make_dq_accum_map(&p->tdq, args.dq_accum, HeadDim, H, T, BlockM))
     return cudaErrorNotSupported;
-#else
-  (void)bulk_dq;
-#endif
   if (detail::sm_count() <= 0) return cudaErrorInvalidDevice;
   return cudaMemsetAsync(p->counter, 0, sizeof(int32_t), stream);
 }
@@ -70,16 +64,15 @@ cudaError_t launch_persistent(void (*kernel)(Params), uint32_t smem, int threads
   return cudaGetLastError();
 }
 
-// Head dim 256 (bwd_sm90_kernel_d256.cuh; DUALKV_SM90_BWD_D256 builds): 64-row KV tiles, dQ by
-// per-thread atomics, or by TMA reduce-adds from the dead Q/dO stage in a DUALKV_SM90_BWD_D256_DQ_BULK
-// build (which needs DUALKV_SM90_BWD_DQ_BULK: the same dq_accum tensor map, 64-row boxes).
+// Head dim 256 (bwd_sm90_kernel_d256.cuh): 64-row KV tiles, dQ by TMA reduce-adds from the dead Q/dO
+// stage (the same dq_accum tensor map as the D <= 128 kernel, 64-row boxes).
 template <typename Element>
 cudaError_t run_bwd_main_d256(const BwdArgs& args, cudaStream_t stream) {
   using C = Sm90BwdConfigD256;
   static_assert(BwdConfig<256>::kBlockN == C::kBlockN, "sm90 backward d256: plan KV tiles must be kBlockN rows");
   static_assert(BwdConfig<256>::kBlockM == C::kBlockM, "sm90 backward d256: plan splits are multiples of kBlockM");
   Sm90BwdParams<256> p;
-  cudaError_t err = prepare_bwd_params<Element, 256, C::kBlockM, C::kBlockN>(args, kBwdD256DqBulk, &p, stream);
+  cudaError_t err = prepare_bwd_params<Element, 256, C::kBlockM, C::kBlockN>(args, &p, stream);
   if (err != cudaSuccess) return err;
   auto kernel = args.deterministic ? bwd_sm90_kernel_d256<Element, false> : bwd_sm90_kernel_d256<Element, true>;
   return launch_persistent(kernel, C::kSmemBytes, C::kThreads, p, stream);
@@ -94,12 +87,12 @@ cudaError_t run_bwd_main(const BwdArgs& args, cudaStream_t stream) {
     static_assert(BwdConfig<HeadDim>::kBlockN == C::kBlockN, "sm90 backward: plan KV tiles must be kBlockN rows");
     static_assert(BwdConfig<HeadDim>::kBlockM == C::kBlockM, "sm90 backward: plan splits are multiples of kBlockM");
     Sm90BwdParams<HeadDim> p;
-    cudaError_t err = prepare_bwd_params<Element, HeadDim, C::kBlockM, C::kBlockN>(args, kBwdDqBulk, &p, stream);
+    cudaError_t err = prepare_bwd_params<Element, HeadDim, C::kBlockM, C::kBlockN>(args, &p, stream);
     if (err != cudaSuccess) return err;
     if (args.deterministic)
       return launch_persistent(bwd_sm90_kernel<Element, HeadDim, false>, C::kSmemBytes, C::kThreads, p, stream);
-    // The atomic-dQ kernel of a bulk build has dQ staging buffers on top.
-    return launch_persistent(bwd_sm90_kernel<Element, HeadDim, true>, Sm90BwdConfig<HeadDim, kBwdDqBulk>::kSmemBytes,
+    // The dQ-computing kernel has dQ staging buffers on top.
+    return launch_persistent(bwd_sm90_kernel<Element, HeadDim, true>, Sm90BwdConfig<HeadDim, true>::kSmemBytes,
                              C::kThreads, p, stream);
   }
 }

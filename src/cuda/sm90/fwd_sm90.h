@@ -9,15 +9,8 @@
 
 namespace dualkv::cuda::sm90 {
 
-// Defaults of run_fwd. kDefaultPingPong: the consumer warpgroups take turns issuing their matrix
-// products. kDefaultTileWindow: tiles per scheduling window (decode_item in fwd_sm90_kernel.cuh).
-// kDefaultSplitRelease: release a stage's K tile as soon as S = Q K^T completes (separate
-// k_empty barrier) instead of with its V tile after P V, so the next K load has a whole iteration
-// of slack. Measured on the H200 (hdim 128 bf16, three configs, twice): 460-474 -> 568-639
-// TFLOP/s, +24-37% (docs/hopper.md).
-constexpr bool kDefaultPingPong = true;
-constexpr int kDefaultTileWindow = 16;
-constexpr bool kDefaultSplitRelease = true;
+// Tiles per scheduling window (decode_item in fwd_sm90_kernel.cuh).
+constexpr int kTileWindow = 16;
 
 // Launches the forward kernel for one micro-batch on `stream`. Zeroes args.counter first (the
 // work-item counter), like the sm80 launcher. Returns cudaErrorNotSupported when the inputs do not
@@ -26,12 +19,6 @@ constexpr bool kDefaultSplitRelease = true;
 // capability 9.0 (sm_90a code).
 template <typename Element, int HeadDim>
 cudaError_t run_fwd(const FwdArgs& args, cudaStream_t stream);
-
-// The same with the scheduling knobs explicit (A/B runs): kPingPong (consumer warpgroups take
-// turns issuing wgmma), kSplitRelease (see above) and tile_window (tiles per scheduling window,
-// >= 1). run_fwd uses the defaults above. Each unit instantiates the default knobs.
-template <typename Element, int HeadDim, bool kPingPong, bool kSplitRelease>
-cudaError_t launch_fwd_variant(const FwdArgs& args, cudaStream_t stream, int tile_window);
 
 // Whether this build has an sm90 forward kernel for `head_dim` (either dtype).
 bool fwd_supported(int head_dim);

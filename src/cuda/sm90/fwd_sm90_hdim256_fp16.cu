@@ -3,6 +3,4 @@
 
 namespace dualkv::cuda::sm90 {
 template cudaError_t run_fwd<__half, 256>(const FwdArgs& args, cudaStream_t stream);
-template cudaError_t launch_fwd_variant<__half, 256, kDefaultPingPong, kDefaultSplitRelease>(
-    const FwdArgs& args, cudaStream_t stream, int tile_window);
 }  // namespace dualkv::cuda::sm90

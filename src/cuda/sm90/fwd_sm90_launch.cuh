@@ -64,8 +64,8 @@ inline int sm_count() {
 }  // namespace detail
 
 
-template <typename Element, int HeadDim, bool kPingPong, bool kSplitRelease>
-cudaError_t launch_fwd_variant(const FwdArgs& args, cudaStream_t stream, int tile_window) {
+template <typename Element, int HeadDim>
+cudaError_t run_fwd(const FwdArgs& args, cudaStream_t stream) {
   using C = Sm90FwdConfig<HeadDim>;
   // The plan's forward items are query tiles of tile_shape_for(head_dim).fwd_block_m rows (the
   // sm80 forward's kBlockM); the kernel holds one such tile per CTA.
@@ -77,12 +77,12 @@ cudaError_t launch_fwd_variant(const FwdArgs& args, cudaStream_t stream, int til
   if (!fwd_args_supported(args, HeadDim, 2)) return cudaErrorNotSupported;
   Sm90FwdParams<HeadDim> p;
   p.a = args;
-  p.tile_window = tile_window > 0 ? tile_window : 1;
+  p.tile_window = kTileWindow;
   if (!detail::make_map(&p.tq, dt, args.q, HeadDim, H, T, args.q_hs, args.q_ts, C::kBlockM) ||
       !detail::make_map(&p.tk, dt, args.k, HeadDim, Hk, T, args.k_hs, args.k_ts, C::kBlockN) ||
       !detail::make_map(&p.tv, dt, args.v, HeadDim, Hk, T, args.v_hs, args.v_ts, C::kBlockN))
     return cudaErrorNotSupported;
-  auto kernel = fwd_sm90_kernel<Element, HeadDim, kPingPong, kSplitRelease>;
+  auto kernel = fwd_sm90_kernel<Element, HeadDim>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          static_cast<int>(C::kSmemBytes));
   if (err != cudaSuccess) return err;
@@ -93,10 +93,5 @@ cudaError_t launch_fwd_variant(const FwdArgs& args, cudaStream_t stream, int til
   return cudaGetLastError();
 }
 
-template <typename Element, int HeadDim>
-cudaError_t run_fwd(const FwdArgs& args, cudaStream_t stream) {
-  return launch_fwd_variant<Element, HeadDim, kDefaultPingPong, kDefaultSplitRelease>(args, stream,
-                                                                                  kDefaultTileWindow);
-}
 
 }  // namespace dualkv::cuda::sm90
