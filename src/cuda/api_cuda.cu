@@ -1,5 +1,6 @@
-// Host side of the CUDA backend: support checks, the work planner, workspace sizes and dispatch
-// to the per-(head dim, dtype) launchers instantiated in the generated translation units.
+// Host side of the CUDA backend: support checks, plans for a device (the planner is plan.cpp),
+// workspace sizes and dispatch to the per-(head dim, dtype) launchers instantiated in the
+// generated translation units.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -17,6 +18,7 @@
 #include "internal.h"
 #include "kernel_params.h"
 #include "plan.h"
+#include "tile_size.h"
 #ifdef DUALKV_WITH_SM90
 #include "sm90/fwd_sm90.h"
 #endif
@@ -146,153 +148,10 @@ dualkv_status query_device(int32_t device_index, DeviceInfo* out) {
   return DUALKV_OK;
 }
 
-// ---- plan ----
-
-uint64_t mix64(uint64_t x) {
-  x += 0x9E3779B97F4A7C15ull;
-  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-  return x ^ (x >> 31);
-}
-
-constexpr int kSlotBits = 20;
-constexpr uint64_t kSlotMask = (uint64_t(1) << kSlotBits) - 1;
-
-// The part of the plan key that names the tiling and the layout's S and T.
-uint64_t plan_key_hash(int head_dim, int32_t S, int32_t T) {
-  const TileShape ts = tile_shape_for(head_dim);
-  uint64_t h = mix64(static_cast<uint64_t>(kPlanVersion) << 48 | static_cast<uint64_t>(head_dim) << 32 |
-                     static_cast<uint64_t>(ts.fwd_block_m) << 16 | static_cast<uint64_t>(ts.bwd_block_n));
-  h = mix64(h ^ (static_cast<uint64_t>(ts.bwd_block_m) << 40) ^ static_cast<uint64_t>(static_cast<uint32_t>(S)));
-  h = mix64(h ^ (static_cast<uint64_t>(static_cast<uint32_t>(T)) << 7));
-  return h >> kSlotBits;
-}
-
-struct Plan {
-  std::vector<int32_t> data;
-  uint64_t key = 0;
-};
-
-dualkv_status build_plan(const dualkv_layout& l, int head_dim, int sms, Plan* out) {
-  const TileShape ts = tile_shape_for(head_dim);
-  const int32_t S = l.num_segments, T = l.num_tokens;
-  const int32_t* off = l.seg_offsets;
-  std::vector<int32_t> root(S);
-  for (int32_t s = 0; s < S; ++s) root[s] = l.seg_parent[s] < 0 ? s : root[l.seg_parent[s]];
-
-  struct Fwd { int32_t s, q0, q1, work; };
-  std::vector<Fwd> fwd;
-  for (int32_t s = 0; s < S; ++s)
-    for (int32_t q0 = off[s]; q0 < off[s + 1]; q0 += ts.fwd_block_m) {
-      const int32_t q1 = std::min(q0 + ts.fwd_block_m, off[s + 1]);
-      fwd.push_back({s, q0, q1, l.seg_position_offset[s] + (q1 - off[s])});
-    }
-  std::stable_sort(fwd.begin(), fwd.end(), [&](const Fwd& a, const Fwd& b) {
-    if (a.work != b.work) return a.work > b.work;
-    if (root[a.s] != root[b.s]) return root[a.s] < root[b.s];
-    const int32_t ra = a.q0 - off[a.s], rb = b.q0 - off[b.s];
-    if (ra != rb) return ra < rb;
-    return a.s < b.s;
-  });
-
-  // Backward KV tiles and their query ranges [k0, subtree token end).
-  struct Kv { int32_t s, k0, k1, qend; };
-  std::vector<Kv> kv;
-  int64_t total = 0;
-  for (int32_t s = 0; s < S; ++s) {
-    const int32_t qend = off[l.seg_subtree_end[s]];
-    for (int32_t k0 = off[s]; k0 < off[s + 1]; k0 += ts.bwd_block_n) {
-      kv.push_back({s, k0, std::min(k0 + ts.bwd_block_n, off[s + 1]), qend});
-      total += qend - k0;
-    }
-  }
-  // Split length: ranges longer than this are cut into several work items (fp32 partials reduced
-  // in a fixed order). DUALKV_CUDA_SPLIT_ROWS forces a length (tests use it to exercise splits).
-  int64_t split = std::max<int64_t>(8192, (total + sms - 1) / std::max(sms, 1));
-  if (const char* env = std::getenv("DUALKV_CUDA_SPLIT_ROWS")) {
-    const long long v = std::atoll(env);
-    if (v > 0) split = v;
-  }
-  split = (split + ts.bwd_block_m - 1) / ts.bwd_block_m * ts.bwd_block_m;
-  // Keep the slot count encodable in the key.
-  while (true) {
-    int64_t slots = 0;
-    for (const Kv& t : kv) {
-      const int64_t n = (t.qend - t.k0 + split - 1) / split;
-      if (n > 1) slots += n;
-    }
-    if (slots <= static_cast<int64_t>(kSlotMask)) break;
-    split *= 2;
-  }
-
-  struct Bwd { int32_t s, k0, k1, qa, qb, slot; };
-  struct Red { int32_t s, k0, k1, slot0, n; };
-  std::vector<Bwd> bwd;
-  std::vector<Red> red;
-  int32_t n_slots = 0;
-  for (const Kv& t : kv) {
-    const int64_t len = t.qend - t.k0;
-    const int32_t n = static_cast<int32_t>((len + split - 1) / split);
-    if (n == 1) {
-      bwd.push_back({t.s, t.k0, t.k1, t.k0, t.qend, -1});
-    } else {
-      red.push_back({t.s, t.k0, t.k1, n_slots, n});
-      for (int32_t i = 0; i < n; ++i) {
-        const int32_t qa = static_cast<int32_t>(t.k0 + i * split);
-        const int32_t qb = static_cast<int32_t>(std::min<int64_t>(qa + split, t.qend));
-        bwd.push_back({t.s, t.k0, t.k1, qa, qb, n_slots + i});
-      }
-      n_slots += n;
-    }
-  }
-  std::stable_sort(bwd.begin(), bwd.end(), [&](const Bwd& a, const Bwd& b) {
-    const int32_t wa = a.qb - a.qa, wb = b.qb - b.qa;
-    if (wa != wb) return wa > wb;
-    if (root[a.s] != root[b.s]) return root[a.s] < root[b.s];
-    return a.k0 != b.k0 ? a.k0 < b.k0 : a.qa < b.qa;
-  });
-
-  const int64_t fwd_off = kHeaderInts;
-  const int64_t bwd_off = fwd_off + static_cast<int64_t>(fwd.size()) * kFwdItemInts;
-  const int64_t red_off = bwd_off + static_cast<int64_t>(bwd.size()) * kBwdItemInts;
-  const int64_t total_len = red_off + static_cast<int64_t>(red.size()) * kRedItemInts;
-  if (total_len > INT32_MAX)
-    return fail(DUALKV_ERROR_UNSUPPORTED, "plan: layout too large for an int32 work plan");
-  std::vector<int32_t>& d = out->data;
-  d.assign(static_cast<size_t>(total_len), 0);
-  d[kHdrMagic] = kPlanMagic;
-  d[kHdrVersion] = kPlanVersion;
-  d[kHdrS] = S;
-  d[kHdrT] = T;
-  d[kHdrNumFwd] = static_cast<int32_t>(fwd.size());
-  d[kHdrNumBwd] = static_cast<int32_t>(bwd.size());
-  d[kHdrNumRed] = static_cast<int32_t>(red.size());
-  d[kHdrNumSlots] = n_slots;
-  d[kHdrFwdOffset] = static_cast<int32_t>(fwd_off);
-  d[kHdrBwdOffset] = static_cast<int32_t>(bwd_off);
-  d[kHdrRedOffset] = static_cast<int32_t>(red_off);
-  d[kHdrTotalLen] = static_cast<int32_t>(total_len);
-  d[kHdrHeadDim] = head_dim;
-  for (size_t i = 0; i < fwd.size(); ++i) {
-    int32_t* p = &d[fwd_off + i * kFwdItemInts];
-    p[0] = fwd[i].s; p[1] = fwd[i].q0; p[2] = fwd[i].q1; p[3] = fwd[i].work;
-  }
-  for (size_t i = 0; i < bwd.size(); ++i) {
-    int32_t* p = &d[bwd_off + i * kBwdItemInts];
-    p[0] = bwd[i].s; p[1] = bwd[i].k0; p[2] = bwd[i].k1; p[3] = bwd[i].qa; p[4] = bwd[i].qb; p[5] = bwd[i].slot;
-  }
-  for (size_t i = 0; i < red.size(); ++i) {
-    int32_t* p = &d[red_off + i * kRedItemInts];
-    p[0] = red[i].s; p[1] = red[i].k0; p[2] = red[i].k1; p[3] = red[i].slot0; p[4] = red[i].n; p[5] = 0;
-  }
-  out->key = (plan_key_hash(head_dim, S, T) << kSlotBits) | static_cast<uint64_t>(n_slots);
-  return DUALKV_OK;
-}
-
 template <typename Params>
 dualkv_status check_plan(const Params& p, const char* what) {
-  const uint64_t expect = plan_key_hash(p.head_dim, p.layout.num_segments, p.layout.num_tokens);
-  if ((p.plan_key >> kSlotBits) != expect)
+  const uint64_t expect = plan::key_hash(p.head_dim, p.layout.num_segments, p.layout.num_tokens);
+  if ((p.plan_key >> kPlanSlotBits) != expect)
     return fail(DUALKV_ERROR_INVALID_ARGUMENT,
                 "%s: plan_key does not match this layout (S=%d, T=%d) and head_dim %d tiling; the plan was "
                 "built for another layout or configuration: rebuild it with dualkv_plan_build",
@@ -319,8 +178,8 @@ dualkv_status cuda_fail(const char* what, cudaError_t err) {
 }
 
 size_t bwd_partials_bytes(const dualkv_bwd_params& p) {
-  const size_t slots = static_cast<size_t>(p.plan_key & kSlotMask);
-  return slots * p.num_kv_heads * 2 * tile_shape_for(p.head_dim).bwd_block_n * p.head_dim * sizeof(float);
+  const size_t slots = static_cast<size_t>(plan::key_slots(p.plan_key));
+  return slots * p.num_kv_heads * 2 * plan_tiles(p.head_dim).bwd_block_n * p.head_dim * sizeof(float);
 }
 
 cudaError_t dispatch_fwd(int D, int32_t dtype, const FwdArgs& a, int sms, cudaStream_t st, bool* found) {
@@ -393,10 +252,10 @@ dualkv_status cuda_plan_size(const dualkv_layout& host_layout, int32_t device_in
   (void)dtype;
   DeviceInfo info;
   if (dualkv_status st = query_device(device_index, &info); st != DUALKV_OK) return st;
-  Plan plan;
-  if (dualkv_status st = build_plan(host_layout, head_dim, info.sms, &plan); st != DUALKV_OK) return st;
-  *plan_len = static_cast<int64_t>(plan.data.size());
-  *plan_key = plan.key;
+  dualkv::plan::Plan built;
+  if (dualkv_status st = dualkv::plan::build(host_layout, head_dim, info.sms, &built); st != DUALKV_OK) return st;
+  *plan_len = static_cast<int64_t>(built.data.size());
+  *plan_key = built.key;
   return DUALKV_OK;
 }
 
@@ -405,8 +264,8 @@ dualkv_status cuda_plan_build(const dualkv_layout& host_layout, int32_t device_i
   (void)dtype;
   DeviceInfo info;
   if (dualkv_status st = query_device(device_index, &info); st != DUALKV_OK) return st;
-  Plan p;
-  if (dualkv_status st = build_plan(host_layout, head_dim, info.sms, &p); st != DUALKV_OK) return st;
+  dualkv::plan::Plan p;
+  if (dualkv_status st = dualkv::plan::build(host_layout, head_dim, info.sms, &p); st != DUALKV_OK) return st;
   if (plan_len != static_cast<int64_t>(p.data.size()))
     return fail(DUALKV_ERROR_INVALID_ARGUMENT, "plan_build: plan_len %lld, but this layout's plan has %zu int32",
                 static_cast<long long>(plan_len), p.data.size());
@@ -557,7 +416,7 @@ dualkv_status cuda_bwd(const dualkv_bwd_params& p) {
   a.scale = static_cast<float>(p.softmax_scale);
   a.scale_log2 = static_cast<float>(p.softmax_scale * 1.4426950408889634);
   a.deterministic = (p.flags & DUALKV_FLAG_DETERMINISTIC) != 0;
-  a.n_slots = static_cast<int32_t>(p.plan_key & kSlotMask);
+  a.n_slots = plan::key_slots(p.plan_key);
 
   const size_t T = static_cast<size_t>(p.layout.num_tokens), H = static_cast<size_t>(p.num_heads);
   char* ws = static_cast<char*>(p.workspace);

@@ -21,7 +21,7 @@
 #include "common.cuh"
 #include "fwd_kernel.cuh"
 #include "kernel_params.h"
-#include "plan.h"
+#include "kernel_config.h"
 
 namespace dualkv::cuda {
 

@@ -10,7 +10,7 @@
 #include "common.cuh"
 #include "kv_walker.cuh"
 #include "kernel_params.h"
-#include "plan.h"
+#include "kernel_config.h"
 
 namespace dualkv::cuda {
 

@@ -60,7 +60,7 @@
 #include <stdint.h>
 
 #include "kernel_params.h"
-#include "plan.h"
+#include "kernel_config.h"
 #include "sm90/bwd_wgmma_ops.cuh"
 #include "sm90/fwd_sm90_kernel.cuh"  // Pack2
 #include "sm90/ptx.cuh"
@@ -73,7 +73,7 @@ namespace dualkv::cuda::sm90 {
 template <int D, bool kDqStage = false>
 struct Sm90BwdConfig {
   static constexpr int kBlockM = 64;   // query rows per step
-  static constexpr int kBlockN = 128;  // KV rows per item (= the plan's BwdConfig<D>::kBlockN)
+  static constexpr int kBlockN = 128;  // KV rows per item (= the plan's bwd_block_n)
   static constexpr int kThreads = 384;
   static constexpr int kConsumerRegs = 232;
   static constexpr int kProducerRegs = 40;

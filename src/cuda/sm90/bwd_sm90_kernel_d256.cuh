@@ -2,7 +2,7 @@
 // specialisation. Built with the CMake option DUALKV_SM90_BWD_D256 (default ON since f0046e3).
 //
 // Same contract as bwd_sm90_kernel (bwd_sm90_kernel.cuh) and the portable bwd_kv_kernel: the plan's
-// backward items (seg, k0, k1, qa, qb, slot) with BwdConfig<256>::kBlockN = 64 KV rows, the same
+// backward items (seg, k0, k1, qa, qb, slot) with plan_tiles(256).bwd_block_n = 64 KV rows, the same
 // workspace, the same outputs (dK * scale and dV for unsplit items; unscaled fp32 partials
 // [slot, Hk, 2, 64, 256] for split items; fp32 atomic adds of dS K into dq_accum [T, H, 256] unless
 // deterministic).
@@ -64,7 +64,7 @@ namespace dualkv::cuda::sm90 {
 struct Sm90BwdConfigD256 {
   static constexpr int D = 256;
   static constexpr int kBlockM = 64;  // query rows per step
-  static constexpr int kBlockN = 64;  // KV rows per item (= BwdConfig<256>::kBlockN)
+  static constexpr int kBlockN = 64;  // KV rows per item (= the plan's bwd_block_n)
   static constexpr int kThreads = 384;
   static constexpr int kConsumerRegs = 232;
   static constexpr int kProducerRegs = 40;

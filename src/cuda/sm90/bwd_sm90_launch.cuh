@@ -69,8 +69,8 @@ cudaError_t launch_persistent(void (*kernel)(Params), uint32_t smem, int threads
 template <typename Element>
 cudaError_t run_bwd_main_d256(const BwdArgs& args, cudaStream_t stream) {
   using C = Sm90BwdConfigD256;
-  static_assert(BwdConfig<256>::kBlockN == C::kBlockN, "sm90 backward d256: plan KV tiles must be kBlockN rows");
-  static_assert(BwdConfig<256>::kBlockM == C::kBlockM, "sm90 backward d256: plan splits are multiples of kBlockM");
+  static_assert(plan_tiles(256).bwd_block_n == C::kBlockN, "sm90 backward d256: plan KV tiles must be kBlockN rows");
+  static_assert(plan_tiles(256).bwd_block_m == C::kBlockM, "sm90 backward d256: plan splits are multiples of kBlockM");
   Sm90BwdParams<256> p;
   cudaError_t err = prepare_bwd_params<Element, 256, C::kBlockM, C::kBlockN>(args, &p, stream);
   if (err != cudaSuccess) return err;
@@ -84,8 +84,8 @@ cudaError_t run_bwd_main(const BwdArgs& args, cudaStream_t stream) {
     return run_bwd_main_d256<Element>(args, stream);
   } else {
     using C = Sm90BwdConfig<HeadDim>;
-    static_assert(BwdConfig<HeadDim>::kBlockN == C::kBlockN, "sm90 backward: plan KV tiles must be kBlockN rows");
-    static_assert(BwdConfig<HeadDim>::kBlockM == C::kBlockM, "sm90 backward: plan splits are multiples of kBlockM");
+    static_assert(plan_tiles(HeadDim).bwd_block_n == C::kBlockN, "sm90 backward: plan KV tiles must be kBlockN rows");
+    static_assert(plan_tiles(HeadDim).bwd_block_m == C::kBlockM, "sm90 backward: plan splits are multiples of kBlockM");
     Sm90BwdParams<HeadDim> p;
     cudaError_t err = prepare_bwd_params<Element, HeadDim, C::kBlockM, C::kBlockN>(args, &p, stream);
     if (err != cudaSuccess) return err;

@@ -32,7 +32,7 @@
 
 #include "kernel_params.h"
 #include "kv_walker.cuh"
-#include "plan.h"
+#include "kernel_config.h"
 #include "sm90/ptx.cuh"
 #include "sm90/wgmma_ops.cuh"
 
@@ -57,7 +57,7 @@ template <> struct Pack2<__half> {
 template <int D>
 struct Sm90FwdConfig {
   static constexpr int kBlockM = 128;                  // query rows per tile (= the plan's tiles)
-  static constexpr int kBlockN = D <= 128 ? 128 : 64;  // KV rows per tile
+  static constexpr int kBlockN = sm90_fwd_block_n(D);  // KV rows per tile
   static constexpr int kStages = 2;
   static constexpr int kBox = 64;                      // columns per TMA box (128 B of 16-bit)
   static constexpr int kBoxes = D / kBox;

@@ -67,10 +67,9 @@ inline int sm_count() {
 template <typename Element, int HeadDim>
 cudaError_t run_fwd(const FwdArgs& args, cudaStream_t stream) {
   using C = Sm90FwdConfig<HeadDim>;
-  // The plan's forward items are query tiles of tile_shape_for(head_dim).fwd_block_m rows (the
-  // sm80 forward's kBlockM); the kernel holds one such tile per CTA.
-  static_assert(FwdConfig<128>::kBlockM == C::kBlockM && FwdConfig<HeadDim>::kBlockM == C::kBlockM,
-                "sm90 forward: plan query tiles must be kBlockM rows");
+  // The plan's forward items are query tiles of plan_tiles(head_dim).fwd_block_m rows; the kernel
+  // holds one such tile per CTA.
+  static_assert(plan_tiles(HeadDim).fwd_block_m == C::kBlockM, "sm90 forward: plan query tiles must be kBlockM rows");
   constexpr CUtensorMapDataType dt = Pack2<Element>::kTmaType;
   const int T = args.layout.num_tokens;
   const int H = args.num_heads, Hk = args.num_kv_heads;
