@@ -58,10 +58,8 @@ def kernels(lib: str, ignore_regs: bool, renames):
             name, body = ANON_NAMESPACE.sub("_GLOBAL__N__", line.split("Function : ", 1)[1].strip()), []
             for old, new in renames:
                 name = re.sub(old, new, name)
-        elif name is not None:
+        elif name is not None and ADDRESS.search(line):  # an instruction (not a header or label)
             ins = ENCODING.sub("", ADDRESS.sub("", line)).strip()
-            if not ins or ins.startswith("."):
-                continue
             if ignore_regs:
                 ins = " ".join(REGISTER.sub("R", ins).split())
             body.append(ins)

@@ -95,28 +95,33 @@ struct SegmentMask {
   }
 
   // 3./4. Forward: the KV tile at kpos with klen valid rows of block_n (a tile of the KvWalk;
-  // `own`: it lies in the query's segment) against query rows from q_first on.
+  // `own`: it lies in the query's segment) against query rows from q_first on. The kind's two
+  // conditions are predicates of their own: kernels branch on them (as one uniform test per tile).
+  DUALKV_HOST_DEVICE static bool fwd_ragged(int32_t klen, int32_t block_n) { return klen < block_n; }
+  DUALKV_HOST_DEVICE static bool fwd_diagonal(int32_t kpos, bool own, int32_t q_first, int32_t block_n) {
+    return own && kpos + block_n - 1 > q_first;
+  }
   DUALKV_HOST_DEVICE static TileKind fwd_tile_kind(int32_t kpos, int32_t klen, bool own, int32_t q_first,
                                                    int32_t block_n) {
-    if (klen < block_n) return TileKind::kRagged;
-    if (own && kpos + block_n - 1 > q_first) return TileKind::kDiagonal;
-    return TileKind::kFull;
+    if (fwd_ragged(klen, block_n)) return TileKind::kRagged;
+    return fwd_diagonal(kpos, own, q_first, block_n) ? TileKind::kDiagonal : TileKind::kFull;
   }
   // Element (column col of that KV tile, query q) is hidden.
   DUALKV_HOST_DEVICE static bool fwd_hidden(int32_t kpos, int32_t klen, bool own, int32_t col, int32_t q) {
     return col >= klen || (own && kpos + col > q);
   }
 
-  // 3./4. Backward: KV rows [k_first, k_last] of a tile against the query tile from q_first on
-  // (queries of the tile's bwd_query_range). `ragged`: some of those rows lie past the KV tile's
-  // end (a kernel that loads whole tiles must hide them; one that zero-fills them need not).
+  // 3./4. Backward: KV rows up to k_last of a tile against the query tile from q_first on (queries
+  // of the tile's bwd_query_range). Ragged: some of the rows lie past the KV tile's end (a kernel
+  // that loads whole tiles must hide them; one that zero-fills them need not).
+  DUALKV_HOST_DEVICE static bool bwd_diagonal(int32_t k_last, int32_t q_first) { return q_first < k_last; }
   DUALKV_HOST_DEVICE static TileKind bwd_tile_kind(int32_t k_last, int32_t q_first, bool ragged) {
     if (ragged) return TileKind::kRagged;
-    return q_first < k_last ? TileKind::kDiagonal : TileKind::kFull;
+    return bwd_diagonal(k_last, q_first) ? TileKind::kDiagonal : TileKind::kFull;
   }
-  // Element (key k, query q) is hidden, given as the difference k - q (kernels keep it as one
-  // running offset per thread instead of two token indices).
-  DUALKV_HOST_DEVICE static bool bwd_hidden(int32_t k_minus_q) { return k_minus_q > 0; }
+  // Element (key k, query q) is hidden. k and q may be given relative to any common origin (kernels
+  // keep one running offset per thread instead of two token indices).
+  DUALKV_HOST_DEVICE static bool bwd_hidden(int32_t k, int32_t q) { return k > q; }
 };
 
 }  // namespace dualkv

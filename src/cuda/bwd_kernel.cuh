@@ -16,10 +16,12 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <math_constants.h>
 
 #include "common.cuh"
-#include "fwd_kernel.cuh"
+#include "dualkv/mask.h"
+#include "kv_walker.cuh"
 #include "kernel_params.h"
 #include "kernel_config.h"
 
@@ -95,274 +97,34 @@ __device__ __forceinline__ void store_dk_dv_partial(float* base, const float (&d
   }
 }
 
-template <int D, typename T>
-struct BwdSmem {
-  using C = BwdConfig<D>;
-  T k[C::kBlockN * C::kPitch];
-  T v[C::kBlockN * C::kPitch];
-  T q[C::kBlockM * C::kPitch];
-  T dout[C::kBlockM * C::kPitch];
-  T pt[C::kBlockN * C::kPitchS];   // P^T  [kv][q]
-  T dst[C::kBlockN * C::kPitchS];  // dS^T [kv][q]
-  float lse[C::kBlockM];           // lse * log2(e); +inf for rows past the range
-  float delta[C::kBlockM];
-};
-
-template <int D, typename T, bool kAtomicDq>
-__global__ void __launch_bounds__(BwdConfig<D>::kThreads, 1)
-bwd_kv_kernel(const BwdArgs args) {
-  using C = BwdConfig<D>;
-  using Ops = TypeOps<T>;
-  constexpr int BM = C::kBlockM, BN = C::kBlockN, P = C::kPitch, PS = C::kPitchS, NT = C::kThreads;
-  constexpr int MI = C::kMI;
-  constexpr int kWR = C::kWarps / 2;  // row groups of 16 * MI rows
-  constexpr int kHalfD = D / 2;
-  constexpr int kDB = kHalfD / 8;  // n8 blocks per warp for dK/dV (each warp owns D/2 columns)
-  constexpr int MQ = C::kMQ, kDW = D / C::kDC, kQB = kDW / 8;  // phase-4 (dQ) warp tile
-  static_assert(BM == 64 && kWR * 16 * MI == BN, "warp tiling");
-
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  BwdSmem<D, T>& sm = *reinterpret_cast<BwdSmem<D, T>*>(smem_raw);
-  __shared__ int32_t s_item;
-
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int g = lane >> 2, t4 = lane & 3;
-  const int row0 = (warp % kWR) * 16 * MI;  // kv rows (phases 1, 3) or q rows (phase 4)
-  const int wc = warp / kWR;                // q columns [32 wc, +32) in phase 1; D half in 3
-  const int qrow0 = (warp % C::kQR) * 16 * MQ;  // phase 4: query rows
-  const int dcol0 = (warp / C::kQR) * kDW;      // phase 4: d columns
-  const LayoutPtrs& L = args.layout;
-  const int32_t* plan = args.plan;
-  if (plan[kHdrMagic] != kPlanMagic || plan[kHdrS] != L.num_segments || plan[kHdrT] != L.num_tokens)
-    return;
-  const int32_t n_work = plan[kHdrNumBwd];
-  const int32_t* items = plan + plan[kHdrBwdOffset];
-  const int H = args.num_heads, Hk = args.num_kv_heads;
-  const int group = H / Hk;
-  const int64_t n_items = static_cast<int64_t>(n_work) * Hk;
-  const int64_t T_ = L.num_tokens;
-
-  const T* __restrict__ qg = static_cast<const T*>(args.q);
-  const T* __restrict__ kg = static_cast<const T*>(args.k);
-  const T* __restrict__ vg = static_cast<const T*>(args.v);
-  const T* __restrict__ dog = static_cast<const T*>(args.dout);
-
-  while (true) {
-    __syncthreads();
-    if (tid == 0) s_item = atomicAdd(&args.counters[0], 1);
-    __syncthreads();
-    const int64_t item = s_item;
-    if (item >= n_items) break;
-    const int32_t w = static_cast<int32_t>(item / Hk);
-    const int hk = static_cast<int>(item % Hk);
-    const int32_t* wi = items + w * kBwdItemInts;
-    const int32_t k0 = wi[1], k1 = wi[2], qa = wi[3], qb = wi[4], slot = wi[5];
-    const int klen = k1 - k0;
-
-    load_tile_async<D, BN, P, NT>(sm.k, kg + k0 * args.k_ts + hk * args.k_hs, args.k_ts, klen, tid);
-    load_tile_async<D, BN, P, NT>(sm.v, vg + k0 * args.v_ts + hk * args.v_hs, args.v_ts, klen, tid);
-
-    // Flattened loop over (query head of the group, query tile of [qa, qb)).
-    const int tiles_per_head = (qb - qa + BM - 1) / BM;
-    const int n_steps = tiles_per_head * group;
-    auto issue_q = [&](int step) {
-      const int h = hk * group + step / tiles_per_head;
-      const int32_t qt = qa + (step % tiles_per_head) * BM;
-      const int rows = min(BM, qb - qt);
-      load_tile_async<D, BM, P, NT>(sm.q, qg + qt * args.q_ts + h * args.q_hs, args.q_ts, rows, tid);
-      load_tile_async<D, BM, P, NT>(sm.dout, dog + qt * args.do_ts + h * args.do_hs, args.do_ts, rows, tid);
-      cp_async_commit();
-      for (int i = tid; i < BM; i += NT) {
-        const bool valid = i < rows;
-        sm.lse[i] = valid ? args.lse[h * args.lse_hs + qt + i] * kLog2e : CUDART_INF_F;
-        sm.delta[i] = valid ? args.delta[h * T_ + qt + i] : 0.f;
-      }
-    };
-    issue_q(0);
-
-    float dk[MI][kDB][4], dv[MI][kDB][4];
-#pragma unroll
-    for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-      for (int j = 0; j < kDB; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) dk[mi][j][e] = dv[mi][j][e] = 0.f;
-
-    cp_async_wait_all();
-    __syncthreads();
-
-    for (int step = 0; step < n_steps; ++step) {
-      const int h = hk * group + step / tiles_per_head;
-      const int32_t qt = qa + (step % tiles_per_head) * BM;
-
-      // Phase 1: S^T = K Q^T and dP^T = V dO^T for kv rows [row0, +16 MI), q cols [32 wc, +32).
-      {
-        float st[MI][4][4], dpt[MI][4][4];
-#pragma unroll
-        for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-          for (int j = 0; j < 4; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) st[mi][j][e] = dpt[mi][j][e] = 0.f;
-#pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) {
-          uint32_t ak[MI][4], av[MI][4];
-#pragma unroll
-          for (int mi = 0; mi < MI; ++mi) {
-            ldmatrix_x4(ak[mi], a_frag_addr(sm.k, P, row0 + mi * 16, kk * 16, lane));
-            ldmatrix_x4(av[mi], a_frag_addr(sm.v, P, row0 + mi * 16, kk * 16, lane));
-          }
-#pragma unroll
-          for (int nb = 0; nb < 2; ++nb) {
-            uint32_t b[4];
-            ldmatrix_x4(b, bnk_frag_addr(sm.q, P, wc * 32 + nb * 16, kk * 16, lane));
-#pragma unroll
-            for (int mi = 0; mi < MI; ++mi) {
-              Ops::mma(st[mi][2 * nb], ak[mi], b[0], b[1]);
-              Ops::mma(st[mi][2 * nb + 1], ak[mi], b[2], b[3]);
-            }
-            ldmatrix_x4(b, bnk_frag_addr(sm.dout, P, wc * 32 + nb * 16, kk * 16, lane));
-#pragma unroll
-            for (int mi = 0; mi < MI; ++mi) {
-              Ops::mma(dpt[mi][2 * nb], av[mi], b[0], b[1]);
-              Ops::mma(dpt[mi][2 * nb + 1], av[mi], b[2], b[3]);
-            }
-          }
-        }
-        const bool need_mask = qt < k0 + BN - 1;
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const int col = wc * 32 + j * 8 + 2 * t4;
-          const float l0 = sm.lse[col], l1 = sm.lse[col + 1];
-          const float d0 = sm.delta[col], d1 = sm.delta[col + 1];
-#pragma unroll
-          for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-            for (int hr = 0; hr < 2; ++hr) {
-              const int row = row0 + mi * 16 + g + hr * 8;
-              float p0 = exp2f(st[mi][j][2 * hr] * args.scale_log2 - l0);
-              float p1 = exp2f(st[mi][j][2 * hr + 1] * args.scale_log2 - l1);
-              if (need_mask) {
-                if (k0 + row > qt + col) p0 = 0.f;
-                if (k0 + row > qt + col + 1) p1 = 0.f;
-              }
-              const float ds0 = p0 * (dpt[mi][j][2 * hr] - d0);
-              const float ds1 = p1 * (dpt[mi][j][2 * hr + 1] - d1);
-              *reinterpret_cast<uint32_t*>(&sm.pt[row * PS + col]) = Ops::pack(p0, p1);
-              *reinterpret_cast<uint32_t*>(&sm.dst[row * PS + col]) = Ops::pack(ds0, ds1);
-            }
-        }
-      }
-      __syncthreads();
-
-      // Phase 3: dV += P^T dO, dK += dS^T Q for kv rows [row0, +16 MI), d cols [D/2 wc, +D/2).
-#pragma unroll
-      for (int kk = 0; kk < BM / 16; ++kk) {
-        uint32_t ap[MI][4], ads[MI][4];
-#pragma unroll
-        for (int mi = 0; mi < MI; ++mi) {
-          ldmatrix_x4(ap[mi], a_frag_addr(sm.pt, PS, row0 + mi * 16, kk * 16, lane));
-          ldmatrix_x4(ads[mi], a_frag_addr(sm.dst, PS, row0 + mi * 16, kk * 16, lane));
-        }
-#pragma unroll
-        for (int nd = 0; nd < kDB / 2; ++nd) {
-          uint32_t b[4];
-          ldmatrix_x4_trans(b, bkn_frag_addr(sm.dout, P, kk * 16, wc * kHalfD + nd * 16, lane));
-#pragma unroll
-          for (int mi = 0; mi < MI; ++mi) {
-            Ops::mma(dv[mi][2 * nd], ap[mi], b[0], b[1]);
-            Ops::mma(dv[mi][2 * nd + 1], ap[mi], b[2], b[3]);
-          }
-          ldmatrix_x4_trans(b, bkn_frag_addr(sm.q, P, kk * 16, wc * kHalfD + nd * 16, lane));
-#pragma unroll
-          for (int mi = 0; mi < MI; ++mi) {
-            Ops::mma(dk[mi][2 * nd], ads[mi], b[0], b[1]);
-            Ops::mma(dk[mi][2 * nd + 1], ads[mi], b[2], b[3]);
-          }
-        }
-      }
-      __syncthreads();  // Q, dO, lse, delta free for the next tile
-      if (step + 1 < n_steps) issue_q(step + 1);
-
-      if constexpr (kAtomicDq) {
-        // Phase 4: dQ[q rows qrow0.., d cols dcol0..] += dS K, accumulated into fp32 by atomics.
-        float dq[MQ][kQB][4];
-#pragma unroll
-        for (int mi = 0; mi < MQ; ++mi)
-#pragma unroll
-          for (int j = 0; j < kQB; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) dq[mi][j][e] = 0.f;
-#pragma unroll
-        for (int kk = 0; kk < BN / 16; ++kk) {
-          uint32_t a[MQ][4];
-#pragma unroll
-          for (int mi = 0; mi < MQ; ++mi)
-            ldmatrix_x4_trans(a[mi], at_frag_addr(sm.dst, PS, qrow0 + mi * 16, kk * 16, lane));
-#pragma unroll
-          for (int nd = 0; nd < kQB / 2; ++nd) {
-            uint32_t b[4];
-            ldmatrix_x4_trans(b, bkn_frag_addr(sm.k, P, kk * 16, dcol0 + nd * 16, lane));
-#pragma unroll
-            for (int mi = 0; mi < MQ; ++mi) {
-              Ops::mma(dq[mi][2 * nd], a[mi], b[0], b[1]);
-              Ops::mma(dq[mi][2 * nd + 1], a[mi], b[2], b[3]);
-            }
-          }
-        }
-#pragma unroll
-        for (int mi = 0; mi < MQ; ++mi)
-#pragma unroll
-          for (int hr = 0; hr < 2; ++hr) {
-            const int32_t qi = qt + qrow0 + mi * 16 + g + hr * 8;
-            if (qi < qb) {
-              float* dst = args.dq_accum + (static_cast<int64_t>(qi) * H + h) * D + dcol0 + 2 * t4;
-#pragma unroll
-              for (int j = 0; j < kQB; ++j) atomic_add_pair(dst + j * 8, dq[mi][j][2 * hr], dq[mi][j][2 * hr + 1]);
-            }
-          }
-      }
-      cp_async_wait_all();
-      __syncthreads();
-    }
-
-    // Epilogue: dK scaled by the softmax scale. Direct write, or an fp32 partial for a split.
-    const int col0 = wc * kHalfD + 2 * t4;
-    if (slot < 0) {
-      T* dkb = static_cast<T*>(args.dk) + k0 * args.dk_ts + hk * args.dk_hs + col0;
-      T* dvb = static_cast<T*>(args.dv) + k0 * args.dv_ts + hk * args.dv_hs + col0;
-      store_dk_dv(args, dk, dv, dkb, dvb, row0 + g, klen);
-    } else {
-      float* base = args.partials + ((static_cast<int64_t>(slot) * Hk + hk) * 2) * BN * D + col0;
-      store_dk_dv_partial<BN, D>(base, dk, dv, row0 + g);
-    }
-  }
-}
-
-// ---- Backward main kernel, version 3 (CMake option DUALKV_PORTABLE_BWD_V3, default ON; head dim 128) ----
-// Same work items, tiles (128 KV x 64 query rows, 8 warps), warp split, masking, arithmetic and
-// outputs as bwd_kv_kernel; what changes is where the loads of the next step sit and the integer
-// work of the step loop (docs/cuda.md, "Backward v3"):
-//  - Q is double-buffered (q[2], 17 KB more: 155.5 KB per CTA, within sm_80's 163 KB): Q of step
-//    s + 1 is issued right after the barrier that opens step s and has the whole step to land.
-//  - The dV and dK products are split (FlashAttention-2's order): S/dP, [bar A], dV += P^T dO,
-//    [bar B], issue dO of step s + 1, dQ = dS K and its atomics, dK += dS^T Q. dO has the dQ and
-//    dK products to land, and the atomics drain while the dK mma.sync run.
-//  - lse/delta of step s + 1 are loaded from global into one register (threads 0-127) after bar A
-//    and stored to shared memory at the end of the step: no warp waits a global latency.
-//  - One wait and barrier per step, at its top (Q, dO, lse, delta of this step).
-//  - The Q/dO loader has a compile-time chunk count (4 x 16 B per thread and tile), the step's
-//    head / query tile advance incrementally (no division by the tile count per step), the
+// ---- Backward main kernel (KV-tile-outer) ----
+// One CTA per work item (a KV tile of the plan and its query range, for one KV head): dK and dV of
+// the tile accumulate in registers over every 64-row query tile of the range and every query head
+// of the KV head's group. Per step (FlashAttention-2's order; measured at head dim 128 on the H200,
+// docs/notes/2026-11-30-portable-backward.md):
+//  - Q is double-buffered (kQStages = 2): Q of step s + 1 is issued after the first k16 step of S
+//    (after the barrier that opens step s) and has the whole step to land. On devices whose shared
+//    memory cannot hold two Q buffers (head dim 256 on sm_8x: 187 KB), kQStages = 1: Q(s + 1) is
+//    issued after an extra barrier that follows dK, its last reader.
+//  - S^T = K Q^T, then dP^T = V dO^T with P^T computed and stored during the dP product (the
+//    MUFU latency and the stores overlap mma.sync); dS^T = P^T (dP^T - delta) after it. [bar A]
+//  - dV += P^T dO (lse/delta of step s + 1 loaded into a register after its first k16 step; stored
+//    to shared memory at the end of the step: no warp waits a global latency). [bar B]
+//  - dQ = dS K and its fp32 atomics (dO of step s + 1 issued after the first k16 step), then dK +=
+//    dS^T Q: the atomics drain while the dK mma.sync run.
+//  - One wait and barrier per step at its top (Q, dO, lse, delta of this step). The Q/dO loader
+//    has compile-time chunk counts, the step's head / query tile advance incrementally, the
 //    ldmatrix addresses are 32-bit shared-memory offsets, and the item (k0, query range, slot,
 //    head) is decoded by thread 0 into shared memory and re-read where used: with it in registers
 //    the loop spills on sm_90a.
 //
-// Shared-memory hazards, step s (q[b] with b = s & 1; "top" = cp.async.wait_all + bar at the
-// start of step s; every other barrier is CTA-wide too):
+// Shared-memory hazards, step s (q[b] with b = s & 1 when kQStages = 2; "top" = cp.async.wait_all
+// + bar at the start of step s; every other barrier is CTA-wide too):
 //   q[b]     read: S (before bar A), dK (after bar B). q[b ^ 1] is written by the cp.async of
 //            Q(s + 1), issued after top(s): its previous readers are S and dK of step s - 1,
 //            which every thread finished before arriving at top(s). Q(s + 1) is complete and
 //            visible at top(s + 1) (each thread waits for its own copies, then the barrier).
+//            kQStages = 1: Q(s + 1) is issued after bar C, which follows every thread's dK.
 //   dout     read: dP (before bar A), dV (between bar A and bar B). dO(s + 1) is issued after
 //            bar B; nothing reads dout after bar B in step s. Visible at top(s + 1).
 //   pt       written before bar A, read between bar A and bar B (dV). Next written after top(s + 1).
@@ -375,12 +137,12 @@ bwd_kv_kernel(const BwdArgs args) {
 //            the second one and until the next item's first one.
 //   Across items: the last step issues nothing (no next step), so no cp.async is in flight
 //   into q/dout when the next item's prologue issues its loads into q[0] and dout.
-template <int D, typename T>
-struct BwdV3Smem {
+template <int D, typename T, int kQStages>
+struct BwdSmem {
   using C = BwdConfig<D>;
   T k[C::kBlockN * C::kPitch];
   T v[C::kBlockN * C::kPitch];
-  T q[2][C::kBlockM * C::kPitch];  // double-buffered by step parity
+  T q[kQStages][C::kBlockM * C::kPitch];  // by step parity
   T dout[C::kBlockM * C::kPitch];
   T pt[C::kBlockN * C::kPitchS];   // P^T  [kv][q]
   T dst[C::kBlockN * C::kPitchS];  // dS^T [kv][q]
@@ -388,12 +150,12 @@ struct BwdV3Smem {
                                    // [BM, 2 BM): delta, 0 past the range
 };
 
-// Item state of bwd_kv_kernel_v3, decoded by thread 0 (CTA-uniform, read from shared memory).
-struct BwdV3Item {
+// Item state of bwd_kv_kernel, decoded by thread 0 (CTA-uniform, read from shared memory).
+struct BwdItem {
   int32_t done, hk, k0, klen, qa, qb, slot, h_end;
-  // Version 4: the group's first query head, and the group size H / Hk (written once by thread 0
-  // before the item loop, re-read by it per item): no value of the prologue is held through the
-  // item loop, which spilled 4 bytes with the version-4 phase 1 (sm_90a deterministic kernel).
+  // The group's first query head, and the group size H / Hk (written once by thread 0 before the
+  // item loop, re-read by it per item): no value of the prologue is held through the item loop
+  // (that spilled 4 bytes in the sm_90a deterministic kernel).
   int32_t h_begin, group;
 };
 
@@ -412,26 +174,29 @@ __device__ __forceinline__ void cp_async16_s(uint32_t saddr, const void* gmem, i
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(saddr), "l"(gmem), "r"(bytes));
 }
 
-// A [ROWS][D] tile, 16-byte chunks: thread tid copies column chunk tid % (D / 8) of rows
-// tid / (D / 8) + p * (NT * 8 / D). `s` is the shared address of its first chunk, `g` the global
-// address of its first chunk, `rows_left` = valid rows - its first row; invalid rows are
-// zero-filled (the copy then reads nothing; `fallback`, a valid address, is passed instead).
+// A [ROWS][D] tile in 16-byte chunks (ChunkMap<D, NT>): `s` is the shared address of the thread's
+// first chunk, `g` the global address of its first chunk, `rows_left` = valid rows - its first row;
+// invalid rows are zero-filled (the copy then reads nothing; `fallback`, a valid address, is passed
+// instead).
 template <int D, int ROWS, int PITCH, int NT, typename T>
-__device__ __forceinline__ void load_tile_v3(uint32_t s, const T* g, int64_t token_stride, int rows_left,
-                                             const T* fallback) {
-  constexpr int kRowsPerPass = NT / (D / 8);
-  static_assert(NT % (D / 8) == 0 && ROWS % kRowsPerPass == 0, "whole rows per pass");
+__device__ __forceinline__ void load_rows(uint32_t s, const T* g, int64_t token_stride, int rows_left,
+                                          const T* fallback) {
+  using M = ChunkMap<D, NT>;
+  static_assert(ROWS % M::kRowsPerPass == 0, "whole rows per pass");
 #pragma unroll
-  for (int p = 0; p < ROWS / kRowsPerPass; ++p) {
-    const bool valid = p * kRowsPerPass < rows_left;
-    cp_async16_s(s + p * kRowsPerPass * PITCH * static_cast<int>(sizeof(T)), valid ? g : fallback, valid ? 16 : 0);
-    g += kRowsPerPass * token_stride;
+  for (int p = 0; p < ROWS / M::kRowsPerPass; ++p) {
+    const bool valid = p * M::kRowsPerPass < rows_left;
+#pragma unroll
+    for (int b = 0; b < M::kBlocks; ++b)
+      cp_async16_s(s + (p * M::kRowsPerPass * PITCH + b * M::kBlockCols) * static_cast<int>(sizeof(T)),
+                   valid ? g + b * M::kBlockCols : fallback, valid ? 16 : 0);
+    g += M::kRowsPerPass * token_stride;
   }
 }
 
-template <int D, typename T, bool kAtomicDq>
+template <int D, typename T, bool kAtomicDq, int kQStages>
 __global__ void __launch_bounds__(BwdConfig<D>::kThreads, 1)
-bwd_kv_kernel_v3(const BwdArgs args) {
+bwd_kv_kernel(const BwdArgs args) {
   using C = BwdConfig<D>;
   using Ops = TypeOps<T>;
   constexpr int BM = C::kBlockM, BN = C::kBlockN, P = C::kPitch, PS = C::kPitchS, NT = C::kThreads;
@@ -444,21 +209,20 @@ bwd_kv_kernel_v3(const BwdArgs args) {
   constexpr uint32_t kQBytes = BM * P * E;        // one q buffer
   static_assert(BM == 64 && kWR * 16 * MI == BN, "warp tiling");
   static_assert(2 * BM <= NT, "threads 0 .. 2 BM - 1 load lse and delta");
-  // Version 5 (docs/cuda.md "Backward v5"): the loads of step + 1 (Q, lse/delta, dO) are issued
-  // after kk step kV5IssueKK of the product that follows their barrier (S, dV, dQ / dK) instead of
-  // right after it, so every barrier is followed by ldmatrix -> mma.sync (FA2's schedule) and the
-  // loaders' 64-bit address arithmetic overlaps queued mma.sync. Arithmetic and mma.sync order are
-  // unchanged: outputs are bit-identical. Hazards: each load stays in its barrier interval.
-  // Q(s+1) -> q[(s+1)&1]: issued between top(s) and bar A(s) as before (S(s) reads the other
-  // buffer; its last readers, S and dK of s - 1, finished before top(s)). dO(s+1) -> dout: issued
-  // inside dQ (or dK) of s, after bar B(s) (last dout reads: dP, dV before bar B) as before. lse/delta:
-  // only the global load into a register moved (into dV); the shared store stays after dK. All
-  // are waited for at top(s+1); the last step issues nothing.
-  constexpr int kV5IssueKK = 0;
+  static_assert(kQStages == 1 || kQStages == 2, "one or two Q buffers");
+  // The loads of step + 1 (Q, lse/delta, dO) are issued after k16 step kIssueKK of the product that
+  // follows their barrier (S, dV, dQ / dK) rather than right after it, so every barrier is followed
+  // by ldmatrix -> mma.sync (FA2's schedule) and the loaders' 64-bit address arithmetic overlaps
+  // queued mma.sync (measured 1.026-1.039x at D = 128). Each load stays in its barrier interval:
+  // Q(s+1) -> q[(s+1)&1] between top(s) and bar A(s) (S(s) reads the other buffer; its last readers,
+  // S and dK of s - 1, finished before top(s)); dO(s+1) -> dout inside dQ (or dK) of s, after bar
+  // B(s) (last dout reads: dP, dV before bar B); lse/delta: the global load into a register inside
+  // dV, the shared store after dK. All are waited for at top(s+1); the last step issues nothing.
+  constexpr int kIssueKK = 0;
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  BwdV3Smem<D, T>& sm = *reinterpret_cast<BwdV3Smem<D, T>*>(smem_raw);
-  __shared__ BwdV3Item si;
+  BwdSmem<D, T, kQStages>& sm = *reinterpret_cast<BwdSmem<D, T, kQStages>*>(smem_raw);
+  __shared__ BwdItem si;
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t4 = lane & 3;
@@ -485,8 +249,8 @@ bwd_kv_kernel_v3(const BwdArgs args) {
   // B [k][n] (bkn_frag_addr), A^T (at_frag_addr).
   const int la_r = (lane & 7) + ((lane >> 3) & 1) * 8, la_c = (lane >> 4) * 8;
   const int lb_r = (lane & 7) + (lane >> 4) * 8, lb_c = ((lane >> 3) & 1) * 8;
-  // Q/dO loader: row ld_r (+ 16 p), column chunk ld_c.
-  const int ld_r = tid / (D / 8), ld_c = (tid % (D / 8)) * 8;
+  // Q/dO/K/V loader (ChunkMap): row ld_r (+ kRowsPerPass p), column ld_c (+ kBlockCols b).
+  const int ld_r = tid / ChunkMap<D, NT>::kThreadsPerRow, ld_c = (tid % ChunkMap<D, NT>::kThreadsPerRow) * 8;
   const uint32_t s_ld = static_cast<uint32_t>((ld_r * P + ld_c) * E);
 
   if (tid == 0) si.group = H / args.num_kv_heads;  // written and read by thread 0 only
@@ -519,9 +283,9 @@ bwd_kv_kernel_v3(const BwdArgs args) {
     const int32_t k0 = si.k0, qb = si.qb;
     const int klen = si.klen;
 
-    load_tile_v3<D, BN, P, NT>(s_k + s_ld, kg + (k0 + ld_r) * args.k_ts + hk * args.k_hs + ld_c, args.k_ts,
+    load_rows<D, BN, P, NT>(s_k + s_ld, kg + (k0 + ld_r) * args.k_ts + hk * args.k_hs + ld_c, args.k_ts,
                                klen - ld_r, kg);
-    load_tile_v3<D, BN, P, NT>(s_v + s_ld, vg + (k0 + ld_r) * args.v_ts + hk * args.v_hs + ld_c, args.v_ts,
+    load_rows<D, BN, P, NT>(s_v + s_ld, vg + (k0 + ld_r) * args.v_ts + hk * args.v_hs + ld_c, args.v_ts,
                                klen - ld_r, vg);
 
     // Flattened loop over (query head of the group, query tile of [qa, qb)): step s is head
@@ -531,9 +295,9 @@ bwd_kv_kernel_v3(const BwdArgs args) {
     // Step 0's Q, dO, lse, delta (the prologue: the global latency is paid once per item).
     {
       const int rows = min(BM, qb - qt);
-      load_tile_v3<D, BM, P, NT>(s_q0 + s_ld, qg + (qt + ld_r) * args.q_ts + h * args.q_hs + ld_c, args.q_ts,
+      load_rows<D, BM, P, NT>(s_q0 + s_ld, qg + (qt + ld_r) * args.q_ts + h * args.q_hs + ld_c, args.q_ts,
                                  rows - ld_r, qg);
-      load_tile_v3<D, BM, P, NT>(s_do + s_ld, dog + (qt + ld_r) * args.do_ts + h * args.do_hs + ld_c, args.do_ts,
+      load_rows<D, BM, P, NT>(s_do + s_ld, dog + (qt + ld_r) * args.do_ts + h * args.do_hs + ld_c, args.do_ts,
                                  rows - ld_r, dog);
       cp_async_commit();
       if (tid < BM) {
@@ -551,7 +315,7 @@ bwd_kv_kernel_v3(const BwdArgs args) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) dk[mi][j][e] = dv[mi][j][e] = 0.f;
 
-    uint32_t qbuf = 0;  // this step's Q buffer: step parity
+    uint32_t qbuf = 0;  // this step's Q buffer: step parity (0 with one buffer)
     bool has_next;
     do {
       // Next step's head and query tile.
@@ -563,10 +327,11 @@ bwd_kv_kernel_v3(const BwdArgs args) {
       const int rows_next = min(BM, qb_ - qtn);
       const uint32_t s_q = s_q0 + qbuf * kQBytes;
 
-      // Q(step + 1) into the other buffer (last read by step - 1's S and dK).
+      // Q(step + 1) into the other buffer (last read by step - 1's S and dK), or with one buffer into
+      // it once this step's dK is done everywhere.
       auto issue_q_next = [&]() {
         if (has_next) {
-          load_tile_v3<D, BM, P, NT>(s_q0 + (qbuf ^ 1) * kQBytes + s_ld,
+          load_rows<D, BM, P, NT>(s_q0 + (kQStages == 2 ? qbuf ^ 1 : 0) * kQBytes + s_ld,
                                      qg + (qtn + ld_r) * args.q_ts + hn * args.q_hs + ld_c, args.q_ts,
                                      rows_next - ld_r, qg);
           cp_async_commit();
@@ -576,16 +341,15 @@ bwd_kv_kernel_v3(const BwdArgs args) {
       cp_async_wait_all();
       __syncthreads();  // top: Q, dO, lse, delta of this step landed; step - 1 is done everywhere
 
-      // Phase 1, version 4 (docs/cuda.md, "Backward v4"): S^T = K Q^T first, then dP^T = V dO^T
-      // with P = exp2(S scale log2e - lse) computed in place in `st` and stored to pt during the
-      // dP product (kk step kk handles the (j, mi) = (kk / MI, kk % MI) block, whose S is final),
-      // so the MUFU.EX2 latency and the P stores overlap the dP mma.sync instead of forming an
-      // mma-free stretch after both products; dS = P (dP - delta) and its stores follow the dP
-      // product. Fewer fragments live at once (K and Q, then V and dO) than in the fused loop.
-      // Every accumulator sees the same mma.sync in the same order as in version 3, and P / dS are
-      // the same expressions: the outputs are bit-identical.
+      // Phase 1: S^T = K Q^T first, then dP^T = V dO^T with P = exp2(S scale log2e - lse) computed
+      // in place in `st` and stored to pt during the dP product, so the MUFU.EX2 latency and the P
+      // stores overlap the dP mma.sync instead of forming an mma-free stretch after both products
+      // (measured 1.00-1.02x at D = 128); dS = P (dP - delta) and its stores follow the dP product.
+      // The warp's kPBlocks (j, mi) blocks of P are spread over the kKK k16 steps of the dP product:
+      // block b in step b kKK / kPBlocks (one per step at D = 128, two at D = 64, every few steps
+      // above 128), once its S is final.
       {
-        static_assert(D / 16 == 4 * MI, "one (j, mi) block of P per kk step of the dP product");
+        constexpr int kKK = D / 16, kPBlocks = 4 * MI;
         float st[MI][4][4];  // S^T, then P^T in place
 #pragma unroll
         for (int mi = 0; mi < MI; ++mi)
@@ -609,15 +373,17 @@ bwd_kv_kernel_v3(const BwdArgs args) {
               Ops::mma(st[mi][2 * nb + 1], ak[mi], b[2], b[3]);
             }
           }
-          // Version 5: Q(step + 1) is issued after kk step kV5IssueKK of S, not right after the
-          // barrier, so the warps leave the barrier with ldmatrix -> mma.sync and the loader's
-          // address arithmetic overlaps queued mma.sync (same buffer, same barrier interval).
-          if (kk == kV5IssueKK) issue_q_next();
+          // Q(step + 1) after k16 step kIssueKK of S, not right after the barrier.
+          if constexpr (kQStages == 2) {
+            if (kk == kIssueKK) issue_q_next();
+          }
         }
         const int32_t k0 = load_shared_volatile(si.k0);
-        const bool need_mask = qt < k0 + BN - 1;
-        const int mask_ofs = k0 + row0 + g - qt - wc * 32 - 2 * t4;
-        float2 l;  // lse of column block j, loaded at its first (mi = 0) kk step
+        // The tile's KV rows past klen are zero-filled and never stored: only the diagonal needs
+        // the apply step.
+        const bool need_mask = SegmentMask::bwd_diagonal(k0 + BN - 1, qt);
+        const int mask_ofs = k0 + row0 + g - qt - wc * 32 - 2 * t4;  // k - q of the thread's first element
+        float2 l;  // lse of column block j, loaded at its first (mi = 0) block
         float dpt[MI][4][4];
 #pragma unroll
         for (int mi = 0; mi < MI; ++mi)
@@ -641,23 +407,28 @@ bwd_kv_kernel_v3(const BwdArgs args) {
               Ops::mma(dpt[mi][2 * nb + 1], av[mi], b[2], b[3]);
             }
           }
-          // P of block (j, mi) = (kk / MI, kk % MI): independent of this step's mma.sync.
-          const int j = kk / MI, mi = kk % MI;
-          const int col = wc * 32 + j * 8 + 2 * t4;
-          if (mi == 0) l = *reinterpret_cast<const float2*>(&sm.lse_delta[col]);
+          // P of the blocks of this step: independent of this step's mma.sync.
 #pragma unroll
-          for (int hr = 0; hr < 2; ++hr) {
-            const int row = row0 + mi * 16 + g + hr * 8;
-            float p0 = exp2f(st[mi][j][2 * hr] * args.scale_log2 - l.x);
-            float p1 = exp2f(st[mi][j][2 * hr + 1] * args.scale_log2 - l.y);
-            // k0 + row > qt + col  <=>  mask_ofs + (row - row0 - g) - (col - wc 32 - 2 t4) > 0
-            if (need_mask) {
-              if (mask_ofs + mi * 16 + hr * 8 - j * 8 > 0) p0 = 0.f;
-              if (mask_ofs + mi * 16 + hr * 8 - j * 8 > 1) p1 = 0.f;
+          for (int b = 0; b < kPBlocks; ++b) {
+            if (b * kKK / kPBlocks != kk) continue;
+            const int j = b / MI, mi = b % MI;
+            const int col = wc * 32 + j * 8 + 2 * t4;
+            if (mi == 0) l = *reinterpret_cast<const float2*>(&sm.lse_delta[col]);
+#pragma unroll
+            for (int hr = 0; hr < 2; ++hr) {
+              const int row = row0 + mi * 16 + g + hr * 8;
+              float p0 = exp2f(st[mi][j][2 * hr] * args.scale_log2 - l.x);
+              float p1 = exp2f(st[mi][j][2 * hr + 1] * args.scale_log2 - l.y);
+              // key and query of the pair (row, col), relative to the thread's first pair: mask_ofs +
+              // (row - row0 - g) and col - wc 32 - 2 t4
+              if (need_mask) {
+                if (SegmentMask::bwd_hidden(mask_ofs + mi * 16 + hr * 8, j * 8)) p0 = 0.f;
+                if (SegmentMask::bwd_hidden(mask_ofs + mi * 16 + hr * 8, j * 8 + 1)) p1 = 0.f;
+              }
+              st[mi][j][2 * hr] = p0;
+              st[mi][j][2 * hr + 1] = p1;
+              *reinterpret_cast<uint32_t*>(&sm.pt[row * PS + col]) = Ops::pack(p0, p1);
             }
-            st[mi][j][2 * hr] = p0;
-            st[mi][j][2 * hr + 1] = p1;
-            *reinterpret_cast<uint32_t*>(&sm.pt[row * PS + col]) = Ops::pack(p0, p1);
           }
         }
 #pragma unroll
@@ -704,15 +475,15 @@ bwd_kv_kernel_v3(const BwdArgs args) {
             Ops::mma(dv[mi][2 * nd + 1], ap[mi], b[2], b[3]);
           }
         }
-        // Version 5: lse/delta of step + 1 after kk step kV5IssueKK of dV (was right after bar A).
-        if (kk == kV5IssueKK) load_lse_delta_next();
+        // Version 5: lse/delta of step + 1 after kk step kIssueKK of dV (was right after bar A).
+        if (kk == kIssueKK) load_lse_delta_next();
       }
       __syncthreads();  // bar B: every read of dout (dP, dV) and pt is done
-      // dO(step + 1); version 5 issues it after kk step kV5IssueKK of the next product (dQ; dK in
+      // dO(step + 1); version 5 issues it after kk step kIssueKK of the next product (dQ; dK in
       // the deterministic mode), still after bar B.
       auto issue_do_next = [&]() {
         if (has_next) {
-          load_tile_v3<D, BM, P, NT>(s_do + s_ld, dog + (qtn + ld_r) * args.do_ts + hn * args.do_hs + ld_c,
+          load_rows<D, BM, P, NT>(s_do + s_ld, dog + (qtn + ld_r) * args.do_ts + hn * args.do_hs + ld_c,
                                      args.do_ts, rows_next - ld_r, dog);
           cp_async_commit();
         }
@@ -744,7 +515,7 @@ bwd_kv_kernel_v3(const BwdArgs args) {
               Ops::mma(dq[mi][2 * nd + 1], a[mi], b[2], b[3]);
             }
           }
-          if (kk == kV5IssueKK) issue_do_next();
+          if (kk == kIssueKK) issue_do_next();
         }
 #pragma unroll
         for (int mi = 0; mi < MQ; ++mi)
@@ -777,8 +548,12 @@ bwd_kv_kernel_v3(const BwdArgs args) {
           }
         }
         if constexpr (!kAtomicDq) {
-          if (kk == kV5IssueKK) issue_do_next();
+          if (kk == kIssueKK) issue_do_next();
         }
+      }
+      if constexpr (kQStages == 1) {
+        __syncthreads();  // bar C: every read of q (S, dK) is done
+        issue_q_next();
       }
 
       // lse/delta of step + 1 (after bar B: every read of this step's values is done); thread
@@ -791,7 +566,7 @@ bwd_kv_kernel_v3(const BwdArgs args) {
       }
       h = hn;
       qt = qtn;
-      qbuf ^= 1;
+      if constexpr (kQStages == 2) qbuf ^= 1;
     } while (has_next);
 
     // Epilogue: dK scaled by the softmax scale. Direct write, or an fp32 partial for a split.
@@ -812,24 +587,6 @@ bwd_kv_kernel_v3(const BwdArgs args) {
     }
   }
 }
-// Version 3 at head dim 128 only (the measured target); only the selected kernel is instantiated.
-template <int D, typename T, bool kAtomicDq>
-constexpr auto bwd_kv_kernel_selected() {
-  if constexpr (D == 128) {
-    return bwd_kv_kernel_v3<D, T, kAtomicDq>;
-  } else {
-    return bwd_kv_kernel<D, T, kAtomicDq>;
-  }
-}
-template <int D, typename T>
-constexpr size_t bwd_kv_smem_selected() {
-  if constexpr (D == 128) {
-    return sizeof(BwdV3Smem<D, T>);
-  } else {
-    return sizeof(BwdSmem<D, T>);
-  }
-}
-
 // Deterministic dQ: query-tile-outer, same walk over visible KV tiles as the forward.
 template <int D, typename T>
 struct DqSmem {
@@ -946,7 +703,7 @@ bwd_dq_kernel(const BwdArgs args) {
           }
         }
       }
-      const bool need_mask = klen < BN || (own && kpos + BN - 1 > q0 + warp_row0);
+      const bool need_mask = SegmentMask::fwd_ragged(klen, BN) || SegmentMask::fwd_diagonal(kpos, own, q0 + warp_row0, BN);
 #pragma unroll
       for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
@@ -958,7 +715,7 @@ bwd_dq_kernel(const BwdArgs args) {
             if (need_mask) {
               const int col = j * 8 + 2 * t4 + (e & 1);
               const int32_t qi = q0 + warp_row0 + mi * 16 + g + r * 8;
-              if (col >= klen || (own && kpos + col > qi)) p = 0.f;
+              if (SegmentMask::fwd_hidden(kpos, klen, own, col, qi)) p = 0.f;
             }
             s[mi][j][e] = p * (dp[mi][j][e] - dl[mi][r]);  // dS
           }
@@ -1068,28 +825,49 @@ cudaError_t launch_bwd_prologue(const BwdArgs& args, int sms, cudaStream_t strea
   return cudaSuccess;
 }
 
+// Shared memory a block may opt into on the current device. DUALKV_CUDA_SMEM_LIMIT (bytes) lowers
+// it: tests use it to run the one-Q-buffer kernel on a device that fits two.
+inline size_t device_smem_limit() {
+  int dev = 0, bytes = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess)
+    return 0;
+  size_t limit = static_cast<size_t>(bytes);
+  if (const char* env = std::getenv("DUALKV_CUDA_SMEM_LIMIT")) {
+    const long long v = std::atoll(env);
+    if (v > 0) limit = std::min(limit, static_cast<size_t>(v));
+  }
+  return limit;
+}
+
+// sm_80's opt-in shared memory per block (A100); sm_86/89 have 99 KB.
+constexpr size_t kSm80SmemBytes = 163 * 1024;
+
+template <int D, typename T, bool kAtomicDq, int kQStages>
+cudaError_t launch_bwd_kv(const BwdArgs& args, int sms, cudaStream_t stream) {
+  using C = BwdConfig<D>;
+  constexpr size_t smem = sizeof(BwdSmem<D, T, kQStages>);
+  auto kernel = bwd_kv_kernel<D, T, kAtomicDq, kQStages>;
+  static int bps = occupancy_blocks(kernel, C::kThreads, smem);
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+  if (err != cudaSuccess) return err;
+  kernel<<<sms * bps, C::kThreads, smem, stream>>>(args);
+  return cudaGetLastError();
+}
+
+// Two Q buffers where the device's shared memory holds them (every head dim on Hopper; up to 192
+// on sm_80), else one (the kernel with one buffer is instantiated only where two exceed sm_80's).
+template <int D, typename T, bool kAtomicDq>
+cudaError_t launch_bwd_kv(const BwdArgs& args, int sms, cudaStream_t stream) {
+  if constexpr (sizeof(BwdSmem<D, T, 2>) > kSm80SmemBytes) {
+    if (sizeof(BwdSmem<D, T, 2>) > device_smem_limit()) return launch_bwd_kv<D, T, kAtomicDq, 1>(args, sms, stream);
+  }
+  return launch_bwd_kv<D, T, kAtomicDq, 2>(args, sms, stream);
+}
+
 template <int D, typename T>
 cudaError_t launch_bwd_main(const BwdArgs& args, int sms, cudaStream_t stream) {
-  cudaError_t err;
-  {
-    using C = BwdConfig<D>;
-    const size_t smem = bwd_kv_smem_selected<D, T>();
-    if (args.deterministic) {
-      auto kernel = bwd_kv_kernel_selected<D, T, false>();
-      static int bps = occupancy_blocks(kernel, C::kThreads, smem);
-      if ((err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem))))
-        return err;
-      kernel<<<sms * bps, C::kThreads, smem, stream>>>(args);
-    } else {
-      auto kernel = bwd_kv_kernel_selected<D, T, true>();
-      static int bps = occupancy_blocks(kernel, C::kThreads, smem);
-      if ((err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem))))
-        return err;
-      kernel<<<sms * bps, C::kThreads, smem, stream>>>(args);
-    }
-    if ((err = cudaGetLastError()) != cudaSuccess) return err;
-  }
-  return cudaSuccess;
+  return args.deterministic ? launch_bwd_kv<D, T, false>(args, sms, stream) : launch_bwd_kv<D, T, true>(args, sms, stream);
 }
 
 template <int D, typename T>

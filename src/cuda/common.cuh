@@ -140,6 +140,19 @@ __device__ __forceinline__ void mma_frags_times_smem(float (&acc)[MI][D / 8][4],
   }
 }
 
+// How NT threads copy a [rows][D] tile in 16-byte chunks with compile-time trip counts: thread tid
+// owns chunk column tid % kThreadsPerRow of every column block, in rows tid / kThreadsPerRow + p
+// kRowsPerPass. A row is one block when the threads split it evenly into D / 8 chunks, else blocks
+// of 64 (or 32) columns (head dims 96 and 192).
+template <int D, int NT>
+struct ChunkMap {
+  static constexpr int kBlockCols = NT % (D / 8) == 0 ? D : (D % 64 == 0 ? 64 : 32);
+  static constexpr int kBlocks = D / kBlockCols;
+  static constexpr int kThreadsPerRow = kBlockCols / 8;
+  static constexpr int kRowsPerPass = NT / kThreadsPerRow;
+  static_assert(D % kBlockCols == 0 && NT % kThreadsPerRow == 0, "whole rows of chunks per pass");
+};
+
 // Loads rows [0, rows) of a [rows_max, D] tile from global (token-major, token stride in
 // elements) into smem with `pitch`; rows >= valid_rows are zero-filled. All threads participate.
 template <int D, int ROWS, int PITCH, int NT, typename T>

@@ -8,6 +8,7 @@
 #include <math_constants.h>
 
 #include "common.cuh"
+#include "dualkv/mask.h"
 #include "kv_walker.cuh"
 #include "kernel_params.h"
 #include "kernel_config.h"
@@ -22,202 +23,20 @@ struct FwdSmem {
   T v[C::kBlockN * C::kPitch];
 };
 
-template <int D, typename T>
-__global__ void __launch_bounds__(FwdConfig<D>::kThreads, 1)
-fwd_kernel(const FwdArgs args) {
-  using C = FwdConfig<D>;
-  using Ops = TypeOps<T>;
-  constexpr int BM = C::kBlockM, BN = C::kBlockN, P = C::kPitch, NT = C::kThreads, MI = C::kMI;
-  constexpr int kNB = BN / 8;  // n8 blocks of S
-  constexpr int kDB = D / 8;   // n8 blocks of O
-
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  FwdSmem<D, T>& sm = *reinterpret_cast<FwdSmem<D, T>*>(smem_raw);
-  __shared__ int32_t s_item;
-
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int g = lane >> 2, t4 = lane & 3;
-  const LayoutPtrs& L = args.layout;
-  const int32_t* plan = args.plan;
-  if (plan[kHdrMagic] != kPlanMagic || plan[kHdrS] != L.num_segments || plan[kHdrT] != L.num_tokens)
-    return;
-  const int32_t n_tiles = plan[kHdrNumFwd];
-  const int32_t* items = plan + plan[kHdrFwdOffset];
-  const int H = args.num_heads;
-  const int group = H / args.num_kv_heads;
-  const int64_t n_items = static_cast<int64_t>(n_tiles) * H;
-
-  const T* __restrict__ qg = static_cast<const T*>(args.q);
-  const T* __restrict__ kg = static_cast<const T*>(args.k);
-  const T* __restrict__ vg = static_cast<const T*>(args.v);
-  T* __restrict__ og = static_cast<T*>(args.out);
-  const int warp_row0 = warp * 16 * MI;  // first tile row of this warp
-
-  while (true) {
-    __syncthreads();  // the previous item is done with smem and s_item
-    if (tid == 0) s_item = atomicAdd(args.counter, 1);
-    __syncthreads();
-    const int64_t item = s_item;
-    if (item >= n_items) break;
-    const int32_t tile = static_cast<int32_t>(item / H);
-    const int h = static_cast<int>(item % H);
-    const int hk = h / group;
-    const int32_t seg = items[tile * kFwdItemInts + 0];
-    const int32_t q0 = items[tile * kFwdItemInts + 1];
-    const int32_t q1 = items[tile * kFwdItemInts + 2];
-
-    const T* kh = kg + hk * args.k_hs;
-    const T* vh = vg + hk * args.v_hs;
-
-    KvWalker<BN> it;
-    it.init(L, seg, q1);
-    load_tile_async<D, BM, P, NT>(sm.q, qg + h * args.q_hs + static_cast<int64_t>(q0) * args.q_ts, args.q_ts,
-                                  q1 - q0, tid);
-    load_tile_async<D, BN, P, NT>(sm.k, kh + static_cast<int64_t>(it.pos) * args.k_ts, args.k_ts, it.len(), tid);
-    cp_async_commit();
-
-    float acc[MI][kDB][4];
-#pragma unroll
-    for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-      for (int j = 0; j < kDB; ++j) acc[mi][j][0] = acc[mi][j][1] = acc[mi][j][2] = acc[mi][j][3] = 0.f;
-    float row_max[MI][2], row_sum[MI][2];
-#pragma unroll
-    for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-      for (int r = 0; r < 2; ++r) { row_max[mi][r] = -CUDART_INF_F; row_sum[mi][r] = 0.f; }
-
-    cp_async_wait_all();
-    __syncthreads();
-
-    bool more = true;
-    while (more) {
-      const int32_t kpos = it.pos, klen = it.len();
-      const bool own = it.own;
-      // V of this KV tile streams in while S is computed.
-      load_tile_async<D, BN, P, NT>(sm.v, vh + static_cast<int64_t>(kpos) * args.v_ts, args.v_ts, klen, tid);
-      cp_async_commit();
-
-      float s[MI][kNB][4];
-#pragma unroll
-      for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-        for (int j = 0; j < kNB; ++j) s[mi][j][0] = s[mi][j][1] = s[mi][j][2] = s[mi][j][3] = 0.f;
-#pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk) {
-        uint32_t a[MI][4];
-#pragma unroll
-        for (int mi = 0; mi < MI; ++mi) ldmatrix_x4(a[mi], a_frag_addr(sm.q, P, warp_row0 + mi * 16, kk * 16, lane));
-#pragma unroll
-        for (int nb = 0; nb < BN / 16; ++nb) {
-          uint32_t b[4];
-          ldmatrix_x4(b, bnk_frag_addr(sm.k, P, nb * 16, kk * 16, lane));
-#pragma unroll
-          for (int mi = 0; mi < MI; ++mi) {
-            Ops::mma(s[mi][2 * nb], a[mi], b[0], b[1]);
-            Ops::mma(s[mi][2 * nb + 1], a[mi], b[2], b[3]);
-          }
-        }
-      }
-
-      // Masking: ragged KV tile end, and the causal diagonal of the query's own segment.
-      const bool need_mask = klen < BN || (own && kpos + BN - 1 > q0 + warp_row0);
-      if (need_mask) {
-#pragma unroll
-        for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-          for (int j = 0; j < kNB; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              const int col = j * 8 + 2 * t4 + (e & 1);
-              const int32_t qi = q0 + warp_row0 + mi * 16 + g + (e >> 1) * 8;
-              if (col >= klen || (own && kpos + col > qi)) s[mi][j][e] = -CUDART_INF_F;
-            }
-      }
-
-      // Online softmax (exp2 with the scale folded in).
-#pragma unroll
-      for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          float mx = row_max[mi][r];
-#pragma unroll
-          for (int j = 0; j < kNB; ++j) mx = fmaxf(mx, fmaxf(s[mi][j][2 * r], s[mi][j][2 * r + 1]));
-          mx = warp_max4(mx);
-          const float m_scaled = mx == -CUDART_INF_F ? 0.f : mx * args.scale_log2;
-          const float alpha = exp2f(row_max[mi][r] * args.scale_log2 - m_scaled);
-          row_max[mi][r] = mx;
-          float sum = 0.f;
-#pragma unroll
-          for (int j = 0; j < kNB; ++j) {
-            s[mi][j][2 * r] = exp2f(s[mi][j][2 * r] * args.scale_log2 - m_scaled);
-            s[mi][j][2 * r + 1] = exp2f(s[mi][j][2 * r + 1] * args.scale_log2 - m_scaled);
-            sum += s[mi][j][2 * r] + s[mi][j][2 * r + 1];
-          }
-          row_sum[mi][r] = row_sum[mi][r] * alpha + sum;
-#pragma unroll
-          for (int j = 0; j < kDB; ++j) {
-            acc[mi][j][2 * r] *= alpha;
-            acc[mi][j][2 * r + 1] *= alpha;
-          }
-        }
-
-      cp_async_wait_all();
-      __syncthreads();  // V landed; every warp is done reading K
-      more = it.next(L);
-      if (more) {
-        load_tile_async<D, BN, P, NT>(sm.k, kh + static_cast<int64_t>(it.pos) * args.k_ts, args.k_ts, it.len(), tid);
-        cp_async_commit();
-      }
-
-      // O += P V
-      mma_frags_times_smem<T, MI, BN, D>(acc, s, sm.v, P, lane);
-      cp_async_wait_all();
-      __syncthreads();  // next K landed; every warp is done reading V
-    }
-
-    // Epilogue: normalise, write out and lse.
-#pragma unroll
-    for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const float total = warp_sum4(row_sum[mi][r]);
-        const float inv = total > 0.f ? 1.f / total : 0.f;
-        const int32_t qi = q0 + warp_row0 + mi * 16 + g + r * 8;
-        if (qi < q1) {
-          T* orow = og + static_cast<int64_t>(qi) * args.o_ts + h * args.o_hs;
-#pragma unroll
-          for (int j = 0; j < kDB; ++j) {
-            *reinterpret_cast<uint32_t*>(orow + j * 8 + 2 * t4) =
-                Ops::pack(acc[mi][j][2 * r] * inv, acc[mi][j][2 * r + 1] * inv);
-          }
-          if (args.lse != nullptr && t4 == 0) {
-            const float lse = total > 0.f ? row_max[mi][r] * args.scale + logf(total) : CUDART_INF_F;
-            args.lse[h * args.lse_hs + qi] = lse;
-          }
-        }
-      }
-  }
-}
-
-// ---- Forward, version 2 (head dim 128) ----
-// Same work split, tiles, shared-memory tiles, masking and arithmetic as fwd_kernel; what changes
-// is the order of the KV-tile loop and what holds registers across it (docs/cuda.md, "Forward at
-// head dim 128: registers, spills and the version-2 loop"):
+// What the loop does and why (measured at head dim 128 on the H200 against the first version of
+// this kernel, 1.06-1.10x; docs/notes/2026-11-30-portable-forward.md):
 //  - FlashAttention-2's order: [wait K, sync] issue V, S = QK^T, mask, [wait V, sync] advance
-//    the walk and issue the next K, softmax, O += PV. The softmax and the PV product are one branch-
-//    free stretch of code, so ptxas interleaves the exponentials (MUFU) of later P columns with
-//    the PV mma.sync of earlier ones; in fwd_kernel the walk advance and the K issue (branches)
-//    sit between them, and each warp runs its 64 MUFU.EX2 with no HMMA of its own to issue. The wait for
-//    K opens the iteration, so no DEPBAR can be hoisted into the PV product (in fwd_kernel it
-//    lands before the last 42 of the 128 PV HMMAs).
+//    the walk and issue the next K, softmax, O += PV. The softmax and the PV product are one
+//    branch-free stretch of code, so ptxas interleaves the exponentials (MUFU) of later P columns
+//    with the PV mma.sync of earlier ones. The wait for K opens the iteration, so no DEPBAR can be
+//    hoisted into the PV product.
 //  - P is rounded to A fragments (bf16/fp16 pairs) as each exponential is known.
-//  - The item's CTA-uniform values (query range, head, K/V head pointers) and the KV walker live
+//  - The item's CTA-uniform values (query range, head, K/V head pointers) and the KV walk live
 //    in shared memory and are read where they are used, instead of holding ~14 registers through
 //    the loop; so do the running row sums (read and written once per KV tile, after PV). That is
-//    what the reordering needs to fit 255 registers without spilling on sm_80 and sm_90a.
+//    what the order needs to fit 255 registers without spilling on sm_80 and sm_90a.
 template <int BN, int NT, int MI, typename T>
-struct FwdV2Item {
+struct FwdItem {
   const T* kh;             // K of the item's kv head
   const T* vh;             // V of the item's kv head
   bool done;               // no work item left
@@ -229,81 +48,82 @@ struct FwdV2Item {
   float row_sum[MI * 2][NT];  // [row of the thread's fragments][thread]: each thread owns its column
 };
 
-// Tile load of the version-2 kernel. sm_90a: a compile-time number of 16-byte chunks per thread
-// (no loop branches; load_tile_async's runtime trip count makes ptxas keep its per-thread
-// bookkeeping live and spill 28 bytes in the KV loop). sm_80: load_tile_async, with which ptxas
-// fits the kernel without spilling there (the unrolled form spills 64 bytes on sm_80).
+// Tile load (the Q tile, and on sm_80 every tile). sm_90a: a compile-time number of 16-byte
+// chunks per thread (no loop branches; load_tile_async's runtime trip count makes ptxas keep its
+// per-thread bookkeeping live and spill in the KV loop). sm_80: load_tile_async, with which ptxas
+// fits the kernel without spilling there (the unrolled form spills 64 bytes on sm_80 at D = 128).
 template <int D, int ROWS, int PITCH, int NT, typename T>
-__device__ __forceinline__ void load_tile_v2(T* smem, const T* gmem, int64_t token_stride, int valid_rows, int tid) {
+__device__ __forceinline__ void load_tile(T* smem, const T* gmem, int64_t token_stride, int valid_rows, int tid) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  constexpr int kChunksPerRow = D / 8;
-  static_assert(NT % kChunksPerRow == 0, "a pass of the CTA must cover whole rows");
-  constexpr int kRowsPerPass = NT / kChunksPerRow;
-  static_assert(ROWS % kRowsPerPass == 0, "the tile must be a whole number of passes");
-  const int row0 = tid / kChunksPerRow;
-  const int col = (tid % kChunksPerRow) * 8;
+  using M = ChunkMap<D, NT>;
+  static_assert(ROWS % M::kRowsPerPass == 0, "the tile must be a whole number of passes");
+  const int row0 = tid / M::kThreadsPerRow;
+  const int col = (tid % M::kThreadsPerRow) * 8;
 #pragma unroll
-  for (int p = 0; p < ROWS / kRowsPerPass; ++p) {
-    const int row = row0 + p * kRowsPerPass;
+  for (int p = 0; p < ROWS / M::kRowsPerPass; ++p) {
+    const int row = row0 + p * M::kRowsPerPass;
     const bool valid = row < valid_rows;
-    // A zero-filled chunk still needs an address: the tile base (row 0 always exists).
-    cp_async16(smem + row * PITCH + col, valid ? gmem + static_cast<int64_t>(row) * token_stride + col : gmem, valid);
+#pragma unroll
+    for (int b = 0; b < M::kBlocks; ++b) {
+      const int c = b * M::kBlockCols + col;
+      // A zero-filled chunk still needs an address: the tile base (row 0 always exists).
+      cp_async16(smem + row * PITCH + c, valid ? gmem + static_cast<int64_t>(row) * token_stride + c : gmem, valid);
+    }
   }
 #else
   load_tile_async<D, ROWS, PITCH, NT>(smem, gmem, token_stride, valid_rows, tid);
 #endif
 }
 
-// The K and V tile loads of fwd_kernel_v2's KV loop: rows [pos, pos + valid_rows) of one head
-// (head = its row 0), zero-filled up to ROWS.
-// On sm_90a (forward v3, measured 1.01-1.04x version 2's loads on the H200) it uses FlashAttention-2's address arithmetic
-// (docs/cuda.md "Forward v3"): one 64-bit source pointer per thread, formed once per tile from the
-// thread's first token (pos + row0, 32-bit) and advanced by the CTA's rows per pass (a uniform
-// 64-bit step), 2 integer instructions per 16-byte chunk. load_tile_v2 forms every chunk's address
-// from its own 64-bit row product and a select (~90 integer instructions per tile and thread on
-// sm_90a, 140 instructions before the first HMMA of an iteration). A full tile (every KV tile but a
-// ragged range end; the test is uniform over the CTA) takes the unpredicated form; a partial tile
-// zero-fills the missing rows as load_tile_v2 does, with the pointer held at the last real row.
-// sm_80 keeps version 2's load (the new form spills 8 bytes there). Same bytes land in the same
-// shared-memory places as with load_tile_v2, so results are bit-identical.
+// The K and V tile loads of the KV loop: rows [pos, pos + valid_rows) of one head (head = its
+// row 0), zero-filled up to ROWS. On sm_90a FlashAttention-2's address arithmetic (measured 1.01-
+// 1.04x the per-chunk form of load_tile at D = 128 on the H200): one 64-bit source pointer per
+// thread, formed once per tile from the thread's first token (pos + row0, 32-bit) and advanced by
+// the CTA's rows per pass (a uniform 64-bit step), 2 integer instructions per 16-byte chunk. A full
+// tile (every KV tile but a ragged range end; the test is uniform over the CTA) takes the
+// unpredicated form; a partial tile zero-fills the missing rows, with the pointer held at the last
+// real row. sm_80 keeps load_tile (this form spills 8 bytes there). The same bytes land in the
+// same shared-memory places either way.
 template <int D, int ROWS, int PITCH, int NT, typename T>
 __device__ __forceinline__ void load_kv_tile(T* smem, const T* head, int32_t pos, int64_t token_stride,
                                              int valid_rows, int tid) {
-  constexpr int kChunksPerRow = D / 8;
-  static_assert(NT % kChunksPerRow == 0, "a pass of the CTA must cover whole rows");
-  constexpr int kRowsPerPass = NT / kChunksPerRow;
-  static_assert(ROWS % kRowsPerPass == 0, "the tile must be a whole number of passes");
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  const int row0 = tid / kChunksPerRow;
-  const int col = (tid % kChunksPerRow) * 8;
-  // A zero-filled chunk still gets the address of a real row (load_tile_v2 uses the tile's row 0):
+  using M = ChunkMap<D, NT>;
+  static_assert(ROWS % M::kRowsPerPass == 0, "the tile must be a whole number of passes");
+  const int row0 = tid / M::kThreadsPerRow;
+  const int col = (tid % M::kThreadsPerRow) * 8;
+  // A zero-filled chunk still gets the address of a real row (load_tile uses the tile's row 0):
   // the pointer starts at the thread's row or the tile's last real row, and only moves on to rows
   // that exist.
   const T* src = head + static_cast<int64_t>(pos + min(row0, valid_rows - 1)) * token_stride + col;
-  const int64_t step = kRowsPerPass * token_stride;
+  const int64_t step = M::kRowsPerPass * token_stride;
   if (valid_rows >= ROWS) {
 #pragma unroll
-    for (int p = 0; p < ROWS / kRowsPerPass; ++p) {
-      cp_async16(smem + (row0 + p * kRowsPerPass) * PITCH + col, src, true);
+    for (int p = 0; p < ROWS / M::kRowsPerPass; ++p) {
+#pragma unroll
+      for (int b = 0; b < M::kBlocks; ++b)
+        cp_async16(smem + (row0 + p * M::kRowsPerPass) * PITCH + b * M::kBlockCols + col, src + b * M::kBlockCols,
+                   true);
       src += step;
     }
   } else {
 #pragma unroll
-    for (int p = 0; p < ROWS / kRowsPerPass; ++p) {
-      const int row = row0 + p * kRowsPerPass;
-      cp_async16(smem + row * PITCH + col, src, row < valid_rows);
-      if (row + kRowsPerPass < valid_rows) src += step;
+    for (int p = 0; p < ROWS / M::kRowsPerPass; ++p) {
+      const int row = row0 + p * M::kRowsPerPass;
+#pragma unroll
+      for (int b = 0; b < M::kBlocks; ++b)
+        cp_async16(smem + row * PITCH + b * M::kBlockCols + col, src + b * M::kBlockCols, row < valid_rows);
+      if (row + M::kRowsPerPass < valid_rows) src += step;
     }
   }
 #else
-  // sm_80: version 2's load (ptxas spills 8 bytes there with the form above).
-  load_tile_v2<D, ROWS, PITCH, NT>(smem, head + static_cast<int64_t>(pos) * token_stride, token_stride, valid_rows, tid);
+  load_tile<D, ROWS, PITCH, NT>(smem, head + static_cast<int64_t>(pos) * token_stride, token_stride, valid_rows, tid);
 #endif
 }
 
 template <int D, typename T>
 __global__ void __launch_bounds__(FwdConfig<D>::kThreads, 1)
-fwd_kernel_v2(const FwdArgs args) {
+fwd_kernel(const FwdArgs args) {
   using C = FwdConfig<D>;
   using Ops = TypeOps<T>;
   constexpr int BM = C::kBlockM, BN = C::kBlockN, P = C::kPitch, NT = C::kThreads, MI = C::kMI;
@@ -313,7 +133,7 @@ fwd_kernel_v2(const FwdArgs args) {
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   FwdSmem<D, T>& sm = *reinterpret_cast<FwdSmem<D, T>*>(smem_raw);
-  __shared__ FwdV2Item<BN, NT, MI, T> st;
+  __shared__ FwdItem<BN, NT, MI, T> st;
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t4 = lane & 3;
@@ -354,8 +174,8 @@ fwd_kernel_v2(const FwdArgs args) {
     {
       const int32_t q0 = st.q0;
       const T* q_tile = static_cast<const T*>(args.q) + st.h * args.q_hs + static_cast<int64_t>(q0) * args.q_ts;
-      load_tile_v2<D, BM, P, NT>(sm.q, q_tile, args.q_ts, st.q1 - q0, tid);
-      load_tile_v2<D, BN, P, NT>(sm.k, st.kh + static_cast<int64_t>(st.walk[0].pos) * args.k_ts, args.k_ts,
+      load_tile<D, BM, P, NT>(sm.q, q_tile, args.q_ts, st.q1 - q0, tid);
+      load_tile<D, BN, P, NT>(sm.k, st.kh + static_cast<int64_t>(st.walk[0].pos) * args.k_ts, args.k_ts,
                                  st.walk[0].len(), tid);
       cp_async_commit();
     }
@@ -408,7 +228,7 @@ fwd_kernel_v2(const FwdArgs args) {
         const int32_t klen = min(BN, load_shared_volatile(st.walk[slot].end) - kpos);
         const bool own = load_shared_volatile(st.walk[slot].own);
         const int32_t q0 = load_shared_volatile(st.q0);
-        const bool need_mask = klen < BN || (own && kpos + BN - 1 > q0 + warp_row0);
+        const bool need_mask = SegmentMask::fwd_ragged(klen, BN) || SegmentMask::fwd_diagonal(kpos, own, q0 + warp_row0, BN);
         if (need_mask) {
 #pragma unroll
           for (int mi = 0; mi < MI; ++mi)
@@ -418,7 +238,7 @@ fwd_kernel_v2(const FwdArgs args) {
               for (int e = 0; e < 4; ++e) {
                 const int col = j * 8 + 2 * t4 + (e & 1);
                 const int32_t qi = q0 + warp_row0 + mi * 16 + g + (e >> 1) * 8;
-                if (col >= klen || (own && kpos + col > qi)) s[mi][j][e] = -CUDART_INF_F;
+                if (SegmentMask::fwd_hidden(kpos, klen, own, col, qi)) s[mi][j][e] = -CUDART_INF_F;
               }
         }
       }
@@ -518,21 +338,11 @@ fwd_kernel_v2(const FwdArgs args) {
   }
 }
 
-// Version 2 at head dim 128 only (the measured target); only the selected kernel is instantiated.
-template <int D, typename T>
-constexpr auto fwd_kernel_selected() {
-  if constexpr (D == 128) {
-    return fwd_kernel_v2<D, T>;
-  } else {
-    return fwd_kernel<D, T>;
-  }
-}
-
 template <int D, typename T>
 cudaError_t launch_fwd_impl(const FwdArgs& args, int sms, cudaStream_t stream) {
   using C = FwdConfig<D>;
   const size_t smem = sizeof(FwdSmem<D, T>);
-  auto kernel = fwd_kernel_selected<D, T>();
+  auto kernel = fwd_kernel<D, T>;
   static int blocks_per_sm = [&] {
     cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
     int n = 0;

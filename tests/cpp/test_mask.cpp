@@ -77,7 +77,7 @@ void check_backward(const HostLayout& l) {
           }
           const int32_t qt = range.begin + (q - range.begin) / kBlockM * kBlockM;  // the query tile
           const TileKind kind = SegmentMask::bwd_tile_kind(k0 + kBlockN - 1, qt, klen < kBlockN);
-          const bool hidden = SegmentMask::bwd_hidden(k0 + r - q);
+          const bool hidden = SegmentMask::bwd_hidden(k0 + r, q);
           if (kind == TileKind::kFull) ASSERT_FALSE(hidden) << "a full tile hides a pair";
           ASSERT_EQ(!hidden, expect) << "q " << q << " k " << k0 + r;
         }
