@@ -5,8 +5,8 @@
 # Steps (device time on an H200):
 #   portable-tests  tests/gpu/test_cuda_attention.py on the portable kernels (DUALKV_DISABLE_SM90{,_BWD}=1),
 #                   every built head dim (~75 s for five)
-#   smem1-tests     the same at head dim 256 with DUALKV_CUDA_SMEM_LIMIT=166912 (sm_80's shared memory):
-#                   the backward kernel with one Q buffer (~20 s)
+#   smem1-tests     the same at head dim 256 with DUALKV_CUDA_SMEM_LIMIT=166912 (A100's shared memory)
+#                   and at 64 with 101376 (sm_86/89's): the backward kernel with one Q buffer (~20 s)
 #   tests           tests/gpu + tests/python on the default dispatch (~2 min)
 #   tests-sm90      the Hopper forward / backward tests and the kernel log, 12 random forests each (~40 s)
 #   sanitize        compute-sanitizer memcheck + racecheck, portable kernels forced, $SAN_DIMS (~1 min)
@@ -32,8 +32,11 @@ for step in "$@"; do
   case "$step" in
     portable-tests) "${PORTABLE[@]}" timeout 240 python3 -m pytest tests/gpu/test_cuda_attention.py -q -p no:cacheprovider \
                       $PT --maxfail=5 2>&1 | tee "$OUT/portable_tests.log" | tail -6 ;;
-    smem1-tests) "${PORTABLE[@]}" DUALKV_CUDA_SMEM_LIMIT=166912 timeout 120 python3 -m pytest tests/gpu/test_cuda_attention.py \
-                   -q -p no:cacheprovider $PT --maxfail=5 -k "256" 2>&1 | tee "$OUT/smem1_tests.log" | tail -4 ;;
+    smem1-tests) for limit_dim in 166912:256 101376:64; do
+                   "${PORTABLE[@]}" DUALKV_CUDA_SMEM_LIMIT=${limit_dim%:*} timeout 120 python3 -m pytest \
+                     tests/gpu/test_cuda_attention.py -q -p no:cacheprovider $PT --maxfail=5 -k "${limit_dim#*:}" 2>&1 \
+                     | tee -a "$OUT/smem1_tests.log" | tail -2
+                 done ;;
     tests) timeout 300 python3 -m pytest tests/gpu tests/python -q -p no:cacheprovider $PT --maxfail=10 -rs 2>&1 \
              | tee "$OUT/tests.log" | tail -8 ;;
     tests-sm90) DUALKV_SM90_TEST_N=12 DUALKV_SM90_BWD_TEST_N=12 timeout 150 python3 -m pytest tests/gpu/test_sm90_fwd.py \
