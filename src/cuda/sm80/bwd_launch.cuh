@@ -12,8 +12,20 @@
 
 namespace dualkv::cuda::sm80 {
 
-// sm_80's opt-in shared memory per block (A100); sm_86/89 have 99 KB.
-constexpr size_t kSm80SmemBytes = 163 * 1024;
+// Opt-in shared memory per block of the devices the sm_80 code runs on: sm_86/89 and A100.
+constexpr size_t kSm8xSmemBytes[] = {99 * 1024, 163 * 1024};
+
+template <int D, typename T, int kQStages>
+constexpr size_t bwd_kv_smem() { return sizeof(BwdSmem<D, T, kQStages>) + sizeof(BwdItem); }
+
+// Whether the one-Q-buffer kernel fits a device class the two-buffer one does not (D = 64 on
+// sm_86/89, D = 256 on A100): only then is it instantiated.
+template <int D, typename T>
+constexpr bool one_q_buffer_fits_more() {
+  for (size_t limit : kSm8xSmemBytes)
+    if (bwd_kv_smem<D, T, 1>() <= limit && bwd_kv_smem<D, T, 2>() > limit) return true;
+  return false;
+}
 
 template <int D, typename T, bool kAtomicDq, int kQStages>
 cudaError_t launch_bwd_kv(const BwdArgs& args, int sms, cudaStream_t stream) {
@@ -28,11 +40,11 @@ cudaError_t launch_bwd_kv(const BwdArgs& args, int sms, cudaStream_t stream) {
 }
 
 // Two Q buffers where the device's shared memory holds them (every head dim on Hopper; up to 192
-// on sm_80), else one (the kernel with one buffer is instantiated only where two exceed sm_80's).
+// on A100), else one where that fits.
 template <int D, typename T, bool kAtomicDq>
 cudaError_t launch_bwd_kv(const BwdArgs& args, int sms, cudaStream_t stream) {
-  if constexpr (sizeof(BwdSmem<D, T, 2>) > kSm80SmemBytes) {
-    if (sizeof(BwdSmem<D, T, 2>) > device_smem_limit()) return launch_bwd_kv<D, T, kAtomicDq, 1>(args, sms, stream);
+  if constexpr (one_q_buffer_fits_more<D, T>()) {
+    if (bwd_kv_smem<D, T, 2>() > device_smem_limit()) return launch_bwd_kv<D, T, kAtomicDq, 1>(args, sms, stream);
   }
   return launch_bwd_kv<D, T, kAtomicDq, 2>(args, sms, stream);
 }
