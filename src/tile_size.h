@@ -47,10 +47,6 @@ DUALKV_TILE_FN Sm80FwdTiles sm80_dq_tiles(int head_dim) {
 // Backward main kernel (KV-tile-outer): 8 warps as 4 x 2, each owning row_blocks x 16 KV rows of
 // the plan's KV tile and half of its columns.
 DUALKV_TILE_FN int sm80_bwd_row_blocks(int head_dim) { return plan_tiles(head_dim).bwd_block_n / 64; }
-// Its dQ product: 16-row query blocks per warp (2, 4 warps across the columns, where a warp's
-// D / 4 columns are whole k16 blocks: FlashAttention-2's dQ layout at D >= 128; else 1 row block
-// and 2 warps across).
-DUALKV_TILE_FN int sm80_bwd_dq_row_blocks(int head_dim) { return (head_dim / 4) % 16 == 0 ? 2 : 1; }
 
 // ---- sm90 (wgmma + TMA) kernels ----
 // Forward KV rows per pipeline stage: 128 up to D = 128, 64 above (shared memory: Q 64 KiB plus

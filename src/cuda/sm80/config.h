@@ -35,7 +35,7 @@ template <int D> struct BwdConfig {
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kBlockM = plan_tiles(D).bwd_block_m;
   static constexpr int kBlockN = plan_tiles(D).bwd_block_n;
-  static constexpr int kMQ = sm80_bwd_dq_row_blocks(D);
+  static constexpr int kMQ = (kMI == 2 && (D / 4) % 16 == 0) ? 2 : 1;
   static constexpr int kQR = kBlockM / (16 * kMQ);  // query row groups in phase 4
   static constexpr int kDC = kWarps / kQR;          // column groups in phase 4
   static constexpr int kPitch = D + 8;
