@@ -39,7 +39,7 @@ bool head_dim_built(int d) {
   return false;
 }
 
-// "64, 128, 256" (CMake requires at least one head dim).
+// The built head dims as "a, b, c" (CMake requires at least one).
 std::string built_head_dims_string() {
   std::string s;
   for (int b : kBuiltHeadDims) s += (s.empty() ? "" : ", ") + std::to_string(b);

@@ -17,6 +17,17 @@ int occupancy_blocks(Kernel kernel, int threads, size_t smem) {
   return n;
 }
 
+// Launches `Kernel` as a persistent grid: every SM, as many blocks per SM as its `smem` bytes of
+// dynamic shared memory let run (computed once per kernel).
+template <auto Kernel, typename Args>
+cudaError_t launch_on_sms(int threads, size_t smem, int sms, const Args& args, cudaStream_t stream) {
+  static const int blocks_per_sm = occupancy_blocks(Kernel, threads, smem);
+  cudaError_t err = cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+  if (err != cudaSuccess) return err;
+  Kernel<<<sms * blocks_per_sm, threads, smem, stream>>>(args);
+  return cudaGetLastError();
+}
+
 // Shared memory a block may opt into on the current device. DUALKV_CUDA_SMEM_LIMIT (bytes) lowers
 // it: tests use it to run a kernel's small-shared-memory configuration on a device that fits the
 // large one.

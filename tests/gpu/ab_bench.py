@@ -1,7 +1,7 @@
 """A/B of two libdualkv builds in ONE process, interleaved, with FlashAttention-2 beside them.
 
     PYTHONPATH=python python3 tests/gpu/ab_bench.py --base A/libdualkv.so --new B/libdualkv.so \
-        [--head-dims 64,128,256] [--paths hopper,portable] [--rounds 3] [--fa2] [--out DIR]
+        [--head-dims D,D,...] [--paths hopper,portable] [--rounds 3] [--fa2] [--out DIR]
 
 For every (head dim, path, config) of bench/attention.py (the issue's configs and the variable-length
 micro-batch), each round times base, new (and, with --fa2, SDPA-flash on the unpacked batch) in a
@@ -68,7 +68,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--base", required=True)
     ap.add_argument("--new", required=True)
-    ap.add_argument("--head-dims", default="64,128,256")
+    ap.add_argument("--head-dims", default="", help="default: every head dim the new library was built for")
     ap.add_argument("--paths", default="hopper,portable")
     ap.add_argument("--configs", default="", help="N,P,R;... (default: bench/attention.py's list + varlen)")
     ap.add_argument("--no-varlen", action="store_true")
@@ -85,6 +85,8 @@ def main() -> int:
 
     libs = {"base": load(args.base), "new": load(args.new)}
     base_dims = json.loads(libs["base"].dualkv_build_info().decode()).get("cuda", {}).get("head_dims", [])
+    new_dims = json.loads(libs["new"].dualkv_build_info().decode()).get("cuda", {}).get("head_dims", [])
+    head_dims = [int(d) for d in args.head_dims.split(",")] if args.head_dims else new_dims
     configs = ([tuple(int(x) for x in c.split(",")) for c in args.configs.split(";") if c] if args.configs
                else bench.DEFAULT_CONFIGS)
     cases = [bench.Case(f"N{n}_P{p}_R{r}", [p], [[r] * n]) for n, p, r in configs]
@@ -99,7 +101,7 @@ def main() -> int:
                "shape": {"H": H, "Hk": Hk, "dtype": "bfloat16"}, "rounds": args.rounds, "rows": []}
     print(f"{'D':>4} {'path':8} {'config':18} {'fwd new/base':>13} {'f+b new/base':>13} "
           f"{'slower all':>10} {'fwd/FA2':>8} {'f+b/FA2':>8}", flush=True)
-    for D in (int(d) for d in args.head_dims.split(",")):
+    for D in head_dims:
         for path in args.paths.split(","):
             set_path(path)
             with_fa2 = args.fa2 and path in args.fa2_paths.split(",")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import random
 from typing import Callable, List, Sequence, Tuple
 
+import pytest
 import torch
 
 
@@ -112,7 +113,7 @@ ARCH_CAPABILITY = {"sm90": (9, 0)}
 
 def arch_head_dims(arch: str, direction: str) -> List[int]:
     """Head dims the library has `arch`'s `direction` kernels for (build info "kernels"), or [] when
-    there is no GPU of that arch here."""
+    there is no GPU of that arch here (then arch_test_marks skips the module)."""
     if not torch.cuda.is_available():
         return []
     need = ARCH_CAPABILITY.get(arch)
@@ -121,3 +122,13 @@ def arch_head_dims(arch: str, direction: str) -> List[int]:
     from dualkv import _native
     kernels = _native.build_info().get("cuda", {}).get("kernels", {})
     return [int(d) for d in kernels.get(arch, {}).get(direction, [])]
+
+
+def arch_test_marks(arch: str, direction: str):
+    """(pytestmark, head dims) of a module testing `arch`'s `direction` kernels: a gpu test, skipped
+    without a GPU of that arch or a library built for it; the head dims to parametrize over."""
+    marks = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+    dims = arch_head_dims(arch, direction)
+    if torch.cuda.is_available() and not dims:
+        marks.append(pytest.mark.skip(reason=f"needs a device and a library with {arch} {direction} kernels"))
+    return marks, dims or [128]

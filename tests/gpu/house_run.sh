@@ -10,10 +10,10 @@
 #   tests           tests/gpu + tests/python on the default dispatch (~2 min)
 #   tests-sm90      the Hopper forward / backward tests and the kernel log, 12 random forests each (~40 s)
 #   sanitize        compute-sanitizer memcheck + racecheck, portable kernels forced, $SAN_DIMS (~1 min)
-#   ab-portable     tests/gpu/ab_bench.py: new vs base, portable path, head dims $AB_DIMS (default
-#                   64,128,256), $AB_ROUNDS rounds (default 3), FA2 (SDPA flash) timed in the same rounds
+#   ab-portable     tests/gpu/ab_bench.py: new vs base, portable path, head dims $AB_DIMS (default: every
+#                   head dim new.so has), $AB_ROUNDS rounds (default 3), FA2 (SDPA flash) in the same rounds
 #   ab-hopper       the same on the default (Hopper) dispatch, without FA2
-#   fa2-dims        new vs FA2 only at head dims $FA2_DIMS (default 96,192; base has none), 1 round
+#   fa2-dims        new vs FA2 (and base where it has the head dim) at $FA2_DIMS, 1 round
 # Logs and JSON go to $OUT; the last lines of each step are printed.
 set -uo pipefail
 OUT="${OUT:-device-out}"; mkdir -p "$OUT"
@@ -44,13 +44,13 @@ for step in "$@"; do
                   | tee "$OUT/tests_sm90.log" | tail -5 ;;
     sanitize) "${PORTABLE[@]}" SAN_DIMS="${SAN_DIMS:-64,96,256}" timeout 200 tests/gpu/sanitize.sh > "$OUT/sanitize.log" 2>&1
               echo "sanitize rc=$?"; grep -E "^==|ERROR SUMMARY|RACECHECK SUMMARY|!!" "$OUT/sanitize.log" | tail -8 ;;
-    ab-portable) timeout "${AB_TIMEOUT:-420}" "${AB[@]}" --paths portable --head-dims "${AB_DIMS:-64,128,256}" \
+    ab-portable) timeout "${AB_TIMEOUT:-420}" "${AB[@]}" --paths portable --head-dims "${AB_DIMS:-}" \
                    --rounds "${AB_ROUNDS:-3}" --fa2 --out "$OUT/ab_portable" > "$OUT/ab_portable.log" 2>&1
                  echo "rc=$?"; cat "$OUT/ab_portable.log" | grep -v Warning ;;
-    ab-hopper) timeout "${AB_TIMEOUT:-300}" "${AB[@]}" --paths hopper --head-dims "${AB_DIMS:-64,128,256}" \
+    ab-hopper) timeout "${AB_TIMEOUT:-300}" "${AB[@]}" --paths hopper --head-dims "${AB_DIMS:-}" \
                  --rounds "${AB_ROUNDS:-3}" --out "$OUT/ab_hopper" > "$OUT/ab_hopper.log" 2>&1
                echo "rc=$?"; cat "$OUT/ab_hopper.log" | grep -v Warning ;;
-    fa2-dims) timeout 240 "${AB[@]}" --paths portable --head-dims "${FA2_DIMS:-96,192}" --rounds 1 --fa2 \
+    fa2-dims) timeout 240 "${AB[@]}" --paths portable --head-dims "${FA2_DIMS:-}" --rounds 1 --fa2 \
                 --out "$OUT/fa2_dims" > "$OUT/fa2_dims.log" 2>&1
               echo "rc=$?"; cat "$OUT/fa2_dims.log" | grep -v Warning ;;
     *) echo "unknown step $step" ;;

@@ -21,17 +21,12 @@ import torch
 import cases  # tests/gpu/cases.py (pytest puts this directory on sys.path)
 from cases import cuda_kernels_run, kernel_grads, make_inputs, ref_grads
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark, DIMS = cases.arch_test_marks("sm90", "bwd")
 
 if torch.cuda.is_available():
     import dualkv
 
 
-DIMS = cases.arch_head_dims("sm90", "bwd")
-if torch.cuda.is_available() and not DIMS:
-    pytestmark.append(pytest.mark.skip(reason="needs an sm_90 device and a library built for 90a"))
-DIMS = DIMS or [128]
 DTYPES = [torch.bfloat16, torch.float16]
 GQA = [(4, 4), (8, 2), (8, 1), (16, 4)]  # group sizes 1, 4, 8, 4
 N_RANDOM = int(os.environ.get("DUALKV_SM90_BWD_TEST_N", "48"))

@@ -19,17 +19,12 @@ import torch
 import cases  # tests/gpu/cases.py (pytest puts this directory on sys.path)
 from cases import cuda_kernels_run, make_inputs
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark, DIMS = cases.arch_test_marks("sm90", "fwd")
 
 if torch.cuda.is_available():
     import dualkv
     from dualkv.reference import attention_ref
 
-DIMS = cases.arch_head_dims("sm90", "fwd")
-if torch.cuda.is_available() and not DIMS:
-    pytestmark.append(pytest.mark.skip(reason="needs an sm_90 device and a library built for 90a"))
-DIMS = DIMS or [128]
 ATOL = 1e-5
 
 

@@ -177,14 +177,7 @@ bwd_dq_kernel(const BwdArgs args) {
 
 template <int D, typename T>
 cudaError_t launch_bwd_dq(const BwdArgs& args, int sms, cudaStream_t stream) {
-  using C = DqConfig<D>;
-  const size_t smem = sizeof(DqSmem<D, T>);
-  auto kernel = bwd_dq_kernel<D, T>;
-  static int bps = occupancy_blocks(kernel, C::kThreads, smem);
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
-  if (err != cudaSuccess) return err;
-  kernel<<<sms * bps, C::kThreads, smem, stream>>>(args);
-  return cudaGetLastError();
+  return launch_on_sms<bwd_dq_kernel<D, T>>(DqConfig<D>::kThreads, sizeof(DqSmem<D, T>), sms, args, stream);
 }
 
 }  // namespace dualkv::cuda::sm80

@@ -438,12 +438,12 @@ bwd_kv_kernel(const BwdArgs args) {
             Ops::mma(dv[mi][2 * nd + 1], ap[mi], b[2], b[3]);
           }
         }
-        // Version 5: lse/delta of step + 1 after kk step kIssueKK of dV (was right after bar A).
+        // lse/delta of step + 1 after k16 step kIssueKK of dV.
         if (kk == kIssueKK) load_lse_delta_next();
       }
       __syncthreads();  // bar B: every read of dout (dP, dV) and pt is done
-      // dO(step + 1); version 5 issues it after kk step kIssueKK of the next product (dQ; dK in
-      // the deterministic mode), still after bar B.
+      // dO(step + 1), after k16 step kIssueKK of the next product (dQ; dK in the deterministic
+      // mode), still after bar B.
       auto issue_do_next = [&]() {
         if (has_next) {
           load_rows<D, BM, P, NT>(s_do + s_ld, dog + (qtn + ld_r) * args.do_ts + hn * args.do_hs + ld_c,

@@ -29,14 +29,8 @@ constexpr bool one_q_buffer_fits_more() {
 
 template <int D, typename T, bool kAtomicDq, int kQStages>
 cudaError_t launch_bwd_kv(const BwdArgs& args, int sms, cudaStream_t stream) {
-  using C = BwdConfig<D>;
-  constexpr size_t smem = sizeof(BwdSmem<D, T, kQStages>);
-  auto kernel = bwd_kv_kernel<D, T, kAtomicDq, kQStages>;
-  static int bps = occupancy_blocks(kernel, C::kThreads, smem);
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
-  if (err != cudaSuccess) return err;
-  kernel<<<sms * bps, C::kThreads, smem, stream>>>(args);
-  return cudaGetLastError();
+  return launch_on_sms<bwd_kv_kernel<D, T, kAtomicDq, kQStages>>(BwdConfig<D>::kThreads,
+                                                                  sizeof(BwdSmem<D, T, kQStages>), sms, args, stream);
 }
 
 // Two Q buffers where the device's shared memory holds them (every head dim on Hopper; up to 192

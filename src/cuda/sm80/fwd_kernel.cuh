@@ -150,7 +150,7 @@ fwd_kernel(const FwdArgs args) {
   while (true) {
     __syncthreads();  // the previous item is done with smem and st
     if (tid == 0) {
-      // Only thread 0 decodes the item; the other 127 threads read the result from st.
+      // Only thread 0 decodes the item; the other threads read the result from st.
       const int H = load_shared_volatile(st.num_heads);
       const int64_t item = atomicAdd(args.counter, 1);
       st.done = item >= static_cast<int64_t>(plan[kHdrNumFwd]) * H;

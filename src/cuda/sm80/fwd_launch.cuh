@@ -11,15 +11,9 @@ namespace dualkv::cuda::sm80 {
 
 template <int D, typename T>
 cudaError_t run_fwd(const FwdArgs& args, int sms, cudaStream_t stream) {
-  using C = FwdConfig<D>;
-  const size_t smem = sizeof(FwdSmem<D, T>);
-  auto kernel = fwd_kernel<D, T>;
-  static int blocks_per_sm = occupancy_blocks(kernel, C::kThreads, smem);
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+  const cudaError_t err = cudaMemsetAsync(args.counter, 0, sizeof(int32_t), stream);
   if (err != cudaSuccess) return err;
-  if ((err = cudaMemsetAsync(args.counter, 0, sizeof(int32_t), stream)) != cudaSuccess) return err;
-  kernel<<<sms * blocks_per_sm, C::kThreads, smem, stream>>>(args);
-  return cudaGetLastError();
+  return launch_on_sms<fwd_kernel<D, T>>(FwdConfig<D>::kThreads, sizeof(FwdSmem<D, T>), sms, args, stream);
 }
 
 }  // namespace dualkv::cuda::sm80
