@@ -13,6 +13,8 @@
 #include "dualkv/dualkv.h"
 #include "dualkv/layout.h"
 #include "internal.h"
+#include "plan.h"
+#include "tile_size.h"
 
 namespace dualkv::detail {
 
@@ -299,6 +301,42 @@ DUALKV_API dualkv_status dualkv_plan_build(const dualkv_layout* host_layout, int
     return fail(DUALKV_ERROR_UNSUPPORTED, "plan_build: this libdualkv was built without CUDA");
 #endif
   return fail(DUALKV_ERROR_INVALID_ARGUMENT, "plan_build: unknown device code %d", device);
+}
+
+DUALKV_API dualkv_status dualkv_plan_inspect(const dualkv_layout* host_layout, int32_t head_dim,
+                                             int32_t num_sms, dualkv_plan_info* info, int32_t* plan,
+                                             int64_t plan_len) {
+  clear_error();
+  if (!host_layout || !info) return fail(DUALKV_ERROR_INVALID_ARGUMENT, "plan_inspect: NULL argument");
+  if (info->struct_size != sizeof(dualkv_plan_info))
+    return fail(DUALKV_ERROR_VERSION, "plan_inspect: info struct_size %u does not match the library's %zu",
+                info->struct_size, sizeof(dualkv_plan_info));
+  if (head_dim < 1 || num_sms < 1)
+    return fail(DUALKV_ERROR_INVALID_ARGUMENT, "plan_inspect: head_dim (%d) and num_sms (%d) must be >= 1",
+                head_dim, num_sms);
+  if (dualkv_status st = check_host_layout_consistent(*host_layout); st != DUALKV_OK) return st;
+  dualkv::plan::Plan p;
+  if (dualkv_status st = dualkv::plan::build(*host_layout, head_dim, num_sms, &p); st != DUALKV_OK) return st;
+  const dualkv::PlanTiles tiles = dualkv::plan_tiles(head_dim);
+  const int32_t* hdr = p.data.data();
+  info->head_dim = head_dim;
+  info->fwd_block_m = tiles.fwd_block_m;
+  info->bwd_block_n = tiles.bwd_block_n;
+  info->bwd_block_m = tiles.bwd_block_m;
+  info->bwd_split_rows = p.split_rows;
+  info->num_fwd_tiles = hdr[dualkv::kHdrNumFwd];
+  info->num_bwd_items = hdr[dualkv::kHdrNumBwd];
+  info->num_reductions = hdr[dualkv::kHdrNumRed];
+  info->num_split_slots = hdr[dualkv::kHdrNumSlots];
+  info->plan_len = static_cast<int64_t>(p.data.size());
+  info->plan_key = p.key;
+  if (plan) {
+    if (plan_len != info->plan_len)
+      return fail(DUALKV_ERROR_INVALID_ARGUMENT, "plan_inspect: plan_len %lld, but this layout's plan has %lld int32",
+                  static_cast<long long>(plan_len), static_cast<long long>(info->plan_len));
+    std::memcpy(plan, p.data.data(), p.data.size() * sizeof(int32_t));
+  }
+  return DUALKV_OK;
 }
 
 DUALKV_API dualkv_status dualkv_fwd_workspace_size(const dualkv_fwd_params* params, size_t* bytes) {

@@ -191,6 +191,29 @@ DUALKV_API dualkv_status dualkv_plan_build(const dualkv_layout* host_layout, int
                                            int32_t device_index, int32_t dtype, int32_t head_dim,
                                            int32_t* plan, int64_t plan_len);
 
+/* Statistics of a work plan (dualkv_plan_inspect). */
+typedef struct dualkv_plan_info {
+  uint32_t struct_size;      /* sizeof(dualkv_plan_info), set by the caller */
+  int32_t head_dim;
+  int32_t fwd_block_m;       /* query rows of a forward work tile */
+  int32_t bwd_block_n;       /* KV rows of a backward work item */
+  int32_t bwd_block_m;       /* query rows of a backward step */
+  int32_t bwd_split_rows;    /* backward query ranges longer than this are split into several items */
+  int32_t num_fwd_tiles;     /* forward work tiles (each runs once per query head) */
+  int32_t num_bwd_items;     /* backward work items (each runs once per KV head) */
+  int32_t num_reductions;    /* split KV tiles, each reduced from its items' fp32 partials */
+  int32_t num_split_slots;   /* fp32 partial slots of the split items */
+  int64_t plan_len;          /* int32 elements of the plan */
+  uint64_t plan_key;
+} dualkv_plan_info;
+/* The plan the CUDA backend builds for this layout and head_dim on a device with num_sms
+ * multiprocessors, without a device (any build): for tests and tools. Fills *info; when plan is
+ * not NULL, also copies the plan (format: src/plan_format.h) into plan[plan_len], plan_len being
+ * info->plan_len. */
+DUALKV_API dualkv_status dualkv_plan_inspect(const dualkv_layout* host_layout, int32_t head_dim,
+                                             int32_t num_sms, dualkv_plan_info* info, int32_t* plan,
+                                             int64_t plan_len);
+
 /* ---- attention ---- */
 DUALKV_API dualkv_status dualkv_fwd_workspace_size(const dualkv_fwd_params* params, size_t* bytes);
 DUALKV_API dualkv_status dualkv_fwd(const dualkv_fwd_params* params);

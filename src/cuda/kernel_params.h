@@ -1,5 +1,5 @@
-// Kernel-side parameter blocks (plain structs passed by value) and the launch entry points that
-// each per-(direction, head dim, dtype) translation unit instantiates.
+// Kernel-side parameter blocks (plain structs passed by value), the same for every arch: each
+// arch folder's arch.h declares run_fwd / run_bwd over them.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -60,11 +60,5 @@ struct BwdArgs {
   float* dq_accum;     // [T, H, D] fp32 (atomic mode only)
   float* partials;     // [n_slots, Hk, 2, BlockN, D] fp32 split partial dK / dV
 };
-
-// Returns cudaSuccess or the first launch error. `sms` is the device's multiprocessor count.
-template <int D, typename T>
-cudaError_t launch_fwd(const FwdArgs& args, int sms, cudaStream_t stream);
-template <int D, typename T>
-cudaError_t launch_bwd(const BwdArgs& args, int sms, cudaStream_t stream);
 
 }  // namespace dualkv::cuda

@@ -10,6 +10,7 @@ from __future__ import annotations
 import random
 from typing import Callable, List, Sequence, Tuple
 
+import pytest
 import torch
 
 
@@ -95,3 +96,39 @@ def kernel_grads(q, k, v, dout, layout, deterministic=False, dlse=None):
     if out.is_cuda:
         torch.cuda.synchronize()
     return [out, lse, qq.grad, kk.grad, vv.grad]
+
+
+def cuda_kernels_run(fn) -> set:
+    """Names of the CUDA kernels `fn` launches (torch.profiler, CUPTI)."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return {e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA}
+
+
+# Compute capability each kernel family runs on (exactly: sm_90a code runs on 9.0 only).
+ARCH_CAPABILITY = {"sm90": (9, 0)}
+
+
+def arch_head_dims(arch: str, direction: str) -> List[int]:
+    """Head dims the library has `arch`'s `direction` kernels for (build info "kernels"), or [] when
+    there is no GPU of that arch here (then arch_test_marks skips the module)."""
+    if not torch.cuda.is_available():
+        return []
+    need = ARCH_CAPABILITY.get(arch)
+    if need is not None and torch.cuda.get_device_capability() != need:
+        return []
+    from dualkv import _native
+    kernels = _native.build_info().get("cuda", {}).get("kernels", {})
+    return [int(d) for d in kernels.get(arch, {}).get(direction, [])]
+
+
+def arch_test_marks(arch: str, direction: str):
+    """(pytestmark, head dims) of a module testing `arch`'s `direction` kernels: a gpu test, skipped
+    without a GPU of that arch or a library built for it; the head dims to parametrize over."""
+    marks = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+    dims = arch_head_dims(arch, direction)
+    if torch.cuda.is_available() and not dims:
+        marks.append(pytest.mark.skip(reason=f"needs a device and a library with {arch} {direction} kernels"))
+    return marks, dims or [128]

@@ -33,8 +33,8 @@ def kernel_log(**env) -> list[str]:
 
 def built(direction: str) -> bool:
     from dualkv import _native
-    info = _native.build_info().get("cuda", {})
-    return 128 in [int(d) for d in info.get(f"sm90_{direction}_head_dims", [])]
+    kernels = _native.build_info().get("cuda", {}).get("kernels", {})
+    return 128 in [int(d) for d in kernels.get("sm90", {}).get(direction, [])]
 
 
 def test_log_names_the_kernels():

@@ -1,9 +1,7 @@
 """Hopper backward main kernel (src/cuda/sm90/bwd_sm90_*) against the float64 dense reference.
 
-Runs only on a compute-capability-9.0 GPU with a library whose build info lists "sm90_bwd_head_dims"
-(CMake option DUALKV_SM90_BWD, default ON when 90a is among DUALKV_CUDA_ARCHS; head dim 256 only with
-DUALKV_SM90_BWD_D256=ON), for every head dim listed there. Goes
-through dualkv.attention, so the sm90 forward and the sm80 preprocess / dQ / reduction kernels run
+Runs only on a compute-capability-9.0 GPU, for every head dim the build lists under kernels.sm90.bwd
+(a library built with 90a among DUALKV_CUDA_ARCHS). Goes through dualkv.attention, so the sm90 forward and the sm80 preprocess / dQ / reduction kernels run
 around the kernel under test; DUALKV_DISABLE_SM90_BWD=1 gives the portable main kernel for
 comparison.
 
@@ -21,30 +19,14 @@ import pytest
 import torch
 
 import cases  # tests/gpu/cases.py (pytest puts this directory on sys.path)
-from cases import kernel_grads, make_inputs, ref_grads
+from cases import cuda_kernels_run, kernel_grads, make_inputs, ref_grads
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark, DIMS = cases.arch_test_marks("sm90", "bwd")
 
 if torch.cuda.is_available():
     import dualkv
-    from dualkv import _native
 
 
-def sm90_bwd_dims() -> list[int]:
-    if not torch.cuda.is_available():
-        return []
-    if torch.cuda.get_device_capability() != (9, 0):
-        return []
-    info = _native.build_info().get("cuda", {})
-    return [int(d) for d in info.get("sm90_bwd_head_dims", [])]
-
-
-DIMS = sm90_bwd_dims()
-if torch.cuda.is_available() and not DIMS:
-    pytestmark.append(pytest.mark.skip(
-        reason="needs an sm_90 device and a library built for 90a with DUALKV_SM90_BWD=ON"))
-DIMS = DIMS or [128]
 DTYPES = [torch.bfloat16, torch.float16]
 GQA = [(4, 4), (8, 2), (8, 1), (16, 4)]  # group sizes 1, 4, 8, 4
 N_RANDOM = int(os.environ.get("DUALKV_SM90_BWD_TEST_N", "48"))
@@ -168,15 +150,6 @@ def test_strided_inputs():
     ref64 = ref_grads(q, k, v, dout, layout_cpu, torch.float64)
     refpt = ref_grads(q, k, v, dout, layout_cpu, torch.bfloat16)
     check(got, ref64, refpt, "(strided qkv)")
-
-
-def cuda_kernels_run(fn) -> set[str]:
-    """Names of the CUDA kernels `fn` launches (torch.profiler, CUPTI)."""
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return {e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA}
 
 
 @pytest.mark.parametrize("D", DIMS)

@@ -1,4 +1,4 @@
-"""The CPU models of the Hopper kernels' barrier protocols and index arithmetic (src/cuda/sm90/harness),
+"""The CPU models of the Hopper kernels' barrier protocols and index arithmetic (tests/models),
 run in CI so a protocol change that breaks them is caught without a GPU. Each model must pass its
 random schedules and catch every planted bug (a model that catches nothing proves nothing)."""
 from __future__ import annotations
@@ -9,12 +9,12 @@ import sys
 
 import pytest
 
-HARNESS = pathlib.Path(__file__).resolve().parents[2] / "src" / "cuda" / "sm90" / "harness"
+MODELS = pathlib.Path(__file__).resolve().parents[2] / "tests" / "models"
 RUNS = "150"
 
 
 def run_model(script: str, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(HARNESS / script), *args], capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, str(MODELS / script), *args], capture_output=True, text=True, timeout=300)
 
 
 @pytest.mark.parametrize("flags", [[], ["--split"], ["--no-pingpong"], ["--split", "--stages", "3"]])

@@ -1,0 +1,129 @@
+// Backward pre- and post-processing, the same for every arch's main kernel (FA3's
+// flash_bwd_preprocess / flash_bwd_postprocess, CUTLASS 88's sum_OdO / convert):
+//   preprocess:   zero the work counters (and the fp32 dQ accumulator unless deterministic), then
+//                 delta[h, t] = sum_d dO * O - dlse (one warp per row);
+//   postprocess:  dQ = scale * the fp32 accumulator (unless deterministic: the main kernel's arch
+//                 computes dQ itself then), and the fixed-order sum of the split items' fp32 dK/dV
+//                 partials (only when the plan has splits).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+
+#include "convert.cuh"
+#include "kernel_params.h"
+#include "plan_reader.cuh"
+#include "tile_size.h"
+
+namespace dualkv::cuda {
+
+template <int D, typename T>
+__global__ void bwd_preprocess_kernel(const BwdArgs args) {
+  using Ops = Convert<T>;
+  const int lane = threadIdx.x & 31;
+  const int64_t warps_total = static_cast<int64_t>(gridDim.x) * (blockDim.x / 32);
+  const int64_t rows = static_cast<int64_t>(args.layout.num_tokens) * args.num_heads;
+  const T* og = static_cast<const T*>(args.out);
+  const T* dog = static_cast<const T*>(args.dout);
+  for (int64_t r = blockIdx.x * (blockDim.x / 32) + (threadIdx.x >> 5); r < rows; r += warps_total) {
+    const int32_t t = static_cast<int32_t>(r / args.num_heads);
+    const int h = static_cast<int>(r % args.num_heads);
+    const T* orow = og + t * args.o_ts + h * args.o_hs;
+    const T* dorow = dog + t * args.do_ts + h * args.do_hs;
+    float sum = 0.f;
+    for (int d = lane * 2; d < D; d += 64) {
+      const float2 o = Ops::unpack(*reinterpret_cast<const uint32_t*>(orow + d));
+      const float2 dd = Ops::unpack(*reinterpret_cast<const uint32_t*>(dorow + d));
+      sum += o.x * dd.x + o.y * dd.y;
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+    if (lane == 0) {
+      if (args.dlse != nullptr) sum -= args.dlse[h * args.dlse_hs + t];
+      args.delta[static_cast<int64_t>(h) * args.layout.num_tokens + t] = sum;
+    }
+  }
+}
+
+template <int D, typename T>
+__global__ void bwd_dq_convert_kernel(const BwdArgs args) {
+  using Ops = Convert<T>;
+  const int64_t H = args.num_heads;
+  const int64_t pairs = static_cast<int64_t>(args.layout.num_tokens) * H * (D / 2);
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < pairs;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t row = i / (D / 2);
+    const int d = static_cast<int>(i % (D / 2)) * 2;
+    const int64_t t = row / H, h = row % H;
+    const float2 v = *reinterpret_cast<const float2*>(args.dq_accum + row * D + d);
+    *reinterpret_cast<uint32_t*>(static_cast<T*>(args.dq) + t * args.dq_ts + h * args.dq_hs + d) =
+        Ops::pack(v.x * args.scale, v.y * args.scale);
+  }
+}
+
+template <int D, typename T>
+__global__ void bwd_reduce_kernel(const BwdArgs args) {
+  using Ops = Convert<T>;
+  constexpr int BN = plan_tiles(D).bwd_block_n;
+  const int32_t* plan = args.plan;
+  const LayoutPtrs& L = args.layout;
+  if (!plan_matches(plan, L))
+    return;
+  const int32_t n_red = plan[kHdrNumRed];
+  const int32_t* items = plan + plan[kHdrRedOffset];
+  const int Hk = args.num_kv_heads;
+  for (int64_t item = blockIdx.x; item < static_cast<int64_t>(n_red) * Hk; item += gridDim.x) {
+    const int32_t* it = items + (item / Hk) * kRedItemInts;
+    const int hk = static_cast<int>(item % Hk);
+    const int32_t k0 = it[1], k1 = it[2], slot0 = it[3], nsplit = it[4];
+    const int klen = k1 - k0;
+    for (int i = threadIdx.x; i < klen * (D / 2); i += blockDim.x) {
+      const int row = i / (D / 2), d = (i % (D / 2)) * 2;
+      float2 sk = make_float2(0.f, 0.f), sv = make_float2(0.f, 0.f);
+      for (int s = 0; s < nsplit; ++s) {  // fixed order: deterministic
+        const float* base = args.partials + ((static_cast<int64_t>(slot0 + s) * Hk + hk) * 2) * BN * D;
+        const float2 a = *reinterpret_cast<const float2*>(base + row * D + d);
+        const float2 b = *reinterpret_cast<const float2*>(base + BN * D + row * D + d);
+        sk.x += a.x; sk.y += a.y; sv.x += b.x; sv.y += b.y;
+      }
+      *reinterpret_cast<uint32_t*>(static_cast<T*>(args.dk) + (k0 + row) * args.dk_ts + hk * args.dk_hs + d) =
+          Ops::pack(sk.x * args.scale, sk.y * args.scale);
+      *reinterpret_cast<uint32_t*>(static_cast<T*>(args.dv) + (k0 + row) * args.dv_ts + hk * args.dv_hs + d) =
+          Ops::pack(sv.x, sv.y);
+    }
+  }
+}
+
+template <int D, typename T>
+cudaError_t launch_bwd_preprocess(const BwdArgs& args, int sms, cudaStream_t stream) {
+  cudaError_t err;
+  if ((err = cudaMemsetAsync(args.counters, 0, 4 * sizeof(int32_t), stream)) != cudaSuccess) return err;
+  const int64_t T_ = args.layout.num_tokens;
+  if (!args.deterministic) {
+    if ((err = cudaMemsetAsync(args.dq_accum, 0, sizeof(float) * T_ * args.num_heads * D, stream)) != cudaSuccess)
+      return err;
+  }
+  const int64_t rows = T_ * args.num_heads;
+  const int blocks = static_cast<int>(std::min<int64_t>((rows + 7) / 8, static_cast<int64_t>(sms) * 16));
+  bwd_preprocess_kernel<D, T><<<blocks, 256, 0, stream>>>(args);
+  return cudaGetLastError();
+}
+
+template <int D, typename T>
+cudaError_t launch_bwd_postprocess(const BwdArgs& args, int sms, cudaStream_t stream) {
+  cudaError_t err;
+  if (!args.deterministic) {
+    const int64_t pairs = static_cast<int64_t>(args.layout.num_tokens) * args.num_heads * (D / 2);
+    const int blocks = static_cast<int>(std::min<int64_t>((pairs + 255) / 256, static_cast<int64_t>(sms) * 32));
+    bwd_dq_convert_kernel<D, T><<<blocks, 256, 0, stream>>>(args);
+    if ((err = cudaGetLastError()) != cudaSuccess) return err;
+  }
+  if (args.n_slots > 0) {
+    bwd_reduce_kernel<D, T><<<sms * 4, 256, 0, stream>>>(args);
+    if ((err = cudaGetLastError()) != cudaSuccess) return err;
+  }
+  return cudaSuccess;
+}
+
+}  // namespace dualkv::cuda

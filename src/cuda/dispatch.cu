@@ -1,0 +1,423 @@
+// Host side of the CUDA backend: device checks, plans for a device (the planner is plan.cpp),
+// workspace sizes, and the dispatcher: each call runs on the first arch of the kernel table
+// (src/cuda/CMakeLists.txt, generated into kernel_table.h) that has a kernel for its head dim,
+// runs on the device, takes its arguments and is not switched off by its environment variable.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <string>
+#include <type_traits>
+
+#include "dualkv/dualkv.h"
+#include "internal.h"
+#include "kernel_params.h"
+#include "kernel_table.h"  // generated: every arch's arch.h and the kernel lists
+#include "plan.h"
+#include "tile_size.h"
+
+namespace dualkv::detail {
+
+namespace {
+
+using namespace dualkv::cuda;
+
+// Head dims with a kernel of some arch in this build.
+constexpr int kBuiltHeadDims[] = {
+#define DKV_HEAD_DIM(D) D,
+    DUALKV_HEAD_DIMS(DKV_HEAD_DIM)
+#undef DKV_HEAD_DIM
+};
+
+bool head_dim_built(int d) {
+  for (int b : kBuiltHeadDims)
+    if (b == d) return true;
+  return false;
+}
+
+// The built head dims as "a, b, c" (CMake requires at least one).
+std::string built_head_dims_string() {
+  std::string s;
+  for (int b : kBuiltHeadDims) s += (s.empty() ? "" : ", ") + std::to_string(b);
+  return s;
+}
+
+__global__ void probe_kernel(int* p) {
+  if (p) *p = 0;
+}
+
+// Sets the current device for the scope of a call and restores the caller's.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    if (cudaGetDevice(&prev_) != cudaSuccess) prev_ = -1;
+    if (prev_ != device) {
+      ok_ = cudaSetDevice(device) == cudaSuccess;
+      switched_ = true;
+    }
+  }
+  ~DeviceGuard() {
+    if (switched_ && prev_ >= 0) cudaSetDevice(prev_);
+  }
+  bool ok() const { return ok_; }
+
+ private:
+  int prev_ = -1;
+  bool ok_ = true;
+  bool switched_ = false;
+};
+
+constexpr int kMaxDevices = 64;
+struct DeviceInfo {
+  int status = -1;  // -1 unknown, 0 ok, 1 unsupported
+  int sms = 0;
+  int major = 0, minor = 0;
+  std::string error;
+};
+std::mutex g_device_mutex;
+DeviceInfo g_devices[kMaxDevices];
+
+// Returns DUALKV_OK and fills *info, or fails naming the reason.
+dualkv_status query_device(int32_t device_index, DeviceInfo* out) {
+  int count = 0;
+  cudaError_t err = cudaGetDeviceCount(&count);
+  if (err != cudaSuccess || count == 0) {
+    cudaGetLastError();
+    return fail(DUALKV_ERROR_UNSUPPORTED, "cuda: no usable CUDA device (%s)",
+                err != cudaSuccess ? cudaGetErrorString(err) : "device count is 0");
+  }
+  if (device_index < 0 || device_index >= count || device_index >= kMaxDevices)
+    return fail(DUALKV_ERROR_INVALID_ARGUMENT, "cuda: device_index %d out of range (%d devices)", device_index, count);
+  std::lock_guard<std::mutex> lock(g_device_mutex);
+  DeviceInfo& d = g_devices[device_index];
+  if (d.status < 0) {
+    cudaDeviceGetAttribute(&d.major, cudaDevAttrComputeCapabilityMajor, device_index);
+    cudaDeviceGetAttribute(&d.minor, cudaDevAttrComputeCapabilityMinor, device_index);
+    cudaDeviceGetAttribute(&d.sms, cudaDevAttrMultiProcessorCount, device_index);
+    if (d.major < 8) {
+      d.status = 1;
+      d.error = "cuda: device " + std::to_string(device_index) + " is sm_" + std::to_string(d.major) +
+                std::to_string(d.minor) + "; the CUDA backend needs sm_80 or newer";
+    } else {
+      DeviceGuard guard(device_index);
+      cudaFuncAttributes attr;
+      err = guard.ok() ? cudaFuncGetAttributes(&attr, probe_kernel) : cudaErrorInvalidDevice;
+      if (err != cudaSuccess) {
+        cudaGetLastError();
+        d.status = 1;
+        d.error = "cuda: this libdualkv has no kernels for device " + std::to_string(device_index) + " (sm_" +
+                  std::to_string(d.major) + std::to_string(d.minor) + "); built for CUDA archs " +
+                  DUALKV_CUDA_ARCHS_STRING + " (" + cudaGetErrorString(err) +
+                  "); rebuild with DUALKV_CUDA_ARCHS including this arch";
+      } else {
+        d.status = 0;
+      }
+    }
+  }
+  if (d.status != 0) return fail(DUALKV_ERROR_UNSUPPORTED, "%s", d.error.c_str());
+  *out = d;
+  return DUALKV_OK;
+}
+
+template <typename Params>
+dualkv_status check_plan(const Params& p, const char* what) {
+  const uint64_t expect = plan::key_hash(p.head_dim, p.layout.num_segments, p.layout.num_tokens);
+  if ((p.plan_key >> kPlanSlotBits) != expect)
+    return fail(DUALKV_ERROR_INVALID_ARGUMENT,
+                "%s: plan_key does not match this layout (S=%d, T=%d) and head_dim %d tiling; the plan was "
+                "built for another layout or configuration: rebuild it with dualkv_plan_build",
+                what, p.layout.num_segments, p.layout.num_tokens, p.head_dim);
+  if (p.plan_len < kHeaderInts)
+    return fail(DUALKV_ERROR_INVALID_ARGUMENT, "%s: plan_len %lld is too small", what,
+                static_cast<long long>(p.plan_len));
+  return DUALKV_OK;
+}
+
+bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0; }
+
+dualkv_status check_rows(const char* what, const char* name, const void* ptr, int64_t ts, int64_t hs) {
+  if (!aligned16(ptr) || ts % 8 != 0 || hs % 8 != 0)
+    return fail(DUALKV_ERROR_UNSUPPORTED,
+                "%s: %s needs 16-byte aligned rows on CUDA (pointer 16-byte aligned, token stride %lld and "
+                "head stride %lld multiples of 8 elements)",
+                what, name, static_cast<long long>(ts), static_cast<long long>(hs));
+  return DUALKV_OK;
+}
+
+dualkv_status cuda_fail(const char* what, cudaError_t err) {
+  return fail(DUALKV_ERROR_CUDA, "%s: CUDA error %s (%s)", what, cudaGetErrorName(err), cudaGetErrorString(err));
+}
+
+size_t bwd_partials_bytes(const dualkv_bwd_params& p) {
+  const size_t slots = static_cast<size_t>(plan::key_slots(p.plan_key));
+  return slots * p.num_kv_heads * 2 * plan_tiles(p.head_dim).bwd_block_n * p.head_dim * sizeof(float);
+}
+
+LayoutPtrs layout_ptrs(const dualkv_layout& l) {
+  return LayoutPtrs{l.seg_offsets, l.seg_parent, l.seg_subtree_end, l.num_segments, l.num_tokens};
+}
+
+// One arch of the kernel table, as the dispatcher sees it (each folder's arch.h).
+struct Arch {
+  const char* name;         // folder: "sm90"
+  const char* kernel_name;  // DUALKV_LOG_KERNELS: "sm90 wgmma"
+  bool (*runs_on)(int major, int minor);
+  const char* device_mismatch;  // why it does not run on this device
+  const char* args_mismatch;    // why it does not take these arguments
+  const char* fwd_disable_env;  // set: pass the arch over (null: no switch)
+  const char* bwd_disable_env;
+  bool (*fwd_args_ok)(const FwdArgs&, int head_dim);
+  bool (*bwd_args_ok)(const BwdArgs&, int head_dim);
+};
+
+#define DKV_ARCH(ARCH)                                                                                       \
+  Arch{#ARCH, ARCH::kKernelName, &ARCH::runs_on, ARCH::kDeviceMismatch, ARCH::kArgsMismatch, ARCH::kFwdDisableEnv, \
+       ARCH::kBwdDisableEnv, &ARCH::fwd_args_ok, &ARCH::bwd_args_ok},
+const Arch kArchs[] = {DUALKV_ARCHS(DKV_ARCH)};
+#undef DKV_ARCH
+
+template <typename Args>
+using Launcher = cudaError_t (*)(const Args&, int sms, cudaStream_t);
+
+// `arch`'s launcher for (head dim, dtype) in this build, or null.
+template <typename Args>
+Launcher<Args> find_launcher(const char* arch, int head_dim, bool bf16) {
+#define DKV_LAUNCHER(ARCH, D, DIR)                                                              \
+  if (head_dim == D && std::strcmp(arch, #ARCH) == 0)                                           \
+    return bf16 ? &ARCH::run_##DIR<D, __nv_bfloat16> : &ARCH::run_##DIR<D, __half>;
+  if constexpr (std::is_same_v<Args, FwdArgs>) {
+#define DKV_FWD(ARCH, D) DKV_LAUNCHER(ARCH, D, fwd)
+    DUALKV_FWD_KERNELS(DKV_FWD)
+#undef DKV_FWD
+  } else {
+#define DKV_BWD(ARCH, D) DKV_LAUNCHER(ARCH, D, bwd)
+    DUALKV_BWD_KERNELS(DKV_BWD)
+#undef DKV_BWD
+  }
+#undef DKV_LAUNCHER
+  return nullptr;
+}
+
+// DUALKV_LOG_KERNELS=1: one line on stderr per call saying which kernel family runs and, when an
+// arch before it was passed over, why (the fallbacks are silent otherwise, by design).
+void log_kernel_choice(const char* dir, const char* kernel, const std::string& why) {
+  static const bool on = std::getenv("DUALKV_LOG_KERNELS") != nullptr;
+  if (!on) return;
+  if (!why.empty())
+    std::fprintf(stderr, "[dualkv] %s: %s (%s)\n", dir, kernel, why.c_str());
+  else
+    std::fprintf(stderr, "[dualkv] %s: %s\n", dir, kernel);
+}
+
+bool args_ok(const Arch& arch, const FwdArgs& a, int head_dim) { return arch.fwd_args_ok(a, head_dim); }
+bool args_ok(const Arch& arch, const BwdArgs& a, int head_dim) { return arch.bwd_args_ok(a, head_dim); }
+
+// Runs `dir` on the first arch of the table that can take the call; a launcher returning
+// cudaErrorNotSupported has launched nothing (e.g. no TMA descriptor for these strides) and the
+// next arch is tried.
+template <typename Args>
+dualkv_status run_on_first_arch(const char* dir, const Args& a, int head_dim, int32_t dtype, const DeviceInfo& info,
+                                cudaStream_t stream) {
+  constexpr bool kFwd = std::is_same_v<Args, FwdArgs>;
+  std::string passed_over;  // why the last arch before the one that runs was not used
+  for (const Arch& arch : kArchs) {
+    const Launcher<Args> launch = find_launcher<Args>(arch.name, head_dim, dtype == DUALKV_DTYPE_BFLOAT16);
+    const char* env = kFwd ? arch.fwd_disable_env : arch.bwd_disable_env;
+    if (!arch.runs_on(info.major, info.minor)) {
+      passed_over = arch.device_mismatch;
+    } else if (launch == nullptr) {
+      passed_over = std::string("no ") + arch.name + " kernel built for this head dim";
+    } else if (!args_ok(arch, a, head_dim)) {
+      passed_over = arch.args_mismatch;
+    } else if (env != nullptr && std::getenv(env) != nullptr) {
+      passed_over = env;
+    } else {
+      const cudaError_t err = launch(a, info.sms, stream);
+      if (err == cudaSuccess) {
+        log_kernel_choice(dir, arch.kernel_name, passed_over);
+        return DUALKV_OK;
+      }
+      if (err != cudaErrorNotSupported) return cuda_fail(dir, err);
+      cudaGetLastError();
+      passed_over = std::string(arch.name) + " launcher declined";
+    }
+  }
+  return fail(DUALKV_ERROR_UNSUPPORTED, "%s: no CUDA kernel takes head_dim %d on this device (%s)", dir, head_dim,
+              passed_over.c_str());
+}
+
+}  // namespace
+
+dualkv_status cuda_check_supported(int32_t device_index, int32_t dtype, int32_t head_dim) {
+  if (dtype != DUALKV_DTYPE_FLOAT16 && dtype != DUALKV_DTYPE_BFLOAT16)
+    return fail(DUALKV_ERROR_UNSUPPORTED, "cuda: dtype %s is not supported on CUDA (float16, bfloat16)",
+                dtype_name(dtype));
+  if (!head_dim_built(head_dim))
+    return fail(DUALKV_ERROR_UNSUPPORTED,
+                "cuda: head_dim %d is not built for CUDA %s (built head dims: %s; supported: %s via "
+                "-DDUALKV_HEAD_DIMS)",
+                head_dim, dtype_name(dtype), built_head_dims_string().c_str(), DUALKV_SUPPORTED_HEAD_DIMS_STRING);
+  DeviceInfo info;
+  return query_device(device_index, &info);
+}
+
+dualkv_status cuda_plan_size(const dualkv_layout& host_layout, int32_t device_index, int32_t dtype,
+                             int32_t head_dim, int64_t* plan_len, uint64_t* plan_key) {
+  (void)dtype;
+  DeviceInfo info;
+  if (dualkv_status st = query_device(device_index, &info); st != DUALKV_OK) return st;
+  dualkv::plan::Plan built;
+  if (dualkv_status st = dualkv::plan::build(host_layout, head_dim, info.sms, &built); st != DUALKV_OK) return st;
+  *plan_len = static_cast<int64_t>(built.data.size());
+  *plan_key = built.key;
+  return DUALKV_OK;
+}
+
+dualkv_status cuda_plan_build(const dualkv_layout& host_layout, int32_t device_index, int32_t dtype,
+                              int32_t head_dim, int32_t* plan, int64_t plan_len) {
+  (void)dtype;
+  DeviceInfo info;
+  if (dualkv_status st = query_device(device_index, &info); st != DUALKV_OK) return st;
+  dualkv::plan::Plan p;
+  if (dualkv_status st = dualkv::plan::build(host_layout, head_dim, info.sms, &p); st != DUALKV_OK) return st;
+  if (plan_len != static_cast<int64_t>(p.data.size()))
+    return fail(DUALKV_ERROR_INVALID_ARGUMENT, "plan_build: plan_len %lld, but this layout's plan has %zu int32",
+                static_cast<long long>(plan_len), p.data.size());
+  std::memcpy(plan, p.data.data(), p.data.size() * sizeof(int32_t));
+  return DUALKV_OK;
+}
+
+size_t cuda_fwd_workspace_bytes(const dualkv_fwd_params& p) {
+  (void)p;
+  return 256;  // the work-item counter
+}
+
+size_t cuda_bwd_workspace_bytes(const dualkv_bwd_params& p) {
+  const size_t T = static_cast<size_t>(p.layout.num_tokens), H = static_cast<size_t>(p.num_heads);
+  size_t bytes = 256;                                   // counters
+  bytes += align_workspace(H * T * sizeof(float));      // delta
+  if (!(p.flags & DUALKV_FLAG_DETERMINISTIC))
+    bytes += align_workspace(T * H * p.head_dim * sizeof(float));  // dq accumulator
+  bytes += align_workspace(bwd_partials_bytes(p));
+  return bytes;
+}
+
+dualkv_status cuda_fwd(const dualkv_fwd_params& p) {
+  if (dualkv_status st = check_plan(p, "fwd"); st != DUALKV_OK) return st;
+  dualkv_status st;
+  if ((st = check_rows("fwd", "q", p.q, p.q_token_stride, p.q_head_stride))) return st;
+  if ((st = check_rows("fwd", "k", p.k, p.k_token_stride, p.k_head_stride))) return st;
+  if ((st = check_rows("fwd", "v", p.v, p.v_token_stride, p.v_head_stride))) return st;
+  if ((st = check_rows("fwd", "out", p.out, p.out_token_stride, p.out_head_stride))) return st;
+  DeviceInfo info;
+  if ((st = query_device(p.device_index, &info))) return st;
+  DeviceGuard guard(p.device_index);
+  if (!guard.ok()) return fail(DUALKV_ERROR_CUDA, "fwd: cannot select device %d", p.device_index);
+
+  FwdArgs a{};
+  a.layout = layout_ptrs(p.layout);
+  a.plan = p.plan;
+  a.plan_len = p.plan_len;
+  a.q = p.q; a.k = p.k; a.v = p.v; a.out = p.out;
+  a.lse = static_cast<float*>(p.lse);
+  a.q_ts = p.q_token_stride; a.q_hs = p.q_head_stride;
+  a.k_ts = p.k_token_stride; a.k_hs = p.k_head_stride;
+  a.v_ts = p.v_token_stride; a.v_hs = p.v_head_stride;
+  a.o_ts = p.out_token_stride; a.o_hs = p.out_head_stride;
+  a.lse_hs = p.lse_head_stride;
+  a.num_heads = p.num_heads; a.num_kv_heads = p.num_kv_heads;
+  a.scale = static_cast<float>(p.softmax_scale);
+  a.scale_log2 = static_cast<float>(p.softmax_scale * 1.4426950408889634);
+  a.counter = static_cast<int32_t*>(p.workspace);
+
+  cudaGetLastError();  // do not report an earlier, unrelated launch error as ours
+  return run_on_first_arch("fwd", a, p.head_dim, p.dtype, info, static_cast<cudaStream_t>(p.stream));
+}
+
+dualkv_status cuda_bwd(const dualkv_bwd_params& p) {
+  if (dualkv_status st = check_plan(p, "bwd"); st != DUALKV_OK) return st;
+  dualkv_status st;
+  if ((st = check_rows("bwd", "q", p.q, p.q_token_stride, p.q_head_stride))) return st;
+  if ((st = check_rows("bwd", "k", p.k, p.k_token_stride, p.k_head_stride))) return st;
+  if ((st = check_rows("bwd", "v", p.v, p.v_token_stride, p.v_head_stride))) return st;
+  if ((st = check_rows("bwd", "out", p.out, p.out_token_stride, p.out_head_stride))) return st;
+  if ((st = check_rows("bwd", "dout", p.dout, p.dout_token_stride, p.dout_head_stride))) return st;
+  if ((st = check_rows("bwd", "dq", p.dq, p.dq_token_stride, p.dq_head_stride))) return st;
+  if ((st = check_rows("bwd", "dk", p.dk, p.dk_token_stride, p.dk_head_stride))) return st;
+  if ((st = check_rows("bwd", "dv", p.dv, p.dv_token_stride, p.dv_head_stride))) return st;
+  DeviceInfo info;
+  if ((st = query_device(p.device_index, &info))) return st;
+  DeviceGuard guard(p.device_index);
+  if (!guard.ok()) return fail(DUALKV_ERROR_CUDA, "bwd: cannot select device %d", p.device_index);
+
+  BwdArgs a{};
+  a.layout = layout_ptrs(p.layout);
+  a.plan = p.plan;
+  a.plan_len = p.plan_len;
+  a.q = p.q; a.k = p.k; a.v = p.v; a.out = p.out; a.dout = p.dout;
+  a.lse = static_cast<const float*>(p.lse);
+  a.dlse = static_cast<const float*>(p.dlse);
+  a.dq = p.dq; a.dk = p.dk; a.dv = p.dv;
+  a.q_ts = p.q_token_stride; a.q_hs = p.q_head_stride;
+  a.k_ts = p.k_token_stride; a.k_hs = p.k_head_stride;
+  a.v_ts = p.v_token_stride; a.v_hs = p.v_head_stride;
+  a.o_ts = p.out_token_stride; a.o_hs = p.out_head_stride;
+  a.do_ts = p.dout_token_stride; a.do_hs = p.dout_head_stride;
+  a.lse_hs = p.lse_head_stride; a.dlse_hs = p.dlse_head_stride;
+  a.dq_ts = p.dq_token_stride; a.dq_hs = p.dq_head_stride;
+  a.dk_ts = p.dk_token_stride; a.dk_hs = p.dk_head_stride;
+  a.dv_ts = p.dv_token_stride; a.dv_hs = p.dv_head_stride;
+  a.num_heads = p.num_heads; a.num_kv_heads = p.num_kv_heads;
+  a.scale = static_cast<float>(p.softmax_scale);
+  a.scale_log2 = static_cast<float>(p.softmax_scale * 1.4426950408889634);
+  a.deterministic = (p.flags & DUALKV_FLAG_DETERMINISTIC) != 0;
+  a.n_slots = plan::key_slots(p.plan_key);
+
+  const size_t T = static_cast<size_t>(p.layout.num_tokens), H = static_cast<size_t>(p.num_heads);
+  char* ws = static_cast<char*>(p.workspace);
+  a.counters = reinterpret_cast<int32_t*>(ws);
+  ws += 256;
+  a.delta = reinterpret_cast<float*>(ws);
+  ws += align_workspace(H * T * sizeof(float));
+  if (!a.deterministic) {
+    a.dq_accum = reinterpret_cast<float*>(ws);
+    ws += align_workspace(T * H * p.head_dim * sizeof(float));
+  }
+  a.partials = a.n_slots > 0 ? reinterpret_cast<float*>(ws) : nullptr;
+
+  cudaGetLastError();
+  return run_on_first_arch("bwd", a, p.head_dim, p.dtype, info, static_cast<cudaStream_t>(p.stream));
+}
+
+// "a,b" -> ["a", "b"] (a JSON array of strings; empty items skipped).
+static std::string json_string_array(const std::string& csv) {
+  std::string out = "[";
+  size_t start = 0;
+  bool first = true;
+  while (start <= csv.size()) {
+    size_t end = csv.find(',', start);
+    if (end == std::string::npos) end = csv.size();
+    if (end > start) {
+      out += (first ? "\"" : ", \"") + csv.substr(start, end - start) + "\"";
+      first = false;
+    }
+    start = end + 1;
+  }
+  return out + "]";
+}
+
+std::string cuda_build_info_json() {
+  const std::string archs = json_string_array(DUALKV_CUDA_ARCHS_STRING);
+  int runtime = 0;
+  cudaRuntimeGetVersion(&runtime);
+  // head_dims: every head dim with a kernel; kernels: per arch (dispatch order) and direction.
+  return "\"cuda_archs\": " + archs + ", \"head_dims\": [" + built_head_dims_string() +
+         "], \"dtypes\": [\"float16\", \"bfloat16\"], \"kernels\": " DUALKV_KERNELS_JSON ", \"cuda_runtime\": " +
+         std::to_string(runtime);
+}
+
+}  // namespace dualkv::detail

@@ -1,0 +1,42 @@
+// The plan reader: how every kernel, of every arch, takes its work from the plan (plan_format.h).
+//
+// A kernel first checks that the plan was built for its layout (S, T; the host already rejected a
+// wrong plan key, this catches a stale device buffer) and otherwise does nothing. Persistent CTAs
+// then take item indices from an atomic counter in the workspace; an index covers one plan entry
+// and one head: forward entry i / H with query head i % H (or, with scheduling windows, see
+// decode_fwd_item), backward entry i / Hk with KV head i % Hk, heads fastest so that the CTAs
+// running at one moment share K/V.
+#pragma once
+
+#include <stdint.h>
+
+#include "kernel_params.h"
+#include "plan_format.h"
+
+namespace dualkv::cuda {
+
+__device__ __forceinline__ bool plan_matches(const int32_t* plan, const LayoutPtrs& L) {
+  return plan[kHdrMagic] == kPlanMagic && plan[kHdrS] == L.num_segments && plan[kHdrT] == L.num_tokens;
+}
+
+// The item lists start at plan[kHdrFwdOffset], plan[kHdrBwdOffset] and plan[kHdrRedOffset]
+// (forward query tiles (seg, q0, q1, work), backward KV items (seg, k0, k1, qa, qb, slot), split
+// reductions (seg, k0, k1, slot0, nsplit, 0)). Kernels index them inline: an accessor function here
+// changed ptxas' schedule of the Hopper backward (16 bytes spilled at D = 64).
+
+// Forward item index -> (query tile, head) in scheduling windows of `window` consecutive tiles
+// (similar work, usually one prompt group), heads outer and tiles inner, so the CTAs running at one
+// time read the K/V of few KV heads and that K/V stays in L2. window == 1 is the plain order
+// (tile = item / H, head = item % H).
+__device__ __forceinline__ void decode_fwd_item(int32_t item, int32_t n_tiles, int H, int32_t window, int32_t& tile,
+                                                int& h) {
+  const int32_t per_w = window * H;
+  const int32_t w = item / per_w;
+  const int32_t r = item - w * per_w;
+  const int32_t first = w * window;
+  const int32_t cnt = min(window, n_tiles - first);
+  h = r / cnt;
+  tile = first + (r - h * cnt);
+}
+
+}  // namespace dualkv::cuda

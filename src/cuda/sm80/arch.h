@@ -1,0 +1,27 @@
+// The portable kernels (mma.sync + cp.async, sm_80 and later): their entry points and when the
+// dispatcher (dispatch.cu) may use them. They take every input the C ABI accepts on CUDA (rows
+// 16-byte aligned, checked by the dispatcher for every arch), so they are the fallback of any arch.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include "kernel_params.h"
+
+namespace dualkv::cuda::sm80 {
+
+constexpr const char* kKernelName = "sm80 mma";  // DUALKV_LOG_KERNELS
+constexpr const char* kFwdDisableEnv = nullptr;  // no switch: nothing to fall back to
+constexpr const char* kBwdDisableEnv = nullptr;
+constexpr const char* kDeviceMismatch = "device is older than sm_80";
+constexpr const char* kArgsMismatch = "";
+inline bool runs_on(int major, int /*minor*/) { return major >= 8; }
+inline bool fwd_args_ok(const FwdArgs&, int /*head_dim*/) { return true; }
+inline bool bwd_args_ok(const BwdArgs&, int /*head_dim*/) { return true; }
+
+// `sms`: the device's multiprocessor count (persistent grids).
+template <int D, typename T>
+cudaError_t run_fwd(const FwdArgs& args, int sms, cudaStream_t stream);
+template <int D, typename T>
+cudaError_t run_bwd(const BwdArgs& args, int sms, cudaStream_t stream);
+
+}  // namespace dualkv::cuda::sm80

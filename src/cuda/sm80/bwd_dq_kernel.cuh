@@ -1,0 +1,183 @@
+// Portable (sm80+, mma.sync) dQ kernel of the deterministic backward: query-tile-outer, the same
+// walk over the visible KV tiles as the forward (the plan's forward items), P and dS recomputed,
+// dQ accumulated in registers: no atomics, so dQ is bit-identical run to run. The Hopper backward
+// uses it too in deterministic mode.
+#pragma once
+
+#include <cuda_runtime.h>
+#include <math_constants.h>
+
+#include "dualkv/mask.h"
+#include "kernel_params.h"
+#include "launch.h"
+#include "plan_reader.cuh"
+#include "sm80/config.h"
+#include "sm80/ptx.cuh"
+
+namespace dualkv::cuda::sm80 {
+
+template <int D, typename T>
+struct DqSmem {
+  using C = DqConfig<D>;
+  T q[C::kBlockM * C::kPitch];
+  T dout[C::kBlockM * C::kPitch];
+  T k[C::kBlockN * C::kPitch];
+  T v[C::kBlockN * C::kPitch];
+};
+
+template <int D, typename T>
+__global__ void __launch_bounds__(DqConfig<D>::kThreads, 1)
+bwd_dq_kernel(const BwdArgs args) {
+  using C = DqConfig<D>;
+  using Ops = TypeOps<T>;
+  constexpr int BM = C::kBlockM, BN = C::kBlockN, P = C::kPitch, NT = C::kThreads, MI = C::kMI;
+  constexpr int kNB = BN / 8;
+  constexpr int kDB = D / 8;
+
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  DqSmem<D, T>& sm = *reinterpret_cast<DqSmem<D, T>*>(smem_raw);
+  __shared__ int32_t s_item;
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t4 = lane & 3;
+  const LayoutPtrs& L = args.layout;
+  const int32_t* plan = args.plan;
+  if (!plan_matches(plan, L))
+    return;
+  const int32_t n_tiles = plan[kHdrNumFwd];
+  const int32_t* items = plan + plan[kHdrFwdOffset];
+  const int H = args.num_heads;
+  const int group = H / args.num_kv_heads;
+  const int64_t n_items = static_cast<int64_t>(n_tiles) * H;
+  const int64_t T_ = L.num_tokens;
+  const int warp_row0 = warp * 16 * MI;
+
+  while (true) {
+    __syncthreads();
+    if (tid == 0) s_item = atomicAdd(&args.counters[1], 1);
+    __syncthreads();
+    const int64_t item = s_item;
+    if (item >= n_items) break;
+    const int32_t tile = static_cast<int32_t>(item / H);
+    const int h = static_cast<int>(item % H);
+    const int hk = h / group;
+    const int32_t seg = items[tile * kFwdItemInts + 0];
+    const int32_t q0 = items[tile * kFwdItemInts + 1];
+    const int32_t q1 = items[tile * kFwdItemInts + 2];
+    const T* kh = static_cast<const T*>(args.k) + hk * args.k_hs;
+    const T* vh = static_cast<const T*>(args.v) + hk * args.v_hs;
+
+    KvWalk<BN> it;
+    it.init(L.offsets, L.parent, seg, q1);
+    load_tile_async<D, BM, P, NT>(sm.q, static_cast<const T*>(args.q) + q0 * args.q_ts + h * args.q_hs,
+                                  args.q_ts, q1 - q0, tid);
+    load_tile_async<D, BM, P, NT>(sm.dout, static_cast<const T*>(args.dout) + q0 * args.do_ts + h * args.do_hs,
+                                  args.do_ts, q1 - q0, tid);
+    load_tile_async<D, BN, P, NT>(sm.k, kh + it.pos * args.k_ts, args.k_ts, it.len(), tid);
+    load_tile_async<D, BN, P, NT>(sm.v, vh + it.pos * args.v_ts, args.v_ts, it.len(), tid);
+    cp_async_commit();
+
+    float lse2[MI][2], dl[MI][2];
+#pragma unroll
+    for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int32_t qi = q0 + warp_row0 + mi * 16 + g + r * 8;
+        const bool valid = qi < q1;
+        lse2[mi][r] = valid ? args.lse[h * args.lse_hs + qi] * kLog2e : CUDART_INF_F;
+        dl[mi][r] = valid ? args.delta[h * T_ + qi] : 0.f;
+      }
+    float acc[MI][kDB][4];
+#pragma unroll
+    for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+      for (int j = 0; j < kDB; ++j) acc[mi][j][0] = acc[mi][j][1] = acc[mi][j][2] = acc[mi][j][3] = 0.f;
+
+    cp_async_wait_all();
+    __syncthreads();
+    bool more = true;
+    while (more) {
+      const int32_t kpos = it.pos, klen = it.len();
+      const bool own = it.own;
+      float s[MI][kNB][4], dp[MI][kNB][4];
+#pragma unroll
+      for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+        for (int j = 0; j < kNB; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) s[mi][j][e] = dp[mi][j][e] = 0.f;
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) {
+        uint32_t aq[MI][4], ao[MI][4];
+#pragma unroll
+        for (int mi = 0; mi < MI; ++mi) {
+          ldmatrix_x4(aq[mi], a_frag_addr(sm.q, P, warp_row0 + mi * 16, kk * 16, lane));
+          ldmatrix_x4(ao[mi], a_frag_addr(sm.dout, P, warp_row0 + mi * 16, kk * 16, lane));
+        }
+#pragma unroll
+        for (int nb = 0; nb < BN / 16; ++nb) {
+          uint32_t b[4];
+          ldmatrix_x4(b, bnk_frag_addr(sm.k, P, nb * 16, kk * 16, lane));
+#pragma unroll
+          for (int mi = 0; mi < MI; ++mi) {
+            Ops::mma(s[mi][2 * nb], aq[mi], b[0], b[1]);
+            Ops::mma(s[mi][2 * nb + 1], aq[mi], b[2], b[3]);
+          }
+          ldmatrix_x4(b, bnk_frag_addr(sm.v, P, nb * 16, kk * 16, lane));
+#pragma unroll
+          for (int mi = 0; mi < MI; ++mi) {
+            Ops::mma(dp[mi][2 * nb], ao[mi], b[0], b[1]);
+            Ops::mma(dp[mi][2 * nb + 1], ao[mi], b[2], b[3]);
+          }
+        }
+      }
+      const bool need_mask = SegmentMask::fwd_ragged(klen, BN) || SegmentMask::fwd_diagonal(kpos, own, q0 + warp_row0, BN);
+#pragma unroll
+      for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+        for (int j = 0; j < kNB; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int r = e >> 1;
+            float p = exp2f(s[mi][j][e] * args.scale_log2 - lse2[mi][r]);
+            if (need_mask) {
+              const int col = j * 8 + 2 * t4 + (e & 1);
+              const int32_t qi = q0 + warp_row0 + mi * 16 + g + r * 8;
+              if (SegmentMask::fwd_hidden(kpos, klen, own, col, qi)) p = 0.f;
+            }
+            s[mi][j][e] = p * (dp[mi][j][e] - dl[mi][r]);  // dS
+          }
+      // dQ += dS K
+      mma_frags_times_smem<T, MI, BN, D>(acc, s, sm.k, P, lane);
+      __syncthreads();  // everyone is done with K and V
+      more = it.next(L.offsets, L.parent);
+      if (more) {
+        load_tile_async<D, BN, P, NT>(sm.k, kh + it.pos * args.k_ts, args.k_ts, it.len(), tid);
+        load_tile_async<D, BN, P, NT>(sm.v, vh + it.pos * args.v_ts, args.v_ts, it.len(), tid);
+        cp_async_commit();
+        cp_async_wait_all();
+        __syncthreads();
+      }
+    }
+#pragma unroll
+    for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int32_t qi = q0 + warp_row0 + mi * 16 + g + r * 8;
+        if (qi < q1) {
+          T* row = static_cast<T*>(args.dq) + qi * args.dq_ts + h * args.dq_hs + 2 * t4;
+#pragma unroll
+          for (int j = 0; j < kDB; ++j)
+            *reinterpret_cast<uint32_t*>(row + j * 8) =
+                Ops::pack(acc[mi][j][2 * r] * args.scale, acc[mi][j][2 * r + 1] * args.scale);
+        }
+      }
+  }
+}
+
+template <int D, typename T>
+cudaError_t launch_bwd_dq(const BwdArgs& args, int sms, cudaStream_t stream) {
+  return launch_on_sms<bwd_dq_kernel<D, T>>(DqConfig<D>::kThreads, sizeof(DqSmem<D, T>), sms, args, stream);
+}
+
+}  // namespace dualkv::cuda::sm80

@@ -1,0 +1,56 @@
+// Host side of the portable backward: preprocess, the main kernel (Q stages chosen by the device's
+// shared memory), the deterministic dQ kernel or nothing, postprocess.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "bwd_prepost.cuh"
+#include "launch.h"
+#include "sm80/arch.h"
+#include "sm80/bwd_dq_kernel.cuh"
+#include "sm80/bwd_kernel.cuh"
+
+namespace dualkv::cuda::sm80 {
+
+// Opt-in shared memory per block of the devices the sm_80 code runs on: sm_86/89 and A100.
+constexpr size_t kSm8xSmemBytes[] = {99 * 1024, 163 * 1024};
+
+template <int D, typename T, int kQStages>
+constexpr size_t bwd_kv_smem() { return sizeof(BwdSmem<D, T, kQStages>) + sizeof(BwdItem); }
+
+// Whether the one-Q-buffer kernel fits a device class the two-buffer one does not (D = 64 on
+// sm_86/89, D = 256 on A100): only then is it instantiated.
+template <int D, typename T>
+constexpr bool one_q_buffer_fits_more() {
+  for (size_t limit : kSm8xSmemBytes)
+    if (bwd_kv_smem<D, T, 1>() <= limit && bwd_kv_smem<D, T, 2>() > limit) return true;
+  return false;
+}
+
+template <int D, typename T, bool kAtomicDq, int kQStages>
+cudaError_t launch_bwd_kv(const BwdArgs& args, int sms, cudaStream_t stream) {
+  return launch_on_sms<bwd_kv_kernel<D, T, kAtomicDq, kQStages>>(BwdConfig<D>::kThreads,
+                                                                  sizeof(BwdSmem<D, T, kQStages>), sms, args, stream);
+}
+
+// Two Q buffers where the device's shared memory holds them (every head dim on Hopper; up to 192
+// on A100), else one where that fits.
+template <int D, typename T, bool kAtomicDq>
+cudaError_t launch_bwd_kv(const BwdArgs& args, int sms, cudaStream_t stream) {
+  if constexpr (one_q_buffer_fits_more<D, T>()) {
+    if (bwd_kv_smem<D, T, 2>() > device_smem_limit()) return launch_bwd_kv<D, T, kAtomicDq, 1>(args, sms, stream);
+  }
+  return launch_bwd_kv<D, T, kAtomicDq, 2>(args, sms, stream);
+}
+
+template <int D, typename T>
+cudaError_t run_bwd(const BwdArgs& args, int sms, cudaStream_t stream) {
+  cudaError_t err;
+  if ((err = launch_bwd_preprocess<D, T>(args, sms, stream)) != cudaSuccess) return err;
+  err = args.deterministic ? launch_bwd_kv<D, T, false>(args, sms, stream) : launch_bwd_kv<D, T, true>(args, sms, stream);
+  if (err != cudaSuccess) return err;
+  if (args.deterministic && (err = launch_bwd_dq<D, T>(args, sms, stream)) != cudaSuccess) return err;
+  return launch_bwd_postprocess<D, T>(args, sms, stream);
+}
+
+}  // namespace dualkv::cuda::sm80

@@ -1,0 +1,341 @@
+// Portable (sm80+, mma.sync) forward kernel: one CTA works through (query tile, head) items taken
+// from the plan in longest-work-first order. A query tile lies inside one segment s; it visits the KV
+// tiles of every proper ancestor of s (full rectangles, masked only at a ragged end) and then the
+// KV tiles of s up to its last query (causal mask on the diagonal tiles). Online softmax in fp32.
+#pragma once
+
+#include <cuda_runtime.h>
+#include <math_constants.h>
+
+#include "dualkv/mask.h"
+#include "kernel_params.h"
+#include "plan_reader.cuh"
+#include "sm80/config.h"
+#include "sm80/ptx.cuh"
+
+namespace dualkv::cuda::sm80 {
+
+template <int D, typename T>
+struct FwdSmem {
+  using C = FwdConfig<D>;
+  T q[C::kBlockM * C::kPitch];
+  T k[C::kBlockN * C::kPitch];
+  T v[C::kBlockN * C::kPitch];
+};
+
+// What the loop does and why (measured at head dim 128 on the H200 against the first version of
+// this kernel, 1.06-1.10x; docs/notes/2026-11-30-portable-forward.md):
+//  - FlashAttention-2's order: [wait K, sync] issue V, S = QK^T, mask, [wait V, sync] advance
+//    the walk and issue the next K, softmax, O += PV. The softmax and the PV product are one
+//    branch-free stretch of code, so ptxas interleaves the exponentials (MUFU) of later P columns
+//    with the PV mma.sync of earlier ones. The wait for K opens the iteration, so no DEPBAR can be
+//    hoisted into the PV product.
+//  - P is rounded to A fragments (bf16/fp16 pairs) as each exponential is known.
+//  - The item's CTA-uniform values (query range, head, K/V head pointers) and the KV walk live
+//    in shared memory and are read where they are used, instead of holding ~14 registers through
+//    the loop; so do the running row sums (read and written once per KV tile, after PV). That is
+//    what the order needs to fit 255 registers without spilling on sm_80 and sm_90a.
+template <int BN, int NT, int MI, typename T>
+struct FwdItem {
+  const T* kh;             // K of the item's kv head
+  const T* vh;             // V of the item's kv head
+  bool done;               // no work item left
+  int32_t num_heads, kv_group;  // H and H / Hk for thread 0's item decode: read from here, they
+                                // are not loop invariants that ptxas hoists into registers
+  int32_t q0, q1, h;
+  KvWalk<BN> walk[2];    // KV walk, double-buffered by tile parity: thread 0 writes the next
+                           // tile's state into the slot nobody reads during this tile
+  float row_sum[MI * 2][NT];  // [row of the thread's fragments][thread]: each thread owns its column
+};
+
+// Tile load (the Q tile, and on sm_80 every tile). sm_90a: a compile-time number of 16-byte
+// chunks per thread (no loop branches; load_tile_async's runtime trip count makes ptxas keep its
+// per-thread bookkeeping live and spill in the KV loop). sm_80: load_tile_async, with which ptxas
+// fits the kernel without spilling there (the unrolled form spills 64 bytes on sm_80 at D = 128).
+template <int D, int ROWS, int PITCH, int NT, typename T>
+__device__ __forceinline__ void load_tile(T* smem, const T* gmem, int64_t token_stride, int valid_rows, int tid) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  using M = ChunkMap<D, NT>;
+  static_assert(ROWS % M::kRowsPerPass == 0, "the tile must be a whole number of passes");
+  const int row0 = tid / M::kThreadsPerRow;
+  const int col = (tid % M::kThreadsPerRow) * 8;
+#pragma unroll
+  for (int p = 0; p < ROWS / M::kRowsPerPass; ++p) {
+    const int row = row0 + p * M::kRowsPerPass;
+    const bool valid = row < valid_rows;
+#pragma unroll
+    for (int b = 0; b < M::kBlocks; ++b) {
+      const int c = b * M::kBlockCols + col;
+      // A zero-filled chunk still needs an address: the tile base (row 0 always exists).
+      cp_async16(smem + row * PITCH + c, valid ? gmem + static_cast<int64_t>(row) * token_stride + c : gmem, valid);
+    }
+  }
+#else
+  load_tile_async<D, ROWS, PITCH, NT>(smem, gmem, token_stride, valid_rows, tid);
+#endif
+}
+
+// The K and V tile loads of the KV loop: rows [pos, pos + valid_rows) of one head (head = its
+// row 0), zero-filled up to ROWS. On sm_90a FlashAttention-2's address arithmetic (measured 1.01-
+// 1.04x the per-chunk form of load_tile at D = 128 on the H200): one 64-bit source pointer per
+// thread, formed once per tile from the thread's first token (pos + row0, 32-bit) and advanced by
+// the CTA's rows per pass (a uniform 64-bit step), 2 integer instructions per 16-byte chunk. A full
+// tile (every KV tile but a ragged range end; the test is uniform over the CTA) takes the
+// unpredicated form; a partial tile zero-fills the missing rows, with the pointer held at the last
+// real row. sm_80 keeps load_tile (this form spills 8 bytes there). The same bytes land in the
+// same shared-memory places either way.
+template <int D, int ROWS, int PITCH, int NT, typename T>
+__device__ __forceinline__ void load_kv_tile(T* smem, const T* head, int32_t pos, int64_t token_stride,
+                                             int valid_rows, int tid) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  using M = ChunkMap<D, NT>;
+  static_assert(ROWS % M::kRowsPerPass == 0, "the tile must be a whole number of passes");
+  const int row0 = tid / M::kThreadsPerRow;
+  const int col = (tid % M::kThreadsPerRow) * 8;
+  // A zero-filled chunk still gets the address of a real row (load_tile uses the tile's row 0):
+  // the pointer starts at the thread's row or the tile's last real row, and only moves on to rows
+  // that exist.
+  const T* src = head + static_cast<int64_t>(pos + min(row0, valid_rows - 1)) * token_stride + col;
+  const int64_t step = M::kRowsPerPass * token_stride;
+  if (valid_rows >= ROWS) {
+#pragma unroll
+    for (int p = 0; p < ROWS / M::kRowsPerPass; ++p) {
+#pragma unroll
+      for (int b = 0; b < M::kBlocks; ++b)
+        cp_async16(smem + (row0 + p * M::kRowsPerPass) * PITCH + b * M::kBlockCols + col, src + b * M::kBlockCols,
+                   true);
+      src += step;
+    }
+  } else {
+#pragma unroll
+    for (int p = 0; p < ROWS / M::kRowsPerPass; ++p) {
+      const int row = row0 + p * M::kRowsPerPass;
+#pragma unroll
+      for (int b = 0; b < M::kBlocks; ++b)
+        cp_async16(smem + row * PITCH + b * M::kBlockCols + col, src + b * M::kBlockCols, row < valid_rows);
+      if (row + M::kRowsPerPass < valid_rows) src += step;
+    }
+  }
+#else
+  load_tile<D, ROWS, PITCH, NT>(smem, head + static_cast<int64_t>(pos) * token_stride, token_stride, valid_rows, tid);
+#endif
+}
+
+template <int D, typename T>
+__global__ void __launch_bounds__(FwdConfig<D>::kThreads, 1)
+fwd_kernel(const FwdArgs args) {
+  using C = FwdConfig<D>;
+  using Ops = TypeOps<T>;
+  constexpr int BM = C::kBlockM, BN = C::kBlockN, P = C::kPitch, NT = C::kThreads, MI = C::kMI;
+  constexpr int kNB = BN / 8;   // n8 blocks of S
+  constexpr int kKB = BN / 16;  // k16 blocks of P (A fragments of O += P V)
+  constexpr int kDB = D / 8;    // n8 blocks of O
+
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  FwdSmem<D, T>& sm = *reinterpret_cast<FwdSmem<D, T>*>(smem_raw);
+  __shared__ FwdItem<BN, NT, MI, T> st;
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t4 = lane & 3;
+  const LayoutPtrs& L = args.layout;
+  const int32_t* plan = args.plan;
+  if (!plan_matches(plan, L))
+    return;
+  const int warp_row0 = warp * 16 * MI;  // first tile row of this warp
+  if (tid == 0) {
+    st.num_heads = args.num_heads;
+    st.kv_group = args.num_heads / args.num_kv_heads;
+  }
+
+  while (true) {
+    __syncthreads();  // the previous item is done with smem and st
+    if (tid == 0) {
+      // Only thread 0 decodes the item; the other threads read the result from st.
+      const int H = load_shared_volatile(st.num_heads);
+      const int64_t item = atomicAdd(args.counter, 1);
+      st.done = item >= static_cast<int64_t>(plan[kHdrNumFwd]) * H;
+      if (!st.done) {
+        const int32_t* items = plan + plan[kHdrFwdOffset];
+        const int32_t tile = static_cast<int32_t>(item / H);
+        const int h = static_cast<int>(item % H);
+        const int hk = h / load_shared_volatile(st.kv_group);
+        const int32_t seg = items[tile * kFwdItemInts + 0];
+        st.q0 = items[tile * kFwdItemInts + 1];
+        st.q1 = items[tile * kFwdItemInts + 2];
+        st.h = h;
+        st.kh = static_cast<const T*>(args.k) + hk * args.k_hs;
+        st.vh = static_cast<const T*>(args.v) + hk * args.v_hs;
+        st.walk[0].init(L.offsets, L.parent, seg, st.q1);
+      }
+    }
+    __syncthreads();
+    if (st.done) break;
+
+    {
+      const int32_t q0 = st.q0;
+      const T* q_tile = static_cast<const T*>(args.q) + st.h * args.q_hs + static_cast<int64_t>(q0) * args.q_ts;
+      load_tile<D, BM, P, NT>(sm.q, q_tile, args.q_ts, st.q1 - q0, tid);
+      load_tile<D, BN, P, NT>(sm.k, st.kh + static_cast<int64_t>(st.walk[0].pos) * args.k_ts, args.k_ts,
+                                 st.walk[0].len(), tid);
+      cp_async_commit();
+    }
+
+    float acc[MI][kDB][4];
+#pragma unroll
+    for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+      for (int j = 0; j < kDB; ++j) acc[mi][j][0] = acc[mi][j][1] = acc[mi][j][2] = acc[mi][j][3] = 0.f;
+    float row_max[MI][2];
+#pragma unroll
+    for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) { row_max[mi][r] = -CUDART_INF_F; st.row_sum[mi * 2 + r][tid] = 0.f; }
+
+    int slot = 0;  // st.walk[slot] describes the current KV tile
+    bool more = true;
+    do {
+      cp_async_wait_all();
+      __syncthreads();  // K (and Q on the first tile) landed; every warp is done reading the previous V
+      load_kv_tile<D, BN, P, NT>(sm.v, st.vh, st.walk[slot].pos, args.v_ts, st.walk[slot].len(), tid);
+      cp_async_commit();
+
+      float s[MI][kNB][4];
+#pragma unroll
+      for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+        for (int j = 0; j < kNB; ++j) s[mi][j][0] = s[mi][j][1] = s[mi][j][2] = s[mi][j][3] = 0.f;
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) {
+        uint32_t a[MI][4];
+#pragma unroll
+        for (int mi = 0; mi < MI; ++mi) ldmatrix_x4(a[mi], a_frag_addr(sm.q, P, warp_row0 + mi * 16, kk * 16, lane));
+#pragma unroll
+        for (int nb = 0; nb < BN / 16; ++nb) {
+          uint32_t b[4];
+          ldmatrix_x4(b, bnk_frag_addr(sm.k, P, nb * 16, kk * 16, lane));
+#pragma unroll
+          for (int mi = 0; mi < MI; ++mi) {
+            Ops::mma(s[mi][2 * nb], a[mi], b[0], b[1]);
+            Ops::mma(s[mi][2 * nb + 1], a[mi], b[2], b[3]);
+          }
+        }
+      }
+
+      // Masking: ragged KV tile end, and the causal diagonal of the query's own segment. The tile
+      // is re-read from shared memory here (volatile: not kept in registers through S = QK^T).
+      {
+        const int32_t kpos = load_shared_volatile(st.walk[slot].pos);
+        const int32_t klen = min(BN, load_shared_volatile(st.walk[slot].end) - kpos);
+        const bool own = load_shared_volatile(st.walk[slot].own);
+        const int32_t q0 = load_shared_volatile(st.q0);
+        const bool need_mask = SegmentMask::fwd_ragged(klen, BN) || SegmentMask::fwd_diagonal(kpos, own, q0 + warp_row0, BN);
+        if (need_mask) {
+#pragma unroll
+          for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+            for (int j = 0; j < kNB; ++j)
+#pragma unroll
+              for (int e = 0; e < 4; ++e) {
+                const int col = j * 8 + 2 * t4 + (e & 1);
+                const int32_t qi = q0 + warp_row0 + mi * 16 + g + (e >> 1) * 8;
+                if (SegmentMask::fwd_hidden(kpos, klen, own, col, qi)) s[mi][j][e] = -CUDART_INF_F;
+              }
+        }
+      }
+
+      cp_async_wait_all();
+      __syncthreads();  // V landed; every warp is done reading K
+      {
+        KvWalk<BN> w = st.walk[slot];
+        more = w.next(L.offsets, L.parent);
+        if (more) {
+          load_kv_tile<D, BN, P, NT>(sm.k, st.kh, w.pos, args.k_ts, w.len(), tid);
+          cp_async_commit();
+        }
+        // Nobody reads walk[slot ^ 1] before the next iteration's first barrier.
+        if (tid == 0) st.walk[slot ^ 1] = w;
+        slot ^= 1;
+      }
+
+      // Online softmax (exp2 with the scale folded in); P leaves in A-fragment layout:
+      // p[mi][kb] = {C(2kb).c01, C(2kb).c23, C(2kb+1).c01, C(2kb+1).c23} (ptx.cuh).
+      uint32_t p[MI][kKB][4];
+      float tile_sum[MI][2], alpha[MI][2];
+#pragma unroll
+      for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          float mx = row_max[mi][r];
+#pragma unroll
+          for (int j = 0; j < kNB; ++j) mx = fmaxf(mx, fmaxf(s[mi][j][2 * r], s[mi][j][2 * r + 1]));
+          mx = warp_max4(mx);
+          const float m_scaled = mx == -CUDART_INF_F ? 0.f : mx * args.scale_log2;
+          alpha[mi][r] = exp2f(row_max[mi][r] * args.scale_log2 - m_scaled);
+          row_max[mi][r] = mx;
+          float sum = 0.f;
+#pragma unroll
+          for (int j = 0; j < kNB; ++j) {
+            const float e0 = exp2f(s[mi][j][2 * r] * args.scale_log2 - m_scaled);
+            const float e1 = exp2f(s[mi][j][2 * r + 1] * args.scale_log2 - m_scaled);
+            sum += e0 + e1;
+            p[mi][j / 2][(j & 1) * 2 + r] = Ops::pack(e0, e1);
+          }
+          tile_sum[mi][r] = sum;
+#pragma unroll
+          for (int j = 0; j < kDB; ++j) {
+            acc[mi][j][2 * r] *= alpha[mi][r];
+            acc[mi][j][2 * r + 1] *= alpha[mi][r];
+          }
+        }
+
+      // O += P V
+#pragma unroll
+      for (int kb = 0; kb < kKB; ++kb)
+#pragma unroll
+        for (int nd = 0; nd < D / 16; ++nd) {
+          uint32_t b[4];
+          ldmatrix_x4_trans(b, bkn_frag_addr(sm.v, P, kb * 16, nd * 16, lane));
+#pragma unroll
+          for (int mi = 0; mi < MI; ++mi) {
+            Ops::mma(acc[mi][2 * nd], p[mi][kb], b[0], b[1]);
+            Ops::mma(acc[mi][2 * nd + 1], p[mi][kb], b[2], b[3]);
+          }
+        }
+
+      // Row sums after the PV product: a shared-memory store before it would order every
+      // ldmatrix of V after the last exponential and undo the MUFU / HMMA interleaving.
+#pragma unroll
+      for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+        for (int r = 0; r < 2; ++r)
+          st.row_sum[mi * 2 + r][tid] = st.row_sum[mi * 2 + r][tid] * alpha[mi][r] + tile_sum[mi][r];
+    } while (more);
+
+    // Epilogue: normalise, write out and lse.
+    const int32_t q0 = st.q0, q1 = st.q1;
+    const int h = st.h;
+    T* __restrict__ og = static_cast<T*>(args.out);
+#pragma unroll
+    for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const float total = warp_sum4(st.row_sum[mi * 2 + r][tid]);
+        const float inv = total > 0.f ? 1.f / total : 0.f;
+        const int32_t qi = q0 + warp_row0 + mi * 16 + g + r * 8;
+        if (qi < q1) {
+          T* orow = og + static_cast<int64_t>(qi) * args.o_ts + h * args.o_hs;
+#pragma unroll
+          for (int j = 0; j < kDB; ++j) {
+            *reinterpret_cast<uint32_t*>(orow + j * 8 + 2 * t4) =
+                Ops::pack(acc[mi][j][2 * r] * inv, acc[mi][j][2 * r + 1] * inv);
+          }
+          if (args.lse != nullptr && t4 == 0) {
+            const float lse = total > 0.f ? row_max[mi][r] * args.scale + logf(total) : CUDART_INF_F;
+            args.lse[h * args.lse_hs + qi] = lse;
+          }
+        }
+      }
+  }
+}
+
+}  // namespace dualkv::cuda::sm80

@@ -1,0 +1,19 @@
+// Host side of the portable forward: shared-memory opt-in and a persistent launch.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "launch.h"
+#include "sm80/arch.h"
+#include "sm80/fwd_kernel.cuh"
+
+namespace dualkv::cuda::sm80 {
+
+template <int D, typename T>
+cudaError_t run_fwd(const FwdArgs& args, int sms, cudaStream_t stream) {
+  const cudaError_t err = cudaMemsetAsync(args.counter, 0, sizeof(int32_t), stream);
+  if (err != cudaSuccess) return err;
+  return launch_on_sms<fwd_kernel<D, T>>(FwdConfig<D>::kThreads, sizeof(FwdSmem<D, T>), sms, args, stream);
+}
+
+}  // namespace dualkv::cuda::sm80

@@ -1,0 +1,185 @@
+// Device helpers of the portable (sm80+) kernels: cp.async, ldmatrix, mma.sync m16n8k16, tile
+// loaders.
+//
+// Fragment layouts of mma.m16n8k16 (g = lane / 4, t = lane % 4):
+//   A (16x16, 4 regs of 2 halves): a0 (row g, cols 2t..2t+1), a1 (row g+8, cols 2t..),
+//                                  a2 (row g, cols 2t+8..), a3 (row g+8, cols 2t+8..)
+//   B (16x8 k x n, 2 regs):        b0 (k 2t..2t+1, col g), b1 (k 2t+8.., col g)
+//   C (16x8, 4 floats):            c0, c1 (row g, cols 2t, 2t+1), c2, c3 (row g+8, same cols)
+// Two adjacent C tiles (cols 0-7, 8-15) of a row block therefore form one A fragment
+// (a0 = C0.c01, a1 = C0.c23, a2 = C1.c01, a3 = C1.c23), which is how P and dS feed the next mma
+// straight from registers.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+#include "convert.cuh"
+
+namespace dualkv::cuda::sm80 {
+
+// Element type T's mma.sync m16n8k16 (fp32 accumulators) and its fp32 pair conversions.
+template <typename T> struct TypeOps;
+template <> struct TypeOps<__nv_bfloat16> : Convert<__nv_bfloat16> {
+  static __device__ __forceinline__ void mma(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+};
+template <> struct TypeOps<__half> : Convert<__half> {
+  static __device__ __forceinline__ void mma(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+};
+
+// A value in shared memory re-read at its point of use (volatile: the compiler may not keep it in
+// registers from an earlier read), for CTA-uniform state written by one thread.
+template <typename U>
+__device__ __forceinline__ U load_shared_volatile(const U& x) {
+  return *reinterpret_cast<const volatile U*>(&x);
+}
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// 16-byte async copy global -> shared; src_bytes == 0 zero-fills the destination.
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+  const int bytes = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(smem)), "l"(gmem),
+               "r"(bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::); }
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t* r, const void* smem) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(smem)));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t* r, const void* smem) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(smem)));
+}
+
+// Address a lane passes to ldmatrix_x4 for a 16x16 A fragment at (row0, col0) of a row-major
+// smem tile with `pitch` elements per row.
+template <typename T>
+__device__ __forceinline__ const T* a_frag_addr(const T* base, int pitch, int row0, int col0, int lane) {
+  return base + (row0 + (lane & 7) + ((lane >> 3) & 1) * 8) * pitch + col0 + (lane >> 4) * 8;
+}
+// B fragments (two n8 blocks x k16) from a smem tile stored [n][k] row-major (e.g. K for Q K^T):
+// regs 0,1 -> n-block 0, regs 2,3 -> n-block 1. Use with ldmatrix_x4 (non-trans).
+template <typename T>
+__device__ __forceinline__ const T* bnk_frag_addr(const T* base, int pitch, int n0, int k0, int lane) {
+  return base + (n0 + (lane & 7) + (lane >> 4) * 8) * pitch + k0 + ((lane >> 3) & 1) * 8;
+}
+// B fragments (k16 x two n8 blocks) from a smem tile stored [k][n] row-major (e.g. V for P V):
+// regs 0,1 -> n-block 0, regs 2,3 -> n-block 1. Use with ldmatrix_x4_trans.
+template <typename T>
+__device__ __forceinline__ const T* bkn_frag_addr(const T* base, int pitch, int k0, int n0, int lane) {
+  return base + (k0 + (lane & 7) + ((lane >> 3) & 1) * 8) * pitch + n0 + (lane >> 4) * 8;
+}
+// A fragment (rows m, cols k) from a smem tile stored transposed, [k][m] row-major. Use with
+// ldmatrix_x4_trans.
+template <typename T>
+__device__ __forceinline__ const T* at_frag_addr(const T* base, int pitch, int m0, int k0, int lane) {
+  return base + (k0 + (lane & 7) + (lane >> 4) * 8) * pitch + m0 + ((lane >> 3) & 1) * 8;
+}
+
+// acc[MI][D/8] += A · B for one warp: A is MI row blocks of 16 x BN columns held in fp32
+// accumulator fragments (rounded to T here), B a [BN][D] smem tile stored [k][n] with `pitch`.
+// The forward's O += P·V and the deterministic dQ kernel's dQ += dS·K are this product.
+template <typename T, int MI, int BN, int D>
+__device__ __forceinline__ void mma_frags_times_smem(float (&acc)[MI][D / 8][4], const float (&a_frags)[MI][BN / 8][4],
+                                                     const T* b_smem, int pitch, int lane) {
+  using Ops = TypeOps<T>;
+#pragma unroll
+  for (int kk = 0; kk < BN / 16; ++kk) {
+    uint32_t a[MI][4];
+#pragma unroll
+    for (int mi = 0; mi < MI; ++mi) {
+      a[mi][0] = Ops::pack(a_frags[mi][2 * kk][0], a_frags[mi][2 * kk][1]);
+      a[mi][1] = Ops::pack(a_frags[mi][2 * kk][2], a_frags[mi][2 * kk][3]);
+      a[mi][2] = Ops::pack(a_frags[mi][2 * kk + 1][0], a_frags[mi][2 * kk + 1][1]);
+      a[mi][3] = Ops::pack(a_frags[mi][2 * kk + 1][2], a_frags[mi][2 * kk + 1][3]);
+    }
+#pragma unroll
+    for (int nd = 0; nd < D / 16; ++nd) {
+      uint32_t b[4];
+      ldmatrix_x4_trans(b, bkn_frag_addr(b_smem, pitch, kk * 16, nd * 16, lane));
+#pragma unroll
+      for (int mi = 0; mi < MI; ++mi) {
+        Ops::mma(acc[mi][2 * nd], a[mi], b[0], b[1]);
+        Ops::mma(acc[mi][2 * nd + 1], a[mi], b[2], b[3]);
+      }
+    }
+  }
+}
+
+// How NT threads copy a [rows][D] tile in 16-byte chunks with compile-time trip counts: thread tid
+// owns chunk column tid % kThreadsPerRow of every column block, in rows tid / kThreadsPerRow + p
+// kRowsPerPass. A row is one block when the threads split it evenly into D / 8 chunks, else blocks
+// of 64 (or 32) columns (head dims 96 and 192).
+template <int D, int NT>
+struct ChunkMap {
+  static constexpr int kBlockCols = NT % (D / 8) == 0 ? D : (D % 64 == 0 ? 64 : 32);
+  static constexpr int kBlocks = D / kBlockCols;
+  static constexpr int kThreadsPerRow = kBlockCols / 8;
+  static constexpr int kRowsPerPass = NT / kThreadsPerRow;
+  static_assert(D % kBlockCols == 0 && NT % kThreadsPerRow == 0, "whole rows of chunks per pass");
+};
+
+// Loads rows [0, rows) of a [rows_max, D] tile from global (token-major, token stride in
+// elements) into smem with `pitch`; rows >= valid_rows are zero-filled. All threads participate.
+template <int D, int ROWS, int PITCH, int NT, typename T>
+__device__ __forceinline__ void load_tile_async(T* smem, const T* gmem, int64_t token_stride,
+                                                int valid_rows, int tid) {
+  constexpr int kChunksPerRow = D / 8;
+  constexpr int kChunks = ROWS * kChunksPerRow;
+#pragma unroll
+  for (int i = tid; i < kChunks; i += NT) {
+    const int row = i / kChunksPerRow;
+    const int c = i % kChunksPerRow;
+    const bool valid = row < valid_rows;
+    const T* src = valid ? gmem + static_cast<int64_t>(row) * token_stride + c * 8 : gmem;
+    cp_async16(smem + row * PITCH + c * 8, src, valid);
+  }
+}
+
+// dst[0] += a, dst[1] += b in fp32 global memory (dst 8-byte aligned): the dQ accumulation of the
+// backward, called with the two consecutive columns an mma.sync accumulator fragment holds per row.
+// sm_90+: one 8-byte vector atomic (red.global.add.v2.f32) read straight from the accumulator
+// registers. The 16-byte variant this replaced needed a lane-pair shuffle and selects per n8 block,
+// a serial register chain that was 21% of the portable backward's stall samples (ncu source view,
+// docs/cuda.md "dQ atomics"). Earlier archs: two scalar atomics.
+__device__ __forceinline__ void atomic_add_pair(float* dst, float a, float b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  atomicAdd(reinterpret_cast<float2*>(dst), make_float2(a, b));
+#else
+  atomicAdd(dst, a);
+  atomicAdd(dst + 1, b);
+#endif
+}
+
+__device__ __forceinline__ float warp_max4(float v) {
+  v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
+  v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
+  return v;
+}
+__device__ __forceinline__ float warp_sum4(float v) {
+  v += __shfl_xor_sync(0xffffffffu, v, 1);
+  v += __shfl_xor_sync(0xffffffffu, v, 2);
+  return v;
+}
+
+}  // namespace dualkv::cuda::sm80

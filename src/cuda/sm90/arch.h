@@ -1,0 +1,32 @@
+// The Hopper kernels (wgmma + TMA + warp specialisation, sm_90a code: compute capability 9.0
+// exactly): their entry points and when the dispatcher (dispatch.cu) may use them.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include "kernel_params.h"
+
+namespace dualkv::cuda::sm90 {
+
+constexpr const char* kKernelName = "sm90 wgmma";  // DUALKV_LOG_KERNELS
+// Set to force the portable kernels (comparisons, bisecting).
+constexpr const char* kFwdDisableEnv = "DUALKV_DISABLE_SM90";
+constexpr const char* kBwdDisableEnv = "DUALKV_DISABLE_SM90_BWD";
+constexpr const char* kDeviceMismatch = "device is not sm_90";
+constexpr const char* kArgsMismatch = "pointers/strides unsuitable for TMA";
+inline bool runs_on(int major, int minor) { return major == 9 && minor == 0; }
+
+// TMA needs every base pointer of q, k, v (and dout) 16-byte aligned and their token and head
+// strides multiples of 16 bytes; the epilogues store element pairs from registers (out, dk, dv
+// 4-byte aligned with even strides); the backward's dQ accumulator is a TMA reduce target.
+bool fwd_args_ok(const FwdArgs& args, int head_dim);
+bool bwd_args_ok(const BwdArgs& args, int head_dim);
+
+// `sms`: the device's multiprocessor count (one persistent CTA per SM). cudaErrorNotSupported:
+// nothing was launched (a TMA descriptor could not be made); the dispatcher falls back.
+template <int D, typename T>
+cudaError_t run_fwd(const FwdArgs& args, int sms, cudaStream_t stream);
+template <int D, typename T>
+cudaError_t run_bwd(const BwdArgs& args, int sms, cudaStream_t stream);
+
+}  // namespace dualkv::cuda::sm90

@@ -1,0 +1,589 @@
+// Hopper backward main kernel (sm_90a): KV-tile-outer, wgmma + TMA + warp specialisation.
+//
+// It replaces only the portable KV-outer kernel (bwd_kv_kernel in ../bwd_kernel.cuh): same work
+// plan items (seg, k0, k1, qa, qb, slot), same workspace (delta from the sm80 preprocess, the fp32
+// dQ accumulator, the fp32 split partials), same outputs (dK scaled by the softmax scale, dV, or
+// unscaled fp32 partials for split items). One persistent CTA per SM, three warpgroups:
+//
+//   warpgroup 0 (producer; only warp 0 stays): lane 0 takes (KV tile, KV head) items from the
+//     plan through an atomic counter, hands each to the consumers through a 2-slot ring, loads the
+//     item's K and V tiles by TMA (one buffer, 128 rows x D, resident for the whole item), then for
+//     every query head of the KV head's group and every 64-row query tile of [qa, qb): Q and dO by
+//     TMA and the 64 lse*log2(e) / delta values by ordinary loads of the 32 lanes, into a 2-stage
+//     ring.
+//   warpgroups 1, 2 (consumers): warpgroup c owns KV rows [64c, 64c + 64) of the tile. Per query
+//     tile (all wgmma, fp32 accumulators):
+//       S^T  = K_c Q^T            (SS, m64 n64)       dP^T = V_c dO^T    (SS, m64 n64)
+//       P^T  = exp2(S^T scale log2e - lse log2e)  (masked: kv row >= klen, or kv > q)
+//       dS^T = P^T (dP^T - delta)
+//       dV_c += P^T dO            (RS: P^T from registers, dO N-major)
+//       dK_c += dS^T Q            (RS: dS^T from registers, Q N-major)
+//       dS^T -> smem as dS [q][kv] (stmatrix.trans, 128B swizzle), both warpgroups sync (named
+//       barrier 1), then warpgroup c computes dQ[:, cD/2 .. +D/2] = dS K[:, half] (SS, B N-major)
+//       and adds it to the fp32 dQ accumulator with 16-byte atomics (skipped in deterministic mode,
+//       where the sm80 query-outer dQ kernel runs afterwards).
+//   dQ by bulk reduce (compile-time switch DUALKV_SM90_BWD_DQ_BULK=1, kBwdDqBulk; the CMake option of
+//     that name, default ON, sets it; OFF keeps the atomics above): instead of the atomics,
+//     warpgroup c stores its fp32 dQ half into a staging buffer (64 x D fp32, double-buffered by
+//     step parity, 128B-swizzled boxes of 32 columns; rows >= qb stored as 0), and thread 32 of the
+//     producer warpgroup (the "dQ writer") adds the whole tile to dq_accum with D/32 TMA reduce-adds
+//     (cp.reduce.async.bulk.tensor), so per step a math thread issues D/8 8-byte shared stores
+//     instead of D/16 16-byte global atomics (+ D/8 shuffles), and the L2 reductions no longer go
+//     through the math warps' load/store queues. The writer walks the same items and steps as the
+//     consumers.
+//   Rows of Q/dO past qb get lse = +inf (P = 0); TMA zero-fills past T. KV rows past k1 (the next
+//   segment's tokens, loaded by TMA) are masked explicitly.
+//
+// Barriers (mbarriers in smem):
+//   item_full[2] / item_empty[2]  work item hand-off (count 1 / 8 consumer warps)
+//   kv_full / kv_empty            K and V of the item loaded (tx) / every consumer warp done
+//   qdo_full[2] / qdo_empty[2]    Q, dO (tx) and lse/delta (33 arrivals: lane 0's expect_tx + one
+//                                 per producer lane after its smem stores) / every consumer warp done
+//   named barrier 1 (256 threads) dS of the step written by both consumer warpgroups; dS is
+//                                 double-buffered by step parity, so a buffer is rewritten only
+//                                 after the other warpgroup passed the next step's barrier, i.e.
+//                                 after its dQ wgmma of this step retired.
+//   kBwdDqBulk only (non-deterministic kernel):
+//   item_empty[2]                 9 arrivals: the 8 consumer warps + the dQ writer
+//   dq_full[2] / dq_empty[2]      staging buffer of the step written by every consumer warp (lane
+//                                 0 after each lane's stores + fence.proxy.async + __syncwarp) /
+//                                 the writer's reduces of it have read it (wait_group.read)
+// Phases follow running counters kept identically by producer and consumers. The CPU model of
+// this protocol is tests/models/bwd_protocol_model.py.
+#pragma once
+
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <math_constants.h>
+#include <stdint.h>
+
+#include "convert.cuh"
+#include "kernel_params.h"
+#include "plan_reader.cuh"
+#include "sm90/ptx.cuh"
+#include "sm90/wgmma_ops.cuh"
+#include "tile_size.h"
+
+namespace dualkv::cuda::sm90 {
+
+// kDqStage: the layout of the dQ-computing kernel (kAtomicDq), with the dQ staging buffers; the
+// deterministic kernel has none.
+template <int D, bool kDqStage = false>
+struct Sm90BwdConfig {
+  static constexpr int kBlockM = 64;   // query rows per step
+  static constexpr int kBlockN = 128;  // KV rows per item (= the plan's bwd_block_n)
+  static constexpr int kThreads = 384;
+  static constexpr int kConsumerRegs = 232;
+  static constexpr int kProducerRegs = 40;
+  static constexpr int kBoxes = D / 64;  // TMA boxes of 64 columns (128 B of 16-bit)
+  static constexpr uint32_t kQBoxBytes = kBlockM * 128;
+  static constexpr uint32_t kQBytes = kBlockM * D * 2;   // one Q (or dO) stage
+  static constexpr uint32_t kKVBoxBytes = kBlockN * 128;
+  static constexpr uint32_t kKVBytes = kBlockN * D * 2;  // K (or V)
+  static constexpr uint32_t kDSBoxBytes = kBlockM * 128;
+  static constexpr uint32_t kDSBytes = kBlockM * kBlockN * 2;
+  static constexpr int kDqN = D / 2;  // dQ columns per consumer warpgroup
+  // dQ staging (kDqStage): 64 rows x D fp32 per buffer, as D/32 boxes of 32 columns (128-byte
+  // rows, 128B swizzle: the float2 stores of an accumulator fragment then hit every bank once).
+  static constexpr int kDqBoxes = D / 32;
+  static constexpr uint32_t kDqBoxBytes = kBlockM * 128;
+  static constexpr uint32_t kDqStageBytes = kDqStage ? kBlockM * D * 4 : 0;
+  // smem: K | V | Q[2] | dO[2] | dS[2] | dQ staging[2] (kDqStage) | lse[2][64] | delta[2][64] |
+  // barriers + item slots.
+  static constexpr uint32_t kOffK = 0;
+  static constexpr uint32_t kOffV = kOffK + kKVBytes;
+  static constexpr uint32_t kOffQ = kOffV + kKVBytes;
+  static constexpr uint32_t kOffDO = kOffQ + 2 * kQBytes;
+  static constexpr uint32_t kOffDS = kOffDO + 2 * kQBytes;
+  static constexpr uint32_t kOffDQ = kOffDS + 2 * kDSBytes;
+  static constexpr uint32_t kOffLse = kOffDQ + 2 * kDqStageBytes;
+  static constexpr uint32_t kOffDelta = kOffLse + 2 * kBlockM * 4;
+  static constexpr uint32_t kOffBar = kOffDelta + 2 * kBlockM * 4;
+  // 10 mbarriers + 2 item slots (16 B); kDqStage adds dq_full[2], dq_empty[2] after the slots.
+  static constexpr uint32_t kBarBytes = kDqStage ? 8 * 16 : 8 * 10 + 16;
+  static constexpr uint32_t kSmemBytes = kOffBar + kBarBytes + 1024;  // + alignment slack
+  // D = 128: 165,984 B; with kDqStage + 65,536 (staging) + 32 (barriers) = 231,552 of 232,448 B.
+  static_assert(kSmemBytes <= 227 * 1024, "sm90 backward: over the 227 KiB opt-in smem limit");
+  static_assert(D == 64 || D == 128, "sm90 backward: head dim 64 or 128");
+  static_assert(kDqN % 32 == 0 && (kDqN <= 64), "dQ half must lie inside one 64-column box");
+};
+
+template <int D>
+struct Sm90BwdParams {
+  BwdArgs a;
+  CUtensorMap tq, tk, tv, tdo;
+  int32_t* counter;  // work-item counter, zeroed before the launch
+  CUtensorMap tdq;  // dq_accum [T, H, D] fp32, box 32 columns x 1 head x 64 rows, 128B swizzle
+};
+
+struct Sm90BwdBarriers {
+  uint64_t* item_full;
+  uint64_t* item_empty;
+  uint64_t* kv_full;
+  uint64_t* kv_empty;
+  uint64_t* qdo_full;
+  uint64_t* qdo_empty;
+  int32_t* items;
+  uint64_t* dq_full;  // kBwdDqBulk only
+  uint64_t* dq_empty;
+};
+
+// stmatrix x4, transposed: lane l gives the smem row address of row (l % 8) of matrix l / 8.
+__device__ __forceinline__ void bwd_stmatrix_x4_trans(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2,
+                                                      uint32_t r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r0),
+               "r"(r1), "r"(r2), "r"(r3)
+               : "memory");
+}
+__device__ __forceinline__ void bwd_fence_proxy_async() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+__device__ __forceinline__ void bwd_st_shared_f32x2(uint32_t addr, float x, float y) {
+  asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(x), "f"(y) : "memory");
+}
+
+constexpr uint32_t kBwdQdoFullCount = 33;  // lane 0's arrive_expect_tx + 32 lanes after lse/delta
+constexpr uint32_t kBwdConsumerWarps = 8;
+// qdo_empty arrivals: one per consumer warp (lane 0, after __syncwarp, which orders the warp's
+// lse/delta reads before it). DUALKV_SM90_BWD_PER_THREAD_RELEASE=1 makes every consumer thread
+// arrive instead: a diagnostic build for compute-sanitizer racecheck (docs/hopper.md).
+#if defined(DUALKV_SM90_BWD_PER_THREAD_RELEASE)
+constexpr uint32_t kBwdQdoEmptyCount = kBwdConsumerWarps * 32;
+// The diagnostic build also replaces the producer/consumer named-barrier hand-offs between the two
+// consumer warpgroups (bar.arrive on one side, bar.sync on the other: ordered by the PTX memory
+// model, but racecheck does not treat bar.arrive as a release) by bar.sync on both sides.
+constexpr bool kBwdRacecheckBarriers = true;
+#else
+constexpr uint32_t kBwdQdoEmptyCount = kBwdConsumerWarps;
+constexpr bool kBwdRacecheckBarriers = false;
+#endif
+constexpr uint32_t kBwdDsBarrier = 1;      // named barrier id (0 is __syncthreads)
+
+// P^T = exp2(S^T scale log2e - lse log2e) in place, masked (if mask) where the KV row is past klen
+// or after the query. Accumulator fragment of m64 (kv) x n(2N) (q): element 4j + e is row
+// kv_row0 + 8 (e >> 1), column 8j + 2 t4 + (e & 1). A constant mask (the softmax-overlap step calls
+// it once per branch of a uniform test) compiles to a loop without mask arithmetic.
+template <int N>
+__device__ __forceinline__ void bwd_softmax_p(float (&sacc)[N], const float* lse_s, float sl2, int t4,
+                                              int kv_row0, int klen, int32_t k0, int32_t qt, bool mask) {
+#pragma unroll
+  for (int j = 0; j < N / 4; ++j) {
+    const int c = j * 8 + 2 * t4;
+    const float2 l2 = *reinterpret_cast<const float2*>(lse_s + c);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float lv = (e & 1) ? l2.y : l2.x;
+      float pv = fast_exp2(fmaf(sacc[4 * j + e], sl2, -lv));
+      if (mask) {
+        const int r = kv_row0 + (e >> 1) * 8;
+        if (r >= klen || k0 + r > qt + c + (e & 1)) pv = 0.f;
+      }
+      sacc[4 * j + e] = pv;
+    }
+  }
+}
+
+// dq_full arrivals: as qdo_empty, one per consumer warp (every thread in the
+// per-thread-release diagnostic build).
+constexpr uint32_t kBwdDqFullCount = kBwdQdoEmptyCount;
+
+template <typename T, int D, bool kAtomicDq>
+__global__ void __launch_bounds__(Sm90BwdConfig<D>::kThreads, 1)
+bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
+  // The deterministic kernel computes no dQ, so it has no dQ writer (nor staging).
+  constexpr bool kBulk = kAtomicDq;
+  using C = Sm90BwdConfig<D, kBulk>;
+  constexpr int BM = C::kBlockM, BN = C::kBlockN;
+
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  const uint32_t pad = (1024u - (smem_u32(smem_raw) & 1023u)) & 1023u;
+  uint8_t* smem = smem_raw + pad;
+  float* s_lse = reinterpret_cast<float*>(smem + C::kOffLse);
+  float* s_delta = reinterpret_cast<float*>(smem + C::kOffDelta);
+  uint64_t* bars = reinterpret_cast<uint64_t*>(smem + C::kOffBar);
+  Sm90BwdBarriers B;
+  B.item_full = bars;
+  B.item_empty = bars + 2;
+  B.kv_full = bars + 4;
+  B.kv_empty = bars + 5;
+  B.qdo_full = bars + 6;
+  B.qdo_empty = bars + 8;
+  B.items = reinterpret_cast<int32_t*>(bars + 10);
+  if constexpr (kBulk) {
+    B.dq_full = bars + 12;
+    B.dq_empty = bars + 14;
+  }
+
+  const BwdArgs& a = p.a;
+  const LayoutPtrs& L = a.layout;
+  const int32_t* plan = a.plan;
+  if (!plan_matches(plan, L)) return;
+  const int32_t n_work = plan[kHdrNumBwd];
+  const int32_t* witems = plan + plan[kHdrBwdOffset];
+  const int H = a.num_heads, Hk = a.num_kv_heads;
+  const int group = H / Hk;
+  const int32_t n_items = n_work * Hk;
+
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < 2; ++i) {
+      mbar_init(&B.item_full[i], 1);
+      mbar_init(&B.item_empty[i], kBwdConsumerWarps + (kBulk ? 1 : 0));
+      mbar_init(&B.qdo_full[i], kBwdQdoFullCount);
+      mbar_init(&B.qdo_empty[i], kBwdQdoEmptyCount);
+      if constexpr (kBulk) {
+        mbar_init(&B.dq_full[i], kBwdDqFullCount);
+        mbar_init(&B.dq_empty[i], 1);
+      }
+    }
+    mbar_init(B.kv_full, 1);
+    mbar_init(B.kv_empty, kBwdConsumerWarps);
+    mbar_fence_init();
+  }
+  __syncthreads();
+
+  const int wg = threadIdx.x / 128;
+  if (wg == 0) {
+    // ------------------------------------------------------------------ producer (warp 0)
+    setmaxnreg_dec<C::kProducerRegs>();
+    if constexpr (kBulk) {
+      if (threadIdx.x == 32) {
+        // ---------------------------------------------------------------- dQ writer (warp 1)
+        // Follows the consumers' items and steps; per step, once both warpgroups staged their dQ
+        // halves (dq_full), adds the 64 x D tile to dq_accum[qt.., h, :] with one TMA reduce per
+        // 32-column box (rows past T are clipped by TMA; rows in [qb, qt + 64) were staged as 0).
+        // The buffer is handed back once the reduces have read it; their global adds complete
+        // asynchronously (waited for only before exit).
+        tma_prefetch_desc(&p.tdq);
+        uint32_t step = 0;
+        for (uint32_t n = 0;; ++n) {
+          const uint32_t slot = n & 1, ph = (n >> 1) & 1;
+          mbar_wait(&B.item_full[slot], ph);
+          const int32_t item = B.items[slot];
+          mbar_arrive(&B.item_empty[slot]);
+          if (item >= n_items) break;
+          const int32_t w = item / Hk;
+          const int hk = item - w * Hk;
+          const int32_t* wi = witems + w * kBwdItemInts;
+          const int32_t qa = wi[3], qb = wi[4];
+          const int32_t tiles = (qb - qa + BM - 1) / BM;
+          const int32_t n_steps = tiles * group;
+          for (int32_t s = 0; s < n_steps; ++s, ++step) {
+            const int h = hk * group + s / tiles;
+            const int32_t qt = qa + (s % tiles) * BM;
+            const uint32_t st = step & 1;
+            mbar_wait(&B.dq_full[st], (step >> 1) & 1);
+            const uint8_t* stage = smem + C::kOffDQ + st * C::kDqStageBytes;
+#pragma unroll
+            for (int b = 0; b < C::kDqBoxes; ++b) tma_reduce_add_3d(&p.tdq, stage + b * C::kDqBoxBytes, b * 32, h, qt);
+            bulk_commit_group();
+            bulk_wait_group_read<0>();
+            mbar_arrive(&B.dq_empty[st]);
+          }
+        }
+        // The smem sources are read already; wait for the adds themselves before the CTA retires.
+        bulk_wait_group<0>();
+        return;
+      }
+    }
+    if (threadIdx.x >= 32) return;
+    const int lane = threadIdx.x;
+    if (lane == 0) {
+      tma_prefetch_desc(&p.tq);
+      tma_prefetch_desc(&p.tk);
+      tma_prefetch_desc(&p.tv);
+      tma_prefetch_desc(&p.tdo);
+    }
+    const int64_t T_ = L.num_tokens;
+    uint32_t kv_iter = 0, step = 0;
+    for (uint32_t n = 0;; ++n) {
+      const uint32_t slot = n & 1, ph = (n >> 1) & 1;
+      mbar_wait(&B.item_empty[slot], ph ^ 1);
+      int32_t item = 0;
+      if (lane == 0) {
+        item = atomicAdd(p.counter, 1);
+        B.items[slot] = item;
+        mbar_arrive(&B.item_full[slot]);
+      }
+      item = __shfl_sync(0xffffffffu, item, 0);
+      if (item >= n_items) break;
+      const int32_t w = item / Hk;
+      const int hk = item - w * Hk;
+      const int32_t* wi = witems + w * kBwdItemInts;
+      const int32_t k0 = wi[1], qa = wi[3], qb = wi[4];
+      if (lane == 0) {
+        mbar_wait(B.kv_empty, (kv_iter & 1) ^ 1);
+        mbar_arrive_expect_tx(B.kv_full, 2 * C::kKVBytes);
+#pragma unroll
+        for (int b = 0; b < C::kBoxes; ++b) {
+          tma_load_3d(smem + C::kOffK + b * C::kKVBoxBytes, &p.tk, B.kv_full, b * 64, hk, k0);
+          tma_load_3d(smem + C::kOffV + b * C::kKVBoxBytes, &p.tv, B.kv_full, b * 64, hk, k0);
+        }
+      }
+      ++kv_iter;
+      const int32_t tiles = (qb - qa + BM - 1) / BM;
+      const int32_t n_steps = tiles * group;
+      for (int32_t s = 0; s < n_steps; ++s, ++step) {
+        const int h = hk * group + s / tiles;
+        const int32_t qt = qa + (s % tiles) * BM;
+        const uint32_t st = step & 1;
+        mbar_wait(&B.qdo_empty[st], ((step >> 1) & 1) ^ 1);
+        if (lane == 0) {
+          mbar_arrive_expect_tx(&B.qdo_full[st], 2 * C::kQBytes);
+#pragma unroll
+          for (int b = 0; b < C::kBoxes; ++b) {
+            tma_load_3d(smem + C::kOffQ + st * C::kQBytes + b * C::kQBoxBytes, &p.tq, &B.qdo_full[st], b * 64, h,
+                        qt);
+            tma_load_3d(smem + C::kOffDO + st * C::kQBytes + b * C::kQBoxBytes, &p.tdo, &B.qdo_full[st], b * 64,
+                        h, qt);
+          }
+        }
+#pragma unroll
+        for (int i = lane; i < BM; i += 32) {
+          const int32_t qi = qt + i;
+          const bool valid = qi < qb;
+          s_lse[st * BM + i] = valid ? a.lse[h * a.lse_hs + qi] * kLog2e : CUDART_INF_F;
+          s_delta[st * BM + i] = valid ? a.delta[h * T_ + qi] : 0.f;
+        }
+        mbar_arrive(&B.qdo_full[st]);
+      }
+    }
+    return;
+  }
+
+  // -------------------------------------------------------------------- consumers
+  setmaxnreg_inc<C::kConsumerRegs>();
+  using MmaS = Wgmma<T, BM>;       // S^T, dP^T: m64 (kv) x n64 (q)
+  using MmaKV = Wgmma<T, D>;       // dV, dK: m64 (kv) x nD
+  using MmaQ = WgmmaTB<T, C::kDqN>;  // dQ half: m64 (q) x nD/2
+  const int cw = wg - 1;
+  const int tid = threadIdx.x & 127;
+  const int warp = tid >> 5, lane = tid & 31;
+  const int g = lane >> 2, t4 = lane & 3;
+  const float sl2 = a.scale_log2;
+  const uint32_t k_rows = smem_u32(smem + C::kOffK) + cw * 64 * 128;  // this warpgroup's 64 KV rows
+  const uint32_t v_rows = smem_u32(smem + C::kOffV) + cw * 64 * 128;
+  // dQ: B = K[:, cw D/2 .. +D/2] read N-major: box of those columns, byte offset inside its rows.
+  constexpr int kDqBoxCols = C::kDqN;
+  const uint32_t k_dq = smem_u32(smem + C::kOffK) + ((cw * kDqBoxCols) / 64) * C::kKVBoxBytes +
+                        ((cw * kDqBoxCols) % 64) * 2;
+  const uint32_t q_smem = smem_u32(smem + C::kOffQ);
+  const uint32_t do_smem = smem_u32(smem + C::kOffDO);
+  const uint32_t ds_smem = smem_u32(smem + C::kOffDS);
+  const int kv_row0 = cw * 64 + warp * 16 + g;  // tile-local KV row of accumulator rows (+8 for e >= 2)
+
+  uint32_t kv_iter = 0, step = 0;
+  for (uint32_t n = 0;; ++n) {
+    const uint32_t slot = n & 1, ph = (n >> 1) & 1;
+    mbar_wait(&B.item_full[slot], ph);
+    const int32_t item = B.items[slot];
+    __syncwarp();
+    if (lane == 0) mbar_arrive(&B.item_empty[slot]);
+    if (item >= n_items) break;
+    const int32_t w = item / Hk;
+    const int hk = item - w * Hk;
+    const int32_t* wi = witems + w * kBwdItemInts;
+    const int32_t k0 = wi[1], k1 = wi[2], qa = wi[3], qb = wi[4], pslot = wi[5];
+    const int klen = k1 - k0;
+    const int32_t tiles = (qb - qa + BM - 1) / BM;
+    const int32_t n_steps = tiles * group;
+    // This warpgroup's rows need masking on a tile whose first query precedes its last KV row, or
+    // when the tile's KV range ends inside these rows.
+    const bool tail = cw * 64 + 63 >= klen;
+
+    float dk[D / 2], dv[D / 2];
+#pragma unroll
+    for (int i = 0; i < D / 2; ++i) dk[i] = dv[i] = 0.f;
+
+    mbar_wait(B.kv_full, kv_iter & 1);
+    ++kv_iter;
+
+    int32_t tile_i = 0, head_i = 0;  // s % tiles, s / tiles, kept by counting
+    for (int32_t s = 0; s < n_steps; ++s, ++step) {
+      // No integer division in front of the step's first wgmma.
+      const int h = hk * group + head_i;
+      const int32_t qt = qa + tile_i * BM;
+      if (++tile_i == tiles) {
+        tile_i = 0;
+        ++head_i;
+      }
+      const uint32_t st = step & 1;
+      const uint32_t qb_s = q_smem + st * C::kQBytes;
+      const uint32_t dob_s = do_smem + st * C::kQBytes;
+      mbar_wait(&B.qdo_full[st], (step >> 1) & 1);
+
+      float sacc[BM / 2], dpacc[BM / 2];
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) {
+        const uint32_t box = kk / 4, within = (kk % 4) * 32;
+        MmaS::ss(sacc, make_desc_sw128(k_rows + box * C::kKVBoxBytes + within, 16, 1024),
+                 make_desc_sw128(qb_s + box * C::kQBoxBytes + within, 16, 1024), kk > 0 ? 1 : 0);
+      }
+      wgmma_commit();
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) {
+        const uint32_t box = kk / 4, within = (kk % 4) * 32;
+        MmaS::ss(dpacc, make_desc_sw128(v_rows + box * C::kKVBoxBytes + within, 16, 1024),
+                 make_desc_sw128(dob_s + box * C::kQBoxBytes + within, 16, 1024), kk > 0 ? 1 : 0);
+      }
+      wgmma_commit();
+
+      // P^T (in place in sacc) once S^T is ready; dP^T may still be running.
+      wgmma_wait<1>();
+      fence_regs(sacc);
+      const float* lse_s = s_lse + st * BM;
+      const float* delta_s = s_delta + st * BM;
+      // Softmax under the dP^T wgmma (H200 A/B at 274e72f: main kernel 4-6% faster than computing
+      // P^T between wgmma.wait_group 1 and 0, where ptxas sank 28 of the 32 MUFU.EX2 and the
+      // masking below the WARPGROUP.DEPBAR of dP^T). P^T is computed in its own branch, masked or
+      // not (the test is uniform per warpgroup and step): ptxas does not move it across the join,
+      // and an unmasked step skips the per-element mask arithmetic.
+      const bool mask = tail || qt < k0 + cw * 64 + 63;
+      if (mask)
+        bwd_softmax_p(sacc, lse_s, sl2, t4, kv_row0, klen, k0, qt, true);
+      else
+        bwd_softmax_p(sacc, lse_s, sl2, t4, kv_row0, klen, k0, qt, false);
+      wgmma_wait<0>();
+      fence_regs(dpacc);
+#pragma unroll
+      for (int j = 0; j < BM / 8; ++j) {
+        const float2 d2 = *reinterpret_cast<const float2*>(delta_s + j * 8 + 2 * t4);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dpacc[4 * j + e] = sacc[4 * j + e] * (dpacc[4 * j + e] - ((e & 1) ? d2.y : d2.x));
+      }
+      // A fragments (m = kv, k = q) of P^T and dS^T.
+      uint32_t pf[BM / 4], dsf[BM / 4];
+#pragma unroll
+      for (int kk = 0; kk < BM / 16; ++kk) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          pf[4 * kk + i] = Convert<T>::pack(sacc[8 * kk + 2 * i], sacc[8 * kk + 2 * i + 1]);
+          dsf[4 * kk + i] = Convert<T>::pack(dpacc[8 * kk + 2 * i], dpacc[8 * kk + 2 * i + 1]);
+        }
+      }
+
+      wgmma_fence();
+      // dV += P^T dO: B = dO [q][d] read N-major (k = q, n = d).
+#pragma unroll
+      for (int kk = 0; kk < BM / 16; ++kk)
+        MmaKV::rs(dv, &pf[4 * kk], make_desc_sw128(dob_s + kk * 16 * 128, C::kQBoxBytes, 1024), 1);
+      wgmma_commit();
+      const uint32_t ds_buf = ds_smem + st * C::kDSBytes;
+      if constexpr (kAtomicDq) {
+        // dS^T (kv x q fragments) -> dS [q][kv], 128B-swizzled boxes of 64 kv columns.
+        const int m = lane >> 3;
+        const int kvl = cw * 64 + warp * 16 + (m & 1) * 8;
+        const uint32_t chunk = static_cast<uint32_t>((kvl % 64) / 8);
+        const uint32_t box_base = ds_buf + (kvl / 64) * C::kDSBoxBytes;
+#pragma unroll
+        for (int kk = 0; kk < BM / 16; ++kk) {
+          const uint32_t q = kk * 16 + (m >> 1) * 8 + (lane & 7);
+          bwd_stmatrix_x4_trans(box_base + q * 128 + ((chunk ^ (q & 7)) << 4), dsf[4 * kk + 0], dsf[4 * kk + 1],
+                                dsf[4 * kk + 2], dsf[4 * kk + 3]);
+        }
+        bwd_fence_proxy_async();
+      }
+      // dK += dS^T Q: B = Q [q][d] read N-major.
+#pragma unroll
+      for (int kk = 0; kk < BM / 16; ++kk)
+        MmaKV::rs(dk, &dsf[4 * kk], make_desc_sw128(qb_s + kk * 16 * 128, C::kQBoxBytes, 1024), 1);
+      wgmma_commit();
+
+      if constexpr (kAtomicDq) {
+        named_bar_sync(kBwdDsBarrier, 256);  // both halves of dS written
+        float dq[C::kDqN / 2];
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk) {
+          const uint32_t box = kk / 4, within = (kk % 4) * 32;
+          MmaQ::ss(dq, make_desc_sw128(ds_buf + box * C::kDSBoxBytes + within, 16, 1024),
+                   make_desc_sw128(k_dq + kk * 16 * 128, C::kKVBoxBytes, 1024), kk > 0 ? 1 : 0);
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_regs(dq);
+        fence_regs(dk);
+        fence_regs(dv);
+        fence_regs(pf);
+        fence_regs(dsf);
+        __syncwarp();
+        if (kBwdQdoEmptyCount != kBwdConsumerWarps || lane == 0) mbar_arrive(&B.qdo_empty[st]);
+        // Stage this warpgroup's dQ half for the writer: rows r0 = 16 warp + g and r0 + 8 (both
+        // with r % 8 == g), columns 8j + 2t4 of the half, in box (column / 32) at 16-byte chunk
+        // (column % 32) / 4 XOR g. Rows >= qb as 0: the reduce box always covers 64 rows.
+        mbar_wait(&B.dq_empty[st], ((step >> 1) & 1) ^ 1);
+        const int r0 = warp * 16 + g;
+        const bool v0 = qt + r0 < qb, v1 = qt + r0 + 8 < qb;
+        const uint32_t row_base = smem_u32(smem + C::kOffDQ) + st * C::kDqStageBytes + r0 * 128 + (t4 & 1) * 8;
+        // A full query tile stores without the row selects.
+        auto stage = [&](bool select_rows) {
+#pragma unroll
+          for (int j = 0; j < C::kDqN / 8; ++j) {
+            const uint32_t box = (cw * C::kDqN) / 32 + j / 4;
+            const uint32_t chunk = static_cast<uint32_t>((2 * (j % 4) + (t4 >> 1)) ^ g);
+            const uint32_t addr = row_base + box * C::kDqBoxBytes + (chunk << 4);
+            const bool w0 = !select_rows || v0, w1 = !select_rows || v1;
+            bwd_st_shared_f32x2(addr, w0 ? dq[4 * j + 0] : 0.f, w0 ? dq[4 * j + 1] : 0.f);
+            bwd_st_shared_f32x2(addr + 8 * 128, w1 ? dq[4 * j + 2] : 0.f, w1 ? dq[4 * j + 3] : 0.f);
+          }
+        };
+        if (qt + BM <= qb)
+          stage(false);
+        else
+          stage(true);
+        // Generic-proxy stores before the writer's async-proxy (TMA) reads.
+        bwd_fence_proxy_async();
+        __syncwarp();
+        if (kBwdDqFullCount != kBwdConsumerWarps || lane == 0) mbar_arrive(&B.dq_full[st]);
+      } else {
+        wgmma_wait<0>();
+        fence_regs(dk);
+        fence_regs(dv);
+        fence_regs(pf);
+        fence_regs(dsf);
+        __syncwarp();
+        if (kBwdQdoEmptyCount != kBwdConsumerWarps || lane == 0) mbar_arrive(&B.qdo_empty[st]);
+      }
+    }
+    // K and V are free: the producer may load the next item's tile during the epilogue.
+    __syncwarp();
+    if (lane == 0) mbar_arrive(B.kv_empty);
+
+    // Epilogue: dK scaled by the softmax scale and dV, or fp32 partials (unscaled) for a split.
+    if (pslot < 0) {
+      T* dkb = static_cast<T*>(a.dk) + static_cast<int64_t>(k0) * a.dk_ts + static_cast<int64_t>(hk) * a.dk_hs;
+      T* dvb = static_cast<T*>(a.dv) + static_cast<int64_t>(k0) * a.dv_ts + static_cast<int64_t>(hk) * a.dv_hs;
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        const int r = kv_row0 + hr * 8;
+        if (r < klen) {
+#pragma unroll
+          for (int j = 0; j < D / 8; ++j) {
+            const int col = j * 8 + 2 * t4;
+            *reinterpret_cast<uint32_t*>(dkb + static_cast<int64_t>(r) * a.dk_ts + col) =
+                Convert<T>::pack(dk[4 * j + 2 * hr] * a.scale, dk[4 * j + 2 * hr + 1] * a.scale);
+            *reinterpret_cast<uint32_t*>(dvb + static_cast<int64_t>(r) * a.dv_ts + col) =
+                Convert<T>::pack(dv[4 * j + 2 * hr], dv[4 * j + 2 * hr + 1]);
+          }
+        }
+      }
+    } else {
+      float* base = a.partials + ((static_cast<int64_t>(pslot) * Hk + hk) * 2) * BN * D;
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        const int r = kv_row0 + hr * 8;
+#pragma unroll
+        for (int j = 0; j < D / 8; ++j) {
+          const int col = j * 8 + 2 * t4;
+          *reinterpret_cast<float2*>(base + r * D + col) = make_float2(dk[4 * j + 2 * hr], dk[4 * j + 2 * hr + 1]);
+          *reinterpret_cast<float2*>(base + BN * D + r * D + col) =
+              make_float2(dv[4 * j + 2 * hr], dv[4 * j + 2 * hr + 1]);
+        }
+      }
+    }
+  }
+}
+
+}  // namespace dualkv::cuda::sm90

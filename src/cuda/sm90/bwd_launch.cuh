@@ -1,0 +1,91 @@
+// Host side of the Hopper backward: TMA descriptors, shared-memory opt-in, one persistent CTA per
+// SM for the main kernel, between the arch-neutral preprocess and postprocess (bwd_prepost.cuh);
+// in deterministic mode dQ comes from the portable query-outer kernel (sm80/bwd_dq_kernel.cuh).
+#pragma once
+
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+#include "bwd_prepost.cuh"
+#include "sm80/bwd_dq_kernel.cuh"
+#include "sm90/arch.h"
+#include "sm90/bwd_kernel.cuh"
+#include "sm90/bwd_kernel_d256.cuh"
+#include "sm90/tma.h"
+
+namespace dualkv::cuda::sm90 {
+
+// The parameters of one main-kernel launch: the argument check, the TMA maps of Q, dO (BlockM-row
+// boxes), K, V (BlockN-row boxes) and, unless deterministic (no dQ), of the fp32 dQ accumulator; the
+// work counter zeroed on `stream`. cudaErrorNotSupported:
+// nothing was launched (the caller falls back to the sm80 kernel).
+template <typename Element, int HeadDim, int BlockM, int BlockN>
+cudaError_t prepare_bwd_params(const BwdArgs& args, Sm90BwdParams<HeadDim>* p, cudaStream_t stream) {
+  constexpr CUtensorMapDataType dt = kTmaType<Element>;
+  const int T = args.layout.num_tokens;
+  const int H = args.num_heads, Hk = args.num_kv_heads;
+  p->a = args;
+  p->counter = args.counters + 2;
+  if (!make_map(&p->tq, dt, args.q, HeadDim, H, T, args.q_hs, args.q_ts, BlockM) ||
+      !make_map(&p->tdo, dt, args.dout, HeadDim, H, T, args.do_hs, args.do_ts, BlockM) ||
+      !make_map(&p->tk, dt, args.k, HeadDim, Hk, T, args.k_hs, args.k_ts, BlockN) ||
+      !make_map(&p->tv, dt, args.v, HeadDim, Hk, T, args.v_hs, args.v_ts, BlockN))
+    return cudaErrorNotSupported;
+  if (!args.deterministic && !make_dq_accum_map(&p->tdq, args.dq_accum, HeadDim, H, T, BlockM))
+    return cudaErrorNotSupported;
+  return cudaMemsetAsync(p->counter, 0, sizeof(int32_t), stream);
+}
+
+// A persistent launch: one CTA per SM, `smem` bytes of dynamic shared memory (opted into first).
+template <typename Params>
+cudaError_t launch_persistent(void (*kernel)(Params), uint32_t smem, int threads, int sms, const Params& p,
+                              cudaStream_t stream) {
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+  if (err != cudaSuccess) return err;
+  kernel<<<sms, threads, smem, stream>>>(p);
+  return cudaGetLastError();
+}
+
+// Head dim 256 (bwd_sm90_kernel_d256.cuh): 64-row KV tiles, dQ by TMA reduce-adds from the dead Q/dO
+// stage (the same dq_accum tensor map as the D <= 128 kernel, 64-row boxes).
+template <typename Element>
+cudaError_t run_bwd_main_d256(const BwdArgs& args, int sms, cudaStream_t stream) {
+  using C = Sm90BwdConfigD256;
+  static_assert(plan_tiles(256).bwd_block_n == C::kBlockN, "sm90 backward d256: plan KV tiles must be kBlockN rows");
+  static_assert(plan_tiles(256).bwd_block_m == C::kBlockM, "sm90 backward d256: plan splits are multiples of kBlockM");
+  Sm90BwdParams<256> p;
+  cudaError_t err = prepare_bwd_params<Element, 256, C::kBlockM, C::kBlockN>(args, &p, stream);
+  if (err != cudaSuccess) return err;
+  auto kernel = args.deterministic ? bwd_sm90_kernel_d256<Element, false> : bwd_sm90_kernel_d256<Element, true>;
+  return launch_persistent(kernel, C::kSmemBytes, C::kThreads, sms, p, stream);
+}
+
+template <typename Element, int HeadDim>
+cudaError_t run_bwd_main(const BwdArgs& args, int sms, cudaStream_t stream) {
+  if constexpr (HeadDim == 256) {
+    return run_bwd_main_d256<Element>(args, sms, stream);
+  } else {
+    using C = Sm90BwdConfig<HeadDim>;
+    static_assert(plan_tiles(HeadDim).bwd_block_n == C::kBlockN, "sm90 backward: plan KV tiles must be kBlockN rows");
+    static_assert(plan_tiles(HeadDim).bwd_block_m == C::kBlockM, "sm90 backward: plan splits are multiples of kBlockM");
+    Sm90BwdParams<HeadDim> p;
+    cudaError_t err = prepare_bwd_params<Element, HeadDim, C::kBlockM, C::kBlockN>(args, &p, stream);
+    if (err != cudaSuccess) return err;
+    if (args.deterministic)
+      return launch_persistent(bwd_sm90_kernel<Element, HeadDim, false>, C::kSmemBytes, C::kThreads, sms, p, stream);
+    // The dQ-computing kernel has dQ staging buffers on top.
+    return launch_persistent(bwd_sm90_kernel<Element, HeadDim, true>, Sm90BwdConfig<HeadDim, true>::kSmemBytes,
+                             C::kThreads, sms, p, stream);
+  }
+}
+
+template <int D, typename T>
+cudaError_t run_bwd(const BwdArgs& args, int sms, cudaStream_t stream) {
+  cudaError_t err;
+  if ((err = launch_bwd_preprocess<D, T>(args, sms, stream)) != cudaSuccess) return err;
+  if ((err = run_bwd_main<T, D>(args, sms, stream)) != cudaSuccess) return err;
+  if (args.deterministic && (err = sm80::launch_bwd_dq<D, T>(args, sms, stream)) != cudaSuccess) return err;
+  return launch_bwd_postprocess<D, T>(args, sms, stream);
+}
+
+}  // namespace dualkv::cuda::sm90

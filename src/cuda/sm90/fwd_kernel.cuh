@@ -1,0 +1,419 @@
+// Hopper forward kernel (sm_90a): one persistent CTA per SM, three warpgroups.
+//
+//   warpgroup 0 (producer, 40 registers): one thread takes (query tile, head) items from the plan
+//     through the atomic counter, hands each to the consumers through a 2-slot ring in smem, and
+//     issues the TMA loads: the 128-row Q tile, then the K and V tiles of the KV ranges the tile
+//     sees (ancestors from the parent to the root, full; then its own segment up to its last
+//     query), into a kStages-deep ring completing on mbarriers.
+//   warpgroups 1, 2 (consumers, 232 registers): 64 query rows each. Per KV tile j:
+//     S_j = Q K_j^T (wgmma, both operands in smem), issued together with O += P_{j-1} V_{j-1}
+//     (wgmma, P from registers, V in smem read N-major), so that the softmax of tile j overlaps
+//     the P V product of tile j-1. Online softmax in fp32 with exp2; the scale is folded in.
+//   Masks: columns past the end of the KV range (a tile may overlap the next segment or run past
+//   T, where TMA fills zeros), and the causal diagonal inside the query's own segment.
+//
+// Barriers (all mbarriers in smem):
+//   item_full[2] / item_empty[2]   work item hand-off (producer -> consumers -> producer)
+//   q_full / q_empty               Q tile loaded / every consumer warp done reading it
+//   k_full[S], v_full[S] / kv_empty[S]   KV stage loaded / every consumer warp done with it
+//   k_empty[S]                     every consumer warp done with the K tile of a stage: released
+//                                  once S = Q K^T completes, so the next K load has a whole
+//                                  iteration of slack (measured +24-37% against releasing K with
+//                                  V after P V, H200, hdim 128); kv_empty guards V alone
+// Phases follow running counters kept identically by producer and consumers.
+#pragma once
+
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <math_constants.h>
+#include <stdint.h>
+
+#include "convert.cuh"
+#include "dualkv/mask.h"
+#include "kernel_params.h"
+#include "plan_reader.cuh"
+#include "sm90/ptx.cuh"
+#include "sm90/wgmma_ops.cuh"
+#include "tile_size.h"
+
+namespace dualkv::cuda::sm90 {
+
+template <int D>
+struct Sm90FwdConfig {
+  static constexpr int kBlockM = 128;                  // query rows per tile (= the plan's tiles)
+  static constexpr int kBlockN = sm90_fwd_block_n(D);  // KV rows per tile
+  static constexpr int kStages = 2;
+  static constexpr int kBox = 64;                      // columns per TMA box (128 B of 16-bit)
+  static constexpr int kBoxes = D / kBox;
+  static constexpr int kThreads = 384;
+  static constexpr int kConsumerRegs = 232;
+  static constexpr int kProducerRegs = 40;
+  static constexpr uint32_t kQBytes = kBlockM * D * 2;
+  static constexpr uint32_t kKVBytes = kBlockN * D * 2;  // one K (or V) tile
+  static constexpr uint32_t kQBoxBytes = kBlockM * 128;
+  static constexpr uint32_t kKVBoxBytes = kBlockN * 128;
+  // smem: Q | K[stages] | V[stages] | barriers + item slots. Tiles 1024-byte aligned.
+  static constexpr uint32_t kOffK = kQBytes;
+  static constexpr uint32_t kOffV = kOffK + kStages * kKVBytes;
+  static constexpr uint32_t kOffBar = kOffV + kStages * kKVBytes;
+  static constexpr uint32_t kBarBytes = 8 * (4 * kStages + 2 + 4) + 16;
+  static constexpr uint32_t kSmemBytes = kOffBar + kBarBytes + 1024;  // + alignment slack
+  static_assert(D % 64 == 0, "head dim must be a multiple of 64");
+};
+
+template <int D>
+struct Sm90FwdParams {
+  FwdArgs a;
+  CUtensorMap tq, tk, tv;
+  int32_t tile_window;  // decode_fwd_item (plan_reader.cuh)
+};
+
+struct Sm90Barriers {
+  uint64_t* k_full;
+  uint64_t* v_full;
+  uint64_t* kv_empty;
+  uint64_t* k_empty;
+  uint64_t* q_full;
+  uint64_t* q_empty;
+  uint64_t* item_full;
+  uint64_t* item_empty;
+  int32_t* items;
+};
+
+// Ping-pong: the two consumer warpgroups take turns issuing their wgmma batches (named barriers 1
+// and 2), so that one's softmax runs while the other's matrix products occupy the tensor cores.
+template <typename T, int D>
+__global__ void __launch_bounds__(Sm90FwdConfig<D>::kThreads, 1)
+fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
+  using C = Sm90FwdConfig<D>;
+  constexpr int BN = C::kBlockN, S = C::kStages;
+
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  const uint32_t pad = (1024u - (smem_u32(smem_raw) & 1023u)) & 1023u;
+  uint8_t* smem = smem_raw + pad;
+  uint8_t* sQ = smem;
+  uint8_t* sK = smem + C::kOffK;
+  uint8_t* sV = smem + C::kOffV;
+  uint64_t* bars = reinterpret_cast<uint64_t*>(smem + C::kOffBar);
+  Sm90Barriers B;
+  B.k_full = bars;
+  B.v_full = bars + S;
+  B.kv_empty = bars + 2 * S;
+  B.q_full = bars + 3 * S;
+  B.q_empty = bars + 3 * S + 1;
+  B.item_full = bars + 3 * S + 2;
+  B.item_empty = bars + 3 * S + 4;
+  B.items = reinterpret_cast<int32_t*>(bars + 3 * S + 6);
+  B.k_empty = bars + 3 * S + 8;
+
+  const FwdArgs& a = p.a;
+  const LayoutPtrs& L = a.layout;
+  const int32_t* plan = a.plan;
+  if (!plan_matches(plan, L)) return;
+  const int32_t n_tiles = plan[kHdrNumFwd];
+  const int32_t* items = plan + plan[kHdrFwdOffset];
+  const int H = a.num_heads;
+  const int group = H / a.num_kv_heads;
+  const int32_t n_items = n_tiles * H;
+  const int32_t window = max(1, p.tile_window);
+
+  constexpr uint32_t kConsumerWarps = 8;
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < S; ++i) {
+      mbar_init(&B.k_full[i], 1);
+      mbar_init(&B.v_full[i], 1);
+      mbar_init(&B.kv_empty[i], kConsumerWarps);
+      mbar_init(&B.k_empty[i], kConsumerWarps);
+    }
+    mbar_init(B.q_full, 1);
+    mbar_init(B.q_empty, kConsumerWarps);
+    for (int i = 0; i < 2; ++i) {
+      mbar_init(&B.item_full[i], 1);
+      mbar_init(&B.item_empty[i], kConsumerWarps);
+    }
+    mbar_fence_init();
+  }
+  __syncthreads();
+
+  const int wg = threadIdx.x / 128;
+  if (wg == 0) {
+    // ------------------------------------------------------------------ producer
+    setmaxnreg_dec<C::kProducerRegs>();
+    if (threadIdx.x != 0) return;
+    tma_prefetch_desc(&p.tq);
+    tma_prefetch_desc(&p.tk);
+    tma_prefetch_desc(&p.tv);
+    uint32_t q_iter = 0, kv_iter = 0;
+    for (uint32_t n = 0;; ++n) {
+      const uint32_t slot = n & 1, ph = (n >> 1) & 1;
+      mbar_wait(&B.item_empty[slot], ph ^ 1);
+      const int32_t item = atomicAdd(a.counter, 1);
+      B.items[slot] = item;
+      mbar_arrive(&B.item_full[slot]);
+      if (item >= n_items) break;
+      int32_t tile;
+      int h;
+      decode_fwd_item(item, n_tiles, H, window, tile, h);
+      const int hk = h / group;
+      const int32_t seg = items[tile * kFwdItemInts + 0];
+      const int32_t q0 = items[tile * kFwdItemInts + 1];
+      const int32_t q1 = items[tile * kFwdItemInts + 2];
+
+      KvWalk<BN> kv;
+      kv.init(L.offsets, L.parent, seg, q1);
+      bool q_issued = false;
+      do {
+        const uint32_t st = kv_iter % S, kph = (kv_iter / S) & 1;
+        mbar_wait(&B.k_empty[st], kph ^ 1);
+        mbar_arrive_expect_tx(&B.k_full[st], C::kKVBytes);
+#pragma unroll
+        for (int b = 0; b < C::kBoxes; ++b)
+          tma_load_3d(sK + st * C::kKVBytes + b * C::kKVBoxBytes, &p.tk, &B.k_full[st], b * 64, hk, kv.pos);
+        if (!q_issued) {
+          // Q after the first K tile, so the K load of a new item is not held up by the
+          // consumers still reading the previous Q.
+          mbar_wait(B.q_empty, (q_iter & 1) ^ 1);
+          mbar_arrive_expect_tx(B.q_full, C::kQBytes);
+#pragma unroll
+          for (int b = 0; b < C::kBoxes; ++b)
+            tma_load_3d(sQ + b * C::kQBoxBytes, &p.tq, B.q_full, b * 64, h, q0);
+          ++q_iter;
+          q_issued = true;
+        }
+        mbar_wait(&B.kv_empty[st], kph ^ 1);
+        mbar_arrive_expect_tx(&B.v_full[st], C::kKVBytes);
+#pragma unroll
+        for (int b = 0; b < C::kBoxes; ++b)
+          tma_load_3d(sV + st * C::kKVBytes + b * C::kKVBoxBytes, &p.tv, &B.v_full[st], b * 64, hk, kv.pos);
+        ++kv_iter;
+      } while (kv.next(L.offsets, L.parent));
+    }
+    return;
+  }
+
+  // -------------------------------------------------------------------- consumers
+  setmaxnreg_inc<C::kConsumerRegs>();
+  using Mma = Wgmma<T, BN>;
+  using MmaO = Wgmma<T, D>;
+  const int cw = wg - 1;                 // consumer warpgroup: rows [64 cw, 64 cw + 64) of the tile
+  const int tid = threadIdx.x & 127;
+  const int warp = tid >> 5, lane = tid & 31;
+  const int g = lane >> 2, t4 = lane & 3;
+  const int row_in_tile = cw * 64 + warp * 16 + g;  // rows row_in_tile and row_in_tile + 8
+  const float sl2 = a.scale_log2;
+  const uint32_t q_base = smem_u32(sQ) + cw * 64 * 128;
+  const uint32_t k_base = smem_u32(sK);
+  const uint32_t v_base = smem_u32(sV);
+  // Turn-taking between the consumer warpgroups: warpgroup c waits on barrier 1 + c before issuing
+  // and then lets the other one go. Warpgroup 0 starts.
+  auto turn_wait = [&]() {
+    named_bar_sync(1 + cw, 256);
+  };
+  auto turn_pass = [&]() {
+    named_bar_arrive(1 + (cw ^ 1), 256);
+  };
+  if (cw == 1) named_bar_arrive(1, 256);
+
+  uint32_t q_iter = 0, kv_iter = 0;
+  for (uint32_t n = 0;; ++n) {
+    const uint32_t slot = n & 1, ph = (n >> 1) & 1;
+    mbar_wait(&B.item_full[slot], ph);
+    const int32_t item = B.items[slot];
+    __syncwarp();
+    if (lane == 0) mbar_arrive(&B.item_empty[slot]);
+    if (item >= n_items) break;
+    int32_t tile;
+    int h;
+    decode_fwd_item(item, n_tiles, H, window, tile, h);
+    const int32_t seg = items[tile * kFwdItemInts + 0];
+    const int32_t q0 = items[tile * kFwdItemInts + 1];
+    const int32_t q1 = items[tile * kFwdItemInts + 2];
+    const int32_t qi0 = q0 + row_in_tile;  // query token of rows r = 0 (qi0) and r = 1 (qi0 + 8)
+
+    float o[D / 2];
+#pragma unroll
+    for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
+    float m[2] = {-CUDART_INF_F, -CUDART_INF_F};
+    float l[2] = {0.f, 0.f};
+    float s[BN / 2];
+    uint32_t pf[BN / 4];
+
+    KvWalk<BN> kv;
+    kv.init(L.offsets, L.parent, seg, q1);
+
+    // S = Q K^T for the stage `st` into s.
+    auto issue_qk = [&](uint32_t st) {
+      const uint32_t kb = k_base + st * C::kKVBytes;
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) {
+        const uint32_t box = kk / 4, within = (kk % 4) * 32;
+        const uint64_t da = make_desc_sw128(q_base + box * C::kQBoxBytes + within, 16, 1024);
+        const uint64_t db = make_desc_sw128(kb + box * C::kKVBoxBytes + within, 16, 1024);
+        Mma::ss(s, da, db, kk > 0 ? 1 : 0);
+      }
+    };
+    // O += P V for the stage `st`.
+    auto issue_pv = [&](uint32_t st) {
+      const uint32_t vb = v_base + st * C::kKVBytes;
+#pragma unroll
+      for (int kk = 0; kk < BN / 16; ++kk) {
+        const uint64_t db = make_desc_sw128(vb + kk * 16 * 128, C::kKVBoxBytes, 1024);
+        MmaO::rs(o, &pf[4 * kk], db, 1);
+      }
+    };
+    // Mask, online softmax of s (in place: s becomes P in fp32); returns the rescale factors.
+    auto softmax = [&](int32_t kpos, int32_t klen, bool own, float* alpha) {
+      if (klen < BN || (own && kpos + BN - 1 > q0)) {
+#pragma unroll
+        for (int j = 0; j < BN / 8; ++j) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int col = j * 8 + 2 * t4 + (e & 1);
+            const int32_t qi = qi0 + (e >> 1) * 8;
+            if (col >= klen || (own && kpos + col > qi)) s[4 * j + e] = -CUDART_INF_F;
+          }
+        }
+      }
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        float mx = m[r];
+#pragma unroll
+        for (int j = 0; j < BN / 8; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * r], s[4 * j + 2 * r + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float ms = mx == -CUDART_INF_F ? 0.f : mx * sl2;
+        alpha[r] = fast_exp2(m[r] * sl2 - ms);
+        m[r] = mx;
+        float sum = 0.f;
+#pragma unroll
+        for (int j = 0; j < BN / 8; ++j) {
+          const float p0 = fast_exp2(fmaf(s[4 * j + 2 * r], sl2, -ms));
+          const float p1 = fast_exp2(fmaf(s[4 * j + 2 * r + 1], sl2, -ms));
+          s[4 * j + 2 * r] = p0;
+          s[4 * j + 2 * r + 1] = p1;
+          sum += p0 + p1;
+        }
+        l[r] = l[r] * alpha[r] + sum;
+      }
+    };
+    auto to_pf = [&]() {
+#pragma unroll
+      for (int kk = 0; kk < BN / 16; ++kk) {
+        pf[4 * kk + 0] = Convert<T>::pack(s[8 * kk + 0], s[8 * kk + 1]);
+        pf[4 * kk + 1] = Convert<T>::pack(s[8 * kk + 2], s[8 * kk + 3]);
+        pf[4 * kk + 2] = Convert<T>::pack(s[8 * kk + 4], s[8 * kk + 5]);
+        pf[4 * kk + 3] = Convert<T>::pack(s[8 * kk + 6], s[8 * kk + 7]);
+      }
+    };
+
+    mbar_wait(B.q_full, q_iter & 1);
+    ++q_iter;
+
+    // First KV tile: S, softmax, P.
+    uint32_t st = kv_iter % S;
+    mbar_wait(&B.k_full[st], (kv_iter / S) & 1);
+    turn_wait();
+    wgmma_fence();
+    issue_qk(st);
+    wgmma_commit();
+    turn_pass();
+    wgmma_wait<0>();
+    fence_regs(s);
+    __syncwarp();
+    if (lane == 0) mbar_arrive(&B.k_empty[st]);
+    int32_t kpos = kv.pos, klen = kv.len();
+    bool own = kv.own;
+    bool more = kv.next(L.offsets, L.parent);
+    if (!more) {
+      __syncwarp();
+      if (lane == 0) mbar_arrive(B.q_empty);
+    }
+    {
+      float alpha[2];
+      softmax(kpos, klen, own, alpha);
+    }
+    to_pf();
+    uint32_t prev = kv_iter;
+    ++kv_iter;
+
+    while (more) {
+      kpos = kv.pos; klen = kv.len(); own = kv.own;
+      st = kv_iter % S;
+      mbar_wait(&B.k_full[st], (kv_iter / S) & 1);
+      const uint32_t pst = prev % S;
+      mbar_wait(&B.v_full[pst], (prev / S) & 1);
+      turn_wait();
+      wgmma_fence();
+      issue_qk(st);
+      wgmma_commit();
+      issue_pv(pst);
+      wgmma_commit();
+      turn_pass();
+      wgmma_wait<1>();  // S of this tile is ready; P V of the previous one may still run
+      fence_regs(s);
+      __syncwarp();
+      if (lane == 0) mbar_arrive(&B.k_empty[st]);
+      more = kv.next(L.offsets, L.parent);
+      if (!more) {
+        __syncwarp();
+        if (lane == 0) mbar_arrive(B.q_empty);
+      }
+      float alpha[2];
+      softmax(kpos, klen, own, alpha);
+      wgmma_wait<0>();
+      fence_regs(o);
+      fence_regs(pf);
+      __syncwarp();
+      if (lane == 0) mbar_arrive(&B.kv_empty[pst]);
+#pragma unroll
+      for (int j = 0; j < D / 8; ++j) {
+        o[4 * j + 0] *= alpha[0];
+        o[4 * j + 1] *= alpha[0];
+        o[4 * j + 2] *= alpha[1];
+        o[4 * j + 3] *= alpha[1];
+      }
+      to_pf();
+      prev = kv_iter;
+      ++kv_iter;
+    }
+    {
+      const uint32_t pst = prev % S;
+      mbar_wait(&B.v_full[pst], (prev / S) & 1);
+      turn_wait();
+      wgmma_fence();
+      issue_pv(pst);
+      wgmma_commit();
+      turn_pass();
+      wgmma_wait<0>();
+      fence_regs(o);
+      fence_regs(pf);
+      __syncwarp();
+      if (lane == 0) mbar_arrive(&B.kv_empty[pst]);
+    }
+
+    // Epilogue: normalise, store O (input dtype) and the natural-log LSE.
+    T* og = static_cast<T*>(a.out);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float tot = l[r];
+      tot += __shfl_xor_sync(0xffffffffu, tot, 1);
+      tot += __shfl_xor_sync(0xffffffffu, tot, 2);
+      const float inv = tot > 0.f ? 1.f / tot : 0.f;
+      const int32_t qi = qi0 + r * 8;
+      if (qi < q1) {
+        T* orow = og + static_cast<int64_t>(qi) * a.o_ts + static_cast<int64_t>(h) * a.o_hs;
+#pragma unroll
+        for (int j = 0; j < D / 8; ++j)
+          *reinterpret_cast<uint32_t*>(orow + j * 8 + 2 * t4) =
+              Convert<T>::pack(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
+        if (a.lse != nullptr && t4 == 0)
+          a.lse[static_cast<int64_t>(h) * a.lse_hs + qi] =
+              tot > 0.f ? m[r] * a.scale + logf(tot) : CUDART_INF_F;
+      }
+    }
+  }
+}
+
+}  // namespace dualkv::cuda::sm90

@@ -1,0 +1,40 @@
+// Host side of the Hopper forward: TMA descriptors, shared-memory opt-in, one persistent CTA per SM.
+#pragma once
+
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+#include "sm90/arch.h"
+#include "sm90/fwd_kernel.cuh"
+#include "sm90/tma.h"
+
+namespace dualkv::cuda::sm90 {
+
+// Forward query tiles per scheduling window (decode_fwd_item, plan_reader.cuh).
+constexpr int kTileWindow = 16;
+
+template <int D, typename T>
+cudaError_t run_fwd(const FwdArgs& args, int sms, cudaStream_t stream) {
+  using C = Sm90FwdConfig<D>;
+  // The plan's forward items are query tiles of plan_tiles(D).fwd_block_m rows; the kernel holds one
+  // such tile per CTA.
+  static_assert(plan_tiles(D).fwd_block_m == C::kBlockM, "sm90 forward: plan query tiles must be kBlockM rows");
+  const int T_ = args.layout.num_tokens;
+  const int H = args.num_heads, Hk = args.num_kv_heads;
+  Sm90FwdParams<D> p;
+  p.a = args;
+  p.tile_window = kTileWindow;
+  if (!make_map(&p.tq, kTmaType<T>, args.q, D, H, T_, args.q_hs, args.q_ts, C::kBlockM) ||
+      !make_map(&p.tk, kTmaType<T>, args.k, D, Hk, T_, args.k_hs, args.k_ts, C::kBlockN) ||
+      !make_map(&p.tv, kTmaType<T>, args.v, D, Hk, T_, args.v_hs, args.v_ts, C::kBlockN))
+    return cudaErrorNotSupported;
+  auto kernel = fwd_sm90_kernel<T, D>;
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(C::kSmemBytes));
+  if (err != cudaSuccess) return err;
+  if ((err = cudaMemsetAsync(args.counter, 0, sizeof(int32_t), stream)) != cudaSuccess) return err;
+  kernel<<<sms, C::kThreads, C::kSmemBytes, stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace dualkv::cuda::sm90

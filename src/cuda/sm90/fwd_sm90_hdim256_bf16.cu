@@ -1,8 +1,0 @@
-// sm90 forward instantiation: head dim 256, bf16.
-#include "sm90/fwd_sm90_launch.cuh"
-
-namespace dualkv::cuda::sm90 {
-template cudaError_t run_fwd<__nv_bfloat16, 256>(const FwdArgs& args, cudaStream_t stream);
-template cudaError_t launch_fwd_variant<__nv_bfloat16, 256, kDefaultPingPong, kDefaultSplitRelease>(
-    const FwdArgs& args, cudaStream_t stream, int tile_window);
-}  // namespace dualkv::cuda::sm90

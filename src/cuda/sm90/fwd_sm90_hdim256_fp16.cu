@@ -1,8 +1,0 @@
-// sm90 forward instantiation: head dim 256, fp16.
-#include "sm90/fwd_sm90_launch.cuh"
-
-namespace dualkv::cuda::sm90 {
-template cudaError_t run_fwd<__half, 256>(const FwdArgs& args, cudaStream_t stream);
-template cudaError_t launch_fwd_variant<__half, 256, kDefaultPingPong, kDefaultSplitRelease>(
-    const FwdArgs& args, cudaStream_t stream, int tile_window);
-}  // namespace dualkv::cuda::sm90

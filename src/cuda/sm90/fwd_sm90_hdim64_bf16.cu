@@ -1,8 +1,0 @@
-// sm90 forward instantiation: head dim 64, bf16.
-#include "sm90/fwd_sm90_launch.cuh"
-
-namespace dualkv::cuda::sm90 {
-template cudaError_t run_fwd<__nv_bfloat16, 64>(const FwdArgs& args, cudaStream_t stream);
-template cudaError_t launch_fwd_variant<__nv_bfloat16, 64, kDefaultPingPong, kDefaultSplitRelease>(
-    const FwdArgs& args, cudaStream_t stream, int tile_window);
-}  // namespace dualkv::cuda::sm90

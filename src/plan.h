@@ -1,0 +1,37 @@
+// The host planner: builds the work plan (plan_format.h) of a layout for a head dim, and the key
+// that ties it to that layout and tiling. Plain C++ (no CUDA), compiled in every build and unit
+// tested without a GPU (tests/cpp/test_plan.cpp); the C ABI exposes it through dualkv_plan_size /
+// dualkv_plan_build (CUDA, for a device) and dualkv_plan_inspect (any build, for a given SM count).
+#ifndef DUALKV_SRC_PLAN_H_
+#define DUALKV_SRC_PLAN_H_
+
+#include <stdint.h>
+
+#include <vector>
+
+#include "dualkv/dualkv.h"
+#include "plan_format.h"
+
+namespace dualkv::plan {
+
+struct Plan {
+  std::vector<int32_t> data;  // the plan buffer
+  uint64_t key = 0;           // plan key (plan_format.h)
+  int32_t split_rows = 0;     // backward query ranges longer than this were cut into several items
+};
+
+// Builds the plan of a valid, derived host layout for `head_dim` on a device with `num_sms`
+// multiprocessors (the backward split length is max(8192, total / num_sms) query rows, or
+// DUALKV_CUDA_SPLIT_ROWS when set: tests use it to exercise splits).
+dualkv_status build(const dualkv_layout& layout, int head_dim, int num_sms, Plan* out);
+
+// The part of the plan key that names the tiling and the layout's S and T: kernels' callers
+// recompute it from their params and reject a plan built for anything else.
+uint64_t key_hash(int head_dim, int32_t num_segments, int32_t num_tokens);
+
+// Split slots recorded in a plan key (they size the backward workspace).
+inline int32_t key_slots(uint64_t key) { return static_cast<int32_t>(key & kPlanSlotMask); }
+
+}  // namespace dualkv::plan
+
+#endif  // DUALKV_SRC_PLAN_H_

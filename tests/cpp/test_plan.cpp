@@ -1,0 +1,202 @@
+// The host planner through the C ABI (dualkv_plan_inspect): on random forests, the plan's items
+// cover exactly the work the mask policy defines, in the documented format and order.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <array>
+#include <climits>
+#include <cstdlib>
+#include <map>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "dualkv/mask.h"
+#include "forest_testing.h"
+#include "plan_format.h"
+
+using dualkv::testing::HostLayout;
+using dualkv::testing::random_forest;
+
+namespace {
+
+struct Inspected {
+  dualkv_plan_info info{};
+  std::vector<int32_t> plan;
+};
+
+Inspected inspect(const HostLayout& l, int head_dim, int sms) {
+  Inspected r;
+  r.info.struct_size = sizeof(r.info);
+  const dualkv_layout v = l.view();
+  EXPECT_EQ(dualkv_plan_inspect(&v, head_dim, sms, &r.info, nullptr, 0), DUALKV_OK) << dualkv_last_error();
+  r.plan.resize(r.info.plan_len);
+  EXPECT_EQ(dualkv_plan_inspect(&v, head_dim, sms, &r.info, r.plan.data(), r.info.plan_len), DUALKV_OK)
+      << dualkv_last_error();
+  return r;
+}
+
+// Every structural property of a plan, checked against the layout it was built for.
+void check_plan(const HostLayout& l, const Inspected& r, const std::string& what) {
+  SCOPED_TRACE(what);
+  const dualkv_layout v = l.view();
+  const dualkv::ForestView f = dualkv::make_forest_view(v);
+  const dualkv_plan_info& info = r.info;
+  const int32_t* p = r.plan.data();
+  ASSERT_EQ(p[dualkv::kHdrMagic], dualkv::kPlanMagic);
+  ASSERT_EQ(p[dualkv::kHdrS], l.num_segments());
+  ASSERT_EQ(p[dualkv::kHdrT], l.num_tokens());
+  ASSERT_EQ(p[dualkv::kHdrTotalLen], info.plan_len);
+  ASSERT_EQ(p[dualkv::kHdrNumSlots], info.num_split_slots);
+  ASSERT_EQ(static_cast<int32_t>(info.plan_key & dualkv::kPlanSlotMask), info.num_split_slots);
+
+  // Forward tiles: one per (segment, fwd_block_m rows), covering every token once, never straddling
+  // a segment, sorted by work (the keys the tile's last query sees) descending.
+  std::vector<int> covered(l.num_tokens(), 0);
+  const int32_t* fwd = p + p[dualkv::kHdrFwdOffset];
+  int32_t prev_work = INT32_MAX;
+  for (int i = 0; i < info.num_fwd_tiles; ++i) {
+    const int32_t s = fwd[i * dualkv::kFwdItemInts], q0 = fwd[i * dualkv::kFwdItemInts + 1],
+                  q1 = fwd[i * dualkv::kFwdItemInts + 2], work = fwd[i * dualkv::kFwdItemInts + 3];
+    ASSERT_TRUE(f.segment_begin(s) <= q0 && q0 < q1 && q1 <= f.segment_end(s));
+    ASSERT_LE(q1 - q0, info.fwd_block_m);
+    ASSERT_EQ((q0 - f.segment_begin(s)) % info.fwd_block_m, 0);
+    ASSERT_EQ(work, f.num_visible_keys(s, q1 - 1));
+    ASSERT_LE(work, prev_work);
+    prev_work = work;
+    for (int32_t q = q0; q < q1; ++q) ++covered[q];
+  }
+  for (int32_t t = 0; t < l.num_tokens(); ++t) ASSERT_EQ(covered[t], 1) << "token " << t;
+
+  // Backward items: per KV tile, the query ranges of its items tile the policy's range exactly;
+  // a tile with one item writes dK/dV (slot -1), a split tile's items write consecutive slots that
+  // its reduction sums.
+  std::map<std::pair<int32_t, int32_t>, std::vector<std::array<int32_t, 4>>> by_tile;  // (s, k0) -> (k1, qa, qb, slot)
+  const int32_t* bwd = p + p[dualkv::kHdrBwdOffset];
+  int32_t prev_len = INT32_MAX;
+  for (int i = 0; i < info.num_bwd_items; ++i) {
+    const int32_t* it = bwd + i * dualkv::kBwdItemInts;
+    ASSERT_LE(it[4] - it[3], prev_len) << "not longest-first";
+    prev_len = it[4] - it[3];
+    ASSERT_LE(it[4] - it[3], std::max(info.bwd_split_rows, 1));
+    by_tile[{it[0], it[1]}].push_back({it[2], it[3], it[4], it[5]});
+  }
+  int32_t n_tiles = 0;
+  for (int32_t s = 0; s < l.num_segments(); ++s)
+    for (int32_t k0 = f.segment_begin(s); k0 < f.segment_end(s); k0 += info.bwd_block_n) ++n_tiles;
+  ASSERT_EQ(static_cast<int32_t>(by_tile.size()), n_tiles);
+  std::map<std::pair<int32_t, int32_t>, std::array<int32_t, 3>> reductions;  // (s, k0) -> (k1, slot0, n)
+  const int32_t* red = p + p[dualkv::kHdrRedOffset];
+  for (int i = 0; i < info.num_reductions; ++i) {
+    const int32_t* it = red + i * dualkv::kRedItemInts;
+    reductions[{it[0], it[1]}] = {it[2], it[3], it[4]};
+  }
+  std::vector<int> slot_used(info.num_split_slots, 0);
+  for (auto& [key, items] : by_tile) {
+    const auto [s, k0] = key;
+    ASSERT_EQ((k0 - f.segment_begin(s)) % info.bwd_block_n, 0);
+    const dualkv::TokenRange range = dualkv::SegmentMask::bwd_query_range(f, s, k0);
+    std::sort(items.begin(), items.end(), [](const auto& a, const auto& b) { return a[1] < b[1]; });
+    int32_t next = range.begin;
+    for (const auto& it : items) {
+      ASSERT_EQ(it[0], std::min(k0 + info.bwd_block_n, f.segment_end(s)));
+      ASSERT_EQ(it[1], next) << "gap or overlap in the query range of KV tile " << k0;
+      next = it[2];
+    }
+    ASSERT_EQ(next, range.end);
+    const bool split = items.size() > 1;
+    ASSERT_EQ(reductions.count(key), split ? 1u : 0u);
+    for (size_t i = 0; i < items.size(); ++i) {
+      if (!split) {
+        ASSERT_EQ(items[i][3], -1);
+      } else {
+        const auto& r = reductions[key];
+        ASSERT_EQ(r[2], static_cast<int32_t>(items.size()));
+        ASSERT_EQ(items[i][3], r[1] + static_cast<int32_t>(i));  // slots in query order
+        ++slot_used[items[i][3]];
+      }
+    }
+  }
+  for (int32_t k = 0; k < info.num_split_slots; ++k) ASSERT_EQ(slot_used[k], 1) << "slot " << k;
+}
+
+TEST(Plan, RandomForestsEveryTiling) {
+  std::mt19937 rng(77);
+  for (int trial = 0; trial < 60; ++trial) {
+    std::vector<int32_t> lens, parents;
+    random_forest(rng, 1 + trial % 3, 1 + trial % 4, 4, 300, &lens, &parents);
+    HostLayout l(lens, parents);
+    for (int D : {64, 256})
+      for (int sms : {1, 7, 132}) check_plan(l, inspect(l, D, sms), "trial " + std::to_string(trial));
+  }
+}
+
+TEST(Plan, GrpoGroupTilesAndSplits) {
+  // One prompt of 20000 tokens and 8 responses of 3000: the prompt's KV tiles are seen by the
+  // whole group (44000 queries), longer than the split length, so they are split.
+  std::vector<int32_t> lens{20000}, parents{-1};
+  for (int i = 0; i < 8; ++i) {
+    lens.push_back(3000);
+    parents.push_back(0);
+  }
+  HostLayout l(lens, parents);
+  const Inspected r = inspect(l, 128, 132);
+  check_plan(l, r, "grpo");
+  EXPECT_EQ(r.info.fwd_block_m, 128);
+  EXPECT_EQ(r.info.bwd_block_n, 128);
+  EXPECT_EQ(r.info.bwd_block_m, 64);
+  EXPECT_EQ(r.info.num_fwd_tiles, (20000 + 127) / 128 + 8 * ((3000 + 127) / 128));
+  EXPECT_GT(r.info.num_reductions, 0);
+  EXPECT_GE(r.info.bwd_split_rows, 8192);
+  EXPECT_EQ(r.info.bwd_split_rows % 64, 0);
+  // Fewer SMs: a longer split length, never shorter than 8192 rows.
+  const Inspected one = inspect(l, 128, 1);
+  EXPECT_GE(one.info.bwd_split_rows, r.info.bwd_split_rows);
+  EXPECT_EQ(one.info.num_reductions, 0);
+  // Head dim 256: 64-row KV tiles.
+  EXPECT_EQ(inspect(l, 256, 132).info.bwd_block_n, 64);
+}
+
+TEST(Plan, SplitRowsFromTheEnvironment) {
+  HostLayout l({300, 200, 1}, {-1, 0, 0});
+  setenv("DUALKV_CUDA_SPLIT_ROWS", "64", 1);
+  const Inspected r = inspect(l, 128, 132);
+  unsetenv("DUALKV_CUDA_SPLIT_ROWS");
+  check_plan(l, r, "forced splits");
+  EXPECT_EQ(r.info.bwd_split_rows, 64);
+  EXPECT_GT(r.info.num_split_slots, 0);
+}
+
+TEST(Plan, KeyNamesLayoutAndTiling) {
+  HostLayout a({100, 50}, {-1, 0}), b({100, 51}, {-1, 0});
+  const uint64_t ka = inspect(a, 128, 132).info.plan_key >> dualkv::kPlanSlotBits;
+  EXPECT_EQ(ka, inspect(a, 128, 132).info.plan_key >> dualkv::kPlanSlotBits);
+  EXPECT_NE(ka, inspect(b, 128, 132).info.plan_key >> dualkv::kPlanSlotBits);  // T differs
+  EXPECT_NE(ka, inspect(a, 256, 132).info.plan_key >> dualkv::kPlanSlotBits);  // head dim and tiling
+  EXPECT_NE(ka, inspect(a, 64, 132).info.plan_key >> dualkv::kPlanSlotBits);   // head dim
+}
+
+TEST(Plan, BadArgumentsAreErrors) {
+  HostLayout l({10}, {-1});
+  const dualkv_layout v = l.view();
+  dualkv_plan_info info{};
+  info.struct_size = sizeof(info);
+  EXPECT_EQ(dualkv_plan_inspect(nullptr, 64, 1, &info, nullptr, 0), DUALKV_ERROR_INVALID_ARGUMENT);
+  EXPECT_EQ(dualkv_plan_inspect(&v, 64, 1, nullptr, nullptr, 0), DUALKV_ERROR_INVALID_ARGUMENT);
+  EXPECT_EQ(dualkv_plan_inspect(&v, 0, 1, &info, nullptr, 0), DUALKV_ERROR_INVALID_ARGUMENT);
+  EXPECT_EQ(dualkv_plan_inspect(&v, 64, 0, &info, nullptr, 0), DUALKV_ERROR_INVALID_ARGUMENT);
+  ASSERT_EQ(dualkv_plan_inspect(&v, 64, 1, &info, nullptr, 0), DUALKV_OK);
+  std::vector<int32_t> plan(info.plan_len + 1);
+  EXPECT_EQ(dualkv_plan_inspect(&v, 64, 1, &info, plan.data(), info.plan_len + 1), DUALKV_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(dualkv_last_error()).find("plan_len"), std::string::npos);
+  dualkv_plan_info old{};
+  old.struct_size = sizeof(old) - 8;
+  EXPECT_EQ(dualkv_plan_inspect(&v, 64, 1, &old, nullptr, 0), DUALKV_ERROR_VERSION);
+  std::vector<int32_t> stale = l.subtree_end;
+  stale[0] = 0;
+  dualkv_layout bad = v;
+  bad.seg_subtree_end = stale.data();
+  EXPECT_EQ(dualkv_plan_inspect(&bad, 64, 1, &info, nullptr, 0), DUALKV_ERROR_INVALID_LAYOUT);
+}
+
+}  // namespace

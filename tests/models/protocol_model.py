@@ -1,0 +1,216 @@
+#!/usr/bin/env python3
+"""Randomised model of the sm90 forward's barrier protocol (src/cuda/sm90/fwd_kernel.cuh), on the CPU.
+
+Mirrors, step for step, the producer thread and the two consumer warpgroups: mbarriers with phase
+parity and transaction counts (TMA completion is an event that fires at a random later time),
+the named ping-pong barriers, the item ring, the Q buffer and the K/V stage ring. Random
+interleavings of many items with random KV-tile counts; checks that
+  - nobody deadlocks (every run finishes),
+  - TMA never overwrites a buffer that a consumer wgmma may still read (a read lasts from its
+    issue to the wgmma wait that retires it),
+  - consumers only read the version of a buffer they expect (tile j's K, tile j-1's V, the item's Q).
+Run: python3 tests/models/protocol_model.py [--split] [--no-pingpong] [--runs N]
+"""
+from __future__ import annotations
+
+import argparse
+import random
+
+from mbar_sim import Buffer, MBar as _MBar, NamedBar
+
+
+def MBar(count):  # every arrival of this model is accounted for: more than `count` per phase is a bug
+    return _MBar(count, strict=True)
+
+
+def simulate(rng, n_items, tiles_of, S, split, pingpong):
+    k_full = [MBar(1) for _ in range(S)]
+    v_full = [MBar(1) for _ in range(S)]
+    kv_empty = [MBar(8) for _ in range(S)]
+    k_empty = [MBar(8) for _ in range(S)]
+    q_full, q_empty = MBar(1), MBar(8)
+    item_full = [MBar(1) for _ in range(2)]
+    item_empty = [MBar(8) for _ in range(2)]
+    slots = [None, None]
+    K = [Buffer(f"K{s}") for s in range(S)]
+    V = [Buffer(f"V{s}") for s in range(S)]
+    Q = Buffer("Q")
+    turn = [NamedBar(), NamedBar()]
+    inflight_tma = []  # (barrier, bytes, buffer)
+    counter = [0]
+
+    def wait(cond):
+        while not cond():
+            yield "blocked"
+
+    def tma(bar, buf, version):
+        buf.write(version)
+        inflight_tma.append((bar, buf))
+
+    def producer():
+        q_iter = kv_iter = 0
+        n = 0
+        while True:
+            slot, ph = n & 1, (n >> 1) & 1
+            yield from wait(lambda: item_empty[slot].ready(ph ^ 1))
+            item = counter[0]; counter[0] += 1
+            slots[slot] = item
+            item_full[slot].arrive()
+            if item >= n_items:
+                return
+            q_issued = False
+            for j in range(tiles_of[item]):
+                st, kph = kv_iter % S, (kv_iter // S) & 1
+                if split:
+                    yield from wait(lambda: k_empty[st].ready(kph ^ 1))
+                else:
+                    yield from wait(lambda: kv_empty[st].ready(kph ^ 1))
+                k_full[st].arrive_expect_tx(1)
+                tma(k_full[st], K[st], (item, j))
+                if not q_issued:
+                    yield from wait(lambda: q_empty.ready((q_iter & 1) ^ 1))
+                    q_full.arrive_expect_tx(1)
+                    tma(q_full, Q, item)
+                    q_iter += 1
+                    q_issued = True
+                if split:
+                    yield from wait(lambda: kv_empty[st].ready(kph ^ 1))
+                v_full[st].arrive_expect_tx(1)
+                tma(v_full[st], V[st], (item, j))
+                kv_iter += 1
+                yield "step"
+            n += 1
+
+    def consumer(cw):
+        me = f"wg{cw}"
+        q_iter = kv_iter = 0
+        groups = []  # committed wgmma groups: list of sets of buffers read
+
+        def turn_wait():
+            if pingpong:
+                gen = turn[cw].generation
+                turn[cw].arrive(cw)  # bar.sync: counts this warpgroup, then waits for the generation
+                yield from wait(lambda: turn[cw].generation > gen)
+
+        def turn_pass():
+            if pingpong:
+                turn[cw ^ 1].arrive(cw)
+
+        def read(buf, version):
+            assert buf.loaded, f"{me} reads {buf.name} before its TMA completed"
+            assert buf.version == version, f"{me} reads {buf.name} v{buf.version}, expected v{version}"
+            buf.readers.add(me)
+            return buf
+
+        def retire(keep):  # wgmma.wait_group keep
+            while len(groups) > keep:
+                for b in groups.pop(0):
+                    b.readers.discard(me)
+
+        if pingpong and cw == 1:
+            turn[0].arrive(cw)
+        n = 0
+        while True:
+            slot, ph = n & 1, (n >> 1) & 1
+            yield from wait(lambda: item_full[slot].ready(ph))
+            item = slots[slot]
+            item_empty[slot].arrive(4)
+            if item >= n_items:
+                return
+            T = tiles_of[item]
+            yield from wait(lambda: q_full.ready(q_iter & 1))
+            q_iter += 1
+            st = kv_iter % S
+            yield from wait(lambda: k_full[st].ready((kv_iter // S) & 1))
+            yield from turn_wait()
+            groups.append({read(Q, item), read(K[st], (item, 0))})
+            turn_pass()
+            yield "step"
+            retire(0)
+            if split:
+                k_empty[st].arrive(4)
+            more = T > 1
+            if not more:
+                q_empty.arrive(4)
+            prev = kv_iter
+            kv_iter += 1
+            j = 1
+            while more:
+                st = kv_iter % S
+                yield from wait(lambda: k_full[st].ready((kv_iter // S) & 1))
+                pst = prev % S
+                yield from wait(lambda: v_full[pst].ready((prev // S) & 1))
+                yield from turn_wait()
+                groups.append({read(Q, item), read(K[st], (item, j))})
+                groups.append({read(V[pst], (item, j - 1))})
+                turn_pass()
+                yield "step"
+                retire(1)
+                if split:
+                    k_empty[st].arrive(4)
+                more = j + 1 < T
+                if not more:
+                    q_empty.arrive(4)
+                yield "step"
+                retire(0)
+                kv_empty[pst].arrive(4)
+                prev = kv_iter
+                kv_iter += 1
+                j += 1
+            pst = prev % S
+            yield from wait(lambda: v_full[pst].ready((prev // S) & 1))
+            yield from turn_wait()
+            groups.append({read(V[pst], (item, T - 1))})
+            turn_pass()
+            yield "step"
+            retire(0)
+            kv_empty[pst].arrive(4)
+            n += 1
+
+    procs = {"producer": producer(), "wg0": consumer(0), "wg1": consumer(1)}
+    steps = 0
+    stalled = 0
+    while procs:
+        steps += 1
+        assert steps < 2_000_000, "runaway"
+        # Complete some TMA loads at random times.
+        if inflight_tma and rng.random() < 0.3:
+            bar, buf = inflight_tma.pop(rng.randrange(len(inflight_tma)))
+            buf.loaded = True
+            bar.complete_tx(1)
+            stalled = 0
+            continue
+        name = rng.choice(list(procs))
+        try:
+            r = next(procs[name])
+        except StopIteration:
+            del procs[name]
+            stalled = 0
+            continue
+        if r == "blocked":
+            stalled += 1
+            if stalled > 2000 and not inflight_tma:
+                raise AssertionError(f"deadlock: {sorted(procs)} blocked, no TMA in flight")
+        else:
+            stalled = 0
+    assert not inflight_tma or all(b.readers == set() for _, b in inflight_tma)
+    return steps
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--split", action="store_true")
+    ap.add_argument("--no-pingpong", action="store_true")
+    ap.add_argument("--runs", type=int, default=300)
+    ap.add_argument("--stages", type=int, default=2)
+    args = ap.parse_args()
+    rng = random.Random(1)
+    for r in range(args.runs):
+        n_items = rng.randint(1, 12)
+        tiles_of = [rng.choice([1, 1, 2, 3, rng.randint(1, 9)]) for _ in range(n_items)]
+        simulate(rng, n_items, tiles_of, args.stages, args.split, not args.no_pingpong)
+    print(f"ok: {args.runs} random runs (split={args.split}, pingpong={not args.no_pingpong}, stages={args.stages})")
+
+
+if __name__ == "__main__":
+    main()

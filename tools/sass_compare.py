@@ -1,0 +1,95 @@
+#!/usr/bin/env python3
+"""Compare the machine code (SASS) of two builds of libdualkv, kernel by kernel.
+
+    tools/sass_compare.py A/libdualkv.so B/libdualkv.so [--regs] [--rename OLD=NEW ...]
+
+Every kernel of every arch in either library is listed as "same", "DIFF", "only in A" or "only
+in B"; the exit status is 1 if any kernel differs or is missing. Addresses and encodings are
+dropped, so "same" means the same instructions in the same order. --regs also ignores register
+and predicate numbers (the same instructions, possibly other registers). --rename OLD=NEW is a
+regular-expression substitution applied to B's kernel names (mangled), for a kernel that moved to
+another name or namespace without changing its code.
+
+Why: a refactor that keeps the SASS of a kernel identical keeps its measured speed, so it needs no
+device run. A kernel instantiated in several translation units appears once per unit: the copies
+of A and B must match as a whole.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+
+def cuobjdump() -> str:
+    for cand in (shutil.which("cuobjdump"), "/usr/local/cuda/bin/cuobjdump"):
+        if cand and os.path.exists(cand):
+            return cand
+    import triton  # the triton wheel ships one
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+
+
+ADDRESS = re.compile(r"/\*[0-9a-f]{4,}\*/")
+ANON_NAMESPACE = re.compile(r"_GLOBAL__N__[0-9a-f]+_")  # per-unit hash of an anonymous namespace
+ENCODING = re.compile(r"/\* 0x[0-9a-f]+ \*/")
+REGISTER = re.compile(r"\bU?R[0-9]+\b|\bU?P[0-9]\b")
+
+
+def kernels(lib: str, ignore_regs: bool, renames):
+    """{(arch, kernel name): [listing, ...]} with one listing (a tuple of instructions) per copy."""
+    text = subprocess.run([cuobjdump(), "-sass", lib], check=True, capture_output=True, text=True).stdout
+    out = collections.defaultdict(list)
+    arch, name, body = None, None, []
+
+    def close():
+        if name is not None:
+            out[(arch, name)].append(tuple(body))
+
+    for line in text.splitlines():
+        if line.startswith("arch = "):
+            close()
+            arch, name, body = line.split("=", 1)[1].strip(), None, []
+        elif "Function : " in line:
+            close()
+            name, body = ANON_NAMESPACE.sub("_GLOBAL__N__", line.split("Function : ", 1)[1].strip()), []
+            for old, new in renames:
+                name = re.sub(old, new, name)
+        elif name is not None and ADDRESS.search(line):  # an instruction (not a header or label)
+            ins = ENCODING.sub("", ADDRESS.sub("", line)).strip()
+            if ignore_regs:
+                ins = " ".join(REGISTER.sub("R", ins).split())
+            body.append(ins)
+    close()
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("a")
+    ap.add_argument("b")
+    ap.add_argument("--regs", action="store_true", help="ignore register and predicate numbers")
+    ap.add_argument("--rename", action="append", default=[], metavar="OLD=NEW",
+                    help="regex substitution on B's mangled kernel names")
+    args = ap.parse_args()
+    renames = [tuple(r.split("=", 1)) for r in args.rename]
+    a = kernels(args.a, args.regs, [])
+    b = kernels(args.b, args.regs, renames)
+    bad = 0
+    for key in sorted(set(a) | set(b)):
+        arch, name = key
+        if key not in a or key not in b:
+            state = "only in B" if key not in a else "only in A"
+        else:
+            state = "same" if sorted(a[key]) == sorted(b[key]) else "DIFF"
+        bad += state != "same"
+        print(f"{state:9s} {arch:7s} {name}")
+    print(f"{len(set(a) | set(b))} kernels, {bad} not the same")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
