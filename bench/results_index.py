@@ -43,6 +43,10 @@ BENCHMARKS = {
                             "dualkv.distributed vs the plain path, 10 interleaved rounds (issue 18)",
     "trl_step_1.7b": "bench/trl_step.py, one TRL GRPO update stock vs DualKVGRPOTrainer, 1.7B (issue 20; "
                      "step trl-step); .g8_cut.log: the G8 run, cut at its cap after both updates",
+    "ab_house": "tests/gpu/ab_bench.py, the kernel house (342699f) against 72977b9 in one process, Hopper path, "
+                "3 rounds (issue 15); .portable.log: the portable path with FA2 alongside (house_run.sh ab-portable)",
+    "ab_portable_candidate": "tests/gpu/ab_bench.py, the latest portable kernel candidate against the build before "
+                             "it (056fda6: FA2's dQ warp layout at D 192/256, reverted; docs/decisions.md)",
     "hybrid_e2e": "bench/hybrid_e2e.py, Qwen3.5-shaped GRPO update, dualkv + GDN state fork vs std vs Flex "
                   "(issue 21; step hybrid)",
 }
