@@ -40,6 +40,9 @@ FLEX_BACKENDS = {"flex": "TRITON", "flex_fa4": "FLASH"}
 #: head dim 256 has tile_n = 80, see next_block_size).
 FLEX_BLOCK = {"TRITON": (128, 128), "FLASH": (256, 128)}
 _TILE_ERROR = re.compile(r"sparse_block_size\[([01])\][^\n]*?multiple of (?:tile_[mn]=)?(\d+)")
+# FA4's block-sparse backward (4.0.0b36) wants the block to equal the tile, not a multiple of it:
+# "Block sparsity requires sparse_block_size[1]=160 to match tile_n=80" (H200, head dim 256).
+_TILE_EQUAL_ERROR = re.compile(r"sparse_block_size\[([01])\]=\d+ to match tile_[mn]=(\d+)")
 
 
 def kernel_options(backend: str):
@@ -48,8 +51,15 @@ def kernel_options(backend: str):
 
 def next_block_size(block, tiles, message):
     """The BLOCK_SIZE to try after a kernel refused ``block`` with ``message`` ("sparse_block_size[i]
-    must be a multiple of tile_x=t"), or None if the message names no tile. ``tiles`` ([set(), set()],
+    must be a multiple of tile_x=t", or "... sparse_block_size[i]=b to match tile_x=t": then exactly t),
+    or None if the message names no tile. ``tiles`` ([set(), set()],
     per side) collects every tile asked for, so the next size is a multiple of all of them."""
+    m = _TILE_EQUAL_ERROR.search(message)
+    if m is not None:
+        side, tile = int(m.group(1)), int(m.group(2))
+        out = list(block)
+        out[side] = tile
+        return None if out[side] == block[side] else tuple(out)
     m = _TILE_ERROR.search(message)
     if m is None:
         return None

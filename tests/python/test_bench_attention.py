@@ -168,6 +168,10 @@ def test_next_block_size_follows_the_refused_tiles():
     assert peers.next_block_size((64, 320), tiles, "sparse_block_size[0] must be a multiple of tile_m=128") \
         == (128, 320)
     assert peers.next_block_size((256, 128), [set(), set()], "out of memory") is None
+    # the backward's stricter form (seen on the H200 at head dim 256): the block must equal the tile
+    equal = "Block sparsity requires sparse_block_size[1]=160 to match tile_n=80."
+    assert peers.next_block_size((256, 160), [set(), {80}], equal) == (256, 80)
+    assert peers.next_block_size((256, 80), [set(), {80}], equal.replace("160", "80")) is None
 
 
 def test_accepted_block_size_retries_refusals_only():
