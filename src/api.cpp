@@ -244,7 +244,8 @@ DUALKV_API const char* dualkv_build_info(void) {
     std::string s = "{\"version\": \"" DUALKV_VERSION_STRING "\", \"abi_version\": " +
                     std::to_string(DUALKV_ABI_VERSION) +
                     ", \"cpu\": {\"dtypes\": [\"float32\", \"float16\", \"bfloat16\", \"float64\"], "
-                    "\"max_head_dim\": " + std::to_string(kCpuMaxHeadDim) + "}";
+                    "\"max_head_dim\": " + std::to_string(kCpuMaxHeadDim) +
+                    ", \"isa\": \"" + cpu_isa() + "\"}";
 #if defined(DUALKV_WITH_CUDA)
     s += ", \"backends\": [\"cpu\", \"cuda\"], \"cuda\": {" + cuda_build_info_json() + "}";
 #else

@@ -33,6 +33,8 @@ size_t cpu_fwd_workspace_bytes(const dualkv_fwd_params& p);
 dualkv_status cpu_fwd(const dualkv_fwd_params& p);
 size_t cpu_bwd_workspace_bytes(const dualkv_bwd_params& p);
 dualkv_status cpu_bwd(const dualkv_bwd_params& p);
+// Instruction set of the CPU backend's blocked kernels on this processor ("avx512", ...).
+const char* cpu_isa();
 
 // ---- CUDA backend (src/cuda/), present when built with DUALKV_WITH_CUDA ----
 #if defined(DUALKV_WITH_CUDA)

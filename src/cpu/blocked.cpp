@@ -1,0 +1,213 @@
+// The blocked fp32 path of the CPU backend (backends.h).
+//
+// Operands are converted once to contiguous fp32 arrays ([heads][T][D]); then every query tile
+// (tiles.h: at most kQueryRows tokens of one segment) walks the key blocks it sees, ancestors in
+// full and its own segment causally, with the arithmetic of one (tile, block) in tile_kernels.h.
+// - Forward: one work item per (query tile, head), online softmax over the key blocks.
+// - Backward: fused (each (tile, block) computes its probabilities once and feeds dq, dk and dv),
+//   one work item per (tree, kv head). Trees share no keys, so an item owns the dk/dv of its
+//   tree's tokens and the dq of its query rows: no atomics, no reduction across threads, and
+//   every sum runs in the same order whatever the thread count.
+#include <algorithm>
+#include <cstdint>
+#include <cmath>
+#include <numeric>
+#include <vector>
+
+#include "cpu/backends.h"
+#include "cpu/convert.h"
+#include "cpu/parallel.h"
+#include "cpu/tile_kernels.h"
+#include "cpu/tiles.h"
+#include "dualkv/layout.h"
+
+namespace dualkv::detail::cpu {
+namespace {
+
+// Tile sizes: a 128 x 128 score block and its operands stay in L2 at D <= 256, and Eigen's
+// per-product packing of both operands is amortised over 128 rows and columns (measured against
+// 64 x 128, 128 x 256 and 256 x 128 in docs/decisions.md).
+constexpr int32_t kQueryRows = 128;
+constexpr int32_t kKeyCols = 128;
+constexpr int64_t kGatherTokens = 256;  // tokens per work item of the fp32 conversion
+
+void convert_row(const void* base, int64_t offset, int32_t dtype, int64_t n, float* out) {
+  switch (dtype) {
+    case DUALKV_DTYPE_FLOAT32: {
+      const float* in = static_cast<const float*>(base) + offset;
+      std::copy(in, in + n, out);
+      break;
+    }
+    case DUALKV_DTYPE_BFLOAT16: {
+      const uint16_t* in = static_cast<const uint16_t*>(base) + offset;
+      for (int64_t i = 0; i < n; ++i) out[i] = bf16_to_float(in[i]);
+      break;
+    }
+    default:
+      for (int64_t i = 0; i < n; ++i) out[i] = load_element<float>(base, offset + i, dtype);
+  }
+}
+
+// A strided [T, heads, D] operand as a contiguous fp32 [heads][T][D] array.
+std::vector<float> gather(const void* base, int32_t dtype, int64_t T, int64_t heads, int64_t D, int64_t token_stride,
+                          int64_t head_stride, int32_t threads) {
+  std::vector<float> out(static_cast<size_t>(heads * T * D));
+  const int64_t chunks = (T + kGatherTokens - 1) / kGatherTokens;
+  parallel_for(heads * chunks, threads, [&](int64_t item) {
+    const int64_t h = item / chunks, begin = (item % chunks) * kGatherTokens;
+    for (int64_t t = begin; t < std::min(T, begin + kGatherTokens); ++t)
+      convert_row(base, t * token_stride + h * head_stride, dtype, D, &out[static_cast<size_t>((h * T + t) * D)]);
+  });
+  return out;
+}
+
+// n floats at a 64-byte boundary inside `storage`. Eigen's row reductions (the softmax row sums)
+// peel off elements up to the first aligned one, so their summation order depends on a row's
+// alignment: scratch rows are aligned the same way in every work item, whichever thread
+// allocated them, which keeps results bit-identical across thread counts.
+float* aligned_floats(std::vector<float>& storage, size_t n) {
+  storage.assign(n + 16, 0.0f);
+  const uintptr_t address = reinterpret_cast<uintptr_t>(storage.data());
+  return storage.data() + ((64 - address % 64) % 64) / sizeof(float);
+}
+
+ConstMatrix rows_of(const std::vector<float>& a, int64_t head, int64_t T, int64_t D, int32_t begin, int32_t end) {
+  return {&a[static_cast<size_t>((head * T + begin) * D)], end - begin, D, D};
+}
+
+// Visible (query, key) pairs of a tree: its cost as a unit of backward work.
+int64_t tree_pairs(const ForestView& f, const Tree& tree) {
+  int64_t pairs = 0;
+  for (int32_t s = tree.first; s < tree.last; ++s) {
+    const int64_t n = f.segment_length(s);
+    pairs += n * f.position_offset[s] + n * (n + 1) / 2;
+  }
+  return pairs;
+}
+
+}  // namespace
+
+void blocked_forward(const dualkv_fwd_params& p) {
+  const TileKernels& kernels = tile_kernels();
+  const ForestView f = make_forest_view(p.layout);
+  const int64_t T = f.num_tokens, H = p.num_heads, Hk = p.num_kv_heads, D = p.head_dim, group = H / Hk;
+  const float scale = static_cast<float>(p.softmax_scale);
+  const std::vector<float> q = gather(p.q, p.dtype, T, H, D, p.q_token_stride, p.q_head_stride, p.num_threads);
+  const std::vector<float> k = gather(p.k, p.dtype, T, Hk, D, p.k_token_stride, p.k_head_stride, p.num_threads);
+  const std::vector<float> v = gather(p.v, p.dtype, T, Hk, D, p.v_token_stride, p.v_head_stride, p.num_threads);
+  const std::vector<QueryTile> tiles = query_tiles(f, kQueryRows);
+
+  parallel_for(static_cast<int64_t>(tiles.size()) * H, p.num_threads, [&](int64_t item) {
+    const QueryTile& tile = tiles[static_cast<size_t>(item / H)];
+    const int64_t h = item % H, g = h / group, rows = tile.end - tile.begin;
+    std::vector<float> score_storage, acc(static_cast<size_t>(rows * D), 0.0f);
+    float* scores = aligned_floats(score_storage, static_cast<size_t>(rows * kKeyCols));
+    std::vector<float> row_max(static_cast<size_t>(rows), -INFINITY), row_sum(static_cast<size_t>(rows), 0.0f);
+    std::vector<KeyBlock> blocks;
+    key_blocks(f, tile, kKeyCols, &blocks);
+    const ConstMatrix qt = rows_of(q, h, T, D, tile.begin, tile.end);
+    for (const KeyBlock& b : blocks) {
+      const Matrix s{scores, rows, b.end - b.begin, kKeyCols};
+      kernels.scores(qt, rows_of(k, g, T, D, b.begin, b.end), scale, s);
+      if (b.masked) mask_block(f, tile, b, s.data, s.ld);
+      kernels.softmax_accumulate(s, rows_of(v, g, T, D, b.begin, b.end), row_max.data(), row_sum.data(),
+                                 Matrix{acc.data(), rows, D, D});
+    }
+    // Every row sees at least its own key, so row_sum >= 1. A per-head sink term would join the
+    // denominator here.
+    for (int64_t i = 0; i < rows; ++i) {
+      const int64_t t = tile.begin + i, o = t * p.out_token_stride + h * p.out_head_stride;
+      const float inv = 1.0f / row_sum[static_cast<size_t>(i)];
+      for (int64_t d = 0; d < D; ++d) store_element<float>(p.out, o + d, p.dtype, acc[static_cast<size_t>(i * D + d)] * inv);
+      if (p.lse)
+        store_element<float>(p.lse, h * p.lse_head_stride + t, lse_dtype(p.dtype),
+                              row_max[static_cast<size_t>(i)] + std::log(row_sum[static_cast<size_t>(i)]));
+    }
+  });
+}
+
+void blocked_backward(const dualkv_bwd_params& p) {
+  const TileKernels& kernels = tile_kernels();
+  const ForestView f = make_forest_view(p.layout);
+  const int64_t T = f.num_tokens, H = p.num_heads, Hk = p.num_kv_heads, D = p.head_dim, group = H / Hk;
+  const float scale = static_cast<float>(p.softmax_scale);
+  const int32_t threads = p.num_threads;
+  const std::vector<float> q = gather(p.q, p.dtype, T, H, D, p.q_token_stride, p.q_head_stride, threads);
+  const std::vector<float> k = gather(p.k, p.dtype, T, Hk, D, p.k_token_stride, p.k_head_stride, threads);
+  const std::vector<float> v = gather(p.v, p.dtype, T, Hk, D, p.v_token_stride, p.v_head_stride, threads);
+  const std::vector<float> dout = gather(p.dout, p.dtype, T, H, D, p.dout_token_stride, p.dout_head_stride, threads);
+
+  // lse and delta = rowsum(dO * O) - dlse per (head, token), the softmax-backward correction.
+  const int32_t ldt = lse_dtype(p.dtype);
+  std::vector<float> lse(static_cast<size_t>(H * T)), delta(static_cast<size_t>(H * T));
+  parallel_for(H, threads, [&](int64_t h) {
+    for (int64_t t = 0; t < T; ++t) {
+      const size_t i = static_cast<size_t>(h * T + t);
+      const int64_t o = t * p.out_token_stride + h * p.out_head_stride;
+      float sum = 0;
+      for (int64_t d = 0; d < D; ++d) sum += dout[i * D + d] * load_element<float>(p.out, o + d, p.dtype);
+      if (p.dlse) sum -= load_element<float>(p.dlse, h * p.dlse_head_stride + t, ldt);
+      delta[i] = sum;
+      lse[i] = load_element<float>(p.lse, h * p.lse_head_stride + t, ldt);
+    }
+  });
+
+  const std::vector<QueryTile> tiles = query_tiles(f, kQueryRows);
+  const std::vector<Tree> forest = trees(f);
+  // Tiles are in token order, so each tree's tiles are one range; items run largest tree first.
+  std::vector<size_t> first_tile(forest.size() + 1, tiles.size());
+  for (size_t r = 0, i = 0; r < forest.size(); ++r) {
+    while (tiles[i].begin < forest[r].token_begin) ++i;
+    first_tile[r] = i;
+  }
+  std::vector<size_t> order(forest.size());
+  std::iota(order.begin(), order.end(), size_t(0));
+  std::vector<int64_t> cost(forest.size());
+  for (size_t r = 0; r < forest.size(); ++r) cost[r] = tree_pairs(f, forest[r]);
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return cost[a] > cost[b]; });
+
+  parallel_for(static_cast<int64_t>(forest.size()) * Hk, threads, [&](int64_t item) {
+    const size_t r = order[static_cast<size_t>(item / Hk)];
+    const Tree& tree = forest[r];
+    const int64_t g = item % Hk, n = tree.token_end - tree.token_begin;
+    std::vector<float> dk(static_cast<size_t>(n * D), 0.0f), dv(static_cast<size_t>(n * D), 0.0f);
+    std::vector<float> dq(static_cast<size_t>(kQueryRows * D)), score_storage, scratch_storage;
+    float* scores = aligned_floats(score_storage, static_cast<size_t>(kQueryRows * kKeyCols));
+    float* scratch = aligned_floats(scratch_storage, static_cast<size_t>(kQueryRows * kKeyCols));
+    std::vector<KeyBlock> blocks;
+    for (int64_t h = g * group; h < (g + 1) * group; ++h)
+      for (size_t ti = first_tile[r]; ti < first_tile[r + 1]; ++ti) {
+        const QueryTile& tile = tiles[ti];
+        const int64_t rows = tile.end - tile.begin;
+        std::fill(dq.begin(), dq.begin() + rows * D, 0.0f);
+        const ConstMatrix qt = rows_of(q, h, T, D, tile.begin, tile.end);
+        const ConstMatrix dot = rows_of(dout, h, T, D, tile.begin, tile.end);
+        const size_t row0 = static_cast<size_t>(h * T + tile.begin);
+        key_blocks(f, tile, kKeyCols, &blocks);
+        for (const KeyBlock& b : blocks) {
+          const int64_t cols = b.end - b.begin, local = b.begin - tree.token_begin;
+          const Matrix s{scores, rows, cols, kKeyCols};
+          kernels.scores(qt, rows_of(k, g, T, D, b.begin, b.end), scale, s);
+          if (b.masked) mask_block(f, tile, b, s.data, s.ld);
+          kernels.backward_block(s, &lse[row0], &delta[row0], qt, rows_of(k, g, T, D, b.begin, b.end),
+                                 rows_of(v, g, T, D, b.begin, b.end), dot, Matrix{scratch, rows, cols, kKeyCols},
+                                 Matrix{dq.data(), rows, D, D}, Matrix{&dk[static_cast<size_t>(local * D)], cols, D, D},
+                                 Matrix{&dv[static_cast<size_t>(local * D)], cols, D, D});
+        }
+        for (int64_t i = 0; i < rows; ++i) {
+          const int64_t o = (tile.begin + i) * p.dq_token_stride + h * p.dq_head_stride;
+          for (int64_t d = 0; d < D; ++d) store_element<float>(p.dq, o + d, p.dtype, scale * dq[static_cast<size_t>(i * D + d)]);
+        }
+      }
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t t = tree.token_begin + j;
+      const int64_t ok = t * p.dk_token_stride + g * p.dk_head_stride, ov = t * p.dv_token_stride + g * p.dv_head_stride;
+      for (int64_t d = 0; d < D; ++d) {
+        store_element<float>(p.dk, ok + d, p.dtype, scale * dk[static_cast<size_t>(j * D + d)]);
+        store_element<float>(p.dv, ov + d, p.dtype, dv[static_cast<size_t>(j * D + d)]);
+      }
+    }
+  });
+}
+
+}  // namespace dualkv::detail::cpu
