@@ -21,10 +21,10 @@ export PATH := $(PATH):/usr/local/cuda/bin
 all: build
 
 system-deps:
-	@if [ ! -f /usr/include/gtest/gtest.h ] || ! command -v cmake >/dev/null; then \
-	  echo "installing GoogleTest and CMake from Debian packages"; \
-	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq libgtest-dev cmake g++ >/dev/null; \
-	  else echo "error: need libgtest-dev and cmake (run as root or install them)"; exit 1; fi; \
+	@if [ ! -f /usr/include/gtest/gtest.h ] || [ ! -f /usr/include/eigen3/Eigen/Core ] || ! command -v cmake >/dev/null; then \
+	  echo "installing GoogleTest, Eigen and CMake from Debian packages"; \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq libgtest-dev libeigen3-dev cmake g++ >/dev/null; \
+	  else echo "error: need libgtest-dev, libeigen3-dev and cmake (run as root or install them)"; exit 1; fi; \
 	fi
 
 $(VENV)/.stamp: requirements-dev.txt
