@@ -1,7 +1,10 @@
 // CPU backend vs the brute-force fp64 dense attention of forest_testing.h.
 #include <gtest/gtest.h>
+#include <sys/resource.h>
+#include <unistd.h>
 
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <random>
 #include <type_traits>
@@ -225,7 +228,7 @@ TEST(CpuAttention, HalfPrecisionInputs) {
           a &= 0x7fffffffu;
           if (a < 0x38800000u) out16[i] = sign | uint16_t(std::nearbyint(std::fabs(f) * 16777216.0f));
           else out16[i] = sign | uint16_t((((a >> 23) - 112u) << 10) | ((a & 0x7fffffu) >> 13));
-        }
+    }
         x[i] = f;
         x64[i] = f;
       }
@@ -250,7 +253,7 @@ TEST(CpuAttention, HalfPrecisionInputs) {
           const int exp = (x[i] >> 10) & 0x1f, mant = x[i] & 0x3ff;
           const double mag = exp == 0 ? std::ldexp(mant, -24) : std::ldexp(1024 + mant, exp - 25);
           y[i] = (x[i] & 0x8000) ? -mag : mag;
-        }
+    }
       }
       return y;
     };
@@ -261,5 +264,42 @@ TEST(CpuAttention, HalfPrecisionInputs) {
     EXPECT_LE(relative_error(decode(o.dv), ref.dv), tol);
   }
 }
+
+// Issue 22: a worker thread that cannot be created (its stack does not fit a lowered address-space
+// limit) aborted the process. The call now runs on the threads it got: same bits as before the
+// limit (or, were memory too short for the call itself, a typed error). Forked, so the limit stays
+// in the child.
+#if !defined(__SANITIZE_ADDRESS__)  // ASan reserves terabytes of shadow: no RLIMIT_AS under it
+TEST(CpuAttention, SurvivesThreadCreationFailure) {
+  std::mt19937 rng(3);
+  std::vector<int32_t> lengths(16, 24), parents(16, -1);
+  HostLayout layout(lengths, parents);
+  Problem<float> p = make_problem<float>(rng, layout.num_tokens(), 4, 4, 32);
+  // One thread here: a worker joined in this process would leave its stack in glibc's cache, and the
+  // child would reuse it instead of failing to map a new one.
+  const Outputs<float> unlimited = run_cpu(layout, p, DUALKV_DTYPE_FLOAT32, 1);
+  auto limited_call = [&] {
+    long pages = 0;
+    if (FILE* f = std::fopen("/proc/self/statm", "r")) {
+      if (std::fscanf(f, "%ld", &pages) != 1) pages = 0;
+      std::fclose(f);
+    }
+    const rlim_t used = rlim_t(pages) * rlim_t(sysconf(_SC_PAGESIZE));
+    const rlimit limit{used + (4u << 20), RLIM_INFINITY};  // room for buffers, not for an 8 MiB stack
+    setrlimit(RLIMIT_AS, &limit);
+    Outputs<float> o;
+    o.out.assign(unlimited.out.size(), NAN);
+    o.lse.assign(unlimited.lse.size(), NAN);
+    dualkv_fwd_params f = dualkv::testing::contiguous_fwd_params(
+        layout, DUALKV_DTYPE_FLOAT32, p.H, p.Hk, p.D, p.scale, p.q.data(), p.k.data(), p.v.data(), o.out.data(),
+        o.lse.data());
+    f.num_threads = 64;
+    const dualkv_status st = dualkv_fwd(&f);
+    const bool same = st == DUALKV_OK && std::memcmp(o.out.data(), unlimited.out.data(), o.out.size() * 4) == 0;
+    std::exit(same || st == DUALKV_ERROR_INTERNAL ? 0 : 1);
+  };
+  EXPECT_EXIT(limited_call(), ::testing::ExitedWithCode(0), "");
+}
+#endif
 
 }  // namespace
