@@ -31,34 +31,45 @@ constexpr int32_t kQueryRows = 128;
 constexpr int32_t kKeyCols = 128;
 constexpr int64_t kGatherTokens = 256;  // tokens per work item of the fp32 conversion
 
+// n elements of a bfloat16 or float16 row to fp32.
 void convert_row(const void* base, int64_t offset, int32_t dtype, int64_t n, float* out) {
   switch (dtype) {
-    case DUALKV_DTYPE_FLOAT32: {
-      const float* in = static_cast<const float*>(base) + offset;
-      std::copy(in, in + n, out);
-      break;
-    }
     case DUALKV_DTYPE_BFLOAT16: {
       const uint16_t* in = static_cast<const uint16_t*>(base) + offset;
       for (int64_t i = 0; i < n; ++i) out[i] = bf16_to_float(in[i]);
       break;
     }
     default:
-      for (int64_t i = 0; i < n; ++i) out[i] = load_element<float>(base, offset + i, dtype);
+      for (int64_t i = 0; i < n; ++i) out[i] = fp16_to_float(static_cast<const uint16_t*>(base)[offset + i]);
   }
 }
 
-// A strided [T, heads, D] operand as a contiguous fp32 [heads][T][D] array.
-std::vector<float> gather(const void* base, int32_t dtype, int64_t T, int64_t heads, int64_t D, int64_t token_stride,
-                          int64_t head_stride, int32_t threads) {
-  std::vector<float> out(static_cast<size_t>(heads * T * D));
+// A [T, heads, D] operand as fp32 rows: element (t, h, d) at data[t * token_stride + h * head_stride + d].
+struct Fp32Operand {
+  const float* data;
+  int64_t token_stride, head_stride, D;
+  std::vector<float> converted;  // the fp32 copy of a 16-bit operand; empty for float32 inputs
+};
+
+// float32 operands are read in place (the GEMMs take any row stride); bfloat16 and float16 ones are
+// converted once to a contiguous fp32 [heads][T][D] copy.
+Fp32Operand as_fp32(const void* base, int32_t dtype, int64_t T, int64_t heads, int64_t D, int64_t token_stride,
+                    int64_t head_stride, int32_t threads) {
+  if (dtype == DUALKV_DTYPE_FLOAT32) return {static_cast<const float*>(base), token_stride, head_stride, D, {}};
+  Fp32Operand op{nullptr, D, T * D, D, std::vector<float>(static_cast<size_t>(heads * T * D))};
   const int64_t chunks = (T + kGatherTokens - 1) / kGatherTokens;
   parallel_for(heads * chunks, threads, [&](int64_t item) {
     const int64_t h = item / chunks, begin = (item % chunks) * kGatherTokens;
     for (int64_t t = begin; t < std::min(T, begin + kGatherTokens); ++t)
-      convert_row(base, t * token_stride + h * head_stride, dtype, D, &out[static_cast<size_t>((h * T + t) * D)]);
+      convert_row(base, t * token_stride + h * head_stride, dtype, D, &op.converted[static_cast<size_t>((h * T + t) * D)]);
   });
-  return out;
+  op.data = op.converted.data();
+  return op;
+}
+
+// Rows [begin, end) of one head.
+ConstMatrix rows_of(const Fp32Operand& a, int64_t head, int32_t begin, int32_t end) {
+  return {a.data + begin * a.token_stride + head * a.head_stride, end - begin, a.D, a.token_stride};
 }
 
 // n floats at a 64-byte boundary inside `storage`. Eigen's row reductions (the softmax row sums)
@@ -71,9 +82,6 @@ float* aligned_floats(std::vector<float>& storage, size_t n) {
   return storage.data() + ((64 - address % 64) % 64) / sizeof(float);
 }
 
-ConstMatrix rows_of(const std::vector<float>& a, int64_t head, int64_t T, int64_t D, int32_t begin, int32_t end) {
-  return {&a[static_cast<size_t>((head * T + begin) * D)], end - begin, D, D};
-}
 
 // Visible (query, key) pairs of a tree: its cost as a unit of backward work.
 int64_t tree_pairs(const ForestView& f, const Tree& tree) {
@@ -92,9 +100,9 @@ void blocked_forward(const dualkv_fwd_params& p) {
   const ForestView f = make_forest_view(p.layout);
   const int64_t T = f.num_tokens, H = p.num_heads, Hk = p.num_kv_heads, D = p.head_dim, group = H / Hk;
   const float scale = static_cast<float>(p.softmax_scale);
-  const std::vector<float> q = gather(p.q, p.dtype, T, H, D, p.q_token_stride, p.q_head_stride, p.num_threads);
-  const std::vector<float> k = gather(p.k, p.dtype, T, Hk, D, p.k_token_stride, p.k_head_stride, p.num_threads);
-  const std::vector<float> v = gather(p.v, p.dtype, T, Hk, D, p.v_token_stride, p.v_head_stride, p.num_threads);
+  const Fp32Operand q = as_fp32(p.q, p.dtype, T, H, D, p.q_token_stride, p.q_head_stride, p.num_threads);
+  const Fp32Operand k = as_fp32(p.k, p.dtype, T, Hk, D, p.k_token_stride, p.k_head_stride, p.num_threads);
+  const Fp32Operand v = as_fp32(p.v, p.dtype, T, Hk, D, p.v_token_stride, p.v_head_stride, p.num_threads);
   const std::vector<QueryTile> tiles = query_tiles(f, kQueryRows);
 
   parallel_for(static_cast<int64_t>(tiles.size()) * H, p.num_threads, [&](int64_t item) {
@@ -105,12 +113,12 @@ void blocked_forward(const dualkv_fwd_params& p) {
     std::vector<float> row_max(static_cast<size_t>(rows), -INFINITY), row_sum(static_cast<size_t>(rows), 0.0f);
     std::vector<KeyBlock> blocks;
     key_blocks(f, tile, kKeyCols, &blocks);
-    const ConstMatrix qt = rows_of(q, h, T, D, tile.begin, tile.end);
+    const ConstMatrix qt = rows_of(q, h, tile.begin, tile.end);
     for (const KeyBlock& b : blocks) {
       const Matrix s{scores, rows, b.end - b.begin, kKeyCols};
-      kernels.scores(qt, rows_of(k, g, T, D, b.begin, b.end), scale, s);
+      kernels.scores(qt, rows_of(k, g, b.begin, b.end), scale, s);
       if (b.masked) mask_block(f, tile, b, s.data, s.ld);
-      kernels.softmax_accumulate(s, rows_of(v, g, T, D, b.begin, b.end), row_max.data(), row_sum.data(),
+      kernels.softmax_accumulate(s, rows_of(v, g, b.begin, b.end), row_max.data(), row_sum.data(),
                                  Matrix{acc.data(), rows, D, D});
     }
     // Every row sees at least its own key, so row_sum >= 1. A per-head sink term would join the
@@ -132,10 +140,10 @@ void blocked_backward(const dualkv_bwd_params& p) {
   const int64_t T = f.num_tokens, H = p.num_heads, Hk = p.num_kv_heads, D = p.head_dim, group = H / Hk;
   const float scale = static_cast<float>(p.softmax_scale);
   const int32_t threads = p.num_threads;
-  const std::vector<float> q = gather(p.q, p.dtype, T, H, D, p.q_token_stride, p.q_head_stride, threads);
-  const std::vector<float> k = gather(p.k, p.dtype, T, Hk, D, p.k_token_stride, p.k_head_stride, threads);
-  const std::vector<float> v = gather(p.v, p.dtype, T, Hk, D, p.v_token_stride, p.v_head_stride, threads);
-  const std::vector<float> dout = gather(p.dout, p.dtype, T, H, D, p.dout_token_stride, p.dout_head_stride, threads);
+  const Fp32Operand q = as_fp32(p.q, p.dtype, T, H, D, p.q_token_stride, p.q_head_stride, threads);
+  const Fp32Operand k = as_fp32(p.k, p.dtype, T, Hk, D, p.k_token_stride, p.k_head_stride, threads);
+  const Fp32Operand v = as_fp32(p.v, p.dtype, T, Hk, D, p.v_token_stride, p.v_head_stride, threads);
+  const Fp32Operand dout = as_fp32(p.dout, p.dtype, T, H, D, p.dout_token_stride, p.dout_head_stride, threads);
 
   // lse and delta = rowsum(dO * O) - dlse per (head, token), the softmax-backward correction.
   const int32_t ldt = lse_dtype(p.dtype);
@@ -145,7 +153,8 @@ void blocked_backward(const dualkv_bwd_params& p) {
       const size_t i = static_cast<size_t>(h * T + t);
       const int64_t o = t * p.out_token_stride + h * p.out_head_stride;
       float sum = 0;
-      for (int64_t d = 0; d < D; ++d) sum += dout[i * D + d] * load_element<float>(p.out, o + d, p.dtype);
+      const float* dot = rows_of(dout, h, int32_t(t), int32_t(t + 1)).data;
+      for (int64_t d = 0; d < D; ++d) sum += dot[d] * load_element<float>(p.out, o + d, p.dtype);
       if (p.dlse) sum -= load_element<float>(p.dlse, h * p.dlse_head_stride + t, ldt);
       delta[i] = sum;
       lse[i] = load_element<float>(p.lse, h * p.lse_head_stride + t, ldt);
@@ -180,17 +189,17 @@ void blocked_backward(const dualkv_bwd_params& p) {
         const QueryTile& tile = tiles[ti];
         const int64_t rows = tile.end - tile.begin;
         std::fill(dq.begin(), dq.begin() + rows * D, 0.0f);
-        const ConstMatrix qt = rows_of(q, h, T, D, tile.begin, tile.end);
-        const ConstMatrix dot = rows_of(dout, h, T, D, tile.begin, tile.end);
+        const ConstMatrix qt = rows_of(q, h, tile.begin, tile.end);
+        const ConstMatrix dot = rows_of(dout, h, tile.begin, tile.end);
         const size_t row0 = static_cast<size_t>(h * T + tile.begin);
         key_blocks(f, tile, kKeyCols, &blocks);
         for (const KeyBlock& b : blocks) {
           const int64_t cols = b.end - b.begin, local = b.begin - tree.token_begin;
           const Matrix s{scores, rows, cols, kKeyCols};
-          kernels.scores(qt, rows_of(k, g, T, D, b.begin, b.end), scale, s);
+          kernels.scores(qt, rows_of(k, g, b.begin, b.end), scale, s);
           if (b.masked) mask_block(f, tile, b, s.data, s.ld);
-          kernels.backward_block(s, &lse[row0], &delta[row0], qt, rows_of(k, g, T, D, b.begin, b.end),
-                                 rows_of(v, g, T, D, b.begin, b.end), dot, Matrix{scratch, rows, cols, kKeyCols},
+          kernels.backward_block(s, &lse[row0], &delta[row0], qt, rows_of(k, g, b.begin, b.end),
+                                 rows_of(v, g, b.begin, b.end), dot, Matrix{scratch, rows, cols, kKeyCols},
                                  Matrix{dq.data(), rows, D, D}, Matrix{&dk[static_cast<size_t>(local * D)], cols, D, D},
                                  Matrix{&dv[static_cast<size_t>(local * D)], cols, D, D});
         }
