@@ -44,6 +44,27 @@ void convert_row(const void* base, int64_t offset, int32_t dtype, int64_t n, flo
   }
 }
 
+// base[offset + i] = factor * row[i] for i < n, rounded to the output dtype (the dtype switch
+// outside the loop, so the float32 case is a plain vectorised loop).
+void store_row(void* base, int64_t offset, int32_t dtype, const float* row, float factor, int64_t n) {
+  switch (dtype) {
+    case DUALKV_DTYPE_FLOAT32: {
+      float* out = static_cast<float*>(base) + offset;
+      for (int64_t i = 0; i < n; ++i) out[i] = factor * row[i];
+      break;
+    }
+    case DUALKV_DTYPE_BFLOAT16: {
+      uint16_t* out = static_cast<uint16_t*>(base) + offset;
+      for (int64_t i = 0; i < n; ++i) out[i] = float_to_bf16(factor * row[i]);
+      break;
+    }
+    default: {
+      uint16_t* out = static_cast<uint16_t*>(base) + offset;
+      for (int64_t i = 0; i < n; ++i) out[i] = float_to_fp16(factor * row[i]);
+    }
+  }
+}
+
 // A [T, heads, D] operand as fp32 rows: element (t, h, d) at data[t * token_stride + h * head_stride + d].
 struct Fp32Operand {
   const float* data;
@@ -126,7 +147,7 @@ void blocked_forward(const dualkv_fwd_params& p) {
     for (int64_t i = 0; i < rows; ++i) {
       const int64_t t = tile.begin + i, o = t * p.out_token_stride + h * p.out_head_stride;
       const float inv = 1.0f / row_sum[static_cast<size_t>(i)];
-      for (int64_t d = 0; d < D; ++d) store_element<float>(p.out, o + d, p.dtype, acc[static_cast<size_t>(i * D + d)] * inv);
+      store_row(p.out, o, p.dtype, &acc[static_cast<size_t>(i * D)], inv, D);
       if (p.lse)
         store_element<float>(p.lse, h * p.lse_head_stride + t, lse_dtype(p.dtype),
                               row_max[static_cast<size_t>(i)] + std::log(row_sum[static_cast<size_t>(i)]));
@@ -205,16 +226,14 @@ void blocked_backward(const dualkv_bwd_params& p) {
         }
         for (int64_t i = 0; i < rows; ++i) {
           const int64_t o = (tile.begin + i) * p.dq_token_stride + h * p.dq_head_stride;
-          for (int64_t d = 0; d < D; ++d) store_element<float>(p.dq, o + d, p.dtype, scale * dq[static_cast<size_t>(i * D + d)]);
+          store_row(p.dq, o, p.dtype, &dq[static_cast<size_t>(i * D)], scale, D);
         }
       }
     for (int64_t j = 0; j < n; ++j) {
       const int64_t t = tree.token_begin + j;
       const int64_t ok = t * p.dk_token_stride + g * p.dk_head_stride, ov = t * p.dv_token_stride + g * p.dv_head_stride;
-      for (int64_t d = 0; d < D; ++d) {
-        store_element<float>(p.dk, ok + d, p.dtype, scale * dk[static_cast<size_t>(j * D + d)]);
-        store_element<float>(p.dv, ov + d, p.dtype, dv[static_cast<size_t>(j * D + d)]);
-      }
+      store_row(p.dk, ok, p.dtype, &dk[static_cast<size_t>(j * D)], scale, D);
+      store_row(p.dv, ov, p.dtype, &dv[static_cast<size_t>(j * D)], 1.0f, D);
     }
   });
 }

@@ -23,7 +23,6 @@ using Stride = Eigen::OuterStride<>;
 using Map = Eigen::Map<RowMajor, 0, Stride>;
 using ConstMap = Eigen::Map<const RowMajor, 0, Stride>;
 using Vector = Eigen::Map<Eigen::VectorXf>;
-using ConstVector = Eigen::Map<const Eigen::VectorXf>;
 
 Map map(Matrix m) { return Map(m.data, m.rows, m.cols, Stride(m.ld)); }
 ConstMap map(ConstMatrix m) { return ConstMap(m.data, m.rows, m.cols, Stride(m.ld)); }
@@ -52,12 +51,15 @@ void softmax_accumulate(Matrix s_, ConstMatrix v, float* row_max, float* row_sum
 
 void backward_block(Matrix s_, const float* lse, const float* delta, ConstMatrix q, ConstMatrix k, ConstMatrix v,
                     ConstMatrix dout, Matrix scratch, Matrix dq, Matrix dk, Matrix dv) {
+  // Row by row: a row of a row-major map is contiguous, so each expression is vectorised (Eigen
+  // does not vectorise the column-broadcast form p.colwise() - lse over a row-major map and falls
+  // back to scalar expf).
   Map p = map(s_), dp = map(scratch);
-  const ConstVector l(lse, p.rows()), d(delta, p.rows());
-  p = (p.array().colwise() - l.array()).exp();
+  for (Eigen::Index i = 0; i < p.rows(); ++i) p.row(i) = (p.row(i).array() - lse[i]).exp();
   map(dv).noalias() += p.transpose() * map(dout);
   dp.noalias() = map(dout) * map(v).transpose();
-  p = p.array() * (dp.array().colwise() - d.array());  // p now holds ds
+  for (Eigen::Index i = 0; i < p.rows(); ++i)  // p becomes ds
+    p.row(i) = p.row(i).array() * (dp.row(i).array() - delta[i]);
   map(dq).noalias() += p * map(k);
   map(dk).noalias() += p.transpose() * map(q);
 }
