@@ -104,14 +104,22 @@ float* aligned_floats(std::vector<float>& storage, size_t n) {
 }
 
 
-// Visible (query, key) pairs of a tree: its cost as a unit of backward work.
-int64_t tree_pairs(const ForestView& f, const Tree& tree) {
+// Visible (query, key) pairs of segments [first, last): the cost of a tree as a unit of backward work.
+int64_t visible_pairs(const ForestView& f, int32_t first, int32_t last) {
   int64_t pairs = 0;
-  for (int32_t s = tree.first; s < tree.last; ++s) {
+  for (int32_t s = first; s < last; ++s) {
     const int64_t n = f.segment_length(s);
     pairs += n * f.position_offset[s] + n * (n + 1) / 2;
   }
   return pairs;
+}
+
+// Threads for a call: one when the whole call is under ~16M multiply-adds (well under a
+// millisecond), where starting and joining a worker costs more than it saves (and, on a loaded
+// machine, waits for the scheduler).
+int32_t threads_for(const ForestView& f, int64_t heads, int64_t D, int32_t requested) {
+  constexpr int64_t kMinParallelWork = int64_t(1) << 24;
+  return visible_pairs(f, 0, f.num_segments) * heads * D < kMinParallelWork ? 1 : requested;
 }
 
 }  // namespace
@@ -121,12 +129,13 @@ void blocked_forward(const dualkv_fwd_params& p) {
   const ForestView f = make_forest_view(p.layout);
   const int64_t T = f.num_tokens, H = p.num_heads, Hk = p.num_kv_heads, D = p.head_dim, group = H / Hk;
   const float scale = static_cast<float>(p.softmax_scale);
-  const Fp32Operand q = as_fp32(p.q, p.dtype, T, H, D, p.q_token_stride, p.q_head_stride, p.num_threads);
-  const Fp32Operand k = as_fp32(p.k, p.dtype, T, Hk, D, p.k_token_stride, p.k_head_stride, p.num_threads);
-  const Fp32Operand v = as_fp32(p.v, p.dtype, T, Hk, D, p.v_token_stride, p.v_head_stride, p.num_threads);
+  const int32_t threads = threads_for(f, H, D, p.num_threads);
+  const Fp32Operand q = as_fp32(p.q, p.dtype, T, H, D, p.q_token_stride, p.q_head_stride, threads);
+  const Fp32Operand k = as_fp32(p.k, p.dtype, T, Hk, D, p.k_token_stride, p.k_head_stride, threads);
+  const Fp32Operand v = as_fp32(p.v, p.dtype, T, Hk, D, p.v_token_stride, p.v_head_stride, threads);
   const std::vector<QueryTile> tiles = query_tiles(f, kQueryRows);
 
-  parallel_for(static_cast<int64_t>(tiles.size()) * H, p.num_threads, [&](int64_t item) {
+  parallel_for(static_cast<int64_t>(tiles.size()) * H, threads, [&](int64_t item) {
     const QueryTile& tile = tiles[static_cast<size_t>(item / H)];
     const int64_t h = item % H, g = h / group, rows = tile.end - tile.begin;
     std::vector<float> score_storage, acc(static_cast<size_t>(rows * D), 0.0f);
@@ -160,7 +169,7 @@ void blocked_backward(const dualkv_bwd_params& p) {
   const ForestView f = make_forest_view(p.layout);
   const int64_t T = f.num_tokens, H = p.num_heads, Hk = p.num_kv_heads, D = p.head_dim, group = H / Hk;
   const float scale = static_cast<float>(p.softmax_scale);
-  const int32_t threads = p.num_threads;
+  const int32_t threads = threads_for(f, H, D, p.num_threads);
   const Fp32Operand q = as_fp32(p.q, p.dtype, T, H, D, p.q_token_stride, p.q_head_stride, threads);
   const Fp32Operand k = as_fp32(p.k, p.dtype, T, Hk, D, p.k_token_stride, p.k_head_stride, threads);
   const Fp32Operand v = as_fp32(p.v, p.dtype, T, Hk, D, p.v_token_stride, p.v_head_stride, threads);
@@ -193,7 +202,7 @@ void blocked_backward(const dualkv_bwd_params& p) {
   std::vector<size_t> order(forest.size());
   std::iota(order.begin(), order.end(), size_t(0));
   std::vector<int64_t> cost(forest.size());
-  for (size_t r = 0; r < forest.size(); ++r) cost[r] = tree_pairs(f, forest[r]);
+  for (size_t r = 0; r < forest.size(); ++r) cost[r] = visible_pairs(f, forest[r].first, forest[r].last);
   std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return cost[a] > cost[b]; });
 
   parallel_for(static_cast<int64_t>(forest.size()) * Hk, threads, [&](int64_t item) {

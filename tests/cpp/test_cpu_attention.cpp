@@ -124,13 +124,19 @@ TEST(CpuAttention, Float64IsExactToRounding) {
   }
 }
 
-// Results do not depend on the number of threads: bit-identical.
+// Results do not depend on the number of threads: bit-identical. The problem is large enough
+// (>= 2^25 multiply-adds, twice the size below which the blocked path runs on one thread) to start
+// its workers, with partial and masked tiles of every kind.
 TEST(CpuAttention, DeterministicAcrossThreadCounts) {
   std::mt19937 rng(99);
   std::vector<int32_t> lengths, parents;
-  random_forest(rng, 3, 3, 4, 20, &lengths, &parents);
+  random_forest(rng, 3, 3, 4, 150, &lengths, &parents);
   HostLayout layout(lengths, parents);
   Problem<float> p = make_problem<float>(rng, layout.num_tokens(), 8, 2, 32);
+  int64_t pairs = 0;
+  const dualkv_layout view = layout.view();
+  ASSERT_EQ(dualkv_layout_visible_pairs(&view, &pairs), DUALKV_OK);
+  ASSERT_GE(pairs * p.H * p.D, int64_t(1) << 25);
   Outputs<float> a = run_cpu(layout, p, DUALKV_DTYPE_FLOAT32, 1);
   Outputs<float> b = run_cpu(layout, p, DUALKV_DTYPE_FLOAT32, 4);
   EXPECT_EQ(0, std::memcmp(a.out.data(), b.out.data(), a.out.size() * 4));
@@ -272,7 +278,7 @@ TEST(CpuAttention, HalfPrecisionInputs) {
 #if !defined(__SANITIZE_ADDRESS__)  // ASan reserves terabytes of shadow: no RLIMIT_AS under it
 TEST(CpuAttention, SurvivesThreadCreationFailure) {
   std::mt19937 rng(3);
-  std::vector<int32_t> lengths(16, 24), parents(16, -1);
+  std::vector<int32_t> lengths(16, 160), parents(16, -1);  // 2^24.6 multiply-adds: the workers start
   HostLayout layout(lengths, parents);
   Problem<float> p = make_problem<float>(rng, layout.num_tokens(), 4, 4, 32);
   // One thread here: a worker joined in this process would leave its stack in glibc's cache, and the
