@@ -1,8 +1,9 @@
 // The blocked fp32 path of the CPU backend (backends.h).
 //
-// Operands are converted once to contiguous fp32 arrays ([heads][T][D]); then every query tile
-// (tiles.h: at most kQueryRows tokens of one segment) walks the key blocks it sees, ancestors in
-// full and its own segment causally, with the arithmetic of one (tile, block) in tile_kernels.h.
+// float32 operands are read in place, 16-bit ones converted once to fp32; then every query tile
+// (tiles.h: up to kQueryRows tokens of one segment, or of sibling responses) walks the key blocks
+// it sees, ancestors in full and its own segments causally, with the arithmetic of one
+// (tile, block) in tile_kernels.h.
 // - Forward: one work item per (query tile, head), online softmax over the key blocks.
 // - Backward: fused (each (tile, block) computes its probabilities once and feeds dq, dk and dv),
 //   one work item per (tree, kv head). Trees share no keys, so an item owns the dk/dv of its
@@ -24,10 +25,10 @@
 namespace dualkv::detail::cpu {
 namespace {
 
-// Tile sizes: a 128 x 128 score block and its operands stay in L2 at D <= 256, and Eigen's
-// per-product packing of both operands is amortised over 128 rows and columns (measured against
-// 64 x 128, 128 x 256 and 256 x 128 in docs/decisions.md).
-constexpr int32_t kQueryRows = 128;
+// Tile sizes: up to 256 query rows (several responses of a group share the prompt's key blocks)
+// by 128 keys; score blocks and operands stay in L2 at D <= 256. Against 128-row tiles +2-3%
+// (within the noise of this shared machine), against 64 x 128 +10% (docs/decisions.md).
+constexpr int32_t kQueryRows = 256;
 constexpr int32_t kKeyCols = 128;
 constexpr int64_t kGatherTokens = 256;  // tokens per work item of the fp32 conversion
 
@@ -143,13 +144,13 @@ void blocked_forward(const dualkv_fwd_params& p) {
     std::vector<float> row_max(static_cast<size_t>(rows), -INFINITY), row_sum(static_cast<size_t>(rows), 0.0f);
     std::vector<KeyBlock> blocks;
     key_blocks(f, tile, kKeyCols, &blocks);
-    const ConstMatrix qt = rows_of(q, h, tile.begin, tile.end);
     for (const KeyBlock& b : blocks) {
-      const Matrix s{scores, rows, b.end - b.begin, kKeyCols};
-      kernels.scores(qt, rows_of(k, g, b.begin, b.end), scale, s);
-      if (b.masked) mask_block(f, tile, b, s.data, s.ld);
-      kernels.softmax_accumulate(s, rows_of(v, g, b.begin, b.end), row_max.data(), row_sum.data(),
-                                 Matrix{acc.data(), rows, D, D});
+      const int64_t r = b.row_begin - tile.begin, n = b.row_end - b.row_begin;  // the rows that see b
+      const Matrix s{scores + r * kKeyCols, n, b.end - b.begin, kKeyCols};
+      kernels.scores(rows_of(q, h, b.row_begin, b.row_end), rows_of(k, g, b.begin, b.end), scale, s);
+      if (b.masked) mask_block(f, b, s.data, s.ld);
+      kernels.softmax_accumulate(s, rows_of(v, g, b.begin, b.end), &row_max[static_cast<size_t>(r)],
+                                 &row_sum[static_cast<size_t>(r)], Matrix{&acc[static_cast<size_t>(r * D)], n, D, D});
     }
     // Every row sees at least its own key, so row_sum >= 1. A per-head sink term would join the
     // denominator here.
@@ -219,18 +220,20 @@ void blocked_backward(const dualkv_bwd_params& p) {
         const QueryTile& tile = tiles[ti];
         const int64_t rows = tile.end - tile.begin;
         std::fill(dq.begin(), dq.begin() + rows * D, 0.0f);
-        const ConstMatrix qt = rows_of(q, h, tile.begin, tile.end);
-        const ConstMatrix dot = rows_of(dout, h, tile.begin, tile.end);
-        const size_t row0 = static_cast<size_t>(h * T + tile.begin);
         key_blocks(f, tile, kKeyCols, &blocks);
         for (const KeyBlock& b : blocks) {
+          const int64_t r = b.row_begin - tile.begin, n = b.row_end - b.row_begin;  // the rows that see b
           const int64_t cols = b.end - b.begin, local = b.begin - tree.token_begin;
-          const Matrix s{scores, rows, cols, kKeyCols};
+          const size_t row0 = static_cast<size_t>(h * T + b.row_begin);
+          const ConstMatrix qt = rows_of(q, h, b.row_begin, b.row_end);
+          const Matrix s{scores + r * kKeyCols, n, cols, kKeyCols};
           kernels.scores(qt, rows_of(k, g, b.begin, b.end), scale, s);
-          if (b.masked) mask_block(f, tile, b, s.data, s.ld);
+          if (b.masked) mask_block(f, b, s.data, s.ld);
           kernels.backward_block(s, &lse[row0], &delta[row0], qt, rows_of(k, g, b.begin, b.end),
-                                 rows_of(v, g, b.begin, b.end), dot, Matrix{scratch, rows, cols, kKeyCols},
-                                 Matrix{dq.data(), rows, D, D}, Matrix{&dk[static_cast<size_t>(local * D)], cols, D, D},
+                                 rows_of(v, g, b.begin, b.end), rows_of(dout, h, b.row_begin, b.row_end),
+                                 Matrix{scratch + r * kKeyCols, n, cols, kKeyCols},
+                                 Matrix{&dq[static_cast<size_t>(r * D)], n, D, D},
+                                 Matrix{&dk[static_cast<size_t>(local * D)], cols, D, D},
                                  Matrix{&dv[static_cast<size_t>(local * D)], cols, D, D});
         }
         for (int64_t i = 0; i < rows; ++i) {

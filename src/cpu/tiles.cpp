@@ -7,9 +7,27 @@ namespace dualkv::detail::cpu {
 
 std::vector<QueryTile> query_tiles(const ForestView& f, int32_t rows) {
   std::vector<QueryTile> tiles;
-  for (int32_t s = 0; s < f.num_segments; ++s)
-    for (int32_t b = f.segment_begin(s); b < f.segment_end(s); b += rows)
-      tiles.push_back({s, b, std::min(b + rows, f.segment_end(s))});
+  // The last tile takes more rows while the next segment is another child of `open_parent`.
+  // (In DFS order a sibling directly follows one only if that one has no children, so the rows of a
+  // tile share their ancestors.) Roots are never stacked: a tile stays within one tree.
+  bool open = false;
+  int32_t open_parent = -1;
+  for (int32_t s = 0; s < f.num_segments; ++s) {
+    const bool stackable = f.parent[s] >= 0;
+    if (!stackable || f.parent[s] != open_parent) open = false;
+    for (int32_t t = f.segment_begin(s); t < f.segment_end(s);) {
+      if (!open) {
+        tiles.push_back({t, t, s});
+        open = true;
+        open_parent = f.parent[s];
+      }
+      QueryTile& tile = tiles.back();
+      tile.end = t + std::min(f.segment_end(s) - t, rows - (tile.end - tile.begin));
+      t = tile.end;
+      if (tile.end - tile.begin == rows) open = false;
+    }
+    if (!stackable) open = false;
+  }
   return tiles;
 }
 
@@ -22,28 +40,34 @@ std::vector<Tree> trees(const ForestView& f) {
 
 void key_blocks(const ForestView& f, const QueryTile& tile, int32_t cols, std::vector<KeyBlock>* blocks) {
   blocks->clear();
-  // Ancestors root first: collect the chain bottom-up, then emit it reversed.
+  // Ancestors root first (the tile's segments share their parent): collect the chain bottom-up,
+  // then emit it reversed.
   int32_t chain_length = 0;
-  for (int32_t a = f.parent[tile.segment]; a >= 0; a = f.parent[a]) ++chain_length;
+  for (int32_t a = f.parent[tile.first_segment]; a >= 0; a = f.parent[a]) ++chain_length;
   std::vector<int32_t> chain(static_cast<size_t>(chain_length));
-  for (int32_t a = f.parent[tile.segment], i = chain_length - 1; a >= 0; a = f.parent[a], --i)
+  for (int32_t a = f.parent[tile.first_segment], i = chain_length - 1; a >= 0; a = f.parent[a], --i)
     chain[static_cast<size_t>(i)] = a;
   for (int32_t a : chain)
     for (int32_t b = f.segment_begin(a); b < f.segment_end(a); b += cols)
-      blocks->push_back({a, b, std::min(b + cols, f.segment_end(a)), false});
-  // Own segment, causal: keys up to the tile's last row; a block is masked iff its last key lies
-  // after the tile's first row.
-  for (int32_t b = f.segment_begin(tile.segment); b < tile.end; b += cols) {
-    const int32_t e = std::min(b + cols, tile.end);
-    blocks->push_back({tile.segment, b, e, e - 1 > tile.begin});
+      blocks->push_back({a, b, std::min(b + cols, f.segment_end(a)), tile.begin, tile.end, false});
+  // Each segment of the tile, causal: its rows in the tile see its keys up to the last of them.
+  // Rows before a block's first key see none of it; the block is masked iff its last key lies
+  // after its first row.
+  for (int32_t s = tile.first_segment; s < f.num_segments && f.segment_begin(s) < tile.end; ++s) {
+    const int32_t rows_begin = std::max(tile.begin, f.segment_begin(s)), rows_end = std::min(tile.end, f.segment_end(s));
+    for (int32_t b = f.segment_begin(s); b < rows_end; b += cols) {
+      const int32_t e = std::min(b + cols, rows_end), first_row = std::max(rows_begin, b);
+      blocks->push_back({s, b, e, first_row, rows_end, e - 1 > first_row});
+    }
   }
 }
 
-void mask_block(const ForestView& f, const QueryTile& tile, const KeyBlock& block, float* scores, int64_t ld) {
-  for (int32_t q = tile.begin; q < tile.end; ++q) {
-    float* row = scores + (q - tile.begin) * ld;
+void mask_block(const ForestView& f, const KeyBlock& block, float* scores, int64_t ld) {
+  // The rows of a masked block are tokens of block.segment (ancestor blocks are never masked).
+  for (int32_t q = block.row_begin; q < block.row_end; ++q) {
+    float* row = scores + (q - block.row_begin) * ld;
     for (int32_t k = block.begin; k < block.end; ++k)
-      if (!f.visible(tile.segment, q, block.segment, k)) row[k - block.begin] = -INFINITY;
+      if (!f.visible(block.segment, q, block.segment, k)) row[k - block.begin] = -INFINITY;
   }
 }
 

@@ -12,17 +12,19 @@
 
 namespace dualkv::detail::cpu {
 
-// Rows of one query tile: consecutive tokens of one segment (tiles never straddle segments, so
-// every row of a tile sees the same ancestors).
+// Rows [begin, end) of one query tile, all seeing the same ancestors: consecutive tokens of one
+// segment, or of consecutive siblings (the N responses of a GRPO group), so that the prompt's key
+// blocks are multiplied once for every response row of the tile. `first_segment` holds the
+// tile's first row. A tile never spans two trees.
 struct QueryTile {
-  int32_t segment, begin, end;
+  int32_t begin, end, first_segment;
 };
 
-// Keys [begin, end) of one segment; `masked` when some key is invisible to some query of the tile
-// (the block crosses the causal diagonal of the tile's own segment). Unmasked blocks are computed
-// in full.
+// Keys [begin, end) of one segment, and the tile rows [row_begin, row_end) that see any of them;
+// `masked` when one of those rows does not see one of the keys (the block crosses the causal
+// diagonal). Ancestor blocks are seen by every row of the tile, in full.
 struct KeyBlock {
-  int32_t segment, begin, end;
+  int32_t segment, begin, end, row_begin, row_end;
   bool masked;
 };
 
@@ -32,20 +34,20 @@ struct Tree {
   int32_t first, last, token_begin, token_end;
 };
 
-// Query tiles of at most `rows` tokens covering every segment of the forest, in token order.
+// Query tiles of at most `rows` tokens covering every token of the forest, in token order.
 std::vector<QueryTile> query_tiles(const ForestView& f, int32_t rows);
 
 // The trees of the forest, in token order.
 std::vector<Tree> trees(const ForestView& f);
 
 // Appends to `blocks` (cleared first) the key blocks of at most `cols` keys that `tile` sees:
-// every proper ancestor of its segment in full, root first, then its own segment up to the
-// tile's last row. Blocks the tile sees none of are never produced.
+// every proper ancestor of its segments in full, root first, then each of its segments up to
+// that segment's last row in the tile. Rows that see none of a block are outside its row range.
 void key_blocks(const ForestView& f, const QueryTile& tile, int32_t cols, std::vector<KeyBlock>* blocks);
 
 // Sets scores[i * ld + j] to -infinity where key block.begin + j is invisible from query
-// tile.begin + i (only needed for a block with `masked` set).
-void mask_block(const ForestView& f, const QueryTile& tile, const KeyBlock& block, float* scores, int64_t ld);
+// block.row_begin + i (only needed for a block with `masked` set).
+void mask_block(const ForestView& f, const KeyBlock& block, float* scores, int64_t ld);
 
 }  // namespace dualkv::detail::cpu
 
