@@ -123,17 +123,37 @@ int32_t threads_for(const ForestView& f, int64_t heads, int64_t D, int32_t reque
   return visible_pairs(f, 0, f.num_segments) * heads * D < kMinParallelWork ? 1 : requested;
 }
 
+// What the forward and the backward share: the forest, the sizes, the thread count and q, k, v
+// as fp32 rows.
+struct Problem {
+  ForestView f;
+  int64_t T, H, Hk, D, group;
+  float scale;
+  int32_t threads;
+  Fp32Operand q, k, v;
+};
+
+template <typename Params>
+Problem make_problem(const Params& p) {
+  const ForestView f = make_forest_view(p.layout);
+  const int64_t T = f.num_tokens, H = p.num_heads, Hk = p.num_kv_heads, D = p.head_dim;
+  const int32_t threads = threads_for(f, H, D, p.num_threads);
+  return {f, T, H, Hk, D, H / Hk, static_cast<float>(p.softmax_scale), threads,
+          as_fp32(p.q, p.dtype, T, H, D, p.q_token_stride, p.q_head_stride, threads),
+          as_fp32(p.k, p.dtype, T, Hk, D, p.k_token_stride, p.k_head_stride, threads),
+          as_fp32(p.v, p.dtype, T, Hk, D, p.v_token_stride, p.v_head_stride, threads)};
+}
+
 }  // namespace
 
 void blocked_forward(const dualkv_fwd_params& p) {
   const TileKernels& kernels = tile_kernels();
-  const ForestView f = make_forest_view(p.layout);
-  const int64_t T = f.num_tokens, H = p.num_heads, Hk = p.num_kv_heads, D = p.head_dim, group = H / Hk;
-  const float scale = static_cast<float>(p.softmax_scale);
-  const int32_t threads = threads_for(f, H, D, p.num_threads);
-  const Fp32Operand q = as_fp32(p.q, p.dtype, T, H, D, p.q_token_stride, p.q_head_stride, threads);
-  const Fp32Operand k = as_fp32(p.k, p.dtype, T, Hk, D, p.k_token_stride, p.k_head_stride, threads);
-  const Fp32Operand v = as_fp32(p.v, p.dtype, T, Hk, D, p.v_token_stride, p.v_head_stride, threads);
+  const Problem pr = make_problem(p);
+  const ForestView& f = pr.f;
+  const int64_t H = pr.H, D = pr.D, group = pr.group;
+  const float scale = pr.scale;
+  const int32_t threads = pr.threads;
+  const Fp32Operand &q = pr.q, &k = pr.k, &v = pr.v;
   const std::vector<QueryTile> tiles = query_tiles(f, kQueryRows);
 
   parallel_for(static_cast<int64_t>(tiles.size()) * H, threads, [&](int64_t item) {
@@ -167,13 +187,12 @@ void blocked_forward(const dualkv_fwd_params& p) {
 
 void blocked_backward(const dualkv_bwd_params& p) {
   const TileKernels& kernels = tile_kernels();
-  const ForestView f = make_forest_view(p.layout);
-  const int64_t T = f.num_tokens, H = p.num_heads, Hk = p.num_kv_heads, D = p.head_dim, group = H / Hk;
-  const float scale = static_cast<float>(p.softmax_scale);
-  const int32_t threads = threads_for(f, H, D, p.num_threads);
-  const Fp32Operand q = as_fp32(p.q, p.dtype, T, H, D, p.q_token_stride, p.q_head_stride, threads);
-  const Fp32Operand k = as_fp32(p.k, p.dtype, T, Hk, D, p.k_token_stride, p.k_head_stride, threads);
-  const Fp32Operand v = as_fp32(p.v, p.dtype, T, Hk, D, p.v_token_stride, p.v_head_stride, threads);
+  const Problem pr = make_problem(p);
+  const ForestView& f = pr.f;
+  const int64_t T = pr.T, H = pr.H, Hk = pr.Hk, D = pr.D, group = pr.group;
+  const float scale = pr.scale;
+  const int32_t threads = pr.threads;
+  const Fp32Operand &q = pr.q, &k = pr.k, &v = pr.v;
   const Fp32Operand dout = as_fp32(p.dout, p.dtype, T, H, D, p.dout_token_stride, p.dout_head_stride, threads);
 
   // lse and delta = rowsum(dO * O) - dlse per (head, token), the softmax-backward correction.
