@@ -30,6 +30,9 @@ namespace {
 // (within the noise of this shared machine), against 64 x 128 +10% (docs/decisions.md).
 constexpr int32_t kQueryRows = 256;
 constexpr int32_t kKeyCols = 128;
+// Keys per block where a block crosses the causal diagonal: half of such a block is masked work,
+// so narrower blocks waste less (64 measured best against 32 and 128; docs/decisions.md).
+constexpr int32_t kDiagonalCols = 64;
 constexpr int64_t kGatherTokens = 256;  // tokens per work item of the fp32 conversion
 
 // n elements of a bfloat16 or float16 row to fp32.
@@ -166,7 +169,7 @@ void blocked_forward(const dualkv_fwd_params& p) {
   const float scale = pr.scale;
   const int32_t threads = pr.threads;
   const Fp32Operand &q = pr.q, &k = pr.k, &v = pr.v;
-  const std::vector<QueryTile> tiles = query_tiles(f, kQueryRows);
+  const std::vector<QueryTile> tiles = query_tiles(f, kQueryRows, /*stack_roots=*/true);
 
   parallel_for(static_cast<int64_t>(tiles.size()) * H, threads, [&](int64_t item) {
     const QueryTile& tile = tiles[static_cast<size_t>(item / H)];
@@ -180,7 +183,7 @@ void blocked_forward(const dualkv_fwd_params& p) {
     row_max.assign(static_cast<size_t>(rows), -INFINITY);
     row_sum.assign(static_cast<size_t>(rows), 0.0f);
     std::vector<KeyBlock>& blocks = w.blocks;
-    key_blocks(f, tile, kKeyCols, &blocks);
+    key_blocks(f, tile, kKeyCols, kDiagonalCols, &blocks);
     for (const KeyBlock& b : blocks) {
       const int64_t r = b.row_begin - tile.begin, n = b.row_end - b.row_begin;  // the rows that see b
       const Matrix s{scores + r * kKeyCols, n, b.end - b.begin, kKeyCols};
@@ -228,7 +231,7 @@ void blocked_backward(const dualkv_bwd_params& p) {
     }
   });
 
-  const std::vector<QueryTile> tiles = query_tiles(f, kQueryRows);
+  const std::vector<QueryTile> tiles = query_tiles(f, kQueryRows, /*stack_roots=*/false);
   const std::vector<Tree> forest = trees(f);
   // Tiles are in token order, so each tree's tiles are one range; items run largest tree first.
   std::vector<size_t> first_tile(forest.size() + 1, tiles.size());
@@ -261,7 +264,7 @@ void blocked_backward(const dualkv_bwd_params& p) {
         const QueryTile& tile = tiles[ti];
         const int64_t rows = tile.end - tile.begin;
         std::fill(dq.begin(), dq.begin() + rows * D, 0.0f);
-        key_blocks(f, tile, kKeyCols, &blocks);
+        key_blocks(f, tile, kKeyCols, kDiagonalCols, &blocks);
         for (const KeyBlock& b : blocks) {
           const int64_t r = b.row_begin - tile.begin, n = b.row_end - b.row_begin;  // the rows that see b
           const int64_t cols = b.end - b.begin, local = b.begin - tree.token_begin;

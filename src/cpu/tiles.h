@@ -15,7 +15,7 @@ namespace dualkv::detail::cpu {
 // Rows [begin, end) of one query tile, all seeing the same ancestors: consecutive tokens of one
 // segment, or of consecutive siblings (the N responses of a GRPO group), so that the prompt's key
 // blocks are multiplied once for every response row of the tile. `first_segment` holds the
-// tile's first row. A tile never spans two trees.
+// tile's first row.
 struct QueryTile {
   int32_t begin, end, first_segment;
 };
@@ -35,15 +35,19 @@ struct Tree {
 };
 
 // Query tiles of at most `rows` tokens covering every token of the forest, in token order.
-std::vector<QueryTile> query_tiles(const ForestView& f, int32_t rows);
+// Childless roots (a plain varlen batch) share tiles only with `stack_roots`; without it a tile
+// stays within one tree (the backward's unit of work).
+std::vector<QueryTile> query_tiles(const ForestView& f, int32_t rows, bool stack_roots);
 
 // The trees of the forest, in token order.
 std::vector<Tree> trees(const ForestView& f);
 
-// Appends to `blocks` (cleared first) the key blocks of at most `cols` keys that `tile` sees:
-// every proper ancestor of its segments in full, root first, then each of its segments up to
-// that segment's last row in the tile. Rows that see none of a block are outside its row range.
-void key_blocks(const ForestView& f, const QueryTile& tile, int32_t cols, std::vector<KeyBlock>* blocks);
+// Appends to `blocks` (cleared first) the key blocks that `tile` sees: every proper ancestor of
+// its segments in full, root first, in blocks of at most `cols` keys, then each of its segments up
+// to that segment's last row in the tile, the part crossing the causal diagonal in blocks of at
+// most `diagonal_cols`. Rows that see none of a block are outside its row range.
+void key_blocks(const ForestView& f, const QueryTile& tile, int32_t cols, int32_t diagonal_cols,
+                std::vector<KeyBlock>* blocks);
 
 // Sets scores[i * ld + j] to -infinity where key block.begin + j is invisible from query
 // block.row_begin + i (only needed for a block with `masked` set).
