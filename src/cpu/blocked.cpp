@@ -246,8 +246,8 @@ void blocked_backward(const dualkv_bwd_params& p) {
   std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return cost[a] > cost[b]; });
 
   parallel_for(static_cast<int64_t>(forest.size()) * Hk, threads, [&](int64_t item) {
-    const size_t r = order[static_cast<size_t>(item / Hk)];
-    const Tree& tree = forest[r];
+    const size_t tree_index = order[static_cast<size_t>(item / Hk)];
+    const Tree& tree = forest[tree_index];
     const int64_t g = item % Hk, n = tree.token_end - tree.token_begin;
     Workspace& w = thread_workspace();
     std::vector<float>& dk = w.dk;
@@ -260,7 +260,7 @@ void blocked_backward(const dualkv_bwd_params& p) {
     float* scratch = aligned_floats(w.scratch, static_cast<size_t>(kQueryRows * kKeyCols));
     std::vector<KeyBlock>& blocks = w.blocks;
     for (int64_t h = g * group; h < (g + 1) * group; ++h)
-      for (size_t ti = first_tile[r]; ti < first_tile[r + 1]; ++ti) {
+      for (size_t ti = first_tile[tree_index]; ti < first_tile[tree_index + 1]; ++ti) {
         const QueryTile& tile = tiles[ti];
         const int64_t rows = tile.end - tile.begin;
         std::fill(dq.begin(), dq.begin() + rows * D, 0.0f);
