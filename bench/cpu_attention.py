@@ -64,14 +64,19 @@ def root_paths(lens, parents):
     return rows
 
 
-def median_seconds(fn, reps):
-    """Median wall-clock and process CPU seconds (all threads) of `reps` calls."""
+def median_seconds(fn, reps, min_seconds=0.05):
+    """Median wall-clock and process CPU seconds (all threads) per call over `reps` samples; a sample
+    repeats fn until it has run at least `min_seconds` (millisecond calls are timed in batches)."""
+    t0 = time.perf_counter()
+    fn()
+    calls = max(1, int(min_seconds / max(time.perf_counter() - t0, 1e-6)) + 1)
     wall, cpu = [], []
     for _ in range(reps):
         t0, c0 = time.perf_counter(), time.process_time()
-        fn()
-        wall.append(time.perf_counter() - t0)
-        cpu.append(time.process_time() - c0)
+        for _ in range(calls):
+            fn()
+        wall.append((time.perf_counter() - t0) / calls)
+        cpu.append((time.process_time() - c0) / calls)
     return statistics.median(wall), statistics.median(cpu)
 
 
@@ -163,7 +168,7 @@ def main(argv=None) -> int:
     ap.add_argument("--head-dims", default="64,128")
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds per measurement (median reported)")
-    ap.add_argument("--reps", type=int, default=3, help="calls per round (median)")
+    ap.add_argument("--reps", type=int, default=3, help="samples per round (median); a sample is >= 50 ms of calls")
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     ap.add_argument("--out", default=None, help="JSON results file")
     args = ap.parse_args(argv)

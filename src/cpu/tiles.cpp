@@ -67,12 +67,14 @@ void key_blocks(const ForestView& f, const QueryTile& tile, int32_t cols, int32_
   }
 }
 
-void mask_block(const ForestView& f, const KeyBlock& block, float* scores, int64_t ld) {
-  // The rows of a masked block are tokens of block.segment (ancestor blocks are never masked).
+void mask_block(const ForestView&, const KeyBlock& block, float* scores, int64_t ld) {
+  // The rows of a masked block are tokens of block.segment (ancestor blocks are never masked), and
+  // ForestView::visible within one segment is k <= q: each row loses the keys after it. (A
+  // position window would also drop the keys before pos(q) - W + 1 here.)
   for (int32_t q = block.row_begin; q < block.row_end; ++q) {
     float* row = scores + (q - block.row_begin) * ld;
-    for (int32_t k = block.begin; k < block.end; ++k)
-      if (!f.visible(block.segment, q, block.segment, k)) row[k - block.begin] = -INFINITY;
+    std::fill(row + std::clamp(q + 1 - block.begin, 0, block.end - block.begin), row + (block.end - block.begin),
+              -INFINITY);
   }
 }
 
