@@ -16,7 +16,7 @@ HAVE_NVCC := $(shell command -v nvcc >/dev/null 2>&1 || test -x /usr/local/cuda/
 TEST_CUDA ?= $(if $(HAVE_GPU),$(CUDA),OFF)
 export PATH := $(PATH):/usr/local/cuda/bin
 
-.PHONY: all setup system-deps build build-local test test-cpp test-sanitize test-python cuda-check demo wheel clean
+.PHONY: all setup system-deps build build-local test test-cpp test-sanitize test-python fuzz cuda-check demo wheel clean
 
 all: build
 
@@ -51,6 +51,13 @@ test-sanitize: system-deps
 	cmake -S . -B build-asan -DDUALKV_CUDA=OFF -DCMAKE_BUILD_TYPE=Debug -DDUALKV_SANITIZE=address,undefined >/dev/null
 	cmake --build build-asan -j$(JOBS)
 	cd build-asan && ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 ctest --output-on-failure -j$(JOBS)
+
+# The long run of the seeded layout fuzzer (tests/cpp/fuzz_layouts.cpp; `make test` runs it for 30 s):
+# FUZZ_LAYOUTS layouts from seed FUZZ_SEED, no time limit (10^6: ~50 s on 2 idle cores).
+FUZZ_SEED ?= 20261201
+FUZZ_LAYOUTS ?= 1000000
+fuzz: build-local
+	build/tests/cpp/dualkv_fuzz_layouts --seed $(FUZZ_SEED) --layouts $(FUZZ_LAYOUTS) --seconds 0
 
 test-python: setup build-local
 	PYTHONPATH=python DUALKV_LIBRARY=$(CURDIR)/build/libdualkv.so $(PY) -m pytest -q -rs tests/python $(if $(HAVE_GPU),tests/gpu,)
