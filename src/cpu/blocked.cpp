@@ -30,9 +30,6 @@ namespace {
 // (within the noise of this shared machine), against 64 x 128 +10% (docs/decisions.md).
 constexpr int32_t kQueryRows = 256;
 constexpr int32_t kKeyCols = 128;
-// Keys per block where a block crosses the causal diagonal: half of such a block is masked work,
-// so narrower blocks waste less (64 measured best against 32 and 128; docs/decisions.md).
-constexpr int32_t kDiagonalCols = 64;
 constexpr int64_t kGatherTokens = 256;  // tokens per work item of the fp32 conversion
 
 // n elements of a bfloat16 or float16 row to fp32.
@@ -185,7 +182,7 @@ void blocked_forward(const dualkv_fwd_params& p) {
     row_max.assign(static_cast<size_t>(rows), -INFINITY);
     row_sum.assign(static_cast<size_t>(rows), 0.0f);
     std::vector<KeyBlock>& blocks = w.blocks;
-    key_blocks(f, tile, kKeyCols, kDiagonalCols, &blocks);
+    key_blocks(f, tile, kKeyCols, &blocks);
     for (const KeyBlock& b : blocks) {
       const int64_t r = b.row_begin - tile.begin, n = b.row_end - b.row_begin;  // the rows that see b
       const Matrix s{scores + r * kKeyCols, n, b.end - b.begin, kKeyCols};
@@ -263,7 +260,7 @@ void blocked_backward(const dualkv_bwd_params& p) {
         const QueryTile& tile = tiles[ti];
         const int64_t rows = tile.end - tile.begin;
         std::fill(dq.begin(), dq.begin() + rows * D, 0.0f);
-        key_blocks(f, tile, kKeyCols, kDiagonalCols, &blocks);
+        key_blocks(f, tile, kKeyCols, &blocks);
         for (const KeyBlock& b : blocks) {
           const int64_t r = b.row_begin - tile.begin, n = b.row_end - b.row_begin;  // the rows that see b
           const int64_t cols = b.end - b.begin, local = b.begin - tree.token_begin;

@@ -38,8 +38,7 @@ std::vector<Tree> trees(const ForestView& f) {
   return out;
 }
 
-void key_blocks(const ForestView& f, const QueryTile& tile, int32_t cols, int32_t diagonal_cols,
-                std::vector<KeyBlock>* blocks) {
+void key_blocks(const ForestView& f, const QueryTile& tile, int32_t cols, std::vector<KeyBlock>* blocks) {
   blocks->clear();
   // Ancestors root first (the tile's segments share their parent): collect the chain bottom-up,
   // then emit it reversed.
@@ -52,14 +51,13 @@ void key_blocks(const ForestView& f, const QueryTile& tile, int32_t cols, int32_
     for (int32_t b = f.segment_begin(a); b < f.segment_end(a); b += cols)
       blocks->push_back({a, b, std::min(b + cols, f.segment_end(a)), tile.begin, tile.end, false});
   // Each segment of the tile, causal: its rows in the tile see its keys up to the last of them.
-  // Keys before the segment's first row in the tile, in blocks of `cols`, are seen in full; the
-  // keys from there on cross the diagonal, in narrower blocks (less of each is masked out). Rows
-  // before a block's first key see none of it; a block is masked iff its last key lies after its
-  // first row.
+  // Keys before the segment's first row in the tile are seen in full (their blocks end at that
+  // row); the blocks from there on cross the diagonal. Rows before a block's first key see none
+  // of it; a block is masked iff its last key lies after its first row.
   for (int32_t s = tile.first_segment; s < f.num_segments && f.segment_begin(s) < tile.end; ++s) {
     const int32_t rows_begin = std::max(tile.begin, f.segment_begin(s)), rows_end = std::min(tile.end, f.segment_end(s));
     for (int32_t b = f.segment_begin(s); b < rows_end;) {
-      const int32_t width = b < rows_begin ? std::min(cols, rows_begin - b) : 128;
+      const int32_t width = b < rows_begin ? std::min(cols, rows_begin - b) : cols;
       const int32_t e = std::min(b + width, rows_end), first_row = std::max(rows_begin, b);
       blocks->push_back({s, b, e, first_row, rows_end, e - 1 > first_row});
       b = e;

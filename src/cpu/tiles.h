@@ -42,12 +42,10 @@ std::vector<QueryTile> query_tiles(const ForestView& f, int32_t rows, bool stack
 // The trees of the forest, in token order.
 std::vector<Tree> trees(const ForestView& f);
 
-// Appends to `blocks` (cleared first) the key blocks that `tile` sees: every proper ancestor of
-// its segments in full, root first, in blocks of at most `cols` keys, then each of its segments up
-// to that segment's last row in the tile, the part crossing the causal diagonal in blocks of at
-// most `diagonal_cols`. Rows that see none of a block are outside its row range.
-void key_blocks(const ForestView& f, const QueryTile& tile, int32_t cols, int32_t diagonal_cols,
-                std::vector<KeyBlock>* blocks);
+// Appends to `blocks` (cleared first) the key blocks of at most `cols` keys that `tile` sees:
+// every proper ancestor of its segments in full, root first, then each of its segments up to that
+// segment's last row in the tile. Rows that see none of a block are outside its row range.
+void key_blocks(const ForestView& f, const QueryTile& tile, int32_t cols, std::vector<KeyBlock>* blocks);
 
 // Sets scores[i * ld + j] to -infinity where key block.begin + j is invisible from query
 // block.row_begin + i (only needed for a block with `masked` set).
