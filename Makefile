@@ -16,15 +16,15 @@ HAVE_NVCC := $(shell command -v nvcc >/dev/null 2>&1 || test -x /usr/local/cuda/
 TEST_CUDA ?= $(if $(HAVE_GPU),$(CUDA),OFF)
 export PATH := $(PATH):/usr/local/cuda/bin
 
-.PHONY: all setup system-deps build build-local test test-cpp test-sanitize test-python cuda-check demo wheel clean
+.PHONY: all setup system-deps build build-local test test-cpp test-sanitize test-python fuzz cuda-check demo wheel clean
 
 all: build
 
 system-deps:
-	@if [ ! -f /usr/include/gtest/gtest.h ] || ! command -v cmake >/dev/null; then \
-	  echo "installing GoogleTest and CMake from Debian packages"; \
-	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq libgtest-dev cmake g++ >/dev/null; \
-	  else echo "error: need libgtest-dev and cmake (run as root or install them)"; exit 1; fi; \
+	@if [ ! -f /usr/include/gtest/gtest.h ] || [ ! -f /usr/include/eigen3/Eigen/Core ] || ! command -v cmake >/dev/null; then \
+	  echo "installing GoogleTest, Eigen and CMake from Debian packages"; \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq libgtest-dev libeigen3-dev cmake g++ >/dev/null; \
+	  else echo "error: need libgtest-dev, libeigen3-dev and cmake (run as root or install them)"; exit 1; fi; \
 	fi
 
 $(VENV)/.stamp: requirements-dev.txt requirements-rl.txt requirements-verl.txt
@@ -52,6 +52,13 @@ test-sanitize: system-deps
 	cmake -S . -B build-asan -DDUALKV_CUDA=OFF -DCMAKE_BUILD_TYPE=Debug -DDUALKV_SANITIZE=address,undefined >/dev/null
 	cmake --build build-asan -j$(JOBS)
 	cd build-asan && ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 ctest --output-on-failure -j$(JOBS)
+
+# The long run of the seeded layout fuzzer (tests/cpp/fuzz_layouts.cpp; `make test` runs it for 30 s):
+# FUZZ_LAYOUTS layouts from seed FUZZ_SEED, no time limit (10^6: ~50 s on 2 idle cores).
+FUZZ_SEED ?= 20261201
+FUZZ_LAYOUTS ?= 1000000
+fuzz: build-local
+	build/tests/cpp/dualkv_fuzz_layouts --seed $(FUZZ_SEED) --layouts $(FUZZ_LAYOUTS) --seconds 0
 
 test-python: setup build-local
 	PYTHONPATH=python DUALKV_LIBRARY=$(CURDIR)/build/libdualkv.so $(PY) -m pytest -q -rs tests/python $(if $(HAVE_GPU),tests/gpu,)

@@ -47,6 +47,8 @@ BENCHMARKS = {
                 "3 rounds (issue 15); .portable.log: the portable path with FA2 alongside (house_run.sh ab-portable)",
     "ab_portable_candidate": "tests/gpu/ab_bench.py, the latest portable kernel candidate against the build before "
                              "it (056fda6: FA2's dQ warp layout at D 192/256, reverted; docs/decisions.md)",
+    "cpu_attention": "bench/cpu_attention.py, the CPU backend vs per-row torch SDPA on the CPU, 2 threads (issue 22)",
+    "cpu_attention_1thread": "bench/cpu_attention.py --threads 1, the same with one thread (issue 22)",
     "hybrid_e2e": "bench/hybrid_e2e.py, Qwen3.5-shaped GRPO update, dualkv + GDN state fork vs std vs Flex "
                   "(issue 21; step hybrid)",
 }

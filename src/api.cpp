@@ -58,54 +58,90 @@ namespace {
 
 constexpr int32_t kCpuMaxHeadDim = 512;
 
-// Checks one [T, heads, D] operand: pointer, non-negative strides, and that the largest element
-// offset fits in int64 (so no backend index arithmetic can overflow). `output` operands must
-// also not overlap themselves, or two threads would write the same element.
-dualkv_status check_operand(const char* name, const void* ptr, int64_t tokens, int64_t heads,
-                            int64_t dim, int64_t token_stride, int64_t head_stride, bool output) {
-  if (!ptr) return fail(DUALKV_ERROR_INVALID_ARGUMENT, "%s: pointer is NULL", name);
-  if (token_stride < 0 || head_stride < 0)
+size_t lse_element_size(int32_t dtype) { return dtype == DUALKV_DTYPE_FLOAT64 ? 8 : 4; }
+
+// One [tokens, heads, dim] operand of an attention call (dim contiguous; strides in elements).
+struct Operand {
+  const char* name;
+  const void* ptr;
+  int64_t tokens, heads, dim, token_stride, head_stride;
+  size_t element_size;
+  bool output;
+
+  uintptr_t begin() const { return reinterpret_cast<uintptr_t>(ptr); }
+  // Elements of one token, from its first to its last byte.
+  int64_t token_bytes() const { return ((heads - 1) * head_stride + dim) * int64_t(element_size); }
+  uintptr_t end() const {
+    return begin() + uintptr_t((tokens - 1) * token_stride * int64_t(element_size) + token_bytes());
+  }
+};
+
+// Checks one operand: pointer, alignment to its element size (the backends load whole elements),
+// non-negative strides, and that the largest element offset fits in int64 (so no backend index
+// arithmetic can overflow). An output must also not overlap itself, or two threads would write
+// the same element.
+dualkv_status check_operand(const Operand& o) {
+  if (!o.ptr) return fail(DUALKV_ERROR_INVALID_ARGUMENT, "%s: pointer is NULL", o.name);
+  if (o.begin() % o.element_size != 0)
+    return fail(DUALKV_ERROR_INVALID_ARGUMENT, "%s: pointer %p is not aligned to its %zu-byte elements", o.name,
+                o.ptr, o.element_size);
+  if (o.token_stride < 0 || o.head_stride < 0)
     return fail(DUALKV_ERROR_INVALID_ARGUMENT, "%s: negative strides (token %lld, head %lld) are not supported",
-                name, static_cast<long long>(token_stride), static_cast<long long>(head_stride));
-  const long double max_offset = (long double)(tokens - 1) * token_stride +
-                                 (long double)(heads - 1) * head_stride + (dim - 1);
+                o.name, static_cast<long long>(o.token_stride), static_cast<long long>(o.head_stride));
+  const long double max_offset = (long double)(o.tokens - 1) * o.token_stride +
+                                 (long double)(o.heads - 1) * o.head_stride + (o.dim - 1);
   if (max_offset >= (long double)(std::numeric_limits<int64_t>::max() / 16))
-    return fail(DUALKV_ERROR_INVALID_ARGUMENT, "%s: strides overflow 64-bit indexing", name);
-  if (output) {
+    return fail(DUALKV_ERROR_INVALID_ARGUMENT, "%s: strides overflow 64-bit indexing", o.name);
+  if (o.output) {
     // Non-overlap of a (tokens, heads, dim) view with unit innermost stride: ordering the two
     // outer dims by stride, each must step past the whole extent of the inner ones.
-    int64_t inner_extent = dim;  // elements spanned by the dims already placed
-    struct Dim { int64_t size, stride; } dims[2] = {{tokens, token_stride}, {heads, head_stride}};
+    int64_t inner_extent = o.dim;  // elements spanned by the dims already placed
+    struct Dim { int64_t size, stride; } dims[2] = {{o.tokens, o.token_stride}, {o.heads, o.head_stride}};
     if (dims[0].stride > dims[1].stride) std::swap(dims[0], dims[1]);
     for (const Dim& d : dims) {
       if (d.size <= 1) continue;
       if (d.stride < inner_extent)
         return fail(DUALKV_ERROR_INVALID_ARGUMENT,
-                    "%s: output strides (token %lld, head %lld) make elements overlap", name,
-                    static_cast<long long>(token_stride), static_cast<long long>(head_stride));
+                    "%s: output strides (token %lld, head %lld) make elements overlap", o.name,
+                    static_cast<long long>(o.token_stride), static_cast<long long>(o.head_stride));
       inner_extent = d.stride * d.size;
     }
   }
   return DUALKV_OK;
 }
 
-// Re-derives a host layout and compares, so that a CPU call can never index out of bounds
-// through inconsistent derived arrays. O(S), negligible next to the attention itself.
-dualkv_status check_host_layout_consistent(const dualkv_layout& l) {
-  if (!l.seg_offsets || !l.seg_parent || !l.seg_subtree_end || !l.seg_position_offset || !l.seg_depth)
-    return fail(DUALKV_ERROR_INVALID_LAYOUT, "layout: a layout array is NULL (derived arrays come from dualkv_layout_derive)");
-  std::vector<int32_t> end(l.num_segments), pos(l.num_segments), depth(l.num_segments);
-  int32_t max_depth = 0;
-  if (dualkv_status st = dualkv_layout_derive(l.seg_offsets, l.seg_parent, l.num_segments, l.num_tokens,
-                                              end.data(), pos.data(), depth.data(), &max_depth);
-      st != DUALKV_OK)
-    return st;
-  if (std::memcmp(end.data(), l.seg_subtree_end, end.size() * 4) != 0 ||
-      std::memcmp(pos.data(), l.seg_position_offset, pos.size() * 4) != 0 ||
-      std::memcmp(depth.data(), l.seg_depth, depth.size() * 4) != 0 || max_depth != l.max_depth)
-    return fail(DUALKV_ERROR_INVALID_LAYOUT,
-                "layout: derived arrays do not match seg_offsets/seg_parent (stale layout?)");
+// Whether two operands may share a byte. Disjoint byte ranges never do. Operands interleaved
+// token by token in one buffer with the same token stride (dk and dv as buf[:, 0] and buf[:, 1]
+// of a [T, 2, Hk, D] buffer) do not either when, within a token's stride, their bytes fall in
+// disjoint intervals. Anything else that shares a byte range counts as overlapping.
+bool may_overlap(const Operand& a, const Operand& b) {
+  if (a.end() <= b.begin() || b.end() <= a.begin()) return false;
+  const int64_t stride = a.token_stride * int64_t(a.element_size);
+  if (stride <= 0 || stride != b.token_stride * int64_t(b.element_size) || a.token_bytes() > stride ||
+      b.token_bytes() > stride)
+    return true;
+  // b's first token starts `shift` bytes into one of a's token strides.
+  const int64_t shift = int64_t((b.begin() - a.begin()) % uintptr_t(stride) + uintptr_t(stride)) % stride;
+  const int64_t distance = b.begin() >= a.begin() ? shift : (stride - shift) % stride;
+  return !(distance >= a.token_bytes() && distance + b.token_bytes() <= stride);
+}
+
+// Outputs must share no memory with any other operand: an output overlapping another output
+// leaves one of the two corrupted, and one overlapping an input is overwritten while a kernel
+// still reads it. Inputs may overlap each other (q, k, v slices of one fused projection).
+dualkv_status check_no_aliasing(const Operand* operands, size_t n) {
+  for (size_t i = 0; i < n; ++i)
+    for (size_t j = 0; j < n; ++j)
+      if (i != j && operands[i].output && (j > i || !operands[j].output) && may_overlap(operands[i], operands[j]))
+        return fail(DUALKV_ERROR_INVALID_ARGUMENT, "%s and %s overlap in memory; outputs must not share memory "
+                    "with another operand", operands[i].name, operands[j].name);
   return DUALKV_OK;
+}
+
+dualkv_status check_operands(const Operand* operands, size_t n) {
+  for (size_t i = 0; i < n; ++i)
+    if (dualkv_status st = check_operand(operands[i]); st != DUALKV_OK) return st;
+  return check_no_aliasing(operands, n);
 }
 
 // Checks shared by forward and backward: struct version, device, dtype, sizes, layout.
@@ -144,7 +180,7 @@ dualkv_status check_common(const Params* p, const char* what) {
     if (p->head_dim > kCpuMaxHeadDim)
       return fail(DUALKV_ERROR_UNSUPPORTED, "%s: head_dim %d is not supported by the CPU backend (max %d)",
                   what, p->head_dim, kCpuMaxHeadDim);
-    return check_host_layout_consistent(l);
+    return check_host_layout(l);
   }
   if (p->device == DUALKV_DEVICE_CUDA) {
 #if defined(DUALKV_WITH_CUDA)
@@ -166,30 +202,35 @@ dualkv_status check_common(const Params* p, const char* what) {
 dualkv_status check_fwd(const dualkv_fwd_params* p) {
   if (dualkv_status st = check_common(p, "fwd"); st != DUALKV_OK) return st;
   const int64_t T = p->layout.num_tokens, H = p->num_heads, Hk = p->num_kv_heads, D = p->head_dim;
-  dualkv_status st;
-  if ((st = check_operand("q", p->q, T, H, D, p->q_token_stride, p->q_head_stride, false))) return st;
-  if ((st = check_operand("k", p->k, T, Hk, D, p->k_token_stride, p->k_head_stride, false))) return st;
-  if ((st = check_operand("v", p->v, T, Hk, D, p->v_token_stride, p->v_head_stride, false))) return st;
-  if ((st = check_operand("out", p->out, T, H, D, p->out_token_stride, p->out_head_stride, true))) return st;
-  if (p->lse && (st = check_operand("lse", p->lse, H, 1, T, p->lse_head_stride, 0, true))) return st;
-  return DUALKV_OK;
+  const size_t es = dtype_size(p->dtype), ls = lse_element_size(p->dtype);
+  Operand ops[] = {
+      {"q", p->q, T, H, D, p->q_token_stride, p->q_head_stride, es, false},
+      {"k", p->k, T, Hk, D, p->k_token_stride, p->k_head_stride, es, false},
+      {"v", p->v, T, Hk, D, p->v_token_stride, p->v_head_stride, es, false},
+      {"out", p->out, T, H, D, p->out_token_stride, p->out_head_stride, es, true},
+      {"lse", p->lse, H, 1, T, p->lse_head_stride, 0, ls, true},  // optional
+  };
+  return check_operands(ops, p->lse ? 5 : 4);
 }
 
 dualkv_status check_bwd(const dualkv_bwd_params* p) {
   if (dualkv_status st = check_common(p, "bwd"); st != DUALKV_OK) return st;
   const int64_t T = p->layout.num_tokens, H = p->num_heads, Hk = p->num_kv_heads, D = p->head_dim;
-  dualkv_status st;
-  if ((st = check_operand("q", p->q, T, H, D, p->q_token_stride, p->q_head_stride, false))) return st;
-  if ((st = check_operand("k", p->k, T, Hk, D, p->k_token_stride, p->k_head_stride, false))) return st;
-  if ((st = check_operand("v", p->v, T, Hk, D, p->v_token_stride, p->v_head_stride, false))) return st;
-  if ((st = check_operand("out", p->out, T, H, D, p->out_token_stride, p->out_head_stride, false))) return st;
-  if ((st = check_operand("dout", p->dout, T, H, D, p->dout_token_stride, p->dout_head_stride, false))) return st;
-  if ((st = check_operand("lse", p->lse, H, 1, T, p->lse_head_stride, 0, false))) return st;
-  if (p->dlse && (st = check_operand("dlse", p->dlse, H, 1, T, p->dlse_head_stride, 0, false))) return st;
-  if ((st = check_operand("dq", p->dq, T, H, D, p->dq_token_stride, p->dq_head_stride, true))) return st;
-  if ((st = check_operand("dk", p->dk, T, Hk, D, p->dk_token_stride, p->dk_head_stride, true))) return st;
-  if ((st = check_operand("dv", p->dv, T, Hk, D, p->dv_token_stride, p->dv_head_stride, true))) return st;
-  return DUALKV_OK;
+  const size_t es = dtype_size(p->dtype), ls = lse_element_size(p->dtype);
+  if (!p->lse) return fail(DUALKV_ERROR_INVALID_ARGUMENT, "lse: pointer is NULL (the backward needs the forward's lse)");
+  Operand ops[] = {
+      {"q", p->q, T, H, D, p->q_token_stride, p->q_head_stride, es, false},
+      {"k", p->k, T, Hk, D, p->k_token_stride, p->k_head_stride, es, false},
+      {"v", p->v, T, Hk, D, p->v_token_stride, p->v_head_stride, es, false},
+      {"out", p->out, T, H, D, p->out_token_stride, p->out_head_stride, es, false},
+      {"dout", p->dout, T, H, D, p->dout_token_stride, p->dout_head_stride, es, false},
+      {"lse", p->lse, H, 1, T, p->lse_head_stride, 0, ls, false},
+      {"dq", p->dq, T, H, D, p->dq_token_stride, p->dq_head_stride, es, true},
+      {"dk", p->dk, T, Hk, D, p->dk_token_stride, p->dk_head_stride, es, true},
+      {"dv", p->dv, T, Hk, D, p->dv_token_stride, p->dv_head_stride, es, true},
+      {"dlse", p->dlse, H, 1, T, p->dlse_head_stride, 0, ls, false},  // optional, last
+  };
+  return check_operands(ops, p->dlse ? 10 : 9);
 }
 
 dualkv_status check_workspace(void* workspace, size_t have, size_t need, const char* what) {
@@ -246,7 +287,8 @@ DUALKV_API const char* dualkv_build_info(void) {
     std::string s = "{\"version\": \"" DUALKV_VERSION_STRING "\", \"abi_version\": " +
                     std::to_string(DUALKV_ABI_VERSION) +
                     ", \"cpu\": {\"dtypes\": [\"float32\", \"float16\", \"bfloat16\", \"float64\"], "
-                    "\"max_head_dim\": " + std::to_string(kCpuMaxHeadDim) + "}";
+                    "\"max_head_dim\": " + std::to_string(kCpuMaxHeadDim) +
+                    ", \"isa\": \"" + cpu_isa() + "\"}";
 #if defined(DUALKV_WITH_CUDA)
     s += ", \"backends\": [\"cpu\", \"cuda\"], \"cuda\": {" + cuda_build_info_json() + "}";
 #else
@@ -263,7 +305,7 @@ DUALKV_API dualkv_status dualkv_plan_size(const dualkv_layout* host_layout, int3
   clear_error();
   if (!host_layout || !plan_len || !plan_key)
     return fail(DUALKV_ERROR_INVALID_ARGUMENT, "plan_size: NULL argument");
-  if (dualkv_status st = check_host_layout_consistent(*host_layout); st != DUALKV_OK) return st;
+  if (dualkv_status st = check_host_layout(*host_layout); st != DUALKV_OK) return st;
   if (device == DUALKV_DEVICE_CPU) {
     *plan_len = 0;
     *plan_key = 0;
@@ -287,7 +329,7 @@ DUALKV_API dualkv_status dualkv_plan_build(const dualkv_layout* host_layout, int
                                            int32_t* plan, int64_t plan_len) {
   clear_error();
   if (!host_layout) return fail(DUALKV_ERROR_INVALID_ARGUMENT, "plan_build: layout is NULL");
-  if (dualkv_status st = check_host_layout_consistent(*host_layout); st != DUALKV_OK) return st;
+  if (dualkv_status st = check_host_layout(*host_layout); st != DUALKV_OK) return st;
   if (device == DUALKV_DEVICE_CPU) return DUALKV_OK;
 #if defined(DUALKV_WITH_CUDA)
   if (device == DUALKV_DEVICE_CUDA) {
@@ -314,7 +356,7 @@ DUALKV_API dualkv_status dualkv_plan_inspect(const dualkv_layout* host_layout, i
   if (head_dim < 1 || num_sms < 1)
     return fail(DUALKV_ERROR_INVALID_ARGUMENT, "plan_inspect: head_dim (%d) and num_sms (%d) must be >= 1",
                 head_dim, num_sms);
-  if (dualkv_status st = check_host_layout_consistent(*host_layout); st != DUALKV_OK) return st;
+  if (dualkv_status st = check_host_layout(*host_layout); st != DUALKV_OK) return st;
   dualkv::plan::Plan p;
   if (dualkv_status st = dualkv::plan::build(*host_layout, head_dim, num_sms, &p); st != DUALKV_OK) return st;
   const dualkv::PlanTiles tiles = dualkv::plan_tiles(head_dim);

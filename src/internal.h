@@ -25,6 +25,11 @@ void clear_error();
 const char* dtype_name(int32_t dtype);
 size_t dtype_size(int32_t dtype);
 
+// Validates a host layout completely: re-derives it from seg_offsets/seg_parent and compares the
+// derived arrays, so that no entry point taking a layout can index out of bounds through
+// inconsistent metadata (src/layout.cpp). O(S).
+dualkv_status check_host_layout(const dualkv_layout& layout);
+
 // Rounds a workspace offset up to the 256-byte alignment the ABI promises.
 constexpr size_t align_workspace(size_t bytes) { return (bytes + 255) & ~size_t(255); }
 
@@ -33,6 +38,8 @@ size_t cpu_fwd_workspace_bytes(const dualkv_fwd_params& p);
 dualkv_status cpu_fwd(const dualkv_fwd_params& p);
 size_t cpu_bwd_workspace_bytes(const dualkv_bwd_params& p);
 dualkv_status cpu_bwd(const dualkv_bwd_params& p);
+// Instruction set of the CPU backend's blocked kernels on this processor ("avx512", ...).
+const char* cpu_isa();
 
 // ---- CUDA backend (src/cuda/), present when built with DUALKV_WITH_CUDA ----
 #if defined(DUALKV_WITH_CUDA)

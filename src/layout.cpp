@@ -1,5 +1,6 @@
 // Layout validation and derivation (host side). See include/dualkv/layout.h for the model.
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -73,24 +74,36 @@ extern "C" DUALKV_API dualkv_status dualkv_layout_derive(
   return DUALKV_OK;
 }
 
-namespace {
+namespace dualkv::detail {
 
-dualkv_status check_host_layout(const dualkv_layout* l) {
-  if (!l) return fail(DUALKV_ERROR_INVALID_ARGUMENT, "layout: NULL");
-  if (!l->seg_offsets || !l->seg_parent || !l->seg_subtree_end || !l->seg_position_offset ||
-      !l->seg_depth)
-    return fail(DUALKV_ERROR_INVALID_LAYOUT, "layout: derived arrays missing (call dualkv_layout_derive)");
-  if (l->num_segments < 1 || l->num_tokens < 1 || l->seg_offsets[l->num_segments] != l->num_tokens)
-    return fail(DUALKV_ERROR_INVALID_LAYOUT, "layout: num_segments/num_tokens inconsistent with seg_offsets");
+dualkv_status check_host_layout(const dualkv_layout& l) {
+  if (!l.seg_offsets || !l.seg_parent || !l.seg_subtree_end || !l.seg_position_offset || !l.seg_depth)
+    return fail(DUALKV_ERROR_INVALID_LAYOUT,
+                "layout: a layout array is NULL (derived arrays come from dualkv_layout_derive)");
+  if (l.num_segments < 1 || l.num_tokens < 1)
+    return fail(DUALKV_ERROR_INVALID_LAYOUT, "layout: has %d segments and %d tokens; both must be >= 1",
+                l.num_segments, l.num_tokens);
+  std::vector<int32_t> end(l.num_segments), pos(l.num_segments), depth(l.num_segments);
+  int32_t max_depth = 0;
+  if (dualkv_status st = dualkv_layout_derive(l.seg_offsets, l.seg_parent, l.num_segments, l.num_tokens,
+                                              end.data(), pos.data(), depth.data(), &max_depth);
+      st != DUALKV_OK)
+    return st;
+  if (std::memcmp(end.data(), l.seg_subtree_end, end.size() * 4) != 0 ||
+      std::memcmp(pos.data(), l.seg_position_offset, pos.size() * 4) != 0 ||
+      std::memcmp(depth.data(), l.seg_depth, depth.size() * 4) != 0 || max_depth != l.max_depth)
+    return fail(DUALKV_ERROR_INVALID_LAYOUT,
+                "layout: derived arrays do not match seg_offsets/seg_parent (stale or modified layout?)");
   return DUALKV_OK;
 }
 
-}  // namespace
+}  // namespace dualkv::detail
 
 extern "C" DUALKV_API dualkv_status dualkv_layout_position_ids(const dualkv_layout* host_layout,
                                                                int32_t* out) {
   dualkv::detail::clear_error();
-  if (dualkv_status st = check_host_layout(host_layout); st != DUALKV_OK) return st;
+  if (!host_layout) return fail(DUALKV_ERROR_INVALID_ARGUMENT, "position_ids: layout is NULL");
+  if (dualkv_status st = dualkv::detail::check_host_layout(*host_layout); st != DUALKV_OK) return st;
   if (!out) return fail(DUALKV_ERROR_INVALID_ARGUMENT, "position_ids: out is NULL");
   const dualkv::ForestView f = dualkv::make_forest_view(*host_layout);
   for (int32_t s = 0; s < f.num_segments; ++s)
@@ -101,7 +114,8 @@ extern "C" DUALKV_API dualkv_status dualkv_layout_position_ids(const dualkv_layo
 extern "C" DUALKV_API dualkv_status dualkv_layout_visible_pairs(const dualkv_layout* host_layout,
                                                                 int64_t* pairs) {
   dualkv::detail::clear_error();
-  if (dualkv_status st = check_host_layout(host_layout); st != DUALKV_OK) return st;
+  if (!host_layout) return fail(DUALKV_ERROR_INVALID_ARGUMENT, "visible_pairs: layout is NULL");
+  if (dualkv_status st = dualkv::detail::check_host_layout(*host_layout); st != DUALKV_OK) return st;
   if (!pairs) return fail(DUALKV_ERROR_INVALID_ARGUMENT, "visible_pairs: out is NULL");
   const dualkv::ForestView f = dualkv::make_forest_view(*host_layout);
   int64_t total = 0;

@@ -13,6 +13,8 @@
  *   out [T, H, D] in the input dtype; lse [H, T] natural-log, float32 (float64 for float64 input).
  *   Query token i in segment s sees key token j iff j lies in a proper ancestor of s, or j lies in
  *   s at an offset <= i's offset (include/dualkv/layout.h defines it once for host and device).
+ *   Every pointer is aligned to its element size; an output shares no byte with another operand
+ *   (inputs may overlap each other); both are checked (DUALKV_ERROR_INVALID_ARGUMENT).
  */
 #ifndef DUALKV_DUALKV_H_
 #define DUALKV_DUALKV_H_
@@ -87,7 +89,7 @@ typedef struct dualkv_fwd_params {
   int32_t num_heads;    /* H */
   int32_t num_kv_heads; /* Hk */
   int32_t head_dim;     /* D */
-  int32_t num_threads;  /* CPU worker threads; 0 = hardware concurrency */
+  int32_t num_threads;  /* CPU worker threads; 0 = hardware concurrency, larger values are capped to it */
   double softmax_scale; /* > 0 and finite; 1/sqrt(D) is the usual choice */
 
   dualkv_layout layout;

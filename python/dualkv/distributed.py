@@ -40,7 +40,7 @@ from torch.distributed import _functional_collectives as funcol
 
 from ._native import ArgumentError, LayoutError
 from .layout import Layout
-from .logprobs import _check_common, _check_head, _chunk_rows, _fused_values, _index
+from .logprobs import _check_common, _check_head, _check_token_ids, _chunk_rows, _fused_values, _index
 from .ops import attention as _attention
 from .packing import PackedBatch, pack_groups
 
@@ -269,6 +269,7 @@ def response_logprobs(hidden: Tensor, lm_head_weight: Tensor, shard: SequenceSha
     temperature = _check_common(packed, temperature, fn)
     hidden = _check_head(hidden, lm_head_weight, shard.num_local_tokens, packed.device, fn)
     idx = _index(packed)
+    _check_token_ids(packed, idx, lm_head_weight.shape[0], fn)  # global labels: every rank raises alike
     T = packed.num_tokens
     part = idx.part(min(shard.start, T), min(shard.stop, T), _chunk_rows(lm_head_weight.shape[0], chunk_size, fn))
     logp, ent = _fused_values(hidden, lm_head_weight, part, temperature, bool(entropy))

@@ -13,6 +13,7 @@ arrays and the kernels' work plans for every head dim and dtype built for that d
 from __future__ import annotations
 
 import ctypes
+import operator
 from typing import Iterable, Sequence
 
 import torch
@@ -36,17 +37,27 @@ DTYPE_CODES = {
 }
 
 
+def as_int(value, what: str) -> int:
+    """An integer argument (a length, a count): Python or NumPy ints and one-element integer
+    tensors. Floats (2.5, a 0-d float tensor), bools and anything else raise a TypeError naming
+    ``what`` instead of being truncated."""
+    if isinstance(value, bool) or (isinstance(value, torch.Tensor) and value.dtype == torch.bool):
+        raise TypeError(f"{what} must be an integer, got a bool {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{what} must be an integer, got {type(value).__name__} {value!r}") from None
+
+
 def _as_int_list(values, what: str) -> list[int]:
     if isinstance(values, torch.Tensor):
-        if values.dim() != 1 or values.dtype.is_floating_point or values.dtype == torch.bool:
+        if values.dim() != 1 or values.dtype.is_floating_point or values.dtype.is_complex or values.dtype == torch.bool:
             raise _native.LayoutError(f"{what} must be a 1-D integer sequence, got {values.dtype} {tuple(values.shape)}")
         return [int(x) for x in values.tolist()]
-    out = []
-    for x in values:
-        if isinstance(x, bool) or not hasattr(x, "__index__"):
-            raise _native.LayoutError(f"{what} must hold integers, got {type(x).__name__} {x!r}")
-        out.append(int(x))
-    return out
+    try:
+        return [as_int(x, what) for x in values]
+    except TypeError as e:
+        raise _native.LayoutError(str(e)) from None
 
 
 class Layout:
@@ -74,8 +85,8 @@ class Layout:
             raise _native.LayoutError(
                 f"layout: {total} tokens exceed 2^31-1, the limit of 32-bit token indexing; split the micro-batch")
         S = len(lens)
-        self.num_segments = S
-        self.num_tokens = total
+        self._num_segments = S
+        self._num_tokens = total
         # meta = [offsets (S+1) | parent | subtree_end | position_offset | depth], one buffer so
         # that moving a layout to a device is one copy.
         meta = torch.empty(5 * S + 1, dtype=torch.int32)
@@ -88,10 +99,10 @@ class Layout:
         lib = _native.lib()
         _native.check(lib.dualkv_layout_derive(ptr(0), ptr(S + 1), S, total, ptr(2 * S + 1), ptr(3 * S + 1),
                                                ptr(4 * S + 1), ctypes.byref(max_depth)), "layout")
-        self.max_depth = int(max_depth.value)
+        self._max_depth = int(max_depth.value)
         self._host_meta = meta
-        self.meta = meta  # on self.device
-        self.device = torch.device("cpu")
+        self._meta = meta  # on self.device
+        self._device = torch.device("cpu")
         self._plans: dict = {}  # (dtype, head_dim) -> (plan tensor view, key) on self.device
         self._position_ids = None
 
@@ -127,7 +138,29 @@ class Layout:
         lens = _as_int_list(seq_lens, "seq_lens")
         return cls(lens, [-1] * len(lens))
 
-    # ---- the arrays ----
+    # ---- sizes (read-only: the C structs and the kernels are built from them) ----
+    @property
+    def num_segments(self) -> int:
+        return self._num_segments
+
+    @property
+    def num_tokens(self) -> int:
+        return self._num_tokens
+
+    @property
+    def max_depth(self) -> int:
+        return self._max_depth
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def meta(self) -> torch.Tensor:
+        """The metadata buffer the attention ops read (on ``device``); do not modify it in place."""
+        return self._meta
+
+    # ---- the arrays (copies: changing one never changes the layout) ----
     def _field(self, i: int, meta: torch.Tensor) -> torch.Tensor:
         S = self.num_segments
         start = 0 if i == 0 else i * S + 1
@@ -135,23 +168,23 @@ class Layout:
 
     @property
     def seg_offsets(self) -> torch.Tensor:
-        return self._field(0, self.meta)
+        return self._field(0, self._meta).clone()
 
     @property
     def seg_parent(self) -> torch.Tensor:
-        return self._field(1, self.meta)
+        return self._field(1, self._meta).clone()
 
     @property
     def seg_subtree_end(self) -> torch.Tensor:
-        return self._field(2, self.meta)
+        return self._field(2, self._meta).clone()
 
     @property
     def seg_position_offset(self) -> torch.Tensor:
-        return self._field(3, self.meta)
+        return self._field(3, self._meta).clone()
 
     @property
     def seg_depth(self) -> torch.Tensor:
-        return self._field(4, self.meta)
+        return self._field(4, self._meta).clone()
 
     @property
     def segment_lens(self) -> list[int]:
@@ -164,7 +197,7 @@ class Layout:
 
     def c_layout(self, host: bool = False) -> _native.Layout_:
         """The dualkv_layout struct over the host arrays or over the arrays on ``self.device``."""
-        return c_layout_struct(self._host_meta if host else self.meta, self.num_segments, self.num_tokens,
+        return c_layout_struct(self._host_meta if host else self._meta, self.num_segments, self.num_tokens,
                                self.max_depth)
 
     @property
@@ -176,7 +209,7 @@ class Layout:
             _native.check(_native.lib().dualkv_layout_position_ids(
                 ctypes.byref(c), ctypes.cast(host.data_ptr(), _native._i32p)), "position_ids")
             self._position_ids = host.to(torch.int64).to(self.device, non_blocking=True)
-        return self._position_ids
+        return self._position_ids.clone()
 
     @property
     def visible_pairs(self) -> int:
@@ -202,11 +235,11 @@ class Layout:
             return self
         other = object.__new__(Layout)
         other.__dict__.update(self.__dict__)
-        other.device = device
+        other._device = device
         other._position_ids = None
         other._plans = {}
         if device.type == "cpu":
-            other.meta = self._host_meta
+            other._meta = self._host_meta
             return other
         if device.type != "cuda":
             raise _native.UnsupportedError(f"layout: device type {device.type!r} is not supported (cpu, cuda)")
@@ -224,7 +257,7 @@ class Layout:
         host = torch.cat([self._host_meta] + chunks)
         pinned = host.pin_memory() if torch.cuda.is_available() else host
         on_device = pinned.to(device, non_blocking=True)
-        other.meta = on_device[: self._host_meta.numel()]
+        other._meta = on_device[: self._host_meta.numel()]
         base = self._host_meta.numel()
         for cfg, key in plans.items():
             start, n = keys[key]
@@ -237,7 +270,7 @@ class Layout:
     def plan_for(self, dtype: torch.dtype, head_dim: int):
         """(plan tensor, key) for a CUDA attention call; raises naming why if none exists."""
         if self.device.type == "cpu":
-            return self.meta[:0], 0
+            return self._meta[:0], 0
         found = self._plans.get((dtype, head_dim))
         if found is not None:
             return found

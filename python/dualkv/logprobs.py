@@ -20,6 +20,7 @@ from typing import Dict, NamedTuple, Optional, Tuple, Union
 import torch
 from torch import Tensor
 
+from ._native import ArgumentError
 from .packing import PackedBatch, _segment_ids, _to_device
 
 __all__ = ["response_logprobs", "response_logprobs_from_logits"]
@@ -373,6 +374,20 @@ class _FusedResponseLogprobs(torch.autograd.Function):
         return dh, dw, None, None, None, None, None, None
 
 
+def _check_token_ids(packed: PackedBatch, idx: _LogprobIndex, vocab: int, fn: str) -> None:
+    """Response token ids must index the vocabulary: -1 would silently read row V-1 (and send its
+    gradient there), V or more fails inside an index op (a device-side assert on CUDA). Checked
+    once per packed batch and vocabulary size: one small host read of the ids' min and max."""
+    key = ("token_ids_checked", vocab)
+    if packed._cache.get(key) or idx.labels.numel() == 0:
+        return
+    lo, hi = torch.stack([idx.labels.min(), idx.labels.max()]).tolist()
+    if lo < 0 or hi >= vocab:
+        raise ArgumentError(f"{fn}: response token ids must lie in [0, {vocab}) (the vocabulary size), found ids "
+                            f"from {lo} to {hi}")
+    packed._cache[key] = True
+
+
 def _check_common(packed: PackedBatch, temperature: float, fn: str) -> float:
     if not isinstance(packed, PackedBatch):
         raise TypeError(f"{fn}: packed must be a PackedBatch (from dualkv.pack), got {type(packed).__name__}")
@@ -455,6 +470,7 @@ def response_logprobs(hidden: Tensor, lm_head_weight: Tensor, packed: PackedBatc
     temperature = _check_common(packed, temperature, fn)
     hidden = _check_head(hidden, lm_head_weight, packed.num_tokens, packed.device, fn)
     idx = _index(packed)
+    _check_token_ids(packed, idx, lm_head_weight.shape[0], fn)
     part = idx.part(0, packed.num_tokens, _chunk_rows(lm_head_weight.shape[0], chunk_size, fn))
     logp, ent = _fused_values(hidden, lm_head_weight, part, temperature, bool(entropy))
     if entropy:
@@ -479,6 +495,7 @@ def response_logprobs_from_logits(logits: Tensor, packed: PackedBatch, temperatu
     if logits.device != packed.device:
         raise ValueError(f"{fn}: logits on {logits.device}, packed batch on {packed.device}")
     idx = _index(packed)
+    _check_token_ids(packed, idx, logits.shape[1], fn)
     z = logits.index_select(0, idx.sel_idx)
     z = z.to(torch.promote_types(z.dtype, torch.float32))
     if temperature != 1.0:

@@ -16,6 +16,8 @@ import torch
 from . import _native
 from .layout import DTYPE_CODES, Layout, c_layout_struct
 
+_INT32_MAX = 2**31 - 1
+
 
 def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
@@ -160,6 +162,9 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Lay
     if q.shape[1] < 1 or k.shape[1] < 1 or q.shape[2] < 1:
         raise _native.ArgumentError(f"attention: num_heads {q.shape[1]}, num_kv_heads {k.shape[1]} and head_dim "
                                     f"{q.shape[2]} must all be >= 1")
+    for what, n in (("num_heads", q.shape[1]), ("num_kv_heads", k.shape[1]), ("head_dim", q.shape[2])):
+        if n > _INT32_MAX:  # the C params hold int32: a stride-0 expand can reach 2^31 without memory
+            raise _native.ArgumentError(f"attention: {what} {n} does not fit the library's 32-bit field (max {_INT32_MAX})")
     if q.shape[1] % k.shape[1] != 0:
         raise _native.ArgumentError(f"attention: num_heads {q.shape[1]} is not a multiple of num_kv_heads {k.shape[1]}")
     dev = q.device
@@ -184,6 +189,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Layout,
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
     # Under torch.compile(dynamic=True) the scale may be a symbolic float: leave it to the library
     # (which checks it too) rather than forcing a concrete value here.
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float, torch.SymFloat, torch.SymInt)):
+        raise _native.ArgumentError(f"attention: softmax_scale must be a float, got {type(softmax_scale).__name__} "
+                                    f"{softmax_scale!r}")
     if isinstance(softmax_scale, (int, float)):
         softmax_scale = float(softmax_scale)
         if not math.isfinite(softmax_scale) or softmax_scale <= 0:

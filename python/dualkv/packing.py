@@ -18,13 +18,14 @@ needed to build the Layout, whose construction takes Python ints).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
 
-from .layout import Layout
+from .layout import Layout, as_int
 
 __all__ = ["PackedBatch", "pack", "pack_groups", "pack_padded", "unpack"]
 
@@ -214,7 +215,6 @@ def pack_groups(prompts: Sequence[Tensor], responses: Sequence[Sequence[Tensor]]
     row_lens: List[int] = []
     group_rows: List[Tuple[int, ...]] = []
     device = None
-    dtype = None
     for g in range(G):  # a loop over groups to collect the tensors; no token is touched here
         p = prompts[g]
         rs = responses[g]
@@ -235,7 +235,7 @@ def pack_groups(prompts: Sequence[Tensor], responses: Sequence[Sequence[Tensor]]
                 what = "prompt" if name.startswith("prompts") else "response"
                 raise ValueError(f"pack_groups: {name} is empty ({what} of length 0)")
             if device is None:
-                device, dtype = t.device, t.dtype
+                device = t.device
             elif t.device != device:
                 raise ValueError(f"pack_groups: {name} is on {t.device}, the first prompt on {device}")
         prompt_lens.append(int(p.numel()))
@@ -244,6 +244,9 @@ def pack_groups(prompts: Sequence[Tensor], responses: Sequence[Sequence[Tensor]]
         group_rows.append(tuple(range(first, len(row_lens))))
         pieces.append(p)
         pieces.extend(rs)
+    # Mixed integer dtypes promote (uint8 prompt + int64 response -> int64); a token id is never
+    # cast to a narrower type.
+    dtype = functools.reduce(torch.promote_types, (t.dtype for t in pieces))
     ids = torch.cat([t.to(dtype) for t in pieces])
     return _finish(ids, prompt_lens, group_rows, row_lens, max(row_lens))
 
@@ -291,11 +294,11 @@ def pack_padded(input_ids: Tensor, attention_mask: Tensor, response_mask: Option
                              f"{tuple(response_mask.shape)}")
         _same_device("response_mask", response_mask, dev)
         Lr = int(response_mask.shape[1])
-        if response_length is not None and int(response_length) != Lr:
+        if response_length is not None and as_int(response_length, "pack_padded: response_length") != Lr:
             raise ValueError(f"pack_padded: response_length={response_length} but response_mask has "
                              f"{Lr} columns")
     elif response_length is not None:
-        Lr = int(response_length)
+        Lr = as_int(response_length, "pack_padded: response_length")
     else:
         raise TypeError("pack_padded: pass response_mask [B, Lr] or response_length=Lr so the prompt / "
                         "response split of input_ids is known")
@@ -474,7 +477,8 @@ def _lens_tensor(lens: Union[Tensor, Sequence[int]], B: int, dev: torch.device) 
         t = lens.reshape(-1).to(device=dev, dtype=torch.int64)
     else:
         try:
-            t = _to_device(torch.tensor([int(x) for x in lens], dtype=torch.int64), dev)
+            t = _to_device(torch.tensor([as_int(x, "pack_padded: response_lens") for x in lens], dtype=torch.int64),
+                           dev)
         except (TypeError, ValueError) as e:
             raise TypeError(f"pack_padded: response_lens must be a tensor or a sequence of ints ({e})")
     if t.numel() != B:

@@ -3,6 +3,7 @@
 #ifndef DUALKV_TESTS_FOREST_TESTING_H_
 #define DUALKV_TESTS_FOREST_TESTING_H_
 
+#include <algorithm>
 #include <cmath>
 #include <random>
 #include <stdexcept>
@@ -170,7 +171,9 @@ inline DenseResult dense_attention(const HostLayout& layout, int H, int Hk, int 
   return r;
 }
 
-// ||a - b|| / ||b|| over all elements.
+// ||a - b|| / ||b|| over all elements. A reference whose RMS is below 0.1 (a gradient that is
+// zero up to rounding, e.g. dk of a lone token) is measured against an RMS of 0.1 instead: the
+// fp32 cancellation error of such a gradient is absolute, not relative to a zero.
 template <typename A>
 double relative_error(const std::vector<A>& a, const std::vector<double>& b) {
   double num = 0, den = 0;
@@ -179,7 +182,7 @@ double relative_error(const std::vector<A>& a, const std::vector<double>& b) {
     num += d * d;
     den += b[i] * b[i];
   }
-  return std::sqrt(num / (den > 0 ? den : 1));
+  return std::sqrt(num / std::max(den, 1e-2 * double(b.size())));
 }
 
 }  // namespace dualkv::testing

@@ -84,6 +84,13 @@ TEST(ApiErrors, ForwardRejectsBadCalls) {
       {"layout empty segment", [&](Fixture& x) { x.f.layout.seg_offsets = bad_offsets.data(); }, DUALKV_ERROR_INVALID_LAYOUT, "empty"},
       {"layout stale derived", [&](Fixture& x) { x.f.layout.seg_subtree_end = stale_end.data(); }, DUALKV_ERROR_INVALID_LAYOUT, "do not match"},
       {"layout token count", [](Fixture& x) { x.f.layout.num_tokens = 12; }, DUALKV_ERROR_INVALID_LAYOUT, "match"},
+      {"lse inside out", [](Fixture& x) { x.f.lse = x.out.data() + 8; }, DUALKV_ERROR_INVALID_ARGUMENT, "out and lse overlap"},
+      {"out is q", [](Fixture& x) { x.f.out = x.q.data(); }, DUALKV_ERROR_INVALID_ARGUMENT, "out and q overlap"},
+      {"misaligned q", [](Fixture& x) { x.f.q = reinterpret_cast<const char*>(x.q.data()) + 2; },
+       DUALKV_ERROR_INVALID_ARGUMENT, "q: pointer"},
+      {"misaligned lse", [](Fixture& x) { x.f.lse = reinterpret_cast<char*>(x.lse.data()) + 1; },
+       DUALKV_ERROR_INVALID_ARGUMENT, "not aligned"},
+      {"threads far above the cores", [](Fixture& x) { x.f.num_threads = 4096; }, DUALKV_OK, ""},
       {"float64 accumulate flag ok", [](Fixture& x) { x.f.flags = DUALKV_FLAG_ACCUMULATE_FP64; }, DUALKV_OK, ""},
 #if !defined(DUALKV_WITH_CUDA)
       {"cuda not built", [](Fixture& x) { x.f.device = DUALKV_DEVICE_CUDA; }, DUALKV_ERROR_UNSUPPORTED, "without CUDA"},
@@ -107,6 +114,12 @@ TEST(ApiErrors, BackwardRejectsBadCalls) {
       {"null dk", [](Fixture& x) { x.b.dk = nullptr; }, DUALKV_ERROR_INVALID_ARGUMENT, "dk"},
       {"null dv", [](Fixture& x) { x.b.dv = nullptr; }, DUALKV_ERROR_INVALID_ARGUMENT, "dv"},
       {"overlapping dk", [](Fixture& x) { x.b.dk_token_stride = 4; }, DUALKV_ERROR_INVALID_ARGUMENT, "overlap"},
+      {"dk == dv", [](Fixture& x) { x.b.dv = x.dk.data(); }, DUALKV_ERROR_INVALID_ARGUMENT, "dk and dv overlap"},
+      {"dv half inside dk", [](Fixture& x) { x.b.dv = x.dk.data() + x.dk.size() / 2; }, DUALKV_ERROR_INVALID_ARGUMENT,
+       "dk and dv overlap"},
+      {"dq is dout", [](Fixture& x) { x.b.dq = x.dout.data(); }, DUALKV_ERROR_INVALID_ARGUMENT, "dq and dout overlap"},
+      {"misaligned dv", [](Fixture& x) { x.b.dv = reinterpret_cast<char*>(x.dv.data()) + 3; },
+       DUALKV_ERROR_INVALID_ARGUMENT, "dv: pointer"},
       {"struct size", [](Fixture& x) { x.b.struct_size = sizeof(dualkv_fwd_params); }, DUALKV_ERROR_VERSION, "struct_size"},
       {"H % Hk", [](Fixture& x) { x.b.num_heads = 5; }, DUALKV_ERROR_INVALID_ARGUMENT, "multiple"},
   };
@@ -117,6 +130,56 @@ TEST(ApiErrors, BackwardRejectsBadCalls) {
     EXPECT_NE(std::string(dualkv_last_error()).find(c.message), std::string::npos)
         << c.name << ": " << dualkv_last_error();
   }
+}
+
+// dk and dv interleaved token by token in one [T, 2, Hk, D] buffer share no element: accepted,
+// and the same values as separate buffers.
+TEST(ApiErrors, InterleavedGradientBuffersAreAccepted) {
+  Fixture x;
+  ASSERT_EQ(dualkv_fwd(&x.f), DUALKV_OK) << dualkv_last_error();
+  ASSERT_EQ(dualkv_bwd(&x.b), DUALKV_OK) << dualkv_last_error();
+  const int64_t row = int64_t(x.Hk) * x.D;
+  std::vector<float> dkv(size_t(x.layout.num_tokens()) * 2 * row, NAN);
+  dualkv_bwd_params b = x.b;
+  b.dk = dkv.data();
+  b.dv = dkv.data() + row;
+  b.dk_token_stride = b.dv_token_stride = 2 * row;
+  ASSERT_EQ(dualkv_bwd(&b), DUALKV_OK) << dualkv_last_error();
+  for (int t = 0; t < x.layout.num_tokens(); ++t)
+    for (int64_t i = 0; i < row; ++i) {
+      EXPECT_EQ(dkv[size_t(2 * t * row + i)], x.dk[size_t(t * row + i)]);
+      EXPECT_EQ(dkv[size_t((2 * t + 1) * row + i)], x.dv[size_t(t * row + i)]);
+    }
+}
+
+// The layout queries re-validate the layout they are given (issue 22: a modified seg_offsets made
+// dualkv_layout_position_ids write out of bounds).
+TEST(ApiErrors, LayoutQueriesRejectModifiedLayouts) {
+  HostLayout good({3, 2}, {-1, -1});
+  std::vector<int32_t> positions(size_t(good.num_tokens()));
+  int64_t pairs = 0;
+  dualkv_layout l = good.view();
+  ASSERT_EQ(dualkv_layout_position_ids(&l, positions.data()), DUALKV_OK);
+  ASSERT_EQ(dualkv_layout_visible_pairs(&l, &pairs), DUALKV_OK);
+  EXPECT_EQ(pairs, 6 + 3);
+
+  std::vector<int32_t> offsets = good.offsets;
+  offsets[1] = 100000;
+  l.seg_offsets = offsets.data();
+  EXPECT_EQ(dualkv_layout_position_ids(&l, positions.data()), DUALKV_ERROR_INVALID_LAYOUT);
+  EXPECT_EQ(dualkv_layout_visible_pairs(&l, &pairs), DUALKV_ERROR_INVALID_LAYOUT);
+
+  l = good.view();
+  l.num_tokens = 100000;
+  EXPECT_EQ(dualkv_layout_position_ids(&l, positions.data()), DUALKV_ERROR_INVALID_LAYOUT);
+  std::vector<int32_t> position_offset = {0, 7};
+  l = good.view();
+  l.seg_position_offset = position_offset.data();
+  EXPECT_EQ(dualkv_layout_position_ids(&l, positions.data()), DUALKV_ERROR_INVALID_LAYOUT);
+  EXPECT_NE(std::string(dualkv_last_error()).find("do not match"), std::string::npos) << dualkv_last_error();
+  l.num_segments = 0;
+  EXPECT_EQ(dualkv_layout_visible_pairs(&l, &pairs), DUALKV_ERROR_INVALID_LAYOUT);
+  EXPECT_EQ(dualkv_layout_visible_pairs(nullptr, &pairs), DUALKV_ERROR_INVALID_ARGUMENT);
 }
 
 TEST(ApiErrors, WorkspaceAndPlanQueries) {

@@ -1,7 +1,10 @@
 // CPU backend vs the brute-force fp64 dense attention of forest_testing.h.
 #include <gtest/gtest.h>
+#include <sys/resource.h>
+#include <unistd.h>
 
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <random>
 #include <type_traits>
@@ -121,19 +124,59 @@ TEST(CpuAttention, Float64IsExactToRounding) {
   }
 }
 
-// Results do not depend on the number of threads: bit-identical.
+// Results do not depend on the number of threads: bit-identical. The problem is large enough
+// (>= 2^25 multiply-adds, twice the size below which the blocked path runs on one thread) to start
+// its workers, with partial and masked tiles of every kind.
 TEST(CpuAttention, DeterministicAcrossThreadCounts) {
   std::mt19937 rng(99);
   std::vector<int32_t> lengths, parents;
-  random_forest(rng, 3, 3, 4, 20, &lengths, &parents);
+  random_forest(rng, 3, 3, 4, 150, &lengths, &parents);
   HostLayout layout(lengths, parents);
   Problem<float> p = make_problem<float>(rng, layout.num_tokens(), 8, 2, 32);
+  int64_t pairs = 0;
+  const dualkv_layout view = layout.view();
+  ASSERT_EQ(dualkv_layout_visible_pairs(&view, &pairs), DUALKV_OK);
+  ASSERT_GE(pairs * p.H * p.D, int64_t(1) << 25);
   Outputs<float> a = run_cpu(layout, p, DUALKV_DTYPE_FLOAT32, 1);
   Outputs<float> b = run_cpu(layout, p, DUALKV_DTYPE_FLOAT32, 4);
   EXPECT_EQ(0, std::memcmp(a.out.data(), b.out.data(), a.out.size() * 4));
   EXPECT_EQ(0, std::memcmp(a.dq.data(), b.dq.data(), a.dq.size() * 4));
   EXPECT_EQ(0, std::memcmp(a.dk.data(), b.dk.data(), a.dk.size() * 4));
   EXPECT_EQ(0, std::memcmp(a.dv.data(), b.dv.data(), a.dv.size() * 4));
+}
+
+// The blocked path's tiles (up to 256 rows, sibling responses stacked) and key blocks (128 keys)
+// at their edges: segments of 1, 127, 128, 129, 255, 257 tokens, long prompts, deep chains of
+// long segments, childless siblings next to siblings with children, GQA; fp32 vs the dense fp64
+// reference, and 1 thread vs 4 bit for bit.
+TEST(CpuAttention, TileAndBlockEdges) {
+  struct Case {
+    std::vector<int32_t> lengths, parents;
+    int H, Hk, D;
+  };
+  const Case cases[] = {
+      {{300, 1, 127, 128, 129, 255, 2, 257}, {-1, 0, 0, 0, 0, 0, 0, 0}, 4, 2, 16},
+      {{130, 1, 129, 257}, {-1, 0, 1, 2}, 4, 1, 40},
+      {{257, 1, 128, 129}, {-1, -1, -1, -1}, 2, 2, 8},
+      {{100, 60, 70, 1, 200, 3, 129}, {-1, 0, 1, 0, 0, 4, 0}, 4, 4, 16},
+  };
+  std::mt19937 rng(17);
+  for (const Case& c : cases) {
+    HostLayout layout(c.lengths, c.parents);
+    Problem<float> p = make_problem<float>(rng, layout.num_tokens(), c.H, c.Hk, c.D);
+    const Outputs<float> one = run_cpu(layout, p, DUALKV_DTYPE_FLOAT32, 1);
+    const Outputs<float> four = run_cpu(layout, p, DUALKV_DTYPE_FLOAT32, 4);
+    const auto ref = dense_attention(layout, p.H, p.Hk, p.D, p.scale, p.q64, p.k64, p.v64, p.do64);
+    const std::pair<const char*, double> errs[] = {
+        {"out", relative_error(one.out, ref.out)}, {"lse", relative_error(one.lse, ref.lse)},
+        {"dq", relative_error(one.dq, ref.dq)},    {"dk", relative_error(one.dk, ref.dk)},
+        {"dv", relative_error(one.dv, ref.dv)}};
+    for (const auto& [name, err] : errs) EXPECT_LE(err, 2e-5) << name << " T " << layout.num_tokens();
+    EXPECT_EQ(0, std::memcmp(one.out.data(), four.out.data(), one.out.size() * 4));
+    EXPECT_EQ(0, std::memcmp(one.dq.data(), four.dq.data(), one.dq.size() * 4));
+    EXPECT_EQ(0, std::memcmp(one.dk.data(), four.dk.data(), one.dk.size() * 4));
+    EXPECT_EQ(0, std::memcmp(one.dv.data(), four.dv.data(), one.dv.size() * 4));
+  }
 }
 
 // Equivalence theorem: a group [P | R_1 .. R_N] equals N independent causal sequences P+R_i, for
@@ -225,7 +268,7 @@ TEST(CpuAttention, HalfPrecisionInputs) {
           a &= 0x7fffffffu;
           if (a < 0x38800000u) out16[i] = sign | uint16_t(std::nearbyint(std::fabs(f) * 16777216.0f));
           else out16[i] = sign | uint16_t((((a >> 23) - 112u) << 10) | ((a & 0x7fffffu) >> 13));
-        }
+    }
         x[i] = f;
         x64[i] = f;
       }
@@ -250,7 +293,7 @@ TEST(CpuAttention, HalfPrecisionInputs) {
           const int exp = (x[i] >> 10) & 0x1f, mant = x[i] & 0x3ff;
           const double mag = exp == 0 ? std::ldexp(mant, -24) : std::ldexp(1024 + mant, exp - 25);
           y[i] = (x[i] & 0x8000) ? -mag : mag;
-        }
+    }
       }
       return y;
     };
@@ -261,5 +304,42 @@ TEST(CpuAttention, HalfPrecisionInputs) {
     EXPECT_LE(relative_error(decode(o.dv), ref.dv), tol);
   }
 }
+
+// Issue 22: a worker thread that cannot be created (its stack does not fit a lowered address-space
+// limit) aborted the process. The call now runs on the threads it got: same bits as before the
+// limit (or, were memory too short for the call itself, a typed error). Forked, so the limit stays
+// in the child.
+#if !defined(__SANITIZE_ADDRESS__)  // ASan reserves terabytes of shadow: no RLIMIT_AS under it
+TEST(CpuAttention, SurvivesThreadCreationFailure) {
+  std::mt19937 rng(3);
+  std::vector<int32_t> lengths(16, 160), parents(16, -1);  // 2^24.6 multiply-adds: the workers start
+  HostLayout layout(lengths, parents);
+  Problem<float> p = make_problem<float>(rng, layout.num_tokens(), 4, 4, 32);
+  // One thread here: a worker joined in this process would leave its stack in glibc's cache, and the
+  // child would reuse it instead of failing to map a new one.
+  const Outputs<float> unlimited = run_cpu(layout, p, DUALKV_DTYPE_FLOAT32, 1);
+  auto limited_call = [&] {
+    long pages = 0;
+    if (FILE* f = std::fopen("/proc/self/statm", "r")) {
+      if (std::fscanf(f, "%ld", &pages) != 1) pages = 0;
+      std::fclose(f);
+    }
+    const rlim_t used = rlim_t(pages) * rlim_t(sysconf(_SC_PAGESIZE));
+    const rlimit limit{used + (4u << 20), RLIM_INFINITY};  // room for buffers, not for an 8 MiB stack
+    setrlimit(RLIMIT_AS, &limit);
+    Outputs<float> o;
+    o.out.assign(unlimited.out.size(), NAN);
+    o.lse.assign(unlimited.lse.size(), NAN);
+    dualkv_fwd_params f = dualkv::testing::contiguous_fwd_params(
+        layout, DUALKV_DTYPE_FLOAT32, p.H, p.Hk, p.D, p.scale, p.q.data(), p.k.data(), p.v.data(), o.out.data(),
+        o.lse.data());
+    f.num_threads = 64;
+    const dualkv_status st = dualkv_fwd(&f);
+    const bool same = st == DUALKV_OK && std::memcmp(o.out.data(), unlimited.out.data(), o.out.size() * 4) == 0;
+    std::exit(same || st == DUALKV_ERROR_INTERNAL ? 0 : 1);
+  };
+  EXPECT_EXIT(limited_call(), ::testing::ExitedWithCode(0), "");
+}
+#endif
 
 }  // namespace

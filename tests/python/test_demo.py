@@ -23,8 +23,28 @@ def test_demo_cli_cpu_tiny():
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
     for what in ("rho", "max |delta log-prob|", "|delta loss|", "grad diff norm", "speedup",
-                 "equivalence check: PASSED"):
+                 "where the gain comes from", "equivalence check: PASSED"):
         assert what in out, out
+
+
+def test_demo_cpu_default_is_the_packing_regime():
+    """Without arguments on a CPU the demo runs the ``small`` model on long prompts with many responses
+    (where packing pays: rho > 4); the GPU default is unchanged."""
+    import argparse
+
+    import dualkv.demo as demo
+    parser = argparse.ArgumentParser()
+    demo.add_arguments(parser)
+    cpu = parser.parse_args(["--device", "cpu"])
+    demo._defaults(cpu)
+    assert (cpu.model_size, cpu.groups, cpu.n, cpu.prompt_len, cpu.response_len) == ("small", 2, 8, 512, 64)
+    assert cpu.dtype == "float32" and not cpu.gradient_checkpointing
+    ro = demo.make_rollouts(cpu.groups, cpu.n, cpu.prompt_len, cpu.response_len, 1024, seed=1)
+    assert ro.unpacked_tokens / ro.packed_tokens > 4
+    gpu = parser.parse_args(["--device", "cuda"])
+    demo._defaults(gpu)
+    assert (gpu.model_size, gpu.groups, gpu.n, gpu.prompt_len, gpu.response_len) == ("0.6b", 2, 16, 2048, 512)
+    assert gpu.dtype == "bfloat16" and gpu.gradient_checkpointing
 
 
 def test_demo_detects_a_wrong_attention(monkeypatch):

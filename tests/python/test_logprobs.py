@@ -10,6 +10,7 @@ import random
 import pytest
 import torch
 
+import dualkv
 from dualkv.logprobs import response_logprobs, response_logprobs_from_logits
 from dualkv.packing import pack
 
@@ -243,3 +244,34 @@ def test_plan_built_under_inference_mode_is_reusable_for_training():
     (lp.sum() + out.sum()).backward()
     torch.testing.assert_close(lp.detach(), old)
     assert h2.grad is not None and w2.grad is not None
+
+
+@pytest.mark.parametrize("bad_id", [-1, 10, 2**40])
+def test_token_ids_outside_the_vocabulary_are_rejected(bad_id):
+    """Issue 22: id -1 silently read vocab row V-1 (and sent its gradient there); ids >= V raised a
+    bare IndexError (a device-side assert on CUDA)."""
+    pk = dualkv.pack([torch.tensor([1, 2, 3])], [[torch.tensor([4, bad_id, 5])]])
+    hidden, weight = torch.randn(pk.num_tokens, 8), torch.randn(10, 8)
+    with pytest.raises(dualkv.ArgumentError, match=r"token ids must lie in \[0, 10\)"):
+        dualkv.response_logprobs(hidden, weight, pk)
+    with pytest.raises(dualkv.ArgumentError, match=r"\[0, 10\)"):
+        dualkv.response_logprobs_from_logits(torch.randn(pk.num_tokens, 10), pk)
+
+
+def test_token_ids_are_checked_against_each_vocabulary():
+    pk = dualkv.pack([torch.tensor([1, 2])], [[torch.tensor([3, 7])]])
+    assert dualkv.response_logprobs(torch.randn(pk.num_tokens, 4), torch.randn(8, 4), pk).shape == (1, 2)
+    with pytest.raises(dualkv.ArgumentError, match=r"\[0, 5\)"):
+        dualkv.response_logprobs(torch.randn(pk.num_tokens, 4), torch.randn(5, 4), pk)
+
+
+@pytest.mark.gpu
+def test_cuda_token_ids_outside_the_vocabulary_raise_without_a_device_assert():
+    pk = dualkv.pack([torch.tensor([1, 2, 3], device="cuda")], [[torch.tensor([4, -1, 5], device="cuda")]])
+    hidden = torch.randn(pk.num_tokens, 8, device="cuda", dtype=torch.bfloat16)
+    weight = torch.randn(10, 8, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(dualkv.ArgumentError, match="token ids"):
+        dualkv.response_logprobs(hidden, weight, pk)
+    torch.cuda.synchronize()  # the context is healthy: no device-side assert fired
+    ok = dualkv.pack([torch.tensor([1, 2, 3], device="cuda")], [[torch.tensor([4, 6, 5], device="cuda")]])
+    assert torch.isfinite(dualkv.response_logprobs(hidden, weight, ok)).all()

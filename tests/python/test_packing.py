@@ -439,3 +439,12 @@ def test_multi_turn_loss_mask_with_holes():
     assert tokens.shape == (ids.shape[0], Lr) and torch.equal(mask, rm.bool())
     assert torch.equal(tokens[mask].long(), ids[:, Lp:][rm.bool()])  # the response's own columns
     assert torch.equal((mask & loss_mask.bool()), loss_mask.bool())  # the loss mask applies as is
+
+
+def test_mixed_token_dtypes_promote_instead_of_narrowing():
+    """Issue 22: every token tensor was cast to the first prompt's dtype (uint8 + int64: 300 -> 44)."""
+    pb = pack([torch.tensor([1, 2], dtype=torch.uint8)], [[torch.tensor([300], dtype=torch.int64)]])
+    assert pb.input_ids.dtype == torch.int64
+    assert pb.input_ids.tolist() == [[1, 2, 300]]
+    pb = pack([torch.tensor([5], dtype=torch.int32)], [[torch.tensor([7], dtype=torch.int16)]])
+    assert pb.input_ids.dtype == torch.int32 and pb.input_ids.tolist() == [[5, 7]]

@@ -1,0 +1,20 @@
+# Fails if an object compiled for a specific instruction set defines a symbol the linker may merge
+# with another copy (weak or unique: inline functions, template instantiations), other than the
+# renamed Eigen namespace's (dualkv_eigen_<isa>) and the unwinder's personality reference.
+string(REPLACE "|" ";" objects "${OBJECTS}")
+foreach(object IN LISTS objects)
+  execute_process(COMMAND ${NM} -C --defined-only ${object} OUTPUT_VARIABLE symbols RESULT_VARIABLE rc)
+  if(NOT rc EQUAL 0)
+    message(FATAL_ERROR "nm failed on ${object}")
+  endif()
+  string(REPLACE "\n" ";" lines "${symbols}")
+  foreach(line IN LISTS lines)
+    if(line MATCHES "^[0-9a-f]* [WVu] (.*)$")
+      set(name "${CMAKE_MATCH_1}")
+      if(NOT name MATCHES "dualkv_eigen_" AND NOT name MATCHES "^DW\\.ref\\.__gxx_personality_v0$")
+        message(FATAL_ERROR "${object} defines the mergeable symbol ${name}")
+      endif()
+    endif()
+  endforeach()
+endforeach()
+message(STATUS "no mergeable symbols outside the renamed Eigen namespaces in ${objects}")
