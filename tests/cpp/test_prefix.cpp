@@ -341,4 +341,71 @@ TEST(Prefix, DeterministicAcrossThreadCounts) {
   }
 }
 
+// The checks of dualkv_fwd / dualkv_bwd around the prefix block: buffers, aliasing, the params
+// struct of callers built before the block.
+TEST(Prefix, ApiChecksThePrefixBlock) {
+  PrefixedLayout l = two_groups();
+  ASSERT_EQ(l.derive(), DUALKV_OK);
+  const int H = 2, Hk = 1, D = 8, T = l.offsets.back(), Tp = 5;
+  std::vector<float> q(size_t(T) * H * D, 0.5f), k(size_t(T) * Hk * D, 0.25f), v(k), out(q.size()), lse(size_t(H) * T);
+  std::vector<float> pk(size_t(Tp) * Hk * D, 0.1f), pv(pk), dq(q.size()), dk(k.size()), dv(k.size()), pdk(pk.size()),
+      pdv(pk.size());
+  const HostLayout shape({1}, {-1});
+  dualkv_fwd_params f = dualkv::testing::contiguous_fwd_params(shape, DUALKV_DTYPE_FLOAT32, H, Hk, D, 0.3, q.data(),
+                                                                k.data(), v.data(), out.data(), lse.data());
+  f.layout = l.view();
+  f.lse_head_stride = T;
+  f.prefixes = l.prefixes();
+  f.prefix_k = pk.data();
+  f.prefix_v = pv.data();
+  f.prefix_k_token_stride = f.prefix_v_token_stride = Hk * D;
+  f.prefix_k_head_stride = f.prefix_v_head_stride = D;
+  ASSERT_EQ(dualkv_fwd(&f), DUALKV_OK) << dualkv_last_error();
+  dualkv_bwd_params b = dualkv::testing::contiguous_bwd_params(f, q.data(), dq.data(), dk.data(), dv.data());
+  b.prefixes = f.prefixes;
+  b.prefix_k = pk.data();
+  b.prefix_v = pv.data();
+  b.prefix_dk = pdk.data();
+  b.prefix_dv = pdv.data();
+  b.prefix_k_token_stride = b.prefix_v_token_stride = b.prefix_dk_token_stride = b.prefix_dv_token_stride = Hk * D;
+  b.prefix_k_head_stride = b.prefix_v_head_stride = b.prefix_dk_head_stride = b.prefix_dv_head_stride = D;
+  ASSERT_EQ(dualkv_bwd(&b), DUALKV_OK) << dualkv_last_error();
+
+  auto expect_error = [](dualkv_status got, dualkv_status want, const char* message) {
+    EXPECT_EQ(got, want);
+    EXPECT_NE(std::string(dualkv_last_error()).find(message), std::string::npos) << dualkv_last_error();
+  };
+  dualkv_fwd_params bad = f;
+  bad.prefix_v = nullptr;
+  expect_error(dualkv_fwd(&bad), DUALKV_ERROR_INVALID_ARGUMENT, "prefix_v: pointer is NULL");
+  bad = f;
+  bad.prefixes.seg_prefix = nullptr;
+  expect_error(dualkv_fwd(&bad), DUALKV_ERROR_INVALID_LAYOUT, "seg_prefix or prefix_offsets is NULL");
+  bad = f;
+  bad.prefixes = dualkv_prefixes{};  // the layout has an external segment: it looks empty
+  expect_error(dualkv_fwd(&bad), DUALKV_ERROR_INVALID_LAYOUT, "segment 0 is empty");
+  bad = f;
+  bad.prefix_k = reinterpret_cast<const char*>(pk.data()) + 1;  // misaligned
+  expect_error(dualkv_fwd(&bad), DUALKV_ERROR_INVALID_ARGUMENT, "prefix_k: pointer");
+  dualkv_bwd_params bad_b = b;
+  bad_b.prefix_dv = dv.data();  // an output overlapping another output
+  expect_error(dualkv_bwd(&bad_b), DUALKV_ERROR_INVALID_ARGUMENT, "overlap");
+  bad_b = b;
+  bad_b.prefix_dk = const_cast<float*>(pk.data());  // accumulating into an input
+  expect_error(dualkv_bwd(&bad_b), DUALKV_ERROR_INVALID_ARGUMENT, "prefix_dk and prefix_k overlap");
+  bad_b = b;
+  bad_b.prefix_dk = nullptr;
+  expect_error(dualkv_bwd(&bad_b), DUALKV_ERROR_INVALID_ARGUMENT, "prefix_dk: pointer is NULL");
+
+  // A caller built before the prefix block passes the shorter struct; an unknown size is refused.
+  const HostLayout plain({3, 2}, {-1, 0});
+  dualkv_fwd_params old = dualkv::testing::contiguous_fwd_params(plain, DUALKV_DTYPE_FLOAT32, H, Hk, D, 0.3, q.data(),
+                                                                  k.data(), v.data(), out.data(), lse.data());
+  old.struct_size = uint32_t(offsetof(dualkv_fwd_params, prefixes));
+  old.prefixes.num_prefixes = 7;  // past the caller's struct: must not be read
+  EXPECT_EQ(dualkv_fwd(&old), DUALKV_OK) << dualkv_last_error();
+  old.struct_size = uint32_t(offsetof(dualkv_fwd_params, prefixes) + 8);
+  expect_error(dualkv_fwd(&old), DUALKV_ERROR_VERSION, "struct_size");
+}
+
 }  // namespace
