@@ -261,7 +261,7 @@ def policy_update(model, prompts: Sequence[Tensor], responses: Sequence[Sequence
         loss, m = policy_loss(logp, old, adv, packed.response_mask(), ref_logprobs=ref, **loss_kwargs)
         weight = (mb.response_tokens if by_tokens else mb.num_responses) / total
         (loss * weight).backward()
-        loss_sum += float(loss) * weight
+        loss_sum += float(loss.detach()) * weight
         for name, value in m.items():
             if name == "ratio_max":
                 metrics[name] = max(metrics.get(name, value), value)

@@ -331,3 +331,22 @@ def test_prompt_once_plan_errors():
     # a one-token prompt has nothing to run once: its subsets carry it, as without prompt phases
     plan = plan_micro_batches([(1, [6, 6])], 8, prompt_once=True)
     assert plan.prompt_phases == ((),) and not any(e for mb in plan.ranks[0] for e in mb.external)
+
+
+def test_demo_runs_large_groups_prompt_once(capsys):
+    """``python -m dualkv demo --max-tokens``: every group exceeds the budget, the update runs its
+    prompts once and still passes the demo's equivalence check against the standard update (and so
+    does the same plan with the prompt recomputed per micro-batch)."""
+    import argparse
+
+    import dualkv.demo as demo
+    parser = argparse.ArgumentParser()
+    demo.add_arguments(parser)
+    args = parser.parse_args(["--model-size", "tiny", "--device", "cpu", "--steps", "1", "--max-tokens", "72"])
+    res = demo.run_demo(args)
+    assert res["ok"] and res["seconds_recompute"] is not None
+    out = capsys.readouterr().out
+    for what in ("prompt phase(s)", "prompt once vs recomputed", "equivalence check: PASSED"):
+        assert what in out, out
+    plan = demo.policy_update_plan(demo.make_rollouts(3, 4, 48, 24, 512, seed=1), 72)
+    assert len(plan.split_groups) == 3 and plan.micro_batches_per_rank > 3
