@@ -198,7 +198,7 @@ dualkv_status check_common(const Params* p, const char* what) {
   }
   if (p->device == DUALKV_DEVICE_CUDA) {
 #if defined(DUALKV_WITH_CUDA)
-    if (p->prefixes.num_prefixes != 0)  // the kernels' plan: docs/notes/2026-12-02-external-prefix-kernels.md
+    if (p->prefixes.num_prefixes != 0)  // the kernels' plan: docs/notes/2026-12-01-external-prefix-kernels.md
       return fail(DUALKV_ERROR_UNSUPPORTED, "%s: external prefix segments are not supported by the CUDA backend yet "
                   "(the CPU backend runs them)", what);
     if (p->dtype != DUALKV_DTYPE_FLOAT16 && p->dtype != DUALKV_DTYPE_BFLOAT16)
