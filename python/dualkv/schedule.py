@@ -62,6 +62,7 @@ class PromptKV:
 
     def __init__(self, prefix_lens: Sequence[int]):
         self.prefix_lens = tuple(int(n) for n in prefix_lens)
+        self.num_rows = sum(self.prefix_lens)
         self.recording = True
         self._grad_enabled = torch.is_grad_enabled()
         self._keys: Dict[int, Tensor] = {}
@@ -72,8 +73,9 @@ class PromptKV:
 
     # ---- phase A ----
     def record(self, module, k: Tensor, v: Tensor) -> None:
-        """Keep layer ``module.layer_idx``'s keys and values ``[T, Hk, D]`` (during phase A only:
-        phase C's checkpoint recompute of the layer calls it again and is ignored)."""
+        """Keep layer ``module.layer_idx``'s keys and values ``[T, Hk, D]`` of the prompts (the
+        first ``num_rows`` rows: a sequence-parallel pad follows them), during phase A only: phase
+        C's checkpoint recompute of the layer calls it again and is ignored."""
         if not self.recording:
             return
         idx = _layer_index(module)
@@ -84,7 +86,7 @@ class PromptKV:
                 "model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})")
         if idx in self._keys:
             raise ArgumentError(f"dualkv.schedule: attention layer {idx} ran twice in one prompt phase")
-        self._keys[idx], self._values[idx] = k, v
+        self._keys[idx], self._values[idx] = k[:self.num_rows], v[:self.num_rows]
 
     def finish(self) -> None:
         """End phase A: from now on the layers read the recorded keys and values through leaves
@@ -148,11 +150,13 @@ def _add_into(total: Tensor):
     return hook
 
 
-def run_prompt_phase(model, prompts: Sequence[Tensor], deterministic: bool = False) -> PromptKV:
+def run_prompt_phase(model, prompts: Sequence[Tensor], deterministic: bool = False, sp_group=None) -> PromptKV:
     """Phase A: run the prompts (1-D token tensors, at least 2 tokens each) without their last
     token through ``model`` (a transformers causal LM with dualkv attention, in training mode) and
     return their recorded keys and values. Runs inside the model's own forward call, so wrappers
-    that hook the root module (FSDP2) see a normal forward."""
+    that hook the root module (FSDP2) see a normal forward. ``sp_group``: Ulysses sequence
+    parallelism (every rank of the group calls it with the same prompts; each keeps its heads'
+    keys and values of every prompt token)."""
     from .integrations import transformers as dkt
     if not prompts:
         raise ArgumentError("dualkv.schedule.run_prompt_phase: no prompts")
@@ -168,6 +172,12 @@ def run_prompt_phase(model, prompts: Sequence[Tensor], deterministic: bool = Fal
     layout = Layout.varlen(lens).to(device)
     kv = PromptKV(lens)
     ids = torch.cat([p[:-1] for p in prompts]).view(1, -1)
+    positions = layout.position_ids.view(1, -1)
+    if sp_group is not None:  # this rank's token range of the padded stream, attention over the group
+        from . import distributed
+        shard = distributed.shard(layout, sp_group)
+        ids = torch.cat([ids, ids.new_zeros(1, shard.num_tokens - ids.shape[1])], dim=1)[:, shard.start:shard.stop]
+        layout, positions = shard, shard.position_ids
     base = model.get_decoder() if hasattr(model, "get_decoder") else model.base_model
     cuda = device.type == "cuda"
     before = torch.cuda.memory_allocated(device) if cuda else 0
@@ -175,7 +185,7 @@ def run_prompt_phase(model, prompts: Sequence[Tensor], deterministic: bool = Fal
     def forward(**kwargs):
         base(**kwargs)  # the outputs are not needed: the recorded keys and values carry the graph
 
-    dkt._call_as_forward(model, forward, input_ids=ids, position_ids=layout.position_ids.view(1, -1),
+    dkt._call_as_forward(model, forward, input_ids=ids, position_ids=positions,
                          **{dkt.LAYOUT_KWARG: layout, dkt.PROMPT_KV_KWARG: kv, dkt.DETERMINISTIC_KWARG: deterministic},
                          use_cache=False)
     kv.finish()
@@ -203,7 +213,7 @@ def _pack(mb: MicroBatch, phase: Optional[PromptPhase], kv: Optional[PromptKV], 
 
 
 def micro_batches(model, plan: MicroBatchPlan, rank: int, prompts: Sequence[Tensor],
-                  responses: Sequence[Sequence[Tensor]], deterministic: bool = False
+                  responses: Sequence[Sequence[Tensor]], deterministic: bool = False, sp_group=None
                   ) -> Iterator[Tuple[MicroBatch, Optional[PackedBatch]]]:
     """Run rank ``rank``'s part of ``plan`` micro-batch by micro-batch: yields ``(micro_batch,
     packed)`` for the caller's forward (e.g. :func:`dualkv.integrations.transformers.packed_logprobs`
@@ -216,6 +226,10 @@ def micro_batches(model, plan: MicroBatchPlan, rank: int, prompts: Sequence[Tens
     caller comes back after its last one (so do the backward of every micro-batch before asking for
     the next); an empty phase (padding) runs a one-token placeholder prompt, so that every rank
     runs the same forwards and backwards. Leaving the loop early skips phase C.
+
+    ``sp_group``: Ulysses sequence parallelism; ``rank`` is then the data-parallel rank, every rank
+    of the SP group iterates the same micro-batches, and the caller shards each ``packed``
+    (:func:`dualkv.distributed.shard`) for its forward, as for any micro-batch.
     """
     phases = plan.prompt_phases[rank] if plan.prompt_phases else ()
     phase_of = {i: j for j, ph in enumerate(phases) for i in ph.micro_batches}
@@ -230,7 +244,7 @@ def micro_batches(model, plan: MicroBatchPlan, rank: int, prompts: Sequence[Tens
                 phase_prompts = [prompts[g] for g in phases[j].groups]
                 if not phase_prompts:  # padding: a placeholder prompt keeps the ranks' collectives in step
                     phase_prompts = [torch.zeros(2, dtype=torch.int64, device=model.device)]
-                kv = run_prompt_phase(model, phase_prompts, deterministic)
+                kv = run_prompt_phase(model, phase_prompts, deterministic, sp_group)
             current = j
         if not mb.entries:
             yield mb, None

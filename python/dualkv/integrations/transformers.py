@@ -188,18 +188,22 @@ def dualkv_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
                                            sliding_window, softcap, kwargs)
     deterministic = bool(kwargs.get(DETERMINISTIC_KWARG, False))
     prompt_kv = kwargs.get(PROMPT_KV_KWARG)
+    forest = layout.layout if isinstance(layout, SequenceShard) else layout
+
+    def kv_hook(keys, values):
+        """dualkv.schedule: a response micro-batch reads a prompt phase's keys and values (this rank's
+        heads under Ulysses); the prompt phase itself records them (a no-op when its backward
+        recomputes the layer)."""
+        if forest.num_prefixes:
+            return prompt_kv.prefix(module)
+        prompt_kv.record(module, keys, values)
+        return None, None
+
+    hook = kv_hook if prompt_kv is not None else None
     if isinstance(layout, SequenceShard):  # Ulysses: all-to-all around the same attention
-        if prompt_kv is not None:
-            raise UnsupportedError("dualkv attention: prompt phases (dualkv.schedule) do not run sequence-parallel "
-                                   "yet")
-        out = _dist.attention(q, k, v, layout, softmax_scale=scaling, deterministic=deterministic)
+        out = _dist.attention(q, k, v, layout, softmax_scale=scaling, deterministic=deterministic, kv_hook=hook)
     else:
-        prefix_k = prefix_v = None
-        if prompt_kv is not None:  # dualkv.schedule: a response micro-batch reads a prompt phase's keys and values
-            if layout.num_prefixes:
-                prefix_k, prefix_v = prompt_kv.prefix(module)
-            else:  # the prompt phase itself records them (a no-op when its backward recomputes the layer)
-                prompt_kv.record(module, k, v)
+        prefix_k, prefix_v = hook(k, v) if hook is not None else (None, None)
         out = _dualkv_attention(q, k, v, layout, softmax_scale=scaling, deterministic=deterministic,
                                 prefix_k=prefix_k, prefix_v=prefix_v)
     return out.unsqueeze(0), None
@@ -482,7 +486,10 @@ def model_inputs(packed, layout: Optional[Layout] = None) -> Dict[str, Any]:
     ``layout``.
     """
     if isinstance(packed, SequenceShard):
-        return packed.model_inputs()
+        inputs = packed.model_inputs()
+        if packed.packed is not None and packed.packed.prompt_kv is not None:
+            inputs[PROMPT_KV_KWARG] = packed.packed.prompt_kv
+        return inputs
     prompt_kv = None
     if layout is None:
         ids, pos, layout, prompt_kv = packed.input_ids, packed.position_ids, packed.layout, packed.prompt_kv
