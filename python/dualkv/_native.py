@@ -232,7 +232,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.dualkv_bwd.argtypes = [c.POINTER(BwdParams)]
     for name in ("dualkv_layout_derive", "dualkv_layout_position_ids", "dualkv_layout_visible_pairs",
                  "dualkv_layout_derive_prefixed", "dualkv_layout_position_ids_prefixed",
-                 "dualkv_layout_visible_pairs_prefixed", "dualkv_plan_size", "dualkv_plan_build", "dualkv_fwd_workspace_size",
+                 "dualkv_layout_visible_pairs_prefixed",
+                 "dualkv_plan_size", "dualkv_plan_build", "dualkv_fwd_workspace_size",
                  "dualkv_bwd_workspace_size", "dualkv_fwd", "dualkv_bwd"):
         getattr(lib, name).restype = c.c_int
 

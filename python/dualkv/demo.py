@@ -18,9 +18,10 @@ same GRPO loss (:func:`dualkv.grpo.policy_loss`), so the differences printed are
 packing and the attention. With ``--max-tokens`` the dualkv update runs in micro-batches of that
 many packed tokens (:func:`dualkv.grpo.policy_update`): a group over the budget runs its prompt once
 (:mod:`dualkv.schedule`), and a third path times the same micro-batches with the prompt recomputed
-in each (a copy of the prompt per response subset, the way without prompt phases). A policy update here is forward + backward (the optimizer step is the
-same for both and left out). The demo checks its own equivalence and exits non-zero if the
-differences exceed the tolerance (see :data:`TOLERANCES`).
+in each (a copy of the prompt per response subset: the way without prompt phases). A policy update
+here is forward + backward (the optimizer step is the same for both and left out). The demo checks
+its own equivalence and exits non-zero if the differences exceed the tolerance (see
+:data:`TOLERANCES`).
 """
 from __future__ import annotations
 
@@ -421,8 +422,8 @@ def run_demo(args) -> Dict:
     say(f"  speedup (standard / dualkv)     {t_s / t_d:.2f}x  (median of {args.steps} updates after a warm-up)")
     if "recompute" in results:
         t_r = results["recompute"]["seconds"]
-        say(f"  prompt once vs recomputed       {t_r / t_d:.2f}x  (the same micro-batches with each split group's prompt "
-            f"recomputed per response subset: {t_r:.4f} s / update)")
+        say(f"  prompt once vs recomputed       {t_r / t_d:.2f}x  (the same micro-batches with each split group's "
+            f"prompt recomputed per response subset: {t_r:.4f} s / update)")
     say(f"  where the gain comes from       the model ran {ro.packed_tokens} packed tokens instead of {B * L} "
         f"({B} padded rows; {ro.unpacked_tokens} real): every projection, MLP and norm does {B * L / ro.packed_tokens:.1f}x "
         f"less work, and attention computes each prompt's (query, key) pairs once instead of N={args.n} times")

@@ -81,12 +81,12 @@ class PromptKV:
         idx = _layer_index(module)
         if torch.is_grad_enabled() != self._grad_enabled:
             raise UnsupportedError(
-                "dualkv.schedule: gradients are off inside the layer of a prompt phase that runs with gradients (reentrant "
-                "gradient checkpointing?); the recorded keys and values would not reach the parameters. Use "
-                "model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})")
+                "dualkv.schedule: gradients are off inside the layer of a prompt phase that runs with gradients "
+                "(reentrant gradient checkpointing?); the recorded keys and values would not reach the parameters. "
+                "Use model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})")
         if idx in self._keys:
             raise ArgumentError(f"dualkv.schedule: attention layer {idx} ran twice in one prompt phase")
-        self._keys[idx], self._values[idx] = k[:self.num_rows], v[:self.num_rows]
+        self._keys[idx], self._values[idx] = _own_rows(k[:self.num_rows]), _own_rows(v[:self.num_rows])
 
     def finish(self) -> None:
         """End phase A: from now on the layers read the recorded keys and values through leaves
@@ -136,11 +136,23 @@ class PromptKV:
         """Bytes kept: ``kv`` (the recorded keys and values), ``grad`` (their accumulated
         gradients: fp32 sums for 16-bit models, the leaves' gradients otherwise), ``device`` (phase
         A's whole kept state, activations included, measured by the CUDA allocator; None on CPU)."""
-        kv = sum(t.numel() * t.element_size() for d in (self._keys, self._values) for t in d.values())
+        kv = _storage_bytes([t for d in (self._keys, self._values) for t in d.values()])
         grad = sum(t.numel() * t.element_size() for pair in self._sums.values() for t in pair)
         grad += sum(leaf.grad.numel() * leaf.grad.element_size() for pair in self._leaves.values() for leaf in pair
                     if leaf.grad is not None)
         return {"kv": kv, "grad": grad, "device": self.device_bytes}
+
+
+def _own_rows(t: Tensor) -> Tensor:
+    """``t``, or a copy of it when it views a larger buffer (under Ulysses the keys are a slice of
+    the all-to-all's q/k/v buffer, and holding the slice would keep the queries alive too)."""
+    return t if t.untyped_storage().nbytes() <= t.numel() * t.element_size() else t.clone()
+
+
+def _storage_bytes(tensors: Sequence[Tensor]) -> int:
+    """Bytes of the distinct buffers ``tensors`` keep alive."""
+    seen = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(seen.values())
 
 
 def _add_into(total: Tensor):

@@ -171,6 +171,24 @@ double to_double(T x) {
   }
 }
 
+// The prefix block of forward or backward params: the layout's table and contiguous
+// [rows, Hk, D] prefix buffers.
+template <typename Params>
+void set_prefix_inputs(Params* p, const PrefixedLayout& l, const void* pk, const void* pv, int Hk, int D) {
+  p->prefixes = l.prefixes();
+  p->prefix_k = pk;
+  p->prefix_v = pv;
+  p->prefix_k_token_stride = p->prefix_v_token_stride = int64_t(Hk) * D;
+  p->prefix_k_head_stride = p->prefix_v_head_stride = D;
+}
+
+void set_prefix_grads(dualkv_bwd_params* b, void* pdk, void* pdv, int Hk, int D) {
+  b->prefix_dk = pdk;
+  b->prefix_dv = pdv;
+  b->prefix_dk_token_stride = b->prefix_dv_token_stride = int64_t(Hk) * D;
+  b->prefix_dk_head_stride = b->prefix_dv_head_stride = D;
+}
+
 // Appends the bytes of `x` to `bytes`.
 template <typename V>
 void append_bytes(const V& x, std::vector<unsigned char>* bytes) {
@@ -231,21 +249,11 @@ void check_case(const Case& c, std::mt19937& rng, int32_t dtype, int H, int Hk, 
   f.layout = c.prefixed.view();
   f.lse_head_stride = Tl;
   f.num_threads = threads;
-  f.prefixes = c.prefixed.prefixes();
-  f.prefix_k = pk.data();
-  f.prefix_v = pv.data();
-  f.prefix_k_token_stride = f.prefix_v_token_stride = int64_t(Hk) * D;
-  f.prefix_k_head_stride = f.prefix_v_head_stride = D;
+  set_prefix_inputs(&f, c.prefixed, pk.data(), pv.data(), Hk, D);
   EXPECT_EQ(dualkv_fwd(&f), DUALKV_OK) << dualkv_last_error();
   dualkv_bwd_params b = dualkv::testing::contiguous_bwd_params(f, ldo.data(), dq.data(), dk.data(), dv.data());
-  b.prefixes = f.prefixes;
-  b.prefix_k = pk.data();
-  b.prefix_v = pv.data();
-  b.prefix_dk = pdk.data();
-  b.prefix_dv = pdv.data();
-  b.prefix_k_token_stride = b.prefix_v_token_stride = b.prefix_dk_token_stride = b.prefix_dv_token_stride =
-      int64_t(Hk) * D;
-  b.prefix_k_head_stride = b.prefix_v_head_stride = b.prefix_dk_head_stride = b.prefix_dv_head_stride = D;
+  set_prefix_inputs(&b, c.prefixed, pk.data(), pv.data(), Hk, D);
+  set_prefix_grads(&b, pdk.data(), pdv.data(), Hk, D);
   EXPECT_EQ(dualkv_bwd(&b), DUALKV_OK) << dualkv_last_error();
 
   // Gather the expected values in the local / prefix order.
@@ -355,20 +363,11 @@ TEST(Prefix, ApiChecksThePrefixBlock) {
                                                                 k.data(), v.data(), out.data(), lse.data());
   f.layout = l.view();
   f.lse_head_stride = T;
-  f.prefixes = l.prefixes();
-  f.prefix_k = pk.data();
-  f.prefix_v = pv.data();
-  f.prefix_k_token_stride = f.prefix_v_token_stride = Hk * D;
-  f.prefix_k_head_stride = f.prefix_v_head_stride = D;
+  set_prefix_inputs(&f, l, pk.data(), pv.data(), Hk, D);
   ASSERT_EQ(dualkv_fwd(&f), DUALKV_OK) << dualkv_last_error();
   dualkv_bwd_params b = dualkv::testing::contiguous_bwd_params(f, q.data(), dq.data(), dk.data(), dv.data());
-  b.prefixes = f.prefixes;
-  b.prefix_k = pk.data();
-  b.prefix_v = pv.data();
-  b.prefix_dk = pdk.data();
-  b.prefix_dv = pdv.data();
-  b.prefix_k_token_stride = b.prefix_v_token_stride = b.prefix_dk_token_stride = b.prefix_dv_token_stride = Hk * D;
-  b.prefix_k_head_stride = b.prefix_v_head_stride = b.prefix_dk_head_stride = b.prefix_dv_head_stride = D;
+  set_prefix_inputs(&b, l, pk.data(), pv.data(), Hk, D);
+  set_prefix_grads(&b, pdk.data(), pdv.data(), Hk, D);
   ASSERT_EQ(dualkv_bwd(&b), DUALKV_OK) << dualkv_last_error();
 
   auto expect_error = [](dualkv_status got, dualkv_status want, const char* message) {

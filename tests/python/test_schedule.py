@@ -79,7 +79,8 @@ def rollouts(prompt_lens, response_lens, dtype, seed=1):
     g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(0, VOCAB, (p,), generator=g) for p in prompt_lens]
     responses = [[torch.randint(0, VOCAB, (r,), generator=g) for r in rs] for rs in response_lens]
-    old = [[(-4 + 0.3 * torch.randn(r, generator=g, dtype=torch.float64)).to(dtype) for r in rs] for rs in response_lens]
+    old = [[(-4 + 0.3 * torch.randn(r, generator=g, dtype=torch.float64)).to(dtype) for r in rs]
+           for rs in response_lens]
     adv = [[float(x) for x in torch.randn(len(rs), generator=g)] for rs in response_lens]
     return prompts, responses, old, adv
 
