@@ -95,6 +95,9 @@ class Layout:
         for s, n in enumerate(lens):
             if n < 1 and ext[s] < 0:
                 raise _native.LayoutError(f"layout: segment {s} has length {n}; every segment needs >= 1 token")
+            if ext[s] >= 0 and not plens:  # the library checks references against a non-empty table
+                raise _native.LayoutError(f"layout: segment {s} references external prefix {ext[s]}, but there are 0 "
+                                          "prefixes")
         total = sum(lens)
         if total > _MAX_TOKENS or sum(plens) > _MAX_TOKENS:
             raise _native.LayoutError(

@@ -154,6 +154,7 @@ def test_torch_compile_fullgraph_with_prefixes():
 
 @pytest.mark.parametrize("segment_lens, parents, seg_prefix, prefix_lens, match", [
     ([0, 2], [-1, 0], [1, -1], [3], "references external prefix 1, but there are 1 prefixes"),
+    ([0, 2], [-1, 0], [0, -1], [], "references external prefix 0, but there are 0 prefixes"),
     ([0, 2, 0, 1], [-1, 0, -1, 2], [0, -1, 0, -1], [3], "held by segments 0 and 2"),
     ([2, 0, 1], [-1, 0, 1], [-1, 0, -1], [3], "must be a root"),
     ([2, 0], [-1, -1], [-1, 0], [3], "has no children"),
