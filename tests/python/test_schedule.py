@@ -224,6 +224,26 @@ def test_bf16_prompt_gradients_accumulate_in_fp32():
         assert rel(split[2][name], g) <= 0.05, name
 
 
+def test_old_logprobs_under_no_grad():
+    """The same plan computes old / reference log-probs under torch.no_grad(): no graph is kept and
+    phase C has nothing to do; the log-probs equal the one-micro-batch ones."""
+    model = dkt.enable(make_model("qwen3", torch.float32))
+    prompts, responses, _, _ = rollouts([12, 4], [[5, 6, 3], [2, 2]], torch.float32)
+    whole = dkt.packed_logprobs(model, dualkv.pack(prompts, responses)).detach()
+    plan = plan_micro_batches([(p.numel(), [r.numel() for r in rs]) for p, rs in zip(prompts, responses)], 12,
+                              prompt_once=True)
+    assert plan.split_groups == (0,) and len(plan.ranks[0]) == 2
+    rows = {}
+    with torch.no_grad():
+        for mb, packed in schedule.micro_batches(model, plan, 0, prompts, responses):
+            logp = dkt.packed_logprobs(model, packed)
+            assert not logp.requires_grad
+            rows.update(zip(((g, i) for g, idx in mb.entries for i in idx), logp))
+    for b, (g, i) in enumerate((g, i) for g, rs in enumerate(responses) for i in range(len(rs))):
+        n = responses[g][i].numel()
+        torch.testing.assert_close(rows[(g, i)][:n], whole[b, :n], rtol=1e-5, atol=1e-5)
+
+
 def test_kept_memory_is_reported_and_bounded():
     model = dkt.enable(make_model("llama", torch.float32))
     prompts = [torch.randint(0, VOCAB, (n,)) for n in (7, 5)]
