@@ -364,8 +364,10 @@ def plan_micro_batches(groups: Sequence[Any], max_tokens: int, num_ranks: int = 
                 bins.append([])
                 phase_of_bin.append(-1)
             bins[i].extend(rest[x] for x in b)
-        per_phase = [[bins[i] for i in range(len(bins)) if phase_of_bin[i] == j] for j in range(len(phases))]
-        trailing = [bins[i] for i in range(len(bins)) if phase_of_bin[i] == -1]
+        per_phase: List[List[List[int]]] = [[] for _ in phases]
+        trailing: List[List[int]] = []
+        for b, j in zip(bins, phase_of_bin):
+            (per_phase[j] if j >= 0 else trailing).append(b)
         layouts.append((phases, per_phase, trailing))
 
     num_phases = max(len(ph) for ph, _, _ in layouts)
