@@ -225,11 +225,11 @@ def policy_update(model, prompts: Sequence[Tensor], responses: Sequence[Sequence
     ``kl_coef``, ``kl_type``, ``agg``). Groups that fit stay whole; a group over the budget is split
     into response subsets and, with ``prompt_once`` (default), runs its prompt once
     (:func:`dualkv.plan_micro_batches`, :func:`dualkv.schedule.micro_batches`; ``max_prompt_tokens``
-    bounds a prompt phase). Each micro-batch's
-    loss is weighted by its share of the whole batch (tokens for ``token-mean``, responses for the
-    sequence means), so the accumulated gradient is that of the loss over every response of every
-    rank: this rank's share of it (``rank`` of ``num_ranks`` data-parallel ranks; summing the ranks'
-    gradients gives the full one, so scale by ``num_ranks`` when they are averaged).
+    bounds a prompt phase). Each micro-batch's loss is weighted by its share of the whole batch
+    (tokens for ``token-mean``, responses for the sequence means), so the accumulated gradient is
+    that of the loss over every response of every rank: this rank's share of it (``rank`` of
+    ``num_ranks`` data-parallel ranks; summing the ranks' gradients gives the full one, so scale by
+    ``num_ranks`` when they are averaged).
 
     Returns ``loss`` (this rank's share, a float), ``logprobs`` (``[g][i]`` 1-D tensors, detached),
     ``metrics`` (policy_loss's over this rank's micro-batches, averaged with the same weights;
