@@ -2,10 +2,13 @@
 //
 // Every check here exists so that a bad call returns an error naming the problem instead of
 // reading or writing out of bounds in a backend. Backends assume validated params.
+#include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <cstdarg>
 #include <cstdio>
 #include <cstring>
+#include <iterator>
 #include <limits>
 #include <string>
 #include <vector>
@@ -144,13 +147,24 @@ dualkv_status check_operands(const Operand* operands, size_t n) {
   return check_no_aliasing(operands, n);
 }
 
-// Checks shared by forward and backward: struct version, device, dtype, sizes, layout.
+// The caller's params as this library's struct. A caller built against an older dualkv.h passes
+// the struct_size its header had (the size before a block appended since, listed here); the fields
+// it does not know read as zero, which means "not used" for every appended block.
+template <typename Params>
+dualkv_status read_params(const Params* in, const char* what, Params* out) {
+  if (!in) return fail(DUALKV_ERROR_INVALID_ARGUMENT, "%s: params is NULL", what);
+  constexpr size_t kSizes[] = {offsetof(Params, prefixes), sizeof(Params)};
+  if (std::find(std::begin(kSizes), std::end(kSizes), size_t(in->struct_size)) == std::end(kSizes))
+    return fail(DUALKV_ERROR_VERSION, "%s: params struct_size %u is none of the sizes this library knows (%zu, %zu; "
+                "rebuild the caller against this dualkv.h)", what, in->struct_size, kSizes[0], kSizes[1]);
+  *out = Params{};
+  std::memcpy(static_cast<void*>(out), in, in->struct_size);
+  return DUALKV_OK;
+}
+
+// Checks shared by forward and backward: version, device, dtype, sizes, layout.
 template <typename Params>
 dualkv_status check_common(const Params* p, const char* what) {
-  if (!p) return fail(DUALKV_ERROR_INVALID_ARGUMENT, "%s: params is NULL", what);
-  if (p->struct_size != sizeof(Params))
-    return fail(DUALKV_ERROR_VERSION, "%s: params struct_size %u does not match the library's %zu (rebuild the caller against this dualkv.h)",
-                what, p->struct_size, sizeof(Params));
   if (p->abi_version != DUALKV_ABI_VERSION)
     return fail(DUALKV_ERROR_VERSION, "%s: abi_version %u, library is %d", what, p->abi_version,
                 DUALKV_ABI_VERSION);
@@ -180,10 +194,13 @@ dualkv_status check_common(const Params* p, const char* what) {
     if (p->head_dim > kCpuMaxHeadDim)
       return fail(DUALKV_ERROR_UNSUPPORTED, "%s: head_dim %d is not supported by the CPU backend (max %d)",
                   what, p->head_dim, kCpuMaxHeadDim);
-    return check_host_layout(l);
+    return check_host_layout(l, &p->prefixes);
   }
   if (p->device == DUALKV_DEVICE_CUDA) {
 #if defined(DUALKV_WITH_CUDA)
+    if (p->prefixes.num_prefixes != 0)  // the kernels' plan: docs/notes/2026-12-01-external-prefix-kernels.md
+      return fail(DUALKV_ERROR_UNSUPPORTED, "%s: external prefix segments are not supported by the CUDA backend yet "
+                  "(the CPU backend runs them)", what);
     if (p->dtype != DUALKV_DTYPE_FLOAT16 && p->dtype != DUALKV_DTYPE_BFLOAT16)
       return fail(DUALKV_ERROR_UNSUPPORTED, "%s: dtype %s is not supported on CUDA (float16, bfloat16)",
                   what, dtype_name(p->dtype));
@@ -199,18 +216,29 @@ dualkv_status check_common(const Params* p, const char* what) {
   return fail(DUALKV_ERROR_INVALID_ARGUMENT, "%s: unknown device code %d", what, p->device);
 }
 
+// The prefix key/value buffers of a call with external prefix segments ([rows, Hk, D], inputs).
+template <typename Params>
+void add_prefix_inputs(const Params* p, std::vector<Operand>* ops) {
+  if (p->prefixes.num_prefixes == 0) return;
+  const int64_t rows = p->prefixes.num_prefix_rows, Hk = p->num_kv_heads, D = p->head_dim;
+  const size_t es = dtype_size(p->dtype);
+  ops->push_back({"prefix_k", p->prefix_k, rows, Hk, D, p->prefix_k_token_stride, p->prefix_k_head_stride, es, false});
+  ops->push_back({"prefix_v", p->prefix_v, rows, Hk, D, p->prefix_v_token_stride, p->prefix_v_head_stride, es, false});
+}
+
 dualkv_status check_fwd(const dualkv_fwd_params* p) {
   if (dualkv_status st = check_common(p, "fwd"); st != DUALKV_OK) return st;
   const int64_t T = p->layout.num_tokens, H = p->num_heads, Hk = p->num_kv_heads, D = p->head_dim;
   const size_t es = dtype_size(p->dtype), ls = lse_element_size(p->dtype);
-  Operand ops[] = {
+  std::vector<Operand> ops = {
       {"q", p->q, T, H, D, p->q_token_stride, p->q_head_stride, es, false},
       {"k", p->k, T, Hk, D, p->k_token_stride, p->k_head_stride, es, false},
       {"v", p->v, T, Hk, D, p->v_token_stride, p->v_head_stride, es, false},
       {"out", p->out, T, H, D, p->out_token_stride, p->out_head_stride, es, true},
-      {"lse", p->lse, H, 1, T, p->lse_head_stride, 0, ls, true},  // optional
   };
-  return check_operands(ops, p->lse ? 5 : 4);
+  if (p->lse) ops.push_back({"lse", p->lse, H, 1, T, p->lse_head_stride, 0, ls, true});
+  add_prefix_inputs(p, &ops);
+  return check_operands(ops.data(), ops.size());
 }
 
 dualkv_status check_bwd(const dualkv_bwd_params* p) {
@@ -218,7 +246,7 @@ dualkv_status check_bwd(const dualkv_bwd_params* p) {
   const int64_t T = p->layout.num_tokens, H = p->num_heads, Hk = p->num_kv_heads, D = p->head_dim;
   const size_t es = dtype_size(p->dtype), ls = lse_element_size(p->dtype);
   if (!p->lse) return fail(DUALKV_ERROR_INVALID_ARGUMENT, "lse: pointer is NULL (the backward needs the forward's lse)");
-  Operand ops[] = {
+  std::vector<Operand> ops = {
       {"q", p->q, T, H, D, p->q_token_stride, p->q_head_stride, es, false},
       {"k", p->k, T, Hk, D, p->k_token_stride, p->k_head_stride, es, false},
       {"v", p->v, T, Hk, D, p->v_token_stride, p->v_head_stride, es, false},
@@ -228,9 +256,15 @@ dualkv_status check_bwd(const dualkv_bwd_params* p) {
       {"dq", p->dq, T, H, D, p->dq_token_stride, p->dq_head_stride, es, true},
       {"dk", p->dk, T, Hk, D, p->dk_token_stride, p->dk_head_stride, es, true},
       {"dv", p->dv, T, Hk, D, p->dv_token_stride, p->dv_head_stride, es, true},
-      {"dlse", p->dlse, H, 1, T, p->dlse_head_stride, 0, ls, false},  // optional, last
   };
-  return check_operands(ops, p->dlse ? 10 : 9);
+  if (p->dlse) ops.push_back({"dlse", p->dlse, H, 1, T, p->dlse_head_stride, 0, ls, false});
+  add_prefix_inputs(p, &ops);
+  if (p->prefixes.num_prefixes != 0) {
+    const int64_t rows = p->prefixes.num_prefix_rows;
+    ops.push_back({"prefix_dk", p->prefix_dk, rows, Hk, D, p->prefix_dk_token_stride, p->prefix_dk_head_stride, es, true});
+    ops.push_back({"prefix_dv", p->prefix_dv, rows, Hk, D, p->prefix_dv_token_stride, p->prefix_dv_head_stride, es, true});
+  }
+  return check_operands(ops.data(), ops.size());
 }
 
 dualkv_status check_workspace(void* workspace, size_t have, size_t need, const char* what) {
@@ -384,43 +418,47 @@ DUALKV_API dualkv_status dualkv_plan_inspect(const dualkv_layout* host_layout, i
 DUALKV_API dualkv_status dualkv_fwd_workspace_size(const dualkv_fwd_params* params, size_t* bytes) {
   clear_error();
   if (!bytes) return fail(DUALKV_ERROR_INVALID_ARGUMENT, "fwd_workspace_size: bytes is NULL");
-  if (dualkv_status st = check_common(params, "fwd"); st != DUALKV_OK) return st;
-  *bytes = fwd_workspace(*params);
+  dualkv_fwd_params p;
+  if (dualkv_status st = read_params(params, "fwd", &p); st != DUALKV_OK) return st;
+  if (dualkv_status st = check_common(&p, "fwd"); st != DUALKV_OK) return st;
+  *bytes = fwd_workspace(p);
   return DUALKV_OK;
 }
 
 DUALKV_API dualkv_status dualkv_bwd_workspace_size(const dualkv_bwd_params* params, size_t* bytes) {
   clear_error();
   if (!bytes) return fail(DUALKV_ERROR_INVALID_ARGUMENT, "bwd_workspace_size: bytes is NULL");
-  if (dualkv_status st = check_common(params, "bwd"); st != DUALKV_OK) return st;
-  *bytes = bwd_workspace(*params);
+  dualkv_bwd_params p;
+  if (dualkv_status st = read_params(params, "bwd", &p); st != DUALKV_OK) return st;
+  if (dualkv_status st = check_common(&p, "bwd"); st != DUALKV_OK) return st;
+  *bytes = bwd_workspace(p);
   return DUALKV_OK;
 }
 
 DUALKV_API dualkv_status dualkv_fwd(const dualkv_fwd_params* params) {
   clear_error();
-  if (dualkv_status st = check_fwd(params); st != DUALKV_OK) return st;
-  if (dualkv_status st = check_workspace(params->workspace, params->workspace_bytes,
-                                         fwd_workspace(*params), "fwd");
-      st != DUALKV_OK)
+  dualkv_fwd_params p;
+  if (dualkv_status st = read_params(params, "fwd", &p); st != DUALKV_OK) return st;
+  if (dualkv_status st = check_fwd(&p); st != DUALKV_OK) return st;
+  if (dualkv_status st = check_workspace(p.workspace, p.workspace_bytes, fwd_workspace(p), "fwd"); st != DUALKV_OK)
     return st;
 #if defined(DUALKV_WITH_CUDA)
-  if (params->device == DUALKV_DEVICE_CUDA) return cuda_fwd(*params);
+  if (p.device == DUALKV_DEVICE_CUDA) return cuda_fwd(p);
 #endif
-  return cpu_fwd(*params);
+  return cpu_fwd(p);
 }
 
 DUALKV_API dualkv_status dualkv_bwd(const dualkv_bwd_params* params) {
   clear_error();
-  if (dualkv_status st = check_bwd(params); st != DUALKV_OK) return st;
-  if (dualkv_status st = check_workspace(params->workspace, params->workspace_bytes,
-                                         bwd_workspace(*params), "bwd");
-      st != DUALKV_OK)
+  dualkv_bwd_params p;
+  if (dualkv_status st = read_params(params, "bwd", &p); st != DUALKV_OK) return st;
+  if (dualkv_status st = check_bwd(&p); st != DUALKV_OK) return st;
+  if (dualkv_status st = check_workspace(p.workspace, p.workspace_bytes, bwd_workspace(p), "bwd"); st != DUALKV_OK)
     return st;
 #if defined(DUALKV_WITH_CUDA)
-  if (params->device == DUALKV_DEVICE_CUDA) return cuda_bwd(*params);
+  if (p.device == DUALKV_DEVICE_CUDA) return cuda_bwd(p);
 #endif
-  return cpu_bwd(*params);
+  return cpu_bwd(p);
 }
 
 }  // extern "C"

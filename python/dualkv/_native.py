@@ -97,6 +97,27 @@ class Layout_(ctypes.Structure):
     ]
 
 
+class Prefixes_(ctypes.Structure):
+    """dualkv_prefixes: the external prefix segments of a layout."""
+    _fields_ = [
+        ("num_prefixes", ctypes.c_int32),
+        ("num_prefix_rows", ctypes.c_int32),
+        ("seg_prefix", ctypes.c_void_p),
+        ("prefix_offsets", ctypes.c_void_p),
+    ]
+
+
+# the params block appended for external prefix segments (dualkv.h)
+_PREFIX_INPUTS = [
+    ("prefixes", Prefixes_),
+    ("prefix_k", ctypes.c_void_p),
+    ("prefix_v", ctypes.c_void_p),
+    ("prefix_k_token_stride", ctypes.c_int64),
+    ("prefix_k_head_stride", ctypes.c_int64),
+    ("prefix_v_token_stride", ctypes.c_int64),
+    ("prefix_v_head_stride", ctypes.c_int64),
+]
+
 _COMMON_HEAD = [
     ("struct_size", ctypes.c_uint32),
     ("abi_version", ctypes.c_uint32),
@@ -135,7 +156,7 @@ class FwdParams(ctypes.Structure):
         ("workspace", ctypes.c_void_p),
         ("workspace_bytes", ctypes.c_size_t),
         ("stream", ctypes.c_void_p),
-    ]
+    ] + _PREFIX_INPUTS
 
 
 class BwdParams(ctypes.Structure):
@@ -162,6 +183,13 @@ class BwdParams(ctypes.Structure):
         ("workspace", ctypes.c_void_p),
         ("workspace_bytes", ctypes.c_size_t),
         ("stream", ctypes.c_void_p),
+    ] + _PREFIX_INPUTS + [
+        ("prefix_dk", ctypes.c_void_p),
+        ("prefix_dv", ctypes.c_void_p),
+        ("prefix_dk_token_stride", ctypes.c_int64),
+        ("prefix_dk_head_stride", ctypes.c_int64),
+        ("prefix_dv_token_stride", ctypes.c_int64),
+        ("prefix_dv_head_stride", ctypes.c_int64),
     ]
 
 
@@ -189,6 +217,11 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.dualkv_layout_derive.argtypes = [_i32p, _i32p, c.c_int32, c.c_int64, _i32p, _i32p, _i32p, _i32p]
     lib.dualkv_layout_position_ids.argtypes = [c.POINTER(Layout_), _i32p]
     lib.dualkv_layout_visible_pairs.argtypes = [c.POINTER(Layout_), c.POINTER(c.c_int64)]
+    lib.dualkv_layout_derive_prefixed.argtypes = [_i32p, _i32p, c.c_int32, c.c_int64, c.POINTER(Prefixes_), _i32p,
+                                                  _i32p, _i32p, _i32p]
+    lib.dualkv_layout_position_ids_prefixed.argtypes = [c.POINTER(Layout_), c.POINTER(Prefixes_), _i32p]
+    lib.dualkv_layout_visible_pairs_prefixed.argtypes = [c.POINTER(Layout_), c.POINTER(Prefixes_),
+                                                         c.POINTER(c.c_int64)]
     lib.dualkv_plan_size.argtypes = [c.POINTER(Layout_), c.c_int32, c.c_int32, c.c_int32, c.c_int32,
                                      c.POINTER(c.c_int64), c.POINTER(c.c_uint64)]
     lib.dualkv_plan_build.argtypes = [c.POINTER(Layout_), c.c_int32, c.c_int32, c.c_int32, c.c_int32,
@@ -198,6 +231,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.dualkv_fwd.argtypes = [c.POINTER(FwdParams)]
     lib.dualkv_bwd.argtypes = [c.POINTER(BwdParams)]
     for name in ("dualkv_layout_derive", "dualkv_layout_position_ids", "dualkv_layout_visible_pairs",
+                 "dualkv_layout_derive_prefixed", "dualkv_layout_position_ids_prefixed",
+                 "dualkv_layout_visible_pairs_prefixed",
                  "dualkv_plan_size", "dualkv_plan_build", "dualkv_fwd_workspace_size",
                  "dualkv_bwd_workspace_size", "dualkv_fwd", "dualkv_bwd"):
         getattr(lib, name).restype = c.c_int
@@ -228,6 +263,9 @@ def lib() -> ctypes.CDLL:
             version = handle.dualkv_abi_version()
             if version != ABI_VERSION:
                 tried.append(f"{path} (ABI version {version}, this package needs {ABI_VERSION}: rebuild it)")
+                continue
+            if not hasattr(handle, "dualkv_layout_derive_prefixed"):
+                tried.append(f"{path} (built before external prefix segments: rebuild it)")
                 continue
             _declare(handle)
             _lib = handle

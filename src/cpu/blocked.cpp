@@ -3,12 +3,13 @@
 // float32 operands are read in place, 16-bit ones converted once to fp32; then every query tile
 // (tiles.h: up to kQueryRows tokens of one segment, or of sibling responses) walks the key blocks
 // it sees, ancestors in full and its own segments causally, with the arithmetic of one
-// (tile, block) in tile_kernels.h.
+// (tile, block) in tile_kernels.h. An external prefix segment's blocks read the prefix buffers.
 // - Forward: one work item per (query tile, head), online softmax over the key blocks.
 // - Backward: fused (each (tile, block) computes its probabilities once and feeds dq, dk and dv),
 //   one work item per (tree, kv head). Trees share no keys, so an item owns the dk/dv of its
-//   tree's tokens and the dq of its query rows: no atomics, no reduction across threads, and
-//   every sum runs in the same order whatever the thread count.
+//   tree's tokens (and of its external root's prefix rows, which a layout gives to one segment)
+//   and the dq of its query rows: no atomics, no reduction across threads, and every sum runs in
+//   the same order whatever the thread count.
 #include <algorithm>
 #include <cstdint>
 #include <cmath>
@@ -64,6 +65,13 @@ void store_row(void* base, int64_t offset, int32_t dtype, const float* row, floa
       for (int64_t i = 0; i < n; ++i) out[i] = float_to_fp16(factor * row[i]);
     }
   }
+}
+
+// base[offset + i] += factor * row[i] for i < n, in the output dtype (the accumulated prefix
+// gradients).
+void add_row(void* base, int64_t offset, int32_t dtype, const float* row, float factor, int64_t n) {
+  for (int64_t i = 0; i < n; ++i)
+    store_element<float>(base, offset + i, dtype, load_element<float>(base, offset + i, dtype) + factor * row[i]);
 }
 
 // A [T, heads, D] operand as fp32 rows: element (t, h, d) at data[t * token_stride + h * head_stride + d].
@@ -138,24 +146,36 @@ int32_t threads_for(const ForestView& f, int64_t heads, int64_t D, int32_t reque
 }
 
 // What the forward and the backward share: the forest, the sizes, the thread count and q, k, v
-// as fp32 rows.
+// (and the prefix buffers' keys and values, without rows when there is no external segment) as
+// fp32 rows.
 struct Problem {
   ForestView f;
   int64_t T, H, Hk, D, group;
   float scale;
   int32_t threads;
-  Fp32Operand q, k, v;
+  Fp32Operand q, k, v, prefix_k, prefix_v;
+
+  // Keys / values [begin, end) of kv head g of a key block.
+  ConstMatrix keys(const KeyBlock& b, int64_t g) const { return rows_of(b.prefix ? prefix_k : k, g, b.begin, b.end); }
+  ConstMatrix values(const KeyBlock& b, int64_t g) const { return rows_of(b.prefix ? prefix_v : v, g, b.begin, b.end); }
 };
 
 template <typename Params>
 Problem make_problem(const Params& p) {
-  const ForestView f = make_forest_view(p.layout);
+  const ForestView f = make_forest_view(p.layout, p.prefixes);
   const int64_t T = f.num_tokens, H = p.num_heads, Hk = p.num_kv_heads, D = p.head_dim;
+  const int64_t prefix_rows = p.prefixes.num_prefixes ? p.prefixes.num_prefix_rows : 0;
   const int32_t threads = threads_for(f, H, D, p.num_threads);
+  auto prefix = [&](const void* base, int64_t token_stride, int64_t head_stride) {
+    return prefix_rows ? as_fp32(base, p.dtype, prefix_rows, Hk, D, token_stride, head_stride, threads)
+                       : Fp32Operand{nullptr, 0, 0, D, {}};
+  };
   return {f, T, H, Hk, D, H / Hk, static_cast<float>(p.softmax_scale), threads,
           as_fp32(p.q, p.dtype, T, H, D, p.q_token_stride, p.q_head_stride, threads),
           as_fp32(p.k, p.dtype, T, Hk, D, p.k_token_stride, p.k_head_stride, threads),
-          as_fp32(p.v, p.dtype, T, Hk, D, p.v_token_stride, p.v_head_stride, threads)};
+          as_fp32(p.v, p.dtype, T, Hk, D, p.v_token_stride, p.v_head_stride, threads),
+          prefix(p.prefix_k, p.prefix_k_token_stride, p.prefix_k_head_stride),
+          prefix(p.prefix_v, p.prefix_v_token_stride, p.prefix_v_head_stride)};
 }
 
 }  // namespace
@@ -167,7 +187,7 @@ void blocked_forward(const dualkv_fwd_params& p) {
   const int64_t H = pr.H, D = pr.D, group = pr.group;
   const float scale = pr.scale;
   const int32_t threads = pr.threads;
-  const Fp32Operand &q = pr.q, &k = pr.k, &v = pr.v;
+  const Fp32Operand& q = pr.q;
   const std::vector<QueryTile> tiles = query_tiles(f, kQueryRows, /*stack_roots=*/true);
 
   parallel_for(static_cast<int64_t>(tiles.size()) * H, threads, [&](int64_t item) {
@@ -186,9 +206,9 @@ void blocked_forward(const dualkv_fwd_params& p) {
     for (const KeyBlock& b : blocks) {
       const int64_t r = b.row_begin - tile.begin, n = b.row_end - b.row_begin;  // the rows that see b
       const Matrix s{scores + r * kKeyCols, n, b.end - b.begin, kKeyCols};
-      kernels.scores(rows_of(q, h, b.row_begin, b.row_end), rows_of(k, g, b.begin, b.end), scale, s);
+      kernels.scores(rows_of(q, h, b.row_begin, b.row_end), pr.keys(b, g), scale, s);
       if (b.masked) mask_block(f, b, s.data, s.ld);
-      kernels.softmax_accumulate(s, rows_of(v, g, b.begin, b.end), &row_max[static_cast<size_t>(r)],
+      kernels.softmax_accumulate(s, pr.values(b, g), &row_max[static_cast<size_t>(r)],
                                  &row_sum[static_cast<size_t>(r)], Matrix{&acc[static_cast<size_t>(r * D)], n, D, D});
     }
     // Every row sees at least its own key, so row_sum >= 1. A per-head sink term would join the
@@ -211,7 +231,7 @@ void blocked_backward(const dualkv_bwd_params& p) {
   const int64_t T = pr.T, H = pr.H, Hk = pr.Hk, D = pr.D, group = pr.group;
   const float scale = pr.scale;
   const int32_t threads = pr.threads;
-  const Fp32Operand &q = pr.q, &k = pr.k, &v = pr.v;
+  const Fp32Operand& q = pr.q;
   const Fp32Operand dout = as_fp32(p.dout, p.dtype, T, H, D, p.dout_token_stride, p.dout_head_stride, threads);
 
   // lse and delta = rowsum(dO * O) - dlse per (head, token), the softmax-backward correction.
@@ -249,6 +269,11 @@ void blocked_backward(const dualkv_bwd_params& p) {
     const Tree& tree = forest[tree_index];
     const int64_t g = item % Hk, n = tree.token_end - tree.token_begin;
     std::vector<float> dk(static_cast<size_t>(n * D), 0.0f), dv(static_cast<size_t>(n * D), 0.0f);
+    // An external root's prefix rows: their gradients, added to prefix_dk / prefix_dv at the end.
+    const bool external = f.is_external(tree.first);
+    const int32_t prefix_begin = external ? f.prefix_begin(tree.first) : 0;
+    const int64_t prefix_n = external ? f.prefix_end(tree.first) - prefix_begin : 0;
+    std::vector<float> prefix_dk(static_cast<size_t>(prefix_n * D), 0.0f), prefix_dv(prefix_dk.size(), 0.0f);
     Workspace& w = thread_workspace();
     std::vector<float>& dq = w.rows;
     dq.resize(static_cast<size_t>(kQueryRows * D));
@@ -263,18 +288,22 @@ void blocked_backward(const dualkv_bwd_params& p) {
         key_blocks(f, tile, kKeyCols, &blocks);
         for (const KeyBlock& b : blocks) {
           const int64_t r = b.row_begin - tile.begin, n = b.row_end - b.row_begin;  // the rows that see b
-          const int64_t cols = b.end - b.begin, local = b.begin - tree.token_begin;
+          const int64_t cols = b.end - b.begin;
+          // the block's rows of the tree's dk/dv, or of its prefix's
+          float* block_dk = b.prefix ? &prefix_dk[static_cast<size_t>((b.begin - prefix_begin) * D)]
+                                     : &dk[static_cast<size_t>((b.begin - tree.token_begin) * D)];
+          float* block_dv = b.prefix ? &prefix_dv[static_cast<size_t>((b.begin - prefix_begin) * D)]
+                                     : &dv[static_cast<size_t>((b.begin - tree.token_begin) * D)];
           const size_t row0 = static_cast<size_t>(h * T + b.row_begin);
           const ConstMatrix qt = rows_of(q, h, b.row_begin, b.row_end);
           const Matrix s{scores + r * kKeyCols, n, cols, kKeyCols};
-          kernels.scores(qt, rows_of(k, g, b.begin, b.end), scale, s);
+          kernels.scores(qt, pr.keys(b, g), scale, s);
           if (b.masked) mask_block(f, b, s.data, s.ld);
-          kernels.backward_block(s, &lse[row0], &delta[row0], qt, rows_of(k, g, b.begin, b.end),
-                                 rows_of(v, g, b.begin, b.end), rows_of(dout, h, b.row_begin, b.row_end),
+          kernels.backward_block(s, &lse[row0], &delta[row0], qt, pr.keys(b, g), pr.values(b, g),
+                                 rows_of(dout, h, b.row_begin, b.row_end),
                                  Matrix{scratch + r * kKeyCols, n, cols, kKeyCols},
-                                 Matrix{&dq[static_cast<size_t>(r * D)], n, D, D},
-                                 Matrix{&dk[static_cast<size_t>(local * D)], cols, D, D},
-                                 Matrix{&dv[static_cast<size_t>(local * D)], cols, D, D});
+                                 Matrix{&dq[static_cast<size_t>(r * D)], n, D, D}, Matrix{block_dk, cols, D, D},
+                                 Matrix{block_dv, cols, D, D});
         }
         for (int64_t i = 0; i < rows; ++i) {
           const int64_t o = (tile.begin + i) * p.dq_token_stride + h * p.dq_head_stride;
@@ -286,6 +315,13 @@ void blocked_backward(const dualkv_bwd_params& p) {
       const int64_t ok = t * p.dk_token_stride + g * p.dk_head_stride, ov = t * p.dv_token_stride + g * p.dv_head_stride;
       store_row(p.dk, ok, p.dtype, &dk[static_cast<size_t>(j * D)], scale, D);
       store_row(p.dv, ov, p.dtype, &dv[static_cast<size_t>(j * D)], 1.0f, D);
+    }
+    for (int64_t j = 0; j < prefix_n; ++j) {
+      const int64_t row = prefix_begin + j;
+      add_row(p.prefix_dk, row * p.prefix_dk_token_stride + g * p.prefix_dk_head_stride, p.dtype,
+              &prefix_dk[static_cast<size_t>(j * D)], scale, D);
+      add_row(p.prefix_dv, row * p.prefix_dv_token_stride + g * p.prefix_dv_head_stride, p.dtype,
+              &prefix_dv[static_cast<size_t>(j * D)], 1.0f, D);
     }
   });
 }

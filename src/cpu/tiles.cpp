@@ -47,9 +47,12 @@ void key_blocks(const ForestView& f, const QueryTile& tile, int32_t cols, std::v
   std::vector<int32_t> chain(static_cast<size_t>(chain_length));
   for (int32_t a = f.parent[tile.first_segment], i = chain_length - 1; a >= 0; a = f.parent[a], --i)
     chain[static_cast<size_t>(i)] = a;
-  for (int32_t a : chain)
-    for (int32_t b = f.segment_begin(a); b < f.segment_end(a); b += cols)
-      blocks->push_back({a, b, std::min(b + cols, f.segment_end(a)), tile.begin, tile.end, false});
+  for (int32_t a : chain) {
+    const bool prefix = f.is_external(a);
+    const int32_t begin = prefix ? f.prefix_begin(a) : f.segment_begin(a), end = prefix ? f.prefix_end(a) : f.segment_end(a);
+    for (int32_t b = begin; b < end; b += cols)
+      blocks->push_back({a, b, std::min(b + cols, end), tile.begin, tile.end, false, prefix});
+  }
   // Each segment of the tile, causal: its rows in the tile see its keys up to the last of them.
   // Keys before the segment's first row in the tile are seen in full (their blocks end at that
   // row); the blocks from there on cross the diagonal. Rows before a block's first key see none
@@ -59,7 +62,7 @@ void key_blocks(const ForestView& f, const QueryTile& tile, int32_t cols, std::v
     for (int32_t b = f.segment_begin(s); b < rows_end;) {
       const int32_t width = b < rows_begin ? std::min(cols, rows_begin - b) : cols;
       const int32_t e = std::min(b + width, rows_end), first_row = std::max(rows_begin, b);
-      blocks->push_back({s, b, e, first_row, rows_end, e - 1 > first_row});
+      blocks->push_back({s, b, e, first_row, rows_end, e - 1 > first_row, false});
       b = e;
     }
   }

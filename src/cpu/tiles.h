@@ -22,10 +22,11 @@ struct QueryTile {
 
 // Keys [begin, end) of one segment, and the tile rows [row_begin, row_end) that see any of them;
 // `masked` when one of those rows does not see one of the keys (the block crosses the causal
-// diagonal). Ancestor blocks are seen by every row of the tile, in full.
+// diagonal). Ancestor blocks are seen by every row of the tile, in full. `prefix`: the keys are
+// rows of the prefix buffers (an external segment), not tokens.
 struct KeyBlock {
   int32_t segment, begin, end, row_begin, row_end;
-  bool masked;
+  bool masked, prefix;
 };
 
 // One tree of the forest: a root segment and its descendants, segments [first, last), tokens
@@ -43,8 +44,9 @@ std::vector<QueryTile> query_tiles(const ForestView& f, int32_t rows, bool stack
 std::vector<Tree> trees(const ForestView& f);
 
 // Appends to `blocks` (cleared first) the key blocks of at most `cols` keys that `tile` sees:
-// every proper ancestor of its segments in full, root first, then each of its segments up to that
-// segment's last row in the tile. Rows that see none of a block are outside its row range.
+// every proper ancestor of its segments in full (an external one's prefix rows), root first, then
+// each of its segments up to that segment's last row in the tile. Rows that see none of a block
+// are outside its row range.
 void key_blocks(const ForestView& f, const QueryTile& tile, int32_t cols, std::vector<KeyBlock>* blocks);
 
 // Sets scores[i * ld + j] to -infinity where key block.begin + j is invisible from query

@@ -36,6 +36,10 @@ layers): :func:`enable` also forks the recurrent state of every GDN layer at the
 (:mod:`dualkv.integrations.gated_deltanet`); a packed batch reaching a hybrid model whose GDN layers
 were not forked raises :class:`WrongAttentionError`.
 
+Prompt once across micro-batches (:mod:`dualkv.schedule`): the forward keyword ``dualkv_prompt_kv=``
+(a :class:`dualkv.schedule.PromptKV`) makes the attention layers record their keys and values in a
+prompt phase, and read them as the layout's external prefixes in the response micro-batches.
+
 Distributed (docs/distributed.md): ``dualkv_layout=`` may be a
 :class:`dualkv.distributed.SequenceShard` (Ulysses sequence parallelism: the model gets this rank's
 tokens, attention does an all-to-all around :func:`dualkv.attention`), and :func:`packed_logprobs`
@@ -63,7 +67,8 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
                       "(pip install 'transformers>=4.56')") from exc
 
 __all__ = [
-    "ATTN_IMPLEMENTATION", "REFERENCE_IMPLEMENTATION", "LAYOUT_KWARG", "DETERMINISTIC_KWARG", "TESTED_MODEL_TYPES",
+    "ATTN_IMPLEMENTATION", "REFERENCE_IMPLEMENTATION", "LAYOUT_KWARG", "DETERMINISTIC_KWARG", "PROMPT_KV_KWARG",
+    "TESTED_MODEL_TYPES",
     "MissingLayoutError", "WrongAttentionError",
     "register", "dualkv_attention_forward", "dense_reference_attention_forward", "dense_visibility_mask",
     "check_config", "check_model", "enable", "disable", "guard", "is_enabled", "model_inputs", "packed_logprobs",
@@ -78,6 +83,9 @@ _LAYOUT_IMPLEMENTATIONS = (ATTN_IMPLEMENTATION, REFERENCE_IMPLEMENTATION)
 LAYOUT_KWARG = "dualkv_layout"
 #: optional forward keyword: ``True`` makes attention's backward bit-reproducible
 DETERMINISTIC_KWARG = "dualkv_deterministic"
+#: forward keyword of :mod:`dualkv.schedule`: the :class:`dualkv.schedule.PromptKV` that records each
+#: layer's keys and values in a prompt phase and gives them to the layout's external prefixes after
+PROMPT_KV_KWARG = "dualkv_prompt_kv"
 #: model types whose equivalence with the unpacked computation is tested (others may work)
 TESTED_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3", "qwen3_moe", "mistral",
                                 "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"})
@@ -179,10 +187,25 @@ def dualkv_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     q, k, v, layout, scaling = _packed_qkv(module, query, key, value, attention_mask, scaling, dropout,
                                            sliding_window, softcap, kwargs)
     deterministic = bool(kwargs.get(DETERMINISTIC_KWARG, False))
+    prompt_kv = kwargs.get(PROMPT_KV_KWARG)
+    forest = layout.layout if isinstance(layout, SequenceShard) else layout
+
+    def kv_hook(keys, values):
+        """dualkv.schedule: a response micro-batch reads a prompt phase's keys and values (this rank's
+        heads under Ulysses); the prompt phase itself records them (a no-op when its backward
+        recomputes the layer)."""
+        if forest.num_prefixes:
+            return prompt_kv.prefix(module)
+        prompt_kv.record(module, keys, values)
+        return None, None
+
+    hook = kv_hook if prompt_kv is not None else None
     if isinstance(layout, SequenceShard):  # Ulysses: all-to-all around the same attention
-        out = _dist.attention(q, k, v, layout, softmax_scale=scaling, deterministic=deterministic)
+        out = _dist.attention(q, k, v, layout, softmax_scale=scaling, deterministic=deterministic, kv_hook=hook)
     else:
-        out = _dualkv_attention(q, k, v, layout, softmax_scale=scaling, deterministic=deterministic)
+        prefix_k, prefix_v = hook(k, v) if hook is not None else (None, None)
+        out = _dualkv_attention(q, k, v, layout, softmax_scale=scaling, deterministic=deterministic,
+                                prefix_k=prefix_k, prefix_v=prefix_v)
     return out.unsqueeze(0), None
 
 
@@ -224,6 +247,8 @@ def dense_reference_attention_forward(module: torch.nn.Module, query: torch.Tens
                                            sliding_window, softcap, kwargs)
     if isinstance(layout, SequenceShard):
         raise UnsupportedError("dualkv_reference attention does not run sequence-parallel; use \"dualkv\"")
+    if layout.num_prefixes:
+        raise UnsupportedError("dualkv_reference attention does not read external prefix segments; use \"dualkv\"")
     rep = q.shape[1] // k.shape[1]
     if rep > 1:  # expand GQA so that SDPA's memory-efficient masked kernel applies
         k = k.repeat_interleave(rep, dim=1)
@@ -453,23 +478,31 @@ def disable(model, attn_implementation: str = "sdpa"):
 
 def model_inputs(packed, layout: Optional[Layout] = None) -> Dict[str, Any]:
     """Forward keywords for a packed batch: ``input_ids [1, T]``, ``position_ids [1, T]``,
-    ``dualkv_layout`` and ``use_cache=False``.
+    ``dualkv_layout`` and ``use_cache=False`` (and ``dualkv_prompt_kv`` for a batch whose layout
+    reads external prompts, :mod:`dualkv.schedule`).
 
     ``packed`` is a :class:`dualkv.PackedBatch`, a :class:`dualkv.distributed.SequenceShard` (this
     rank's tokens and the shard as the layout), or a ``[1, T]`` / ``[T]`` token tensor together with
     ``layout``.
     """
     if isinstance(packed, SequenceShard):
-        return packed.model_inputs()
+        inputs = packed.model_inputs()
+        if packed.packed is not None and packed.packed.prompt_kv is not None:
+            inputs[PROMPT_KV_KWARG] = packed.packed.prompt_kv
+        return inputs
+    prompt_kv = None
     if layout is None:
-        ids, pos, layout = packed.input_ids, packed.position_ids, packed.layout
+        ids, pos, layout, prompt_kv = packed.input_ids, packed.position_ids, packed.layout, packed.prompt_kv
     else:
         ids = packed if packed.dim() == 2 else packed.unsqueeze(0)
         lay = layout.to(ids.device)
         pos, layout = lay.position_ids.unsqueeze(0), lay
     if pos.dim() == 1:
         pos = pos.unsqueeze(0)
-    return {"input_ids": ids, "position_ids": pos, LAYOUT_KWARG: layout, "use_cache": False}
+    inputs = {"input_ids": ids, "position_ids": pos, LAYOUT_KWARG: layout, "use_cache": False}
+    if prompt_kv is not None:  # a response micro-batch of dualkv.schedule: its external prompts' keys and values
+        inputs[PROMPT_KV_KWARG] = prompt_kv
+    return inputs
 
 
 def _call_as_forward(model, fn, **kwargs):
