@@ -12,7 +12,8 @@
  *   q [T, H, D], k and v [T, Hk, D]; H % Hk == 0; query head h reads kv head h / (H / Hk).
  *   out [T, H, D] in the input dtype; lse [H, T] natural-log, float32 (float64 for float64 input).
  *   Query token i in segment s sees key token j iff j lies in a proper ancestor of s, or j lies in
- *   s at an offset <= i's offset (include/dualkv/layout.h defines it once for host and device).
+ *   s at an offset <= i's offset (include/dualkv/layout.h defines it once for host and device),
+ *   and, with a sliding window W, pos(i) - pos(j) < W (include/dualkv/mask.h).
  *   Every pointer is aligned to its element size; an output shares no byte with another operand
  *   (inputs may overlap each other); both are checked (DUALKV_ERROR_INVALID_ARGUMENT).
  */
@@ -22,7 +23,9 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define DUALKV_ABI_VERSION 1
+/* 2: the "mask modifiers" block appended to dualkv_fwd_params / dualkv_bwd_params. The library
+ * also takes the shorter params of ABI 1 (abi_version 1 and its struct_size): no modifiers. */
+#define DUALKV_ABI_VERSION 2
 #define DUALKV_VERSION_STRING "0.1.0"
 
 #if defined(_WIN32)
@@ -115,6 +118,13 @@ typedef struct dualkv_fwd_params {
   void* workspace; /* dualkv_fwd_workspace_size() bytes, 256-byte aligned */
   size_t workspace_bytes;
   void* stream; /* cudaStream_t; NULL = legacy default stream */
+
+  /* ---- mask modifiers (ABI 2; each off when zero / NULL) ---- */
+  double softcap;    /* > 0: scores s = scale * q.k become softcap * tanh(s / softcap) before masking */
+  const void* sinks; /* [num_heads] per-head sink logits, lse dtype, contiguous: each joins every row's
+                        softmax denominator (and its lse) as one more key of value zero */
+  int32_t window;    /* > 0: key j is visible from query i only if pos(i) - pos(j) < window, positions
+                        along the root-to-leaf path (the layout's position ids) */
 } dualkv_fwd_params;
 
 typedef struct dualkv_bwd_params {
@@ -160,6 +170,13 @@ typedef struct dualkv_bwd_params {
   void* workspace;
   size_t workspace_bytes;
   void* stream;
+
+  /* ---- mask modifiers (ABI 2): the forward's, and the sinks' gradient ---- */
+  double softcap;
+  const void* sinks;
+  void* dsinks;   /* [num_heads] lse dtype, contiguous: d loss / d sinks (written, not accumulated);
+                     required with sinks, NULL without */
+  int32_t window;
 } dualkv_bwd_params;
 
 /* ---- library information ---- */

@@ -12,7 +12,7 @@ import os
 import pathlib
 import threading
 
-ABI_VERSION = 1
+ABI_VERSION = 2
 
 # dualkv_status
 OK = 0
@@ -135,6 +135,10 @@ class FwdParams(ctypes.Structure):
         ("workspace", ctypes.c_void_p),
         ("workspace_bytes", ctypes.c_size_t),
         ("stream", ctypes.c_void_p),
+        # mask modifiers (ABI 2)
+        ("softcap", ctypes.c_double),
+        ("sinks", ctypes.c_void_p),
+        ("window", ctypes.c_int32),
     ]
 
 
@@ -162,6 +166,11 @@ class BwdParams(ctypes.Structure):
         ("workspace", ctypes.c_void_p),
         ("workspace_bytes", ctypes.c_size_t),
         ("stream", ctypes.c_void_p),
+        # mask modifiers (ABI 2)
+        ("softcap", ctypes.c_double),
+        ("sinks", ctypes.c_void_p),
+        ("dsinks", ctypes.c_void_p),
+        ("window", ctypes.c_int32),
     ]
 
 
