@@ -185,6 +185,7 @@ def _candidates() -> list[pathlib.Path]:
 
 
 _lib = None
+_info = None  # the build info, parsed once when the library loads
 _lock = threading.Lock()
 
 
@@ -214,7 +215,7 @@ def _declare(lib: ctypes.CDLL) -> None:
 
 def lib() -> ctypes.CDLL:
     """The loaded library; raises LibraryNotFoundError with the paths tried."""
-    global _lib
+    global _lib, _info
     if _lib is not None:
         return _lib
     with _lock:
@@ -239,6 +240,7 @@ def lib() -> ctypes.CDLL:
                 tried.append(f"{path} (ABI version {version}, this package needs {ABI_VERSION}: rebuild it)")
                 continue
             _declare(handle)
+            _info = json.loads(handle.dualkv_build_info().decode())
             _lib = handle
             return _lib
         raise LibraryNotFoundError(
@@ -258,3 +260,12 @@ def check(status: int, what: str = "") -> None:
 def build_info() -> dict:
     """What this libdualkv was built with: backends, CUDA archs, head dims, dtypes."""
     return json.loads(lib().dualkv_build_info().decode())
+
+
+def backend_modifiers(device_type: str) -> frozenset:
+    """The mask modifiers ("window", "softcap", "sinks") the backend for ``device_type`` ("cpu",
+    "cuda") implements. Reads the build info parsed at load time (no library call once loaded, so
+    torch.compile traces it)."""
+    if _info is None:
+        lib()
+    return frozenset(_info.get(device_type, {}).get("modifiers", ()))
