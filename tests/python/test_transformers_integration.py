@@ -319,29 +319,23 @@ def test_guard_bad_batches():
 
 
 def test_unsupported_configs():
-    with pytest.raises(dualkv.UnsupportedError, match="sliding-window attention.*not supported yet"):
-        dkt.check_config(transformers.MistralConfig(**COMMON, sliding_window=16))
-    m = make_model("mistral")
-    m.config.sliding_window = 16
-    with pytest.raises(dualkv.UnsupportedError, match="not supported yet"):
-        dkt.enable(m)
-    qwen2 = transformers.Qwen2Config(**COMMON, use_sliding_window=True, sliding_window=16, max_window_layers=1)
-    with pytest.raises(dualkv.UnsupportedError, match="sliding"):
-        dkt.check_config(qwen2)
-    dkt.check_config(transformers.Qwen2Config(**COMMON))  # window value present but not in use: fine
+    """Attention dropout and non-causal attention are refused. (Sliding windows, softcapping and sinks
+    are supported since issue 16: test_transformers_mask_models.py.)"""
     cfg = make_config("qwen3")
-    cfg.attn_logit_softcapping = 50.0
-    with pytest.raises(dualkv.UnsupportedError, match="softcapping.*not supported yet"):
+    cfg.attention_dropout = 0.1
+    with pytest.raises(dualkv.UnsupportedError, match="attention dropout"):
         dkt.check_config(cfg)
-    with pytest.raises(dualkv.UnsupportedError, match="not supported yet"):
-        dkt.check_config(transformers.Gemma2Config(**COMMON, head_dim=8))
-    # a model built directly with attn_implementation="dualkv" and a window: the attention function raises
+    cfg = make_config("qwen3")
+    cfg.is_causal = False
+    with pytest.raises(dualkv.UnsupportedError, match="non-causal"):
+        dkt.check_config(cfg)
+    dkt.check_config(transformers.MistralConfig(**COMMON, sliding_window=16))
+    dkt.check_config(transformers.Qwen2Config(**COMMON, use_sliding_window=True, sliding_window=16, max_window_layers=1))
+    # a model built directly with attn_implementation="dualkv" and a window runs it
     torch.manual_seed(0)
     raw = transformers.AutoModelForCausalLM.from_config(
         transformers.MistralConfig(**COMMON, head_dim=8, sliding_window=16), attn_implementation="dualkv")
-    packed = pack(*rollouts())
-    with pytest.raises(dualkv.UnsupportedError, match="sliding-window"):
-        raw(**dkt.model_inputs(packed))
+    raw(**dkt.model_inputs(pack(*rollouts())))
 
 
 @pytest.mark.parametrize("reentrant", [False, True])
