@@ -133,6 +133,17 @@ TEST(CpuAttention, Float64IsExactToRounding) {
   }
 }
 
+// Every output (dsinks with sinks) within `tolerance` of the brute force.
+template <typename T>
+void expect_close(const Outputs<T>& o, const dualkv::testing::DenseResult& ref, double tolerance, const char* what) {
+  EXPECT_LE(relative_error(o.out, ref.out), tolerance) << "out " << what;
+  EXPECT_LE(relative_error(o.lse, ref.lse), tolerance) << "lse " << what;
+  EXPECT_LE(relative_error(o.dq, ref.dq), tolerance) << "dq " << what;
+  EXPECT_LE(relative_error(o.dk, ref.dk), tolerance) << "dk " << what;
+  EXPECT_LE(relative_error(o.dv, ref.dv), tolerance) << "dv " << what;
+  if (!ref.dsinks.empty()) EXPECT_LE(relative_error(o.dsinks, ref.dsinks), tolerance) << "dsinks " << what;
+}
+
 // The mask modifiers (issue 16) on random forests, alone and combined as the models use them
 // (window + sinks: gpt-oss; window + softcap: Gemma-2), windows from 1 token to past the longest
 // path, head dims up to 512: the blocked fp32 path within 1e-5 and the fp64 reference to rounding
@@ -161,21 +172,9 @@ TEST(CpuAttention, ModifiersMatchDenseFp64OnRandomForests) {
       for (float& x : pf.q) x *= 3.0f;
     for (size_t i = 0; i < pf.q.size(); ++i) pf.q64[i] = pf.q[i];
     const auto ref = dense_attention(layout, H, Hk, D, pf.scale, pf.q64, pf.k64, pf.v64, pf.do64, mods);
-    const Outputs<float> o = run_cpu(layout, pf, DUALKV_DTYPE_FLOAT32, 1 + trial % 2, 0, mods);
-    EXPECT_LE(relative_error(o.out, ref.out), 1e-5) << "out";
-    EXPECT_LE(relative_error(o.lse, ref.lse), 1e-5) << "lse";
-    EXPECT_LE(relative_error(o.dq, ref.dq), 1e-5) << "dq";
-    EXPECT_LE(relative_error(o.dk, ref.dk), 1e-5) << "dk";
-    EXPECT_LE(relative_error(o.dv, ref.dv), 1e-5) << "dv";
-    if (!mods.sinks.empty()) EXPECT_LE(relative_error(o.dsinks, ref.dsinks), 1e-5) << "dsinks";
+    expect_close(run_cpu(layout, pf, DUALKV_DTYPE_FLOAT32, 1 + trial % 2, 0, mods), ref, 1e-5, "fp32");
     Problem<double> pd{H, Hk, D, pf.scale, pf.q64, pf.k64, pf.v64, pf.do64, pf.q64, pf.k64, pf.v64, pf.do64};
-    const Outputs<double> e = run_cpu(layout, pd, DUALKV_DTYPE_FLOAT64, 2, 0, mods);
-    EXPECT_LE(relative_error(e.out, ref.out), 1e-12) << "out fp64";
-    EXPECT_LE(relative_error(e.lse, ref.lse), 1e-12) << "lse fp64";
-    EXPECT_LE(relative_error(e.dq, ref.dq), 1e-11) << "dq fp64";
-    EXPECT_LE(relative_error(e.dk, ref.dk), 1e-11) << "dk fp64";
-    EXPECT_LE(relative_error(e.dv, ref.dv), 1e-11) << "dv fp64";
-    if (!mods.sinks.empty()) EXPECT_LE(relative_error(e.dsinks, ref.dsinks), 1e-11) << "dsinks fp64";
+    expect_close(run_cpu(layout, pd, DUALKV_DTYPE_FLOAT64, 2, 0, mods), ref, 1e-11, "fp64");
   }
 }
 
@@ -193,18 +192,15 @@ TEST(CpuAttention, WindowAtTileAndBlockEdges) {
     const auto ref = dense_attention(layout, p.H, p.Hk, p.D, p.scale, p.q64, p.k64, p.v64, p.do64, mods);
     const Outputs<float> one = run_cpu(layout, p, DUALKV_DTYPE_FLOAT32, 1, 0, mods);
     const Outputs<float> four = run_cpu(layout, p, DUALKV_DTYPE_FLOAT32, 4, 0, mods);
-    EXPECT_LE(relative_error(one.out, ref.out), 2e-5) << "window " << window;
-    EXPECT_LE(relative_error(one.lse, ref.lse), 2e-5) << "window " << window;
-    EXPECT_LE(relative_error(one.dq, ref.dq), 2e-5) << "window " << window;
-    EXPECT_LE(relative_error(one.dk, ref.dk), 2e-5) << "window " << window;
-    EXPECT_LE(relative_error(one.dv, ref.dv), 2e-5) << "window " << window;
+    SCOPED_TRACE(::testing::Message() << "window " << window);
+    expect_close(one, ref, 2e-5, "fp32");
     EXPECT_EQ(0, std::memcmp(one.out.data(), four.out.data(), one.out.size() * 4));
     EXPECT_EQ(0, std::memcmp(one.dk.data(), four.dk.data(), one.dk.size() * 4));
   }
 }
 
-// A window no path reaches, a softcap no score reaches and sinks of -infinity change nothing: the
-// same bits as the call without them (each modifier's off state is exact, not approximate).
+// A window no path reaches and sinks of -infinity change nothing: the same bits as the call
+// without them (the modifiers' inert states are exact, not approximate).
 TEST(CpuAttention, InertModifiersChangeNothing) {
   std::mt19937 rng(31);
   std::vector<int32_t> lengths, parents;

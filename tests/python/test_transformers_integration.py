@@ -40,8 +40,13 @@ def make_config(kind: str):
 
 
 def make_model(kind: str, attn: str = "sdpa", seed: int = 0):
+    return build_model(make_config(kind), attn, seed)
+
+
+def build_model(config, attn: str = "sdpa", seed: int = 0):
+    """A random fp32 model of ``config`` in training mode, norms and biases perturbed."""
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(make_config(kind), attn_implementation=attn)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn)
     model = model.float().train()
     with torch.no_grad():  # random norms and biases, so that every parameter matters
         for name, p in model.named_parameters():

@@ -16,7 +16,8 @@ transformers = pytest.importorskip("transformers")
 import dualkv  # noqa: E402
 from dualkv.integrations import transformers as dkt  # noqa: E402
 from dualkv.packing import pack  # noqa: E402
-from test_transformers_integration import COMMON, VOCAB, assert_packed_equals_unpacked, rollouts  # noqa: E402
+from test_transformers_integration import (COMMON, VOCAB, assert_packed_equals_unpacked, build_model,  # noqa: E402
+                                          rollouts)
 
 WINDOW = 4  # rows are 8-15 tokens long: responses see only their prompt's tail
 SLIDING_FULL = ["sliding_attention", "full_attention"]
@@ -52,16 +53,9 @@ def make_config(kind: str):
 
 
 def make_model(kind: str, attn: str, seed: int = 0):
-    torch.manual_seed(seed)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = transformers.AutoModelForCausalLM.from_config(make_config(kind), attn_implementation=attn)
-    model = model.float().train()
-    with torch.no_grad():  # random norms and biases, so that every parameter matters
-        for name, p in model.named_parameters():
-            if "norm" in name or name.endswith("bias"):
-                p.add_(0.1 * torch.randn_like(p))
-    return model
+        return build_model(make_config(kind), attn, seed)
 
 
 STOCK = {"gpt_oss": ["eager"], "gemma2": ["eager"], "gemma3": ["eager", "sdpa"], "gemma4": ["eager", "sdpa"],
