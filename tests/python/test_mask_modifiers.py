@@ -265,3 +265,30 @@ def test_cuda_refuses_modifiers_and_head_dim_512_on_the_device():
     q5, k5, v5 = [t.cuda() for t in qkv(layout.num_tokens, 4, 2, 512, dtype=torch.bfloat16, requires_grad=False)]
     with pytest.raises(dualkv.UnsupportedError, match="head_dim 512"):
         dualkv.attention(q5, k5, v5, layout)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_tolerance_rule(dtype):
+    """bf16 / fp16 inputs with window + softcap + sinks: every output and gradient's error against
+    fp64 is at most 2x PyTorch's own (the dense reference in the same dtype) plus 1e-5."""
+    rng = random.Random(7)
+    lens, parents = random_forest(rng, roots=3, max_depth=3, max_len=16)
+    layout = dualkv.Layout.from_tree(lens, parents)
+    T, H, Hk, D = layout.num_tokens, 8, 2, 64
+    q, k, v = qkv(T, H, Hk, D, dtype=dtype, seed=3, scale=3.0)
+    sinks = torch.randn(H).requires_grad_()
+    dout, dlse = torch.randn(T, H, D).to(dtype), torch.zeros(H, T)
+    kw = dict(window=9, softcap=2.0)
+    got = run(lambda: dualkv.attention(q, k, v, layout, return_lse=True, sinks=sinks, **kw), q, k, v, sinks, dout,
+              dlse)
+    q64, k64, v64 = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    s64 = sinks.detach().double().requires_grad_()
+    ref = run(lambda: attention_ref(q64, k64, v64, layout, sinks=s64, **kw), q64, k64, v64, s64, dout.double(),
+              dlse.double())
+    ql, kl, vl = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    sl = sinks.detach().clone().requires_grad_()
+    low = run(lambda: attention_ref(ql, kl, vl, layout, sinks=sl, **kw), ql, kl, vl, sl, dout, dlse.to(dtype))
+    for name, mine, r, pt in zip(["out", "lse", "dq", "dk", "dv", "dsinks"], got, ref, low):
+        err = (mine.double() - r).abs().max().item()
+        pt_err = (pt.double() - r).abs().max().item()
+        assert err <= 2 * pt_err + 1e-5, (name, err, pt_err)

@@ -164,3 +164,51 @@ def test_modifiers_under_sequence_parallelism_are_refused():
     with pytest.raises(dualkv.UnsupportedError, match="not supported under sequence parallelism"):
         dualkv_attention_forward(torch.nn.Module(), q, k, k, None, sliding_window=4, dualkv_layout=shard)
     dualkv_attention_forward(torch.nn.Module(), q, k, k, None, dualkv_layout=shard)  # without: runs
+
+
+@pytest.mark.parametrize("kind", ["gpt_oss", "gemma2"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_tolerance_rule(kind, dtype):
+    """bf16 / fp16 with the modifiers (window + sinks, window + softcap): the packed dualkv model's
+    log-prob error against the fp32 truth is at most 2x the stock unpacked model's in the same dtype,
+    plus 1e-3 (test_transformers_integration's rule)."""
+    from dualkv.logprobs import response_logprobs
+    from test_transformers_integration import padded, std_logprobs_from_logits
+    truth_model = make_model(kind, "eager")
+    with torch.no_grad():  # weights representable in the low precision dtype, so fp32 is the exact truth
+        for p in truth_model.parameters():
+            p.copy_(p.to(dtype).float())
+    low = copy.deepcopy(truth_model).to(dtype)
+    dk = dkt.enable(copy.deepcopy(low))
+    prompts, responses = rollouts()
+    packed = pack(prompts, responses)
+    ids, rows = padded(prompts, responses)
+    with torch.no_grad():
+        truth = std_logprobs_from_logits(truth_model(input_ids=ids).logits, rows, packed.max_response_len)
+        hidden = low.model(input_ids=ids).last_hidden_state  # logits in fp32, as response_logprobs does
+        lp_std = std_logprobs_from_logits(hidden.float() @ low.lm_head.weight.float().T, rows,
+                                          packed.max_response_len)
+        lp_dk = response_logprobs(dk.model(**dkt.model_inputs(packed)).last_hidden_state, dk.lm_head.weight, packed)
+    m = packed.response_mask()
+    err_std = float((lp_std - truth).abs()[m].max())
+    err_dk = float((lp_dk - truth).abs()[m].max())
+    assert err_std > 0
+    assert err_dk <= 2 * err_std + 1e-3, (err_dk, err_std)
+
+
+def test_torch_compile_fullgraph_with_window_and_sinks():
+    """gpt-oss (a window on one layer, sinks on both) compiles with fullgraph=True (aot_eager, as the
+    other model's compile test): the modifiers' checks trace without a graph break; outputs and
+    gradients equal eager mode."""
+    torch._dynamo.reset()
+    eager = dkt.enable(make_model("gpt_oss", "eager"))
+    comp = copy.deepcopy(eager)
+    compiled = torch.compile(comp, backend="aot_eager", fullgraph=True)
+    packed = pack(*rollouts())
+    a = eager(**dkt.model_inputs(packed)).logits
+    b = compiled(**dkt.model_inputs(packed)).logits
+    torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-6)
+    a.square().mean().backward()
+    b.square().mean().backward()
+    for (name, p), q in zip(eager.named_parameters(), comp.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-7, msg=name)
