@@ -63,6 +63,12 @@ struct PositionWindow {
   DUALKV_HOST_DEVICE int64_t first_position(int32_t q_pos) const {
     return size > 0 ? int64_t(q_pos) - size + 1 : int64_t(INT32_MIN);
   }
+  // Keys r, the first at position begin_pos, less the prefix a query at q_pos does not see.
+  DUALKV_HOST_DEVICE TokenRange cut(TokenRange r, int32_t begin_pos, int32_t q_pos) const {
+    const int64_t first = int64_t(r.begin) + (first_position(q_pos) - begin_pos);
+    if (first > r.begin) r.begin = first < r.end ? int32_t(first) : r.end;
+    return r;
+  }
 };
 
 // A key block against the query rows that see it, for the block-shaped parts of the policy
@@ -173,9 +179,7 @@ struct SegmentMask {
   // later may see: the window cuts a prefix off the range (empty when it cuts it all).
   DUALKV_HOST_DEVICE static TokenRange keys_in_window(const ForestView& f, PositionWindow w, int32_t ks,
                                                       TokenRange keys, int32_t q_pos_min) {
-    const int64_t first = int64_t(keys.begin) + (w.first_position(q_pos_min) - f.position(ks, keys.begin));
-    if (first > keys.begin) keys.begin = first < keys.end ? int32_t(first) : keys.end;
-    return keys;
+    return w.cut(keys, f.position(ks, keys.begin), q_pos_min);
   }
   // The queries that see keys [k0, k_last] of segment s: its own causal queries, then every
   // descendant's tokens (as bwd_query_range), unless the window closes within the segment itself:
@@ -198,12 +202,8 @@ struct SegmentMask {
   // a sub-range of b.keys: the window hides a prefix, the causal rule (own segment) a suffix.
   DUALKV_HOST_DEVICE static TokenRange row_keys(const BlockPair& b, PositionWindow w, int32_t q, int32_t q_pos) {
     TokenRange r{b.keys.begin, b.own && q + 1 < b.keys.end ? q + 1 : b.keys.end};
-    if (w.size > 0) {
-      const int64_t first = int64_t(b.keys.begin) + (w.first_position(q_pos) - b.k_pos);
-      if (first > r.begin) r.begin = first < r.end ? int32_t(first) : r.end;
-    }
-    if (r.end < r.begin) r.end = r.begin;
-    return r;
+    if (r.end < r.begin) r.end = r.begin;  // a row before the block's first key sees none of it
+    return w.cut(r, b.k_pos, q_pos);
   }
 };
 
