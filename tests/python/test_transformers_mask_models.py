@@ -17,7 +17,7 @@ import dualkv  # noqa: E402
 from dualkv.integrations import transformers as dkt  # noqa: E402
 from dualkv.packing import pack  # noqa: E402
 from test_transformers_integration import (COMMON, VOCAB, assert_packed_equals_unpacked, build_model,  # noqa: E402
-                                          rollouts)
+                                          low_precision_logprob_errors, rollouts)
 
 WINDOW = 4  # rows are 8-15 tokens long: responses see only their prompt's tail
 SLIDING_FULL = ["sliding_attention", "full_attention"]
@@ -172,27 +172,7 @@ def test_low_precision_tolerance_rule(kind, dtype):
     """bf16 / fp16 with the modifiers (window + sinks, window + softcap): the packed dualkv model's
     log-prob error against the fp32 truth is at most 2x the stock unpacked model's in the same dtype,
     plus 1e-3 (test_transformers_integration's rule)."""
-    from dualkv.logprobs import response_logprobs
-    from test_transformers_integration import padded, std_logprobs_from_logits
-    truth_model = make_model(kind, "eager")
-    with torch.no_grad():  # weights representable in the low precision dtype, so fp32 is the exact truth
-        for p in truth_model.parameters():
-            p.copy_(p.to(dtype).float())
-    low = copy.deepcopy(truth_model).to(dtype)
-    dk = dkt.enable(copy.deepcopy(low))
-    prompts, responses = rollouts()
-    packed = pack(prompts, responses)
-    ids, rows = padded(prompts, responses)
-    with torch.no_grad():
-        truth = std_logprobs_from_logits(truth_model(input_ids=ids).logits, rows, packed.max_response_len)
-        hidden = low.model(input_ids=ids).last_hidden_state  # logits in fp32, as response_logprobs does
-        lp_std = std_logprobs_from_logits(hidden.float() @ low.lm_head.weight.float().T, rows,
-                                          packed.max_response_len)
-        lp_dk = response_logprobs(dk.model(**dkt.model_inputs(packed)).last_hidden_state, dk.lm_head.weight, packed)
-    m = packed.response_mask()
-    err_std = float((lp_std - truth).abs()[m].max())
-    err_dk = float((lp_dk - truth).abs()[m].max())
-    assert err_std > 0
+    err_dk, err_std = low_precision_logprob_errors(make_model(kind, "eager"), dtype)
     assert err_dk <= 2 * err_std + 1e-3, (err_dk, err_std)
 
 
