@@ -27,6 +27,15 @@ INIT = dict(initializer_range=0.3)
 
 
 def make_config(kind: str):
+    """The tiny config of ``kind``; skips where the installed transformers lacks the model (Gemma-4
+    arrived in 5.x) or the config fields used here."""
+    try:
+        return _make_config(kind)
+    except (AttributeError, TypeError) as e:
+        pytest.skip(f"transformers {transformers.__version__} cannot build the {kind} config: {e}")
+
+
+def _make_config(kind: str):
     c = dict(COMMON, head_dim=8)
     if kind == "gpt_oss":  # layer 0 sliding, layer 1 full (the default alternation); sinks in every layer
         return transformers.GptOssConfig(**c, **INIT, sliding_window=WINDOW, num_local_experts=4,
@@ -108,14 +117,15 @@ def test_config_modifiers_and_checks():
     # the published default configs are accepted (Gemma-2's final softcap warns: log-probs from logits)
     dkt.check_config(transformers.GptOssConfig())
     dkt.check_config(transformers.Gemma3TextConfig())
-    dkt.check_config(transformers.Gemma4TextConfig())
     dkt.check_config(transformers.MistralConfig())
     with pytest.warns(UserWarning, match="final logits"):
         dkt.check_config(transformers.Gemma2Config())
     with pytest.raises(dualkv.UnsupportedError, match="non-causal"):
         dkt.check_config(transformers.Gemma3TextConfig(use_bidirectional_attention=True))
-    with pytest.raises(dualkv.UnsupportedError, match="non-causal"):
-        dkt.check_config(transformers.Gemma4TextConfig(use_bidirectional_attention="all"))
+    if hasattr(transformers, "Gemma4TextConfig"):
+        dkt.check_config(transformers.Gemma4TextConfig())
+        with pytest.raises(dualkv.UnsupportedError, match="non-causal"):
+            dkt.check_config(transformers.Gemma4TextConfig(use_bidirectional_attention="all"))
     bad = make_config("mistral")
     bad.sliding_window = 0
     with pytest.raises(dualkv.ArgumentError, match="sliding_window=0"):
