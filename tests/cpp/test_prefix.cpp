@@ -401,6 +401,7 @@ TEST(Prefix, ApiChecksThePrefixBlock) {
   dualkv_fwd_params old = dualkv::testing::contiguous_fwd_params(plain, DUALKV_DTYPE_FLOAT32, H, Hk, D, 0.3, q.data(),
                                                                   k.data(), v.data(), out.data(), lse.data());
   old.struct_size = uint32_t(offsetof(dualkv_fwd_params, prefixes));
+  old.abi_version = 1;  // as such a caller's header said
   old.prefixes.num_prefixes = 7;  // past the caller's struct: must not be read
   EXPECT_EQ(dualkv_fwd(&old), DUALKV_OK) << dualkv_last_error();
   old.struct_size = uint32_t(offsetof(dualkv_fwd_params, prefixes) + 8);
