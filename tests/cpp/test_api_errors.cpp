@@ -189,39 +189,6 @@ TEST(ApiErrors, ModifiersAreValidated) {
   }
 }
 
-// A caller built against ABI 1 passes the shorter params (no modifiers block) with abi_version 1:
-// accepted, with the same results as this ABI's params without modifiers. Only its own bytes are
-// read: the bytes past them are poisoned (window -1, softcap NaN, sinks 0xff..ff) and ignored.
-// Mixed sizes and versions are refused.
-TEST(ApiErrors, Abi1ParamsStillWork) {
-  Fixture x;
-  ASSERT_EQ(dualkv_fwd(&x.f), DUALKV_OK) << dualkv_last_error();
-  ASSERT_EQ(dualkv_bwd(&x.b), DUALKV_OK) << dualkv_last_error();
-  const std::vector<float> out = x.out, dq = x.dq;
-  const size_t fwd_size = offsetof(dualkv_fwd_params, softcap), bwd_size = offsetof(dualkv_bwd_params, softcap);
-  dualkv_fwd_params f = x.f;
-  dualkv_bwd_params b = x.b;
-  std::memset(reinterpret_cast<char*>(&f) + fwd_size, 0xff, sizeof(f) - fwd_size);
-  std::memset(reinterpret_cast<char*>(&b) + bwd_size, 0xff, sizeof(b) - bwd_size);
-  f.struct_size = uint32_t(fwd_size);
-  b.struct_size = uint32_t(bwd_size);
-  f.abi_version = b.abi_version = 1;
-  std::fill(x.out.begin(), x.out.end(), NAN);
-  std::fill(x.dq.begin(), x.dq.end(), NAN);
-  ASSERT_EQ(dualkv_fwd(&f), DUALKV_OK) << dualkv_last_error();
-  ASSERT_EQ(dualkv_bwd(&b), DUALKV_OK) << dualkv_last_error();
-  EXPECT_EQ(x.out, out);
-  EXPECT_EQ(x.dq, dq);
-  size_t bytes = 1;
-  EXPECT_EQ(dualkv_fwd_workspace_size(&f, &bytes), DUALKV_OK) << dualkv_last_error();
-  EXPECT_EQ(dualkv_bwd_workspace_size(&b, &bytes), DUALKV_OK) << dualkv_last_error();
-  f.abi_version = DUALKV_ABI_VERSION;  // this ABI with the ABI-1 size
-  EXPECT_EQ(dualkv_fwd(&f), DUALKV_ERROR_VERSION);
-  EXPECT_NE(std::string(dualkv_last_error()).find("struct_size"), std::string::npos) << dualkv_last_error();
-  x.b.abi_version = 1;  // ABI 1 with this ABI's size
-  EXPECT_EQ(dualkv_bwd(&x.b), DUALKV_ERROR_VERSION);
-}
-
 // dk and dv interleaved token by token in one [T, 2, Hk, D] buffer share no element: accepted,
 // and the same values as separate buffers.
 TEST(ApiErrors, InterleavedGradientBuffersAreAccepted) {
