@@ -12,11 +12,13 @@
  *   q [T, H, D], k and v [T, Hk, D]; H % Hk == 0; query head h reads kv head h / (H / Hk).
  *   out [T, H, D] in the input dtype; lse [H, T] natural-log, float32 (float64 for float64 input).
  *   Query token i in segment s sees key token j iff j lies in a proper ancestor of s, or j lies in
- *   s at an offset <= i's offset (include/dualkv/layout.h defines it once for host and device).
+ *   s at an offset <= i's offset (include/dualkv/layout.h defines it once for host and device),
+ *   and, with a sliding window W, pos(i) - pos(j) < W (include/dualkv/mask.h).
  *   Every pointer is aligned to its element size; an output shares no byte with another operand
  *   (inputs may overlap each other); both are checked (DUALKV_ERROR_INVALID_ARGUMENT).
  *   External prefix segments (dualkv_prefixes) add keys and values from a second buffer: rows of
- *   a prompt an earlier call computed, seen in full by the segment's descendants.
+ *   a prompt an earlier call computed, seen by the segment's descendants like a parent's tokens
+ *   (in full but for the window; prefix row r is at position r - prefix start).
  */
 #ifndef DUALKV_DUALKV_H_
 #define DUALKV_DUALKV_H_
@@ -24,7 +26,11 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define DUALKV_ABI_VERSION 1
+/* 2: the "mask modifiers" block appended to dualkv_fwd_params / dualkv_bwd_params (after the
+ * "external prefix segments" block, which ABI 1 gained). The library also takes the params of
+ * ABI 1, abi_version 1 with either of its struct sizes: offsetof(..., prefixes) (no prefixes, no
+ * modifiers) or offsetof(..., softcap) (no modifiers). */
+#define DUALKV_ABI_VERSION 2
 #define DUALKV_VERSION_STRING "0.1.0"
 
 #if defined(_WIN32)
@@ -134,13 +140,21 @@ typedef struct dualkv_fwd_params {
   size_t workspace_bytes;
   void* stream; /* cudaStream_t; NULL = legacy default stream */
 
-  /* ---- external prefix segments (appended: a caller built before this block passes
+  /* ---- external prefix segments (appended in ABI 1: a caller built before this block passes
    * struct_size = offsetof(dualkv_fwd_params, prefixes) and has none) ---- */
   dualkv_prefixes prefixes;
   const void* prefix_k; /* [num_prefix_rows, Hk, D] in dtype, last dim contiguous */
   const void* prefix_v;
   int64_t prefix_k_token_stride, prefix_k_head_stride;
   int64_t prefix_v_token_stride, prefix_v_head_stride;
+
+  /* ---- mask modifiers (ABI 2; each off when zero / NULL: a caller of ABI 1 has none) ---- */
+  double softcap;    /* > 0: scores s = scale * q.k become softcap * tanh(s / softcap) before masking */
+  const void* sinks; /* [num_heads] per-head sink logits, lse dtype, contiguous: each joins every row's
+                        softmax denominator (and its lse) as one more key of value zero */
+  int32_t window;    /* > 0: key j is visible from query i only if pos(i) - pos(j) < window, positions
+                        along the root-to-leaf path (the layout's position ids; a prefix row's position
+                        is its row within its prefix) */
 } dualkv_fwd_params;
 
 typedef struct dualkv_bwd_params {
@@ -187,7 +201,7 @@ typedef struct dualkv_bwd_params {
   size_t workspace_bytes;
   void* stream;
 
-  /* ---- external prefix segments (appended: a caller built before this block passes
+  /* ---- external prefix segments (appended in ABI 1: a caller built before this block passes
    * struct_size = offsetof(dualkv_bwd_params, prefixes) and has none) ---- */
   dualkv_prefixes prefixes;
   const void* prefix_k; /* [num_prefix_rows, Hk, D], as in the forward */
@@ -202,6 +216,13 @@ typedef struct dualkv_bwd_params {
   void* prefix_dv;
   int64_t prefix_dk_token_stride, prefix_dk_head_stride;
   int64_t prefix_dv_token_stride, prefix_dv_head_stride;
+
+  /* ---- mask modifiers (ABI 2): the forward's, and the sinks' gradient ---- */
+  double softcap;
+  const void* sinks;
+  void* dsinks;   /* [num_heads] lse dtype, contiguous: d loss / d sinks (written, not accumulated);
+                     required with sinks, NULL without */
+  int32_t window;
 } dualkv_bwd_params;
 
 /* ---- library information ---- */

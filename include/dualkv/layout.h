@@ -46,6 +46,14 @@ struct ForestView {
   DUALKV_HOST_DEVICE int32_t prefix_begin(int32_t s) const { return prefix_offsets[prefix[s]]; }
   DUALKV_HOST_DEVICE int32_t prefix_end(int32_t s) const { return prefix_offsets[prefix[s] + 1]; }
 
+  // The keys segment s holds: its tokens, or an external segment's prefix rows; key k of them is
+  // at position key_position(s, k) (positions continue along the path through either kind).
+  DUALKV_HOST_DEVICE int32_t keys_begin(int32_t s) const { return is_external(s) ? prefix_begin(s) : segment_begin(s); }
+  DUALKV_HOST_DEVICE int32_t keys_end(int32_t s) const { return is_external(s) ? prefix_end(s) : segment_end(s); }
+  DUALKV_HOST_DEVICE int32_t key_position(int32_t s, int32_t k) const {
+    return position_offset[s] + (k - keys_begin(s));
+  }
+
   // True iff a is a proper ancestor of s.
   DUALKV_HOST_DEVICE bool is_proper_ancestor(int32_t a, int32_t s) const {
     return a < s && s < subtree_end[a];

@@ -12,7 +12,7 @@ import os
 import pathlib
 import threading
 
-ABI_VERSION = 1
+ABI_VERSION = 2
 
 # dualkv_status
 OK = 0
@@ -156,7 +156,12 @@ class FwdParams(ctypes.Structure):
         ("workspace", ctypes.c_void_p),
         ("workspace_bytes", ctypes.c_size_t),
         ("stream", ctypes.c_void_p),
-    ] + _PREFIX_INPUTS
+    ] + _PREFIX_INPUTS + [
+        # mask modifiers (ABI 2)
+        ("softcap", ctypes.c_double),
+        ("sinks", ctypes.c_void_p),
+        ("window", ctypes.c_int32),
+    ]
 
 
 class BwdParams(ctypes.Structure):
@@ -190,6 +195,11 @@ class BwdParams(ctypes.Structure):
         ("prefix_dk_head_stride", ctypes.c_int64),
         ("prefix_dv_token_stride", ctypes.c_int64),
         ("prefix_dv_head_stride", ctypes.c_int64),
+        # mask modifiers (ABI 2)
+        ("softcap", ctypes.c_double),
+        ("sinks", ctypes.c_void_p),
+        ("dsinks", ctypes.c_void_p),
+        ("window", ctypes.c_int32),
     ]
 
 
@@ -204,6 +214,7 @@ def _candidates() -> list[pathlib.Path]:
 
 
 _lib = None
+_info = None  # the build info, parsed once when the library loads
 _lock = threading.Lock()
 
 
@@ -240,7 +251,7 @@ def _declare(lib: ctypes.CDLL) -> None:
 
 def lib() -> ctypes.CDLL:
     """The loaded library; raises LibraryNotFoundError with the paths tried."""
-    global _lib
+    global _lib, _info
     if _lib is not None:
         return _lib
     with _lock:
@@ -268,6 +279,7 @@ def lib() -> ctypes.CDLL:
                 tried.append(f"{path} (built before external prefix segments: rebuild it)")
                 continue
             _declare(handle)
+            _info = json.loads(handle.dualkv_build_info().decode())
             _lib = handle
             return _lib
         raise LibraryNotFoundError(
@@ -287,3 +299,12 @@ def check(status: int, what: str = "") -> None:
 def build_info() -> dict:
     """What this libdualkv was built with: backends, CUDA archs, head dims, dtypes."""
     return json.loads(lib().dualkv_build_info().decode())
+
+
+def backend_modifiers(device_type: str) -> frozenset:
+    """The mask modifiers ("window", "softcap", "sinks") the backend for ``device_type`` ("cpu",
+    "cuda") implements. Reads the build info parsed at load time (no library call once loaded, so
+    torch.compile traces it)."""
+    if _info is None:
+        lib()
+    return frozenset(_info.get(device_type, {}).get("modifiers", ()))

@@ -4,12 +4,15 @@
 // (tiles.h: up to kQueryRows tokens of one segment, or of sibling responses) walks the key blocks
 // it sees, ancestors in full and its own segments causally, with the arithmetic of one
 // (tile, block) in tile_kernels.h. An external prefix segment's blocks read the prefix buffers.
-// - Forward: one work item per (query tile, head), online softmax over the key blocks.
+// - Forward: one work item per (query tile, head), online softmax over the key blocks; a head's
+//   sink joins the denominator in the epilogue.
 // - Backward: fused (each (tile, block) computes its probabilities once and feeds dq, dk and dv),
 //   one work item per (tree, kv head). Trees share no keys, so an item owns the dk/dv of its
 //   tree's tokens (and of its external root's prefix rows, which a layout gives to one segment)
 //   and the dq of its query rows: no atomics, no reduction across threads, and every sum runs in
-//   the same order whatever the thread count.
+//   the same order whatever the thread count. The sinks' gradient comes from the rows' lse and
+//   delta alone (one sum per head, in token order).
+// The mask modifiers: the window through the tiles (tiles.h), the softcap in the score kernel.
 #include <algorithm>
 #include <cstdint>
 #include <cmath>
@@ -22,6 +25,7 @@
 #include "cpu/tile_kernels.h"
 #include "cpu/tiles.h"
 #include "dualkv/layout.h"
+#include "dualkv/mask.h"
 
 namespace dualkv::detail::cpu {
 namespace {
@@ -145,19 +149,24 @@ int32_t threads_for(const ForestView& f, int64_t heads, int64_t D, int32_t reque
   return visible_pairs(f, 0, f.num_segments) * heads * D < kMinParallelWork ? 1 : requested;
 }
 
-// What the forward and the backward share: the forest, the sizes, the thread count and q, k, v
-// (and the prefix buffers' keys and values, without rows when there is no external segment) as
-// fp32 rows.
+// What the forward and the backward share: the forest, the sizes, the mask modifiers, the thread
+// count and q, k, v (and the prefix buffers' keys and values, without rows when there is no
+// external segment) as fp32 rows.
 struct Problem {
   ForestView f;
   int64_t T, H, Hk, D, group;
-  float scale;
+  float scale, softcap;
+  PositionWindow window;
   int32_t threads;
   Fp32Operand q, k, v, prefix_k, prefix_v;
 
-  // Keys / values [begin, end) of kv head g of a key block.
-  ConstMatrix keys(const KeyBlock& b, int64_t g) const { return rows_of(b.prefix ? prefix_k : k, g, b.begin, b.end); }
-  ConstMatrix values(const KeyBlock& b, int64_t g) const { return rows_of(b.prefix ? prefix_v : v, g, b.begin, b.end); }
+  // Keys / values of kv head g of a key block: tokens, or an external segment's prefix rows.
+  ConstMatrix keys(const KeyBlock& b, int64_t g) const {
+    return rows_of(f.is_external(b.segment) ? prefix_k : k, g, b.pair.keys.begin, b.pair.keys.end);
+  }
+  ConstMatrix values(const KeyBlock& b, int64_t g) const {
+    return rows_of(f.is_external(b.segment) ? prefix_v : v, g, b.pair.keys.begin, b.pair.keys.end);
+  }
 };
 
 template <typename Params>
@@ -170,7 +179,8 @@ Problem make_problem(const Params& p) {
     return prefix_rows ? as_fp32(base, p.dtype, prefix_rows, Hk, D, token_stride, head_stride, threads)
                        : Fp32Operand{nullptr, 0, 0, D, {}};
   };
-  return {f, T, H, Hk, D, H / Hk, static_cast<float>(p.softmax_scale), threads,
+  return {f, T, H, Hk, D, H / Hk, static_cast<float>(p.softmax_scale), static_cast<float>(p.softcap),
+          PositionWindow{p.window}, threads,
           as_fp32(p.q, p.dtype, T, H, D, p.q_token_stride, p.q_head_stride, threads),
           as_fp32(p.k, p.dtype, T, Hk, D, p.k_token_stride, p.k_head_stride, threads),
           as_fp32(p.v, p.dtype, T, Hk, D, p.v_token_stride, p.v_head_stride, threads),
@@ -202,24 +212,25 @@ void blocked_forward(const dualkv_fwd_params& p) {
     row_max.assign(static_cast<size_t>(rows), -INFINITY);
     row_sum.assign(static_cast<size_t>(rows), 0.0f);
     std::vector<KeyBlock>& blocks = w.blocks;
-    key_blocks(f, tile, kKeyCols, &blocks);
+    key_blocks(f, pr.window, tile, kKeyCols, &blocks);
     for (const KeyBlock& b : blocks) {
       const int64_t r = b.row_begin - tile.begin, n = b.row_end - b.row_begin;  // the rows that see b
-      const Matrix s{scores + r * kKeyCols, n, b.end - b.begin, kKeyCols};
-      kernels.scores(rows_of(q, h, b.row_begin, b.row_end), pr.keys(b, g), scale, s);
-      if (b.masked) mask_block(f, b, s.data, s.ld);
+      const Matrix s{scores + r * kKeyCols, n, b.pair.keys.end - b.pair.keys.begin, kKeyCols};
+      kernels.scores(rows_of(q, h, b.row_begin, b.row_end), pr.keys(b, g), scale, pr.softcap, s);
+      if (b.masked) mask_block(f, pr.window, tile, b, s.data, s.ld);
       kernels.softmax_accumulate(s, pr.values(b, g), &row_max[static_cast<size_t>(r)],
                                  &row_sum[static_cast<size_t>(r)], Matrix{&acc[static_cast<size_t>(r * D)], n, D, D});
     }
-    // Every row sees at least its own key, so row_sum >= 1. A per-head sink term would join the
-    // denominator here.
+    // Every row sees at least its own key, so row_sum >= 1. The head's sink, if any, is one more
+    // key of every row (of value zero).
+    const int32_t ldt = lse_dtype(p.dtype);
+    const float sink = p.sinks ? load_element<float>(p.sinks, h, ldt) : 0.0f;
     for (int64_t i = 0; i < rows; ++i) {
       const int64_t t = tile.begin + i, o = t * p.out_token_stride + h * p.out_head_stride;
-      const float inv = 1.0f / row_sum[static_cast<size_t>(i)];
-      store_row(p.out, o, p.dtype, &acc[static_cast<size_t>(i * D)], inv, D);
-      if (p.lse)
-        store_element<float>(p.lse, h * p.lse_head_stride + t, lse_dtype(p.dtype),
-                              row_max[static_cast<size_t>(i)] + std::log(row_sum[static_cast<size_t>(i)]));
+      float m = row_max[static_cast<size_t>(i)], l = row_sum[static_cast<size_t>(i)];
+      const float rescale = p.sinks ? fold_sink(m, l, sink) : 1.0f;
+      store_row(p.out, o, p.dtype, &acc[static_cast<size_t>(i * D)], rescale / l, D);
+      if (p.lse) store_element<float>(p.lse, h * p.lse_head_stride + t, ldt, m + std::log(l));
     }
   });
 }
@@ -234,10 +245,13 @@ void blocked_backward(const dualkv_bwd_params& p) {
   const Fp32Operand& q = pr.q;
   const Fp32Operand dout = as_fp32(p.dout, p.dtype, T, H, D, p.dout_token_stride, p.dout_head_stride, threads);
 
-  // lse and delta = rowsum(dO * O) - dlse per (head, token), the softmax-backward correction.
+  // lse and delta = rowsum(dO * O) - dlse per (head, token), the softmax-backward correction; and
+  // a head's d loss / d sink = -sum over its rows of sink_probability * delta (fp64 sum).
   const int32_t ldt = lse_dtype(p.dtype);
   std::vector<float> lse(static_cast<size_t>(H * T)), delta(static_cast<size_t>(H * T));
   parallel_for(H, threads, [&](int64_t h) {
+    const float sink = p.sinks ? load_element<float>(p.sinks, h, ldt) : 0.0f;
+    double dsink = 0;
     for (int64_t t = 0; t < T; ++t) {
       const size_t i = static_cast<size_t>(h * T + t);
       const int64_t o = t * p.out_token_stride + h * p.out_head_stride;
@@ -247,7 +261,9 @@ void blocked_backward(const dualkv_bwd_params& p) {
       if (p.dlse) sum -= load_element<float>(p.dlse, h * p.dlse_head_stride + t, ldt);
       delta[i] = sum;
       lse[i] = load_element<float>(p.lse, h * p.lse_head_stride + t, ldt);
+      if (p.sinks) dsink -= double(sink_probability(sink, lse[i])) * sum;
     }
+    if (p.sinks) store_element<double>(p.dsinks, h, ldt, dsink);
   });
 
   const std::vector<QueryTile> tiles = query_tiles(f, kQueryRows, /*stack_roots=*/false);
@@ -285,21 +301,23 @@ void blocked_backward(const dualkv_bwd_params& p) {
         const QueryTile& tile = tiles[ti];
         const int64_t rows = tile.end - tile.begin;
         std::fill(dq.begin(), dq.begin() + rows * D, 0.0f);
-        key_blocks(f, tile, kKeyCols, &blocks);
+        key_blocks(f, pr.window, tile, kKeyCols, &blocks);
         for (const KeyBlock& b : blocks) {
           const int64_t r = b.row_begin - tile.begin, n = b.row_end - b.row_begin;  // the rows that see b
-          const int64_t cols = b.end - b.begin;
+          const TokenRange keys = b.pair.keys;
+          const int64_t cols = keys.end - keys.begin;
           // the block's rows of the tree's dk/dv, or of its prefix's
-          float* block_dk = b.prefix ? &prefix_dk[static_cast<size_t>((b.begin - prefix_begin) * D)]
-                                     : &dk[static_cast<size_t>((b.begin - tree.token_begin) * D)];
-          float* block_dv = b.prefix ? &prefix_dv[static_cast<size_t>((b.begin - prefix_begin) * D)]
-                                     : &dv[static_cast<size_t>((b.begin - tree.token_begin) * D)];
+          const bool prefix = f.is_external(b.segment);
+          float* block_dk = prefix ? &prefix_dk[static_cast<size_t>((keys.begin - prefix_begin) * D)]
+                                   : &dk[static_cast<size_t>((keys.begin - tree.token_begin) * D)];
+          float* block_dv = prefix ? &prefix_dv[static_cast<size_t>((keys.begin - prefix_begin) * D)]
+                                   : &dv[static_cast<size_t>((keys.begin - tree.token_begin) * D)];
           const size_t row0 = static_cast<size_t>(h * T + b.row_begin);
           const ConstMatrix qt = rows_of(q, h, b.row_begin, b.row_end);
           const Matrix s{scores + r * kKeyCols, n, cols, kKeyCols};
-          kernels.scores(qt, pr.keys(b, g), scale, s);
-          if (b.masked) mask_block(f, b, s.data, s.ld);
-          kernels.backward_block(s, &lse[row0], &delta[row0], qt, pr.keys(b, g), pr.values(b, g),
+          kernels.scores(qt, pr.keys(b, g), scale, pr.softcap, s);
+          if (b.masked) mask_block(f, pr.window, tile, b, s.data, s.ld);
+          kernels.backward_block(s, &lse[row0], &delta[row0], pr.softcap, qt, pr.keys(b, g), pr.values(b, g),
                                  rows_of(dout, h, b.row_begin, b.row_end),
                                  Matrix{scratch + r * kKeyCols, n, cols, kKeyCols},
                                  Matrix{&dq[static_cast<size_t>(r * D)], n, D, D}, Matrix{block_dk, cols, D, D},

@@ -199,7 +199,7 @@ def test_torch_compile_fullgraph():
 def test_build_info_and_version():
     info = dualkv.build_info()
     assert "cpu" in info["backends"]
-    assert info["abi_version"] == 1
+    assert info["abi_version"] == 2
 
 
 def test_cpu_instruction_set_can_be_forced_and_agrees():

@@ -78,4 +78,4 @@ def test_record_holds_switches_versions_and_the_library(monkeypatch):
     assert "UNRELATED_VARIABLE" not in rec["switches"]
     assert rec["commit"] == "f" * 40 and rec["packages"]["torch"] and rec["date"].endswith("+00:00")
     lib = rec["dualkv_library"]
-    assert len(lib["sha256"]) == 64 and lib["build"]["abi_version"] == 1 and pathlib.Path(lib["path"]).is_file()
+    assert len(lib["sha256"]) == 64 and lib["build"]["abi_version"] == 2 and pathlib.Path(lib["path"]).is_file()

@@ -1,5 +1,6 @@
 """dualkv.attention with external prefix segments (prefix_k / prefix_v) against the same forest
-with the prefixes' rows as ordinary tokens, on the CPU backend; the layout and op checks."""
+with the prefixes' rows as ordinary tokens, on the CPU backend, without and with the mask modifiers
+(window, softcap, sinks); the layout and op checks."""
 import random
 
 import pytest
@@ -39,9 +40,19 @@ def split_forest(rng: random.Random, lens, parents):
     return prefixed, flat, torch.tensor(local), prefix_rows
 
 
+def modifier_args(rng: random.Random, H: int):
+    """A window that cuts the prefixes (1 to 12 positions), a softcap and [H] sinks (fp64 values)."""
+    return dict(window=rng.randint(1, 12), softcap=rng.uniform(0.5, 3.0),
+                sinks=torch.tensor([rng.uniform(-2, 3) for _ in range(H)], dtype=torch.float64))
+
+
 @pytest.mark.parametrize("trial", range(12))
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_prefixed_equals_flat_forest(trial, dtype):
+@pytest.mark.parametrize("with_modifiers", [False, True])
+def test_prefixed_equals_flat_forest(trial, dtype, with_modifiers):
+    """With the modifiers, positions continue after each prefix, so the window cuts prefix rows as it
+    cuts the flat forest's root tokens; the sinks' gradient sums over the local rows (the flat
+    loss leaves the prefix rows out, so their share is zero there too)."""
     rng = random.Random(100 + trial)
     lens, parents = random_forest(rng, roots=rng.randint(1, 4), max_depth=rng.randint(2, 4), max_children=3)
     prefixed, flat, local, prefix_rows = split_forest(rng, lens, parents)
@@ -52,10 +63,13 @@ def test_prefixed_equals_flat_forest(trial, dtype):
     q, k, v = (torch.randn(T, h, D, generator=g, dtype=torch.float64) for h in (H, Hk, Hk))
     dout = torch.randn(T, H, D, generator=g, dtype=torch.float64)
     unused_k, unused_v = (torch.randn(3, Hk, D, generator=g, dtype=torch.float64) for _ in range(2))
+    mods = modifier_args(rng, H) if with_modifiers else {}
+    sinks = mods.pop("sinks", None)
+    f_sinks, p_sinks = ((sinks.to(dtype).clone().requires_grad_() if with_modifiers else None) for _ in range(2))
 
     # flat: a loss on the local tokens only (prefix rows have no queries in the prefixed call)
     fq, fk, fv = (t.to(dtype).clone().requires_grad_() for t in (q, k, v))
-    out_f = dualkv.attention(fq, fk, fv, flat)
+    out_f = dualkv.attention(fq, fk, fv, flat, sinks=f_sinks, **mods)
     (out_f[local] * dout[local].to(dtype)).sum().backward()
 
     rows = torch.tensor([max(r, 0) for r in prefix_rows])
@@ -63,10 +77,12 @@ def test_prefixed_equals_flat_forest(trial, dtype):
     pk = torch.where(unused[:, None, None], torch.cat([unused_k, k[rows[3:]]]), k[rows])
     pv = torch.where(unused[:, None, None], torch.cat([unused_v, v[rows[3:]]]), v[rows])
     lq, lk, lv, pk, pv = (t.to(dtype).clone().requires_grad_() for t in (q[local], k[local], v[local], pk, pv))
-    out_p = dualkv.attention(lq, lk, lv, prefixed, prefix_k=pk, prefix_v=pv)
+    out_p = dualkv.attention(lq, lk, lv, prefixed, prefix_k=pk, prefix_v=pv, sinks=p_sinks, **mods)
     (out_p * dout[local].to(dtype)).sum().backward()
 
     tol = 1e-12 if dtype == torch.float64 else 2e-5
+    if with_modifiers:
+        torch.testing.assert_close(p_sinks.grad, f_sinks.grad, rtol=tol, atol=tol)
     torch.testing.assert_close(out_p, out_f[local].detach(), rtol=tol, atol=tol)
     torch.testing.assert_close(lq.grad, fq.grad[local], rtol=tol, atol=tol)
     torch.testing.assert_close(lk.grad, fk.grad[local], rtol=tol, atol=tol)
@@ -118,38 +134,61 @@ def test_layout_positions_and_sizes():
     assert "prefixes=2" in repr(layout)
 
 
-def test_opcheck_with_prefixes():
+@pytest.mark.parametrize("window, softcap, with_sinks", [(0, 0.0, False), (3, 2.0, True)])
+def test_opcheck_with_prefixes(window, softcap, with_sinks):
     layout = dualkv.Layout.from_groups([1, 3], [[2, 3], [1]], prompt_prefix=[0, -1], prefix_lens=[4])
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(layout.num_tokens, h, 8, generator=g) for h in (4, 2, 2))
     pk, pv = (torch.randn(4, 2, 8, generator=g) for _ in range(2))
+    sinks = torch.randn(4, generator=g) if with_sinks else None
     plan, key = layout.plan_for(q.dtype, 8)
     args = (q, k, v, layout.meta, plan, layout.num_segments, layout.max_depth, key, 0.35, False, pk, pv,
-            layout.num_prefixes)
+            layout.num_prefixes, window, softcap, sinks)
     torch.library.opcheck(torch.ops.dualkv.fwd.default, args)
     out, lse = torch.ops.dualkv.fwd(*args)
     bargs = (torch.randn_like(out), q, k, v, out, lse, None, layout.meta, plan, layout.num_segments, layout.max_depth,
-             key, 0.35, False, pk, pv, layout.num_prefixes)
+             key, 0.35, False, pk, pv, layout.num_prefixes, window, softcap, sinks)
     torch.library.opcheck(torch.ops.dualkv.bwd.default, bargs)
 
 
-def test_torch_compile_fullgraph_with_prefixes():
+@pytest.mark.parametrize("mods", [{}, {"window": 4, "softcap": 1.5}])
+def test_torch_compile_fullgraph_with_prefixes(mods):
     layout = dualkv.Layout.from_groups([2], [[3, 2]], prompt_prefix=[0], prefix_lens=[5])
     g = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(layout.num_tokens, h, 8, generator=g).requires_grad_() for h in (2, 1, 1))
     pk, pv = (torch.randn(5, 1, 8, generator=g).requires_grad_() for _ in range(2))
+    sinks = torch.randn(2, generator=g).requires_grad_()
+    leaves = (q, k, v, pk, pv) + ((sinks,) if mods else ())
 
-    def f(q, k, v, pk, pv):
-        return dualkv.attention(q, k, v, layout, prefix_k=pk, prefix_v=pv).square().sum()
+    def f(q, k, v, pk, pv, *sinks):
+        return dualkv.attention(q, k, v, layout, prefix_k=pk, prefix_v=pv, sinks=sinks[0] if sinks else None,
+                                **mods).square().sum()
 
     torch._dynamo.reset()
-    f(q, k, v, pk, pv).backward()
-    eager = [t.grad.clone() for t in (q, k, v, pk, pv)]
-    for t in (q, k, v, pk, pv):
+    f(*leaves).backward()
+    eager = [t.grad.clone() for t in leaves]
+    for t in leaves:
         t.grad = None
-    torch.compile(f, fullgraph=True, backend="aot_eager")(q, k, v, pk, pv).backward()
-    for a, b in zip(eager, (q.grad, k.grad, v.grad, pk.grad, pv.grad)):
-        torch.testing.assert_close(a, b)
+    torch.compile(f, fullgraph=True, backend="aot_eager")(*leaves).backward()
+    for a, t in zip(eager, leaves):
+        torch.testing.assert_close(a, t.grad)
+
+
+def test_gradcheck_prefixes_with_modifiers_fp64():
+    """Autograd through every differentiable input at once: q, k, v, the prefix buffers and the
+    sinks, under a window that cuts the prefix, a softcap, and lse returned (its gradient too)."""
+    layout = dualkv.Layout.from_groups([1, 2], [[2, 3], [2]], prompt_prefix=[0, -1], prefix_lens=[4])
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(layout.num_tokens, h, 4, generator=g, dtype=torch.float64).requires_grad_()
+               for h in (2, 1, 1))
+    pk, pv = (torch.randn(4, 1, 4, generator=g, dtype=torch.float64).requires_grad_() for _ in range(2))
+    sinks = torch.randn(2, generator=g, dtype=torch.float64).requires_grad_()
+
+    def f(q, k, v, pk, pv, sinks):
+        return dualkv.attention(q, k, v, layout, prefix_k=pk, prefix_v=pv, window=3, softcap=1.5, sinks=sinks,
+                                return_lse=True)
+
+    assert torch.autograd.gradcheck(f, (q, k, v, pk, pv, sinks))
 
 
 @pytest.mark.parametrize("segment_lens, parents, seg_prefix, prefix_lens, match", [

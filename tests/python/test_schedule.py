@@ -163,6 +163,27 @@ def test_prompt_once_equals_one_micro_batch_and_unpacked(kind, dtype, fp64_exact
     assert_same_update(whole, (loss_std, lp_std, grads(std)), tol)
 
 
+@pytest.mark.parametrize("kind", ["gpt_oss", "gemma2", "gemma3"])
+def test_prompt_once_with_mask_modifiers(kind):
+    """Models with mask modifiers run their prompt once too (gpt-oss: window 4 + sinks; Gemma-2:
+    window + logit softcap; Gemma-3: sliding and global layers): a response micro-batch's window
+    reaches back into the kept prompt rows at their positions, the softcap and sinks apply to them,
+    and the sinks' gradient sums over the phases. fp32: the split update equals the one-micro-batch
+    update and the stock model on the unpacked rows (1e-5)."""
+    from test_transformers_mask_models import make_model as make_mask_model
+    std = make_mask_model(kind, "eager")
+    one = dkt.enable(copy.deepcopy(std))
+    split = dkt.enable(copy.deepcopy(std))
+    split.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    prompts, responses, old, adv = rollouts(PROMPT_LENS, RESPONSE_LENS, torch.float32)
+    loss_std, lp_std = unpacked_update(std, prompts, responses, old, adv, torch.float32)
+    *whole, _ = dualkv_update(one, prompts, responses, old, adv, max_tokens=1000)
+    *parts, plan = dualkv_update(split, prompts, responses, old, adv, max_tokens=12)
+    assert plan.split_groups == (0, 2)
+    assert_same_update(parts, whole, 1e-5)
+    assert_same_update(whole, (loss_std, lp_std, grads(std)), 1e-5)
+
+
 def test_one_response_per_micro_batch(fp64_exact):
     """The oddest split: every response alone with the last prompt token, uneven lengths."""
     dtype = torch.float64
