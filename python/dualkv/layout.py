@@ -123,7 +123,7 @@ class Layout:
         max_depth = ctypes.c_int32(0)
         lib = _native.lib()
         prefixes = c_prefixes_struct(meta, S, E, self._num_prefix_rows)
-        _native.check(lib.dualkv_layout_derive_prefixed(ptr(0), ptr(S + 1), S, total, ctypes.byref(prefixes),
+        _native.check(lib.dualkv_layout_derive_prefixed(ptr(0), ptr(S + 1), S, total, prefixes_arg(prefixes),
                                                         ptr(2 * S + 1), ptr(3 * S + 1), ptr(4 * S + 1),
                                                         ctypes.byref(max_depth)), "layout")
         self._max_depth = int(max_depth.value)
@@ -285,7 +285,7 @@ class Layout:
             host = torch.empty(self.num_tokens, dtype=torch.int32)
             c, p = self.c_layout(host=True), self.c_prefixes(host=True)
             _native.check(_native.lib().dualkv_layout_position_ids_prefixed(
-                ctypes.byref(c), ctypes.byref(p), ctypes.cast(host.data_ptr(), _native._i32p)), "position_ids")
+                ctypes.byref(c), prefixes_arg(p), ctypes.cast(host.data_ptr(), _native._i32p)), "position_ids")
             self._position_ids = host.to(torch.int64).to(self.device, non_blocking=True)
         return self._position_ids.clone()
 
@@ -294,7 +294,7 @@ class Layout:
         """Visible (query, key) pairs: forward FLOPs = 4 * H * D * visible_pairs."""
         pairs = ctypes.c_int64(0)
         c, p = self.c_layout(host=True), self.c_prefixes(host=True)
-        _native.check(_native.lib().dualkv_layout_visible_pairs_prefixed(ctypes.byref(c), ctypes.byref(p),
+        _native.check(_native.lib().dualkv_layout_visible_pairs_prefixed(ctypes.byref(c), prefixes_arg(p),
                                                                          ctypes.byref(pairs)), "visible_pairs")
         return int(pairs.value)
 
@@ -383,6 +383,12 @@ def c_prefixes_struct(meta: torch.Tensor, num_segments: int, num_prefixes: int,
         return _native.Prefixes_(0, 0, None, None)
     base, S = meta.data_ptr(), num_segments
     return _native.Prefixes_(num_prefixes, num_prefix_rows, base + 4 * (5 * S + 1), base + 4 * (6 * S + 1))
+
+
+def prefixes_arg(prefixes: _native.Prefixes_):
+    """The `prefixes` argument of the dualkv_layout_*_prefixed entry points: NULL without external
+    prefixes, the call a library built before them also takes (_native._prefix_free)."""
+    return ctypes.byref(prefixes) if prefixes.num_prefixes else None
 
 
 def _cuda_configs() -> Iterable[tuple[torch.dtype, int]]:

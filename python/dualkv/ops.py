@@ -35,9 +35,12 @@ def _device_fields(t: torch.Tensor):
 
 def _fill_common(p, q, k, v, meta, plan, num_segments, max_depth, plan_key, softmax_scale, deterministic,
                  prefix_k, prefix_v, num_prefixes, window, softcap, sinks):
+    features = [name for name, used in (("external prefix segments", num_prefixes),
+                                        ("mask modifiers", window or softcap or sinks is not None)) if used]
+    # the params of the library in use (an A/B may drive an older ABI's build; the fields past its
+    # struct_size are filled but never read)
+    p.struct_size, p.abi_version = _native.params_version(type(p), features, "attention")
     device, index, stream = _device_fields(q)
-    p.struct_size = ctypes.sizeof(p)
-    p.abi_version = _native.ABI_VERSION
     p.device, p.device_index, p.stream = device, index, stream
     p.dtype = DTYPE_CODES[q.dtype]
     p.flags = _native.FLAG_DETERMINISTIC if deterministic else 0
