@@ -926,9 +926,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
 
     device = torch.device(args.device)
-    tree = provenance.git_state()
-    if device.type == "cuda":  # a measurement; a CPU run is a smoke test (its result records dirty: true)
-        provenance.check_tree(tree, args.allow_dirty)
+    tree = provenance.measured_state(device, args.allow_dirty)
     if args.flex_compile is None:
         args.flex_compile = device.type == "cuda"
     configure_flex(args.flex_compile, False if args.flex_static else None, args.flex_mask_compile)

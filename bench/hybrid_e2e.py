@@ -391,9 +391,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
 
     device = torch.device(args.device)
-    tree = provenance.git_state()
-    if device.type == "cuda":  # a measurement; a CPU run is a smoke test (its result records dirty: true)
-        provenance.check_tree(tree, args.allow_dirty)
+    tree = provenance.measured_state(device, args.allow_dirty)
     shape = args.shape or ("tiny" if args.tiny else "9b")
     layers = args.layers or (4 if args.tiny else 16)
     configs = e2e.parse_configs(args.configs) if args.configs else (TINY_CONFIGS if args.tiny else DEFAULT_CONFIGS)
