@@ -19,9 +19,7 @@ import argparse
 import json
 import os
 import pathlib
-import platform
 import statistics
-import subprocess
 import sys
 import time
 
@@ -29,8 +27,10 @@ import torch
 import torch.nn.functional as F
 
 HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "python"))
 import dualkv  # noqa: E402
+import provenance  # noqa: E402
 
 # (name, segment lengths, parents): GRPO groups, a plain varlen batch, and a multi-turn tree.
 CASES = [
@@ -136,29 +136,26 @@ def run_case(name, lens, parents, dtype, D, H, rounds, reps):
     return results
 
 
-def provenance():
-    """Commit, whether the tree was clean, the library's build info and the machine."""
-    root = HERE.parent
-
-    def git(*args):
-        try:
-            return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, check=True).stdout.strip()
-        except (OSError, subprocess.CalledProcessError):
-            return None
-
-    status = git("status", "--porcelain", "--untracked-files=no")
-    model = None
+def cpu_model():
+    """The CPU's model name (/proc/cpuinfo), or None."""
     try:
         for line in open("/proc/cpuinfo"):
             if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
+                return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return {"commit": git("rev-parse", "HEAD"), "tree_clean": status == "" if status is not None else None,
-            "build_info": dualkv.build_info(), "torch": torch.__version__, "cpu_model": model,
-            "cpu_count": os.cpu_count(), "threads": torch.get_num_threads(), "python": platform.python_version(),
-            "env": {k: os.environ[k] for k in ("DUALKV_CPU_ISA", "OMP_NUM_THREADS") if k in os.environ}}
+    return None
+
+
+def environment():
+    """bench/provenance.py's record (commit, dirty tree, versions, switches, the library and its build
+    info) plus the machine: CPU model, core count and the threads the methods use."""
+    state = provenance.git_state()
+    if state["dirty"]:
+        print("warning: the working tree has uncommitted changes; the results are not tied to the commit",
+              file=sys.stderr)
+    return dict(provenance.record(state), device="cpu", cpu_model=cpu_model(), cpu_count=os.cpu_count(),
+                threads=torch.get_num_threads())
 
 
 def main(argv=None) -> int:
@@ -175,11 +172,8 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     cases, rounds = (QUICK_CASES, 1) if args.quick else (CASES, args.rounds)
-    info = provenance()
-    if info["tree_clean"] is False:
-        print("warning: the working tree has uncommitted changes; the results are not tied to the commit",
-              file=sys.stderr)
-    print(f"dualkv CPU backend ({info['build_info']['cpu']['isa']}) vs torch {torch.__version__} SDPA, "
+    info = environment()
+    print(f"dualkv CPU backend ({dualkv.build_info()['cpu']['isa']}) vs torch {torch.__version__} SDPA, "
           f"{torch.get_num_threads()} threads, {info['cpu_model']}", flush=True)
     results = []
     for dtype in (getattr(torch, d) for d in args.dtypes.split(",")):

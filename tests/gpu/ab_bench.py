@@ -17,7 +17,6 @@ base library was not built for is timed for new (and FA2) only.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import pathlib
@@ -30,6 +29,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "python"))
 sys.path.insert(0, str(ROOT / "bench"))
 import attention as bench  # noqa: E402  bench/attention.py: Case, methods, time_fn
+import provenance  # noqa: E402
 
 PATH_ENV = {"hopper": {}, "portable": {"DUALKV_DISABLE_SM90": "1", "DUALKV_DISABLE_SM90_BWD": "1"}}
 
@@ -83,10 +83,9 @@ def main() -> int:
         cases.append(bench.Case(bench.VARLEN["name"], bench.VARLEN["prompts"], bench.VARLEN["responses"]))
     dtype = torch.bfloat16
     H, Hk = args.heads, args.kv_heads
-    results = {"env": {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
-                       "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-                       "base": args.base, "new": args.new,
-                       "build_info": build_info},
+    # bench/provenance.py's record (commit, dirty tree, GPU, versions, switches), as every benchmark's
+    env = dict(provenance.record(provenance.git_state(), "cuda"), base=args.base, new=args.new, build_info=build_info)
+    results = {"env": env,
                "shape": {"H": H, "Hk": Hk, "dtype": "bfloat16"}, "rounds": args.rounds, "rows": []}
     print(f"{'D':>4} {'path':8} {'config':18} {'fwd new/base':>13} {'f+b new/base':>13} "
           f"{'slower all':>10} {'fwd/FA2':>8} {'f+b/FA2':>8}", flush=True)

@@ -21,21 +21,7 @@ from dualkv import schedule  # noqa: E402
 from dualkv.grpo import policy_loss, policy_update  # noqa: E402
 from dualkv.integrations import transformers as dkt  # noqa: E402
 from dualkv.microbatch import plan_micro_batches  # noqa: E402
-
-VOCAB = 96
-COMMON = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-              vocab_size=VOCAB, max_position_embeddings=128, attention_dropout=0.0, use_cache=False, head_dim=8)
-
-
-def make_config(kind):
-    if kind == "llama":
-        return transformers.LlamaConfig(**COMMON)
-    if kind == "qwen3":
-        return transformers.Qwen3Config(**COMMON)
-    if kind == "qwen3_moe":
-        return transformers.Qwen3MoeConfig(**COMMON, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
-                                           decoder_sparse_step=1)
-    raise ValueError(kind)
+from test_transformers_integration import VOCAB, make_config  # noqa: E402  (tiny llama / qwen3 / qwen3_moe)
 
 
 @pytest.fixture
@@ -270,7 +256,8 @@ def test_kept_memory_is_reported_and_bounded():
     prompts = [torch.randint(0, VOCAB, (n,)) for n in (7, 5)]
     kv = schedule.run_prompt_phase(model, prompts)
     rows = 6 + 4
-    layers, kv_heads, head_dim = COMMON["num_hidden_layers"], COMMON["num_key_value_heads"], COMMON["head_dim"]
+    cfg = model.config
+    layers, kv_heads, head_dim = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
     assert kv.prefix_lens == (6, 4)
     assert kv.memory == {"kv": 2 * layers * rows * kv_heads * head_dim * 4, "grad": 0, "device": None}
     kv.backward()  # nothing accumulated: zero gradients, and the state is freed
