@@ -80,7 +80,10 @@
 #                HYBRID_ARGS="--flex-backend TRITON" for Flex on Triton), cut at $HYBRID_CAP (default 570) s.
 #                Estimates (no GPU number yet): ~2.5 min at P 4K, ~4 min at P 16K. Needs wheels (fla-core)
 #   trl-step     issue 20's acceptance: bench/trl_step.py (1.7B, G8 x N16, P 2K-8K, C 0.5K-2K; TRL_ARGS adds
-#                options), cut at $TRL_CAP (default 570) s; needs wheels (trl, datasets). Estimate ~3 min
+#                options), cut at $TRL_CAP (default 570) s; needs wheels (trl, datasets). The G8 step's stock
+#                update alone takes 147 s (measured at a6c0820): the timed part and the log-prob check do not
+#                fit one call together; TRL_ARGS="--parts timing" in one call, "--parts accuracy" in the next
+#                (same seed and config: the same rollouts). Estimate: timing ~9 min, accuracy ~3 min
 # More than 8 files in $OUT at the end are packed into $OUT/device-out.tgz (a device call returns 8 files).
 # Long-running python writes to a log file, not into a pipe: a compiler child left behind by a cut
 # process (ptxas) would otherwise hold the pipe open and stall the step.

@@ -238,6 +238,19 @@ def test_bench_smoke(tmp_path):
     report = json.loads(next(tmp_path.glob("trl_step-*.json")).read_text())
     assert report["tokens"]["rho"] > 1.5 and report["verdict"]["logprob_ok"]
     assert report["logprob_error"]["dualkv"]["max"] < 1e-5  # fp32: summation order only
+    assert report["verdict"]["speed_ok"] in (True, False) and "update_s" in report["times"]["stock"]
+
+
+def test_bench_parts_run_apart(tmp_path):
+    """--parts accuracy measures the log-probs without the timed updates (the H200's G8 step needs two calls)."""
+    bench = _load(REPO / "bench" / "trl_step.py")
+    bench.main(["--device", "cpu", "--model", "tiny", "--dtype", "fp32", "--groups", "2", "-N", "2", "--prompt-len",
+                "8,16", "--completion-len", "2,8", "--slices", "2", "--parts", "accuracy", "--out", str(tmp_path)])
+    report = json.loads(next(tmp_path.glob("trl_step-*.json")).read_text())
+    assert "times" not in report and set(report["verdict"]) == {"logprob_bound", "logprob_ok"}
+    assert report["logprob_error"]["dualkv"]["max"] < 1e-5
+    with pytest.raises(SystemExit):
+        bench.main(["--device", "cpu", "--model", "tiny", "--parts", "speed", "--out", str(tmp_path)])
 
 
 def test_packed_forward_under_fsdp2(tmp_path):
