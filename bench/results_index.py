@@ -43,6 +43,8 @@ BENCHMARKS = {
                             "dualkv.distributed vs the plain path, 10 interleaved rounds (issue 18)",
     "trl_step_1.7b": "bench/trl_step.py, one TRL GRPO update stock vs DualKVGRPOTrainer, 1.7B (issue 20; "
                      "step trl-step); .g8_cut.log: the G8 run, cut at its cap after both updates",
+    "trl_step_1.7b_g8_accuracy": "bench/trl_step.py --parts accuracy, the G8 x N16 step's log-probs (first group) "
+                                 "against the fp32 truth, stock and dualkv (issue 20; TRL_ARGS='--parts accuracy')",
     "ab_house": "tests/gpu/ab_bench.py, the kernel house (342699f) against 72977b9 in one process, Hopper path, "
                 "3 rounds (issue 15); .portable.log: the portable path with FA2 alongside (house_run.sh ab-portable)",
     "ab_portable_candidate": "tests/gpu/ab_bench.py, the latest portable kernel candidate against the build before "
