@@ -83,6 +83,7 @@ from dualkv.integrations import gated_deltanet as gdn  # noqa: E402
 from dualkv.logprobs import response_logprobs  # noqa: E402
 from dualkv.packing import pack  # noqa: E402
 from dualkv.reference import unpacked_groups  # noqa: E402
+from dualkv import ArgumentError, UnsupportedError  # noqa: E402
 from dualkv.state_fork import BACKEND_ENV, BACKENDS, fla_available, recurrence_backend  # noqa: E402
 
 METHODS = ("dualkv", "std", "flex")  # flex last: a compile that hangs costs the least there
@@ -412,7 +413,10 @@ def main(argv=None):
     tree = provenance.measured_state(device, args.allow_dirty)
     if args.gdn_backend != "auto":  # read by the state fork of every GDN layer (and recorded as a switch)
         os.environ[BACKEND_ENV] = args.gdn_backend
-    gdn_backend = recurrence_backend(device)  # raises UnsupportedError for a forced backend that cannot run
+    try:
+        gdn_backend = recurrence_backend(device)
+    except (UnsupportedError, ArgumentError) as exc:  # a forced backend that cannot run here, or a bad name
+        ap.error(str(exc))
     shape = args.shape or ("tiny" if args.tiny else "9b")
     layers = args.layers or (4 if args.tiny else 16)
     configs = e2e.parse_configs(args.configs) if args.configs else (TINY_CONFIGS if args.tiny else DEFAULT_CONFIGS)
