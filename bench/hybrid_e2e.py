@@ -12,7 +12,7 @@ the unpacked path at P = 16K would need ~140 GiB, over the H200's memory; see do
 Methods (one model object; the attention implementation and the GDN forward switch per method):
 
   std     the unpacked N x (P + R) batch, right-padded rows, SDPA (cuDNN) attention, stock GDN layers
-          (flash-linear-attention's chunk kernel when installed, as transformers picks it)
+          (see "GDN recurrence" below)
   flex    what a user can assemble today: the packed stream with compiled FlexAttention on the
           attention layers (bench/e2e.py's Flex method: the forest-rule BlockMask built per micro-batch;
           --flex-backend FLASH: kernel_options BACKEND=FLASH, FlashAttention-4 under Flex, recorded as
@@ -22,6 +22,17 @@ Methods (one model object; the attention implementation and the GDN forward swit
           from one row. FA4's kernels refuse a block size that is not a multiple of their tiles (head
           dim 256: tile_n = 80): the warm-up raises it to one they accept (peers.accepted_block_size)
   dualkv  the packed stream: dualkv attention + the state fork on the GDN layers (one layout for both)
+
+GDN recurrence: the same math in every method. The state fork runs on dualkv.state_fork's backend
+(recurrence_backend: fla where flash-linear-attention is installed and does not refuse the Triton
+here, else transformers' PyTorch chunked rule "chunk"; --gdn-backend or $DUALKV_GDN_BACKEND forces
+one). The stock GDN layers (std, flex) run fla's kernel when the fork does, else transformers'
+torch_chunk_gated_delta_rule, the very function of the fork's chunk backend. fla-core 0.6.0 refuses
+Triton < 3.7.1 on Hopper (fla #640: its gated chunk backward is miscompiled there), so on the H200
+image (Triton 3.6) every method runs the PyTorch chunked rule, with or without fla installed; it is
+slower than fla's kernels, and its saved tensors are large (~22 fp32 copies of q per GDN layer's
+backward: the unpacked std / flex rows at P = 16K need ~95 GiB in one layer's recompute). The
+result's environment records the backend and its reason ("gdn"), every result row its "gdn" rule.
 
 Reported per (config, method): median seconds per update (CUDA events), speedup over std, the
 acceptance target 0.8 x rho (rho = unpacked / packed tokens), the FLOP ceiling of the speedup (see
@@ -35,9 +46,11 @@ The JSON records the provenance of bench/e2e.py (provenance.py: exact commit, ve
 FA4, fla and the CuTe DSL, switches, the library). A GPU run refuses a tree that is not a commit
 unless --allow-dirty; a copy without .git (the device machine) declares it with DUALKV_COMMIT.
 
-  python bench/hybrid_e2e.py --configs 16,4096,1024           # ~2.5 min on an H200 (estimate)
-  python bench/hybrid_e2e.py --configs 16,16384,1024          # ~4 min (estimate); both: the default, ~6.5 min
+  python bench/hybrid_e2e.py --configs 16,4096,1024           # ~4-5 min on an H200 (estimate, PyTorch GDN rule)
+  python bench/hybrid_e2e.py --configs 16,16384,1024          # ~3-4 min (estimate); std and flex likely OOM there
+                                                              # on the PyTorch rule (16,8192,1024: ~100 GiB, fits)
   python bench/hybrid_e2e.py --flex-backend TRITON            # Flex without FA4
+  python bench/hybrid_e2e.py --gdn-backend chunk              # every method on transformers' PyTorch GDN rule
   python bench/hybrid_e2e.py --device cpu --tiny              # smoke test on a CPU
 """
 from __future__ import annotations
@@ -47,6 +60,7 @@ import contextlib
 import datetime
 import inspect
 import json
+import os
 import pathlib
 import statistics
 import sys
@@ -69,6 +83,8 @@ from dualkv.integrations import gated_deltanet as gdn  # noqa: E402
 from dualkv.logprobs import response_logprobs  # noqa: E402
 from dualkv.packing import pack  # noqa: E402
 from dualkv.reference import unpacked_groups  # noqa: E402
+from dualkv import ArgumentError, UnsupportedError  # noqa: E402
+from dualkv.state_fork import BACKEND_ENV, BACKENDS, fla_available, recurrence_backend  # noqa: E402
 
 METHODS = ("dualkv", "std", "flex")  # flex last: a compile that hangs costs the least there
 DEFAULT_CONFIGS = [(16, 4096, 1024), (16, 16384, 1024)]
@@ -225,7 +241,9 @@ def measure(method, model, mbs, args, device):
 @contextlib.contextmanager
 def torch_reference_gdn(model):
     """The stock GDN layers on transformers' own PyTorch chunked recurrence (the function its fla
-    wrapper falls back to) instead of fla: for the fp32 truth, and on a CPU, where fla cannot run."""
+    wrapper falls back to) instead of fla: for the fp32 truth, and for the whole run wherever the state
+    fork does not run fla (a CPU; fla not installed, or refusing the Triton here), so that every method
+    runs the same GDN math and fla's refused backward never runs."""
     modules = {sys.modules[type(m).__module__] for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet")}
     saved = {mod: mod.torch_chunk_gated_delta_rule for mod in modules}
     for mod, fn in saved.items():
@@ -308,7 +326,7 @@ def run_config(model, cfg, n, P, R, args, device, save):
         save([{k: v for k, v in r.items() if k != "logp0"} for r in results] + list(extra))
     for method in args.methods:
         save_public([dict(base, method=method, status="running")])
-        rec = dict(base, **measure(method, model, mbs, args, device))
+        rec = dict(base, gdn=args.gdn_rule[method], **measure(method, model, mbs, args, device))
         results.append(rec)
         log(f"  N={n} P={P} R={R} {method:<7} {rec['status']:<7} "
             + (f"{rec['seconds']:.3f} s/update" + (f", peak {rec['peak_gib']:.1f} GiB" if "peak_gib" in rec else "")
@@ -339,22 +357,25 @@ def run_config(model, cfg, n, P, R, args, device, save):
     return results
 
 
-def summary(results):
-    head = (f"{'N':>3} {'P':>6} {'R':>5} {'rho':>5} {'method':>7} {'s/update':>9} {'speedup':>8} {'0.8rho':>7} "
-            f"{'ceiling':>7} {'peak GiB':>9} {'|dlogp| truth':>13} {'bound':>7} {'ok':>3}")
+def summary(results, gdn=None):
+    """The result table; ``gdn`` (the environment's record of the state fork's backend) adds a line."""
+    head = (f"{'N':>3} {'P':>6} {'R':>5} {'rho':>5} {'method':>7} {'gdn':>9} {'s/update':>9} {'speedup':>8} "
+            f"{'0.8rho':>7} {'ceiling':>7} {'peak GiB':>9} {'|dlogp| truth':>13} {'bound':>7} {'ok':>3}")
     lines = [head, "-" * len(head)]
     for r in results:
+        row = f"{r['N']:>3} {r['P']:>6} {r['R']:>5} {r['rho_tokens']:>5.2f} {r['method']:>7} {r.get('gdn', '-'):>9} "
         if r["status"] != "ok":
-            lines.append(f"{r['N']:>3} {r['P']:>6} {r['R']:>5} {r['rho_tokens']:>5.2f} {r['method']:>7} "
-                         f"{r['status']:>9}  {r.get('error', '')[:90]}")
+            lines.append(row + f"{r['status']:>9}  {r.get('error', '')[:90]}")
             continue
         fmt = e2e._fmt
         ok = "-" if "within_tolerance" not in r else ("yes" if r["within_tolerance"] else "NO")
-        lines.append(f"{r['N']:>3} {r['P']:>6} {r['R']:>5} {r['rho_tokens']:>5.2f} {r['method']:>7} "
-                     f"{r['seconds']:>9.3f} {fmt(r.get('speedup_vs_std'), '.2f'):>8} {r['target_speedup']:>7.2f} "
+        lines.append(row + f"{r['seconds']:>9.3f} {fmt(r.get('speedup_vs_std'), '.2f'):>8} {r['target_speedup']:>7.2f} "
                      f"{r['flop_ceiling']:>7.2f} "
                      f"{fmt(r.get('peak_gib'), '.1f'):>9} {fmt(r.get('max_abs_dlogp_vs_truth'), '.3g'):>13} "
                      f"{fmt(r.get('tolerance_bound'), '.3g'):>7} {ok:>3}")
+    if gdn is not None:
+        lines.append(f"GDN recurrence: state fork on {gdn['backend']} ({gdn['reason']}); "
+                     f"stock layers on {gdn['stock']}")
     return "\n".join(lines)
 
 
@@ -373,6 +394,10 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--truth-rows", type=int, default=2, help="rows of the fp32 truth (0: skip the tolerance rule)")
     ap.add_argument("--sdpa-backend", default="cudnn", choices=["cudnn", "flash", "efficient", "default"])
+    ap.add_argument("--gdn-backend", default="auto", choices=BACKENDS,
+                    help="the state fork's GDN recurrence (auto: $DUALKV_GDN_BACKEND, else fla where it runs, else "
+                    "chunk; see dualkv.state_fork.recurrence_backend); the stock layers follow: fla's kernel with "
+                    "fla, transformers' PyTorch chunked rule otherwise")
     ap.add_argument("--method-timeout", type=float, default=150.0,
                     help="seconds per method for its warm-up and for its timed updates (0: none)")
     ap.add_argument("--no-grad-ckpt", action="store_true")
@@ -386,6 +411,12 @@ def main(argv=None):
 
     device = torch.device(args.device)
     tree = provenance.measured_state(device, args.allow_dirty)
+    if args.gdn_backend != "auto":  # read by the state fork of every GDN layer (and recorded as a switch)
+        os.environ[BACKEND_ENV] = args.gdn_backend
+    try:
+        gdn_backend = recurrence_backend(device)
+    except (UnsupportedError, ArgumentError) as exc:  # a forced backend that cannot run here, or a bad name
+        ap.error(str(exc))
     shape = args.shape or ("tiny" if args.tiny else "9b")
     layers = args.layers or (4 if args.tiny else 16)
     configs = e2e.parse_configs(args.configs) if args.configs else (TINY_CONFIGS if args.tiny else DEFAULT_CONFIGS)
@@ -401,9 +432,14 @@ def main(argv=None):
 
     from transformers import AutoModelForCausalLM
 
-    from dualkv.state_fork import fla_available
     env = e2e.environment(device, tree)
     env["fla"] = fla_available()  # its version: env["packages"]["fla-core"]
+    stock_fla = gdn_backend.name == "fla"  # else the stock layers run the PyTorch rule too: the same math
+    reason = gdn_backend.reason + (" (--gdn-backend)" if args.gdn_backend != "auto" else "")
+    env["gdn"] = {"backend": gdn_backend.name, "reason": reason, "forced": gdn_backend.forced,
+                  "stock": "fla" if stock_fla else "chunk (transformers' torch_chunk_gated_delta_rule)"}
+    args.gdn_rule = {"dualkv": gdn_backend.name, "std": "fla" if stock_fla else "chunk"}
+    args.gdn_rule["flex"] = args.gdn_rule["std"]
     cfg = hybrid_config(shape, layers)
     env["model"] = {"shape": shape, "layers": layers, "layer_types": cfg.layer_types}
 
@@ -422,12 +458,13 @@ def main(argv=None):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     log(f"hybrid e2e on {env.get('gpu', device)}: Qwen3.5 {shape} dims, {layers} layers "
         f"({cfg.layer_types.count('linear_attention')} GDN), {sum(p.numel() for p in model.parameters()) / 1e9:.2f} B "
-        f"params, {dtype}, fla {env['fla']}, flex backend {args.flex_backend}; configs {configs}")
-    with torch_reference_gdn(model) if device.type == "cpu" else contextlib.nullcontext():
+        f"params, {dtype}, flex backend {args.flex_backend}; configs {configs}")
+    log(f"GDN recurrence: state fork on {gdn_backend.name} ({reason}); stock layers on {env['gdn']['stock']}")
+    with contextlib.nullcontext() if stock_fla else torch_reference_gdn(model):
         for n, P, R in configs:
             all_results += run_config(model, cfg, n, P, R, args, device, save)
     save([])
-    table = summary(all_results)
+    table = summary(all_results, env["gdn"])
     print()
     print(table)
     out_path.with_suffix(".txt").write_text(table + "\n")

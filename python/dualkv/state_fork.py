@@ -10,15 +10,24 @@ every segment starts from its parent's final state, with the last ``K - 1`` inpu
 * conv: the ``K - 1`` context rows of every segment are gathered in front of its tokens and one
   depthwise ``F.conv1d`` runs over the result. The gather's backward sums the context gradients of
   all children into the parent's rows.
-* recurrence: segments run depth by depth, one batched varlen call per depth (``cu_seqlens``), whose
-  initial states are the final states of the parents (the previous depth's call). The gather of the
+* recurrence: segments run depth by depth, one batched call per depth (fla: varlen, ``cu_seqlens``;
+  the PyTorch backends: the depth's segments right-padded to one batch), whose initial states are
+  the final states of the parents (the previous depth's call). The gather of the
   parents' states sums, in the backward, the state gradients of all children (autograd carries the
   sums through any depth).
 
-The recurrence runs on flash-linear-attention's ``chunk_gated_delta_rule`` (CUDA tensors, when
-``fla`` is installed) or on an exact PyTorch recurrence (any device, fp32/fp64, one step per token:
-meant for the CPU and for tests). Segments are in DFS pre-order (guaranteed by :class:`Layout`), so
-a parent's depth is always processed before its children's.
+The recurrence runs on one of three backends (:func:`recurrence_backend` says which and why; the
+``backend`` argument or ``$DUALKV_GDN_BACKEND`` forces one):
+
+* ``fla``: flash-linear-attention's ``chunk_gated_delta_rule`` (CUDA, a varlen call per depth);
+* ``chunk``: transformers' PyTorch chunked rule ``torch_chunk_gated_delta_rule`` (any device, fp32
+  inside), the segments of a depth right-padded to one batch with inert steps; the CUDA fallback
+  where fla is not installed or refuses the installed Triton;
+* ``recurrent``: the exact recurrence, one step per token in the input dtype (the CPU default and
+  the fp64 reference of the tests; slow and memory-hungry on long sequences).
+
+Segments are in DFS pre-order (guaranteed by :class:`Layout`), so a parent's depth is always
+processed before its children's.
 
 Usage (inputs in packed order, ``T = layout.num_tokens``)::
 
@@ -28,10 +37,13 @@ Usage (inputs in packed order, ``T = layout.num_tokens``)::
 """
 from __future__ import annotations
 
+import functools
+import inspect
+import os
 import warnings
 import weakref
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -40,11 +52,13 @@ from torch import Tensor
 from ._native import ArgumentError, UnsupportedError
 from .layout import Layout
 
-__all__ = ["StateFork", "state_fork", "fla_available", "BACKENDS"]
+__all__ = ["StateFork", "state_fork", "fla_available", "recurrence_backend", "Backend", "BACKENDS", "BACKEND_ENV"]
 
-#: recurrence backends: "fla" (flash-linear-attention, CUDA), "torch" (exact recurrence, any device),
-#: "auto" (fla for CUDA tensors when it is installed, torch otherwise)
-BACKENDS = ("auto", "fla", "torch")
+#: recurrence backends: "fla" (flash-linear-attention, CUDA), "chunk" (transformers' PyTorch chunked
+#: rule, any device), "recurrent" (exact recurrence, any device), "auto" (see :func:`recurrence_backend`)
+BACKENDS = ("auto", "fla", "chunk", "recurrent")
+#: environment variable that forces a backend where ``backend="auto"`` (the default) is passed
+BACKEND_ENV = "DUALKV_GDN_BACKEND"
 
 _ACTIVATIONS = {None: None, "silu": F.silu, "swish": F.silu}
 
@@ -85,6 +99,104 @@ def fla_available() -> bool:
     return _fla_rule() is not None
 
 
+@functools.lru_cache(maxsize=None)
+def _fla_refusal() -> Optional[str]:
+    """Why the installed fla would refuse to train here, or None. fla-core 0.6.0 raises in the backward
+    of its gated chunk kernels (``chunk_bwd_dqkwg``) on Hopper with Triton >= 3.4.0 and < 3.7.1, which
+    miscompiles that kernel (fla #640), unless fla's backend dispatch hands the kernel to TileLang
+    (installed, with nvcc). Decided from the flags fla itself reads there, without running a kernel:
+    the refusal would only come in the first backward, after a forward whose results are wasted. An fla
+    without these flags has no such guard (None)."""
+    import fla
+    from fla import utils as fla_utils
+    if not (getattr(fla_utils, "IS_NVIDIA_HOPPER", False) and getattr(fla_utils, "TRITON_ABOVE_3_4_0", False)
+            and not getattr(fla_utils, "TRITON_ABOVE_3_7_1", True)):
+        return None
+    try:
+        from fla.ops.common.backends.tilelang import CommonTileLangBackend
+    except ImportError:
+        CommonTileLangBackend = None
+    dispatched = os.environ.get("FLA_DISABLE_BACKEND_DISPATCH") != "1"  # as fla.backends reads it
+    if (dispatched and CommonTileLangBackend is not None and CommonTileLangBackend.is_available()
+            and CommonTileLangBackend().is_enabled()):
+        return None
+    import triton
+    return (f"fla-core {getattr(fla, '__version__', '?')} refuses Triton {triton.__version__} on Hopper (its gated "
+            "chunk backward gives wrong results there, fla #640; it needs Triton >= 3.7.1 or tilelang)")
+
+
+@functools.lru_cache(maxsize=None)
+def _chunk_rule():
+    """transformers' PyTorch ``torch_chunk_gated_delta_rule`` (the undecorated function: transformers'
+    wrapper would route it to fla when fla is installed), or None where transformers lacks it."""
+    try:
+        from transformers.models.qwen3_next import modeling_qwen3_next
+    except ImportError:
+        return None
+    rule = getattr(modeling_qwen3_next, "torch_chunk_gated_delta_rule", None)
+    return inspect.unwrap(rule) if rule is not None else None
+
+
+def _unavailable(backend: str, device_type: str) -> Optional[str]:
+    """Why ``backend`` cannot run the recurrence for tensors on a ``device_type`` device, or None."""
+    if backend == "fla":
+        if device_type != "cuda":
+            return f"fla needs CUDA tensors (got {device_type})"
+        if not fla_available():
+            return "flash-linear-attention is not installed (pip install fla-core)"
+        return _fla_refusal()
+    if backend == "chunk" and _chunk_rule() is None:
+        return "transformers' torch_chunk_gated_delta_rule is not importable (transformers >= 4.57)"
+    return None
+
+
+class Backend(NamedTuple):
+    """The recurrence backend that runs, why, and whether it was forced (argument or environment)."""
+
+    name: str
+    reason: str
+    forced: bool
+
+
+def _auto_backend(device_type: str) -> Backend:
+    """The choice of ``backend="auto"`` without ``$DUALKV_GDN_BACKEND`` (see :func:`recurrence_backend`)."""
+    if device_type != "cuda":
+        return Backend("recurrent", f"{device_type} tensors: the exact recurrence in the input dtype", False)
+    no_fla = _unavailable("fla", device_type)
+    if no_fla is None:
+        return Backend("fla", "flash-linear-attention on CUDA", False)
+    if _unavailable("chunk", device_type) is None:
+        return Backend("chunk", f"{no_fla}: transformers' PyTorch chunked rule instead (slower than fla's kernels)",
+                       False)
+    return Backend("recurrent", f"{no_fla}, and transformers' chunked rule is not importable: the exact recurrence "
+                   "instead (one step per token, every step kept for the backward: slow, memory-hungry)", False)
+
+
+def recurrence_backend(device, backend: str = "auto") -> Backend:
+    """The backend that runs the gated delta rule for tensors on ``device``, and why.
+
+    ``backend="auto"`` takes ``$DUALKV_GDN_BACKEND`` when it is set (to one of :data:`BACKENDS`), else
+    picks: on CUDA, ``fla`` where it is installed and does not refuse the installed Triton, else
+    ``chunk`` (transformers' PyTorch chunked rule), else ``recurrent``; on other devices
+    ``recurrent`` (exact in the input dtype, fp64 included). A backend named here or in the
+    environment that cannot run on ``device`` raises :class:`dualkv.UnsupportedError` saying why."""
+    if backend not in BACKENDS:
+        raise ArgumentError(f"gated delta rule: backend must be one of {BACKENDS}, got {backend!r}")
+    device_type = torch.device(device).type
+    source = "the backend argument"
+    if backend == "auto":
+        backend = os.environ.get(BACKEND_ENV, "") or "auto"
+        if backend not in BACKENDS:
+            raise ArgumentError(f"${BACKEND_ENV} must be one of {BACKENDS}, got {backend!r}")
+        if backend == "auto":
+            return _auto_backend(device_type)
+        source = f"${BACKEND_ENV}"
+    why_not = _unavailable(backend, device_type)
+    if why_not is not None:
+        raise UnsupportedError(f"gated delta rule: backend {backend!r} (from {source}) cannot run: {why_not}")
+    return Backend(backend, f"forced by {source}", True)
+
+
 @dataclass
 class _Depth:
     """The segments of one depth, consecutive in depth-major token order."""
@@ -93,7 +205,7 @@ class _Depth:
     cu_seqlens: Tensor  # int64 [n + 1] on the fork's device
     cu_seqlens_cpu: Tensor  # the same on the host (fla reads lengths from it without a device sync)
     parent_slot: Optional[Tensor]  # int64 [n]: each segment's parent among the previous depth's segments
-    pad_index: Tensor  # int64 [n, L_max]: each segment's rows, padded with the index of a zero row (torch)
+    pad_index: Tensor  # int64 [n, L_max]: each segment's rows, padded with the index of a zero row (chunk, recurrent)
     valid: Tensor  # int64 [num tokens]: flat positions of the real tokens in [n * L_max]
     fla_chunks: Optional[Tensor] = None  # fla's chunk table of cu_seqlens, made on the first fla call
 
@@ -234,7 +346,8 @@ class StateFork:
         ``q``, ``k`` [T, Hk, Dk]; ``v`` [T, Hv, Dv] (Hv a multiple of Hk: value head h reads key head
         h // (Hv/Hk)); ``g`` [T, Hv] log decay (state *= exp(g)), ``beta`` [T, Hv]; packed order.
         ``scale`` multiplies q (default Dk^-0.5); ``use_qk_l2norm`` L2-normalises q and k first.
-        Returns ``o`` [T, Hv, Dv] in q's dtype. ``backend``: see :data:`BACKENDS`."""
+        Returns ``o`` [T, Hv, Dv] in q's dtype. ``backend``: one of :data:`BACKENDS`; "auto" (the
+        default) is ``$DUALKV_GDN_BACKEND`` or the choice of :func:`recurrence_backend`."""
         fn = "state_fork.gated_delta_rule"
         T = self.num_tokens
         for name, t, rank in (("q", q, 3), ("k", k, 3), ("v", v, 3), ("g", g, 2), ("beta", beta, 2)):
@@ -250,7 +363,7 @@ class StateFork:
         if tuple(g.shape) != (T, Hv) or tuple(beta.shape) != (T, Hv):
             raise ArgumentError(f"{fn}: g and beta must be [T={T}, Hv={Hv}], got {tuple(g.shape)}, {tuple(beta.shape)}")
         self._check_device(fn, q, k, v, g, beta)
-        run = self._backend(fn, backend, q)
+        run = self._rule(backend, q)
         if scale is None:
             scale = q.shape[-1] ** -0.5
 
@@ -266,22 +379,11 @@ class StateFork:
         o = torch.cat(outs) if len(outs) > 1 else outs[0]
         return o if self.identity_order else o.index_select(0, self._inverse)
 
-    def _backend(self, fn: str, backend: str, q: Tensor):
-        if backend not in BACKENDS:
-            raise ArgumentError(f"{fn}: backend must be one of {BACKENDS}, got {backend!r}")
-        if backend == "auto":
-            backend = "fla" if q.is_cuda and fla_available() else "torch"
-            if backend == "torch" and q.is_cuda:
-                warnings.warn("dualkv state fork: flash-linear-attention is not installed; the exact PyTorch "
-                              "recurrence runs one step per token and keeps every step for the backward (slow, "
-                              "memory-hungry on long sequences): pip install fla-core", stacklevel=3)
-        if backend == "torch":
-            return _rule_torch
-        if not q.is_cuda:
-            raise UnsupportedError(f"{fn}: the fla backend needs CUDA tensors (got {q.device}); use backend='torch'")
-        if not fla_available():
-            raise UnsupportedError(f"{fn}: backend 'fla' needs flash-linear-attention (pip install fla-core)")
-        return _rule_fla
+    def _rule(self, backend: str, q: Tensor):
+        chosen = recurrence_backend(q.device, backend)
+        if q.is_cuda and chosen.name != "fla" and not chosen.forced:
+            warnings.warn(f"dualkv state fork: {chosen.reason}", stacklevel=3)
+        return _RULES[chosen.name]
 
     def _check_device(self, fn: str, *tensors: Tensor) -> None:
         for t in tensors:
@@ -322,7 +424,50 @@ def _l2norm(x: Tensor) -> Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
 
 
-def _rule_torch(q, k, v, g, beta, part: _Depth, h0, scale, l2norm, want_final):
+def _pad(t: Tensor, part: _Depth) -> Tensor:
+    """[t, ...] -> [n, L_max, ...]: the depth's segments, each right-padded with zero rows."""
+    if part.pad_index.shape[0] == 1:  # one segment (a prompt): nothing to pad
+        return t.unsqueeze(0)
+    return torch.cat([t, t.new_zeros((1,) + t.shape[1:])])[part.pad_index]
+
+
+def _unpad(o: Tensor, part: _Depth) -> Tensor:
+    """[n, L_max, ...] -> [t, ...]: the real rows of :func:`_pad`'s batch."""
+    n, L = part.pad_index.shape
+    return o[0] if n == 1 else o.reshape(n * L, *o.shape[2:]).index_select(0, part.valid)
+
+
+#: the chunk length of transformers' PyTorch rule (its default, and fla's)
+_CHUNK = 64
+
+
+def _rule_chunk(q, k, v, g, beta, part: _Depth, h0, scale, l2norm, want_final):
+    """One depth on transformers' PyTorch chunked rule, the depth's segments as one batch right-padded
+    to the longest with q = k = v = 0, beta = 0, g = 0.
+
+    Such a step is inert: it adds k (beta ...)^T = 0 to the state and decays it by exp(0) = 1, so the
+    chunk sums and cumulative decays of the real tokens are unchanged (an all-padding chunk returns
+    the state bit for bit, and transformers pads every sequence to a multiple of the chunk the same
+    way); it comes after the segment's tokens, so causally no kept output reads it; and the L2 norm of
+    a zero vector is 0 * rsqrt(0 + 1e-6) = 0, not NaN (nor its gradient). Autograd runs the backward
+    through transformers' ops, the padding gather and the initial states ``h0`` alike.
+    transformers' rule computes in fp32 whatever the input dtype (fp64 inputs too: then exact to fp32
+    only), scales q by Dk^-0.5 after its L2 norm, and returns the final state in fp32."""
+    out_dtype = q.dtype
+    rep = v.shape[1] // q.shape[1]
+    if rep > 1:  # transformers 5.17 expects q and k with the value heads (later versions repeat them alike)
+        q, k = q.repeat_interleave(rep, dim=1), k.repeat_interleave(rep, dim=1)
+    own_scale = q.shape[-1] ** -0.5
+    if scale != own_scale:  # normalise here, then fold scale / Dk^-0.5 into q
+        if l2norm:
+            q, k, l2norm = _l2norm(q.float()), _l2norm(k.float()), False
+        q = q.float() * (scale / own_scale)
+    o, final = _chunk_rule()(*(_pad(t, part) for t in (q, k, v, g, beta)), chunk_size=_CHUNK, initial_state=h0,
+                             output_final_state=want_final, use_qk_l2norm_in_kernel=l2norm)
+    return _unpad(o, part).to(out_dtype), final
+
+
+def _rule_recurrent(q, k, v, g, beta, part: _Depth, h0, scale, l2norm, want_final):
     """One depth by the exact recurrence, all segments of the depth as one padded batch.
 
     Per token: S = exp(g) S;  S += k (beta (v - k^T S))^T;  o = (scale q)^T S. Padded steps carry
@@ -334,13 +479,8 @@ def _rule_torch(q, k, v, g, beta, part: _Depth, h0, scale, l2norm, want_final):
     if l2norm:
         q, k = _l2norm(q), _l2norm(k)
     q = q * scale
-
-    def padded(t: Tensor) -> Tensor:  # [t, ...] -> [n, L_max, ...], zeros at padded steps
-        t = t.to(dt)
-        return torch.cat([t, t.new_zeros((1,) + t.shape[1:])])[part.pad_index]
-
-    qp, kp, vp, gp, bp = (padded(t) for t in (q, k, v, g, beta))
-    n, L = part.pad_index.shape
+    qp, kp, vp, gp, bp = (_pad(t.to(dt), part) for t in (q, k, v, g, beta))
+    n, L = qp.shape[:2]
     H, Dk, Dv = v.shape[1], q.shape[2], v.shape[2]
     state = h0.to(dt) if h0 is not None else qp.new_zeros(n, H, Dk, Dv)
     outs = []
@@ -350,5 +490,7 @@ def _rule_torch(q, k, v, g, beta, part: _Depth, h0, scale, l2norm, want_final):
         delta = (vp[:, i] - torch.einsum("nhk,nhkv->nhv", kt, state)) * bp[:, i, :, None]
         state = state + kt[..., None] * delta[..., None, :]
         outs.append(torch.einsum("nhk,nhkv->nhv", qp[:, i], state))
-    o = torch.stack(outs, 1).reshape(n * L, H, Dv).index_select(0, part.valid)
-    return o.to(out_dtype), (state if want_final else None)
+    return _unpad(torch.stack(outs, 1), part).to(out_dtype), (state if want_final else None)
+
+
+_RULES = {"fla": _rule_fla, "chunk": _rule_chunk, "recurrent": _rule_recurrent}

@@ -2,7 +2,7 @@
 # What one device session runs, step by step; logs and JSON go to $OUT (or ./device-out).
 #   tests/gpu/device_run.sh [fa4-stage] [fa4-install] [tests] [sanitize] [bench-quick|bench] [bench-dims]
 #                           [bench-portable] [ab] [e2e] [e2e-flex] [e2e-all] [e2e-grid] [noise]
-#                           [wheels] [hybrid] [trl-step]
+#                           [wheels] [hybrid-tests] [hybrid] [trl-step]
 # The library is $DUALKV_LIBRARY (default build-h200/libdualkv.so, a 90a build made on the host and
 # carried: docs/hopper.md "Running it"). Every benchmark refuses a tree that is not a commit (commit
 # first; DUALKV_ALLOW_DIRTY=1 runs anyway and marks the results dirty: bench/provenance.py). The device
@@ -71,14 +71,25 @@
 #                log-probs vs an fp32 truth (row by row, chunked fp32 attention). Estimate: 1.7b ~25 s,
 #                8b ~60 s (fp32 truth ~1.2 PFLOP at ~45 TFLOP/s); peak ~34 GiB allocated at 8b (fp32
 #                weights 30.5 GiB + one row's activations and a 1 GiB score chunk); limits 120 / 200 s
-#   wheels       pip-installs the carried wheel folders $WHEEL_DIRS (default ".whl-gdn .whl-trl": fla-core 0.6.0;
-#                trl 1.16.0, datasets 5.2.0, dill 0.4.1, multiprocess 0.70.19) into /tmp/site and exports
-#                PYTHONPATH for the steps after it (a few s); prints the versions
+#   wheels       pip-installs the carried wheel folders $WHEEL_DIRS (default ".whl-trl": trl 1.16.0, datasets 5.2.0,
+#                dill 0.4.1, multiprocess 0.70.19) into /tmp/site and exports PYTHONPATH for the steps after it (a
+#                few s); prints the versions. fla-core 0.6.0 (.whl-gdn) is opt-in, WHEEL_DIRS=".whl-gdn .whl-trl":
+#                on the H200 image (Triton 3.6) it refuses to train (Hopper needs Triton >= 3.7.1 or tilelang,
+#                fla #640), so the GDN layers run transformers' PyTorch chunked rule with or without it
+#   hybrid-tests the GDN state fork and the hybrid models: tests/python/test_gdn_state_fork.py,
+#                test_hybrid_transformers.py, test_hybrid_bench.py, their GPU cases included (the chunk backend on
+#                CUDA against the fp64 reference, a bf16 Qwen3.5 under the tolerance rule; fla's cases skipped with
+#                the reason where it is missing or refuses the Triton here). Estimate ~1 min; cut at 240 s
 #   hybrid       issue 21's acceptance: bench/hybrid_e2e.py (Qwen3.5-9B dimensions cut to 16 layers, random
 #                weights) at $HYBRID_CONFIGS (default 16,4096,1024; the other acceptance point 16,16384,1024 in
 #                a call of its own), methods dualkv, std and flex (FA4 under Flex: run fa4-install before it;
 #                HYBRID_ARGS="--flex-backend TRITON" for Flex on Triton), cut at $HYBRID_CAP (default 570) s.
-#                Estimates (no GPU number yet): ~2.5 min at P 4K, ~4 min at P 16K. Needs wheels (fla-core)
+#                No fla needed: where it is missing or refuses the Triton here (the H200 image), the state fork
+#                runs its chunk backend and the stock layers (std, flex) the same transformers PyTorch rule
+#                (recorded: the JSON's environment "gdn", the table's gdn column). Estimates (no GPU number yet,
+#                PyTorch GDN rule): ~4-5 min at P 4K; ~3-4 min at P 16K, where std and flex will likely run out
+#                of memory (the PyTorch rule keeps ~95 GiB for one unpacked GDN layer's backward there;
+#                HYBRID_CONFIGS=16,8192,1024 fits, ~100 GiB estimated)
 #   trl-step     issue 20's acceptance: bench/trl_step.py (1.7B, G8 x N16, P 2K-8K, C 0.5K-2K; TRL_ARGS adds
 #                options), cut at $TRL_CAP (default 570) s; needs wheels (trl, datasets). The G8 step's stock
 #                update alone takes 147 s (measured at a6c0820): the timed part and the log-prob check do not
@@ -160,7 +171,7 @@ print('FA4', m.version('flash-attn-4'), 'CuTe DSL', m.version('nvidia-cutlass-ds
                > "$OUT/noise_$m.log" 2>&1
              echo "noise $m rc=$?"; grep -v -i "warn" "$OUT/noise_$m.log" | tail -42
            done ;;
-    wheels) for d in ${WHEEL_DIRS:-.whl-gdn .whl-trl}; do
+    wheels) for d in ${WHEEL_DIRS:-.whl-trl}; do
               [ -d "$d" ] || { echo "wheels: $d not carried"; continue; }
               python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$d"/*.whl \
                 || echo "wheels $d FAILED"
@@ -170,6 +181,9 @@ print('FA4', m.version('flash-attn-4'), 'CuTe DSL', m.version('nvidia-cutlass-ds
 for n in ('fla-core', 'trl', 'datasets', 'accelerate'):
     try: print(n, m.version(n))
     except m.PackageNotFoundError: print(n, 'not installed')" ;;
+    hybrid-tests) timeout -k 10 240 python3 -m pytest tests/python/test_gdn_state_fork.py tests/python/test_hybrid_transformers.py \
+                    tests/python/test_hybrid_bench.py -q -p no:cacheprovider $PT -rs -s > "$OUT/hybrid_tests.log" 2>&1
+                  echo "hybrid-tests rc=$?"; grep -E "max \|.*error|passed|failed|SKIPPED|Error" "$OUT/hybrid_tests.log" | tail -20 ;;
     hybrid) timeout -k 10 "${HYBRID_CAP:-570}" python3 bench/hybrid_e2e.py --configs "${HYBRID_CONFIGS:-16,4096,1024}" \
               ${HYBRID_ARGS:-} --out "$OUT/hybrid.json" > "$OUT/hybrid.log" 2>&1
             echo "hybrid rc=$?"; grep -v -i "warn\|create_block_mask(" "$OUT/hybrid.log" | tail -14 ;;

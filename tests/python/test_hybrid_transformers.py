@@ -4,8 +4,11 @@ dualkv, Gated DeltaNet layers through the state fork, one layout for both.
 For tiny random models in fp32: the logits of every token of every unpacked row, the response
 log-probs, the GRPO loss and every parameter gradient of the packed model equal the stock model's on
 the unpacked batch (1e-5); the same on a depth-3 tree (multi-turn); 1-token responses and responses
-shorter than the conv kernel are in every batch. Guards: a packed batch never reaches the stock
-recurrence, and caches or masks on a packed batch raise typed errors.
+shorter than the conv kernel are in every batch. The state fork runs on the exact recurrence (the CPU
+default) and on the chunk backend (transformers' PyTorch chunked rule, as on the H200 without fla),
+the latter also on prompts and responses across its chunk of 64 tokens; the stock model runs
+transformers' PyTorch chunked rule. Guards: a packed batch never reaches the stock recurrence, and
+caches or masks on a packed batch raise typed errors.
 """
 import copy
 import importlib
@@ -25,7 +28,7 @@ from dualkv.integrations import transformers as dkt  # noqa: E402
 from dualkv.logprobs import response_logprobs  # noqa: E402
 from dualkv.packing import pack  # noqa: E402
 from dualkv.reference import unpacked_groups  # noqa: E402
-from dualkv.state_fork import fla_available  # noqa: E402
+from dualkv.state_fork import BACKEND_ENV, _unavailable  # noqa: E402
 
 VOCAB = 96
 COMMON = dict(hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
@@ -80,11 +83,28 @@ def rollouts(seed: int = 1):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_packed_equals_unpacked(kind):
+@pytest.mark.parametrize("backend", ["recurrent", "chunk"])
+def test_packed_equals_unpacked(kind, backend, monkeypatch):
+    monkeypatch.setenv(BACKEND_ENV, backend)  # the state fork of every GDN layer reads it
     std = make_model(kind)
     dk = dkt.enable(copy.deepcopy(std))
     assert not gdn.unforked_hybrid(dk) and gdn.unforked_hybrid(std)
     assert_packed_equals_unpacked(std, dk, *rollouts())
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_next"])
+def test_chunk_backend_across_chunks(kind, monkeypatch):
+    """The chunk backend with prompts of 60 and 100 tokens and responses of 1, 2, 28, 64 and 66 tokens:
+    segments across the rule's chunk of 64, right-padded per depth (rows up to 128 positions). Gradients
+    within 3e-5: over rows this long the fp32 sums alone move the stock model's dt_bias gradient by up
+    to ~1.7e-5 (the exact recurrence backend, on the same inputs, is off by as much as the chunk one)."""
+    monkeypatch.setenv(BACKEND_ENV, "chunk")
+    std = make_model(kind, seed=2)
+    dk = dkt.enable(copy.deepcopy(std))
+    g = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(0, VOCAB, (p,), generator=g) for p in (60, 100)]
+    responses = [[torch.randint(0, VOCAB, (r,), generator=g) for r in rs] for rs in ((66, 1, 64), (2, 28))]
+    assert_packed_equals_unpacked(std, dk, prompts, responses, grad_tol=3e-5)
 
 
 def test_depth_three_tree():
@@ -181,11 +201,17 @@ def test_guards():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not fla_available(), reason="flash-linear-attention is not installed")
-def test_cuda_bf16_tolerance_rule():
-    """On a GPU with fla: a small Qwen3.5 (head dims 64) in bf16 with dualkv CUDA attention and the fla
-    state fork, packed: its log-prob error against the fp32 unpacked truth is at most 2x the stock bf16
-    unpacked model's + 1e-3, and its backward gives finite gradients."""
+@pytest.mark.parametrize("backend", ["chunk", "fla"])
+def test_cuda_bf16_tolerance_rule(backend, monkeypatch):
+    """On a GPU: a small Qwen3.5 (head dims 64) in bf16 with dualkv CUDA attention and the state fork on
+    ``backend`` (chunk: the H200's without fla; fla where it is installed and does not refuse the Triton
+    here, skipped with the reason otherwise), packed: its log-prob error against the fp32 unpacked
+    truth (the stock model on transformers' PyTorch rule) is at most 2x the stock bf16 unpacked model's
+    + 1e-3, and its backward gives finite gradients."""
+    why_not = _unavailable(backend, "cuda")
+    if why_not is not None:
+        pytest.skip(f"backend {backend}: {why_not}")
+    monkeypatch.setenv(BACKEND_ENV, backend)
     cfg = transformers.Qwen3_5TextConfig(
         hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1,
         head_dim=64, vocab_size=VOCAB, max_position_embeddings=4096, use_cache=False, linear_conv_kernel_dim=4,
