@@ -43,6 +43,9 @@ _TILE_ERROR = re.compile(r"sparse_block_size\[([01])\][^\n]*?multiple of (?:tile
 # FA4's block-sparse backward (4.0.0b36) wants the block to equal the tile, not a multiple of it:
 # "Block sparsity requires sparse_block_size[1]=160 to match tile_n=80" (H200, head dim 256).
 _TILE_EQUAL_ERROR = re.compile(r"sparse_block_size\[([01])\]=\d+ to match tile_[mn]=(\d+)")
+# and its backward names the size itself: "Block sparsity expects sparse_block_size[1]=64 for
+# kv_subtile_factor=1" (H200, head dim 256, after the forward took 80: no one size serves both).
+_EXPECTED_SIZE_ERROR = re.compile(r"expects sparse_block_size\[([01])\]=(\d+)")
 
 
 def kernel_options(backend: str):
@@ -51,10 +54,11 @@ def kernel_options(backend: str):
 
 def next_block_size(block, tiles, message):
     """The BLOCK_SIZE to try after a kernel refused ``block`` with ``message`` ("sparse_block_size[i]
-    must be a multiple of tile_x=t", or "... sparse_block_size[i]=b to match tile_x=t": then exactly t),
+    must be a multiple of tile_x=t", or "... sparse_block_size[i]=b to match tile_x=t" / "expects
+    sparse_block_size[i]=t": then exactly t),
     or None if the message names no tile. ``tiles`` ([set(), set()],
     per side) collects every tile asked for, so the next size is a multiple of all of them."""
-    m = _TILE_EQUAL_ERROR.search(message)
+    m = _TILE_EQUAL_ERROR.search(message) or _EXPECTED_SIZE_ERROR.search(message)
     if m is not None:
         side, tile = int(m.group(1)), int(m.group(2))
         out = list(block)

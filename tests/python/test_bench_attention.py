@@ -202,6 +202,10 @@ def test_next_block_size_follows_the_refused_tiles():
     equal = "Block sparsity requires sparse_block_size[1]=160 to match tile_n=80."
     assert peers.next_block_size((256, 160), [set(), {80}], equal) == (256, 80)
     assert peers.next_block_size((256, 80), [set(), {80}], equal.replace("160", "80")) is None
+    # FA4's backward then names its own size, 64, which the forward refuses: the sizes alternate until
+    # accepted_block_size runs out of tries, every refusal recorded
+    expects = "ValueError: Block sparsity expects sparse_block_size[1]=64 for kv_subtile_factor=1."
+    assert peers.next_block_size((256, 80), [set(), {80}], expects) == (256, 64)
 
 
 def test_accepted_block_size_retries_refusals_only():
