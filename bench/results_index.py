@@ -53,6 +53,8 @@ BENCHMARKS = {
     "cpu_attention_1thread": "bench/cpu_attention.py --threads 1, the same with one thread (issue 22)",
     "hybrid_e2e": "bench/hybrid_e2e.py, Qwen3.5-shaped GRPO update, dualkv + GDN state fork vs std vs Flex "
                   "(issue 21; step hybrid)",
+    "hybrid_e2e_p8k": "bench/hybrid_e2e.py at N16 P8192 R1024 with Flex on Triton (FA4 refuses head dim 256 "
+                      "training: hybrid_e2e.log) (issue 21; HYBRID_ARGS='--flex-backend TRITON')",
 }
 
 HEADER = """# bench/results: the latest result of each benchmark
