@@ -1,0 +1,339 @@
+// The tile kernels of tile_kernels.h for bfloat16 inputs on Intel AMX (Sapphire Rapids and later):
+// every matrix product is a bf16 tile product with fp32 accumulation (TDPBF16PS, ~16x the fp32
+// AVX-512 FMA rate); the softmax and every sum stay fp32 (Eigen). As in the GPU kernels, scores
+// and dP are fp32, P and dS enter their products rounded to bf16, dq/dk/dv accumulate in fp32.
+//
+// Compiled once, with the AVX-512 and AMX flags and its own name for Eigen's namespace
+// (sources.cmake); tile_kernels(dtype) picks it for bfloat16 inputs only when the processor has
+// AMX-BF16 and Linux lets the process use the tile registers (tile_kernels_select.cpp).
+//
+// The operands arrive as strided bf16 rows (q, k, v, dout read in place) and are copied into the
+// layouts the tile instructions read: an A operand row-major, rows padded to 16 and the inner
+// dimension to 32 with zeros; a B operand in pairs along the inner dimension ("VNNI"), B[k][n] at
+// b[(k / 2) * ld + 2 * n + k % 2], the inner dimension padded to 32 and the columns to 16 with
+// zeros. Products land in fp32 scratch and are added to the caller's matrices from there.
+#include <immintrin.h>
+
+#include <Eigen/Core>
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "cpu/tile_kernels.h"
+#include "dualkv/dualkv.h"
+
+namespace dualkv::detail::cpu {
+namespace {
+
+using RowMajor = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+using Stride = Eigen::OuterStride<>;
+using Map = Eigen::Map<RowMajor, 0, Stride>;
+using ConstMap = Eigen::Map<const RowMajor, 0, Stride>;
+
+Map map(Matrix m) { return Map(m.data, m.rows, m.cols, Stride(m.ld)); }
+
+// Every tile is 16 rows of 64 bytes: an accumulator holds 16 x 16 fp32, an A tile 16 rows of 32
+// bf16, a B tile 16 pairs of rows of 16 bf16 pairs. Tiles 0-3 accumulate, 4-5 hold A, 6-7 hold B.
+constexpr int64_t kTileRows = 16;
+constexpr int64_t kTileInner = 32;  // bf16 elements of the inner dimension per tile product
+constexpr int64_t kTileCols = 16;   // fp32 columns of an accumulator
+
+struct alignas(64) TileConfig {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t bytes_per_row[16];
+  uint8_t rows[16];
+};
+
+constexpr TileConfig make_config() {
+  TileConfig c{};
+  c.palette = 1;
+  for (int t = 0; t < 8; ++t) {
+    c.bytes_per_row[t] = 64;
+    c.rows[t] = kTileRows;
+  }
+  return c;
+}
+constexpr TileConfig kConfig = make_config();
+
+// Holds the tile configuration for one kernel call. Loaded on entry because other code on the
+// same thread (oneDNN under PyTorch, say) may configure the tiles between our calls; released on
+// exit so the thread's tile state is back to its initial, cheap-to-switch form.
+struct TileScope {
+  TileScope() { _tile_loadconfig(&kConfig); }
+  ~TileScope() { _tile_release(); }
+  TileScope(const TileScope&) = delete;
+  TileScope& operator=(const TileScope&) = delete;
+};
+
+int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// The first n lanes of a 16- or 32-lane vector (none for n <= 0).
+__mmask16 lanes16(int64_t n) { return n <= 0 ? 0 : n >= 16 ? 0xffff : static_cast<__mmask16>((1u << n) - 1); }
+__mmask32 lanes32(int64_t n) { return n <= 0 ? 0 : n >= 32 ? 0xffffffffu : (1u << n) - 1; }
+
+// Transposes 16 rows of 16 32-bit lanes in place (lanes within 128-bit quarters, then quarters).
+void transpose16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // r[i + c] holds column c of each quarter, of rows i..i+3
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {  // output row 4q + c gathers quarter q of r[c], r[4 + c], r[8 + c], r[12 + c]
+    const __m512i low01 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0x44), low23 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0xee);
+    const __m512i high01 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0x44);
+    const __m512i high23 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0xee);
+    t[c] = _mm512_shuffle_i32x4(low01, high01, 0x88);
+    t[4 + c] = _mm512_shuffle_i32x4(low01, high01, 0xdd);
+    t[8 + c] = _mm512_shuffle_i32x4(low23, high23, 0x88);
+    t[12 + c] = _mm512_shuffle_i32x4(low23, high23, 0xdd);
+  }
+  for (int i = 0; i < 16; ++i) r[i] = t[i];
+}
+
+// 16 32-bit lanes holding the pairs (a[j], b[j]), a in the low half: bf16 rows, or fp32 rows
+// rounded to bf16 (nearest even, as everywhere here). Lanes outside `mask` are zero.
+__m512i pair_lanes(const uint16_t* a, const uint16_t* b, __mmask16 mask_a, __mmask16 mask_b) {
+  const __m512i lo = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask_a, a));
+  const __m512i hi = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask_b, b));
+  return _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
+}
+__m512i pair_lanes(const float* a, const float* b, __mmask16 mask_a, __mmask16 mask_b) {
+  const __m256bh lo = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(mask_a, a));
+  const __m256bh hi = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(mask_b, b));
+  return _mm512_or_si512(_mm512_cvtepu16_epi32(reinterpret_cast<const __m256i&>(lo)),
+                         _mm512_slli_epi32(_mm512_cvtepu16_epi32(reinterpret_cast<const __m256i&>(hi)), 16));
+}
+
+// Packed operands of one product (in a thread's scratch; see the file comment for the layouts).
+struct PackedA {
+  const uint16_t* data;
+  int64_t rows, inner;  // multiples of 16 and 32; row stride = inner
+};
+struct PackedB {
+  const uint16_t* data;
+  int64_t inner, cols;  // multiples of 32 and 16; a row of pairs holds 2 * cols elements
+};
+
+// A thread's packing and product buffers, grown as needed (Eigen arrays: 64-byte aligned, and no
+// std:: template instantiated here that the linker could share with the other copies).
+struct Scratch {
+  Eigen::Array<uint16_t, Eigen::Dynamic, 1> a, b;
+  Eigen::ArrayXf product, dp, rescale;
+};
+
+Scratch& scratch() {
+  thread_local Scratch s;
+  return s;
+}
+
+template <typename Array>
+typename Array::Scalar* grown(Array& array, int64_t n) {
+  if (array.size() < n) array.resize(n);
+  return array.data();
+}
+
+const uint16_t* bf16_rows(ConstMatrix m) { return static_cast<const uint16_t*>(m.data); }
+
+// A = m (bf16 rows: q in q k^T, dout in dO v^T).
+PackedA pack_a(ConstMatrix m, Eigen::Array<uint16_t, Eigen::Dynamic, 1>& buffer) {
+  const int64_t rows = round_up(m.rows, kTileRows), inner = round_up(m.cols, kTileInner);
+  uint16_t* out = grown(buffer, rows * inner);
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t c = 0; c < inner; c += kTileInner) {
+      const __mmask32 mask = i < m.rows ? lanes32(m.cols - c) : 0;
+      _mm512_store_si512(out + i * inner + c, _mm512_maskz_loadu_epi16(mask, bf16_rows(m) + (i < m.rows ? i * m.ld + c : 0)));
+    }
+  return {out, rows, inner};
+}
+
+// A = bf16(m) for fp32 rows m (P, dS).
+PackedA pack_a(Matrix m, Eigen::Array<uint16_t, Eigen::Dynamic, 1>& buffer) {
+  const int64_t rows = round_up(m.rows, kTileRows), inner = round_up(m.cols, kTileInner);
+  uint16_t* out = grown(buffer, rows * inner);
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t c = 0; c < inner; c += kTileInner) {
+      const float* in = m.data + (i < m.rows ? i * m.ld + c : 0);
+      const int64_t n = i < m.rows ? m.cols - c : 0;
+      const __m512bh x = _mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(lanes16(n - 16), in + 16),
+                                             _mm512_maskz_loadu_ps(lanes16(n), in));
+      _mm512_store_si512(out + i * inner + c, reinterpret_cast<const __m512i&>(x));
+    }
+  return {out, rows, inner};
+}
+
+// A = bf16(m)^T for fp32 rows m (P^T, dS^T): row j of A holds the pairs (m[2i][j], m[2i + 1][j]),
+// 16 pairs of rows by 16 columns transposed at a time.
+PackedA pack_a_transposed(Matrix m, Eigen::Array<uint16_t, Eigen::Dynamic, 1>& buffer) {
+  const int64_t rows = round_up(m.cols, kTileRows), inner = round_up(m.rows, kTileInner);
+  uint16_t* out = grown(buffer, rows * inner);
+  __m512i r[16];
+  for (int64_t j = 0; j < rows; j += 16)
+    for (int64_t i = 0; i < inner; i += kTileInner) {
+      for (int64_t t = 0; t < 16; ++t) {
+        const int64_t i0 = std::min(i + 2 * t, m.rows - 1), i1 = std::min(i + 2 * t + 1, m.rows - 1);
+        r[t] = pair_lanes(m.data + i0 * m.ld + j, m.data + i1 * m.ld + j, i + 2 * t < m.rows ? lanes16(m.cols - j) : 0,
+                          i + 2 * t + 1 < m.rows ? lanes16(m.cols - j) : 0);
+      }
+      transpose16(r);
+      for (int64_t t = 0; t < 16; ++t) _mm512_store_si512(out + (j + t) * inner + i, r[t]);
+    }
+  return {out, rows, inner};
+}
+
+// B = m, the inner dimension along m's rows (v in P v, k in dS k, dout in P^T dO, q in dS^T q):
+// row r of B holds the pairs (m[2r][n], m[2r + 1][n]).
+PackedB pack_b(ConstMatrix m, Eigen::Array<uint16_t, Eigen::Dynamic, 1>& buffer) {
+  const int64_t inner = round_up(m.rows, kTileInner), cols = round_up(m.cols, kTileCols);
+  uint16_t* out = grown(buffer, inner * cols);
+  const uint16_t* in = bf16_rows(m);
+  for (int64_t r = 0; r < inner; r += 2) {
+    const int64_t r0 = std::min(r, m.rows - 1), r1 = std::min(r + 1, m.rows - 1);
+    for (int64_t n = 0; n < cols; n += 16)
+      _mm512_store_si512(out + r * cols + 2 * n,
+                         pair_lanes(in + r0 * m.ld + n, in + r1 * m.ld + n, r < m.rows ? lanes16(m.cols - n) : 0,
+                                    r + 1 < m.rows ? lanes16(m.cols - n) : 0));
+  }
+  return {out, inner, cols};
+}
+
+// B = m^T, the inner dimension along m's columns (k in q k^T, v in dO v^T): row r of B holds
+// the pairs (m[n][2r], m[n][2r + 1]), 16 rows of m by 16 pairs transposed at a time.
+PackedB pack_b_transposed(ConstMatrix m, Eigen::Array<uint16_t, Eigen::Dynamic, 1>& buffer) {
+  const int64_t inner = round_up(m.cols, kTileInner), cols = round_up(m.rows, kTileCols);
+  uint16_t* out = grown(buffer, inner * cols);
+  const uint16_t* in = bf16_rows(m);
+  __m512i r[16];
+  for (int64_t n = 0; n < cols; n += 16)
+    for (int64_t c = 0; c < inner; c += kTileInner) {
+      for (int64_t t = 0; t < 16; ++t) {
+        const bool row = n + t < m.rows;
+        r[t] = _mm512_maskz_loadu_epi16(row ? lanes32(m.cols - c) : 0, in + (row ? (n + t) * m.ld + c : 0));
+      }
+      transpose16(r);
+      for (int64_t t = 0; t < 16; ++t) _mm512_store_si512(out + (c / 2 + t) * 2 * cols + 2 * n, r[t]);
+    }
+  return {out, inner, cols};
+}
+
+// c[i][j] = sum_k a[i][k] b[k][j] over RowTiles x ColTiles accumulator tiles (1 or 2 each).
+template <int RowTiles, int ColTiles>
+void multiply_tiles(const uint16_t* a, int64_t a_stride, const uint16_t* b, int64_t b_stride, int64_t inner,
+                    float* c, int64_t c_stride) {
+  _tile_zero(0);
+  if constexpr (ColTiles == 2) _tile_zero(1);
+  if constexpr (RowTiles == 2) _tile_zero(2);
+  if constexpr (RowTiles == 2 && ColTiles == 2) _tile_zero(3);
+  for (int64_t k = 0; k < inner; k += kTileInner) {
+    _tile_loadd(4, a + k, a_stride);
+    _tile_loadd(6, b + k / 2 * (b_stride / 2), b_stride);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (ColTiles == 2) {
+      _tile_loadd(7, b + k / 2 * (b_stride / 2) + 2 * kTileCols, b_stride);
+      _tile_dpbf16ps(1, 4, 7);
+    }
+    if constexpr (RowTiles == 2) {
+      _tile_loadd(5, a + kTileRows * (a_stride / 2) + k, a_stride);
+      _tile_dpbf16ps(2, 5, 6);
+      if constexpr (ColTiles == 2) _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, c, c_stride);
+  if constexpr (ColTiles == 2) _tile_stored(1, c + kTileCols, c_stride);
+  if constexpr (RowTiles == 2) _tile_stored(2, c + kTileRows * (c_stride / 4), c_stride);
+  if constexpr (RowTiles == 2 && ColTiles == 2) _tile_stored(3, c + kTileRows * (c_stride / 4) + kTileCols, c_stride);
+}
+
+// c [a.rows, b.cols] (row stride b.cols) = a b, in blocks of 2 x 2 accumulator tiles.
+float* multiply(PackedA a, PackedB b, Eigen::ArrayXf& buffer) {
+  float* c = grown(buffer, a.rows * b.cols);
+  const int64_t as = a.inner * 2, bs = b.cols * 4, cs = b.cols * 4;  // strides in bytes
+  for (int64_t i = 0; i < a.rows; i += 2 * kTileRows) {
+    const bool two_rows = i + kTileRows < a.rows;
+    for (int64_t j = 0; j < b.cols; j += 2 * kTileCols) {
+      const uint16_t* at = a.data + i * a.inner;
+      const uint16_t* bt = b.data + 2 * j;
+      float* ct = c + i * b.cols + j;
+      const bool two_cols = j + kTileCols < b.cols;
+      if (two_rows && two_cols)
+        multiply_tiles<2, 2>(at, as, bt, bs, a.inner, ct, cs);
+      else if (two_rows)
+        multiply_tiles<2, 1>(at, as, bt, bs, a.inner, ct, cs);
+      else if (two_cols)
+        multiply_tiles<1, 2>(at, as, bt, bs, a.inner, ct, cs);
+      else
+        multiply_tiles<1, 1>(at, as, bt, bs, a.inner, ct, cs);
+    }
+  }
+  return c;
+}
+
+// The rows x cols product in `c` (row stride ld) as a read-only Eigen map.
+ConstMap product_map(const float* c, int64_t rows, int64_t cols, int64_t ld) {
+  return ConstMap(c, rows, cols, Stride(ld));
+}
+
+void scores(ConstMatrix q, ConstMatrix k, float scale, Matrix s) {
+  TileScope tiles;
+  Scratch& w = scratch();
+  const PackedB kt = pack_b_transposed(k, w.b);
+  const float* c = multiply(pack_a(q, w.a), kt, w.product);
+  map(s) = scale * product_map(c, s.rows, s.cols, kt.cols);
+}
+
+void softmax_accumulate(Matrix s_, ConstMatrix v, float* row_max, float* row_sum, Matrix acc_) {
+  Map s = map(s_), acc = map(acc_);
+  Scratch& w = scratch();
+  float* rescale = grown(w.rescale, s.rows());
+  for (Eigen::Index i = 0; i < s.rows(); ++i) {
+    const float m = std::max(row_max[i], s.row(i).maxCoeff());
+    // A row that has seen only masked keys so far keeps max -inf: subtract 0 instead, so its
+    // exp(-inf) stays 0 rather than exp(-inf + inf) = NaN.
+    const float shift = m == -INFINITY ? 0.0f : m;
+    rescale[i] = std::exp(row_max[i] - shift);  // 0 on the first visible block
+    s.row(i) = (s.row(i).array() - shift).exp();
+    row_sum[i] = row_sum[i] * rescale[i] + s.row(i).sum();
+    row_max[i] = m;
+  }
+  TileScope tiles;
+  const PackedB vb = pack_b(v, w.b);
+  const float* c = multiply(pack_a(s_, w.a), vb, w.product);
+  const ConstMap pv = product_map(c, acc.rows(), acc.cols(), vb.cols);
+  for (Eigen::Index i = 0; i < acc.rows(); ++i) acc.row(i) = acc.row(i) * rescale[i] + pv.row(i);
+}
+
+void backward_block(Matrix s_, const float* lse, const float* delta, ConstMatrix q, ConstMatrix k, ConstMatrix v,
+                    ConstMatrix dout, Matrix, Matrix dq, Matrix dk, Matrix dv) {
+  Map p = map(s_);
+  const int64_t rows = p.rows(), cols = p.cols(), D = q.cols;
+  for (Eigen::Index i = 0; i < rows; ++i) p.row(i) = (p.row(i).array() - lse[i]).exp();
+  TileScope tiles;
+  Scratch& w = scratch();
+  // dP = dO v^T, kept for dS below.
+  const PackedB vt = pack_b_transposed(v, w.b);
+  const ConstMap dp = product_map(multiply(pack_a(dout, w.a), vt, w.dp), rows, cols, vt.cols);
+  // dv += P^T dO
+  PackedB b = pack_b(dout, w.b);
+  map(dv) += product_map(multiply(pack_a_transposed(s_, w.a), b, w.product), cols, D, b.cols);
+  for (Eigen::Index i = 0; i < rows; ++i)  // p becomes dS
+    p.row(i) = p.row(i).array() * (dp.row(i).array() - delta[i]);
+  // dq += dS k, dk += dS^T q
+  b = pack_b(k, w.b);
+  map(dq) += product_map(multiply(pack_a(s_, w.a), b, w.product), rows, D, b.cols);
+  b = pack_b(q, w.b);
+  map(dk) += product_map(multiply(pack_a_transposed(s_, w.a), b, w.product), cols, D, b.cols);
+}
+
+const TileKernels kKernels = {"amx", DUALKV_DTYPE_BFLOAT16, scores, softmax_accumulate, backward_block};
+
+}  // namespace
+
+const TileKernels* tile_kernels_amx() { return &kKernels; }
+
+}  // namespace dualkv::detail::cpu
