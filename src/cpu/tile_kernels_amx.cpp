@@ -72,6 +72,44 @@ int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 __mmask16 lanes16(int64_t n) { return n <= 0 ? 0 : n >= 16 ? 0xffff : static_cast<__mmask16>((1u << n) - 1); }
 __mmask32 lanes32(int64_t n) { return n <= 0 ? 0 : n >= 32 ? 0xffffffffu : (1u << n) - 1; }
 
+// 2^y for y <= 0 (a little above is fine), to 2.2e-7 relative: y = n + f with n an integer and
+// |f| <= 1/2, 2^f by a degree-5 polynomial (least-squares fit, relative weight), times 2^n by
+// scalef. Below y = -125 (and for -inf) the result is 0, never a subnormal: scalef takes a
+// microcode assist for a subnormal result (with -inf lanes reaching it the forward ran at 0.58x
+// this speed). NaN stays NaN. Half the work of Eigen's exp; P is rounded to bf16 (2^-9) anyway.
+__m512 exp2_nonpositive(__m512 y) {
+  const __mmask16 normal = _mm512_cmp_ps_mask(y, _mm512_set1_ps(-125.0f), _CMP_NLT_UQ);
+  const __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(y, n);
+  __m512 p = _mm512_set1_ps(1.3266970636e-3f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6754599362e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5507425219e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022121727e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314694405e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0000001192f));
+  return _mm512_maskz_scalef_ps(normal, p, n);
+}
+
+// exp(x - shift) for x <= shift (masked scores: -inf gives 0).
+__m512 exp_shifted(__m512 x, __m512 shift) {
+  return exp2_nonpositive(_mm512_mul_ps(_mm512_sub_ps(x, shift), _mm512_set1_ps(1.4426950409f)));
+}
+
+// y[j] = a x[j] (store only), or y[j] = b y[j] + x[j] (accumulate), for j < n: fp32 rows.
+void scaled_copy(float* y, float a, const float* x, int64_t n) {
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 m = lanes16(n - j);
+    _mm512_mask_storeu_ps(y + j, m, _mm512_mul_ps(_mm512_set1_ps(a), _mm512_maskz_loadu_ps(m, x + j)));
+  }
+}
+void scaled_add(float* y, float b, const float* x, int64_t n) {
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 m = lanes16(n - j);
+    _mm512_mask_storeu_ps(
+        y + j, m, _mm512_fmadd_ps(_mm512_set1_ps(b), _mm512_maskz_loadu_ps(m, y + j), _mm512_maskz_loadu_ps(m, x + j)));
+  }
+}
+
 // Transposes 16 rows of 16 32-bit lanes in place (lanes within 128-bit quarters, then quarters).
 void transpose16(__m512i r[16]) {
   __m512i t[16];
@@ -125,7 +163,7 @@ struct PackedB {
 // std:: template instantiated here that the linker could share with the other copies).
 struct Scratch {
   Eigen::Array<uint16_t, Eigen::Dynamic, 1> a, b;
-  Eigen::ArrayXf product, dp, rescale;
+  Eigen::ArrayXf product, rescale;
 };
 
 Scratch& scratch() {
@@ -250,84 +288,124 @@ void multiply_tiles(const uint16_t* a, int64_t a_stride, const uint16_t* b, int6
   if constexpr (RowTiles == 2 && ColTiles == 2) _tile_stored(3, c + kTileRows * (c_stride / 4) + kTileCols, c_stride);
 }
 
-// c [a.rows, b.cols] (row stride b.cols) = a b, in blocks of 2 x 2 accumulator tiles.
-float* multiply(PackedA a, PackedB b, Eigen::ArrayXf& buffer) {
-  float* c = grown(buffer, a.rows * b.cols);
+// The product a b in strips of 32 rows (2 x 2 accumulator tiles at a time): `use(i, rows, c)`
+// gets rows [i, i + rows) of it, at most a's unpadded `rows`, as fp32 with row stride b.cols while
+// they are in L1.
+template <typename Use>
+void multiply(PackedA a, PackedB b, int64_t rows, Eigen::ArrayXf& buffer, Use&& use) {
+  constexpr int64_t kStrip = 2 * kTileRows;
+  float* c = grown(buffer, kStrip * b.cols);
   const int64_t as = a.inner * 2, bs = b.cols * 4, cs = b.cols * 4;  // strides in bytes
-  for (int64_t i = 0; i < a.rows; i += 2 * kTileRows) {
-    const bool two_rows = i + kTileRows < a.rows;
+  for (int64_t i = 0; i < rows; i += kStrip) {
+    const bool two_rows = i + kTileRows < rows;
     for (int64_t j = 0; j < b.cols; j += 2 * kTileCols) {
       const uint16_t* at = a.data + i * a.inner;
       const uint16_t* bt = b.data + 2 * j;
-      float* ct = c + i * b.cols + j;
       const bool two_cols = j + kTileCols < b.cols;
       if (two_rows && two_cols)
-        multiply_tiles<2, 2>(at, as, bt, bs, a.inner, ct, cs);
+        multiply_tiles<2, 2>(at, as, bt, bs, a.inner, c + j, cs);
       else if (two_rows)
-        multiply_tiles<2, 1>(at, as, bt, bs, a.inner, ct, cs);
+        multiply_tiles<2, 1>(at, as, bt, bs, a.inner, c + j, cs);
       else if (two_cols)
-        multiply_tiles<1, 2>(at, as, bt, bs, a.inner, ct, cs);
+        multiply_tiles<1, 2>(at, as, bt, bs, a.inner, c + j, cs);
       else
-        multiply_tiles<1, 1>(at, as, bt, bs, a.inner, ct, cs);
+        multiply_tiles<1, 1>(at, as, bt, bs, a.inner, c + j, cs);
     }
+    use(i, std::min(kStrip, rows - i), static_cast<const float*>(c));
   }
-  return c;
 }
 
-// The rows x cols product in `c` (row stride ld) as a read-only Eigen map.
-ConstMap product_map(const float* c, int64_t rows, int64_t cols, int64_t ld) {
-  return ConstMap(c, rows, cols, Stride(ld));
+// m[i + r] += c[r] for the rows of a product strip (fp32 accumulators: dq, dk, dv).
+void add_strip(Matrix m, int64_t i, int64_t rows, const float* c, int64_t ld) {
+  for (int64_t r = 0; r < rows; ++r) scaled_add(m.data + (i + r) * m.ld, 1.0f, c + r * ld, m.cols);
 }
 
 void scores(ConstMatrix q, ConstMatrix k, float scale, Matrix s) {
   TileScope tiles;
   Scratch& w = scratch();
   const PackedB kt = pack_b_transposed(k, w.b);
-  const float* c = multiply(pack_a(q, w.a), kt, w.product);
-  map(s) = scale * product_map(c, s.rows, s.cols, kt.cols);
+  multiply(pack_a(q, w.a), kt, s.rows, w.product, [&](int64_t i, int64_t rows, const float* c) {
+    for (int64_t r = 0; r < rows; ++r) scaled_copy(s.data + (i + r) * s.ld, scale, c + r * kt.cols, s.cols);
+  });
 }
 
-void softmax_accumulate(Matrix s_, ConstMatrix v, float* row_max, float* row_sum, Matrix acc_) {
-  Map s = map(s_), acc = map(acc_);
+// Row by row, in one pass after the row's max: p = exp(s - max) rounded to bf16 straight into the
+// A operand of p v, the row sum of p in fp32 (s itself is left as it is). Then, 16 rows at a
+// time, the factors exp(old max - new max) that rescale what the sums and acc held.
+void softmax_accumulate(Matrix s, ConstMatrix v, float* row_max, float* row_sum, Matrix acc) {
   Scratch& w = scratch();
-  float* rescale = grown(w.rescale, s.rows());
-  for (Eigen::Index i = 0; i < s.rows(); ++i) {
-    const float m = std::max(row_max[i], s.row(i).maxCoeff());
+  const int64_t rows = round_up(s.rows, kTileRows), inner = round_up(s.cols, kTileInner);
+  uint16_t* p = grown(w.a, rows * inner);
+  float* rescale = grown(w.rescale, 2 * rows);  // exponents, then factors; block sums after them
+  float* block_sum = rescale + rows;
+  const __m512 minus_inf = _mm512_set1_ps(-INFINITY);
+  for (int64_t i = 0; i < s.rows; ++i) {
+    const float* row = s.data + i * s.ld;
+    __m512 block_max = minus_inf;
+    for (int64_t c = 0; c < s.cols; c += 16)
+      block_max = _mm512_max_ps(block_max, _mm512_mask_loadu_ps(minus_inf, lanes16(s.cols - c), row + c));
+    const float m = std::max(row_max[i], _mm512_reduce_max_ps(block_max));
     // A row that has seen only masked keys so far keeps max -inf: subtract 0 instead, so its
     // exp(-inf) stays 0 rather than exp(-inf + inf) = NaN.
     const float shift = m == -INFINITY ? 0.0f : m;
-    rescale[i] = std::exp(row_max[i] - shift);  // 0 on the first visible block
-    s.row(i) = (s.row(i).array() - shift).exp();
-    row_sum[i] = row_sum[i] * rescale[i] + s.row(i).sum();
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t c = 0; c < inner; c += kTileInner) {  // masked and padding lanes load -inf: p = 0
+      const __m512 lo = exp_shifted(_mm512_mask_loadu_ps(minus_inf, lanes16(s.cols - c), row + c), _mm512_set1_ps(shift));
+      const __m512 hi =
+          exp_shifted(_mm512_mask_loadu_ps(minus_inf, lanes16(s.cols - c - 16), row + c + 16), _mm512_set1_ps(shift));
+      sum = _mm512_add_ps(sum, _mm512_add_ps(lo, hi));
+      const __m512bh pair = _mm512_cvtne2ps_pbh(hi, lo);
+      _mm512_store_si512(p + i * inner + c, reinterpret_cast<const __m512i&>(pair));
+    }
+    block_sum[i] = _mm512_reduce_add_ps(sum);
+    rescale[i] = row_max[i] - shift;  // -inf on the first visible block: factor 0
     row_max[i] = m;
   }
+  for (int64_t i = 0; i < s.rows; i += 16) {
+    const __mmask16 m = lanes16(s.rows - i);
+    const __m512 factor = exp_shifted(_mm512_maskz_loadu_ps(m, rescale + i), _mm512_setzero_ps());
+    _mm512_mask_storeu_ps(rescale + i, m, factor);
+    _mm512_mask_storeu_ps(row_sum + i, m,
+                          _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, row_sum + i), factor,
+                                          _mm512_maskz_loadu_ps(m, block_sum + i)));
+  }
+  std::memset(p + s.rows * inner, 0, static_cast<size_t>((rows - s.rows) * inner) * 2);
   TileScope tiles;
   const PackedB vb = pack_b(v, w.b);
-  const float* c = multiply(pack_a(s_, w.a), vb, w.product);
-  const ConstMap pv = product_map(c, acc.rows(), acc.cols(), vb.cols);
-  for (Eigen::Index i = 0; i < acc.rows(); ++i) acc.row(i) = acc.row(i) * rescale[i] + pv.row(i);
+  multiply(PackedA{p, rows, inner}, vb, s.rows, w.product, [&](int64_t i, int64_t n, const float* c) {
+    for (int64_t r = 0; r < n; ++r) scaled_add(acc.data + (i + r) * acc.ld, rescale[i + r], c + r * vb.cols, acc.cols);
+  });
 }
 
-void backward_block(Matrix s_, const float* lse, const float* delta, ConstMatrix q, ConstMatrix k, ConstMatrix v,
+void backward_block(Matrix s, const float* lse, const float* delta, ConstMatrix q, ConstMatrix k, ConstMatrix v,
                     ConstMatrix dout, Matrix, Matrix dq, Matrix dk, Matrix dv) {
-  Map p = map(s_);
-  const int64_t rows = p.rows(), cols = p.cols(), D = q.cols;
-  for (Eigen::Index i = 0; i < rows; ++i) p.row(i) = (p.row(i).array() - lse[i]).exp();
+  Map p = map(s);
+  for (int64_t i = 0; i < s.rows; ++i) {
+    float* row = s.data + i * s.ld;
+    for (int64_t c = 0; c < s.cols; c += 16) {
+      const __mmask16 m = lanes16(s.cols - c);
+      _mm512_mask_storeu_ps(row + c, m, exp_shifted(_mm512_maskz_loadu_ps(m, row + c), _mm512_set1_ps(lse[i])));
+    }
+  }
   TileScope tiles;
   Scratch& w = scratch();
-  // dP = dO v^T, kept for dS below.
-  const PackedB vt = pack_b_transposed(v, w.b);
-  const ConstMap dp = product_map(multiply(pack_a(dout, w.a), vt, w.dp), rows, cols, vt.cols);
-  // dv += P^T dO
+  // dv += p^T dO
   PackedB b = pack_b(dout, w.b);
-  map(dv) += product_map(multiply(pack_a_transposed(s_, w.a), b, w.product), cols, D, b.cols);
-  for (Eigen::Index i = 0; i < rows; ++i)  // p becomes dS
-    p.row(i) = p.row(i).array() * (dp.row(i).array() - delta[i]);
+  multiply(pack_a_transposed(s, w.a), b, s.cols, w.product,
+           [&](int64_t i, int64_t n, const float* c) { add_strip(dv, i, n, c, b.cols); });
+  // dP = dO v^T, and p becomes dS = p (dP - delta) strip by strip
+  b = pack_b_transposed(v, w.b);
+  multiply(pack_a(dout, w.a), b, s.rows, w.product, [&](int64_t i, int64_t n, const float* c) {
+    const ConstMap dp(c, n, s.cols, Stride(b.cols));
+    for (int64_t r = 0; r < n; ++r) p.row(i + r) = p.row(i + r).array() * (dp.row(r).array() - delta[i + r]);
+  });
   // dq += dS k, dk += dS^T q
   b = pack_b(k, w.b);
-  map(dq) += product_map(multiply(pack_a(s_, w.a), b, w.product), rows, D, b.cols);
+  multiply(pack_a(s, w.a), b, s.rows, w.product,
+           [&](int64_t i, int64_t n, const float* c) { add_strip(dq, i, n, c, b.cols); });
   b = pack_b(q, w.b);
-  map(dk) += product_map(multiply(pack_a_transposed(s_, w.a), b, w.product), cols, D, b.cols);
+  multiply(pack_a_transposed(s, w.a), b, s.cols, w.product,
+           [&](int64_t i, int64_t n, const float* c) { add_strip(dk, i, n, c, b.cols); });
 }
 
 const TileKernels kKernels = {"amx", DUALKV_DTYPE_BFLOAT16, scores, softmax_accumulate, backward_block};
