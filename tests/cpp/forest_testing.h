@@ -112,14 +112,20 @@ inline void random_forest(std::mt19937& rng, int roots, int max_depth, int max_c
   for (int r = 0; r < roots; ++r) emit(emit, -1, 0);
 }
 
-// Brute force, fp64: every (query, key) pair is tested with ForestView::visible.
+// Brute force, fp64: every (query, key) pair is tested with ForestView::visible. `low`, when
+// given, rounds to a low-precision kernel's format where such a kernel does: p and dS where they
+// enter a product (p v with p = exp(s - max) before the division by the row sum, p^T dO, dS k,
+// dS^T q) and the stored output that the backward's delta = rowsum(dO o) reads; the result is
+// what that kernel computes with otherwise exact arithmetic.
 struct DenseResult {
   std::vector<double> out, lse, dq, dk, dv;  // [T][H][D], [H][T], [T][H][D], [T][Hk][D] x2
 };
 
 inline DenseResult dense_attention(const HostLayout& layout, int H, int Hk, int D, double scale,
                                    const std::vector<double>& q, const std::vector<double>& k,
-                                   const std::vector<double>& v, const std::vector<double>& dout) {
+                                   const std::vector<double>& v, const std::vector<double>& dout,
+                                   double (*low)(double) = nullptr) {
+  auto op = [low](double x) { return low ? low(x) : x; };
   const dualkv_layout l = layout.view();
   const ForestView f = make_forest_view(l);
   const int T = layout.num_tokens(), group = H / Hk;
@@ -147,23 +153,24 @@ inline DenseResult dense_attention(const HostLayout& layout, int H, int Hk, int 
       double sum = 0;
       for (int j = 0; j < T; ++j) sum += p[j] == -INFINITY ? 0 : std::exp(p[j] - m);
       r.lse[size_t(h) * T + i] = m + std::log(sum);
-      for (int j = 0; j < T; ++j) p[j] = p[j] == -INFINITY ? 0 : std::exp(p[j] - m) / sum;
+      for (int j = 0; j < T; ++j) p[j] = p[j] == -INFINITY ? 0 : std::exp(p[j] - m);
       double delta = 0;
       for (int d = 0; d < D; ++d) {
         double o = 0;
-        for (int j = 0; j < T; ++j) o += p[j] * v[(size_t(j) * Hk + g) * D + d];
-        r.out[(size_t(i) * H + h) * D + d] = o;
-        delta += o * dout[(size_t(i) * H + h) * D + d];
+        for (int j = 0; j < T; ++j) o += op(p[j]) * v[(size_t(j) * Hk + g) * D + d];
+        r.out[(size_t(i) * H + h) * D + d] = o / sum;
+        delta += op(o / sum) * dout[(size_t(i) * H + h) * D + d];
       }
+      for (int j = 0; j < T; ++j) p[j] /= sum;
       for (int j = 0; j < T; ++j) {
         if (p[j] == 0) continue;
         double dpj = 0;
         for (int d = 0; d < D; ++d) dpj += dout[(size_t(i) * H + h) * D + d] * v[(size_t(j) * Hk + g) * D + d];
-        const double ds = p[j] * (dpj - delta);
+        const double ds = op(p[j] * (dpj - delta));
         for (int d = 0; d < D; ++d) {
           r.dq[(size_t(i) * H + h) * D + d] += scale * ds * k[(size_t(j) * Hk + g) * D + d];
           r.dk[(size_t(j) * Hk + g) * D + d] += scale * ds * q[(size_t(i) * H + h) * D + d];
-          r.dv[(size_t(j) * Hk + g) * D + d] += p[j] * dout[(size_t(i) * H + h) * D + d];
+          r.dv[(size_t(j) * Hk + g) * D + d] += op(p[j]) * dout[(size_t(i) * H + h) * D + d];
         }
       }
     }
