@@ -33,15 +33,15 @@ struct TileKernels {
   void (*scores)(ConstMatrix q, ConstMatrix k, float scale, Matrix s);
 
   // Forward, one more key block of a query tile (online softmax): takes the block's masked scores
-  // s [rows, cols] (-inf where invisible; overwritten with probabilities), updates the running
-  // row max and row sum (of exp(score - max)) and acc [rows, D] += p v, rescaling what acc and
-  // the sum held before.
+  // s [rows, cols] (-inf where invisible; may be overwritten), updates the running row max and
+  // row sum (of exp(score - max)) and acc [rows, D] += p v, rescaling what acc and the sum held
+  // before.
   void (*softmax_accumulate)(Matrix s, ConstMatrix v, float* row_max, float* row_sum, Matrix acc);
 
   // Backward, one (query tile, key block): s holds the masked scores (overwritten), lse and delta
   // the tile's rows (delta = rowsum(dO * O) - dlse). With p = exp(s - lse) and
   // ds = p * (dO v^T - delta):  dv += p^T dO,  dq += ds k,  dk += ds^T q  (dq, dk without the
-  // softmax scale, which the caller applies once). scratch is [rows, cols].
+  // softmax scale, which the caller applies once). scratch is [rows, cols] (the amx set needs none).
   void (*backward_block)(Matrix s, const float* lse, const float* delta, ConstMatrix q, ConstMatrix k,
                          ConstMatrix v, ConstMatrix dout, Matrix scratch, Matrix dq, Matrix dk, Matrix dv);
 };
