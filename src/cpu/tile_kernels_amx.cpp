@@ -1,6 +1,6 @@
 // The tile kernels of tile_kernels.h for bfloat16 inputs on Intel AMX (Sapphire Rapids and later):
 // every matrix product is a bf16 tile product with fp32 accumulation (TDPBF16PS, ~16x the fp32
-// AVX-512 FMA rate); the softmax and every sum stay fp32 (Eigen). As in the GPU kernels, scores
+// AVX-512 FMA rate); the softmax and every sum stay fp32 (AVX-512). As in the GPU kernels, scores
 // and dP are fp32, P and dS enter their products rounded to bf16, dq/dk/dv accumulate in fp32.
 //
 // Compiled once, with the AVX-512 and AMX flags and its own name for Eigen's namespace
@@ -25,13 +25,6 @@
 
 namespace dualkv::detail::cpu {
 namespace {
-
-using RowMajor = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
-using Stride = Eigen::OuterStride<>;
-using Map = Eigen::Map<RowMajor, 0, Stride>;
-using ConstMap = Eigen::Map<const RowMajor, 0, Stride>;
-
-Map map(Matrix m) { return Map(m.data, m.rows, m.cols, Stride(m.ld)); }
 
 // Every tile is 16 rows of 64 bytes: an accumulator holds 16 x 16 fp32, an A tile 16 rows of 32
 // bf16, a B tile 16 pairs of rows of 16 bf16 pairs. Tiles 0-3 accumulate, 4-5 hold A, 6-7 hold B.
@@ -161,8 +154,9 @@ struct PackedB {
 
 // A thread's packing and product buffers, grown as needed (Eigen arrays: 64-byte aligned, and no
 // std:: template instantiated here that the linker could share with the other copies).
+using Bf16Buffer = Eigen::Array<uint16_t, Eigen::Dynamic, 1>;
 struct Scratch {
-  Eigen::Array<uint16_t, Eigen::Dynamic, 1> a, b;
+  Bf16Buffer a, b;
   Eigen::ArrayXf product, rescale;
 };
 
@@ -180,7 +174,7 @@ typename Array::Scalar* grown(Array& array, int64_t n) {
 const uint16_t* bf16_rows(ConstMatrix m) { return static_cast<const uint16_t*>(m.data); }
 
 // A = m (bf16 rows: q in q k^T, dout in dO v^T).
-PackedA pack_a(ConstMatrix m, Eigen::Array<uint16_t, Eigen::Dynamic, 1>& buffer) {
+PackedA pack_a(ConstMatrix m, Bf16Buffer& buffer) {
   const int64_t rows = round_up(m.rows, kTileRows), inner = round_up(m.cols, kTileInner);
   uint16_t* out = grown(buffer, rows * inner);
   for (int64_t i = 0; i < rows; ++i)
@@ -192,7 +186,7 @@ PackedA pack_a(ConstMatrix m, Eigen::Array<uint16_t, Eigen::Dynamic, 1>& buffer)
 }
 
 // A = bf16(m) for fp32 rows m (P, dS).
-PackedA pack_a(Matrix m, Eigen::Array<uint16_t, Eigen::Dynamic, 1>& buffer) {
+PackedA pack_a(Matrix m, Bf16Buffer& buffer) {
   const int64_t rows = round_up(m.rows, kTileRows), inner = round_up(m.cols, kTileInner);
   uint16_t* out = grown(buffer, rows * inner);
   for (int64_t i = 0; i < rows; ++i)
@@ -208,7 +202,7 @@ PackedA pack_a(Matrix m, Eigen::Array<uint16_t, Eigen::Dynamic, 1>& buffer) {
 
 // A = bf16(m)^T for fp32 rows m (P^T, dS^T): row j of A holds the pairs (m[2i][j], m[2i + 1][j]),
 // 16 pairs of rows by 16 columns transposed at a time.
-PackedA pack_a_transposed(Matrix m, Eigen::Array<uint16_t, Eigen::Dynamic, 1>& buffer) {
+PackedA pack_a_transposed(Matrix m, Bf16Buffer& buffer) {
   const int64_t rows = round_up(m.cols, kTileRows), inner = round_up(m.rows, kTileInner);
   uint16_t* out = grown(buffer, rows * inner);
   __m512i r[16];
@@ -227,7 +221,7 @@ PackedA pack_a_transposed(Matrix m, Eigen::Array<uint16_t, Eigen::Dynamic, 1>& b
 
 // B = m, the inner dimension along m's rows (v in P v, k in dS k, dout in P^T dO, q in dS^T q):
 // row r of B holds the pairs (m[2r][n], m[2r + 1][n]).
-PackedB pack_b(ConstMatrix m, Eigen::Array<uint16_t, Eigen::Dynamic, 1>& buffer) {
+PackedB pack_b(ConstMatrix m, Bf16Buffer& buffer) {
   const int64_t inner = round_up(m.rows, kTileInner), cols = round_up(m.cols, kTileCols);
   uint16_t* out = grown(buffer, inner * cols);
   const uint16_t* in = bf16_rows(m);
@@ -243,7 +237,7 @@ PackedB pack_b(ConstMatrix m, Eigen::Array<uint16_t, Eigen::Dynamic, 1>& buffer)
 
 // B = m^T, the inner dimension along m's columns (k in q k^T, v in dO v^T): row r of B holds
 // the pairs (m[n][2r], m[n][2r + 1]), 16 rows of m by 16 pairs transposed at a time.
-PackedB pack_b_transposed(ConstMatrix m, Eigen::Array<uint16_t, Eigen::Dynamic, 1>& buffer) {
+PackedB pack_b_transposed(ConstMatrix m, Bf16Buffer& buffer) {
   const int64_t inner = round_up(m.cols, kTileInner), cols = round_up(m.rows, kTileCols);
   uint16_t* out = grown(buffer, inner * cols);
   const uint16_t* in = bf16_rows(m);
@@ -379,7 +373,6 @@ void softmax_accumulate(Matrix s, ConstMatrix v, float* row_max, float* row_sum,
 
 void backward_block(Matrix s, const float* lse, const float* delta, ConstMatrix q, ConstMatrix k, ConstMatrix v,
                     ConstMatrix dout, Matrix, Matrix dq, Matrix dk, Matrix dv) {
-  Map p = map(s);
   for (int64_t i = 0; i < s.rows; ++i) {
     float* row = s.data + i * s.ld;
     for (int64_t c = 0; c < s.cols; c += 16) {
@@ -395,9 +388,15 @@ void backward_block(Matrix s, const float* lse, const float* delta, ConstMatrix 
            [&](int64_t i, int64_t n, const float* c) { add_strip(dv, i, n, c, b.cols); });
   // dP = dO v^T, and p becomes dS = p (dP - delta) strip by strip
   b = pack_b_transposed(v, w.b);
-  multiply(pack_a(dout, w.a), b, s.rows, w.product, [&](int64_t i, int64_t n, const float* c) {
-    const ConstMap dp(c, n, s.cols, Stride(b.cols));
-    for (int64_t r = 0; r < n; ++r) p.row(i + r) = p.row(i + r).array() * (dp.row(r).array() - delta[i + r]);
+  multiply(pack_a(dout, w.a), b, s.rows, w.product, [&](int64_t i, int64_t n, const float* dp) {
+    for (int64_t r = 0; r < n; ++r) {
+      float* row = s.data + (i + r) * s.ld;
+      for (int64_t c = 0; c < s.cols; c += 16) {
+        const __mmask16 m = lanes16(s.cols - c);
+        const __m512 ds = _mm512_sub_ps(_mm512_maskz_loadu_ps(m, dp + r * b.cols + c), _mm512_set1_ps(delta[i + r]));
+        _mm512_mask_storeu_ps(row + c, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, row + c), ds));
+      }
+    }
   });
   // dq += dS k, dk += dS^T q
   b = pack_b(k, w.b);
