@@ -117,7 +117,8 @@ void transpose16(__m512i r[16]) {
     r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
   }
   for (int c = 0; c < 4; ++c) {  // output row 4q + c gathers quarter q of r[c], r[4 + c], r[8 + c], r[12 + c]
-    const __m512i low01 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0x44), low23 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0xee);
+    const __m512i low01 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0x44);
+    const __m512i low23 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0xee);
     const __m512i high01 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0x44);
     const __m512i high23 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0xee);
     t[c] = _mm512_shuffle_i32x4(low01, high01, 0x88);
@@ -129,7 +130,7 @@ void transpose16(__m512i r[16]) {
 }
 
 // 16 32-bit lanes holding the pairs (a[j], b[j]), a in the low half: bf16 rows, or fp32 rows
-// rounded to bf16 (nearest even, as everywhere here). Lanes outside `mask` are zero.
+// rounded to bf16 (nearest even, as everywhere here). Elements outside mask_a / mask_b are zero.
 __m512i pair_lanes(const uint16_t* a, const uint16_t* b, __mmask16 mask_a, __mmask16 mask_b) {
   const __m512i lo = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask_a, a));
   const __m512i hi = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask_b, b));
@@ -179,8 +180,9 @@ PackedA pack_a(ConstMatrix m, Bf16Buffer& buffer) {
   uint16_t* out = grown(buffer, rows * inner);
   for (int64_t i = 0; i < rows; ++i)
     for (int64_t c = 0; c < inner; c += kTileInner) {
-      const __mmask32 mask = i < m.rows ? lanes32(m.cols - c) : 0;
-      _mm512_store_si512(out + i * inner + c, _mm512_maskz_loadu_epi16(mask, bf16_rows(m) + (i < m.rows ? i * m.ld + c : 0)));
+      const bool row = i < m.rows;
+      const __m512i x = _mm512_maskz_loadu_epi16(row ? lanes32(m.cols - c) : 0, bf16_rows(m) + (row ? i * m.ld + c : 0));
+      _mm512_store_si512(out + i * inner + c, x);
     }
   return {out, rows, inner};
 }
@@ -342,11 +344,12 @@ void softmax_accumulate(Matrix s, ConstMatrix v, float* row_max, float* row_sum,
     // A row that has seen only masked keys so far keeps max -inf: subtract 0 instead, so its
     // exp(-inf) stays 0 rather than exp(-inf + inf) = NaN.
     const float shift = m == -INFINITY ? 0.0f : m;
+    const __m512 shift_lanes = _mm512_set1_ps(shift);
     __m512 sum = _mm512_setzero_ps();
     for (int64_t c = 0; c < inner; c += kTileInner) {  // masked and padding lanes load -inf: p = 0
-      const __m512 lo = exp_shifted(_mm512_mask_loadu_ps(minus_inf, lanes16(s.cols - c), row + c), _mm512_set1_ps(shift));
+      const __m512 lo = exp_shifted(_mm512_mask_loadu_ps(minus_inf, lanes16(s.cols - c), row + c), shift_lanes);
       const __m512 hi =
-          exp_shifted(_mm512_mask_loadu_ps(minus_inf, lanes16(s.cols - c - 16), row + c + 16), _mm512_set1_ps(shift));
+          exp_shifted(_mm512_mask_loadu_ps(minus_inf, lanes16(s.cols - c - 16), row + c + 16), shift_lanes);
       sum = _mm512_add_ps(sum, _mm512_add_ps(lo, hi));
       const __m512bh pair = _mm512_cvtne2ps_pbh(hi, lo);
       _mm512_store_si512(p + i * inner + c, reinterpret_cast<const __m512i&>(pair));
