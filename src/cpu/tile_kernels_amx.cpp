@@ -83,9 +83,11 @@ __m512 exp2_nonpositive(__m512 y) {
   return _mm512_maskz_scalef_ps(normal, p, n);
 }
 
-// exp(x - shift) for x <= shift (masked scores: -inf gives 0).
-__m512 exp_shifted(__m512 x, __m512 shift) {
-  return exp2_nonpositive(_mm512_mul_ps(_mm512_sub_ps(x, shift), _mm512_set1_ps(1.4426950409f)));
+// exp(x - shift) for x <= shift (masked scores: -inf gives 0), from shift_log2e = -shift log2(e):
+// one fma to the base-2 exponent.
+constexpr float kLog2e = 1.4426950409f;
+__m512 exp_shifted(__m512 x, __m512 shift_log2e) {
+  return exp2_nonpositive(_mm512_fmadd_ps(x, _mm512_set1_ps(kLog2e), shift_log2e));
 }
 
 // y[j] = a x[j] (store only), or y[j] = b y[j] + x[j] (accumulate), for j < n: fp32 rows.
@@ -325,46 +327,64 @@ void scores(ConstMatrix q, ConstMatrix k, float scale, Matrix s) {
   });
 }
 
-// Row by row, in one pass after the row's max: p = exp(s - max) rounded to bf16 straight into the
-// A operand of p v, the row sum of p in fp32 (s itself is left as it is). Then, 16 rows at a
-// time, the factors exp(old max - new max) that rescale what the sums and acc held.
+// Lane r of the result = op over the 16 lanes of part[r] (16 row reductions in one transpose).
+template <typename Op>
+__m512 reduce_rows(__m512 part[16], Op op) {
+  __m512i r[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_castps_si512(part[i]);
+  transpose16(r);
+  __m512 out = _mm512_castsi512_ps(r[0]);
+  for (int i = 1; i < 16; ++i) out = op(out, _mm512_castsi512_ps(r[i]));
+  return out;
+}
+
+// 16 rows at a time: their block maxima, the factors exp(old max - new max) that rescale what the
+// sums and acc held, then row by row p = exp(s - max) rounded to bf16 straight into the A operand
+// of p v and the row sums of p in fp32 (s itself is left as it is).
 void softmax_accumulate(Matrix s, ConstMatrix v, float* row_max, float* row_sum, Matrix acc) {
   Scratch& w = scratch();
   const int64_t rows = round_up(s.rows, kTileRows), inner = round_up(s.cols, kTileInner);
   uint16_t* p = grown(w.a, rows * inner);
-  float* rescale = grown(w.rescale, 2 * rows);  // exponents, then factors; block sums after them
-  float* block_sum = rescale + rows;
+  float* rescale = grown(w.rescale, rows);
   const __m512 minus_inf = _mm512_set1_ps(-INFINITY);
-  for (int64_t i = 0; i < s.rows; ++i) {
-    const float* row = s.data + i * s.ld;
-    __m512 block_max = minus_inf;
-    for (int64_t c = 0; c < s.cols; c += 16)
-      block_max = _mm512_max_ps(block_max, _mm512_mask_loadu_ps(minus_inf, lanes16(s.cols - c), row + c));
-    const float m = std::max(row_max[i], _mm512_reduce_max_ps(block_max));
+  const auto max = [](__m512 a, __m512 b) { return _mm512_max_ps(a, b); };
+  const auto add = [](__m512 a, __m512 b) { return _mm512_add_ps(a, b); };
+  __m512 part[16];
+  for (int64_t i = 0; i < s.rows; i += 16) {
+    const int64_t n = std::min<int64_t>(16, s.rows - i);
+    const __mmask16 m = lanes16(n);
+    for (int64_t r = 0; r < 16; ++r) {
+      part[r] = minus_inf;
+      for (int64_t c = 0; r < n && c < s.cols; c += 16)
+        part[r] = _mm512_max_ps(part[r], _mm512_mask_loadu_ps(minus_inf, lanes16(s.cols - c), s.data + (i + r) * s.ld + c));
+    }
+    const __m512 old_max = _mm512_mask_loadu_ps(minus_inf, m, row_max + i);
+    const __m512 new_max = _mm512_max_ps(old_max, reduce_rows(part, max));
     // A row that has seen only masked keys so far keeps max -inf: subtract 0 instead, so its
     // exp(-inf) stays 0 rather than exp(-inf + inf) = NaN.
-    const float shift = m == -INFINITY ? 0.0f : m;
-    const __m512 shift_lanes = _mm512_set1_ps(shift);
-    __m512 sum = _mm512_setzero_ps();
-    for (int64_t c = 0; c < inner; c += kTileInner) {  // masked and padding lanes load -inf: p = 0
-      const __m512 lo = exp_shifted(_mm512_mask_loadu_ps(minus_inf, lanes16(s.cols - c), row + c), shift_lanes);
-      const __m512 hi =
-          exp_shifted(_mm512_mask_loadu_ps(minus_inf, lanes16(s.cols - c - 16), row + c + 16), shift_lanes);
-      sum = _mm512_add_ps(sum, _mm512_add_ps(lo, hi));
-      const __m512bh pair = _mm512_cvtne2ps_pbh(hi, lo);
-      _mm512_store_si512(p + i * inner + c, reinterpret_cast<const __m512i&>(pair));
-    }
-    block_sum[i] = _mm512_reduce_add_ps(sum);
-    rescale[i] = row_max[i] - shift;  // -inf on the first visible block: factor 0
-    row_max[i] = m;
-  }
-  for (int64_t i = 0; i < s.rows; i += 16) {
-    const __mmask16 m = lanes16(s.rows - i);
-    const __m512 factor = exp_shifted(_mm512_maskz_loadu_ps(m, rescale + i), _mm512_setzero_ps());
+    const __m512 shift = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(new_max, minus_inf, _CMP_EQ_OQ), new_max,
+                                              _mm512_setzero_ps());
+    const __m512 shift_log2e = _mm512_mul_ps(shift, _mm512_set1_ps(-kLog2e));
+    const __m512 factor = exp_shifted(old_max, shift_log2e);  // 0 on the first visible block
+    _mm512_mask_storeu_ps(row_max + i, m, new_max);
     _mm512_mask_storeu_ps(rescale + i, m, factor);
+    alignas(64) float shifts[16];
+    _mm512_store_ps(shifts, shift_log2e);
+    for (int64_t r = 0; r < 16; ++r) {
+      part[r] = _mm512_setzero_ps();
+      const float* row = s.data + (i + r) * s.ld;
+      const __m512 row_shift = _mm512_set1_ps(shifts[r]);
+      for (int64_t c = 0; r < n && c < inner; c += kTileInner) {  // masked and padding lanes load -inf: p = 0
+        const __m512 lo = exp_shifted(_mm512_mask_loadu_ps(minus_inf, lanes16(s.cols - c), row + c), row_shift);
+        const __m512 hi =
+            exp_shifted(_mm512_mask_loadu_ps(minus_inf, lanes16(s.cols - c - 16), row + c + 16), row_shift);
+        part[r] = _mm512_add_ps(part[r], _mm512_add_ps(lo, hi));
+        const __m512bh pair = _mm512_cvtne2ps_pbh(hi, lo);
+        _mm512_store_si512(p + (i + r) * inner + c, reinterpret_cast<const __m512i&>(pair));
+      }
+    }
     _mm512_mask_storeu_ps(row_sum + i, m,
-                          _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, row_sum + i), factor,
-                                          _mm512_maskz_loadu_ps(m, block_sum + i)));
+                          _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, row_sum + i), factor, reduce_rows(part, add)));
   }
   std::memset(p + s.rows * inner, 0, static_cast<size_t>((rows - s.rows) * inner) * 2);
   TileScope tiles;
@@ -380,7 +400,7 @@ void backward_block(Matrix s, const float* lse, const float* delta, ConstMatrix 
     float* row = s.data + i * s.ld;
     for (int64_t c = 0; c < s.cols; c += 16) {
       const __mmask16 m = lanes16(s.cols - c);
-      _mm512_mask_storeu_ps(row + c, m, exp_shifted(_mm512_maskz_loadu_ps(m, row + c), _mm512_set1_ps(lse[i])));
+      _mm512_mask_storeu_ps(row + c, m, exp_shifted(_mm512_maskz_loadu_ps(m, row + c), _mm512_set1_ps(-lse[i] * kLog2e)));
     }
   }
   TileScope tiles;
