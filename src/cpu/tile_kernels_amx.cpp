@@ -148,7 +148,7 @@ __m512i pair_lanes(const float* a, const float* b, __mmask16 mask_a, __mmask16 m
 // Packed operands of one product (in a thread's scratch; see the file comment for the layouts).
 struct PackedA {
   const uint16_t* data;
-  int64_t rows, inner;  // multiples of 16 and 32; row stride = inner
+  int64_t rows, inner, ld;  // multiples of 16 and 32; row stride ld
 };
 struct PackedB {
   const uint16_t* data;
@@ -176,9 +176,11 @@ typename Array::Scalar* grown(Array& array, int64_t n) {
 
 const uint16_t* bf16_rows(ConstMatrix m) { return static_cast<const uint16_t*>(m.data); }
 
-// A = m (bf16 rows: q in q k^T, dout in dO v^T).
+// A = m (bf16 rows: q in q k^T, dout in dO v^T): read in place when whole tiles cover m (rows a
+// multiple of 16, columns of 32), else copied.
 PackedA pack_a(ConstMatrix m, Bf16Buffer& buffer) {
   const int64_t rows = round_up(m.rows, kTileRows), inner = round_up(m.cols, kTileInner);
+  if (rows == m.rows && inner == m.cols) return {bf16_rows(m), rows, inner, m.ld};
   uint16_t* out = grown(buffer, rows * inner);
   for (int64_t i = 0; i < rows; ++i)
     for (int64_t c = 0; c < inner; c += kTileInner) {
@@ -186,7 +188,7 @@ PackedA pack_a(ConstMatrix m, Bf16Buffer& buffer) {
       const __m512i x = _mm512_maskz_loadu_epi16(row ? lanes32(m.cols - c) : 0, bf16_rows(m) + (row ? i * m.ld + c : 0));
       _mm512_store_si512(out + i * inner + c, x);
     }
-  return {out, rows, inner};
+  return {out, rows, inner, inner};
 }
 
 // A = bf16(m) for fp32 rows m (P, dS).
@@ -201,7 +203,7 @@ PackedA pack_a(Matrix m, Bf16Buffer& buffer) {
                                              _mm512_maskz_loadu_ps(lanes16(n), in));
       _mm512_store_si512(out + i * inner + c, reinterpret_cast<const __m512i&>(x));
     }
-  return {out, rows, inner};
+  return {out, rows, inner, inner};
 }
 
 // A = bf16(m)^T for fp32 rows m (P^T, dS^T): row j of A holds the pairs (m[2i][j], m[2i + 1][j]),
@@ -220,7 +222,7 @@ PackedA pack_a_transposed(Matrix m, Bf16Buffer& buffer) {
       transpose16(r);
       for (int64_t t = 0; t < 16; ++t) _mm512_store_si512(out + (j + t) * inner + i, r[t]);
     }
-  return {out, rows, inner};
+  return {out, rows, inner, inner};
 }
 
 // B = m, the inner dimension along m's rows (v in P v, k in dS k, dout in P^T dO, q in dS^T q):
@@ -293,11 +295,11 @@ template <typename Use>
 void multiply(PackedA a, PackedB b, int64_t rows, Eigen::ArrayXf& buffer, Use&& use) {
   constexpr int64_t kStrip = 2 * kTileRows;
   float* c = grown(buffer, kStrip * b.cols);
-  const int64_t as = a.inner * 2, bs = b.cols * 4, cs = b.cols * 4;  // strides in bytes
+  const int64_t as = a.ld * 2, bs = b.cols * 4, cs = b.cols * 4;  // strides in bytes
   for (int64_t i = 0; i < rows; i += kStrip) {
     const bool two_rows = i + kTileRows < rows;
     for (int64_t j = 0; j < b.cols; j += 2 * kTileCols) {
-      const uint16_t* at = a.data + i * a.inner;
+      const uint16_t* at = a.data + i * a.ld;
       const uint16_t* bt = b.data + 2 * j;
       const bool two_cols = j + kTileCols < b.cols;
       if (two_rows && two_cols)
@@ -389,7 +391,7 @@ void softmax_accumulate(Matrix s, ConstMatrix v, float* row_max, float* row_sum,
   std::memset(p + s.rows * inner, 0, static_cast<size_t>((rows - s.rows) * inner) * 2);
   TileScope tiles;
   const PackedB vb = pack_b(v, w.b);
-  multiply(PackedA{p, rows, inner}, vb, s.rows, w.product, [&](int64_t i, int64_t n, const float* c) {
+  multiply(PackedA{p, rows, inner, inner}, vb, s.rows, w.product, [&](int64_t i, int64_t n, const float* c) {
     for (int64_t r = 0; r < n; ++r) scaled_add(acc.data + (i + r) * acc.ld, rescale[i + r], c + r * vb.cols, acc.cols);
   });
 }
