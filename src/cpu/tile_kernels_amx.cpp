@@ -185,7 +185,8 @@ PackedA pack_a(ConstMatrix m, Bf16Buffer& buffer) {
   for (int64_t i = 0; i < rows; ++i)
     for (int64_t c = 0; c < inner; c += kTileInner) {
       const bool row = i < m.rows;
-      const __m512i x = _mm512_maskz_loadu_epi16(row ? lanes32(m.cols - c) : 0, bf16_rows(m) + (row ? i * m.ld + c : 0));
+      const uint16_t* in = bf16_rows(m) + (row ? i * m.ld + c : 0);
+      const __m512i x = _mm512_maskz_loadu_epi16(row ? lanes32(m.cols - c) : 0, in);
       _mm512_store_si512(out + i * inner + c, x);
     }
   return {out, rows, inner, inner};
@@ -357,8 +358,9 @@ void softmax_accumulate(Matrix s, ConstMatrix v, float* row_max, float* row_sum,
     const __mmask16 m = lanes16(n);
     for (int64_t r = 0; r < 16; ++r) {
       part[r] = minus_inf;
+      const float* row = s.data + (i + r) * s.ld;
       for (int64_t c = 0; r < n && c < s.cols; c += 16)
-        part[r] = _mm512_max_ps(part[r], _mm512_mask_loadu_ps(minus_inf, lanes16(s.cols - c), s.data + (i + r) * s.ld + c));
+        part[r] = _mm512_max_ps(part[r], _mm512_mask_loadu_ps(minus_inf, lanes16(s.cols - c), row + c));
     }
     const __m512 old_max = _mm512_mask_loadu_ps(minus_inf, m, row_max + i);
     const __m512 new_max = _mm512_max_ps(old_max, reduce_rows(part, max));
@@ -400,9 +402,10 @@ void backward_block(Matrix s, const float* lse, const float* delta, ConstMatrix 
                     ConstMatrix dout, Matrix, Matrix dq, Matrix dk, Matrix dv) {
   for (int64_t i = 0; i < s.rows; ++i) {
     float* row = s.data + i * s.ld;
+    const __m512 shift = _mm512_set1_ps(-lse[i] * kLog2e);
     for (int64_t c = 0; c < s.cols; c += 16) {
       const __mmask16 m = lanes16(s.cols - c);
-      _mm512_mask_storeu_ps(row + c, m, exp_shifted(_mm512_maskz_loadu_ps(m, row + c), _mm512_set1_ps(-lse[i] * kLog2e)));
+      _mm512_mask_storeu_ps(row + c, m, exp_shifted(_mm512_maskz_loadu_ps(m, row + c), shift));
     }
   }
   TileScope tiles;
