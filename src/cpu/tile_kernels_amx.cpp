@@ -7,11 +7,12 @@
 // (sources.cmake); tile_kernels(dtype) picks it for bfloat16 inputs only when the processor has
 // AMX-BF16 and Linux lets the process use the tile registers (tile_kernels_select.cpp).
 //
-// The operands arrive as strided bf16 rows (q, k, v, dout read in place) and are copied into the
-// layouts the tile instructions read: an A operand row-major, rows padded to 16 and the inner
-// dimension to 32 with zeros; a B operand in pairs along the inner dimension ("VNNI"), B[k][n] at
-// b[(k / 2) * ld + 2 * n + k % 2], the inner dimension padded to 32 and the columns to 16 with
-// zeros. Products land in fp32 scratch and are added to the caller's matrices from there.
+// The operands arrive as strided bf16 rows (q, k, v, dout of the caller's tensors) and, per
+// (query tile, key block), go into the layouts the tile instructions read: an A operand
+// row-major, rows padded to 16 and the inner dimension to 32 with zeros (q and dout rows are read
+// in place when no padding is needed); a B operand in pairs along the inner dimension ("VNNI"),
+// B[k][n] at b[(k / 2) * ld + 2 * n + k % 2], the inner dimension padded to 32 and the columns to
+// 16 with zeros. Products land in an fp32 strip of 32 rows and are used from there while in L1.
 #include <immintrin.h>
 
 #include <Eigen/Core>
