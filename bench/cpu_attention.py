@@ -19,9 +19,7 @@ import argparse
 import json
 import os
 import pathlib
-import platform
 import statistics
-import subprocess
 import sys
 import time
 
@@ -30,7 +28,9 @@ import torch.nn.functional as F
 
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "python"))
+sys.path.insert(0, str(HERE))
 import dualkv  # noqa: E402
+import provenance as bench_provenance  # noqa: E402
 
 # (name, segment lengths, parents): GRPO groups, a plain varlen batch, and a multi-turn tree.
 CASES = [
@@ -136,17 +136,10 @@ def run_case(name, lens, parents, dtype, D, H, rounds, reps):
     return results
 
 
-def provenance():
-    """Commit, whether the tree was clean, the library's build info and the machine."""
-    root = HERE.parent
-
-    def git(*args):
-        try:
-            return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, check=True).stdout.strip()
-        except (OSError, subprocess.CalledProcessError):
-            return None
-
-    status = git("status", "--porcelain", "--untracked-files=no")
+def provenance(tree):
+    """bench/provenance.py's record (commit, clean tree, command, date, packages, the libdualkv file and
+    its build info, environment switches such as DUALKV_CPU_ISA) and the machine: CPU model, cores,
+    threads used."""
     model = None
     try:
         for line in open("/proc/cpuinfo"):
@@ -155,10 +148,8 @@ def provenance():
                 break
     except OSError:
         pass
-    return {"commit": git("rev-parse", "HEAD"), "tree_clean": status == "" if status is not None else None,
-            "build_info": dualkv.build_info(), "torch": torch.__version__, "cpu_model": model,
-            "cpu_count": os.cpu_count(), "threads": torch.get_num_threads(), "python": platform.python_version(),
-            "env": {k: os.environ[k] for k in ("DUALKV_CPU_ISA", "OMP_NUM_THREADS") if k in os.environ}}
+    return dict(bench_provenance.record(tree), device=f"{model}, {torch.get_num_threads()} threads", cpu_model=model,
+                cpu_count=os.cpu_count(), threads=torch.get_num_threads(), build_info=dualkv.build_info())
 
 
 def main(argv=None) -> int:
@@ -171,14 +162,14 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=3, help="samples per round (median); a sample is >= 50 ms of calls")
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     ap.add_argument("--out", default=None, help="JSON results file")
+    ap.add_argument("--allow-dirty", action="store_true", help="measure a tree that is not a commit (recorded)")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     cases, rounds = (QUICK_CASES, 1) if args.quick else (CASES, args.rounds)
-    info = provenance()
-    if info["tree_clean"] is False:
-        print("warning: the working tree has uncommitted changes; the results are not tied to the commit",
-              file=sys.stderr)
+    tree = bench_provenance.git_state()
+    bench_provenance.check_tree(tree, args.allow_dirty)
+    info = provenance(tree)
     print(f"dualkv CPU backend ({info['build_info']['cpu']['isa']}) vs torch {torch.__version__} SDPA, "
           f"{torch.get_num_threads()} threads, {info['cpu_model']}", flush=True)
     results = []
