@@ -14,9 +14,9 @@ Methods (each on its own layout; TFLOP/s credited with that layout's visible (q,
              strongest peer (baselines-h200.md section 11); block size per head dim (FLEX_BLOCK)
   pgrouper   PrefixGrouper-style decomposition: prompt causal self-attention, then responses as
              queries against [prompt K/V copied per response ; own K/V] (GQA expanded), SDPA
-  dualkv_ab  dualkv through a second build of libdualkv (--ab-library PATH) loaded into the same
-             process, with its own layouts and plans: A/B of two builds, e.g. a change against the
-             library it started from (with --rounds 3: same-round time ratios, see ab_summary)
+  dualkv_ab  dualkv through a second build of libdualkv (--ab-library PATH, C ABI 1 or 2) loaded into
+             the same process, with its own layouts and plans: A/B of two builds, e.g. a change against
+             the library it started from (with --rounds 3: same-round time ratios, see ab_summary)
 A method whose package is missing (FA4 off the GPU machine) is recorded as "skipped: ...". Flex's
 block-mask build and every method's first call (the compiles) are reported apart from the timing.
 
@@ -83,29 +83,13 @@ class Library:
 
     @classmethod
     def load(cls, path) -> "Library":
-        """Another build; it must speak this package's C ABI version (the params structs)."""
-        path = pathlib.Path(path).resolve()
-        if not path.is_file():
-            raise FileNotFoundError(f"--ab-library: {path} does not exist")
-        handle = ctypes.CDLL(str(path))
-        if not hasattr(handle, "dualkv_abi_version"):
-            raise ValueError(f"--ab-library: {path} is not a libdualkv")
-        handle.dualkv_abi_version.restype = ctypes.c_uint32
-        version = handle.dualkv_abi_version()
-        if version != dualkv._native.ABI_VERSION:
-            raise ValueError(f"--ab-library: {path} has C ABI version {version}, this dualkv package drives "
-                             f"version {dualkv._native.ABI_VERSION}")
-        dualkv._native._declare(handle)
-        return cls(handle)
+        """Another build, of any C ABI the package drives (an ABI-1 build such as 72977b9 runs every
+        call without external prefixes and mask modifiers: the package sends it the ABI-1 params)."""
+        return cls(dualkv._native.open_library(pathlib.Path(path).resolve()))
 
-    @contextlib.contextmanager
     def active(self):
-        saved = dualkv._native.lib()
-        dualkv._native._lib = self.handle
-        try:
-            yield self
-        finally:
-            dualkv._native._lib = saved
+        """The block in which every dualkv call goes to this build."""
+        return dualkv._native.using(self.handle)
 
     def describe(self) -> dict:
         """Where the build is and what it is: path, sha256 and date of the file, its build info."""

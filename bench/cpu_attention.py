@@ -27,10 +27,10 @@ import torch
 import torch.nn.functional as F
 
 HERE = pathlib.Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "python"))
 sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "python"))
 import dualkv  # noqa: E402
-import provenance as bench_provenance  # noqa: E402
+import provenance  # noqa: E402
 
 # (name, segment lengths, parents): GRPO groups, a plain varlen batch, and a multi-turn tree.
 CASES = [
@@ -136,19 +136,23 @@ def run_case(name, lens, parents, dtype, D, H, rounds, reps):
     return results
 
 
-def provenance(tree):
-    """bench/provenance.py's record (commit, clean tree, command, date, packages, the libdualkv file and
-    its build info, environment switches such as DUALKV_CPU_ISA) and the machine: CPU model, cores,
-    threads used."""
-    model = None
+def cpu_model():
+    """The CPU's model name (/proc/cpuinfo), or None."""
     try:
         for line in open("/proc/cpuinfo"):
             if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
+                return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return dict(bench_provenance.record(tree), device=f"{model}, {torch.get_num_threads()} threads", cpu_model=model,
+    return None
+
+
+def environment(tree):
+    """bench/provenance.py's record (commit, clean tree, command, date, packages, the libdualkv file and
+    its build info, environment switches such as DUALKV_CPU_ISA) and the machine: CPU model, cores,
+    threads used."""
+    model = cpu_model()
+    return dict(provenance.record(tree), device=f"{model}, {torch.get_num_threads()} threads", cpu_model=model,
                 cpu_count=os.cpu_count(), threads=torch.get_num_threads(), build_info=dualkv.build_info())
 
 
@@ -167,9 +171,9 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     cases, rounds = (QUICK_CASES, 1) if args.quick else (CASES, args.rounds)
-    tree = bench_provenance.git_state()
-    bench_provenance.check_tree(tree, args.allow_dirty)
-    info = provenance(tree)
+    tree = provenance.git_state()
+    provenance.check_tree(tree, args.allow_dirty)
+    info = environment(tree)
     print(f"dualkv CPU backend ({info['build_info']['cpu']['isa']}) vs torch {torch.__version__} SDPA, "
           f"{torch.get_num_threads()} threads, {info['cpu_model']}", flush=True)
     results = []

@@ -86,9 +86,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="JSON path (default bench/results/distributed_overhead-<time>.json)")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
-    tree = provenance.git_state()
-    if device.type == "cuda":  # a measurement; a CPU run is a smoke test (its result records dirty: true)
-        provenance.check_tree(tree, args.allow_dirty)
+    tree = provenance.measured_state(device, args.allow_dirty)
     size = args.model or ("tiny" if args.tiny else "1.7b")
     n, P, R = (4, 64, 32) if args.tiny else (int(x) for x in args.config.split(","))
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

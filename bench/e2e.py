@@ -79,6 +79,7 @@ import provenance  # noqa: E402
 from peers import (FLEX_BACKENDS, FLEX_BLOCK, Unavailable, compiled_flex, fa4, first_output,  # noqa: E402
                    kernel_options)
 from dualkv.demo import MODEL_SIZES, qwen3_config  # noqa: E402
+from dualkv.demo import _Timer as Timer  # noqa: E402  (CUDA events on a GPU, wall clock otherwise)
 from dualkv.grpo import group_advantages, policy_loss  # noqa: E402
 from dualkv.logprobs import response_logprobs  # noqa: E402
 from dualkv.packing import pack  # noqa: E402
@@ -364,23 +365,16 @@ def _time_limit(seconds: float, what: str):
 
 def timed_update(method, model, mbs, args, device, progress=False):
     model.zero_grad(set_to_none=True)
-    if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-    t0 = time.perf_counter()
     logps = []
-    for i, mb in enumerate(mbs):
-        t_mb = time.perf_counter()
-        logps.append(micro_step(method, model, mb, args, device, 1.0 / len(mbs)))
-        if progress:  # first (compiling) update of a compiled baseline: where does the time go
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            log(f"    {method} micro-batch {i + 1}/{len(mbs)} (T={mb.T}): {time.perf_counter() - t_mb:.1f} s")
-    if device.type == "cuda":
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3, logps
-    return time.perf_counter() - t0, logps
+    with Timer(device) as timer:  # CUDA events on a GPU
+        for i, mb in enumerate(mbs):
+            t_mb = time.perf_counter()
+            logps.append(micro_step(method, model, mb, args, device, 1.0 / len(mbs)))
+            if progress:  # first (compiling) update of a compiled baseline: where does the time go
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                log(f"    {method} micro-batch {i + 1}/{len(mbs)} (T={mb.T}): {time.perf_counter() - t_mb:.1f} s")
+    return timer.seconds, logps
 
 
 def _std_logprobs_nograd(model, mbs, args, device):
@@ -926,9 +920,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
 
     device = torch.device(args.device)
-    tree = provenance.git_state()
-    if device.type == "cuda":  # a measurement; a CPU run is a smoke test (its result records dirty: true)
-        provenance.check_tree(tree, args.allow_dirty)
+    tree = provenance.measured_state(device, args.allow_dirty)
     if args.flex_compile is None:
         args.flex_compile = device.type == "cuda"
     configure_flex(args.flex_compile, False if args.flex_static else None, args.flex_mask_compile)

@@ -63,6 +63,7 @@ import e2e  # noqa: E402  (micro-batches, the std and dualkv log-prob routine, F
 import provenance  # noqa: E402
 from e2e import MethodTimeout, MicroBatch, _sdpa_context, _time_limit, build_block_mask, log  # noqa: E402
 from peers import FLEX_BLOCK, Unavailable, accepted_block_size, fa4  # noqa: E402
+from dualkv.demo import _Timer as Timer  # noqa: E402  (CUDA events on a GPU, wall clock otherwise)
 from dualkv.grpo import policy_loss  # noqa: E402
 from dualkv.integrations import gated_deltanet as gdn  # noqa: E402
 from dualkv.logprobs import response_logprobs  # noqa: E402
@@ -161,22 +162,15 @@ def set_method(model, method, args, device):
 def timed_update(method, model, mbs, args, device):
     """(seconds, log-probs of every micro-batch) of one update."""
     model.zero_grad(set_to_none=True)
-    if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-    t0 = time.perf_counter()
     logps = []
-    for mb in mbs:
-        with _sdpa_context(device, args.sdpa_backend if method == "std" else "default"):
-            logp = logprobs_of(method, model, mb, args, device)
-            loss, _ = policy_loss(logp, mb.old, mb.adv, mb.mask, clip_low=0.2, clip_high=0.28)
-            (loss / len(mbs)).backward()
-        logps.append(logp.detach())
-    if device.type == "cuda":
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3, logps
-    return time.perf_counter() - t0, logps
+    with Timer(device) as timer:  # CUDA events on a GPU
+        for mb in mbs:
+            with _sdpa_context(device, args.sdpa_backend if method == "std" else "default"):
+                logp = logprobs_of(method, model, mb, args, device)
+                loss, _ = policy_loss(logp, mb.old, mb.adv, mb.mask, clip_low=0.2, clip_high=0.28)
+                (loss / len(mbs)).backward()
+            logps.append(logp.detach())
+    return timer.seconds, logps
 
 
 def measure(method, model, mbs, args, device):
@@ -391,9 +385,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
 
     device = torch.device(args.device)
-    tree = provenance.git_state()
-    if device.type == "cuda":  # a measurement; a CPU run is a smoke test (its result records dirty: true)
-        provenance.check_tree(tree, args.allow_dirty)
+    tree = provenance.measured_state(device, args.allow_dirty)
     shape = args.shape or ("tiny" if args.tiny else "9b")
     layers = args.layers or (4 if args.tiny else 16)
     configs = e2e.parse_configs(args.configs) if args.configs else (TINY_CONFIGS if args.tiny else DEFAULT_CONFIGS)

@@ -167,9 +167,7 @@ def main(argv=None) -> int:
     ap.add_argument("--allow-dirty", action="store_true", help="measure a tree that is not a commit (marked dirty)")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
-    tree = provenance.git_state()
-    if device.type == "cuda":  # a measurement; a CPU run is a smoke test (its result records dirty: true)
-        provenance.check_tree(tree, args.allow_dirty)
+    tree = provenance.measured_state(device, args.allow_dirty)
     import dualkv.integrations.transformers  # noqa: F401  (registers "dualkv")
     from transformers import AutoModelForCausalLM
     register_truth()

@@ -172,9 +172,7 @@ def main():
     ap.add_argument("--out", default=os.path.join("bench", "results", "pipeline.json"))
     ap.add_argument("--allow-dirty", action="store_true", help="measure a tree that is not a commit (marked dirty)")
     args = ap.parse_args()
-    tree = provenance.git_state()
-    if args.device.startswith("cuda"):  # a measurement; a CPU run is a check (its result records dirty: true)
-        provenance.check_tree(tree, args.allow_dirty)
+    tree = provenance.measured_state(args.device, args.allow_dirty)
     if args.small:
         args.groups, args.per_group, args.prompt_len, args.response_len = 4, 4, 64, 16
         args.vocab, args.hidden, args.chunk_sizes = 1000, 64, "auto,7"

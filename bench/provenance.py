@@ -7,12 +7,12 @@ the libdualkv build that ran (path, sha256 of the file, its build info) and ever
 switch that changes behaviour (``DUALKV_DISABLE_SM90``, ``DUALKV_DISABLE_SM90_BWD``,
 ``DUALKV_CUDA_SPLIT_ROWS``, torch / CUDA / triton settings, ...).
 
-``check_tree()`` refuses a measurement from a tree that is not a commit: tracked changes, or
-untracked source files that git does not ignore (a new module the run would import; outputs,
-wheels and other untracked data do not count). ``--allow-dirty`` (or ``DUALKV_ALLOW_DIRTY=1``)
-runs it anyway; the result then says ``dirty: true``, lists the changes, and its commit ends in
-``-dirty``. Without git (a copy of the
-tree), ``DUALKV_COMMIT`` may declare the commit; the record marks it unverified.
+``check_tree()`` (through ``measured_state()`` on a GPU) refuses a measurement from a tree that is
+not a commit: tracked changes, or untracked source files that git does not ignore (a new module the
+run would import; outputs, wheels and other untracked data do not count). ``--allow-dirty`` (or
+``DUALKV_ALLOW_DIRTY=1``) runs it anyway; the result then says ``dirty: true``, lists the changes,
+and its commit ends in ``-dirty``. Without git (a copy of the tree), ``DUALKV_COMMIT`` may declare
+the commit; the record marks it unverified.
 """
 from __future__ import annotations
 
@@ -81,6 +81,15 @@ def check_tree(state: dict, allow_dirty: bool) -> None:
                              "anyway with the result marked dirty.")
     print(f"WARNING: {problem}; running anyway (--allow-dirty), the result is marked dirty", file=sys.stderr,
           flush=True)
+
+
+def measured_state(device, allow_dirty: bool) -> dict:
+    """git_state(), checked by check_tree() when ``device`` is a GPU: a GPU run is a measurement, a
+    CPU run a smoke test (its result records dirty: true)."""
+    state = git_state()
+    if str(device).startswith("cuda"):
+        check_tree(state, allow_dirty)
+    return state
 
 
 def switches() -> dict:

@@ -122,9 +122,7 @@ def tokens(batch, n):
 def main(argv=None) -> int:
     args = parse_args(argv)
     device = torch.device(args.device)
-    tree = provenance.git_state()
-    if device.type == "cuda":  # a measurement; a CPU run is a smoke test (its result records dirty: true)
-        provenance.check_tree(tree, args.allow_dirty)
+    tree = provenance.measured_state(device, args.allow_dirty)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     cfg = qwen3_config(args.model)
     torch.manual_seed(args.seed)

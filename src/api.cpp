@@ -4,6 +4,7 @@
 // reading or writing out of bounds in a backend. Backends assume validated params.
 #include <cmath>
 #include <cstdarg>
+#include <cstddef>
 #include <cstdio>
 #include <cstring>
 #include <limits>
@@ -57,6 +58,76 @@ size_t dtype_size(int32_t dtype) {
 namespace {
 
 constexpr int32_t kCpuMaxHeadDim = 512;
+
+// Every layout the params structs have had, oldest first: the struct_size and abi_version a
+// caller built against that dualkv.h passes. New fields go in blocks appended at the end, with a
+// row here; the sizes are pinned so that no field of an earlier layout moves.
+struct ParamsLayout {
+  size_t size;
+  uint32_t abi_version;
+};
+template <typename Params>
+constexpr ParamsLayout kParamsLayouts[] = {
+    {offsetof(Params, prefixes), 1},  // ABI 1
+    {offsetof(Params, softcap), 1},   // ABI 1 with the external prefix segments block
+    {sizeof(Params), DUALKV_ABI_VERSION},  // ABI 2: the mask modifiers block appended
+};
+static_assert(kParamsLayouts<dualkv_fwd_params>[0].size == 264 && kParamsLayouts<dualkv_bwd_params>[0].size == 376 &&
+                  kParamsLayouts<dualkv_fwd_params>[1].size == 336 && kParamsLayouts<dualkv_bwd_params>[1].size == 496,
+              "the fields of an earlier ABI must keep their size and place: new fields go at the end");
+
+// Copies the caller's params into `out`, a struct of this ABI: only the bytes of the caller's
+// layout are read, and the fields after them are zero (a zero block means "not used": no
+// prefixes, no mask modifiers). A size of no layout, or a version that is not the size's, is
+// refused.
+template <typename Params>
+dualkv_status read_params(const Params* p, const char* what, Params* out) {
+  if (!p) return fail(DUALKV_ERROR_INVALID_ARGUMENT, "%s: params is NULL", what);
+  const size_t size = p->struct_size;
+  const ParamsLayout* known = nullptr;
+  std::string sizes;
+  for (const ParamsLayout& l : kParamsLayouts<Params>) {
+    if (l.size == size) known = &l;
+    sizes += (sizes.empty() ? "" : ", ") + std::to_string(l.size) + ": ABI " + std::to_string(l.abi_version);
+  }
+  if (!known)
+    return fail(DUALKV_ERROR_VERSION, "%s: params struct_size %zu is that of no ABI this library takes (%s); "
+                "rebuild the caller against this dualkv.h", what, size, sizes.c_str());
+  if (p->abi_version != known->abi_version)
+    return fail(DUALKV_ERROR_VERSION, "%s: abi_version %u, but struct_size %zu is that of ABI %u", what,
+                p->abi_version, size, known->abi_version);
+  std::memset(static_cast<void*>(out), 0, sizeof(Params));
+  std::memcpy(static_cast<void*>(out), p, size);
+  out->struct_size = sizeof(Params);
+  out->abi_version = DUALKV_ABI_VERSION;
+  return DUALKV_OK;
+}
+
+// The mask modifiers a call uses, for messages ("window 128, softcap 50"); empty if none.
+template <typename Params>
+std::string modifiers_in_use(const Params& p) {
+  std::string s;
+  auto add = [&](const std::string& m) { s += (s.empty() ? "" : ", ") + m; };
+  if (p.window != 0) add("sliding window " + std::to_string(p.window));
+  if (p.softcap != 0) {
+    char value[32];
+    std::snprintf(value, sizeof(value), "%g", p.softcap);
+    add(std::string("softcap ") + value);
+  }
+  if (p.sinks) add("attention sinks");
+  return s;
+}
+
+// The modifiers' values (both directions); which backend runs them is check_common's business.
+template <typename Params>
+dualkv_status check_modifiers(const Params& p, const char* what) {
+  if (p.window < 0)
+    return fail(DUALKV_ERROR_INVALID_ARGUMENT, "%s: window must be >= 1 (or 0 for none), got %d", what, p.window);
+  if (!(p.softcap >= 0.0) || !std::isfinite(p.softcap))
+    return fail(DUALKV_ERROR_INVALID_ARGUMENT, "%s: softcap must be finite and > 0 (or 0 for none), got %g", what,
+                p.softcap);
+  return DUALKV_OK;
+}
 
 size_t lse_element_size(int32_t dtype) { return dtype == DUALKV_DTYPE_FLOAT64 ? 8 : 4; }
 
@@ -144,16 +215,10 @@ dualkv_status check_operands(const Operand* operands, size_t n) {
   return check_no_aliasing(operands, n);
 }
 
-// Checks shared by forward and backward: struct version, device, dtype, sizes, layout.
+// Checks shared by forward and backward (on params read_params returned): device, dtype, sizes,
+// mask modifiers, layout.
 template <typename Params>
 dualkv_status check_common(const Params* p, const char* what) {
-  if (!p) return fail(DUALKV_ERROR_INVALID_ARGUMENT, "%s: params is NULL", what);
-  if (p->struct_size != sizeof(Params))
-    return fail(DUALKV_ERROR_VERSION, "%s: params struct_size %u does not match the library's %zu (rebuild the caller against this dualkv.h)",
-                what, p->struct_size, sizeof(Params));
-  if (p->abi_version != DUALKV_ABI_VERSION)
-    return fail(DUALKV_ERROR_VERSION, "%s: abi_version %u, library is %d", what, p->abi_version,
-                DUALKV_ABI_VERSION);
   if (p->dtype < DUALKV_DTYPE_FLOAT32 || p->dtype > DUALKV_DTYPE_FLOAT64)
     return fail(DUALKV_ERROR_INVALID_ARGUMENT, "%s: unknown dtype code %d", what, p->dtype);
   if (p->num_heads < 1 || p->num_kv_heads < 1)
@@ -171,6 +236,7 @@ dualkv_status check_common(const Params* p, const char* what) {
     return fail(DUALKV_ERROR_INVALID_ARGUMENT, "%s: num_threads must be >= 0", what);
   if (p->flags & ~(DUALKV_FLAG_DETERMINISTIC | DUALKV_FLAG_ACCUMULATE_FP64))
     return fail(DUALKV_ERROR_INVALID_ARGUMENT, "%s: unknown flag bits 0x%x", what, p->flags);
+  if (dualkv_status st = check_modifiers(*p, what); st != DUALKV_OK) return st;
   const dualkv_layout& l = p->layout;
   if (l.num_segments < 1 || l.num_tokens < 1)
     return fail(DUALKV_ERROR_INVALID_LAYOUT, "%s: layout has %d segments and %d tokens; both must be >= 1",
@@ -180,9 +246,18 @@ dualkv_status check_common(const Params* p, const char* what) {
     if (p->head_dim > kCpuMaxHeadDim)
       return fail(DUALKV_ERROR_UNSUPPORTED, "%s: head_dim %d is not supported by the CPU backend (max %d)",
                   what, p->head_dim, kCpuMaxHeadDim);
-    return check_host_layout(l);
+    return check_host_layout(l, &p->prefixes);
   }
   if (p->device == DUALKV_DEVICE_CUDA) {
+    // The kernels implement neither the mask modifiers nor external prefixes yet: refused in every
+    // build, before anything else of the device (the plans:
+    // docs/notes/2026-12-01-mask-modifiers-kernel-plan.md, 2026-12-01-external-prefix-kernels.md).
+    if (const std::string used = modifiers_in_use(*p); !used.empty())
+      return fail(DUALKV_ERROR_UNSUPPORTED, "%s: mask modifiers not implemented by the CUDA backend yet: %s (the "
+                  "CPU backend has them)", what, used.c_str());
+    if (p->prefixes.num_prefixes != 0)
+      return fail(DUALKV_ERROR_UNSUPPORTED, "%s: external prefix segments are not supported by the CUDA backend yet "
+                  "(the CPU backend runs them)", what);
 #if defined(DUALKV_WITH_CUDA)
     if (p->dtype != DUALKV_DTYPE_FLOAT16 && p->dtype != DUALKV_DTYPE_BFLOAT16)
       return fail(DUALKV_ERROR_UNSUPPORTED, "%s: dtype %s is not supported on CUDA (float16, bfloat16)",
@@ -199,18 +274,30 @@ dualkv_status check_common(const Params* p, const char* what) {
   return fail(DUALKV_ERROR_INVALID_ARGUMENT, "%s: unknown device code %d", what, p->device);
 }
 
+// The prefix key/value buffers of a call with external prefix segments ([rows, Hk, D], inputs).
+template <typename Params>
+void add_prefix_inputs(const Params* p, std::vector<Operand>* ops) {
+  if (p->prefixes.num_prefixes == 0) return;
+  const int64_t rows = p->prefixes.num_prefix_rows, Hk = p->num_kv_heads, D = p->head_dim;
+  const size_t es = dtype_size(p->dtype);
+  ops->push_back({"prefix_k", p->prefix_k, rows, Hk, D, p->prefix_k_token_stride, p->prefix_k_head_stride, es, false});
+  ops->push_back({"prefix_v", p->prefix_v, rows, Hk, D, p->prefix_v_token_stride, p->prefix_v_head_stride, es, false});
+}
+
 dualkv_status check_fwd(const dualkv_fwd_params* p) {
   if (dualkv_status st = check_common(p, "fwd"); st != DUALKV_OK) return st;
   const int64_t T = p->layout.num_tokens, H = p->num_heads, Hk = p->num_kv_heads, D = p->head_dim;
   const size_t es = dtype_size(p->dtype), ls = lse_element_size(p->dtype);
-  Operand ops[] = {
+  std::vector<Operand> ops = {
       {"q", p->q, T, H, D, p->q_token_stride, p->q_head_stride, es, false},
       {"k", p->k, T, Hk, D, p->k_token_stride, p->k_head_stride, es, false},
       {"v", p->v, T, Hk, D, p->v_token_stride, p->v_head_stride, es, false},
       {"out", p->out, T, H, D, p->out_token_stride, p->out_head_stride, es, true},
-      {"lse", p->lse, H, 1, T, p->lse_head_stride, 0, ls, true},  // optional
   };
-  return check_operands(ops, p->lse ? 5 : 4);
+  if (p->lse) ops.push_back({"lse", p->lse, H, 1, T, p->lse_head_stride, 0, ls, true});
+  if (p->sinks) ops.push_back({"sinks", p->sinks, 1, 1, H, 0, 0, ls, false});
+  add_prefix_inputs(p, &ops);
+  return check_operands(ops.data(), ops.size());
 }
 
 dualkv_status check_bwd(const dualkv_bwd_params* p) {
@@ -218,7 +305,10 @@ dualkv_status check_bwd(const dualkv_bwd_params* p) {
   const int64_t T = p->layout.num_tokens, H = p->num_heads, Hk = p->num_kv_heads, D = p->head_dim;
   const size_t es = dtype_size(p->dtype), ls = lse_element_size(p->dtype);
   if (!p->lse) return fail(DUALKV_ERROR_INVALID_ARGUMENT, "lse: pointer is NULL (the backward needs the forward's lse)");
-  Operand ops[] = {
+  if (!p->sinks != !p->dsinks)
+    return fail(DUALKV_ERROR_INVALID_ARGUMENT, p->sinks ? "dsinks: pointer is NULL (a backward with sinks returns "
+                "their gradient)" : "dsinks: given without sinks");
+  std::vector<Operand> ops = {
       {"q", p->q, T, H, D, p->q_token_stride, p->q_head_stride, es, false},
       {"k", p->k, T, Hk, D, p->k_token_stride, p->k_head_stride, es, false},
       {"v", p->v, T, Hk, D, p->v_token_stride, p->v_head_stride, es, false},
@@ -228,9 +318,19 @@ dualkv_status check_bwd(const dualkv_bwd_params* p) {
       {"dq", p->dq, T, H, D, p->dq_token_stride, p->dq_head_stride, es, true},
       {"dk", p->dk, T, Hk, D, p->dk_token_stride, p->dk_head_stride, es, true},
       {"dv", p->dv, T, Hk, D, p->dv_token_stride, p->dv_head_stride, es, true},
-      {"dlse", p->dlse, H, 1, T, p->dlse_head_stride, 0, ls, false},  // optional, last
   };
-  return check_operands(ops, p->dlse ? 10 : 9);
+  if (p->dlse) ops.push_back({"dlse", p->dlse, H, 1, T, p->dlse_head_stride, 0, ls, false});
+  if (p->sinks) {
+    ops.push_back({"sinks", p->sinks, 1, 1, H, 0, 0, ls, false});
+    ops.push_back({"dsinks", p->dsinks, 1, 1, H, 0, 0, ls, true});
+  }
+  add_prefix_inputs(p, &ops);
+  if (p->prefixes.num_prefixes != 0) {
+    const int64_t rows = p->prefixes.num_prefix_rows;
+    ops.push_back({"prefix_dk", p->prefix_dk, rows, Hk, D, p->prefix_dk_token_stride, p->prefix_dk_head_stride, es, true});
+    ops.push_back({"prefix_dv", p->prefix_dv, rows, Hk, D, p->prefix_dv_token_stride, p->prefix_dv_head_stride, es, true});
+  }
+  return check_operands(ops.data(), ops.size());
 }
 
 dualkv_status check_workspace(void* workspace, size_t have, size_t need, const char* what) {
@@ -288,9 +388,10 @@ DUALKV_API const char* dualkv_build_info(void) {
                     std::to_string(DUALKV_ABI_VERSION) +
                     ", \"cpu\": {\"dtypes\": [\"float32\", \"float16\", \"bfloat16\", \"float64\"], "
                     "\"max_head_dim\": " + std::to_string(kCpuMaxHeadDim) +
-                    ", \"isa\": \"" + cpu_isa() + "\"}";
+                    ", \"isa\": \"" + cpu_isa() + "\", \"modifiers\": [\"window\", \"softcap\", \"sinks\"]}";
 #if defined(DUALKV_WITH_CUDA)
-    s += ", \"backends\": [\"cpu\", \"cuda\"], \"cuda\": {" + cuda_build_info_json() + "}";
+    // "modifiers": the mask modifiers a backend implements (check_common refuses the others).
+    s += ", \"backends\": [\"cpu\", \"cuda\"], \"cuda\": {" + cuda_build_info_json() + ", \"modifiers\": []}";
 #else
     s += ", \"backends\": [\"cpu\"]";
 #endif
@@ -384,43 +485,47 @@ DUALKV_API dualkv_status dualkv_plan_inspect(const dualkv_layout* host_layout, i
 DUALKV_API dualkv_status dualkv_fwd_workspace_size(const dualkv_fwd_params* params, size_t* bytes) {
   clear_error();
   if (!bytes) return fail(DUALKV_ERROR_INVALID_ARGUMENT, "fwd_workspace_size: bytes is NULL");
-  if (dualkv_status st = check_common(params, "fwd"); st != DUALKV_OK) return st;
-  *bytes = fwd_workspace(*params);
+  dualkv_fwd_params p;
+  if (dualkv_status st = read_params(params, "fwd", &p); st != DUALKV_OK) return st;
+  if (dualkv_status st = check_common(&p, "fwd"); st != DUALKV_OK) return st;
+  *bytes = fwd_workspace(p);
   return DUALKV_OK;
 }
 
 DUALKV_API dualkv_status dualkv_bwd_workspace_size(const dualkv_bwd_params* params, size_t* bytes) {
   clear_error();
   if (!bytes) return fail(DUALKV_ERROR_INVALID_ARGUMENT, "bwd_workspace_size: bytes is NULL");
-  if (dualkv_status st = check_common(params, "bwd"); st != DUALKV_OK) return st;
-  *bytes = bwd_workspace(*params);
+  dualkv_bwd_params p;
+  if (dualkv_status st = read_params(params, "bwd", &p); st != DUALKV_OK) return st;
+  if (dualkv_status st = check_common(&p, "bwd"); st != DUALKV_OK) return st;
+  *bytes = bwd_workspace(p);
   return DUALKV_OK;
 }
 
 DUALKV_API dualkv_status dualkv_fwd(const dualkv_fwd_params* params) {
   clear_error();
-  if (dualkv_status st = check_fwd(params); st != DUALKV_OK) return st;
-  if (dualkv_status st = check_workspace(params->workspace, params->workspace_bytes,
-                                         fwd_workspace(*params), "fwd");
-      st != DUALKV_OK)
+  dualkv_fwd_params p;
+  if (dualkv_status st = read_params(params, "fwd", &p); st != DUALKV_OK) return st;
+  if (dualkv_status st = check_fwd(&p); st != DUALKV_OK) return st;
+  if (dualkv_status st = check_workspace(p.workspace, p.workspace_bytes, fwd_workspace(p), "fwd"); st != DUALKV_OK)
     return st;
 #if defined(DUALKV_WITH_CUDA)
-  if (params->device == DUALKV_DEVICE_CUDA) return cuda_fwd(*params);
+  if (p.device == DUALKV_DEVICE_CUDA) return cuda_fwd(p);
 #endif
-  return cpu_fwd(*params);
+  return cpu_fwd(p);
 }
 
 DUALKV_API dualkv_status dualkv_bwd(const dualkv_bwd_params* params) {
   clear_error();
-  if (dualkv_status st = check_bwd(params); st != DUALKV_OK) return st;
-  if (dualkv_status st = check_workspace(params->workspace, params->workspace_bytes,
-                                         bwd_workspace(*params), "bwd");
-      st != DUALKV_OK)
+  dualkv_bwd_params p;
+  if (dualkv_status st = read_params(params, "bwd", &p); st != DUALKV_OK) return st;
+  if (dualkv_status st = check_bwd(&p); st != DUALKV_OK) return st;
+  if (dualkv_status st = check_workspace(p.workspace, p.workspace_bytes, bwd_workspace(p), "bwd"); st != DUALKV_OK)
     return st;
 #if defined(DUALKV_WITH_CUDA)
-  if (params->device == DUALKV_DEVICE_CUDA) return cuda_bwd(*params);
+  if (p.device == DUALKV_DEVICE_CUDA) return cuda_bwd(p);
 #endif
-  return cpu_bwd(*params);
+  return cpu_bwd(p);
 }
 
 }  // extern "C"

@@ -25,10 +25,10 @@ void clear_error();
 const char* dtype_name(int32_t dtype);
 size_t dtype_size(int32_t dtype);
 
-// Validates a host layout completely: re-derives it from seg_offsets/seg_parent and compares the
-// derived arrays, so that no entry point taking a layout can index out of bounds through
-// inconsistent metadata (src/layout.cpp). O(S).
-dualkv_status check_host_layout(const dualkv_layout& layout);
+// Validates a host layout completely: re-derives it from seg_offsets/seg_parent (and the external
+// prefixes, NULL for none) and compares the derived arrays, so that no entry point taking a layout
+// can index out of bounds through inconsistent metadata (src/layout.cpp). O(S).
+dualkv_status check_host_layout(const dualkv_layout& layout, const dualkv_prefixes* prefixes = nullptr);
 
 // Rounds a workspace offset up to the 256-byte alignment the ABI promises.
 constexpr size_t align_workspace(size_t bytes) { return (bytes + 255) & ~size_t(255); }

@@ -12,9 +12,13 @@
  *   q [T, H, D], k and v [T, Hk, D]; H % Hk == 0; query head h reads kv head h / (H / Hk).
  *   out [T, H, D] in the input dtype; lse [H, T] natural-log, float32 (float64 for float64 input).
  *   Query token i in segment s sees key token j iff j lies in a proper ancestor of s, or j lies in
- *   s at an offset <= i's offset (include/dualkv/layout.h defines it once for host and device).
+ *   s at an offset <= i's offset (include/dualkv/layout.h defines it once for host and device),
+ *   and, with a sliding window W, pos(i) - pos(j) < W (include/dualkv/mask.h).
  *   Every pointer is aligned to its element size; an output shares no byte with another operand
  *   (inputs may overlap each other); both are checked (DUALKV_ERROR_INVALID_ARGUMENT).
+ *   External prefix segments (dualkv_prefixes) add keys and values from a second buffer: rows of
+ *   a prompt an earlier call computed, seen by the segment's descendants like a parent's tokens
+ *   (in full but for the window; prefix row r is at position r - prefix start).
  */
 #ifndef DUALKV_DUALKV_H_
 #define DUALKV_DUALKV_H_
@@ -22,7 +26,11 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define DUALKV_ABI_VERSION 1
+/* 2: the "mask modifiers" block appended to dualkv_fwd_params / dualkv_bwd_params (after the
+ * "external prefix segments" block, which ABI 1 gained). The library also takes the params of
+ * ABI 1, abi_version 1 with either of its struct sizes: offsetof(..., prefixes) (no prefixes, no
+ * modifiers) or offsetof(..., softcap) (no modifiers). */
+#define DUALKV_ABI_VERSION 2
 #define DUALKV_VERSION_STRING "0.1.0"
 
 #if defined(_WIN32)
@@ -79,6 +87,22 @@ typedef struct dualkv_layout {
   const int32_t* seg_depth;            /* [S] 0 for a root (derived) */
 } dualkv_layout;
 
+/*
+ * External prefix segments (docs/layout.md "External prefixes"). An external segment is a root of
+ * the forest that holds no tokens of q, k, v (seg_offsets[s] == seg_offsets[s+1]) but the rows of
+ * one prefix of the separate buffers prefix_k / prefix_v: keys and values of a prompt computed in
+ * an earlier call. It has no queries; every token of its subtree sees all of its rows, and the
+ * positions of its children continue after its length. Prefix e is the rows
+ * [prefix_offsets[e], prefix_offsets[e+1]) of the prefix buffers; a prefix is held by at most one
+ * segment of a layout, and an external segment has at least one child.
+ */
+typedef struct dualkv_prefixes {
+  int32_t num_prefixes;          /* E >= 0; 0 = no external segment (the pointers are ignored) */
+  int32_t num_prefix_rows;       /* rows of the prefix buffers, == prefix_offsets[E] */
+  const int32_t* seg_prefix;     /* [S] the prefix external segment s holds, or -1 (same memory as the layout) */
+  const int32_t* prefix_offsets; /* [E+1] cumulative rows: 0, strictly increasing */
+} dualkv_prefixes;
+
 typedef struct dualkv_fwd_params {
   uint32_t struct_size; /* sizeof(dualkv_fwd_params) */
   uint32_t abi_version; /* DUALKV_ABI_VERSION */
@@ -115,6 +139,22 @@ typedef struct dualkv_fwd_params {
   void* workspace; /* dualkv_fwd_workspace_size() bytes, 256-byte aligned */
   size_t workspace_bytes;
   void* stream; /* cudaStream_t; NULL = legacy default stream */
+
+  /* ---- external prefix segments (appended in ABI 1: a caller built before this block passes
+   * struct_size = offsetof(dualkv_fwd_params, prefixes) and has none) ---- */
+  dualkv_prefixes prefixes;
+  const void* prefix_k; /* [num_prefix_rows, Hk, D] in dtype, last dim contiguous */
+  const void* prefix_v;
+  int64_t prefix_k_token_stride, prefix_k_head_stride;
+  int64_t prefix_v_token_stride, prefix_v_head_stride;
+
+  /* ---- mask modifiers (ABI 2; each off when zero / NULL: a caller of ABI 1 has none) ---- */
+  double softcap;    /* > 0: scores s = scale * q.k become softcap * tanh(s / softcap) before masking */
+  const void* sinks; /* [num_heads] per-head sink logits, lse dtype, contiguous: each joins every row's
+                        softmax denominator (and its lse) as one more key of value zero */
+  int32_t window;    /* > 0: key j is visible from query i only if pos(i) - pos(j) < window, positions
+                        along the root-to-leaf path (the layout's position ids; a prefix row's position
+                        is its row within its prefix) */
 } dualkv_fwd_params;
 
 typedef struct dualkv_bwd_params {
@@ -160,6 +200,29 @@ typedef struct dualkv_bwd_params {
   void* workspace;
   size_t workspace_bytes;
   void* stream;
+
+  /* ---- external prefix segments (appended in ABI 1: a caller built before this block passes
+   * struct_size = offsetof(dualkv_bwd_params, prefixes) and has none) ---- */
+  dualkv_prefixes prefixes;
+  const void* prefix_k; /* [num_prefix_rows, Hk, D], as in the forward */
+  const void* prefix_v;
+  int64_t prefix_k_token_stride, prefix_k_head_stride;
+  int64_t prefix_v_token_stride, prefix_v_head_stride;
+  /* [num_prefix_rows, Hk, D] in dtype. ACCUMULATED: the gradient w.r.t. the rows of every prefix
+   * the layout references is added to what they hold (+=), other rows are left as they are, so
+   * that the micro-batches that share a prompt sum its gradient in the caller's buffer. Each row
+   * is updated by one work item in a fixed order: deterministic. */
+  void* prefix_dk;
+  void* prefix_dv;
+  int64_t prefix_dk_token_stride, prefix_dk_head_stride;
+  int64_t prefix_dv_token_stride, prefix_dv_head_stride;
+
+  /* ---- mask modifiers (ABI 2): the forward's, and the sinks' gradient ---- */
+  double softcap;
+  const void* sinks;
+  void* dsinks;   /* [num_heads] lse dtype, contiguous: d loss / d sinks (written, not accumulated);
+                     required with sinks, NULL without */
+  int32_t window;
 } dualkv_bwd_params;
 
 /* ---- library information ---- */
@@ -182,6 +245,17 @@ DUALKV_API dualkv_status dualkv_layout_derive(const int32_t* seg_offsets, const 
 DUALKV_API dualkv_status dualkv_layout_position_ids(const dualkv_layout* host_layout, int32_t* out);
 /* Number of visible (query, key) pairs, for FLOP counting (4 * H * D * pairs in the forward). */
 DUALKV_API dualkv_status dualkv_layout_visible_pairs(const dualkv_layout* host_layout, int64_t* pairs);
+/* The same three for a forest with external prefix segments (prefixes may be NULL: none); the
+ * functions above refuse such a forest (its external segments look empty without prefixes). */
+DUALKV_API dualkv_status dualkv_layout_derive_prefixed(const int32_t* seg_offsets, const int32_t* seg_parent,
+                                                       int32_t num_segments, int64_t num_tokens,
+                                                       const dualkv_prefixes* prefixes, int32_t* seg_subtree_end,
+                                                       int32_t* seg_position_offset, int32_t* seg_depth,
+                                                       int32_t* max_depth);
+DUALKV_API dualkv_status dualkv_layout_position_ids_prefixed(const dualkv_layout* host_layout,
+                                                             const dualkv_prefixes* prefixes, int32_t* out);
+DUALKV_API dualkv_status dualkv_layout_visible_pairs_prefixed(const dualkv_layout* host_layout,
+                                                              const dualkv_prefixes* prefixes, int64_t* pairs);
 
 /* ---- work plans (kernel work lists, built once per layout on the host) ---- */
 /* Size in int32 of the plan for (device, dtype, head_dim) on this layout; 0 for the CPU backend.

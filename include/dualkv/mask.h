@@ -18,12 +18,23 @@
 //      causal diagonal of the query's own segment). Uniform per tile, so kernels branch on it.
 //   4. Apply: the per-element test inside a tile that is not kFull (fwd_hidden, bwd_hidden).
 //
-// A new mask modifier (sliding window on positions, a logit softcap, attention sinks, external
-// prefix segments) goes here: the rule, the walks that skip tiles it hides, the tile kind that
-// flags tiles it cuts, and the apply step; docs/adding_kernels.md lists the call sites.
+// The mask modifiers live here too (the C ABI's "mask modifiers" block):
+//   - a sliding window on positions (PositionWindow): key k is also hidden from query q when
+//     pos(q) - pos(k) >= W, positions along the root-to-leaf path, so a response token near its
+//     start still sees the tail of its prompt, exactly as in the unpacked row;
+//   - a logit softcap (softcap_score): scores become c * tanh(s / c) before masking;
+//   - attention sinks (fold_sink, sink_probability): a per-head logit in each row's softmax
+//     denominator.
+// The window has its own parts 1-4 below (the *_in_window / window-taking overloads); the CPU
+// backend uses them. They number a segment's keys as ForestView::keys_begin does, so an external
+// prefix segment's rows (layout.h) are cut at their positions like any ancestor's tokens. The GPU
+// kernels use the forest-rule parts and refuse the modifiers (api.cpp);
+// docs/notes/2026-12-01-mask-modifiers-kernel-plan.md is the plan for them.
+// docs/adding_kernels.md lists the call sites of a new modifier.
 #ifndef DUALKV_MASK_H_
 #define DUALKV_MASK_H_
 
+#include <math.h>
 #include <stdint.h>
 
 #include "dualkv/layout.h"
@@ -34,12 +45,47 @@ enum class TileKind : int32_t {
   kFull = 0,      // every (query, key) pair of the tile pair is visible
   kRagged = 1,    // the KV tile runs past the end of its range: columns past it are hidden
   kDiagonal = 2,  // the tile pair crosses the causal diagonal of the query's segment
+  kWindow = 3,    // the sliding window hides some pairs (and the diagonal none)
+  kEmpty = 4,     // no pair is visible: the tile pair is skipped
 };
 
 // A half-open token range [begin, end).
 struct TokenRange {
   int32_t begin;
   int32_t end;
+};
+
+// A sliding window on positions (transformers' `kv_idx > q_idx - sliding_window`): a key at
+// distance pos(q) - pos(k) >= size from the query is hidden; size 0 is no window.
+struct PositionWindow {
+  int32_t size;
+
+  DUALKV_HOST_DEVICE bool hides(int64_t distance) const { return size > 0 && distance >= size; }
+  // The first position a query at position q_pos sees (below every position without a window).
+  DUALKV_HOST_DEVICE int64_t first_position(int32_t q_pos) const {
+    return size > 0 ? int64_t(q_pos) - size + 1 : int64_t(INT32_MIN);
+  }
+  // Keys r, the first at position begin_pos, less the prefix a query at q_pos does not see.
+  DUALKV_HOST_DEVICE TokenRange cut(TokenRange r, int32_t begin_pos, int32_t q_pos) const {
+    const int64_t first = int64_t(r.begin) + (first_position(q_pos) - begin_pos);
+    if (first > r.begin) r.begin = first < r.end ? int32_t(first) : r.end;
+    return r;
+  }
+};
+
+// A key block against the query rows that see it, for the block-shaped parts of the policy
+// (block_kind, row_keys): keys `keys` of one segment, the first at position k_pos; query rows from
+// token q_first to q_last at positions q_pos_min..q_pos_max (rows may belong to several sibling
+// segments, which share their ancestors' positions); `own`: the keys lie in the rows' own segment
+// (then every row is in that segment), so the causal rule k <= q applies.
+struct BlockPair {
+  TokenRange keys;
+  int32_t k_pos;
+  int32_t q_first, q_last;
+  int32_t q_pos_min, q_pos_max;
+  bool own;
+
+  DUALKV_HOST_DEVICE int32_t key_position(int32_t k) const { return k_pos + (k - keys.begin); }
 };
 
 // The KV ranges a forward query tile of segment `seg` (last query q1 - 1) sees, walked in tiles
@@ -122,7 +168,90 @@ struct SegmentMask {
   // Element (key k, query q) is hidden. k and q may be given relative to any common origin (kernels
   // keep one running offset per thread instead of two token indices).
   DUALKV_HOST_DEVICE static bool bwd_hidden(int32_t k, int32_t q) { return k > q; }
+
+  // ---- with a sliding window on positions ----
+
+  // Keys are a segment's keys as ForestView::keys_begin/keys_end number them: its tokens, or an
+  // external segment's prefix rows (seen like an ancestor's tokens, at their positions).
+
+  // 1. The rule.
+  DUALKV_HOST_DEVICE static bool visible(const ForestView& f, PositionWindow w, int32_t qs, int32_t q, int32_t ks,
+                                         int32_t k) {
+    return f.visible(qs, q, ks, k) && !w.hides(f.position(qs, q) - f.key_position(ks, k));
+  }
+
+  // 2. Trip counts. The keys of `keys` (keys of segment ks) that a query at position q_pos_min or
+  // later may see: the window cuts a prefix off the range (empty when it cuts it all).
+  DUALKV_HOST_DEVICE static TokenRange keys_in_window(const ForestView& f, PositionWindow w, int32_t ks,
+                                                      TokenRange keys, int32_t q_pos_min) {
+    return w.cut(keys, f.key_position(ks, keys.begin), q_pos_min);
+  }
+  // The queries that see keys [k0, k_last] of segment s: its own causal queries, then every
+  // descendant's tokens (as bwd_query_range), unless the window closes within the segment itself:
+  // then only the own queries up to k_last + W - 1 (descendants lie further along every path).
+  // An external segment has no queries: its descendants' tokens, or none when the window closes
+  // before the first of them (at the position after the prefix's last row).
+  DUALKV_HOST_DEVICE static TokenRange bwd_query_range(const ForestView& f, PositionWindow w, int32_t s, int32_t k0,
+                                                       int32_t k_last) {
+    if (f.is_external(s)) {
+      const int32_t first = f.segment_end(s);
+      const bool closed = w.hides(int64_t(f.key_position(s, f.keys_end(s))) - f.key_position(s, k_last));
+      return TokenRange{first, closed ? first : f.subtree_token_end(s)};
+    }
+    const int64_t last_seeing = int64_t(k_last) + (w.size > 0 ? w.size - 1 : int64_t(f.num_tokens));
+    return TokenRange{k0, last_seeing < f.segment_end(s) - 1 ? int32_t(last_seeing + 1) : f.subtree_token_end(s)};
+  }
+
+  // 3. Tile kinds of a key block against query rows (BlockPair), for any tile shape.
+  DUALKV_HOST_DEVICE static TileKind block_kind(const BlockPair& b, PositionWindow w) {
+    const int32_t k_last = b.keys.end - 1;
+    if ((b.own && b.keys.begin > b.q_last) || w.hides(b.q_pos_min - b.key_position(k_last))) return TileKind::kEmpty;
+    if (b.own && k_last > b.q_first) return TileKind::kDiagonal;
+    return w.hides(b.q_pos_max - b.k_pos) ? TileKind::kWindow : TileKind::kFull;
+  }
+
+  // 4. Apply, one query row at a time: the keys of the block that query q (at position q_pos) sees,
+  // a sub-range of b.keys: the window hides a prefix, the causal rule (own segment) a suffix.
+  DUALKV_HOST_DEVICE static TokenRange row_keys(const BlockPair& b, PositionWindow w, int32_t q, int32_t q_pos) {
+    TokenRange r{b.keys.begin, b.own && q + 1 < b.keys.end ? q + 1 : b.keys.end};
+    if (r.end < r.begin) r.end = r.begin;  // a row before the block's first key sees none of it
+    return w.cut(r, b.k_pos, q_pos);
+  }
 };
+
+// ---- score modifiers: the same formula on every backend (F = float or double) ----
+
+// The logit softcap c * tanh(s / c) (Gemma-2), applied to the scaled scores before masking.
+template <typename F>
+DUALKV_HOST_DEVICE F softcap_score(F s, F c) {
+  return c * tanh(s / c);
+}
+// Its derivative at a capped score t = c * tanh(s / c): 1 - tanh^2 = 1 - (t / c)^2.
+template <typename F>
+DUALKV_HOST_DEVICE F softcap_grad(F capped, F c) {
+  const F t = capped / c;
+  return F(1) - t * t;
+}
+
+// A sink logit (gpt-oss) folded into a row's softmax: one more key, of value zero, in the online
+// softmax. The row's visible scores have maximum row_max and sum_j exp(s_j - row_max) = row_sum;
+// both are updated to include the sink (the row's lse is then row_max + log(row_sum)), and the
+// factor its accumulated output must be rescaled by is returned. A sink of -infinity changes
+// nothing (factor 1, sum unchanged).
+template <typename F>
+DUALKV_HOST_DEVICE F fold_sink(F& row_max, F& row_sum, F sink) {
+  const F m = row_max > sink ? row_max : sink;
+  const F rescale = exp(row_max - m);
+  row_sum = row_sum * rescale + exp(sink - m);
+  row_max = m;
+  return rescale;
+}
+// The sink's share of a row's softmax, exp(sink - lse): d lse / d sink, and with the row's
+// delta = rowsum(dO * O) - dlse, the row's term of d loss / d sink is -sink_probability * delta.
+template <typename F>
+DUALKV_HOST_DEVICE F sink_probability(F sink, F lse) {
+  return exp(sink - lse);
+}
 
 }  // namespace dualkv
 

@@ -8,15 +8,16 @@ from ._native import (ArgumentError, CudaError, DualKVError, LayoutError, Librar
 from .grpo import group_advantages, policy_loss
 from .layout import Layout
 from .logprobs import response_logprobs, response_logprobs_from_logits
-from .microbatch import MicroBatch, MicroBatchPlan, plan_micro_batches
+from .microbatch import MicroBatch, MicroBatchPlan, PromptPhase, plan_micro_batches
 from .ops import attention
 from .packing import PackedBatch, pack, pack_groups, pack_padded, unpack
+from . import schedule  # prompt once across micro-batches
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ArgumentError", "CudaError", "DualKVError", "Layout", "LayoutError", "LibraryNotFoundError",
-    "MicroBatch", "MicroBatchPlan", "PackedBatch", "UnsupportedError", "VersionError", "WorkspaceError",
+    "MicroBatch", "MicroBatchPlan", "PackedBatch", "PromptPhase", "UnsupportedError", "VersionError", "WorkspaceError",
     "attention", "build_info", "group_advantages", "policy_loss", "pack", "pack_groups", "pack_padded", "plan_micro_batches",
-    "response_logprobs", "response_logprobs_from_logits", "unpack", "__version__",
+    "response_logprobs", "response_logprobs_from_logits", "schedule", "unpack", "__version__",
 ]

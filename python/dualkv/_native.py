@@ -6,13 +6,14 @@ PyTorch parts of the package (packing, log-probs, micro-batching) import without
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
 import pathlib
 import threading
 
-ABI_VERSION = 1
+ABI_VERSION = 2
 
 # dualkv_status
 OK = 0
@@ -97,6 +98,27 @@ class Layout_(ctypes.Structure):
     ]
 
 
+class Prefixes_(ctypes.Structure):
+    """dualkv_prefixes: the external prefix segments of a layout."""
+    _fields_ = [
+        ("num_prefixes", ctypes.c_int32),
+        ("num_prefix_rows", ctypes.c_int32),
+        ("seg_prefix", ctypes.c_void_p),
+        ("prefix_offsets", ctypes.c_void_p),
+    ]
+
+
+# the params block appended for external prefix segments (dualkv.h)
+_PREFIX_INPUTS = [
+    ("prefixes", Prefixes_),
+    ("prefix_k", ctypes.c_void_p),
+    ("prefix_v", ctypes.c_void_p),
+    ("prefix_k_token_stride", ctypes.c_int64),
+    ("prefix_k_head_stride", ctypes.c_int64),
+    ("prefix_v_token_stride", ctypes.c_int64),
+    ("prefix_v_head_stride", ctypes.c_int64),
+]
+
 _COMMON_HEAD = [
     ("struct_size", ctypes.c_uint32),
     ("abi_version", ctypes.c_uint32),
@@ -135,6 +157,11 @@ class FwdParams(ctypes.Structure):
         ("workspace", ctypes.c_void_p),
         ("workspace_bytes", ctypes.c_size_t),
         ("stream", ctypes.c_void_p),
+    ] + _PREFIX_INPUTS + [
+        # mask modifiers (ABI 2)
+        ("softcap", ctypes.c_double),
+        ("sinks", ctypes.c_void_p),
+        ("window", ctypes.c_int32),
     ]
 
 
@@ -162,7 +189,39 @@ class BwdParams(ctypes.Structure):
         ("workspace", ctypes.c_void_p),
         ("workspace_bytes", ctypes.c_size_t),
         ("stream", ctypes.c_void_p),
+    ] + _PREFIX_INPUTS + [
+        ("prefix_dk", ctypes.c_void_p),
+        ("prefix_dv", ctypes.c_void_p),
+        ("prefix_dk_token_stride", ctypes.c_int64),
+        ("prefix_dk_head_stride", ctypes.c_int64),
+        ("prefix_dv_token_stride", ctypes.c_int64),
+        ("prefix_dv_head_stride", ctypes.c_int64),
+        # mask modifiers (ABI 2)
+        ("softcap", ctypes.c_double),
+        ("sinks", ctypes.c_void_p),
+        ("dsinks", ctypes.c_void_p),
+        ("window", ctypes.c_int32),
     ]
+
+
+# The params layout this package sends to a library of each C ABI it drives. Blocks are only ever
+# appended to the params structs (src/api.cpp, kParamsLayouts), so an older ABI's params are a prefix
+# of FwdParams / BwdParams: the package fills its own struct and sends the struct_size of the older
+# header, the offset of the first field that header lacks (None: the whole struct). ABI 1 is the
+# header of 72977b9, nothing after `stream`; its later variant with the external prefix block
+# (kParamsLayouts' second row) is not driven: prefixes need ABI 2 here.
+_PARAMS_END = {1: "prefixes", 2: None}
+# The C ABI a call's params need for each feature beyond the plain forest attention.
+FEATURE_ABI = {"external prefix segments": 2, "mask modifiers": 2}
+
+# Entry points of external prefix segments, each with the plain entry point that is the same call
+# without prefixes and the position of its `prefixes` argument (NULL = none). A library built before
+# them lacks them: _declare stands in for them (_prefix_free).
+_PREFIXED = {
+    "dualkv_layout_derive_prefixed": ("dualkv_layout_derive", 4),
+    "dualkv_layout_position_ids_prefixed": ("dualkv_layout_position_ids", 1),
+    "dualkv_layout_visible_pairs_prefixed": ("dualkv_layout_visible_pairs", 1),
+}
 
 
 def _candidates() -> list[pathlib.Path]:
@@ -176,12 +235,29 @@ def _candidates() -> list[pathlib.Path]:
 
 
 _lib = None
+_info = None  # the build info, parsed once when the library loads
 _lock = threading.Lock()
 
 
+def _prefix_free(handle: ctypes.CDLL, name: str, plain, at: int):
+    """Stands in for the entry point `name` in a library built before external prefix segments: a
+    call without prefixes (NULL) is the plain entry point's, one with them is refused."""
+    def call(*args):
+        if args[at] is not None:
+            raise UnsupportedError(f"{name}: external prefix segments need C ABI "
+                                   f"{FEATURE_ABI['external prefix segments']}; the library {handle._name} has C ABI "
+                                   f"{handle.abi_version}, built before them")
+        return plain(*args[:at], *args[at + 1:])
+    return call
+
+
 def _declare(lib: ctypes.CDLL) -> None:
+    """Declares the entry points' types and records the library's C ABI as ``lib.abi_version``
+    (what params_version reads). An entry point of external prefixes the library lacks becomes its
+    plain twin for calls without prefixes (_prefix_free)."""
     c = ctypes
     lib.dualkv_abi_version.restype = c.c_uint32
+    lib.abi_version = int(lib.dualkv_abi_version())
     lib.dualkv_build_info.restype = c.c_char_p
     lib.dualkv_last_error.restype = c.c_char_p
     lib.dualkv_status_string.restype = c.c_char_p
@@ -201,11 +277,46 @@ def _declare(lib: ctypes.CDLL) -> None:
                  "dualkv_plan_size", "dualkv_plan_build", "dualkv_fwd_workspace_size",
                  "dualkv_bwd_workspace_size", "dualkv_fwd", "dualkv_bwd"):
         getattr(lib, name).restype = c.c_int
+    if not hasattr(lib, "dualkv_layout_derive_prefixed"):
+        for name, (plain, at) in _PREFIXED.items():
+            setattr(lib, name, _prefix_free(lib, name, getattr(lib, plain), at))
+        return
+    lib.dualkv_layout_derive_prefixed.argtypes = [_i32p, _i32p, c.c_int32, c.c_int64, c.POINTER(Prefixes_), _i32p,
+                                                  _i32p, _i32p, _i32p]
+    lib.dualkv_layout_position_ids_prefixed.argtypes = [c.POINTER(Layout_), c.POINTER(Prefixes_), _i32p]
+    lib.dualkv_layout_visible_pairs_prefixed.argtypes = [c.POINTER(Layout_), c.POINTER(Prefixes_),
+                                                         c.POINTER(c.c_int64)]
+    for name in _PREFIXED:
+        getattr(lib, name).restype = c.c_int
+
+
+def open_library(path) -> ctypes.CDLL:
+    """The libdualkv at ``path``, loaded and declared, of any C ABI this package drives (1 and 2):
+    the A/B harnesses run an older build next to the package's own (calls that need a newer ABI
+    raise UnsupportedError). Raises LibraryNotFoundError naming the path and why it is unusable."""
+    path = pathlib.Path(path)
+    if not path.is_file():
+        raise LibraryNotFoundError(f"{path} (missing)")
+    try:
+        handle = ctypes.CDLL(str(path))
+    except OSError as e:
+        raise LibraryNotFoundError(f"{path} ({e})") from None
+    if not hasattr(handle, "dualkv_abi_version"):
+        raise LibraryNotFoundError(f"{path} (not a libdualkv)")
+    handle.dualkv_abi_version.restype = ctypes.c_uint32
+    version = handle.dualkv_abi_version()
+    if version not in _PARAMS_END:
+        raise LibraryNotFoundError(f"{path} (C ABI version {version}; this package drives versions "
+                                   f"{', '.join(map(str, _PARAMS_END))}: rebuild it)")
+    _declare(handle)
+    return handle
 
 
 def lib() -> ctypes.CDLL:
-    """The loaded library; raises LibraryNotFoundError with the paths tried."""
-    global _lib
+    """The loaded library; raises LibraryNotFoundError with the paths tried. The package's own
+    library must have its C ABI (ABI_VERSION): an older one is a stale build (open_library takes
+    those, for side-by-side comparisons)."""
+    global _lib, _info
     if _lib is not None:
         return _lib
     with _lock:
@@ -213,28 +324,49 @@ def lib() -> ctypes.CDLL:
             return _lib
         tried = []
         for path in _candidates():
-            if not path.is_file():
-                tried.append(f"{path} (missing)")
-                continue
             try:
-                handle = ctypes.CDLL(str(path))
-            except OSError as e:
-                tried.append(f"{path} ({e})")
+                handle = open_library(path)
+            except LibraryNotFoundError as e:
+                tried.append(str(e))
                 continue
-            if not hasattr(handle, "dualkv_abi_version"):
-                tried.append(f"{path} (not a libdualkv)")
+            if handle.abi_version != ABI_VERSION:
+                tried.append(f"{path} (C ABI version {handle.abi_version}, this package needs {ABI_VERSION}: "
+                             "rebuild it)")
                 continue
-            handle.dualkv_abi_version.restype = ctypes.c_uint32
-            version = handle.dualkv_abi_version()
-            if version != ABI_VERSION:
-                tried.append(f"{path} (ABI version {version}, this package needs {ABI_VERSION}: rebuild it)")
-                continue
-            _declare(handle)
+            _info = json.loads(handle.dualkv_build_info().decode())
             _lib = handle
             return _lib
         raise LibraryNotFoundError(
             "libdualkv.so not found or unusable; build it with `make build` or `pip install .`, "
             "or point DUALKV_LIBRARY at it. Tried: " + "; ".join(tried))
+
+
+@contextlib.contextmanager
+def using(handle: ctypes.CDLL):
+    """Inside the block every call of the package (layouts, plans, the attention ops, an autograd
+    backward run in it) goes to ``handle`` (from open_library) instead of the package's own library:
+    the switch of the A/B harnesses, which run two builds in one process. Not thread-safe."""
+    global _lib
+    saved = lib()
+    _lib = handle
+    try:
+        yield handle
+    finally:
+        _lib = saved
+
+
+def params_version(params: type, features, what: str) -> tuple[int, int]:
+    """(struct_size, abi_version) of ``params`` (FwdParams or BwdParams) for the library in use:
+    its C ABI's layout (_PARAMS_END). ``features``: the FEATURE_ABI entries the call uses; one the
+    library's ABI lacks raises UnsupportedError naming it and the ABI."""
+    handle = lib()
+    lacking = [f for f in features if FEATURE_ABI[f] > handle.abi_version]
+    if lacking:
+        raise UnsupportedError(f"{what}: {' and '.join(lacking)} need C ABI "
+                               f"{max(FEATURE_ABI[f] for f in lacking)}; the library {handle._name} has C ABI "
+                               f"{handle.abi_version}")
+    end = _PARAMS_END[handle.abi_version]
+    return (getattr(params, end).offset if end else ctypes.sizeof(params)), handle.abi_version
 
 
 def check(status: int, what: str = "") -> None:
@@ -249,3 +381,12 @@ def check(status: int, what: str = "") -> None:
 def build_info() -> dict:
     """What this libdualkv was built with: backends, CUDA archs, head dims, dtypes."""
     return json.loads(lib().dualkv_build_info().decode())
+
+
+def backend_modifiers(device_type: str) -> frozenset:
+    """The mask modifiers ("window", "softcap", "sinks") the backend for ``device_type`` ("cpu",
+    "cuda") implements. Reads the build info parsed at load time (no library call once loaded, so
+    torch.compile traces it)."""
+    if _info is None:
+        lib()
+    return frozenset(_info.get(device_type, {}).get("modifiers", ()))

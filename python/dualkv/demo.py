@@ -15,9 +15,13 @@ the rollouts are synthetic groups with variable prompt and response lengths.
 
 Both use the same fused log-prob routine (the standard one on its unpacked, unpadded tokens) and the
 same GRPO loss (:func:`dualkv.grpo.policy_loss`), so the differences printed are those of the
-packing and the attention. A policy update here is forward + backward (the optimizer step is the
-same for both and left out). The demo checks its own equivalence and exits non-zero if the
-differences exceed the tolerance (see :data:`TOLERANCES`).
+packing and the attention. With ``--max-tokens`` the dualkv update runs in micro-batches of that
+many packed tokens (:func:`dualkv.grpo.policy_update`): a group over the budget runs its prompt once
+(:mod:`dualkv.schedule`), and a third path times the same micro-batches with the prompt recomputed
+in each (a copy of the prompt per response subset: the way without prompt phases). A policy update
+here is forward + backward (the optimizer step is the same for both and left out). The demo checks
+its own equivalence and exits non-zero if the differences exceed the tolerance (see
+:data:`TOLERANCES`).
 """
 from __future__ import annotations
 
@@ -271,7 +275,7 @@ def _defaults(args) -> None:
 def run_demo(args) -> Dict:
     """Run the demo for parsed ``args`` (see :func:`main`); returns the measured numbers and
     ``ok`` (the equivalence check)."""
-    from .grpo import group_advantages, policy_loss
+    from .grpo import group_advantages, policy_loss, policy_update
     from .integrations import transformers as dkt
     from .packing import pack
 
@@ -309,10 +313,35 @@ def run_demo(args) -> Dict:
         noise = torch.randn(old.shape, generator=torch.Generator().manual_seed(args.seed + 2)).to(device)
         old = torch.where(mask, old + 0.05 * noise, torch.zeros_like(old))
 
+    recomputed = ""
+    if args.max_tokens:  # per-group inputs of the micro-batched update
+        prompts = [p.to(device) for p in ro.prompts]
+        responses = [[r.to(device) for r in rs] for rs in ro.responses]
+        starts = [sum(len(rs) for rs in ro.responses[:g]) for g in range(len(ro.responses))]
+        old_g = [[old[starts[g] + i, :r.numel()] for i, r in enumerate(rs)] for g, rs in enumerate(responses)]
+        adv_g = [[float(adv[starts[g] + i]) for i in range(len(rs))] for g, rs in enumerate(responses)]
+        plan = policy_update_plan(ro, args.max_tokens)
+        try:
+            recomputed = f"+{policy_update_plan(ro, args.max_tokens, False).prompt_tokens_added} prompt tokens"
+        except ValueError:  # a prompt plus one response over the budget: only prompt phases can run it
+            recomputed = "which this budget cannot hold: not timed"
+        say(f"  micro-batches of at most {args.max_tokens} tokens: {plan.micro_batches_per_rank} micro-batches, "
+            f"{len(plan.split_groups)} group(s) over the budget; their prompts run once in "
+            f"{len(plan.prompt_phases[0])} prompt phase(s) ({sum(ph.num_tokens for ph in plan.prompt_phases[0])} "
+            f"tokens) instead of once per response subset ({recomputed})")
+
     def update(path: str):
         model.zero_grad(set_to_none=True)
         if path == "standard":
             logp = standard_logprobs(model, batch, rows_packed)
+        elif args.max_tokens and path in ("dualkv", "recompute"):  # micro-batched, the loss inside
+            out = policy_update(model, prompts, responses, old_g, adv_g, args.max_tokens,
+                                prompt_once=path == "dualkv", clip_low=args.clip_low, clip_high=args.clip_high)
+            logp = torch.zeros_like(old)
+            for g, rs in enumerate(out["logprobs"]):
+                for i, x in enumerate(rs):
+                    logp[starts[g] + i, :x.numel()] = x
+            return logp, torch.tensor(out["loss"]), out["metrics"]
         else:  # "dualkv" or "reference": the packed batch (the model's attention implementation decides)
             logp = dualkv_logprobs(model, packed)
         loss, metrics = policy_loss(logp, old, adv, mask, clip_low=args.clip_low, clip_high=args.clip_high)
@@ -321,7 +350,8 @@ def run_demo(args) -> Dict:
 
     results: Dict[str, Dict] = {}
     grads: Dict[str, torch.Tensor] = {}
-    for path in ("standard", "dualkv"):
+    timed_recompute = args.max_tokens and not recomputed.endswith("not timed")
+    for path in ("standard", "dualkv") + (("recompute",) if timed_recompute else ()):
         if path == "standard":
             dkt.disable(model, "sdpa")
         else:
@@ -345,7 +375,7 @@ def run_demo(args) -> Dict:
         model.zero_grad(set_to_none=True)
 
     low_precision = dtype in (torch.bfloat16, torch.float16)
-    if low_precision and not args.no_reference:
+    if low_precision and not args.no_reference and not args.max_tokens:
         # PyTorch's own noise: the packed tokens with dense-mask SDPA (a different, correct attention)
         dkt.enable(model, reference=True)
         logp, loss, metrics = update("reference")
@@ -374,10 +404,13 @@ def run_demo(args) -> Dict:
         # term, and never above the fixed ceiling
         tol = (min(tol[0], 2 * ref[0] + 1e-2), min(tol[1], 2 * ref[2] + 1e-3), min(tol[2], 2 * ref[3] + 1e-2))
     ok = max_dlogp <= tol[0] and rel_loss <= tol[1] and rel_grad <= tol[2] and math.isfinite(loss_d)
+    if "recompute" in results:  # the same micro-batches with the prompt recomputed: the same update
+        recompute = compare("recompute")
+        ok = ok and recompute[0] <= tol[0] and recompute[2] <= tol[1] and recompute[3] <= tol[2]
     t_s, t_d = results["standard"]["seconds"], results["dualkv"]["seconds"]
     say("")
     say(f"  {'':<22}{'standard':>14}{'dualkv':>14}")
-    say(f"  {'tokens through model':<22}{B * L:>14}{ro.packed_tokens:>14}")
+    say(f"  {'tokens through model':<22}{B * L:>14}{plan.total_tokens if args.max_tokens else ro.packed_tokens:>14}")
     say(f"  {'loss':<22}{loss_s:>14.6g}{loss_d:>14.6g}")
     say(f"  {'clip fraction':<22}{results['standard']['metrics']['clip_frac']:>14.4f}"
         f"{results['dualkv']['metrics']['clip_frac']:>14.4f}")
@@ -387,6 +420,10 @@ def run_demo(args) -> Dict:
     say("")
     say(f"  rho (token compression)         {rho:.2f}")
     say(f"  speedup (standard / dualkv)     {t_s / t_d:.2f}x  (median of {args.steps} updates after a warm-up)")
+    if "recompute" in results:
+        t_r = results["recompute"]["seconds"]
+        say(f"  prompt once vs recomputed       {t_r / t_d:.2f}x  (the same micro-batches with each split group's "
+            f"prompt recomputed per response subset: {t_r:.4f} s / update)")
     say(f"  where the gain comes from       the model ran {ro.packed_tokens} packed tokens instead of {B * L} "
         f"({B} padded rows; {ro.unpacked_tokens} real): every projection, MLP and norm does {B * L / ro.packed_tokens:.1f}x "
         f"less work, and attention computes each prompt's (query, key) pairs once instead of N={args.n} times")
@@ -406,7 +443,15 @@ def run_demo(args) -> Dict:
             "speedup": t_s / t_d if t_d > 0 else float("nan"),
             "peak_gib_standard": results["standard"]["peak_gib"], "peak_gib_dualkv": results["dualkv"]["peak_gib"],
             "tokens_standard_padded": B * L, "tokens_standard_real": ro.unpacked_tokens,
-            "tokens_packed": ro.packed_tokens, "loss_standard": loss_s, "loss_dualkv": loss_d}
+            "tokens_packed": ro.packed_tokens, "loss_standard": loss_s, "loss_dualkv": loss_d,
+            "seconds_recompute": results["recompute"]["seconds"] if "recompute" in results else None}
+
+
+def policy_update_plan(rollouts: Rollouts, max_tokens: int, prompt_once: bool = True):
+    """The micro-batch plan :func:`dualkv.grpo.policy_update` makes for the rollouts."""
+    from .microbatch import plan_micro_batches
+    return plan_micro_batches(list(zip(rollouts.prompt_lens, rollouts.response_lens)), max_tokens,
+                              prompt_once=prompt_once)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -431,6 +476,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-reference", action="store_true",
                         help="bf16/fp16: skip the dense-mask reference update that measures PyTorch's own noise "
                              "(the fixed ceilings of TOLERANCES are used alone)")
+    parser.add_argument("--max-tokens", type=int, default=None,
+                        help="micro-batch token budget of the dualkv update; a group over it runs its prompt once "
+                             "(dualkv.schedule), and a third path recomputes the prompt per micro-batch (default: "
+                             "one micro-batch)")
     parser.add_argument("--quiet", action="store_true", help="no progress bars or table")
 
 
@@ -443,6 +492,9 @@ def run_cli(args) -> int:
     except DualKVError as exc:
         print(f"dualkv demo: the dualkv path could not run on {args.device} ({args.dtype}): "
               f"{type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+    except ValueError as exc:  # e.g. a --max-tokens budget some group cannot be planned under
+        print(f"dualkv demo: {exc}", file=sys.stderr)
         return 2
     return 0 if res["ok"] else 1
 

@@ -80,8 +80,8 @@ def agree(group, device: Union[str, torch.device], problem: Optional[str], what:
 
 
 def _fingerprint(layout: Layout) -> int:
-    """A 56-bit hash of the segment forest (lengths and parents)."""
-    data = array.array("q", layout.segment_lens + layout.parents).tobytes()
+    """A 56-bit hash of the segment forest (lengths, parents and external prefixes)."""
+    data = array.array("q", layout.segment_lens + layout.parents + layout.seg_prefix + layout.prefix_lens).tobytes()
     return int.from_bytes(hashlib.blake2b(data, digest_size=7).digest(), "little")
 
 
@@ -168,7 +168,8 @@ def shard(batch: Union[PackedBatch, Layout], group=None, *, pad_token_id: int = 
               {"tokens": T, "segments": layout.num_segments, "fingerprint": _fingerprint(layout)}, LayoutError)
     pad = -T % size
     if pad:
-        layout = Layout.from_tree(layout.segment_lens + [pad], layout.parents + [-1]).to(layout.device)
+        prefixes = (layout.seg_prefix + [-1], layout.prefix_lens) if layout.num_prefixes else ()
+        layout = Layout.from_tree(layout.segment_lens + [pad], layout.parents + [-1], *prefixes).to(layout.device)
         if ids is not None:
             ids = torch.cat([ids, ids.new_full((1, pad), pad_token_id)], dim=1)
         pos = None
@@ -186,13 +187,17 @@ def _all_to_all(x: Tensor, group) -> Tensor:
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, shard: SequenceShard, softmax_scale: Optional[float] = None,
-              deterministic: bool = False) -> Tensor:
+              deterministic: bool = False, kv_hook=None) -> Tensor:
     """:func:`dualkv.attention` under Ulysses sequence parallelism.
 
     q ``[T/s, H, D]``, k and v ``[T/s, Hk, D]``: this rank's tokens, all heads (last dim
     contiguous). Returns ``out [T/s, H, D]``. Needs ``H % s == 0`` and ``Hk % s == 0`` or
     ``s % Hk == 0``; every rank of the group must call it (the shapes are the model's, so equal on
     every rank when the token counts are, which the transformers guard checks collectively).
+
+    ``kv_hook(k, v) -> (prefix_k, prefix_v)`` sees the keys and values this rank's attention runs
+    on (all tokens, its heads) and returns the external prefixes' keys and values for them, or
+    ``(None, None)``: :mod:`dualkv.schedule` records a prompt phase's there and reads them back.
     """
     if not isinstance(shard, SequenceShard):
         raise TypeError(f"dualkv.distributed.attention: shard must be a SequenceShard, got {type(shard).__name__}")
@@ -204,7 +209,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, shard: SequenceShard, softmax_sca
             raise ArgumentError(f"dualkv.distributed.attention: {name} has {t.shape[0]} tokens but rank {shard.rank}'s "
                                 f"shard holds {n} ({shard.num_tokens} over {s} ranks)")
     if s == 1:
-        return _attention(q, k, v, shard.layout, softmax_scale, deterministic)
+        prefix_k, prefix_v = kv_hook(k, v) if kv_hook is not None else (None, None)
+        return _attention(q, k, v, shard.layout, softmax_scale, deterministic, prefix_k=prefix_k, prefix_v=prefix_v)
     H, Hk, D = q.shape[1], k.shape[1], q.shape[2]
     if H % s:
         raise ArgumentError(f"dualkv.distributed.attention: {H} query heads are not divisible by the "
@@ -224,7 +230,9 @@ def attention(q: Tensor, k: Tensor, v: Tensor, shard: SequenceShard, softmax_sca
     send = torch.cat([x.view(n, s, -1, D).transpose(0, 1) for x in (q, k, v)], dim=2)
     recv = _all_to_all(send.view(s * n, -1, D), shard.group)  # [T, heads of this rank, D], token order
     qr, kr, vr = recv.split([hq, hk, hk], dim=1)
-    out = _attention(qr, kr, vr, shard.layout, softmax_scale, deterministic)  # [T, H/s, D]
+    prefix_k, prefix_v = kv_hook(kr, vr) if kv_hook is not None else (None, None)
+    out = _attention(qr, kr, vr, shard.layout, softmax_scale, deterministic,
+                     prefix_k=prefix_k, prefix_v=prefix_v)  # [T, H/s, D]
     back = _all_to_all(out.view(s * n, hq, D), shard.group)  # chunk i: rank i's heads of this rank's tokens
     return back.view(s, n, hq, D).transpose(0, 1).reshape(n, H, D)
 

@@ -3,7 +3,9 @@
 dualkv changes how log-probs are computed (packed, shared prompt), never the loss: these helpers
 follow the usual definitions (PPO clip, DAPO clip-higher, dual clip, GRPO group-normalised
 advantages, k1/k2/k3 KL estimators, veRL's loss aggregation modes) so that a packed and an unpacked
-update can be compared term by term.
+update can be compared term by term. :func:`policy_update` runs the forward and backward of a whole
+update for a transformers model, micro-batched under a token budget (a group over the budget runs
+its prompt once, :mod:`dualkv.schedule`).
 
 Conventions (as in veRL / TRL): ``ratio = exp(logprobs - old_logprobs)``; per-token policy loss
 ``max(-A * ratio, -A * clip(ratio, 1 - clip_low, 1 + clip_high))``; with ``dual_clip = c`` and
@@ -12,12 +14,12 @@ added per token (``kl_coef * kl``) before aggregation.
 """
 from __future__ import annotations
 
-from typing import Dict, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
 
-__all__ = ["AGG_MODES", "KL_TYPES", "group_advantages", "kl_penalty", "aggregate", "policy_loss"]
+__all__ = ["AGG_MODES", "KL_TYPES", "group_advantages", "kl_penalty", "aggregate", "policy_loss", "policy_update"]
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 KL_TYPES = ("k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl")
@@ -191,3 +193,89 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask
     names = ["pg_loss", "clip_frac", "clip_frac_low", "clip_frac_high", "approx_kl", "ratio_mean", "ratio_max",
              "num_tokens"] + (["kl"] if kl is not None else [])
     return loss, dict(zip(names, vals))
+
+
+def _rows(per_group, entries, width: int, like: Tensor) -> Tensor:
+    """``per_group[g][i]`` (1-D per-token values) of every response of ``entries``, right-padded to
+    ``[rows, width]``."""
+    out = like.new_zeros((sum(len(idx) for _, idx in entries), width))
+    r = 0
+    for g, idx in entries:
+        for i in idx:
+            x = torch.as_tensor(per_group[g][i], dtype=like.dtype, device=like.device)
+            out[r, :x.numel()] = x
+            r += 1
+    return out
+
+
+def policy_update(model, prompts: Sequence[Tensor], responses: Sequence[Sequence[Tensor]],
+                  old_logprobs: Sequence[Sequence[Tensor]], advantages: Sequence[Sequence[float]], max_tokens: int,
+                  *, num_ranks: int = 1, rank: int = 0, prompt_once: bool = True,
+                  max_prompt_tokens: Optional[int] = None, temperature: float = 1.0,
+                  deterministic: bool = False, ref_logprobs: Optional[Sequence[Sequence[Tensor]]] = None,
+                  **loss_kwargs: Any) -> Dict[str, Any]:
+    """The forward and backward of one policy update (no optimizer step) of a transformers causal LM
+    with dualkv attention, over per-group rollouts, in micro-batches of at most ``max_tokens`` packed
+    tokens.
+
+    ``prompts[g]`` / ``responses[g][i]``: 1-D token tensors of group g on the model's device;
+    ``old_logprobs[g][i]`` (and ``ref_logprobs[g][i]``) the per-token log-probs of response i, and
+    ``advantages[g][i]`` its advantage (e.g. :func:`group_advantages` viewed per group).
+    ``loss_kwargs`` go to :func:`policy_loss` (``clip_low``, ``clip_high``, ``dual_clip``,
+    ``kl_coef``, ``kl_type``, ``agg``). Groups that fit stay whole; a group over the budget is split
+    into response subsets and, with ``prompt_once`` (default), runs its prompt once
+    (:func:`dualkv.plan_micro_batches`, :func:`dualkv.schedule.micro_batches`; ``max_prompt_tokens``
+    bounds a prompt phase). Each micro-batch's loss is weighted by its share of the whole batch
+    (tokens for ``token-mean``, responses for the sequence means), so the accumulated gradient is
+    that of the loss over every response of every rank: this rank's share of it (``rank`` of
+    ``num_ranks`` data-parallel ranks; summing the ranks' gradients gives the full one, so scale by
+    ``num_ranks`` when they are averaged).
+
+    Returns ``loss`` (this rank's share, a float), ``logprobs`` (``[g][i]`` 1-D tensors, detached),
+    ``metrics`` (policy_loss's over this rank's micro-batches, averaged with the same weights;
+    ``ratio_max`` the maximum, ``num_tokens`` the sum), ``plan``.
+    """
+    from . import distributed
+    from .integrations import transformers as dkt
+    from .microbatch import plan_micro_batches
+    from .schedule import micro_batches
+
+    agg = loss_kwargs.get("agg", "token-mean")
+    groups = [(int(p.numel()), [int(r.numel()) for r in rs]) for p, rs in zip(prompts, responses)]
+    plan = plan_micro_batches(groups, max_tokens, num_ranks, prompt_once=prompt_once,
+                              max_prompt_tokens=max_prompt_tokens)
+    by_tokens = agg == "token-mean"
+    total = plan.response_tokens if by_tokens else sum(len(rs) for _, rs in groups)
+    loss_sum, weight_sum, metrics, logprobs = 0.0, 0.0, {}, [[None] * len(rs) for rs in responses]
+    for mb, packed in micro_batches(model, plan, rank, prompts, responses, deterministic):
+        if packed is None:  # an empty micro-batch of the padding: the same collectives, no loss
+            logp = dkt.packed_logprobs(model, distributed.placeholder_batch(model.device))
+            (logp.sum() * 0.0).backward()
+            continue
+        logp = dkt.packed_logprobs(model, packed, temperature=temperature, dualkv_deterministic=deterministic)
+        width = logp.shape[1]
+        old = _rows(old_logprobs, mb.entries, width, logp)
+        ref = _rows(ref_logprobs, mb.entries, width, logp) if ref_logprobs is not None else None
+        adv = torch.as_tensor([float(advantages[g][i]) for g, idx in mb.entries for i in idx], dtype=logp.dtype,
+                              device=logp.device)
+        loss, m = policy_loss(logp, old, adv, packed.response_mask(), ref_logprobs=ref, **loss_kwargs)
+        weight = (mb.response_tokens if by_tokens else mb.num_responses) / total
+        (loss * weight).backward()
+        loss_sum += float(loss.detach()) * weight
+        for name, value in m.items():
+            if name == "ratio_max":
+                metrics[name] = max(metrics.get(name, value), value)
+            elif name == "num_tokens":
+                metrics[name] = metrics.get(name, 0.0) + value
+            else:
+                metrics[name] = metrics.get(name, 0.0) + value * weight
+        weight_sum += weight
+        r = 0
+        for g, idx in mb.entries:
+            for i in idx:
+                logprobs[g][i] = logp[r, :groups[g][1][i]].detach()
+                r += 1
+    for name in metrics:
+        if name not in ("ratio_max", "num_tokens") and weight_sum > 0:
+            metrics[name] /= weight_sum
+    return {"loss": loss_sum, "logprobs": logprobs, "metrics": metrics, "plan": plan}

@@ -9,6 +9,13 @@ prompt, one child per response. A forest of roots only is an ordinary packed (va
 The host knows all lengths when it builds a layout, so building one never syncs with a device;
 ``Layout.to(device)`` makes one host-to-device copy of everything the kernels need (the derived
 arrays and the kernels' work plans for every head dim and dtype built for that device).
+
+*External prefix segments* (``seg_prefix``, ``prefix_lens``): a root segment may hold, instead of
+tokens, the rows of one prefix of separate key/value buffers (``prefix_k`` / ``prefix_v`` of
+:func:`dualkv.attention`): a prompt whose keys and values an earlier call computed. It has no
+queries and no tokens of its own (length 0 here); its subtree sees all its rows, and its children's
+positions continue after its length. This is how a group larger than a micro-batch runs its prompt
+once (:mod:`dualkv.schedule`).
 """
 from __future__ import annotations
 
@@ -67,38 +74,58 @@ class Layout:
     (any forest). The metadata tensors are int32; ``device`` is where they live.
     """
 
-    # Order of the derived arrays inside the packed metadata tensor (`meta`).
+    # Order of the derived arrays inside the packed metadata tensor (`meta`); a layout with external
+    # prefixes appends seg_prefix (S) and prefix_offsets (E+1).
     _FIELDS = ("seg_offsets", "seg_parent", "seg_subtree_end", "seg_position_offset", "seg_depth")
 
-    def __init__(self, segment_lens: Sequence[int], parents: Sequence[int]):
+    def __init__(self, segment_lens: Sequence[int], parents: Sequence[int], seg_prefix: Sequence[int] = None,
+                 prefix_lens: Sequence[int] = None):
         lens = _as_int_list(segment_lens, "segment_lens")
         par = _as_int_list(parents, "parents")
         if len(lens) == 0:
             raise _native.LayoutError("layout: at least one segment is needed")
         if len(lens) != len(par):
             raise _native.LayoutError(f"layout: {len(lens)} segment lengths but {len(par)} parents")
+        if (seg_prefix is None) != (prefix_lens is None):
+            raise _native.LayoutError("layout: seg_prefix and prefix_lens go together (external prefix segments)")
+        ext = _as_int_list(seg_prefix, "seg_prefix") if seg_prefix is not None else [-1] * len(lens)
+        plens = _as_int_list(prefix_lens, "prefix_lens") if prefix_lens is not None else []
+        if len(ext) != len(lens):
+            raise _native.LayoutError(f"layout: {len(lens)} segment lengths but {len(ext)} seg_prefix entries")
         for s, n in enumerate(lens):
-            if n < 1:
+            if n < 1 and ext[s] < 0:
                 raise _native.LayoutError(f"layout: segment {s} has length {n}; every segment needs >= 1 token")
+            if ext[s] >= 0 and not plens:  # the library checks references against a non-empty table
+                raise _native.LayoutError(f"layout: segment {s} references external prefix {ext[s]}, but there are 0 "
+                                          "prefixes")
         total = sum(lens)
-        if total > _MAX_TOKENS:
+        if total > _MAX_TOKENS or sum(plens) > _MAX_TOKENS:
             raise _native.LayoutError(
-                f"layout: {total} tokens exceed 2^31-1, the limit of 32-bit token indexing; split the micro-batch")
-        S = len(lens)
+                f"layout: {max(total, sum(plens))} tokens exceed 2^31-1, the limit of 32-bit token indexing; split "
+                "the micro-batch")
+        S, E = len(lens), len(plens)
         self._num_segments = S
         self._num_tokens = total
-        # meta = [offsets (S+1) | parent | subtree_end | position_offset | depth], one buffer so
-        # that moving a layout to a device is one copy.
-        meta = torch.empty(5 * S + 1, dtype=torch.int32)
+        self._num_prefixes = E
+        self._num_prefix_rows = sum(plens)
+        # meta = [offsets (S+1) | parent | subtree_end | position_offset | depth (| seg_prefix |
+        # prefix_offsets (E+1))], one buffer so that moving a layout to a device is one copy.
+        meta = torch.empty(5 * S + 1 + (S + E + 1 if E else 0), dtype=torch.int32)
         offsets = torch.zeros(S + 1, dtype=torch.int64)
         offsets[1:] = torch.tensor(lens, dtype=torch.int64).cumsum(0)
         meta[: S + 1] = offsets.to(torch.int32)
         meta[S + 1: 2 * S + 1] = torch.tensor(par, dtype=torch.int32)
+        if E:
+            meta[5 * S + 1: 6 * S + 1] = torch.tensor(ext, dtype=torch.int32)
+            meta[6 * S + 1] = 0
+            meta[6 * S + 2:] = torch.tensor(plens, dtype=torch.int64).cumsum(0).to(torch.int32)
         ptr = lambda i: ctypes.cast(meta.data_ptr() + 4 * i, _native._i32p)  # noqa: E731
         max_depth = ctypes.c_int32(0)
         lib = _native.lib()
-        _native.check(lib.dualkv_layout_derive(ptr(0), ptr(S + 1), S, total, ptr(2 * S + 1), ptr(3 * S + 1),
-                                               ptr(4 * S + 1), ctypes.byref(max_depth)), "layout")
+        prefixes = c_prefixes_struct(meta, S, E, self._num_prefix_rows)
+        _native.check(lib.dualkv_layout_derive_prefixed(ptr(0), ptr(S + 1), S, total, prefixes_arg(prefixes),
+                                                        ptr(2 * S + 1), ptr(3 * S + 1), ptr(4 * S + 1),
+                                                        ctypes.byref(max_depth)), "layout")
         self._max_depth = int(max_depth.value)
         self._host_meta = meta
         self._meta = meta  # on self.device
@@ -108,29 +135,51 @@ class Layout:
 
     # ---- constructors ----
     @classmethod
-    def from_tree(cls, segment_lens: Sequence[int], parents: Sequence[int]) -> "Layout":
-        """Any forest: ``parents[s]`` is the index of s's parent segment, or -1 for a root."""
-        return cls(segment_lens, parents)
+    def from_tree(cls, segment_lens: Sequence[int], parents: Sequence[int], seg_prefix: Sequence[int] = None,
+                  prefix_lens: Sequence[int] = None) -> "Layout":
+        """Any forest: ``parents[s]`` is the index of s's parent segment, or -1 for a root.
+
+        External prefix segments: ``seg_prefix[s]`` is the prefix that root segment s holds (its
+        ``segment_lens[s]`` is 0), or -1; prefix e has ``prefix_lens[e]`` rows, stored one after the
+        other in the prefix buffers. A prefix is held by at most one segment, and that segment has
+        children."""
+        return cls(segment_lens, parents, seg_prefix, prefix_lens)
 
     @classmethod
-    def from_groups(cls, prompt_lens: Sequence[int], response_lens: Sequence[Sequence[int]]) -> "Layout":
+    def from_groups(cls, prompt_lens: Sequence[int], response_lens: Sequence[Sequence[int]],
+                    prompt_prefix: Sequence[int] = None, prefix_lens: Sequence[int] = None) -> "Layout":
         """GRPO groups: group g is ``prompt_lens[g]`` tokens followed by its responses
-        ``response_lens[g][0], response_lens[g][1], ...``; groups follow each other."""
+        ``response_lens[g][0], response_lens[g][1], ...``; groups follow each other.
+
+        With ``prompt_prefix[g] = e >= 0``, the first ``prefix_lens[e]`` tokens of group g's prompt
+        are external prefix e (their keys and values come from the prefix buffers) and
+        ``prompt_lens[g]`` counts only the prompt tokens after it: the group becomes the external
+        segment, its prompt's remaining tokens, then the responses."""
         prompts = _as_int_list(prompt_lens, "prompt_lens")
         if isinstance(response_lens, torch.Tensor):
             response_lens = response_lens.tolist()
         responses = list(response_lens)
         if len(prompts) != len(responses):
             raise _native.LayoutError(f"layout: {len(prompts)} prompts but {len(responses)} response lists")
-        lens, parents = [], []
-        for g, (p, rs) in enumerate(zip(prompts, responses)):
+        ext = _as_int_list(prompt_prefix, "prompt_prefix") if prompt_prefix is not None else [-1] * len(prompts)
+        if len(ext) != len(prompts):
+            raise _native.LayoutError(f"layout: {len(prompts)} prompts but {len(ext)} prompt_prefix entries")
+        lens, parents, seg_prefix = [], [], []
+        for g, (p, rs, e) in enumerate(zip(prompts, responses, ext)):
             rs = _as_int_list(rs, f"response_lens[{g}]")
+            if e >= 0:
+                lens.append(0)
+                parents.append(-1)
+                seg_prefix.append(e)
             root = len(lens)
             lens.append(p)
-            parents.append(-1)
+            parents.append(root - 1 if e >= 0 else -1)
             lens.extend(rs)
             parents.extend([root] * len(rs))
-        return cls(lens, parents)
+            seg_prefix.extend([-1] * (1 + len(rs)))
+        if prompt_prefix is None:
+            return cls(lens, parents)
+        return cls(lens, parents, seg_prefix, prefix_lens if prefix_lens is not None else [])
 
     @classmethod
     def varlen(cls, seq_lens: Sequence[int]) -> "Layout":
@@ -150,6 +199,16 @@ class Layout:
     @property
     def max_depth(self) -> int:
         return self._max_depth
+
+    @property
+    def num_prefixes(self) -> int:
+        """External prefixes E (0: none): rows ``prefix_offsets[e]:prefix_offsets[e+1]`` of the prefix buffers."""
+        return self._num_prefixes
+
+    @property
+    def num_prefix_rows(self) -> int:
+        """Rows the prefix buffers (``prefix_k`` / ``prefix_v`` of :func:`dualkv.attention`) must have."""
+        return self._num_prefix_rows
 
     @property
     def device(self) -> torch.device:
@@ -188,6 +247,7 @@ class Layout:
 
     @property
     def segment_lens(self) -> list[int]:
+        """Tokens of every segment (0 for an external prefix segment)."""
         off = self._field(0, self._host_meta)
         return (off[1:] - off[:-1]).tolist()
 
@@ -195,19 +255,37 @@ class Layout:
     def parents(self) -> list[int]:
         return self._field(1, self._host_meta).tolist()
 
+    @property
+    def seg_prefix(self) -> list[int]:
+        """The external prefix every segment holds, or -1 (all -1 without external prefixes)."""
+        S = self.num_segments
+        return self._host_meta[5 * S + 1: 6 * S + 1].tolist() if self.num_prefixes else [-1] * S
+
+    @property
+    def prefix_lens(self) -> list[int]:
+        """Rows of every external prefix."""
+        off = self._host_meta[6 * self.num_segments + 1:]
+        return (off[1:] - off[:-1]).tolist()
+
     def c_layout(self, host: bool = False) -> _native.Layout_:
         """The dualkv_layout struct over the host arrays or over the arrays on ``self.device``."""
         return c_layout_struct(self._host_meta if host else self._meta, self.num_segments, self.num_tokens,
                                self.max_depth)
 
+    def c_prefixes(self, host: bool = False) -> _native.Prefixes_:
+        """The dualkv_prefixes struct (num_prefixes 0 without external prefixes), like :meth:`c_layout`."""
+        return c_prefixes_struct(self._host_meta if host else self._meta, self.num_segments, self.num_prefixes,
+                                 self.num_prefix_rows)
+
     @property
     def position_ids(self) -> torch.Tensor:
-        """int64 [T] RoPE positions: ancestors' total length + offset in the segment."""
+        """int64 [T] RoPE positions: ancestors' total length (an external prefix's rows included) +
+        offset in the segment."""
         if self._position_ids is None:
             host = torch.empty(self.num_tokens, dtype=torch.int32)
-            c = self.c_layout(host=True)
-            _native.check(_native.lib().dualkv_layout_position_ids(
-                ctypes.byref(c), ctypes.cast(host.data_ptr(), _native._i32p)), "position_ids")
+            c, p = self.c_layout(host=True), self.c_prefixes(host=True)
+            _native.check(_native.lib().dualkv_layout_position_ids_prefixed(
+                ctypes.byref(c), prefixes_arg(p), ctypes.cast(host.data_ptr(), _native._i32p)), "position_ids")
             self._position_ids = host.to(torch.int64).to(self.device, non_blocking=True)
         return self._position_ids.clone()
 
@@ -215,9 +293,9 @@ class Layout:
     def visible_pairs(self) -> int:
         """Visible (query, key) pairs: forward FLOPs = 4 * H * D * visible_pairs."""
         pairs = ctypes.c_int64(0)
-        c = self.c_layout(host=True)
-        _native.check(_native.lib().dualkv_layout_visible_pairs(ctypes.byref(c), ctypes.byref(pairs)),
-                      "visible_pairs")
+        c, p = self.c_layout(host=True), self.c_prefixes(host=True)
+        _native.check(_native.lib().dualkv_layout_visible_pairs_prefixed(ctypes.byref(c), prefixes_arg(p),
+                                                                         ctypes.byref(pairs)), "visible_pairs")
         return int(pairs.value)
 
     def segment_ids(self) -> torch.Tensor:
@@ -244,7 +322,8 @@ class Layout:
         if device.type != "cuda":
             raise _native.UnsupportedError(f"layout: device type {device.type!r} is not supported (cpu, cuda)")
         plans, keys, chunks, offset = {}, {}, [], 0
-        for dtype, head_dim in _cuda_configs():
+        # no plans for external prefixes: the CUDA backend does not run them yet (and says so)
+        for dtype, head_dim in (_cuda_configs() if not self.num_prefixes else ()):
             built = _build_plan(self, device.index, dtype, head_dim)
             if built is None:
                 continue
@@ -269,7 +348,7 @@ class Layout:
 
     def plan_for(self, dtype: torch.dtype, head_dim: int):
         """(plan tensor, key) for a CUDA attention call; raises naming why if none exists."""
-        if self.device.type == "cpu":
+        if self.device.type == "cpu" or self.num_prefixes:  # the library refuses prefixes on CUDA itself
             return self._meta[:0], 0
         found = self._plans.get((dtype, head_dim))
         if found is not None:
@@ -283,8 +362,9 @@ class Layout:
         raise _native.UnsupportedError(f"attention: no CUDA work plan for {dtype}, head_dim {head_dim}")
 
     def __repr__(self) -> str:
-        return (f"Layout(segments={self.num_segments}, tokens={self.num_tokens}, max_depth={self.max_depth}, "
-                f"device={self.device})")
+        prefixes = f", prefixes={self.num_prefixes} ({self.num_prefix_rows} rows)" if self.num_prefixes else ""
+        return (f"Layout(segments={self.num_segments}, tokens={self.num_tokens}, max_depth={self.max_depth}"
+                f"{prefixes}, device={self.device})")
 
 
 def c_layout_struct(meta: torch.Tensor, num_segments: int, num_tokens: int, max_depth: int) -> _native.Layout_:
@@ -293,6 +373,22 @@ def c_layout_struct(meta: torch.Tensor, num_segments: int, num_tokens: int, max_
     base, S = meta.data_ptr(), num_segments
     return _native.Layout_(S, num_tokens, max_depth, 0, base, base + 4 * (S + 1), base + 4 * (2 * S + 1),
                            base + 4 * (3 * S + 1), base + 4 * (4 * S + 1))
+
+
+def c_prefixes_struct(meta: torch.Tensor, num_segments: int, num_prefixes: int,
+                      num_prefix_rows: int) -> _native.Prefixes_:
+    """The C dualkv_prefixes over a metadata buffer whose seg_prefix (S) and prefix_offsets (E+1)
+    follow the five layout arrays (num_prefixes 0: none)."""
+    if not num_prefixes:
+        return _native.Prefixes_(0, 0, None, None)
+    base, S = meta.data_ptr(), num_segments
+    return _native.Prefixes_(num_prefixes, num_prefix_rows, base + 4 * (5 * S + 1), base + 4 * (6 * S + 1))
+
+
+def prefixes_arg(prefixes: _native.Prefixes_):
+    """The `prefixes` argument of the dualkv_layout_*_prefixed entry points: NULL without external
+    prefixes, the call a library built before them also takes (_native._prefix_free)."""
+    return ctypes.byref(prefixes) if prefixes.num_prefixes else None
 
 
 def _cuda_configs() -> Iterable[tuple[torch.dtype, int]]:

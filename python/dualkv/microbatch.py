@@ -1,17 +1,24 @@
 """Group-aware micro-batching under a packed-token budget, balanced over data-parallel ranks.
 
 A group (prompt P, responses R_1..R_N) costs P + sum R_i packed tokens. Groups are never split
-unless one alone exceeds the budget; then it is split into response subsets, each carrying its own
-copy of the prompt (the fewest subsets first-fit-decreasing finds). The plan is made in three
-steps, each O(n log n) in the number of groups:
+unless one alone exceeds the budget; then it is split into response subsets (the fewest subsets
+first-fit-decreasing finds). Each subset carries its own copy of the prompt, or, with
+``prompt_once=True``, the prompt runs once: its first P - 1 tokens in a *prompt phase* whose keys
+and values are kept (:mod:`dualkv.schedule`), and each subset carries only the last prompt token
+(which predicts every response's first token) and attends to the kept keys and values. The plan is
+made in three steps, each O(n log n) in the number of groups:
 
-1. items: whole groups, or the response subsets of a group over the budget (the step where another
-   way of cutting a large group, e.g. running its prompt once, plugs in);
+1. items: whole groups, or the response subsets of a group over the budget (and its prompt phase);
 2. ranks: every group, with all its items, goes to one rank, longest-processing-time first on the
    balancing cost (packed tokens unless a cost function is given);
 3. micro-batches: each rank packs its items first-fit decreasing under the budget (so one rank gets
    exactly as many micro-batches as first-fit decreasing), and every rank is padded with empty
-   micro-batches to the largest count, so that collectives line up.
+   micro-batches to the largest count, so that collectives line up. With prompt phases, a rank's
+   split prompts are packed first-fit decreasing into phases of at most ``max_prompt_tokens``; each
+   phase's response subsets into micro-batches of their own (run while the phase's keys and values
+   are kept), then the other items first-fit into those micro-batches or new ones after the last
+   phase. Ranks are padded phase by phase (phases, and micro-batches per phase), so that every rank
+   runs the same sequence of forwards and backwards.
 
 Pure host code, deterministic.
 """
@@ -22,7 +29,7 @@ import heapq
 from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
-__all__ = ["MicroBatch", "MicroBatchPlan", "plan_micro_batches"]
+__all__ = ["MicroBatch", "MicroBatchPlan", "PromptPhase", "plan_micro_batches"]
 
 CostFn = Callable[[int, Sequence[int]], float]
 
@@ -34,8 +41,12 @@ class MicroBatch:
     entries: Tuple[Tuple[int, Tuple[int, ...]], ...]
     prompt_lens: Tuple[int, ...]  #: prompt length of every entry (input of Layout.from_groups)
     response_lens: Tuple[Tuple[int, ...], ...]  #: response lengths of every entry
-    num_tokens: int  #: packed tokens: sum over entries of P + sum R_i
+    num_tokens: int  #: packed tokens: sum over entries of P + sum R_i (1 + sum R_i for an external entry)
     cost: float  #: the balancing cost (num_tokens by default)
+    #: per entry: its prompt ran in the prompt phase ``phase`` (only its last token runs here, attending
+    #: to the phase's kept keys and values); empty or all False without prompt phases
+    external: Tuple[bool, ...] = ()
+    phase: int = -1  #: the prompt phase (index into ``MicroBatchPlan.prompt_phases[rank]``) it runs in, or -1
 
     @property
     def num_responses(self) -> int:
@@ -56,17 +67,37 @@ class MicroBatch:
 
 
 @dataclass(frozen=True)
+class PromptPhase:
+    """The prompts (all but their last token) of split groups, run once: their keys and values are
+    kept while the micro-batches ``micro_batches`` (indices into the rank's list, consecutive) run."""
+
+    groups: Tuple[int, ...]  #: the split groups, ascending (prefix e of the phase is groups[e]'s prompt)
+    prompt_lens: Tuple[int, ...]  #: their full prompt lengths P
+    micro_batches: Tuple[int, ...]  #: the rank's micro-batches that run while the phase is kept
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens of the prompt phase's forward: sum of P - 1."""
+        return sum(p - 1 for p in self.prompt_lens)
+
+
+@dataclass(frozen=True)
 class MicroBatchPlan:
     """``ranks[r]`` is the list of micro-batches of rank r; every rank has the same number."""
 
     ranks: Tuple[Tuple[MicroBatch, ...], ...]
     max_tokens: int
-    rank_tokens: Tuple[int, ...]  #: packed tokens per rank
+    rank_tokens: Tuple[int, ...]  #: packed tokens per rank (prompt phases included)
     rank_costs: Tuple[float, ...]  #: balancing cost per rank
     imbalance: float  #: max(rank cost) / mean(rank cost) - 1
     num_empty: int  #: empty micro-batches added so that every rank has the same count
     split_groups: Tuple[int, ...]  #: groups that exceeded the budget and were split
-    prompt_tokens_added: int  #: extra prompt copies caused by splitting, in tokens
+    #: tokens of a prompt run more than once because of splitting: P per extra copy, or with prompt
+    #: phases 1 (the last prompt token) per micro-batch after the first
+    prompt_tokens_added: int
+    #: ``prompt_phases[r]``: rank r's prompt phases in run order (empty without ``prompt_once``); every
+    #: rank has the same number, and the same number of micro-batches in its j-th phase
+    prompt_phases: Tuple[Tuple[PromptPhase, ...], ...] = ()
 
     @property
     def num_ranks(self) -> int:
@@ -86,13 +117,18 @@ class MicroBatchPlan:
         return sum(mb.response_tokens for mbs in self.ranks for mb in mbs)
 
     def summary(self) -> str:
+        phases = self.prompt_phases[0] if self.prompt_phases else ()
         lines = [f"{self.num_ranks} rank(s) x {self.micro_batches_per_rank} micro-batch(es), budget "
                  f"{self.max_tokens} tokens, {self.total_tokens} packed tokens, imbalance "
                  f"{100 * self.imbalance:.2f}%, {self.num_empty} empty micro-batch(es), "
-                 f"{len(self.split_groups)} split group(s) (+{self.prompt_tokens_added} prompt tokens)"]
+                 f"{len(self.split_groups)} split group(s) (+{self.prompt_tokens_added} prompt tokens)"
+                 + (f", {len(phases)} prompt phase(s) per rank" if phases else "")]
         for r, mbs in enumerate(self.ranks):
             sizes = ", ".join(str(mb.num_tokens) for mb in mbs)
             lines.append(f"  rank {r}: {self.rank_tokens[r]} tokens [{sizes}]")
+            for j, ph in enumerate(self.prompt_phases[r] if self.prompt_phases else ()):
+                lines.append(f"    prompt phase {j}: groups {list(ph.groups)}, {ph.num_tokens} tokens, "
+                             f"micro-batches {list(ph.micro_batches)}")
         return "\n".join(lines)
 
 
@@ -145,6 +181,17 @@ class _FirstFit:
         self.room = [capacity] * (2 * self.size)
         self.num_bins = 0
 
+    def preload(self, loads: Sequence[int]) -> None:
+        """Open the first ``len(loads)`` bins holding ``loads`` (before any ``add``)."""
+        for b, load in enumerate(loads):
+            i = self.size + b
+            self.room[i] -= load
+            i //= 2
+            while i:
+                self.room[i] = max(self.room[2 * i], self.room[2 * i + 1])
+                i //= 2
+        self.num_bins = max(self.num_bins, len(loads))
+
     def add(self, need: int) -> int:
         """Put an item of ``need`` (<= capacity) into the first bin with room; returns the bin."""
         room, i = self.room, 1
@@ -160,10 +207,13 @@ class _FirstFit:
         return b
 
 
-def _first_fit_decreasing(sizes: Sequence[int], capacity: int) -> List[List[int]]:
-    """Indices of ``sizes`` per bin, first-fit decreasing (ties by index); every size <= capacity."""
-    bins: List[List[int]] = []
-    packer = _FirstFit(capacity, len(sizes))
+def _first_fit_decreasing(sizes: Sequence[int], capacity: int, loads: Sequence[int] = ()) -> List[List[int]]:
+    """Indices of ``sizes`` per bin, first-fit decreasing (ties by index); every size <= capacity.
+    ``loads``: bins already open (holding that much) before the new ones; they come first in the
+    result, possibly empty."""
+    bins: List[List[int]] = [[] for _ in loads]
+    packer = _FirstFit(capacity, len(loads) + len(sizes))
+    packer.preload(loads)
     for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
         b = packer.add(sizes[i])
         if b == len(bins):
@@ -173,12 +223,18 @@ def _first_fit_decreasing(sizes: Sequence[int], capacity: int) -> List[List[int]
 
 
 def _split_group(g: int, p: int, rs: List[int], max_tokens: int) -> List[Tuple[int, ...]]:
-    """Response subsets of one group, each fitting with its prompt: first-fit decreasing."""
+    """Response subsets of one group, each fitting with ``p`` prompt tokens: first-fit decreasing."""
     longest = max(range(len(rs)), key=lambda i: (rs[i], -i))
     if p + rs[longest] > max_tokens:
         raise ValueError(f"plan_micro_batches: group {g} cannot fit: prompt ({p}) + response {longest} "
                          f"({rs[longest]}) = {p + rs[longest]} tokens > max_tokens={max_tokens}")
     return [tuple(sorted(b)) for b in _first_fit_decreasing(rs, max_tokens - p)]
+
+
+def _sorted_micro_batches(mbs: List[MicroBatch]) -> List[MicroBatch]:
+    """Largest first, so that the micro-batches run in lockstep by the ranks (FSDP, SP collectives)
+    have similar sizes."""
+    return sorted(mbs, key=lambda mb: (-mb.num_tokens, mb.entries))
 
 
 def _balance_groups(costs: Sequence[float], num_ranks: int) -> List[List[int]]:
@@ -194,15 +250,23 @@ def _balance_groups(costs: Sequence[float], num_ranks: int) -> List[List[int]]:
 
 
 def plan_micro_batches(groups: Sequence[Any], max_tokens: int, num_ranks: int = 1,
-                       cost_fn: Optional[CostFn] = None) -> MicroBatchPlan:
+                       cost_fn: Optional[CostFn] = None, prompt_once: bool = False,
+                       max_prompt_tokens: Optional[int] = None) -> MicroBatchPlan:
     """Plan micro-batches of whole groups under ``max_tokens`` packed tokens, over ``num_ranks`` ranks.
 
     ``groups``: ``[(prompt_len, [response_len, ...]), ...]`` (or objects with ``.prompt_len`` and
     ``.response_lens``; :meth:`dualkv.PackedBatch.groups` returns this format). ``cost_fn(P, [R_i])``
     optionally replaces packed tokens as the quantity balanced over ranks (e.g. to weight attention
-    FLOPs); the budget is always in tokens.
+    FLOPs; a prompt phase costs ``cost_fn(P - 1, [])``); the budget is always in tokens.
 
-    Raises ValueError if a group's prompt plus one of its responses exceeds ``max_tokens``.
+    ``prompt_once``: a group over the budget runs its prompt once, in a prompt phase
+    (:class:`PromptPhase`, at most ``max_prompt_tokens`` prompt tokens, default ``max_tokens``, which
+    bounds the state a phase keeps), and its response subsets carry only the last prompt token;
+    :func:`dualkv.schedule.micro_batches` runs such a plan. Without it each subset carries a copy
+    of the prompt.
+
+    Raises ValueError if a group's prompt plus one of its responses exceeds ``max_tokens`` (with
+    ``prompt_once``: if one response plus one token does, or the prompt exceeds ``max_prompt_tokens``).
     """
     if isinstance(max_tokens, bool) or not hasattr(max_tokens, "__index__"):
         raise TypeError(f"plan_micro_batches: max_tokens must be an int, got {max_tokens!r}")
@@ -214,70 +278,129 @@ def plan_micro_batches(groups: Sequence[Any], max_tokens: int, num_ranks: int = 
                          "and one response token")
     if num_ranks < 1:
         raise ValueError(f"plan_micro_batches: num_ranks must be >= 1, got {num_ranks}")
+    if max_prompt_tokens is None:
+        max_prompt_tokens = max_tokens
+    elif isinstance(max_prompt_tokens, bool) or not hasattr(max_prompt_tokens, "__index__") or max_prompt_tokens < 1:
+        raise ValueError(f"plan_micro_batches: max_prompt_tokens must be an int >= 1, got {max_prompt_tokens!r}")
+    max_prompt_tokens = int(max_prompt_tokens)
     gs = _normalise(groups)
     if not gs:
         raise ValueError("plan_micro_batches: no groups")
 
-    # 1. items: whole groups, or response subsets of groups over the budget (each with its prompt)
+    # 1. items: whole groups, or response subsets of groups over the budget (each with its prompt,
+    #    or with prompt_once its last prompt token, the rest of the prompt in a prompt phase)
     items: List[Tuple[int, Tuple[int, ...]]] = []
+    external: List[bool] = []
     group_items: List[List[int]] = []
     split: List[int] = []
+    phased: List[int] = []  # groups whose prompt runs in a prompt phase
     added = 0
     for g, (p, rs) in enumerate(gs):
         first = len(items)
         if p + sum(rs) <= max_tokens:
             items.append((g, tuple(range(len(rs)))))
+            external.append(False)
         else:
-            pieces = _split_group(g, p, rs, max_tokens)
+            once = prompt_once and p > 1
+            if once and p - 1 > max_prompt_tokens:
+                raise ValueError(f"plan_micro_batches: group {g}: its prompt phase ({p - 1} tokens) exceeds "
+                                 f"max_prompt_tokens={max_prompt_tokens}")
+            pieces = _split_group(g, 1 if once else p, rs, max_tokens)
             split.append(g)
-            added += p * (len(pieces) - 1)
+            if once:
+                phased.append(g)
+            added += (1 if once else p) * (len(pieces) - 1)
             items.extend((g, piece) for piece in pieces)
+            external.extend([once] * len(pieces))
         group_items.append(list(range(first, len(items))))
-    tokens = [gs[g][0] + sum(gs[g][1][i] for i in idx) for g, idx in items]
+    tokens = [(1 if ext else gs[g][0]) + sum(gs[g][1][i] for i in idx) for (g, idx), ext in zip(items, external)]
+    phase_cost = {g: float(gs[g][0] - 1) for g in phased}
     if cost_fn is None:
         costs = [float(t) for t in tokens]
     else:
-        costs = []
-        for (g, idx), t in zip(items, tokens):
-            c = float(cost_fn(gs[g][0], [gs[g][1][i] for i in idx]))
+        def checked(c, g):
+            c = float(c)
             if not (c >= 0.0) or c == float("inf"):
                 raise ValueError(f"plan_micro_batches: cost_fn returned {c} for group {g}; need a finite cost >= 0")
-            costs.append(c)
+            return c
+        costs = [checked(cost_fn(gs[g][0], [gs[g][1][i] for i in idx]), g) for g, idx in items]
+        phase_cost = {g: checked(cost_fn(gs[g][0] - 1, []), g) for g in phased}
 
-    # 2. ranks: every group (all pieces of a split one) on one rank, balanced by cost
-    group_costs = [sum(costs[k] for k in ks) for ks in group_items]
-    rank_items = [[k for g in sorted(gs_r) for k in group_items[g]]
-                  for gs_r in _balance_groups(group_costs, num_ranks)]
+    # 2. ranks: every group (all pieces of a split one, and its prompt phase) on one rank, by cost
+    group_costs = [sum(costs[k] for k in ks) + phase_cost.get(g, 0.0) for g, ks in enumerate(group_items)]
+    rank_groups = [sorted(gs_r) for gs_r in _balance_groups(group_costs, num_ranks)]
 
-    # 3. micro-batches of each rank: first-fit decreasing under the budget; then every rank is
-    #    padded with empty micro-batches to the largest count
-    rank_bins = [[[ks[i] for i in b] for b in _first_fit_decreasing([tokens[k] for k in ks], max_tokens)]
-                 for ks in rank_items]
-    per_rank = max(1, max(len(bins) for bins in rank_bins))
-    ranks = []
+    # 3. micro-batches of each rank (and its prompt phases); then every rank is padded to the same
+    #    counts
+    def micro_batch(ks: List[int], phase: int) -> MicroBatch:
+        # items are numbered in (group, piece) order, and two pieces of one group never share a
+        # micro-batch (the second would have fitted into the first), so this sorts entries by group
+        ks = sorted(ks)
+        entries = tuple(items[k] for k in ks)
+        return MicroBatch(entries=entries, prompt_lens=tuple(gs[g][0] for g, _ in entries),
+                          response_lens=tuple(tuple(gs[g][1][i] for i in idx) for g, idx in entries),
+                          num_tokens=sum(tokens[k] for k in ks), cost=sum(costs[k] for k in ks),
+                          external=tuple(external[k] for k in ks), phase=phase if ks else -1)
+
+    # per rank: [phase groups], [micro-batch items of each phase], [trailing micro-batch items]
+    layouts = []
+    phased_set = set(phased)
+    for gs_r in rank_groups:
+        ph_groups = [g for g in gs_r if g in phased_set]
+        phases = [[ph_groups[i] for i in b]
+                  for b in _first_fit_decreasing([gs[g][0] - 1 for g in ph_groups], max_prompt_tokens)]
+        phases = [sorted(b) for b in phases]
+        bins: List[List[int]] = []  # item lists; the first ones belong to phases
+        phase_of_bin: List[int] = []
+        for j, groups_j in enumerate(phases):
+            ks = [k for g in groups_j for k in group_items[g]]
+            for b in _first_fit_decreasing([tokens[k] for k in ks], max_tokens):
+                bins.append([ks[i] for i in b])
+                phase_of_bin.append(j)
+        rest = [k for g in gs_r if g not in phased_set for k in group_items[g]]
+        loads = [sum(tokens[k] for k in b) for b in bins]
+        for i, b in enumerate(_first_fit_decreasing([tokens[k] for k in rest], max_tokens, loads)):
+            if i >= len(bins):
+                bins.append([])
+                phase_of_bin.append(-1)
+            bins[i].extend(rest[x] for x in b)
+        per_phase: List[List[List[int]]] = [[] for _ in phases]
+        trailing: List[List[int]] = []
+        for b, j in zip(bins, phase_of_bin):
+            (per_phase[j] if j >= 0 else trailing).append(b)
+        layouts.append((phases, per_phase, trailing))
+
+    num_phases = max(len(ph) for ph, _, _ in layouts)
+    per_phase_count = [max((len(pp[j]) if j < len(pp) else 0) for _, pp, _ in layouts) for j in range(num_phases)]
+    trailing_count = max(len(t) for _, _, t in layouts)
+    if num_phases == 0:
+        trailing_count = max(1, trailing_count)
+    ranks, rank_phases = [], []
     num_empty = 0
-    for bins in rank_bins:
-        num_empty += per_rank - len(bins)
-        mbs = []
-        for ks in bins + [[] for _ in range(per_rank - len(bins))]:
-            # items are numbered in (group, piece) order, and two pieces of one group never share
-            # a micro-batch (the second would have fitted into the first), so this sorts entries
-            # by group
-            entries = tuple(items[k] for k in sorted(ks))
-            mbs.append(MicroBatch(
-                entries=entries,
-                prompt_lens=tuple(gs[g][0] for g, _ in entries),
-                response_lens=tuple(tuple(gs[g][1][i] for i in idx) for g, idx in entries),
-                num_tokens=sum(tokens[k] for k in ks),
-                cost=sum(costs[k] for k in ks)))
-        # largest first on every rank, so that the micro-batches run in lockstep (FSDP, SP
-        # collectives) have similar sizes
-        mbs.sort(key=lambda mb: (-mb.num_tokens, mb.entries))
+    for phases, per_phase, trailing in layouts:
+        mbs: List[MicroBatch] = []
+        ph_out = []
+        for j in range(num_phases):
+            bins_j = per_phase[j] if j < len(per_phase) else []
+            num_empty += per_phase_count[j] - len(bins_j)
+            run = _sorted_micro_batches([micro_batch(b, j) for b in bins_j])
+            run += [micro_batch([], j)] * (per_phase_count[j] - len(bins_j))
+            groups_j = phases[j] if j < len(phases) else []
+            ph_out.append(PromptPhase(groups=tuple(groups_j), prompt_lens=tuple(gs[g][0] for g in groups_j),
+                                      micro_batches=tuple(range(len(mbs), len(mbs) + len(run)))))
+            mbs.extend(run)
+        num_empty += trailing_count - len(trailing)
+        mbs.extend(_sorted_micro_batches([micro_batch(b, -1) for b in trailing]))
+        mbs.extend([micro_batch([], -1)] * (trailing_count - len(trailing)))
         ranks.append(tuple(mbs))
-    rank_tokens = tuple(sum(mb.num_tokens for mb in mbs) for mbs in ranks)
-    rank_costs = tuple(sum(mb.cost for mb in mbs) for mbs in ranks)
+        rank_phases.append(tuple(ph_out))
+    rank_tokens = tuple(sum(mb.num_tokens for mb in mbs) + sum(ph.num_tokens for ph in phs)
+                        for mbs, phs in zip(ranks, rank_phases))
+    rank_costs = tuple(sum(mb.cost for mb in mbs) + sum(phase_cost[g] for ph in phs for g in ph.groups)
+                       for mbs, phs in zip(ranks, rank_phases))
     mean = sum(rank_costs) / num_ranks
     imbalance = (max(rank_costs) / mean - 1.0) if mean > 0 else 0.0
     return MicroBatchPlan(ranks=tuple(ranks), max_tokens=max_tokens, rank_tokens=rank_tokens,
                           rank_costs=rank_costs, imbalance=imbalance, num_empty=num_empty,
-                          split_groups=tuple(split), prompt_tokens_added=added)
+                          split_groups=tuple(split), prompt_tokens_added=added,
+                          prompt_phases=tuple(rank_phases) if prompt_once else ())

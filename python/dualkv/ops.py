@@ -4,6 +4,10 @@ Two ``torch.library.custom_op`` ops, ``dualkv::fwd`` and ``dualkv::bwd``, each w
 (meta) implementation, joined by ``register_autograd``: the op works under autograd and
 ``torch.compile(fullgraph=True)`` without graph breaks. Outputs and workspace are allocated here
 (destination passing); the library never allocates.
+
+External prefix segments (the prefix key/value buffers) and the mask modifiers (sliding window,
+logit softcap, attention sinks) are arguments of both ops, in the order of the C ABI's blocks; the
+prefix buffers' gradients are the backward's fourth and fifth outputs, the sinks' its sixth.
 """
 from __future__ import annotations
 
@@ -14,7 +18,7 @@ from typing import Optional
 import torch
 
 from . import _native
-from .layout import DTYPE_CODES, Layout, c_layout_struct
+from .layout import DTYPE_CODES, Layout, as_int, c_layout_struct, c_prefixes_struct
 
 _INT32_MAX = 2**31 - 1
 
@@ -29,10 +33,14 @@ def _device_fields(t: torch.Tensor):
     return _native.DEVICE_CPU, 0, 0
 
 
-def _fill_common(p, q, k, v, meta, plan, num_segments, max_depth, plan_key, softmax_scale, deterministic):
+def _fill_common(p, q, k, v, meta, plan, num_segments, max_depth, plan_key, softmax_scale, deterministic,
+                 prefix_k, prefix_v, num_prefixes, window, softcap, sinks):
+    features = [name for name, used in (("external prefix segments", num_prefixes),
+                                        ("mask modifiers", window or softcap or sinks is not None)) if used]
+    # the params of the library in use (an A/B may drive an older ABI's build; the fields past its
+    # struct_size are filled but never read)
+    p.struct_size, p.abi_version = _native.params_version(type(p), features, "attention")
     device, index, stream = _device_fields(q)
-    p.struct_size = ctypes.sizeof(p)
-    p.abi_version = _native.ABI_VERSION
     p.device, p.device_index, p.stream = device, index, stream
     p.dtype = DTYPE_CODES[q.dtype]
     p.flags = _native.FLAG_DETERMINISTIC if deterministic else 0
@@ -45,6 +53,13 @@ def _fill_common(p, q, k, v, meta, plan, num_segments, max_depth, plan_key, soft
     p.q_token_stride, p.q_head_stride = q.stride(0), q.stride(1)
     p.k_token_stride, p.k_head_stride = k.stride(0), k.stride(1)
     p.v_token_stride, p.v_head_stride = v.stride(0), v.stride(1)
+    if num_prefixes:
+        p.prefixes = c_prefixes_struct(meta, num_segments, num_prefixes, prefix_k.shape[0])
+        p.prefix_k, p.prefix_v = prefix_k.data_ptr(), prefix_v.data_ptr()
+        p.prefix_k_token_stride, p.prefix_k_head_stride = prefix_k.stride(0), prefix_k.stride(1)
+        p.prefix_v_token_stride, p.prefix_v_head_stride = prefix_v.stride(0), prefix_v.stride(1)
+    p.window, p.softcap = window, softcap
+    p.sinks = sinks.data_ptr() if sinks is not None else None
 
 
 def _workspace(query, params, device) -> torch.Tensor:
@@ -56,12 +71,15 @@ def _workspace(query, params, device) -> torch.Tensor:
 @torch.library.custom_op("dualkv::fwd", mutates_args=())
 def _fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: torch.Tensor, plan: torch.Tensor,
          num_segments: int, max_depth: int, plan_key: int, softmax_scale: float,
-         deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+         deterministic: bool, prefix_k: Optional[torch.Tensor] = None, prefix_v: Optional[torch.Tensor] = None,
+         num_prefixes: int = 0, window: int = 0, softcap: float = 0.0,
+         sinks: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     lib = _native.lib()
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty(q.shape[1], q.shape[0], dtype=_lse_dtype(q.dtype), device=q.device)
     p = _native.FwdParams()
-    _fill_common(p, q, k, v, meta, plan, num_segments, max_depth, plan_key, softmax_scale, deterministic)
+    _fill_common(p, q, k, v, meta, plan, num_segments, max_depth, plan_key, softmax_scale, deterministic,
+                 prefix_k, prefix_v, num_prefixes, window, softcap, sinks)
     p.out, p.out_token_stride, p.out_head_stride = out.data_ptr(), out.stride(0), out.stride(1)
     p.lse, p.lse_head_stride = lse.data_ptr(), lse.stride(0)
     ws = _workspace(lib.dualkv_fwd_workspace_size, p, q.device)
@@ -71,25 +89,45 @@ def _fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: torch.Tensor, 
 
 
 @_fwd.register_fake
-def _fwd_fake(q, k, v, meta, plan, num_segments, max_depth, plan_key, softmax_scale, deterministic):
+def _fwd_fake(q, k, v, meta, plan, num_segments, max_depth, plan_key, softmax_scale, deterministic, prefix_k=None,
+              prefix_v=None, num_prefixes=0, window=0, softcap=0.0, sinks=None):
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = q.new_empty((q.shape[1], q.shape[0]), dtype=_lse_dtype(q.dtype))
     return out, lse
+
+
+def _prefix_grad(prefix: Optional[torch.Tensor], q: torch.Tensor) -> torch.Tensor:
+    """The buffer the library accumulates a prefix gradient into: zeros (empty without prefixes)."""
+    if prefix is None:
+        return q.new_empty(0)
+    return torch.zeros(prefix.shape, dtype=prefix.dtype, device=prefix.device)
 
 
 @torch.library.custom_op("dualkv::bwd", mutates_args=())
 def _bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
          lse: torch.Tensor, dlse: Optional[torch.Tensor], meta: torch.Tensor, plan: torch.Tensor,
          num_segments: int, max_depth: int, plan_key: int, softmax_scale: float,
-         deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+         deterministic: bool, prefix_k: Optional[torch.Tensor] = None, prefix_v: Optional[torch.Tensor] = None,
+         num_prefixes: int = 0, window: int = 0, softcap: float = 0.0, sinks: Optional[torch.Tensor] = None
+         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv, the prefix gradients (empty tensors without prefixes) and dsinks (an empty tensor
+    without sinks)."""
     lib = _native.lib()
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
     dq = torch.empty_like(q, memory_format=torch.contiguous_format)
     dk = torch.empty_like(k, memory_format=torch.contiguous_format)
     dv = torch.empty_like(v, memory_format=torch.contiguous_format)
+    dpk, dpv = _prefix_grad(prefix_k, q), _prefix_grad(prefix_v, q)
+    dsinks = lse.new_empty(sinks.shape[0] if sinks is not None else 0)
     p = _native.BwdParams()
-    _fill_common(p, q, k, v, meta, plan, num_segments, max_depth, plan_key, softmax_scale, deterministic)
+    _fill_common(p, q, k, v, meta, plan, num_segments, max_depth, plan_key, softmax_scale, deterministic,
+                 prefix_k, prefix_v, num_prefixes, window, softcap, sinks)
+    if num_prefixes:
+        p.prefix_dk, p.prefix_dv = dpk.data_ptr(), dpv.data_ptr()
+        p.prefix_dk_token_stride, p.prefix_dk_head_stride = dpk.stride(0), dpk.stride(1)
+        p.prefix_dv_token_stride, p.prefix_dv_head_stride = dpv.stride(0), dpv.stride(1)
+    p.dsinks = dsinks.data_ptr() if sinks is not None else None
     p.out, p.out_token_stride, p.out_head_stride = out.data_ptr(), out.stride(0), out.stride(1)
     p.dout, p.dout_token_stride, p.dout_head_stride = dout.data_ptr(), dout.stride(0), dout.stride(1)
     p.lse, p.lse_head_stride = lse.data_ptr(), lse.stride(0)
@@ -102,38 +140,76 @@ def _bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     ws = _workspace(lib.dualkv_bwd_workspace_size, p, q.device)
     p.workspace, p.workspace_bytes = (ws.data_ptr() if ws.numel() else None), ws.numel()
     _native.check(lib.dualkv_bwd(ctypes.byref(p)), "attention backward")
-    return dq, dk, dv
+    return dq, dk, dv, dpk, dpv, dsinks
 
 
 @_bwd.register_fake
 def _bwd_fake(dout, q, k, v, out, lse, dlse, meta, plan, num_segments, max_depth, plan_key, softmax_scale,
-              deterministic):
+              deterministic, prefix_k=None, prefix_v=None, num_prefixes=0, window=0, softcap=0.0, sinks=None):
     return (torch.empty_like(q, memory_format=torch.contiguous_format),
             torch.empty_like(k, memory_format=torch.contiguous_format),
-            torch.empty_like(v, memory_format=torch.contiguous_format))
+            torch.empty_like(v, memory_format=torch.contiguous_format),
+            _prefix_grad(prefix_k, q), _prefix_grad(prefix_v, q),
+            lse.new_empty(sinks.shape[0] if sinks is not None else 0))
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, meta, plan, num_segments, max_depth, plan_key, softmax_scale, deterministic = inputs
+    (q, k, v, meta, plan, num_segments, max_depth, plan_key, softmax_scale, deterministic, prefix_k, prefix_v,
+     num_prefixes, window, softcap, sinks) = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, meta, plan)
-    ctx.config = (num_segments, max_depth, plan_key, softmax_scale, deterministic)
+    ctx.save_for_backward(q, k, v, out, lse, meta, plan, prefix_k, prefix_v, sinks)
+    ctx.config = (num_segments, max_depth, plan_key, softmax_scale, deterministic, num_prefixes, window, softcap)
     # An unused lse (the usual case) then reaches the backward as None instead of a zero [H, T]
     # tensor that the kernels would read.
     ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, dout, dlse):
-    q, k, v, out, lse, meta, plan = ctx.saved_tensors
-    num_segments, max_depth, plan_key, softmax_scale, deterministic = ctx.config
+    q, k, v, out, lse, meta, plan, prefix_k, prefix_v, sinks = ctx.saved_tensors
+    num_segments, max_depth, plan_key, softmax_scale, deterministic, num_prefixes, window, softcap = ctx.config
     if dout is None:
         dout = torch.zeros_like(out)
-    dq, dk, dv = _bwd(dout, q, k, v, out, lse, dlse, meta, plan, num_segments, max_depth, plan_key,
-                      softmax_scale, deterministic)
-    return dq, dk, dv, None, None, None, None, None, None, None
+    dq, dk, dv, dpk, dpv, dsinks = _bwd(dout, q, k, v, out, lse, dlse, meta, plan, num_segments, max_depth,
+                                        plan_key, softmax_scale, deterministic, prefix_k, prefix_v, num_prefixes,
+                                        window, softcap, sinks)
+    if not num_prefixes:
+        dpk = dpv = None
+    return (dq, dk, dv, None, None, None, None, None, None, None, dpk, dpv, None, None, None,
+            dsinks if sinks is not None else None)
 
 
 _fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _check_prefix(k: torch.Tensor, prefix_k, prefix_v, layout: Layout) -> None:
+    """The prefix key/value buffers match the layout's external prefixes and k (heads, head dim,
+    dtype, device)."""
+    if prefix_k is None and prefix_v is None:
+        if layout.num_prefixes:
+            raise _native.ArgumentError(f"attention: the layout has {layout.num_prefixes} external prefixes "
+                                        f"({layout.num_prefix_rows} rows); pass their keys and values as prefix_k "
+                                        "and prefix_v")
+        return
+    if prefix_k is None or prefix_v is None:
+        raise _native.ArgumentError("attention: prefix_k and prefix_v go together")
+    if not layout.num_prefixes:
+        raise _native.ArgumentError("attention: prefix_k / prefix_v given but the layout has no external prefix "
+                                    "segments (Layout.from_tree(..., seg_prefix=, prefix_lens=))")
+    want = (layout.num_prefix_rows, k.shape[1], k.shape[2])
+    for name, t in (("prefix_k", prefix_k), ("prefix_v", prefix_v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"attention: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 3 or tuple(t.shape) != want:
+            raise _native.ArgumentError(f"attention: {name} must be [prefix rows {want[0]}, kv heads {want[1]}, "
+                                        f"head_dim {want[2]}] (the layout's prefixes, k's heads and head dim), got "
+                                        f"shape {tuple(t.shape)}")
+        if t.dtype != k.dtype:
+            raise _native.ArgumentError(f"attention: {name} has dtype {t.dtype} but k has {k.dtype}")
+        if t.device != k.device:
+            raise _native.ArgumentError(f"attention: {name} is on {t.device} but k is on {k.device}")
+        if t.stride(-1) != 1:
+            raise _native.ArgumentError(f"attention: {name} must have a contiguous last dimension (stride "
+                                        f"{t.stride(-1)})")
 
 
 def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Layout) -> None:
@@ -173,18 +249,86 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Lay
         raise _native.ArgumentError(f"attention: layout is on {layout.device} but q is on {dev}; use layout.to(q.device)")
 
 
+def check_modifiers_supported(device_type: str, used, what: str = "attention") -> None:
+    """Raise :class:`dualkv.UnsupportedError` naming the mask modifiers of ``used`` (name -> value or
+    None, e.g. ``{"window": 128}``) that the library's backend for ``device_type`` does not implement
+    (its build info says which), before any work is done."""
+    supported = _native.backend_modifiers(device_type)
+    missing = [f"{name} {value}" if value is not None else name for name, value in used.items()
+               if name not in supported]
+    if missing:
+        raise _native.UnsupportedError(
+            f"{what}: the {device_type.upper()} backend does not implement the mask modifier(s) "
+            f"{', '.join(missing)} yet (the CPU backend does)")
+
+
+def _check_modifiers(q: torch.Tensor, window, softcap, sinks):
+    """The modifiers as the ops take them: (window int32, 0 = none; softcap float, 0 = none; sinks
+    [H] in the lse dtype or None). Raises typed errors naming the problem."""
+    used = {}
+    if window is not None:
+        window = as_int(window, "attention: window")
+        if window <= 0:
+            raise _native.ArgumentError(f"attention: window must be >= 1 (or None for no window), got {window}")
+        used["window"] = window
+        window = min(window, _INT32_MAX)  # no position differs by more: the same attention
+    if softcap is not None:
+        if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+            raise TypeError(f"attention: softcap must be a float or None, got {type(softcap).__name__} {softcap!r}")
+        softcap = float(softcap)
+        if not math.isfinite(softcap) or softcap <= 0:
+            raise _native.ArgumentError(f"attention: softcap must be finite and > 0 (or None), got {softcap}")
+        used["softcap"] = softcap
+    if sinks is not None:
+        if not isinstance(sinks, torch.Tensor):
+            raise TypeError(f"attention: sinks must be a torch.Tensor [num_heads] or None, got {type(sinks).__name__}")
+        if sinks.shape != (q.shape[1],):
+            raise _native.ArgumentError(f"attention: sinks must have shape [num_heads] = [{q.shape[1]}] (one logit per "
+                                        f"query head), got {tuple(sinks.shape)}")
+        if not sinks.dtype.is_floating_point:
+            raise _native.ArgumentError(f"attention: sinks must be a floating-point tensor, got {sinks.dtype}")
+        if sinks.device != q.device:
+            raise _native.ArgumentError(f"attention: sinks are on {sinks.device} but q is on {q.device}")
+        used["sinks"] = None
+        sinks = sinks.to(_lse_dtype(q.dtype)).contiguous()  # differentiable: dsinks returns in sinks' dtype
+    if used:
+        check_modifiers_supported(q.device.type, used)
+    return window or 0, softcap or 0.0, sinks
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Layout,
               softmax_scale: Optional[float] = None, deterministic: bool = False,
-              return_lse: bool = False):
+              return_lse: bool = False, prefix_k: Optional[torch.Tensor] = None,
+              prefix_v: Optional[torch.Tensor] = None, window: Optional[int] = None,
+              softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None):
     """Exact attention over a segment forest (see :class:`dualkv.Layout`).
 
     q ``[T, H, D]``, k and v ``[T, Hk, D]`` with ``H % Hk == 0`` (query head h reads kv head
     ``h // (H // Hk)``), last dim contiguous. Returns ``out [T, H, D]`` in the input dtype, and
     with ``return_lse=True`` also ``lse [H, T]`` (float32, natural log; float64 for float64
-    inputs). Differentiable w.r.t. q, k, v (and through lse). ``deterministic=True`` makes the
-    backward bit-identical run to run (the CPU backend always is).
+    inputs). Differentiable w.r.t. q, k, v (and through lse), the prefix buffers and sinks.
+    ``deterministic=True`` makes the backward bit-identical run to run (the CPU backend always is).
+
+    A layout with external prefix segments also reads ``prefix_k`` and ``prefix_v``
+    ``[layout.num_prefix_rows, Hk, D]`` (the keys and values of prompts computed earlier, e.g. by
+    :mod:`dualkv.schedule`'s prompt phase); they are differentiable too: their gradient is the sum
+    over every query of this call that sees them. CPU backend only for now.
+
+    Mask modifiers (CPU backend; the CUDA backend refuses them for now):
+
+    * ``window``: a sliding window of ``window`` positions: query i also stops seeing key j when
+      ``position(i) - position(j) >= window``, positions along the root-to-leaf path (the
+      layout's ``position_ids``; an external prefix's rows are at the positions before its
+      children's), as transformers' ``sliding_window`` in the unpacked row;
+    * ``softcap``: scores ``s = softmax_scale * q.k`` become ``softcap * tanh(s / softcap)`` before
+      masking (Gemma-2's ``attn_logit_softcapping``);
+    * ``sinks``: ``[H]`` per-head logits, each one more term of every row's softmax denominator
+      (gpt-oss); lse includes them; their gradient is summed over the rows.
+
+    The modifiers apply to prefix keys like to any key.
     """
     _check_inputs(q, k, v, layout)
+    _check_prefix(k, prefix_k, prefix_v, layout)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
     # Under torch.compile(dynamic=True) the scale may be a symbolic float: leave it to the library
@@ -196,7 +340,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Layout,
         softmax_scale = float(softmax_scale)
         if not math.isfinite(softmax_scale) or softmax_scale <= 0:
             raise _native.ArgumentError(f"attention: softmax_scale must be finite and > 0, got {softmax_scale}")
+    window, softcap, sinks = _check_modifiers(q, window, softcap, sinks)
     plan, key = layout.plan_for(q.dtype, q.shape[-1])
     out, lse = _fwd(q, k, v, layout.meta, plan, layout.num_segments, layout.max_depth, key, softmax_scale,
-                    bool(deterministic))
+                    bool(deterministic), prefix_k, prefix_v, layout.num_prefixes, window, softcap, sinks)
     return (out, lse) if return_lse else out

@@ -60,6 +60,9 @@ class PackedBatch:
     group_prompt_lens: Tuple[int, ...]  #: host copy: prompt length of every group
     group_rows: Tuple[Tuple[int, ...], ...]  #: host copy: the rows of every group, packed order
     row_response_lens: Tuple[int, ...]  #: host copy of ``response_lens``
+    #: the kept prompt keys and values that the layout's external prefixes read
+    #: (:class:`dualkv.schedule.PromptKV`; None without external prefixes)
+    prompt_kv: Any = None
     _cache: Dict[str, Any] = field(default_factory=dict, repr=False)
 
     # ---- sizes ----------------------------------------------------------------------------
@@ -135,6 +138,7 @@ class PackedBatch:
             group_prompt_lens=self.group_prompt_lens,
             group_rows=self.group_rows,
             row_response_lens=self.row_response_lens,
+            prompt_kv=self.prompt_kv,
         )
 
 
@@ -194,11 +198,17 @@ def pack(prompts: Optional[Sequence[Tensor]] = None,
     return pack_groups(prompts, responses)
 
 
-def pack_groups(prompts: Sequence[Tensor], responses: Sequence[Sequence[Tensor]]) -> PackedBatch:
+def pack_groups(prompts: Sequence[Tensor], responses: Sequence[Sequence[Tensor]],
+                prompt_prefix: Optional[Sequence[int]] = None, prefix_lens: Optional[Sequence[int]] = None,
+                prompt_kv: Any = None) -> PackedBatch:
     """Pack per-group token lists: ``prompts[g]`` 1-D token tensor, ``responses[g][i]`` 1-D.
 
     Rows are numbered group by group (row = sum of previous groups' N + i); ``max_response_len``
     is the longest response.
+
+    External prompts (:mod:`dualkv.schedule`): with ``prompt_prefix[g] = e >= 0``, group g's prompt
+    began with external prefix e (``prefix_lens[e]`` tokens whose keys and values ``prompt_kv``
+    holds) and ``prompts[g]`` holds only its tokens after it (see :meth:`dualkv.Layout.from_groups`).
     """
     if isinstance(prompts, Tensor) or not isinstance(prompts, Sequence):
         raise TypeError("pack_groups: prompts must be a sequence of 1-D token tensors (one per group)")
@@ -248,7 +258,7 @@ def pack_groups(prompts: Sequence[Tensor], responses: Sequence[Sequence[Tensor]]
     # cast to a narrower type.
     dtype = functools.reduce(torch.promote_types, (t.dtype for t in pieces))
     ids = torch.cat([t.to(dtype) for t in pieces])
-    return _finish(ids, prompt_lens, group_rows, row_lens, max(row_lens))
+    return _finish(ids, prompt_lens, group_rows, row_lens, max(row_lens), prompt_prefix, prefix_lens, prompt_kv)
 
 
 def pack_padded(input_ids: Tensor, attention_mask: Tensor, response_mask: Optional[Tensor] = None, *,
@@ -608,13 +618,17 @@ def _segment_ids(counts: Tensor, total: int) -> Tensor:
 
 
 def _finish(ids: Tensor, prompt_lens: List[int], group_rows: Tuple[Tuple[int, ...], ...],
-            row_lens: List[int], r_max: int) -> PackedBatch:
+            row_lens: List[int], r_max: int, prompt_prefix: Optional[Sequence[int]] = None,
+            prefix_lens: Optional[Sequence[int]] = None, prompt_kv: Any = None) -> PackedBatch:
     """Build the layout and the per-row maps from host lengths (groups in packed order)."""
     dev = ids.device
     B = len(row_lens)
     G = len(prompt_lens)
     response_lens = [[row_lens[r] for r in rows] for rows in group_rows]
-    layout = Layout.from_groups(prompt_lens, response_lens)
+    layout = Layout.from_groups(prompt_lens, response_lens, prompt_prefix, prefix_lens)
+    # external prefix segments up to and including each group's (one before its prompt segment)
+    external = torch.tensor([int(e >= 0) for e in prompt_prefix] if prompt_prefix is not None else [0] * G,
+                            dtype=torch.int64).cumsum(0)
     T = int(layout.num_tokens)
     if T != ids.numel():
         raise RuntimeError(f"pack: internal error, layout has {T} tokens, packed stream {ids.numel()}")
@@ -623,8 +637,8 @@ def _finish(ids: Tensor, prompt_lens: List[int], group_rows: Tuple[Tuple[int, ..
     rows_packed = torch.tensor([r for rows in group_rows for r in rows], dtype=torch.int64)
     g_packed = _segment_ids(n_g, B)
     j = torch.arange(B, dtype=torch.int64)
-    seg_of_packed_row = j + g_packed + 1  # g + 1 prompts and j responses precede it
-    prompt_seg = torch.arange(G, dtype=torch.int64) + (torch.cumsum(n_g, 0) - n_g)
+    seg_of_packed_row = j + g_packed + 1 + external[g_packed]  # g + 1 prompts, j responses, externals precede it
+    prompt_seg = torch.arange(G, dtype=torch.int64) + (torch.cumsum(n_g, 0) - n_g) + external
     seg_off = layout.seg_offsets.to("cpu", torch.int64)
     P = torch.tensor(prompt_lens, dtype=torch.int64)
     row_group = torch.empty(B, dtype=torch.int64).scatter_(0, rows_packed, g_packed)
@@ -650,4 +664,5 @@ def _finish(ids: Tensor, prompt_lens: List[int], group_rows: Tuple[Tuple[int, ..
         group_prompt_lens=tuple(int(p) for p in prompt_lens),
         group_rows=tuple(tuple(int(r) for r in rows) for rows in group_rows),
         row_response_lens=tuple(int(x) for x in row_lens),
+        prompt_kv=prompt_kv,
     )

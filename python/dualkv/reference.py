@@ -2,9 +2,11 @@
 
 ``visibility_mask`` rebuilds the mask from the layout's segment lengths and parents alone (it
 walks parent pointers; it does not use the library's derived arrays), so it cross-checks the
-C++ predicate. ``attention_ref`` is dense masked softmax attention in the dtype it is given:
-call it with float64 inputs for the reference, and with the low-precision inputs to estimate
-PyTorch's own rounding error (FlashAttention's tolerance rule).
+C++ predicate; with a window it also compares the positions it derives the same way.
+``attention_ref`` is dense masked softmax attention in the dtype it is given, with the mask
+modifiers restated in their plainest form (softcap on the score matrix, sinks as one more column
+of the softmax): call it with float64 inputs for the reference, and with the low-precision inputs
+to estimate PyTorch's own rounding error (FlashAttention's tolerance rule).
 """
 from __future__ import annotations
 
@@ -30,14 +32,19 @@ def ancestor_matrix(layout: Layout) -> torch.Tensor:
     return A
 
 
-def visibility_mask(layout: Layout) -> torch.Tensor:
-    """bool [T, T]: ``M[i, j]`` iff query token i sees key token j (on the CPU)."""
+def visibility_mask(layout: Layout, window: Optional[int] = None) -> torch.Tensor:
+    """bool [T, T]: ``M[i, j]`` iff query token i sees key token j (on the CPU); with a window,
+    also ``position(i) - position(j) < window`` (positions from :func:`position_ids_ref`)."""
     lens = torch.tensor(layout.segment_lens, dtype=torch.int64)
     seg = torch.repeat_interleave(torch.arange(lens.numel()), lens)
     T = seg.numel()
     idx = torch.arange(T)
     same = (seg[:, None] == seg[None, :]) & (idx[None, :] <= idx[:, None])
-    return same | ancestor_matrix(layout)[seg[:, None], seg[None, :]]
+    mask = same | ancestor_matrix(layout)[seg[:, None], seg[None, :]]
+    if window is not None:
+        pos = mask.sum(1) - 1  # position_ids_ref of the forest mask
+        mask = mask & (pos[:, None] - pos[None, :] < window)
+    return mask
 
 
 def position_ids_ref(layout: Layout) -> torch.Tensor:
@@ -46,21 +53,30 @@ def position_ids_ref(layout: Layout) -> torch.Tensor:
 
 
 def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Layout,
-                  softmax_scale: Optional[float] = None, mask: Optional[torch.Tensor] = None):
-    """Dense masked attention in q's dtype: returns (out [T, H, D], lse [H, T])."""
+                  softmax_scale: Optional[float] = None, mask: Optional[torch.Tensor] = None,
+                  window: Optional[int] = None, softcap: Optional[float] = None,
+                  sinks: Optional[torch.Tensor] = None):
+    """Dense masked attention in q's dtype: returns (out [T, H, D], lse [H, T]). ``window``,
+    ``softcap`` and ``sinks`` ([H]) as in :func:`dualkv.attention`; differentiable in all inputs."""
     T, H, D = q.shape
     Hk = k.shape[1]
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(D)
     if mask is None:
-        mask = visibility_mask(layout)
+        mask = visibility_mask(layout, window)
     mask = mask.to(q.device)
     kk = k.repeat_interleave(H // Hk, dim=1)
     vv = v.repeat_interleave(H // Hk, dim=1)
     scores = torch.einsum("ihd,jhd->hij", q, kk) * softmax_scale
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     scores = scores.masked_fill(~mask, float("-inf"))
+    if sinks is not None:  # one more column per row: the head's sink logit, of a value-less key
+        scores = torch.cat([scores, sinks.to(scores.dtype)[:, None, None].expand(H, T, 1)], dim=-1)
     lse = torch.logsumexp(scores.float() if q.dtype in (torch.float16, torch.bfloat16) else scores, dim=-1)
     probs = torch.softmax(scores, dim=-1)
+    if sinks is not None:
+        probs = probs[..., :T]
     out = torch.einsum("hij,jhd->ihd", probs, vv)
     return out, lse
 

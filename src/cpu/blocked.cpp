@@ -4,12 +4,16 @@
 // else converted once to fp32; then every query tile
 // (tiles.h: up to kQueryRows tokens of one segment, or of sibling responses) walks the key blocks
 // it sees, ancestors in full and its own segments causally, with the arithmetic of one
-// (tile, block) in tile_kernels.h.
-// - Forward: one work item per (query tile, head), online softmax over the key blocks.
+// (tile, block) in tile_kernels.h. An external prefix segment's blocks read the prefix buffers.
+// - Forward: one work item per (query tile, head), online softmax over the key blocks; a head's
+//   sink joins the denominator in the epilogue.
 // - Backward: fused (each (tile, block) computes its probabilities once and feeds dq, dk and dv),
 //   one work item per (tree, kv head). Trees share no keys, so an item owns the dk/dv of its
-//   tree's tokens and the dq of its query rows: no atomics, no reduction across threads, and
-//   every sum runs in the same order whatever the thread count.
+//   tree's tokens (and of its external root's prefix rows, which a layout gives to one segment)
+//   and the dq of its query rows: no atomics, no reduction across threads, and every sum runs in
+//   the same order whatever the thread count. The sinks' gradient comes from the rows' lse and
+//   delta alone (one sum per head, in token order).
+// The mask modifiers: the window through the tiles (tiles.h), the softcap in the score kernel.
 #include <algorithm>
 #include <cstdint>
 #include <cmath>
@@ -22,6 +26,7 @@
 #include "cpu/tile_kernels.h"
 #include "cpu/tiles.h"
 #include "dualkv/layout.h"
+#include "dualkv/mask.h"
 
 namespace dualkv::detail::cpu {
 namespace {
@@ -65,6 +70,13 @@ void store_row(void* base, int64_t offset, int32_t dtype, const float* row, floa
       for (int64_t i = 0; i < n; ++i) out[i] = float_to_fp16(factor * row[i]);
     }
   }
+}
+
+// base[offset + i] += factor * row[i] for i < n, in the output dtype (the accumulated prefix
+// gradients).
+void add_row(void* base, int64_t offset, int32_t dtype, const float* row, float factor, int64_t n) {
+  for (int64_t i = 0; i < n; ++i)
+    store_element<float>(base, offset + i, dtype, load_element<float>(base, offset + i, dtype) + factor * row[i]);
 }
 
 // A [T, heads, D] operand as rows of the tile kernels' operand dtype: element (t, h, d) at
@@ -142,27 +154,47 @@ int32_t threads_for(const ForestView& f, int64_t heads, int64_t D, int32_t reque
   return visible_pairs(f, 0, f.num_segments) * heads * D < kMinParallelWork ? 1 : requested;
 }
 
-// What the forward and the backward share: the forest, the sizes, the thread count, the tile
-// kernels and q, k, v as their operands.
+// What the forward and the backward share: the forest, the sizes, the mask modifiers, the thread
+// count, the tile kernels and q, k, v (and the prefix buffers' keys and values, without rows when
+// there is no external segment) as their operands.
 struct Problem {
   ForestView f;
   int64_t T, H, Hk, D, group;
-  float scale;
+  float scale, softcap;
+  PositionWindow window;
   int32_t threads;
   const TileKernels& kernels;
-  Operand q, k, v;
+  Operand q, k, v, prefix_k, prefix_v;
+
+  // Keys / values of kv head g of a key block: tokens, or an external segment's prefix rows.
+  ConstMatrix keys(const KeyBlock& b, int64_t g) const {
+    return rows_of(f.is_external(b.segment) ? prefix_k : k, g, b.pair.keys.begin, b.pair.keys.end);
+  }
+  ConstMatrix values(const KeyBlock& b, int64_t g) const {
+    return rows_of(f.is_external(b.segment) ? prefix_v : v, g, b.pair.keys.begin, b.pair.keys.end);
+  }
 };
 
 template <typename Params>
 Problem make_problem(const Params& p) {
-  const ForestView f = make_forest_view(p.layout);
+  const ForestView f = make_forest_view(p.layout, p.prefixes);
   const int64_t T = f.num_tokens, H = p.num_heads, Hk = p.num_kv_heads, D = p.head_dim;
+  const int64_t prefix_rows = p.prefixes.num_prefixes ? p.prefixes.num_prefix_rows : 0;
   const int32_t threads = threads_for(f, H, D, p.num_threads);
   const TileKernels& kernels = tile_kernels(p.dtype);
-  return {f, T, H, Hk, D, H / Hk, static_cast<float>(p.softmax_scale), threads, kernels,
-          as_operand(kernels, p.q, p.dtype, T, H, D, p.q_token_stride, p.q_head_stride, threads),
-          as_operand(kernels, p.k, p.dtype, T, Hk, D, p.k_token_stride, p.k_head_stride, threads),
-          as_operand(kernels, p.v, p.dtype, T, Hk, D, p.v_token_stride, p.v_head_stride, threads)};
+  auto operand = [&](const void* base, int64_t rows, int64_t heads, int64_t token_stride, int64_t head_stride) {
+    return as_operand(kernels, base, p.dtype, rows, heads, D, token_stride, head_stride, threads);
+  };
+  auto prefix = [&](const void* base, int64_t token_stride, int64_t head_stride) {
+    return prefix_rows ? operand(base, prefix_rows, Hk, token_stride, head_stride) : Operand{nullptr, 0, 0, D, 4, {}};
+  };
+  return {f, T, H, Hk, D, H / Hk, static_cast<float>(p.softmax_scale), static_cast<float>(p.softcap),
+          PositionWindow{p.window}, threads, kernels,
+          operand(p.q, T, H, p.q_token_stride, p.q_head_stride),
+          operand(p.k, T, Hk, p.k_token_stride, p.k_head_stride),
+          operand(p.v, T, Hk, p.v_token_stride, p.v_head_stride),
+          prefix(p.prefix_k, p.prefix_k_token_stride, p.prefix_k_head_stride),
+          prefix(p.prefix_v, p.prefix_v_token_stride, p.prefix_v_head_stride)};
 }
 
 }  // namespace
@@ -174,7 +206,7 @@ void blocked_forward(const dualkv_fwd_params& p) {
   const int64_t H = pr.H, D = pr.D, group = pr.group;
   const float scale = pr.scale;
   const int32_t threads = pr.threads;
-  const Operand &q = pr.q, &k = pr.k, &v = pr.v;
+  const Operand& q = pr.q;
   const std::vector<QueryTile> tiles = query_tiles(f, kQueryRows, /*stack_roots=*/true);
 
   parallel_for(static_cast<int64_t>(tiles.size()) * H, threads, [&](int64_t item) {
@@ -189,24 +221,25 @@ void blocked_forward(const dualkv_fwd_params& p) {
     row_max.assign(static_cast<size_t>(rows), -INFINITY);
     row_sum.assign(static_cast<size_t>(rows), 0.0f);
     std::vector<KeyBlock>& blocks = w.blocks;
-    key_blocks(f, tile, kKeyCols, &blocks);
+    key_blocks(f, pr.window, tile, kKeyCols, &blocks);
     for (const KeyBlock& b : blocks) {
       const int64_t r = b.row_begin - tile.begin, n = b.row_end - b.row_begin;  // the rows that see b
-      const Matrix s{scores + r * kKeyCols, n, b.end - b.begin, kKeyCols};
-      kernels.scores(rows_of(q, h, b.row_begin, b.row_end), rows_of(k, g, b.begin, b.end), scale, s);
-      if (b.masked) mask_block(f, b, s.data, s.ld);
-      kernels.softmax_accumulate(s, rows_of(v, g, b.begin, b.end), &row_max[static_cast<size_t>(r)],
+      const Matrix s{scores + r * kKeyCols, n, b.pair.keys.end - b.pair.keys.begin, kKeyCols};
+      kernels.scores(rows_of(q, h, b.row_begin, b.row_end), pr.keys(b, g), scale, pr.softcap, s);
+      if (b.masked) mask_block(f, pr.window, tile, b, s.data, s.ld);
+      kernels.softmax_accumulate(s, pr.values(b, g), &row_max[static_cast<size_t>(r)],
                                  &row_sum[static_cast<size_t>(r)], Matrix{&acc[static_cast<size_t>(r * D)], n, D, D});
     }
-    // Every row sees at least its own key, so row_sum >= 1. A per-head sink term would join the
-    // denominator here.
+    // Every row sees at least its own key, so row_sum >= 1. The head's sink, if any, is one more
+    // key of every row (of value zero).
+    const int32_t ldt = lse_dtype(p.dtype);
+    const float sink = p.sinks ? load_element<float>(p.sinks, h, ldt) : 0.0f;
     for (int64_t i = 0; i < rows; ++i) {
       const int64_t t = tile.begin + i, o = t * p.out_token_stride + h * p.out_head_stride;
-      const float inv = 1.0f / row_sum[static_cast<size_t>(i)];
-      store_row(p.out, o, p.dtype, &acc[static_cast<size_t>(i * D)], inv, D);
-      if (p.lse)
-        store_element<float>(p.lse, h * p.lse_head_stride + t, lse_dtype(p.dtype),
-                              row_max[static_cast<size_t>(i)] + std::log(row_sum[static_cast<size_t>(i)]));
+      float m = row_max[static_cast<size_t>(i)], l = row_sum[static_cast<size_t>(i)];
+      const float rescale = p.sinks ? fold_sink(m, l, sink) : 1.0f;
+      store_row(p.out, o, p.dtype, &acc[static_cast<size_t>(i * D)], rescale / l, D);
+      if (p.lse) store_element<float>(p.lse, h * p.lse_head_stride + t, ldt, m + std::log(l));
     }
   });
 }
@@ -218,13 +251,16 @@ void blocked_backward(const dualkv_bwd_params& p) {
   const int64_t T = pr.T, H = pr.H, Hk = pr.Hk, D = pr.D, group = pr.group;
   const float scale = pr.scale;
   const int32_t threads = pr.threads;
-  const Operand &q = pr.q, &k = pr.k, &v = pr.v;
+  const Operand& q = pr.q;
   const Operand dout = as_operand(kernels, p.dout, p.dtype, T, H, D, p.dout_token_stride, p.dout_head_stride, threads);
 
-  // lse and delta = rowsum(dO * O) - dlse per (head, token), the softmax-backward correction.
+  // lse and delta = rowsum(dO * O) - dlse per (head, token), the softmax-backward correction; and
+  // a head's d loss / d sink = -sum over its rows of sink_probability * delta (fp64 sum).
   const int32_t ldt = lse_dtype(p.dtype);
   std::vector<float> lse(static_cast<size_t>(H * T)), delta(static_cast<size_t>(H * T));
   parallel_for(H, threads, [&](int64_t h) {
+    const float sink = p.sinks ? load_element<float>(p.sinks, h, ldt) : 0.0f;
+    double dsink = 0;
     for (int64_t t = 0; t < T; ++t) {
       const size_t i = static_cast<size_t>(h * T + t);
       const int64_t o = t * p.out_token_stride + h * p.out_head_stride;
@@ -235,7 +271,9 @@ void blocked_backward(const dualkv_bwd_params& p) {
       if (p.dlse) sum -= load_element<float>(p.dlse, h * p.dlse_head_stride + t, ldt);
       delta[i] = sum;
       lse[i] = load_element<float>(p.lse, h * p.lse_head_stride + t, ldt);
+      if (p.sinks) dsink -= double(sink_probability(sink, lse[i])) * sum;
     }
+    if (p.sinks) store_element<double>(p.dsinks, h, ldt, dsink);
   });
 
   const std::vector<QueryTile> tiles = query_tiles(f, kQueryRows, /*stack_roots=*/false);
@@ -257,6 +295,11 @@ void blocked_backward(const dualkv_bwd_params& p) {
     const Tree& tree = forest[tree_index];
     const int64_t g = item % Hk, n = tree.token_end - tree.token_begin;
     std::vector<float> dk(static_cast<size_t>(n * D), 0.0f), dv(static_cast<size_t>(n * D), 0.0f);
+    // An external root's prefix rows: their gradients, added to prefix_dk / prefix_dv at the end.
+    const bool external = f.is_external(tree.first);
+    const int32_t prefix_begin = external ? f.prefix_begin(tree.first) : 0;
+    const int64_t prefix_n = external ? f.prefix_end(tree.first) - prefix_begin : 0;
+    std::vector<float> prefix_dk(static_cast<size_t>(prefix_n * D), 0.0f), prefix_dv(prefix_dk.size(), 0.0f);
     Workspace& w = thread_workspace();
     std::vector<float>& dq = w.rows;
     dq.resize(static_cast<size_t>(kQueryRows * D));
@@ -268,21 +311,27 @@ void blocked_backward(const dualkv_bwd_params& p) {
         const QueryTile& tile = tiles[ti];
         const int64_t rows = tile.end - tile.begin;
         std::fill(dq.begin(), dq.begin() + rows * D, 0.0f);
-        key_blocks(f, tile, kKeyCols, &blocks);
+        key_blocks(f, pr.window, tile, kKeyCols, &blocks);
         for (const KeyBlock& b : blocks) {
           const int64_t r = b.row_begin - tile.begin, n = b.row_end - b.row_begin;  // the rows that see b
-          const int64_t cols = b.end - b.begin, local = b.begin - tree.token_begin;
+          const TokenRange keys = b.pair.keys;
+          const int64_t cols = keys.end - keys.begin;
+          // the block's rows of the tree's dk/dv, or of its prefix's
+          const bool prefix = f.is_external(b.segment);
+          float* block_dk = prefix ? &prefix_dk[static_cast<size_t>((keys.begin - prefix_begin) * D)]
+                                   : &dk[static_cast<size_t>((keys.begin - tree.token_begin) * D)];
+          float* block_dv = prefix ? &prefix_dv[static_cast<size_t>((keys.begin - prefix_begin) * D)]
+                                   : &dv[static_cast<size_t>((keys.begin - tree.token_begin) * D)];
           const size_t row0 = static_cast<size_t>(h * T + b.row_begin);
           const ConstMatrix qt = rows_of(q, h, b.row_begin, b.row_end);
           const Matrix s{scores + r * kKeyCols, n, cols, kKeyCols};
-          kernels.scores(qt, rows_of(k, g, b.begin, b.end), scale, s);
-          if (b.masked) mask_block(f, b, s.data, s.ld);
-          kernels.backward_block(s, &lse[row0], &delta[row0], qt, rows_of(k, g, b.begin, b.end),
-                                 rows_of(v, g, b.begin, b.end), rows_of(dout, h, b.row_begin, b.row_end),
+          kernels.scores(qt, pr.keys(b, g), scale, pr.softcap, s);
+          if (b.masked) mask_block(f, pr.window, tile, b, s.data, s.ld);
+          kernels.backward_block(s, &lse[row0], &delta[row0], pr.softcap, qt, pr.keys(b, g), pr.values(b, g),
+                                 rows_of(dout, h, b.row_begin, b.row_end),
                                  Matrix{scratch + r * kKeyCols, n, cols, kKeyCols},
-                                 Matrix{&dq[static_cast<size_t>(r * D)], n, D, D},
-                                 Matrix{&dk[static_cast<size_t>(local * D)], cols, D, D},
-                                 Matrix{&dv[static_cast<size_t>(local * D)], cols, D, D});
+                                 Matrix{&dq[static_cast<size_t>(r * D)], n, D, D}, Matrix{block_dk, cols, D, D},
+                                 Matrix{block_dv, cols, D, D});
         }
         for (int64_t i = 0; i < rows; ++i) {
           const int64_t o = (tile.begin + i) * p.dq_token_stride + h * p.dq_head_stride;
@@ -294,6 +343,13 @@ void blocked_backward(const dualkv_bwd_params& p) {
       const int64_t ok = t * p.dk_token_stride + g * p.dk_head_stride, ov = t * p.dv_token_stride + g * p.dv_head_stride;
       store_row(p.dk, ok, p.dtype, &dk[static_cast<size_t>(j * D)], scale, D);
       store_row(p.dv, ov, p.dtype, &dv[static_cast<size_t>(j * D)], 1.0f, D);
+    }
+    for (int64_t j = 0; j < prefix_n; ++j) {
+      const int64_t row = prefix_begin + j;
+      add_row(p.prefix_dk, row * p.prefix_dk_token_stride + g * p.prefix_dk_head_stride, p.dtype,
+              &prefix_dk[static_cast<size_t>(j * D)], scale, D);
+      add_row(p.prefix_dv, row * p.prefix_dv_token_stride + g * p.prefix_dv_head_stride, p.dtype,
+              &prefix_dv[static_cast<size_t>(j * D)], 1.0f, D);
     }
   });
 }

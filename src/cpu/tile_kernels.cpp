@@ -28,8 +28,13 @@ using Vector = Eigen::Map<Eigen::VectorXf>;
 Map map(Matrix m) { return Map(m.data, m.rows, m.cols, Stride(m.ld)); }
 ConstMap map(ConstMatrix m) { return ConstMap(static_cast<const float*>(m.data), m.rows, m.cols, Stride(m.ld)); }
 
-void scores(ConstMatrix q, ConstMatrix k, float scale, Matrix s) {
+void scores(ConstMatrix q, ConstMatrix k, float scale, float softcap, Matrix s) {
   map(s).noalias() = scale * (map(q) * map(k).transpose());
+  if (softcap > 0) {
+    Map capped = map(s);
+    for (Eigen::Index i = 0; i < capped.rows(); ++i)
+      capped.row(i) = softcap * (capped.row(i).array() * (1.0f / softcap)).tanh();
+  }
 }
 
 void softmax_accumulate(Matrix s_, ConstMatrix v, float* row_max, float* row_sum, Matrix acc_) {
@@ -50,17 +55,25 @@ void softmax_accumulate(Matrix s_, ConstMatrix v, float* row_max, float* row_sum
   acc.noalias() += s * map(v);
 }
 
-void backward_block(Matrix s_, const float* lse, const float* delta, ConstMatrix q, ConstMatrix k, ConstMatrix v,
-                    ConstMatrix dout, Matrix scratch, Matrix dq, Matrix dk, Matrix dv) {
+void backward_block(Matrix s_, const float* lse, const float* delta, float softcap, ConstMatrix q, ConstMatrix k,
+                    ConstMatrix v, ConstMatrix dout, Matrix scratch, Matrix dq, Matrix dk, Matrix dv) {
   // Row by row: a row of a row-major map is contiguous, so each expression is vectorised (Eigen
   // does not vectorise the column-broadcast form p.colwise() - lse over a row-major map and falls
-  // back to scalar expf).
+  // back to scalar expf). dp is formed first: with a softcap, its derivative needs the scores
+  // before p overwrites them.
   Map p = map(s_), dp = map(scratch);
+  dp.noalias() = map(dout) * map(v).transpose();
+  if (softcap > 0) {
+    // dp - delta times softcap_grad = 1 - (s / c)^2, which is in [0, 1] for a capped score;
+    // max(0, .) makes it 0 (not -inf) where the mask left -inf, so that ds = p * dp stays 0
+    // there instead of 0 * inf = NaN.
+    for (Eigen::Index i = 0; i < p.rows(); ++i)
+      dp.row(i) = (dp.row(i).array() - delta[i]) * (1.0f - (p.row(i).array() * (1.0f / softcap)).square()).max(0.0f);
+  }
   for (Eigen::Index i = 0; i < p.rows(); ++i) p.row(i) = (p.row(i).array() - lse[i]).exp();
   map(dv).noalias() += p.transpose() * map(dout);
-  dp.noalias() = map(dout) * map(v).transpose();
-  for (Eigen::Index i = 0; i < p.rows(); ++i)  // p becomes ds
-    p.row(i) = p.row(i).array() * (dp.row(i).array() - delta[i]);
+  for (Eigen::Index i = 0; i < p.rows(); ++i)  // p becomes ds (with a softcap, dp holds dp - delta already)
+    p.row(i) = p.row(i).array() * (dp.row(i).array() - (softcap > 0 ? 0.0f : delta[i]));
   map(dq).noalias() += p * map(k);
   map(dk).noalias() += p.transpose() * map(q);
 }

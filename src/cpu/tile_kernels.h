@@ -29,8 +29,9 @@ struct TileKernels {
   const char* isa;        // "amx", "avx512", "avx2" or "generic"
   int32_t operand_dtype;  // of the ConstMatrix operands: DUALKV_DTYPE_FLOAT32, or _BFLOAT16 for amx
 
-  // s = scale * q k^T for q [rows, D] and k [cols, D]. A score transform (softcap) goes here.
-  void (*scores)(ConstMatrix q, ConstMatrix k, float scale, Matrix s);
+  // s = scale * q k^T for q [rows, D] and k [cols, D], then with softcap > 0 the logit softcap
+  // s = softcap * tanh(s / softcap) (include/dualkv/mask.h's softcap_score, vectorised).
+  void (*scores)(ConstMatrix q, ConstMatrix k, float scale, float softcap, Matrix s);
 
   // Forward, one more key block of a query tile (online softmax): takes the block's masked scores
   // s [rows, cols] (-inf where invisible; may be overwritten), updates the running row max and
@@ -41,9 +42,11 @@ struct TileKernels {
   // Backward, one (query tile, key block): s holds the masked scores (overwritten), lse and delta
   // the tile's rows (delta = rowsum(dO * O) - dlse). With p = exp(s - lse) and
   // ds = p * (dO v^T - delta):  dv += p^T dO,  dq += ds k,  dk += ds^T q  (dq, dk without the
-  // softmax scale, which the caller applies once). scratch is [rows, cols] (the amx set needs none).
-  void (*backward_block)(Matrix s, const float* lse, const float* delta, ConstMatrix q, ConstMatrix k,
-                         ConstMatrix v, ConstMatrix dout, Matrix scratch, Matrix dq, Matrix dk, Matrix dv);
+  // softmax scale, which the caller applies once). With softcap > 0, s holds capped scores and ds
+  // takes the cap's derivative (softcap_grad). scratch is [rows, cols] (the amx set needs none).
+  void (*backward_block)(Matrix s, const float* lse, const float* delta, float softcap, ConstMatrix q,
+                         ConstMatrix k, ConstMatrix v, ConstMatrix dout, Matrix scratch, Matrix dq, Matrix dk,
+                         Matrix dv);
 };
 
 // The kernels for inputs of `dtype` (a DUALKV_DTYPE_*) on this processor: the widest instruction

@@ -23,6 +23,7 @@
 
 #include "cpu/tile_kernels.h"
 #include "dualkv/dualkv.h"
+#include "dualkv/mask.h"
 
 namespace dualkv::detail::cpu {
 namespace {
@@ -322,12 +323,17 @@ void add_strip(Matrix m, int64_t i, int64_t rows, const float* c, int64_t ld) {
   for (int64_t r = 0; r < rows; ++r) scaled_add(m.data + (i + r) * m.ld, 1.0f, c + r * ld, m.cols);
 }
 
-void scores(ConstMatrix q, ConstMatrix k, float scale, Matrix s) {
+void scores(ConstMatrix q, ConstMatrix k, float scale, float softcap, Matrix s) {
   TileScope tiles;
   Scratch& w = scratch();
   const PackedB kt = pack_b_transposed(k, w.b);
   multiply(pack_a(q, w.a), kt, s.rows, w.product, [&](int64_t i, int64_t rows, const float* c) {
-    for (int64_t r = 0; r < rows; ++r) scaled_copy(s.data + (i + r) * s.ld, scale, c + r * kt.cols, s.cols);
+    for (int64_t r = 0; r < rows; ++r) {
+      float* row = s.data + (i + r) * s.ld;
+      scaled_copy(row, scale, c + r * kt.cols, s.cols);
+      // The softcap (Gemma-2 only) in scalar tanh: AVX-512 has no tanh instruction.
+      for (int64_t j = 0; softcap > 0 && j < s.cols; ++j) row[j] = dualkv::softcap_score(row[j], softcap);
+    }
   });
 }
 
@@ -399,10 +405,20 @@ void softmax_accumulate(Matrix s, ConstMatrix v, float* row_max, float* row_sum,
   });
 }
 
-void backward_block(Matrix s, const float* lse, const float* delta, ConstMatrix q, ConstMatrix k, ConstMatrix v,
-                    ConstMatrix dout, Matrix, Matrix dq, Matrix dk, Matrix dv) {
+// With a softcap, cap_grad (the scratch) keeps each score's cap derivative max(0, 1 - (s / c)^2) (softcap_grad; 0,
+// not -inf, where the mask left -inf) before p overwrites the scores; dS takes it as a factor.
+void backward_block(Matrix s, const float* lse, const float* delta, float softcap, ConstMatrix q, ConstMatrix k,
+                    ConstMatrix v, ConstMatrix dout, Matrix cap_grad, Matrix dq, Matrix dk, Matrix dv) {
+  const bool capped = softcap > 0;
+  const __m512 inv_cap = _mm512_set1_ps(capped ? 1.0f / softcap : 0.0f), one = _mm512_set1_ps(1.0f);
   for (int64_t i = 0; i < s.rows; ++i) {
     float* row = s.data + i * s.ld;
+    float* grad = cap_grad.data + i * cap_grad.ld;
+    for (int64_t c = 0; capped && c < s.cols; c += 16) {
+      const __mmask16 m = lanes16(s.cols - c);
+      const __m512 t = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, row + c), inv_cap);
+      _mm512_mask_storeu_ps(grad + c, m, _mm512_max_ps(_mm512_fnmadd_ps(t, t, one), _mm512_setzero_ps()));
+    }
     const __m512 shift = _mm512_set1_ps(-lse[i] * kLog2e);
     for (int64_t c = 0; c < s.cols; c += 16) {
       const __mmask16 m = lanes16(s.cols - c);
@@ -422,7 +438,8 @@ void backward_block(Matrix s, const float* lse, const float* delta, ConstMatrix 
       float* row = s.data + (i + r) * s.ld;
       for (int64_t c = 0; c < s.cols; c += 16) {
         const __mmask16 m = lanes16(s.cols - c);
-        const __m512 ds = _mm512_sub_ps(_mm512_maskz_loadu_ps(m, dp + r * b.cols + c), _mm512_set1_ps(delta[i + r]));
+        __m512 ds = _mm512_sub_ps(_mm512_maskz_loadu_ps(m, dp + r * b.cols + c), _mm512_set1_ps(delta[i + r]));
+        if (capped) ds = _mm512_mul_ps(ds, _mm512_maskz_loadu_ps(m, cap_grad.data + (i + r) * cap_grad.ld + c));
         _mm512_mask_storeu_ps(row + c, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, row + c), ds));
       }
     }

@@ -1,7 +1,8 @@
 // Which (query tile, key block) pairs the blocked CPU attention computes, and which of their
-// elements are masked: the segment-forest visibility rule of include/dualkv/layout.h, applied to
-// tiles. Every mask decision of the blocked path is made here (a position window would be added
-// to `key_blocks` and `mask_block`, nowhere else).
+// elements are masked. The tiling (stacked sibling rows, block widths) is the CPU's own; every
+// visibility decision goes through the segment mask policy of include/dualkv/mask.h: the key
+// ranges a tile sees (clipped to the window), the rows that see a block (bwd_query_range), the
+// block's kind (block_kind) and the keys each row sees (row_keys).
 #ifndef DUALKV_SRC_CPU_TILES_H_
 #define DUALKV_SRC_CPU_TILES_H_
 
@@ -9,6 +10,7 @@
 #include <vector>
 
 #include "dualkv/layout.h"
+#include "dualkv/mask.h"
 
 namespace dualkv::detail::cpu {
 
@@ -20,11 +22,13 @@ struct QueryTile {
   int32_t begin, end, first_segment;
 };
 
-// Keys [begin, end) of one segment, and the tile rows [row_begin, row_end) that see any of them;
-// `masked` when one of those rows does not see one of the keys (the block crosses the causal
-// diagonal). Ancestor blocks are seen by every row of the tile, in full.
+// Keys pair.keys of `segment` (its tokens, or an external segment's prefix rows: ForestView's
+// keys_begin/keys_end) and the tile rows [row_begin, row_end) that see any of them (pair.q_first,
+// pair.q_last); `masked` when one of those rows does not see one of the keys (the block crosses
+// the causal diagonal, or the window cuts it).
 struct KeyBlock {
-  int32_t segment, begin, end, row_begin, row_end;
+  BlockPair pair;
+  int32_t segment, row_begin, row_end;
   bool masked;
 };
 
@@ -43,13 +47,16 @@ std::vector<QueryTile> query_tiles(const ForestView& f, int32_t rows, bool stack
 std::vector<Tree> trees(const ForestView& f);
 
 // Appends to `blocks` (cleared first) the key blocks of at most `cols` keys that `tile` sees:
-// every proper ancestor of its segments in full, root first, then each of its segments up to that
-// segment's last row in the tile. Rows that see none of a block are outside its row range.
-void key_blocks(const ForestView& f, const QueryTile& tile, int32_t cols, std::vector<KeyBlock>* blocks);
+// every proper ancestor of its segments (an external one's prefix rows), nearest first, then each
+// of its segments up to that segment's last row in the tile; with a window only the keys some row
+// of the tile sees.
+void key_blocks(const ForestView& f, PositionWindow window, const QueryTile& tile, int32_t cols,
+                std::vector<KeyBlock>* blocks);
 
-// Sets scores[i * ld + j] to -infinity where key block.begin + j is invisible from query
+// Sets scores[i * ld + j] to -infinity where key block.pair.keys.begin + j is invisible from query
 // block.row_begin + i (only needed for a block with `masked` set).
-void mask_block(const ForestView& f, const KeyBlock& block, float* scores, int64_t ld);
+void mask_block(const ForestView& f, PositionWindow window, const QueryTile& tile, const KeyBlock& block,
+                float* scores, int64_t ld);
 
 }  // namespace dualkv::detail::cpu
 

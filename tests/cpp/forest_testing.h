@@ -78,6 +78,9 @@ inline dualkv_bwd_params contiguous_bwd_params(const dualkv_fwd_params& f, const
   b.head_dim = f.head_dim;
   b.num_threads = f.num_threads;
   b.softmax_scale = f.softmax_scale;
+  b.window = f.window;
+  b.softcap = f.softcap;
+  b.sinks = f.sinks;  // the caller sets dsinks
   b.layout = f.layout;
   b.q = f.q;
   b.k = f.k;
@@ -112,32 +115,46 @@ inline void random_forest(std::mt19937& rng, int roots, int max_depth, int max_c
   for (int r = 0; r < roots; ++r) emit(emit, -1, 0);
 }
 
-// Brute force, fp64: every (query, key) pair is tested with ForestView::visible. `low`, when
-// given, rounds to a low-precision kernel's format where such a kernel does: p and dS where they
-// enter a product (p v with p = exp(s - max) before the division by the row sum, p^T dO, dS k,
-// dS^T q) and the stored output that the backward's delta = rowsum(dO o) reads; the result is
-// what that kernel computes with otherwise exact arithmetic.
+// The mask modifiers of a call (the C ABI's block): all off by default.
+struct Modifiers {
+  int32_t window = 0;
+  double softcap = 0;
+  std::vector<double> sinks;  // [H] or empty
+};
+
+// Brute force, fp64: every (query, key) pair is tested with ForestView::visible and, with a
+// window, by its distance in positions; written from the attention contract, not from the mask
+// policy of mask.h, so that it checks it. `low`, when given, rounds to a low-precision kernel's
+// format where such a kernel does: p and dS where they enter a product (p v with p = exp(s - max)
+// before the division by the row sum, p^T dO, dS k, dS^T q) and the stored output that the
+// backward's delta = rowsum(dO o) reads; the result is what that kernel computes with otherwise
+// exact arithmetic.
 struct DenseResult {
   std::vector<double> out, lse, dq, dk, dv;  // [T][H][D], [H][T], [T][H][D], [T][Hk][D] x2
+  std::vector<double> dsinks;                // [H] with sinks
 };
 
 inline DenseResult dense_attention(const HostLayout& layout, int H, int Hk, int D, double scale,
                                    const std::vector<double>& q, const std::vector<double>& k,
                                    const std::vector<double>& v, const std::vector<double>& dout,
-                                   double (*low)(double) = nullptr) {
+                                   const Modifiers& mods = {}, double (*low)(double) = nullptr) {
   auto op = [low](double x) { return low ? low(x) : x; };
   const dualkv_layout l = layout.view();
   const ForestView f = make_forest_view(l);
   const int T = layout.num_tokens(), group = H / Hk;
-  std::vector<int32_t> seg(T);
-  for (int t = 0; t < T; ++t) seg[t] = f.segment_of(t);
+  std::vector<int32_t> seg(T), pos(T);
+  for (int t = 0; t < T; ++t) {
+    seg[t] = f.segment_of(t);
+    pos[t] = f.position(seg[t], t);
+  }
   DenseResult r;
   r.out.assign(size_t(T) * H * D, 0);
   r.lse.assign(size_t(H) * T, 0);
   r.dq.assign(size_t(T) * H * D, 0);
   r.dk.assign(size_t(T) * Hk * D, 0);
   r.dv.assign(size_t(T) * Hk * D, 0);
-  std::vector<double> p(T), dp(T);
+  r.dsinks.assign(mods.sinks.size(), 0);
+  std::vector<double> p(T), capped(T);
   for (int h = 0; h < H; ++h) {
     const int g = h / group;
     for (int i = 0; i < T; ++i) {
@@ -145,12 +162,18 @@ inline DenseResult dense_attention(const HostLayout& layout, int H, int Hk, int 
       for (int j = 0; j < T; ++j) {
         p[j] = -INFINITY;
         if (!f.visible(seg[i], i, seg[j], j)) continue;
+        if (mods.window > 0 && pos[i] - pos[j] >= mods.window) continue;
         double s = 0;
         for (int d = 0; d < D; ++d) s += q[(size_t(i) * H + h) * D + d] * k[(size_t(j) * Hk + g) * D + d];
-        p[j] = s * scale;
+        s *= scale;
+        if (mods.softcap > 0) s = mods.softcap * std::tanh(s / mods.softcap);
+        p[j] = capped[j] = s;
         m = std::max(m, p[j]);
       }
-      double sum = 0;
+      // The sink: one more logit in the denominator, of a key whose value is zero.
+      const bool sink = !mods.sinks.empty();
+      if (sink) m = std::max(m, mods.sinks[h]);
+      double sum = sink ? std::exp(mods.sinks[h] - m) : 0;
       for (int j = 0; j < T; ++j) sum += p[j] == -INFINITY ? 0 : std::exp(p[j] - m);
       r.lse[size_t(h) * T + i] = m + std::log(sum);
       for (int j = 0; j < T; ++j) p[j] = p[j] == -INFINITY ? 0 : std::exp(p[j] - m);
@@ -162,11 +185,14 @@ inline DenseResult dense_attention(const HostLayout& layout, int H, int Hk, int 
         delta += op(o / sum) * dout[(size_t(i) * H + h) * D + d];
       }
       for (int j = 0; j < T; ++j) p[j] /= sum;
+      if (sink) r.dsinks[h] -= std::exp(mods.sinks[h] - m) / sum * delta;
       for (int j = 0; j < T; ++j) {
         if (p[j] == 0) continue;
         double dpj = 0;
         for (int d = 0; d < D; ++d) dpj += dout[(size_t(i) * H + h) * D + d] * v[(size_t(j) * Hk + g) * D + d];
-        const double ds = op(p[j] * (dpj - delta));
+        double ds = p[j] * (dpj - delta);
+        if (mods.softcap > 0) ds *= 1 - std::pow(capped[j] / mods.softcap, 2);
+        ds = op(ds);
         for (int d = 0; d < D; ++d) {
           r.dq[(size_t(i) * H + h) * D + d] += scale * ds * k[(size_t(j) * Hk + g) * D + d];
           r.dk[(size_t(j) * Hk + g) * D + d] += scale * ds * q[(size_t(i) * H + h) * D + d];

@@ -3,6 +3,8 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstddef>
+#include <cstring>
 #include <functional>
 #include <string>
 #include <vector>
@@ -132,6 +134,61 @@ TEST(ApiErrors, BackwardRejectsBadCalls) {
   }
 }
 
+// The mask modifiers' values, their buffers and the backend that runs them (issue 16).
+TEST(ApiErrors, ModifiersAreValidated) {
+  std::vector<float> sinks(4, 0.5f), dsinks(4, 0.0f);
+  auto with_sinks = [&](Fixture& x) {
+    x.f.sinks = x.b.sinks = sinks.data();
+    x.b.dsinks = dsinks.data();
+  };
+  const std::vector<Case> forward = {
+      {"window", [](Fixture& x) { x.f.window = 3; }, DUALKV_OK, ""},
+      {"softcap", [](Fixture& x) { x.f.softcap = 30.0; }, DUALKV_OK, ""},
+      {"sinks", with_sinks, DUALKV_OK, ""},
+      {"negative window", [](Fixture& x) { x.f.window = -1; }, DUALKV_ERROR_INVALID_ARGUMENT, "window must be >= 1"},
+      {"negative softcap", [](Fixture& x) { x.f.softcap = -5; }, DUALKV_ERROR_INVALID_ARGUMENT, "softcap must be"},
+      {"nan softcap", [](Fixture& x) { x.f.softcap = NAN; }, DUALKV_ERROR_INVALID_ARGUMENT, "softcap must be"},
+      {"inf softcap", [](Fixture& x) { x.f.softcap = INFINITY; }, DUALKV_ERROR_INVALID_ARGUMENT, "softcap must be"},
+      {"misaligned sinks", [&](Fixture& x) { x.f.sinks = reinterpret_cast<const char*>(sinks.data()) + 2; },
+       DUALKV_ERROR_INVALID_ARGUMENT, "sinks: pointer"},
+      {"out over sinks", [&](Fixture& x) { x.f.sinks = x.out.data() + 3; }, DUALKV_ERROR_INVALID_ARGUMENT,
+       "out and sinks overlap"},
+      // The kernels refuse the modifiers by name, in every build (a CPU-only one says so first).
+      {"cuda window", [](Fixture& x) { x.f.device = DUALKV_DEVICE_CUDA; x.f.window = 128; },
+       DUALKV_ERROR_UNSUPPORTED, "not implemented by the CUDA backend yet: sliding window 128"},
+      {"cuda softcap and sinks", [&](Fixture& x) { with_sinks(x); x.f.device = DUALKV_DEVICE_CUDA; x.f.softcap = 50; },
+       DUALKV_ERROR_UNSUPPORTED, "CUDA backend yet: softcap 50, attention sinks"},
+  };
+  for (const Case& c : forward) {
+    Fixture x;
+    c.spoil(x);
+    EXPECT_EQ(dualkv_fwd(&x.f), c.expected) << c.name << ": " << dualkv_last_error();
+    EXPECT_NE(std::string(dualkv_last_error()).find(c.message), std::string::npos) << c.name << ": " << dualkv_last_error();
+  }
+  const std::vector<Case> backward = {
+      {"sinks and dsinks", with_sinks, DUALKV_OK, ""},
+      {"sinks without dsinks", [&](Fixture& x) { with_sinks(x); x.b.dsinks = nullptr; }, DUALKV_ERROR_INVALID_ARGUMENT,
+       "dsinks: pointer is NULL"},
+      {"dsinks without sinks", [&](Fixture& x) { x.b.dsinks = dsinks.data(); }, DUALKV_ERROR_INVALID_ARGUMENT,
+       "dsinks: given without sinks"},
+      {"dsinks inside dq", [&](Fixture& x) { with_sinks(x); x.b.dsinks = x.dq.data() + 5; },
+       DUALKV_ERROR_INVALID_ARGUMENT, "dq and dsinks overlap"},
+      {"dsinks is sinks", [&](Fixture& x) { with_sinks(x); x.b.dsinks = sinks.data(); }, DUALKV_ERROR_INVALID_ARGUMENT,
+       "overlap"},
+      {"zero window", [](Fixture& x) { x.b.window = 0; }, DUALKV_OK, ""},
+      {"negative window", [](Fixture& x) { x.b.window = -7; }, DUALKV_ERROR_INVALID_ARGUMENT, "window"},
+      {"cuda sinks", [&](Fixture& x) { with_sinks(x); x.b.device = DUALKV_DEVICE_CUDA; }, DUALKV_ERROR_UNSUPPORTED,
+       "CUDA backend yet: attention sinks"},
+  };
+  for (const Case& c : backward) {
+    Fixture x;
+    ASSERT_EQ(dualkv_fwd(&x.f), DUALKV_OK) << dualkv_last_error();
+    c.spoil(x);
+    EXPECT_EQ(dualkv_bwd(&x.b), c.expected) << c.name << ": " << dualkv_last_error();
+    EXPECT_NE(std::string(dualkv_last_error()).find(c.message), std::string::npos) << c.name << ": " << dualkv_last_error();
+  }
+}
+
 // dk and dv interleaved token by token in one [T, 2, Hk, D] buffer share no element: accepted,
 // and the same values as separate buffers.
 TEST(ApiErrors, InterleavedGradientBuffersAreAccepted) {
@@ -203,7 +260,8 @@ TEST(ApiErrors, BuildInfoIsJson) {
   const std::string info = dualkv_build_info();
   EXPECT_EQ(info.front(), '{');
   EXPECT_EQ(info.back(), '}');
-  EXPECT_NE(info.find("\"abi_version\": 1"), std::string::npos);
+  EXPECT_NE(info.find("\"abi_version\": 2"), std::string::npos);
+  EXPECT_NE(info.find("\"modifiers\": [\"window\", \"softcap\", \"sinks\"]"), std::string::npos);
   EXPECT_NE(info.find("\"cpu\""), std::string::npos);
   EXPECT_EQ(dualkv_abi_version(), uint32_t(DUALKV_ABI_VERSION));
   EXPECT_STREQ(dualkv_status_string(DUALKV_ERROR_INVALID_LAYOUT), "invalid layout");

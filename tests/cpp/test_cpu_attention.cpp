@@ -14,6 +14,7 @@
 
 using dualkv::testing::dense_attention;
 using dualkv::testing::HostLayout;
+using dualkv::testing::Modifiers;
 using dualkv::testing::random_forest;
 using dualkv::testing::relative_error;
 
@@ -51,11 +52,12 @@ struct Outputs {
   // lse is float64 for float64 inputs and float32 for every other dtype (the ABI contract).
   using Lse = std::conditional_t<std::is_same_v<T, double>, double, float>;
   std::vector<T> out, dq, dk, dv;
-  std::vector<Lse> lse;
+  std::vector<Lse> lse, dsinks;
 };
 
 template <typename T>
-Outputs<T> run_cpu(const HostLayout& layout, const Problem<T>& p, int32_t dtype, int threads, int32_t flags = 0) {
+Outputs<T> run_cpu(const HostLayout& layout, const Problem<T>& p, int32_t dtype, int threads, int32_t flags = 0,
+                   const Modifiers& mods = {}) {
   const int64_t Tn = layout.num_tokens();
   Outputs<T> o;
   // Poison the outputs so that an element the backend fails to write is caught.
@@ -70,9 +72,16 @@ Outputs<T> run_cpu(const HostLayout& layout, const Problem<T>& p, int32_t dtype,
                                                                 p.k.data(), p.v.data(), o.out.data(), o.lse.data());
   f.flags = flags;
   f.num_threads = threads;
+  // The modifiers; sinks in the lse dtype.
+  const std::vector<typename Outputs<T>::Lse> sinks(mods.sinks.begin(), mods.sinks.end());
+  f.window = mods.window;
+  f.softcap = mods.softcap;
+  f.sinks = sinks.empty() ? nullptr : sinks.data();
+  o.dsinks.assign(sinks.size(), NAN);
   EXPECT_EQ(dualkv_fwd(&f), DUALKV_OK) << dualkv_last_error();
   dualkv_bwd_params b =
       dualkv::testing::contiguous_bwd_params(f, p.dout.data(), o.dq.data(), o.dk.data(), o.dv.data());
+  b.dsinks = sinks.empty() ? nullptr : o.dsinks.data();
   EXPECT_EQ(dualkv_bwd(&b), DUALKV_OK) << dualkv_last_error();
   return o;
 }
@@ -173,6 +182,94 @@ Problem<uint16_t> rounded_to_bf16(Problem<float>* pf) {
   round(pf->v, pf->v64, p.v);
   round(pf->dout, pf->do64, p.dout);
   return p;
+}
+
+// Every output (dsinks with sinks) within `tolerance` of the brute force.
+template <typename T>
+void expect_close(const Outputs<T>& o, const dualkv::testing::DenseResult& ref, double tolerance, const char* what) {
+  EXPECT_LE(relative_error(o.out, ref.out), tolerance) << "out " << what;
+  EXPECT_LE(relative_error(o.lse, ref.lse), tolerance) << "lse " << what;
+  EXPECT_LE(relative_error(o.dq, ref.dq), tolerance) << "dq " << what;
+  EXPECT_LE(relative_error(o.dk, ref.dk), tolerance) << "dk " << what;
+  EXPECT_LE(relative_error(o.dv, ref.dv), tolerance) << "dv " << what;
+  if (!ref.dsinks.empty()) EXPECT_LE(relative_error(o.dsinks, ref.dsinks), tolerance) << "dsinks " << what;
+}
+
+// The mask modifiers (issue 16) on random forests, alone and combined as the models use them
+// (window + sinks: gpt-oss; window + softcap: Gemma-2), windows from 1 token to past the longest
+// path, head dims up to 512: the blocked fp32 path within 1e-5 and the fp64 reference to rounding
+// of the brute force, dsinks included.
+TEST(CpuAttention, ModifiersMatchDenseFp64OnRandomForests) {
+  std::mt19937 rng(20261201);
+  const int head_dims[] = {16, 64, 3, 40, 512};
+  std::uniform_real_distribution<double> sink_dist(-2.0, 3.0);
+  for (int trial = 0; trial < 60; ++trial) {
+    std::vector<int32_t> lengths, parents;
+    random_forest(rng, 1 + trial % 3, 1 + trial % 3, 4, trial % 4 == 0 ? 40 : 12, &lengths, &parents);
+    HostLayout layout(lengths, parents);
+    const int D = head_dims[trial % 5];
+    const int Hk = 1 + trial % 2, H = Hk * (1 + (trial / 2) % 3);
+    Modifiers mods;
+    const int kind = trial % 6;  // window, softcap, sinks, window + sinks, window + softcap, all three
+    if (kind == 0 || kind >= 3) mods.window = std::uniform_int_distribution<int>(1, 30)(rng);
+    if (kind == 1 || kind == 4 || kind == 5) mods.softcap = std::uniform_real_distribution<double>(0.5, 8.0)(rng);
+    if (kind == 2 || kind == 3 || kind == 5)
+      for (int h = 0; h < H; ++h) mods.sinks.push_back(sink_dist(rng));
+    SCOPED_TRACE(::testing::Message() << "trial " << trial << " D " << D << " H " << H << " Hk " << Hk << " window "
+                                      << mods.window << " softcap " << mods.softcap << " sinks "
+                                      << mods.sinks.size() << " T " << layout.num_tokens());
+    Problem<float> pf = make_problem<float>(rng, layout.num_tokens(), H, Hk, D);
+    if (mods.softcap > 0)  // scores well past the cap, so that it bends them
+      for (float& x : pf.q) x *= 3.0f;
+    for (size_t i = 0; i < pf.q.size(); ++i) pf.q64[i] = pf.q[i];
+    const auto ref = dense_attention(layout, H, Hk, D, pf.scale, pf.q64, pf.k64, pf.v64, pf.do64, mods);
+    expect_close(run_cpu(layout, pf, DUALKV_DTYPE_FLOAT32, 1 + trial % 2, 0, mods), ref, 1e-5, "fp32");
+    Problem<double> pd{H, Hk, D, pf.scale, pf.q64, pf.k64, pf.v64, pf.do64, pf.q64, pf.k64, pf.v64, pf.do64};
+    expect_close(run_cpu(layout, pd, DUALKV_DTYPE_FLOAT64, 2, 0, mods), ref, 1e-11, "fp64");
+  }
+}
+
+// The window on the blocked path's tile edges: stacked sibling responses that each see the tail of
+// their prompt, windows shorter and longer than a 128-key block and a 256-row tile, 1-token
+// windows; fp32 vs brute force, and 1 thread vs 4 bit for bit.
+TEST(CpuAttention, WindowAtTileAndBlockEdges) {
+  const std::vector<int32_t> lengths = {300, 1, 127, 40, 129, 255, 2, 257}, parents = {-1, 0, 0, 0, 0, 0, 0, 0};
+  HostLayout layout(lengths, parents);
+  std::mt19937 rng(23);
+  Problem<float> p = make_problem<float>(rng, layout.num_tokens(), 4, 2, 16);
+  for (int32_t window : {1, 2, 100, 128, 129, 256, 300, 700}) {
+    Modifiers mods;
+    mods.window = window;
+    const auto ref = dense_attention(layout, p.H, p.Hk, p.D, p.scale, p.q64, p.k64, p.v64, p.do64, mods);
+    const Outputs<float> one = run_cpu(layout, p, DUALKV_DTYPE_FLOAT32, 1, 0, mods);
+    const Outputs<float> four = run_cpu(layout, p, DUALKV_DTYPE_FLOAT32, 4, 0, mods);
+    SCOPED_TRACE(::testing::Message() << "window " << window);
+    expect_close(one, ref, 2e-5, "fp32");
+    EXPECT_EQ(0, std::memcmp(one.out.data(), four.out.data(), one.out.size() * 4));
+    EXPECT_EQ(0, std::memcmp(one.dk.data(), four.dk.data(), one.dk.size() * 4));
+  }
+}
+
+// A window no path reaches and sinks of -infinity change nothing: the same bits as the call
+// without them (the modifiers' inert states are exact, not approximate).
+TEST(CpuAttention, InertModifiersChangeNothing) {
+  std::mt19937 rng(31);
+  std::vector<int32_t> lengths, parents;
+  random_forest(rng, 2, 3, 3, 20, &lengths, &parents);
+  HostLayout layout(lengths, parents);
+  Problem<float> p = make_problem<float>(rng, layout.num_tokens(), 4, 2, 32);
+  const Outputs<float> plain = run_cpu(layout, p, DUALKV_DTYPE_FLOAT32, 2);
+  Modifiers wide;
+  wide.window = layout.num_tokens();
+  const Outputs<float> windowed = run_cpu(layout, p, DUALKV_DTYPE_FLOAT32, 2, 0, wide);
+  EXPECT_EQ(0, std::memcmp(plain.out.data(), windowed.out.data(), plain.out.size() * 4));
+  EXPECT_EQ(0, std::memcmp(plain.dq.data(), windowed.dq.data(), plain.dq.size() * 4));
+  Modifiers sinks;
+  sinks.sinks.assign(4, -INFINITY);
+  const Outputs<float> sunk = run_cpu(layout, p, DUALKV_DTYPE_FLOAT32, 2, 0, sinks);
+  EXPECT_EQ(0, std::memcmp(plain.out.data(), sunk.out.data(), plain.out.size() * 4));
+  EXPECT_EQ(0, std::memcmp(plain.dk.data(), sunk.dk.data(), plain.dk.size() * 4));
+  for (float d : sunk.dsinks) EXPECT_EQ(d, 0.0f);
 }
 
 // Results do not depend on the number of threads: bit-identical. The problem is large enough
@@ -359,7 +456,8 @@ TEST(CpuAttention, HalfPrecisionInputs) {
 // output's error at most twice that of the fp64 computation that rounds p and dS to bf16 where
 // they enter a product (as the GPU kernels and the amx ones do) and its outputs to bf16, plus a
 // tiny term; lse (fp32 from fp32 scores) within 1e-5. Random forests at every head-dim class
-// (multiples of 32, of 16, odd), GQA, and the tile/block edge layouts; 1 thread vs 3 bit for bit.
+// (multiples of 32, of 16, odd), GQA, and the tile/block edge layouts, two thirds of them with the
+// mask modifiers; 1 thread vs 3 bit for bit.
 TEST(CpuAttention, HalfPrecisionBfloat16ToleranceRule) {
   std::mt19937 rng(2026);
   std::vector<EdgeCase> cases(std::begin(kTileAndBlockEdges), std::end(kTileAndBlockEdges));
@@ -381,13 +479,21 @@ TEST(CpuAttention, HalfPrecisionBfloat16ToleranceRule) {
   }
   auto bf16 = [](double x) { return double(from_bf16(to_bf16(float(x)))); };
   double worst_ratio = 0;
-  for (const EdgeCase& c : cases) {
+  for (size_t i = 0; i < cases.size(); ++i) {
+    const EdgeCase& c = cases[i];
     HostLayout layout(c.lengths, c.parents);
+    // Every third case with the window and softcap (Gemma-2), every third with the window and sinks
+    // (gpt-oss): the bf16 kernels' softcap and its derivative under the same rule.
+    Modifiers mods;
+    if (i % 3 != 0) mods.window = std::uniform_int_distribution<int>(1, 40)(rng);
+    if (i % 3 == 1) mods.softcap = std::uniform_real_distribution<double>(0.5, 4.0)(rng);
+    std::uniform_real_distribution<double> sink(-2, 3);
+    for (int h = 0; i % 3 == 2 && h < c.H; ++h) mods.sinks.push_back(sink(rng));
     Problem<float> pf = make_problem<float>(rng, layout.num_tokens(), c.H, c.Hk, c.D);
     const Problem<uint16_t> p = rounded_to_bf16(&pf);
-    const Outputs<uint16_t> o = run_cpu(layout, p, DUALKV_DTYPE_BFLOAT16, 1);
-    const auto ref = dense_attention(layout, pf.H, pf.Hk, pf.D, pf.scale, pf.q64, pf.k64, pf.v64, pf.do64);
-    const auto low = dense_attention(layout, pf.H, pf.Hk, pf.D, pf.scale, pf.q64, pf.k64, pf.v64, pf.do64, bf16);
+    const Outputs<uint16_t> o = run_cpu(layout, p, DUALKV_DTYPE_BFLOAT16, 1, 0, mods);
+    const auto ref = dense_attention(layout, pf.H, pf.Hk, pf.D, pf.scale, pf.q64, pf.k64, pf.v64, pf.do64, mods);
+    const auto low = dense_attention(layout, pf.H, pf.Hk, pf.D, pf.scale, pf.q64, pf.k64, pf.v64, pf.do64, mods, bf16);
     const struct {
       const char* name;
       const std::vector<uint16_t>& mine;
@@ -396,7 +502,9 @@ TEST(CpuAttention, HalfPrecisionBfloat16ToleranceRule) {
                   {"dv", o.dv, ref.dv, low.dv}};
     const auto where = [&] {
       return " T " + std::to_string(layout.num_tokens()) + " S " + std::to_string(layout.num_segments()) + " H " +
-             std::to_string(c.H) + " Hk " + std::to_string(c.Hk) + " D " + std::to_string(c.D);
+             std::to_string(c.H) + " Hk " + std::to_string(c.Hk) + " D " + std::to_string(c.D) + " window " +
+             std::to_string(mods.window) + " softcap " + std::to_string(mods.softcap) + " sinks " +
+             std::to_string(mods.sinks.size());
     };
     for (const auto& check : checks) {
       const double err = relative_error(as_bf16_values(check.mine), check.ref);
@@ -405,7 +513,13 @@ TEST(CpuAttention, HalfPrecisionBfloat16ToleranceRule) {
       worst_ratio = std::max(worst_ratio, err / (yardstick + 1e-4));
     }
     ASSERT_LE(relative_error(o.lse, ref.lse), 1e-5) << "lse" << where();
-    expect_same_bits(o, run_cpu(layout, p, DUALKV_DTYPE_BFLOAT16, 3));
+    // dsinks sums sink probability * delta over rows, delta from the stored bf16 output: the fp32
+    // kernels (no AMX) round that output from unrounded p, the yardstick from rounded p, so their
+    // errors differ by more than the other outputs' do (2.5x the yardstick on one avx512 layout): a 1e-3 term.
+    if (!mods.sinks.empty())
+      ASSERT_LE(relative_error(o.dsinks, ref.dsinks), 2 * relative_error(low.dsinks, ref.dsinks) + 1e-3)
+          << "dsinks" << where();
+    expect_same_bits(o, run_cpu(layout, p, DUALKV_DTYPE_BFLOAT16, 3, 0, mods));
   }
   RecordProperty("worst_error_over_yardstick", std::to_string(worst_ratio));
 }

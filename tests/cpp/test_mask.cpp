@@ -1,15 +1,21 @@
 // The mask policy (include/dualkv/mask.h) against the visibility rule, pair by pair, on random
 // forests: the forward walk with its tile kinds and apply step, and the backward query ranges with
 // theirs, each reproduce exactly the visible (query, key) pairs; a tile called kFull hides nothing.
+// With a sliding window: the key ranges cut to the window, the block kinds and the rows' keys
+// reproduce the windowed rule, written here from positions alone.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <random>
 #include <vector>
 
 #include "dualkv/mask.h"
 #include "forest_testing.h"
 
+using dualkv::BlockPair;
+using dualkv::PositionWindow;
 using dualkv::SegmentMask;
+using dualkv::TokenRange;
 using dualkv::TileKind;
 using dualkv::testing::HostLayout;
 using dualkv::testing::random_forest;
@@ -84,6 +90,104 @@ void check_backward(const HostLayout& l) {
       }
     }
   }
+}
+
+// The windowed rule, from positions: forest-visible and pos(q) - pos(k) < W.
+bool windowed_visible(const dualkv::ForestView& f, int32_t window, int32_t q, int32_t k) {
+  const int32_t qs = f.segment_of(q), ks = f.segment_of(k);
+  return f.visible(qs, q, ks, k) && (window == 0 || f.position(qs, q) - f.position(ks, k) < window);
+}
+
+// For query blocks of one segment (rows [q0, q1)) and every key range they walk (each ancestor,
+// then their own segment up to q1 - 1), cut to the window of the first row and into key blocks:
+// block_kind, row_keys and bwd_query_range agree pair by pair with the windowed rule; every visible
+// key lies in a cut range; kFull hides nothing, kEmpty shows nothing.
+void check_window(const HostLayout& l, int32_t window) {
+  const dualkv_layout v = l.view();
+  const dualkv::ForestView f = dualkv::make_forest_view(v);
+  const PositionWindow w{window};
+  for (int32_t s = 0; s < l.num_segments(); ++s) {
+    for (int32_t q0 = f.segment_begin(s); q0 < f.segment_end(s); q0 += kBlockM) {
+      const int32_t q1 = std::min(q0 + kBlockM, f.segment_end(s));
+      std::vector<std::vector<char>> seen(q1 - q0, std::vector<char>(l.num_tokens(), 0));
+      std::vector<int32_t> ranges = {s};
+      for (int32_t a = f.parent[s]; a >= 0; a = f.parent[a]) ranges.push_back(a);
+      for (int32_t ks : ranges) {
+        const bool own = ks == s;
+        const TokenRange all{f.segment_begin(ks), own ? q1 : f.segment_end(ks)};
+        const TokenRange keys = SegmentMask::keys_in_window(f, w, ks, all, f.position(s, q0));
+        for (int32_t k = all.begin; k < keys.begin; ++k)  // the cut keys: no row sees them
+          for (int32_t q = q0; q < q1; ++q) ASSERT_FALSE(windowed_visible(f, window, q, k)) << q << " " << k;
+        for (int32_t b = keys.begin; b < keys.end; b += kBlockN) {
+          const int32_t e = std::min(b + kBlockN, keys.end);
+          const TokenRange rows = SegmentMask::bwd_query_range(f, w, ks, b, e - 1);
+          const BlockPair pair{{b, e}, f.position(ks, b), q0, q1 - 1, f.position(s, q0), f.position(s, q1 - 1), own};
+          const dualkv::TileKind kind = SegmentMask::block_kind(pair, w);
+          for (int32_t q = q0; q < q1; ++q) {
+            const TokenRange r = SegmentMask::row_keys(pair, w, q, f.position(s, q));
+            for (int32_t k = b; k < e; ++k) {
+              const bool shown = r.begin <= k && k < r.end, expect = windowed_visible(f, window, q, k);
+              ASSERT_EQ(shown, expect) << "q " << q << " k " << k;
+              ASSERT_EQ(SegmentMask::visible(f, w, s, q, ks, k), expect);
+              if (kind == dualkv::TileKind::kFull) ASSERT_TRUE(expect) << "a full block hides a pair";
+              if (kind == dualkv::TileKind::kEmpty) ASSERT_FALSE(expect) << "an empty block shows a pair";
+              if (expect) ASSERT_TRUE(rows.begin <= q && q < rows.end) << "bwd_query_range misses q " << q;
+              seen[q - q0][k] += shown;
+            }
+          }
+        }
+      }
+      for (int32_t q = q0; q < q1; ++q)
+        for (int32_t k = 0; k < l.num_tokens(); ++k)
+          ASSERT_EQ(seen[q - q0][k], windowed_visible(f, window, q, k) ? 1 : 0) << "q " << q << " k " << k;
+    }
+  }
+  // bwd_query_range with the window: every query that sees a key of the block lies in it, for
+  // blocks of every segment (also those no query tile above walked to).
+  for (int32_t s = 0; s < l.num_segments(); ++s)
+    for (int32_t k0 = f.segment_begin(s); k0 < f.segment_end(s); k0 += kBlockN) {
+      const int32_t k1 = std::min(k0 + kBlockN, f.segment_end(s));
+      const TokenRange rows = SegmentMask::bwd_query_range(f, w, s, k0, k1 - 1);
+      for (int32_t q = 0; q < l.num_tokens(); ++q)
+        for (int32_t k = k0; k < k1; ++k)
+          if (windowed_visible(f, window, q, k)) ASSERT_TRUE(rows.begin <= q && q < rows.end) << q << " " << k;
+    }
+}
+
+TEST(Mask, WindowPolicyReproducesTheWindowedRule) {
+  std::mt19937 rng(1612);
+  for (int trial = 0; trial < 40; ++trial) {
+    std::vector<int32_t> lens, parents;
+    random_forest(rng, 1 + trial % 3, 1 + trial % 4, 3, 30, &lens, &parents);
+    HostLayout l(lens, parents);
+    for (int32_t window : {1, 2, 5, 17, 64, 1000}) {
+      SCOPED_TRACE(::testing::Message() << "trial " << trial << " window " << window);
+      check_window(l, window);
+    }
+  }
+}
+
+// The score modifiers' formulas: the softcap and its derivative, and a sink folded into a row's
+// softmax as one more key (its lse, the rescaling, and the sink's share of the row).
+TEST(Mask, ScoreModifiers) {
+  EXPECT_NEAR(dualkv::softcap_score(3.0, 2.0), 2.0 * std::tanh(1.5), 1e-15);
+  const double s = 0.7, c = 1.3, h = 1e-6;
+  const double numeric = (dualkv::softcap_score(s + h, c) - dualkv::softcap_score(s - h, c)) / (2 * h);
+  EXPECT_NEAR(dualkv::softcap_grad(dualkv::softcap_score(s, c), c), numeric, 1e-9);
+  const double scores[] = {0.5, -1.0, 2.0}, sink = 1.5;
+  double m = 2.0, l = 0;
+  for (double x : scores) l += std::exp(x - m);
+  const double acc_before = l;  // an accumulator of ones, rescaled like the output
+  const double rescale = dualkv::fold_sink(m, l, sink);
+  double expect = std::exp(sink);
+  for (double x : scores) expect += std::exp(x);
+  EXPECT_NEAR(m + std::log(l), std::log(expect), 1e-14);
+  EXPECT_NEAR(acc_before * rescale / l, (expect - std::exp(sink)) / expect, 1e-14);
+  EXPECT_NEAR(dualkv::sink_probability(sink, m + std::log(l)), std::exp(sink) / expect, 1e-14);
+  double m2 = 3.0, l2 = 2.0;  // a sink of -infinity changes nothing
+  EXPECT_EQ(dualkv::fold_sink(m2, l2, -double(INFINITY)), 1.0);
+  EXPECT_EQ(m2, 3.0);
+  EXPECT_EQ(l2, 2.0);
 }
 
 TEST(Mask, PolicyReproducesTheRuleOnRandomForests) {

@@ -6,8 +6,9 @@
 For every (head dim, path, config) of bench/attention.py (the issue's configs and the variable-length
 micro-batch), each round times base, new (and, with --fa2, SDPA-flash on the unpacked batch) in a
 rotated order, forward and forward+backward, through bench/attention.py's own methods and timer.
-Both libraries are loaded side by side (ctypes handles) and the dualkv package is pointed at one or
-the other around each measurement; each gets its own layout (work plan). "portable" forces the sm80
+Both libraries are loaded side by side (bench/attention.py's Library: either may be an ABI-1 build such
+as 72977b9's) and the dualkv package is pointed at one or the other around each call; each gets its own
+layout (work plan). "portable" forces the sm80
 kernels (DUALKV_DISABLE_SM90=1, DUALKV_DISABLE_SM90_BWD=1), "hopper" is the default dispatch.
 Reported per config: the median of the rounds for each library, new/base time ratio per round
 (median, and whether new was slower in every round), and dualkv/FA2 useful-FLOP rate. A head dim the
@@ -16,8 +17,6 @@ base library was not built for is timed for new (and FA2) only.
 from __future__ import annotations
 
 import argparse
-import ctypes
-import datetime
 import json
 import os
 import pathlib
@@ -30,21 +29,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "python"))
 sys.path.insert(0, str(ROOT / "bench"))
 import attention as bench  # noqa: E402  bench/attention.py: Case, methods, time_fn
-import dualkv  # noqa: E402
-from dualkv import _native  # noqa: E402
+import provenance  # noqa: E402
 
 PATH_ENV = {"hopper": {}, "portable": {"DUALKV_DISABLE_SM90": "1", "DUALKV_DISABLE_SM90_BWD": "1"}}
-
-
-def load(path: str) -> ctypes.CDLL:
-    handle = ctypes.CDLL(str(pathlib.Path(path).resolve()))
-    _native._declare(handle)
-    return handle
-
-
-def use(handle: ctypes.CDLL) -> None:
-    """Points the dualkv package at `handle` for the calls that follow."""
-    _native._lib = handle
 
 
 def set_path(path: str) -> None:
@@ -55,10 +42,11 @@ def set_path(path: str) -> None:
 
 
 def measure(fn_setup, args, sets_seed):
-    setup, fwd, fwdbwd, pairs = fn_setup()
+    setup, fwd, fwdbwd, pairs, _ = fn_setup()
     sets = [setup(1000 * i + sets_seed) for i in range(args.rotate)]
-    res = {"fwd_ms": bench.time_fn(fwd, sets, args.warmup, args.iters),
-           "fwdbwd_ms": bench.time_fn(fwdbwd, sets, args.warmup, args.iters), "pairs": pairs}
+    # time_fn: (median ms, seconds of the first call)
+    res = {"fwd_ms": bench.time_fn(fwd, sets, args.warmup, args.iters)[0],
+           "fwdbwd_ms": bench.time_fn(fwdbwd, sets, args.warmup, args.iters)[0], "pairs": pairs}
     del sets
     torch.cuda.empty_cache()
     return res
@@ -83,9 +71,10 @@ def main() -> int:
     ap.add_argument("--out", default="")
     args = ap.parse_args()
 
-    libs = {"base": load(args.base), "new": load(args.new)}
-    base_dims = json.loads(libs["base"].dualkv_build_info().decode()).get("cuda", {}).get("head_dims", [])
-    new_dims = json.loads(libs["new"].dualkv_build_info().decode()).get("cuda", {}).get("head_dims", [])
+    libs = {"base": bench.Library.load(args.base), "new": bench.Library.load(args.new)}
+    build_info = {k: lib.describe()["build"] for k, lib in libs.items()}
+    base_dims = build_info["base"].get("cuda", {}).get("head_dims", [])
+    new_dims = build_info["new"].get("cuda", {}).get("head_dims", [])
     head_dims = [int(d) for d in args.head_dims.split(",")] if args.head_dims else new_dims
     configs = ([tuple(int(x) for x in c.split(",")) for c in args.configs.split(";") if c] if args.configs
                else bench.DEFAULT_CONFIGS)
@@ -94,10 +83,9 @@ def main() -> int:
         cases.append(bench.Case(bench.VARLEN["name"], bench.VARLEN["prompts"], bench.VARLEN["responses"]))
     dtype = torch.bfloat16
     H, Hk = args.heads, args.kv_heads
-    results = {"env": {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
-                       "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-                       "base": args.base, "new": args.new,
-                       "build_info": {k: json.loads(h.dualkv_build_info().decode()) for k, h in libs.items()}},
+    # bench/provenance.py's record (commit, dirty tree, GPU, versions, switches), as every benchmark's
+    env = dict(provenance.record(provenance.git_state(), "cuda"), base=args.base, new=args.new, build_info=build_info)
+    results = {"env": env,
                "shape": {"H": H, "Hk": Hk, "dtype": "bfloat16"}, "rounds": args.rounds, "rows": []}
     print(f"{'D':>4} {'path':8} {'config':18} {'fwd new/base':>13} {'f+b new/base':>13} "
           f"{'slower all':>10} {'fwd/FA2':>8} {'f+b/FA2':>8}", flush=True)
@@ -114,8 +102,8 @@ def main() -> int:
                         if m == "fa2":
                             per[m].append(measure(lambda: bench.method_sdpa(case, H, Hk, D, dtype, "flash"), args, 17))
                         else:
-                            use(libs[m])
-                            per[m].append(measure(lambda: bench.method_dualkv(case, H, Hk, D, dtype), args, 17))
+                            per[m].append(measure(lambda: bench.method_dualkv(case, H, Hk, D, dtype, libs[m]), args,
+                                                  17))
                 row = {"D": D, "path": path, "case": case.describe()}
                 for m, rs in per.items():
                     row[m] = {k: [r[k] for r in rs] for k in ("fwd_ms", "fwdbwd_ms")}

@@ -207,7 +207,7 @@ def test_torch_compile_fullgraph():
 def test_build_info_and_version():
     info = dualkv.build_info()
     assert "cpu" in info["backends"]
-    assert info["abi_version"] == 1
+    assert info["abi_version"] == 2
 
 
 # Runs fp32 and bf16 forward + backward on a layout with partial tiles and blocks and saves inputs,

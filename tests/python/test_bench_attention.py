@@ -127,11 +127,41 @@ def test_a_second_library_build_runs_in_the_same_process(tmp_path):
     assert torch.equal(out, ref)
     info = other.describe()
     assert info["path"] == str(copy.resolve()) and len(info["sha256"]) == 64 and "abi_version" in info["build"]
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(dualkv.LibraryNotFoundError, match="missing"):
         attention.Library.load(tmp_path / "missing.so")
     not_dualkv = pathlib.Path(torch.__file__).parent / "lib" / "libc10.so"
-    with pytest.raises(ValueError, match="not a libdualkv"):
+    with pytest.raises(dualkv.LibraryNotFoundError, match="not a libdualkv"):
         attention.Library.load(not_dualkv)
+
+
+def test_ab_rounds_against_an_abi1_build(abi1_library):
+    """--ab-library with an ABI-1 build (72977b9, issue 15's base): the rounds of measure_case run a
+    real fwd+bwd through each build (on the CPU: the timing itself needs a GPU, so the times are
+    fake) via directions() with the build's switch, as method_dualkv does, and give the A/B verdict."""
+    import torch
+
+    import dualkv
+    libraries = {"dualkv": attention.Library.default(), "dualkv_ab": attention.Library.load(abi1_library)}
+    assert libraries["dualkv_ab"].describe()["build"]["abi_version"] == 1
+    g = torch.Generator().manual_seed(3)
+    x = [torch.randn(14, h, 8, generator=g, dtype=torch.float64, requires_grad=True) for h in (4, 2, 2)]
+    x.append(torch.randn(14, 4, 8, generator=g, dtype=torch.float64))
+    outputs, times = {}, {"dualkv": iter([1.0, 1.1, 1.0]), "dualkv_ab": iter([1.0, 1.0, 1.0])}
+
+    def run(m):
+        with libraries[m].active():
+            layout = dualkv.Layout.from_groups([5], [[3, 2, 4]])
+        _, fwdbwd = attention.directions(lambda x: dualkv.attention(x[0], x[1], x[2], layout), 3,
+                                         libraries[m].active)
+        fwdbwd(x)
+        outputs.setdefault(m, []).append([t.grad.clone() for t in x[:3]])
+        t = next(times[m])
+        return res(t, 4 * t)
+    entry = attention.case_results(attention.measure_case(["dualkv", "dualkv_ab"], 3, run), 0.02)
+    assert entry["ab"]["fwd"]["median"] == pytest.approx(1.0) and entry["ab"]["fwdbwd"]["within"]
+    for grads in outputs["dualkv_ab"]:
+        for a, b in zip(grads, outputs["dualkv"][0]):
+            torch.testing.assert_close(a, b)
 
 
 def test_ab_table_names_both_builds_and_the_verdicts():

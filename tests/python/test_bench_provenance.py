@@ -69,6 +69,17 @@ def test_no_git_needs_a_declared_commit(tmp_path, monkeypatch):
     assert rec["commit"] == "0123456789abcdef0123456789abcdef01234567" and rec["commit_verified"] is False
 
 
+def test_measured_state_checks_gpu_runs_only(monkeypatch):
+    """A GPU run is a measurement (a dirty tree is refused); a CPU run is a smoke test (recorded dirty)."""
+    monkeypatch.delenv("DUALKV_ALLOW_DIRTY", raising=False)
+    dirty = {"commit": "0" * 40, "dirty": True, "changes": [" M a.py"], "verified": True}
+    monkeypatch.setattr(provenance, "git_state", lambda: dirty)
+    assert provenance.measured_state("cpu", allow_dirty=False) is dirty
+    with pytest.raises(provenance.DirtyTreeError, match="M a.py"):
+        provenance.measured_state("cuda:0", allow_dirty=False)
+    assert provenance.measured_state("cuda", allow_dirty=True) is dirty
+
+
 def test_record_holds_switches_versions_and_the_library(monkeypatch):
     monkeypatch.setenv("DUALKV_DISABLE_SM90", "1")
     monkeypatch.setenv("TORCHINDUCTOR_MAX_AUTOTUNE", "1")
@@ -78,4 +89,4 @@ def test_record_holds_switches_versions_and_the_library(monkeypatch):
     assert "UNRELATED_VARIABLE" not in rec["switches"]
     assert rec["commit"] == "f" * 40 and rec["packages"]["torch"] and rec["date"].endswith("+00:00")
     lib = rec["dualkv_library"]
-    assert len(lib["sha256"]) == 64 and lib["build"]["abi_version"] == 1 and pathlib.Path(lib["path"]).is_file()
+    assert len(lib["sha256"]) == 64 and lib["build"]["abi_version"] == 2 and pathlib.Path(lib["path"]).is_file()

@@ -365,6 +365,29 @@ def case_fsdp_dp_sp(rank, world):
         assert rel(got[name], g) <= 1e-10, f"gradient of {name}: {rel(got[name], g):.2e}"
 
 
+def case_schedule_sp(rank, world):
+    """dualkv.schedule under Ulysses SP = world, gradient checkpointing: a group over the budget runs
+    its prompt once (phase A sharded, each rank keeping its heads' keys and values), fitted groups
+    share its micro-batches; the gradients summed over the SP ranks equal the one-process update."""
+    from dualkv import schedule
+    group = dist.group.WORLD
+    prompts, responses, _, old, adv = _plan_and_losses(DP_GROUPS, 40, 1)
+    plan = plan_micro_batches([(p.numel(), [r.numel() for r in rs]) for p, rs in zip(prompts, responses)], 24,
+                              prompt_once=True)
+    assert plan.split_groups == (0,) and len(plan.prompt_phases[0]) == 1, plan.summary()
+    want = _single_process_update(qwen3(), prompts, responses, old, adv)
+    model = qwen3()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.zero_grad(set_to_none=True)
+    for mb, packed in schedule.micro_batches(model, plan, 0, prompts, responses, sp_group=group):
+        o, a, mask = _mb_loss_inputs(mb.entries, old, adv, packed)
+        logp, ent = dkt.packed_logprobs(model, distributed.shard(packed, group), entropy=True)
+        (grpo_loss(logp, ent, o, a, mask) * (mb.response_tokens / plan.response_tokens)).backward()
+    got = sum_over(group, grads(model))
+    for name, g in want.items():
+        assert rel(got[name], g) <= 1e-10, f"gradient of {name}: {rel(got[name], g):.2e}"
+
+
 def case_bad_layouts_differ(rank, world):
     lens = ROLLOUTS["odd"]
     responses = [list(rs) for rs in lens[1]]
@@ -401,8 +424,9 @@ def case_bad_heads(rank, world):
 
 CASES = {
     2: ["attention_sp", "model_sp", "model_sp_checkpointing", "model_sp_compile", "fsdp_dp", "fsdp_sp",
-        "bad_layouts_differ", "bad_token_count", "bad_heads"],
-    4: ["attention_sp", "model_sp", "fsdp_dp_sp", "bad_layouts_differ", "bad_token_count", "bad_heads"],
+        "schedule_sp", "bad_layouts_differ", "bad_token_count", "bad_heads"],
+    4: ["attention_sp", "model_sp", "fsdp_dp_sp", "schedule_sp", "bad_layouts_differ", "bad_token_count",
+        "bad_heads"],
 }
 
 

@@ -224,7 +224,8 @@ def test_cuda_outputs_overlapping_inputs_are_rejected():
     plan, key = layout.plan_for(q.dtype, 64)
     lse = torch.empty(q.shape[1], q.shape[0], device="cuda")
     p = _native.FwdParams()
-    _fill_common(p, q, k, v, layout.meta, plan, layout.num_segments, layout.max_depth, key, 0.125, False)
+    _fill_common(p, q, k, v, layout.meta, plan, layout.num_segments, layout.max_depth, key, 0.125, False,
+                 prefix_k=None, prefix_v=None, num_prefixes=0, window=0, softcap=0.0, sinks=None)
     p.out, p.out_token_stride, p.out_head_stride = q.data_ptr(), q.stride(0), q.stride(1)
     p.lse, p.lse_head_stride = lse.data_ptr(), lse.stride(0)
     with pytest.raises(ArgumentError, match="out and q overlap"):

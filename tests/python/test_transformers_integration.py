@@ -40,8 +40,13 @@ def make_config(kind: str):
 
 
 def make_model(kind: str, attn: str = "sdpa", seed: int = 0):
+    return build_model(make_config(kind), attn, seed)
+
+
+def build_model(config, attn: str = "sdpa", seed: int = 0):
+    """A random fp32 model of ``config`` in training mode, norms and biases perturbed."""
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(make_config(kind), attn_implementation=attn)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn)
     model = model.float().train()
     with torch.no_grad():  # random norms and biases, so that every parameter matters
         for name, p in model.named_parameters():
@@ -149,8 +154,15 @@ def assert_packed_equals_unpacked(std, dk, prompts, responses):
 def test_low_precision_tolerance_rule(dtype):
     """bf16/fp16: the packed dualkv model's error against the fp32 truth is at most 2x the error of the
     stock model on the unpacked batch in the same dtype, plus a small absolute term."""
-    truth_model = make_model("qwen3", "sdpa")
-    with torch.no_grad():  # weights representable in the low precision dtype, so fp32 is the exact truth
+    err_dk, err_std = low_precision_logprob_errors(make_model("qwen3", "sdpa"), dtype)
+    print(f"{dtype}: max |log-prob error| vs fp32: stock unpacked {err_std:.3e}, dualkv packed {err_dk:.3e}")
+    assert err_dk <= 2 * err_std + 1e-3, (err_dk, err_std)
+
+
+def low_precision_logprob_errors(truth_model, dtype):
+    """(dualkv packed, stock unpacked) max |log-prob error| in ``dtype`` against the fp32 truth: the
+    fp32 model's weights are rounded to ``dtype`` first, so that fp32 is the exact truth."""
+    with torch.no_grad():
         for p in truth_model.parameters():
             p.copy_(p.to(dtype).float())
     low = copy.deepcopy(truth_model).to(dtype)
@@ -167,10 +179,8 @@ def test_low_precision_tolerance_rule(dtype):
         lp_dk = response_logprobs(out.last_hidden_state, dk.lm_head.weight, packed)
     m = packed.response_mask()
     err_std = float((lp_std - truth).abs()[m].max())
-    err_dk = float((lp_dk - truth).abs()[m].max())
     assert err_std > 0
-    print(f"{dtype}: max |log-prob error| vs fp32: stock unpacked {err_std:.3e}, dualkv packed {err_dk:.3e}")
-    assert err_dk <= 2 * err_std + 1e-3, (err_dk, err_std)
+    return float((lp_dk - truth).abs()[m].max()), err_std
 
 
 def test_position_ids_filled_from_layout_and_kernel_kwargs():
@@ -319,29 +329,23 @@ def test_guard_bad_batches():
 
 
 def test_unsupported_configs():
-    with pytest.raises(dualkv.UnsupportedError, match="sliding-window attention.*not supported yet"):
-        dkt.check_config(transformers.MistralConfig(**COMMON, sliding_window=16))
-    m = make_model("mistral")
-    m.config.sliding_window = 16
-    with pytest.raises(dualkv.UnsupportedError, match="not supported yet"):
-        dkt.enable(m)
-    qwen2 = transformers.Qwen2Config(**COMMON, use_sliding_window=True, sliding_window=16, max_window_layers=1)
-    with pytest.raises(dualkv.UnsupportedError, match="sliding"):
-        dkt.check_config(qwen2)
-    dkt.check_config(transformers.Qwen2Config(**COMMON))  # window value present but not in use: fine
+    """Attention dropout and non-causal attention are refused. (Sliding windows, softcapping and sinks
+    are supported since issue 16: test_transformers_mask_models.py.)"""
     cfg = make_config("qwen3")
-    cfg.attn_logit_softcapping = 50.0
-    with pytest.raises(dualkv.UnsupportedError, match="softcapping.*not supported yet"):
+    cfg.attention_dropout = 0.1
+    with pytest.raises(dualkv.UnsupportedError, match="attention dropout"):
         dkt.check_config(cfg)
-    with pytest.raises(dualkv.UnsupportedError, match="not supported yet"):
-        dkt.check_config(transformers.Gemma2Config(**COMMON, head_dim=8))
-    # a model built directly with attn_implementation="dualkv" and a window: the attention function raises
+    cfg = make_config("qwen3")
+    cfg.is_causal = False
+    with pytest.raises(dualkv.UnsupportedError, match="non-causal"):
+        dkt.check_config(cfg)
+    dkt.check_config(transformers.MistralConfig(**COMMON, sliding_window=16))
+    dkt.check_config(transformers.Qwen2Config(**COMMON, use_sliding_window=True, sliding_window=16, max_window_layers=1))
+    # a model built directly with attn_implementation="dualkv" and a window runs it
     torch.manual_seed(0)
     raw = transformers.AutoModelForCausalLM.from_config(
         transformers.MistralConfig(**COMMON, head_dim=8, sliding_window=16), attn_implementation="dualkv")
-    packed = pack(*rollouts())
-    with pytest.raises(dualkv.UnsupportedError, match="sliding-window"):
-        raw(**dkt.model_inputs(packed))
+    raw(**dkt.model_inputs(pack(*rollouts())))
 
 
 @pytest.mark.parametrize("reentrant", [False, True])

@@ -209,8 +209,6 @@ TINY = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_atten
 
 
 @pytest.mark.parametrize("config, message", [
-    (transformers.Qwen3Config(**TINY, sliding_window=4, use_sliding_window=True,
-                              layer_types=["sliding_attention", "full_attention"]), "sliding-window"),
     (transformers.Qwen3Config(**dict(TINY, head_dim=1024)), "head dim 1024"),
     (transformers.Qwen3MoeConfig(**TINY, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16),
      "router_aux_loss_coef"),  # TRL turns the router loss on for MoE models by default

@@ -196,10 +196,6 @@ def test_bad_input_is_refused():
     engine.use_ulysses_sp = True
     with pytest.raises(dualkv.UnsupportedError, match="Ulysses"):
         engine.prepare_model_inputs(engine_batch(rollout_batch(), 64, "infer"))
-    window = make_engine("dualkv")
-    window.module.config.sliding_window, window.module.config.layer_types = 4, ["sliding_attention"] * 2
-    with pytest.raises(dualkv.UnsupportedError, match="sliding-window"):
-        run(window, rollout_batch(), max_tokens=64, mode="infer")
 
 
 def test_example_config_is_valid_verl():

@@ -143,15 +143,10 @@ def _packed_logprobs(model, packed: PackedBatch, temperature: float, entropy: bo
     weight = model.get_output_embeddings().weight
     if isinstance(weight, DTensor):  # not unsharded by a root hook (e.g. a head outside the root group)
         weight = weight.full_tensor()
-    # response_logprobs computes its logits in fp32 itself; under autocast its forward GEMMs would
-    # run in bf16 while its backward (outside autocast) recomputes them in fp32.
+    # autocast off: the LM head's GEMMs run in the dtypes of hidden and weight (the fp32 master
+    # weight under mixed precision) rather than in the autocast dtype response_logprobs would take.
     with torch.autocast(hidden.device.type, enabled=False):
         result = response_logprobs(hidden, weight, packed, temperature=temperature, entropy=entropy)
     logp, ent = result if entropy else (result, None)
-    return PackedLogprobs(log_probs=_own_storage(logp), entropy=_own_storage(ent))
-
-
-def _own_storage(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    """FSDP2 hooks a module's outputs for its pre-backward all-gather, and warns about views (an in-place
-    op on one would drop the hook); response_logprobs returns reshaped views of small [B, R_max] tensors."""
-    return t.clone() if t is not None and t._base is not None else t
+    # response_logprobs returns new tensors, not views, so FSDP2 can hook them for its pre-backward gather
+    return PackedLogprobs(log_probs=logp, entropy=ent)

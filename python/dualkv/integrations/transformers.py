@@ -28,13 +28,20 @@ their prompt, or see each other). Guards:
   :class:`WrongAttentionError` when a layout is given to a model whose attention implementation is
   not "dualkv" (e.g. after ``set_attn_implementation("sdpa")``), and when a stock-attention model
   receives dualkv-style position ids (a restart at a position other than 0);
-* sliding-window attention and attention-logit softcapping raise :class:`dualkv.UnsupportedError`
-  ("not supported yet") in :func:`check_config` / :func:`enable` and in the attention function.
+* the mask modifiers (issue 16) reach :func:`dualkv.attention` from each layer's call: the layer's
+  ``sliding_window`` (None on the global layers of a hybrid model: per-layer windows come from
+  ``layer_types``), ``softcap`` (Gemma-2's ``attn_logit_softcapping``) and ``s_aux`` (gpt-oss's
+  attention sinks). The CUDA backend does not implement them yet: :func:`enable` and the guard raise
+  :class:`dualkv.UnsupportedError` for such a model on a GPU before its forward runs.
 
 Hybrid models (Qwen3.5, Qwen3.5-MoE, Qwen3-Next: Gated DeltaNet layers between the attention
 layers): :func:`enable` also forks the recurrent state of every GDN layer at the segment boundaries
 (:mod:`dualkv.integrations.gated_deltanet`); a packed batch reaching a hybrid model whose GDN layers
 were not forked raises :class:`WrongAttentionError`.
+
+Prompt once across micro-batches (:mod:`dualkv.schedule`): the forward keyword ``dualkv_prompt_kv=``
+(a :class:`dualkv.schedule.PromptKV`) makes the attention layers record their keys and values in a
+prompt phase, and read them as the layout's external prefixes in the response micro-batches.
 
 Distributed (docs/distributed.md): ``dualkv_layout=`` may be a
 :class:`dualkv.distributed.SequenceShard` (Ulysses sequence parallelism: the model gets this rank's
@@ -54,6 +61,7 @@ from .._native import ArgumentError, DualKVError, UnsupportedError
 from ..distributed import SequenceShard
 from ..layout import Layout
 from ..ops import attention as _dualkv_attention
+from ..ops import check_modifiers_supported
 from . import gated_deltanet as _gdn
 
 try:
@@ -63,10 +71,12 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
                       "(pip install 'transformers>=4.56')") from exc
 
 __all__ = [
-    "ATTN_IMPLEMENTATION", "REFERENCE_IMPLEMENTATION", "LAYOUT_KWARG", "DETERMINISTIC_KWARG", "TESTED_MODEL_TYPES",
+    "ATTN_IMPLEMENTATION", "REFERENCE_IMPLEMENTATION", "LAYOUT_KWARG", "DETERMINISTIC_KWARG", "PROMPT_KV_KWARG",
+    "TESTED_MODEL_TYPES",
     "MissingLayoutError", "WrongAttentionError",
     "register", "dualkv_attention_forward", "dense_reference_attention_forward", "dense_visibility_mask",
-    "check_config", "check_model", "enable", "disable", "guard", "is_enabled", "model_inputs", "packed_logprobs",
+    "check_config", "check_backend", "check_model", "config_modifiers", "enable", "disable", "guard", "is_enabled",
+    "model_inputs", "packed_logprobs",
 ]
 
 #: the name to pass as ``attn_implementation``
@@ -78,9 +88,13 @@ _LAYOUT_IMPLEMENTATIONS = (ATTN_IMPLEMENTATION, REFERENCE_IMPLEMENTATION)
 LAYOUT_KWARG = "dualkv_layout"
 #: optional forward keyword: ``True`` makes attention's backward bit-reproducible
 DETERMINISTIC_KWARG = "dualkv_deterministic"
+#: forward keyword of :mod:`dualkv.schedule`: the :class:`dualkv.schedule.PromptKV` that records each
+#: layer's keys and values in a prompt phase and gives them to the layout's external prefixes after
+PROMPT_KV_KWARG = "dualkv_prompt_kv"
 #: model types whose equivalence with the unpacked computation is tested (others may work)
 TESTED_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3", "qwen3_moe", "mistral",
-                                "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"})
+                                "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next",
+                                "gpt_oss", "gemma2", "gemma3_text", "gemma4_text"})
 
 _HOOK_ATTR = "_dualkv_guard_handle"
 
@@ -105,7 +119,7 @@ def _unforked_hybrid_error() -> WrongAttentionError:
 # the attention function
 # ----------------------------------------------------------------------------------------------
 
-def _packed_qkv(module, query, key, value, attention_mask, scaling, dropout, sliding_window, softcap, kwargs):
+def _packed_qkv(module, query, key, value, attention_mask, scaling, dropout, kwargs):
     """Validate one attention call and return (q, k, v as [T, heads, D], layout, scaling)."""
     layout = kwargs.get(LAYOUT_KWARG)
     if layout is None:
@@ -119,13 +133,6 @@ def _packed_qkv(module, query, key, value, attention_mask, scaling, dropout, sli
                         f"dualkv.distributed.SequenceShard, got {type(layout).__name__}")
     if _gdn.unforked_hybrid(module):
         raise _unforked_hybrid_error()
-    if sliding_window is not None:
-        raise UnsupportedError(
-            f"dualkv attention: sliding-window attention (window {sliding_window}) is not supported yet; "
-            "use a configuration without a sliding window (e.g. sliding_window=None for Mistral)")
-    if softcap is not None or kwargs.get("s_aux") is not None:
-        raise UnsupportedError("dualkv attention: attention-logit softcapping and attention sinks are not "
-                               "supported yet")
     if dropout and module.training:
         raise UnsupportedError(f"dualkv attention: attention dropout ({dropout}) is not supported; set "
                                "config.attention_dropout = 0.0")
@@ -169,20 +176,47 @@ def _packed_qkv(module, query, key, value, attention_mask, scaling, dropout, sli
     return q, k, v, layout, float(scaling)
 
 
+def _mask_modifiers(sliding_window, softcap, kwargs) -> Dict[str, Any]:
+    """The layer's mask modifiers as :func:`dualkv.attention` keywords (None where unused):
+    transformers passes each layer's ``sliding_window`` (the convention of its masks: query i sees key
+    j iff ``i - j < sliding_window``), ``softcap`` and, for gpt-oss, the sinks as ``s_aux``."""
+    return {"window": sliding_window, "softcap": softcap, "sinks": kwargs.get("s_aux")}
+
+
 def dualkv_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                              value: torch.Tensor, attention_mask: Optional[torch.Tensor],
                              scaling: Optional[float] = None, dropout: float = 0.0,
                              sliding_window: Optional[int] = None, softcap: Optional[float] = None,
                              **kwargs: Any):
     """The ``AttentionInterface`` function: query ``[1, H, T, D]``, key/value ``[1, Hk, T, D]``
-    (transformers' layout) -> ``([1, T, H, D], None)``; attention over ``kwargs["dualkv_layout"]``."""
-    q, k, v, layout, scaling = _packed_qkv(module, query, key, value, attention_mask, scaling, dropout,
-                                           sliding_window, softcap, kwargs)
+    (transformers' layout) -> ``([1, T, H, D], None)``; attention over ``kwargs["dualkv_layout"]``
+    with the layer's sliding window, logit softcap and attention sinks."""
+    q, k, v, layout, scaling = _packed_qkv(module, query, key, value, attention_mask, scaling, dropout, kwargs)
+    modifiers = _mask_modifiers(sliding_window, softcap, kwargs)
     deterministic = bool(kwargs.get(DETERMINISTIC_KWARG, False))
+    prompt_kv = kwargs.get(PROMPT_KV_KWARG)
+    forest = layout.layout if isinstance(layout, SequenceShard) else layout
+
+    def kv_hook(keys, values):
+        """dualkv.schedule: a response micro-batch reads a prompt phase's keys and values (this rank's
+        heads under Ulysses); the prompt phase itself records them (a no-op when its backward
+        recomputes the layer)."""
+        if forest.num_prefixes:
+            return prompt_kv.prefix(module)
+        prompt_kv.record(module, keys, values)
+        return None, None
+
+    hook = kv_hook if prompt_kv is not None else None
     if isinstance(layout, SequenceShard):  # Ulysses: all-to-all around the same attention
-        out = _dist.attention(q, k, v, layout, softmax_scale=scaling, deterministic=deterministic)
+        used = [name for name, value in modifiers.items() if value is not None]
+        if used:
+            raise UnsupportedError(f"dualkv attention: the mask modifiers ({', '.join(used)}) are not supported under "
+                                   "sequence parallelism yet")
+        out = _dist.attention(q, k, v, layout, softmax_scale=scaling, deterministic=deterministic, kv_hook=hook)
     else:
-        out = _dualkv_attention(q, k, v, layout, softmax_scale=scaling, deterministic=deterministic)
+        prefix_k, prefix_v = hook(k, v) if hook is not None else (None, None)
+        out = _dualkv_attention(q, k, v, layout, softmax_scale=scaling, deterministic=deterministic,
+                                prefix_k=prefix_k, prefix_v=prefix_v, **modifiers)
     return out.unsqueeze(0), None
 
 
@@ -196,7 +230,8 @@ _DENSE_MASKS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 def dense_visibility_mask(layout: Layout, device) -> torch.Tensor:
     """bool ``[T, T]`` on ``device``: query i sees key j (built on the device from segment ids and the
-    segment ancestor matrix; cached per layout and device). O(T^2) memory: for checks only."""
+    segment ancestor matrix; cached per layout and device). O(T^2) memory: for checks only. (A
+    window is applied on top of it by :func:`dense_reference_attention_forward`.)"""
     device = torch.device(device)
     cache = _DENSE_MASKS.setdefault(layout, {})
     mask = cache.get(device)
@@ -220,15 +255,25 @@ def dense_reference_attention_forward(module: torch.nn.Module, query: torch.Tens
     """``attn_implementation="dualkv_reference"``: the same contract as "dualkv", computed by PyTorch
     SDPA with the dense ``[T, T]`` visibility mask of the layout. O(T^2) memory; for checking the
     kernels (and measuring PyTorch's own low-precision noise) on the packed tokens, not for training."""
-    q, k, v, layout, scaling = _packed_qkv(module, query, key, value, attention_mask, scaling, dropout,
-                                           sliding_window, softcap, kwargs)
+    q, k, v, layout, scaling = _packed_qkv(module, query, key, value, attention_mask, scaling, dropout, kwargs)
     if isinstance(layout, SequenceShard):
         raise UnsupportedError("dualkv_reference attention does not run sequence-parallel; use \"dualkv\"")
+    if layout.num_prefixes:
+        raise UnsupportedError("dualkv_reference attention does not read external prefix segments; use \"dualkv\"")
+    modifiers = _mask_modifiers(sliding_window, softcap, kwargs)
+    mask = dense_visibility_mask(layout, q.device)
+    if modifiers["window"] is not None:
+        pos = layout.position_ids.to(q.device)
+        mask = mask & (pos[:, None] - pos[None, :] < modifiers["window"])
+    if modifiers["softcap"] is not None or modifiers["sinks"] is not None:  # beyond SDPA: the dense reference
+        from ..reference import attention_ref
+        out, _ = attention_ref(q, k, v, layout, softmax_scale=scaling, mask=mask, softcap=modifiers["softcap"],
+                               sinks=modifiers["sinks"])
+        return out.unsqueeze(0), None
     rep = q.shape[1] // k.shape[1]
     if rep > 1:  # expand GQA so that SDPA's memory-efficient masked kernel applies
         k = k.repeat_interleave(rep, dim=1)
         v = v.repeat_interleave(rep, dim=1)
-    mask = dense_visibility_mask(layout, q.device)
     out = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
                                                            attn_mask=mask, scale=scaling)
     return out.transpose(0, 1).unsqueeze(0), None
@@ -256,44 +301,70 @@ def _attn_impl(config) -> Optional[str]:
     return impl
 
 
+# Model types whose attention layers carry sinks (passed to the attention function as ``s_aux``).
+_SINK_MODEL_TYPES = frozenset({"gpt_oss"})
+
+
 def _sliding_window_in_use(config) -> Optional[int]:
     window = getattr(config, "sliding_window", None)
     layer_types = getattr(config, "layer_types", None)
     if layer_types is not None:
-        if any("sliding" in str(t) for t in layer_types):
-            return window if window is not None else -1
-        return None  # a window value with no sliding layer (Qwen2/Qwen3 with max_window_layers) is inert
+        # a window value with no sliding layer (Qwen2/Qwen3 with max_window_layers) is inert
+        return window if any("sliding" in str(t) for t in layer_types) else None
     if getattr(config, "use_sliding_window", None) is False:
         return None
     return window
 
 
-def check_config(config) -> None:
-    """Raise :class:`dualkv.UnsupportedError` for features dualkv attention does not support yet:
-    sliding-window attention, attention-logit softcapping, attention sinks, attention dropout, a
-    non-causal model. Warns for model types outside :data:`TESTED_MODEL_TYPES`."""
+def config_modifiers(config) -> Dict[str, Any]:
+    """The mask modifiers a model configuration uses, as :func:`dualkv.ops.check_modifiers_supported`
+    takes them: ``{"window": W}`` when a layer has a sliding window, ``{"softcap": c}`` for
+    attention-logit softcapping, ``{"sinks": None}`` for attention sinks (gpt-oss)."""
     text = getattr(config, "text_config", None) or config
-    name = getattr(text, "model_type", type(text).__name__)
+    used: Dict[str, Any] = {}
     window = _sliding_window_in_use(text)
     if window is not None:
-        raise UnsupportedError(
-            f"dualkv: {name} uses sliding-window attention (sliding_window={window}); this is not supported yet. "
-            "If every sequence is shorter than the window the window is inert: set config.sliding_window = None "
-            "(Mistral v0.2+ checkpoints already do).")
+        used["window"] = window
     if getattr(text, "attn_logit_softcapping", None) is not None:
-        raise UnsupportedError(f"dualkv: {name} uses attention-logit softcapping "
-                               f"({text.attn_logit_softcapping}); this is not supported yet")
+        used["softcap"] = text.attn_logit_softcapping
+    if getattr(text, "model_type", None) in _SINK_MODEL_TYPES:
+        used["sinks"] = None
+    return used
+
+
+def check_config(config) -> None:
+    """Raise :class:`dualkv.UnsupportedError` for what dualkv attention does not support: attention
+    dropout and non-causal (bidirectional) attention. Sliding windows (per layer, from ``layer_types``),
+    attention-logit softcapping and attention sinks are supported (on the CPU backend; see
+    :func:`check_backend`). Warns for model types outside :data:`TESTED_MODEL_TYPES` and for a
+    final-logit softcap, which :func:`dualkv.response_logprobs` does not apply."""
+    text = getattr(config, "text_config", None) or config
+    name = getattr(text, "model_type", type(text).__name__)
+    window = config_modifiers(text).get("window")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ArgumentError(f"dualkv: {name} has sliding_window={window!r}; a window is an integer >= 1")
     if getattr(text, "final_logit_softcapping", None) is not None:
         warnings.warn(f"dualkv: {name} softcaps its final logits; dualkv.response_logprobs does not apply "
                       "final-logit softcapping, compute log-probs from model logits instead", stacklevel=3)
     if float(getattr(text, "attention_dropout", 0.0) or 0.0) != 0.0:
         raise UnsupportedError(f"dualkv: attention dropout ({text.attention_dropout}) is not supported; set "
                                "config.attention_dropout = 0.0")
-    if not getattr(text, "is_causal", True):
+    if not getattr(text, "is_causal", True) or getattr(text, "use_bidirectional_attention", None) in (True, "all"):
         raise UnsupportedError(f"dualkv: {name} is configured as non-causal; dualkv attention is causal")
     if name not in TESTED_MODEL_TYPES:
         warnings.warn(f"dualkv: model type {name!r} is not among the tested ones ({sorted(TESTED_MODEL_TYPES)}); "
                       "check the packed model against the unpacked one before training", stacklevel=3)
+
+
+def check_backend(model) -> None:
+    """Raise :class:`dualkv.UnsupportedError` if the backend of the device the model's parameters are on
+    does not implement a mask modifier its configuration uses (today: the CUDA backend has none), so
+    that a user sees it before the model's forward does any work."""
+    used = config_modifiers(model.config)
+    param = next(model.parameters(), None)
+    if used and param is not None and param.device.type != "meta":
+        text = getattr(model.config, "text_config", None) or model.config
+        check_modifiers_supported(param.device.type, used, what=f"dualkv: {getattr(text, 'model_type', 'model')}")
 
 
 def is_enabled(model) -> bool:
@@ -327,6 +398,8 @@ def check_model(model, kwargs: Optional[Dict[str, Any]] = None, *, check_positio
     * a layout is given but the model's attention implementation is not dualkv
       -> :class:`WrongAttentionError`;
     * the model uses dualkv attention but no layout is given -> :class:`MissingLayoutError`;
+    * the model uses dualkv attention on a device whose backend lacks a mask modifier of its
+      configuration -> :class:`dualkv.UnsupportedError` (:func:`check_backend`);
     * the model uses dualkv attention, a layout is given but the token count disagrees
       -> :class:`dualkv.ArgumentError` (for a :class:`dualkv.distributed.SequenceShard`: the rank's
       share, checked collectively, so that every rank of the group raises);
@@ -340,6 +413,7 @@ def check_model(model, kwargs: Optional[Dict[str, Any]] = None, *, check_positio
     if kwargs is None:
         if enabled:
             check_config(model.config)
+            check_backend(model)
         return
     layout = kwargs.get(LAYOUT_KWARG)
     impl = _attn_impl(model.config)
@@ -359,6 +433,7 @@ def check_model(model, kwargs: Optional[Dict[str, Any]] = None, *, check_positio
                             f"{type(layout).__name__}")
         if _gdn.unforked_hybrid(model):
             raise _unforked_hybrid_error()
+        check_backend(model)
         ids = kwargs.get("input_ids")
         if ids is None:
             ids = kwargs.get("inputs_embeds")
@@ -434,9 +509,11 @@ def guard(model, *, check_positions: bool = True):
 def enable(model, *, check_positions: bool = True, reference: bool = False):
     """Switch a built model to dualkv attention and install :func:`guard`; in a hybrid model, also fork
     the Gated DeltaNet layers' state (:func:`dualkv.integrations.gated_deltanet.install`). Raises
-    :class:`dualkv.UnsupportedError` for unsupported configurations. ``reference=True`` selects
+    :class:`dualkv.UnsupportedError` for unsupported configurations (:func:`check_config`) and for mask
+    modifiers the backend of the model's device lacks (:func:`check_backend`). ``reference=True`` selects
     ``"dualkv_reference"`` (dense-mask SDPA over the layout, for checks). Returns the model."""
     check_config(model.config)
+    check_backend(model)
     register()
     model.set_attn_implementation(REFERENCE_IMPLEMENTATION if reference else ATTN_IMPLEMENTATION)
     if _gdn.is_hybrid(model.config):
@@ -453,23 +530,31 @@ def disable(model, attn_implementation: str = "sdpa"):
 
 def model_inputs(packed, layout: Optional[Layout] = None) -> Dict[str, Any]:
     """Forward keywords for a packed batch: ``input_ids [1, T]``, ``position_ids [1, T]``,
-    ``dualkv_layout`` and ``use_cache=False``.
+    ``dualkv_layout`` and ``use_cache=False`` (and ``dualkv_prompt_kv`` for a batch whose layout
+    reads external prompts, :mod:`dualkv.schedule`).
 
     ``packed`` is a :class:`dualkv.PackedBatch`, a :class:`dualkv.distributed.SequenceShard` (this
     rank's tokens and the shard as the layout), or a ``[1, T]`` / ``[T]`` token tensor together with
     ``layout``.
     """
     if isinstance(packed, SequenceShard):
-        return packed.model_inputs()
+        inputs = packed.model_inputs()
+        if packed.packed is not None and packed.packed.prompt_kv is not None:
+            inputs[PROMPT_KV_KWARG] = packed.packed.prompt_kv
+        return inputs
+    prompt_kv = None
     if layout is None:
-        ids, pos, layout = packed.input_ids, packed.position_ids, packed.layout
+        ids, pos, layout, prompt_kv = packed.input_ids, packed.position_ids, packed.layout, packed.prompt_kv
     else:
         ids = packed if packed.dim() == 2 else packed.unsqueeze(0)
         lay = layout.to(ids.device)
         pos, layout = lay.position_ids.unsqueeze(0), lay
     if pos.dim() == 1:
         pos = pos.unsqueeze(0)
-    return {"input_ids": ids, "position_ids": pos, LAYOUT_KWARG: layout, "use_cache": False}
+    inputs = {"input_ids": ids, "position_ids": pos, LAYOUT_KWARG: layout, "use_cache": False}
+    if prompt_kv is not None:  # a response micro-batch of dualkv.schedule: its external prompts' keys and values
+        inputs[PROMPT_KV_KWARG] = prompt_kv
+    return inputs
 
 
 def _call_as_forward(model, fn, **kwargs):

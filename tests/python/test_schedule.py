@@ -1,0 +1,381 @@
+"""Prompt once across micro-batches (issue 17): dualkv.schedule and the prompt_once planner.
+
+For tiny random Llama, Qwen3 and Qwen3-MoE models: a GRPO update whose large groups run their prompt
+once (prompt phase, response micro-batches over the kept keys and values, one prompt backward) equals
+the same update in one micro-batch and the stock model on the unpacked batch: loss, every log-prob,
+every parameter gradient (fp32: 1e-5, fp64: 1e-10 relative). Odd splits, fitted and split groups
+mixed, two data-parallel ranks, bitwise determinism, the kept memory, the planner's guarantees and
+the errors.
+"""
+import copy
+import random
+import time
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import dualkv  # noqa: E402
+from dualkv import schedule  # noqa: E402
+from dualkv.grpo import policy_loss, policy_update  # noqa: E402
+from dualkv.integrations import transformers as dkt  # noqa: E402
+from dualkv.microbatch import plan_micro_batches  # noqa: E402
+from test_transformers_integration import VOCAB, make_config  # noqa: E402  (tiny llama / qwen3 / qwen3_moe)
+
+
+@pytest.fixture
+def fp64_exact(monkeypatch):
+    """The models' RMSNorm and MoE router compute in fp32 whatever the model dtype, so any change of
+    batch composition (GEMM blocking differs at 1e-16 in fp64) reaches 1e-8 through their fp32
+    roundings. For the fp64 comparisons they compute in the input dtype here."""
+    from transformers.models.llama import modeling_llama
+    from transformers.models.qwen3 import modeling_qwen3
+    from transformers.models.qwen3_moe import modeling_qwen3_moe
+
+    def rms_norm(self, x):
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+    def router(self, hidden):
+        logits = torch.nn.functional.linear(hidden.reshape(-1, self.hidden_dim), self.weight)
+        top, index = torch.topk(torch.softmax(logits, dim=-1), self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            top = top / top.sum(dim=-1, keepdim=True)
+        return logits, top, index
+
+    for cls in (modeling_llama.LlamaRMSNorm, modeling_qwen3.Qwen3RMSNorm, modeling_qwen3_moe.Qwen3MoeRMSNorm):
+        monkeypatch.setattr(cls, "forward", rms_norm)
+    monkeypatch.setattr(modeling_qwen3_moe.Qwen3MoeTopKRouter, "forward", router)
+
+
+def make_model(kind, dtype, seed=0):
+    torch.manual_seed(seed)
+    # torch's grouped GEMM (the default experts implementation) has no fp64
+    extra = {"experts_implementation": "eager"} if kind == "qwen3_moe" and dtype == torch.float64 else {}
+    model = transformers.AutoModelForCausalLM.from_config(make_config(kind), attn_implementation="sdpa", **extra)
+    model = model.to(dtype).train()
+    with torch.no_grad():  # random norms, so that every parameter matters
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+def rollouts(prompt_lens, response_lens, dtype, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, VOCAB, (p,), generator=g) for p in prompt_lens]
+    responses = [[torch.randint(0, VOCAB, (r,), generator=g) for r in rs] for rs in response_lens]
+    old = [[(-4 + 0.3 * torch.randn(r, generator=g, dtype=torch.float64)).to(dtype) for r in rs]
+           for rs in response_lens]
+    adv = [[float(x) for x in torch.randn(len(rs), generator=g)] for rs in response_lens]
+    return prompts, responses, old, adv
+
+
+def unpacked_update(std, prompts, responses, old, adv, dtype):
+    """The stock model on the unpacked N x (P + R) rows (right padded): loss and log-probs."""
+    rows = [(p, r) for p, rs in zip(prompts, responses) for r in rs]
+    L = max(p.numel() + r.numel() for p, r in rows)
+    ids = torch.zeros(len(rows), L, dtype=torch.long)
+    for b, (p, r) in enumerate(rows):
+        ids[b, :p.numel() + r.numel()] = torch.cat([p, r])
+    logits = std(input_ids=ids).logits.to(torch.promote_types(dtype, torch.float32))
+    r_max = max(r.numel() for _, r in rows)
+    logp = torch.zeros(len(rows), r_max, dtype=logits.dtype)
+    for b, (p, r) in enumerate(rows):
+        P, R = p.numel(), r.numel()
+        lp = torch.log_softmax(logits[b, P - 1:P + R - 1], dim=-1).gather(1, r.unsqueeze(1)).squeeze(1)
+        logp = logp.index_put((torch.full((R,), b), torch.arange(R)), lp)
+    mask = torch.arange(r_max)[None, :] < torch.tensor([r.numel() for _, r in rows])[:, None]
+    old_rows = torch.zeros_like(logp)
+    for b, o in enumerate(o for os in old for o in os):
+        old_rows[b, :o.numel()] = o
+    a = torch.tensor([x for xs in adv for x in xs], dtype=logp.dtype)
+    loss, _ = policy_loss(logp, old_rows, a, mask, clip_high=0.28)
+    loss.backward()
+    per = iter(logp[b, :r.numel()].detach() for b, (_, r) in enumerate(rows))
+    return float(loss), [[next(per) for _ in rs] for rs in responses]
+
+
+def grads(model):
+    return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+def rel(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-300))
+
+
+def assert_same_update(a, b, tol):
+    """Two updates (loss, log-probs, gradients) agree within ``tol`` (relative)."""
+    loss_a, lp_a, g_a = a
+    loss_b, lp_b, g_b = b
+    assert abs(loss_a - loss_b) <= tol * max(1.0, abs(loss_b)), (loss_a, loss_b)
+    for xs, ys in zip(lp_a, lp_b):
+        for x, y in zip(xs, ys):
+            torch.testing.assert_close(x.double(), y.double(), rtol=tol, atol=tol)
+    assert g_a.keys() == g_b.keys() and len(g_b) >= 10
+    for name in g_b:
+        assert rel(g_a[name], g_b[name]) <= tol, (name, rel(g_a[name], g_b[name]))
+
+
+def dualkv_update(model, prompts, responses, old, adv, max_tokens, **kw):
+    model.zero_grad(set_to_none=True)
+    out = policy_update(model, prompts, responses, old, adv, max_tokens, clip_high=0.28, **kw)
+    return out["loss"], out["logprobs"], grads(model), out["plan"]
+
+
+# fitted groups (1, 3) and split ones (0, 2) under a budget of 12; uneven responses, 1-token ones
+PROMPT_LENS = [9, 3, 12, 5]
+RESPONSE_LENS = [[3, 1, 5, 2, 4], [2, 2], [1, 6, 2, 3, 4, 1], [7]]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen3_moe"])
+def test_prompt_once_equals_one_micro_batch_and_unpacked(kind, dtype, fp64_exact):
+    std = make_model(kind, dtype)
+    one = dkt.enable(copy.deepcopy(std))
+    split = dkt.enable(copy.deepcopy(std))
+    split.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    prompts, responses, old, adv = rollouts(PROMPT_LENS, RESPONSE_LENS, dtype)
+    tol = 1e-10 if dtype == torch.float64 else 1e-5
+
+    loss_std, lp_std = unpacked_update(std, prompts, responses, old, adv, dtype)
+    *whole, plan_one = dualkv_update(one, prompts, responses, old, adv, max_tokens=1000)
+    *parts, plan = dualkv_update(split, prompts, responses, old, adv, max_tokens=12)
+    assert plan_one.micro_batches_per_rank == 1 and not plan_one.split_groups
+    assert plan.split_groups == (0, 2) and len(plan.prompt_phases[0]) >= 1
+    # fitted groups share micro-batches with the split groups' responses
+    assert any(not all(mb.external) and any(mb.external) for mb in plan.ranks[0])
+    assert_same_update(parts, whole, tol)
+    assert_same_update(whole, (loss_std, lp_std, grads(std)), tol)
+
+
+@pytest.mark.parametrize("kind", ["gpt_oss", "gemma2", "gemma3"])
+def test_prompt_once_with_mask_modifiers(kind):
+    """Models with mask modifiers run their prompt once too (gpt-oss: window 4 + sinks; Gemma-2:
+    window + logit softcap; Gemma-3: sliding and global layers): a response micro-batch's window
+    reaches back into the kept prompt rows at their positions, the softcap and sinks apply to them,
+    and the sinks' gradient sums over the phases. fp32: the split update equals the one-micro-batch
+    update and the stock model on the unpacked rows (1e-5)."""
+    from test_transformers_mask_models import make_model as make_mask_model
+    std = make_mask_model(kind, "eager")
+    one = dkt.enable(copy.deepcopy(std))
+    split = dkt.enable(copy.deepcopy(std))
+    split.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    prompts, responses, old, adv = rollouts(PROMPT_LENS, RESPONSE_LENS, torch.float32)
+    loss_std, lp_std = unpacked_update(std, prompts, responses, old, adv, torch.float32)
+    *whole, _ = dualkv_update(one, prompts, responses, old, adv, max_tokens=1000)
+    *parts, plan = dualkv_update(split, prompts, responses, old, adv, max_tokens=12)
+    assert plan.split_groups == (0, 2)
+    assert_same_update(parts, whole, 1e-5)
+    assert_same_update(whole, (loss_std, lp_std, grads(std)), 1e-5)
+
+
+def test_one_response_per_micro_batch(fp64_exact):
+    """The oddest split: every response alone with the last prompt token, uneven lengths."""
+    dtype = torch.float64
+    std = make_model("qwen3", dtype)
+    split = dkt.enable(copy.deepcopy(std))
+    prompts, responses, old, adv = rollouts([10], [[5, 4, 5, 3]], dtype)
+    loss_std, lp_std = unpacked_update(std, prompts, responses, old, adv, dtype)
+    *parts, plan = dualkv_update(split, prompts, responses, old, adv, max_tokens=6, max_prompt_tokens=9)
+    assert [mb.num_responses for mb in plan.ranks[0]] == [1, 1, 1, 1]
+    assert_same_update(parts, (loss_std, lp_std, grads(std)), 1e-10)
+
+
+def test_two_ranks_sum_to_the_whole_update(fp64_exact):
+    """Rank 0 gets the split group, rank 1 none: its padded prompt phase runs a placeholder prompt
+    (same forwards and backwards on both ranks); the two ranks' gradients sum to the whole update."""
+    dtype = torch.float64
+    std = make_model("llama", dtype)
+    ranks = dkt.enable(copy.deepcopy(std))
+    prompts, responses, old, adv = rollouts([9, 3, 4], [[3, 4, 5], [2, 2], [3]], dtype)
+    loss_std, lp_std = unpacked_update(std, prompts, responses, old, adv, dtype)
+    ranks.zero_grad(set_to_none=True)
+    loss, lp = 0.0, [[None] * len(rs) for rs in responses]
+    for rank in range(2):
+        out = policy_update(ranks, prompts, responses, old, adv, 12, num_ranks=2, rank=rank, clip_high=0.28)
+        loss += out["loss"]
+        for g, xs in enumerate(out["logprobs"]):
+            for i, x in enumerate(xs):
+                if x is not None:
+                    lp[g][i] = x
+    plan = out["plan"]
+    phases = plan.prompt_phases
+    assert len(phases[0]) == len(phases[1]) == 1 and {len(phases[0][0].groups), len(phases[1][0].groups)} == {0, 1}
+    assert [len(p.micro_batches) for p in phases[0]] == [len(p.micro_batches) for p in phases[1]]
+    assert_same_update((loss, lp, grads(ranks)), (loss_std, lp_std, grads(std)), 1e-10)
+
+
+def test_deterministic_bitwise_run_to_run():
+    model = dkt.enable(make_model("qwen3_moe", torch.float32))
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    prompts, responses, old, adv = rollouts(PROMPT_LENS, RESPONSE_LENS, torch.float32)
+    runs = [dualkv_update(model, prompts, responses, old, adv, 12, deterministic=True) for _ in range(2)]
+    assert runs[0][0] == runs[1][0]
+    for name in runs[0][2]:
+        assert torch.equal(runs[0][2][name], runs[1][2][name]), name
+
+
+def test_bf16_prompt_gradients_accumulate_in_fp32():
+    """16-bit models: the kept keys' and values' gradients are summed in fp32 over the micro-batches;
+    the update stays within bf16 noise of the one-micro-batch update."""
+    model = dkt.enable(make_model("qwen3", torch.bfloat16))
+    prompts, responses, old, adv = rollouts([9], [[3, 4, 5, 2]], torch.bfloat16)
+    kv = schedule.run_prompt_phase(model, prompts)
+    assert kv.memory["grad"] == 2 * 2 * 8 * 2 * 8 * 4  # layers x (k, v) x rows x kv heads x dim x fp32
+    kv.backward()
+    whole = dualkv_update(model, prompts, responses, old, adv, 1000)
+    split = dualkv_update(model, prompts, responses, old, adv, 8)
+    assert len(split[3].ranks[0]) >= 2
+    for name, g in whole[2].items():
+        assert rel(split[2][name], g) <= 0.05, name
+
+
+def test_old_logprobs_under_no_grad():
+    """The same plan computes old / reference log-probs under torch.no_grad(): no graph is kept and
+    phase C has nothing to do; the log-probs equal the one-micro-batch ones."""
+    model = dkt.enable(make_model("qwen3", torch.float32))
+    prompts, responses, _, _ = rollouts([12, 4], [[5, 6, 3], [2, 2]], torch.float32)
+    whole = dkt.packed_logprobs(model, dualkv.pack(prompts, responses)).detach()
+    plan = plan_micro_batches([(p.numel(), [r.numel() for r in rs]) for p, rs in zip(prompts, responses)], 12,
+                              prompt_once=True)
+    assert plan.split_groups == (0,) and len(plan.ranks[0]) == 2
+    rows = {}
+    with torch.no_grad():
+        for mb, packed in schedule.micro_batches(model, plan, 0, prompts, responses):
+            logp = dkt.packed_logprobs(model, packed)
+            assert not logp.requires_grad
+            rows.update(zip(((g, i) for g, idx in mb.entries for i in idx), logp))
+    for b, (g, i) in enumerate((g, i) for g, rs in enumerate(responses) for i in range(len(rs))):
+        n = responses[g][i].numel()
+        torch.testing.assert_close(rows[(g, i)][:n], whole[b, :n], rtol=1e-5, atol=1e-5)
+
+
+def test_kept_memory_is_reported_and_bounded():
+    model = dkt.enable(make_model("llama", torch.float32))
+    prompts = [torch.randint(0, VOCAB, (n,)) for n in (7, 5)]
+    kv = schedule.run_prompt_phase(model, prompts)
+    rows = 6 + 4
+    cfg = model.config
+    layers, kv_heads, head_dim = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
+    assert kv.prefix_lens == (6, 4)
+    assert kv.memory == {"kv": 2 * layers * rows * kv_heads * head_dim * 4, "grad": 0, "device": None}
+    kv.backward()  # nothing accumulated: zero gradients, and the state is freed
+    assert kv.memory["kv"] == 0
+    # the planner bounds every phase's prompt tokens
+    groups = [(p, [4] * 10) for p in (30, 25, 20, 12, 40)]
+    plan = plan_micro_batches(groups, 48, prompt_once=True, max_prompt_tokens=50)
+    assert all(ph.num_tokens <= 50 for ph in plan.prompt_phases[0])
+    assert sum(len(ph.groups) for ph in plan.prompt_phases[0]) == 5
+
+
+def test_schedule_errors():
+    prompts, responses, old, adv = rollouts([9], [[3, 4, 5]], torch.float32)
+    stock = make_model("qwen3", torch.float32)
+    with pytest.raises(dkt.WrongAttentionError, match="enable"):
+        schedule.run_prompt_phase(stock, prompts)
+    model = dkt.enable(make_model("qwen3", torch.float32))
+    with pytest.raises(dualkv.ArgumentError, match="at least 2 tokens"):
+        schedule.run_prompt_phase(model, [prompts[0][:1]])
+    # reentrant checkpointing would cut the recorded keys and values off the graph
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    with pytest.raises(dualkv.UnsupportedError, match="use_reentrant"):
+        schedule.run_prompt_phase(model, prompts)
+    model.gradient_checkpointing_disable()
+    kv = schedule.run_prompt_phase(model, prompts)
+    packed = dualkv.pack_groups([prompts[0][-1:]], [responses[0]], prompt_prefix=[0], prefix_lens=[8], prompt_kv=kv)
+    with pytest.raises(dualkv.UnsupportedError, match="external prefix"):  # the dense reference reads no prefixes
+        dkt.enable(copy.deepcopy(model), reference=True)(**dkt.model_inputs(packed))
+    # a response micro-batch whose prompt phase has not finished recording
+    early = schedule.PromptKV([8])
+    packed.prompt_kv = early
+    with pytest.raises(dualkv.ArgumentError, match="before its prompt phase finished"):
+        dkt.packed_logprobs(model, packed)
+    # a micro-batch missing its prompt's keys and values entirely
+    packed.prompt_kv = None
+    with pytest.raises(dualkv.ArgumentError, match="pass their keys and values as prefix_k"):
+        dkt.packed_logprobs(model, packed)
+
+
+# ---- the planner ----
+
+def skewed_groups(seed, G=96):
+    rng = random.Random(seed)
+    return [(rng.randint(16, 4000), [max(1, min(3000, int(rng.lognormvariate(5.5, 1.0)))) for _ in
+                                     range(rng.choice([1, 4, 8, 16]))]) for _ in range(G)]
+
+
+@pytest.mark.parametrize("num_ranks", [1, 3, 8])
+def test_prompt_once_plan_guarantees(num_ranks):
+    groups = skewed_groups(num_ranks)
+    max_tokens = 8192
+    plan = plan_micro_batches(groups, max_tokens, num_ranks, prompt_once=True)
+    recompute = plan_micro_batches(groups, max_tokens, num_ranks)
+    split = {g for g, (p, rs) in enumerate(groups) if p + sum(rs) > max_tokens}
+    assert set(plan.split_groups) == split == set(recompute.split_groups)
+    assert plan.prompt_tokens_added < recompute.prompt_tokens_added
+    assert plan.total_tokens == sum(p + sum(rs) for p, rs in groups) + plan.prompt_tokens_added
+    seen = set()
+    for r, (mbs, phases) in enumerate(zip(plan.ranks, plan.prompt_phases)):
+        assert len(mbs) == plan.micro_batches_per_rank and len(phases) == len(plan.prompt_phases[0])
+        ranges = [ph.micro_batches for ph in phases]
+        for ph, ref in zip(phases, plan.prompt_phases[0]):
+            assert len(ph.micro_batches) == len(ref.micro_batches)  # lockstep phase by phase
+            assert ph.num_tokens <= max_tokens and list(ph.groups) == sorted(ph.groups)
+            assert set(ph.groups) <= split
+        assert [i for rg in ranges for i in rg] == list(range(sum(len(rg) for rg in ranges)))  # phases first
+        rank_groups = set()
+        for i, mb in enumerate(mbs):
+            assert mb.num_tokens <= max_tokens
+            tokens = 0
+            for (g, idx), ext, p in zip(mb.entries, mb.external, mb.prompt_lens):
+                assert ext == (g in split and groups[g][0] > 1) and p == groups[g][0]
+                if ext:  # its prompt phase is the one the micro-batch runs in
+                    assert g in phases[mb.phase].groups and i in phases[mb.phase].micro_batches
+                tokens += (1 if ext else p) + sum(groups[g][1][j] for j in idx)
+                seen.update((g, j) for j in idx)
+                rank_groups.add(g)
+            assert tokens == mb.num_tokens
+        assert {g for ph in phases for g in ph.groups} == rank_groups & split  # a group and its phase on one rank
+    assert seen == {(g, j) for g, (_, rs) in enumerate(groups) for j in range(len(rs))}
+    assert plan.imbalance < 0.1
+
+
+def test_prompt_once_plan_speed_and_determinism():
+    groups = skewed_groups(7, G=10_000)
+    t0 = time.process_time()
+    plan = plan_micro_batches(groups, 8192, 16, prompt_once=True)
+    elapsed = time.process_time() - t0
+    assert elapsed < 5.0, elapsed  # O(n log n): about as fast as the plan without prompt phases
+    assert plan == plan_micro_batches(groups, 8192, 16, prompt_once=True)
+
+
+def test_prompt_once_plan_errors():
+    with pytest.raises(ValueError, match="exceeds max_prompt_tokens=8"):
+        plan_micro_batches([(20, [3, 3, 3])], 10, prompt_once=True, max_prompt_tokens=8)
+    with pytest.raises(ValueError, match=r"prompt \(1\) \+ response 0 \(10\)"):
+        plan_micro_batches([(8, [10])], 10, prompt_once=True)
+    with pytest.raises(ValueError, match="max_prompt_tokens"):
+        plan_micro_batches([(2, [1])], 10, prompt_once=True, max_prompt_tokens=0)
+    # a one-token prompt has nothing to run once: its subsets carry it, as without prompt phases
+    plan = plan_micro_batches([(1, [6, 6])], 8, prompt_once=True)
+    assert plan.prompt_phases == ((),) and not any(e for mb in plan.ranks[0] for e in mb.external)
+
+
+def test_demo_runs_large_groups_prompt_once(capsys):
+    """``python -m dualkv demo --max-tokens``: every group exceeds the budget, the update runs its
+    prompts once and still passes the demo's equivalence check against the standard update (and so
+    does the same plan with the prompt recomputed per micro-batch)."""
+    import argparse
+
+    import dualkv.demo as demo
+    parser = argparse.ArgumentParser()
+    demo.add_arguments(parser)
+    args = parser.parse_args(["--model-size", "tiny", "--device", "cpu", "--steps", "1", "--max-tokens", "72"])
+    res = demo.run_demo(args)
+    assert res["ok"] and res["seconds_recompute"] is not None
+    out = capsys.readouterr().out
+    for what in ("prompt phase(s)", "prompt once vs recomputed", "equivalence check: PASSED"):
+        assert what in out, out
+    plan = demo.policy_update_plan(demo.make_rollouts(3, 4, 48, 24, 512, seed=1), 72)
+    assert len(plan.split_groups) == 3 and len(plan.prompt_phases[0]) == 3
