@@ -147,15 +147,13 @@ def cpu_model():
     return None
 
 
-def environment():
-    """bench/provenance.py's record (commit, dirty tree, versions, switches, the library and its build
-    info) plus the machine: CPU model, core count and the threads the methods use."""
-    state = provenance.git_state()
-    if state["dirty"]:
-        print("warning: the working tree has uncommitted changes; the results are not tied to the commit",
-              file=sys.stderr)
-    return dict(provenance.record(state), device="cpu", cpu_model=cpu_model(), cpu_count=os.cpu_count(),
-                threads=torch.get_num_threads())
+def environment(tree):
+    """bench/provenance.py's record (commit, clean tree, command, date, packages, the libdualkv file and
+    its build info, environment switches such as DUALKV_CPU_ISA) and the machine: CPU model, cores,
+    threads used."""
+    model = cpu_model()
+    return dict(provenance.record(tree), device=f"{model}, {torch.get_num_threads()} threads", cpu_model=model,
+                cpu_count=os.cpu_count(), threads=torch.get_num_threads(), build_info=dualkv.build_info())
 
 
 def main(argv=None) -> int:
@@ -168,12 +166,15 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=3, help="samples per round (median); a sample is >= 50 ms of calls")
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     ap.add_argument("--out", default=None, help="JSON results file")
+    ap.add_argument("--allow-dirty", action="store_true", help="measure a tree that is not a commit (recorded)")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     cases, rounds = (QUICK_CASES, 1) if args.quick else (CASES, args.rounds)
-    info = environment()
-    print(f"dualkv CPU backend ({dualkv.build_info()['cpu']['isa']}) vs torch {torch.__version__} SDPA, "
+    tree = provenance.git_state()
+    provenance.check_tree(tree, args.allow_dirty)
+    info = environment(tree)
+    print(f"dualkv CPU backend ({info['build_info']['cpu']['isa']}) vs torch {torch.__version__} SDPA, "
           f"{torch.get_num_threads()} threads, {info['cpu_model']}", flush=True)
     results = []
     for dtype in (getattr(torch, d) for d in args.dtypes.split(",")):

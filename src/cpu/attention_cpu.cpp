@@ -42,6 +42,7 @@ dualkv_status cpu_bwd(const dualkv_bwd_params& p) {
   return guarded("bwd", [&] { use_fp64(p.dtype, p.flags) ? cpu::reference_backward(p) : cpu::blocked_backward(p); });
 }
 
-const char* cpu_isa() { return cpu::tile_kernels().isa; }
+// The widest set in use: amx where bfloat16 runs on AMX tiles (everything else then runs avx512).
+const char* cpu_isa() { return cpu::tile_kernels(DUALKV_DTYPE_BFLOAT16).isa; }
 
 }  // namespace dualkv::detail

@@ -1,6 +1,7 @@
-// The blocked fp32 path of the CPU backend (backends.h).
+// The blocked path of the CPU backend (backends.h).
 //
-// float32 operands are read in place, 16-bit ones converted once to fp32; then every query tile
+// Operands are read in place when the tile kernels take their dtype (float32; bfloat16 on AMX),
+// else converted once to fp32; then every query tile
 // (tiles.h: up to kQueryRows tokens of one segment, or of sibling responses) walks the key blocks
 // it sees, ancestors in full and its own segments causally, with the arithmetic of one
 // (tile, block) in tile_kernels.h. An external prefix segment's blocks read the prefix buffers.
@@ -78,19 +79,22 @@ void add_row(void* base, int64_t offset, int32_t dtype, const float* row, float 
     store_element<float>(base, offset + i, dtype, load_element<float>(base, offset + i, dtype) + factor * row[i]);
 }
 
-// A [T, heads, D] operand as fp32 rows: element (t, h, d) at data[t * token_stride + h * head_stride + d].
-struct Fp32Operand {
-  const float* data;
-  int64_t token_stride, head_stride, D;
-  std::vector<float> converted;  // the fp32 copy of a 16-bit operand; empty for float32 inputs
+// A [T, heads, D] operand as rows of the tile kernels' operand dtype: element (t, h, d) at
+// data[t * token_stride + h * head_stride + d], each `element_bytes` wide.
+struct Operand {
+  const void* data;
+  int64_t token_stride, head_stride, D, element_bytes;
+  std::vector<float> converted;  // the fp32 copy of a 16-bit operand; empty when read in place
 };
 
-// float32 operands are read in place (the GEMMs take any row stride); bfloat16 and float16 ones are
-// converted once to a contiguous fp32 [heads][T][D] copy.
-Fp32Operand as_fp32(const void* base, int32_t dtype, int64_t T, int64_t heads, int64_t D, int64_t token_stride,
-                    int64_t head_stride, int32_t threads) {
-  if (dtype == DUALKV_DTYPE_FLOAT32) return {static_cast<const float*>(base), token_stride, head_stride, D, {}};
-  Fp32Operand op{nullptr, D, T * D, D, std::vector<float>(static_cast<size_t>(heads * T * D))};
+// Operands of the kernels' dtype (float32, or bfloat16 for amx) are read in place (the kernels take
+// any row stride); bfloat16 and float16 ones for the fp32 kernels are converted once to a
+// contiguous fp32 [heads][T][D] copy.
+Operand as_operand(const TileKernels& kernels, const void* base, int32_t dtype, int64_t T, int64_t heads, int64_t D,
+                   int64_t token_stride, int64_t head_stride, int32_t threads) {
+  if (dtype == kernels.operand_dtype)
+    return {base, token_stride, head_stride, D, dtype == DUALKV_DTYPE_FLOAT32 ? 4 : 2, {}};
+  Operand op{nullptr, D, T * D, D, 4, std::vector<float>(static_cast<size_t>(heads * T * D))};
   const int64_t chunks = (T + kGatherTokens - 1) / kGatherTokens;
   parallel_for(heads * chunks, threads, [&](int64_t item) {
     const int64_t h = item / chunks, begin = (item % chunks) * kGatherTokens;
@@ -102,8 +106,9 @@ Fp32Operand as_fp32(const void* base, int32_t dtype, int64_t T, int64_t heads, i
 }
 
 // Rows [begin, end) of one head.
-ConstMatrix rows_of(const Fp32Operand& a, int64_t head, int32_t begin, int32_t end) {
-  return {a.data + begin * a.token_stride + head * a.head_stride, end - begin, a.D, a.token_stride};
+ConstMatrix rows_of(const Operand& a, int64_t head, int32_t begin, int32_t end) {
+  const int64_t offset = (begin * a.token_stride + head * a.head_stride) * a.element_bytes;
+  return {static_cast<const char*>(a.data) + offset, end - begin, a.D, a.token_stride};
 }
 
 // n floats at a 64-byte boundary inside `storage` (grown if needed, contents unspecified). Eigen's
@@ -150,15 +155,16 @@ int32_t threads_for(const ForestView& f, int64_t heads, int64_t D, int32_t reque
 }
 
 // What the forward and the backward share: the forest, the sizes, the mask modifiers, the thread
-// count and q, k, v (and the prefix buffers' keys and values, without rows when there is no
-// external segment) as fp32 rows.
+// count, the tile kernels and q, k, v (and the prefix buffers' keys and values, without rows when
+// there is no external segment) as their operands.
 struct Problem {
   ForestView f;
   int64_t T, H, Hk, D, group;
   float scale, softcap;
   PositionWindow window;
   int32_t threads;
-  Fp32Operand q, k, v, prefix_k, prefix_v;
+  const TileKernels& kernels;
+  Operand q, k, v, prefix_k, prefix_v;
 
   // Keys / values of kv head g of a key block: tokens, or an external segment's prefix rows.
   ConstMatrix keys(const KeyBlock& b, int64_t g) const {
@@ -175,15 +181,18 @@ Problem make_problem(const Params& p) {
   const int64_t T = f.num_tokens, H = p.num_heads, Hk = p.num_kv_heads, D = p.head_dim;
   const int64_t prefix_rows = p.prefixes.num_prefixes ? p.prefixes.num_prefix_rows : 0;
   const int32_t threads = threads_for(f, H, D, p.num_threads);
+  const TileKernels& kernels = tile_kernels(p.dtype);
+  auto operand = [&](const void* base, int64_t rows, int64_t heads, int64_t token_stride, int64_t head_stride) {
+    return as_operand(kernels, base, p.dtype, rows, heads, D, token_stride, head_stride, threads);
+  };
   auto prefix = [&](const void* base, int64_t token_stride, int64_t head_stride) {
-    return prefix_rows ? as_fp32(base, p.dtype, prefix_rows, Hk, D, token_stride, head_stride, threads)
-                       : Fp32Operand{nullptr, 0, 0, D, {}};
+    return prefix_rows ? operand(base, prefix_rows, Hk, token_stride, head_stride) : Operand{nullptr, 0, 0, D, 4, {}};
   };
   return {f, T, H, Hk, D, H / Hk, static_cast<float>(p.softmax_scale), static_cast<float>(p.softcap),
-          PositionWindow{p.window}, threads,
-          as_fp32(p.q, p.dtype, T, H, D, p.q_token_stride, p.q_head_stride, threads),
-          as_fp32(p.k, p.dtype, T, Hk, D, p.k_token_stride, p.k_head_stride, threads),
-          as_fp32(p.v, p.dtype, T, Hk, D, p.v_token_stride, p.v_head_stride, threads),
+          PositionWindow{p.window}, threads, kernels,
+          operand(p.q, T, H, p.q_token_stride, p.q_head_stride),
+          operand(p.k, T, Hk, p.k_token_stride, p.k_head_stride),
+          operand(p.v, T, Hk, p.v_token_stride, p.v_head_stride),
           prefix(p.prefix_k, p.prefix_k_token_stride, p.prefix_k_head_stride),
           prefix(p.prefix_v, p.prefix_v_token_stride, p.prefix_v_head_stride)};
 }
@@ -191,13 +200,13 @@ Problem make_problem(const Params& p) {
 }  // namespace
 
 void blocked_forward(const dualkv_fwd_params& p) {
-  const TileKernels& kernels = tile_kernels();
   const Problem pr = make_problem(p);
+  const TileKernels& kernels = pr.kernels;
   const ForestView& f = pr.f;
   const int64_t H = pr.H, D = pr.D, group = pr.group;
   const float scale = pr.scale;
   const int32_t threads = pr.threads;
-  const Fp32Operand& q = pr.q;
+  const Operand& q = pr.q;
   const std::vector<QueryTile> tiles = query_tiles(f, kQueryRows, /*stack_roots=*/true);
 
   parallel_for(static_cast<int64_t>(tiles.size()) * H, threads, [&](int64_t item) {
@@ -236,14 +245,14 @@ void blocked_forward(const dualkv_fwd_params& p) {
 }
 
 void blocked_backward(const dualkv_bwd_params& p) {
-  const TileKernels& kernels = tile_kernels();
   const Problem pr = make_problem(p);
+  const TileKernels& kernels = pr.kernels;
   const ForestView& f = pr.f;
   const int64_t T = pr.T, H = pr.H, Hk = pr.Hk, D = pr.D, group = pr.group;
   const float scale = pr.scale;
   const int32_t threads = pr.threads;
-  const Fp32Operand& q = pr.q;
-  const Fp32Operand dout = as_fp32(p.dout, p.dtype, T, H, D, p.dout_token_stride, p.dout_head_stride, threads);
+  const Operand& q = pr.q;
+  const Operand dout = as_operand(kernels, p.dout, p.dtype, T, H, D, p.dout_token_stride, p.dout_head_stride, threads);
 
   // lse and delta = rowsum(dO * O) - dlse per (head, token), the softmax-backward correction; and
   // a head's d loss / d sink = -sum over its rows of sink_probability * delta (fp64 sum).
@@ -255,9 +264,10 @@ void blocked_backward(const dualkv_bwd_params& p) {
     for (int64_t t = 0; t < T; ++t) {
       const size_t i = static_cast<size_t>(h * T + t);
       const int64_t o = t * p.out_token_stride + h * p.out_head_stride;
+      const int64_t od = t * p.dout_token_stride + h * p.dout_head_stride;
       float sum = 0;
-      const float* dot = rows_of(dout, h, int32_t(t), int32_t(t + 1)).data;
-      for (int64_t d = 0; d < D; ++d) sum += dot[d] * load_element<float>(p.out, o + d, p.dtype);
+      for (int64_t d = 0; d < D; ++d)
+        sum += load_element<float>(p.dout, od + d, p.dtype) * load_element<float>(p.out, o + d, p.dtype);
       if (p.dlse) sum -= load_element<float>(p.dlse, h * p.dlse_head_stride + t, ldt);
       delta[i] = sum;
       lse[i] = load_element<float>(p.lse, h * p.lse_head_stride + t, ldt);

@@ -6,6 +6,7 @@
 #include <cmath>
 
 #include "cpu/tile_kernels.h"
+#include "dualkv/dualkv.h"
 
 #ifndef DUALKV_CPU_ISA
 #error "DUALKV_CPU_ISA must name the instruction set this copy is compiled for"
@@ -25,7 +26,7 @@ using ConstMap = Eigen::Map<const RowMajor, 0, Stride>;
 using Vector = Eigen::Map<Eigen::VectorXf>;
 
 Map map(Matrix m) { return Map(m.data, m.rows, m.cols, Stride(m.ld)); }
-ConstMap map(ConstMatrix m) { return ConstMap(m.data, m.rows, m.cols, Stride(m.ld)); }
+ConstMap map(ConstMatrix m) { return ConstMap(static_cast<const float*>(m.data), m.rows, m.cols, Stride(m.ld)); }
 
 void scores(ConstMatrix q, ConstMatrix k, float scale, float softcap, Matrix s) {
   map(s).noalias() = scale * (map(q) * map(k).transpose());
@@ -77,7 +78,8 @@ void backward_block(Matrix s_, const float* lse, const float* delta, float softc
   map(dk).noalias() += p.transpose() * map(q);
 }
 
-const TileKernels kKernels = {DUALKV_STR(DUALKV_CPU_ISA), scores, softmax_accumulate, backward_block};
+const TileKernels kKernels = {DUALKV_STR(DUALKV_CPU_ISA), DUALKV_DTYPE_FLOAT32, scores, softmax_accumulate,
+                              backward_block};
 
 }  // namespace
 

@@ -124,7 +124,11 @@ struct Modifiers {
 
 // Brute force, fp64: every (query, key) pair is tested with ForestView::visible and, with a
 // window, by its distance in positions; written from the attention contract, not from the mask
-// policy of mask.h, so that it checks it.
+// policy of mask.h, so that it checks it. `low`, when given, rounds to a low-precision kernel's
+// format where such a kernel does: p and dS where they enter a product (p v with p = exp(s - max)
+// before the division by the row sum, p^T dO, dS k, dS^T q) and the stored output that the
+// backward's delta = rowsum(dO o) reads; the result is what that kernel computes with otherwise
+// exact arithmetic.
 struct DenseResult {
   std::vector<double> out, lse, dq, dk, dv;  // [T][H][D], [H][T], [T][H][D], [T][Hk][D] x2
   std::vector<double> dsinks;                // [H] with sinks
@@ -133,7 +137,8 @@ struct DenseResult {
 inline DenseResult dense_attention(const HostLayout& layout, int H, int Hk, int D, double scale,
                                    const std::vector<double>& q, const std::vector<double>& k,
                                    const std::vector<double>& v, const std::vector<double>& dout,
-                                   const Modifiers& mods = {}) {
+                                   const Modifiers& mods = {}, double (*low)(double) = nullptr) {
+  auto op = [low](double x) { return low ? low(x) : x; };
   const dualkv_layout l = layout.view();
   const ForestView f = make_forest_view(l);
   const int T = layout.num_tokens(), group = H / Hk;
@@ -171,14 +176,15 @@ inline DenseResult dense_attention(const HostLayout& layout, int H, int Hk, int 
       double sum = sink ? std::exp(mods.sinks[h] - m) : 0;
       for (int j = 0; j < T; ++j) sum += p[j] == -INFINITY ? 0 : std::exp(p[j] - m);
       r.lse[size_t(h) * T + i] = m + std::log(sum);
-      for (int j = 0; j < T; ++j) p[j] = p[j] == -INFINITY ? 0 : std::exp(p[j] - m) / sum;
+      for (int j = 0; j < T; ++j) p[j] = p[j] == -INFINITY ? 0 : std::exp(p[j] - m);
       double delta = 0;
       for (int d = 0; d < D; ++d) {
         double o = 0;
-        for (int j = 0; j < T; ++j) o += p[j] * v[(size_t(j) * Hk + g) * D + d];
-        r.out[(size_t(i) * H + h) * D + d] = o;
-        delta += o * dout[(size_t(i) * H + h) * D + d];
+        for (int j = 0; j < T; ++j) o += op(p[j]) * v[(size_t(j) * Hk + g) * D + d];
+        r.out[(size_t(i) * H + h) * D + d] = o / sum;
+        delta += op(o / sum) * dout[(size_t(i) * H + h) * D + d];
       }
+      for (int j = 0; j < T; ++j) p[j] /= sum;
       if (sink) r.dsinks[h] -= std::exp(mods.sinks[h] - m) / sum * delta;
       for (int j = 0; j < T; ++j) {
         if (p[j] == 0) continue;
@@ -186,10 +192,11 @@ inline DenseResult dense_attention(const HostLayout& layout, int H, int Hk, int 
         for (int d = 0; d < D; ++d) dpj += dout[(size_t(i) * H + h) * D + d] * v[(size_t(j) * Hk + g) * D + d];
         double ds = p[j] * (dpj - delta);
         if (mods.softcap > 0) ds *= 1 - std::pow(capped[j] / mods.softcap, 2);
+        ds = op(ds);
         for (int d = 0; d < D; ++d) {
           r.dq[(size_t(i) * H + h) * D + d] += scale * ds * k[(size_t(j) * Hk + g) * D + d];
           r.dk[(size_t(j) * Hk + g) * D + d] += scale * ds * q[(size_t(i) * H + h) * D + d];
-          r.dv[(size_t(j) * Hk + g) * D + d] += p[j] * dout[(size_t(i) * H + h) * D + d];
+          r.dv[(size_t(j) * Hk + g) * D + d] += op(p[j]) * dout[(size_t(i) * H + h) * D + d];
         }
       }
     }
