@@ -47,6 +47,8 @@ BENCHMARKS = {
                                  "against the fp32 truth, stock and dualkv (issue 20; TRL_ARGS='--parts accuracy')",
     "ab_house": "tests/gpu/ab_bench.py, the kernel house (342699f) against 72977b9 in one process, Hopper path, "
                 "3 rounds (issue 15); .portable.log: the portable path with FA2 alongside (house_run.sh ab-portable)",
+    "ab_house_sm90_d256": "bench/attention.py --ab-library, main (69a9e7a) against 72977b9, Hopper path, head dim 256, "
+                          "3 interleaved rounds (issue 15's recheck of its noisy D256 configs; step ab)",
     "ab_portable_candidate": "tests/gpu/ab_bench.py, the latest portable kernel candidate against the build before "
                              "it (056fda6: FA2's dQ warp layout at D 192/256, reverted; docs/decisions.md)",
     "cpu_attention": "bench/cpu_attention.py, the CPU backend vs per-row torch SDPA on the CPU, 2 threads (issue 22)",

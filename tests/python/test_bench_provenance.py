@@ -28,6 +28,7 @@ def _repo(tmp_path):
 
 def test_clean_and_dirty_trees(tmp_path, monkeypatch):
     monkeypatch.delenv("DUALKV_ALLOW_DIRTY", raising=False)
+    monkeypatch.delenv("DUALKV_COMMIT", raising=False)  # the device runs declare theirs, which would take precedence
     head = _repo(tmp_path)
     (tmp_path / "build").mkdir()
     (tmp_path / "build" / "libdualkv.so").write_text("ignored")
