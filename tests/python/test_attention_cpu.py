@@ -12,10 +12,14 @@ from conftest import random_forest
 
 
 def rel(a, b):
-    """||a - b|| / ||b||; a reference whose RMS is below 0.1 (a gradient that is zero up to rounding,
-    e.g. dq of a forest of lone tokens) is measured against an RMS of 0.1: fp32 cancellation there is
-    an absolute error, not one relative to zero."""
-    floor = 0.1 * b.numel() ** 0.5
+    """||a - b|| / ||b||; a reference whose RMS is below 0.5 (a gradient that is zero up to rounding,
+    e.g. dq and dk of a lone token, whose one visible key has p = 1 and dS = p (dP - delta) = 0) is
+    measured against an RMS of 0.5: fp32 cancellation there is an absolute error, not one relative
+    to zero. It grows with dP's size (|dO| |v| ~ sqrt(D)) and with the heads summed into one kv head:
+    a lone token at D 256 with 4 heads per kv head gives dk at RMS up to 2e-6 (measured over 300 dO
+    draws; the floor was 0.1, which failed 1 run in 20 of `make test`), while the other layouts'
+    gradient errors stay below 7e-7 at reference RMS 0.3-1.1 (median dq 0.35, dk 0.55)."""
+    floor = 0.5 * b.numel() ** 0.5
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(floor)).item()
 
 
@@ -46,8 +50,9 @@ def test_random_forests_match_fp64_reference(trial):
     H = Hk * rng.choice([1, 2, 4, 8])
     D = rng.choice([64, 128, 256, 5, 24])
     q, k, v = make_qkv(layout.num_tokens, H, Hk, D, seed=trial)
-    dout = torch.randn(layout.num_tokens, H, D, dtype=torch.float64)
-    dlse = torch.randn(H, layout.num_tokens, dtype=torch.float64) if trial % 2 else None
+    g = torch.Generator().manual_seed(1000 + trial)  # dO and dlse per trial, whatever ran before
+    dout = torch.randn(layout.num_tokens, H, D, dtype=torch.float64, generator=g)
+    dlse = torch.randn(H, layout.num_tokens, dtype=torch.float64, generator=g) if trial % 2 else None
     out, lse, grads = grads_of(lambda a, b, c: dualkv.attention(a, b, c, layout, return_lse=True), [q, k, v],
                                dout.float(), None if dlse is None else dlse.float())
     q64, k64, v64 = [t.detach().double().requires_grad_() for t in (q, k, v)]
