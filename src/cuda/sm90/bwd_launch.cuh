@@ -81,6 +81,9 @@ cudaError_t run_bwd_main(const BwdArgs& args, int sms, cudaStream_t stream) {
 
 template <int D, typename T>
 cudaError_t run_bwd(const BwdArgs& args, int sms, cudaStream_t stream) {
+  // external prefix (issue 17): the Hopper backward does not read prefix items yet; nothing is
+  // launched and the dispatcher runs the portable backward.
+  if (args.prefix_k != nullptr) return cudaErrorNotSupported;
   cudaError_t err;
   if ((err = launch_bwd_preprocess<D, T>(args, sms, stream)) != cudaSuccess) return err;
   if ((err = run_bwd_main<T, D>(args, sms, stream)) != cudaSuccess) return err;
