@@ -101,12 +101,12 @@ struct KvWalk {
   int32_t own_end;  // q1
   bool own;         // the current range is the query segment itself
   bool prefix;      // the current range is an external segment's prefix rows (pos, end: rows of the
-                    // prefix buffers, not tokens); only the walk with prefixes below sets it
+                    // prefix buffers, not tokens); only the walk with prefixes below sets and reads
+                    // it (the plain walk leaves it alone: its kernels keep their code)
 
   DUALKV_HOST_DEVICE void init(const int32_t* offsets, const int32_t* parent, int32_t s, int32_t q1) {
     seg = s;
     own_end = q1;
-    prefix = false;
     const int32_t a = parent[s];
     if (a >= 0) {
       cur = a; pos = offsets[a]; end = offsets[a + 1]; own = false;
@@ -138,6 +138,7 @@ struct KvWalk {
   DUALKV_HOST_DEVICE void init(const int32_t* offsets, const int32_t* parent, const int32_t* seg_prefix,
                                const int32_t* prefix_offsets, int32_t s, int32_t q1) {
     init(offsets, parent, s, q1);
+    prefix = false;
     if (!own) enter_ancestor(offsets, seg_prefix, prefix_offsets, cur);
   }
   DUALKV_HOST_DEVICE bool next(const int32_t* offsets, const int32_t* parent, const int32_t* seg_prefix,

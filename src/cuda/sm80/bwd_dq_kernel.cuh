@@ -25,6 +25,24 @@ struct DqSmem {
   T v[C::kBlockN * C::kPitch];
 };
 
+// external prefix (issue 17): the K/V tile at the walk's position: the layout's K/V, or a prefix's
+// rows (a CTA-uniform choice).
+template <int D, int BN, typename T, typename Smem>
+__device__ __forceinline__ void load_prefixed_kv(const KvWalk<BN>& it, const T* kh, const T* vh, int hk, int tid,
+                                                 Smem& sm, const BwdArgs& args) {
+  using C = DqConfig<D>;
+  constexpr int P = C::kPitch, NT = C::kThreads;
+  if (it.prefix) {
+    load_tile_async<D, BN, P, NT>(sm.k, static_cast<const T*>(args.prefix_k) + hk * args.pk_hs + it.pos * args.pk_ts,
+                                  args.pk_ts, it.len(), tid);
+    load_tile_async<D, BN, P, NT>(sm.v, static_cast<const T*>(args.prefix_v) + hk * args.pv_hs + it.pos * args.pv_ts,
+                                  args.pv_ts, it.len(), tid);
+  } else {
+    load_tile_async<D, BN, P, NT>(sm.k, kh + it.pos * args.k_ts, args.k_ts, it.len(), tid);
+    load_tile_async<D, BN, P, NT>(sm.v, vh + it.pos * args.v_ts, args.v_ts, it.len(), tid);
+  }
+}
+
 // kPrefix: the layout has external prefix segments (the walk's prefix tiles load from the prefix
 // buffers); the default instantiation is the kernel as it was before them.
 template <int D, typename T, bool kPrefix>
@@ -76,21 +94,12 @@ bwd_dq_kernel(const BwdArgs args) {
                                   args.q_ts, q1 - q0, tid);
     load_tile_async<D, BM, P, NT>(sm.dout, static_cast<const T*>(args.dout) + q0 * args.do_ts + h * args.do_hs,
                                   args.do_ts, q1 - q0, tid);
-    // The K/V tile of the walk's position: the layout's K/V, or a prefix's rows (CTA-uniform).
-    auto load_kv = [&]() {
-      if constexpr (kPrefix) {
-        if (it.prefix) {
-          load_tile_async<D, BN, P, NT>(sm.k, static_cast<const T*>(args.prefix_k) + hk * args.pk_hs + it.pos * args.pk_ts,
-                                        args.pk_ts, it.len(), tid);
-          load_tile_async<D, BN, P, NT>(sm.v, static_cast<const T*>(args.prefix_v) + hk * args.pv_hs + it.pos * args.pv_ts,
-                                        args.pv_ts, it.len(), tid);
-          return;
-        }
-      }
+    if constexpr (kPrefix) {
+      load_prefixed_kv<D, BN>(it, kh, vh, hk, tid, sm, args);
+    } else {
       load_tile_async<D, BN, P, NT>(sm.k, kh + it.pos * args.k_ts, args.k_ts, it.len(), tid);
       load_tile_async<D, BN, P, NT>(sm.v, vh + it.pos * args.v_ts, args.v_ts, it.len(), tid);
-    };
-    load_kv();
+    }
     cp_async_commit();
 
     float lse2[MI][2], dl[MI][2];
@@ -169,7 +178,12 @@ bwd_dq_kernel(const BwdArgs args) {
       if constexpr (kPrefix) more = it.next(L.offsets, L.parent, L.seg_prefix, L.prefix_offsets);
       else more = it.next(L.offsets, L.parent);
       if (more) {
-        load_kv();
+        if constexpr (kPrefix) {
+          load_prefixed_kv<D, BN>(it, kh, vh, hk, tid, sm, args);
+        } else {
+          load_tile_async<D, BN, P, NT>(sm.k, kh + it.pos * args.k_ts, args.k_ts, it.len(), tid);
+          load_tile_async<D, BN, P, NT>(sm.v, vh + it.pos * args.v_ts, args.v_ts, it.len(), tid);
+        }
         cp_async_commit();
         cp_async_wait_all();
         __syncthreads();
