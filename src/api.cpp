@@ -249,21 +249,28 @@ dualkv_status check_common(const Params* p, const char* what) {
     return check_host_layout(l, &p->prefixes);
   }
   if (p->device == DUALKV_DEVICE_CUDA) {
-    // The kernels implement neither the mask modifiers nor external prefixes yet: refused in every
-    // build, before anything else of the device (the plans:
-    // docs/notes/2026-12-01-mask-modifiers-kernel-plan.md, 2026-12-01-external-prefix-kernels.md).
+    // The kernels do not implement the mask modifiers yet: refused in every build, before anything
+    // else of the device (the plan: docs/notes/2026-12-01-mask-modifiers-kernel-plan.md).
     if (const std::string used = modifiers_in_use(*p); !used.empty())
       return fail(DUALKV_ERROR_UNSUPPORTED, "%s: mask modifiers not implemented by the CUDA backend yet: %s (the "
                   "CPU backend has them)", what, used.c_str());
-    if (p->prefixes.num_prefixes != 0)
-      return fail(DUALKV_ERROR_UNSUPPORTED, "%s: external prefix segments are not supported by the CUDA backend yet "
-                  "(the CPU backend runs them)", what);
 #if defined(DUALKV_WITH_CUDA)
     if (p->dtype != DUALKV_DTYPE_FLOAT16 && p->dtype != DUALKV_DTYPE_BFLOAT16)
       return fail(DUALKV_ERROR_UNSUPPORTED, "%s: dtype %s is not supported on CUDA (float16, bfloat16)",
                   what, dtype_name(p->dtype));
     if (!l.seg_offsets || !l.seg_parent || !l.seg_subtree_end || !l.seg_position_offset || !l.seg_depth)
       return fail(DUALKV_ERROR_INVALID_LAYOUT, "%s: a layout array is NULL", what);
+    // The prefix table lives in device memory like the layout (validated on the host by
+    // dualkv_plan_build_prefixed; the plan key holds its size, checked by the dispatcher).
+    if (p->prefixes.num_prefixes != 0) {
+      const dualkv_prefixes& x = p->prefixes;
+      if (x.num_prefixes < 0 || x.num_prefix_rows < x.num_prefixes)
+        return fail(DUALKV_ERROR_INVALID_LAYOUT, "%s: %d external prefixes of %d rows in all (each prefix has >= 1 "
+                    "row)", what, x.num_prefixes, x.num_prefix_rows);
+      if (!x.seg_prefix || !x.prefix_offsets)
+        return fail(DUALKV_ERROR_INVALID_LAYOUT, "%s: a prefix table array (seg_prefix, prefix_offsets) is NULL",
+                    what);
+    }
     if (!p->plan || p->plan_len <= 0)
       return fail(DUALKV_ERROR_INVALID_ARGUMENT, "%s: CUDA needs a work plan (dualkv_plan_build)", what);
     return cuda_check_supported(p->device_index, p->dtype, p->head_dim);
@@ -400,13 +407,13 @@ DUALKV_API const char* dualkv_build_info(void) {
   return info.c_str();
 }
 
-DUALKV_API dualkv_status dualkv_plan_size(const dualkv_layout* host_layout, int32_t device,
-                                          int32_t device_index, int32_t dtype, int32_t head_dim,
-                                          int64_t* plan_len, uint64_t* plan_key) {
+DUALKV_API dualkv_status dualkv_plan_size_prefixed(const dualkv_layout* host_layout, const dualkv_prefixes* prefixes,
+                                                   int32_t device, int32_t device_index, int32_t dtype,
+                                                   int32_t head_dim, int64_t* plan_len, uint64_t* plan_key) {
   clear_error();
   if (!host_layout || !plan_len || !plan_key)
     return fail(DUALKV_ERROR_INVALID_ARGUMENT, "plan_size: NULL argument");
-  if (dualkv_status st = check_host_layout(*host_layout); st != DUALKV_OK) return st;
+  if (dualkv_status st = check_host_layout(*host_layout, prefixes); st != DUALKV_OK) return st;
   if (device == DUALKV_DEVICE_CPU) {
     *plan_len = 0;
     *plan_key = 0;
@@ -415,7 +422,7 @@ DUALKV_API dualkv_status dualkv_plan_size(const dualkv_layout* host_layout, int3
 #if defined(DUALKV_WITH_CUDA)
   if (device == DUALKV_DEVICE_CUDA) {
     if (dualkv_status st = cuda_check_supported(device_index, dtype, head_dim); st != DUALKV_OK) return st;
-    return cuda_plan_size(*host_layout, device_index, dtype, head_dim, plan_len, plan_key);
+    return cuda_plan_size(*host_layout, prefixes, device_index, dtype, head_dim, plan_len, plan_key);
   }
 #else
   (void)device_index; (void)dtype; (void)head_dim;
@@ -425,18 +432,24 @@ DUALKV_API dualkv_status dualkv_plan_size(const dualkv_layout* host_layout, int3
   return fail(DUALKV_ERROR_INVALID_ARGUMENT, "plan_size: unknown device code %d", device);
 }
 
-DUALKV_API dualkv_status dualkv_plan_build(const dualkv_layout* host_layout, int32_t device,
-                                           int32_t device_index, int32_t dtype, int32_t head_dim,
-                                           int32_t* plan, int64_t plan_len) {
+DUALKV_API dualkv_status dualkv_plan_size(const dualkv_layout* host_layout, int32_t device,
+                                          int32_t device_index, int32_t dtype, int32_t head_dim,
+                                          int64_t* plan_len, uint64_t* plan_key) {
+  return dualkv_plan_size_prefixed(host_layout, nullptr, device, device_index, dtype, head_dim, plan_len, plan_key);
+}
+
+DUALKV_API dualkv_status dualkv_plan_build_prefixed(const dualkv_layout* host_layout, const dualkv_prefixes* prefixes,
+                                                    int32_t device, int32_t device_index, int32_t dtype,
+                                                    int32_t head_dim, int32_t* plan, int64_t plan_len) {
   clear_error();
   if (!host_layout) return fail(DUALKV_ERROR_INVALID_ARGUMENT, "plan_build: layout is NULL");
-  if (dualkv_status st = check_host_layout(*host_layout); st != DUALKV_OK) return st;
+  if (dualkv_status st = check_host_layout(*host_layout, prefixes); st != DUALKV_OK) return st;
   if (device == DUALKV_DEVICE_CPU) return DUALKV_OK;
 #if defined(DUALKV_WITH_CUDA)
   if (device == DUALKV_DEVICE_CUDA) {
     if (!plan) return fail(DUALKV_ERROR_INVALID_ARGUMENT, "plan_build: plan is NULL");
     if (dualkv_status st = cuda_check_supported(device_index, dtype, head_dim); st != DUALKV_OK) return st;
-    return cuda_plan_build(*host_layout, device_index, dtype, head_dim, plan, plan_len);
+    return cuda_plan_build(*host_layout, prefixes, device_index, dtype, head_dim, plan, plan_len);
   }
 #else
   (void)device_index; (void)dtype; (void)head_dim; (void)plan; (void)plan_len;
@@ -446,9 +459,16 @@ DUALKV_API dualkv_status dualkv_plan_build(const dualkv_layout* host_layout, int
   return fail(DUALKV_ERROR_INVALID_ARGUMENT, "plan_build: unknown device code %d", device);
 }
 
-DUALKV_API dualkv_status dualkv_plan_inspect(const dualkv_layout* host_layout, int32_t head_dim,
-                                             int32_t num_sms, dualkv_plan_info* info, int32_t* plan,
-                                             int64_t plan_len) {
+DUALKV_API dualkv_status dualkv_plan_build(const dualkv_layout* host_layout, int32_t device,
+                                           int32_t device_index, int32_t dtype, int32_t head_dim,
+                                           int32_t* plan, int64_t plan_len) {
+  return dualkv_plan_build_prefixed(host_layout, nullptr, device, device_index, dtype, head_dim, plan, plan_len);
+}
+
+DUALKV_API dualkv_status dualkv_plan_inspect_prefixed(const dualkv_layout* host_layout,
+                                                      const dualkv_prefixes* prefixes, int32_t head_dim,
+                                                      int32_t num_sms, dualkv_plan_info* info, int32_t* plan,
+                                                      int64_t plan_len) {
   clear_error();
   if (!host_layout || !info) return fail(DUALKV_ERROR_INVALID_ARGUMENT, "plan_inspect: NULL argument");
   if (info->struct_size != sizeof(dualkv_plan_info))
@@ -457,9 +477,10 @@ DUALKV_API dualkv_status dualkv_plan_inspect(const dualkv_layout* host_layout, i
   if (head_dim < 1 || num_sms < 1)
     return fail(DUALKV_ERROR_INVALID_ARGUMENT, "plan_inspect: head_dim (%d) and num_sms (%d) must be >= 1",
                 head_dim, num_sms);
-  if (dualkv_status st = check_host_layout(*host_layout); st != DUALKV_OK) return st;
+  if (dualkv_status st = check_host_layout(*host_layout, prefixes); st != DUALKV_OK) return st;
   dualkv::plan::Plan p;
-  if (dualkv_status st = dualkv::plan::build(*host_layout, head_dim, num_sms, &p); st != DUALKV_OK) return st;
+  if (dualkv_status st = dualkv::plan::build(*host_layout, prefixes, head_dim, num_sms, &p); st != DUALKV_OK)
+    return st;
   const dualkv::PlanTiles tiles = dualkv::plan_tiles(head_dim);
   const int32_t* hdr = p.data.data();
   info->head_dim = head_dim;
@@ -480,6 +501,12 @@ DUALKV_API dualkv_status dualkv_plan_inspect(const dualkv_layout* host_layout, i
     std::memcpy(plan, p.data.data(), p.data.size() * sizeof(int32_t));
   }
   return DUALKV_OK;
+}
+
+DUALKV_API dualkv_status dualkv_plan_inspect(const dualkv_layout* host_layout, int32_t head_dim,
+                                             int32_t num_sms, dualkv_plan_info* info, int32_t* plan,
+                                             int64_t plan_len) {
+  return dualkv_plan_inspect_prefixed(host_layout, nullptr, head_dim, num_sms, info, plan, plan_len);
 }
 
 DUALKV_API dualkv_status dualkv_fwd_workspace_size(const dualkv_fwd_params* params, size_t* bytes) {

@@ -24,18 +24,22 @@ uint64_t mix64(uint64_t x) {
 
 }  // namespace
 
-uint64_t key_hash(int head_dim, int32_t S, int32_t T) {
+uint64_t key_hash(int head_dim, int32_t S, int32_t T, int32_t num_prefixes, int32_t prefix_rows) {
   const PlanTiles ts = plan_tiles(head_dim);
   uint64_t h = mix64(static_cast<uint64_t>(kPlanVersion) << 48 | static_cast<uint64_t>(head_dim) << 32 |
                      static_cast<uint64_t>(ts.fwd_block_m) << 16 | static_cast<uint64_t>(ts.bwd_block_n));
   h = mix64(h ^ (static_cast<uint64_t>(ts.bwd_block_m) << 40) ^ static_cast<uint64_t>(static_cast<uint32_t>(S)));
   h = mix64(h ^ (static_cast<uint64_t>(static_cast<uint32_t>(T)) << 7));
+  h = mix64(h ^ (static_cast<uint64_t>(static_cast<uint32_t>(num_prefixes)) << 32 |
+                 static_cast<uint64_t>(static_cast<uint32_t>(prefix_rows))));
   return h >> kPlanSlotBits;
 }
 
-dualkv_status build(const dualkv_layout& l, int head_dim, int num_sms, Plan* out) {
+dualkv_status build(const dualkv_layout& l, const dualkv_prefixes* prefixes, int head_dim, int num_sms, Plan* out) {
   const PlanTiles ts = plan_tiles(head_dim);
-  const ForestView f = make_forest_view(l);
+  const dualkv_prefixes none{0, 0, nullptr, nullptr};
+  const dualkv_prefixes& px = prefixes != nullptr ? *prefixes : none;
+  const ForestView f = make_forest_view(l, px);
   const int32_t S = l.num_segments, T = l.num_tokens;
   const int32_t* off = l.seg_offsets;
   std::vector<int32_t> root(S);
@@ -57,14 +61,24 @@ dualkv_status build(const dualkv_layout& l, int head_dim, int num_sms, Plan* out
     return a.s < b.s;
   });
 
-  // Backward KV tiles and the query range that sees each (SegmentMask::bwd_query_range).
-  struct Kv { int32_t s, k0, k1, qend; };
+  // Backward KV tiles and the query range that sees each (SegmentMask::bwd_query_range); an external
+  // segment's tiles are of its prefix rows, seen by its whole subtree (bwd_prefix_query_range).
+  struct Kv { int32_t s, k0, k1, qbegin, qend; };
   std::vector<Kv> kv;
   int64_t total = 0;
   for (int32_t s = 0; s < S; ++s) {
+    if (f.is_external(s)) {
+      const TokenRange r = SegmentMask::bwd_prefix_query_range(f, s);
+      if (r.end <= r.begin) continue;  // a prefix no token sees gets no gradient (its rows stay as they are)
+      for (int32_t k0 = f.prefix_begin(s); k0 < f.prefix_end(s); k0 += ts.bwd_block_n) {
+        kv.push_back({s, k0, std::min(k0 + ts.bwd_block_n, f.prefix_end(s)), r.begin, r.end});
+        total += r.end - r.begin;
+      }
+      continue;
+    }
     for (int32_t k0 = off[s]; k0 < off[s + 1]; k0 += ts.bwd_block_n) {
       const TokenRange r = SegmentMask::bwd_query_range(f, s, k0);
-      kv.push_back({s, k0, std::min(k0 + ts.bwd_block_n, off[s + 1]), r.end});
+      kv.push_back({s, k0, std::min(k0 + ts.bwd_block_n, off[s + 1]), r.begin, r.end});
       total += r.end - r.begin;
     }
   }
@@ -80,7 +94,7 @@ dualkv_status build(const dualkv_layout& l, int head_dim, int num_sms, Plan* out
   while (true) {
     int64_t slots = 0;
     for (const Kv& t : kv) {
-      const int64_t n = (t.qend - t.k0 + split - 1) / split;
+      const int64_t n = (t.qend - t.qbegin + split - 1) / split;
       if (n > 1) slots += n;
     }
     if (slots <= static_cast<int64_t>(kPlanSlotMask)) break;
@@ -93,14 +107,14 @@ dualkv_status build(const dualkv_layout& l, int head_dim, int num_sms, Plan* out
   std::vector<Red> red;
   int32_t n_slots = 0;
   for (const Kv& t : kv) {
-    const int64_t len = t.qend - t.k0;
+    const int64_t len = t.qend - t.qbegin;
     const int32_t n = static_cast<int32_t>((len + split - 1) / split);
     if (n == 1) {
-      bwd.push_back({t.s, t.k0, t.k1, t.k0, t.qend, -1});
+      bwd.push_back({t.s, t.k0, t.k1, t.qbegin, t.qend, -1});
     } else {
       red.push_back({t.s, t.k0, t.k1, n_slots, n});
       for (int32_t i = 0; i < n; ++i) {
-        const int32_t qa = static_cast<int32_t>(t.k0 + i * split);
+        const int32_t qa = static_cast<int32_t>(t.qbegin + i * split);
         const int32_t qb = static_cast<int32_t>(std::min<int64_t>(qa + split, t.qend));
         bwd.push_back({t.s, t.k0, t.k1, qa, qb, n_slots + i});
       }
@@ -147,7 +161,7 @@ dualkv_status build(const dualkv_layout& l, int head_dim, int num_sms, Plan* out
     int32_t* p = &d[red_off + i * kRedItemInts];
     p[0] = red[i].s; p[1] = red[i].k0; p[2] = red[i].k1; p[3] = red[i].slot0; p[4] = red[i].n; p[5] = 0;
   }
-  out->key = (key_hash(head_dim, S, T) << kPlanSlotBits) | static_cast<uint64_t>(n_slots);
+  out->key = (key_hash(head_dim, S, T, px.num_prefixes, px.num_prefixes > 0 ? px.num_prefix_rows : 0) << kPlanSlotBits) | static_cast<uint64_t>(n_slots);
   out->split_rows = static_cast<int32_t>(std::min<int64_t>(split, INT32_MAX));
   return DUALKV_OK;
 }

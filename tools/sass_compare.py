@@ -8,7 +8,9 @@ in B"; the exit status is 1 if any kernel differs or is missing. Addresses and e
 dropped, so "same" means the same instructions in the same order. --regs also ignores register
 and predicate numbers (the same instructions, possibly other registers). --rename OLD=NEW is a
 regular-expression substitution applied to B's kernel names (mangled), for a kernel that moved to
-another name or namespace without changing its code.
+another name or namespace without changing its code. --params also ignores the offsets of kernel
+parameters in the constant bank (c[0x0][...]), for a params struct that grew fields before the ones
+a kernel reads.
 
 Why: a refactor that keeps the SASS of a kernel identical keeps its measured speed, so it needs no
 device run. A kernel instantiated in several translation units appears once per unit: the copies
@@ -37,9 +39,10 @@ ADDRESS = re.compile(r"/\*[0-9a-f]{4,}\*/")
 ANON_NAMESPACE = re.compile(r"_GLOBAL__N__[0-9a-f]+_")  # per-unit hash of an anonymous namespace
 ENCODING = re.compile(r"/\* 0x[0-9a-f]+ \*/")
 REGISTER = re.compile(r"\bU?R[0-9]+\b|\bU?P[0-9]\b")
+PARAM = re.compile(r"c\[0x0\]\[0x[0-9a-f]+\]")
 
 
-def kernels(lib: str, ignore_regs: bool, renames):
+def kernels(lib: str, ignore_regs: bool, renames, ignore_params: bool = False):
     """{(arch, kernel name): [listing, ...]} with one listing (a tuple of instructions) per copy."""
     text = subprocess.run([cuobjdump(), "-sass", lib], check=True, capture_output=True, text=True).stdout
     out = collections.defaultdict(list)
@@ -62,6 +65,8 @@ def kernels(lib: str, ignore_regs: bool, renames):
             ins = ENCODING.sub("", ADDRESS.sub("", line)).strip()
             if ignore_regs:
                 ins = " ".join(REGISTER.sub("R", ins).split())
+            if ignore_params:
+                ins = PARAM.sub("c[0x0][P]", ins)
             body.append(ins)
     close()
     return out
@@ -74,10 +79,11 @@ def main() -> int:
     ap.add_argument("--regs", action="store_true", help="ignore register and predicate numbers")
     ap.add_argument("--rename", action="append", default=[], metavar="OLD=NEW",
                     help="regex substitution on B's mangled kernel names")
+    ap.add_argument("--params", action="store_true", help="ignore kernel-parameter offsets (c[0x0][...])")
     args = ap.parse_args()
     renames = [tuple(r.split("=", 1)) for r in args.rename]
-    a = kernels(args.a, args.regs, [])
-    b = kernels(args.b, args.regs, renames)
+    a = kernels(args.a, args.regs, [], args.params)
+    b = kernels(args.b, args.regs, renames, args.params)
     bad = 0
     for key in sorted(set(a) | set(b)):
         arch, name = key

@@ -266,6 +266,15 @@ DUALKV_API dualkv_status dualkv_plan_size(const dualkv_layout* host_layout, int3
 DUALKV_API dualkv_status dualkv_plan_build(const dualkv_layout* host_layout, int32_t device,
                                            int32_t device_index, int32_t dtype, int32_t head_dim,
                                            int32_t* plan, int64_t plan_len);
+/* The same two for a forest with external prefix segments (prefixes: the host table, NULL: none;
+ * plan version 2). A plan built without the table of a prefixed forest has another key: the
+ * attention calls reject it. The functions above refuse a forest with external segments. */
+DUALKV_API dualkv_status dualkv_plan_size_prefixed(const dualkv_layout* host_layout, const dualkv_prefixes* prefixes,
+                                                   int32_t device, int32_t device_index, int32_t dtype,
+                                                   int32_t head_dim, int64_t* plan_len, uint64_t* plan_key);
+DUALKV_API dualkv_status dualkv_plan_build_prefixed(const dualkv_layout* host_layout, const dualkv_prefixes* prefixes,
+                                                    int32_t device, int32_t device_index, int32_t dtype,
+                                                    int32_t head_dim, int32_t* plan, int64_t plan_len);
 
 /* Statistics of a work plan (dualkv_plan_inspect). */
 typedef struct dualkv_plan_info {
@@ -289,6 +298,11 @@ typedef struct dualkv_plan_info {
 DUALKV_API dualkv_status dualkv_plan_inspect(const dualkv_layout* host_layout, int32_t head_dim,
                                              int32_t num_sms, dualkv_plan_info* info, int32_t* plan,
                                              int64_t plan_len);
+/* The same with external prefix segments (prefixes: host table, NULL: none). */
+DUALKV_API dualkv_status dualkv_plan_inspect_prefixed(const dualkv_layout* host_layout,
+                                                      const dualkv_prefixes* prefixes, int32_t head_dim,
+                                                      int32_t num_sms, dualkv_plan_info* info, int32_t* plan,
+                                                      int64_t plan_len);
 
 /* ---- attention ---- */
 DUALKV_API dualkv_status dualkv_fwd_workspace_size(const dualkv_fwd_params* params, size_t* bytes);

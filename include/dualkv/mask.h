@@ -28,7 +28,8 @@
 // The window has its own parts 1-4 below (the *_in_window / window-taking overloads); the CPU
 // backend uses them. They number a segment's keys as ForestView::keys_begin does, so an external
 // prefix segment's rows (layout.h) are cut at their positions like any ancestor's tokens. The GPU
-// kernels use the forest-rule parts and refuse the modifiers (api.cpp);
+// kernels use the forest-rule parts (with external prefixes: KvWalk's prefixed walk,
+// bwd_prefix_query_range) and refuse the modifiers (api.cpp);
 // docs/notes/2026-12-01-mask-modifiers-kernel-plan.md is the plan for them.
 // docs/adding_kernels.md lists the call sites of a new modifier.
 #ifndef DUALKV_MASK_H_
@@ -99,6 +100,9 @@ struct KvWalk {
   int32_t end;      // end of the current KV range (exclusive)
   int32_t own_end;  // q1
   bool own;         // the current range is the query segment itself
+  bool prefix;      // the current range is an external segment's prefix rows (pos, end: rows of the
+                    // prefix buffers, not tokens); only the walk with prefixes below sets and reads
+                    // it (the plain walk leaves it alone: its kernels keep their code)
 
   DUALKV_HOST_DEVICE void init(const int32_t* offsets, const int32_t* parent, int32_t s, int32_t q1) {
     seg = s;
@@ -125,6 +129,45 @@ struct KvWalk {
     }
     return true;
   }
+
+  // The same walk over a forest with external prefix segments (layout.h: seg_prefix[s] the prefix
+  // segment s holds or -1, prefix_offsets the prefixes' rows): an external ancestor contributes its
+  // prefix rows [prefix_offsets[e], prefix_offsets[e + 1]) instead of its (empty) token range, with
+  // `prefix` set. An external segment is always a root, so it is the last ancestor the walk reaches
+  // and is never the query segment itself (it has no tokens, so no query tile).
+  DUALKV_HOST_DEVICE void init(const int32_t* offsets, const int32_t* parent, const int32_t* seg_prefix,
+                               const int32_t* prefix_offsets, int32_t s, int32_t q1) {
+    init(offsets, parent, s, q1);
+    prefix = false;
+    if (!own) enter_ancestor(offsets, seg_prefix, prefix_offsets, cur);
+  }
+  DUALKV_HOST_DEVICE bool next(const int32_t* offsets, const int32_t* parent, const int32_t* seg_prefix,
+                               const int32_t* prefix_offsets) {
+    pos += BN;
+    if (pos < end) return true;
+    if (own) return false;
+    const int32_t a = parent[cur];
+    if (a >= 0) {
+      cur = a;
+      enter_ancestor(offsets, seg_prefix, prefix_offsets, a);
+    } else {
+      cur = seg; pos = offsets[seg]; end = own_end; own = true; prefix = false;
+    }
+    return true;
+  }
+
+ private:
+  // The keys of ancestor a: its prefix rows when it is external, else its tokens.
+  DUALKV_HOST_DEVICE void enter_ancestor(const int32_t* offsets, const int32_t* seg_prefix,
+                                         const int32_t* prefix_offsets, int32_t a) {
+    const int32_t e = seg_prefix[a];
+    prefix = e >= 0;
+    if (prefix) {
+      pos = prefix_offsets[e]; end = prefix_offsets[e + 1];
+    } else {
+      pos = offsets[a]; end = offsets[a + 1];
+    }
+  }
 };
 
 struct SegmentMask {
@@ -138,6 +181,12 @@ struct SegmentMask {
   // range is k <= q).
   DUALKV_HOST_DEVICE static TokenRange bwd_query_range(const ForestView& f, int32_t s, int32_t k0) {
     return TokenRange{k0, f.subtree_token_end(s)};
+  }
+  // The queries that see the prefix rows of external segment x: every token of its subtree (it has
+  // none of its own), each seeing every row, so no tile of the range is diagonal (the backward tile
+  // kind is kFull, or kRagged at the prefix's last rows).
+  DUALKV_HOST_DEVICE static TokenRange bwd_prefix_query_range(const ForestView& f, int32_t x) {
+    return TokenRange{f.segment_begin(x), f.subtree_token_end(x)};
   }
 
   // 3./4. Forward: the KV tile at kpos with klen valid rows of block_n (a tile of the KvWalk;

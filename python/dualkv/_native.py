@@ -221,6 +221,8 @@ _PREFIXED = {
     "dualkv_layout_derive_prefixed": ("dualkv_layout_derive", 4),
     "dualkv_layout_position_ids_prefixed": ("dualkv_layout_position_ids", 1),
     "dualkv_layout_visible_pairs_prefixed": ("dualkv_layout_visible_pairs", 1),
+    "dualkv_plan_size_prefixed": ("dualkv_plan_size", 1),
+    "dualkv_plan_build_prefixed": ("dualkv_plan_build", 1),
 }
 
 
@@ -277,16 +279,28 @@ def _declare(lib: ctypes.CDLL) -> None:
                  "dualkv_plan_size", "dualkv_plan_build", "dualkv_fwd_workspace_size",
                  "dualkv_bwd_workspace_size", "dualkv_fwd", "dualkv_bwd"):
         getattr(lib, name).restype = c.c_int
-    if not hasattr(lib, "dualkv_layout_derive_prefixed"):
-        for name, (plain, at) in _PREFIXED.items():
-            setattr(lib, name, _prefix_free(lib, name, getattr(lib, plain), at))
+    # The plans' prefixed entry points came after the layout's (plan version 2): a library may have
+    # the one set without the other.
+    missing = [name for name in _PREFIXED if not hasattr(lib, name)]
+    for name in missing:
+        plain, at = _PREFIXED[name]
+        setattr(lib, name, _prefix_free(lib, name, getattr(lib, plain), at))
+    if "dualkv_plan_size_prefixed" not in missing:
+        lib.dualkv_plan_size_prefixed.argtypes = [c.POINTER(Layout_), c.POINTER(Prefixes_), c.c_int32, c.c_int32,
+                                                  c.c_int32, c.c_int32, c.POINTER(c.c_int64), c.POINTER(c.c_uint64)]
+        lib.dualkv_plan_build_prefixed.argtypes = [c.POINTER(Layout_), c.POINTER(Prefixes_), c.c_int32, c.c_int32,
+                                                   c.c_int32, c.c_int32, _i32p, c.c_int64]
+        lib.dualkv_plan_size_prefixed.restype = c.c_int
+        lib.dualkv_plan_build_prefixed.restype = c.c_int
+    if "dualkv_layout_derive_prefixed" in missing:
         return
     lib.dualkv_layout_derive_prefixed.argtypes = [_i32p, _i32p, c.c_int32, c.c_int64, c.POINTER(Prefixes_), _i32p,
                                                   _i32p, _i32p, _i32p]
     lib.dualkv_layout_position_ids_prefixed.argtypes = [c.POINTER(Layout_), c.POINTER(Prefixes_), _i32p]
     lib.dualkv_layout_visible_pairs_prefixed.argtypes = [c.POINTER(Layout_), c.POINTER(Prefixes_),
                                                          c.POINTER(c.c_int64)]
-    for name in _PREFIXED:
+    for name in ("dualkv_layout_derive_prefixed", "dualkv_layout_position_ids_prefixed",
+                 "dualkv_layout_visible_pairs_prefixed"):
         getattr(lib, name).restype = c.c_int
 
 

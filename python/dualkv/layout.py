@@ -322,8 +322,7 @@ class Layout:
         if device.type != "cuda":
             raise _native.UnsupportedError(f"layout: device type {device.type!r} is not supported (cpu, cuda)")
         plans, keys, chunks, offset = {}, {}, [], 0
-        # no plans for external prefixes: the CUDA backend does not run them yet (and says so)
-        for dtype, head_dim in (_cuda_configs() if not self.num_prefixes else ()):
+        for dtype, head_dim in _cuda_configs():
             built = _build_plan(self, device.index, dtype, head_dim)
             if built is None:
                 continue
@@ -348,17 +347,17 @@ class Layout:
 
     def plan_for(self, dtype: torch.dtype, head_dim: int):
         """(plan tensor, key) for a CUDA attention call; raises naming why if none exists."""
-        if self.device.type == "cpu" or self.num_prefixes:  # the library refuses prefixes on CUDA itself
+        if self.device.type == "cpu":
             return self._meta[:0], 0
         found = self._plans.get((dtype, head_dim))
         if found is not None:
             return found
         # Not built for this config: ask the library why (e.g. head dim not compiled).
         length, key = ctypes.c_int64(0), ctypes.c_uint64(0)
-        c = self.c_layout(host=True)
-        _native.check(_native.lib().dualkv_plan_size(ctypes.byref(c), _native.DEVICE_CUDA, self.device.index,
-                                                     DTYPE_CODES.get(dtype, -1), head_dim,
-                                                     ctypes.byref(length), ctypes.byref(key)), "attention")
+        c, x = self.c_layout(host=True), self.c_prefixes(host=True)
+        _native.check(_native.lib().dualkv_plan_size_prefixed(ctypes.byref(c), prefixes_arg(x), _native.DEVICE_CUDA,
+                                                              self.device.index, DTYPE_CODES.get(dtype, -1), head_dim,
+                                                              ctypes.byref(length), ctypes.byref(key)), "attention")
         raise _native.UnsupportedError(f"attention: no CUDA work plan for {dtype}, head_dim {head_dim}")
 
     def __repr__(self) -> str:
@@ -402,16 +401,17 @@ def _cuda_configs() -> Iterable[tuple[torch.dtype, int]]:
 
 def _build_plan(layout: Layout, device_index: int, dtype: torch.dtype, head_dim: int):
     lib = _native.lib()
-    c = layout.c_layout(host=True)
+    c, x = layout.c_layout(host=True), layout.c_prefixes(host=True)
     length, key = ctypes.c_int64(0), ctypes.c_uint64(0)
-    st = lib.dualkv_plan_size(ctypes.byref(c), _native.DEVICE_CUDA, device_index, DTYPE_CODES[dtype], head_dim,
-                              ctypes.byref(length), ctypes.byref(key))
+    st = lib.dualkv_plan_size_prefixed(ctypes.byref(c), prefixes_arg(x), _native.DEVICE_CUDA, device_index,
+                                       DTYPE_CODES[dtype], head_dim, ctypes.byref(length), ctypes.byref(key))
     if st == _native.ERROR_UNSUPPORTED:
         return None  # e.g. an arch this GPU lacks; attention() reports it if it is ever asked for
     _native.check(st, "plan")
     plan = torch.empty(max(int(length.value), 0), dtype=torch.int32)
-    _native.check(lib.dualkv_plan_build(ctypes.byref(c), _native.DEVICE_CUDA, device_index, DTYPE_CODES[dtype],
-                                        head_dim, ctypes.cast(plan.data_ptr(), _native._i32p), plan.numel()),
+    _native.check(lib.dualkv_plan_build_prefixed(ctypes.byref(c), prefixes_arg(x), _native.DEVICE_CUDA, device_index,
+                                                 DTYPE_CODES[dtype], head_dim,
+                                                 ctypes.cast(plan.data_ptr(), _native._i32p), plan.numel()),
                   "plan")
     key_value = int(key.value)  # a custom op takes int64: store the uint64 key as its signed twin
     return plan, key_value - 2**64 if key_value >= 2**63 else key_value

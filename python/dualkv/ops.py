@@ -312,7 +312,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Layout,
     A layout with external prefix segments also reads ``prefix_k`` and ``prefix_v``
     ``[layout.num_prefix_rows, Hk, D]`` (the keys and values of prompts computed earlier, e.g. by
     :mod:`dualkv.schedule`'s prompt phase); they are differentiable too: their gradient is the sum
-    over every query of this call that sees them. CPU backend only for now.
+    over every query of this call that sees them. Both backends (CUDA: the portable and the
+    Hopper kernels read the prefix buffers as a second K/V region).
 
     Mask modifiers (CPU backend; the CUDA backend refuses them for now):
 

@@ -62,7 +62,9 @@ __global__ void bwd_dq_convert_kernel(const BwdArgs args) {
   }
 }
 
-template <int D, typename T>
+// kPrefix (external prefix, issue 17): the plan may reduce prefix items, whose sums are ADDED into
+// prefix_dk / prefix_dv (the caller's value plus the fp32 sum, rounded once).
+template <int D, typename T, bool kPrefix>
 __global__ void bwd_reduce_kernel(const BwdArgs args) {
   using Ops = Convert<T>;
   constexpr int BN = plan_tiles(D).bwd_block_n;
@@ -86,6 +88,18 @@ __global__ void bwd_reduce_kernel(const BwdArgs args) {
         const float2 a = *reinterpret_cast<const float2*>(base + row * D + d);
         const float2 b = *reinterpret_cast<const float2*>(base + BN * D + row * D + d);
         sk.x += a.x; sk.y += a.y; sv.x += b.x; sv.y += b.y;
+      }
+      if constexpr (kPrefix) {
+        if (is_prefix_item(L, it[0])) {
+          uint32_t* pk = reinterpret_cast<uint32_t*>(static_cast<T*>(args.prefix_dk) + (k0 + row) * args.pdk_ts +
+                                                     hk * args.pdk_hs + d);
+          uint32_t* pv = reinterpret_cast<uint32_t*>(static_cast<T*>(args.prefix_dv) + (k0 + row) * args.pdv_ts +
+                                                     hk * args.pdv_hs + d);
+          const float2 ok = Ops::unpack(*pk), ov = Ops::unpack(*pv);
+          *pk = Ops::pack(ok.x + sk.x * args.scale, ok.y + sk.y * args.scale);
+          *pv = Ops::pack(ov.x + sv.x, ov.y + sv.y);
+          continue;
+        }
       }
       *reinterpret_cast<uint32_t*>(static_cast<T*>(args.dk) + (k0 + row) * args.dk_ts + hk * args.dk_hs + d) =
           Ops::pack(sk.x * args.scale, sk.y * args.scale);
@@ -120,7 +134,10 @@ cudaError_t launch_bwd_postprocess(const BwdArgs& args, int sms, cudaStream_t st
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
   }
   if (args.n_slots > 0) {
-    bwd_reduce_kernel<D, T><<<sms * 4, 256, 0, stream>>>(args);
+    if (args.prefix_k != nullptr)  // external prefix (issue 17)
+      bwd_reduce_kernel<D, T, true><<<sms * 4, 256, 0, stream>>>(args);
+    else
+      bwd_reduce_kernel<D, T, false><<<sms * 4, 256, 0, stream>>>(args);
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
   }
   return cudaSuccess;

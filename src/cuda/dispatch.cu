@@ -125,12 +125,14 @@ dualkv_status query_device(int32_t device_index, DeviceInfo* out) {
 
 template <typename Params>
 dualkv_status check_plan(const Params& p, const char* what) {
-  const uint64_t expect = plan::key_hash(p.head_dim, p.layout.num_segments, p.layout.num_tokens);
+  const int32_t E = p.prefixes.num_prefixes, rows = E > 0 ? p.prefixes.num_prefix_rows : 0;
+  const uint64_t expect = plan::key_hash(p.head_dim, p.layout.num_segments, p.layout.num_tokens, E, rows);
   if ((p.plan_key >> kPlanSlotBits) != expect)
     return fail(DUALKV_ERROR_INVALID_ARGUMENT,
-                "%s: plan_key does not match this layout (S=%d, T=%d) and head_dim %d tiling; the plan was "
-                "built for another layout or configuration: rebuild it with dualkv_plan_build",
-                what, p.layout.num_segments, p.layout.num_tokens, p.head_dim);
+                "%s: plan_key does not match this layout (S=%d, T=%d, %d external prefixes of %d rows) and "
+                "head_dim %d tiling; the plan was built for another layout or configuration: rebuild it with "
+                "dualkv_plan_build_prefixed (with the layout's prefix table)",
+                what, p.layout.num_segments, p.layout.num_tokens, E, rows, p.head_dim);
   if (p.plan_len < kHeaderInts)
     return fail(DUALKV_ERROR_INVALID_ARGUMENT, "%s: plan_len %lld is too small", what,
                 static_cast<long long>(p.plan_len));
@@ -157,8 +159,43 @@ size_t bwd_partials_bytes(const dualkv_bwd_params& p) {
   return slots * p.num_kv_heads * 2 * plan_tiles(p.head_dim).bwd_block_n * p.head_dim * sizeof(float);
 }
 
-LayoutPtrs layout_ptrs(const dualkv_layout& l) {
-  return LayoutPtrs{l.seg_offsets, l.seg_parent, l.seg_subtree_end, l.num_segments, l.num_tokens};
+LayoutPtrs layout_ptrs(const dualkv_layout& l, const dualkv_prefixes& x) {
+  const bool prefixed = x.num_prefixes > 0;
+  return LayoutPtrs{l.seg_offsets, l.seg_parent, l.seg_subtree_end, l.num_segments, l.num_tokens,
+                    prefixed ? x.seg_prefix : nullptr, prefixed ? x.prefix_offsets : nullptr};
+}
+
+// external prefix (issue 17): the prefix buffers' rows must be 16-byte aligned like k and v.
+template <typename Params>
+dualkv_status check_prefix_rows(const Params& p, const char* what) {
+  if (p.prefixes.num_prefixes == 0) return DUALKV_OK;
+  dualkv_status st;
+  if ((st = check_rows(what, "prefix_k", p.prefix_k, p.prefix_k_token_stride, p.prefix_k_head_stride))) return st;
+  if ((st = check_rows(what, "prefix_v", p.prefix_v, p.prefix_v_token_stride, p.prefix_v_head_stride))) return st;
+  if constexpr (std::is_same_v<Params, dualkv_bwd_params>) {
+    if ((st = check_rows(what, "prefix_dk", p.prefix_dk, p.prefix_dk_token_stride, p.prefix_dk_head_stride)))
+      return st;
+    if ((st = check_rows(what, "prefix_dv", p.prefix_dv, p.prefix_dv_token_stride, p.prefix_dv_head_stride)))
+      return st;
+  }
+  return DUALKV_OK;
+}
+
+// external prefix (issue 17): the prefix buffers into the kernel args (left null without prefixes).
+template <typename Params, typename Args>
+void fill_prefix_args(const Params& p, Args* a) {
+  if (p.prefixes.num_prefixes == 0) return;
+  a->prefix_k = p.prefix_k;
+  a->prefix_v = p.prefix_v;
+  a->pk_ts = p.prefix_k_token_stride; a->pk_hs = p.prefix_k_head_stride;
+  a->pv_ts = p.prefix_v_token_stride; a->pv_hs = p.prefix_v_head_stride;
+  a->prefix_rows = p.prefixes.num_prefix_rows;
+  if constexpr (std::is_same_v<Params, dualkv_bwd_params>) {
+    a->prefix_dk = p.prefix_dk;
+    a->prefix_dv = p.prefix_dv;
+    a->pdk_ts = p.prefix_dk_token_stride; a->pdk_hs = p.prefix_dk_head_stride;
+    a->pdv_ts = p.prefix_dv_token_stride; a->pdv_hs = p.prefix_dv_head_stride;
+  }
 }
 
 // One arch of the kernel table, as the dispatcher sees it (each folder's arch.h).
@@ -265,25 +302,25 @@ dualkv_status cuda_check_supported(int32_t device_index, int32_t dtype, int32_t 
   return query_device(device_index, &info);
 }
 
-dualkv_status cuda_plan_size(const dualkv_layout& host_layout, int32_t device_index, int32_t dtype,
-                             int32_t head_dim, int64_t* plan_len, uint64_t* plan_key) {
+dualkv_status cuda_plan_size(const dualkv_layout& host_layout, const dualkv_prefixes* prefixes, int32_t device_index,
+                             int32_t dtype, int32_t head_dim, int64_t* plan_len, uint64_t* plan_key) {
   (void)dtype;
   DeviceInfo info;
   if (dualkv_status st = query_device(device_index, &info); st != DUALKV_OK) return st;
   dualkv::plan::Plan built;
-  if (dualkv_status st = dualkv::plan::build(host_layout, head_dim, info.sms, &built); st != DUALKV_OK) return st;
+  if (dualkv_status st = dualkv::plan::build(host_layout, prefixes, head_dim, info.sms, &built); st != DUALKV_OK) return st;
   *plan_len = static_cast<int64_t>(built.data.size());
   *plan_key = built.key;
   return DUALKV_OK;
 }
 
-dualkv_status cuda_plan_build(const dualkv_layout& host_layout, int32_t device_index, int32_t dtype,
-                              int32_t head_dim, int32_t* plan, int64_t plan_len) {
+dualkv_status cuda_plan_build(const dualkv_layout& host_layout, const dualkv_prefixes* prefixes, int32_t device_index,
+                              int32_t dtype, int32_t head_dim, int32_t* plan, int64_t plan_len) {
   (void)dtype;
   DeviceInfo info;
   if (dualkv_status st = query_device(device_index, &info); st != DUALKV_OK) return st;
   dualkv::plan::Plan p;
-  if (dualkv_status st = dualkv::plan::build(host_layout, head_dim, info.sms, &p); st != DUALKV_OK) return st;
+  if (dualkv_status st = dualkv::plan::build(host_layout, prefixes, head_dim, info.sms, &p); st != DUALKV_OK) return st;
   if (plan_len != static_cast<int64_t>(p.data.size()))
     return fail(DUALKV_ERROR_INVALID_ARGUMENT, "plan_build: plan_len %lld, but this layout's plan has %zu int32",
                 static_cast<long long>(plan_len), p.data.size());
@@ -313,13 +350,14 @@ dualkv_status cuda_fwd(const dualkv_fwd_params& p) {
   if ((st = check_rows("fwd", "k", p.k, p.k_token_stride, p.k_head_stride))) return st;
   if ((st = check_rows("fwd", "v", p.v, p.v_token_stride, p.v_head_stride))) return st;
   if ((st = check_rows("fwd", "out", p.out, p.out_token_stride, p.out_head_stride))) return st;
+  if ((st = check_prefix_rows(p, "fwd"))) return st;
   DeviceInfo info;
   if ((st = query_device(p.device_index, &info))) return st;
   DeviceGuard guard(p.device_index);
   if (!guard.ok()) return fail(DUALKV_ERROR_CUDA, "fwd: cannot select device %d", p.device_index);
 
   FwdArgs a{};
-  a.layout = layout_ptrs(p.layout);
+  a.layout = layout_ptrs(p.layout, p.prefixes);
   a.plan = p.plan;
   a.plan_len = p.plan_len;
   a.q = p.q; a.k = p.k; a.v = p.v; a.out = p.out;
@@ -333,6 +371,7 @@ dualkv_status cuda_fwd(const dualkv_fwd_params& p) {
   a.scale = static_cast<float>(p.softmax_scale);
   a.scale_log2 = static_cast<float>(p.softmax_scale * 1.4426950408889634);
   a.counter = static_cast<int32_t*>(p.workspace);
+  fill_prefix_args(p, &a);
 
   cudaGetLastError();  // do not report an earlier, unrelated launch error as ours
   return run_on_first_arch("fwd", a, p.head_dim, p.dtype, info, static_cast<cudaStream_t>(p.stream));
@@ -349,13 +388,14 @@ dualkv_status cuda_bwd(const dualkv_bwd_params& p) {
   if ((st = check_rows("bwd", "dq", p.dq, p.dq_token_stride, p.dq_head_stride))) return st;
   if ((st = check_rows("bwd", "dk", p.dk, p.dk_token_stride, p.dk_head_stride))) return st;
   if ((st = check_rows("bwd", "dv", p.dv, p.dv_token_stride, p.dv_head_stride))) return st;
+  if ((st = check_prefix_rows(p, "bwd"))) return st;
   DeviceInfo info;
   if ((st = query_device(p.device_index, &info))) return st;
   DeviceGuard guard(p.device_index);
   if (!guard.ok()) return fail(DUALKV_ERROR_CUDA, "bwd: cannot select device %d", p.device_index);
 
   BwdArgs a{};
-  a.layout = layout_ptrs(p.layout);
+  a.layout = layout_ptrs(p.layout, p.prefixes);
   a.plan = p.plan;
   a.plan_len = p.plan_len;
   a.q = p.q; a.k = p.k; a.v = p.v; a.out = p.out; a.dout = p.dout;
@@ -388,6 +428,7 @@ dualkv_status cuda_bwd(const dualkv_bwd_params& p) {
     ws += align_workspace(T * H * p.head_dim * sizeof(float));
   }
   a.partials = a.n_slots > 0 ? reinterpret_cast<float*>(ws) : nullptr;
+  fill_prefix_args(p, &a);
 
   cudaGetLastError();
   return run_on_first_arch("bwd", a, p.head_dim, p.dtype, info, static_cast<cudaStream_t>(p.stream));

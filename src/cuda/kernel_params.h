@@ -15,6 +15,9 @@ struct LayoutPtrs {
   const int32_t* subtree_end;
   int32_t num_segments;
   int32_t num_tokens;
+  // external prefix (issue 17): the prefix table (device memory), null without external prefixes
+  const int32_t* seg_prefix;      // [S] prefix held by segment s, or -1
+  const int32_t* prefix_offsets;  // [E+1] rows of each prefix in the prefix buffers
 };
 
 struct FwdArgs {
@@ -31,6 +34,12 @@ struct FwdArgs {
   float scale;       // softmax scale
   float scale_log2;  // scale * log2(e)
   int32_t* counter;  // work-item counter, zeroed before the launch
+  // external prefix (issue 17): the prefix key/value buffers [rows, Hk, D] (null without external
+  // prefixes: the launchers then run the kernels' default instantiations)
+  const void* prefix_k;
+  const void* prefix_v;
+  int64_t pk_ts, pk_hs, pv_ts, pv_hs;
+  int32_t prefix_rows;  // rows of the prefix buffers (the Hopper kernels' TMA maps)
 };
 
 struct BwdArgs {
@@ -59,6 +68,14 @@ struct BwdArgs {
   float* delta;        // [H, T]: rowsum(dO * O) - dlse
   float* dq_accum;     // [T, H, D] fp32 (atomic mode only)
   float* partials;     // [n_slots, Hk, 2, BlockN, D] fp32 split partial dK / dV
+  // external prefix (issue 17): the prefix key/value buffers and their gradients [rows, Hk, D],
+  // which the prefix rows' dK / dV are ADDED into (null without external prefixes)
+  const void* prefix_k;
+  const void* prefix_v;
+  void* prefix_dk;
+  void* prefix_dv;
+  int64_t pk_ts, pk_hs, pv_ts, pv_hs, pdk_ts, pdk_hs, pdv_ts, pdv_hs;
+  int32_t prefix_rows;  // rows of the prefix buffers (the Hopper kernels' TMA maps)
 };
 
 }  // namespace dualkv::cuda

@@ -39,4 +39,11 @@ __device__ __forceinline__ void decode_fwd_item(int32_t item, int32_t n_tiles, i
   tile = first + (r - h * cnt);
 }
 
+// external prefix (issue 17): whether a backward item or reduction of segment `seg` is a prefix item
+// (plan_format.h: its k0, k1 are rows of the prefix buffers). Only the kernels' prefix
+// instantiations call it (a layout without prefixes has a null seg_prefix).
+__device__ __forceinline__ bool is_prefix_item(const LayoutPtrs& L, int32_t seg) {
+  return L.seg_prefix != nullptr && L.seg_prefix[seg] >= 0;
+}
+
 }  // namespace dualkv::cuda

@@ -39,6 +39,39 @@ struct HostLayout {
   }
 };
 
+// A forest with external prefix segments, its arrays owned.
+struct PrefixedLayout {
+  std::vector<int32_t> offsets, parent, subtree_end, position_offset, depth, seg_prefix, prefix_offsets;
+  int32_t max_depth = 0;
+
+  // lengths[s]: tokens of an ordinary segment (ignored for an external one); seg_prefix[s]: the
+  // prefix an external segment holds or -1; prefix_lens[e]: rows of prefix e.
+  PrefixedLayout(const std::vector<int32_t>& lengths, const std::vector<int32_t>& parents,
+                 const std::vector<int32_t>& prefix_of, const std::vector<int32_t>& prefix_lens)
+      : parent(parents), seg_prefix(prefix_of) {
+    offsets.assign(1, 0);
+    for (size_t s = 0; s < lengths.size(); ++s) offsets.push_back(offsets.back() + (prefix_of[s] >= 0 ? 0 : lengths[s]));
+    prefix_offsets.assign(1, 0);
+    for (int32_t n : prefix_lens) prefix_offsets.push_back(prefix_offsets.back() + n);
+    subtree_end.resize(lengths.size());
+    position_offset.resize(lengths.size());
+    depth.resize(lengths.size());
+  }
+  dualkv_prefixes prefixes() const {
+    return dualkv_prefixes{int32_t(prefix_offsets.size()) - 1, prefix_offsets.back(), seg_prefix.data(),
+                           prefix_offsets.data()};
+  }
+  dualkv_status derive() {
+    const dualkv_prefixes p = prefixes();
+    return dualkv_layout_derive_prefixed(offsets.data(), parent.data(), int32_t(parent.size()), offsets.back(), &p,
+                                         subtree_end.data(), position_offset.data(), depth.data(), &max_depth);
+  }
+  dualkv_layout view() const {
+    return dualkv_layout{int32_t(parent.size()), offsets.back(), max_depth, 0, offsets.data(), parent.data(),
+                         subtree_end.data(), position_offset.data(), depth.data()};
+  }
+};
+
 // Params for contiguous [T, heads, D] operands on the CPU backend.
 inline dualkv_fwd_params contiguous_fwd_params(const HostLayout& layout, int32_t dtype, int H, int Hk, int D,
                                                double scale, const void* q, const void* k, const void* v,

@@ -18,6 +18,7 @@ using dualkv::SegmentMask;
 using dualkv::TokenRange;
 using dualkv::TileKind;
 using dualkv::testing::HostLayout;
+using dualkv::testing::PrefixedLayout;
 using dualkv::testing::random_forest;
 
 namespace {
@@ -203,3 +204,82 @@ TEST(Mask, PolicyReproducesTheRuleOnRandomForests) {
 }
 
 }  // namespace
+
+namespace {
+
+// External prefix segments: the prefixed KvWalk of every query tile visits each key the query sees
+// once (an external ancestor's prefix rows, flagged `prefix`, then the other ancestors' and its own
+// tokens as before), with the forward's tile kinds and apply step; a prefix tile is never diagonal.
+// bwd_prefix_query_range is exactly the set of queries that see the prefix's rows.
+void check_prefixed(const PrefixedLayout& l) {
+  const dualkv_layout v = l.view();
+  const dualkv_prefixes px = l.prefixes();
+  const dualkv::ForestView f = dualkv::make_forest_view(v, px);
+  const int32_t T = v.num_tokens, rows = px.num_prefix_rows;
+  for (int32_t s = 0; s < v.num_segments; ++s) {
+    if (f.is_external(s)) {
+      const TokenRange r = SegmentMask::bwd_prefix_query_range(f, s);
+      for (int32_t q = 0; q < T; ++q)
+        ASSERT_EQ(r.begin <= q && q < r.end, SegmentMask::visible(f, f.segment_of(q), q, s, f.prefix_begin(s)))
+            << "segment " << s << " query " << q;
+      continue;
+    }
+    for (int32_t q0 = f.segment_begin(s); q0 < f.segment_end(s); q0 += kBlockM) {
+      const int32_t q1 = std::min(q0 + kBlockM, f.segment_end(s));
+      // seen[q][k]: tokens k < T, prefix rows at T + row
+      std::vector<std::vector<char>> seen(q1 - q0, std::vector<char>(T + rows, 0));
+      dualkv::KvWalk<kBlockN> walk;
+      walk.init(l.offsets.data(), l.parent.data(), l.seg_prefix.data(), l.prefix_offsets.data(), s, q1);
+      do {
+        const int32_t klen = walk.len();
+        ASSERT_GE(klen, 1);
+        ASSERT_FALSE(walk.prefix && walk.own);
+        const TileKind kind = SegmentMask::fwd_tile_kind(walk.pos, klen, walk.own, q0, kBlockN);
+        if (walk.prefix) ASSERT_NE(kind, TileKind::kDiagonal);
+        for (int32_t q = q0; q < q1; ++q)
+          for (int32_t col = 0; col < kBlockN; ++col) {
+            const bool hidden = SegmentMask::fwd_hidden(walk.pos, klen, walk.own, col, q);
+            if (kind == TileKind::kFull) ASSERT_FALSE(hidden) << "a full tile hides a pair";
+            if (!hidden) ++seen[q - q0][(walk.prefix ? T : 0) + walk.pos + col];
+          }
+      } while (walk.next(l.offsets.data(), l.parent.data(), l.seg_prefix.data(), l.prefix_offsets.data()));
+      for (int32_t q = q0; q < q1; ++q) {
+        int visible = 0;
+        for (int32_t k = 0; k < T; ++k) {
+          const bool expect = SegmentMask::visible(f, s, q, f.segment_of(k), k);
+          ASSERT_EQ(seen[q - q0][k], expect ? 1 : 0) << "q " << q << " k " << k;
+          visible += expect;
+        }
+        for (int32_t x = 0; x < v.num_segments; ++x) {
+          if (!f.is_external(x)) continue;
+          for (int32_t k = f.prefix_begin(x); k < f.prefix_end(x); ++k) {
+            const bool expect = SegmentMask::visible(f, s, q, x, k);
+            ASSERT_EQ(seen[q - q0][T + k], expect ? 1 : 0) << "q " << q << " prefix row " << k;
+            visible += expect;
+          }
+        }
+        ASSERT_EQ(visible, f.num_visible_keys(s, q));  // positions count the prefix rows
+      }
+    }
+  }
+}
+
+}  // namespace
+
+TEST(Mask, PrefixedWalkSeesExactlyTheVisibleKeys) {
+  std::mt19937 rng(1701);
+  for (int trial = 0; trial < 80; ++trial) {
+    std::vector<int32_t> lens, parents;
+    random_forest(rng, 1 + trial % 4, 1 + trial % 4, 3, 40, &lens, &parents);
+    const int32_t S = int32_t(lens.size());
+    std::vector<int32_t> prefix_of(S, -1), prefix_lens{1 + int32_t(rng() % 9)};  // prefix 0 unused
+    for (int32_t s = 0; s < S; ++s)
+      if (parents[s] == -1 && s + 1 < S && parents[s + 1] == s && rng() % 3 != 0) {
+        prefix_of[s] = int32_t(prefix_lens.size());
+        prefix_lens.push_back(lens[s]);
+      }
+    PrefixedLayout l(lens, parents, prefix_of, prefix_lens);
+    ASSERT_EQ(l.derive(), DUALKV_OK) << dualkv_last_error();
+    check_prefixed(l);
+  }
+}

@@ -16,6 +16,7 @@
 #include "plan_format.h"
 
 using dualkv::testing::HostLayout;
+using dualkv::testing::PrefixedLayout;
 using dualkv::testing::random_forest;
 
 namespace {
@@ -25,6 +26,17 @@ struct Inspected {
   std::vector<int32_t> plan;
 };
 
+// The plan of layout v (with external prefixes px, or none: NULL).
+Inspected inspect(const dualkv_layout& v, const dualkv_prefixes* px, int head_dim, int sms) {
+  Inspected r;
+  r.info.struct_size = sizeof(r.info);
+  EXPECT_EQ(dualkv_plan_inspect_prefixed(&v, px, head_dim, sms, &r.info, nullptr, 0), DUALKV_OK)
+      << dualkv_last_error();
+  r.plan.resize(r.info.plan_len);
+  EXPECT_EQ(dualkv_plan_inspect_prefixed(&v, px, head_dim, sms, &r.info, r.plan.data(), r.info.plan_len), DUALKV_OK)
+      << dualkv_last_error();
+  return r;
+}
 Inspected inspect(const HostLayout& l, int head_dim, int sms) {
   Inspected r;
   r.info.struct_size = sizeof(r.info);
@@ -36,11 +48,17 @@ Inspected inspect(const HostLayout& l, int head_dim, int sms) {
   return r;
 }
 
-// Every structural property of a plan, checked against the layout it was built for.
-void check_plan(const HostLayout& l, const Inspected& r, const std::string& what) {
+// Every structural property of a plan, checked against the layout it was built for (with its
+// external prefixes px, or none: NULL).
+void check_plan(const dualkv_layout& v, const dualkv_prefixes* px, const Inspected& r, const std::string& what) {
   SCOPED_TRACE(what);
-  const dualkv_layout v = l.view();
-  const dualkv::ForestView f = dualkv::make_forest_view(v);
+  const dualkv_prefixes none{0, 0, nullptr, nullptr};
+  const dualkv::ForestView f = dualkv::make_forest_view(v, px != nullptr ? *px : none);
+  struct Shape {
+    int32_t S, T;
+    int32_t num_segments() const { return S; }
+    int32_t num_tokens() const { return T; }
+  } const l{v.num_segments, v.num_tokens};
   const dualkv_plan_info& info = r.info;
   const int32_t* p = r.plan.data();
   ASSERT_EQ(p[dualkv::kHdrMagic], dualkv::kPlanMagic);
@@ -81,9 +99,17 @@ void check_plan(const HostLayout& l, const Inspected& r, const std::string& what
     ASSERT_LE(it[4] - it[3], std::max(info.bwd_split_rows, 1));
     by_tile[{it[0], it[1]}].push_back({it[2], it[3], it[4], it[5]});
   }
+  // KV tiles: every segment's keys (an external segment's prefix rows, when a token sees them) in
+  // bwd_block_n tiles from its first key.
+  auto query_range = [&](int32_t s, int32_t k0) {
+    return f.is_external(s) ? dualkv::SegmentMask::bwd_prefix_query_range(f, s)
+                            : dualkv::SegmentMask::bwd_query_range(f, s, k0);
+  };
   int32_t n_tiles = 0;
-  for (int32_t s = 0; s < l.num_segments(); ++s)
-    for (int32_t k0 = f.segment_begin(s); k0 < f.segment_end(s); k0 += info.bwd_block_n) ++n_tiles;
+  for (int32_t s = 0; s < l.num_segments(); ++s) {
+    if (f.is_external(s) && query_range(s, 0).end <= query_range(s, 0).begin) continue;
+    for (int32_t k0 = f.keys_begin(s); k0 < f.keys_end(s); k0 += info.bwd_block_n) ++n_tiles;
+  }
   ASSERT_EQ(static_cast<int32_t>(by_tile.size()), n_tiles);
   std::map<std::pair<int32_t, int32_t>, std::array<int32_t, 3>> reductions;  // (s, k0) -> (k1, slot0, n)
   const int32_t* red = p + p[dualkv::kHdrRedOffset];
@@ -94,12 +120,13 @@ void check_plan(const HostLayout& l, const Inspected& r, const std::string& what
   std::vector<int> slot_used(info.num_split_slots, 0);
   for (auto& [key, items] : by_tile) {
     const auto [s, k0] = key;
-    ASSERT_EQ((k0 - f.segment_begin(s)) % info.bwd_block_n, 0);
-    const dualkv::TokenRange range = dualkv::SegmentMask::bwd_query_range(f, s, k0);
+    ASSERT_TRUE(f.keys_begin(s) <= k0 && k0 < f.keys_end(s)) << "KV tile " << k0 << " of segment " << s;
+    ASSERT_EQ((k0 - f.keys_begin(s)) % info.bwd_block_n, 0);
+    const dualkv::TokenRange range = query_range(s, k0);
     std::sort(items.begin(), items.end(), [](const auto& a, const auto& b) { return a[1] < b[1]; });
     int32_t next = range.begin;
     for (const auto& it : items) {
-      ASSERT_EQ(it[0], std::min(k0 + info.bwd_block_n, f.segment_end(s)));
+      ASSERT_EQ(it[0], std::min(k0 + info.bwd_block_n, f.keys_end(s)));
       ASSERT_EQ(it[1], next) << "gap or overlap in the query range of KV tile " << k0;
       next = it[2];
     }
@@ -118,6 +145,9 @@ void check_plan(const HostLayout& l, const Inspected& r, const std::string& what
     }
   }
   for (int32_t k = 0; k < info.num_split_slots; ++k) ASSERT_EQ(slot_used[k], 1) << "slot " << k;
+}
+void check_plan(const HostLayout& l, const Inspected& r, const std::string& what) {
+  check_plan(l.view(), nullptr, r, what);
 }
 
 TEST(Plan, RandomForestsEveryTiling) {
@@ -174,6 +204,84 @@ TEST(Plan, KeyNamesLayoutAndTiling) {
   EXPECT_NE(ka, inspect(b, 128, 132).info.plan_key >> dualkv::kPlanSlotBits);  // T differs
   EXPECT_NE(ka, inspect(a, 256, 132).info.plan_key >> dualkv::kPlanSlotBits);  // head dim and tiling
   EXPECT_NE(ka, inspect(a, 64, 132).info.plan_key >> dualkv::kPlanSlotBits);   // head dim
+}
+
+// External prefix segments (plan version 2): every prefix row is in exactly one KV tile per
+// segment that references it (one, by the layout's rule), the tile's items' query ranges tile that
+// segment's subtree exactly (whole or split), an unused prefix's rows are in none; the key names the
+// prefix table.
+TEST(Plan, PrefixItemsCoverEveryPrefixRowOfEachReferencingSegment) {
+  std::mt19937 rng(1717);
+  for (int trial = 0; trial < 40; ++trial) {
+    std::vector<int32_t> lens, parents;
+    random_forest(rng, 1 + trial % 4, 1 + trial % 3, 4, 300, &lens, &parents);
+    const int32_t S = int32_t(lens.size());
+    // Roots with children become external, taking prefixes 1..E in a shuffled order (long enough
+    // for several KV tiles); prefix 0 is unused.
+    std::vector<int32_t> prefix_of(S, -1), external;
+    for (int32_t s = 0; s < S; ++s)
+      if (parents[s] == -1 && s + 1 < S && parents[s + 1] == s && rng() % 4 != 0) external.push_back(s);
+    std::vector<int32_t> order(external.size());
+    for (size_t i = 0; i < order.size(); ++i) order[i] = int32_t(i) + 1;
+    std::shuffle(order.begin(), order.end(), rng);
+    std::vector<int32_t> prefix_lens(external.size() + 1);
+    prefix_lens[0] = 1 + int32_t(rng() % 200);
+    for (size_t i = 0; i < external.size(); ++i) {
+      prefix_of[external[i]] = order[i];
+      prefix_lens[order[i]] = 1 + int32_t(rng() % 400);
+    }
+    PrefixedLayout l(lens, parents, prefix_of, prefix_lens);
+    ASSERT_EQ(l.derive(), DUALKV_OK) << dualkv_last_error();
+    const dualkv_layout v = l.view();
+    const dualkv_prefixes px = l.prefixes();
+    const dualkv::ForestView f = dualkv::make_forest_view(v, px);
+    for (int D : {64, 256})
+      for (const char* split : {"", "64"}) {
+        if (*split) setenv("DUALKV_CUDA_SPLIT_ROWS", split, 1);
+        const Inspected r = inspect(v, &px, D, 132);
+        unsetenv("DUALKV_CUDA_SPLIT_ROWS");
+        const std::string what = "trial " + std::to_string(trial) + " D " + std::to_string(D) + " split " + split;
+        check_plan(v, &px, r, what);
+        // Prefix rows: covered once by the items of the one segment that holds them (rows of
+        // unused prefix 0: never), each item's queries that segment's subtree.
+        std::vector<int> row_tiles(size_t(px.num_prefix_rows), 0);
+        const int32_t* bwd = r.plan.data() + r.plan[dualkv::kHdrBwdOffset];
+        for (int i = 0; i < r.info.num_bwd_items; ++i) {
+          const int32_t* it = bwd + i * dualkv::kBwdItemInts;
+          if (!f.is_external(it[0])) continue;
+          ASSERT_GE(it[3], f.segment_begin(it[0])) << what;
+          ASSERT_LE(it[4], f.subtree_token_end(it[0])) << what;
+          if (it[3] != f.segment_begin(it[0])) continue;  // count each tile once: its first split
+          for (int32_t k = it[1]; k < it[2]; ++k) ++row_tiles[size_t(k)];
+        }
+        for (int32_t k = 0; k < px.num_prefix_rows; ++k)
+          ASSERT_EQ(row_tiles[size_t(k)], k < prefix_lens[0] ? 0 : 1) << what << ": prefix row " << k;
+        // Forced 64-row splits cut a prefix tile whose subtree has more tokens.
+        bool long_subtree = false, split_prefix_item = false;
+        for (int32_t x : external) long_subtree |= f.subtree_token_end(x) - f.segment_begin(x) > 64;
+        for (int i = 0; i < r.info.num_bwd_items; ++i) {
+          const int32_t* it = bwd + i * dualkv::kBwdItemInts;
+          split_prefix_item |= f.is_external(it[0]) && it[5] >= 0;
+        }
+        if (*split) EXPECT_EQ(split_prefix_item, long_subtree) << what;
+      }
+    // The key names the prefix table: the same forest with another table (one more row in the
+    // unused prefix) has another key.
+    if (!external.empty()) {
+      std::vector<int32_t> more = prefix_lens;
+      ++more[0];
+      PrefixedLayout m(lens, parents, prefix_of, more);
+      ASSERT_EQ(m.derive(), DUALKV_OK) << dualkv_last_error();
+      const dualkv_layout mv = m.view();
+      const dualkv_prefixes mp = m.prefixes();
+      EXPECT_NE(inspect(v, &px, 128, 132).info.plan_key >> dualkv::kPlanSlotBits,
+                inspect(mv, &mp, 128, 132).info.plan_key >> dualkv::kPlanSlotBits);
+      // Without the table the forest is refused (its external segments hold no tokens).
+      dualkv_plan_info info{};
+      info.struct_size = sizeof(info);
+      EXPECT_NE(dualkv_plan_inspect(&v, 128, 132, &info, nullptr, 0), DUALKV_OK);
+    }
+  }
 }
 
 TEST(Plan, BadArgumentsAreErrors) {

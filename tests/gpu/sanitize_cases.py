@@ -28,6 +28,20 @@ def main() -> int:
                 (out.float().sum() + lse.sum()).backward()
                 torch.cuda.synchronize()
                 print(f"ok D={D} lens={lens} det={det} split={os.environ.get('DUALKV_CUDA_SPLIT_ROWS')}", flush=True)
+        # External prefix segments (issue 17): a group whose 150-row prompt lives in the prefix
+        # buffers (prefix 1; prefix 0, 3 rows, is unused), ragged responses, then an ordinary group.
+        layout = dualkv.Layout.from_tree([0, 70, 1, 129, 5, 3], [-1, 0, 0, 0, -1, 4], [1, -1, -1, -1, -1, -1],
+                                         [3, 150]).to("cuda")
+        T, rows = layout.num_tokens, layout.num_prefix_rows
+        for det in (False, True):
+            q = torch.randn(T, 4, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            k, v = (torch.randn(T, 1, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+            pk, pv = (torch.randn(rows, 1, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                      for _ in range(2))
+            out, lse = dualkv.attention(q, k, v, layout, prefix_k=pk, prefix_v=pv, deterministic=det, return_lse=True)
+            (out.float().sum() + lse.sum()).backward()
+            torch.cuda.synchronize()
+            print(f"ok D={D} prefixed det={det} split={os.environ.get('DUALKV_CUDA_SPLIT_ROWS')}", flush=True)
     return 0
 
 

@@ -229,15 +229,19 @@ def test_bad_prefix_buffers_raise_typed_errors():
 
 
 @pytest.mark.gpu
-def test_bad_prefix_device_and_cuda_refusal():
+def test_bad_prefix_device_and_cuda_run():
     layout = dualkv.Layout.from_groups([1], [[2, 1]], prompt_prefix=[0], prefix_lens=[4])
     q, k, v = (torch.randn(layout.num_tokens, h, 64, dtype=torch.bfloat16, device="cuda") for h in (4, 2, 2))
     pk, pv = (torch.randn(4, 2, 64, dtype=torch.bfloat16) for _ in range(2))
     with pytest.raises(dualkv.ArgumentError, match="is on cpu but k is on cuda"):
         dualkv.attention(q, k, v, layout.to("cuda"), prefix_k=pk, prefix_v=pv)
-    # the kernels do not read a second K/V region yet: a typed refusal naming the feature
-    with pytest.raises(dualkv.UnsupportedError, match="external prefix segments are not supported by the CUDA"):
-        dualkv.attention(q, k, v, layout.to("cuda"), prefix_k=pk.cuda(), prefix_v=pv.cuda())
+    # the CUDA kernels read the prefix buffers (issue 17; tests/gpu/test_prefix_cuda.py tests them)
+    out = dualkv.attention(q, k, v, layout.to("cuda"), prefix_k=pk.cuda(), prefix_v=pv.cuda())
+    assert out.shape == q.shape and torch.isfinite(out).all()
+    # a prefix buffer whose rows are not 16-byte aligned: a typed refusal naming it
+    odd = torch.randn(4, 2, 72, dtype=torch.bfloat16, device="cuda")[:, :, 4:68]
+    with pytest.raises(dualkv.UnsupportedError, match="prefix_k needs 16-byte aligned rows"):
+        dualkv.attention(q, k, v, layout.to("cuda"), prefix_k=odd, prefix_v=pv.cuda())
 
 
 def test_bad_prefix_device_on_cpu():

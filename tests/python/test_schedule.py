@@ -379,3 +379,60 @@ def test_demo_runs_large_groups_prompt_once(capsys):
         assert what in out, out
     plan = demo.policy_update_plan(demo.make_rollouts(3, 4, 48, 24, 512, seed=1), 72)
     assert len(plan.split_groups) == 3 and len(plan.prompt_phases[0]) == 3
+
+
+def cuda_model(kind, dtype, seed=0):
+    """make_model's model with head dim 64 (a head dim the CUDA kernels are built for) on the GPU."""
+    torch.manual_seed(seed)
+    config = make_config(kind)
+    config.head_dim = 64
+    extra = {"experts_implementation": "eager"} if kind == "qwen3_moe" else {}  # grouped GEMM has no fp64
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", **extra)
+    model = model.to(dtype).train()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+def update_errors(update, ref):
+    """Errors of an update against the float64 one: loss, max log-prob error, per-parameter relative
+    gradient error."""
+    loss, lp, g = update
+    loss_r, lp_r, g_r = ref
+    lp_err = max((x.double().cpu() - y.double().cpu()).abs().max().item() for xs, ys in zip(lp, lp_r)
+                 for x, y in zip(xs, ys))
+    return abs(loss - loss_r), lp_err, {name: rel(g[name].cpu(), g_r[name].cpu()) for name in g_r}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen3_moe"])
+def test_prompt_once_on_cuda_bf16(kind):
+    """The schedule on the CUDA backend in bf16 (the external prefix kernels: response micro-batches
+    read the kept prompt keys and values as prefix buffers and return their gradients) against one
+    micro-batch, under the low-precision tolerance rule: each bf16 update is compared with the same
+    one-micro-batch update in float64 on the CPU backend, and the prompt-once update's error (loss,
+    log-probs, every parameter gradient) must be at most 2x the one-micro-batch bf16 update's, plus a
+    small absolute term (the fp32 / fp64 bounds of the CPU tests do not apply)."""
+    if 64 not in dualkv._native.build_info().get("cuda", {}).get("head_dims", []):
+        pytest.skip("needs a library with CUDA head dim 64")
+    ref_model = dkt.enable(cuda_model(kind, torch.float64))
+    prompts, responses, old, adv = rollouts(PROMPT_LENS, RESPONSE_LENS, torch.float64)
+    *ref, _ = dualkv_update(ref_model, prompts, responses, old, adv, max_tokens=1000)
+
+    model = dkt.enable(copy.deepcopy(ref_model).to("cuda", torch.bfloat16))
+    dev = [p.cuda() for p in prompts], [[r.cuda() for r in rs] for rs in responses]
+    old_bf = [[o.to("cuda", torch.bfloat16) for o in os] for os in old]
+    *whole, plan_one = dualkv_update(model, *dev, old_bf, adv, max_tokens=1000)
+    *parts, plan = dualkv_update(model, *dev, old_bf, adv, max_tokens=12)
+    assert plan_one.micro_batches_per_rank == 1 and plan.split_groups == (0, 2)
+
+    loss_w, lp_w, g_w = update_errors(whole, ref)
+    loss_p, lp_p, g_p = update_errors(parts, ref)
+    assert loss_p <= 2 * loss_w + 1e-3, (loss_p, loss_w)
+    assert lp_p <= 2 * lp_w + 1e-3, (lp_p, lp_w)
+    assert len(g_w) >= 10
+    for name in g_w:
+        assert g_p[name] <= 2 * g_w[name] + 1e-3, (name, g_p[name], g_w[name])

@@ -25,7 +25,27 @@ struct DqSmem {
   T v[C::kBlockN * C::kPitch];
 };
 
-template <int D, typename T>
+// external prefix (issue 17): the K/V tile at the walk's position: the layout's K/V, or a prefix's
+// rows (a CTA-uniform choice).
+template <int D, int BN, typename T, typename Smem>
+__device__ __forceinline__ void load_prefixed_kv(const KvWalk<BN>& it, const T* kh, const T* vh, int hk, int tid,
+                                                 Smem& sm, const BwdArgs& args) {
+  using C = DqConfig<D>;
+  constexpr int P = C::kPitch, NT = C::kThreads;
+  if (it.prefix) {
+    load_tile_async<D, BN, P, NT>(sm.k, static_cast<const T*>(args.prefix_k) + hk * args.pk_hs + it.pos * args.pk_ts,
+                                  args.pk_ts, it.len(), tid);
+    load_tile_async<D, BN, P, NT>(sm.v, static_cast<const T*>(args.prefix_v) + hk * args.pv_hs + it.pos * args.pv_ts,
+                                  args.pv_ts, it.len(), tid);
+  } else {
+    load_tile_async<D, BN, P, NT>(sm.k, kh + it.pos * args.k_ts, args.k_ts, it.len(), tid);
+    load_tile_async<D, BN, P, NT>(sm.v, vh + it.pos * args.v_ts, args.v_ts, it.len(), tid);
+  }
+}
+
+// kPrefix: the layout has external prefix segments (the walk's prefix tiles load from the prefix
+// buffers); the default instantiation is the kernel as it was before them.
+template <int D, typename T, bool kPrefix>
 __global__ void __launch_bounds__(DqConfig<D>::kThreads, 1)
 bwd_dq_kernel(const BwdArgs args) {
   using C = DqConfig<D>;
@@ -68,13 +88,18 @@ bwd_dq_kernel(const BwdArgs args) {
     const T* vh = static_cast<const T*>(args.v) + hk * args.v_hs;
 
     KvWalk<BN> it;
-    it.init(L.offsets, L.parent, seg, q1);
+    if constexpr (kPrefix) it.init(L.offsets, L.parent, L.seg_prefix, L.prefix_offsets, seg, q1);
+    else it.init(L.offsets, L.parent, seg, q1);
     load_tile_async<D, BM, P, NT>(sm.q, static_cast<const T*>(args.q) + q0 * args.q_ts + h * args.q_hs,
                                   args.q_ts, q1 - q0, tid);
     load_tile_async<D, BM, P, NT>(sm.dout, static_cast<const T*>(args.dout) + q0 * args.do_ts + h * args.do_hs,
                                   args.do_ts, q1 - q0, tid);
-    load_tile_async<D, BN, P, NT>(sm.k, kh + it.pos * args.k_ts, args.k_ts, it.len(), tid);
-    load_tile_async<D, BN, P, NT>(sm.v, vh + it.pos * args.v_ts, args.v_ts, it.len(), tid);
+    if constexpr (kPrefix) {
+      load_prefixed_kv<D, BN>(it, kh, vh, hk, tid, sm, args);
+    } else {
+      load_tile_async<D, BN, P, NT>(sm.k, kh + it.pos * args.k_ts, args.k_ts, it.len(), tid);
+      load_tile_async<D, BN, P, NT>(sm.v, vh + it.pos * args.v_ts, args.v_ts, it.len(), tid);
+    }
     cp_async_commit();
 
     float lse2[MI][2], dl[MI][2];
@@ -150,10 +175,15 @@ bwd_dq_kernel(const BwdArgs args) {
       // dQ += dS K
       mma_frags_times_smem<T, MI, BN, D>(acc, s, sm.k, P, lane);
       __syncthreads();  // everyone is done with K and V
-      more = it.next(L.offsets, L.parent);
+      if constexpr (kPrefix) more = it.next(L.offsets, L.parent, L.seg_prefix, L.prefix_offsets);
+      else more = it.next(L.offsets, L.parent);
       if (more) {
-        load_tile_async<D, BN, P, NT>(sm.k, kh + it.pos * args.k_ts, args.k_ts, it.len(), tid);
-        load_tile_async<D, BN, P, NT>(sm.v, vh + it.pos * args.v_ts, args.v_ts, it.len(), tid);
+        if constexpr (kPrefix) {
+          load_prefixed_kv<D, BN>(it, kh, vh, hk, tid, sm, args);
+        } else {
+          load_tile_async<D, BN, P, NT>(sm.k, kh + it.pos * args.k_ts, args.k_ts, it.len(), tid);
+          load_tile_async<D, BN, P, NT>(sm.v, vh + it.pos * args.v_ts, args.v_ts, it.len(), tid);
+        }
         cp_async_commit();
         cp_async_wait_all();
         __syncthreads();
@@ -177,7 +207,9 @@ bwd_dq_kernel(const BwdArgs args) {
 
 template <int D, typename T>
 cudaError_t launch_bwd_dq(const BwdArgs& args, int sms, cudaStream_t stream) {
-  return launch_on_sms<bwd_dq_kernel<D, T>>(DqConfig<D>::kThreads, sizeof(DqSmem<D, T>), sms, args, stream);
+  if (args.prefix_k != nullptr)  // external prefix (issue 17)
+    return launch_on_sms<bwd_dq_kernel<D, T, true>>(DqConfig<D>::kThreads, sizeof(DqSmem<D, T>), sms, args, stream);
+  return launch_on_sms<bwd_dq_kernel<D, T, false>>(DqConfig<D>::kThreads, sizeof(DqSmem<D, T>), sms, args, stream);
 }
 
 }  // namespace dualkv::cuda::sm80

@@ -42,6 +42,32 @@ __device__ __forceinline__ void store_dk_dv(const BwdArgs& args, const float (&d
     }
   }
 }
+// external prefix (issue 17): the same fragments ADDED into a prefix item's rows of prefix_dk /
+// prefix_dv (the pointers include the thread's column): the caller's value plus the fp32 sum,
+// rounded once. One item owns each prefix row (a prefix has one referencing segment), so no atomics.
+template <int MI, int kDB, typename T>
+__device__ __forceinline__ void store_dk_dv_accumulate(const BwdArgs& args, const float (&dk)[MI][kDB][4],
+                                                       const float (&dv)[MI][kDB][4], T* dkb, T* dvb, int row_g,
+                                                       int klen) {
+  using Ops = TypeOps<T>;
+#pragma unroll
+  for (int mi = 0; mi < MI; ++mi) {
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const int row = row_g + mi * 16 + hr * 8;
+      if (row < klen) {
+#pragma unroll
+        for (int j = 0; j < kDB; ++j) {
+          uint32_t* pk = reinterpret_cast<uint32_t*>(dkb + row * args.pdk_ts + j * 8);
+          uint32_t* pv = reinterpret_cast<uint32_t*>(dvb + row * args.pdv_ts + j * 8);
+          const float2 ok = Ops::unpack(*pk), ov = Ops::unpack(*pv);
+          *pk = Ops::pack(ok.x + dk[mi][j][2 * hr] * args.scale, ok.y + dk[mi][j][2 * hr + 1] * args.scale);
+          *pv = Ops::pack(ov.x + dv[mi][j][2 * hr], ov.y + dv[mi][j][2 * hr + 1]);
+        }
+      }
+    }
+  }
+}
 // ... or, for a split item, as unscaled fp32 partials: dK at base, dV at base + BN D (row pitch D).
 template <int BN, int D, int MI, int kDB>
 __device__ __forceinline__ void store_dk_dv_partial(float* base, const float (&dk)[MI][kDB][4],
@@ -120,6 +146,7 @@ struct BwdItem {
   // item loop, re-read by it per item): no value of the prologue is held through the item loop
   // (that spilled 4 bytes in the sm_90a deterministic kernel).
   int32_t h_begin, group;
+  int32_t prefix;  // external prefix (issue 17): a prefix item (prefix instantiations only)
 };
 
 __device__ __forceinline__ void ldsm_x4(uint32_t* r, uint32_t addr) {
@@ -157,7 +184,10 @@ __device__ __forceinline__ void load_rows(uint32_t s, const T* g, int64_t token_
   }
 }
 
-template <int D, typename T, bool kAtomicDq, int kQStages>
+// kPrefix: the plan may hold prefix items (external prefix segments, plan_format.h): their K/V tile
+// comes from the prefix buffers, no step is diagonal, and their dK/dV are added into prefix_dk /
+// prefix_dv. The default instantiation is the kernel as it was before them.
+template <int D, typename T, bool kAtomicDq, int kQStages, bool kPrefix>
 __global__ void __launch_bounds__(BwdConfig<D>::kThreads, 1)
 bwd_kv_kernel(const BwdArgs args) {
   using C = BwdConfig<D>;
@@ -236,6 +266,7 @@ bwd_kv_kernel(const BwdArgs args) {
         si.slot = wi[5];
         si.h_end = (hk + 1) * load_shared_volatile(si.group);
         si.h_begin = hk * load_shared_volatile(si.group);
+        if constexpr (kPrefix) si.prefix = is_prefix_item(L, wi[0]);
       }
     }
     __syncthreads();
@@ -246,10 +277,24 @@ bwd_kv_kernel(const BwdArgs args) {
     const int32_t k0 = si.k0, qb = si.qb;
     const int klen = si.klen;
 
-    load_rows<D, BN, P, NT>(s_k + s_ld, kg + (k0 + ld_r) * args.k_ts + hk * args.k_hs + ld_c, args.k_ts,
-                               klen - ld_r, kg);
-    load_rows<D, BN, P, NT>(s_v + s_ld, vg + (k0 + ld_r) * args.v_ts + hk * args.v_hs + ld_c, args.v_ts,
-                               klen - ld_r, vg);
+    bool kv_loaded = false;
+    if constexpr (kPrefix) {
+      if (si.prefix) {  // the tile's rows are prefix rows
+        const T* pkg = static_cast<const T*>(args.prefix_k);
+        const T* pvg = static_cast<const T*>(args.prefix_v);
+        load_rows<D, BN, P, NT>(s_k + s_ld, pkg + (k0 + ld_r) * args.pk_ts + hk * args.pk_hs + ld_c, args.pk_ts,
+                                klen - ld_r, pkg);
+        load_rows<D, BN, P, NT>(s_v + s_ld, pvg + (k0 + ld_r) * args.pv_ts + hk * args.pv_hs + ld_c, args.pv_ts,
+                                klen - ld_r, pvg);
+        kv_loaded = true;
+      }
+    }
+    if (!kv_loaded) {
+      load_rows<D, BN, P, NT>(s_k + s_ld, kg + (k0 + ld_r) * args.k_ts + hk * args.k_hs + ld_c, args.k_ts,
+                                 klen - ld_r, kg);
+      load_rows<D, BN, P, NT>(s_v + s_ld, vg + (k0 + ld_r) * args.v_ts + hk * args.v_hs + ld_c, args.v_ts,
+                                 klen - ld_r, vg);
+    }
 
     // Flattened loop over (query head of the group, query tile of [qa, qb)): step s is head
     // hk * group + s / tiles_per_head, tile qa + (s % tiles_per_head) * BM, advanced incrementally.
@@ -344,7 +389,9 @@ bwd_kv_kernel(const BwdArgs args) {
         const int32_t k0 = load_shared_volatile(si.k0);
         // The tile's KV rows past klen are zero-filled and never stored: only the diagonal needs
         // the apply step.
-        const bool need_mask = SegmentMask::bwd_diagonal(k0 + BN - 1, qt);
+        // A prefix item's rows are seen by every query of its range: never diagonal (and k0 is a
+        // prefix row, not a token).
+        const bool need_mask = (!kPrefix || !load_shared_volatile(si.prefix)) && SegmentMask::bwd_diagonal(k0 + BN - 1, qt);
         const int mask_ofs = k0 + row0 + g - qt - wc * 32 - 2 * t4;  // k - q of the thread's first element
         float2 l;  // lse of column block j, loaded at its first (mi = 0) block
         float dpt[MI][4][4];
@@ -537,7 +584,13 @@ bwd_kv_kernel(const BwdArgs args) {
     const int32_t slot = load_shared_volatile(si.slot);
     const int Hk = args.num_kv_heads;
     const int col0 = wc * kHalfD + 2 * t4;
-    if (slot < 0) {
+    if (kPrefix && slot < 0 && load_shared_volatile(si.prefix)) {
+      const int32_t k0 = load_shared_volatile(si.k0), klen = load_shared_volatile(si.klen);
+      const int hk = load_shared_volatile(si.hk);
+      T* dkb = static_cast<T*>(args.prefix_dk) + k0 * args.pdk_ts + hk * args.pdk_hs + col0;
+      T* dvb = static_cast<T*>(args.prefix_dv) + k0 * args.pdv_ts + hk * args.pdv_hs + col0;
+      store_dk_dv_accumulate(args, dk, dv, dkb, dvb, row0 + g, klen);
+    } else if (slot < 0) {
       const int32_t k0 = load_shared_volatile(si.k0), klen = load_shared_volatile(si.klen);
       const int hk = load_shared_volatile(si.hk);
       T* dkb = static_cast<T*>(args.dk) + k0 * args.dk_ts + hk * args.dk_hs + col0;

@@ -29,8 +29,12 @@ constexpr bool one_q_buffer_fits_more() {
 
 template <int D, typename T, bool kAtomicDq, int kQStages>
 cudaError_t launch_bwd_kv(const BwdArgs& args, int sms, cudaStream_t stream) {
-  return launch_on_sms<bwd_kv_kernel<D, T, kAtomicDq, kQStages>>(BwdConfig<D>::kThreads,
-                                                                  sizeof(BwdSmem<D, T, kQStages>), sms, args, stream);
+  if (args.prefix_k != nullptr)  // external prefix (issue 17)
+    return launch_on_sms<bwd_kv_kernel<D, T, kAtomicDq, kQStages, true>>(
+        BwdConfig<D>::kThreads, sizeof(BwdSmem<D, T, kQStages>), sms, args, stream);
+  return launch_on_sms<bwd_kv_kernel<D, T, kAtomicDq, kQStages, false>>(BwdConfig<D>::kThreads,
+                                                                         sizeof(BwdSmem<D, T, kQStages>), sms, args,
+                                                                         stream);
 }
 
 // Two Q buffers where the device's shared memory holds them (every head dim on Hopper; up to 192

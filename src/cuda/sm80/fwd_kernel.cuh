@@ -46,6 +46,10 @@ struct FwdItem {
   KvWalk<BN> walk[2];    // KV walk, double-buffered by tile parity: thread 0 writes the next
                            // tile's state into the slot nobody reads during this tile
   float row_sum[MI * 2][NT];  // [row of the thread's fragments][thread]: each thread owns its column
+  // external prefix (issue 17): prefix K / V of the kv head (prefix kernels; last, so that the
+  // default kernel's offsets of the fields above stay as they were)
+  const T* pkh;
+  const T* pvh;
 };
 
 // Tile load (the Q tile, and on sm_80 every tile). sm_90a: a compile-time number of 16-byte
@@ -121,7 +125,10 @@ __device__ __forceinline__ void load_kv_tile(T* smem, const T* head, int32_t pos
 #endif
 }
 
-template <int D, typename T>
+// kPrefix: the layout has external prefix segments (the walk may enter prefix rows, whose tiles
+// load from the prefix buffers: a CTA-uniform choice per tile). The default instantiation
+// (kPrefix = false) is the kernel as it was before them.
+template <int D, typename T, bool kPrefix>
 __global__ void __launch_bounds__(FwdConfig<D>::kThreads, 1)
 fwd_kernel(const FwdArgs args) {
   using C = FwdConfig<D>;
@@ -165,7 +172,13 @@ fwd_kernel(const FwdArgs args) {
         st.h = h;
         st.kh = static_cast<const T*>(args.k) + hk * args.k_hs;
         st.vh = static_cast<const T*>(args.v) + hk * args.v_hs;
-        st.walk[0].init(L.offsets, L.parent, seg, st.q1);
+        if constexpr (kPrefix) {
+          st.pkh = static_cast<const T*>(args.prefix_k) + hk * args.pk_hs;
+          st.pvh = static_cast<const T*>(args.prefix_v) + hk * args.pv_hs;
+          st.walk[0].init(L.offsets, L.parent, L.seg_prefix, L.prefix_offsets, seg, st.q1);
+        } else {
+          st.walk[0].init(L.offsets, L.parent, seg, st.q1);
+        }
       }
     }
     __syncthreads();
@@ -175,8 +188,9 @@ fwd_kernel(const FwdArgs args) {
       const int32_t q0 = st.q0;
       const T* q_tile = static_cast<const T*>(args.q) + st.h * args.q_hs + static_cast<int64_t>(q0) * args.q_ts;
       load_tile<D, BM, P, NT>(sm.q, q_tile, args.q_ts, st.q1 - q0, tid);
-      load_tile<D, BN, P, NT>(sm.k, st.kh + static_cast<int64_t>(st.walk[0].pos) * args.k_ts, args.k_ts,
-                                 st.walk[0].len(), tid);
+      const bool pre = kPrefix && st.walk[0].prefix;  // the first tile is of prefix rows
+      load_tile<D, BN, P, NT>(sm.k, (pre ? st.pkh : st.kh) + static_cast<int64_t>(st.walk[0].pos) * (pre ? args.pk_ts : args.k_ts),
+                                 pre ? args.pk_ts : args.k_ts, st.walk[0].len(), tid);
       cp_async_commit();
     }
 
@@ -196,7 +210,13 @@ fwd_kernel(const FwdArgs args) {
     do {
       cp_async_wait_all();
       __syncthreads();  // K (and Q on the first tile) landed; every warp is done reading the previous V
-      load_kv_tile<D, BN, P, NT>(sm.v, st.vh, st.walk[slot].pos, args.v_ts, st.walk[slot].len(), tid);
+      if constexpr (kPrefix) {
+        const bool pre = st.walk[slot].prefix;  // CTA-uniform: the tile is of prefix rows
+        load_kv_tile<D, BN, P, NT>(sm.v, pre ? st.pvh : st.vh, st.walk[slot].pos, pre ? args.pv_ts : args.v_ts,
+                                   st.walk[slot].len(), tid);
+      } else {
+        load_kv_tile<D, BN, P, NT>(sm.v, st.vh, st.walk[slot].pos, args.v_ts, st.walk[slot].len(), tid);
+      }
       cp_async_commit();
 
       float s[MI][kNB][4];
@@ -247,10 +267,19 @@ fwd_kernel(const FwdArgs args) {
       __syncthreads();  // V landed; every warp is done reading K
       {
         KvWalk<BN> w = st.walk[slot];
-        more = w.next(L.offsets, L.parent);
-        if (more) {
-          load_kv_tile<D, BN, P, NT>(sm.k, st.kh, w.pos, args.k_ts, w.len(), tid);
-          cp_async_commit();
+        if constexpr (kPrefix) {
+          more = w.next(L.offsets, L.parent, L.seg_prefix, L.prefix_offsets);
+          if (more) {
+            load_kv_tile<D, BN, P, NT>(sm.k, w.prefix ? st.pkh : st.kh, w.pos, w.prefix ? args.pk_ts : args.k_ts,
+                                       w.len(), tid);
+            cp_async_commit();
+          }
+        } else {
+          more = w.next(L.offsets, L.parent);
+          if (more) {
+            load_kv_tile<D, BN, P, NT>(sm.k, st.kh, w.pos, args.k_ts, w.len(), tid);
+            cp_async_commit();
+          }
         }
         // Nobody reads walk[slot ^ 1] before the next iteration's first barrier.
         if (tid == 0) st.walk[slot ^ 1] = w;

@@ -13,7 +13,9 @@ template <int D, typename T>
 cudaError_t run_fwd(const FwdArgs& args, int sms, cudaStream_t stream) {
   const cudaError_t err = cudaMemsetAsync(args.counter, 0, sizeof(int32_t), stream);
   if (err != cudaSuccess) return err;
-  return launch_on_sms<fwd_kernel<D, T>>(FwdConfig<D>::kThreads, sizeof(FwdSmem<D, T>), sms, args, stream);
+  if (args.prefix_k != nullptr)  // external prefix (issue 17)
+    return launch_on_sms<fwd_kernel<D, T, true>>(FwdConfig<D>::kThreads, sizeof(FwdSmem<D, T>), sms, args, stream);
+  return launch_on_sms<fwd_kernel<D, T, false>>(FwdConfig<D>::kThreads, sizeof(FwdSmem<D, T>), sms, args, stream);
 }
 
 }  // namespace dualkv::cuda::sm80

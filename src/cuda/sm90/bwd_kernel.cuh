@@ -116,6 +116,7 @@ struct Sm90BwdParams {
   CUtensorMap tq, tk, tv, tdo;
   int32_t* counter;  // work-item counter, zeroed before the launch
   CUtensorMap tdq;  // dq_accum [T, H, D] fp32, box 32 columns x 1 head x 64 rows, 128B swizzle
+  CUtensorMap tpk, tpv;  // external prefix (issue 17): the prefix K / V buffers (prefix kernels only)
 };
 
 struct Sm90BwdBarriers {
@@ -164,8 +165,9 @@ constexpr uint32_t kBwdDsBarrier = 1;      // named barrier id (0 is __syncthrea
 // P^T = exp2(S^T scale log2e - lse log2e) in place, masked (if mask) where the KV row is past klen
 // or after the query. Accumulator fragment of m64 (kv) x n(2N) (q): element 4j + e is row
 // kv_row0 + 8 (e >> 1), column 8j + 2 t4 + (e & 1). A constant mask (the softmax-overlap step calls
-// it once per branch of a uniform test) compiles to a loop without mask arithmetic.
-template <int N>
+// it once per branch of a uniform test) compiles to a loop without mask arithmetic. kCausal = false
+// (a prefix item's rows, external prefix issue 17): only the rows past klen are masked.
+template <int N, bool kCausal = true>
 __device__ __forceinline__ void bwd_softmax_p(float (&sacc)[N], const float* lse_s, float sl2, int t4,
                                               int kv_row0, int klen, int32_t k0, int32_t qt, bool mask) {
 #pragma unroll
@@ -178,7 +180,7 @@ __device__ __forceinline__ void bwd_softmax_p(float (&sacc)[N], const float* lse
       float pv = fast_exp2(fmaf(sacc[4 * j + e], sl2, -lv));
       if (mask) {
         const int r = kv_row0 + (e >> 1) * 8;
-        if (r >= klen || k0 + r > qt + c + (e & 1)) pv = 0.f;
+        if (r >= klen || (kCausal && k0 + r > qt + c + (e & 1))) pv = 0.f;
       }
       sacc[4 * j + e] = pv;
     }
@@ -189,7 +191,11 @@ __device__ __forceinline__ void bwd_softmax_p(float (&sacc)[N], const float* lse
 // per-thread-release diagnostic build).
 constexpr uint32_t kBwdDqFullCount = kBwdQdoEmptyCount;
 
-template <typename T, int D, bool kAtomicDq>
+// kPrefix (external prefix, issue 17): the plan may hold prefix items: the producer loads their K/V
+// tile through the prefix buffers' tensor maps, no step of theirs is diagonal (only the rows past
+// klen are masked), and their dK/dV are added into prefix_dk / prefix_dv. The default instantiation
+// is the kernel as it was before them.
+template <typename T, int D, bool kAtomicDq, bool kPrefix>
 __global__ void __launch_bounds__(Sm90BwdConfig<D>::kThreads, 1)
 bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
   // The deterministic kernel computes no dQ, so it has no dQ writer (nor staging).
@@ -294,6 +300,10 @@ bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
       tma_prefetch_desc(&p.tk);
       tma_prefetch_desc(&p.tv);
       tma_prefetch_desc(&p.tdo);
+      if constexpr (kPrefix) {
+        tma_prefetch_desc(&p.tpk);
+        tma_prefetch_desc(&p.tpv);
+      }
     }
     const int64_t T_ = L.num_tokens;
     uint32_t kv_iter = 0, step = 0;
@@ -313,12 +323,16 @@ bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
       const int32_t* wi = witems + w * kBwdItemInts;
       const int32_t k0 = wi[1], qa = wi[3], qb = wi[4];
       if (lane == 0) {
+        // The item's tensor maps: the layout's K / V, or the prefix buffers' for a prefix item.
+        const bool pre = kPrefix && is_prefix_item(L, wi[0]);
+        const CUtensorMap* tk = pre ? &p.tpk : &p.tk;
+        const CUtensorMap* tv = pre ? &p.tpv : &p.tv;
         mbar_wait(B.kv_empty, (kv_iter & 1) ^ 1);
         mbar_arrive_expect_tx(B.kv_full, 2 * C::kKVBytes);
 #pragma unroll
         for (int b = 0; b < C::kBoxes; ++b) {
-          tma_load_3d(smem + C::kOffK + b * C::kKVBoxBytes, &p.tk, B.kv_full, b * 64, hk, k0);
-          tma_load_3d(smem + C::kOffV + b * C::kKVBoxBytes, &p.tv, B.kv_full, b * 64, hk, k0);
+          tma_load_3d(smem + C::kOffK + b * C::kKVBoxBytes, tk, B.kv_full, b * 64, hk, k0);
+          tma_load_3d(smem + C::kOffV + b * C::kKVBoxBytes, tv, B.kv_full, b * 64, hk, k0);
         }
       }
       ++kv_iter;
@@ -386,6 +400,7 @@ bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
     const int32_t* wi = witems + w * kBwdItemInts;
     const int32_t k0 = wi[1], k1 = wi[2], qa = wi[3], qb = wi[4], pslot = wi[5];
     const int klen = k1 - k0;
+    const bool prefix_item = kPrefix && is_prefix_item(L, wi[0]);  // k0, k1: prefix rows
     const int32_t tiles = (qb - qa + BM - 1) / BM;
     const int32_t n_steps = tiles * group;
     // This warpgroup's rows need masking on a tile whose first query precedes its last KV row, or
@@ -440,11 +455,21 @@ bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
       // masking below the WARPGROUP.DEPBAR of dP^T). P^T is computed in its own branch, masked or
       // not (the test is uniform per warpgroup and step): ptxas does not move it across the join,
       // and an unmasked step skips the per-element mask arithmetic.
-      const bool mask = tail || qt < k0 + cw * 64 + 63;
-      if (mask)
-        bwd_softmax_p(sacc, lse_s, sl2, t4, kv_row0, klen, k0, qt, true);
-      else
-        bwd_softmax_p(sacc, lse_s, sl2, t4, kv_row0, klen, k0, qt, false);
+      if constexpr (kPrefix) {
+        if (prefix_item) {  // every query of the range sees every row: only a ragged end is masked
+          if (tail)
+            bwd_softmax_p<BM / 2, false>(sacc, lse_s, sl2, t4, kv_row0, klen, k0, qt, true);
+          else
+            bwd_softmax_p<BM / 2, false>(sacc, lse_s, sl2, t4, kv_row0, klen, k0, qt, false);
+        }
+      }
+      if (!prefix_item) {
+        const bool mask = tail || qt < k0 + cw * 64 + 63;
+        if (mask)
+          bwd_softmax_p(sacc, lse_s, sl2, t4, kv_row0, klen, k0, qt, true);
+        else
+          bwd_softmax_p(sacc, lse_s, sl2, t4, kv_row0, klen, k0, qt, false);
+      }
       wgmma_wait<0>();
       fence_regs(dpacc);
 #pragma unroll
@@ -552,7 +577,26 @@ bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
     if (lane == 0) mbar_arrive(B.kv_empty);
 
     // Epilogue: dK scaled by the softmax scale and dV, or fp32 partials (unscaled) for a split.
-    if (pslot < 0) {
+    if (prefix_item && pslot < 0) {
+      // external prefix (issue 17): added into the prefix rows' gradients (one item per row).
+      T* dkb = static_cast<T*>(a.prefix_dk) + static_cast<int64_t>(k0) * a.pdk_ts + static_cast<int64_t>(hk) * a.pdk_hs;
+      T* dvb = static_cast<T*>(a.prefix_dv) + static_cast<int64_t>(k0) * a.pdv_ts + static_cast<int64_t>(hk) * a.pdv_hs;
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        const int r = kv_row0 + hr * 8;
+        if (r < klen) {
+#pragma unroll
+          for (int j = 0; j < D / 8; ++j) {
+            const int col = j * 8 + 2 * t4;
+            uint32_t* pk = reinterpret_cast<uint32_t*>(dkb + static_cast<int64_t>(r) * a.pdk_ts + col);
+            uint32_t* pv = reinterpret_cast<uint32_t*>(dvb + static_cast<int64_t>(r) * a.pdv_ts + col);
+            const float2 ok = Convert<T>::unpack(*pk), ov = Convert<T>::unpack(*pv);
+            *pk = Convert<T>::pack(ok.x + dk[4 * j + 2 * hr] * a.scale, ok.y + dk[4 * j + 2 * hr + 1] * a.scale);
+            *pv = Convert<T>::pack(ov.x + dv[4 * j + 2 * hr], ov.y + dv[4 * j + 2 * hr + 1]);
+          }
+        }
+      }
+    } else if (pslot < 0) {
       T* dkb = static_cast<T*>(a.dk) + static_cast<int64_t>(k0) * a.dk_ts + static_cast<int64_t>(hk) * a.dk_hs;
       T* dvb = static_cast<T*>(a.dv) + static_cast<int64_t>(k0) * a.dv_ts + static_cast<int64_t>(hk) * a.dv_hs;
 #pragma unroll

@@ -118,7 +118,8 @@ __device__ __forceinline__ uint4 bwd_ld_shared_v4(uint32_t addr) {
   return v;
 }
 
-template <typename T, bool kAtomicDq>
+// kPrefix (external prefix, issue 17): prefix items as in bwd_sm90_kernel (bwd_kernel.cuh).
+template <typename T, bool kAtomicDq, bool kPrefix>
 __global__ void __launch_bounds__(Sm90BwdConfigD256::kThreads, 1)
 bwd_sm90_kernel_d256(const __grid_constant__ Sm90BwdParams<256> p) {
   using C = Sm90BwdConfigD256;
@@ -223,6 +224,10 @@ bwd_sm90_kernel_d256(const __grid_constant__ Sm90BwdParams<256> p) {
       tma_prefetch_desc(&p.tk);
       tma_prefetch_desc(&p.tv);
       tma_prefetch_desc(&p.tdo);
+      if constexpr (kPrefix) {
+        tma_prefetch_desc(&p.tpk);
+        tma_prefetch_desc(&p.tpv);
+      }
     }
     const int64_t T_ = L.num_tokens;
     uint32_t kv_iter = 0, step = 0;
@@ -242,12 +247,16 @@ bwd_sm90_kernel_d256(const __grid_constant__ Sm90BwdParams<256> p) {
       const int32_t* wi = witems + w * kBwdItemInts;
       const int32_t k0 = wi[1], qa = wi[3], qb = wi[4];
       if (lane == 0) {
+        // The item's tensor maps: the layout's K / V, or the prefix buffers' for a prefix item.
+        const bool pre = kPrefix && is_prefix_item(L, wi[0]);
+        const CUtensorMap* tk = pre ? &p.tpk : &p.tk;
+        const CUtensorMap* tv = pre ? &p.tpv : &p.tv;
         mbar_wait(B.kv_empty, (kv_iter & 1) ^ 1);
         mbar_arrive_expect_tx(B.kv_full, 2 * C::kKVBytes);
 #pragma unroll
         for (int b = 0; b < C::kBoxes; ++b) {
-          tma_load_3d(smem + C::kOffK + b * C::kKVBoxBytes, &p.tk, B.kv_full, b * 64, hk, k0);
-          tma_load_3d(smem + C::kOffV + b * C::kKVBoxBytes, &p.tv, B.kv_full, b * 64, hk, k0);
+          tma_load_3d(smem + C::kOffK + b * C::kKVBoxBytes, tk, B.kv_full, b * 64, hk, k0);
+          tma_load_3d(smem + C::kOffV + b * C::kKVBoxBytes, tv, B.kv_full, b * 64, hk, k0);
         }
       }
       ++kv_iter;
@@ -315,6 +324,7 @@ bwd_sm90_kernel_d256(const __grid_constant__ Sm90BwdParams<256> p) {
     const int32_t* wi = witems + w * kBwdItemInts;
     const int32_t k0 = wi[1], k1 = wi[2], qa = wi[3], qb = wi[4], pslot = wi[5];
     const int klen = k1 - k0;
+    const bool prefix_item = kPrefix && is_prefix_item(L, wi[0]);  // k0, k1: prefix rows
     const int32_t tiles = (qb - qa + BM - 1) / BM;
     const int32_t n_steps = tiles * group;
     const bool tail = klen < BN;  // the tile's KV range ends inside it (TMA loaded further tokens)
@@ -354,7 +364,10 @@ bwd_sm90_kernel_d256(const __grid_constant__ Sm90BwdParams<256> p) {
       uint32_t frag[BM / 4];
       if (p_role) {
         const float* lse_s = s_lse + st * BM;
-        bwd_softmax_p(sacc, lse_s, sl2, t4, kv_row0, klen, k0, qt, tail || qt < k0 + BN - 1);
+        if (prefix_item)  // every query of the range sees every row: only a ragged end is masked
+          bwd_softmax_p<BM / 2, false>(sacc, lse_s, sl2, t4, kv_row0, klen, k0, qt, tail);
+        else
+          bwd_softmax_p(sacc, lse_s, sl2, t4, kv_row0, klen, k0, qt, tail || qt < k0 + BN - 1);
 #pragma unroll
         for (int i = 0; i < BM / 8; ++i)
           bwd_st_shared_v4(p_thread + i * 2048, __float_as_uint(sacc[4 * i]), __float_as_uint(sacc[4 * i + 1]),
@@ -459,7 +472,27 @@ bwd_sm90_kernel_d256(const __grid_constant__ Sm90BwdParams<256> p) {
 
     // Epilogue: dK scaled by the softmax scale (dS role) and dV (P role), or fp32 partials
     // (unscaled, all 64 rows) for a split item: [slot][hk][0] = dK, [1] = dV.
-    if (pslot < 0) {
+    if (prefix_item && pslot < 0) {
+      // external prefix (issue 17): added into the prefix rows' gradients (one item per row).
+      const bool is_dk = !p_role;
+      T* base = is_dk ? static_cast<T*>(a.prefix_dk) + static_cast<int64_t>(k0) * a.pdk_ts + static_cast<int64_t>(hk) * a.pdk_hs
+                      : static_cast<T*>(a.prefix_dv) + static_cast<int64_t>(k0) * a.pdv_ts + static_cast<int64_t>(hk) * a.pdv_hs;
+      const int64_t ts = is_dk ? a.pdk_ts : a.pdv_ts;
+      const float sc = is_dk ? a.scale : 1.f;
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        const int r = kv_row0 + hr * 8;
+        if (r < klen) {
+#pragma unroll
+          for (int j = 0; j < D / 8; ++j) {
+            const int col = j * 8 + 2 * t4;
+            uint32_t* dst = reinterpret_cast<uint32_t*>(base + static_cast<int64_t>(r) * ts + col);
+            const float2 old = Convert<T>::unpack(*dst);
+            *dst = Convert<T>::pack(old.x + acc[4 * j + 2 * hr] * sc, old.y + acc[4 * j + 2 * hr + 1] * sc);
+          }
+        }
+      }
+    } else if (pslot < 0) {
       const bool is_dk = !p_role;
       T* base = is_dk ? static_cast<T*>(a.dk) + static_cast<int64_t>(k0) * a.dk_ts + static_cast<int64_t>(hk) * a.dk_hs
                       : static_cast<T*>(a.dv) + static_cast<int64_t>(k0) * a.dv_ts + static_cast<int64_t>(hk) * a.dv_hs;

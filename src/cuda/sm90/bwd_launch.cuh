@@ -33,6 +33,11 @@ cudaError_t prepare_bwd_params(const BwdArgs& args, Sm90BwdParams<HeadDim>* p, c
     return cudaErrorNotSupported;
   if (!args.deterministic && !make_dq_accum_map(&p->tdq, args.dq_accum, HeadDim, H, T, BlockM))
     return cudaErrorNotSupported;
+  // external prefix (issue 17): the prefix buffers' tensor maps (rows: the prefix buffers').
+  if (args.prefix_k != nullptr &&
+      (!make_map(&p->tpk, dt, args.prefix_k, HeadDim, Hk, args.prefix_rows, args.pk_hs, args.pk_ts, BlockN) ||
+       !make_map(&p->tpv, dt, args.prefix_v, HeadDim, Hk, args.prefix_rows, args.pv_hs, args.pv_ts, BlockN)))
+    return cudaErrorNotSupported;
   return cudaMemsetAsync(p->counter, 0, sizeof(int32_t), stream);
 }
 
@@ -56,7 +61,13 @@ cudaError_t run_bwd_main_d256(const BwdArgs& args, int sms, cudaStream_t stream)
   Sm90BwdParams<256> p;
   cudaError_t err = prepare_bwd_params<Element, 256, C::kBlockM, C::kBlockN>(args, &p, stream);
   if (err != cudaSuccess) return err;
-  auto kernel = args.deterministic ? bwd_sm90_kernel_d256<Element, false> : bwd_sm90_kernel_d256<Element, true>;
+  if (args.prefix_k != nullptr) {  // external prefix (issue 17)
+    auto kernel = args.deterministic ? bwd_sm90_kernel_d256<Element, false, true>
+                                     : bwd_sm90_kernel_d256<Element, true, true>;
+    return launch_persistent(kernel, C::kSmemBytes, C::kThreads, sms, p, stream);
+  }
+  auto kernel = args.deterministic ? bwd_sm90_kernel_d256<Element, false, false>
+                                   : bwd_sm90_kernel_d256<Element, true, false>;
   return launch_persistent(kernel, C::kSmemBytes, C::kThreads, sms, p, stream);
 }
 
@@ -71,10 +82,18 @@ cudaError_t run_bwd_main(const BwdArgs& args, int sms, cudaStream_t stream) {
     Sm90BwdParams<HeadDim> p;
     cudaError_t err = prepare_bwd_params<Element, HeadDim, C::kBlockM, C::kBlockN>(args, &p, stream);
     if (err != cudaSuccess) return err;
+    if (args.prefix_k != nullptr) {  // external prefix (issue 17)
+      if (args.deterministic)
+        return launch_persistent(bwd_sm90_kernel<Element, HeadDim, false, true>, C::kSmemBytes, C::kThreads, sms, p,
+                                 stream);
+      return launch_persistent(bwd_sm90_kernel<Element, HeadDim, true, true>, Sm90BwdConfig<HeadDim, true>::kSmemBytes,
+                               C::kThreads, sms, p, stream);
+    }
     if (args.deterministic)
-      return launch_persistent(bwd_sm90_kernel<Element, HeadDim, false>, C::kSmemBytes, C::kThreads, sms, p, stream);
+      return launch_persistent(bwd_sm90_kernel<Element, HeadDim, false, false>, C::kSmemBytes, C::kThreads, sms, p,
+                               stream);
     // The dQ-computing kernel has dQ staging buffers on top.
-    return launch_persistent(bwd_sm90_kernel<Element, HeadDim, true>, Sm90BwdConfig<HeadDim, true>::kSmemBytes,
+    return launch_persistent(bwd_sm90_kernel<Element, HeadDim, true, false>, Sm90BwdConfig<HeadDim, true>::kSmemBytes,
                              C::kThreads, sms, p, stream);
   }
 }

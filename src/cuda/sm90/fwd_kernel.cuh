@@ -68,6 +68,7 @@ struct Sm90FwdParams {
   FwdArgs a;
   CUtensorMap tq, tk, tv;
   int32_t tile_window;  // decode_fwd_item (plan_reader.cuh)
+  CUtensorMap tpk, tpv;  // external prefix (issue 17): the prefix K / V buffers (prefix kernels only)
 };
 
 struct Sm90Barriers {
@@ -84,7 +85,11 @@ struct Sm90Barriers {
 
 // Ping-pong: the two consumer warpgroups take turns issuing their wgmma batches (named barriers 1
 // and 2), so that one's softmax runs while the other's matrix products occupy the tensor cores.
-template <typename T, int D>
+// kPrefix (external prefix, issue 17): the walk may enter an external root's prefix rows; the
+// producer loads those tiles through the prefix buffers' tensor maps (one uniform choice per tile)
+// and the consumers mask them as ancestor tiles (never diagonal). The default instantiation is the
+// kernel as it was before them.
+template <typename T, int D, bool kPrefix>
 __global__ void __launch_bounds__(Sm90FwdConfig<D>::kThreads, 1)
 fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
   using C = Sm90FwdConfig<D>;
@@ -145,6 +150,10 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
     tma_prefetch_desc(&p.tq);
     tma_prefetch_desc(&p.tk);
     tma_prefetch_desc(&p.tv);
+    if constexpr (kPrefix) {
+      tma_prefetch_desc(&p.tpk);
+      tma_prefetch_desc(&p.tpv);
+    }
     uint32_t q_iter = 0, kv_iter = 0;
     for (uint32_t n = 0;; ++n) {
       const uint32_t slot = n & 1, ph = (n >> 1) & 1;
@@ -162,15 +171,19 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
       const int32_t q1 = items[tile * kFwdItemInts + 2];
 
       KvWalk<BN> kv;
-      kv.init(L.offsets, L.parent, seg, q1);
+      if constexpr (kPrefix) kv.init(L.offsets, L.parent, L.seg_prefix, L.prefix_offsets, seg, q1);
+      else kv.init(L.offsets, L.parent, seg, q1);
       bool q_issued = false;
       do {
         const uint32_t st = kv_iter % S, kph = (kv_iter / S) & 1;
+        // The tile's tensor maps: the layout's K / V, or the prefix buffers' for prefix rows.
+        const CUtensorMap* tk = kPrefix && kv.prefix ? &p.tpk : &p.tk;
+        const CUtensorMap* tv = kPrefix && kv.prefix ? &p.tpv : &p.tv;
         mbar_wait(&B.k_empty[st], kph ^ 1);
         mbar_arrive_expect_tx(&B.k_full[st], C::kKVBytes);
 #pragma unroll
         for (int b = 0; b < C::kBoxes; ++b)
-          tma_load_3d(sK + st * C::kKVBytes + b * C::kKVBoxBytes, &p.tk, &B.k_full[st], b * 64, hk, kv.pos);
+          tma_load_3d(sK + st * C::kKVBytes + b * C::kKVBoxBytes, tk, &B.k_full[st], b * 64, hk, kv.pos);
         if (!q_issued) {
           // Q after the first K tile, so the K load of a new item is not held up by the
           // consumers still reading the previous Q.
@@ -186,9 +199,9 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
         mbar_arrive_expect_tx(&B.v_full[st], C::kKVBytes);
 #pragma unroll
         for (int b = 0; b < C::kBoxes; ++b)
-          tma_load_3d(sV + st * C::kKVBytes + b * C::kKVBoxBytes, &p.tv, &B.v_full[st], b * 64, hk, kv.pos);
+          tma_load_3d(sV + st * C::kKVBytes + b * C::kKVBoxBytes, tv, &B.v_full[st], b * 64, hk, kv.pos);
         ++kv_iter;
-      } while (kv.next(L.offsets, L.parent));
+      } while (kPrefix ? kv.next(L.offsets, L.parent, L.seg_prefix, L.prefix_offsets) : kv.next(L.offsets, L.parent));
     }
     return;
   }
@@ -241,7 +254,13 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
     uint32_t pf[BN / 4];
 
     KvWalk<BN> kv;
-    kv.init(L.offsets, L.parent, seg, q1);
+    if constexpr (kPrefix) kv.init(L.offsets, L.parent, L.seg_prefix, L.prefix_offsets, seg, q1);
+    else kv.init(L.offsets, L.parent, seg, q1);
+    // The walk's next tile (a prefix tile's `own` is false: it is masked as an ancestor's).
+    auto walk_next = [&]() {
+      if constexpr (kPrefix) return kv.next(L.offsets, L.parent, L.seg_prefix, L.prefix_offsets);
+      else return kv.next(L.offsets, L.parent);
+    };
 
     // S = Q K^T for the stage `st` into s.
     auto issue_qk = [&](uint32_t st) {
@@ -325,7 +344,7 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
     if (lane == 0) mbar_arrive(&B.k_empty[st]);
     int32_t kpos = kv.pos, klen = kv.len();
     bool own = kv.own;
-    bool more = kv.next(L.offsets, L.parent);
+    bool more = walk_next();
     if (!more) {
       __syncwarp();
       if (lane == 0) mbar_arrive(B.q_empty);
@@ -355,7 +374,7 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
       fence_regs(s);
       __syncwarp();
       if (lane == 0) mbar_arrive(&B.k_empty[st]);
-      more = kv.next(L.offsets, L.parent);
+      more = walk_next();
       if (!more) {
         __syncwarp();
         if (lane == 0) mbar_arrive(B.q_empty);

@@ -28,7 +28,12 @@ cudaError_t run_fwd(const FwdArgs& args, int sms, cudaStream_t stream) {
       !make_map(&p.tk, kTmaType<T>, args.k, D, Hk, T_, args.k_hs, args.k_ts, C::kBlockN) ||
       !make_map(&p.tv, kTmaType<T>, args.v, D, Hk, T_, args.v_hs, args.v_ts, C::kBlockN))
     return cudaErrorNotSupported;
-  auto kernel = fwd_sm90_kernel<T, D>;
+  // external prefix (issue 17): the prefix buffers' tensor maps (rows: the prefix buffers').
+  if (args.prefix_k != nullptr &&
+      (!make_map(&p.tpk, kTmaType<T>, args.prefix_k, D, Hk, args.prefix_rows, args.pk_hs, args.pk_ts, C::kBlockN) ||
+       !make_map(&p.tpv, kTmaType<T>, args.prefix_v, D, Hk, args.prefix_rows, args.pv_hs, args.pv_ts, C::kBlockN)))
+    return cudaErrorNotSupported;
+  auto kernel = args.prefix_k != nullptr ? fwd_sm90_kernel<T, D, true> : fwd_sm90_kernel<T, D, false>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          static_cast<int>(C::kSmemBytes));
   if (err != cudaSuccess) return err;
