@@ -53,6 +53,9 @@ BENCHMARKS = {
                              "it (056fda6: FA2's dQ warp layout at D 192/256, reverted; docs/decisions.md)",
     "cpu_attention": "bench/cpu_attention.py, the CPU backend vs per-row torch SDPA on the CPU, 2 threads (issue 22)",
     "cpu_attention_1thread": "bench/cpu_attention.py --threads 1, the same with one thread (issue 22)",
+    "prompt_once_e2e_1.7b": "bench/prompt_once_e2e.py, Qwen3-1.7B shape, split vs once vs flex_fa4_split, one group "
+                            "over the budget, N 16 (issue 17; step prompt-once)",
+    "prompt_once_e2e_8b": "bench/prompt_once_e2e.py, Qwen3-8B shape (issue 17; step prompt-once, ONCE_MODEL=8b)",
     "hybrid_e2e": "bench/hybrid_e2e.py, Qwen3.5-shaped GRPO update, dualkv + GDN state fork vs std vs Flex "
                   "(issue 21; step hybrid)",
     "hybrid_e2e_p8k": "bench/hybrid_e2e.py at N16 P8192 R1024 with Flex on Triton (FA4 refuses head dim 256 "
