@@ -95,6 +95,13 @@
 #                update alone takes 147 s (measured at a6c0820): the timed part and the log-prob check do not
 #                fit one call together; TRL_ARGS="--parts timing" in one call, "--parts accuracy" in the next
 #                (same seed and config: the same rollouts). Estimate: timing ~9 min, accuracy ~3 min
+#   bench-mods   issue 16's peers with mask modifiers: bench/attention.py, GRPO configs $MODS_CONFIGS (default
+#                "16,4096,1024;8,16384,2048", no varlen), methods $MODS_METHODS (default dualkv,fa4_dense,flex_fa4),
+#                three shapes, each process cut at $MODS_TIMEOUT (default 75) s: gpt-oss (H 64, Hk 8, D 64,
+#                window 128 + sinks), Gemma-2-like softcap 50 (H 32, Hk 8, D 128), window 1024 (D 128). dualkv
+#                is recorded as skipped (the CUDA backend's UnsupportedError) until the modifier kernels
+#                merge; an FA4 without one of the arguments is a skip naming it. Estimate ~3-4 min (FA4 and
+#                Flex-FA4 compile per config and modifier set: ~10-20 s each)
 #   prompt-once  issue 17's acceptance: bench/prompt_once_e2e.py for ONE model per call, $ONCE_MODEL (default
 #                1.7b: run it first, then 8b), P $ONCE_PROMPTS (default 8192,16384), R $ONCE_RESPONSES (default
 #                1024), k $ONCE_K (default 2,4; max_tokens = P + ceil(16 R / k)), plus the k = 1 control per
@@ -201,6 +208,16 @@ for n in ('fla-core', 'trl', 'datasets', 'accelerate'):
     trl-step) timeout -k 10 "${TRL_CAP:-570}" python3 bench/trl_step.py ${TRL_ARGS:-} --out "$OUT" \
                 > "$OUT/trl_step.log" 2>&1
               echo "trl-step rc=$?"; grep -v -i "warn" "$OUT/trl_step.log" | tail -10 ;;
+    bench-mods) for spec in "gptoss:--heads 64 --kv-heads 8 --head-dim 64 --window 128 --sinks" \
+                            "cap50:--heads 32 --kv-heads 8 --head-dim 128 --softcap 50" \
+                            "w1024:--heads 32 --kv-heads 8 --head-dim 128 --window 1024"; do
+                  name="${spec%%:*}"
+                  timeout -k 10 "${MODS_TIMEOUT:-75}" python3 bench/attention.py ${spec#*:} \
+                    --configs "${MODS_CONFIGS:-16,4096,1024;8,16384,2048}" --no-varlen \
+                    --methods "${MODS_METHODS:-dualkv,fa4_dense,flex_fa4}" --iters 6 --warmup 2 --out "$OUT" \
+                    --tag "mods_$name" > "$OUT/bench_mods_$name.log" 2>&1
+                  echo "bench-mods $name rc=$?"; sed -n '/^case /,$p' "$OUT/bench_mods_$name.log"
+                done ;;
     prompt-once) m="${ONCE_MODEL:-1.7b}"
                  timeout -k 10 "${ONCE_CAP:-570}" python3 bench/prompt_once_e2e.py --models "$m" \
                    --prompts "${ONCE_PROMPTS:-8192,16384}" --responses "${ONCE_RESPONSES:-1024}" --k "${ONCE_K:-2,4}" \
