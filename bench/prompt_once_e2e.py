@@ -14,6 +14,9 @@ budget ``max_tokens = P + ceil(N R / k)`` so that the split path needs k micro-b
                   name is routed to it for the duration of the method, so the loop is policy_update's
   flex_split      the same on Flex's Triton backend (not in the default list; the CPU smoke test's
                   stand-in for flex_fa4_split: the dense mask of the same rule with SDPA)
+  once_offload    once with offload_prompt_grads=True: the prompt's gradient buffers wait in pinned host
+                  memory during phase C's forward (not in the default list: the run to make if once's
+                  peak exceeds split's, docs/notes/2026-12-01-external-prefix-kernels.md section 6)
 
 Model setup, timing (CUDA events: median of --iters updates after --warmup), the Flex/FA4 peers and the
 provenance come from bench/e2e.py. Per cell (model, P, R, k): seconds per update per method,
@@ -54,7 +57,7 @@ from dualkv import schedule  # noqa: E402
 from dualkv.demo import MODEL_SIZES, qwen3_config  # noqa: E402
 from dualkv.grpo import policy_update  # noqa: E402
 
-METHODS = ("split", "once", "flex_fa4_split", "flex_split")
+METHODS = ("split", "once", "flex_fa4_split", "flex_split", "once_offload")
 DEFAULT_METHODS = ("split", "once", "flex_fa4_split")
 PROTOCOL = {
     "update": "forward + backward of one GRPO policy update (dualkv.grpo.policy_update: DAPO clip 0.2/0.28, "
@@ -67,6 +70,7 @@ PROTOCOL = {
     "flex_fa4_split": "the split plan, compiled FlexAttention with BACKEND=FLASH (FA4), a BlockMask per "
                       "micro-batch built in the update",
     "flex_split": "the split plan, compiled FlexAttention (Triton)",
+    "once_offload": "once with offload_prompt_grads=True (phase C's forward with the gradient buffers in host memory)",
     "ideal": "(k P + N R) / (P + N R): the token ratio of split to once",
 }
 
@@ -170,8 +174,9 @@ def one_update(method, model, data, max_tokens, device):
     prompts, responses, old, adv = data
     model.zero_grad(set_to_none=True)
     with e2e.Timer(device) as timer:
-        out = policy_update(model, prompts, responses, old, adv, max_tokens, prompt_once=method == "once",
-                            clip_low=0.2, clip_high=0.28)
+        out = policy_update(model, prompts, responses, old, adv, max_tokens,
+                            prompt_once=method in ("once", "once_offload"),
+                            offload_prompt_grads=method == "once_offload", clip_low=0.2, clip_high=0.28)
     return timer.seconds, out
 
 
@@ -224,28 +229,31 @@ def compare(records, P, N, R, k):
     """The cell's ratios, written into the once record: split / once, ideal, their quotient,
     flex_fa4_split / once, peak memory once / split, and the logp agreement."""
     by = {r["method"]: r for r in records if r["status"] == "ok"}
-    once = by.get("once")
-    if once is None:
-        return
     ideal = (k * P + N * R) / (P + N * R)
-    once["ideal_ratio"] = ideal
     if "split" in by:
-        once["split_over_once"] = by["split"]["seconds"] / once["seconds"]
-        once["quotient_vs_ideal"] = once["split_over_once"] / ideal
-        once["peak_once_over_split"] = once["peak_bytes"] / by["split"]["peak_bytes"]
         for r in by.values():  # bf16 noise between kernels and plans (first response)
             if r is not by["split"]:
                 r["max_abs_dlogp_vs_split"] = float((r["logp0"] - by["split"]["logp0"]).abs().max())
-    for flex in ("flex_fa4_split", "flex_split"):
-        if flex in by:
-            once[f"{flex}_over_once"] = by[flex]["seconds"] / once["seconds"]
+    for name in ("once", "once_offload"):
+        once = by.get(name)
+        if once is None:
+            continue
+        once["ideal_ratio"] = ideal
+        if "split" in by:
+            once["split_over_once"] = by["split"]["seconds"] / once["seconds"]
+            once["quotient_vs_ideal"] = once["split_over_once"] / ideal
+            once["peak_once_over_split"] = once["peak_bytes"] / by["split"]["peak_bytes"]
+        for flex in ("flex_fa4_split", "flex_split"):
+            if flex in by:
+                once[f"{flex}_over_once"] = by[flex]["seconds"] / once["seconds"]
     for r in records:
         r.pop("logp0", None)
 
 
 def summary(results) -> str:
     head = (f"{'model':>5} {'P':>6} {'R':>5} {'k':>2} {'split s':>8} {'once s':>8} {'flexfa4 s':>9} {'split/once':>10} "
-            f"{'ideal':>6} {'quot':>5} {'flex/once':>9} {'peak split':>10} {'peak once':>9} {'kv+grad':>9}")
+            f"{'ideal':>6} {'quot':>5} {'flex/once':>9} {'peak split':>10} {'peak once':>9} {'kv+grad':>9} "
+            f"{'once_off s':>10} {'peak off':>9}")
     lines = [head, "-" * len(head)]
     cellmap = {}
     for r in results:
@@ -270,7 +278,8 @@ def summary(results) -> str:
                      f"{once.get('quotient_vs_ideal', float('nan')):>5.2f} "
                      f"{once.get('flex_fa4_split_over_once', once.get('flex_split_over_once', float('nan'))):>9.3f} "
                      f"{gib(m.get('split')):>10} {gib(once):>9} "
-                     f"{((kvm['kv'] + kvm['grad']) / 2**20 if kvm else float('nan')):>8.1f}M")
+                     f"{((kvm['kv'] + kvm['grad']) / 2**20 if kvm else float('nan')):>8.1f}M "
+                     f"{sec(m.get('once_offload')):>10} {gib(m.get('once_offload')):>9}")
     lines.append("acceptance: quot = (split/once) / ideal >= 0.85, flex/once > split/once, peak once <= peak split; "
                  "k = 1 rows (controls): split/once within 1% of 1")
     return "\n".join(lines)

@@ -37,7 +37,10 @@ Two ways to run phases A and C (``recompute_prompt``):
   keys and values: one prompt forward fewer, the prompt's activations held through phase B.
 
 Both are exact: the forward of phase C repeats phase A's (the random state is restored for it, so
-that dropout draws the same masks).
+that dropout draws the same masks). ``offload_prompt_grads=True`` (with ``recompute_prompt``) also
+moves the gradient buffers to host memory for phase C's forward and back layer by layer in its
+backward, so that phase C holds the prompt's layer inputs without them (one host round trip of the
+buffers per phase).
 
 Memory of a phase: the recorded keys and values (2 x layers x prompt tokens x kv heads x head dim)
 and their gradient buffers (as many elements, in ``prompt_grad_dtype``), plus with
@@ -81,13 +84,16 @@ class PromptKV:
     for 16-bit keys, rounded once to the keys' dtype in phase C). ``rerun``: set by
     :func:`run_prompt_phase` with ``recompute_prompt=True``: runs phase A's forward again with
     gradients (phase C), the layers reporting their keys and values to :meth:`record`.
+    ``offload_grads`` (with ``rerun``): during phase C's forward the gradient buffers wait in host
+    memory (pinned for CUDA) and go back to the device layer by layer as the backward reaches them.
     """
 
     def __init__(self, prefix_lens: Sequence[int], grad_dtype: Optional[torch.dtype] = None,
-                 rerun: Optional[Callable[[], None]] = None):
+                 rerun: Optional[Callable[[], None]] = None, offload_grads: bool = False):
         if grad_dtype not in (None, torch.float32):
             raise ArgumentError(f"dualkv.schedule: prompt_grad_dtype must be None (the model's dtype) or "
                                 f"torch.float32, got {grad_dtype}")
+        self.offload_grads = bool(offload_grads)
         self.prefix_lens = tuple(int(n) for n in prefix_lens)
         self.num_rows = sum(self.prefix_lens)
         self.grad_dtype = grad_dtype
@@ -188,6 +194,8 @@ class PromptKV:
     def _backward_rerun(self) -> None:
         rerun, self._rerun = self._rerun, None
         self._pending = self._gradients()  # the keys and values of phase A go: phase C makes its own
+        if self.offload_grads:
+            self._pending = {idx: [_to_host(g) for g in gs] for idx, gs in self._pending.items()}
         layers = set(self._pending)
         self._probing = True
         try:
@@ -245,7 +253,8 @@ class _PromptGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, _):
         grads, ctx.grads = ctx.grads, None
-        out = tuple(g if g is not None else torch.zeros(shape, dtype=dtype, device=device)
+        out = tuple(torch.zeros(shape, dtype=dtype, device=device) if g is None
+                    else g.to(device, non_blocking=True)  # back from the host (offload_grads); else itself
                     for g, (shape, dtype, device) in zip(grads, ctx.like))
         grads.clear()
         return out + (None,)
@@ -261,6 +270,16 @@ def _storage_bytes(tensors: Sequence[Tensor]) -> int:
     """Bytes of the distinct buffers ``tensors`` keep alive."""
     seen = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
     return sum(seen.values())
+
+
+def _to_host(g: Optional[Tensor]) -> Optional[Tensor]:
+    """A host copy of a gradient buffer (pinned memory for a CUDA one, copied asynchronously: the
+    copy back is ordered after it on the same stream); the device buffer frees when the caller drops it."""
+    if g is None:
+        return None
+    host = torch.empty(g.shape, dtype=g.dtype, device="cpu", pin_memory=g.is_cuda)
+    host.copy_(g, non_blocking=g.is_cuda)
+    return host
 
 
 def _add_into(total: Tensor):
@@ -281,7 +300,8 @@ def _set_rng_states(device: torch.device, states) -> None:
 
 
 def run_prompt_phase(model, prompts: Sequence[Tensor], deterministic: bool = False, sp_group=None,
-                     recompute_prompt: bool = True, prompt_grad_dtype: Optional[torch.dtype] = None) -> PromptKV:
+                     recompute_prompt: bool = True, prompt_grad_dtype: Optional[torch.dtype] = None,
+                     offload_prompt_grads: bool = False) -> PromptKV:
     """Phase A: run the prompts (1-D token tensors, at least 2 tokens each) without their last
     token through ``model`` (a transformers causal LM with dualkv attention, in training mode) and
     return their recorded keys and values. Runs inside the model's own forward call, so wrappers
@@ -292,7 +312,10 @@ def run_prompt_phase(model, prompts: Sequence[Tensor], deterministic: bool = Fal
     ``recompute_prompt`` (the module docstring has the trade-off): True runs this forward under
     ``torch.no_grad()`` and :meth:`PromptKV.backward` runs it again with gradients; False runs it
     with gradients (when they are enabled) and keeps its graph until phase C.
-    ``prompt_grad_dtype``: None (sums in the model's dtype) or ``torch.float32``."""
+    ``prompt_grad_dtype``: None (sums in the model's dtype) or ``torch.float32``.
+    ``offload_prompt_grads`` (needs ``recompute_prompt``): phase C's forward runs with the gradient
+    buffers in host memory, so that its peak holds the prompt's checkpointed layer inputs but not the
+    buffers (one copy to the host and one back per update: ~0.1-0.2 s for 4.8 GB over PCIe)."""
     from .integrations import transformers as dkt
     if not prompts:
         raise ArgumentError("dualkv.schedule.run_prompt_phase: no prompts")
@@ -303,6 +326,9 @@ def run_prompt_phase(model, prompts: Sequence[Tensor], deterministic: bool = Fal
     if not dkt.is_enabled(model):
         raise dkt.WrongAttentionError("dualkv.schedule: the model's attention implementation is not dualkv; call "
                                       "dualkv.integrations.transformers.enable(model)")
+    if offload_prompt_grads and not recompute_prompt:
+        raise ArgumentError("dualkv.schedule: offload_prompt_grads needs recompute_prompt=True (without it phase C "
+                            "is one backward that needs every gradient buffer at once)")
     device = prompts[0].device
     lens = [int(p.numel()) - 1 for p in prompts]
     layout = Layout.varlen(lens).to(device)
@@ -339,7 +365,7 @@ def run_prompt_phase(model, prompts: Sequence[Tensor], deterministic: bool = Fal
                 _set_rng_states(device, after)
 
         with torch.no_grad():
-            kv = PromptKV(lens, prompt_grad_dtype, rerun)
+            kv = PromptKV(lens, prompt_grad_dtype, rerun, offload_prompt_grads)
             run(kv)
     else:
         kv = PromptKV(lens, prompt_grad_dtype)
@@ -370,8 +396,8 @@ def _pack(mb: MicroBatch, phase: Optional[PromptPhase], kv: Optional[PromptKV], 
 
 def micro_batches(model, plan: MicroBatchPlan, rank: int, prompts: Sequence[Tensor],
                   responses: Sequence[Sequence[Tensor]], deterministic: bool = False, sp_group=None,
-                  recompute_prompt: bool = True, prompt_grad_dtype: Optional[torch.dtype] = None
-                  ) -> Iterator[Tuple[MicroBatch, Optional[PackedBatch]]]:
+                  recompute_prompt: bool = True, prompt_grad_dtype: Optional[torch.dtype] = None,
+                  offload_prompt_grads: bool = False) -> Iterator[Tuple[MicroBatch, Optional[PackedBatch]]]:
     """Run rank ``rank``'s part of ``plan`` micro-batch by micro-batch: yields ``(micro_batch,
     packed)`` for the caller's forward (e.g. :func:`dualkv.integrations.transformers.packed_logprobs`
     on ``packed``) and backward; ``packed`` is None for an empty micro-batch (the plan pads ranks to
@@ -388,9 +414,8 @@ def micro_batches(model, plan: MicroBatchPlan, rank: int, prompts: Sequence[Tens
     of the SP group iterates the same micro-batches, and the caller shards each ``packed``
     (:func:`dualkv.distributed.shard`) for its forward, as for any micro-batch.
 
-    ``recompute_prompt`` and ``prompt_grad_dtype``: as for :func:`run_prompt_phase` (the module
-    docstring weighs them: the default keeps the peak at or below the split path's at the cost of
-    one more prompt forward per phase).
+    ``recompute_prompt``, ``prompt_grad_dtype``, ``offload_prompt_grads``: as for
+    :func:`run_prompt_phase` (the module docstring weighs them).
     """
     phases = plan.prompt_phases[rank] if plan.prompt_phases else ()
     phase_of = {i: j for j, ph in enumerate(phases) for i in ph.micro_batches}
@@ -406,7 +431,7 @@ def micro_batches(model, plan: MicroBatchPlan, rank: int, prompts: Sequence[Tens
                 if not phase_prompts:  # padding: a placeholder prompt keeps the ranks' collectives in step
                     phase_prompts = [torch.zeros(2, dtype=torch.int64, device=model.device)]
                 kv = run_prompt_phase(model, phase_prompts, deterministic, sp_group, recompute_prompt,
-                                      prompt_grad_dtype)
+                                      prompt_grad_dtype, offload_prompt_grads)
             current = j
         if not mb.entries:
             yield mb, None

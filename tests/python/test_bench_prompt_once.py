@@ -16,7 +16,7 @@ def test_prompt_once_bench_runs_on_cpu(tmp_path):
     bench = _load_bench("prompt_once_e2e")
     out = tmp_path / "prompt_once_e2e_tiny.json"
     rc = bench.main(["--device", "cpu", "--tiny", "--dtype", "float32", "--iters", "1",
-                     "--methods", "split,once,flex_split,flex_fa4_split", "--out", str(out)])
+                     "--methods", "split,once,flex_split,flex_fa4_split,once_offload", "--out", str(out)])
     assert rc == 0
     data = json.loads(out.read_text())
     assert data["environment"]["device"] == "cpu" and "commit" in data["environment"]
@@ -26,15 +26,16 @@ def test_prompt_once_bench_runs_on_cpu(tmp_path):
         cells.setdefault(r["k"], {})[r["method"]] = r
     assert sorted(cells) == [1, 2]  # the control first, then k = 2
     for k, m in cells.items():
-        for name in ("split", "once", "flex_split"):
+        for name in ("split", "once", "flex_split", "once_offload"):
             assert m[name]["status"] == "ok", m[name]
             assert m[name]["peak_bytes"] > 0 and m[name]["seconds"] > 0
         # FA4 is not installed on a CPU host: skipped with the reason, not an error
         assert m["flex_fa4_split"]["status"] in ("skipped", "ok")
         assert m["split"]["micro_batches"] == k
         # fp32: the three ways give the same log-probs (the first response) up to summation order
-        for name in ("once", "flex_split"):
+        for name in ("once", "flex_split", "once_offload"):
             assert m[name]["max_abs_dlogp_vs_split"] <= 1e-4, (k, name, m[name]["max_abs_dlogp_vs_split"])
+        assert m["once_offload"]["loss"] == pytest.approx(m["once"]["loss"], rel=1e-6)
     once1, once2 = cells[1]["once"], cells[2]["once"]
     P, N, R = once2["P"], once2["N"], once2["R"]
     assert once2["max_tokens"] == P + -(-N * R // 2)

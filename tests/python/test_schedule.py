@@ -129,10 +129,12 @@ PROMPT_LENS = [9, 3, 12, 5]
 RESPONSE_LENS = [[3, 1, 5, 2, 4], [2, 2], [1, 6, 2, 3, 4, 1], [7]]
 
 
-@pytest.mark.parametrize("recompute_prompt", [True, False])
+@pytest.mark.parametrize("phase_c", ["recompute", "recompute_offload", "keep"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen3_moe"])
-def test_prompt_once_equals_one_micro_batch_and_unpacked(kind, dtype, recompute_prompt, fp64_exact):
+def test_prompt_once_equals_one_micro_batch_and_unpacked(kind, dtype, phase_c, fp64_exact):
+    """phase_c: recompute_prompt=True (default), with offload_prompt_grads (on the CPU a host copy:
+    the plumbing), recompute_prompt=False."""
     std = make_model(kind, dtype)
     one = dkt.enable(copy.deepcopy(std))
     split = dkt.enable(copy.deepcopy(std))
@@ -143,7 +145,7 @@ def test_prompt_once_equals_one_micro_batch_and_unpacked(kind, dtype, recompute_
     loss_std, lp_std = unpacked_update(std, prompts, responses, old, adv, dtype)
     *whole, plan_one = dualkv_update(one, prompts, responses, old, adv, max_tokens=1000)
     *parts, plan = dualkv_update(split, prompts, responses, old, adv, max_tokens=12,
-                                 recompute_prompt=recompute_prompt)
+                                 recompute_prompt=phase_c != "keep", offload_prompt_grads=phase_c.endswith("offload"))
     assert plan_one.micro_batches_per_rank == 1 and not plan_one.split_groups
     assert plan.split_groups == (0, 2) and len(plan.prompt_phases[0]) >= 1
     # fitted groups share micro-batches with the split groups' responses
@@ -299,6 +301,62 @@ def test_recompute_prompt_keeps_no_prompt_activations_through_phase_b():
     assert peaks["once"] <= 1.05 * peaks["split"], peaks
 
 
+def _cuda_reads_external_prefixes() -> bool:
+    """Whether this build's CUDA backend runs external prefix segments (issue 17's kernel branch)."""
+    try:
+        packed = dualkv.pack_groups([torch.zeros(1, dtype=torch.long)], [[torch.zeros(2, dtype=torch.long)]],
+                                    prompt_prefix=[0], prefix_lens=[3])
+        x = torch.zeros(packed.layout.num_tokens, 1, 64, device="cuda", dtype=torch.bfloat16)
+        p = torch.zeros(3, 1, 64, device="cuda", dtype=torch.bfloat16)
+        dualkv.attention(x, x, x, packed.layout.to("cuda"), prefix_k=p, prefix_v=p)
+    except dualkv.UnsupportedError:
+        return False
+    return True
+
+
+@pytest.mark.gpu
+def test_cuda_phase_c_peak_with_offloaded_gradients():
+    """On the H200: a bf16 Qwen3 shape (hidden = 4 x KV width, as 8B) at P = 4096, checkpointing on.
+    offload_prompt_grads keeps phase C's allocator peak below the default's by at least 3/4 of the
+    gradient buffers, and the update is bitwise the same (deterministic mode: it only moves data)."""
+    if not _cuda_reads_external_prefixes():
+        pytest.skip("this build's CUDA backend does not run external prefix segments yet (issue 17's kernels)")
+    cfg = transformers.Qwen3Config(hidden_size=1024, intermediate_size=3072, num_hidden_layers=8, num_attention_heads=8,
+                                   num_key_value_heads=2, head_dim=128, vocab_size=4096, max_position_embeddings=8192,
+                                   use_cache=False)
+    torch.manual_seed(0)
+    model = dkt.enable(transformers.AutoModelForCausalLM.from_config(cfg).to("cuda", torch.bfloat16).train())
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    prompts, responses, old, adv = rollouts([4096], [[256] * 8], torch.bfloat16)
+    prompts = [p.cuda() for p in prompts]
+    responses = [[r.cuda() for r in rs] for rs in responses]
+    old = [[o.cuda() for o in os] for os in old]
+    peaks, grad_bytes, original = {}, {}, schedule.PromptKV.backward
+
+    def measured(name):
+        def backward(self):
+            grad_bytes[name] = self.memory["grad"]
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            original(self)
+            torch.cuda.synchronize()
+            peaks[name] = torch.cuda.max_memory_allocated() - base
+        return backward
+    runs = {}
+    for name, offload in (("default", False), ("offload", True)):
+        schedule.PromptKV.backward = measured(name)
+        try:
+            runs[name] = dualkv_update(model, prompts, responses, old, adv, 4096 + 2 * 256, deterministic=True,
+                                       offload_prompt_grads=offload)
+        finally:
+            schedule.PromptKV.backward = original
+    assert grad_bytes["default"] == 2 * 8 * 4095 * 2 * 128 * 2  # (k, v) x layers x rows x kv heads x dim x bf16
+    assert peaks["offload"] <= peaks["default"] - 0.75 * grad_bytes["default"], (peaks, grad_bytes)
+    for name, g in runs["default"][2].items():
+        assert torch.equal(runs["offload"][2][name], g), name
+
+
 def test_old_logprobs_under_no_grad():
     """The same plan computes old / reference log-probs under torch.no_grad(): no graph is kept and
     phase C has nothing to do; the log-probs equal the one-micro-batch ones."""
@@ -347,6 +405,8 @@ def test_schedule_errors():
         schedule.run_prompt_phase(model, [prompts[0][:1]])
     with pytest.raises(dualkv.ArgumentError, match="prompt_grad_dtype"):
         schedule.run_prompt_phase(model, prompts, prompt_grad_dtype=torch.float16)
+    with pytest.raises(dualkv.ArgumentError, match="offload_prompt_grads needs recompute_prompt"):
+        schedule.run_prompt_phase(model, prompts, recompute_prompt=False, offload_prompt_grads=True)
     # reentrant checkpointing would cut the recorded keys and values off the graph: phase A says so
     # when it runs with gradients, phase C's forward when phase A ran without (recompute_prompt)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
