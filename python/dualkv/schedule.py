@@ -109,6 +109,8 @@ class PromptKV:
         self._probes: List[Tensor] = []  # phase C of a rerun: one _PromptGrad output per layer
         self._probed: List[int] = []
         self.device_bytes: Optional[int] = None  # phase A's whole kept state on CUDA (set by run_prompt_phase)
+        #: phase A's last hidden state (recompute_prompt=False): a root of phase C's backward, zero gradient
+        self.output: Optional[Tensor] = None
 
     # ---- phase A (and phase C's forward of a rerun) ----
     def record(self, module, k: Tensor, v: Tensor) -> None:
@@ -188,8 +190,9 @@ class PromptKV:
                 tensors.append(t)
                 grads.append(torch.zeros_like(t) if g is None else g.to(t.dtype))
         self._keys, self._values, self._leaves, self._sums = {}, {}, {}, {}
+        output, self.output = self.output, None
         if tensors:
-            torch.autograd.backward(tensors, grads)
+            _backward_with_output(tensors, grads, output)
 
     def _backward_rerun(self) -> None:
         rerun, self._rerun = self._rerun, None
@@ -199,7 +202,7 @@ class PromptKV:
         layers = set(self._pending)
         self._probing = True
         try:
-            rerun()
+            output = rerun()
         finally:
             self._probing = False
         probes, self._probes = self._probes, []
@@ -209,7 +212,7 @@ class PromptKV:
             raise ArgumentError(f"dualkv.schedule: the prompt forward of phase C did not run attention layer(s) "
                                 f"{sorted(missing)} of phase A")
         if probes:
-            torch.autograd.backward(probes)
+            _backward_with_output(probes, [None] * len(probes), output)
 
     def _probe(self, module, k: Tensor, v: Tensor) -> None:
         idx = _layer_index(module)
@@ -270,6 +273,16 @@ def _storage_bytes(tensors: Sequence[Tensor]) -> int:
     """Bytes of the distinct buffers ``tensors`` keep alive."""
     seen = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
     return sum(seen.values())
+
+
+def _backward_with_output(tensors: List[Tensor], grads: List[Optional[Tensor]], output: Optional[Tensor]) -> None:
+    """Phase C's backward from ``tensors`` (with ``grads``) and, when it carries a graph, the prompt
+    forward's last hidden state with a zero gradient: the backward then reaches each layer through its
+    output first (FSDP2 gathers the layer's parameters there, before its checkpoint recompute); the
+    zeros add nothing to any gradient."""
+    if output is not None and output.requires_grad:
+        tensors, grads = list(tensors) + [output], list(grads) + [torch.zeros_like(output)]
+    torch.autograd.backward(tensors, grads)
 
 
 def _to_host(g: Optional[Tensor]) -> Optional[Tensor]:
@@ -344,23 +357,26 @@ def run_prompt_phase(model, prompts: Sequence[Tensor], deterministic: bool = Fal
     before = torch.cuda.memory_allocated(device) if cuda else 0
 
     def forward(**kwargs):
-        base(**kwargs)  # the outputs are not needed: the recorded keys and values carry the graph
+        return base(**kwargs).last_hidden_state
 
-    def run(kv: PromptKV) -> None:
-        dkt._call_as_forward(model, forward, input_ids=ids, position_ids=positions,
-                             **{dkt.LAYOUT_KWARG: layout, dkt.PROMPT_KV_KWARG: kv,
-                                dkt.DETERMINISTIC_KWARG: deterministic},
-                             use_cache=False)
+    def run(kv: PromptKV) -> Tensor:
+        """The prompts' forward; returns the last hidden state, a root of phase C's backward (with a
+        zero gradient) so that the backward enters every layer through its output, where wrappers
+        such as FSDP2 hook their pre-backward (the parameters' all-gather before the recompute)."""
+        return dkt._call_as_forward(model, forward, input_ids=ids, position_ids=positions,
+                                    **{dkt.LAYOUT_KWARG: layout, dkt.PROMPT_KV_KWARG: kv,
+                                       dkt.DETERMINISTIC_KWARG: deterministic},
+                                    use_cache=False)
 
     rerun = None
     if recompute_prompt and torch.is_grad_enabled():
         rng = _rng_states(device)
 
-        def rerun() -> None:  # phase C's forward: phase A's, with gradients and phase A's random state
+        def rerun() -> Tensor:  # phase C's forward: phase A's, with gradients and phase A's random state
             after = _rng_states(device)
             _set_rng_states(device, rng)
             try:
-                run(kv)
+                return run(kv)
             finally:
                 _set_rng_states(device, after)
 
@@ -369,7 +385,7 @@ def run_prompt_phase(model, prompts: Sequence[Tensor], deterministic: bool = Fal
             run(kv)
     else:
         kv = PromptKV(lens, prompt_grad_dtype)
-        run(kv)
+        kv.output = run(kv)
     kv.finish()
     if cuda:
         kv.device_bytes = torch.cuda.memory_allocated(device) - before
