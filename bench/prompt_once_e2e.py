@@ -14,6 +14,9 @@ budget ``max_tokens = P + ceil(N R / k)`` so that the split path needs k micro-b
                   name is routed to it for the duration of the method, so the loop is policy_update's
   flex_split      the same on Flex's Triton backend (not in the default list; the CPU smoke test's
                   stand-in for flex_fa4_split: the dense mask of the same rule with SDPA)
+  once_keep       once with recompute_prompt=False: phase A with gradients, no second prompt forward (the
+                  speed of the plan without the default's extra forward; holds the prompt's layer inputs
+                  through phase B; not in the default list)
   once_offload    once with offload_prompt_grads=True: the prompt's gradient buffers wait in pinned host
                   memory during phase C's forward (not in the default list: the run to make if once's
                   peak exceeds split's, docs/notes/2026-12-01-external-prefix-kernels.md section 6)
@@ -53,11 +56,13 @@ import e2e  # noqa: E402  (model setup, timing, peers, provenance)
 from live_bytes import LiveTensorBytes  # noqa: E402
 from peers import FLEX_BACKENDS, FLEX_BLOCK, Unavailable, compiled_flex, fa4, kernel_options  # noqa: E402
 
+import dualkv  # noqa: E402
 from dualkv import schedule  # noqa: E402
 from dualkv.demo import MODEL_SIZES, qwen3_config  # noqa: E402
 from dualkv.grpo import policy_update  # noqa: E402
 
-METHODS = ("split", "once", "flex_fa4_split", "flex_split", "once_offload")
+METHODS = ("split", "once", "flex_fa4_split", "flex_split", "once_offload", "once_keep")
+ONCE_METHODS = ("once", "once_offload", "once_keep")
 DEFAULT_METHODS = ("split", "once", "flex_fa4_split")
 PROTOCOL = {
     "update": "forward + backward of one GRPO policy update (dualkv.grpo.policy_update: DAPO clip 0.2/0.28, "
@@ -70,6 +75,7 @@ PROTOCOL = {
     "flex_fa4_split": "the split plan, compiled FlexAttention with BACKEND=FLASH (FA4), a BlockMask per "
                       "micro-batch built in the update",
     "flex_split": "the split plan, compiled FlexAttention (Triton)",
+    "once_keep": "once with recompute_prompt=False (phase A with gradients, one prompt forward)",
     "once_offload": "once with offload_prompt_grads=True (phase C's forward with the gradient buffers in host memory)",
     "ideal": "(k P + N R) / (P + N R): the token ratio of split to once",
 }
@@ -82,12 +88,12 @@ def cells(args):
 
 
 def rollout(P: int, N: int, R: int, vocab: int, seed: int, device):
-    """One group: prompt, responses, old log-probs (a fixed -2 +- noise: the ratio stays near 1 and the
-    clip is exercised), advantages (+-1)."""
+    """One group: prompt, responses, old log-probs (-log V +- noise: a random model's, so the ratio stays
+    near 1 and the clip is exercised), advantages (+-1)."""
     g = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, vocab, (P,), generator=g).to(device)
     responses = [torch.randint(0, vocab, (R,), generator=g).to(device) for _ in range(N)]
-    old = [(-2.0 + 0.1 * torch.randn(R, generator=g)).to(device) for _ in range(N)]
+    old = [(-math.log(vocab) + 0.1 * torch.randn(R, generator=g)).to(device) for _ in range(N)]
     adv = [1.0 if i % 2 else -1.0 for i in range(N)]
     return [prompt], [responses], [old], [adv]
 
@@ -175,7 +181,7 @@ def one_update(method, model, data, max_tokens, device):
     model.zero_grad(set_to_none=True)
     with e2e.Timer(device) as timer:
         out = policy_update(model, prompts, responses, old, adv, max_tokens,
-                            prompt_once=method in ("once", "once_offload"),
+                            prompt_once=method in ONCE_METHODS, recompute_prompt=method != "once_keep",
                             offload_prompt_grads=method == "once_offload", clip_low=0.2, clip_high=0.28)
     return timer.seconds, out
 
@@ -211,6 +217,8 @@ def measure(method, model, data, max_tokens, args, device, base):
                 rec["prompt_kv_memory"] = kv_mem
     except Unavailable as exc:
         rec.update(status="skipped", error=str(exc))
+    except dualkv.UnsupportedError as exc:  # a backend without external prefixes (CUDA before issue 17's kernels)
+        rec.update(status="skipped", error=f"skipped: {type(exc).__name__}: {str(exc)[:300]}")
     except e2e.MethodTimeout as exc:
         rec.update(status="timeout", error=str(exc))
     except Exception as exc:  # noqa: BLE001  (recorded; the run goes on)
@@ -234,7 +242,7 @@ def compare(records, P, N, R, k):
         for r in by.values():  # bf16 noise between kernels and plans (first response)
             if r is not by["split"]:
                 r["max_abs_dlogp_vs_split"] = float((r["logp0"] - by["split"]["logp0"]).abs().max())
-    for name in ("once", "once_offload"):
+    for name in ONCE_METHODS:
         once = by.get(name)
         if once is None:
             continue

@@ -16,7 +16,7 @@ def test_prompt_once_bench_runs_on_cpu(tmp_path):
     bench = _load_bench("prompt_once_e2e")
     out = tmp_path / "prompt_once_e2e_tiny.json"
     rc = bench.main(["--device", "cpu", "--tiny", "--dtype", "float32", "--iters", "1",
-                     "--methods", "split,once,flex_split,flex_fa4_split,once_offload", "--out", str(out)])
+                     "--methods", "split,once,flex_split,flex_fa4_split,once_offload,once_keep", "--out", str(out)])
     assert rc == 0
     data = json.loads(out.read_text())
     assert data["environment"]["device"] == "cpu" and "commit" in data["environment"]
@@ -26,14 +26,14 @@ def test_prompt_once_bench_runs_on_cpu(tmp_path):
         cells.setdefault(r["k"], {})[r["method"]] = r
     assert sorted(cells) == [1, 2]  # the control first, then k = 2
     for k, m in cells.items():
-        for name in ("split", "once", "flex_split", "once_offload"):
+        for name in ("split", "once", "flex_split", "once_offload", "once_keep"):
             assert m[name]["status"] == "ok", m[name]
             assert m[name]["peak_bytes"] > 0 and m[name]["seconds"] > 0
         # FA4 is not installed on a CPU host: skipped with the reason, not an error
         assert m["flex_fa4_split"]["status"] in ("skipped", "ok")
         assert m["split"]["micro_batches"] == k
         # fp32: the three ways give the same log-probs (the first response) up to summation order
-        for name in ("once", "flex_split", "once_offload"):
+        for name in ("once", "flex_split", "once_offload", "once_keep"):
             assert m[name]["max_abs_dlogp_vs_split"] <= 1e-4, (k, name, m[name]["max_abs_dlogp_vs_split"])
         assert m["once_offload"]["loss"] == pytest.approx(m["once"]["loss"], rel=1e-6)
     once1, once2 = cells[1]["once"], cells[2]["once"]
@@ -59,3 +59,21 @@ def test_device_run_prompt_once_step():
     assert "prompt_once_e2e_1.7b" in bench.BENCHMARKS and "prompt_once_e2e_8b" in bench.BENCHMARKS
     assert re.search(r"--methods \"\$\{ONCE_METHODS:-split,once,flex_fa4_split\}\"", step)
     assert (ROOT / "bench" / "prompt_once_e2e.py").exists()
+
+
+def test_once_on_a_backend_without_external_prefixes_is_skipped(tmp_path, monkeypatch):
+    """Before the CUDA kernels run external prefixes, the library's UnsupportedError makes once a
+    named skip (the run goes on and exits 0), not an error."""
+    import dualkv
+    from dualkv import schedule
+    bench = _load_bench("prompt_once_e2e")
+
+    def refuse(*args, **kwargs):
+        raise dualkv.UnsupportedError("external prefix segments are not supported by the CUDA backend yet")
+    monkeypatch.setattr(schedule, "run_prompt_phase", refuse)
+    out = tmp_path / "p.json"
+    assert bench.main(["--device", "cpu", "--tiny", "--dtype", "float32", "--iters", "1", "--no-controls",
+                       "--methods", "split,once", "--out", str(out)]) == 0
+    split, once = json.loads(out.read_text())["results"]
+    assert split["status"] == "ok" and once["status"] == "skipped"
+    assert once["error"].startswith("skipped: UnsupportedError: external prefix segments")
