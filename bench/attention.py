@@ -29,7 +29,7 @@ Mask modifiers (issue 16; --window W, --softcap C, --sinks), applied by every me
   fa4_dense  on the expanded sequences, flash_attn_func's / flash_attn_varlen_func's window_size=(W-1, 0),
              softcap= and learnable_sink= (probed: a version without one is recorded as skipped)
   sdpa_*, pgrouper  no modifiers in SDPA: skipped
---sinks makes per-head sink logits [H] (fp32, learnable: the backward computes their gradient). The
+--sinks makes per-head sink logits [H] (the run's dtype, learnable: the backward computes their gradient). The
 useful pairs count only what the window leaves visible: sum over queries of min(position + 1, W), on
 each method's own layout (positions run 0.. along every root-to-leaf path).
 
@@ -247,9 +247,10 @@ def randn(shape, dtype, seed, requires_grad):
     return t.requires_grad_(requires_grad)
 
 
-def sink_logits(H, seed):
-    """Learnable per-head sink logits [H] (fp32, requiring grad), of the size gpt-oss's take."""
-    return randn((H,), torch.float32, seed, True)
+def sink_logits(H, dtype, seed):
+    """Learnable per-head sink logits [H] in the run's dtype (gpt-oss keeps them as model parameters),
+    requiring grad."""
+    return randn((H,), dtype, seed, True)
 
 
 def _no_mods_in(method, mods):
@@ -340,7 +341,7 @@ def method_dualkv(case, H, Hk, D, dtype, library, deterministic=False, mods=NO_M
 
     def setup(seed):
         x, do = qkv_do((case.T, H, D), (case.T, Hk, D), dtype, seed)
-        return x + ([sink_logits(H, seed + 5)] if mods.sinks else []) + do
+        return x + ([sink_logits(H, dtype, seed + 5)] if mods.sinks else []) + do
 
     def call(x):
         return dualkv.attention(x[0], x[1], x[2], layout, deterministic=deterministic, window=mods.window,
@@ -407,7 +408,8 @@ def method_fa4_dense(case, H, Hk, D, dtype, mods=NO_MODS):
     n_in = 4 if mods.sinks else 3
 
     def sink(x):
-        return {"learnable_sink": x[3]} if mods.sinks else {}
+        # FA4's kernels take bf16 sinks (some versions also fp16/fp32): a differentiable cast, a no-op in bf16
+        return {"learnable_sink": x[3].to(torch.bfloat16)} if mods.sinks else {}
     if len(set(lens)) == 1:
         q_shape, kv_shape = (len(lens), lens[0], H, D), (len(lens), lens[0], Hk, D)
         kw = fa4_modifier_kwargs(dense, mods)
@@ -426,7 +428,7 @@ def method_fa4_dense(case, H, Hk, D, dtype, mods=NO_MODS):
 
     def setup(seed):
         x, do = qkv_do(q_shape, kv_shape, dtype, seed)
-        return x + ([sink_logits(H, seed + 5)] if mods.sinks else []) + do
+        return x + ([sink_logits(H, dtype, seed + 5)] if mods.sinks else []) + do
 
     fwd, fwdbwd = directions(call, n_in)
     return setup, fwd, fwdbwd, case.expanded_window_pairs(mods.window), {
@@ -452,7 +454,7 @@ def method_flex(case, H, Hk, D, dtype, backend, mods=NO_MODS):
 
     def setup(seed):
         x, do = qkv_do((1, H, T, D), (1, Hk, T, D), dtype, seed)
-        return x + ([sink_logits(H, seed + 5)] if mods.sinks else []) + do
+        return x + ([sink_logits(H, dtype, seed + 5)] if mods.sinks else []) + do
 
     options = kernel_options(backend)
     extras = {}

@@ -282,7 +282,8 @@ def summary(results) -> str:
         flex = next((r for r in flexes if r["status"] == "ok"), flexes[0] if flexes else None)
         kvm = once.get("prompt_kv_memory")
         lines.append(f"{size:>5} {P:>6} {R:>5} {k:>2} {sec(m.get('split')):>8} {sec(once):>8} {sec(flex):>9} "
-                     f"{once.get('split_over_once', float('nan')):>10.3f} {once.get('ideal_ratio', float('nan')):>6.2f} "
+                     f"{once.get('split_over_once', float('nan')):>10.3f} "
+                     f"{once.get('ideal_ratio', float('nan')):>6.2f} "
                      f"{once.get('quotient_vs_ideal', float('nan')):>5.2f} "
                      f"{once.get('flex_fa4_split_over_once', once.get('flex_split_over_once', float('nan'))):>9.3f} "
                      f"{gib(m.get('split')):>10} {gib(once):>9} "
