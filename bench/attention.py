@@ -20,6 +20,19 @@ Methods (each on its own layout; TFLOP/s credited with that layout's visible (q,
 A method whose package is missing (FA4 off the GPU machine) is recorded as "skipped: ...". Flex's
 block-mask build and every method's first call (the compiles) are reported apart from the timing.
 
+Mask modifiers (issue 16; --window W, --softcap C, --sinks), applied by every method that can:
+  dualkv     dualkv.attention(window=, softcap=, sinks=); a backend that does not implement them yet
+             (UnsupportedError: the CUDA backend before the modifier kernels) is recorded as skipped
+  flex*      on the packed layout: the window as a mask_mod on the layout's position ids
+             (pos[q] - pos[k] < W, with the forest rule), the softcap as a score_mod
+             (C * tanh(s / C)), the sinks through the lse: out * exp(lse - logaddexp(lse, sink))
+  fa4_dense  on the expanded sequences, flash_attn_func's / flash_attn_varlen_func's window_size=(W-1, 0),
+             softcap= and learnable_sink= (probed: a version without one is recorded as skipped)
+  sdpa_*, pgrouper  no modifiers in SDPA: skipped
+--sinks makes per-head sink logits [H] (the run's dtype, learnable: the backward computes their gradient). The
+useful pairs count only what the window leaves visible: sum over queries of min(position + 1, W), on
+each method's own layout (positions run 0.. along every root-to-leaf path).
+
 FLOPs: forward = 4 * H * D * visible pairs, fwd+bwd = 3.5 x forward (FlashAttention convention).
 Timing: CUDA events, warm-up, median over iterations, inputs rotated over several random sets;
 --rounds K measures every method K times per case, interleaved in rotated order, and reports the
@@ -52,8 +65,8 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "python"))
 import dualkv  # noqa: E402
 import provenance  # noqa: E402
-from peers import (FLEX_BACKENDS, FLEX_BLOCK, accepted_block_size, compiled_flex, fa4, first_output,  # noqa: E402
-                   kernel_options)
+from peers import (FLEX_BACKENDS, FLEX_BLOCK, Unavailable, accepted_block_size, compiled_flex, fa4,  # noqa: E402
+                   first_output, kernel_options)
 
 DEFAULT_CONFIGS = [(16, 4096, 1024), (28, 4096, 2048), (16, 8192, 2048), (32, 8192, 1024),
                    (8, 16384, 2048), (28, 16384, 2048), (4, 8192, 1024)]
@@ -64,6 +77,60 @@ VARLEN = {"name": "varlen", "prompts": [3000, 7000, 1500, 5000],
                         [100, 3000, 650, 1, 2200, 800],
                         [1000, 1000, 1700, 250, 600]]}
 METHODS = ["dualkv", "sdpa_flash", "sdpa_cudnn", "fa4_dense", "flex", "flex_fa4", "pgrouper"]
+#: where the methods' tensors live: the GPU (the timing needs it); the CPU tests run the methods that
+#: have a CPU path (dualkv) with DEVICE = "cpu"
+DEVICE = "cuda"
+
+
+class Mods:
+    """The mask modifiers of a run: ``window`` (positions, None: none), ``softcap`` (None: none),
+    ``sinks`` (bool: per-head sink logits)."""
+
+    def __init__(self, window=None, softcap=None, sinks=False):
+        if window is not None and int(window) < 1:
+            raise ValueError(f"--window must be >= 1, got {window}")
+        if softcap is not None and not float(softcap) > 0:
+            raise ValueError(f"--softcap must be > 0, got {softcap}")
+        self.window = None if window is None else int(window)
+        self.softcap = None if softcap is None else float(softcap)
+        self.sinks = bool(sinks)
+
+    @property
+    def active(self) -> bool:
+        return self.window is not None or self.softcap is not None or self.sinks
+
+    def used(self) -> dict:
+        """name -> value of the modifiers in use (dualkv.ops.check_modifiers_supported's form)."""
+        used = {}
+        if self.window is not None:
+            used["window"] = self.window
+        if self.softcap is not None:
+            used["softcap"] = self.softcap
+        if self.sinks:
+            used["sinks"] = None
+        return used
+
+    def describe(self) -> dict:
+        return {"window": self.window, "softcap": self.softcap, "sinks": self.sinks}
+
+    def tag(self) -> str:
+        parts = [f"w{self.window}"] if self.window is not None else []
+        parts += [f"cap{self.softcap:g}"] if self.softcap is not None else []
+        return "_".join(parts + ["sinks"] * self.sinks)
+
+
+NO_MODS = Mods()
+
+
+def window_pairs_of_lengths(lens, window) -> int:
+    """Causal pairs of sequences of lengths ``lens`` under a window (query i sees i - W < j <= i)."""
+    if window is None:
+        return expanded_pairs(lens)
+    total = 0
+    for n in lens:
+        full = min(n, window)
+        total += full * (full + 1) // 2 + (n - full) * window
+    return total
 
 
 class Library:
@@ -118,6 +185,18 @@ class Case:
         self.expanded_pairs = expanded_pairs(self.seq_lens)
         self.uniform = len(self.prompts) == 1 and len(set(self.responses[0])) == 1
 
+    def window_pairs(self, window) -> int:
+        """Visible (q, k) pairs of the packed layout under a window: every query sees the keys of its
+        root-to-leaf path, whose positions run 0..position(q), so min(position + 1, W) of them."""
+        if window is None:
+            return self.shared_pairs
+        pos = self.layout_cpu.position_ids.to(torch.int64)
+        return int(torch.clamp(pos + 1, max=window).sum())
+
+    def expanded_window_pairs(self, window) -> int:
+        """The same on the expanded N x (P + R) sequences."""
+        return window_pairs_of_lengths(self.seq_lens, window)
+
     def key_end(self) -> torch.Tensor:
         """int64 [T]: for each key token, the token where its segment's subtree ends. The forest rule
         in one gather: query q sees key k iff k <= q < key_end[k] (DFS order)."""
@@ -163,9 +242,64 @@ def time_fn(fn, sets, warmup, iters):
 
 
 def randn(shape, dtype, seed, requires_grad):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    t = torch.randn(shape, device="cuda", dtype=dtype, generator=g)
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    t = torch.randn(shape, device=DEVICE, dtype=dtype, generator=g)
     return t.requires_grad_(requires_grad)
+
+
+def sink_logits(H, dtype, seed):
+    """Learnable per-head sink logits [H] in the run's dtype (gpt-oss keeps them as model parameters),
+    requiring grad."""
+    return randn((H,), dtype, seed, True)
+
+
+def _no_mods_in(method, mods):
+    if mods.active:
+        raise Unavailable(f"skipped: {method} has no sliding window, logit softcap or attention sinks (an explicit "
+                          "mask would leave its flash kernels)")
+
+
+def apply_sinks(out, lse, sinks):
+    """Attention sinks on a result computed without them: each row's softmax gains one more term,
+    exp(sink_h), so the output scales by exp(lse - logaddexp(lse, sink_h)). ``out`` [B, H, T, D] and
+    ``lse`` [B, H, T] (natural log), ``sinks`` [H]. Differentiable in all three."""
+    lse = lse.float()
+    scale = torch.exp(lse - torch.logaddexp(lse, sinks.float()[None, :, None]))
+    return (out.float() * scale[..., None]).to(out.dtype)
+
+
+def flex_with_lse(flex, *args, **kwargs):
+    """(out, lse) of a FlexAttention call: return_aux=AuxRequest(lse=True) where torch has it (2.9+;
+    return_lse is deprecated there and goes in 2.10), else return_lse=True."""
+    try:
+        from torch.nn.attention.flex_attention import AuxRequest
+    except ImportError:
+        return flex(*args, return_lse=True, **kwargs)
+    out, aux = flex(*args, return_aux=AuxRequest(lse=True), **kwargs)
+    return out, aux.lse
+
+
+def flex_mods(case, mods, device):
+    """(mask_mod, score_mod) of FlexAttention for ``case``'s packed layout under ``mods``: the forest
+    rule (k <= q < key_end[k]) and the window on the layout's position ids; the softcap (None: none)."""
+    key_end = case.key_end().to(device)
+    if mods.window is None:
+        def mask_mod(b, h, q_idx, kv_idx):
+            return (kv_idx <= q_idx) & (q_idx < key_end[kv_idx])
+    else:
+        pos, window = case.layout_cpu.position_ids.to(torch.int64).to(device), mods.window
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            return (kv_idx <= q_idx) & (q_idx < key_end[kv_idx]) & (pos[q_idx] - pos[kv_idx] < window)
+    score_mod = None
+    if mods.softcap is not None:
+        # a tensor, not a float: a recompile for a second value would make a float a SymFloat, which
+        # Flex refuses among a score_mod's captured values
+        cap = torch.tensor(mods.softcap, dtype=torch.float32, device=device)
+
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return cap * torch.tanh(score / cap)
+    return mask_mod, score_mod
 
 
 def qkv_do(q_shape, kv_shape, dtype, seed):
@@ -193,25 +327,35 @@ def directions(call, n_inputs, scope=contextlib.nullcontext):
 
 # ---- methods: each returns (setup(seed) -> inputs, fwd(inputs), fwdbwd(inputs), pairs, extras) ----
 
-def method_dualkv(case, H, Hk, D, dtype, library, deterministic=False):
+def method_dualkv(case, H, Hk, D, dtype, library, deterministic=False, mods=NO_MODS):
     # Every library builds its own layout and plans (the plan format may differ between builds);
     # both sides of an A/B pay the same library switch around each call.
+    if mods.active:
+        try:  # the backend's build info says which modifiers it implements: skip before any work
+            with library.active():
+                dualkv.ops.check_modifiers_supported(DEVICE, mods.used())
+        except dualkv.UnsupportedError as exc:
+            raise Unavailable(f"skipped: {exc}") from None
     with library.active():
-        layout = dualkv.Layout.from_groups(case.prompts, case.responses).to("cuda")
+        layout = dualkv.Layout.from_groups(case.prompts, case.responses).to(DEVICE)
 
     def setup(seed):
         x, do = qkv_do((case.T, H, D), (case.T, Hk, D), dtype, seed)
-        return x + do
+        return x + ([sink_logits(H, dtype, seed + 5)] if mods.sinks else []) + do
 
-    fwd, fwdbwd = directions(lambda x: dualkv.attention(x[0], x[1], x[2], layout, deterministic=deterministic),
-                             3, library.active)
-    return setup, fwd, fwdbwd, case.shared_pairs, {}
+    def call(x):
+        return dualkv.attention(x[0], x[1], x[2], layout, deterministic=deterministic, window=mods.window,
+                                softcap=mods.softcap, sinks=x[3] if mods.sinks else None)
+
+    fwd, fwdbwd = directions(call, 4 if mods.sinks else 3, library.active)
+    return setup, fwd, fwdbwd, case.window_pairs(mods.window), {}
 
 
-def method_sdpa(case, H, Hk, D, dtype, backend):
+def method_sdpa(case, H, Hk, D, dtype, backend, mods=NO_MODS):
     """SDPA on the expanded sequences, one batched call per distinct length (no padding: every
     computed pair is a real one; one call when all sequences have the same length)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
+    _no_mods_in(f"sdpa_{backend}", mods)
     be = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[backend]
     buckets = sorted(collections.Counter(case.seq_lens).items())
 
@@ -232,56 +376,85 @@ def method_sdpa(case, H, Hk, D, dtype, backend):
     return setup, fwd, fwdbwd, case.expanded_pairs, {"calls": len(buckets)}
 
 
-def method_fa4_dense(case, H, Hk, D, dtype):
+def fa4_modifier_kwargs(fn, mods) -> dict:
+    """FA4 keywords for ``mods`` (window_size=(W - 1, 0): query i sees keys i - W < j <= i; softcap;
+    the sinks are passed per call as learnable_sink), after checking that ``fn`` takes them: a version
+    without one is Unavailable (recorded as skipped, naming it)."""
+    import inspect
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a compiled or wrapped function without a signature: try the call
+        params = None
+    wanted = {"window_size": mods.window is not None, "softcap": mods.softcap is not None,
+              "learnable_sink": mods.sinks}
+    missing = [name for name, use in wanted.items() if use and params is not None and name not in params]
+    if missing:
+        raise Unavailable(f"skipped: this FlashAttention-4's {getattr(fn, '__name__', 'function')} takes no "
+                          f"{', '.join(missing)}")
+    kw = {}
+    if mods.window is not None:
+        kw["window_size"] = (mods.window - 1, 0)
+    if mods.softcap is not None:
+        kw["softcap"] = mods.softcap
+    return kw
+
+
+def method_fa4_dense(case, H, Hk, D, dtype, mods=NO_MODS):
     """FA4 causal on the expanded sequences: flash_attn_func on [N, S, H, D] when all have one
-    length, else flash_attn_varlen_func on the concatenated sequences (no padding)."""
+    length, else flash_attn_varlen_func on the concatenated sequences (no padding); the modifiers
+    through FA4's own arguments."""
     dense, varlen = fa4()
     lens = case.seq_lens
+    n_in = 4 if mods.sinks else 3
+
+    def sink(x):
+        # FA4's kernels take bf16 sinks (some versions also fp16/fp32): a differentiable cast, a no-op in bf16
+        return {"learnable_sink": x[3].to(torch.bfloat16)} if mods.sinks else {}
     if len(set(lens)) == 1:
         q_shape, kv_shape = (len(lens), lens[0], H, D), (len(lens), lens[0], Hk, D)
+        kw = fa4_modifier_kwargs(dense, mods)
 
         def call(x):
-            return first_output(dense(x[0], x[1], x[2], causal=True))
+            return first_output(dense(x[0], x[1], x[2], causal=True, **kw, **sink(x)))
     else:
         total, longest = sum(lens), max(lens)
-        cu = torch.tensor([0] + list(itertools.accumulate(lens)), dtype=torch.int32, device="cuda")
+        cu = torch.tensor([0] + list(itertools.accumulate(lens)), dtype=torch.int32, device=DEVICE)
         q_shape, kv_shape = (total, H, D), (total, Hk, D)
+        kw = fa4_modifier_kwargs(varlen, mods)
 
         def call(x):
             return first_output(varlen(x[0], x[1], x[2], cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest,
-                                 max_seqlen_k=longest, causal=True))
+                                 max_seqlen_k=longest, causal=True, **kw, **sink(x)))
 
     def setup(seed):
         x, do = qkv_do(q_shape, kv_shape, dtype, seed)
-        return x + do
+        return x + ([sink_logits(H, dtype, seed + 5)] if mods.sinks else []) + do
 
-    fwd, fwdbwd = directions(call, 3)
-    return setup, fwd, fwdbwd, case.expanded_pairs, {"call": "flash_attn_func" if len(set(lens)) == 1
-                                                     else "flash_attn_varlen_func"}
+    fwd, fwdbwd = directions(call, n_in)
+    return setup, fwd, fwdbwd, case.expanded_window_pairs(mods.window), {
+        "call": "flash_attn_func" if len(set(lens)) == 1 else "flash_attn_varlen_func"}
 
 
-def method_flex(case, H, Hk, D, dtype, backend):
+def method_flex(case, H, Hk, D, dtype, backend, mods=NO_MODS):
     """Compiled FlexAttention on the packed layout; backend "TRITON" (its default kernels) or "FLASH"
     (FlashAttention-4 under Flex). The block mask is built here, once per case (a training loop
     builds one per micro-batch): its first build (compiled) and a steady rebuild are reported, and
     so are the compiles of the first forward and forward+backward calls, apart from the timing. A
-    block size the kernels refuse is raised to one they accept (peers.accepted_block_size)."""
+    block size the kernels refuse is raised to one they accept (peers.accepted_block_size). The
+    modifiers: flex_mods (window, softcap) and apply_sinks on the returned lse."""
     from torch.nn.attention.flex_attention import create_block_mask
     if backend == "FLASH":
         fa4()
     flex = compiled_flex(backend, dynamic=False)  # kernel rate: the best case for Flex (e2e: automatic)
-    key_end = case.key_end().to("cuda")
+    mask_mod, score_mod = flex_mods(case, mods, DEVICE)
     T = case.T
 
-    def mask_mod(b, h, q_idx, kv_idx):
-        return (kv_idx <= q_idx) & (q_idx < key_end[kv_idx])
-
     def build(block):
-        return create_block_mask(mask_mod, 1, 1, T, T, device="cuda", BLOCK_SIZE=block, _compile=True)
+        return create_block_mask(mask_mod, 1, 1, T, T, device=DEVICE, BLOCK_SIZE=block, _compile=True)
 
     def setup(seed):
         x, do = qkv_do((1, H, T, D), (1, Hk, T, D), dtype, seed)
-        return x + do
+        return x + ([sink_logits(H, dtype, seed + 5)] if mods.sinks else []) + do
 
     options = kernel_options(backend)
     extras = {}
@@ -294,19 +467,25 @@ def method_flex(case, H, Hk, D, dtype, backend):
         extras["mask_first_build_s"] = time.perf_counter() - t0
 
         def call(x):
-            return flex(x[0], x[1], x[2], block_mask=block_mask, enable_gqa=True, kernel_options=options)
-        fwd, fwdbwd = directions(call, 3)
+            if not mods.sinks:
+                return flex(x[0], x[1], x[2], block_mask=block_mask, score_mod=score_mod, enable_gqa=True,
+                            kernel_options=options)
+            out, lse = flex_with_lse(flex, x[0], x[1], x[2], block_mask=block_mask, score_mod=score_mod,
+                                     enable_gqa=True, kernel_options=options)
+            return apply_sinks(out, lse, x[3])
+        fwd, fwdbwd = directions(call, 4 if mods.sinks else 3)
         extras["compile_fwd_s"] = timed_ms(fwd, probe) / 1e3
         extras["compile_fwdbwd_s"] = timed_ms(fwdbwd, probe) / 1e3
         return fwd, fwdbwd
     (fwd, fwdbwd), block, extras["block_size_tried"] = accepted_block_size(compile_with, FLEX_BLOCK[backend])
     extras["block_size"] = list(block)
     extras["mask_build_ms"] = statistics.median(timed_ms(lambda _: build(block), None) for _ in range(3))
-    return setup, fwd, fwdbwd, case.shared_pairs, extras
+    return setup, fwd, fwdbwd, case.window_pairs(mods.window), extras
 
 
-def method_pgrouper(case, H, Hk, D, dtype):
+def method_pgrouper(case, H, Hk, D, dtype, mods=NO_MODS):
     from torch.nn.attention.bias import causal_lower_right
+    _no_mods_in("pgrouper (SDPA)", mods)
     if not case.uniform:
         raise NotImplementedError("pgrouper baseline implemented for one group with equal response lengths")
     P, N, R = case.prompts[0], len(case.responses[0]), case.responses[0][0]
@@ -330,26 +509,27 @@ def method_pgrouper(case, H, Hk, D, dtype):
     return setup, fwd, fwdbwd, case.shared_pairs, {}
 
 
-def build_method(name, case, H, Hk, D, dtype, libraries):
-    """``libraries``: {"dualkv": the default build, "dualkv_ab": the --ab-library build or absent}."""
+def build_method(name, case, H, Hk, D, dtype, libraries, mods=NO_MODS):
+    """``libraries``: {"dualkv": the default build, "dualkv_ab": the --ab-library build or absent};
+    ``mods``: the mask modifiers (Mods)."""
     if name == "dualkv":
-        return method_dualkv(case, H, Hk, D, dtype, libraries["dualkv"])
+        return method_dualkv(case, H, Hk, D, dtype, libraries["dualkv"], mods=mods)
     if name == "dualkv_det":
-        return method_dualkv(case, H, Hk, D, dtype, libraries["dualkv"], deterministic=True)
+        return method_dualkv(case, H, Hk, D, dtype, libraries["dualkv"], deterministic=True, mods=mods)
     if name == "dualkv_ab":
         if "dualkv_ab" not in libraries:
             raise ValueError("method dualkv_ab needs --ab-library PATH")
-        return method_dualkv(case, H, Hk, D, dtype, libraries["dualkv_ab"])
+        return method_dualkv(case, H, Hk, D, dtype, libraries["dualkv_ab"], mods=mods)
     if name == "sdpa_flash":
-        return method_sdpa(case, H, Hk, D, dtype, "flash")
+        return method_sdpa(case, H, Hk, D, dtype, "flash", mods)
     if name == "sdpa_cudnn":
-        return method_sdpa(case, H, Hk, D, dtype, "cudnn")
+        return method_sdpa(case, H, Hk, D, dtype, "cudnn", mods)
     if name == "fa4_dense":
-        return method_fa4_dense(case, H, Hk, D, dtype)
+        return method_fa4_dense(case, H, Hk, D, dtype, mods)
     if name in FLEX_BACKENDS:
-        return method_flex(case, H, Hk, D, dtype, FLEX_BACKENDS[name])
+        return method_flex(case, H, Hk, D, dtype, FLEX_BACKENDS[name], mods)
     if name == "pgrouper":
-        return method_pgrouper(case, H, Hk, D, dtype)
+        return method_pgrouper(case, H, Hk, D, dtype, mods)
     raise ValueError(name)
 
 
@@ -358,7 +538,7 @@ def run_method(name, case, args, dtype, libraries):
     torch.cuda.reset_peak_memory_stats()
     base_mem = torch.cuda.memory_allocated()
     setup, fwd, fwdbwd, pairs, extras = build_method(name, case, args.heads, args.kv_heads, args.head_dim, dtype,
-                                                     libraries)
+                                                     libraries, getattr(args, "mods", NO_MODS))
     sets = [setup(1000 * i + 17) for i in range(args.rotate)]
     fwd_flops = 4.0 * args.heads * args.head_dim * pairs
     res = {"pairs": pairs}
@@ -631,6 +811,11 @@ def main():
                     help="measure every method this many times per case, interleaved in rotated order; "
                          "report the median round (ratios: median of same-round ratios)")
     ap.add_argument("--fwd-only", action="store_true")
+    ap.add_argument("--window", type=int, default=None,
+                    help="sliding window of W positions (query i sees key j iff pos(i) - pos(j) < W), every method "
+                         "that has one; the useful pairs count only the visible ones")
+    ap.add_argument("--softcap", type=float, default=None, help="logit softcap C: scores -> C tanh(scores / C)")
+    ap.add_argument("--sinks", action="store_true", help="learnable per-head attention sink logits (gpt-oss)")
     ap.add_argument("--out", default=str(HERE / "results"))
     ap.add_argument("--tag", default="")
     ap.add_argument("--profile", action="store_true",
@@ -643,6 +828,10 @@ def main():
     ap.add_argument("--allow-dirty", action="store_true",
                     help="measure a tree that is not a commit (the result is marked dirty; see provenance.py)")
     args = ap.parse_args()
+    try:
+        args.mods = Mods(args.window, args.softcap, args.sinks)
+    except ValueError as exc:
+        ap.error(str(exc))
     dtype = getattr(torch, args.dtype)
     tree = provenance.git_state()
     provenance.check_tree(tree, args.allow_dirty)
@@ -670,15 +859,18 @@ def main():
         env["dualkv_ab_library"] = libraries["dualkv_ab"].describe()
         env["ab_label"] = args.ab_label
     shape = {"H": args.heads, "Hk": args.kv_heads, "D": args.head_dim, "dtype": args.dtype}
+    if args.mods.active:
+        shape["mods"] = args.mods.describe()
     results = {"env": env, "shape": shape, "methods": methods, "quick": args.quick, "rounds": max(1, args.rounds),
                "ab_tolerance": args.ab_tolerance,
-               "flops": "fwd = 4*H*D*visible pairs of each method's own layout; fwd+bwd = 3.5 x fwd",
+               "flops": "fwd = 4*H*D*visible pairs of each method's own layout (under the window, if any); "
+                        "fwd+bwd = 3.5 x fwd",
                "cases": []}
     log(f"{env['gpu']}; shape {shape}; {len(cases)} cases x {methods}")
     outdir = pathlib.Path(args.out)
     outdir.mkdir(parents=True, exist_ok=True)
     stamp = datetime.datetime.now(datetime.timezone.utc).replace(tzinfo=None).strftime("%Y%m%d-%H%M%S")
-    tag = args.tag or ("quick" if args.quick else "full")
+    tag = args.tag or ("quick" if args.quick else "full") + (f"_{args.mods.tag()}" if args.mods.active else "")
     json_path = outdir / f"attention_{tag}_{stamp}.json"
 
     if args.profile:

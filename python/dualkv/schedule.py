@@ -6,30 +6,51 @@ checkpoint recompute run once per subset. Here the prompt runs once, in three ph
 phase* of the plan (:func:`dualkv.plan_micro_batches` with ``prompt_once=True``):
 
 * **A** (:func:`run_prompt_phase`): the model runs the phase's prompts, all but their last token,
-  with gradients on (under the model's gradient checkpointing only the layers' inputs are kept), and
-  every attention layer records its keys and values (:class:`PromptKV`, after RoPE and the key norm:
-  what attention reads).
+  and every attention layer records its keys and values (:class:`PromptKV`, after RoPE and the key
+  norm: what attention reads).
 * **B** (:func:`micro_batches` yields them): each response micro-batch runs the last prompt token of
   its split groups (it predicts every response's first token) and their responses as children of an
   *external prefix segment* (:class:`dualkv.Layout`): attention reads the recorded keys and values
-  as a second key/value region. Their gradients accumulate across the micro-batches (in fp32 for
-  16-bit models).
-* **C** (:meth:`PromptKV.backward`): one backward from every layer's recorded keys and values with
-  the accumulated gradients: the prompt's backward (and checkpoint recompute) runs once.
+  as a second key/value region. Their gradients accumulate across the micro-batches, one buffer
+  per layer and tensor, in the model's dtype (``prompt_grad_dtype=torch.float32``: fp32 sums).
+* **C** (:meth:`PromptKV.backward`): one backward of the prompts with the accumulated gradients:
+  the prompt's backward (and checkpoint recompute) runs once.
 
 Loss, log-probs and every parameter gradient are those of the single micro-batch computation: the
 last prompt token recomputed per micro-batch adds a gradient per copy, which sums to the one of the
 single computation, like every response does.
 
-Memory of a phase: the recorded keys and values (2 x layers x prompt tokens x kv heads x head dim,
-plus an fp32 accumulator for 16-bit models) and what phase A's forward keeps for its backward (the
-checkpointed layer inputs); the plan bounds a phase's prompt tokens by ``max_prompt_tokens``
-(default: the micro-batch budget), so a phase keeps no more activations than one micro-batch's
-forward. :attr:`PromptKV.memory` reports it.
+Two ways to run phases A and C (``recompute_prompt``):
+
+* ``recompute_prompt=True`` (default): phase A runs under ``torch.no_grad()`` and keeps only the
+  keys and values; phase C runs the prompts' forward again, with gradients, and back-propagates the
+  accumulated gradients into it. Cost: one more forward of the prompts per phase. Gain: during
+  phase B nothing of the prompt's activations is kept (with gradient checkpointing, its layer
+  inputs: layers x prompt tokens x hidden size), only the keys and values and their gradient
+  buffers; phase C keeps the checkpointed layer inputs and the gradient buffers, which free layer by
+  layer as its backward goes. This is what keeps the peak at or below the split-and-recompute
+  path's: for a Qwen3-8B shape at P = 32K (36 layers, hidden 4096, 8 KV heads of 128, bf16), phase B
+  keeps 4.8 GB of keys and values and 4.8 GB of gradients instead of those plus 9.7 GB of layer
+  inputs (docs/notes/2026-12-01-external-prefix-kernels.md).
+* ``recompute_prompt=False``: phase A runs with gradients (under the model's gradient
+  checkpointing only the layers' inputs are kept) and phase C is the backward from the recorded
+  keys and values: one prompt forward fewer, the prompt's activations held through phase B.
+
+Both are exact: the forward of phase C repeats phase A's (the random state is restored for it, so
+that dropout draws the same masks). ``offload_prompt_grads=True`` (with ``recompute_prompt``) also
+moves the gradient buffers to host memory for phase C's forward and back layer by layer in its
+backward, so that phase C holds the prompt's layer inputs without them (one host round trip of the
+buffers per phase).
+
+Memory of a phase: the recorded keys and values (2 x layers x prompt tokens x kv heads x head dim)
+and their gradient buffers (as many elements, in ``prompt_grad_dtype``), plus with
+``recompute_prompt=False`` what phase A's forward keeps for its backward; the plan bounds a phase's
+prompt tokens by ``max_prompt_tokens`` (default: the micro-batch budget). :attr:`PromptKV.memory`
+reports it.
 """
 from __future__ import annotations
 
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -58,24 +79,48 @@ class PromptKV:
 
     ``prefix_lens``: rows of every prefix (the phase's prompts without their last token), in the
     order of the phase's token stream: prefix e is rows ``sum(prefix_lens[:e])`` onwards.
+    ``grad_dtype``: dtype of the gradient sums over the micro-batches (None: the keys' dtype, summed
+    into the first micro-batch's gradient buffer by autograd; ``torch.float32``: separate fp32 sums
+    for 16-bit keys, rounded once to the keys' dtype in phase C). ``rerun``: set by
+    :func:`run_prompt_phase` with ``recompute_prompt=True``: runs phase A's forward again with
+    gradients (phase C), the layers reporting their keys and values to :meth:`record`.
+    ``offload_grads`` (with ``rerun``): during phase C's forward the gradient buffers wait in host
+    memory (pinned for CUDA) and go back to the device layer by layer as the backward reaches them.
     """
 
-    def __init__(self, prefix_lens: Sequence[int]):
+    def __init__(self, prefix_lens: Sequence[int], grad_dtype: Optional[torch.dtype] = None,
+                 rerun: Optional[Callable[[], None]] = None, offload_grads: bool = False):
+        if grad_dtype not in (None, torch.float32):
+            raise ArgumentError(f"dualkv.schedule: prompt_grad_dtype must be None (the model's dtype) or "
+                                f"torch.float32, got {grad_dtype}")
+        self.offload_grads = bool(offload_grads)
         self.prefix_lens = tuple(int(n) for n in prefix_lens)
         self.num_rows = sum(self.prefix_lens)
+        self.grad_dtype = grad_dtype
         self.recording = True
-        self._grad_enabled = torch.is_grad_enabled()
+        self._rerun = rerun
+        self._probing = False  # phase C's forward of a rerun: the layers hand their keys to _PromptGrad
+        self._grad_enabled = torch.is_grad_enabled()  # what phase A's layers must see (no_grad under rerun)
         self._keys: Dict[int, Tensor] = {}
         self._values: Dict[int, Tensor] = {}
         self._leaves: Dict[int, Tuple[Tensor, Tensor]] = {}
         self._sums: Dict[int, Tuple[Tensor, Tensor]] = {}  # fp32 gradient sums of 16-bit leaves
+        self._pending: Dict[int, List] = {}  # phase C of a rerun: per layer, its gradients until probed
+        self._probes: List[Tensor] = []  # phase C of a rerun: one _PromptGrad output per layer
+        self._probed: List[int] = []
         self.device_bytes: Optional[int] = None  # phase A's whole kept state on CUDA (set by run_prompt_phase)
+        #: phase A's last hidden state (recompute_prompt=False): a root of phase C's backward, zero gradient
+        self.output: Optional[Tensor] = None
 
-    # ---- phase A ----
+    # ---- phase A (and phase C's forward of a rerun) ----
     def record(self, module, k: Tensor, v: Tensor) -> None:
         """Keep layer ``module.layer_idx``'s keys and values ``[T, Hk, D]`` of the prompts (the
-        first ``num_rows`` rows: a sequence-parallel pad follows them), during phase A only: phase
-        C's checkpoint recompute of the layer calls it again and is ignored."""
+        first ``num_rows`` rows: a sequence-parallel pad follows them), during phase A; in phase C's
+        forward of a rerun, attach the accumulated gradients to them instead. Other calls (phase C's
+        checkpoint recompute of the layer) are ignored."""
+        if self._probing:
+            self._probe(module, k, v)
+            return
         if not self.recording:
             return
         idx = _layer_index(module)
@@ -90,7 +135,7 @@ class PromptKV:
 
     def finish(self) -> None:
         """End phase A: from now on the layers read the recorded keys and values through leaves
-        whose gradients accumulate over the micro-batches (in fp32 for 16-bit ones)."""
+        whose gradients accumulate over the micro-batches."""
         if not self._keys:
             raise ArgumentError("dualkv.schedule: the prompt phase recorded no keys and values; is the model's "
                                 "attention implementation \"dualkv\" (dualkv.integrations.transformers.enable)?")
@@ -98,11 +143,13 @@ class PromptKV:
         for idx in self._keys:
             leaves = tuple(t.detach().requires_grad_() for t in (self._keys[idx], self._values[idx]))
             self._leaves[idx] = leaves
-            if leaves[0].dtype in _LOW_PRECISION:
+            if self.grad_dtype == torch.float32 and leaves[0].dtype in _LOW_PRECISION:
                 sums = tuple(torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in leaves)
                 self._sums[idx] = sums
                 for leaf, total in zip(leaves, sums):
                     leaf.register_post_accumulate_grad_hook(_add_into(total))
+            # otherwise autograd accumulates into leaf.grad: the first micro-batch's gradient
+            # becomes the layer's buffer and the later ones are added into it in place
 
     # ---- phase B ----
     def prefix(self, module) -> Tuple[Tensor, Tensor]:
@@ -116,9 +163,24 @@ class PromptKV:
         return self._leaves[idx]
 
     # ---- phase C ----
+    def _gradients(self) -> Dict[int, List[Optional[Tensor]]]:
+        """Per layer, the accumulated gradients of its keys and values (None where no micro-batch
+        read them), in the keys' dtype; the phase-B state is dropped."""
+        out = {}
+        for idx, leaves in self._leaves.items():
+            sums = self._sums.get(idx, (None, None))
+            out[idx] = [(total.to(leaf.dtype) if total is not None else leaf.grad) for leaf, total in zip(leaves, sums)]
+        self._keys, self._values, self._leaves, self._sums = {}, {}, {}, {}
+        return out
+
     def backward(self) -> None:
         """The prompts' backward with the gradients the micro-batches accumulated (zeros for a layer
-        no micro-batch read, so that every rank runs the same backward), then the state is freed."""
+        no micro-batch read, so that every rank runs the same backward), then the state is freed.
+        With a rerun (``recompute_prompt=True``), the prompts' forward runs again first, with
+        gradients; nothing to do when phase A ran without gradients (log-probs under no_grad)."""
+        if self._rerun is not None:
+            self._backward_rerun()
+            return
         tensors, grads = [], []
         for idx, k in self._keys.items():
             for t, leaf, total in zip((k, self._values[idx]), self._leaves[idx], self._sums.get(idx, (None, None))):
@@ -128,19 +190,77 @@ class PromptKV:
                 tensors.append(t)
                 grads.append(torch.zeros_like(t) if g is None else g.to(t.dtype))
         self._keys, self._values, self._leaves, self._sums = {}, {}, {}, {}
+        output, self.output = self.output, None
         if tensors:
-            torch.autograd.backward(tensors, grads)
+            _backward_with_output(tensors, grads, output)
+
+    def _backward_rerun(self) -> None:
+        rerun, self._rerun = self._rerun, None
+        self._pending = self._gradients()  # the keys and values of phase A go: phase C makes its own
+        if self.offload_grads:
+            self._pending = {idx: [_to_host(g) for g in gs] for idx, gs in self._pending.items()}
+        layers = set(self._pending)
+        self._probing = True
+        try:
+            output = rerun()
+        finally:
+            self._probing = False
+        probes, self._probes = self._probes, []
+        missing = layers - set(self._probed)
+        self._pending, self._probed = {}, []
+        if missing:
+            raise ArgumentError(f"dualkv.schedule: the prompt forward of phase C did not run attention layer(s) "
+                                f"{sorted(missing)} of phase A")
+        if probes:
+            _backward_with_output(probes, [None] * len(probes), output)
+
+    def _probe(self, module, k: Tensor, v: Tensor) -> None:
+        idx = _layer_index(module)
+        if not torch.is_grad_enabled():
+            raise UnsupportedError(
+                "dualkv.schedule: gradients are off inside the layer of the prompts' phase-C forward "
+                "(reentrant gradient checkpointing?); the gradients would not reach the parameters. "
+                "Use model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})")
+        if idx not in self._pending:
+            raise ArgumentError(f"dualkv.schedule: attention layer {idx} ran in phase C's prompt forward but not in "
+                                "phase A's, or ran twice")
+        grads = self._pending.pop(idx)
+        self._probed.append(idx)
+        self._probes.append(_PromptGrad.apply(k[:self.num_rows], v[:self.num_rows], grads))
 
     @property
     def memory(self) -> Dict[str, Optional[int]]:
         """Bytes kept: ``kv`` (the recorded keys and values), ``grad`` (their accumulated
-        gradients: fp32 sums for 16-bit models, the leaves' gradients otherwise), ``device`` (phase
-        A's whole kept state, activations included, measured by the CUDA allocator; None on CPU)."""
+        gradients: the leaves' gradient buffers, or fp32 sums with ``grad_dtype=torch.float32``),
+        ``device`` (phase A's whole kept state, activations included, measured by the CUDA
+        allocator; None on CPU)."""
         kv = _storage_bytes([t for d in (self._keys, self._values) for t in d.values()])
         grad = sum(t.numel() * t.element_size() for pair in self._sums.values() for t in pair)
         grad += sum(leaf.grad.numel() * leaf.grad.element_size() for pair in self._leaves.values() for leaf in pair
                     if leaf.grad is not None)
         return {"kv": kv, "grad": grad, "device": self.device_bytes}
+
+
+class _PromptGrad(torch.autograd.Function):
+    """Phase C of a rerun: a zero scalar that depends on one layer's prompt keys and values; its
+    backward hands them the gradients phase B accumulated (zeros where none), and drops its reference
+    to them, so that each layer's buffers free as the backward passes it. Nothing is saved for the
+    backward, so the keys and values themselves are not kept."""
+
+    @staticmethod
+    def forward(ctx, k: Tensor, v: Tensor, grads: List[Optional[Tensor]]) -> Tensor:
+        ctx.grads = grads
+        ctx.like = [(t.shape, t.dtype, t.device) for t in (k, v)]
+        return k.new_zeros(())
+
+    @staticmethod
+    def backward(ctx, _):
+        grads, ctx.grads = ctx.grads, None
+        out = tuple(torch.zeros(shape, dtype=dtype, device=device) if g is None
+                    else g.to(device, non_blocking=True)  # back from the host (offload_grads); else itself
+                    for g, (shape, dtype, device) in zip(grads, ctx.like))
+        grads.clear()
+        return out + (None,)
 
 
 def _own_rows(t: Tensor) -> Tensor:
@@ -155,6 +275,26 @@ def _storage_bytes(tensors: Sequence[Tensor]) -> int:
     return sum(seen.values())
 
 
+def _backward_with_output(tensors: List[Tensor], grads: List[Optional[Tensor]], output: Optional[Tensor]) -> None:
+    """Phase C's backward from ``tensors`` (with ``grads``) and, when it carries a graph, the prompt
+    forward's last hidden state with a zero gradient: the backward then reaches each layer through its
+    output first (FSDP2 gathers the layer's parameters there, before its checkpoint recompute); the
+    zeros add nothing to any gradient."""
+    if output is not None and output.requires_grad:
+        tensors, grads = list(tensors) + [output], list(grads) + [torch.zeros_like(output)]
+    torch.autograd.backward(tensors, grads)
+
+
+def _to_host(g: Optional[Tensor]) -> Optional[Tensor]:
+    """A host copy of a gradient buffer (pinned memory for a CUDA one, copied asynchronously: the
+    copy back is ordered after it on the same stream); the device buffer frees when the caller drops it."""
+    if g is None:
+        return None
+    host = torch.empty(g.shape, dtype=g.dtype, device="cpu", pin_memory=g.is_cuda)
+    host.copy_(g, non_blocking=g.is_cuda)
+    return host
+
+
 def _add_into(total: Tensor):
     def hook(leaf: Tensor) -> None:
         total.add_(leaf.grad)
@@ -162,13 +302,33 @@ def _add_into(total: Tensor):
     return hook
 
 
-def run_prompt_phase(model, prompts: Sequence[Tensor], deterministic: bool = False, sp_group=None) -> PromptKV:
+def _rng_states(device: torch.device):
+    return torch.get_rng_state(), (torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
+
+
+def _set_rng_states(device: torch.device, states) -> None:
+    torch.set_rng_state(states[0])
+    if states[1] is not None:
+        torch.cuda.set_rng_state(states[1], device)
+
+
+def run_prompt_phase(model, prompts: Sequence[Tensor], deterministic: bool = False, sp_group=None,
+                     recompute_prompt: bool = True, prompt_grad_dtype: Optional[torch.dtype] = None,
+                     offload_prompt_grads: bool = False) -> PromptKV:
     """Phase A: run the prompts (1-D token tensors, at least 2 tokens each) without their last
     token through ``model`` (a transformers causal LM with dualkv attention, in training mode) and
     return their recorded keys and values. Runs inside the model's own forward call, so wrappers
     that hook the root module (FSDP2) see a normal forward. ``sp_group``: Ulysses sequence
     parallelism (every rank of the group calls it with the same prompts; each keeps its heads'
-    keys and values of every prompt token)."""
+    keys and values of every prompt token).
+
+    ``recompute_prompt`` (the module docstring has the trade-off): True runs this forward under
+    ``torch.no_grad()`` and :meth:`PromptKV.backward` runs it again with gradients; False runs it
+    with gradients (when they are enabled) and keeps its graph until phase C.
+    ``prompt_grad_dtype``: None (sums in the model's dtype) or ``torch.float32``.
+    ``offload_prompt_grads`` (needs ``recompute_prompt``): phase C's forward runs with the gradient
+    buffers in host memory, so that its peak holds the prompt's checkpointed layer inputs but not the
+    buffers (one copy to the host and one back per update: ~0.1-0.2 s for 4.8 GB over PCIe)."""
     from .integrations import transformers as dkt
     if not prompts:
         raise ArgumentError("dualkv.schedule.run_prompt_phase: no prompts")
@@ -179,10 +339,12 @@ def run_prompt_phase(model, prompts: Sequence[Tensor], deterministic: bool = Fal
     if not dkt.is_enabled(model):
         raise dkt.WrongAttentionError("dualkv.schedule: the model's attention implementation is not dualkv; call "
                                       "dualkv.integrations.transformers.enable(model)")
+    if offload_prompt_grads and not recompute_prompt:
+        raise ArgumentError("dualkv.schedule: offload_prompt_grads needs recompute_prompt=True (without it phase C "
+                            "is one backward that needs every gradient buffer at once)")
     device = prompts[0].device
     lens = [int(p.numel()) - 1 for p in prompts]
     layout = Layout.varlen(lens).to(device)
-    kv = PromptKV(lens)
     ids = torch.cat([p[:-1] for p in prompts]).view(1, -1)
     positions = layout.position_ids.view(1, -1)
     if sp_group is not None:  # this rank's token range of the padded stream, attention over the group
@@ -195,11 +357,35 @@ def run_prompt_phase(model, prompts: Sequence[Tensor], deterministic: bool = Fal
     before = torch.cuda.memory_allocated(device) if cuda else 0
 
     def forward(**kwargs):
-        base(**kwargs)  # the outputs are not needed: the recorded keys and values carry the graph
+        return base(**kwargs).last_hidden_state
 
-    dkt._call_as_forward(model, forward, input_ids=ids, position_ids=positions,
-                         **{dkt.LAYOUT_KWARG: layout, dkt.PROMPT_KV_KWARG: kv, dkt.DETERMINISTIC_KWARG: deterministic},
-                         use_cache=False)
+    def run(kv: PromptKV) -> Tensor:
+        """The prompts' forward; returns the last hidden state, a root of phase C's backward (with a
+        zero gradient) so that the backward enters every layer through its output, where wrappers
+        such as FSDP2 hook their pre-backward (the parameters' all-gather before the recompute)."""
+        return dkt._call_as_forward(model, forward, input_ids=ids, position_ids=positions,
+                                    **{dkt.LAYOUT_KWARG: layout, dkt.PROMPT_KV_KWARG: kv,
+                                       dkt.DETERMINISTIC_KWARG: deterministic},
+                                    use_cache=False)
+
+    rerun = None
+    if recompute_prompt and torch.is_grad_enabled():
+        rng = _rng_states(device)
+
+        def rerun() -> Tensor:  # phase C's forward: phase A's, with gradients and phase A's random state
+            after = _rng_states(device)
+            _set_rng_states(device, rng)
+            try:
+                return run(kv)
+            finally:
+                _set_rng_states(device, after)
+
+        with torch.no_grad():
+            kv = PromptKV(lens, prompt_grad_dtype, rerun, offload_prompt_grads)
+            run(kv)
+    else:
+        kv = PromptKV(lens, prompt_grad_dtype)
+        kv.output = run(kv)
     kv.finish()
     if cuda:
         kv.device_bytes = torch.cuda.memory_allocated(device) - before
@@ -225,8 +411,9 @@ def _pack(mb: MicroBatch, phase: Optional[PromptPhase], kv: Optional[PromptKV], 
 
 
 def micro_batches(model, plan: MicroBatchPlan, rank: int, prompts: Sequence[Tensor],
-                  responses: Sequence[Sequence[Tensor]], deterministic: bool = False, sp_group=None
-                  ) -> Iterator[Tuple[MicroBatch, Optional[PackedBatch]]]:
+                  responses: Sequence[Sequence[Tensor]], deterministic: bool = False, sp_group=None,
+                  recompute_prompt: bool = True, prompt_grad_dtype: Optional[torch.dtype] = None,
+                  offload_prompt_grads: bool = False) -> Iterator[Tuple[MicroBatch, Optional[PackedBatch]]]:
     """Run rank ``rank``'s part of ``plan`` micro-batch by micro-batch: yields ``(micro_batch,
     packed)`` for the caller's forward (e.g. :func:`dualkv.integrations.transformers.packed_logprobs`
     on ``packed``) and backward; ``packed`` is None for an empty micro-batch (the plan pads ranks to
@@ -242,6 +429,9 @@ def micro_batches(model, plan: MicroBatchPlan, rank: int, prompts: Sequence[Tens
     ``sp_group``: Ulysses sequence parallelism; ``rank`` is then the data-parallel rank, every rank
     of the SP group iterates the same micro-batches, and the caller shards each ``packed``
     (:func:`dualkv.distributed.shard`) for its forward, as for any micro-batch.
+
+    ``recompute_prompt``, ``prompt_grad_dtype``, ``offload_prompt_grads``: as for
+    :func:`run_prompt_phase` (the module docstring weighs them).
     """
     phases = plan.prompt_phases[rank] if plan.prompt_phases else ()
     phase_of = {i: j for j, ph in enumerate(phases) for i in ph.micro_batches}
@@ -256,7 +446,8 @@ def micro_batches(model, plan: MicroBatchPlan, rank: int, prompts: Sequence[Tens
                 phase_prompts = [prompts[g] for g in phases[j].groups]
                 if not phase_prompts:  # padding: a placeholder prompt keeps the ranks' collectives in step
                     phase_prompts = [torch.zeros(2, dtype=torch.int64, device=model.device)]
-                kv = run_prompt_phase(model, phase_prompts, deterministic, sp_group)
+                kv = run_prompt_phase(model, phase_prompts, deterministic, sp_group, recompute_prompt,
+                                      prompt_grad_dtype, offload_prompt_grads)
             current = j
         if not mb.entries:
             yield mb, None

@@ -2,7 +2,7 @@
 # What one device session runs, step by step; logs and JSON go to $OUT (or ./device-out).
 #   tests/gpu/device_run.sh [fa4-stage] [fa4-install] [tests] [sanitize] [bench-quick|bench] [bench-dims]
 #                           [bench-portable] [ab] [e2e] [e2e-flex] [e2e-all] [e2e-grid] [noise]
-#                           [wheels] [hybrid-tests] [hybrid] [trl-step]
+#                           [wheels] [hybrid-tests] [hybrid] [trl-step] [prompt-once] [bench-mods]
 # The library is $DUALKV_LIBRARY (default build-h200/libdualkv.so, a 90a build made on the host and
 # carried: docs/hopper.md "Running it"). Every benchmark refuses a tree that is not a commit (commit
 # first; DUALKV_ALLOW_DIRTY=1 runs anyway and marks the results dirty: bench/provenance.py). The device
@@ -95,6 +95,24 @@
 #                update alone takes 147 s (measured at a6c0820): the timed part and the log-prob check do not
 #                fit one call together; TRL_ARGS="--parts timing" in one call, "--parts accuracy" in the next
 #                (same seed and config: the same rollouts). Estimate: timing ~9 min, accuracy ~3 min
+#   bench-mods   issue 16's peers with mask modifiers: bench/attention.py, GRPO configs $MODS_CONFIGS (default
+#                "16,4096,1024;8,16384,2048", no varlen), methods $MODS_METHODS (default dualkv,fa4_dense,flex_fa4),
+#                three shapes, each process cut at $MODS_TIMEOUT (default 75) s: gpt-oss (H 64, Hk 8, D 64,
+#                window 128 + sinks), Gemma-2-like softcap 50 (H 32, Hk 8, D 128), window 1024 (D 128). dualkv
+#                is recorded as skipped (the CUDA backend's UnsupportedError) until the modifier kernels
+#                merge; an FA4 without one of the arguments is a skip naming it. Estimate ~3-4 min (FA4 and
+#                Flex-FA4 compile per config and modifier set: ~10-20 s each)
+#   prompt-once  issue 17's acceptance: bench/prompt_once_e2e.py for ONE model per call, $ONCE_MODEL (default
+#                1.7b: run it first, then 8b), P $ONCE_PROMPTS (default 8192,16384), R $ONCE_RESPONSES (default
+#                1024), k $ONCE_K (default 2,4; max_tokens = P + ceil(16 R / k)), plus the k = 1 control per
+#                (P, R); methods $ONCE_METHODS (default split,once,flex_fa4_split: Flex last), N 16, 1 warm-up
+#                + 3 timed updates, --method-timeout 240 per method and cell, the process cut at $ONCE_CAP
+#                (default 570) s; the JSON is saved after every method. The rest of the grid in later calls:
+#                ONCE_PROMPTS=32768, ONCE_RESPONSES=2048, ONCE_K=3. Needs the external-prefix CUDA kernels
+#                (issue 17's kernel branch): before they merge, once is recorded as an error (the CUDA
+#                backend's UnsupportedError). Estimate (1.7B, from e2e's 1.40 / 3.16 s per 2-micro-batch
+#                dualkv update at P 4K / 16K): ~1-6 s per update, ~4 updates x 3 methods x 6 cells plus
+#                Flex-FA4's compiles (~60-90 s): ~5-8 min; 8B at P 32K: ~20-40 s per update, one cell per call
 # More than 8 files in $OUT at the end are packed into $OUT/device-out.tgz (a device call returns 8 files).
 # Long-running python writes to a log file, not into a pipe: a compiler child left behind by a cut
 # process (ptxas) would otherwise hold the pipe open and stall the step.
@@ -190,6 +208,23 @@ for n in ('fla-core', 'trl', 'datasets', 'accelerate'):
     trl-step) timeout -k 10 "${TRL_CAP:-570}" python3 bench/trl_step.py ${TRL_ARGS:-} --out "$OUT" \
                 > "$OUT/trl_step.log" 2>&1
               echo "trl-step rc=$?"; grep -v -i "warn" "$OUT/trl_step.log" | tail -10 ;;
+    bench-mods) for spec in "gptoss:--heads 64 --kv-heads 8 --head-dim 64 --window 128 --sinks" \
+                            "cap50:--heads 32 --kv-heads 8 --head-dim 128 --softcap 50" \
+                            "w1024:--heads 32 --kv-heads 8 --head-dim 128 --window 1024"; do
+                  name="${spec%%:*}"
+                  timeout -k 10 "${MODS_TIMEOUT:-75}" python3 bench/attention.py ${spec#*:} \
+                    --configs "${MODS_CONFIGS:-16,4096,1024;8,16384,2048}" --no-varlen \
+                    --methods "${MODS_METHODS:-dualkv,fa4_dense,flex_fa4}" --iters 6 --warmup 2 --out "$OUT" \
+                    --tag "mods_$name" > "$OUT/bench_mods_$name.log" 2>&1
+                  echo "bench-mods $name rc=$?"; sed -n '/^case /,$p' "$OUT/bench_mods_$name.log"
+                done ;;
+    prompt-once) m="${ONCE_MODEL:-1.7b}"
+                 timeout -k 10 "${ONCE_CAP:-570}" python3 bench/prompt_once_e2e.py --models "$m" \
+                   --prompts "${ONCE_PROMPTS:-8192,16384}" --responses "${ONCE_RESPONSES:-1024}" --k "${ONCE_K:-2,4}" \
+                   --methods "${ONCE_METHODS:-split,once,flex_fa4_split}" --iters 3 --warmup 1 --method-timeout 240 \
+                   ${ONCE_ARGS:-} --out "$OUT/prompt_once_e2e_$m.json" > "$OUT/prompt_once_e2e_$m.log" 2>&1
+                 echo "prompt-once $m rc=$? (cap ${ONCE_CAP:-570} s)"
+                 grep -v -i "warn\|create_block_mask(" "$OUT/prompt_once_e2e_$m.log" | tail -30 ;;
     *) echo "unknown step $step" ;;
   esac
 done

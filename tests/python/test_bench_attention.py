@@ -273,3 +273,108 @@ def test_summary_table_states_flex_costs_apart():
     assert "block mask 256x160, first build 3.50 s, then 1.2 ms per build" in lines[3]
     assert "compile fwd 9.0 s, fwd+bwd 21.0 s" in lines[3]
     assert lines[4].split()[:3] == ["N16", "fa4_dense", "Unavailable:"]
+
+
+# ---- mask modifiers (issue 16): --window, --softcap, --sinks ----
+
+def test_window_pairs_count_the_visible_pairs():
+    """The useful pairs under a window: the packed layout's (sum of min(position + 1, W)) equal the
+    dense reference mask's count, and the expanded sequences' a brute-force count."""
+    from dualkv.reference import visibility_mask
+    case = attention.Case("c", [7, 3], [[2, 5, 1], [4]])
+    for window in (1, 3, 6, 100):
+        assert case.window_pairs(window) == int(visibility_mask(case.layout_cpu, window).sum())
+        brute = sum(min(i + 1, window) for n in case.seq_lens for i in range(n))
+        assert case.expanded_window_pairs(window) == brute
+    assert case.window_pairs(None) == case.shared_pairs and case.expanded_window_pairs(None) == case.expanded_pairs
+
+
+def test_mods_flags_and_names():
+    m = attention.Mods(128, None, True)
+    assert m.active and m.used() == {"window": 128, "sinks": None} and m.tag() == "w128_sinks"
+    assert attention.Mods(None, 50.0).tag() == "cap50" and not attention.NO_MODS.active
+    with pytest.raises(ValueError, match="--window"):
+        attention.Mods(0)
+    with pytest.raises(ValueError, match="--softcap"):
+        attention.Mods(None, -1.0)
+
+
+@pytest.mark.parametrize("mods", [(4, None, False), (None, 5.0, False), (None, None, True), (3, 2.0, True)])
+def test_flex_modifiers_equal_dualkv_on_the_cpu(mods):
+    """Flex's window mask_mod, softcap score_mod and the lse sink correction (forward, eager Flex on
+    the CPU: it has no CPU backward) give dualkv's CPU output with the same modifiers (fp32)."""
+    import torch
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    import dualkv
+    mods = attention.Mods(*mods)
+    case = attention.Case("c", [9, 4], [[3, 6, 1], [5, 2]])
+    H, Hk, D, T = 4, 2, 16, case.T
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(T, h, D, generator=g) for h in (H, Hk, Hk))
+    sinks = torch.randn(H, generator=g) if mods.sinks else None
+    ref = dualkv.attention(q, k, v, case.layout_cpu, window=mods.window, softcap=mods.softcap, sinks=sinks)
+    mask_mod, score_mod = attention.flex_mods(case, mods, "cpu")
+    block_mask = create_block_mask(mask_mod, 1, 1, T, T, device="cpu")
+    qf, kf, vf = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+    out, lse = attention.flex_with_lse(flex_attention, qf, kf, vf, block_mask=block_mask, score_mod=score_mod,
+                                       enable_gqa=True)
+    if mods.sinks:
+        out = attention.apply_sinks(out, lse, sinks)
+    torch.testing.assert_close(out[0].transpose(0, 1), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_dualkv_method_runs_the_modifiers_and_skips_where_unsupported(monkeypatch):
+    """build_method("dualkv") with window + softcap + sinks runs forward and backward on the CPU
+    backend (the sinks get their gradient; the pairs count the window); a backend without the
+    modifiers (as CUDA before the kernel branch) is recorded as skipped with the library's reason,
+    and SDPA and pgrouper, which have no modifiers, are skipped too."""
+    import torch
+
+    import dualkv
+    monkeypatch.setattr(attention, "DEVICE", "cpu")
+    case = attention.Case("c", [8], [[3, 5, 2]])
+    mods = attention.Mods(4, 30.0, True)
+    libraries = {"dualkv": attention.Library.default()}
+    setup, fwd, fwdbwd, pairs, _ = attention.build_method("dualkv", case, 4, 2, 16, torch.float32, libraries, mods)
+    x = setup(1)
+    assert len(x) == 5 and x[3].shape == (4,) and x[3].requires_grad
+    fwdbwd(x)
+    assert all(t.grad is not None for t in x[:4]) and pairs == case.window_pairs(4) < case.shared_pairs
+    ref = dualkv.attention(x[0].detach(), x[1].detach(), x[2].detach(), case.layout_cpu, window=4, softcap=30.0,
+                           sinks=x[3].detach())
+    torch.testing.assert_close(fwd(x), ref)
+
+    monkeypatch.setattr(dualkv._native, "backend_modifiers", lambda device_type: ())
+    per = attention.measure_case(["dualkv", "sdpa_flash", "pgrouper"], 1, lambda m: attention.build_method(
+        m, case, 4, 2, 16, torch.float32, libraries, mods))
+    assert per["dualkv"][0]["error"].startswith("Unavailable: skipped: attention: the CPU backend does not implement")
+    assert per["sdpa_flash"][0]["error"].startswith("Unavailable: skipped: sdpa_flash has no sliding window")
+    assert per["pgrouper"][0]["error"].startswith("Unavailable: skipped: pgrouper")
+
+
+def test_fa4_modifier_arguments_are_probed(monkeypatch):
+    """fa4_dense passes window_size=(W - 1, 0), softcap and learnable_sink to FA4; a version whose
+    function lacks one of them is a skip that names it."""
+    def new_fa4(q, k, v, softmax_scale=None, causal=False, window_size=(None, None), learnable_sink=None,
+                softcap=0.0):
+        pass
+
+    def old_fa4(q, k, v, softmax_scale=None, causal=False, window_size=(None, None), softcap=0.0):
+        pass
+    assert attention.fa4_modifier_kwargs(new_fa4, attention.Mods(128, 50.0, True)) == {
+        "window_size": (127, 0), "softcap": 50.0}
+    assert attention.fa4_modifier_kwargs(old_fa4, attention.Mods(128)) == {"window_size": (127, 0)}
+    with pytest.raises(peers.Unavailable, match="skipped: this FlashAttention-4's old_fa4 takes no learnable_sink"):
+        attention.fa4_modifier_kwargs(old_fa4, attention.Mods(None, None, True))
+
+
+def test_device_run_bench_mods_step():
+    """tests/gpu/device_run.sh bench-mods: the three modifier shapes, each process capped, within ~4 min."""
+    import re
+    text = (pathlib.Path(__file__).resolve().parents[2] / "tests" / "gpu" / "device_run.sh").read_text()
+    body = text[text.index("\n    bench-mods) ") + 1:]
+    body = body[:re.search(r"\n    [\w-]+\) ", body).start()]
+    assert "--heads 64 --kv-heads 8 --head-dim 64 --window 128 --sinks" in body
+    assert "--softcap 50" in body and "--window 1024" in body and "--no-varlen" in body
+    assert 'timeout -k 10 "${MODS_TIMEOUT:-75}"' in body and body.count("--head-dim") == 3  # 3 x 75 s + kill grace

@@ -388,6 +388,38 @@ def case_schedule_sp(rank, world):
         assert rel(got[name], g) <= 1e-10, f"gradient of {name}: {rel(got[name], g):.2e}"
 
 
+def case_fsdp_dp_schedule(rank, world):
+    """FSDP2 over 2 ranks, DP=2, gradient checkpointing, dualkv.grpo.policy_update with prompt_once:
+    group 0 (50 tokens) is over the 40-token budget and runs its prompt once on one rank (phase A
+    under no_grad, phase C's forward again with gradients: recompute_prompt), the other rank runs a
+    placeholder prompt phase in step; every gradient (x world: FSDP averages) equals the one-process
+    update, for the default, offload_prompt_grads and recompute_prompt=False. (Phase C's backward
+    must enter each layer through its output, where FSDP2 gathers the parameters before the
+    checkpoint recompute: without the prompt forward's output as a root it failed with "mixed
+    torch.Tensor and DTensor".)"""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from dualkv.grpo import policy_update
+    prompts, responses, _, old, adv = _plan_and_losses(DP_GROUPS, 40, world)
+    adv = [[float(a) for a in xs] for xs in adv]
+    want_model = qwen3()
+    want_model.zero_grad(set_to_none=True)
+    policy_update(want_model, prompts, responses, old, adv, 1000, clip_high=0.28)
+    want = grads(want_model)
+    model = qwen3()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model = fsdp_model(model, init_device_mesh("cpu", (world,)))
+    for recompute, offload in ((True, False), (True, True), (False, False)):
+        model.zero_grad(set_to_none=True)
+        out = policy_update(model, prompts, responses, old, adv, 40, num_ranks=world, rank=rank, clip_high=0.28,
+                            recompute_prompt=recompute, offload_prompt_grads=offload)
+        assert out["plan"].split_groups == (0,) and len(out["plan"].prompt_phases[rank]) == 1
+        got = grads(model)
+        for name, g in want.items():
+            assert rel(got[name] * world, g) <= 1e-10, f"recompute={recompute} offload={offload}: gradient of " \
+                                                       f"{name}: {rel(got[name] * world, g):.2e}"
+
+
 def case_bad_layouts_differ(rank, world):
     lens = ROLLOUTS["odd"]
     responses = [list(rs) for rs in lens[1]]
@@ -424,7 +456,7 @@ def case_bad_heads(rank, world):
 
 CASES = {
     2: ["attention_sp", "model_sp", "model_sp_checkpointing", "model_sp_compile", "fsdp_dp", "fsdp_sp",
-        "schedule_sp", "bad_layouts_differ", "bad_token_count", "bad_heads"],
+        "schedule_sp", "fsdp_dp_schedule", "bad_layouts_differ", "bad_token_count", "bad_heads"],
     4: ["attention_sp", "model_sp", "fsdp_dp_sp", "schedule_sp", "bad_layouts_differ", "bad_token_count",
         "bad_heads"],
 }

@@ -1,0 +1,396 @@
+"""Issue 17's acceptance benchmark: one GRPO policy update of a group larger than a micro-batch, with
+its prompt run once (``once``) against today's split-and-recompute (``split``) and Flex-FA4 packing
+with the same splitting (``flex_fa4_split``). docs/notes/2026-12-01-external-prefix-kernels.md §5.
+
+Every method runs the same update through ``dualkv.grpo.policy_update`` (the plan, the loss, the
+micro-batch weighting): one group of one prompt of P tokens and N responses of R tokens, token
+budget ``max_tokens = P + ceil(N R / k)`` so that the split path needs k micro-batches:
+
+  split           plan_micro_batches(prompt_once=False): each response subset carries its prompt; dualkv
+  once            plan_micro_batches(prompt_once=True) + dualkv.schedule (phases A, B, C); dualkv
+  flex_fa4_split  the split plan's micro-batches, attention = compiled FlexAttention on FlashAttention-4
+                  (bench/e2e.py's flex_fa4) with the BlockMask of each micro-batch's layout built in the
+                  update (eager create_block_mask, as frameworks ship it); the model's "dualkv" attention
+                  name is routed to it for the duration of the method, so the loop is policy_update's
+  flex_split      the same on Flex's Triton backend (not in the default list; the CPU smoke test's
+                  stand-in for flex_fa4_split: the dense mask of the same rule with SDPA)
+  once_keep       once with recompute_prompt=False: phase A with gradients, no second prompt forward (the
+                  speed of the plan without the default's extra forward; holds the prompt's layer inputs
+                  through phase B; not in the default list)
+  once_offload    once with offload_prompt_grads=True: the prompt's gradient buffers wait in pinned host
+                  memory during phase C's forward (not in the default list: the run to make if once's
+                  peak exceeds split's, docs/notes/2026-12-01-external-prefix-kernels.md section 6)
+
+Model setup, timing (CUDA events: median of --iters updates after --warmup), the Flex/FA4 peers and the
+provenance come from bench/e2e.py. Per cell (model, P, R, k): seconds per update per method,
+``split / once``, the ideal token ratio ``(k P + N R) / (P + N R)``, their quotient (acceptance:
+>= 0.85), ``flex_fa4_split / once``, peak memory per method (CUDA: torch.cuda.max_memory_allocated
+over the timed updates; CPU: tracked tensor bytes of one extra update, bench/live_bytes.py) and
+``PromptKV.memory`` at the end of phase B. Control cells (--controls, k = 1: the group fits,
+``max_tokens = P + N R``): ``once`` and ``split`` are then the same one-micro-batch dualkv update (no
+prompt phase), and must agree within 1%.
+
+  python bench/prompt_once_e2e.py --models 1.7b                       # P 8K/16K/32K, R 1K/2K, k 2/3/4
+  python bench/prompt_once_e2e.py --models 8b --prompts 8192,16384 --responses 1024 --k 4
+  python bench/prompt_once_e2e.py --device cpu --tiny                 # smoke test (tests/python)
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import math
+import pathlib
+import statistics
+import sys
+import weakref
+
+import torch
+
+HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "python"))
+
+import e2e  # noqa: E402  (model setup, timing, peers, provenance)
+from live_bytes import LiveTensorBytes  # noqa: E402
+from peers import FLEX_BACKENDS, FLEX_BLOCK, Unavailable, compiled_flex, fa4, kernel_options  # noqa: E402
+
+import dualkv  # noqa: E402
+from dualkv import schedule  # noqa: E402
+from dualkv.demo import MODEL_SIZES, qwen3_config  # noqa: E402
+from dualkv.grpo import policy_update  # noqa: E402
+
+METHODS = ("split", "once", "flex_fa4_split", "flex_split", "once_offload", "once_keep")
+ONCE_METHODS = ("once", "once_offload", "once_keep")
+DEFAULT_METHODS = ("split", "once", "flex_fa4_split")
+PROTOCOL = {
+    "update": "forward + backward of one GRPO policy update (dualkv.grpo.policy_update: DAPO clip 0.2/0.28, "
+              "token-mean, micro-batch losses weighted by their response tokens); no optimizer step",
+    "group": "one prompt of P tokens, N responses of R tokens each; max_tokens = P + ceil(N R / k)",
+    "split": "plan_micro_batches(prompt_once=False): k micro-batches, each [prompt | its responses], dualkv",
+    "once": "plan_micro_batches(prompt_once=True) + dualkv.schedule: the prompt once (phase A under no_grad, "
+            "response micro-batches over its kept keys and values, phase C: the prompt forward with gradients "
+            "and its backward), dualkv",
+    "flex_fa4_split": "the split plan, compiled FlexAttention with BACKEND=FLASH (FA4), a BlockMask per "
+                      "micro-batch built in the update",
+    "flex_split": "the split plan, compiled FlexAttention (Triton)",
+    "once_keep": "once with recompute_prompt=False (phase A with gradients, one prompt forward)",
+    "once_offload": "once with offload_prompt_grads=True (phase C's forward with the gradient buffers in host memory)",
+    "ideal": "(k P + N R) / (P + N R): the token ratio of split to once",
+}
+
+
+def cells(args):
+    """(size, P, R, k) in run order: models, then P, then R, then k; k = 1 (a control) first per (P, R)."""
+    ks = ([1] if args.controls else []) + args.k
+    return [(size, P, R, k) for size in args.models for P in args.prompts for R in args.responses for k in ks]
+
+
+def rollout(P: int, N: int, R: int, vocab: int, seed: int, device):
+    """One group: prompt, responses, old log-probs (-log V +- noise: a random model's, so the ratio stays
+    near 1 and the clip is exercised), advantages (+-1)."""
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, vocab, (P,), generator=g).to(device)
+    responses = [torch.randint(0, vocab, (R,), generator=g).to(device) for _ in range(N)]
+    old = [(-math.log(vocab) + 0.1 * torch.randn(R, generator=g)).to(device) for _ in range(N)]
+    adv = [1.0 if i % 2 else -1.0 for i in range(N)]
+    return [prompt], [responses], [old], [adv]
+
+
+# ---- flex over the dualkv layout (the split plan's micro-batches through policy_update) ----
+
+_MASKS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _block_mask(layout, device, backend):
+    """The BlockMask (on a CPU: the dense boolean mask) of the forest rule of ``layout``, built once per
+    micro-batch (cached on the layout object, which policy_update makes per micro-batch)."""
+    from torch.nn.attention.flex_attention import create_block_mask, create_mask
+    cached = _MASKS.get(layout)
+    if cached is not None:
+        return cached
+    if layout.num_prefixes:
+        raise Unavailable("Flex over a layout with external prefixes (the once plan) is not a method here")
+    key_end = layout.seg_offsets.long()[layout.seg_subtree_end.long()][layout.segment_ids()].to(device)
+
+    def forest(b, h, q, kv):
+        return (kv <= q) & (q < key_end[kv])
+    T = layout.num_tokens
+    if device.type == "cpu":
+        mask = create_mask(forest, None, None, T, T, device=device)
+    else:
+        mask = create_block_mask(forest, None, None, T, T, device=device, BLOCK_SIZE=tuple(FLEX_BLOCK[backend]))
+    _MASKS[layout] = mask
+    return mask
+
+
+def _flex_over_layout(backend):
+    def forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        mask = _block_mask(kwargs["dualkv_layout"], query.device, backend)
+        if isinstance(mask, torch.Tensor):  # CPU: FlexAttention has no backward there
+            out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling,
+                                                                   enable_gqa=True)
+            return out.transpose(1, 2), None
+        out = compiled_flex(backend, None)(query, key, value, block_mask=mask, scale=scaling, enable_gqa=True,
+                                           kernel_options=kernel_options(backend))
+        return out.transpose(1, 2), None
+    return forward
+
+
+@contextlib.contextmanager
+def attention_routed(method):
+    """For the Flex methods: the attention name "dualkv" runs Flex over the layout for the duration, so
+    that policy_update (which insists on a dualkv model) runs the same loop; restored afterwards."""
+    if method not in ("flex_fa4_split", "flex_split"):
+        yield
+        return
+    from transformers import AttentionInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from dualkv.integrations import transformers as dkt
+    if method == "flex_fa4_split":
+        fa4()  # raises Unavailable (recorded as skipped) without FlashAttention-4
+    AttentionInterface.register(dkt.ATTN_IMPLEMENTATION, _flex_over_layout(FLEX_BACKENDS[method.replace("_split", "")]))
+    try:
+        yield
+    finally:
+        AttentionInterface.register(dkt.ATTN_IMPLEMENTATION, dkt.dualkv_attention_forward)
+        assert ALL_ATTENTION_FUNCTIONS[dkt.ATTN_IMPLEMENTATION] is dkt.dualkv_attention_forward
+
+
+# ---- one method on one cell ----
+
+@contextlib.contextmanager
+def prompt_kv_memory(into: dict):
+    """Record PromptKV.memory at the end of phase B (just before phase C) of the last prompt phase."""
+    original = schedule.PromptKV.backward
+
+    def backward(self):
+        into.update(self.memory)
+        original(self)
+    schedule.PromptKV.backward = backward
+    try:
+        yield
+    finally:
+        schedule.PromptKV.backward = original
+
+
+def one_update(method, model, data, max_tokens, device):
+    prompts, responses, old, adv = data
+    model.zero_grad(set_to_none=True)
+    with e2e.Timer(device) as timer:
+        out = policy_update(model, prompts, responses, old, adv, max_tokens,
+                            prompt_once=method in ONCE_METHODS, recompute_prompt=method != "once_keep",
+                            offload_prompt_grads=method == "once_offload", clip_low=0.2, clip_high=0.28)
+    return timer.seconds, out
+
+
+def measure(method, model, data, max_tokens, args, device, base):
+    rec = dict(base, method=method)
+    try:
+        with attention_routed(method), e2e._time_limit(args.method_timeout, f"{method} {base['cell']}"):
+            kv_mem: dict = {}
+            with prompt_kv_memory(kv_mem):
+                one_update(method, model, data, max_tokens, device)  # warm-up (compiles)
+                for _ in range(args.warmup - 1):
+                    one_update(method, model, data, max_tokens, device)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+                torch.cuda.reset_peak_memory_stats(device)
+            samples, out = [], None
+            for _ in range(args.iters):
+                seconds, out = one_update(method, model, data, max_tokens, device)
+                samples.append(seconds)
+            if device.type == "cuda":
+                rec["peak_bytes"] = torch.cuda.max_memory_allocated(device)
+            else:
+                with LiveTensorBytes() as live:
+                    one_update(method, model, data, max_tokens, device)
+                rec["peak_bytes"] = live.peak
+            plan = out["plan"]
+            rec.update(status="ok", seconds=statistics.median(samples), samples=samples,
+                       micro_batches=plan.micro_batches_per_rank, prompt_phases=len(plan.prompt_phases[0])
+                       if plan.prompt_phases else 0, loss=out["loss"],
+                       logp0=out["logprobs"][0][0].float().cpu())
+            if kv_mem:
+                rec["prompt_kv_memory"] = kv_mem
+    except Unavailable as exc:
+        rec.update(status="skipped", error=str(exc))
+    except dualkv.UnsupportedError as exc:  # a backend without external prefixes (CUDA before issue 17's kernels)
+        rec.update(status="skipped", error=f"skipped: {type(exc).__name__}: {str(exc)[:300]}")
+    except e2e.MethodTimeout as exc:
+        rec.update(status="timeout", error=str(exc))
+    except Exception as exc:  # noqa: BLE001  (recorded; the run goes on)
+        if e2e._is_oom(exc):
+            rec.update(status="oom", error=f"{type(exc).__name__}: {str(exc)[:300]}")
+        else:
+            rec.update(status="error", error=f"{type(exc).__name__}: {str(exc)[:600]}")
+    finally:
+        model.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return rec
+
+
+def compare(records, P, N, R, k):
+    """The cell's ratios, written into the once record: split / once, ideal, their quotient,
+    flex_fa4_split / once, peak memory once / split, and the logp agreement."""
+    by = {r["method"]: r for r in records if r["status"] == "ok"}
+    ideal = (k * P + N * R) / (P + N * R)
+    if "split" in by:
+        for r in by.values():  # bf16 noise between kernels and plans (first response)
+            if r is not by["split"]:
+                r["max_abs_dlogp_vs_split"] = float((r["logp0"] - by["split"]["logp0"]).abs().max())
+    for name in ONCE_METHODS:
+        once = by.get(name)
+        if once is None:
+            continue
+        once["ideal_ratio"] = ideal
+        if "split" in by:
+            once["split_over_once"] = by["split"]["seconds"] / once["seconds"]
+            once["quotient_vs_ideal"] = once["split_over_once"] / ideal
+            once["peak_once_over_split"] = once["peak_bytes"] / by["split"]["peak_bytes"]
+        for flex in ("flex_fa4_split", "flex_split"):
+            if flex in by:
+                once[f"{flex}_over_once"] = by[flex]["seconds"] / once["seconds"]
+    for r in records:
+        r.pop("logp0", None)
+
+
+def summary(results) -> str:
+    head = (f"{'model':>5} {'P':>6} {'R':>5} {'k':>2} {'split s':>8} {'once s':>8} {'flexfa4 s':>9} {'split/once':>10} "
+            f"{'ideal':>6} {'quot':>5} {'flex/once':>9} {'peak split':>10} {'peak once':>9} {'kv+grad':>9} "
+            f"{'once_off s':>10} {'peak off':>9}")
+    lines = [head, "-" * len(head)]
+    cellmap = {}
+    for r in results:
+        cellmap.setdefault((r["model"], r["P"], r["R"], r["k"]), {})[r["method"]] = r
+
+    def sec(r):
+        return f"{r['seconds']:.3f}" if r and r.get("status") == "ok" else (r or {}).get("status", "-")
+
+    def gib(r):
+        if not r or "peak_bytes" not in r:
+            return "-"
+        b = r["peak_bytes"]
+        return f"{b / 2**30:.2f}G" if b >= 2**30 else f"{b / 2**20:.2f}M"
+
+    for (size, P, R, k), m in cellmap.items():
+        once = m.get("once", {})
+        flexes = [m[f] for f in ("flex_fa4_split", "flex_split") if f in m]
+        flex = next((r for r in flexes if r["status"] == "ok"), flexes[0] if flexes else None)
+        kvm = once.get("prompt_kv_memory")
+        lines.append(f"{size:>5} {P:>6} {R:>5} {k:>2} {sec(m.get('split')):>8} {sec(once):>8} {sec(flex):>9} "
+                     f"{once.get('split_over_once', float('nan')):>10.3f} "
+                     f"{once.get('ideal_ratio', float('nan')):>6.2f} "
+                     f"{once.get('quotient_vs_ideal', float('nan')):>5.2f} "
+                     f"{once.get('flex_fa4_split_over_once', once.get('flex_split_over_once', float('nan'))):>9.3f} "
+                     f"{gib(m.get('split')):>10} {gib(once):>9} "
+                     f"{((kvm['kv'] + kvm['grad']) / 2**20 if kvm else float('nan')):>8.1f}M "
+                     f"{sec(m.get('once_offload')):>10} {gib(m.get('once_offload')):>9}")
+    lines.append("acceptance: quot = (split/once) / ideal >= 0.85, flex/once > split/once, peak once <= peak split; "
+                 "k = 1 rows (controls): split/once within 1% of 1")
+    return "\n".join(lines)
+
+
+def parse_ints(text):
+    return [int(x) for x in str(text).split(",") if x.strip()]
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default=None, help=f"comma list of {sorted(MODEL_SIZES)} (default 1.7b,8b)")
+    ap.add_argument("--prompts", default="8192,16384,32768", help="prompt lengths P")
+    ap.add_argument("--responses", default="1024,2048", help="response lengths R")
+    ap.add_argument("--n", type=int, default=16, help="responses per group N")
+    ap.add_argument("--k", default="2,3,4", help="micro-batches the split path needs (max_tokens = P + ceil(N R / k))")
+    ap.add_argument("--controls", dest="controls", action="store_true", default=True,
+                    help="also the k = 1 cell per (P, R): the group fits, once == split (default)")
+    ap.add_argument("--no-controls", dest="controls", action="store_false")
+    ap.add_argument("--methods", default=",".join(DEFAULT_METHODS), help=f"comma list of {METHODS}")
+    ap.add_argument("--iters", type=int, default=3, help="timed updates per method (median)")
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--tiny", action="store_true", help="tiny model, P 48, R 8, N 4, k 2 (CPU smoke test)")
+    ap.add_argument("--method-timeout", type=float, default=0, help="seconds per method and cell (0: none)")
+    ap.add_argument("--allow-dirty", action="store_true")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=None, help="JSON path (default bench/results/prompt_once_e2e-<time>.json)")
+    args = ap.parse_args(argv)
+
+    device = torch.device(args.device)
+    tree = e2e.provenance.measured_state(device, args.allow_dirty)
+    if args.tiny:
+        args.models = args.models or "tiny"
+        args.prompts, args.responses, args.n, args.k = "48", "8", 4, "2"
+    args.models = (args.models or "1.7b,8b").split(",")
+    args.prompts, args.responses, args.k = parse_ints(args.prompts), parse_ints(args.responses), parse_ints(args.k)
+    args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    for m in args.methods:
+        if m not in METHODS:
+            ap.error(f"unknown method {m!r}; one of {METHODS}")
+    if any(k < 1 for k in args.k):
+        ap.error("--k: at least 1")
+    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
+    out_path = pathlib.Path(args.out) if args.out else (
+        HERE / "results" / f"prompt_once_e2e-{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}.json")
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    e2e.configure_flex(device.type == "cuda", None, False)
+
+    from transformers import AutoModelForCausalLM
+
+    from dualkv.integrations import transformers as dkt
+    env = e2e.environment(device, tree)
+    results = []
+
+    def save(partial=()):
+        out_path.write_text(json.dumps({"environment": env, "protocol": PROTOCOL, "args": vars(args),
+                                        "results": [{k: v for k, v in r.items() if k != "logp0"}
+                                                    for r in list(results) + list(partial)]},
+                                       indent=1, default=str))
+
+    e2e.log(f"prompt-once benchmark on {env.get('gpu', device)}: models {args.models}, P {args.prompts}, "
+            f"R {args.responses}, N {args.n}, k {args.k}{' + controls' if args.controls else ''}, "
+            f"methods {args.methods}")
+    current, model = None, None
+    for size, P, R, k in cells(args):
+        if size != current:
+            model = None
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            cfg = qwen3_config(size)
+            torch.manual_seed(args.seed)
+            with torch.device(device):
+                model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=dtype)
+            model.train()
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            dkt.enable(model)
+            current = size
+        N = args.n
+        max_tokens = P + math.ceil(N * R / k)
+        data = rollout(P, N, R, cfg.vocab_size, args.seed, device)
+        base = {"model": size, "P": P, "N": N, "R": R, "k": k, "max_tokens": max_tokens, "control": k == 1,
+                "cell": f"{size} P={P} R={R} k={k}", "dtype": args.dtype}
+        records = []
+        for method in args.methods:
+            save(records + [dict(base, method=method, status="running")])
+            rec = measure(method, model, data, max_tokens, args, device, base)
+            records.append(rec)
+            e2e.log(f"  {base['cell']:<28} {method:<15} {rec['status']:<7} "
+                    + (f"{rec['seconds']:.3f} s/update, {rec['micro_batches']} micro-batches, "
+                       f"peak {rec['peak_bytes'] / 2**30:.2f} GiB" if rec["status"] == "ok" else rec.get("error", "")))
+        compare(records, P, N, R, k)
+        results.extend(records)
+        save()
+    table = summary(results)
+    print()
+    print(table)
+    out_path.with_suffix(".txt").write_text(table + "\n")
+    print(f"\nresults: {out_path}")
+    return 1 if any(r["status"] == "error" for r in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
