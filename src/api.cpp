@@ -103,21 +103,6 @@ dualkv_status read_params(const Params* p, const char* what, Params* out) {
   return DUALKV_OK;
 }
 
-// The mask modifiers a call uses, for messages ("window 128, softcap 50"); empty if none.
-template <typename Params>
-std::string modifiers_in_use(const Params& p) {
-  std::string s;
-  auto add = [&](const std::string& m) { s += (s.empty() ? "" : ", ") + m; };
-  if (p.window != 0) add("sliding window " + std::to_string(p.window));
-  if (p.softcap != 0) {
-    char value[32];
-    std::snprintf(value, sizeof(value), "%g", p.softcap);
-    add(std::string("softcap ") + value);
-  }
-  if (p.sinks) add("attention sinks");
-  return s;
-}
-
 // The modifiers' values (both directions); which backend runs them is check_common's business.
 template <typename Params>
 dualkv_status check_modifiers(const Params& p, const char* what) {
@@ -249,12 +234,13 @@ dualkv_status check_common(const Params* p, const char* what) {
     return check_host_layout(l, &p->prefixes);
   }
   if (p->device == DUALKV_DEVICE_CUDA) {
-    // The kernels implement neither the mask modifiers nor external prefixes yet: refused in every
-    // build, before anything else of the device (the plans:
-    // docs/notes/2026-12-01-mask-modifiers-kernel-plan.md, 2026-12-01-external-prefix-kernels.md).
-    if (const std::string used = modifiers_in_use(*p); !used.empty())
-      return fail(DUALKV_ERROR_UNSUPPORTED, "%s: mask modifiers not implemented by the CUDA backend yet: %s (the "
-                  "CPU backend has them)", what, used.c_str());
+    // The kernels run the softcap and sinks modifiers (issue 16), neither the sliding window nor
+    // external prefixes yet: refused in every build, before anything else of the device (the
+    // plans: docs/notes/2026-12-01-mask-modifiers-kernel-plan.md, 2026-12-01-external-prefix-kernels.md).
+    if (p->window != 0)
+      return fail(DUALKV_ERROR_UNSUPPORTED, "%s: mask modifiers not implemented by the CUDA backend yet: sliding "
+                  "window %d (the CPU backend has it; CUDA runs softcap and sinks)%s", what, p->window,
+                  p->prefixes.num_prefixes != 0 ? "; with external prefix segments as well" : "");
     if (p->prefixes.num_prefixes != 0)
       return fail(DUALKV_ERROR_UNSUPPORTED, "%s: external prefix segments are not supported by the CUDA backend yet "
                   "(the CPU backend runs them)", what);
@@ -391,7 +377,8 @@ DUALKV_API const char* dualkv_build_info(void) {
                     ", \"isa\": \"" + cpu_isa() + "\", \"modifiers\": [\"window\", \"softcap\", \"sinks\"]}";
 #if defined(DUALKV_WITH_CUDA)
     // "modifiers": the mask modifiers a backend implements (check_common refuses the others).
-    s += ", \"backends\": [\"cpu\", \"cuda\"], \"cuda\": {" + cuda_build_info_json() + ", \"modifiers\": []}";
+    s += ", \"backends\": [\"cpu\", \"cuda\"], \"cuda\": {" + cuda_build_info_json() +
+         ", \"modifiers\": [\"softcap\", \"sinks\"]}";
 #else
     s += ", \"backends\": [\"cpu\"]";
 #endif

@@ -28,8 +28,9 @@
 // The window has its own parts 1-4 below (the *_in_window / window-taking overloads); the CPU
 // backend uses them. They number a segment's keys as ForestView::keys_begin does, so an external
 // prefix segment's rows (layout.h) are cut at their positions like any ancestor's tokens. The GPU
-// kernels use the forest-rule parts and refuse the modifiers (api.cpp);
-// docs/notes/2026-12-01-mask-modifiers-kernel-plan.md is the plan for them.
+// kernels use the forest-rule parts, softcap (SoftcapFromExp) and sinks (fold_sink,
+// sink_probability); they refuse the window so far (api.cpp);
+// docs/notes/2026-12-01-mask-modifiers-kernel-plan.md is the plan for it.
 // docs/adding_kernels.md lists the call sites of a new modifier.
 #ifndef DUALKV_MASK_H_
 #define DUALKV_MASK_H_
@@ -232,6 +233,18 @@ DUALKV_HOST_DEVICE F softcap_grad(F capped, F c) {
   const F t = capped / c;
   return F(1) - t * t;
 }
+
+// The kernels' fp32 form of both, from e = exp(2 s / c) (which they get as one exp2 of the raw
+// dot product times 2 log2(e) scale / c): tanh(s / c) = 1 - 2 / (e + 1). The kernels are built
+// with fast math, where tanhf becomes the hardware's approximate tanh (relative error ~2^-11: a
+// logit capped at 50 would move by ~0.02); this form keeps the capped score's absolute error at
+// fp32 rounding (times c), and is exact at both ends (e = 0: -1; e = inf: 1).
+struct SoftcapFromExp {
+  float t;  // tanh(s / c)
+  DUALKV_HOST_DEVICE explicit SoftcapFromExp(float e) : t(1.f - 2.f / (e + 1.f)) {}
+  DUALKV_HOST_DEVICE float score(float c) const { return c * t; }  // softcap_score
+  DUALKV_HOST_DEVICE float grad() const { return 1.f - t * t; }    // softcap_grad
+};
 
 // A sink logit (gpt-oss) folded into a row's softmax: one more key, of value zero, in the online
 // softmax. The row's visible scores have maximum row_max and sum_j exp(s_j - row_max) = row_sum;

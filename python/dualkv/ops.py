@@ -314,7 +314,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Layout,
     :mod:`dualkv.schedule`'s prompt phase); they are differentiable too: their gradient is the sum
     over every query of this call that sees them. CPU backend only for now.
 
-    Mask modifiers (CPU backend; the CUDA backend refuses them for now):
+    Mask modifiers (CPU backend: all three; CUDA backend: softcap and sinks, the window not yet):
 
     * ``window``: a sliding window of ``window`` positions: query i also stops seeing key j when
       ``position(i) - position(j) >= window``, positions along the root-to-leaf path (the

@@ -17,6 +17,7 @@
 #include "internal.h"
 #include "kernel_params.h"
 #include "kernel_table.h"  // generated: every arch's arch.h and the kernel lists
+#include "modifiers.cuh"
 #include "plan.h"
 #include "tile_size.h"
 
@@ -158,7 +159,8 @@ size_t bwd_partials_bytes(const dualkv_bwd_params& p) {
 }
 
 LayoutPtrs layout_ptrs(const dualkv_layout& l) {
-  return LayoutPtrs{l.seg_offsets, l.seg_parent, l.seg_subtree_end, l.num_segments, l.num_tokens};
+  return LayoutPtrs{l.seg_offsets, l.seg_parent, l.seg_subtree_end, l.num_segments, l.num_tokens,
+                    l.seg_position_offset};
 }
 
 // One arch of the kernel table, as the dispatcher sees it (each folder's arch.h).
@@ -183,23 +185,42 @@ const Arch kArchs[] = {DUALKV_ARCHS(DKV_ARCH)};
 template <typename Args>
 using Launcher = cudaError_t (*)(const Args&, int sms, cudaStream_t);
 
-// `arch`'s launcher for (head dim, dtype) in this build, or null.
+// The mask modifiers a call compiles in (modifiers.cuh; instantiated by src/cuda/CMakeLists.txt):
+// the forward's softcap and sinks, the backward's softcap (its sinks' gradient is not a kernel
+// variant).
+struct ModifierVariant {
+  bool softcap;
+  bool sinks;
+};
+ModifierVariant modifier_variant(const FwdArgs& a) { return {a.softcap > 0.f, a.sinks != nullptr}; }
+ModifierVariant modifier_variant(const BwdArgs& a) { return {a.softcap > 0.f, false}; }
+
+// One launcher of `FN` (an arch's run_fwd / run_bwd) per modifier variant.
+#define DKV_PICK_MODS(FN, D, T, V)                                                                  \
+  ((V).softcap ? ((V).sinks ? &FN<D, T, Modifiers<true, true>> : &FN<D, T, Modifiers<true, false>>) \
+               : ((V).sinks ? &FN<D, T, Modifiers<false, true>> : &FN<D, T, Modifiers<false, false>>))
+#define DKV_PICK_MODS_BWD(FN, D, T, V) \
+  ((V).softcap ? &FN<D, T, Modifiers<true, false>> : &FN<D, T, Modifiers<false, false>>)
+
+// `arch`'s launcher for (head dim, dtype, modifiers) in this build, or null.
 template <typename Args>
-Launcher<Args> find_launcher(const char* arch, int head_dim, bool bf16) {
-#define DKV_LAUNCHER(ARCH, D, DIR)                                                              \
+Launcher<Args> find_launcher(const char* arch, int head_dim, bool bf16, ModifierVariant mods) {
+#define DKV_LAUNCHER(ARCH, D, DIR, PICK)                                                        \
   if (head_dim == D && std::strcmp(arch, #ARCH) == 0)                                           \
-    return bf16 ? &ARCH::run_##DIR<D, __nv_bfloat16> : &ARCH::run_##DIR<D, __half>;
+    return bf16 ? PICK(ARCH::run_##DIR, D, __nv_bfloat16, mods) : PICK(ARCH::run_##DIR, D, __half, mods);
   if constexpr (std::is_same_v<Args, FwdArgs>) {
-#define DKV_FWD(ARCH, D) DKV_LAUNCHER(ARCH, D, fwd)
+#define DKV_FWD(ARCH, D) DKV_LAUNCHER(ARCH, D, fwd, DKV_PICK_MODS)
     DUALKV_FWD_KERNELS(DKV_FWD)
 #undef DKV_FWD
   } else {
-#define DKV_BWD(ARCH, D) DKV_LAUNCHER(ARCH, D, bwd)
+#define DKV_BWD(ARCH, D) DKV_LAUNCHER(ARCH, D, bwd, DKV_PICK_MODS_BWD)
     DUALKV_BWD_KERNELS(DKV_BWD)
 #undef DKV_BWD
   }
 #undef DKV_LAUNCHER
   return nullptr;
+#undef DKV_PICK_MODS
+#undef DKV_PICK_MODS_BWD
 }
 
 // DUALKV_LOG_KERNELS=1: one line on stderr per call saying which kernel family runs and, when an
@@ -225,7 +246,8 @@ dualkv_status run_on_first_arch(const char* dir, const Args& a, int head_dim, in
   constexpr bool kFwd = std::is_same_v<Args, FwdArgs>;
   std::string passed_over;  // why the last arch before the one that runs was not used
   for (const Arch& arch : kArchs) {
-    const Launcher<Args> launch = find_launcher<Args>(arch.name, head_dim, dtype == DUALKV_DTYPE_BFLOAT16);
+    const Launcher<Args> launch =
+        find_launcher<Args>(arch.name, head_dim, dtype == DUALKV_DTYPE_BFLOAT16, modifier_variant(a));
     const char* env = kFwd ? arch.fwd_disable_env : arch.bwd_disable_env;
     if (!arch.runs_on(info.major, info.minor)) {
       passed_over = arch.device_mismatch;
@@ -248,6 +270,17 @@ dualkv_status run_on_first_arch(const char* dir, const Args& a, int head_dim, in
   }
   return fail(DUALKV_ERROR_UNSUPPORTED, "%s: no CUDA kernel takes head_dim %d on this device (%s)", dir, head_dim,
               passed_over.c_str());
+}
+
+// The mask modifiers of a call (issue 16) into the kernels' arguments: the scores' cap and the
+// factor SoftcapFromExp takes (mask.h), the sinks (float32: the lse dtype on CUDA), the window.
+template <typename Params, typename Args>
+void set_modifiers(const Params& p, Args* a) {
+  a->window = p.window;
+  a->softcap = static_cast<float>(p.softcap);
+  a->softcap_exp2_factor =
+      p.softcap > 0.0 ? static_cast<float>(2.0 * 1.4426950408889634 * p.softmax_scale / p.softcap) : 0.f;
+  a->sinks = static_cast<const float*>(p.sinks);
 }
 
 }  // namespace
@@ -333,6 +366,7 @@ dualkv_status cuda_fwd(const dualkv_fwd_params& p) {
   a.scale = static_cast<float>(p.softmax_scale);
   a.scale_log2 = static_cast<float>(p.softmax_scale * 1.4426950408889634);
   a.counter = static_cast<int32_t*>(p.workspace);
+  set_modifiers(p, &a);
 
   cudaGetLastError();  // do not report an earlier, unrelated launch error as ours
   return run_on_first_arch("fwd", a, p.head_dim, p.dtype, info, static_cast<cudaStream_t>(p.stream));
@@ -388,6 +422,8 @@ dualkv_status cuda_bwd(const dualkv_bwd_params& p) {
     ws += align_workspace(T * H * p.head_dim * sizeof(float));
   }
   a.partials = a.n_slots > 0 ? reinterpret_cast<float*>(ws) : nullptr;
+  set_modifiers(p, &a);
+  a.dsinks = static_cast<float*>(p.dsinks);
 
   cudaGetLastError();
   return run_on_first_arch("bwd", a, p.head_dim, p.dtype, info, static_cast<cudaStream_t>(p.stream));

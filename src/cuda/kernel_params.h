@@ -15,6 +15,7 @@ struct LayoutPtrs {
   const int32_t* subtree_end;
   int32_t num_segments;
   int32_t num_tokens;
+  const int32_t* position_offset;  // [S] (mask modifiers, issue 16: positions for the window)
 };
 
 struct FwdArgs {
@@ -31,6 +32,13 @@ struct FwdArgs {
   float scale;       // softmax scale
   float scale_log2;  // scale * log2(e)
   int32_t* counter;  // work-item counter, zeroed before the launch
+  // mask modifiers (issue 16): each off when zero / null. The kernels take softcap and sinks as
+  // compile-time flags (modifiers.cuh); the window is carried for the plan key check only (the
+  // kernels do not run it yet: api.cpp refuses it on CUDA).
+  int32_t window;
+  float softcap;              // c > 0: scores s = scale q.k become c tanh(s / c)
+  float softcap_exp2_factor;  // 2 log2(e) scale / c: tanh(scale q.k / c) from exp2(q.k factor)
+  const float* sinks;         // [H] sink logits (natural units), or null
 };
 
 struct BwdArgs {
@@ -59,6 +67,14 @@ struct BwdArgs {
   float* delta;        // [H, T]: rowsum(dO * O) - dlse
   float* dq_accum;     // [T, H, D] fp32 (atomic mode only)
   float* partials;     // [n_slots, Hk, 2, BlockN, D] fp32 split partial dK / dV
+  // mask modifiers (issue 16): each off when zero / null. The kernels take softcap and sinks as
+  // compile-time flags (modifiers.cuh); the window is carried for the plan key check only (the
+  // kernels do not run it yet: api.cpp refuses it on CUDA).
+  int32_t window;
+  float softcap;              // c > 0: scores s = scale q.k become c tanh(s / c)
+  float softcap_exp2_factor;  // 2 log2(e) scale / c: tanh(scale q.k / c) from exp2(q.k factor)
+  const float* sinks;         // [H] sink logits (natural units), or null
+  float* dsinks;              // [H] d loss / d sinks (written), with sinks
 };
 
 }  // namespace dualkv::cuda

@@ -9,11 +9,11 @@
 
 namespace dualkv::cuda::sm80 {
 
-template <int D, typename T>
+template <int D, typename T, typename Mods>
 cudaError_t run_fwd(const FwdArgs& args, int sms, cudaStream_t stream) {
   const cudaError_t err = cudaMemsetAsync(args.counter, 0, sizeof(int32_t), stream);
   if (err != cudaSuccess) return err;
-  return launch_on_sms<fwd_kernel<D, T>>(FwdConfig<D>::kThreads, sizeof(FwdSmem<D, T>), sms, args, stream);
+  return launch_on_sms<fwd_kernel<D, T, Mods>>(FwdConfig<D>::kThreads, sizeof(FwdSmem<D, T>), sms, args, stream);
 }
 
 }  // namespace dualkv::cuda::sm80

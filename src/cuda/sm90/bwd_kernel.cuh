@@ -61,6 +61,7 @@
 
 #include "convert.cuh"
 #include "kernel_params.h"
+#include "modifiers.cuh"
 #include "plan_reader.cuh"
 #include "sm90/ptx.cuh"
 #include "sm90/wgmma_ops.cuh"
@@ -185,11 +186,41 @@ __device__ __forceinline__ void bwd_softmax_p(float (&sacc)[N], const float* lse
   }
 }
 
+// bwd_softmax_p with a softcap (mask modifiers, issue 16): P^T from the capped scores, masked as
+// there, packed into A fragments pf (m = kv, k = q: pf[2j + h] holds elements 4j + 2h, 4j + 2h + 1)
+// for dV += P^T dO, while sacc becomes P^T times the cap's derivative (dS^T = that (dP^T - delta)).
+// So the derivative needs no registers of its own next to sacc and the running dP^T product.
+template <typename T, int N>
+__device__ __forceinline__ void bwd_softmax_p_softcap(float (&sacc)[N], uint32_t (&pf)[N / 2], const float* lse_s,
+                                                      const BwdArgs& a, int t4, int kv_row0, int klen, int32_t k0,
+                                                      int32_t qt, bool mask) {
+#pragma unroll
+  for (int j = 0; j < N / 4; ++j) {
+    const int c = j * 8 + 2 * t4;
+    const float2 l2 = *reinterpret_cast<const float2*>(lse_s + c);
+    float pv[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float lv = (e & 1) ? l2.y : l2.x;
+      const SoftcapFromExp cap = softcap_of(sacc[4 * j + e], a);
+      pv[e] = fast_exp2(fmaf(cap.score(a.softcap), 1.4426950408889634f, -lv));
+      if (mask) {
+        const int r = kv_row0 + (e >> 1) * 8;
+        if (r >= klen || k0 + r > qt + c + (e & 1)) pv[e] = 0.f;
+      }
+      sacc[4 * j + e] = pv[e] * cap.grad();
+    }
+    pf[2 * j] = Convert<T>::pack(pv[0], pv[1]);
+    pf[2 * j + 1] = Convert<T>::pack(pv[2], pv[3]);
+  }
+}
+
 // dq_full arrivals: as qdo_empty, one per consumer warp (every thread in the
 // per-thread-release diagnostic build).
 constexpr uint32_t kBwdDqFullCount = kBwdQdoEmptyCount;
 
-template <typename T, int D, bool kAtomicDq>
+// Mods: the mask modifiers compiled in (modifiers.cuh: only kSoftcap changes this kernel).
+template <typename T, int D, bool kAtomicDq, typename Mods = NoModifiers>
 __global__ void __launch_bounds__(Sm90BwdConfig<D>::kThreads, 1)
 bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
   // The deterministic kernel computes no dQ, so it has no dQ writer (nor staging).
@@ -441,10 +472,18 @@ bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
       // not (the test is uniform per warpgroup and step): ptxas does not move it across the join,
       // and an unmasked step skips the per-element mask arithmetic.
       const bool mask = tail || qt < k0 + cw * 64 + 63;
-      if (mask)
-        bwd_softmax_p(sacc, lse_s, sl2, t4, kv_row0, klen, k0, qt, true);
-      else
-        bwd_softmax_p(sacc, lse_s, sl2, t4, kv_row0, klen, k0, qt, false);
+      uint32_t pf[BM / 4], dsf[BM / 4];  // A fragments (m = kv, k = q) of P^T and dS^T
+      if constexpr (Mods::kSoftcap) {  // mask modifiers (issue 16): pf packed here, sacc = P^T cap'
+        if (mask)
+          bwd_softmax_p_softcap<T>(sacc, pf, lse_s, a, t4, kv_row0, klen, k0, qt, true);
+        else
+          bwd_softmax_p_softcap<T>(sacc, pf, lse_s, a, t4, kv_row0, klen, k0, qt, false);
+      } else {
+        if (mask)
+          bwd_softmax_p(sacc, lse_s, sl2, t4, kv_row0, klen, k0, qt, true);
+        else
+          bwd_softmax_p(sacc, lse_s, sl2, t4, kv_row0, klen, k0, qt, false);
+      }
       wgmma_wait<0>();
       fence_regs(dpacc);
 #pragma unroll
@@ -453,13 +492,11 @@ bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) dpacc[4 * j + e] = sacc[4 * j + e] * (dpacc[4 * j + e] - ((e & 1) ? d2.y : d2.x));
       }
-      // A fragments (m = kv, k = q) of P^T and dS^T.
-      uint32_t pf[BM / 4], dsf[BM / 4];
 #pragma unroll
       for (int kk = 0; kk < BM / 16; ++kk) {
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-          pf[4 * kk + i] = Convert<T>::pack(sacc[8 * kk + 2 * i], sacc[8 * kk + 2 * i + 1]);
+          if constexpr (!Mods::kSoftcap) pf[4 * kk + i] = Convert<T>::pack(sacc[8 * kk + 2 * i], sacc[8 * kk + 2 * i + 1]);
           dsf[4 * kk + i] = Convert<T>::pack(dpacc[8 * kk + 2 * i], dpacc[8 * kk + 2 * i + 1]);
         }
       }

@@ -118,7 +118,8 @@ __device__ __forceinline__ uint4 bwd_ld_shared_v4(uint32_t addr) {
   return v;
 }
 
-template <typename T, bool kAtomicDq>
+// Mods: the mask modifiers compiled in (modifiers.cuh: only kSoftcap changes this kernel).
+template <typename T, bool kAtomicDq, typename Mods = NoModifiers>
 __global__ void __launch_bounds__(Sm90BwdConfigD256::kThreads, 1)
 bwd_sm90_kernel_d256(const __grid_constant__ Sm90BwdParams<256> p) {
   using C = Sm90BwdConfigD256;
@@ -354,11 +355,24 @@ bwd_sm90_kernel_d256(const __grid_constant__ Sm90BwdParams<256> p) {
       uint32_t frag[BM / 4];
       if (p_role) {
         const float* lse_s = s_lse + st * BM;
+        if constexpr (Mods::kSoftcap) {
+          // Mask modifiers (issue 16): the dS role gets P^T times the cap's derivative (dS^T = that
+          // (dP^T - delta)); this role keeps P^T for dV (A fragments below).
+          uint32_t pf[BM / 4];
+          bwd_softmax_p_softcap<T>(sacc, pf, lse_s, a, t4, kv_row0, klen, k0, qt, tail || qt < k0 + BN - 1);
+#pragma unroll
+          for (int i = 0; i < BM / 8; ++i)
+            bwd_st_shared_v4(p_thread + i * 2048, __float_as_uint(sacc[4 * i]), __float_as_uint(sacc[4 * i + 1]),
+                             __float_as_uint(sacc[4 * i + 2]), __float_as_uint(sacc[4 * i + 3]));
+#pragma unroll
+          for (int i = 0; i < BM / 4; ++i) frag[i] = pf[i];
+        } else {
         bwd_softmax_p(sacc, lse_s, sl2, t4, kv_row0, klen, k0, qt, tail || qt < k0 + BN - 1);
 #pragma unroll
         for (int i = 0; i < BM / 8; ++i)
           bwd_st_shared_v4(p_thread + i * 2048, __float_as_uint(sacc[4 * i]), __float_as_uint(sacc[4 * i + 1]),
                            __float_as_uint(sacc[4 * i + 2]), __float_as_uint(sacc[4 * i + 3]));
+        }
         if (kBwdRacecheckBarriers)
           named_bar_sync(kBwdPBarrier, 256);
         else
@@ -376,10 +390,12 @@ bwd_sm90_kernel_d256(const __grid_constant__ Sm90BwdParams<256> p) {
           for (int e = 0; e < 4; ++e) sacc[4 * j + e] = pv[e] * (sacc[4 * j + e] - ((e & 1) ? d2.y : d2.x));
         }
       }
+      if (!Mods::kSoftcap || !p_role) {  // a softcap P role packed P^T above
 #pragma unroll
       for (int kk = 0; kk < BM / 16; ++kk) {
 #pragma unroll
         for (int i = 0; i < 4; ++i) frag[4 * kk + i] = Convert<T>::pack(sacc[8 * kk + 2 * i], sacc[8 * kk + 2 * i + 1]);
+      }
       }
 
       // dV += P^T dO (P role) or dK += dS^T Q (dS role): B = dO / Q [q][d] read N-major.

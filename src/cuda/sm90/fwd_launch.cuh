@@ -13,7 +13,7 @@ namespace dualkv::cuda::sm90 {
 // Forward query tiles per scheduling window (decode_fwd_item, plan_reader.cuh).
 constexpr int kTileWindow = 16;
 
-template <int D, typename T>
+template <int D, typename T, typename Mods>
 cudaError_t run_fwd(const FwdArgs& args, int sms, cudaStream_t stream) {
   using C = Sm90FwdConfig<D>;
   // The plan's forward items are query tiles of plan_tiles(D).fwd_block_m rows; the kernel holds one
@@ -28,7 +28,7 @@ cudaError_t run_fwd(const FwdArgs& args, int sms, cudaStream_t stream) {
       !make_map(&p.tk, kTmaType<T>, args.k, D, Hk, T_, args.k_hs, args.k_ts, C::kBlockN) ||
       !make_map(&p.tv, kTmaType<T>, args.v, D, Hk, T_, args.v_hs, args.v_ts, C::kBlockN))
     return cudaErrorNotSupported;
-  auto kernel = fwd_sm90_kernel<T, D>;
+  auto kernel = fwd_sm90_kernel<T, D, Mods>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          static_cast<int>(C::kSmemBytes));
   if (err != cudaSuccess) return err;
