@@ -348,6 +348,103 @@ size_t bwd_workspace(const dualkv_bwd_params& p) {
 
 using namespace dualkv::detail;
 
+namespace {
+
+// A plan request as the library takes it: the _ex entry points' struct (its size checked), or the
+// plain entry points' arguments with no window.
+dualkv_status read_plan_request(const dualkv_plan_request* r, const char* what, dualkv_plan_request* out) {
+  if (!r) return fail(DUALKV_ERROR_INVALID_ARGUMENT, "%s: request is NULL", what);
+  if (r->struct_size != sizeof(dualkv_plan_request))
+    return fail(DUALKV_ERROR_VERSION, "%s: request struct_size %u does not match the library's %zu", what,
+                r->struct_size, sizeof(dualkv_plan_request));
+  if (r->window < 0)
+    return fail(DUALKV_ERROR_INVALID_ARGUMENT, "%s: window must be >= 1 (or 0 for none), got %d", what, r->window);
+  *out = *r;
+  return DUALKV_OK;
+}
+
+dualkv_plan_request plain_request(int32_t device, int32_t device_index, int32_t dtype, int32_t head_dim) {
+  return dualkv_plan_request{sizeof(dualkv_plan_request), device, device_index, dtype, head_dim, 0};
+}
+
+dualkv_status plan_size(const dualkv_layout* host_layout, const dualkv_plan_request& r, int64_t* plan_len,
+                        uint64_t* plan_key) {
+  if (!host_layout || !plan_len || !plan_key)
+    return fail(DUALKV_ERROR_INVALID_ARGUMENT, "plan_size: NULL argument");
+  if (dualkv_status st = check_host_layout(*host_layout); st != DUALKV_OK) return st;
+  if (r.device == DUALKV_DEVICE_CPU) {
+    *plan_len = 0;
+    *plan_key = 0;
+    return DUALKV_OK;
+  }
+#if defined(DUALKV_WITH_CUDA)
+  if (r.device == DUALKV_DEVICE_CUDA) {
+    if (dualkv_status st = cuda_check_supported(r.device_index, r.dtype, r.head_dim); st != DUALKV_OK) return st;
+    return cuda_plan_size(*host_layout, r.device_index, r.dtype, r.head_dim, r.window, plan_len, plan_key);
+  }
+#else
+  if (r.device == DUALKV_DEVICE_CUDA)
+    return fail(DUALKV_ERROR_UNSUPPORTED, "plan_size: this libdualkv was built without CUDA");
+#endif
+  return fail(DUALKV_ERROR_INVALID_ARGUMENT, "plan_size: unknown device code %d", r.device);
+}
+
+dualkv_status plan_build(const dualkv_layout* host_layout, const dualkv_plan_request& r, int32_t* plan,
+                         int64_t plan_len) {
+  if (!host_layout) return fail(DUALKV_ERROR_INVALID_ARGUMENT, "plan_build: layout is NULL");
+  if (dualkv_status st = check_host_layout(*host_layout); st != DUALKV_OK) return st;
+  if (r.device == DUALKV_DEVICE_CPU) return DUALKV_OK;
+#if defined(DUALKV_WITH_CUDA)
+  if (r.device == DUALKV_DEVICE_CUDA) {
+    if (!plan) return fail(DUALKV_ERROR_INVALID_ARGUMENT, "plan_build: plan is NULL");
+    if (dualkv_status st = cuda_check_supported(r.device_index, r.dtype, r.head_dim); st != DUALKV_OK) return st;
+    return cuda_plan_build(*host_layout, r.device_index, r.dtype, r.head_dim, r.window, plan, plan_len);
+  }
+#else
+  (void)plan; (void)plan_len;
+  if (r.device == DUALKV_DEVICE_CUDA)
+    return fail(DUALKV_ERROR_UNSUPPORTED, "plan_build: this libdualkv was built without CUDA");
+#endif
+  return fail(DUALKV_ERROR_INVALID_ARGUMENT, "plan_build: unknown device code %d", r.device);
+}
+
+dualkv_status plan_inspect(const dualkv_layout* host_layout, int32_t head_dim, int32_t window, int32_t num_sms,
+                           dualkv_plan_info* info, int32_t* plan, int64_t plan_len) {
+  if (!host_layout || !info) return fail(DUALKV_ERROR_INVALID_ARGUMENT, "plan_inspect: NULL argument");
+  if (info->struct_size != sizeof(dualkv_plan_info))
+    return fail(DUALKV_ERROR_VERSION, "plan_inspect: info struct_size %u does not match the library's %zu",
+                info->struct_size, sizeof(dualkv_plan_info));
+  if (head_dim < 1 || num_sms < 1)
+    return fail(DUALKV_ERROR_INVALID_ARGUMENT, "plan_inspect: head_dim (%d) and num_sms (%d) must be >= 1",
+                head_dim, num_sms);
+  if (dualkv_status st = check_host_layout(*host_layout); st != DUALKV_OK) return st;
+  dualkv::plan::Plan p;
+  if (dualkv_status st = dualkv::plan::build(*host_layout, head_dim, window, num_sms, &p); st != DUALKV_OK)
+    return st;
+  const dualkv::PlanTiles tiles = dualkv::plan_tiles(head_dim);
+  const int32_t* hdr = p.data.data();
+  info->head_dim = head_dim;
+  info->fwd_block_m = tiles.fwd_block_m;
+  info->bwd_block_n = tiles.bwd_block_n;
+  info->bwd_block_m = tiles.bwd_block_m;
+  info->bwd_split_rows = p.split_rows;
+  info->num_fwd_tiles = hdr[dualkv::kHdrNumFwd];
+  info->num_bwd_items = hdr[dualkv::kHdrNumBwd];
+  info->num_reductions = hdr[dualkv::kHdrNumRed];
+  info->num_split_slots = hdr[dualkv::kHdrNumSlots];
+  info->plan_len = static_cast<int64_t>(p.data.size());
+  info->plan_key = p.key;
+  if (plan) {
+    if (plan_len != info->plan_len)
+      return fail(DUALKV_ERROR_INVALID_ARGUMENT, "plan_inspect: plan_len %lld, but this layout's plan has %lld int32",
+                  static_cast<long long>(plan_len), static_cast<long long>(info->plan_len));
+    std::memcpy(plan, p.data.data(), p.data.size() * sizeof(int32_t));
+  }
+  return DUALKV_OK;
+}
+
+}  // namespace
+
 extern "C" {
 
 DUALKV_API uint32_t dualkv_abi_version(void) { return DUALKV_ABI_VERSION; }
@@ -391,82 +488,46 @@ DUALKV_API dualkv_status dualkv_plan_size(const dualkv_layout* host_layout, int3
                                           int32_t device_index, int32_t dtype, int32_t head_dim,
                                           int64_t* plan_len, uint64_t* plan_key) {
   clear_error();
-  if (!host_layout || !plan_len || !plan_key)
-    return fail(DUALKV_ERROR_INVALID_ARGUMENT, "plan_size: NULL argument");
-  if (dualkv_status st = check_host_layout(*host_layout); st != DUALKV_OK) return st;
-  if (device == DUALKV_DEVICE_CPU) {
-    *plan_len = 0;
-    *plan_key = 0;
-    return DUALKV_OK;
-  }
-#if defined(DUALKV_WITH_CUDA)
-  if (device == DUALKV_DEVICE_CUDA) {
-    if (dualkv_status st = cuda_check_supported(device_index, dtype, head_dim); st != DUALKV_OK) return st;
-    return cuda_plan_size(*host_layout, device_index, dtype, head_dim, plan_len, plan_key);
-  }
-#else
-  (void)device_index; (void)dtype; (void)head_dim;
-  if (device == DUALKV_DEVICE_CUDA)
-    return fail(DUALKV_ERROR_UNSUPPORTED, "plan_size: this libdualkv was built without CUDA");
-#endif
-  return fail(DUALKV_ERROR_INVALID_ARGUMENT, "plan_size: unknown device code %d", device);
+  return plan_size(host_layout, plain_request(device, device_index, dtype, head_dim), plan_len, plan_key);
 }
 
 DUALKV_API dualkv_status dualkv_plan_build(const dualkv_layout* host_layout, int32_t device,
                                            int32_t device_index, int32_t dtype, int32_t head_dim,
                                            int32_t* plan, int64_t plan_len) {
   clear_error();
-  if (!host_layout) return fail(DUALKV_ERROR_INVALID_ARGUMENT, "plan_build: layout is NULL");
-  if (dualkv_status st = check_host_layout(*host_layout); st != DUALKV_OK) return st;
-  if (device == DUALKV_DEVICE_CPU) return DUALKV_OK;
-#if defined(DUALKV_WITH_CUDA)
-  if (device == DUALKV_DEVICE_CUDA) {
-    if (!plan) return fail(DUALKV_ERROR_INVALID_ARGUMENT, "plan_build: plan is NULL");
-    if (dualkv_status st = cuda_check_supported(device_index, dtype, head_dim); st != DUALKV_OK) return st;
-    return cuda_plan_build(*host_layout, device_index, dtype, head_dim, plan, plan_len);
-  }
-#else
-  (void)device_index; (void)dtype; (void)head_dim; (void)plan; (void)plan_len;
-  if (device == DUALKV_DEVICE_CUDA)
-    return fail(DUALKV_ERROR_UNSUPPORTED, "plan_build: this libdualkv was built without CUDA");
-#endif
-  return fail(DUALKV_ERROR_INVALID_ARGUMENT, "plan_build: unknown device code %d", device);
+  return plan_build(host_layout, plain_request(device, device_index, dtype, head_dim), plan, plan_len);
+}
+
+DUALKV_API dualkv_status dualkv_plan_size_ex(const dualkv_layout* host_layout, const dualkv_plan_request* request,
+                                             int64_t* plan_len, uint64_t* plan_key) {
+  clear_error();
+  dualkv_plan_request r;
+  if (dualkv_status st = read_plan_request(request, "plan_size", &r); st != DUALKV_OK) return st;
+  return plan_size(host_layout, r, plan_len, plan_key);
+}
+
+DUALKV_API dualkv_status dualkv_plan_build_ex(const dualkv_layout* host_layout, const dualkv_plan_request* request,
+                                              int32_t* plan, int64_t plan_len) {
+  clear_error();
+  dualkv_plan_request r;
+  if (dualkv_status st = read_plan_request(request, "plan_build", &r); st != DUALKV_OK) return st;
+  return plan_build(host_layout, r, plan, plan_len);
 }
 
 DUALKV_API dualkv_status dualkv_plan_inspect(const dualkv_layout* host_layout, int32_t head_dim,
                                              int32_t num_sms, dualkv_plan_info* info, int32_t* plan,
                                              int64_t plan_len) {
   clear_error();
-  if (!host_layout || !info) return fail(DUALKV_ERROR_INVALID_ARGUMENT, "plan_inspect: NULL argument");
-  if (info->struct_size != sizeof(dualkv_plan_info))
-    return fail(DUALKV_ERROR_VERSION, "plan_inspect: info struct_size %u does not match the library's %zu",
-                info->struct_size, sizeof(dualkv_plan_info));
-  if (head_dim < 1 || num_sms < 1)
-    return fail(DUALKV_ERROR_INVALID_ARGUMENT, "plan_inspect: head_dim (%d) and num_sms (%d) must be >= 1",
-                head_dim, num_sms);
-  if (dualkv_status st = check_host_layout(*host_layout); st != DUALKV_OK) return st;
-  dualkv::plan::Plan p;
-  if (dualkv_status st = dualkv::plan::build(*host_layout, head_dim, num_sms, &p); st != DUALKV_OK) return st;
-  const dualkv::PlanTiles tiles = dualkv::plan_tiles(head_dim);
-  const int32_t* hdr = p.data.data();
-  info->head_dim = head_dim;
-  info->fwd_block_m = tiles.fwd_block_m;
-  info->bwd_block_n = tiles.bwd_block_n;
-  info->bwd_block_m = tiles.bwd_block_m;
-  info->bwd_split_rows = p.split_rows;
-  info->num_fwd_tiles = hdr[dualkv::kHdrNumFwd];
-  info->num_bwd_items = hdr[dualkv::kHdrNumBwd];
-  info->num_reductions = hdr[dualkv::kHdrNumRed];
-  info->num_split_slots = hdr[dualkv::kHdrNumSlots];
-  info->plan_len = static_cast<int64_t>(p.data.size());
-  info->plan_key = p.key;
-  if (plan) {
-    if (plan_len != info->plan_len)
-      return fail(DUALKV_ERROR_INVALID_ARGUMENT, "plan_inspect: plan_len %lld, but this layout's plan has %lld int32",
-                  static_cast<long long>(plan_len), static_cast<long long>(info->plan_len));
-    std::memcpy(plan, p.data.data(), p.data.size() * sizeof(int32_t));
-  }
-  return DUALKV_OK;
+  return plan_inspect(host_layout, head_dim, 0, num_sms, info, plan, plan_len);
+}
+
+DUALKV_API dualkv_status dualkv_plan_inspect_ex(const dualkv_layout* host_layout, const dualkv_plan_request* request,
+                                                int32_t num_sms, dualkv_plan_info* info, int32_t* plan,
+                                                int64_t plan_len) {
+  clear_error();
+  dualkv_plan_request r;
+  if (dualkv_status st = read_plan_request(request, "plan_inspect", &r); st != DUALKV_OK) return st;
+  return plan_inspect(host_layout, r.head_dim, r.window, num_sms, info, plan, plan_len);
 }
 
 DUALKV_API dualkv_status dualkv_fwd_workspace_size(const dualkv_fwd_params* params, size_t* bytes) {

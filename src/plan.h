@@ -20,14 +20,15 @@ struct Plan {
   int32_t split_rows = 0;     // backward query ranges longer than this were cut into several items
 };
 
-// Builds the plan of a valid, derived host layout for `head_dim` on a device with `num_sms`
-// multiprocessors (the backward split length is max(8192, total / num_sms) query rows, or
-// DUALKV_CUDA_SPLIT_ROWS when set: tests use it to exercise splits).
-dualkv_status build(const dualkv_layout& layout, int head_dim, int num_sms, Plan* out);
+// Builds the plan of a valid, derived host layout for `head_dim` and a sliding window of `window`
+// positions (0: none; plan_format.h) on a device with `num_sms` multiprocessors (the backward split
+// length is max(8192, total / num_sms) query rows, or DUALKV_CUDA_SPLIT_ROWS when set: tests use
+// it to exercise splits).
+dualkv_status build(const dualkv_layout& layout, int head_dim, int32_t window, int num_sms, Plan* out);
 
-// The part of the plan key that names the tiling and the layout's S and T: kernels' callers
-// recompute it from their params and reject a plan built for anything else.
-uint64_t key_hash(int head_dim, int32_t num_segments, int32_t num_tokens);
+// The part of the plan key that names the tiling, the window and the layout's S and T: kernels'
+// callers recompute it from their params and reject a plan built for anything else.
+uint64_t key_hash(int head_dim, int32_t num_segments, int32_t num_tokens, int32_t window);
 
 // Split slots recorded in a plan key (they size the backward workspace).
 inline int32_t key_slots(uint64_t key) { return static_cast<int32_t>(key & kPlanSlotMask); }

@@ -267,6 +267,23 @@ DUALKV_API dualkv_status dualkv_plan_build(const dualkv_layout* host_layout, int
                                            int32_t device_index, int32_t dtype, int32_t head_dim,
                                            int32_t* plan, int64_t plan_len);
 
+/* A plan request (the _ex entry points): what dualkv_plan_size / dualkv_plan_build take as
+ * arguments, plus the sliding window the plan is cut to (mask modifiers: the plan of a call with
+ * window W must be built for W; plans for other windows, or none, are rejected by the plan key).
+ * Versioned by struct_size: later fields are appended. */
+typedef struct dualkv_plan_request {
+  uint32_t struct_size; /* sizeof(dualkv_plan_request) */
+  int32_t device;
+  int32_t device_index;
+  int32_t dtype;
+  int32_t head_dim;
+  int32_t window;       /* 0: none (the plan dualkv_plan_size / dualkv_plan_build build); >= 1: W */
+} dualkv_plan_request;
+DUALKV_API dualkv_status dualkv_plan_size_ex(const dualkv_layout* host_layout, const dualkv_plan_request* request,
+                                             int64_t* plan_len, uint64_t* plan_key);
+DUALKV_API dualkv_status dualkv_plan_build_ex(const dualkv_layout* host_layout, const dualkv_plan_request* request,
+                                              int32_t* plan, int64_t plan_len);
+
 /* Statistics of a work plan (dualkv_plan_inspect). */
 typedef struct dualkv_plan_info {
   uint32_t struct_size;      /* sizeof(dualkv_plan_info), set by the caller */
@@ -289,6 +306,10 @@ typedef struct dualkv_plan_info {
 DUALKV_API dualkv_status dualkv_plan_inspect(const dualkv_layout* host_layout, int32_t head_dim,
                                              int32_t num_sms, dualkv_plan_info* info, int32_t* plan,
                                              int64_t plan_len);
+/* The same for a plan request (its head_dim and window; device, device_index and dtype unused). */
+DUALKV_API dualkv_status dualkv_plan_inspect_ex(const dualkv_layout* host_layout, const dualkv_plan_request* request,
+                                                int32_t num_sms, dualkv_plan_info* info, int32_t* plan,
+                                                int64_t plan_len);
 
 /* ---- attention ---- */
 DUALKV_API dualkv_status dualkv_fwd_workspace_size(const dualkv_fwd_params* params, size_t* bytes);

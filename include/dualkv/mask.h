@@ -203,6 +203,23 @@ struct SegmentMask {
     return TokenRange{k0, last_seeing < f.segment_end(s) - 1 ? int32_t(last_seeing + 1) : f.subtree_token_end(s)};
   }
 
+  // The same, one query segment at a time, for a planner that cuts the descendants' part of that
+  // range to the window (work items that never hold a pair the window hides in full): the tokens
+  // of segment d (a descendant of the keys' segment) that see a key at position k_pos, a prefix of
+  // d's tokens; empty when d starts past the window, and then so does every segment of d's subtree.
+  DUALKV_HOST_DEVICE static TokenRange queries_in_window(const ForestView& f, PositionWindow w, int32_t d,
+                                                         int32_t k_pos) {
+    const int32_t begin = f.segment_begin(d), end = f.segment_end(d);
+    if (w.size <= 0) return TokenRange{begin, end};
+    const int64_t seeing = int64_t(k_pos) + w.size - f.position_offset[d];  // positions of d that see it
+    return TokenRange{begin, seeing <= 0 ? begin : seeing >= end - begin ? end : begin + int32_t(seeing)};
+  }
+  // The distance of a query of segment qs to a key of segment ks in tokens: pos(q) - pos(k) =
+  // (q - k) + window_bias(qs, ks); a work item of one query segment carries it for the apply step.
+  DUALKV_HOST_DEVICE static int32_t window_bias(const ForestView& f, int32_t qs, int32_t ks) {
+    return (f.position_offset[qs] - f.segment_begin(qs)) - (f.position_offset[ks] - f.keys_begin(ks));
+  }
+
   // 3. Tile kinds of a key block against query rows (BlockPair), for any tile shape.
   DUALKV_HOST_DEVICE static TileKind block_kind(const BlockPair& b, PositionWindow w) {
     const int32_t k_last = b.keys.end - 1;

@@ -126,12 +126,12 @@ dualkv_status query_device(int32_t device_index, DeviceInfo* out) {
 
 template <typename Params>
 dualkv_status check_plan(const Params& p, const char* what) {
-  const uint64_t expect = plan::key_hash(p.head_dim, p.layout.num_segments, p.layout.num_tokens);
+  const uint64_t expect = plan::key_hash(p.head_dim, p.layout.num_segments, p.layout.num_tokens, p.window);
   if ((p.plan_key >> kPlanSlotBits) != expect)
     return fail(DUALKV_ERROR_INVALID_ARGUMENT,
-                "%s: plan_key does not match this layout (S=%d, T=%d) and head_dim %d tiling; the plan was "
-                "built for another layout or configuration: rebuild it with dualkv_plan_build",
-                what, p.layout.num_segments, p.layout.num_tokens, p.head_dim);
+                "%s: plan_key does not match this layout (S=%d, T=%d), head_dim %d tiling and window %d; the plan "
+                "was built for another layout or configuration: rebuild it with dualkv_plan_build(_ex)",
+                what, p.layout.num_segments, p.layout.num_tokens, p.head_dim, p.window);
   if (p.plan_len < kHeaderInts)
     return fail(DUALKV_ERROR_INVALID_ARGUMENT, "%s: plan_len %lld is too small", what,
                 static_cast<long long>(p.plan_len));
@@ -299,24 +299,25 @@ dualkv_status cuda_check_supported(int32_t device_index, int32_t dtype, int32_t 
 }
 
 dualkv_status cuda_plan_size(const dualkv_layout& host_layout, int32_t device_index, int32_t dtype,
-                             int32_t head_dim, int64_t* plan_len, uint64_t* plan_key) {
+                             int32_t head_dim, int32_t window, int64_t* plan_len, uint64_t* plan_key) {
   (void)dtype;
   DeviceInfo info;
   if (dualkv_status st = query_device(device_index, &info); st != DUALKV_OK) return st;
   dualkv::plan::Plan built;
-  if (dualkv_status st = dualkv::plan::build(host_layout, head_dim, info.sms, &built); st != DUALKV_OK) return st;
+  if (dualkv_status st = dualkv::plan::build(host_layout, head_dim, window, info.sms, &built); st != DUALKV_OK)
+    return st;
   *plan_len = static_cast<int64_t>(built.data.size());
   *plan_key = built.key;
   return DUALKV_OK;
 }
 
 dualkv_status cuda_plan_build(const dualkv_layout& host_layout, int32_t device_index, int32_t dtype,
-                              int32_t head_dim, int32_t* plan, int64_t plan_len) {
+                              int32_t head_dim, int32_t window, int32_t* plan, int64_t plan_len) {
   (void)dtype;
   DeviceInfo info;
   if (dualkv_status st = query_device(device_index, &info); st != DUALKV_OK) return st;
   dualkv::plan::Plan p;
-  if (dualkv_status st = dualkv::plan::build(host_layout, head_dim, info.sms, &p); st != DUALKV_OK) return st;
+  if (dualkv_status st = dualkv::plan::build(host_layout, head_dim, window, info.sms, &p); st != DUALKV_OK) return st;
   if (plan_len != static_cast<int64_t>(p.data.size()))
     return fail(DUALKV_ERROR_INVALID_ARGUMENT, "plan_build: plan_len %lld, but this layout's plan has %zu int32",
                 static_cast<long long>(plan_len), p.data.size());

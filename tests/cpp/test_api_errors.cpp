@@ -189,8 +189,8 @@ TEST(ApiErrors, ModifiersAreValidated) {
        "overlap"},
       {"zero window", [](Fixture& x) { x.b.window = 0; }, DUALKV_OK, ""},
       {"negative window", [](Fixture& x) { x.b.window = -7; }, DUALKV_ERROR_INVALID_ARGUMENT, "window"},
-      {"cuda sinks", [&](Fixture& x) { with_sinks(x); x.b.device = DUALKV_DEVICE_CUDA; }, DUALKV_ERROR_UNSUPPORTED,
-       "CUDA backend yet: attention sinks"},
+      {"cuda window with sinks", [&](Fixture& x) { with_sinks(x); x.b.device = DUALKV_DEVICE_CUDA; x.b.window = 5; },
+       DUALKV_ERROR_UNSUPPORTED, "CUDA backend yet: sliding window 5"},
   };
   for (const Case& c : backward) {
     Fixture x;

@@ -223,13 +223,6 @@ fwd_kernel(const FwdArgs args) {
         }
       }
 
-      if constexpr (Mods::kSoftcap) {  // mask modifiers (issue 16): cap every score before the mask
-#pragma unroll
-        for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-          for (int j = 0; j < kNB; ++j) softcap_scores(s[mi][j], args);
-      }
-
       // Masking: ragged KV tile end, and the causal diagonal of the query's own segment. The tile
       // is re-read from shared memory here (volatile: not kept in registers through S = QK^T).
       {
@@ -264,6 +257,18 @@ fwd_kernel(const FwdArgs args) {
         // Nobody reads walk[slot ^ 1] before the next iteration's first barrier.
         if (tid == 0) st.walk[slot ^ 1] = w;
         slot ^= 1;
+      }
+
+      if constexpr (Mods::kSoftcap) {
+        // Mask modifiers (issue 16): every score capped, the masked ones staying -inf (the cap of
+        // -inf would be -c). Here, not right after S = QK^T: there it spilled 16 bytes at D = 128.
+#pragma unroll
+        for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+          for (int j = 0; j < kNB; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+              if (s[mi][j][e] != -CUDART_INF_F) s[mi][j][e] = softcap_of(s[mi][j][e], args).score(args.softcap);
       }
 
       // Online softmax (exp2 with the scale folded in); P leaves in A-fragment layout:

@@ -186,32 +186,36 @@ __device__ __forceinline__ void bwd_softmax_p(float (&sacc)[N], const float* lse
   }
 }
 
-// bwd_softmax_p with a softcap (mask modifiers, issue 16): P^T from the capped scores, masked as
-// there, packed into A fragments pf (m = kv, k = q: pf[2j + h] holds elements 4j + 2h, 4j + 2h + 1)
-// for dV += P^T dO, while sacc becomes P^T times the cap's derivative (dS^T = that (dP^T - delta)).
-// So the derivative needs no registers of its own next to sacc and the running dP^T product.
+// With a softcap (mask modifiers, issue 16): P^T from the capped scores (masked as
+// bwd_softmax_p) and dS^T = P^T (dP^T - delta) (1 - tanh^2) in one pass once dP^T is ready, both
+// packed into A fragments (m = kv, k = q: frag[2j + h] holds elements 4j + 2h, 4j + 2h + 1). One
+// pass after the dP^T wait, not P^T under it as without a softcap: the cap's derivative would
+// need registers next to the running dP^T product (32-40 bytes spilled at D = 128).
 template <typename T, int N>
-__device__ __forceinline__ void bwd_softmax_p_softcap(float (&sacc)[N], uint32_t (&pf)[N / 2], const float* lse_s,
-                                                      const BwdArgs& a, int t4, int kv_row0, int klen, int32_t k0,
-                                                      int32_t qt, bool mask) {
+__device__ __forceinline__ void bwd_softcap_p_ds(const float (&sacc)[N], const float (&dpacc)[N],
+                                                 uint32_t (&pf)[N / 2], uint32_t (&dsf)[N / 2], const float* lse_s,
+                                                 const float* delta_s, const BwdArgs& a, int t4, int kv_row0,
+                                                 int klen, int32_t k0, int32_t qt, bool mask) {
 #pragma unroll
   for (int j = 0; j < N / 4; ++j) {
     const int c = j * 8 + 2 * t4;
     const float2 l2 = *reinterpret_cast<const float2*>(lse_s + c);
-    float pv[4];
+    const float2 d2 = *reinterpret_cast<const float2*>(delta_s + c);
+    float pv[4], ds[4];
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const float lv = (e & 1) ? l2.y : l2.x;
       const SoftcapFromExp cap = softcap_of(sacc[4 * j + e], a);
-      pv[e] = fast_exp2(fmaf(cap.score(a.softcap), 1.4426950408889634f, -lv));
+      pv[e] = fast_exp2(fmaf(cap.score(a.softcap), 1.4426950408889634f, -((e & 1) ? l2.y : l2.x)));
       if (mask) {
         const int r = kv_row0 + (e >> 1) * 8;
         if (r >= klen || k0 + r > qt + c + (e & 1)) pv[e] = 0.f;
       }
-      sacc[4 * j + e] = pv[e] * cap.grad();
+      ds[e] = pv[e] * cap.grad() * (dpacc[4 * j + e] - ((e & 1) ? d2.y : d2.x));
     }
     pf[2 * j] = Convert<T>::pack(pv[0], pv[1]);
     pf[2 * j + 1] = Convert<T>::pack(pv[2], pv[3]);
+    dsf[2 * j] = Convert<T>::pack(ds[0], ds[1]);
+    dsf[2 * j + 1] = Convert<T>::pack(ds[2], ds[3]);
   }
 }
 
@@ -473,17 +477,18 @@ bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
       // and an unmasked step skips the per-element mask arithmetic.
       const bool mask = tail || qt < k0 + cw * 64 + 63;
       uint32_t pf[BM / 4], dsf[BM / 4];  // A fragments (m = kv, k = q) of P^T and dS^T
-      if constexpr (Mods::kSoftcap) {  // mask modifiers (issue 16): pf packed here, sacc = P^T cap'
+      if constexpr (Mods::kSoftcap) {  // mask modifiers (issue 16)
+        wgmma_wait<0>();
+        fence_regs(dpacc);
         if (mask)
-          bwd_softmax_p_softcap<T>(sacc, pf, lse_s, a, t4, kv_row0, klen, k0, qt, true);
+          bwd_softcap_p_ds<T>(sacc, dpacc, pf, dsf, lse_s, delta_s, a, t4, kv_row0, klen, k0, qt, true);
         else
-          bwd_softmax_p_softcap<T>(sacc, pf, lse_s, a, t4, kv_row0, klen, k0, qt, false);
+          bwd_softcap_p_ds<T>(sacc, dpacc, pf, dsf, lse_s, delta_s, a, t4, kv_row0, klen, k0, qt, false);
       } else {
-        if (mask)
-          bwd_softmax_p(sacc, lse_s, sl2, t4, kv_row0, klen, k0, qt, true);
-        else
-          bwd_softmax_p(sacc, lse_s, sl2, t4, kv_row0, klen, k0, qt, false);
-      }
+      if (mask)
+        bwd_softmax_p(sacc, lse_s, sl2, t4, kv_row0, klen, k0, qt, true);
+      else
+        bwd_softmax_p(sacc, lse_s, sl2, t4, kv_row0, klen, k0, qt, false);
       wgmma_wait<0>();
       fence_regs(dpacc);
 #pragma unroll
@@ -496,10 +501,11 @@ bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
       for (int kk = 0; kk < BM / 16; ++kk) {
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-          if constexpr (!Mods::kSoftcap) pf[4 * kk + i] = Convert<T>::pack(sacc[8 * kk + 2 * i], sacc[8 * kk + 2 * i + 1]);
+          pf[4 * kk + i] = Convert<T>::pack(sacc[8 * kk + 2 * i], sacc[8 * kk + 2 * i + 1]);
           dsf[4 * kk + i] = Convert<T>::pack(dpacc[8 * kk + 2 * i], dpacc[8 * kk + 2 * i + 1]);
         }
       }
+      }  // default (no softcap)
 
       wgmma_fence();
       // dV += P^T dO: B = dO [q][d] read N-major (k = q, n = d).

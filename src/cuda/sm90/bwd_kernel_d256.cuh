@@ -356,16 +356,29 @@ bwd_sm90_kernel_d256(const __grid_constant__ Sm90BwdParams<256> p) {
       if (p_role) {
         const float* lse_s = s_lse + st * BM;
         if constexpr (Mods::kSoftcap) {
-          // Mask modifiers (issue 16): the dS role gets P^T times the cap's derivative (dS^T = that
-          // (dP^T - delta)); this role keeps P^T for dV (A fragments below).
-          uint32_t pf[BM / 4];
-          bwd_softmax_p_softcap<T>(sacc, pf, lse_s, a, t4, kv_row0, klen, k0, qt, tail || qt < k0 + BN - 1);
+          // Mask modifiers (issue 16): as bwd_softmax_p from the capped scores; the dS role gets P^T
+          // times the cap's derivative (dS^T = that (dP^T - delta)), stored as each 4 are known,
+          // and this role keeps P^T in sacc for dV (A fragments below).
+          const bool mask = tail || qt < k0 + BN - 1;
 #pragma unroll
-          for (int i = 0; i < BM / 8; ++i)
-            bwd_st_shared_v4(p_thread + i * 2048, __float_as_uint(sacc[4 * i]), __float_as_uint(sacc[4 * i + 1]),
-                             __float_as_uint(sacc[4 * i + 2]), __float_as_uint(sacc[4 * i + 3]));
+          for (int j = 0; j < BM / 8; ++j) {
+            const int c = j * 8 + 2 * t4;
+            const float2 l2 = *reinterpret_cast<const float2*>(lse_s + c);
+            float pg[4];
 #pragma unroll
-          for (int i = 0; i < BM / 4; ++i) frag[i] = pf[i];
+            for (int e = 0; e < 4; ++e) {
+              const SoftcapFromExp cap = softcap_of(sacc[4 * j + e], a);
+              float pv = fast_exp2(fmaf(cap.score(a.softcap), 1.4426950408889634f, -((e & 1) ? l2.y : l2.x)));
+              if (mask) {
+                const int r = kv_row0 + (e >> 1) * 8;
+                if (r >= klen || k0 + r > qt + c + (e & 1)) pv = 0.f;
+              }
+              sacc[4 * j + e] = pv;
+              pg[e] = pv * cap.grad();
+            }
+            bwd_st_shared_v4(p_thread + j * 2048, __float_as_uint(pg[0]), __float_as_uint(pg[1]),
+                             __float_as_uint(pg[2]), __float_as_uint(pg[3]));
+          }
         } else {
         bwd_softmax_p(sacc, lse_s, sl2, t4, kv_row0, klen, k0, qt, tail || qt < k0 + BN - 1);
 #pragma unroll
@@ -390,12 +403,10 @@ bwd_sm90_kernel_d256(const __grid_constant__ Sm90BwdParams<256> p) {
           for (int e = 0; e < 4; ++e) sacc[4 * j + e] = pv[e] * (sacc[4 * j + e] - ((e & 1) ? d2.y : d2.x));
         }
       }
-      if (!Mods::kSoftcap || !p_role) {  // a softcap P role packed P^T above
 #pragma unroll
       for (int kk = 0; kk < BM / 16; ++kk) {
 #pragma unroll
         for (int i = 0; i < 4; ++i) frag[4 * kk + i] = Convert<T>::pack(sacc[8 * kk + 2 * i], sacc[8 * kk + 2 * i + 1]);
-      }
       }
 
       // dV += P^T dO (P role) or dK += dS^T Q (dS role): B = dO / Q [q][d] read N-major.
