@@ -108,6 +108,18 @@ class Prefixes_(ctypes.Structure):
     ]
 
 
+class PlanRequest_(ctypes.Structure):
+    """dualkv_plan_request: a work plan's device, dtype, head dim and sliding window (0: none)."""
+    _fields_ = [
+        ("struct_size", ctypes.c_uint32),
+        ("device", ctypes.c_int32),
+        ("device_index", ctypes.c_int32),
+        ("dtype", ctypes.c_int32),
+        ("head_dim", ctypes.c_int32),
+        ("window", ctypes.c_int32),
+    ]
+
+
 # the params block appended for external prefix segments (dualkv.h)
 _PREFIX_INPUTS = [
     ("prefixes", Prefixes_),
@@ -277,6 +289,12 @@ def _declare(lib: ctypes.CDLL) -> None:
                  "dualkv_plan_size", "dualkv_plan_build", "dualkv_fwd_workspace_size",
                  "dualkv_bwd_workspace_size", "dualkv_fwd", "dualkv_bwd"):
         getattr(lib, name).restype = c.c_int
+    if hasattr(lib, "dualkv_plan_size_ex"):  # plans cut to a window (issue 16); older builds lack them
+        lib.dualkv_plan_size_ex.argtypes = [c.POINTER(Layout_), c.POINTER(PlanRequest_), c.POINTER(c.c_int64),
+                                            c.POINTER(c.c_uint64)]
+        lib.dualkv_plan_build_ex.argtypes = [c.POINTER(Layout_), c.POINTER(PlanRequest_), _i32p, c.c_int64]
+        lib.dualkv_plan_size_ex.restype = c.c_int
+        lib.dualkv_plan_build_ex.restype = c.c_int
     if not hasattr(lib, "dualkv_layout_derive_prefixed"):
         for name, (plain, at) in _PREFIXED.items():
             setattr(lib, name, _prefix_free(lib, name, getattr(lib, plain), at))

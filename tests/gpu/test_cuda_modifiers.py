@@ -204,3 +204,26 @@ def test_window_is_refused_with_a_typed_error():
     for kw in (dict(window=16), dict(window=16, softcap=5.0), dict(window=16, sinks=torch.zeros(4, device="cuda"))):
         with pytest.raises(dualkv.UnsupportedError, match="window"):
             dualkv.attention(q, k, v, layout, **kw)
+
+
+def test_windowed_plans_per_window_and_rejected_for_another():
+    """Layout.to(device, windows=...) builds one plan per (dtype, head dim, window), cut to the
+    window (plan_format.h); a plan built for a window is rejected by a call without it (the plan
+    key names the window), and a window with no plan is a typed error naming the fix."""
+    D = built_head_dims()[0]
+    layout_cpu = dualkv.Layout.from_tree([300, 200, 1, 90], [-1, 0, 0, 2])
+    layout = layout_cpu.to("cuda", windows=(None, 128))
+    plain, key = layout.plan_for(torch.bfloat16, D)
+    cut, key_w = layout.plan_for(torch.bfloat16, D, 128)
+    assert key != key_w
+    assert int(cut[13]) == 128  # kHdrWindow
+    assert layout.to("cuda", windows=(128,)) is layout  # already built
+    wider = layout.to("cuda", windows=(64,))
+    assert wider.plan_for(torch.bfloat16, D, 64)[1] not in (key, key_w)
+    assert wider.plan_for(torch.bfloat16, D, 128)[1] == key_w
+    with pytest.raises(dualkv.UnsupportedError, match="windows="):
+        layout_cpu.to("cuda").plan_for(torch.bfloat16, D, 32)
+    q, k, v, _ = make_inputs(layout_cpu, 2, 1, D, torch.bfloat16, seed=4)
+    layout._plans[(torch.bfloat16, D, 0)] = (cut, key_w)  # the windowed plan for a call without a window
+    with pytest.raises(_native.DualKVError, match="plan_key does not match"):
+        dualkv.attention(q, k, v, layout)
