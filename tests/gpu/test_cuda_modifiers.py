@@ -227,3 +227,23 @@ def test_windowed_plans_per_window_and_rejected_for_another():
     layout._plans[(torch.bfloat16, D, 0)] = (cut, key_w)  # the windowed plan for a call without a window
     with pytest.raises(_native.DualKVError, match="plan_key does not match"):
         dualkv.attention(q, k, v, layout)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_the_modifier_kernels_run(path, monkeypatch):
+    """The call runs the modifier instantiations of the intended family (the Hopper one on an H200
+    by default, the portable one when forced), and the sinks' gradient kernel."""
+    use_path(path, monkeypatch)
+    D = built_head_dims()[0]
+    layout_cpu = dualkv.Layout.from_tree([200, 70, 1], [-1, 0, 0])
+    layout = layout_cpu.to("cuda")
+    q, k, v, dout = make_inputs(layout_cpu, 4, 2, D, torch.bfloat16, seed=9)
+    mods = modifier_inputs(4, 5.0, True, seed=9)
+    names = cases.cuda_kernels_run(lambda: run_kernel(q, k, v, dout, None, layout, mods))
+    hopper = torch.cuda.get_device_capability() == (9, 0) and path == "default" and D in cases.arch_head_dims(
+        "sm90", "fwd")
+    fwd = "fwd_sm90_kernel" if hopper else "fwd_kernel"
+    assert any(fwd in n and "Modifiers<true, true>" in n for n in names), sorted(names)
+    assert any("Modifiers<true, false>" in n and ("bwd_sm90_kernel" in n if hopper else "bwd_kv_kernel" in n)
+               for n in names), sorted(names)
+    assert any("bwd_dsinks_kernel" in n for n in names), sorted(names)

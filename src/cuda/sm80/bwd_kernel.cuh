@@ -401,13 +401,15 @@ bwd_kv_kernel(const BwdArgs args) {
                 if (SegmentMask::bwd_hidden(mask_ofs + mi * 16 + hr * 8, j * 8)) p0 = 0.f;
                 if (SegmentMask::bwd_hidden(mask_ofs + mi * 16 + hr * 8, j * 8 + 1)) p1 = 0.f;
               }
-              *reinterpret_cast<uint32_t*>(&sm.pt[row * PS + col]) = Ops::pack(p0, p1);
               if constexpr (Mods::kSoftcap) {
-                p0 *= g0;
-                p1 *= g1;
+                *reinterpret_cast<uint32_t*>(&sm.pt[row * PS + col]) = Ops::pack(p0, p1);
+                st[mi][j][2 * hr] = p0 * g0;
+                st[mi][j][2 * hr + 1] = p1 * g1;
+              } else {
+                st[mi][j][2 * hr] = p0;
+                st[mi][j][2 * hr + 1] = p1;
+                *reinterpret_cast<uint32_t*>(&sm.pt[row * PS + col]) = Ops::pack(p0, p1);
               }
-              st[mi][j][2 * hr] = p0;
-              st[mi][j][2 * hr + 1] = p1;
             }
           }
         }

@@ -259,18 +259,6 @@ fwd_kernel(const FwdArgs args) {
         slot ^= 1;
       }
 
-      if constexpr (Mods::kSoftcap) {
-        // Mask modifiers (issue 16): every score capped, the masked ones staying -inf (the cap of
-        // -inf would be -c). Here, not right after S = QK^T: there it spilled 16 bytes at D = 128.
-#pragma unroll
-        for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-          for (int j = 0; j < kNB; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e)
-              if (s[mi][j][e] != -CUDART_INF_F) s[mi][j][e] = softcap_of(s[mi][j][e], args).score(args.softcap);
-      }
-
       // Online softmax (exp2 with the scale folded in); P leaves in A-fragment layout:
       // p[mi][kb] = {C(2kb).c01, C(2kb).c23, C(2kb+1).c01, C(2kb+1).c23} (ptx.cuh).
       uint32_t p[MI][kKB][4];
@@ -279,6 +267,16 @@ fwd_kernel(const FwdArgs args) {
       for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
+          if constexpr (Mods::kSoftcap) {
+            // Mask modifiers (issue 16): the row's scores capped, the masked ones staying -inf (the
+            // cap of -inf would be -c); row by row here, not the whole tile after S = QK^T, where it
+            // spilled 16 bytes at D = 128.
+#pragma unroll
+            for (int j = 0; j < kNB; ++j)
+#pragma unroll
+              for (int e = 2 * r; e < 2 * r + 2; ++e)
+                if (s[mi][j][e] != -CUDART_INF_F) s[mi][j][e] = softcap_of(s[mi][j][e], args).score(args.softcap);
+          }
           float mx = row_max[mi][r];
 #pragma unroll
           for (int j = 0; j < kNB; ++j) mx = fmaxf(mx, fmaxf(s[mi][j][2 * r], s[mi][j][2 * r + 1]));
