@@ -126,6 +126,48 @@ struct KvWalk {
     }
     return true;
   }
+
+  // ---- the same walk under a sliding window (issue 16; the forward kernels' windowed tiles) ----
+  // `first_pos`: the first position the tile's first query q0 sees,
+  // PositionWindow::first_position(pos(q0)) (every query of the tile sees at most the keys from
+  // there on). Each range starts at SegmentMask::keys_in_window's begin for it, and the walk stops
+  // at the first ancestor the window cuts entirely (every range above lies further back). The
+  // struct's fields are those of the plain walk (the portable forward keeps two walks in shared
+  // memory); the caller keeps first_pos. The planner's forward work (plan.cpp) is the sum of
+  // len() over this walk's tiles.
+  DUALKV_HOST_DEVICE void init_windowed(const int32_t* offsets, const int32_t* parent, const int32_t* position_offset,
+                                        int32_t s, int32_t q1, int32_t first_pos) {
+    seg = s;
+    own_end = q1;
+    if (!enter_ancestor_windowed(offsets, parent[s], position_offset, first_pos))
+      enter_own_windowed(offsets, position_offset, first_pos);
+  }
+  DUALKV_HOST_DEVICE bool next_windowed(const int32_t* offsets, const int32_t* parent, const int32_t* position_offset,
+                                        int32_t first_pos) {
+    pos += BN;
+    if (pos < end) return true;
+    if (own) return false;
+    if (!enter_ancestor_windowed(offsets, parent[cur], position_offset, first_pos))
+      enter_own_windowed(offsets, position_offset, first_pos);
+    return true;
+  }
+  // Segment a's tokens from the window's first position on, if a exists and the window leaves any.
+  DUALKV_HOST_DEVICE bool enter_ancestor_windowed(const int32_t* offsets, int32_t a, const int32_t* position_offset,
+                                                  int32_t first_pos) {
+    if (a < 0) return false;
+    const int32_t skip = first_pos - position_offset[a];
+    const int32_t begin = skip > 0 ? offsets[a] + skip : offsets[a];
+    if (skip > 0 && (skip >= offsets[a + 1] - offsets[a])) return false;
+    cur = a; pos = begin; end = offsets[a + 1]; own = false;
+    return true;
+  }
+  // The query segment's tokens from the window's first position up to own_end (never empty: the
+  // first query sees itself).
+  DUALKV_HOST_DEVICE void enter_own_windowed(const int32_t* offsets, const int32_t* position_offset,
+                                             int32_t first_pos) {
+    const int32_t skip = first_pos - position_offset[seg];
+    cur = seg; pos = skip > 0 ? offsets[seg] + skip : offsets[seg]; end = own_end; own = true;
+  }
 };
 
 struct SegmentMask {

@@ -302,6 +302,49 @@ TEST(Plan, WindowedPlansCoverExactlyTheWindowedPairs) {
   }
 }
 
+// The kernels' windowed walk (mask.h KvWalk::init_windowed / next_windowed) visits, per forward tile
+// of a windowed plan, exactly the keys the plan's work counts (forest-visible from the tile's last
+// query, within W of its first), each once, in whole tiles of BN but at a range's end.
+TEST(Plan, WindowedKvWalkVisitsThePlannedKeys) {
+  constexpr int BN = 64;
+  std::mt19937 rng(2024);
+  for (int trial = 0; trial < 24; ++trial) {
+    std::vector<int32_t> lens, parents;
+    random_forest(rng, 1 + trial % 3, 1 + trial % 4, 4, 200, &lens, &parents);
+    HostLayout l(lens, parents);
+    const dualkv_layout v = l.view();
+    const dualkv::ForestView f = dualkv::make_forest_view(v);
+    std::vector<int32_t> seg(l.num_tokens());
+    for (int32_t t = 0; t < l.num_tokens(); ++t) seg[t] = f.segment_of(t);
+    for (int32_t window : {1, 7, 64, 128, 1000}) {
+      SCOPED_TRACE("trial " + std::to_string(trial) + " window " + std::to_string(window));
+      const Inspected r = inspect_windowed(l, 128, window, 132);
+      const int32_t* fwd = r.plan.data() + r.plan[dualkv::kHdrFwdOffset];
+      for (int i = 0; i < r.info.num_fwd_tiles; ++i) {
+        const int32_t* it = fwd + i * dualkv::kFwdItemInts;
+        const int32_t s = it[0], q0 = it[1], q1 = it[2];
+        const int32_t first_pos = static_cast<int32_t>(dualkv::PositionWindow{window}.first_position(f.position(s, q0)));
+        dualkv::KvWalk<BN> w;
+        w.init_windowed(v.seg_offsets, v.seg_parent, v.seg_position_offset, s, q1, first_pos);
+        std::vector<int> seen(l.num_tokens(), 0);
+        int32_t visited = 0;
+        do {
+          ASSERT_GT(w.len(), 0);
+          ASSERT_TRUE(w.len() == BN || w.pos + w.len() == w.end);
+          for (int32_t k = w.pos; k < w.pos + w.len(); ++k) {
+            ASSERT_TRUE(f.visible(s, q1 - 1, seg[k], k)) << "key " << k;
+            ASSERT_LT(int64_t(f.position(s, q0)) - f.position(seg[k], k), window) << "key " << k;
+            ASSERT_EQ(seen[k]++, 0) << "key " << k << " twice";
+            ASSERT_EQ(w.own, seg[k] == s);
+          }
+          visited += w.len();
+        } while (w.next_windowed(v.seg_offsets, v.seg_parent, v.seg_position_offset, first_pos));
+        ASSERT_EQ(visited, it[3]) << "forward tile " << q0;
+      }
+    }
+  }
+}
+
 TEST(Plan, WindowZeroIsThePlainPlanAndTheKeyNamesTheWindow) {
   HostLayout l({300, 200, 1, 90}, {-1, 0, 0, 2});
   const Inspected plain = inspect(l, 128, 132), zero = inspect_windowed(l, 128, 0, 132);
