@@ -103,21 +103,6 @@ dualkv_status read_params(const Params* p, const char* what, Params* out) {
   return DUALKV_OK;
 }
 
-// The mask modifiers a call uses, for messages ("window 128, softcap 50"); empty if none.
-template <typename Params>
-std::string modifiers_in_use(const Params& p) {
-  std::string s;
-  auto add = [&](const std::string& m) { s += (s.empty() ? "" : ", ") + m; };
-  if (p.window != 0) add("sliding window " + std::to_string(p.window));
-  if (p.softcap != 0) {
-    char value[32];
-    std::snprintf(value, sizeof(value), "%g", p.softcap);
-    add(std::string("softcap ") + value);
-  }
-  if (p.sinks) add("attention sinks");
-  return s;
-}
-
 // The modifiers' values (both directions); which backend runs them is check_common's business.
 template <typename Params>
 dualkv_status check_modifiers(const Params& p, const char* what) {
@@ -249,11 +234,17 @@ dualkv_status check_common(const Params* p, const char* what) {
     return check_host_layout(l, &p->prefixes);
   }
   if (p->device == DUALKV_DEVICE_CUDA) {
-    // The kernels do not implement the mask modifiers yet: refused in every build, before anything
-    // else of the device (the plan: docs/notes/2026-12-01-mask-modifiers-kernel-plan.md).
-    if (const std::string used = modifiers_in_use(*p); !used.empty())
-      return fail(DUALKV_ERROR_UNSUPPORTED, "%s: mask modifiers not implemented by the CUDA backend yet: %s (the "
-                  "CPU backend has them)", what, used.c_str());
+    // The kernels run the softcap and sinks modifiers (issue 16) and external prefix segments
+    // (issue 17), not the sliding window yet, nor a modifier together with external prefixes (no
+    // such kernel instantiations): refused in every build, before anything else of the device (the
+    // plan: docs/notes/2026-12-01-mask-modifiers-kernel-plan.md).
+    if (p->window != 0)
+      return fail(DUALKV_ERROR_UNSUPPORTED, "%s: mask modifiers not implemented by the CUDA backend yet: sliding "
+                  "window %d (the CPU backend has it; CUDA runs softcap and sinks)", what, p->window);
+    if (p->prefixes.num_prefixes != 0 && (p->softcap != 0.0f || p->sinks != nullptr))
+      return fail(DUALKV_ERROR_UNSUPPORTED, "%s: %s%s%s with external prefix segments is not supported by the CUDA "
+                  "backend (no such kernels; the CPU backend runs it)", what, p->softcap != 0.0f ? "softcap" : "",
+                  p->softcap != 0.0f && p->sinks != nullptr ? " and " : "", p->sinks != nullptr ? "sinks" : "");
 #if defined(DUALKV_WITH_CUDA)
     if (p->dtype != DUALKV_DTYPE_FLOAT16 && p->dtype != DUALKV_DTYPE_BFLOAT16)
       return fail(DUALKV_ERROR_UNSUPPORTED, "%s: dtype %s is not supported on CUDA (float16, bfloat16)",
@@ -261,7 +252,7 @@ dualkv_status check_common(const Params* p, const char* what) {
     if (!l.seg_offsets || !l.seg_parent || !l.seg_subtree_end || !l.seg_position_offset || !l.seg_depth)
       return fail(DUALKV_ERROR_INVALID_LAYOUT, "%s: a layout array is NULL", what);
     // The prefix table lives in device memory like the layout (validated on the host by
-    // dualkv_plan_build_prefixed; the plan key holds its size, checked by the dispatcher).
+    // dualkv_plan_build_ex; the plan key holds its size, checked by the dispatcher).
     if (p->prefixes.num_prefixes != 0) {
       const dualkv_prefixes& x = p->prefixes;
       if (x.num_prefixes < 0 || x.num_prefix_rows < x.num_prefixes)
@@ -369,6 +360,104 @@ size_t bwd_workspace(const dualkv_bwd_params& p) {
 
 using namespace dualkv::detail;
 
+namespace {
+
+// A plan request as the library takes it: the _ex entry points' struct (its size checked), or the
+// plain entry points' arguments with no window.
+dualkv_status read_plan_request(const dualkv_plan_request* r, const char* what, dualkv_plan_request* out) {
+  if (!r) return fail(DUALKV_ERROR_INVALID_ARGUMENT, "%s: request is NULL", what);
+  if (r->struct_size != sizeof(dualkv_plan_request))
+    return fail(DUALKV_ERROR_VERSION, "%s: request struct_size %u does not match the library's %zu", what,
+                r->struct_size, sizeof(dualkv_plan_request));
+  if (r->window < 0)
+    return fail(DUALKV_ERROR_INVALID_ARGUMENT, "%s: window must be >= 1 (or 0 for none), got %d", what, r->window);
+  *out = *r;
+  return DUALKV_OK;
+}
+
+dualkv_plan_request plain_request(int32_t device, int32_t device_index, int32_t dtype, int32_t head_dim) {
+  return dualkv_plan_request{sizeof(dualkv_plan_request), device, device_index, dtype, head_dim, 0, nullptr};
+}
+
+dualkv_status plan_size(const dualkv_layout* host_layout, const dualkv_plan_request& r, int64_t* plan_len,
+                        uint64_t* plan_key) {
+  if (!host_layout || !plan_len || !plan_key)
+    return fail(DUALKV_ERROR_INVALID_ARGUMENT, "plan_size: NULL argument");
+  if (dualkv_status st = check_host_layout(*host_layout, r.prefixes); st != DUALKV_OK) return st;
+  if (r.device == DUALKV_DEVICE_CPU) {
+    *plan_len = 0;
+    *plan_key = 0;
+    return DUALKV_OK;
+  }
+#if defined(DUALKV_WITH_CUDA)
+  if (r.device == DUALKV_DEVICE_CUDA) {
+    if (dualkv_status st = cuda_check_supported(r.device_index, r.dtype, r.head_dim); st != DUALKV_OK) return st;
+    return cuda_plan_size(*host_layout, r.prefixes, r.device_index, r.dtype, r.head_dim, r.window, plan_len,
+                          plan_key);
+  }
+#else
+  if (r.device == DUALKV_DEVICE_CUDA)
+    return fail(DUALKV_ERROR_UNSUPPORTED, "plan_size: this libdualkv was built without CUDA");
+#endif
+  return fail(DUALKV_ERROR_INVALID_ARGUMENT, "plan_size: unknown device code %d", r.device);
+}
+
+dualkv_status plan_build(const dualkv_layout* host_layout, const dualkv_plan_request& r, int32_t* plan,
+                         int64_t plan_len) {
+  if (!host_layout) return fail(DUALKV_ERROR_INVALID_ARGUMENT, "plan_build: layout is NULL");
+  if (dualkv_status st = check_host_layout(*host_layout, r.prefixes); st != DUALKV_OK) return st;
+  if (r.device == DUALKV_DEVICE_CPU) return DUALKV_OK;
+#if defined(DUALKV_WITH_CUDA)
+  if (r.device == DUALKV_DEVICE_CUDA) {
+    if (!plan) return fail(DUALKV_ERROR_INVALID_ARGUMENT, "plan_build: plan is NULL");
+    if (dualkv_status st = cuda_check_supported(r.device_index, r.dtype, r.head_dim); st != DUALKV_OK) return st;
+    return cuda_plan_build(*host_layout, r.prefixes, r.device_index, r.dtype, r.head_dim, r.window, plan, plan_len);
+  }
+#else
+  (void)plan; (void)plan_len;
+  if (r.device == DUALKV_DEVICE_CUDA)
+    return fail(DUALKV_ERROR_UNSUPPORTED, "plan_build: this libdualkv was built without CUDA");
+#endif
+  return fail(DUALKV_ERROR_INVALID_ARGUMENT, "plan_build: unknown device code %d", r.device);
+}
+
+dualkv_status plan_inspect(const dualkv_layout* host_layout, const dualkv_prefixes* prefixes, int32_t head_dim,
+                           int32_t window, int32_t num_sms, dualkv_plan_info* info, int32_t* plan, int64_t plan_len) {
+  if (!host_layout || !info) return fail(DUALKV_ERROR_INVALID_ARGUMENT, "plan_inspect: NULL argument");
+  if (info->struct_size != sizeof(dualkv_plan_info))
+    return fail(DUALKV_ERROR_VERSION, "plan_inspect: info struct_size %u does not match the library's %zu",
+                info->struct_size, sizeof(dualkv_plan_info));
+  if (head_dim < 1 || num_sms < 1)
+    return fail(DUALKV_ERROR_INVALID_ARGUMENT, "plan_inspect: head_dim (%d) and num_sms (%d) must be >= 1",
+                head_dim, num_sms);
+  if (dualkv_status st = check_host_layout(*host_layout, prefixes); st != DUALKV_OK) return st;
+  dualkv::plan::Plan p;
+  if (dualkv_status st = dualkv::plan::build(*host_layout, prefixes, head_dim, window, num_sms, &p); st != DUALKV_OK)
+    return st;
+  const dualkv::PlanTiles tiles = dualkv::plan_tiles(head_dim);
+  const int32_t* hdr = p.data.data();
+  info->head_dim = head_dim;
+  info->fwd_block_m = tiles.fwd_block_m;
+  info->bwd_block_n = tiles.bwd_block_n;
+  info->bwd_block_m = tiles.bwd_block_m;
+  info->bwd_split_rows = p.split_rows;
+  info->num_fwd_tiles = hdr[dualkv::kHdrNumFwd];
+  info->num_bwd_items = hdr[dualkv::kHdrNumBwd];
+  info->num_reductions = hdr[dualkv::kHdrNumRed];
+  info->num_split_slots = hdr[dualkv::kHdrNumSlots];
+  info->plan_len = static_cast<int64_t>(p.data.size());
+  info->plan_key = p.key;
+  if (plan) {
+    if (plan_len != info->plan_len)
+      return fail(DUALKV_ERROR_INVALID_ARGUMENT, "plan_inspect: plan_len %lld, but this layout's plan has %lld int32",
+                  static_cast<long long>(plan_len), static_cast<long long>(info->plan_len));
+    std::memcpy(plan, p.data.data(), p.data.size() * sizeof(int32_t));
+  }
+  return DUALKV_OK;
+}
+
+}  // namespace
+
 extern "C" {
 
 DUALKV_API uint32_t dualkv_abi_version(void) { return DUALKV_ABI_VERSION; }
@@ -398,7 +487,8 @@ DUALKV_API const char* dualkv_build_info(void) {
                     ", \"isa\": \"" + cpu_isa() + "\", \"modifiers\": [\"window\", \"softcap\", \"sinks\"]}";
 #if defined(DUALKV_WITH_CUDA)
     // "modifiers": the mask modifiers a backend implements (check_common refuses the others).
-    s += ", \"backends\": [\"cpu\", \"cuda\"], \"cuda\": {" + cuda_build_info_json() + ", \"modifiers\": []}";
+    s += ", \"backends\": [\"cpu\", \"cuda\"], \"cuda\": {" + cuda_build_info_json() +
+         ", \"modifiers\": [\"softcap\", \"sinks\"]}";
 #else
     s += ", \"backends\": [\"cpu\"]";
 #endif
@@ -407,106 +497,50 @@ DUALKV_API const char* dualkv_build_info(void) {
   return info.c_str();
 }
 
-DUALKV_API dualkv_status dualkv_plan_size_prefixed(const dualkv_layout* host_layout, const dualkv_prefixes* prefixes,
-                                                   int32_t device, int32_t device_index, int32_t dtype,
-                                                   int32_t head_dim, int64_t* plan_len, uint64_t* plan_key) {
-  clear_error();
-  if (!host_layout || !plan_len || !plan_key)
-    return fail(DUALKV_ERROR_INVALID_ARGUMENT, "plan_size: NULL argument");
-  if (dualkv_status st = check_host_layout(*host_layout, prefixes); st != DUALKV_OK) return st;
-  if (device == DUALKV_DEVICE_CPU) {
-    *plan_len = 0;
-    *plan_key = 0;
-    return DUALKV_OK;
-  }
-#if defined(DUALKV_WITH_CUDA)
-  if (device == DUALKV_DEVICE_CUDA) {
-    if (dualkv_status st = cuda_check_supported(device_index, dtype, head_dim); st != DUALKV_OK) return st;
-    return cuda_plan_size(*host_layout, prefixes, device_index, dtype, head_dim, plan_len, plan_key);
-  }
-#else
-  (void)device_index; (void)dtype; (void)head_dim;
-  if (device == DUALKV_DEVICE_CUDA)
-    return fail(DUALKV_ERROR_UNSUPPORTED, "plan_size: this libdualkv was built without CUDA");
-#endif
-  return fail(DUALKV_ERROR_INVALID_ARGUMENT, "plan_size: unknown device code %d", device);
-}
-
 DUALKV_API dualkv_status dualkv_plan_size(const dualkv_layout* host_layout, int32_t device,
                                           int32_t device_index, int32_t dtype, int32_t head_dim,
                                           int64_t* plan_len, uint64_t* plan_key) {
-  return dualkv_plan_size_prefixed(host_layout, nullptr, device, device_index, dtype, head_dim, plan_len, plan_key);
-}
-
-DUALKV_API dualkv_status dualkv_plan_build_prefixed(const dualkv_layout* host_layout, const dualkv_prefixes* prefixes,
-                                                    int32_t device, int32_t device_index, int32_t dtype,
-                                                    int32_t head_dim, int32_t* plan, int64_t plan_len) {
   clear_error();
-  if (!host_layout) return fail(DUALKV_ERROR_INVALID_ARGUMENT, "plan_build: layout is NULL");
-  if (dualkv_status st = check_host_layout(*host_layout, prefixes); st != DUALKV_OK) return st;
-  if (device == DUALKV_DEVICE_CPU) return DUALKV_OK;
-#if defined(DUALKV_WITH_CUDA)
-  if (device == DUALKV_DEVICE_CUDA) {
-    if (!plan) return fail(DUALKV_ERROR_INVALID_ARGUMENT, "plan_build: plan is NULL");
-    if (dualkv_status st = cuda_check_supported(device_index, dtype, head_dim); st != DUALKV_OK) return st;
-    return cuda_plan_build(*host_layout, prefixes, device_index, dtype, head_dim, plan, plan_len);
-  }
-#else
-  (void)device_index; (void)dtype; (void)head_dim; (void)plan; (void)plan_len;
-  if (device == DUALKV_DEVICE_CUDA)
-    return fail(DUALKV_ERROR_UNSUPPORTED, "plan_build: this libdualkv was built without CUDA");
-#endif
-  return fail(DUALKV_ERROR_INVALID_ARGUMENT, "plan_build: unknown device code %d", device);
+  return plan_size(host_layout, plain_request(device, device_index, dtype, head_dim), plan_len, plan_key);
 }
 
 DUALKV_API dualkv_status dualkv_plan_build(const dualkv_layout* host_layout, int32_t device,
                                            int32_t device_index, int32_t dtype, int32_t head_dim,
                                            int32_t* plan, int64_t plan_len) {
-  return dualkv_plan_build_prefixed(host_layout, nullptr, device, device_index, dtype, head_dim, plan, plan_len);
+  clear_error();
+  return plan_build(host_layout, plain_request(device, device_index, dtype, head_dim), plan, plan_len);
 }
 
-DUALKV_API dualkv_status dualkv_plan_inspect_prefixed(const dualkv_layout* host_layout,
-                                                      const dualkv_prefixes* prefixes, int32_t head_dim,
-                                                      int32_t num_sms, dualkv_plan_info* info, int32_t* plan,
-                                                      int64_t plan_len) {
+DUALKV_API dualkv_status dualkv_plan_size_ex(const dualkv_layout* host_layout, const dualkv_plan_request* request,
+                                             int64_t* plan_len, uint64_t* plan_key) {
   clear_error();
-  if (!host_layout || !info) return fail(DUALKV_ERROR_INVALID_ARGUMENT, "plan_inspect: NULL argument");
-  if (info->struct_size != sizeof(dualkv_plan_info))
-    return fail(DUALKV_ERROR_VERSION, "plan_inspect: info struct_size %u does not match the library's %zu",
-                info->struct_size, sizeof(dualkv_plan_info));
-  if (head_dim < 1 || num_sms < 1)
-    return fail(DUALKV_ERROR_INVALID_ARGUMENT, "plan_inspect: head_dim (%d) and num_sms (%d) must be >= 1",
-                head_dim, num_sms);
-  if (dualkv_status st = check_host_layout(*host_layout, prefixes); st != DUALKV_OK) return st;
-  dualkv::plan::Plan p;
-  if (dualkv_status st = dualkv::plan::build(*host_layout, prefixes, head_dim, num_sms, &p); st != DUALKV_OK)
-    return st;
-  const dualkv::PlanTiles tiles = dualkv::plan_tiles(head_dim);
-  const int32_t* hdr = p.data.data();
-  info->head_dim = head_dim;
-  info->fwd_block_m = tiles.fwd_block_m;
-  info->bwd_block_n = tiles.bwd_block_n;
-  info->bwd_block_m = tiles.bwd_block_m;
-  info->bwd_split_rows = p.split_rows;
-  info->num_fwd_tiles = hdr[dualkv::kHdrNumFwd];
-  info->num_bwd_items = hdr[dualkv::kHdrNumBwd];
-  info->num_reductions = hdr[dualkv::kHdrNumRed];
-  info->num_split_slots = hdr[dualkv::kHdrNumSlots];
-  info->plan_len = static_cast<int64_t>(p.data.size());
-  info->plan_key = p.key;
-  if (plan) {
-    if (plan_len != info->plan_len)
-      return fail(DUALKV_ERROR_INVALID_ARGUMENT, "plan_inspect: plan_len %lld, but this layout's plan has %lld int32",
-                  static_cast<long long>(plan_len), static_cast<long long>(info->plan_len));
-    std::memcpy(plan, p.data.data(), p.data.size() * sizeof(int32_t));
-  }
-  return DUALKV_OK;
+  dualkv_plan_request r;
+  if (dualkv_status st = read_plan_request(request, "plan_size", &r); st != DUALKV_OK) return st;
+  return plan_size(host_layout, r, plan_len, plan_key);
+}
+
+DUALKV_API dualkv_status dualkv_plan_build_ex(const dualkv_layout* host_layout, const dualkv_plan_request* request,
+                                              int32_t* plan, int64_t plan_len) {
+  clear_error();
+  dualkv_plan_request r;
+  if (dualkv_status st = read_plan_request(request, "plan_build", &r); st != DUALKV_OK) return st;
+  return plan_build(host_layout, r, plan, plan_len);
 }
 
 DUALKV_API dualkv_status dualkv_plan_inspect(const dualkv_layout* host_layout, int32_t head_dim,
                                              int32_t num_sms, dualkv_plan_info* info, int32_t* plan,
                                              int64_t plan_len) {
-  return dualkv_plan_inspect_prefixed(host_layout, nullptr, head_dim, num_sms, info, plan, plan_len);
+  clear_error();
+  return plan_inspect(host_layout, nullptr, head_dim, 0, num_sms, info, plan, plan_len);
+}
+
+DUALKV_API dualkv_status dualkv_plan_inspect_ex(const dualkv_layout* host_layout, const dualkv_plan_request* request,
+                                                int32_t num_sms, dualkv_plan_info* info, int32_t* plan,
+                                                int64_t plan_len) {
+  clear_error();
+  dualkv_plan_request r;
+  if (dualkv_status st = read_plan_request(request, "plan_inspect", &r); st != DUALKV_OK) return st;
+  return plan_inspect(host_layout, r.prefixes, r.head_dim, r.window, num_sms, info, plan, plan_len);
 }
 
 DUALKV_API dualkv_status dualkv_fwd_workspace_size(const dualkv_fwd_params* params, size_t* bytes) {

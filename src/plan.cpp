@@ -24,7 +24,7 @@ uint64_t mix64(uint64_t x) {
 
 }  // namespace
 
-uint64_t key_hash(int head_dim, int32_t S, int32_t T, int32_t num_prefixes, int32_t prefix_rows) {
+uint64_t key_hash(int head_dim, int32_t S, int32_t T, int32_t window, int32_t num_prefixes, int32_t prefix_rows) {
   const PlanTiles ts = plan_tiles(head_dim);
   uint64_t h = mix64(static_cast<uint64_t>(kPlanVersion) << 48 | static_cast<uint64_t>(head_dim) << 32 |
                      static_cast<uint64_t>(ts.fwd_block_m) << 16 | static_cast<uint64_t>(ts.bwd_block_n));
@@ -32,14 +32,84 @@ uint64_t key_hash(int head_dim, int32_t S, int32_t T, int32_t num_prefixes, int3
   h = mix64(h ^ (static_cast<uint64_t>(static_cast<uint32_t>(T)) << 7));
   h = mix64(h ^ (static_cast<uint64_t>(static_cast<uint32_t>(num_prefixes)) << 32 |
                  static_cast<uint64_t>(static_cast<uint32_t>(prefix_rows))));
+  h = mix64(h ^ static_cast<uint64_t>(static_cast<uint32_t>(window)));
   return h >> kPlanSlotBits;
 }
 
-dualkv_status build(const dualkv_layout& l, const dualkv_prefixes* prefixes, int head_dim, int num_sms, Plan* out) {
+namespace {
+
+// The keys a forward query tile of segment s (rows q0 .. q1 - 1) walks under window w: per range
+// (the parent's, its parent's, ..., then its own up to q1) the part SegmentMask::keys_in_window
+// leaves for its first query, up to the first ancestor the window cuts entirely (every range above
+// lies further back).
+int32_t fwd_work(const ForestView& f, PositionWindow w, int32_t s, int32_t q0, int32_t q1) {
+  if (w.size <= 0) return f.num_visible_keys(s, q1 - 1);
+  const int32_t q_pos = f.position(s, q0);
+  int32_t work = 0;
+  const TokenRange own = SegmentMask::keys_in_window(f, w, s, TokenRange{f.segment_begin(s), q1}, q_pos);
+  work += own.end - own.begin;
+  for (int32_t a = f.parent[s]; a >= 0; a = f.parent[a]) {
+    const TokenRange r = SegmentMask::keys_in_window(f, w, a, TokenRange{f.keys_begin(a), f.keys_end(a)}, q_pos);
+    if (r.begin >= r.end) break;
+    work += r.end - r.begin;
+  }
+  return work;
+}
+
+// A contiguous query range that sees a KV tile, with the distance bias of its pairs (plan_format.h).
+struct QueryRange {
+  int32_t qa, qb, bias;
+};
+
+// The query ranges of the KV tile [k0, k1) of segment s under window w (plan_format.h): the whole
+// range of SegmentMask::bwd_query_range when the window hides none of its pairs, else the own
+// segment's part and each descendant's, cut to the window.
+void bwd_ranges(const ForestView& f, PositionWindow w, int32_t s, int32_t k0, int32_t k1,
+                std::vector<QueryRange>* out) {
+  out->clear();
+  const TokenRange all = SegmentMask::bwd_query_range(f, s, k0);
+  if (w.size <= 0) {
+    out->push_back({all.begin, all.end, 0});
+    return;
+  }
+  const int32_t k_last = k1 - 1, k_pos = f.key_position(s, k_last);
+  // The farthest pair of the whole range: its last query against the tile's first key (positions
+  // only grow along a path, so every descendant's last token is at most its subtree's largest).
+  int64_t farthest = int64_t(f.position(s, all.end - 1 < f.segment_end(s) ? all.end - 1 : f.segment_end(s) - 1));
+  for (int32_t d = s + 1; d < f.subtree_end[s]; ++d)
+    if (f.segment_length(d) > 0) farthest = std::max<int64_t>(farthest, f.position(d, f.segment_end(d) - 1));
+  if (farthest - f.key_position(s, k0) < w.size) {
+    out->push_back({all.begin, all.end, -f.num_tokens});
+    return;
+  }
+  const TokenRange own = SegmentMask::bwd_query_range(f, w, s, k0, k_last);
+  out->push_back({own.begin, std::min(own.end, f.segment_end(s)), 0});
+  if (own.end <= f.segment_end(s)) return;  // the window closes within the segment
+  for (int32_t d = s + 1; d < f.subtree_end[s];) {
+    const TokenRange r = SegmentMask::queries_in_window(f, w, d, k_pos);
+    if (f.position_offset[d] - int64_t(k_pos) >= w.size) {  // d starts past the window: so does its subtree
+      d = f.subtree_end[d];
+      continue;
+    }
+    if (r.end > r.begin) out->push_back({r.begin, r.end, SegmentMask::window_bias(f, d, s)});
+    ++d;
+  }
+}
+
+}  // namespace
+
+dualkv_status build(const dualkv_layout& l, const dualkv_prefixes* prefixes, int head_dim, int32_t window, int num_sms,
+                    Plan* out) {
   const PlanTiles ts = plan_tiles(head_dim);
   const dualkv_prefixes none{0, 0, nullptr, nullptr};
   const dualkv_prefixes& px = prefixes != nullptr ? *prefixes : none;
+  if (window > 0 && px.num_prefixes > 0)
+    return detail::fail(DUALKV_ERROR_UNSUPPORTED,
+                        "plan: a sliding window (%d) over a forest with external prefix segments is not "
+                        "supported by the CUDA plan yet",
+                        window);
   const ForestView f = make_forest_view(l, px);
+  const PositionWindow w{window};
   const int32_t S = l.num_segments, T = l.num_tokens;
   const int32_t* off = l.seg_offsets;
   std::vector<int32_t> root(S);
@@ -51,7 +121,7 @@ dualkv_status build(const dualkv_layout& l, const dualkv_prefixes* prefixes, int
   for (int32_t s = 0; s < S; ++s)
     for (int32_t q0 = off[s]; q0 < off[s + 1]; q0 += ts.fwd_block_m) {
       const int32_t q1 = std::min(q0 + ts.fwd_block_m, off[s + 1]);
-      fwd.push_back({s, q0, q1, f.num_visible_keys(s, q1 - 1)});
+      fwd.push_back({s, q0, q1, fwd_work(f, w, s, q0, q1)});
     }
   std::stable_sort(fwd.begin(), fwd.end(), [&](const Fwd& a, const Fwd& b) {
     if (a.work != b.work) return a.work > b.work;
@@ -61,27 +131,38 @@ dualkv_status build(const dualkv_layout& l, const dualkv_prefixes* prefixes, int
     return a.s < b.s;
   });
 
-  // Backward KV tiles and the query range that sees each (SegmentMask::bwd_query_range); an external
-  // segment's tiles are of its prefix rows, seen by its whole subtree (bwd_prefix_query_range).
-  struct Kv { int32_t s, k0, k1, qbegin, qend; };
+  // Backward KV tiles and the query ranges that see each (SegmentMask::bwd_query_range; with a
+  // window, bwd_ranges): ranges [first, last) of `ranges`. An external segment's tiles are of its
+  // prefix rows, seen by its whole subtree (bwd_prefix_query_range; no window: build refuses both).
+  struct Kv { int32_t s, k0, k1, first, last; };
   std::vector<Kv> kv;
+  std::vector<QueryRange> ranges, tile_ranges;
   int64_t total = 0;
   for (int32_t s = 0; s < S; ++s) {
     if (f.is_external(s)) {
       const TokenRange r = SegmentMask::bwd_prefix_query_range(f, s);
       if (r.end <= r.begin) continue;  // a prefix no token sees gets no gradient (its rows stay as they are)
       for (int32_t k0 = f.prefix_begin(s); k0 < f.prefix_end(s); k0 += ts.bwd_block_n) {
-        kv.push_back({s, k0, std::min(k0 + ts.bwd_block_n, f.prefix_end(s)), r.begin, r.end});
+        kv.push_back({s, k0, std::min(k0 + ts.bwd_block_n, f.prefix_end(s)), static_cast<int32_t>(ranges.size()),
+                      static_cast<int32_t>(ranges.size() + 1)});
+        ranges.push_back({r.begin, r.end, 0});
         total += r.end - r.begin;
       }
       continue;
     }
     for (int32_t k0 = off[s]; k0 < off[s + 1]; k0 += ts.bwd_block_n) {
-      const TokenRange r = SegmentMask::bwd_query_range(f, s, k0);
-      kv.push_back({s, k0, std::min(k0 + ts.bwd_block_n, off[s + 1]), r.begin, r.end});
-      total += r.end - r.begin;
+      const int32_t k1 = std::min(k0 + ts.bwd_block_n, off[s + 1]);
+      bwd_ranges(f, w, s, k0, k1, &tile_ranges);
+      kv.push_back({s, k0, k1, static_cast<int32_t>(ranges.size()),
+                    static_cast<int32_t>(ranges.size() + tile_ranges.size())});
+      for (const QueryRange& r : tile_ranges) {
+        ranges.push_back(r);
+        total += r.qb - r.qa;
+      }
     }
   }
+  // Items of a range of len rows at split length `split`.
+  auto pieces = [](int64_t len, int64_t split) { return static_cast<int32_t>((len + split - 1) / split); };
   // Split length: ranges longer than this are cut into several work items (fp32 partials reduced
   // in a fixed order).
   int64_t split = std::max<int64_t>(8192, (total + num_sms - 1) / std::max(num_sms, 1));
@@ -94,31 +175,35 @@ dualkv_status build(const dualkv_layout& l, const dualkv_prefixes* prefixes, int
   while (true) {
     int64_t slots = 0;
     for (const Kv& t : kv) {
-      const int64_t n = (t.qend - t.qbegin + split - 1) / split;
+      int64_t n = 0;
+      for (int32_t i = t.first; i < t.last; ++i) n += pieces(ranges[i].qb - ranges[i].qa, split);
       if (n > 1) slots += n;
     }
     if (slots <= static_cast<int64_t>(kPlanSlotMask)) break;
     split *= 2;
   }
 
-  struct Bwd { int32_t s, k0, k1, qa, qb, slot; };
+  struct Bwd { int32_t s, k0, k1, qa, qb, slot, bias; };
   struct Red { int32_t s, k0, k1, slot0, n; };
   std::vector<Bwd> bwd;
   std::vector<Red> red;
   int32_t n_slots = 0;
   for (const Kv& t : kv) {
-    const int64_t len = t.qend - t.qbegin;
-    const int32_t n = static_cast<int32_t>((len + split - 1) / split);
+    int32_t n = 0;
+    for (int32_t i = t.first; i < t.last; ++i) n += pieces(ranges[i].qb - ranges[i].qa, split);
     if (n == 1) {
-      bwd.push_back({t.s, t.k0, t.k1, t.qbegin, t.qend, -1});
+      const QueryRange& r = ranges[t.first];
+      bwd.push_back({t.s, t.k0, t.k1, r.qa, r.qb, -1, r.bias});
     } else {
+      // Slots in range order, each range's pieces in query order: the reduction's fixed order.
       red.push_back({t.s, t.k0, t.k1, n_slots, n});
-      for (int32_t i = 0; i < n; ++i) {
-        const int32_t qa = static_cast<int32_t>(t.qbegin + i * split);
-        const int32_t qb = static_cast<int32_t>(std::min<int64_t>(qa + split, t.qend));
-        bwd.push_back({t.s, t.k0, t.k1, qa, qb, n_slots + i});
+      for (int32_t i = t.first; i < t.last; ++i) {
+        const QueryRange& r = ranges[i];
+        for (int64_t qa = r.qa; qa < r.qb; qa += split) {
+          const int32_t qb = static_cast<int32_t>(std::min<int64_t>(qa + split, r.qb));
+          bwd.push_back({t.s, t.k0, t.k1, static_cast<int32_t>(qa), qb, n_slots++, r.bias});
+        }
       }
-      n_slots += n;
     }
   }
   std::stable_sort(bwd.begin(), bwd.end(), [&](const Bwd& a, const Bwd& b) {
@@ -131,7 +216,8 @@ dualkv_status build(const dualkv_layout& l, const dualkv_prefixes* prefixes, int
   const int64_t fwd_off = kHeaderInts;
   const int64_t bwd_off = fwd_off + static_cast<int64_t>(fwd.size()) * kFwdItemInts;
   const int64_t red_off = bwd_off + static_cast<int64_t>(bwd.size()) * kBwdItemInts;
-  const int64_t total_len = red_off + static_cast<int64_t>(red.size()) * kRedItemInts;
+  const int64_t bias_off = red_off + static_cast<int64_t>(red.size()) * kRedItemInts;
+  const int64_t total_len = bias_off + (w.size > 0 ? static_cast<int64_t>(bwd.size()) : 0);
   if (total_len > INT32_MAX)
     return detail::fail(DUALKV_ERROR_UNSUPPORTED, "plan: layout too large for an int32 work plan");
   std::vector<int32_t>& d = out->data;
@@ -149,6 +235,8 @@ dualkv_status build(const dualkv_layout& l, const dualkv_prefixes* prefixes, int
   d[kHdrRedOffset] = static_cast<int32_t>(red_off);
   d[kHdrTotalLen] = static_cast<int32_t>(total_len);
   d[kHdrHeadDim] = head_dim;
+  d[kHdrWindow] = w.size > 0 ? w.size : 0;
+  d[kHdrBwdBiasOffset] = w.size > 0 ? static_cast<int32_t>(bias_off) : 0;
   for (size_t i = 0; i < fwd.size(); ++i) {
     int32_t* p = &d[fwd_off + i * kFwdItemInts];
     p[0] = fwd[i].s; p[1] = fwd[i].q0; p[2] = fwd[i].q1; p[3] = fwd[i].work;
@@ -156,12 +244,15 @@ dualkv_status build(const dualkv_layout& l, const dualkv_prefixes* prefixes, int
   for (size_t i = 0; i < bwd.size(); ++i) {
     int32_t* p = &d[bwd_off + i * kBwdItemInts];
     p[0] = bwd[i].s; p[1] = bwd[i].k0; p[2] = bwd[i].k1; p[3] = bwd[i].qa; p[4] = bwd[i].qb; p[5] = bwd[i].slot;
+    if (w.size > 0) d[bias_off + i] = bwd[i].bias;
   }
   for (size_t i = 0; i < red.size(); ++i) {
     int32_t* p = &d[red_off + i * kRedItemInts];
     p[0] = red[i].s; p[1] = red[i].k0; p[2] = red[i].k1; p[3] = red[i].slot0; p[4] = red[i].n; p[5] = 0;
   }
-  out->key = (key_hash(head_dim, S, T, px.num_prefixes, px.num_prefixes > 0 ? px.num_prefix_rows : 0) << kPlanSlotBits) | static_cast<uint64_t>(n_slots);
+  out->key = (key_hash(head_dim, S, T, w.size > 0 ? w.size : 0, px.num_prefixes,
+                       px.num_prefixes > 0 ? px.num_prefix_rows : 0) << kPlanSlotBits) |
+             static_cast<uint64_t>(n_slots);
   out->split_rows = static_cast<int32_t>(std::min<int64_t>(split, INT32_MAX));
   return DUALKV_OK;
 }

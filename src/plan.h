@@ -21,16 +21,18 @@ struct Plan {
 };
 
 // Builds the plan of a valid, derived host layout (with its external prefix table `prefixes`, host
-// memory, checked with it; NULL or num_prefixes 0: none) for `head_dim` on a device with `num_sms`
-// multiprocessors (the backward split length is max(8192, total / num_sms) query rows, or
-// DUALKV_CUDA_SPLIT_ROWS when set: tests use it to exercise splits).
-dualkv_status build(const dualkv_layout& layout, const dualkv_prefixes* prefixes, int head_dim, int num_sms,
-                    Plan* out);
+// memory, checked with it; NULL or num_prefixes 0: none) for `head_dim` and a sliding window of
+// `window` positions (0: none; plan_format.h) on a device with `num_sms` multiprocessors (the
+// backward split length is max(8192, total / num_sms) query rows, or DUALKV_CUDA_SPLIT_ROWS when
+// set: tests use it to exercise splits).
+dualkv_status build(const dualkv_layout& layout, const dualkv_prefixes* prefixes, int head_dim, int32_t window,
+                    int num_sms, Plan* out);
 
-// The part of the plan key that names the tiling, the layout's S and T and its prefix table's size
-// (E prefixes of `prefix_rows` rows; 0, 0 without): kernels' callers recompute it from their params
-// and reject a plan built for anything else (a plan built without the table among them).
-uint64_t key_hash(int head_dim, int32_t num_segments, int32_t num_tokens, int32_t num_prefixes,
+// The part of the plan key that names the tiling, the window, the layout's S and T and its prefix
+// table's size (E prefixes of `prefix_rows` rows; 0, 0 without): kernels' callers recompute it
+// from their params and reject a plan built for anything else (a plan built for another window,
+// or without the table of a prefixed forest, among them).
+uint64_t key_hash(int head_dim, int32_t num_segments, int32_t num_tokens, int32_t window, int32_t num_prefixes,
                   int32_t prefix_rows);
 
 // Split slots recorded in a plan key (they size the backward workspace).

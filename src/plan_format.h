@@ -7,6 +7,8 @@
 //   forward / dQ query tiles   n_fwd   x kFwdItemInts  (seg, q0, q1, work)
 //   backward KV work items     n_bwd   x kBwdItemInts  (seg, k0, k1, qa, qb, slot)
 //   split reductions           n_red   x kRedItemInts  (seg, k0, k1, slot0, nsplit, 0)
+//   distance biases            n_bwd int32, only in a plan with a sliding window (header
+//                              kHdrWindow > 0, at kHdrBwdBiasOffset): see below
 //
 // An item whose segment is external (seg_prefix[seg] >= 0: a root holding prefix rows, no tokens)
 // is a prefix item: its k0, k1 are rows of the prefix buffers, qa, qb tokens of the segment's subtree
@@ -16,6 +18,19 @@
 // adjacent so that their shared K/V stays in L2. Kernels grab items through an atomic counter and
 // multiply them by the heads: forward item i covers tile i / H, query head i % H; backward item i
 // covers KV work entry i / Hk, KV head i % Hk.
+//
+// A plan built for a sliding window W (mask modifiers, issue 16) has the same lists,
+// cut to the window so that the work scales with W: a forward tile's work counts only the keys
+// SegmentMask::keys_in_window leaves it (the kernels' walk stops at the first ancestor the window
+// cuts entirely); a backward KV tile has one item per contiguous query range that sees it: its own
+// segment's queries up to where the window closes, then per descendant segment the prefix of its
+// tokens that SegmentMask::queries_in_window leaves (a descendant past the window is skipped with
+// its subtree), each range split as usual, or, when no pair of the tile's whole query range
+// [k0, subtree_token_end) is hidden by the window, that range as one item as without a window.
+// Every KV tile with more than one item goes through the split partials and a reduction. Item
+// i's distance bias b_i makes pos(q) - pos(k) = (q - k) + b_i for its pairs (SegmentMask::
+// window_bias; 0 in the own segment), or is -T for an un-windowed range (no pair hidden), so the
+// kernels apply the window as (q - k) + b_i >= W.
 #pragma once
 
 #include <stdint.h>
@@ -23,8 +38,10 @@
 namespace dualkv {
 
 constexpr int32_t kPlanMagic = 0x444B5631;  // "DKV1"
-// 2: backward items over external prefix segments' rows (issue 17); the key folds in the prefix table.
-constexpr int32_t kPlanVersion = 2;
+// 2 was two versions on two branches: the window (kHdrWindow, the distance biases) and backward
+// items over external prefix segments' rows (issue 17). 3 has both: the key folds in the window
+// and the prefix table.
+constexpr int32_t kPlanVersion = 3;
 enum PlanHeader : int {
   kHdrMagic = 0,
   kHdrVersion,
@@ -39,6 +56,8 @@ enum PlanHeader : int {
   kHdrRedOffset,
   kHdrTotalLen,
   kHdrHeadDim,
+  kHdrWindow,         // the sliding window the plan was cut to (0: none)
+  kHdrBwdBiasOffset,  // the backward items' distance biases (0 without a window)
   kHeaderInts = 16
 };
 constexpr int kFwdItemInts = 4;
@@ -46,7 +65,7 @@ constexpr int kBwdItemInts = 6;
 constexpr int kRedItemInts = 6;
 
 // The plan key (uint64) passed back in the params: bits 63..20 hash (plan version, head dim,
-// tiling, S, T, number of external prefixes and of their rows), bits 19..0 are the number of split slots (which sizes the backward workspace).
+// tiling, S, T, window, number of external prefixes and of their rows), bits 19..0 are the number of split slots (which sizes the backward workspace).
 constexpr int kPlanSlotBits = 20;
 constexpr uint64_t kPlanSlotMask = (uint64_t(1) << kPlanSlotBits) - 1;
 

@@ -266,15 +266,27 @@ DUALKV_API dualkv_status dualkv_plan_size(const dualkv_layout* host_layout, int3
 DUALKV_API dualkv_status dualkv_plan_build(const dualkv_layout* host_layout, int32_t device,
                                            int32_t device_index, int32_t dtype, int32_t head_dim,
                                            int32_t* plan, int64_t plan_len);
-/* The same two for a forest with external prefix segments (prefixes: the host table, NULL: none;
- * plan version 2). A plan built without the table of a prefixed forest has another key: the
- * attention calls reject it. The functions above refuse a forest with external segments. */
-DUALKV_API dualkv_status dualkv_plan_size_prefixed(const dualkv_layout* host_layout, const dualkv_prefixes* prefixes,
-                                                   int32_t device, int32_t device_index, int32_t dtype,
-                                                   int32_t head_dim, int64_t* plan_len, uint64_t* plan_key);
-DUALKV_API dualkv_status dualkv_plan_build_prefixed(const dualkv_layout* host_layout, const dualkv_prefixes* prefixes,
-                                                    int32_t device, int32_t device_index, int32_t dtype,
-                                                    int32_t head_dim, int32_t* plan, int64_t plan_len);
+/* A plan request (the _ex entry points): what dualkv_plan_size / dualkv_plan_build take as
+ * arguments, plus the sliding window the plan is cut to and the forest's external prefix table
+ * (plan version 3). The plan of a call with window W must be built for W, and the plan of a
+ * forest with external prefix segments with its table: plans built for another window, or without
+ * the table, are rejected by the plan key. The plain functions are the request with window 0 and
+ * no prefixes (they refuse a forest with external segments). A window together with external
+ * prefixes is refused (DUALKV_ERROR_UNSUPPORTED) for the CUDA backend.
+ * Versioned by struct_size: later fields are appended. */
+typedef struct dualkv_plan_request {
+  uint32_t struct_size; /* sizeof(dualkv_plan_request) */
+  int32_t device;
+  int32_t device_index;
+  int32_t dtype;
+  int32_t head_dim;
+  int32_t window;       /* 0: none (the plan dualkv_plan_size / dualkv_plan_build build); >= 1: W */
+  const dualkv_prefixes* prefixes; /* host table of the external prefix segments; NULL: none */
+} dualkv_plan_request;
+DUALKV_API dualkv_status dualkv_plan_size_ex(const dualkv_layout* host_layout, const dualkv_plan_request* request,
+                                             int64_t* plan_len, uint64_t* plan_key);
+DUALKV_API dualkv_status dualkv_plan_build_ex(const dualkv_layout* host_layout, const dualkv_plan_request* request,
+                                              int32_t* plan, int64_t plan_len);
 
 /* Statistics of a work plan (dualkv_plan_inspect). */
 typedef struct dualkv_plan_info {
@@ -298,11 +310,11 @@ typedef struct dualkv_plan_info {
 DUALKV_API dualkv_status dualkv_plan_inspect(const dualkv_layout* host_layout, int32_t head_dim,
                                              int32_t num_sms, dualkv_plan_info* info, int32_t* plan,
                                              int64_t plan_len);
-/* The same with external prefix segments (prefixes: host table, NULL: none). */
-DUALKV_API dualkv_status dualkv_plan_inspect_prefixed(const dualkv_layout* host_layout,
-                                                      const dualkv_prefixes* prefixes, int32_t head_dim,
-                                                      int32_t num_sms, dualkv_plan_info* info, int32_t* plan,
-                                                      int64_t plan_len);
+/* The same for a plan request (its head_dim, window and prefixes; device, device_index and dtype
+ * unused). */
+DUALKV_API dualkv_status dualkv_plan_inspect_ex(const dualkv_layout* host_layout, const dualkv_plan_request* request,
+                                                int32_t num_sms, dualkv_plan_info* info, int32_t* plan,
+                                                int64_t plan_len);
 
 /* ---- attention ---- */
 DUALKV_API dualkv_status dualkv_fwd_workspace_size(const dualkv_fwd_params* params, size_t* bytes);

@@ -29,8 +29,9 @@
 // backend uses them. They number a segment's keys as ForestView::keys_begin does, so an external
 // prefix segment's rows (layout.h) are cut at their positions like any ancestor's tokens. The GPU
 // kernels use the forest-rule parts (with external prefixes: KvWalk's prefixed walk,
-// bwd_prefix_query_range) and refuse the modifiers (api.cpp);
-// docs/notes/2026-12-01-mask-modifiers-kernel-plan.md is the plan for them.
+// bwd_prefix_query_range), softcap (SoftcapFromExp) and sinks (fold_sink, sink_probability);
+// they refuse the window so far (api.cpp);
+// docs/notes/2026-12-01-mask-modifiers-kernel-plan.md is the plan for it.
 // docs/adding_kernels.md lists the call sites of a new modifier.
 #ifndef DUALKV_MASK_H_
 #define DUALKV_MASK_H_
@@ -128,6 +129,48 @@ struct KvWalk {
       cur = seg; pos = offsets[seg]; end = own_end; own = true;
     }
     return true;
+  }
+
+  // ---- the same walk under a sliding window (issue 16; the forward kernels' windowed tiles) ----
+  // `first_pos`: the first position the tile's first query q0 sees,
+  // PositionWindow::first_position(pos(q0)) (every query of the tile sees at most the keys from
+  // there on). Each range starts at SegmentMask::keys_in_window's begin for it, and the walk stops
+  // at the first ancestor the window cuts entirely (every range above lies further back). The
+  // struct's fields are those of the plain walk (the portable forward keeps two walks in shared
+  // memory); the caller keeps first_pos. The planner's forward work (plan.cpp) is the sum of
+  // len() over this walk's tiles.
+  DUALKV_HOST_DEVICE void init_windowed(const int32_t* offsets, const int32_t* parent, const int32_t* position_offset,
+                                        int32_t s, int32_t q1, int32_t first_pos) {
+    seg = s;
+    own_end = q1;
+    if (!enter_ancestor_windowed(offsets, parent[s], position_offset, first_pos))
+      enter_own_windowed(offsets, position_offset, first_pos);
+  }
+  DUALKV_HOST_DEVICE bool next_windowed(const int32_t* offsets, const int32_t* parent, const int32_t* position_offset,
+                                        int32_t first_pos) {
+    pos += BN;
+    if (pos < end) return true;
+    if (own) return false;
+    if (!enter_ancestor_windowed(offsets, parent[cur], position_offset, first_pos))
+      enter_own_windowed(offsets, position_offset, first_pos);
+    return true;
+  }
+  // Segment a's tokens from the window's first position on, if a exists and the window leaves any.
+  DUALKV_HOST_DEVICE bool enter_ancestor_windowed(const int32_t* offsets, int32_t a, const int32_t* position_offset,
+                                                  int32_t first_pos) {
+    if (a < 0) return false;
+    const int32_t skip = first_pos - position_offset[a];
+    const int32_t begin = skip > 0 ? offsets[a] + skip : offsets[a];
+    if (skip > 0 && (skip >= offsets[a + 1] - offsets[a])) return false;
+    cur = a; pos = begin; end = offsets[a + 1]; own = false;
+    return true;
+  }
+  // The query segment's tokens from the window's first position up to own_end (never empty: the
+  // first query sees itself).
+  DUALKV_HOST_DEVICE void enter_own_windowed(const int32_t* offsets, const int32_t* position_offset,
+                                             int32_t first_pos) {
+    const int32_t skip = first_pos - position_offset[seg];
+    cur = seg; pos = skip > 0 ? offsets[seg] + skip : offsets[seg]; end = own_end; own = true;
   }
 
   // The same walk over a forest with external prefix segments (layout.h: seg_prefix[s] the prefix
@@ -251,6 +294,23 @@ struct SegmentMask {
     return TokenRange{k0, last_seeing < f.segment_end(s) - 1 ? int32_t(last_seeing + 1) : f.subtree_token_end(s)};
   }
 
+  // The same, one query segment at a time, for a planner that cuts the descendants' part of that
+  // range to the window (work items that never hold a pair the window hides in full): the tokens
+  // of segment d (a descendant of the keys' segment) that see a key at position k_pos, a prefix of
+  // d's tokens; empty when d starts past the window, and then so does every segment of d's subtree.
+  DUALKV_HOST_DEVICE static TokenRange queries_in_window(const ForestView& f, PositionWindow w, int32_t d,
+                                                         int32_t k_pos) {
+    const int32_t begin = f.segment_begin(d), end = f.segment_end(d);
+    if (w.size <= 0) return TokenRange{begin, end};
+    const int64_t seeing = int64_t(k_pos) + w.size - f.position_offset[d];  // positions of d that see it
+    return TokenRange{begin, seeing <= 0 ? begin : seeing >= end - begin ? end : begin + int32_t(seeing)};
+  }
+  // The distance of a query of segment qs to a key of segment ks in tokens: pos(q) - pos(k) =
+  // (q - k) + window_bias(qs, ks); a work item of one query segment carries it for the apply step.
+  DUALKV_HOST_DEVICE static int32_t window_bias(const ForestView& f, int32_t qs, int32_t ks) {
+    return (f.position_offset[qs] - f.segment_begin(qs)) - (f.position_offset[ks] - f.keys_begin(ks));
+  }
+
   // 3. Tile kinds of a key block against query rows (BlockPair), for any tile shape.
   DUALKV_HOST_DEVICE static TileKind block_kind(const BlockPair& b, PositionWindow w) {
     const int32_t k_last = b.keys.end - 1;
@@ -281,6 +341,18 @@ DUALKV_HOST_DEVICE F softcap_grad(F capped, F c) {
   const F t = capped / c;
   return F(1) - t * t;
 }
+
+// The kernels' fp32 form of both, from e = exp(2 s / c) (which they get as one exp2 of the raw
+// dot product times 2 log2(e) scale / c): tanh(s / c) = 1 - 2 / (e + 1). The kernels are built
+// with fast math, where tanhf becomes the hardware's approximate tanh (relative error ~2^-11: a
+// logit capped at 50 would move by ~0.02); this form keeps the capped score's absolute error at
+// fp32 rounding (times c), and is exact at both ends (e = 0: -1; e = inf: 1).
+struct SoftcapFromExp {
+  float t;  // tanh(s / c)
+  DUALKV_HOST_DEVICE explicit SoftcapFromExp(float e) : t(1.f - 2.f / (e + 1.f)) {}
+  DUALKV_HOST_DEVICE float score(float c) const { return c * t; }  // softcap_score
+  DUALKV_HOST_DEVICE float grad() const { return 1.f - t * t; }    // softcap_grad
+};
 
 // A sink logit (gpt-oss) folded into a row's softmax: one more key, of value zero, in the online
 // softmax. The row's visible scores have maximum row_max and sum_j exp(s_j - row_max) = row_sum;

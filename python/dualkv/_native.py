@@ -108,6 +108,20 @@ class Prefixes_(ctypes.Structure):
     ]
 
 
+class PlanRequest_(ctypes.Structure):
+    """dualkv_plan_request: a work plan's device, dtype, head dim, sliding window (0: none) and
+    external prefix table (host memory; NULL: none)."""
+    _fields_ = [
+        ("struct_size", ctypes.c_uint32),
+        ("device", ctypes.c_int32),
+        ("device_index", ctypes.c_int32),
+        ("dtype", ctypes.c_int32),
+        ("head_dim", ctypes.c_int32),
+        ("window", ctypes.c_int32),
+        ("prefixes", ctypes.POINTER(Prefixes_)),
+    ]
+
+
 # the params block appended for external prefix segments (dualkv.h)
 _PREFIX_INPUTS = [
     ("prefixes", Prefixes_),
@@ -221,8 +235,6 @@ _PREFIXED = {
     "dualkv_layout_derive_prefixed": ("dualkv_layout_derive", 4),
     "dualkv_layout_position_ids_prefixed": ("dualkv_layout_position_ids", 1),
     "dualkv_layout_visible_pairs_prefixed": ("dualkv_layout_visible_pairs", 1),
-    "dualkv_plan_size_prefixed": ("dualkv_plan_size", 1),
-    "dualkv_plan_build_prefixed": ("dualkv_plan_build", 1),
 }
 
 
@@ -279,20 +291,17 @@ def _declare(lib: ctypes.CDLL) -> None:
                  "dualkv_plan_size", "dualkv_plan_build", "dualkv_fwd_workspace_size",
                  "dualkv_bwd_workspace_size", "dualkv_fwd", "dualkv_bwd"):
         getattr(lib, name).restype = c.c_int
-    # The plans' prefixed entry points came after the layout's (plan version 2): a library may have
-    # the one set without the other.
-    missing = [name for name in _PREFIXED if not hasattr(lib, name)]
-    for name in missing:
-        plain, at = _PREFIXED[name]
-        setattr(lib, name, _prefix_free(lib, name, getattr(lib, plain), at))
-    if "dualkv_plan_size_prefixed" not in missing:
-        lib.dualkv_plan_size_prefixed.argtypes = [c.POINTER(Layout_), c.POINTER(Prefixes_), c.c_int32, c.c_int32,
-                                                  c.c_int32, c.c_int32, c.POINTER(c.c_int64), c.POINTER(c.c_uint64)]
-        lib.dualkv_plan_build_prefixed.argtypes = [c.POINTER(Layout_), c.POINTER(Prefixes_), c.c_int32, c.c_int32,
-                                                   c.c_int32, c.c_int32, _i32p, c.c_int64]
-        lib.dualkv_plan_size_prefixed.restype = c.c_int
-        lib.dualkv_plan_build_prefixed.restype = c.c_int
-    if "dualkv_layout_derive_prefixed" in missing:
+    # Plans for a window or external prefixes take a versioned request (plan version 3); older
+    # builds lack it (the layout builds no such plan there, and attention() refuses the call).
+    if hasattr(lib, "dualkv_plan_size_ex"):
+        lib.dualkv_plan_size_ex.argtypes = [c.POINTER(Layout_), c.POINTER(PlanRequest_), c.POINTER(c.c_int64),
+                                            c.POINTER(c.c_uint64)]
+        lib.dualkv_plan_build_ex.argtypes = [c.POINTER(Layout_), c.POINTER(PlanRequest_), _i32p, c.c_int64]
+        lib.dualkv_plan_size_ex.restype = c.c_int
+        lib.dualkv_plan_build_ex.restype = c.c_int
+    if not hasattr(lib, "dualkv_layout_derive_prefixed"):
+        for name, (plain, at) in _PREFIXED.items():
+            setattr(lib, name, _prefix_free(lib, name, getattr(lib, plain), at))
         return
     lib.dualkv_layout_derive_prefixed.argtypes = [_i32p, _i32p, c.c_int32, c.c_int64, c.POINTER(Prefixes_), _i32p,
                                                   _i32p, _i32p, _i32p]

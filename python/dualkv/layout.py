@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import operator
-from typing import Iterable, Sequence
+from typing import Iterable, Optional, Sequence
 
 import torch
 
@@ -130,7 +130,8 @@ class Layout:
         self._host_meta = meta
         self._meta = meta  # on self.device
         self._device = torch.device("cpu")
-        self._plans: dict = {}  # (dtype, head_dim) -> (plan tensor view, key) on self.device
+        self._plans: dict = {}  # (dtype, head_dim, window) -> (plan tensor view, key) on self.device
+        self._plan_windows: tuple = ()  # the windows (0: none) self._plans were built for
         self._position_ids = None
 
     # ---- constructors ----
@@ -304,13 +305,19 @@ class Layout:
         return torch.repeat_interleave(torch.arange(self.num_segments), lens).to(self.device)
 
     # ---- devices ----
-    def to(self, device) -> "Layout":
-        """This layout with its arrays, and the kernels' work plans, on ``device``."""
+    def to(self, device, windows: Iterable[Optional[int]] = (None,)) -> "Layout":
+        """This layout with its arrays, and the kernels' work plans, on ``device``: one per (dtype,
+        head dim) built for the device and sliding window of ``windows`` (None: no window; a
+        plan is cut to its window, so a model with sliding-window layers passes both, e.g.
+        ``windows=(None, 128)``)."""
         device = torch.device(device)
+        windows = tuple(dict.fromkeys(_plan_window(w) for w in windows))
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         if device == self.device:
-            return self
+            if device.type == "cpu" or set(windows) <= set(self._plan_windows):
+                return self
+            windows = tuple(dict.fromkeys(self._plan_windows + windows))  # more windows on the same device
         other = object.__new__(Layout)
         other.__dict__.update(self.__dict__)
         other._device = device
@@ -321,17 +328,19 @@ class Layout:
             return other
         if device.type != "cuda":
             raise _native.UnsupportedError(f"layout: device type {device.type!r} is not supported (cpu, cuda)")
+        other._plan_windows = windows
         plans, keys, chunks, offset = {}, {}, [], 0
         for dtype, head_dim in _cuda_configs():
-            built = _build_plan(self, device.index, dtype, head_dim)
-            if built is None:
-                continue
-            plan, key = built
-            if key not in keys:  # configs with the same tiling share one plan
-                keys[key] = (offset, plan.numel())
-                chunks.append(plan)
-                offset += plan.numel()
-            plans[(dtype, head_dim)] = key
+            for window in windows:
+                built = _build_plan(self, device.index, dtype, head_dim, window)
+                if built is None:
+                    continue
+                plan, key = built
+                if key not in keys:  # configs with the same tiling (and window) share one plan
+                    keys[key] = (offset, plan.numel())
+                    chunks.append(plan)
+                    offset += plan.numel()
+                plans[(dtype, head_dim, window)] = key
         host = torch.cat([self._host_meta] + chunks)
         pinned = host.pin_memory() if torch.cuda.is_available() else host
         on_device = pinned.to(device, non_blocking=True)
@@ -345,20 +354,28 @@ class Layout:
     def cuda(self, device=None) -> "Layout":
         return self.to(device if device is not None else "cuda")
 
-    def plan_for(self, dtype: torch.dtype, head_dim: int):
-        """(plan tensor, key) for a CUDA attention call; raises naming why if none exists."""
+    def plan_for(self, dtype: torch.dtype, head_dim: int, window: Optional[int] = None):
+        """(plan tensor, key) for a CUDA attention call with sliding window ``window`` (None or 0:
+        none); raises naming why if none exists."""
         if self.device.type == "cpu":
             return self._meta[:0], 0
-        found = self._plans.get((dtype, head_dim))
+        window = _plan_window(window)
+        found = self._plans.get((dtype, head_dim, window))
         if found is not None:
             return found
+        if window and any(cfg[:2] == (dtype, head_dim) for cfg in self._plans):
+            raise _native.UnsupportedError(
+                f"attention: no CUDA work plan for sliding window {window} ({dtype}, head_dim {head_dim}): plans are "
+                f"cut to their window; build it with layout.to(device, windows=(None, {window}))")
         # Not built for this config: ask the library why (e.g. head dim not compiled).
         length, key = ctypes.c_int64(0), ctypes.c_uint64(0)
         c, x = self.c_layout(host=True), self.c_prefixes(host=True)
-        _native.check(_native.lib().dualkv_plan_size_prefixed(ctypes.byref(c), prefixes_arg(x), _native.DEVICE_CUDA,
-                                                              self.device.index, DTYPE_CODES.get(dtype, -1), head_dim,
-                                                              ctypes.byref(length), ctypes.byref(key)), "attention")
-        raise _native.UnsupportedError(f"attention: no CUDA work plan for {dtype}, head_dim {head_dim}")
+        calls = _plan_calls(_native.lib(), c, x, self.device.index, dtype, head_dim, window, length, key)
+        if calls is not None:
+            _native.check(calls[0](), "attention")
+        raise _native.UnsupportedError(f"attention: no CUDA work plan for {dtype}, head_dim {head_dim}"
+                                       + (f", sliding window {window}" if window else "")
+                                       + (" with external prefix segments" if self.num_prefixes else ""))
 
     def __repr__(self) -> str:
         prefixes = f", prefixes={self.num_prefixes} ({self.num_prefix_rows} rows)" if self.num_prefixes else ""
@@ -399,19 +416,52 @@ def _cuda_configs() -> Iterable[tuple[torch.dtype, int]]:
     return [(dt, int(hd)) for dt in dtypes for hd in cuda.get("head_dims", [])]
 
 
-def _build_plan(layout: Layout, device_index: int, dtype: torch.dtype, head_dim: int):
+def _plan_window(window: Optional[int]) -> int:
+    """A window as plans are keyed: 0 for none, else clamped as the ops clamp it (ops._check_modifiers)."""
+    if window is None or window == 0:
+        return 0
+    if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+        raise _native.ArgumentError(f"layout: a plan's window must be None or an int >= 1, got {window!r}")
+    return min(window, 2**31 - 1)
+
+
+def _plan_calls(lib, c, x, device_index: int, dtype: torch.dtype, head_dim: int, window: int, length, key):
+    """(size, build) of the plan of layout ``c`` with prefix table ``x`` for (dtype, head dim,
+    window): the versioned request (dualkv_plan_{size,build}_ex) when the plan has a window or
+    external prefixes, else the plain entry points (any library). None: the library predates the
+    versioned request (a window or prefixes need it)."""
+    code = DTYPE_CODES.get(dtype, -1)
+    if window or x.num_prefixes:
+        if not hasattr(lib, "dualkv_plan_size_ex"):
+            return None
+        req = _native.PlanRequest_(ctypes.sizeof(_native.PlanRequest_), _native.DEVICE_CUDA, device_index, code,
+                                   head_dim, window, ctypes.pointer(x) if x.num_prefixes else None)
+        size = lambda: lib.dualkv_plan_size_ex(ctypes.byref(c), ctypes.byref(req), ctypes.byref(length),  # noqa: E731
+                                               ctypes.byref(key))
+        build = lambda plan: lib.dualkv_plan_build_ex(ctypes.byref(c), ctypes.byref(req),  # noqa: E731
+                                                      ctypes.cast(plan.data_ptr(), _native._i32p), plan.numel())
+        return size, build
+    size = lambda: lib.dualkv_plan_size(ctypes.byref(c), _native.DEVICE_CUDA, device_index, code,  # noqa: E731
+                                        head_dim, ctypes.byref(length), ctypes.byref(key))
+    build = lambda plan: lib.dualkv_plan_build(ctypes.byref(c), _native.DEVICE_CUDA, device_index,  # noqa: E731
+                                               code, head_dim, ctypes.cast(plan.data_ptr(), _native._i32p),
+                                               plan.numel())
+    return size, build
+
+
+def _build_plan(layout: Layout, device_index: int, dtype: torch.dtype, head_dim: int, window: int = 0):
     lib = _native.lib()
     c, x = layout.c_layout(host=True), layout.c_prefixes(host=True)
     length, key = ctypes.c_int64(0), ctypes.c_uint64(0)
-    st = lib.dualkv_plan_size_prefixed(ctypes.byref(c), prefixes_arg(x), _native.DEVICE_CUDA, device_index,
-                                       DTYPE_CODES[dtype], head_dim, ctypes.byref(length), ctypes.byref(key))
+    calls = _plan_calls(lib, c, x, device_index, dtype, head_dim, window, length, key)
+    if calls is None:
+        return None  # a library without versioned plan requests; attention() refuses the call itself
+    size, build = calls
+    st = size()
     if st == _native.ERROR_UNSUPPORTED:
         return None  # e.g. an arch this GPU lacks; attention() reports it if it is ever asked for
     _native.check(st, "plan")
     plan = torch.empty(max(int(length.value), 0), dtype=torch.int32)
-    _native.check(lib.dualkv_plan_build_prefixed(ctypes.byref(c), prefixes_arg(x), _native.DEVICE_CUDA, device_index,
-                                                 DTYPE_CODES[dtype], head_dim,
-                                                 ctypes.cast(plan.data_ptr(), _native._i32p), plan.numel()),
-                  "plan")
+    _native.check(build(plan), "plan")
     key_value = int(key.value)  # a custom op takes int64: store the uint64 key as its signed twin
     return plan, key_value - 2**64 if key_value >= 2**63 else key_value

@@ -315,7 +315,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Layout,
     over every query of this call that sees them. Both backends (CUDA: the portable and the
     Hopper kernels read the prefix buffers as a second K/V region).
 
-    Mask modifiers (CPU backend; the CUDA backend refuses them for now):
+    Mask modifiers (CPU backend: all three; CUDA backend: softcap and sinks, the window not yet):
 
     * ``window``: a sliding window of ``window`` positions: query i also stops seeing key j when
       ``position(i) - position(j) >= window``, positions along the root-to-leaf path (the
@@ -342,7 +342,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Layout,
         if not math.isfinite(softmax_scale) or softmax_scale <= 0:
             raise _native.ArgumentError(f"attention: softmax_scale must be finite and > 0, got {softmax_scale}")
     window, softcap, sinks = _check_modifiers(q, window, softcap, sinks)
-    plan, key = layout.plan_for(q.dtype, q.shape[-1])
+    plan, key = layout.plan_for(q.dtype, q.shape[-1], window)
     out, lse = _fwd(q, k, v, layout.meta, plan, layout.num_segments, layout.max_depth, key, softmax_scale,
                     bool(deterministic), prefix_k, prefix_v, layout.num_prefixes, window, softcap, sinks)
     return (out, lse) if return_lse else out

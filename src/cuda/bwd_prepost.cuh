@@ -4,7 +4,9 @@
 //                 delta[h, t] = sum_d dO * O - dlse (one warp per row);
 //   postprocess:  dQ = scale * the fp32 accumulator (unless deterministic: the main kernel's arch
 //                 computes dQ itself then), and the fixed-order sum of the split items' fp32 dK/dV
-//                 partials (only when the plan has splits).
+//                 partials (only when the plan has splits);
+//   with sinks (mask modifiers, issue 16), after the preprocess: dsinks[h] = -sum_t exp(sink_h -
+//                 lse[h, t]) delta[h, t] (bwd_dsinks_kernel).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -12,6 +14,7 @@
 #include <algorithm>
 
 #include "convert.cuh"
+#include "dualkv/mask.h"
 #include "kernel_params.h"
 #include "plan_reader.cuh"
 #include "tile_size.h"
@@ -109,6 +112,30 @@ __global__ void bwd_reduce_kernel(const BwdArgs args) {
   }
 }
 
+// d loss / d sink_h = -sum_t sink_probability(sink_h, lse[h, t]) delta[h, t], one block per head:
+// each thread sums a fixed stride of rows, then a fixed tree over the threads, so the result is
+// the same bits on every run (no atomics; the deterministic flag needs nothing more).
+// (A template, as every kernel of this header, only so that each unit's copy is its own.)
+constexpr int kDsinksThreads = 256;
+template <int D, typename T>
+__global__ void __launch_bounds__(kDsinksThreads) bwd_dsinks_kernel(const BwdArgs args) {
+  __shared__ float part[kDsinksThreads];
+  const int h = blockIdx.x;
+  const int32_t T_ = args.layout.num_tokens;
+  const float sink = args.sinks[h];
+  const float* lse = args.lse + static_cast<int64_t>(h) * args.lse_hs;
+  const float* delta = args.delta + static_cast<int64_t>(h) * T_;
+  float sum = 0.f;
+  for (int32_t t = threadIdx.x; t < T_; t += kDsinksThreads) sum += sink_probability(sink, lse[t]) * delta[t];
+  part[threadIdx.x] = sum;
+  __syncthreads();
+  for (int n = kDsinksThreads / 2; n > 0; n >>= 1) {
+    if (threadIdx.x < n) part[threadIdx.x] += part[threadIdx.x + n];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) args.dsinks[h] = -part[0];
+}
+
 template <int D, typename T>
 cudaError_t launch_bwd_preprocess(const BwdArgs& args, int sms, cudaStream_t stream) {
   cudaError_t err;
@@ -121,6 +148,10 @@ cudaError_t launch_bwd_preprocess(const BwdArgs& args, int sms, cudaStream_t str
   const int64_t rows = T_ * args.num_heads;
   const int blocks = static_cast<int>(std::min<int64_t>((rows + 7) / 8, static_cast<int64_t>(sms) * 16));
   bwd_preprocess_kernel<D, T><<<blocks, 256, 0, stream>>>(args);
+  if (args.sinks != nullptr) {  // mask modifiers (issue 16): from delta, just computed
+    if ((err = cudaGetLastError()) != cudaSuccess) return err;
+    bwd_dsinks_kernel<D, T><<<args.num_heads, kDsinksThreads, 0, stream>>>(args);
+  }
   return cudaGetLastError();
 }
 

@@ -17,6 +17,7 @@
 #include "internal.h"
 #include "kernel_params.h"
 #include "kernel_table.h"  // generated: every arch's arch.h and the kernel lists
+#include "modifiers.cuh"
 #include "plan.h"
 #include "tile_size.h"
 
@@ -126,13 +127,14 @@ dualkv_status query_device(int32_t device_index, DeviceInfo* out) {
 template <typename Params>
 dualkv_status check_plan(const Params& p, const char* what) {
   const int32_t E = p.prefixes.num_prefixes, rows = E > 0 ? p.prefixes.num_prefix_rows : 0;
-  const uint64_t expect = plan::key_hash(p.head_dim, p.layout.num_segments, p.layout.num_tokens, E, rows);
+  const uint64_t expect =
+      plan::key_hash(p.head_dim, p.layout.num_segments, p.layout.num_tokens, p.window, E, rows);
   if ((p.plan_key >> kPlanSlotBits) != expect)
     return fail(DUALKV_ERROR_INVALID_ARGUMENT,
-                "%s: plan_key does not match this layout (S=%d, T=%d, %d external prefixes of %d rows) and "
-                "head_dim %d tiling; the plan was built for another layout or configuration: rebuild it with "
-                "dualkv_plan_build_prefixed (with the layout's prefix table)",
-                what, p.layout.num_segments, p.layout.num_tokens, E, rows, p.head_dim);
+                "%s: plan_key does not match this layout (S=%d, T=%d, %d external prefixes of %d rows), head_dim "
+                "%d tiling and window %d; the plan was built for another layout or configuration: rebuild it with "
+                "dualkv_plan_build_ex (with the call's window and the layout's prefix table)",
+                what, p.layout.num_segments, p.layout.num_tokens, E, rows, p.head_dim, p.window);
   if (p.plan_len < kHeaderInts)
     return fail(DUALKV_ERROR_INVALID_ARGUMENT, "%s: plan_len %lld is too small", what,
                 static_cast<long long>(p.plan_len));
@@ -162,7 +164,8 @@ size_t bwd_partials_bytes(const dualkv_bwd_params& p) {
 LayoutPtrs layout_ptrs(const dualkv_layout& l, const dualkv_prefixes& x) {
   const bool prefixed = x.num_prefixes > 0;
   return LayoutPtrs{l.seg_offsets, l.seg_parent, l.seg_subtree_end, l.num_segments, l.num_tokens,
-                    prefixed ? x.seg_prefix : nullptr, prefixed ? x.prefix_offsets : nullptr};
+                    prefixed ? x.seg_prefix : nullptr, prefixed ? x.prefix_offsets : nullptr,
+                    l.seg_position_offset};
 }
 
 // external prefix (issue 17): the prefix buffers' rows must be 16-byte aligned like k and v.
@@ -220,23 +223,42 @@ const Arch kArchs[] = {DUALKV_ARCHS(DKV_ARCH)};
 template <typename Args>
 using Launcher = cudaError_t (*)(const Args&, int sms, cudaStream_t);
 
-// `arch`'s launcher for (head dim, dtype) in this build, or null.
+// The mask modifiers a call compiles in (modifiers.cuh; instantiated by src/cuda/CMakeLists.txt):
+// the forward's softcap and sinks, the backward's softcap (its sinks' gradient is not a kernel
+// variant).
+struct ModifierVariant {
+  bool softcap;
+  bool sinks;
+};
+ModifierVariant modifier_variant(const FwdArgs& a) { return {a.softcap > 0.f, a.sinks != nullptr}; }
+ModifierVariant modifier_variant(const BwdArgs& a) { return {a.softcap > 0.f, false}; }
+
+// One launcher of `FN` (an arch's run_fwd / run_bwd) per modifier variant.
+#define DKV_PICK_MODS(FN, D, T, V)                                                                  \
+  ((V).softcap ? ((V).sinks ? &FN<D, T, Modifiers<true, true>> : &FN<D, T, Modifiers<true, false>>) \
+               : ((V).sinks ? &FN<D, T, Modifiers<false, true>> : &FN<D, T, Modifiers<false, false>>))
+#define DKV_PICK_MODS_BWD(FN, D, T, V) \
+  ((V).softcap ? &FN<D, T, Modifiers<true, false>> : &FN<D, T, Modifiers<false, false>>)
+
+// `arch`'s launcher for (head dim, dtype, modifiers) in this build, or null.
 template <typename Args>
-Launcher<Args> find_launcher(const char* arch, int head_dim, bool bf16) {
-#define DKV_LAUNCHER(ARCH, D, DIR)                                                              \
+Launcher<Args> find_launcher(const char* arch, int head_dim, bool bf16, ModifierVariant mods) {
+#define DKV_LAUNCHER(ARCH, D, DIR, PICK)                                                        \
   if (head_dim == D && std::strcmp(arch, #ARCH) == 0)                                           \
-    return bf16 ? &ARCH::run_##DIR<D, __nv_bfloat16> : &ARCH::run_##DIR<D, __half>;
+    return bf16 ? PICK(ARCH::run_##DIR, D, __nv_bfloat16, mods) : PICK(ARCH::run_##DIR, D, __half, mods);
   if constexpr (std::is_same_v<Args, FwdArgs>) {
-#define DKV_FWD(ARCH, D) DKV_LAUNCHER(ARCH, D, fwd)
+#define DKV_FWD(ARCH, D) DKV_LAUNCHER(ARCH, D, fwd, DKV_PICK_MODS)
     DUALKV_FWD_KERNELS(DKV_FWD)
 #undef DKV_FWD
   } else {
-#define DKV_BWD(ARCH, D) DKV_LAUNCHER(ARCH, D, bwd)
+#define DKV_BWD(ARCH, D) DKV_LAUNCHER(ARCH, D, bwd, DKV_PICK_MODS_BWD)
     DUALKV_BWD_KERNELS(DKV_BWD)
 #undef DKV_BWD
   }
 #undef DKV_LAUNCHER
   return nullptr;
+#undef DKV_PICK_MODS
+#undef DKV_PICK_MODS_BWD
 }
 
 // DUALKV_LOG_KERNELS=1: one line on stderr per call saying which kernel family runs and, when an
@@ -262,7 +284,8 @@ dualkv_status run_on_first_arch(const char* dir, const Args& a, int head_dim, in
   constexpr bool kFwd = std::is_same_v<Args, FwdArgs>;
   std::string passed_over;  // why the last arch before the one that runs was not used
   for (const Arch& arch : kArchs) {
-    const Launcher<Args> launch = find_launcher<Args>(arch.name, head_dim, dtype == DUALKV_DTYPE_BFLOAT16);
+    const Launcher<Args> launch =
+        find_launcher<Args>(arch.name, head_dim, dtype == DUALKV_DTYPE_BFLOAT16, modifier_variant(a));
     const char* env = kFwd ? arch.fwd_disable_env : arch.bwd_disable_env;
     if (!arch.runs_on(info.major, info.minor)) {
       passed_over = arch.device_mismatch;
@@ -287,6 +310,17 @@ dualkv_status run_on_first_arch(const char* dir, const Args& a, int head_dim, in
               passed_over.c_str());
 }
 
+// The mask modifiers of a call (issue 16) into the kernels' arguments: the scores' cap and the
+// factor SoftcapFromExp takes (mask.h), the sinks (float32: the lse dtype on CUDA), the window.
+template <typename Params, typename Args>
+void set_modifiers(const Params& p, Args* a) {
+  a->window = p.window;
+  a->softcap = static_cast<float>(p.softcap);
+  a->softcap_exp2_factor =
+      p.softcap > 0.0 ? static_cast<float>(2.0 * 1.4426950408889634 * p.softmax_scale / p.softcap) : 0.f;
+  a->sinks = static_cast<const float*>(p.sinks);
+}
+
 }  // namespace
 
 dualkv_status cuda_check_supported(int32_t device_index, int32_t dtype, int32_t head_dim) {
@@ -303,24 +337,27 @@ dualkv_status cuda_check_supported(int32_t device_index, int32_t dtype, int32_t 
 }
 
 dualkv_status cuda_plan_size(const dualkv_layout& host_layout, const dualkv_prefixes* prefixes, int32_t device_index,
-                             int32_t dtype, int32_t head_dim, int64_t* plan_len, uint64_t* plan_key) {
+                             int32_t dtype, int32_t head_dim, int32_t window, int64_t* plan_len, uint64_t* plan_key) {
   (void)dtype;
   DeviceInfo info;
   if (dualkv_status st = query_device(device_index, &info); st != DUALKV_OK) return st;
   dualkv::plan::Plan built;
-  if (dualkv_status st = dualkv::plan::build(host_layout, prefixes, head_dim, info.sms, &built); st != DUALKV_OK) return st;
+  if (dualkv_status st = dualkv::plan::build(host_layout, prefixes, head_dim, window, info.sms, &built);
+      st != DUALKV_OK)
+    return st;
   *plan_len = static_cast<int64_t>(built.data.size());
   *plan_key = built.key;
   return DUALKV_OK;
 }
 
 dualkv_status cuda_plan_build(const dualkv_layout& host_layout, const dualkv_prefixes* prefixes, int32_t device_index,
-                              int32_t dtype, int32_t head_dim, int32_t* plan, int64_t plan_len) {
+                              int32_t dtype, int32_t head_dim, int32_t window, int32_t* plan, int64_t plan_len) {
   (void)dtype;
   DeviceInfo info;
   if (dualkv_status st = query_device(device_index, &info); st != DUALKV_OK) return st;
   dualkv::plan::Plan p;
-  if (dualkv_status st = dualkv::plan::build(host_layout, prefixes, head_dim, info.sms, &p); st != DUALKV_OK) return st;
+  if (dualkv_status st = dualkv::plan::build(host_layout, prefixes, head_dim, window, info.sms, &p); st != DUALKV_OK)
+    return st;
   if (plan_len != static_cast<int64_t>(p.data.size()))
     return fail(DUALKV_ERROR_INVALID_ARGUMENT, "plan_build: plan_len %lld, but this layout's plan has %zu int32",
                 static_cast<long long>(plan_len), p.data.size());
@@ -372,6 +409,7 @@ dualkv_status cuda_fwd(const dualkv_fwd_params& p) {
   a.scale_log2 = static_cast<float>(p.softmax_scale * 1.4426950408889634);
   a.counter = static_cast<int32_t*>(p.workspace);
   fill_prefix_args(p, &a);
+  set_modifiers(p, &a);
 
   cudaGetLastError();  // do not report an earlier, unrelated launch error as ours
   return run_on_first_arch("fwd", a, p.head_dim, p.dtype, info, static_cast<cudaStream_t>(p.stream));
@@ -429,6 +467,8 @@ dualkv_status cuda_bwd(const dualkv_bwd_params& p) {
   }
   a.partials = a.n_slots > 0 ? reinterpret_cast<float*>(ws) : nullptr;
   fill_prefix_args(p, &a);
+  set_modifiers(p, &a);
+  a.dsinks = static_cast<float*>(p.dsinks);
 
   cudaGetLastError();
   return run_on_first_arch("bwd", a, p.head_dim, p.dtype, info, static_cast<cudaStream_t>(p.stream));

@@ -18,6 +18,7 @@ struct LayoutPtrs {
   // external prefix (issue 17): the prefix table (device memory), null without external prefixes
   const int32_t* seg_prefix;      // [S] prefix held by segment s, or -1
   const int32_t* prefix_offsets;  // [E+1] rows of each prefix in the prefix buffers
+  const int32_t* position_offset;  // [S] (mask modifiers, issue 16: positions for the window)
 };
 
 struct FwdArgs {
@@ -40,6 +41,13 @@ struct FwdArgs {
   const void* prefix_v;
   int64_t pk_ts, pk_hs, pv_ts, pv_hs;
   int32_t prefix_rows;  // rows of the prefix buffers (the Hopper kernels' TMA maps)
+  // mask modifiers (issue 16): each off when zero / null. The kernels take softcap and sinks as
+  // compile-time flags (modifiers.cuh); the window is carried for the plan key check only (the
+  // kernels do not run it yet: api.cpp refuses it on CUDA).
+  int32_t window;
+  float softcap;              // c > 0: scores s = scale q.k become c tanh(s / c)
+  float softcap_exp2_factor;  // 2 log2(e) scale / c: tanh(scale q.k / c) from exp2(q.k factor)
+  const float* sinks;         // [H] sink logits (natural units), or null
 };
 
 struct BwdArgs {
@@ -76,6 +84,14 @@ struct BwdArgs {
   void* prefix_dv;
   int64_t pk_ts, pk_hs, pv_ts, pv_hs, pdk_ts, pdk_hs, pdv_ts, pdv_hs;
   int32_t prefix_rows;  // rows of the prefix buffers (the Hopper kernels' TMA maps)
+  // mask modifiers (issue 16): each off when zero / null. The kernels take softcap and sinks as
+  // compile-time flags (modifiers.cuh); the window is carried for the plan key check only (the
+  // kernels do not run it yet: api.cpp refuses it on CUDA).
+  int32_t window;
+  float softcap;              // c > 0: scores s = scale q.k become c tanh(s / c)
+  float softcap_exp2_factor;  // 2 log2(e) scale / c: tanh(scale q.k / c) from exp2(q.k factor)
+  const float* sinks;         // [H] sink logits (natural units), or null
+  float* dsinks;              // [H] d loss / d sinks (written), with sinks
 };
 
 }  // namespace dualkv::cuda

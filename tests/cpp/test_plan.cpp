@@ -30,10 +30,11 @@ struct Inspected {
 Inspected inspect(const dualkv_layout& v, const dualkv_prefixes* px, int head_dim, int sms) {
   Inspected r;
   r.info.struct_size = sizeof(r.info);
-  EXPECT_EQ(dualkv_plan_inspect_prefixed(&v, px, head_dim, sms, &r.info, nullptr, 0), DUALKV_OK)
-      << dualkv_last_error();
+  const dualkv_plan_request req{sizeof(dualkv_plan_request), DUALKV_DEVICE_CUDA, 0, DUALKV_DTYPE_BFLOAT16, head_dim, 0,
+                                px};
+  EXPECT_EQ(dualkv_plan_inspect_ex(&v, &req, sms, &r.info, nullptr, 0), DUALKV_OK) << dualkv_last_error();
   r.plan.resize(r.info.plan_len);
-  EXPECT_EQ(dualkv_plan_inspect_prefixed(&v, px, head_dim, sms, &r.info, r.plan.data(), r.info.plan_len), DUALKV_OK)
+  EXPECT_EQ(dualkv_plan_inspect_ex(&v, &req, sms, &r.info, r.plan.data(), r.info.plan_len), DUALKV_OK)
       << dualkv_last_error();
   return r;
 }
@@ -206,7 +207,7 @@ TEST(Plan, KeyNamesLayoutAndTiling) {
   EXPECT_NE(ka, inspect(a, 64, 132).info.plan_key >> dualkv::kPlanSlotBits);   // head dim
 }
 
-// External prefix segments (plan version 2): every prefix row is in exactly one KV tile per
+// External prefix segments (plan version 3): every prefix row is in exactly one KV tile per
 // segment that references it (one, by the layout's rule), the tile's items' query ranges tile that
 // segment's subtree exactly (whole or split), an unused prefix's rows are in none; the key names the
 // prefix table.
@@ -280,8 +281,221 @@ TEST(Plan, PrefixItemsCoverEveryPrefixRowOfEachReferencingSegment) {
       dualkv_plan_info info{};
       info.struct_size = sizeof(info);
       EXPECT_NE(dualkv_plan_inspect(&v, 128, 132, &info, nullptr, 0), DUALKV_OK);
+      // A window together with the table is refused by type, naming both (the kernels run either
+      // alone).
+      const dualkv_plan_request windowed{sizeof(dualkv_plan_request), DUALKV_DEVICE_CUDA, 0, DUALKV_DTYPE_BFLOAT16,
+                                         128, 64, &px};
+      EXPECT_EQ(dualkv_plan_inspect_ex(&v, &windowed, 132, &info, nullptr, 0), DUALKV_ERROR_UNSUPPORTED);
+      EXPECT_NE(std::string(dualkv_last_error()).find("sliding window"), std::string::npos) << dualkv_last_error();
+      EXPECT_NE(std::string(dualkv_last_error()).find("external prefix"), std::string::npos) << dualkv_last_error();
     }
   }
+}
+
+// ---- plans cut to a sliding window (mask modifiers, issue 16; plan_format.h) ----
+
+Inspected inspect_windowed(const HostLayout& l, int head_dim, int32_t window, int sms) {
+  Inspected r;
+  r.info.struct_size = sizeof(r.info);
+  const dualkv_layout v = l.view();
+  dualkv_plan_request req{sizeof(dualkv_plan_request), DUALKV_DEVICE_CUDA, 0, DUALKV_DTYPE_BFLOAT16, head_dim, window,
+                          nullptr};
+  EXPECT_EQ(dualkv_plan_inspect_ex(&v, &req, sms, &r.info, nullptr, 0), DUALKV_OK) << dualkv_last_error();
+  r.plan.resize(r.info.plan_len);
+  EXPECT_EQ(dualkv_plan_inspect_ex(&v, &req, sms, &r.info, r.plan.data(), r.info.plan_len), DUALKV_OK)
+      << dualkv_last_error();
+  return r;
+}
+
+// A windowed plan against brute force over the pairs: forward work = the keys the walk visits
+// (the forest-visible keys of the tile's last query within W of its first query: a superset of
+// every pair the tile needs); per KV tile, the items' query ranges are disjoint and their union is
+// exactly the queries that see some key of the tile through the window; each item's distance
+// bias gives every pair's distance (or, for an un-windowed range, no pair of it is hidden); split
+// slots and reductions as without a window.
+void check_windowed_plan(const HostLayout& l, const Inspected& r, int32_t window, const std::string& what) {
+  SCOPED_TRACE(what + " window " + std::to_string(window));
+  const dualkv_layout v = l.view();
+  const dualkv::ForestView f = dualkv::make_forest_view(v);
+  const dualkv::PositionWindow w{window};
+  const dualkv_plan_info& info = r.info;
+  const int32_t* p = r.plan.data();
+  const int32_t T = l.num_tokens();
+  ASSERT_EQ(p[dualkv::kHdrWindow], window);
+  ASSERT_GT(p[dualkv::kHdrBwdBiasOffset], 0);
+  ASSERT_EQ(p[dualkv::kHdrBwdBiasOffset] + info.num_bwd_items, info.plan_len);
+  std::vector<int32_t> seg(T);
+  for (int32_t t = 0; t < T; ++t) seg[t] = f.segment_of(t);
+
+  const int32_t* fwd = p + p[dualkv::kHdrFwdOffset];
+  std::vector<int> covered(T, 0);
+  for (int i = 0; i < info.num_fwd_tiles; ++i) {
+    const int32_t* it = fwd + i * dualkv::kFwdItemInts;
+    const int32_t s = it[0], q0 = it[1], q1 = it[2];
+    int32_t expect = 0;
+    for (int32_t k = 0; k < T; ++k)
+      if (f.visible(s, q1 - 1, seg[k], k) && !w.hides(int64_t(f.position(s, q0)) - f.position(seg[k], k))) ++expect;
+    ASSERT_EQ(it[3], expect) << "forward tile " << q0;
+    for (int32_t q = q0; q < q1; ++q) ++covered[q];
+  }
+  for (int32_t t = 0; t < T; ++t) ASSERT_EQ(covered[t], 1) << "token " << t;
+
+  struct Item { int32_t k1, qa, qb, slot, bias; };
+  std::map<std::pair<int32_t, int32_t>, std::vector<Item>> by_tile;
+  const int32_t* bwd = p + p[dualkv::kHdrBwdOffset];
+  const int32_t* bias = p + p[dualkv::kHdrBwdBiasOffset];
+  for (int i = 0; i < info.num_bwd_items; ++i) {
+    const int32_t* it = bwd + i * dualkv::kBwdItemInts;
+    ASSERT_LT(it[3], it[4]);
+    ASSERT_LE(it[4] - it[3], std::max(info.bwd_split_rows, 1));
+    by_tile[{it[0], it[1]}].push_back({it[2], it[3], it[4], it[5], bias[i]});
+  }
+  std::map<std::pair<int32_t, int32_t>, std::array<int32_t, 3>> reductions;
+  const int32_t* red = p + p[dualkv::kHdrRedOffset];
+  for (int i = 0; i < info.num_reductions; ++i) {
+    const int32_t* it = red + i * dualkv::kRedItemInts;
+    reductions[{it[0], it[1]}] = {it[2], it[3], it[4]};
+  }
+  std::vector<int> slot_used(info.num_split_slots, 0);
+  int32_t n_tiles = 0;
+  for (int32_t s = 0; s < l.num_segments(); ++s)
+    for (int32_t k0 = f.segment_begin(s); k0 < f.segment_end(s); k0 += info.bwd_block_n, ++n_tiles) {
+      const int32_t k1 = std::min(k0 + info.bwd_block_n, f.segment_end(s));
+      auto found = by_tile.find({s, k0});
+      ASSERT_NE(found, by_tile.end()) << "KV tile " << k0 << " has no item";
+      std::vector<Item>& items = found->second;
+      std::sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.qa < b.qa; });
+      std::vector<int> in_item(T, 0);
+      for (const Item& it : items) {
+        ASSERT_EQ(it.k1, k1);
+        for (int32_t q = it.qa; q < it.qb; ++q) {
+          ++in_item[q];
+          for (int32_t k = k0; k < k1; ++k) {
+            if (!f.visible(seg[q], q, s, k)) continue;
+            const int64_t dist = int64_t(f.position(seg[q], q)) - f.position(s, k);
+            if (it.bias == -T)
+              ASSERT_FALSE(w.hides(dist)) << "un-windowed item hides pair " << q << ", " << k;
+            else
+              ASSERT_EQ(dist, int64_t(q - k) + it.bias) << "bias of the item at " << it.qa;
+          }
+        }
+      }
+      for (int32_t q = 0; q < T; ++q) {
+        bool sees = false;
+        for (int32_t k = k0; k < k1 && !sees; ++k) sees = dualkv::SegmentMask::visible(f, w, seg[q], q, s, k);
+        ASSERT_EQ(in_item[q], sees ? 1 : 0) << "query " << q << " of KV tile " << k0;
+      }
+      const bool split = items.size() > 1;
+      ASSERT_EQ(reductions.count({s, k0}), split ? 1u : 0u);
+      for (size_t i = 0; i < items.size(); ++i) {
+        if (!split) {
+          ASSERT_EQ(items[i].slot, -1);
+        } else {
+          const auto& rd = reductions[{s, k0}];
+          ASSERT_EQ(rd[2], static_cast<int32_t>(items.size()));
+          ASSERT_EQ(items[i].slot, rd[1] + static_cast<int32_t>(i));
+          ++slot_used[items[i].slot];
+        }
+      }
+    }
+  ASSERT_EQ(static_cast<int32_t>(by_tile.size()), n_tiles);
+  for (int32_t k = 0; k < info.num_split_slots; ++k) ASSERT_EQ(slot_used[k], 1) << "slot " << k;
+}
+
+TEST(Plan, WindowedPlansCoverExactlyTheWindowedPairs) {
+  std::mt19937 rng(1616);
+  for (int trial = 0; trial < 24; ++trial) {
+    std::vector<int32_t> lens, parents;
+    random_forest(rng, 1 + trial % 3, 1 + trial % 4, 4, 200, &lens, &parents);
+    HostLayout l(lens, parents);
+    for (int32_t window : {1, 7, 64, 128, 1000})
+      for (int D : {64, 256}) {
+        const std::string what = "trial " + std::to_string(trial) + " D " + std::to_string(D);
+        check_windowed_plan(l, inspect_windowed(l, D, window, 132), window, what);
+      }
+    setenv("DUALKV_CUDA_SPLIT_ROWS", "64", 1);
+    check_windowed_plan(l, inspect_windowed(l, 128, 100, 132), 100, "trial " + std::to_string(trial) + " split 64");
+    unsetenv("DUALKV_CUDA_SPLIT_ROWS");
+  }
+}
+
+// The kernels' windowed walk (mask.h KvWalk::init_windowed / next_windowed) visits, per forward tile
+// of a windowed plan, exactly the keys the plan's work counts (forest-visible from the tile's last
+// query, within W of its first), each once, in whole tiles of BN but at a range's end.
+TEST(Plan, WindowedKvWalkVisitsThePlannedKeys) {
+  constexpr int BN = 64;
+  std::mt19937 rng(2024);
+  for (int trial = 0; trial < 24; ++trial) {
+    std::vector<int32_t> lens, parents;
+    random_forest(rng, 1 + trial % 3, 1 + trial % 4, 4, 200, &lens, &parents);
+    HostLayout l(lens, parents);
+    const dualkv_layout v = l.view();
+    const dualkv::ForestView f = dualkv::make_forest_view(v);
+    std::vector<int32_t> seg(l.num_tokens());
+    for (int32_t t = 0; t < l.num_tokens(); ++t) seg[t] = f.segment_of(t);
+    for (int32_t window : {1, 7, 64, 128, 1000}) {
+      SCOPED_TRACE("trial " + std::to_string(trial) + " window " + std::to_string(window));
+      const Inspected r = inspect_windowed(l, 128, window, 132);
+      const int32_t* fwd = r.plan.data() + r.plan[dualkv::kHdrFwdOffset];
+      for (int i = 0; i < r.info.num_fwd_tiles; ++i) {
+        const int32_t* it = fwd + i * dualkv::kFwdItemInts;
+        const int32_t s = it[0], q0 = it[1], q1 = it[2];
+        const int32_t first_pos = static_cast<int32_t>(dualkv::PositionWindow{window}.first_position(f.position(s, q0)));
+        dualkv::KvWalk<BN> w;
+        w.init_windowed(v.seg_offsets, v.seg_parent, v.seg_position_offset, s, q1, first_pos);
+        std::vector<int> seen(l.num_tokens(), 0);
+        int32_t visited = 0;
+        do {
+          ASSERT_GT(w.len(), 0);
+          ASSERT_TRUE(w.len() == BN || w.pos + w.len() == w.end);
+          for (int32_t k = w.pos; k < w.pos + w.len(); ++k) {
+            ASSERT_TRUE(f.visible(s, q1 - 1, seg[k], k)) << "key " << k;
+            ASSERT_LT(int64_t(f.position(s, q0)) - f.position(seg[k], k), window) << "key " << k;
+            ASSERT_EQ(seen[k]++, 0) << "key " << k << " twice";
+            ASSERT_EQ(w.own, seg[k] == s);
+          }
+          visited += w.len();
+        } while (w.next_windowed(v.seg_offsets, v.seg_parent, v.seg_position_offset, first_pos));
+        ASSERT_EQ(visited, it[3]) << "forward tile " << q0;
+      }
+    }
+  }
+}
+
+TEST(Plan, WindowZeroIsThePlainPlanAndTheKeyNamesTheWindow) {
+  HostLayout l({300, 200, 1, 90}, {-1, 0, 0, 2});
+  const Inspected plain = inspect(l, 128, 132), zero = inspect_windowed(l, 128, 0, 132);
+  EXPECT_EQ(plain.plan, zero.plan);
+  EXPECT_EQ(plain.info.plan_key, zero.info.plan_key);
+  const uint64_t k0 = plain.info.plan_key >> dualkv::kPlanSlotBits;
+  const uint64_t k64 = inspect_windowed(l, 128, 64, 132).info.plan_key >> dualkv::kPlanSlotBits;
+  const uint64_t k65 = inspect_windowed(l, 128, 65, 132).info.plan_key >> dualkv::kPlanSlotBits;
+  EXPECT_NE(k0, k64);
+  EXPECT_NE(k64, k65);
+}
+
+TEST(Plan, WindowedWorkScalesWithTheWindow) {
+  // A GRPO group, prompt 4096 and 4 responses of 1024: with W = 128 the forward walks and the
+  // backward ranges shrink to about W + a tile per query tile / KV tile.
+  HostLayout l({4096, 1024, 1024, 1024, 1024}, {-1, 0, 0, 0, 0});
+  auto totals = [&](int32_t window) {
+    const Inspected r = window > 0 ? inspect_windowed(l, 128, window, 132) : inspect(l, 128, 132);
+    int64_t fwd = 0, bwd = 0;
+    const int32_t* p = r.plan.data();
+    for (int i = 0; i < r.info.num_fwd_tiles; ++i) fwd += p[p[dualkv::kHdrFwdOffset] + i * dualkv::kFwdItemInts + 3];
+    for (int i = 0; i < r.info.num_bwd_items; ++i) {
+      const int32_t* it = p + p[dualkv::kHdrBwdOffset] + i * dualkv::kBwdItemInts;
+      bwd += it[4] - it[3];
+    }
+    return std::make_pair(fwd, bwd);
+  };
+  const auto [fwd_full, bwd_full] = totals(0);
+  const auto [fwd_w, bwd_w] = totals(128);
+  const int64_t tiles = 4096 / 128 + 4 * 1024 / 128;
+  EXPECT_LE(fwd_w, tiles * (128 + 128));  // at most W + BM keys per tile
+  EXPECT_LE(bwd_w, tiles * (128 + 128 + 4 * 128));  // own range + the responses' first W rows near the prompt's end
+  EXPECT_LT(fwd_w * 10, fwd_full);
+  EXPECT_LT(bwd_w * 10, bwd_full);
 }
 
 TEST(Plan, BadArgumentsAreErrors) {
@@ -305,6 +519,19 @@ TEST(Plan, BadArgumentsAreErrors) {
   dualkv_layout bad = v;
   bad.seg_subtree_end = stale.data();
   EXPECT_EQ(dualkv_plan_inspect(&bad, 64, 1, &info, nullptr, 0), DUALKV_ERROR_INVALID_LAYOUT);
+  dualkv_plan_request req{sizeof(dualkv_plan_request), DUALKV_DEVICE_CUDA, 0, DUALKV_DTYPE_BFLOAT16, 64, -1};
+  EXPECT_EQ(dualkv_plan_inspect_ex(&v, &req, 1, &info, nullptr, 0), DUALKV_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(dualkv_last_error()).find("window"), std::string::npos);
+  req.window = 8;
+  req.struct_size = sizeof(req) - 4;
+  EXPECT_EQ(dualkv_plan_inspect_ex(&v, &req, 1, &info, nullptr, 0), DUALKV_ERROR_VERSION);
+  EXPECT_EQ(dualkv_plan_inspect_ex(&v, nullptr, 1, &info, nullptr, 0), DUALKV_ERROR_INVALID_ARGUMENT);
+  int64_t len = 0;
+  uint64_t key = 0;
+  req.struct_size = sizeof(req);
+  req.device = DUALKV_DEVICE_CPU;
+  EXPECT_EQ(dualkv_plan_size_ex(&v, &req, &len, &key), DUALKV_OK);  // the CPU backend needs no plan
+  EXPECT_EQ(len, 0);
 }
 
 }  // namespace

@@ -28,6 +28,17 @@ def main() -> int:
                 (out.float().sum() + lse.sum()).backward()
                 torch.cuda.synchronize()
                 print(f"ok D={D} lens={lens} det={det} split={os.environ.get('DUALKV_CUDA_SPLIT_ROWS')}", flush=True)
+            # mask modifiers (issue 16): the softcap + sinks kernels, the dsinks reduction
+            for det in (False, True):
+                q = torch.randn(T, 4, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                k = torch.randn(T, 1, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                v = torch.randn(T, 1, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                sinks = torch.randn(4, device="cuda", requires_grad=True)
+                out, lse = dualkv.attention(q, k, v, layout, deterministic=det, return_lse=True, softcap=5.0,
+                                            sinks=sinks)
+                (out.float().sum() + lse.sum()).backward()
+                torch.cuda.synchronize()
+                print(f"ok softcap+sinks D={D} lens={lens} det={det}", flush=True)
         # External prefix segments (issue 17): a group whose 150-row prompt lives in the prefix
         # buffers (prefix 1; prefix 0, 3 rows, is unused), ragged responses, then an ordinary group.
         layout = dualkv.Layout.from_tree([0, 70, 1, 129, 5, 3], [-1, 0, 0, 0, -1, 4], [1, -1, -1, -1, -1, -1],

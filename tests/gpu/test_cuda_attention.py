@@ -221,6 +221,6 @@ def test_plan_from_another_layout_is_rejected():
     D = built_head_dims()[0]
     q = torch.randn(a.num_tokens, 2, D, device="cuda", dtype=torch.bfloat16)
     plan_b, key_b = b.plan_for(torch.bfloat16, D)
-    a._plans[(torch.bfloat16, D)] = (plan_b, key_b)
+    a._plans[(torch.bfloat16, D, 0)] = (plan_b, key_b)  # (dtype, head dim, window)
     with pytest.raises(_native.DualKVError, match="plan"):
         dualkv.attention(q, q, q, a)

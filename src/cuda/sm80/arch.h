@@ -19,9 +19,11 @@ inline bool fwd_args_ok(const FwdArgs&, int /*head_dim*/) { return true; }
 inline bool bwd_args_ok(const BwdArgs&, int /*head_dim*/) { return true; }
 
 // `sms`: the device's multiprocessor count (persistent grids).
-template <int D, typename T>
+// Mods: the mask modifiers compiled in (modifiers.cuh: Modifiers<softcap, sinks>; the backward's
+// are Modifiers<softcap, false>, its sinks' gradient being arch-neutral).
+template <int D, typename T, typename Mods>
 cudaError_t run_fwd(const FwdArgs& args, int sms, cudaStream_t stream);
-template <int D, typename T>
+template <int D, typename T, typename Mods>
 cudaError_t run_bwd(const BwdArgs& args, int sms, cudaStream_t stream);
 
 }  // namespace dualkv::cuda::sm80

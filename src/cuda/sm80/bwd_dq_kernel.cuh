@@ -9,6 +9,7 @@
 
 #include "dualkv/mask.h"
 #include "kernel_params.h"
+#include "modifiers.cuh"
 #include "launch.h"
 #include "plan_reader.cuh"
 #include "sm80/config.h"
@@ -43,9 +44,11 @@ __device__ __forceinline__ void load_prefixed_kv(const KvWalk<BN>& it, const T* 
   }
 }
 
+// Mods: the mask modifiers compiled in (modifiers.cuh: only kSoftcap changes this kernel).
 // kPrefix: the layout has external prefix segments (the walk's prefix tiles load from the prefix
-// buffers); the default instantiation is the kernel as it was before them.
-template <int D, typename T, bool kPrefix>
+// buffers); instantiated with NoModifiers only. The default instantiation is the kernel as it was
+// before either.
+template <int D, typename T, typename Mods = NoModifiers, bool kPrefix = false>
 __global__ void __launch_bounds__(DqConfig<D>::kThreads, 1)
 bwd_dq_kernel(const BwdArgs args) {
   using C = DqConfig<D>;
@@ -164,12 +167,19 @@ bwd_dq_kernel(const BwdArgs args) {
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const int r = e >> 1;
-            float p = exp2f(s[mi][j][e] * args.scale_log2 - lse2[mi][r]);
+            float grad = 1.f;  // softcap (mask modifiers, issue 16): the cap's derivative
+            if constexpr (Mods::kSoftcap) {
+              const SoftcapFromExp c = softcap_of(s[mi][j][e], args);
+              s[mi][j][e] = c.score(args.softcap);
+              grad = c.grad();
+            }
+            float p = exp2f(s[mi][j][e] * Mods::score_log2(args) - lse2[mi][r]);
             if (need_mask) {
               const int col = j * 8 + 2 * t4 + (e & 1);
               const int32_t qi = q0 + warp_row0 + mi * 16 + g + r * 8;
               if (SegmentMask::fwd_hidden(kpos, klen, own, col, qi)) p = 0.f;
             }
+            if constexpr (Mods::kSoftcap) p *= grad;
             s[mi][j][e] = p * (dp[mi][j][e] - dl[mi][r]);  // dS
           }
       // dQ += dS K
@@ -205,11 +215,17 @@ bwd_dq_kernel(const BwdArgs args) {
   }
 }
 
-template <int D, typename T>
+template <int D, typename T, typename Mods>
 cudaError_t launch_bwd_dq(const BwdArgs& args, int sms, cudaStream_t stream) {
-  if (args.prefix_k != nullptr)  // external prefix (issue 17)
-    return launch_on_sms<bwd_dq_kernel<D, T, true>>(DqConfig<D>::kThreads, sizeof(DqSmem<D, T>), sms, args, stream);
-  return launch_on_sms<bwd_dq_kernel<D, T, false>>(DqConfig<D>::kThreads, sizeof(DqSmem<D, T>), sms, args, stream);
+  if (args.prefix_k != nullptr) {  // external prefix (issue 17): instantiated without modifiers only
+    if constexpr (std::is_same_v<Mods, NoModifiers>)
+      return launch_on_sms<bwd_dq_kernel<D, T, Mods, true>>(DqConfig<D>::kThreads, sizeof(DqSmem<D, T>), sms, args,
+                                                            stream);
+    else
+      return cudaErrorNotSupported;  // api.cpp refuses a modifier with external prefixes first
+  }
+  return launch_on_sms<bwd_dq_kernel<D, T, Mods, false>>(DqConfig<D>::kThreads, sizeof(DqSmem<D, T>), sms, args,
+                                                         stream);
 }
 
 }  // namespace dualkv::cuda::sm80

@@ -12,6 +12,7 @@
 
 #include "dualkv/mask.h"
 #include "kernel_params.h"
+#include "modifiers.cuh"
 #include "plan_reader.cuh"
 #include "sm80/config.h"
 #include "sm80/ptx.cuh"
@@ -184,10 +185,12 @@ __device__ __forceinline__ void load_rows(uint32_t s, const T* g, int64_t token_
   }
 }
 
+// Mods: the mask modifiers compiled in (modifiers.cuh: only kSoftcap changes this kernel).
 // kPrefix: the plan may hold prefix items (external prefix segments, plan_format.h): their K/V tile
 // comes from the prefix buffers, no step is diagonal, and their dK/dV are added into prefix_dk /
-// prefix_dv. The default instantiation is the kernel as it was before them.
-template <int D, typename T, bool kAtomicDq, int kQStages, bool kPrefix>
+// prefix_dv; instantiated with NoModifiers only. The default instantiation is the kernel as it
+// was before either.
+template <int D, typename T, bool kAtomicDq, int kQStages, typename Mods = NoModifiers, bool kPrefix = false>
 __global__ void __launch_bounds__(BwdConfig<D>::kThreads, 1)
 bwd_kv_kernel(const BwdArgs args) {
   using C = BwdConfig<D>;
@@ -427,17 +430,34 @@ bwd_kv_kernel(const BwdArgs args) {
 #pragma unroll
             for (int hr = 0; hr < 2; ++hr) {
               const int row = row0 + mi * 16 + g + hr * 8;
-              float p0 = exp2f(st[mi][j][2 * hr] * args.scale_log2 - l.x);
-              float p1 = exp2f(st[mi][j][2 * hr + 1] * args.scale_log2 - l.y);
+              // Softcap (mask modifiers, issue 16): P from the capped score; st keeps P times the cap's
+              // derivative (dS = that (dP - delta)) once P is stored.
+              float g0 = 1.f, g1 = 1.f;
+              if constexpr (Mods::kSoftcap) {
+                const SoftcapFromExp c0 = softcap_of(st[mi][j][2 * hr], args);
+                const SoftcapFromExp c1 = softcap_of(st[mi][j][2 * hr + 1], args);
+                st[mi][j][2 * hr] = c0.score(args.softcap);
+                st[mi][j][2 * hr + 1] = c1.score(args.softcap);
+                g0 = c0.grad();
+                g1 = c1.grad();
+              }
+              float p0 = exp2f(st[mi][j][2 * hr] * Mods::score_log2(args) - l.x);
+              float p1 = exp2f(st[mi][j][2 * hr + 1] * Mods::score_log2(args) - l.y);
               // key and query of the pair (row, col), relative to the thread's first pair: mask_ofs +
               // (row - row0 - g) and col - wc 32 - 2 t4
               if (need_mask) {
                 if (SegmentMask::bwd_hidden(mask_ofs + mi * 16 + hr * 8, j * 8)) p0 = 0.f;
                 if (SegmentMask::bwd_hidden(mask_ofs + mi * 16 + hr * 8, j * 8 + 1)) p1 = 0.f;
               }
-              st[mi][j][2 * hr] = p0;
-              st[mi][j][2 * hr + 1] = p1;
-              *reinterpret_cast<uint32_t*>(&sm.pt[row * PS + col]) = Ops::pack(p0, p1);
+              if constexpr (Mods::kSoftcap) {
+                *reinterpret_cast<uint32_t*>(&sm.pt[row * PS + col]) = Ops::pack(p0, p1);
+                st[mi][j][2 * hr] = p0 * g0;
+                st[mi][j][2 * hr + 1] = p1 * g1;
+              } else {
+                st[mi][j][2 * hr] = p0;
+                st[mi][j][2 * hr + 1] = p1;
+                *reinterpret_cast<uint32_t*>(&sm.pt[row * PS + col]) = Ops::pack(p0, p1);
+              }
             }
           }
         }

@@ -27,33 +27,38 @@ constexpr bool one_q_buffer_fits_more() {
   return false;
 }
 
-template <int D, typename T, bool kAtomicDq, int kQStages>
+template <int D, typename T, bool kAtomicDq, int kQStages, typename Mods>
 cudaError_t launch_bwd_kv(const BwdArgs& args, int sms, cudaStream_t stream) {
-  if (args.prefix_k != nullptr)  // external prefix (issue 17)
-    return launch_on_sms<bwd_kv_kernel<D, T, kAtomicDq, kQStages, true>>(
-        BwdConfig<D>::kThreads, sizeof(BwdSmem<D, T, kQStages>), sms, args, stream);
-  return launch_on_sms<bwd_kv_kernel<D, T, kAtomicDq, kQStages, false>>(BwdConfig<D>::kThreads,
-                                                                         sizeof(BwdSmem<D, T, kQStages>), sms, args,
-                                                                         stream);
+  if (args.prefix_k != nullptr) {  // external prefix (issue 17): instantiated without modifiers only
+    if constexpr (std::is_same_v<Mods, NoModifiers>)
+      return launch_on_sms<bwd_kv_kernel<D, T, kAtomicDq, kQStages, Mods, true>>(
+          BwdConfig<D>::kThreads, sizeof(BwdSmem<D, T, kQStages>), sms, args, stream);
+    else
+      return cudaErrorNotSupported;  // api.cpp refuses a modifier with external prefixes first
+  }
+  return launch_on_sms<bwd_kv_kernel<D, T, kAtomicDq, kQStages, Mods, false>>(
+      BwdConfig<D>::kThreads, sizeof(BwdSmem<D, T, kQStages>), sms, args, stream);
 }
 
 // Two Q buffers where the device's shared memory holds them (every head dim on Hopper; up to 192
 // on A100), else one where that fits.
-template <int D, typename T, bool kAtomicDq>
+template <int D, typename T, bool kAtomicDq, typename Mods>
 cudaError_t launch_bwd_kv(const BwdArgs& args, int sms, cudaStream_t stream) {
   if constexpr (one_q_buffer_fits_more<D, T>()) {
-    if (bwd_kv_smem<D, T, 2>() > device_smem_limit()) return launch_bwd_kv<D, T, kAtomicDq, 1>(args, sms, stream);
+    if (bwd_kv_smem<D, T, 2>() > device_smem_limit())
+      return launch_bwd_kv<D, T, kAtomicDq, 1, Mods>(args, sms, stream);
   }
-  return launch_bwd_kv<D, T, kAtomicDq, 2>(args, sms, stream);
+  return launch_bwd_kv<D, T, kAtomicDq, 2, Mods>(args, sms, stream);
 }
 
-template <int D, typename T>
+template <int D, typename T, typename Mods>
 cudaError_t run_bwd(const BwdArgs& args, int sms, cudaStream_t stream) {
   cudaError_t err;
   if ((err = launch_bwd_preprocess<D, T>(args, sms, stream)) != cudaSuccess) return err;
-  err = args.deterministic ? launch_bwd_kv<D, T, false>(args, sms, stream) : launch_bwd_kv<D, T, true>(args, sms, stream);
+  err = args.deterministic ? launch_bwd_kv<D, T, false, Mods>(args, sms, stream)
+                           : launch_bwd_kv<D, T, true, Mods>(args, sms, stream);
   if (err != cudaSuccess) return err;
-  if (args.deterministic && (err = launch_bwd_dq<D, T>(args, sms, stream)) != cudaSuccess) return err;
+  if (args.deterministic && (err = launch_bwd_dq<D, T, Mods>(args, sms, stream)) != cudaSuccess) return err;
   return launch_bwd_postprocess<D, T>(args, sms, stream);
 }
 

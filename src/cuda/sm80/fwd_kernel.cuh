@@ -9,6 +9,7 @@
 
 #include "dualkv/mask.h"
 #include "kernel_params.h"
+#include "modifiers.cuh"
 #include "plan_reader.cuh"
 #include "sm80/config.h"
 #include "sm80/ptx.cuh"
@@ -125,10 +126,12 @@ __device__ __forceinline__ void load_kv_tile(T* smem, const T* head, int32_t pos
 #endif
 }
 
+// Mods: the mask modifiers compiled in (modifiers.cuh); NoModifiers is the default kernel.
 // kPrefix: the layout has external prefix segments (the walk may enter prefix rows, whose tiles
-// load from the prefix buffers: a CTA-uniform choice per tile). The default instantiation
-// (kPrefix = false) is the kernel as it was before them.
-template <int D, typename T, bool kPrefix>
+// load from the prefix buffers: a CTA-uniform choice per tile); instantiated with NoModifiers only
+// (fwd_launch.cuh). The default instantiation (NoModifiers, kPrefix = false) is the kernel as it
+// was before either.
+template <int D, typename T, typename Mods = NoModifiers, bool kPrefix = false>
 __global__ void __launch_bounds__(FwdConfig<D>::kThreads, 1)
 fwd_kernel(const FwdArgs args) {
   using C = FwdConfig<D>;
@@ -294,18 +297,28 @@ fwd_kernel(const FwdArgs args) {
       for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
+          if constexpr (Mods::kSoftcap) {
+            // Mask modifiers (issue 16): the row's scores capped, the masked ones staying -inf (the
+            // cap of -inf would be -c); row by row here, not the whole tile after S = QK^T, where it
+            // spilled 16 bytes at D = 128.
+#pragma unroll
+            for (int j = 0; j < kNB; ++j)
+#pragma unroll
+              for (int e = 2 * r; e < 2 * r + 2; ++e)
+                if (s[mi][j][e] != -CUDART_INF_F) s[mi][j][e] = softcap_of(s[mi][j][e], args).score(args.softcap);
+          }
           float mx = row_max[mi][r];
 #pragma unroll
           for (int j = 0; j < kNB; ++j) mx = fmaxf(mx, fmaxf(s[mi][j][2 * r], s[mi][j][2 * r + 1]));
           mx = warp_max4(mx);
-          const float m_scaled = mx == -CUDART_INF_F ? 0.f : mx * args.scale_log2;
-          alpha[mi][r] = exp2f(row_max[mi][r] * args.scale_log2 - m_scaled);
+          const float m_scaled = mx == -CUDART_INF_F ? 0.f : mx * Mods::score_log2(args);
+          alpha[mi][r] = exp2f(row_max[mi][r] * Mods::score_log2(args) - m_scaled);
           row_max[mi][r] = mx;
           float sum = 0.f;
 #pragma unroll
           for (int j = 0; j < kNB; ++j) {
-            const float e0 = exp2f(s[mi][j][2 * r] * args.scale_log2 - m_scaled);
-            const float e1 = exp2f(s[mi][j][2 * r + 1] * args.scale_log2 - m_scaled);
+            const float e0 = exp2f(s[mi][j][2 * r] * Mods::score_log2(args) - m_scaled);
+            const float e1 = exp2f(s[mi][j][2 * r + 1] * Mods::score_log2(args) - m_scaled);
             sum += e0 + e1;
             p[mi][j / 2][(j & 1) * 2 + r] = Ops::pack(e0, e1);
           }
@@ -349,7 +362,10 @@ fwd_kernel(const FwdArgs args) {
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         const float total = warp_sum4(st.row_sum[mi * 2 + r][tid]);
-        const float inv = total > 0.f ? 1.f / total : 0.f;
+        float inv = total > 0.f ? 1.f / total : 0.f;
+        float sink_lse = 0.f;
+        if constexpr (Mods::kSinks)  // mask modifiers (issue 16): the sink joins the row's softmax
+          inv = fold_sink_epilogue(row_max[mi][r], total, Mods::score_scale(args), args.sinks[h], &sink_lse);
         const int32_t qi = q0 + warp_row0 + mi * 16 + g + r * 8;
         if (qi < q1) {
           T* orow = og + static_cast<int64_t>(qi) * args.o_ts + h * args.o_hs;
@@ -359,7 +375,8 @@ fwd_kernel(const FwdArgs args) {
                 Ops::pack(acc[mi][j][2 * r] * inv, acc[mi][j][2 * r + 1] * inv);
           }
           if (args.lse != nullptr && t4 == 0) {
-            const float lse = total > 0.f ? row_max[mi][r] * args.scale + logf(total) : CUDART_INF_F;
+            const float lse = Mods::kSinks ? sink_lse
+                              : total > 0.f ? row_max[mi][r] * Mods::score_scale(args) + logf(total) : CUDART_INF_F;
             args.lse[h * args.lse_hs + qi] = lse;
           }
         }

@@ -9,13 +9,19 @@
 
 namespace dualkv::cuda::sm80 {
 
-template <int D, typename T>
+template <int D, typename T, typename Mods>
 cudaError_t run_fwd(const FwdArgs& args, int sms, cudaStream_t stream) {
   const cudaError_t err = cudaMemsetAsync(args.counter, 0, sizeof(int32_t), stream);
   if (err != cudaSuccess) return err;
-  if (args.prefix_k != nullptr)  // external prefix (issue 17)
-    return launch_on_sms<fwd_kernel<D, T, true>>(FwdConfig<D>::kThreads, sizeof(FwdSmem<D, T>), sms, args, stream);
-  return launch_on_sms<fwd_kernel<D, T, false>>(FwdConfig<D>::kThreads, sizeof(FwdSmem<D, T>), sms, args, stream);
+  if (args.prefix_k != nullptr) {  // external prefix (issue 17): instantiated without modifiers only
+    if constexpr (std::is_same_v<Mods, NoModifiers>)
+      return launch_on_sms<fwd_kernel<D, T, Mods, true>>(FwdConfig<D>::kThreads, sizeof(FwdSmem<D, T>), sms, args,
+                                                         stream);
+    else
+      return cudaErrorNotSupported;  // api.cpp refuses a modifier with external prefixes first
+  }
+  return launch_on_sms<fwd_kernel<D, T, Mods, false>>(FwdConfig<D>::kThreads, sizeof(FwdSmem<D, T>), sms, args,
+                                                      stream);
 }
 
 }  // namespace dualkv::cuda::sm80

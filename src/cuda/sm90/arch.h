@@ -24,9 +24,11 @@ bool bwd_args_ok(const BwdArgs& args, int head_dim);
 
 // `sms`: the device's multiprocessor count (one persistent CTA per SM). cudaErrorNotSupported:
 // nothing was launched (a TMA descriptor could not be made); the dispatcher falls back.
-template <int D, typename T>
+// Mods: the mask modifiers compiled in (modifiers.cuh: Modifiers<softcap, sinks>; the backward's
+// are Modifiers<softcap, false>, its sinks' gradient being arch-neutral).
+template <int D, typename T, typename Mods>
 cudaError_t run_fwd(const FwdArgs& args, int sms, cudaStream_t stream);
-template <int D, typename T>
+template <int D, typename T, typename Mods>
 cudaError_t run_bwd(const BwdArgs& args, int sms, cudaStream_t stream);
 
 }  // namespace dualkv::cuda::sm90

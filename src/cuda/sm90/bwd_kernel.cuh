@@ -61,6 +61,7 @@
 
 #include "convert.cuh"
 #include "kernel_params.h"
+#include "modifiers.cuh"
 #include "plan_reader.cuh"
 #include "sm90/ptx.cuh"
 #include "sm90/wgmma_ops.cuh"
@@ -187,15 +188,49 @@ __device__ __forceinline__ void bwd_softmax_p(float (&sacc)[N], const float* lse
   }
 }
 
+// With a softcap (mask modifiers, issue 16): P^T from the capped scores (masked as
+// bwd_softmax_p) and dS^T = P^T (dP^T - delta) (1 - tanh^2) in one pass once dP^T is ready, both
+// packed into A fragments (m = kv, k = q: frag[2j + h] holds elements 4j + 2h, 4j + 2h + 1). One
+// pass after the dP^T wait, not P^T under it as without a softcap: the cap's derivative would
+// need registers next to the running dP^T product (32-40 bytes spilled at D = 128).
+template <typename T, int N>
+__device__ __forceinline__ void bwd_softcap_p_ds(const float (&sacc)[N], const float (&dpacc)[N],
+                                                 uint32_t (&pf)[N / 2], uint32_t (&dsf)[N / 2], const float* lse_s,
+                                                 const float* delta_s, const BwdArgs& a, int t4, int kv_row0,
+                                                 int klen, int32_t k0, int32_t qt, bool mask) {
+#pragma unroll
+  for (int j = 0; j < N / 4; ++j) {
+    const int c = j * 8 + 2 * t4;
+    const float2 l2 = *reinterpret_cast<const float2*>(lse_s + c);
+    const float2 d2 = *reinterpret_cast<const float2*>(delta_s + c);
+    float pv[4], ds[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const SoftcapFromExp cap = softcap_of(sacc[4 * j + e], a);
+      pv[e] = fast_exp2(fmaf(cap.score(a.softcap), 1.4426950408889634f, -((e & 1) ? l2.y : l2.x)));
+      if (mask) {
+        const int r = kv_row0 + (e >> 1) * 8;
+        if (r >= klen || k0 + r > qt + c + (e & 1)) pv[e] = 0.f;
+      }
+      ds[e] = pv[e] * cap.grad() * (dpacc[4 * j + e] - ((e & 1) ? d2.y : d2.x));
+    }
+    pf[2 * j] = Convert<T>::pack(pv[0], pv[1]);
+    pf[2 * j + 1] = Convert<T>::pack(pv[2], pv[3]);
+    dsf[2 * j] = Convert<T>::pack(ds[0], ds[1]);
+    dsf[2 * j + 1] = Convert<T>::pack(ds[2], ds[3]);
+  }
+}
+
 // dq_full arrivals: as qdo_empty, one per consumer warp (every thread in the
 // per-thread-release diagnostic build).
 constexpr uint32_t kBwdDqFullCount = kBwdQdoEmptyCount;
 
+// Mods: the mask modifiers compiled in (modifiers.cuh: only kSoftcap changes this kernel).
 // kPrefix (external prefix, issue 17): the plan may hold prefix items: the producer loads their K/V
 // tile through the prefix buffers' tensor maps, no step of theirs is diagonal (only the rows past
-// klen are masked), and their dK/dV are added into prefix_dk / prefix_dv. The default instantiation
-// is the kernel as it was before them.
-template <typename T, int D, bool kAtomicDq, bool kPrefix>
+// klen are masked), and their dK/dV are added into prefix_dk / prefix_dv; instantiated with
+// NoModifiers only. The default instantiation is the kernel as it was before either.
+template <typename T, int D, bool kAtomicDq, typename Mods = NoModifiers, bool kPrefix = false>
 __global__ void __launch_bounds__(Sm90BwdConfig<D>::kThreads, 1)
 bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
   // The deterministic kernel computes no dQ, so it has no dQ writer (nor staging).
@@ -455,6 +490,17 @@ bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
       // masking below the WARPGROUP.DEPBAR of dP^T). P^T is computed in its own branch, masked or
       // not (the test is uniform per warpgroup and step): ptxas does not move it across the join,
       // and an unmasked step skips the per-element mask arithmetic.
+      uint32_t pf[BM / 4], dsf[BM / 4];  // A fragments (m = kv, k = q) of P^T and dS^T
+      if constexpr (Mods::kSoftcap) {  // mask modifiers (issue 16)
+        static_assert(!kPrefix, "sm90 backward: prefix items are instantiated without modifiers");
+        const bool mask = tail || qt < k0 + cw * 64 + 63;
+        wgmma_wait<0>();
+        fence_regs(dpacc);
+        if (mask)
+          bwd_softcap_p_ds<T>(sacc, dpacc, pf, dsf, lse_s, delta_s, a, t4, kv_row0, klen, k0, qt, true);
+        else
+          bwd_softcap_p_ds<T>(sacc, dpacc, pf, dsf, lse_s, delta_s, a, t4, kv_row0, klen, k0, qt, false);
+      } else {
       if constexpr (kPrefix) {
         if (prefix_item) {  // every query of the range sees every row: only a ragged end is masked
           if (tail)
@@ -478,8 +524,6 @@ bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) dpacc[4 * j + e] = sacc[4 * j + e] * (dpacc[4 * j + e] - ((e & 1) ? d2.y : d2.x));
       }
-      // A fragments (m = kv, k = q) of P^T and dS^T.
-      uint32_t pf[BM / 4], dsf[BM / 4];
 #pragma unroll
       for (int kk = 0; kk < BM / 16; ++kk) {
 #pragma unroll
@@ -488,6 +532,7 @@ bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
           dsf[4 * kk + i] = Convert<T>::pack(dpacc[8 * kk + 2 * i], dpacc[8 * kk + 2 * i + 1]);
         }
       }
+      }  // default (no softcap)
 
       wgmma_fence();
       // dV += P^T dO: B = dO [q][d] read N-major (k = q, n = d).

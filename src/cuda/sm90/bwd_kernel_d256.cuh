@@ -118,8 +118,10 @@ __device__ __forceinline__ uint4 bwd_ld_shared_v4(uint32_t addr) {
   return v;
 }
 
-// kPrefix (external prefix, issue 17): prefix items as in bwd_sm90_kernel (bwd_kernel.cuh).
-template <typename T, bool kAtomicDq, bool kPrefix>
+// Mods: the mask modifiers compiled in (modifiers.cuh: only kSoftcap changes this kernel).
+// kPrefix (external prefix, issue 17): prefix items as in bwd_sm90_kernel (bwd_kernel.cuh);
+// instantiated with NoModifiers only.
+template <typename T, bool kAtomicDq, typename Mods = NoModifiers, bool kPrefix = false>
 __global__ void __launch_bounds__(Sm90BwdConfigD256::kThreads, 1)
 bwd_sm90_kernel_d256(const __grid_constant__ Sm90BwdParams<256> p) {
   using C = Sm90BwdConfigD256;
@@ -364,6 +366,32 @@ bwd_sm90_kernel_d256(const __grid_constant__ Sm90BwdParams<256> p) {
       uint32_t frag[BM / 4];
       if (p_role) {
         const float* lse_s = s_lse + st * BM;
+        if constexpr (Mods::kSoftcap) {
+          static_assert(!kPrefix, "sm90 backward d256: prefix items are instantiated without modifiers");
+          // Mask modifiers (issue 16): as bwd_softmax_p from the capped scores; the dS role gets P^T
+          // times the cap's derivative (dS^T = that (dP^T - delta)), stored as each 4 are known,
+          // and this role keeps P^T in sacc for dV (A fragments below).
+          const bool mask = tail || qt < k0 + BN - 1;
+#pragma unroll
+          for (int j = 0; j < BM / 8; ++j) {
+            const int c = j * 8 + 2 * t4;
+            const float2 l2 = *reinterpret_cast<const float2*>(lse_s + c);
+            float pg[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const SoftcapFromExp cap = softcap_of(sacc[4 * j + e], a);
+              float pv = fast_exp2(fmaf(cap.score(a.softcap), 1.4426950408889634f, -((e & 1) ? l2.y : l2.x)));
+              if (mask) {
+                const int r = kv_row0 + (e >> 1) * 8;
+                if (r >= klen || k0 + r > qt + c + (e & 1)) pv = 0.f;
+              }
+              sacc[4 * j + e] = pv;
+              pg[e] = pv * cap.grad();
+            }
+            bwd_st_shared_v4(p_thread + j * 2048, __float_as_uint(pg[0]), __float_as_uint(pg[1]),
+                             __float_as_uint(pg[2]), __float_as_uint(pg[3]));
+          }
+        } else {
         if (prefix_item)  // every query of the range sees every row: only a ragged end is masked
           bwd_softmax_p<BM / 2, false>(sacc, lse_s, sl2, t4, kv_row0, klen, k0, qt, tail);
         else
@@ -372,6 +400,7 @@ bwd_sm90_kernel_d256(const __grid_constant__ Sm90BwdParams<256> p) {
         for (int i = 0; i < BM / 8; ++i)
           bwd_st_shared_v4(p_thread + i * 2048, __float_as_uint(sacc[4 * i]), __float_as_uint(sacc[4 * i + 1]),
                            __float_as_uint(sacc[4 * i + 2]), __float_as_uint(sacc[4 * i + 3]));
+        }
         if (kBwdRacecheckBarriers)
           named_bar_sync(kBwdPBarrier, 256);
         else

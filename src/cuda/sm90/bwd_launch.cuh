@@ -53,7 +53,7 @@ cudaError_t launch_persistent(void (*kernel)(Params), uint32_t smem, int threads
 
 // Head dim 256 (bwd_sm90_kernel_d256.cuh): 64-row KV tiles, dQ by TMA reduce-adds from the dead Q/dO
 // stage (the same dq_accum tensor map as the D <= 128 kernel, 64-row boxes).
-template <typename Element>
+template <typename Element, typename Mods>
 cudaError_t run_bwd_main_d256(const BwdArgs& args, int sms, cudaStream_t stream) {
   using C = Sm90BwdConfigD256;
   static_assert(plan_tiles(256).bwd_block_n == C::kBlockN, "sm90 backward d256: plan KV tiles must be kBlockN rows");
@@ -61,20 +61,25 @@ cudaError_t run_bwd_main_d256(const BwdArgs& args, int sms, cudaStream_t stream)
   Sm90BwdParams<256> p;
   cudaError_t err = prepare_bwd_params<Element, 256, C::kBlockM, C::kBlockN>(args, &p, stream);
   if (err != cudaSuccess) return err;
-  if (args.prefix_k != nullptr) {  // external prefix (issue 17)
-    auto kernel = args.deterministic ? bwd_sm90_kernel_d256<Element, false, true>
-                                     : bwd_sm90_kernel_d256<Element, true, true>;
-    return launch_persistent(kernel, C::kSmemBytes, C::kThreads, sms, p, stream);
+  if constexpr (std::is_same_v<Mods, NoModifiers>) {
+    if (args.prefix_k != nullptr) {  // external prefix (issue 17): instantiated without modifiers only
+      auto kernel = args.deterministic ? bwd_sm90_kernel_d256<Element, false, Mods, true>
+                                       : bwd_sm90_kernel_d256<Element, true, Mods, true>;
+      return launch_persistent(kernel, C::kSmemBytes, C::kThreads, sms, p, stream);
+    }
   }
-  auto kernel = args.deterministic ? bwd_sm90_kernel_d256<Element, false, false>
-                                   : bwd_sm90_kernel_d256<Element, true, false>;
+  auto kernel = args.deterministic ? bwd_sm90_kernel_d256<Element, false, Mods, false>
+                                   : bwd_sm90_kernel_d256<Element, true, Mods, false>;
   return launch_persistent(kernel, C::kSmemBytes, C::kThreads, sms, p, stream);
 }
 
-template <typename Element, int HeadDim>
+template <typename Element, int HeadDim, typename Mods>
 cudaError_t run_bwd_main(const BwdArgs& args, int sms, cudaStream_t stream) {
+  // external prefix (issue 17): instantiated without modifiers only (api.cpp refuses a modifier
+  // with external prefixes first); declined before anything is prepared.
+  if (!std::is_same_v<Mods, NoModifiers> && args.prefix_k != nullptr) return cudaErrorNotSupported;
   if constexpr (HeadDim == 256) {
-    return run_bwd_main_d256<Element>(args, sms, stream);
+    return run_bwd_main_d256<Element, Mods>(args, sms, stream);
   } else {
     using C = Sm90BwdConfig<HeadDim>;
     static_assert(plan_tiles(HeadDim).bwd_block_n == C::kBlockN, "sm90 backward: plan KV tiles must be kBlockN rows");
@@ -82,28 +87,30 @@ cudaError_t run_bwd_main(const BwdArgs& args, int sms, cudaStream_t stream) {
     Sm90BwdParams<HeadDim> p;
     cudaError_t err = prepare_bwd_params<Element, HeadDim, C::kBlockM, C::kBlockN>(args, &p, stream);
     if (err != cudaSuccess) return err;
-    if (args.prefix_k != nullptr) {  // external prefix (issue 17)
-      if (args.deterministic)
-        return launch_persistent(bwd_sm90_kernel<Element, HeadDim, false, true>, C::kSmemBytes, C::kThreads, sms, p,
-                                 stream);
-      return launch_persistent(bwd_sm90_kernel<Element, HeadDim, true, true>, Sm90BwdConfig<HeadDim, true>::kSmemBytes,
-                               C::kThreads, sms, p, stream);
+    if constexpr (std::is_same_v<Mods, NoModifiers>) {
+      if (args.prefix_k != nullptr) {  // external prefix (issue 17): instantiated without modifiers only
+        if (args.deterministic)
+          return launch_persistent(bwd_sm90_kernel<Element, HeadDim, false, Mods, true>, C::kSmemBytes, C::kThreads,
+                                   sms, p, stream);
+        return launch_persistent(bwd_sm90_kernel<Element, HeadDim, true, Mods, true>,
+                                 Sm90BwdConfig<HeadDim, true>::kSmemBytes, C::kThreads, sms, p, stream);
+      }
     }
     if (args.deterministic)
-      return launch_persistent(bwd_sm90_kernel<Element, HeadDim, false, false>, C::kSmemBytes, C::kThreads, sms, p,
-                               stream);
+      return launch_persistent(bwd_sm90_kernel<Element, HeadDim, false, Mods, false>, C::kSmemBytes, C::kThreads, sms,
+                               p, stream);
     // The dQ-computing kernel has dQ staging buffers on top.
-    return launch_persistent(bwd_sm90_kernel<Element, HeadDim, true, false>, Sm90BwdConfig<HeadDim, true>::kSmemBytes,
+    return launch_persistent(bwd_sm90_kernel<Element, HeadDim, true, Mods, false>, Sm90BwdConfig<HeadDim, true>::kSmemBytes,
                              C::kThreads, sms, p, stream);
   }
 }
 
-template <int D, typename T>
+template <int D, typename T, typename Mods>
 cudaError_t run_bwd(const BwdArgs& args, int sms, cudaStream_t stream) {
   cudaError_t err;
   if ((err = launch_bwd_preprocess<D, T>(args, sms, stream)) != cudaSuccess) return err;
-  if ((err = run_bwd_main<T, D>(args, sms, stream)) != cudaSuccess) return err;
-  if (args.deterministic && (err = sm80::launch_bwd_dq<D, T>(args, sms, stream)) != cudaSuccess) return err;
+  if ((err = run_bwd_main<T, D, Mods>(args, sms, stream)) != cudaSuccess) return err;
+  if (args.deterministic && (err = sm80::launch_bwd_dq<D, T, Mods>(args, sms, stream)) != cudaSuccess) return err;
   return launch_bwd_postprocess<D, T>(args, sms, stream);
 }
 

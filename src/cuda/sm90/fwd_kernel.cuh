@@ -33,6 +33,7 @@
 #include "convert.cuh"
 #include "dualkv/mask.h"
 #include "kernel_params.h"
+#include "modifiers.cuh"
 #include "plan_reader.cuh"
 #include "sm90/ptx.cuh"
 #include "sm90/wgmma_ops.cuh"
@@ -85,11 +86,12 @@ struct Sm90Barriers {
 
 // Ping-pong: the two consumer warpgroups take turns issuing their wgmma batches (named barriers 1
 // and 2), so that one's softmax runs while the other's matrix products occupy the tensor cores.
+// Mods: the mask modifiers compiled in (modifiers.cuh); NoModifiers is the default kernel.
 // kPrefix (external prefix, issue 17): the walk may enter an external root's prefix rows; the
 // producer loads those tiles through the prefix buffers' tensor maps (one uniform choice per tile)
-// and the consumers mask them as ancestor tiles (never diagonal). The default instantiation is the
-// kernel as it was before them.
-template <typename T, int D, bool kPrefix>
+// and the consumers mask them as ancestor tiles (never diagonal); instantiated with NoModifiers
+// only. The default instantiation is the kernel as it was before either.
+template <typename T, int D, typename Mods = NoModifiers, bool kPrefix = false>
 __global__ void __launch_bounds__(Sm90FwdConfig<D>::kThreads, 1)
 fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
   using C = Sm90FwdConfig<D>;
@@ -215,7 +217,7 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
   const int warp = tid >> 5, lane = tid & 31;
   const int g = lane >> 2, t4 = lane & 3;
   const int row_in_tile = cw * 64 + warp * 16 + g;  // rows row_in_tile and row_in_tile + 8
-  const float sl2 = a.scale_log2;
+  const float sl2 = Mods::score_log2(a);
   const uint32_t q_base = smem_u32(sQ) + cw * 64 * 128;
   const uint32_t k_base = smem_u32(sK);
   const uint32_t v_base = smem_u32(sV);
@@ -284,6 +286,7 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
     };
     // Mask, online softmax of s (in place: s becomes P in fp32); returns the rescale factors.
     auto softmax = [&](int32_t kpos, int32_t klen, bool own, float* alpha) {
+      if constexpr (Mods::kSoftcap) softcap_scores(s, a);  // mask modifiers (issue 16): before the mask
       if (klen < BN || (own && kpos + BN - 1 > q0)) {
 #pragma unroll
         for (int j = 0; j < BN / 8; ++j) {
@@ -419,7 +422,10 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
       float tot = l[r];
       tot += __shfl_xor_sync(0xffffffffu, tot, 1);
       tot += __shfl_xor_sync(0xffffffffu, tot, 2);
-      const float inv = tot > 0.f ? 1.f / tot : 0.f;
+      float inv = tot > 0.f ? 1.f / tot : 0.f;
+      float sink_lse = 0.f;
+      if constexpr (Mods::kSinks)  // mask modifiers (issue 16): the sink joins the row's softmax
+        inv = fold_sink_epilogue(m[r], tot, Mods::score_scale(a), a.sinks[h], &sink_lse);
       const int32_t qi = qi0 + r * 8;
       if (qi < q1) {
         T* orow = og + static_cast<int64_t>(qi) * a.o_ts + static_cast<int64_t>(h) * a.o_hs;
@@ -429,7 +435,7 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
               Convert<T>::pack(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
         if (a.lse != nullptr && t4 == 0)
           a.lse[static_cast<int64_t>(h) * a.lse_hs + qi] =
-              tot > 0.f ? m[r] * a.scale + logf(tot) : CUDART_INF_F;
+              Mods::kSinks ? sink_lse : tot > 0.f ? m[r] * Mods::score_scale(a) + logf(tot) : CUDART_INF_F;
       }
     }
   }

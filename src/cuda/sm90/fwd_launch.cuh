@@ -13,7 +13,7 @@ namespace dualkv::cuda::sm90 {
 // Forward query tiles per scheduling window (decode_fwd_item, plan_reader.cuh).
 constexpr int kTileWindow = 16;
 
-template <int D, typename T>
+template <int D, typename T, typename Mods>
 cudaError_t run_fwd(const FwdArgs& args, int sms, cudaStream_t stream) {
   using C = Sm90FwdConfig<D>;
   // The plan's forward items are query tiles of plan_tiles(D).fwd_block_m rows; the kernel holds one
@@ -28,12 +28,18 @@ cudaError_t run_fwd(const FwdArgs& args, int sms, cudaStream_t stream) {
       !make_map(&p.tk, kTmaType<T>, args.k, D, Hk, T_, args.k_hs, args.k_ts, C::kBlockN) ||
       !make_map(&p.tv, kTmaType<T>, args.v, D, Hk, T_, args.v_hs, args.v_ts, C::kBlockN))
     return cudaErrorNotSupported;
-  // external prefix (issue 17): the prefix buffers' tensor maps (rows: the prefix buffers').
-  if (args.prefix_k != nullptr &&
-      (!make_map(&p.tpk, kTmaType<T>, args.prefix_k, D, Hk, args.prefix_rows, args.pk_hs, args.pk_ts, C::kBlockN) ||
-       !make_map(&p.tpv, kTmaType<T>, args.prefix_v, D, Hk, args.prefix_rows, args.pv_hs, args.pv_ts, C::kBlockN)))
-    return cudaErrorNotSupported;
-  auto kernel = args.prefix_k != nullptr ? fwd_sm90_kernel<T, D, true> : fwd_sm90_kernel<T, D, false>;
+  auto kernel = fwd_sm90_kernel<T, D, Mods, false>;
+  if (args.prefix_k != nullptr) {  // external prefix (issue 17): instantiated without modifiers only
+    if constexpr (std::is_same_v<Mods, NoModifiers>) {
+      // The prefix buffers' tensor maps (rows: the prefix buffers').
+      if (!make_map(&p.tpk, kTmaType<T>, args.prefix_k, D, Hk, args.prefix_rows, args.pk_hs, args.pk_ts, C::kBlockN) ||
+          !make_map(&p.tpv, kTmaType<T>, args.prefix_v, D, Hk, args.prefix_rows, args.pv_hs, args.pv_ts, C::kBlockN))
+        return cudaErrorNotSupported;
+      kernel = fwd_sm90_kernel<T, D, Mods, true>;
+    } else {
+      return cudaErrorNotSupported;  // api.cpp refuses a modifier with external prefixes first
+    }
+  }
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          static_cast<int>(C::kSmemBytes));
   if (err != cudaSuccess) return err;

@@ -1,0 +1,262 @@
+"""The CUDA kernels' mask modifiers (issue 16): logit softcap and attention sinks, alone and
+together, on both kernel families (the Hopper one where the device has it, and the portable one
+forced with DUALKV_DISABLE_SM90 / DUALKV_DISABLE_SM90_BWD), against the float64 dense reference by
+test_cuda_attention.py's tolerance rule: for every output X (out, lse, dq, dk, dv, dsinks),
+max|X_kernel - X_ref64| <= 2 * max|X_torch_lowprec - X_ref64| + 1e-5, X_torch_lowprec being the
+same dense math by PyTorch in the input dtype (dualkv.reference.attention_ref, sinks in float32 as
+the kernels take them). Also: deterministic mode bit-identical run to run (dsinks included), split
+backward items, and the sliding window's typed refusal (not in the kernels yet).
+"""
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+import cases  # tests/gpu/cases.py (pytest puts this directory on sys.path)
+from cases import make_inputs
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+if torch.cuda.is_available():
+    import dualkv
+    from dualkv import _native
+    from dualkv.reference import attention_ref
+
+ATOL = 1e-5
+GQA = [(4, 4), (4, 1), (8, 2), (8, 1)]
+DTYPES = [torch.bfloat16, torch.float16]
+# (softcap, with sinks): each alone and both (Gemma-2's caps are 50 / 30; small caps saturate)
+MODS = [(5.0, False), (None, True), (30.0, True), (2.0, False), (None, True), (5.0, True)]
+# Kernel families: the default dispatch (sm90 on an H200) and the portable kernels forced.
+PATHS = ["default", "portable"]
+
+
+def built_head_dims():
+    if not torch.cuda.is_available():
+        return [128]
+    return [int(d) for d in _native.build_info().get("cuda", {}).get("head_dims", [])]
+
+
+def seg_len(rng: random.Random) -> int:
+    return cases.segment_length(rng, [127, 128, 129, 63, 64, 65])
+
+
+def use_path(path, monkeypatch):
+    if path == "portable":
+        monkeypatch.setenv("DUALKV_DISABLE_SM90", "1")
+        monkeypatch.setenv("DUALKV_DISABLE_SM90_BWD", "1")
+
+
+def grads(fn, inputs, dout, dlse):
+    """[out, lse] and the gradients of `inputs` for the loss <out, dout> + <lse, dlse>."""
+    out, lse = fn()
+    loss = (out.double() * dout.double()).sum()
+    if dlse is not None:
+        loss = loss + (lse.double() * dlse.double()).sum()
+    loss.backward()
+    if out.is_cuda:
+        torch.cuda.synchronize()
+    return [out.detach(), lse.detach()] + [t.grad.detach().clone() for t in inputs]
+
+
+def modifier_inputs(H, softcap, with_sinks, seed):
+    g = torch.Generator(device="cuda").manual_seed(10_000 + seed)
+    sinks = (torch.randn(H, device="cuda", generator=g) + 1.0) if with_sinks else None
+    return dict(softcap=softcap, sinks=sinks)
+
+
+def run_kernel(q, k, v, dout, dlse, layout, mods, deterministic=False):
+    qq, kk, vv = (t.clone().requires_grad_(True) for t in (q, k, v))
+    inputs = [qq, kk, vv]
+    sinks = None
+    if mods["sinks"] is not None:
+        sinks = mods["sinks"].clone().requires_grad_(True)
+        inputs.append(sinks)
+    return grads(lambda: dualkv.attention(qq, kk, vv, layout, deterministic=deterministic, return_lse=True,
+                                          softcap=mods["softcap"], sinks=sinks), inputs, dout, dlse)
+
+
+def run_ref(q, k, v, dout, dlse, layout_cpu, mods, dtype):
+    """The dense reference in `dtype` (sinks in float32 below float64, the kernels' lse dtype)."""
+    qq, kk, vv = (t.detach().to(dtype).requires_grad_(True) for t in (q, k, v))
+    inputs = [qq, kk, vv]
+    sinks = None
+    if mods["sinks"] is not None:
+        sinks = mods["sinks"].detach().to(torch.float64 if dtype == torch.float64 else torch.float32)
+        sinks.requires_grad_(True)
+        inputs.append(sinks)
+    got = grads(lambda: attention_ref(qq, kk, vv, layout_cpu, softcap=mods["softcap"], sinks=sinks), inputs,
+                dout.to(dtype), None if dlse is None else dlse.to(torch.float64 if dtype == torch.float64 else
+                                                                       torch.float32))
+    return [t.double() for t in got]
+
+
+def check(got, ref64, refpt, extra):
+    names = ["out", "lse", "dq", "dk", "dv", "dsinks"]
+    for name, a, r64, rpt in zip(names, got, ref64, refpt):
+        err = (a.double() - r64).abs().max().item()
+        bound = 2 * (rpt - r64).abs().max().item() + ATOL
+        assert math.isfinite(err), f"{name}: non-finite output {extra}"
+        assert err <= bound, f"{name}: max err {err:.3e} > bound {bound:.3e} {extra}"
+
+
+def run_case(lens, parents, H, Hk, D, dtype, seed, softcap, with_sinks, deterministic=False, with_dlse=False):
+    layout_cpu = dualkv.Layout.from_tree(lens, parents)
+    layout = layout_cpu.to("cuda")
+    q, k, v, dout = make_inputs(layout_cpu, H, Hk, D, dtype, seed)
+    if softcap is not None:
+        q = (q.float() * 3.0).to(dtype)  # scores past the cap
+    dlse = torch.randn(H, layout_cpu.num_tokens, device="cuda") if with_dlse else None
+    mods = modifier_inputs(H, softcap, with_sinks, seed)
+    got = run_kernel(q, k, v, dout, dlse, layout, mods, deterministic)
+    ref64 = run_ref(q, k, v, dout, dlse, layout_cpu, mods, torch.float64)
+    refpt = run_ref(q, k, v, dout, dlse, layout_cpu, mods, dtype)
+    extra = (f"(lens={lens}, parents={parents}, H={H}, Hk={Hk}, D={D}, {dtype}, softcap={softcap}, "
+             f"sinks={with_sinks}, det={deterministic})")
+    check(got, ref64, refpt, extra)
+
+
+N_RANDOM = 48
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("case", range(N_RANDOM))
+def test_random_forests(case, path, monkeypatch):
+    use_path(path, monkeypatch)
+    dims = built_head_dims()
+    rng = random.Random(5000 + case)
+    D = dims[case % len(dims)]
+    dtype = DTYPES[(case // len(dims)) % 2]
+    H, Hk = GQA[case % len(GQA)]
+    softcap, with_sinks = MODS[case % len(MODS)]
+    lens, parents = cases.random_forest(rng, seg_len, 1400 if D <= 128 else 900)
+    run_case(lens, parents, H, Hk, D, dtype, seed=case, softcap=softcap, with_sinks=with_sinks,
+             deterministic=(case % 5 == 0), with_dlse=(case % 3 == 0))
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("D", built_head_dims())
+def test_grpo_group_every_modifier(D, dtype, path, monkeypatch):
+    use_path(path, monkeypatch)
+    lens = [301, 1, 17, 130, 129, 64, 300, 5, 1, 200]
+    parents = [-1, 0, 0, 0, 0, 0, -1, 6, 6, 6]
+    for softcap, with_sinks in [(5.0, False), (None, True), (30.0, True)]:
+        run_case(lens, parents, 8, 2, D, dtype, seed=7, softcap=softcap, with_sinks=with_sinks, with_dlse=True)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_split_query_ranges(deterministic, path, monkeypatch):
+    use_path(path, monkeypatch)
+    monkeypatch.setenv("DUALKV_CUDA_SPLIT_ROWS", "64")
+    lens = [700, 300, 257, 1, 400]
+    parents = [-1, 0, 0, 0, 3]
+    for D in built_head_dims():
+        run_case(lens, parents, 4, 1, D, torch.bfloat16, seed=11, softcap=5.0, with_sinks=True,
+                 deterministic=deterministic)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("D", built_head_dims())
+def test_deterministic_bitwise(D, path, monkeypatch):
+    use_path(path, monkeypatch)
+    lens = [900, 300, 200, 257, 1, 640, 128]
+    parents = [-1, 0, 0, 0, 0, -1, 5]
+    layout_cpu = dualkv.Layout.from_tree(lens, parents)
+    layout = layout_cpu.to("cuda")
+    q, k, v, dout = make_inputs(layout_cpu, 8, 2, D, torch.bfloat16, seed=5)
+    dlse = torch.randn(8, layout_cpu.num_tokens, device="cuda")
+    mods = modifier_inputs(8, 5.0, True, seed=5)
+    first = run_kernel(q, k, v, dout, dlse, layout, mods, deterministic=True)
+    for _ in range(3):
+        again = run_kernel(q, k, v, dout, dlse, layout, mods, deterministic=True)
+        for name, a, b in zip(["out", "lse", "dq", "dk", "dv", "dsinks"], first, again):
+            assert torch.equal(a, b), f"{name}: deterministic mode is not bit-identical run to run"
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_sinks_of_minus_infinity_change_nothing(path, monkeypatch):
+    """A sink of -inf is no sink: the sinks epilogue rounds lse and the output's factor as the
+    epilogue without sinks does (modifiers.cuh, fold_sink_epilogue), so out and lse are the same
+    bits, and so are dk and dv (the same backward kernel on the same inputs; dq too in
+    deterministic mode: the default one adds dQ by atomics); dsinks 0. On failure the message
+    lists max |diff| of every tensor."""
+    use_path(path, monkeypatch)
+    D = built_head_dims()[0]
+    layout_cpu = dualkv.Layout.from_tree([130, 64, 1], [-1, 0, 0])
+    layout = layout_cpu.to("cuda")
+    q, k, v, dout = make_inputs(layout_cpu, 4, 2, D, torch.bfloat16, seed=2)
+    sinks = torch.full((4,), float("-inf"), device="cuda")
+    for det in (False, True):
+        got = run_kernel(q, k, v, dout, None, layout, dict(softcap=None, sinks=sinks), deterministic=det)
+        plain = run_kernel(q, k, v, dout, None, layout, dict(softcap=None, sinks=None), deterministic=det)
+        names = ["out", "lse", "dq", "dk", "dv"]
+        diffs = {n: (a.double() - b.double()).abs().max().item() for n, a, b in zip(names, got[:5], plain[:5])}
+        nonfinite = {n: int((~torch.isfinite(a)).sum()) for n, a in zip(names, got[:5])}
+        report = f"det={det} max |diff| per tensor: {diffs}; non-finite counts: {nonfinite}"
+        for name, a, b in zip(names, got[:5], plain[:5]):
+            if name == "dq" and not det:
+                torch.testing.assert_close(a, b, rtol=2**-7, atol=1e-6, msg=f"{name}: {report}")
+            else:
+                assert torch.equal(a, b), f"{name}: not the same bits; {report}"
+        assert torch.equal(got[5], torch.zeros_like(got[5])), f"dsinks {got[5]}; {report}"
+
+
+def test_window_is_refused_with_a_typed_error():
+    """The sliding window is not in the CUDA kernels yet: refused before any work, alone and with
+    the modifiers that are."""
+    D = built_head_dims()[0]
+    layout_cpu = dualkv.Layout.from_tree([64, 32], [-1, 0])
+    layout = layout_cpu.to("cuda")
+    q, k, v, _ = make_inputs(layout_cpu, 4, 2, D, torch.bfloat16, seed=1)
+    for kw in (dict(window=16), dict(window=16, softcap=5.0), dict(window=16, sinks=torch.zeros(4, device="cuda"))):
+        with pytest.raises(dualkv.UnsupportedError, match="window"):
+            dualkv.attention(q, k, v, layout, **kw)
+
+
+def test_windowed_plans_per_window_and_rejected_for_another():
+    """Layout.to(device, windows=...) builds one plan per (dtype, head dim, window), cut to the
+    window (plan_format.h); a plan built for a window is rejected by a call without it (the plan
+    key names the window), and a window with no plan is a typed error naming the fix."""
+    D = built_head_dims()[0]
+    layout_cpu = dualkv.Layout.from_tree([300, 200, 1, 90], [-1, 0, 0, 2])
+    layout = layout_cpu.to("cuda", windows=(None, 128))
+    plain, key = layout.plan_for(torch.bfloat16, D)
+    cut, key_w = layout.plan_for(torch.bfloat16, D, 128)
+    assert key != key_w
+    assert int(cut[13]) == 128  # kHdrWindow
+    assert layout.to("cuda", windows=(128,)) is layout  # already built
+    wider = layout.to("cuda", windows=(64,))
+    assert wider.plan_for(torch.bfloat16, D, 64)[1] not in (key, key_w)
+    assert wider.plan_for(torch.bfloat16, D, 128)[1] == key_w
+    with pytest.raises(dualkv.UnsupportedError, match="windows="):
+        layout_cpu.to("cuda").plan_for(torch.bfloat16, D, 32)
+    q, k, v, _ = make_inputs(layout_cpu, 2, 1, D, torch.bfloat16, seed=4)
+    layout._plans[(torch.bfloat16, D, 0)] = (cut, key_w)  # the windowed plan for a call without a window
+    with pytest.raises(_native.DualKVError, match="plan_key does not match"):
+        dualkv.attention(q, k, v, layout)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_the_modifier_kernels_run(path, monkeypatch):
+    """The call runs the modifier instantiations of the intended family (the Hopper one on an H200
+    by default, the portable one when forced), and the sinks' gradient kernel."""
+    use_path(path, monkeypatch)
+    D = built_head_dims()[0]
+    layout_cpu = dualkv.Layout.from_tree([200, 70, 1], [-1, 0, 0])
+    layout = layout_cpu.to("cuda")
+    q, k, v, dout = make_inputs(layout_cpu, 4, 2, D, torch.bfloat16, seed=9)
+    mods = modifier_inputs(4, 5.0, True, seed=9)
+    names = cases.cuda_kernels_run(lambda: run_kernel(q, k, v, dout, None, layout, mods))
+    hopper = torch.cuda.get_device_capability() == (9, 0) and path == "default" and D in cases.arch_head_dims(
+        "sm90", "fwd")
+    fwd = "fwd_sm90_kernel" if hopper else "fwd_kernel"
+    assert any(fwd in n and "Modifiers<true, true>" in n for n in names), sorted(names)
+    assert any("Modifiers<true, false>" in n and ("bwd_sm90_kernel" in n if hopper else "bwd_kv_kernel" in n)
+               for n in names), sorted(names)
+    assert any("bwd_dsinks_kernel" in n for n in names), sorted(names)
