@@ -211,8 +211,9 @@ def _rows(per_group, entries, width: int, like: Tensor) -> Tensor:
 def policy_update(model, prompts: Sequence[Tensor], responses: Sequence[Sequence[Tensor]],
                   old_logprobs: Sequence[Sequence[Tensor]], advantages: Sequence[Sequence[float]], max_tokens: int,
                   *, num_ranks: int = 1, rank: int = 0, prompt_once: bool = True,
-                  max_prompt_tokens: Optional[int] = None, recompute_prompt: bool = True,
+                  max_prompt_tokens: Optional[int] = None, recompute_prompt: bool = False,
                   prompt_grad_dtype: Optional[torch.dtype] = None, offload_prompt_grads: bool = False,
+                  offload_prompt_activations: bool = True, prompt_state_budget: bool = True,
                   temperature: float = 1.0,
                   deterministic: bool = False, ref_logprobs: Optional[Sequence[Sequence[Tensor]]] = None,
                   **loss_kwargs: Any) -> Dict[str, Any]:
@@ -227,9 +228,11 @@ def policy_update(model, prompts: Sequence[Tensor], responses: Sequence[Sequence
     ``kl_coef``, ``kl_type``, ``agg``). Groups that fit stay whole; a group over the budget is split
     into response subsets and, with ``prompt_once`` (default), runs its prompt once
     (:func:`dualkv.plan_micro_batches`, :func:`dualkv.schedule.micro_batches`; ``max_prompt_tokens``
-    bounds a prompt phase; ``recompute_prompt``, ``prompt_grad_dtype`` and ``offload_prompt_grads``
-    choose how the prompt phase trades memory for one more prompt forward or host copies,
-    :mod:`dualkv.schedule`). Each micro-batch's loss is weighted by its share of the whole batch
+    bounds a prompt phase; ``recompute_prompt``, ``prompt_grad_dtype``, ``offload_prompt_grads`` and
+    ``offload_prompt_activations`` choose how the prompt phase trades memory for one more prompt
+    forward or host copies, :mod:`dualkv.schedule`; ``prompt_state_budget`` (default) counts what a
+    prompt phase keeps against its micro-batches' budget, :func:`dualkv.schedule.prompt_state_factor`,
+    so that the peak stays within a split micro-batch's). Each micro-batch's loss is weighted by its share of the whole batch
     (tokens for ``token-mean``, responses for the sequence means), so the accumulated gradient is
     that of the loss over every response of every rank: this rank's share of it (``rank`` of
     ``num_ranks`` data-parallel ranks; summing the ranks' gradients gives the full one, so scale by
@@ -242,18 +245,23 @@ def policy_update(model, prompts: Sequence[Tensor], responses: Sequence[Sequence
     from . import distributed
     from .integrations import transformers as dkt
     from .microbatch import plan_micro_batches
-    from .schedule import micro_batches
+    from .schedule import micro_batches, prompt_state_factor
 
     agg = loss_kwargs.get("agg", "token-mean")
     groups = [(int(p.numel()), [int(r.numel()) for r in rs]) for p, rs in zip(prompts, responses)]
+    factor = 0.0
+    if prompt_once and prompt_state_budget:
+        factor = prompt_state_factor(model, prompt_grad_dtype, recompute_prompt,
+                                     offload_prompt_activations and model.device.type == "cuda")
     plan = plan_micro_batches(groups, max_tokens, num_ranks, prompt_once=prompt_once,
-                              max_prompt_tokens=max_prompt_tokens)
+                              max_prompt_tokens=max_prompt_tokens, prompt_state_factor=factor)
     by_tokens = agg == "token-mean"
     total = plan.response_tokens if by_tokens else sum(len(rs) for _, rs in groups)
     loss_sum, weight_sum, metrics, logprobs = 0.0, 0.0, {}, [[None] * len(rs) for rs in responses]
     for mb, packed in micro_batches(model, plan, rank, prompts, responses, deterministic,
                                      recompute_prompt=recompute_prompt, prompt_grad_dtype=prompt_grad_dtype,
-                                     offload_prompt_grads=offload_prompt_grads):
+                                     offload_prompt_grads=offload_prompt_grads,
+                                     offload_prompt_activations=offload_prompt_activations):
         if packed is None:  # an empty micro-batch of the padding: the same collectives, no loss
             logp = dkt.packed_logprobs(model, distributed.placeholder_batch(model.device))
             (logp.sum() * 0.0).backward()

@@ -120,6 +120,7 @@ def assert_same_update(a, b, tol):
 
 def dualkv_update(model, prompts, responses, old, adv, max_tokens, **kw):
     model.zero_grad(set_to_none=True)
+    kw.setdefault("prompt_state_budget", False)  # the plans these tests check split at the raw budget
     out = policy_update(model, prompts, responses, old, adv, max_tokens, clip_high=0.28, **kw)
     return out["loss"], out["logprobs"], grads(model), out["plan"]
 
@@ -386,7 +387,7 @@ def test_kept_memory_is_reported_and_bounded():
     cfg = model.config
     layers, kv_heads, head_dim = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
     assert kv.prefix_lens == (6, 4)
-    assert kv.memory == {"kv": 2 * layers * rows * kv_heads * head_dim * 4, "grad": 0, "device": None}
+    assert kv.memory == {"kv": 2 * layers * rows * kv_heads * head_dim * 4, "grad": 0, "device": None, "host": 0}
     kv.backward()  # nothing accumulated: zero gradients, and the state is freed
     assert kv.memory["kv"] == 0
     # the planner bounds every phase's prompt tokens
@@ -413,7 +414,7 @@ def test_schedule_errors():
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
     with pytest.raises(dualkv.UnsupportedError, match="use_reentrant"):
         schedule.run_prompt_phase(model, prompts, recompute_prompt=False)
-    kv = schedule.run_prompt_phase(model, prompts)
+    kv = schedule.run_prompt_phase(model, prompts, recompute_prompt=True)
     with pytest.raises(dualkv.UnsupportedError, match="use_reentrant"):
         kv.backward()
     model.gradient_checkpointing_disable()
