@@ -67,14 +67,15 @@ _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
 def prompt_state_factor(model, grad_dtype: Optional[torch.dtype] = None, recompute_prompt: bool = False,
-                        offload_prompt_activations: bool = True) -> float:
+                        offload_prompt_activations: bool = True, dtype: Optional[torch.dtype] = None) -> float:
     """Micro-batch tokens one kept prompt token of a prompt phase is worth, for
     :func:`dualkv.plan_micro_batches`'s ``prompt_state_factor``: bytes a phase keeps through its
     micro-batches per prompt token, over a lower bound of the bytes a gradient-checkpointed
     micro-batch holds per token at its backward's peak. Budgeting the phase's prompt tokens at this
     rate keeps (kept state + a phase-B micro-batch) within one micro-batch of the budget (what the
     split path holds); the lower bound makes the factor an over-estimate, so the rule errs on the
-    side of less memory. From the model's config (L layers, hidden H, Hq query and Hk key/value heads
+    side of less memory. ``model``: a transformers model or its config (``dtype``: the parameters'
+    dtype by default, float32 for a config). From the config (L layers, hidden H, Hq query and Hk key/value heads
     of dimension D, MLP width I, parameter bytes b, gradient-sum bytes b_g):
 
       kept   = 2 L Hk D (b + b_g)        keys and values of every layer and their gradient sums
@@ -100,10 +101,9 @@ def prompt_state_factor(model, grad_dtype: Optional[torch.dtype] = None, recompu
     hk = int(getattr(cfg, "num_key_value_heads", None) or hq)
     d = int(getattr(cfg, "head_dim", None) or H // hq)
     inter = int(getattr(cfg, "intermediate_size", None) or 0)
-    param = next(iter(model.parameters()), None) if hasattr(model, "parameters") else None
-    dtype = param.dtype if param is not None else getattr(cfg, "torch_dtype", None) or torch.float32
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype)
+    if dtype is None:
+        param = next(iter(model.parameters()), None) if hasattr(model, "parameters") else None
+        dtype = param.dtype if param is not None else torch.float32
     b = torch.empty((), dtype=dtype).element_size()
     bg = torch.empty((), dtype=grad_dtype).element_size() if grad_dtype is not None else b
     kept = 2 * L * hk * d * (b + bg) + H * b
@@ -360,6 +360,25 @@ def _add_into(total: Tensor):
 
 #: saved tensors smaller than this stay where they are (indices, RoPE tables' slices: not worth a copy)
 _OFFLOAD_MIN_BYTES = 1 << 20
+#: devices whose phase-A activations offload_prompt_activations moves to host memory (the CPU is the
+#: host: nothing to move; bench/live_bytes.py adds it to emulate a CUDA run's device bytes on a CPU)
+_OFFLOAD_DEVICES = ("cuda",)
+
+
+def _offloads(device: torch.device) -> bool:
+    return device.type in _OFFLOAD_DEVICES
+
+
+def _host_copy(t: Tensor) -> Tensor:
+    """A host copy of ``t``: pinned and asynchronous (on the current stream) for a CUDA tensor."""
+    host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=t.is_cuda)
+    host.copy_(t, non_blocking=t.is_cuda)
+    return host
+
+
+def _device_copy(host: Tensor, device: torch.device) -> Tensor:
+    """``host`` back on ``device``: asynchronous from pinned memory, ordered on the current stream."""
+    return host.to(device, non_blocking=True)
 
 
 class _OffloadSaved(torch.autograd.graph.saved_tensors_hooks):
@@ -376,7 +395,7 @@ class _OffloadSaved(torch.autograd.graph.saved_tensors_hooks):
         copies: Dict[tuple, tuple] = {}
 
         def pack(t: Tensor):
-            if t.device.type != "cuda" or t.numel() * t.element_size() < _OFFLOAD_MIN_BYTES:
+            if not _offloads(t.device) or t.numel() * t.element_size() < _OFFLOAD_MIN_BYTES:
                 return t
             key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()),
                    t.dtype, t._version)
@@ -385,8 +404,7 @@ class _OffloadSaved(torch.autograd.graph.saved_tensors_hooks):
             # at the same address with the same shape, holding other values
             if hit is not None and hit[0]() is not None:
                 return hit[1]
-            host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
-            host.copy_(t, non_blocking=True)
+            host = _host_copy(t)
             self.bytes += host.numel() * host.element_size()
             packed = (t.device, host)
             copies[key] = (weakref.ref(t), packed)
@@ -396,7 +414,7 @@ class _OffloadSaved(torch.autograd.graph.saved_tensors_hooks):
             if isinstance(packed, Tensor):
                 return packed
             device, host = packed
-            return host.to(device, non_blocking=True)
+            return _device_copy(host, device)
 
         self._copies = copies
         super().__init__(pack, unpack)
@@ -489,8 +507,9 @@ def run_prompt_phase(model, prompts: Sequence[Tensor], deterministic: bool = Fal
             run(kv)
     else:
         kv = PromptKV(lens, prompt_grad_dtype)
-        if offload_prompt_activations and cuda and torch.is_grad_enabled():
-            with _OffloadSaved() as offload:
+        if offload_prompt_activations and _offloads(device) and torch.is_grad_enabled():
+            offload = _OffloadSaved()
+            with offload:
                 kv.output = run(kv)
             kv.host_bytes = offload.bytes
         else:

@@ -572,3 +572,51 @@ def test_prompt_once_on_cuda_bf16(kind):
     assert len(g_w) >= 10
     for name in g_w:
         assert g_p[name] <= 2 * g_w[name] + 1e-3, (name, g_p[name], g_w[name])
+
+
+def test_offloaded_prompt_activations_are_exact_and_leave_the_device(fp64_exact):
+    """offload_prompt_activations (the default on CUDA), emulated on the CPU (bench/live_bytes.py
+    counts the host copies as gone and the copies back as new): phase A's saved activations, the
+    checkpointed layer inputs included, leave the tracked bytes, so that phase B keeps the keys and
+    values and the last hidden state only; the update with it equals the one without (fp64, 1e-10),
+    and a plain CPU run moves nothing."""
+    import sys
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "bench"))
+    from live_bytes import LiveTensorBytes, emulate_offload
+    dtype = torch.float64
+    std = make_model("qwen3", dtype)
+    std.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    plain, moved = dkt.enable(copy.deepcopy(std)), dkt.enable(copy.deepcopy(std))
+    prompts, responses, old, adv = rollouts(PROMPT_LENS, RESPONSE_LENS, dtype)
+    kv = schedule.run_prompt_phase(plain, prompts[:1])
+    assert kv.memory["host"] == 0  # the CPU is the host
+    kv.backward()
+    want = dualkv_update(plain, prompts, responses, old, adv, max_tokens=12)
+    cfg = moved.config
+    P = PROMPT_LENS[0] - 1
+    undo = emulate_offload()
+    try:
+        with LiveTensorBytes() as m:
+            kv = schedule.run_prompt_phase(moved, prompts[:1])
+            kept = m.live - kv.memory["kv"]
+            kv.backward()
+        got = dualkv_update(moved, prompts, responses, old, adv, max_tokens=12)
+    finally:
+        undo()
+    assert kv.memory["host"] >= cfg.num_hidden_layers * P * cfg.hidden_size * 8, kv.memory
+    # the last hidden state (a root of phase C) and small metadata; no layer input
+    assert kept < 2 * P * cfg.hidden_size * 8, (kept, P * cfg.hidden_size * 8)
+    assert got[3].prompt_phases and got[3].split_groups == want[3].split_groups
+    assert_same_update(got[:3], want[:3], 1e-10)
+
+
+def test_prompt_state_factor_of_qwen3_shapes():
+    """The documented factors (schedule.prompt_state_factor's docstring) from the configs alone."""
+    from dualkv.demo import qwen3_config
+    for size, want in (("1.7b", 1.096), ("8b", 0.628)):
+        cfg = qwen3_config(size)
+        f = schedule.prompt_state_factor(cfg, dtype=torch.bfloat16)
+        assert abs(f - want) < 1e-3, (size, f)
+        # activations kept on the device count too; fp32 gradient sums cost more
+        assert schedule.prompt_state_factor(cfg, offload_prompt_activations=False, dtype=torch.bfloat16) > f + 0.5
+        assert schedule.prompt_state_factor(cfg, grad_dtype=torch.float32, dtype=torch.bfloat16) > f
