@@ -93,6 +93,10 @@ PROTOCOL = {
 }
 
 
+#: --state-factor: the prompt_state_budget of the once methods (None: policy_update's, from the model)
+STATE_FACTOR = None
+
+
 def cells(args):
     """(size, P, R, k) in run order: models, then P, then R, then k; k = 1 (a control) first per (P, R)."""
     ks = ([1] if args.controls else []) + args.k
@@ -192,8 +196,11 @@ def one_update(method, model, data, max_tokens, device):
     prompts, responses, old, adv = data
     model.zero_grad(set_to_none=True)
     with e2e.Timer(device) as timer:
+        kwargs = dict(ONCE_KWARGS.get(method, {}))
+        if method in ONCE_METHODS and STATE_FACTOR is not None and "prompt_state_budget" not in kwargs:
+            kwargs["prompt_state_budget"] = STATE_FACTOR
         out = policy_update(model, prompts, responses, old, adv, max_tokens, prompt_once=method in ONCE_METHODS,
-                            clip_low=0.2, clip_high=0.28, **ONCE_KWARGS.get(method, {}))
+                            clip_low=0.2, clip_high=0.28, **kwargs)
     return timer.seconds, out
 
 
@@ -221,7 +228,8 @@ def measure(method, model, data, max_tokens, args, device, base):
                 rec["peak_bytes"] = live.peak
             plan = out["plan"]
             rec.update(status="ok", seconds=statistics.median(samples), samples=samples,
-                       micro_batches=plan.micro_batches_per_rank, prompt_phases=len(plan.prompt_phases[0])
+                       micro_batches=plan.micro_batches_per_rank, prompt_state_factor=plan.prompt_state_factor,
+                       prompt_phases=len(plan.prompt_phases[0])
                        if plan.prompt_phases else 0, loss=out["loss"],
                        logp0=out["logprobs"][0][0].float().cpu())
             if kv_mem:
@@ -350,9 +358,14 @@ def main(argv=None):
     ap.add_argument("--method-timeout", type=float, default=0, help="seconds per method and cell (0: none)")
     ap.add_argument("--allow-dirty", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--state-factor", type=float, default=None,
+                    help="prompt_state_budget factor of the once methods (default: schedule.prompt_state_factor "
+                         "of the model; 0: no budget)")
     ap.add_argument("--out", default=None, help="JSON path (default bench/results/prompt_once_e2e-<time>.json)")
     args = ap.parse_args(argv)
 
+    global STATE_FACTOR
+    STATE_FACTOR = args.state_factor
     device = torch.device(args.device)
     tree = e2e.provenance.measured_state(device, args.allow_dirty)
     if args.tiny:

@@ -217,7 +217,7 @@ def policy_update(model, prompts: Sequence[Tensor], responses: Sequence[Sequence
                   *, num_ranks: int = 1, rank: int = 0, prompt_once: bool = True,
                   max_prompt_tokens: Optional[int] = None, recompute_prompt: bool = False,
                   prompt_grad_dtype: Optional[torch.dtype] = None, offload_prompt_grads: bool = False,
-                  offload_prompt_activations: bool = True, prompt_state_budget: bool = True,
+                  offload_prompt_activations: bool = True, prompt_state_budget: Union[bool, float] = True,
                   temperature: float = 1.0,
                   deterministic: bool = False, ref_logprobs: Optional[Sequence[Sequence[Tensor]]] = None,
                   **loss_kwargs: Any) -> Dict[str, Any]:
@@ -234,9 +234,9 @@ def policy_update(model, prompts: Sequence[Tensor], responses: Sequence[Sequence
     (:func:`dualkv.plan_micro_batches`, :func:`dualkv.schedule.micro_batches`; ``max_prompt_tokens``
     bounds a prompt phase; ``recompute_prompt``, ``prompt_grad_dtype``, ``offload_prompt_grads`` and
     ``offload_prompt_activations`` choose how the prompt phase trades memory for one more prompt
-    forward or host copies, :mod:`dualkv.schedule`; ``prompt_state_budget`` (default) counts what a
+    forward or host copies, :mod:`dualkv.schedule`; ``prompt_state_budget=True`` (default) counts what a
     prompt phase keeps against its micro-batches' budget, :func:`dualkv.schedule.prompt_state_factor`,
-    so that the peak stays within a split micro-batch's). Each micro-batch's loss is weighted by its share of the whole batch
+    so that the peak stays within a split micro-batch's; a number sets that factor, False turns it off). Each micro-batch's loss is weighted by its share of the whole batch
     (tokens for ``token-mean``, responses for the sequence means), so the accumulated gradient is
     that of the loss over every response of every rank: this rank's share of it (``rank`` of
     ``num_ranks`` data-parallel ranks; summing the ranks' gradients gives the full one, so scale by
@@ -254,9 +254,11 @@ def policy_update(model, prompts: Sequence[Tensor], responses: Sequence[Sequence
     agg = loss_kwargs.get("agg", "token-mean")
     groups = [(int(p.numel()), [int(r.numel()) for r in rs]) for p, rs in zip(prompts, responses)]
     factor = 0.0
-    if prompt_once and prompt_state_budget:
+    if prompt_once and prompt_state_budget is True:
         factor = prompt_state_factor(model, prompt_grad_dtype, recompute_prompt,
                                      offload_prompt_activations and _offloads(model.device))
+    elif prompt_once and prompt_state_budget is not False:
+        factor = prompt_state_budget  # an explicit factor (plan_micro_batches checks it)
     plan = plan_micro_batches(groups, max_tokens, num_ranks, prompt_once=prompt_once,
                               max_prompt_tokens=max_prompt_tokens, prompt_state_factor=factor)
     by_tokens = agg == "token-mean"

@@ -350,13 +350,48 @@ def test_cuda_phase_c_peak_with_offloaded_gradients():
         schedule.PromptKV.backward = measured(name)
         try:
             runs[name] = dualkv_update(model, prompts, responses, old, adv, 4096 + 2 * 256, deterministic=True,
-                                       offload_prompt_grads=offload)
+                                       recompute_prompt=True, offload_prompt_grads=offload)
         finally:
             schedule.PromptKV.backward = original
     assert grad_bytes["default"] == 2 * 8 * 4095 * 2 * 128 * 2  # (k, v) x layers x rows x kv heads x dim x bf16
     assert peaks["offload"] <= peaks["default"] - 0.75 * grad_bytes["default"], (peaks, grad_bytes)
     for name, g in runs["default"][2].items():
         assert torch.equal(runs["offload"][2][name], g), name
+
+
+@pytest.mark.gpu
+def test_cuda_offloaded_prompt_activations_bitwise_and_off_the_device():
+    """On the H200, the default prompt phase (recompute_prompt=False, offload_prompt_activations):
+    phase A leaves on the device its keys and values and last hidden state only (the checkpointed
+    layer inputs, 8 x 4095 x 1024 bf16 = 64 MiB, are in pinned host memory), against the layer
+    inputs kept without the offload; the update is bitwise the one without it (deterministic mode)."""
+    if not _cuda_reads_external_prefixes():
+        pytest.skip("this build's CUDA backend does not run external prefix segments yet (issue 17's kernels)")
+    cfg = transformers.Qwen3Config(hidden_size=1024, intermediate_size=3072, num_hidden_layers=8, num_attention_heads=8,
+                                   num_key_value_heads=2, head_dim=128, vocab_size=4096, max_position_embeddings=8192,
+                                   use_cache=False)
+    torch.manual_seed(0)
+    model = dkt.enable(transformers.AutoModelForCausalLM.from_config(cfg).to("cuda", torch.bfloat16).train())
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    prompts, responses, old, adv = rollouts([4096], [[256] * 8], torch.bfloat16)
+    prompts = [p.cuda() for p in prompts]
+    responses = [[r.cuda() for r in rs] for rs in responses]
+    old = [[o.cuda() for o in os] for os in old]
+    layer_inputs = 8 * 4095 * 1024 * 2
+    kept = {}
+    for offload in (True, False):
+        kv = schedule.run_prompt_phase(model, prompts, offload_prompt_activations=offload)
+        kept[offload] = (kv.device_bytes - kv.memory["kv"], kv.memory["host"])
+        kv.backward()
+        model.zero_grad(set_to_none=True)
+    assert kept[True][1] >= layer_inputs and kept[False][1] == 0, kept
+    assert kept[True][0] <= 2 * 4095 * 1024 * 2 + (1 << 20), kept  # the last hidden state (+ metadata)
+    assert kept[False][0] >= kept[True][0] + layer_inputs, kept
+    runs = {offload: dualkv_update(model, prompts, responses, old, adv, 4096 + 2 * 256, deterministic=True,
+                                   offload_prompt_activations=offload) for offload in (True, False)}
+    assert runs[True][3].prompt_phases[0] and runs[True][3].split_groups == (0,)
+    for name, g in runs[False][2].items():
+        assert torch.equal(runs[True][2][name], g), name
 
 
 def test_old_logprobs_under_no_grad():
