@@ -249,18 +249,20 @@ def policy_update(model, prompts: Sequence[Tensor], responses: Sequence[Sequence
     from . import distributed
     from .integrations import transformers as dkt
     from .microbatch import plan_micro_batches
-    from .schedule import _offloads, micro_batches, prompt_state_factor
+    from .schedule import _offloads, micro_batches, prompt_state_credit, prompt_state_factor
 
     agg = loss_kwargs.get("agg", "token-mean")
     groups = [(int(p.numel()), [int(r.numel()) for r in rs]) for p, rs in zip(prompts, responses)]
-    factor = 0.0
-    if prompt_once and prompt_state_budget is True:
-        factor = prompt_state_factor(model, prompt_grad_dtype, recompute_prompt,
-                                     offload_prompt_activations and _offloads(model.device))
-    elif prompt_once and prompt_state_budget is not False:
+    factor, credit = 0.0, 0.0
+    if prompt_once and prompt_state_budget is not False:
+        credit = prompt_state_credit(model)
         factor = prompt_state_budget  # an explicit factor (plan_micro_batches checks it)
+        if prompt_state_budget is True:
+            factor = prompt_state_factor(model, prompt_grad_dtype, recompute_prompt,
+                                         offload_prompt_activations and _offloads(model.device))
     plan = plan_micro_batches(groups, max_tokens, num_ranks, prompt_once=prompt_once,
-                              max_prompt_tokens=max_prompt_tokens, prompt_state_factor=factor)
+                              max_prompt_tokens=max_prompt_tokens, prompt_state_factor=factor,
+                              prompt_state_credit=credit)
     by_tokens = agg == "token-mean"
     total = plan.response_tokens if by_tokens else sum(len(rs) for _, rs in groups)
     loss_sum, weight_sum, metrics, logprobs = 0.0, 0.0, {}, [[None] * len(rs) for rs in responses]

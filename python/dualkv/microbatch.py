@@ -255,7 +255,8 @@ def _balance_groups(costs: Sequence[float], num_ranks: int) -> List[List[int]]:
 
 def plan_micro_batches(groups: Sequence[Any], max_tokens: int, num_ranks: int = 1,
                        cost_fn: Optional[CostFn] = None, prompt_once: bool = False,
-                       max_prompt_tokens: Optional[int] = None, prompt_state_factor: float = 0.0) -> MicroBatchPlan:
+                       max_prompt_tokens: Optional[int] = None, prompt_state_factor: float = 0.0,
+                       prompt_state_credit: float = 0.0) -> MicroBatchPlan:
     """Plan micro-batches of whole groups under ``max_tokens`` packed tokens, over ``num_ranks`` ranks.
 
     ``groups``: ``[(prompt_len, [response_len, ...]), ...]`` (or objects with ``.prompt_len`` and
@@ -277,7 +278,12 @@ def plan_micro_batches(groups: Sequence[Any], max_tokens: int, num_ranks: int = 
     tokens holds (the split path's peak). Each such group then has a phase of its own (two prompts
     in one phase would shrink both groups' micro-batches), and a group whose prompt state leaves
     no room for its longest response is split with its prompt copied instead, as without
-    ``prompt_once``. 0 (default): the kept state is not budgeted.
+    ``prompt_once``. 0 (default): the kept state is not budgeted. ``prompt_state_credit`` (tokens,
+    with a factor: :func:`dualkv.schedule.prompt_state_credit`, the parameter gradients' bytes in
+    micro-batch tokens): a group whose responses fit in one micro-batch with the last prompt token
+    runs them in one, unbudgeted, when its state is at most the credit plus the tokens that
+    micro-batch leaves free: the split path's second micro-batch holds every parameter gradient,
+    which a once phase of one micro-batch never does while its activations live.
 
     Raises ValueError if a group's prompt plus one of its responses exceeds ``max_tokens`` (with
     ``prompt_once``: if one response plus one token does, or the prompt exceeds ``max_prompt_tokens``).
@@ -302,6 +308,12 @@ def plan_micro_batches(groups: Sequence[Any], max_tokens: int, num_ranks: int = 
         raise ValueError(f"plan_micro_batches: prompt_state_factor must be a finite number >= 0, got "
                          f"{prompt_state_factor!r}")
     factor = float(prompt_state_factor)
+    if isinstance(prompt_state_credit, bool) or not isinstance(prompt_state_credit, (int, float)) \
+            or not (0.0 <= float(prompt_state_credit) < float("inf")):
+        raise ValueError(f"plan_micro_batches: prompt_state_credit must be a finite number >= 0, got "
+                         f"{prompt_state_credit!r}")
+    credit = float(prompt_state_credit)
+    single = set()  # budgeted groups whose phase runs one response micro-batch, on the credit
 
     def state_tokens(prompt_tokens: int) -> int:
         """Budget tokens a phase of ``prompt_tokens`` kept prompt tokens takes from each of its
@@ -330,7 +342,13 @@ def plan_micro_batches(groups: Sequence[Any], max_tokens: int, num_ranks: int = 
                 raise ValueError(f"plan_micro_batches: group {g}: its prompt phase ({p - 1} tokens) exceeds "
                                  f"max_prompt_tokens={max_prompt_tokens}")
             room = max_tokens - state_tokens(p - 1) if once else max_tokens
-            if once and factor > 0 and 1 + max(rs) > room:
+            if once and factor > 0 and 1 + sum(rs) <= max_tokens \
+                    and state_tokens(p - 1) <= credit + max_tokens - (1 + sum(rs)):
+                # one response micro-batch: no micro-batch of the phase runs with every parameter
+                # gradient alive (the split path's second one does), so that credit pays for the state
+                room = max_tokens
+                single.add(g)
+            elif once and factor > 0 and 1 + max(rs) > room:
                 once, room = False, max_tokens  # its kept prompt would outgrow a split micro-batch
             pieces = _split_group(g, 1 if once else p, rs, room)
             split.append(g)
@@ -385,11 +403,13 @@ def plan_micro_batches(groups: Sequence[Any], max_tokens: int, num_ranks: int = 
         loads: List[int] = []  # budget tokens each bin uses: its tokens and its phase's kept state
         for j, groups_j in enumerate(phases):
             ks = [k for g in groups_j for k in group_items[g]]
-            state = state_tokens(sum(gs[g][0] - 1 for g in groups_j))
+            credited = factor > 0 and all(g in single for g in groups_j)
+            state = 0 if credited else state_tokens(sum(gs[g][0] - 1 for g in groups_j))
             for b in _first_fit_decreasing([tokens[k] for k in ks], max_tokens - state):
                 bins.append([ks[i] for i in b])
                 phase_of_bin.append(j)
-                loads.append(state + sum(tokens[k] for k in bins[-1]))
+                # a credited micro-batch takes nothing more: the credit was for its group alone
+                loads.append(max_tokens if credited else state + sum(tokens[k] for k in bins[-1]))
         rest = [k for g in gs_r if g not in phased_set for k in group_items[g]]
         for i, b in enumerate(_first_fit_decreasing([tokens[k] for k in rest], max_tokens, loads)):
             if i >= len(bins):

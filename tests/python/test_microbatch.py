@@ -245,3 +245,25 @@ def test_prompt_state_factor_budgets_the_kept_prompt():
     for bad in (-1.0, float("nan"), float("inf"), True, "1"):
         with pytest.raises(ValueError, match="prompt_state_factor"):
             plan_micro_batches(groups, budget, prompt_once=True, prompt_state_factor=bad)
+
+
+def test_prompt_state_credit_lets_one_micro_batch_phase_stand():
+    """With a credit, a budgeted group whose responses fit in one micro-batch (plus the last prompt
+    token) runs them in one when its state is at most credit + the tokens that micro-batch leaves;
+    without enough credit the budget applies; a credited micro-batch takes no other group."""
+    import math
+    groups = [(1025, [64] * 8), (40, [8, 8])]
+    budget = 1025 + 8 * 64 // 2  # split: 2 micro-batches; once: 513 tokens of responses + 1
+    f = 0.9
+    state = math.ceil(f * 1024)
+    need = state - (budget - (1 + 8 * 64))
+    one = plan_micro_batches(groups, budget, prompt_once=True, prompt_state_factor=f, prompt_state_credit=need)
+    (phase,) = one.prompt_phases[0]
+    assert len(phase.micro_batches) == 1 and one.ranks[0][phase.micro_batches[0]].entries == ((0, tuple(range(8))),)
+    short = plan_micro_batches(groups, budget, prompt_once=True, prompt_state_factor=f, prompt_state_credit=need - 1)
+    (phase,) = short.prompt_phases[0]
+    assert len(phase.micro_batches) > 1
+    assert all(short.ranks[0][i].num_tokens <= budget - state for i in phase.micro_batches)
+    for bad in (-1.0, float("inf"), True):
+        with pytest.raises(ValueError, match="prompt_state_credit"):
+            plan_micro_batches(groups, budget, prompt_once=True, prompt_state_factor=f, prompt_state_credit=bad)
