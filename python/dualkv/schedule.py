@@ -116,7 +116,7 @@ def prompt_state_credit(model, dtype: Optional[torch.dtype] = None) -> float:
     """:func:`dualkv.plan_micro_batches`'s ``prompt_state_credit``: the model's parameter gradients
     but the embeddings' (this process's parameters that require gradients, in their dtype: under
     FSDP2 its shard) in micro-batch tokens of :func:`prompt_state_factor`'s per-token lower bound.
-    Qwen3-1.7B in bf16: 13.2K tokens; Qwen3-8B: 30.6K."""
+    Qwen3-1.7B in bf16: 13.2K tokens; Qwen3-8B: 28.7K."""
     cfg = getattr(model, "config", model)
     cfg = getattr(cfg, "text_config", None) or cfg
     params = [p for p in model.parameters() if p.requires_grad] if hasattr(model, "parameters") else []
