@@ -20,31 +20,30 @@ Loss, log-probs and every parameter gradient are those of the single micro-batch
 last prompt token recomputed per micro-batch adds a gradient per copy, which sums to the one of the
 single computation, like every response does.
 
-Two ways to run phases A and C (``recompute_prompt``):
+How phases A and C run:
 
-* ``recompute_prompt=True`` (default): phase A runs under ``torch.no_grad()`` and keeps only the
-  keys and values; phase C runs the prompts' forward again, with gradients, and back-propagates the
-  accumulated gradients into it. Cost: one more forward of the prompts per phase. Gain: during
-  phase B nothing of the prompt's activations is kept (with gradient checkpointing, its layer
-  inputs: layers x prompt tokens x hidden size), only the keys and values and their gradient
-  buffers; phase C keeps the checkpointed layer inputs and the gradient buffers, which free layer by
-  layer as its backward goes. This is what keeps the peak at or below the split-and-recompute
-  path's: for a Qwen3-8B shape at P = 32K (36 layers, hidden 4096, 8 KV heads of 128, bf16), phase B
-  keeps 4.8 GB of keys and values and 4.8 GB of gradients instead of those plus 9.7 GB of layer
-  inputs (docs/notes/2026-12-01-external-prefix-kernels.md).
-* ``recompute_prompt=False``: phase A runs with gradients (under the model's gradient
-  checkpointing only the layers' inputs are kept) and phase C is the backward from the recorded
-  keys and values: one prompt forward fewer, the prompt's activations held through phase B.
+* default (``recompute_prompt=False``, ``offload_prompt_activations=True``): phase A runs with
+  gradients; what its forward saves for the backward (under gradient checkpointing: each layer's
+  input, the final norm's input) goes to pinned host memory as it is saved (CUDA only: on the CPU
+  nothing moves) and comes back layer by layer when phase C's backward recomputes each layer. Each
+  layer's keys and values reach phase C's backward through a probe (:class:`_PromptGrad`) whose
+  gradients are filled in at phase C, so the kept keys and values are detached and free before it.
+  One prompt forward; phase B keeps the keys and values, their gradient buffers and the last
+  hidden state on the device.
+* ``offload_prompt_activations=False``: the same with phase A's saved activations on the device.
+* ``recompute_prompt=True``: phase A runs under ``torch.no_grad()`` and keeps only the keys and
+  values; phase C runs the prompts' forward again, with gradients (the random state restored, so
+  that dropout draws the same masks), and back-propagates the accumulated gradients into it: one
+  more prompt forward, no host memory. ``offload_prompt_grads=True`` (with it) also moves the
+  gradient buffers to host memory for phase C's forward and back layer by layer in its backward.
 
-Both are exact: the forward of phase C repeats phase A's (the random state is restored for it, so
-that dropout draws the same masks). ``offload_prompt_grads=True`` (with ``recompute_prompt``) also
-moves the gradient buffers to host memory for phase C's forward and back layer by layer in its
-backward, so that phase C holds the prompt's layer inputs without them (one host round trip of the
-buffers per phase).
+Every way is exact. :func:`prompt_state_factor` and :func:`prompt_state_credit` give the planner
+(:func:`dualkv.plan_micro_batches`) what a phase keeps, in micro-batch tokens, so that a phase and
+its micro-batches stay within the split path's peak.
 
 Memory of a phase: the recorded keys and values (2 x layers x prompt tokens x kv heads x head dim)
 and their gradient buffers (as many elements, in ``prompt_grad_dtype``), plus with
-``recompute_prompt=False`` what phase A's forward keeps for its backward; the plan bounds a phase's
+``offload_prompt_activations=False`` what phase A's forward keeps for its backward; the plan bounds a phase's
 prompt tokens by ``max_prompt_tokens`` (default: the micro-batch budget). :attr:`PromptKV.memory`
 reports it.
 """
