@@ -117,7 +117,8 @@ def main(argv=None) -> int:
     from dualkv import logprobs
     chunk_elems = logprobs._AUTO_CHUNK_ELEMS
     logprobs._AUTO_CHUNK_ELEMS = chunk_elems // (args.scale * args.token_scale)
-    head = f"{'model':>5} {'P':>6} {'k':>2} {'factor':>6} {'method':>15} {'mbs':>3} {'split':>3} {'peak once/split':>15}"
+    head = (f"{'model':>5} {'P':>6} {'k':>2} {'factor':>6} {'method':>15} {'mbs':>3} {'split':>3} "
+            f"{'peak once/split':>15}")
     print(head)
     try:
         for size in args.models.split(","):

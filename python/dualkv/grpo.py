@@ -236,7 +236,8 @@ def policy_update(model, prompts: Sequence[Tensor], responses: Sequence[Sequence
     ``offload_prompt_activations`` choose how the prompt phase trades memory for one more prompt
     forward or host copies, :mod:`dualkv.schedule`; ``prompt_state_budget=True`` (default) counts what a
     prompt phase keeps against its micro-batches' budget, :func:`dualkv.schedule.prompt_state_factor`,
-    so that the peak stays within a split micro-batch's; a number sets that factor, False turns it off). Each micro-batch's loss is weighted by its share of the whole batch
+    so that the peak stays within a split micro-batch's; a number sets that factor, False turns it off).
+    Each micro-batch's loss is weighted by its share of the whole batch
     (tokens for ``token-mean``, responses for the sequence means), so the accumulated gradient is
     that of the loss over every response of every rank: this rank's share of it (``rank`` of
     ``num_ranks`` data-parallel ranks; summing the ranks' gradients gives the full one, so scale by

@@ -16,7 +16,8 @@ def test_prompt_once_bench_runs_on_cpu(tmp_path):
     bench = _load_bench("prompt_once_e2e")
     out = tmp_path / "prompt_once_e2e_tiny.json"
     rc = bench.main(["--device", "cpu", "--tiny", "--dtype", "float32", "--iters", "1",
-                     "--methods", "split,once,flex_split,flex_fa4_split,once_offload,once_keep,once_recompute,once_nobudget",
+                     "--methods",
+                     "split,once,flex_split,flex_fa4_split,once_offload,once_keep,once_recompute,once_nobudget",
                      "--out", str(out)])
     assert rc == 0
     data = json.loads(out.read_text())
