@@ -14,12 +14,17 @@ budget ``max_tokens = P + ceil(N R / k)`` so that the split path needs k micro-b
                   name is routed to it for the duration of the method, so the loop is policy_update's
   flex_split      the same on Flex's Triton backend (not in the default list; the CPU smoke test's
                   stand-in for flex_fa4_split: the dense mask of the same rule with SDPA)
-  once_keep       once with recompute_prompt=False: phase A with gradients, no second prompt forward (the
-                  speed of the plan without the default's extra forward; holds the prompt's layer inputs
-                  through phase B; not in the default list)
-  once_offload    once with offload_prompt_grads=True: the prompt's gradient buffers wait in pinned host
-                  memory during phase C's forward (not in the default list: the run to make if once's
-                  peak exceeds split's, docs/notes/2026-12-01-external-prefix-kernels.md section 6)
+  once            policy_update's defaults: phase A with gradients, its saved activations (the checkpointed
+                  layer inputs) in pinned host memory until phase C's backward (one prompt forward), and the
+                  kept prompt state budgeted against the response micro-batches (schedule.prompt_state_factor)
+  once_recompute  recompute_prompt=True: phase A under no_grad, phase C runs the prompt forward again (the
+                  earlier default; not in the default list)
+  once_keep       offload_prompt_activations=False: phase A's saved activations stay on the device through
+                  phase B (not in the default list)
+  once_offload    recompute_prompt=True, offload_prompt_grads=True: the prompt's gradient buffers wait in
+                  pinned host memory during phase C's forward (not in the default list)
+  once_nobudget   prompt_state_budget=False: response micro-batches packed to the whole budget, the kept
+                  prompt state not counted (the plan of the first H200 run; not in the default list)
 
 Model setup, timing (CUDA events: median of --iters updates after --warmup), the Flex/FA4 peers and the
 provenance come from bench/e2e.py. Per cell (model, P, R, k): seconds per update per method,
@@ -61,24 +66,35 @@ from dualkv import schedule  # noqa: E402
 from dualkv.demo import MODEL_SIZES, qwen3_config  # noqa: E402
 from dualkv.grpo import policy_update  # noqa: E402
 
-METHODS = ("split", "once", "flex_fa4_split", "flex_split", "once_offload", "once_keep")
-ONCE_METHODS = ("once", "once_offload", "once_keep")
+METHODS = ("split", "once", "flex_fa4_split", "flex_split", "once_recompute", "once_offload", "once_keep",
+           "once_nobudget")
+ONCE_METHODS = ("once", "once_recompute", "once_offload", "once_keep", "once_nobudget")
+#: policy_update arguments of each prompt-once method (``once``: its defaults)
+ONCE_KWARGS = {"once": {}, "once_recompute": dict(recompute_prompt=True),
+               "once_offload": dict(recompute_prompt=True, offload_prompt_grads=True),
+               "once_keep": dict(offload_prompt_activations=False), "once_nobudget": dict(prompt_state_budget=False)}
 DEFAULT_METHODS = ("split", "once", "flex_fa4_split")
 PROTOCOL = {
     "update": "forward + backward of one GRPO policy update (dualkv.grpo.policy_update: DAPO clip 0.2/0.28, "
               "token-mean, micro-batch losses weighted by their response tokens); no optimizer step",
     "group": "one prompt of P tokens, N responses of R tokens each; max_tokens = P + ceil(N R / k)",
     "split": "plan_micro_batches(prompt_once=False): k micro-batches, each [prompt | its responses], dualkv",
-    "once": "plan_micro_batches(prompt_once=True) + dualkv.schedule: the prompt once (phase A under no_grad, "
-            "response micro-batches over its kept keys and values, phase C: the prompt forward with gradients "
-            "and its backward), dualkv",
+    "once": "plan_micro_batches(prompt_once=True, prompt_state_factor) + dualkv.schedule: the prompt once (phase A "
+            "with gradients, its saved activations offloaded to pinned host memory; response micro-batches over its "
+            "kept keys and values, budgeted with the kept state; phase C: the prompt's backward), dualkv",
+    "once_recompute": "once with recompute_prompt=True (phase A under no_grad, phase C's forward again)",
+    "once_nobudget": "once with prompt_state_budget=False (micro-batches packed to the whole budget)",
     "flex_fa4_split": "the split plan, compiled FlexAttention with BACKEND=FLASH (FA4), a BlockMask per "
                       "micro-batch built in the update",
     "flex_split": "the split plan, compiled FlexAttention (Triton)",
-    "once_keep": "once with recompute_prompt=False (phase A with gradients, one prompt forward)",
+    "once_keep": "once with offload_prompt_activations=False (phase A's activations kept on the device)",
     "once_offload": "once with offload_prompt_grads=True (phase C's forward with the gradient buffers in host memory)",
     "ideal": "(k P + N R) / (P + N R): the token ratio of split to once",
 }
+
+
+#: --state-factor: the prompt_state_budget of the once methods (None: policy_update's, from the model)
+STATE_FACTOR = None
 
 
 def cells(args):
@@ -180,9 +196,11 @@ def one_update(method, model, data, max_tokens, device):
     prompts, responses, old, adv = data
     model.zero_grad(set_to_none=True)
     with e2e.Timer(device) as timer:
-        out = policy_update(model, prompts, responses, old, adv, max_tokens,
-                            prompt_once=method in ONCE_METHODS, recompute_prompt=method != "once_keep",
-                            offload_prompt_grads=method == "once_offload", clip_low=0.2, clip_high=0.28)
+        kwargs = dict(ONCE_KWARGS.get(method, {}))
+        if method in ONCE_METHODS and STATE_FACTOR is not None and "prompt_state_budget" not in kwargs:
+            kwargs["prompt_state_budget"] = STATE_FACTOR
+        out = policy_update(model, prompts, responses, old, adv, max_tokens, prompt_once=method in ONCE_METHODS,
+                            clip_low=0.2, clip_high=0.28, **kwargs)
     return timer.seconds, out
 
 
@@ -210,7 +228,8 @@ def measure(method, model, data, max_tokens, args, device, base):
                 rec["peak_bytes"] = live.peak
             plan = out["plan"]
             rec.update(status="ok", seconds=statistics.median(samples), samples=samples,
-                       micro_batches=plan.micro_batches_per_rank, prompt_phases=len(plan.prompt_phases[0])
+                       micro_batches=plan.micro_batches_per_rank, prompt_state_factor=plan.prompt_state_factor,
+                       prompt_phases=len(plan.prompt_phases[0])
                        if plan.prompt_phases else 0, loss=out["loss"],
                        logp0=out["logprobs"][0][0].float().cpu())
             if kv_mem:
@@ -258,10 +277,31 @@ def compare(records, P, N, R, k):
         r.pop("logp0", None)
 
 
+def verdict(m, k) -> str:
+    """The cell's acceptance: k = 1 (control): once within 1% of split; otherwise quot >= 0.85,
+    flex/once >= split/once (once's lead over Flex-FA4 at least its lead over split), peak once <= peak
+    split."""
+    once, split = m.get("once", {}), m.get("split", {})
+    if once.get("status") != "ok" or split.get("status") != "ok":
+        return "n/a"
+    if k == 1:
+        return "PASS" if abs(once.get("split_over_once", 0.0) - 1.0) <= 0.01 else "FAIL(ctl)"
+    fails = []
+    if once.get("quotient_vs_ideal", 0.0) < 0.85:
+        fails.append("speed")
+    flex = once.get("flex_fa4_split_over_once", once.get("flex_split_over_once"))
+    if flex is not None and flex < once["split_over_once"]:
+        fails.append("flex")
+    if once["peak_bytes"] > split["peak_bytes"]:
+        fails.append("mem")
+    return "PASS" if not fails else "FAIL(" + ",".join(fails) + ")"
+
+
 def summary(results) -> str:
-    head = (f"{'model':>5} {'P':>6} {'R':>5} {'k':>2} {'split s':>8} {'once s':>8} {'flexfa4 s':>9} {'split/once':>10} "
-            f"{'ideal':>6} {'quot':>5} {'flex/once':>9} {'peak split':>10} {'peak once':>9} {'kv+grad':>9} "
-            f"{'once_off s':>10} {'peak off':>9}")
+    extra = [name for name in ONCE_METHODS[1:] if any(r["method"] == name for r in results)]
+    head = (f"{'model':>5} {'P':>6} {'R':>5} {'k':>2} {'mbs s/o':>7} {'split s':>8} {'once s':>8} {'flexfa4 s':>9} "
+            f"{'split/once':>10} {'ideal':>6} {'quot':>5} {'flex/once':>9} {'peak split':>10} {'peak once':>9} "
+            f"{'kv+grad':>9} {'verdict':>14}" + "".join(f" {name + ' s':>16} {'peak':>8}" for name in extra))
     lines = [head, "-" * len(head)]
     cellmap = {}
     for r in results:
@@ -281,16 +321,17 @@ def summary(results) -> str:
         flexes = [m[f] for f in ("flex_fa4_split", "flex_split") if f in m]
         flex = next((r for r in flexes if r["status"] == "ok"), flexes[0] if flexes else None)
         kvm = once.get("prompt_kv_memory")
-        lines.append(f"{size:>5} {P:>6} {R:>5} {k:>2} {sec(m.get('split')):>8} {sec(once):>8} {sec(flex):>9} "
+        mbs = f"{m.get('split', {}).get('micro_batches', '-')}/{once.get('micro_batches', '-')}"
+        lines.append(f"{size:>5} {P:>6} {R:>5} {k:>2} {mbs:>7} {sec(m.get('split')):>8} {sec(once):>8} {sec(flex):>9} "
                      f"{once.get('split_over_once', float('nan')):>10.3f} "
                      f"{once.get('ideal_ratio', float('nan')):>6.2f} "
                      f"{once.get('quotient_vs_ideal', float('nan')):>5.2f} "
                      f"{once.get('flex_fa4_split_over_once', once.get('flex_split_over_once', float('nan'))):>9.3f} "
                      f"{gib(m.get('split')):>10} {gib(once):>9} "
-                     f"{((kvm['kv'] + kvm['grad']) / 2**20 if kvm else float('nan')):>8.1f}M "
-                     f"{sec(m.get('once_offload')):>10} {gib(m.get('once_offload')):>9}")
-    lines.append("acceptance: quot = (split/once) / ideal >= 0.85, flex/once > split/once, peak once <= peak split; "
-                 "k = 1 rows (controls): split/once within 1% of 1")
+                     f"{((kvm['kv'] + kvm['grad']) / 2**20 if kvm else float('nan')):>8.1f}M {verdict(m, k):>14}"
+                     + "".join(f" {sec(m.get(name)):>16} {gib(m.get(name)):>8}" for name in extra))
+    lines.append("acceptance: quot = (split/once) / ideal >= 0.85, flex/once >= split/once, peak once <= peak split; "
+                 "k = 1 rows (controls): split/once within 1% of 1; mbs s/o: micro-batches of split / once")
     return "\n".join(lines)
 
 
@@ -317,9 +358,14 @@ def main(argv=None):
     ap.add_argument("--method-timeout", type=float, default=0, help="seconds per method and cell (0: none)")
     ap.add_argument("--allow-dirty", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--state-factor", type=float, default=None,
+                    help="prompt_state_budget factor of the once methods (default: schedule.prompt_state_factor "
+                         "of the model; 0: no budget)")
     ap.add_argument("--out", default=None, help="JSON path (default bench/results/prompt_once_e2e-<time>.json)")
     args = ap.parse_args(argv)
 
+    global STATE_FACTOR
+    STATE_FACTOR = args.state_factor
     device = torch.device(args.device)
     tree = e2e.provenance.measured_state(device, args.allow_dirty)
     if args.tiny:

@@ -119,7 +119,7 @@ def _masked_mean(x: Tensor, mask: Tensor) -> Tensor:
 def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor,
                 clip_low: float = 0.2, clip_high: float = 0.2, dual_clip: Optional[float] = None,
                 ref_logprobs: Optional[Tensor] = None, kl_coef: float = 0.0, kl_type: str = "low_var_kl",
-                agg: str = "token-mean") -> Tuple[Tensor, Dict[str, float]]:
+                agg: str = "token-mean", *, as_floats: bool = True) -> Tuple[Tensor, Dict[str, float]]:
     """Clipped policy-gradient loss over response tokens.
 
     ``logprobs``, ``old_logprobs`` (and ``ref_logprobs``): ``[B, R_max]`` per-token log-probs of the
@@ -133,7 +133,9 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask
     of floats: ``pg_loss``, ``clip_frac`` (tokens whose clipped term is active), ``clip_frac_low`` /
     ``clip_frac_high`` (ratio below / above the clip range), ``approx_kl`` (mean of
     ``old - logp``, i.e. k1 of KL(old || new)), ``ratio_mean``, ``ratio_max``, ``kl`` (reference KL,
-    if given), ``num_tokens``. Reading the metrics syncs with the device once.
+    if given), ``num_tokens``. Reading the metrics syncs with the device once;
+    ``as_floats=False`` returns ``(loss, names, values)`` instead, the metrics as one tensor on the
+    device (no sync: :func:`policy_update` reads them once per update).
     """
     if logprobs.dim() != 2:
         raise ValueError(f"policy_loss: logprobs must be [B, R_max], got shape {tuple(logprobs.shape)}")
@@ -184,15 +186,17 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask
                  _masked_mean((ratio < 1.0 - clip_low).to(dtype), mask),
                  _masked_mean((ratio > 1.0 + clip_high).to(dtype), mask),
                  _masked_mean(old - logp, mask), _masked_mean(ratio, mask),
-                 torch.where(mask, ratio, torch.zeros((), dtype=dtype, device=ratio.device)).max()
-                 if mask.any() else ratio.new_zeros(()),
+                 # ratios are > 0, so a zero where masked leaves the maximum (and gives 0 with no token)
+                 torch.where(mask, ratio, torch.zeros((), dtype=dtype, device=ratio.device)).max(),
                  mask.sum().to(dtype)]
         if kl is not None:
             stats.append(aggregate(kl, mask, agg))
-        vals = torch.stack([s.to(dtype) for s in stats]).tolist()
+        vals = torch.stack([s.to(dtype) for s in stats])
     names = ["pg_loss", "clip_frac", "clip_frac_low", "clip_frac_high", "approx_kl", "ratio_mean", "ratio_max",
              "num_tokens"] + (["kl"] if kl is not None else [])
-    return loss, dict(zip(names, vals))
+    if not as_floats:
+        return loss, names, vals
+    return loss, dict(zip(names, vals.tolist()))
 
 
 def _rows(per_group, entries, width: int, like: Tensor) -> Tensor:
@@ -211,8 +215,9 @@ def _rows(per_group, entries, width: int, like: Tensor) -> Tensor:
 def policy_update(model, prompts: Sequence[Tensor], responses: Sequence[Sequence[Tensor]],
                   old_logprobs: Sequence[Sequence[Tensor]], advantages: Sequence[Sequence[float]], max_tokens: int,
                   *, num_ranks: int = 1, rank: int = 0, prompt_once: bool = True,
-                  max_prompt_tokens: Optional[int] = None, recompute_prompt: bool = True,
+                  max_prompt_tokens: Optional[int] = None, recompute_prompt: bool = False,
                   prompt_grad_dtype: Optional[torch.dtype] = None, offload_prompt_grads: bool = False,
+                  offload_prompt_activations: bool = True, prompt_state_budget: Union[bool, float] = True,
                   temperature: float = 1.0,
                   deterministic: bool = False, ref_logprobs: Optional[Sequence[Sequence[Tensor]]] = None,
                   **loss_kwargs: Any) -> Dict[str, Any]:
@@ -227,9 +232,12 @@ def policy_update(model, prompts: Sequence[Tensor], responses: Sequence[Sequence
     ``kl_coef``, ``kl_type``, ``agg``). Groups that fit stay whole; a group over the budget is split
     into response subsets and, with ``prompt_once`` (default), runs its prompt once
     (:func:`dualkv.plan_micro_batches`, :func:`dualkv.schedule.micro_batches`; ``max_prompt_tokens``
-    bounds a prompt phase; ``recompute_prompt``, ``prompt_grad_dtype`` and ``offload_prompt_grads``
-    choose how the prompt phase trades memory for one more prompt forward or host copies,
-    :mod:`dualkv.schedule`). Each micro-batch's loss is weighted by its share of the whole batch
+    bounds a prompt phase; ``recompute_prompt``, ``prompt_grad_dtype``, ``offload_prompt_grads`` and
+    ``offload_prompt_activations`` choose how the prompt phase trades memory for one more prompt
+    forward or host copies, :mod:`dualkv.schedule`; ``prompt_state_budget=True`` (default) counts what a
+    prompt phase keeps against its micro-batches' budget, :func:`dualkv.schedule.prompt_state_factor`,
+    so that the peak stays within a split micro-batch's; a number sets that factor, False turns it off).
+    Each micro-batch's loss is weighted by its share of the whole batch
     (tokens for ``token-mean``, responses for the sequence means), so the accumulated gradient is
     that of the loss over every response of every rank: this rank's share of it (``rank`` of
     ``num_ranks`` data-parallel ranks; summing the ranks' gradients gives the full one, so scale by
@@ -242,18 +250,29 @@ def policy_update(model, prompts: Sequence[Tensor], responses: Sequence[Sequence
     from . import distributed
     from .integrations import transformers as dkt
     from .microbatch import plan_micro_batches
-    from .schedule import micro_batches
+    from .schedule import _offloads, micro_batches, prompt_state_credit, prompt_state_factor
 
     agg = loss_kwargs.get("agg", "token-mean")
     groups = [(int(p.numel()), [int(r.numel()) for r in rs]) for p, rs in zip(prompts, responses)]
+    factor, credit = 0.0, 0.0
+    if prompt_once and prompt_state_budget is not False:
+        credit = prompt_state_credit(model)
+        factor = prompt_state_budget  # an explicit factor (plan_micro_batches checks it)
+        if prompt_state_budget is True:
+            factor = prompt_state_factor(model, prompt_grad_dtype, recompute_prompt,
+                                         offload_prompt_activations and _offloads(model.device))
     plan = plan_micro_batches(groups, max_tokens, num_ranks, prompt_once=prompt_once,
-                              max_prompt_tokens=max_prompt_tokens)
+                              max_prompt_tokens=max_prompt_tokens, prompt_state_factor=factor,
+                              prompt_state_credit=credit)
     by_tokens = agg == "token-mean"
     total = plan.response_tokens if by_tokens else sum(len(rs) for _, rs in groups)
     loss_sum, weight_sum, metrics, logprobs = 0.0, 0.0, {}, [[None] * len(rs) for rs in responses]
+    acc: Optional[Dict[str, Any]] = None  # per-micro-batch loss and metrics, summed on the device
+    metric_names: List[str] = []
     for mb, packed in micro_batches(model, plan, rank, prompts, responses, deterministic,
                                      recompute_prompt=recompute_prompt, prompt_grad_dtype=prompt_grad_dtype,
-                                     offload_prompt_grads=offload_prompt_grads):
+                                     offload_prompt_grads=offload_prompt_grads,
+                                     offload_prompt_activations=offload_prompt_activations):
         if packed is None:  # an empty micro-batch of the padding: the same collectives, no loss
             logp = dkt.packed_logprobs(model, distributed.placeholder_batch(model.device))
             (logp.sum() * 0.0).backward()
@@ -262,26 +281,36 @@ def policy_update(model, prompts: Sequence[Tensor], responses: Sequence[Sequence
         width = logp.shape[1]
         old = _rows(old_logprobs, mb.entries, width, logp)
         ref = _rows(ref_logprobs, mb.entries, width, logp) if ref_logprobs is not None else None
-        adv = torch.as_tensor([float(advantages[g][i]) for g, idx in mb.entries for i in idx], dtype=logp.dtype,
-                              device=logp.device)
-        loss, m = policy_loss(logp, old, adv, packed.response_mask(), ref_logprobs=ref, **loss_kwargs)
+        adv = torch.tensor([float(advantages[g][i]) for g, idx in mb.entries for i in idx], dtype=logp.dtype)
+        # a pageable host tensor's copy waits for the device: pinned, the copy is queued without a sync
+        adv = adv.pin_memory().to(logp.device, non_blocking=True) if logp.is_cuda else adv.to(logp.device)
+        loss, names, values = policy_loss(logp, old, adv, packed.response_mask(), ref_logprobs=ref, as_floats=False,
+                                          **loss_kwargs)
         weight = (mb.response_tokens if by_tokens else mb.num_responses) / total
         (loss * weight).backward()
-        loss_sum += float(loss.detach()) * weight
-        for name, value in m.items():
-            if name == "ratio_max":
-                metrics[name] = max(metrics.get(name, value), value)
-            elif name == "num_tokens":
-                metrics[name] = metrics.get(name, 0.0) + value
-            else:
-                metrics[name] = metrics.get(name, 0.0) + value * weight
+        # the loss and the metrics stay on the device until the update ends: no sync per micro-batch
+        with torch.no_grad():
+            row = torch.cat([loss.detach().to(values.dtype).view(1), values])
+            if acc is None:
+                acc = {"sum": torch.zeros_like(row), "max": torch.zeros_like(row)}
+            acc["sum"] += row * weight
+            acc["max"] = torch.maximum(acc["max"], row)
+            acc["count"] = acc.get("count", 0) + row  # num_tokens is a plain sum
+        metric_names = names
         weight_sum += weight
         r = 0
         for g, idx in mb.entries:
             for i in idx:
                 logprobs[g][i] = logp[r, :groups[g][1][i]].detach()
                 r += 1
-    for name in metrics:
-        if name not in ("ratio_max", "num_tokens") and weight_sum > 0:
-            metrics[name] /= weight_sum
+    if acc is not None:
+        sums, maxima, counts = (t.tolist() for t in (acc["sum"], acc["max"], acc["count"]))
+        loss_sum = sums[0]
+        for j, name in enumerate(metric_names, start=1):
+            if name == "ratio_max":
+                metrics[name] = maxima[j]
+            elif name == "num_tokens":
+                metrics[name] = counts[j]
+            else:
+                metrics[name] = sums[j] / weight_sum if weight_sum > 0 else sums[j]
     return {"loss": loss_sum, "logprobs": logprobs, "metrics": metrics, "plan": plan}

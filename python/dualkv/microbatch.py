@@ -26,6 +26,7 @@ Pure host code, deterministic.
 from __future__ import annotations
 
 import heapq
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
@@ -98,6 +99,9 @@ class MicroBatchPlan:
     #: ``prompt_phases[r]``: rank r's prompt phases in run order (empty without ``prompt_once``); every
     #: rank has the same number, and the same number of micro-batches in its j-th phase
     prompt_phases: Tuple[Tuple[PromptPhase, ...], ...] = ()
+    #: token-equivalents one kept prompt token costs against its phase's micro-batches (the plan's
+    #: ``prompt_state_factor``; 0: the kept state is not budgeted)
+    prompt_state_factor: float = 0.0
 
     @property
     def num_ranks(self) -> int:
@@ -251,7 +255,8 @@ def _balance_groups(costs: Sequence[float], num_ranks: int) -> List[List[int]]:
 
 def plan_micro_batches(groups: Sequence[Any], max_tokens: int, num_ranks: int = 1,
                        cost_fn: Optional[CostFn] = None, prompt_once: bool = False,
-                       max_prompt_tokens: Optional[int] = None) -> MicroBatchPlan:
+                       max_prompt_tokens: Optional[int] = None, prompt_state_factor: float = 0.0,
+                       prompt_state_credit: float = 0.0) -> MicroBatchPlan:
     """Plan micro-batches of whole groups under ``max_tokens`` packed tokens, over ``num_ranks`` ranks.
 
     ``groups``: ``[(prompt_len, [response_len, ...]), ...]`` (or objects with ``.prompt_len`` and
@@ -264,6 +269,21 @@ def plan_micro_batches(groups: Sequence[Any], max_tokens: int, num_ranks: int = 
     bounds the state a phase keeps), and its response subsets carry only the last prompt token;
     :func:`dualkv.schedule.micro_batches` runs such a plan. Without it each subset carries a copy
     of the prompt.
+
+    ``prompt_state_factor`` (with ``prompt_once``): what a prompt phase keeps through its
+    micro-batches (keys, values, their gradient sums), in micro-batch tokens per prompt token
+    (:func:`dualkv.schedule.prompt_state_factor` derives it from the model): a phase of S prompt
+    tokens leaves its micro-batches ``max_tokens - ceil(factor * S)`` tokens, so that the kept
+    state plus a micro-batch's activations stay within what one micro-batch of ``max_tokens``
+    tokens holds (the split path's peak). Each such group then has a phase of its own (two prompts
+    in one phase would shrink both groups' micro-batches), and a group whose prompt state leaves
+    no room for its longest response is split with its prompt copied instead, as without
+    ``prompt_once``. 0 (default): the kept state is not budgeted. ``prompt_state_credit`` (tokens,
+    with a factor: :func:`dualkv.schedule.prompt_state_credit`, the parameter gradients' bytes in
+    micro-batch tokens): a group whose responses fit in one micro-batch with the last prompt token
+    runs them in one, unbudgeted, when its state is at most the credit plus the tokens that
+    micro-batch leaves free: the split path's second micro-batch holds every parameter gradient,
+    which a once phase of one micro-batch never does while its activations live.
 
     Raises ValueError if a group's prompt plus one of its responses exceeds ``max_tokens`` (with
     ``prompt_once``: if one response plus one token does, or the prompt exceeds ``max_prompt_tokens``).
@@ -283,6 +303,22 @@ def plan_micro_batches(groups: Sequence[Any], max_tokens: int, num_ranks: int = 
     elif isinstance(max_prompt_tokens, bool) or not hasattr(max_prompt_tokens, "__index__") or max_prompt_tokens < 1:
         raise ValueError(f"plan_micro_batches: max_prompt_tokens must be an int >= 1, got {max_prompt_tokens!r}")
     max_prompt_tokens = int(max_prompt_tokens)
+    if isinstance(prompt_state_factor, bool) or not isinstance(prompt_state_factor, (int, float)) \
+            or not (0.0 <= float(prompt_state_factor) < float("inf")):
+        raise ValueError(f"plan_micro_batches: prompt_state_factor must be a finite number >= 0, got "
+                         f"{prompt_state_factor!r}")
+    factor = float(prompt_state_factor)
+    if isinstance(prompt_state_credit, bool) or not isinstance(prompt_state_credit, (int, float)) \
+            or not (0.0 <= float(prompt_state_credit) < float("inf")):
+        raise ValueError(f"plan_micro_batches: prompt_state_credit must be a finite number >= 0, got "
+                         f"{prompt_state_credit!r}")
+    credit = float(prompt_state_credit)
+    single = set()  # budgeted groups whose phase runs one response micro-batch, on the credit
+
+    def state_tokens(prompt_tokens: int) -> int:
+        """Budget tokens a phase of ``prompt_tokens`` kept prompt tokens takes from each of its
+        micro-batches."""
+        return math.ceil(factor * prompt_tokens) if factor > 0 else 0
     gs = _normalise(groups)
     if not gs:
         raise ValueError("plan_micro_batches: no groups")
@@ -305,7 +341,16 @@ def plan_micro_batches(groups: Sequence[Any], max_tokens: int, num_ranks: int = 
             if once and p - 1 > max_prompt_tokens:
                 raise ValueError(f"plan_micro_batches: group {g}: its prompt phase ({p - 1} tokens) exceeds "
                                  f"max_prompt_tokens={max_prompt_tokens}")
-            pieces = _split_group(g, 1 if once else p, rs, max_tokens)
+            room = max_tokens - state_tokens(p - 1) if once else max_tokens
+            if once and factor > 0 and 1 + sum(rs) <= max_tokens \
+                    and state_tokens(p - 1) <= credit + max_tokens - (1 + sum(rs)):
+                # one response micro-batch: no micro-batch of the phase runs with every parameter
+                # gradient alive (the split path's second one does), so that credit pays for the state
+                room = max_tokens
+                single.add(g)
+            elif once and factor > 0 and 1 + max(rs) > room:
+                once, room = False, max_tokens  # its kept prompt would outgrow a split micro-batch
+            pieces = _split_group(g, 1 if once else p, rs, room)
             split.append(g)
             if once:
                 phased.append(g)
@@ -347,18 +392,25 @@ def plan_micro_batches(groups: Sequence[Any], max_tokens: int, num_ranks: int = 
     phased_set = set(phased)
     for gs_r in rank_groups:
         ph_groups = [g for g in gs_r if g in phased_set]
-        phases = [[ph_groups[i] for i in b]
-                  for b in _first_fit_decreasing([gs[g][0] - 1 for g in ph_groups], max_prompt_tokens)]
+        if factor > 0:  # a phase per group, largest prompt first (the order FFD gives)
+            phases = [[g] for g in sorted(ph_groups, key=lambda g: (-gs[g][0], g))]
+        else:
+            phases = [[ph_groups[i] for i in b]
+                      for b in _first_fit_decreasing([gs[g][0] - 1 for g in ph_groups], max_prompt_tokens)]
         phases = [sorted(b) for b in phases]
         bins: List[List[int]] = []  # item lists; the first ones belong to phases
         phase_of_bin: List[int] = []
+        loads: List[int] = []  # budget tokens each bin uses: its tokens and its phase's kept state
         for j, groups_j in enumerate(phases):
             ks = [k for g in groups_j for k in group_items[g]]
-            for b in _first_fit_decreasing([tokens[k] for k in ks], max_tokens):
+            credited = factor > 0 and all(g in single for g in groups_j)
+            state = 0 if credited else state_tokens(sum(gs[g][0] - 1 for g in groups_j))
+            for b in _first_fit_decreasing([tokens[k] for k in ks], max_tokens - state):
                 bins.append([ks[i] for i in b])
                 phase_of_bin.append(j)
+                # a credited micro-batch takes nothing more: the credit was for its group alone
+                loads.append(max_tokens if credited else state + sum(tokens[k] for k in bins[-1]))
         rest = [k for g in gs_r if g not in phased_set for k in group_items[g]]
-        loads = [sum(tokens[k] for k in b) for b in bins]
         for i, b in enumerate(_first_fit_decreasing([tokens[k] for k in rest], max_tokens, loads)):
             if i >= len(bins):
                 bins.append([])
@@ -403,4 +455,5 @@ def plan_micro_batches(groups: Sequence[Any], max_tokens: int, num_ranks: int = 
     return MicroBatchPlan(ranks=tuple(ranks), max_tokens=max_tokens, rank_tokens=rank_tokens,
                           rank_costs=rank_costs, imbalance=imbalance, num_empty=num_empty,
                           split_groups=tuple(split), prompt_tokens_added=added,
-                          prompt_phases=tuple(rank_phases) if prompt_once else ())
+                          prompt_phases=tuple(rank_phases) if prompt_once else (),
+                          prompt_state_factor=factor if prompt_once else 0.0)

@@ -20,36 +20,36 @@ Loss, log-probs and every parameter gradient are those of the single micro-batch
 last prompt token recomputed per micro-batch adds a gradient per copy, which sums to the one of the
 single computation, like every response does.
 
-Two ways to run phases A and C (``recompute_prompt``):
+How phases A and C run:
 
-* ``recompute_prompt=True`` (default): phase A runs under ``torch.no_grad()`` and keeps only the
-  keys and values; phase C runs the prompts' forward again, with gradients, and back-propagates the
-  accumulated gradients into it. Cost: one more forward of the prompts per phase. Gain: during
-  phase B nothing of the prompt's activations is kept (with gradient checkpointing, its layer
-  inputs: layers x prompt tokens x hidden size), only the keys and values and their gradient
-  buffers; phase C keeps the checkpointed layer inputs and the gradient buffers, which free layer by
-  layer as its backward goes. This is what keeps the peak at or below the split-and-recompute
-  path's: for a Qwen3-8B shape at P = 32K (36 layers, hidden 4096, 8 KV heads of 128, bf16), phase B
-  keeps 4.8 GB of keys and values and 4.8 GB of gradients instead of those plus 9.7 GB of layer
-  inputs (docs/notes/2026-12-01-external-prefix-kernels.md).
-* ``recompute_prompt=False``: phase A runs with gradients (under the model's gradient
-  checkpointing only the layers' inputs are kept) and phase C is the backward from the recorded
-  keys and values: one prompt forward fewer, the prompt's activations held through phase B.
+* default (``recompute_prompt=False``, ``offload_prompt_activations=True``): phase A runs with
+  gradients; what its forward saves for the backward (under gradient checkpointing: each layer's
+  input, the final norm's input) goes to pinned host memory as it is saved (CUDA only: on the CPU
+  nothing moves) and comes back layer by layer when phase C's backward recomputes each layer. Each
+  layer's keys and values reach phase C's backward through a probe (:class:`_PromptGrad`) whose
+  gradients are filled in at phase C, so the kept keys and values are detached and free before it.
+  One prompt forward; phase B keeps the keys and values, their gradient buffers and the last
+  hidden state on the device.
+* ``offload_prompt_activations=False``: the same with phase A's saved activations on the device.
+* ``recompute_prompt=True``: phase A runs under ``torch.no_grad()`` and keeps only the keys and
+  values; phase C runs the prompts' forward again, with gradients (the random state restored, so
+  that dropout draws the same masks), and back-propagates the accumulated gradients into it: one
+  more prompt forward, no host memory. ``offload_prompt_grads=True`` (with it) also moves the
+  gradient buffers to host memory for phase C's forward and back layer by layer in its backward.
 
-Both are exact: the forward of phase C repeats phase A's (the random state is restored for it, so
-that dropout draws the same masks). ``offload_prompt_grads=True`` (with ``recompute_prompt``) also
-moves the gradient buffers to host memory for phase C's forward and back layer by layer in its
-backward, so that phase C holds the prompt's layer inputs without them (one host round trip of the
-buffers per phase).
+Every way is exact. :func:`prompt_state_factor` and :func:`prompt_state_credit` give the planner
+(:func:`dualkv.plan_micro_batches`) what a phase keeps, in micro-batch tokens, so that a phase and
+its micro-batches stay within the split path's peak.
 
 Memory of a phase: the recorded keys and values (2 x layers x prompt tokens x kv heads x head dim)
 and their gradient buffers (as many elements, in ``prompt_grad_dtype``), plus with
-``recompute_prompt=False`` what phase A's forward keeps for its backward; the plan bounds a phase's
+``offload_prompt_activations=False`` what phase A's forward keeps for its backward; the plan bounds a phase's
 prompt tokens by ``max_prompt_tokens`` (default: the micro-batch budget). :attr:`PromptKV.memory`
 reports it.
 """
 from __future__ import annotations
 
+import weakref
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
@@ -60,9 +60,92 @@ from .layout import Layout
 from .microbatch import MicroBatch, MicroBatchPlan, PromptPhase
 from .packing import PackedBatch, pack_groups
 
-__all__ = ["PromptKV", "micro_batches", "run_prompt_phase"]
+__all__ = ["PromptKV", "micro_batches", "prompt_state_credit", "prompt_state_factor", "run_prompt_phase"]
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def prompt_state_factor(model, grad_dtype: Optional[torch.dtype] = None, recompute_prompt: bool = False,
+                        offload_prompt_activations: bool = True, dtype: Optional[torch.dtype] = None) -> float:
+    """Micro-batch tokens one kept prompt token of a prompt phase is worth, for
+    :func:`dualkv.plan_micro_batches`'s ``prompt_state_factor``: bytes a phase keeps through its
+    micro-batches per prompt token, over a lower bound of the bytes a gradient-checkpointed
+    micro-batch holds per token at its backward's peak. Budgeting the phase's prompt tokens at this
+    rate keeps (kept state + a phase-B micro-batch) within one micro-batch of the budget (what the
+    split path holds); the lower bound makes the factor an over-estimate, so the rule errs on the
+    side of less memory. ``model``: a transformers model or its config (``dtype``: the parameters'
+    dtype by default, float32 for a config). From the config (L layers, hidden H, Hq query and Hk key/value heads
+    of dimension D, MLP width I, parameter bytes b, gradient-sum bytes b_g):
+
+      kept   = 2 L Hk D (b + b_g)        keys and values of every layer and their gradient sums
+             + H b                       phase A's last hidden state (the root of phase C's backward)
+             + (L + 1) H b               with the activations on the device: the checkpointed layer
+                                         inputs and the final norm's input (recompute_prompt=False and
+                                         no offload_prompt_activations)
+      token  = L H b                     the checkpointed layer inputs
+             + b (4 I + 2 Hq D + 2 Hk D + 2 H) + 4 (2 H + Hq D + Hk D)
+                                         what one layer's recompute saves for its backward: the MLP's
+                                         gate, up, activation and product, queries and attention output,
+                                         keys and values, the two normed inputs, and the fp32 inputs of
+                                         the RMSNorms (transformers computes them in fp32); its
+                                         backward's own gradients, the log-prob chunk and the
+                                         allocator's slack are left out (the lower bound)
+
+    Qwen3-1.7B in bf16: 233.5 KB / 213 KB = 1.096; Qwen3-8B: 303 KB / 483 KB = 0.628.
+    """
+    cfg = getattr(model, "config", model)
+    cfg = getattr(cfg, "text_config", None) or cfg
+    L, H = int(cfg.num_hidden_layers), int(cfg.hidden_size)
+    hq = int(cfg.num_attention_heads)
+    hk = int(getattr(cfg, "num_key_value_heads", None) or hq)
+    d = int(getattr(cfg, "head_dim", None) or H // hq)
+    inter = int(getattr(cfg, "intermediate_size", None) or 0)
+    if dtype is None:
+        param = next(iter(model.parameters()), None) if hasattr(model, "parameters") else None
+        dtype = param.dtype if param is not None else torch.float32
+    b = torch.empty((), dtype=dtype).element_size()
+    bg = torch.empty((), dtype=grad_dtype).element_size() if grad_dtype is not None else b
+    kept = 2 * L * hk * d * (b + bg) + H * b
+    if not recompute_prompt and not offload_prompt_activations:
+        kept += (L + 1) * H * b
+    return kept / _token_bytes(cfg, b)
+
+
+def prompt_state_credit(model, dtype: Optional[torch.dtype] = None) -> float:
+    """:func:`dualkv.plan_micro_batches`'s ``prompt_state_credit``: the model's parameter gradients
+    but the embeddings' (this process's parameters that require gradients, in their dtype: under
+    FSDP2 its shard) in micro-batch tokens of :func:`prompt_state_factor`'s per-token lower bound.
+    Qwen3-1.7B in bf16: 13.2K tokens; Qwen3-8B: 28.7K."""
+    cfg = getattr(model, "config", model)
+    cfg = getattr(cfg, "text_config", None) or cfg
+    params = [p for p in model.parameters() if p.requires_grad] if hasattr(model, "parameters") else []
+    # the embeddings' gradients are made first (the LM head's, in the log-probs' backward), so they
+    # are alive at a micro-batch's peak either way: no credit for them
+    early = set()
+    for get in ("get_input_embeddings", "get_output_embeddings"):
+        module = getattr(model, get, lambda: None)()
+        if module is not None and getattr(module, "weight", None) is not None:
+            early.add(id(module.weight))
+    grad_bytes = sum(_local(p).numel() * p.element_size() for p in params if id(p) not in early)
+    if dtype is None:
+        dtype = params[0].dtype if params else torch.float32
+    return grad_bytes / _token_bytes(cfg, torch.empty((), dtype=dtype).element_size())
+
+
+def _local(p: Tensor) -> Tensor:
+    """A parameter's local shard (FSDP2's DTensor), or itself."""
+    to_local = getattr(p, "to_local", None)
+    return to_local() if callable(to_local) else p
+
+
+def _token_bytes(cfg, b: int) -> int:
+    """prompt_state_factor's lower bound of a checkpointed micro-batch's bytes per token."""
+    L, H = int(cfg.num_hidden_layers), int(cfg.hidden_size)
+    hq = int(cfg.num_attention_heads)
+    hk = int(getattr(cfg, "num_key_value_heads", None) or hq)
+    d = int(getattr(cfg, "head_dim", None) or H // hq)
+    inter = int(getattr(cfg, "intermediate_size", None) or 0)
+    return L * H * b + b * (4 * inter + 2 * hq * d + 2 * hk * d + 2 * H) + 4 * (2 * H + hq * d + hk * d)
 
 
 def _layer_index(module) -> int:
@@ -108,7 +191,9 @@ class PromptKV:
         self._pending: Dict[int, List] = {}  # phase C of a rerun: per layer, its gradients until probed
         self._probes: List[Tensor] = []  # phase C of a rerun: one _PromptGrad output per layer
         self._probed: List[int] = []
+        self._slots: Dict[int, List[Optional[Tensor]]] = {}  # phase A with gradients: a probe's gradients
         self.device_bytes: Optional[int] = None  # phase A's whole kept state on CUDA (set by run_prompt_phase)
+        self.host_bytes = 0  # phase A's saved activations in pinned host memory (offload_prompt_activations)
         #: phase A's last hidden state (recompute_prompt=False): a root of phase C's backward, zero gradient
         self.output: Optional[Tensor] = None
 
@@ -131,7 +216,16 @@ class PromptKV:
                 "Use model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})")
         if idx in self._keys:
             raise ArgumentError(f"dualkv.schedule: attention layer {idx} ran twice in one prompt phase")
-        self._keys[idx], self._values[idx] = _own_rows(k[:self.num_rows]), _own_rows(v[:self.num_rows])
+        k, v = _own_rows(k[:self.num_rows]), _own_rows(v[:self.num_rows])
+        if self._grad_enabled and self._rerun is None and (k.requires_grad or v.requires_grad):
+            # phase A with gradients: phase C's backward enters the layer through a probe whose
+            # gradients arrive later (the slot is filled at phase C); the kept keys and values are
+            # detached, so that they free before phase C instead of living through its backward
+            slot: List[Optional[Tensor]] = []
+            self._slots[idx] = slot
+            self._probes.append(_PromptGrad.apply(k, v, slot))
+            k, v = k.detach(), v.detach()
+        self._keys[idx], self._values[idx] = k, v
 
     def finish(self) -> None:
         """End phase A: from now on the layers read the recorded keys and values through leaves
@@ -181,18 +275,15 @@ class PromptKV:
         if self._rerun is not None:
             self._backward_rerun()
             return
-        tensors, grads = [], []
-        for idx, k in self._keys.items():
-            for t, leaf, total in zip((k, self._values[idx]), self._leaves[idx], self._sums.get(idx, (None, None))):
-                if not t.requires_grad:
-                    continue
-                g = total if total is not None else leaf.grad
-                tensors.append(t)
-                grads.append(torch.zeros_like(t) if g is None else g.to(t.dtype))
-        self._keys, self._values, self._leaves, self._sums = {}, {}, {}, {}
+        slots, self._slots = self._slots, {}
+        probes, self._probes = self._probes, []
+        grads = self._gradients()  # drops the keys and values: phase C does not read them
+        for idx, slot in slots.items():
+            slot.extend(grads[idx])
+        del grads
         output, self.output = self.output, None
-        if tensors:
-            _backward_with_output(tensors, grads, output)
+        if probes:
+            _backward_with_output(probes, [None] * len(probes), output)
 
     def _backward_rerun(self) -> None:
         rerun, self._rerun = self._rerun, None
@@ -238,7 +329,7 @@ class PromptKV:
         grad = sum(t.numel() * t.element_size() for pair in self._sums.values() for t in pair)
         grad += sum(leaf.grad.numel() * leaf.grad.element_size() for pair in self._leaves.values() for leaf in pair
                     if leaf.grad is not None)
-        return {"kv": kv, "grad": grad, "device": self.device_bytes}
+        return {"kv": kv, "grad": grad, "device": self.device_bytes, "host": self.host_bytes}
 
 
 class _PromptGrad(torch.autograd.Function):
@@ -302,6 +393,72 @@ def _add_into(total: Tensor):
     return hook
 
 
+#: saved tensors smaller than this stay where they are (indices, RoPE tables' slices: not worth a copy)
+_OFFLOAD_MIN_BYTES = 1 << 20
+#: devices whose phase-A activations offload_prompt_activations moves to host memory (the CPU is the
+#: host: nothing to move; bench/live_bytes.py adds it to emulate a CUDA run's device bytes on a CPU)
+_OFFLOAD_DEVICES = ("cuda",)
+
+
+def _offloads(device: torch.device) -> bool:
+    return device.type in _OFFLOAD_DEVICES
+
+
+def _host_copy(t: Tensor) -> Tensor:
+    """A host copy of ``t``: pinned and asynchronous (on the current stream) for a CUDA tensor."""
+    host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=t.is_cuda)
+    host.copy_(t, non_blocking=t.is_cuda)
+    return host
+
+
+def _device_copy(host: Tensor, device: torch.device) -> Tensor:
+    """``host`` back on ``device``: asynchronous from pinned memory, ordered on the current stream."""
+    return host.to(device, non_blocking=True)
+
+
+class _OffloadSaved(torch.autograd.graph.saved_tensors_hooks):
+    """Phase A with gradients, ``offload_prompt_activations``: what its forward saves for phase C's
+    backward (under gradient checkpointing: each layer's input, the checkpoint's saved arguments, and
+    the final norm's input) goes to pinned host memory, copied asynchronously on the current stream,
+    and comes back (asynchronously, on the same stream) when phase C's backward unpacks it, one layer
+    at a time as the checkpoint recomputes it. Exact: copies. CUDA tensors of at least
+    ``_OFFLOAD_MIN_BYTES`` only; a tensor saved several times (the RoPE tables every layer receives)
+    is copied once. ``bytes``: host bytes held."""
+
+    def __init__(self):
+        self.bytes = 0
+        copies: Dict[tuple, tuple] = {}
+
+        def pack(t: Tensor):
+            if not _offloads(t.device) or t.numel() * t.element_size() < _OFFLOAD_MIN_BYTES:
+                return t
+            key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()),
+                   t.dtype, t._version)
+            hit = copies.get(key)
+            # a hit counts only while the tensor it was made from lives: a freed block can come back
+            # at the same address with the same shape, holding other values
+            if hit is not None and hit[0]() is not None:
+                return hit[1]
+            host = _host_copy(t)
+            self.bytes += host.numel() * host.element_size()
+            packed = (t.device, host)
+            copies[key] = (weakref.ref(t), packed)
+            return packed
+
+        def unpack(packed):
+            if isinstance(packed, Tensor):
+                return packed
+            device, host = packed
+            return _device_copy(host, device)
+
+        self._copies = copies
+        super().__init__(pack, unpack)
+
+    def __exit__(self, *exc):
+        self._copies.clear()  # the saved tensors keep their host copies; the lookup table goes
+        return super().__exit__(*exc)
+
+
 def _rng_states(device: torch.device):
     return torch.get_rng_state(), (torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
 
@@ -313,8 +470,8 @@ def _set_rng_states(device: torch.device, states) -> None:
 
 
 def run_prompt_phase(model, prompts: Sequence[Tensor], deterministic: bool = False, sp_group=None,
-                     recompute_prompt: bool = True, prompt_grad_dtype: Optional[torch.dtype] = None,
-                     offload_prompt_grads: bool = False) -> PromptKV:
+                     recompute_prompt: bool = False, prompt_grad_dtype: Optional[torch.dtype] = None,
+                     offload_prompt_grads: bool = False, offload_prompt_activations: bool = True) -> PromptKV:
     """Phase A: run the prompts (1-D token tensors, at least 2 tokens each) without their last
     token through ``model`` (a transformers causal LM with dualkv attention, in training mode) and
     return their recorded keys and values. Runs inside the model's own forward call, so wrappers
@@ -385,7 +542,13 @@ def run_prompt_phase(model, prompts: Sequence[Tensor], deterministic: bool = Fal
             run(kv)
     else:
         kv = PromptKV(lens, prompt_grad_dtype)
-        kv.output = run(kv)
+        if offload_prompt_activations and _offloads(device) and torch.is_grad_enabled():
+            offload = _OffloadSaved()
+            with offload:
+                kv.output = run(kv)
+            kv.host_bytes = offload.bytes
+        else:
+            kv.output = run(kv)
     kv.finish()
     if cuda:
         kv.device_bytes = torch.cuda.memory_allocated(device) - before
@@ -412,8 +575,9 @@ def _pack(mb: MicroBatch, phase: Optional[PromptPhase], kv: Optional[PromptKV], 
 
 def micro_batches(model, plan: MicroBatchPlan, rank: int, prompts: Sequence[Tensor],
                   responses: Sequence[Sequence[Tensor]], deterministic: bool = False, sp_group=None,
-                  recompute_prompt: bool = True, prompt_grad_dtype: Optional[torch.dtype] = None,
-                  offload_prompt_grads: bool = False) -> Iterator[Tuple[MicroBatch, Optional[PackedBatch]]]:
+                  recompute_prompt: bool = False, prompt_grad_dtype: Optional[torch.dtype] = None,
+                  offload_prompt_grads: bool = False,
+                  offload_prompt_activations: bool = True) -> Iterator[Tuple[MicroBatch, Optional[PackedBatch]]]:
     """Run rank ``rank``'s part of ``plan`` micro-batch by micro-batch: yields ``(micro_batch,
     packed)`` for the caller's forward (e.g. :func:`dualkv.integrations.transformers.packed_logprobs`
     on ``packed``) and backward; ``packed`` is None for an empty micro-batch (the plan pads ranks to
@@ -430,8 +594,8 @@ def micro_batches(model, plan: MicroBatchPlan, rank: int, prompts: Sequence[Tens
     of the SP group iterates the same micro-batches, and the caller shards each ``packed``
     (:func:`dualkv.distributed.shard`) for its forward, as for any micro-batch.
 
-    ``recompute_prompt``, ``prompt_grad_dtype``, ``offload_prompt_grads``: as for
-    :func:`run_prompt_phase` (the module docstring weighs them).
+    ``recompute_prompt``, ``prompt_grad_dtype``, ``offload_prompt_grads``,
+    ``offload_prompt_activations``: as for :func:`run_prompt_phase` (the module docstring weighs them).
     """
     phases = plan.prompt_phases[rank] if plan.prompt_phases else ()
     phase_of = {i: j for j, ph in enumerate(phases) for i in ph.micro_batches}
@@ -447,7 +611,7 @@ def micro_batches(model, plan: MicroBatchPlan, rank: int, prompts: Sequence[Tens
                 if not phase_prompts:  # padding: a placeholder prompt keeps the ranks' collectives in step
                     phase_prompts = [torch.zeros(2, dtype=torch.int64, device=model.device)]
                 kv = run_prompt_phase(model, phase_prompts, deterministic, sp_group, recompute_prompt,
-                                      prompt_grad_dtype, offload_prompt_grads)
+                                      prompt_grad_dtype, offload_prompt_grads, offload_prompt_activations)
             current = j
         if not mb.entries:
             yield mb, None

@@ -110,9 +110,14 @@
 #                (default 570) s; the JSON is saved after every method. The rest of the grid in later calls:
 #                ONCE_PROMPTS=32768, ONCE_RESPONSES=2048, ONCE_K=3. Needs the external-prefix CUDA kernels
 #                (issue 17's kernel branch): before they merge, once is recorded as an error (the CUDA
-#                backend's UnsupportedError). Estimate (1.7B, from e2e's 1.40 / 3.16 s per 2-micro-batch
-#                dualkv update at P 4K / 16K): ~1-6 s per update, ~4 updates x 3 methods x 6 cells plus
-#                Flex-FA4's compiles (~60-90 s): ~5-8 min; 8B at P 32K: ~20-40 s per update, one cell per call
+#                backend's UnsupportedError). $ONCE_ITERS (default 3) timed updates after $ONCE_WARMUP (default 1).
+#                The table (prompt_once_e2e_$m.txt, printed last) has a verdict column per cell: PASS, or
+#                FAIL(speed|flex|mem) naming the acceptance bar missed. Extra columns for once variants in
+#                ONCE_METHODS (once_recompute, once_keep, once_nobudget, once_offload). 8B in one call:
+#                ONCE_MODEL=8b ONCE_PROMPTS=8192,16384 ONCE_K=2,4 ONCE_ITERS=2 (estimate ~6-8 min; split
+#                it by P if the cap cuts it: the JSON keeps every finished method). Measured (1.7B at da0c15c,
+#                the default grid): 3.0 min for 6 cells x 3 methods; 8B at P 32K: ~20-40 s per update, one
+#                cell per call
 # More than 8 files in $OUT at the end are packed into $OUT/device-out.tgz (a device call returns 8 files).
 # Long-running python writes to a log file, not into a pipe: a compiler child left behind by a cut
 # process (ptxas) would otherwise hold the pipe open and stall the step.
@@ -221,10 +226,12 @@ for n in ('fla-core', 'trl', 'datasets', 'accelerate'):
     prompt-once) m="${ONCE_MODEL:-1.7b}"
                  timeout -k 10 "${ONCE_CAP:-570}" python3 bench/prompt_once_e2e.py --models "$m" \
                    --prompts "${ONCE_PROMPTS:-8192,16384}" --responses "${ONCE_RESPONSES:-1024}" --k "${ONCE_K:-2,4}" \
-                   --methods "${ONCE_METHODS:-split,once,flex_fa4_split}" --iters 3 --warmup 1 --method-timeout 240 \
+                   --methods "${ONCE_METHODS:-split,once,flex_fa4_split}" --iters "${ONCE_ITERS:-3}" \
+                   --warmup "${ONCE_WARMUP:-1}" --method-timeout 240 \
                    ${ONCE_ARGS:-} --out "$OUT/prompt_once_e2e_$m.json" > "$OUT/prompt_once_e2e_$m.log" 2>&1
                  echo "prompt-once $m rc=$? (cap ${ONCE_CAP:-570} s)"
-                 grep -v -i "warn\|create_block_mask(" "$OUT/prompt_once_e2e_$m.log" | tail -30 ;;
+                 grep -v -i "warn\|create_block_mask(" "$OUT/prompt_once_e2e_$m.log" | tail -30
+                 [ -f "$OUT/prompt_once_e2e_$m.txt" ] && cat "$OUT/prompt_once_e2e_$m.txt" ;;
     *) echo "unknown step $step" ;;
   esac
 done

@@ -16,7 +16,9 @@ def test_prompt_once_bench_runs_on_cpu(tmp_path):
     bench = _load_bench("prompt_once_e2e")
     out = tmp_path / "prompt_once_e2e_tiny.json"
     rc = bench.main(["--device", "cpu", "--tiny", "--dtype", "float32", "--iters", "1",
-                     "--methods", "split,once,flex_split,flex_fa4_split,once_offload,once_keep", "--out", str(out)])
+                     "--methods",
+                     "split,once,flex_split,flex_fa4_split,once_offload,once_keep,once_recompute,once_nobudget",
+                     "--out", str(out)])
     assert rc == 0
     data = json.loads(out.read_text())
     assert data["environment"]["device"] == "cpu" and "commit" in data["environment"]
@@ -26,14 +28,14 @@ def test_prompt_once_bench_runs_on_cpu(tmp_path):
         cells.setdefault(r["k"], {})[r["method"]] = r
     assert sorted(cells) == [1, 2]  # the control first, then k = 2
     for k, m in cells.items():
-        for name in ("split", "once", "flex_split", "once_offload", "once_keep"):
+        for name in ("split", "once", "flex_split", "once_offload", "once_keep", "once_recompute", "once_nobudget"):
             assert m[name]["status"] == "ok", m[name]
             assert m[name]["peak_bytes"] > 0 and m[name]["seconds"] > 0
         # FA4 is not installed on a CPU host: skipped with the reason, not an error
         assert m["flex_fa4_split"]["status"] in ("skipped", "ok")
         assert m["split"]["micro_batches"] == k
         # fp32: the three ways give the same log-probs (the first response) up to summation order
-        for name in ("once", "flex_split", "once_offload", "once_keep"):
+        for name in ("once", "flex_split", "once_offload", "once_keep", "once_recompute", "once_nobudget"):
             assert m[name]["max_abs_dlogp_vs_split"] <= 1e-4, (k, name, m[name]["max_abs_dlogp_vs_split"])
         assert m["once_offload"]["loss"] == pytest.approx(m["once"]["loss"], rel=1e-6)
     once1, once2 = cells[1]["once"], cells[2]["once"]
@@ -47,13 +49,15 @@ def test_prompt_once_bench_runs_on_cpu(tmp_path):
     assert kv["grad"] == kv["kv"]  # fp32 model: the gradient buffers in the model's dtype
     assert "prompt_kv_memory" not in once1
     table = out.with_suffix(".txt").read_text()
-    assert "split/once" in table and "acceptance" in table
+    assert "split/once" in table and "acceptance" in table and "verdict" in table
+    assert "once_recompute s" in table and "once_nobudget s" in table  # the variants' columns
 
 
 def test_device_run_prompt_once_step():
     step = _device_run_step("prompt-once")
     assert "bench/prompt_once_e2e.py" in step and "timeout -k 10 \"${ONCE_CAP:-570}\"" in step
-    assert "--iters 3 --warmup 1 --method-timeout 240" in step
+    assert '--iters "${ONCE_ITERS:-3}"' in step and '--warmup "${ONCE_WARMUP:-1}" --method-timeout 240' in step
+    assert 'cat "$OUT/prompt_once_e2e_$m.txt"' in step  # the acceptance table, verdicts included, comes back
     assert '"$OUT/prompt_once_e2e_$m.json"' in step
     bench = _load_bench("results_index")
     assert "prompt_once_e2e_1.7b" in bench.BENCHMARKS and "prompt_once_e2e_8b" in bench.BENCHMARKS

@@ -216,3 +216,54 @@ def test_errors():
         plan_micro_batches([(3, [2])], 100.0)
     with pytest.raises(ValueError, match="cost_fn returned"):
         plan_micro_batches([(3, [2])], 100, cost_fn=lambda p, rs: -1.0)
+
+
+def test_prompt_state_factor_budgets_the_kept_prompt():
+    """prompt_state_factor f: a phase of S prompt tokens leaves each of its micro-batches
+    max_tokens - ceil(f S) tokens; f = 0 is the plain plan; a group whose kept prompt leaves no room
+    for its longest response is split with its prompt copied; bad factors raise."""
+    import math
+    groups = [(1025, [64] * 16), (40, [8, 8])]  # one group over the budget, one that fits
+    budget = 1025 + 16 * 64 // 2
+    plain = plan_micro_batches(groups, budget, prompt_once=True)
+    assert plain.prompt_state_factor == 0.0
+    assert max(mb.num_tokens for mb in plain.ranks[0]) <= budget
+    for f in (0.25, 0.5, 0.9):
+        plan = plan_micro_batches(groups, budget, prompt_once=True, prompt_state_factor=f)
+        assert plan.prompt_state_factor == f and plan.split_groups == (0,)
+        (phase,) = plan.prompt_phases[0]
+        room = budget - math.ceil(f * 1024)
+        mbs = [plan.ranks[0][i] for i in phase.micro_batches]
+        assert all(mb.num_tokens <= room for mb in mbs)
+        # as large as allowed: the responses of group 0 in the fewest micro-batches of that room
+        assert len(mbs) == math.ceil(16 / ((room - 1) // 64))
+        assert sorted(i for mb in mbs for g, idx in mb.entries if g == 0 for i in idx) == list(range(16))
+    # the kept prompt leaves no room for a response: the split path (prompt copied), no phase
+    plan = plan_micro_batches(groups, budget, prompt_once=True, prompt_state_factor=1.5)
+    assert plan.split_groups == (0,) and not any(ph.groups for ph in plan.prompt_phases[0])
+    assert all(not any(mb.external) for mb in plan.ranks[0])
+    for bad in (-1.0, float("nan"), float("inf"), True, "1"):
+        with pytest.raises(ValueError, match="prompt_state_factor"):
+            plan_micro_batches(groups, budget, prompt_once=True, prompt_state_factor=bad)
+
+
+def test_prompt_state_credit_lets_one_micro_batch_phase_stand():
+    """With a credit, a budgeted group whose responses fit in one micro-batch (plus the last prompt
+    token) runs them in one when its state is at most credit + the tokens that micro-batch leaves;
+    without enough credit the budget applies; a credited micro-batch takes no other group."""
+    import math
+    groups = [(1025, [64] * 8), (40, [8, 8])]
+    budget = 1025 + 8 * 64 // 2  # split: 2 micro-batches; once: 513 tokens of responses + 1
+    f = 0.9
+    state = math.ceil(f * 1024)
+    need = state - (budget - (1 + 8 * 64))
+    one = plan_micro_batches(groups, budget, prompt_once=True, prompt_state_factor=f, prompt_state_credit=need)
+    (phase,) = one.prompt_phases[0]
+    assert len(phase.micro_batches) == 1 and one.ranks[0][phase.micro_batches[0]].entries == ((0, tuple(range(8))),)
+    short = plan_micro_batches(groups, budget, prompt_once=True, prompt_state_factor=f, prompt_state_credit=need - 1)
+    (phase,) = short.prompt_phases[0]
+    assert len(phase.micro_batches) > 1
+    assert all(short.ranks[0][i].num_tokens <= budget - state for i in phase.micro_batches)
+    for bad in (-1.0, float("inf"), True):
+        with pytest.raises(ValueError, match="prompt_state_credit"):
+            plan_micro_batches(groups, budget, prompt_once=True, prompt_state_factor=f, prompt_state_credit=bad)

@@ -120,6 +120,7 @@ def assert_same_update(a, b, tol):
 
 def dualkv_update(model, prompts, responses, old, adv, max_tokens, **kw):
     model.zero_grad(set_to_none=True)
+    kw.setdefault("prompt_state_budget", False)  # the plans these tests check split at the raw budget
     out = policy_update(model, prompts, responses, old, adv, max_tokens, clip_high=0.28, **kw)
     return out["loss"], out["logprobs"], grads(model), out["plan"]
 
@@ -349,13 +350,48 @@ def test_cuda_phase_c_peak_with_offloaded_gradients():
         schedule.PromptKV.backward = measured(name)
         try:
             runs[name] = dualkv_update(model, prompts, responses, old, adv, 4096 + 2 * 256, deterministic=True,
-                                       offload_prompt_grads=offload)
+                                       recompute_prompt=True, offload_prompt_grads=offload)
         finally:
             schedule.PromptKV.backward = original
     assert grad_bytes["default"] == 2 * 8 * 4095 * 2 * 128 * 2  # (k, v) x layers x rows x kv heads x dim x bf16
     assert peaks["offload"] <= peaks["default"] - 0.75 * grad_bytes["default"], (peaks, grad_bytes)
     for name, g in runs["default"][2].items():
         assert torch.equal(runs["offload"][2][name], g), name
+
+
+@pytest.mark.gpu
+def test_cuda_offloaded_prompt_activations_bitwise_and_off_the_device():
+    """On the H200, the default prompt phase (recompute_prompt=False, offload_prompt_activations):
+    phase A leaves on the device its keys and values and last hidden state only (the checkpointed
+    layer inputs, 8 x 4095 x 1024 bf16 = 64 MiB, are in pinned host memory), against the layer
+    inputs kept without the offload; the update is bitwise the one without it (deterministic mode)."""
+    if not _cuda_reads_external_prefixes():
+        pytest.skip("this build's CUDA backend does not run external prefix segments yet (issue 17's kernels)")
+    cfg = transformers.Qwen3Config(hidden_size=1024, intermediate_size=3072, num_hidden_layers=8, num_attention_heads=8,
+                                   num_key_value_heads=2, head_dim=128, vocab_size=4096, max_position_embeddings=8192,
+                                   use_cache=False)
+    torch.manual_seed(0)
+    model = dkt.enable(transformers.AutoModelForCausalLM.from_config(cfg).to("cuda", torch.bfloat16).train())
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    prompts, responses, old, adv = rollouts([4096], [[256] * 8], torch.bfloat16)
+    prompts = [p.cuda() for p in prompts]
+    responses = [[r.cuda() for r in rs] for rs in responses]
+    old = [[o.cuda() for o in os] for os in old]
+    layer_inputs = 8 * 4095 * 1024 * 2
+    kept = {}
+    for offload in (True, False):
+        kv = schedule.run_prompt_phase(model, prompts, offload_prompt_activations=offload)
+        kept[offload] = (kv.device_bytes - kv.memory["kv"], kv.memory["host"])
+        kv.backward()
+        model.zero_grad(set_to_none=True)
+    assert kept[True][1] >= layer_inputs and kept[False][1] == 0, kept
+    assert kept[True][0] <= 2 * 4095 * 1024 * 2 + (1 << 20), kept  # the last hidden state (+ metadata)
+    assert kept[False][0] >= kept[True][0] + layer_inputs, kept
+    runs = {offload: dualkv_update(model, prompts, responses, old, adv, 4096 + 2 * 256, deterministic=True,
+                                   offload_prompt_activations=offload) for offload in (True, False)}
+    assert runs[True][3].prompt_phases[0] and runs[True][3].split_groups == (0,)
+    for name, g in runs[False][2].items():
+        assert torch.equal(runs[True][2][name], g), name
 
 
 def test_old_logprobs_under_no_grad():
@@ -386,7 +422,7 @@ def test_kept_memory_is_reported_and_bounded():
     cfg = model.config
     layers, kv_heads, head_dim = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
     assert kv.prefix_lens == (6, 4)
-    assert kv.memory == {"kv": 2 * layers * rows * kv_heads * head_dim * 4, "grad": 0, "device": None}
+    assert kv.memory == {"kv": 2 * layers * rows * kv_heads * head_dim * 4, "grad": 0, "device": None, "host": 0}
     kv.backward()  # nothing accumulated: zero gradients, and the state is freed
     assert kv.memory["kv"] == 0
     # the planner bounds every phase's prompt tokens
@@ -413,7 +449,7 @@ def test_schedule_errors():
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
     with pytest.raises(dualkv.UnsupportedError, match="use_reentrant"):
         schedule.run_prompt_phase(model, prompts, recompute_prompt=False)
-    kv = schedule.run_prompt_phase(model, prompts)
+    kv = schedule.run_prompt_phase(model, prompts, recompute_prompt=True)
     with pytest.raises(dualkv.UnsupportedError, match="use_reentrant"):
         kv.backward()
     model.gradient_checkpointing_disable()
@@ -571,3 +607,51 @@ def test_prompt_once_on_cuda_bf16(kind):
     assert len(g_w) >= 10
     for name in g_w:
         assert g_p[name] <= 2 * g_w[name] + 1e-3, (name, g_p[name], g_w[name])
+
+
+def test_offloaded_prompt_activations_are_exact_and_leave_the_device(fp64_exact):
+    """offload_prompt_activations (the default on CUDA), emulated on the CPU (bench/live_bytes.py
+    counts the host copies as gone and the copies back as new): phase A's saved activations, the
+    checkpointed layer inputs included, leave the tracked bytes, so that phase B keeps the keys and
+    values and the last hidden state only; the update with it equals the one without (fp64, 1e-10),
+    and a plain CPU run moves nothing."""
+    import sys
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "bench"))
+    from live_bytes import LiveTensorBytes, emulate_offload
+    dtype = torch.float64
+    std = make_model("qwen3", dtype)
+    std.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    plain, moved = dkt.enable(copy.deepcopy(std)), dkt.enable(copy.deepcopy(std))
+    prompts, responses, old, adv = rollouts(PROMPT_LENS, RESPONSE_LENS, dtype)
+    kv = schedule.run_prompt_phase(plain, prompts[:1])
+    assert kv.memory["host"] == 0  # the CPU is the host
+    kv.backward()
+    want = dualkv_update(plain, prompts, responses, old, adv, max_tokens=12)
+    cfg = moved.config
+    P = PROMPT_LENS[0] - 1
+    undo = emulate_offload()
+    try:
+        with LiveTensorBytes() as m:
+            kv = schedule.run_prompt_phase(moved, prompts[:1])
+            kept = m.live - kv.memory["kv"]
+            kv.backward()
+        got = dualkv_update(moved, prompts, responses, old, adv, max_tokens=12)
+    finally:
+        undo()
+    assert kv.memory["host"] >= cfg.num_hidden_layers * P * cfg.hidden_size * 8, kv.memory
+    # the last hidden state (a root of phase C) and small metadata; no layer input
+    assert kept < 2 * P * cfg.hidden_size * 8, (kept, P * cfg.hidden_size * 8)
+    assert got[3].prompt_phases and got[3].split_groups == want[3].split_groups
+    assert_same_update(got[:3], want[:3], 1e-10)
+
+
+def test_prompt_state_factor_of_qwen3_shapes():
+    """The documented factors (schedule.prompt_state_factor's docstring) from the configs alone."""
+    from dualkv.demo import qwen3_config
+    for size, want in (("1.7b", 1.096), ("8b", 0.628)):
+        cfg = qwen3_config(size)
+        f = schedule.prompt_state_factor(cfg, dtype=torch.bfloat16)
+        assert abs(f - want) < 1e-3, (size, f)
+        # activations kept on the device count too; fp32 gradient sums cost more
+        assert schedule.prompt_state_factor(cfg, offload_prompt_activations=False, dtype=torch.bfloat16) > f + 0.5
+        assert schedule.prompt_state_factor(cfg, grad_dtype=torch.float32, dtype=torch.bfloat16) > f
