@@ -283,7 +283,8 @@ fwd_kernel(const FwdArgs args) {
                 const int col = j * 8 + 2 * t4 + (e & 1);
                 const int32_t qi = q0 + warp_row0 + mi * 16 + g + (e >> 1) * 8;
                 bool hidden = SegmentMask::fwd_hidden(kpos, klen, own, col, qi);
-                if constexpr (Mods::kWindow) hidden = hidden || SegmentMask::window_hidden(kpos + col, qi, shift, args.window);
+                if constexpr (Mods::kWindow)
+                  hidden = hidden || SegmentMask::window_hidden(kpos + col, qi, shift, args.window);
                 if (hidden) s[mi][j][e] = -CUDART_INF_F;
               }
         }

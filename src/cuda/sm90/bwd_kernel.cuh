@@ -530,9 +530,11 @@ bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
       if (!prefix_item) {
         const bool mask = tail || qt < k0 + cw * 64 + 63 || win;
         if (mask)
-          bwd_softmax_p<BM / 2, true, Mods::kWindow>(sacc, lse_s, sl2, t4, kv_row0, klen, k0, qt, true, bias, a.window);
+          bwd_softmax_p<BM / 2, true, Mods::kWindow>(sacc, lse_s, sl2, t4, kv_row0, klen, k0, qt, true, bias,
+                                                     a.window);
         else
-          bwd_softmax_p<BM / 2, true, Mods::kWindow>(sacc, lse_s, sl2, t4, kv_row0, klen, k0, qt, false, bias, a.window);
+          bwd_softmax_p<BM / 2, true, Mods::kWindow>(sacc, lse_s, sl2, t4, kv_row0, klen, k0, qt, false, bias,
+                                                     a.window);
       }
       wgmma_wait<0>();
       fence_regs(dpacc);
