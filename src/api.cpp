@@ -234,13 +234,12 @@ dualkv_status check_common(const Params* p, const char* what) {
     return check_host_layout(l, &p->prefixes);
   }
   if (p->device == DUALKV_DEVICE_CUDA) {
-    // The kernels run the softcap and sinks modifiers (issue 16) and external prefix segments
-    // (issue 17), not the sliding window yet, nor a modifier together with external prefixes (no
-    // such kernel instantiations): refused in every build, before anything else of the device (the
-    // plan: docs/notes/2026-12-01-mask-modifiers-kernel-plan.md).
-    if (p->window != 0)
-      return fail(DUALKV_ERROR_UNSUPPORTED, "%s: mask modifiers not implemented by the CUDA backend yet: sliding "
-                  "window %d (the CPU backend has it; CUDA runs softcap and sinks)", what, p->window);
+    // The kernels run the mask modifiers (issue 16) and external prefix segments (issue 17), but
+    // not a modifier together with external prefixes (no such kernel instantiations, and no
+    // windowed plan with prefixes): refused in every build, before anything else of the device.
+    if (p->prefixes.num_prefixes != 0 && p->window != 0)
+      return fail(DUALKV_ERROR_UNSUPPORTED, "%s: a sliding window (%d) with external prefix segments is not supported "
+                  "by the CUDA backend (the CPU backend runs it)", what, p->window);
     if (p->prefixes.num_prefixes != 0 && (p->softcap != 0.0f || p->sinks != nullptr))
       return fail(DUALKV_ERROR_UNSUPPORTED, "%s: %s%s%s with external prefix segments is not supported by the CUDA "
                   "backend (no such kernels; the CPU backend runs it)", what, p->softcap != 0.0f ? "softcap" : "",
@@ -488,7 +487,7 @@ DUALKV_API const char* dualkv_build_info(void) {
 #if defined(DUALKV_WITH_CUDA)
     // "modifiers": the mask modifiers a backend implements (check_common refuses the others).
     s += ", \"backends\": [\"cpu\", \"cuda\"], \"cuda\": {" + cuda_build_info_json() +
-         ", \"modifiers\": [\"softcap\", \"sinks\"]}";
+         ", \"modifiers\": [\"window\", \"softcap\", \"sinks\"]}";
 #else
     s += ", \"backends\": [\"cpu\"]";
 #endif

@@ -29,9 +29,9 @@
 // backend uses them. They number a segment's keys as ForestView::keys_begin does, so an external
 // prefix segment's rows (layout.h) are cut at their positions like any ancestor's tokens. The GPU
 // kernels use the forest-rule parts (with external prefixes: KvWalk's prefixed walk,
-// bwd_prefix_query_range), softcap (SoftcapFromExp) and sinks (fold_sink, sink_probability);
-// they refuse the window so far (api.cpp);
-// docs/notes/2026-12-01-mask-modifiers-kernel-plan.md is the plan for it.
+// bwd_prefix_query_range), softcap (SoftcapFromExp), sinks (fold_sink, sink_probability) and the
+// window (KvWalk's windowed walk, window_shift / window_tile / window_hidden; the planner's cut);
+// docs/notes/2026-12-01-mask-modifiers-kernel-plan.md is the plan they followed.
 // docs/adding_kernels.md lists the call sites of a new modifier.
 #ifndef DUALKV_MASK_H_
 #define DUALKV_MASK_H_
@@ -309,6 +309,33 @@ struct SegmentMask {
   // (q - k) + window_bias(qs, ks); a work item of one query segment carries it for the apply step.
   DUALKV_HOST_DEVICE static int32_t window_bias(const ForestView& f, int32_t qs, int32_t ks) {
     return (f.position_offset[qs] - f.segment_begin(qs)) - (f.position_offset[ks] - f.keys_begin(ks));
+  }
+
+  // ---- the window in the CUDA kernels (issue 16): the same rule on token indices ----
+  // A forward-style kernel's KV range of segment ks (from KvWalk: ks = walk.cur) against queries of
+  // segment qs: pos(q) - pos(k) = (q - k) + shift, shift = window_bias on the raw layout arrays (the
+  // kernels hold no ForestView; ks has tokens: a window with external prefixes is refused). The
+  // backward items carry their shift as the plan's distance bias (plan_format.h).
+  DUALKV_HOST_DEVICE static int32_t window_shift(const int32_t* offsets, const int32_t* position_offset, int32_t qs,
+                                                 int32_t ks) {
+    return (position_offset[qs] - offsets[qs]) - (position_offset[ks] - offsets[ks]);
+  }
+  // The first position the first query of a forward tile (token q0 of segment qs) sees: KvWalk's
+  // init_windowed / next_windowed argument (clamped at 0, the first position of a root: the window
+  // then cuts nothing, and the walk's int32 arithmetic stays in range for any W).
+  DUALKV_HOST_DEVICE static int32_t window_first_position(const int32_t* offsets, const int32_t* position_offset,
+                                                          int32_t qs, int32_t q0, int32_t w) {
+    const int64_t first = PositionWindow{w}.first_position(position_offset[qs] + (q0 - offsets[qs]));
+    return first > 0 ? int32_t(first) : 0;
+  }
+  // A tile's pairs need the window's apply when its farthest pair (last query, first key) is
+  // hidden. q and k are token indices, or offsets from any common origin.
+  DUALKV_HOST_DEVICE static bool window_tile(int32_t q_last, int32_t k_first, int32_t shift, int32_t w) {
+    return (q_last - k_first) + shift >= w;
+  }
+  // Element (key k, query q) is hidden by the window (same conventions).
+  DUALKV_HOST_DEVICE static bool window_hidden(int32_t k, int32_t q, int32_t shift, int32_t w) {
+    return (q - k) + shift >= w;
   }
 
   // 3. Tile kinds of a key block against query rows (BlockPair), for any tile shape.

@@ -360,6 +360,10 @@ class Layout:
         if self.device.type == "cpu":
             return self._meta[:0], 0
         window = _plan_window(window)
+        if window and self.num_prefixes:
+            raise _native.UnsupportedError(
+                f"attention: a sliding window ({window}) with external prefix segments is not supported by the CUDA "
+                "backend (the CPU backend runs it)")
         found = self._plans.get((dtype, head_dim, window))
         if found is not None:
             return found

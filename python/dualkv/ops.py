@@ -315,7 +315,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Layout,
     over every query of this call that sees them. Both backends (CUDA: the portable and the
     Hopper kernels read the prefix buffers as a second K/V region).
 
-    Mask modifiers (CPU backend: all three; CUDA backend: softcap and sinks, the window not yet):
+    Mask modifiers (both backends: all three; on CUDA not with external prefixes, and a window needs its plan):
 
     * ``window``: a sliding window of ``window`` positions: query i also stops seeing key j when
       ``position(i) - position(j) >= window``, positions along the root-to-leaf path (the

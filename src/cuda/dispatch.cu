@@ -224,21 +224,26 @@ template <typename Args>
 using Launcher = cudaError_t (*)(const Args&, int sms, cudaStream_t);
 
 // The mask modifiers a call compiles in (modifiers.cuh; instantiated by src/cuda/CMakeLists.txt):
-// the forward's softcap and sinks, the backward's softcap (its sinks' gradient is not a kernel
-// variant).
+// the forward's softcap, sinks and window, the backward's softcap and window (its sinks' gradient
+// is not a kernel variant).
 struct ModifierVariant {
   bool softcap;
   bool sinks;
+  bool window;
 };
-ModifierVariant modifier_variant(const FwdArgs& a) { return {a.softcap > 0.f, a.sinks != nullptr}; }
-ModifierVariant modifier_variant(const BwdArgs& a) { return {a.softcap > 0.f, false}; }
+ModifierVariant modifier_variant(const FwdArgs& a) { return {a.softcap > 0.f, a.sinks != nullptr, a.window > 0}; }
+ModifierVariant modifier_variant(const BwdArgs& a) { return {a.softcap > 0.f, false, a.window > 0}; }
 
 // One launcher of `FN` (an arch's run_fwd / run_bwd) per modifier variant.
-#define DKV_PICK_MODS(FN, D, T, V)                                                                  \
-  ((V).softcap ? ((V).sinks ? &FN<D, T, Modifiers<true, true>> : &FN<D, T, Modifiers<true, false>>) \
-               : ((V).sinks ? &FN<D, T, Modifiers<false, true>> : &FN<D, T, Modifiers<false, false>>))
+#define DKV_PICK_MODS_W(FN, D, T, V, W)                                                                   \
+  ((V).softcap ? ((V).sinks ? &FN<D, T, Modifiers<true, true, W>> : &FN<D, T, Modifiers<true, false, W>>) \
+               : ((V).sinks ? &FN<D, T, Modifiers<false, true, W>> : &FN<D, T, Modifiers<false, false, W>>))
+#define DKV_PICK_MODS(FN, D, T, V) \
+  ((V).window ? DKV_PICK_MODS_W(FN, D, T, V, true) : DKV_PICK_MODS_W(FN, D, T, V, false))
+#define DKV_PICK_MODS_BWD_W(FN, D, T, V, W) \
+  ((V).softcap ? &FN<D, T, Modifiers<true, false, W>> : &FN<D, T, Modifiers<false, false, W>>)
 #define DKV_PICK_MODS_BWD(FN, D, T, V) \
-  ((V).softcap ? &FN<D, T, Modifiers<true, false>> : &FN<D, T, Modifiers<false, false>>)
+  ((V).window ? DKV_PICK_MODS_BWD_W(FN, D, T, V, true) : DKV_PICK_MODS_BWD_W(FN, D, T, V, false))
 
 // `arch`'s launcher for (head dim, dtype, modifiers) in this build, or null.
 template <typename Args>
@@ -258,7 +263,9 @@ Launcher<Args> find_launcher(const char* arch, int head_dim, bool bf16, Modifier
 #undef DKV_LAUNCHER
   return nullptr;
 #undef DKV_PICK_MODS
+#undef DKV_PICK_MODS_W
 #undef DKV_PICK_MODS_BWD
+#undef DKV_PICK_MODS_BWD_W
 }
 
 // DUALKV_LOG_KERNELS=1: one line on stderr per call saying which kernel family runs and, when an

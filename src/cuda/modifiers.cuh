@@ -9,10 +9,15 @@
 //   kSinks:   the forward epilogue folds each row's sink into its max and sum (the backward main
 //             kernels need nothing: dS does not involve the sink; dsinks comes from lse and delta,
 //             bwd_prepost.cuh).
-// The sliding window is not a template flag (and not run yet: api.cpp refuses it on CUDA).
+//   kWindow:  the sliding window (args.window = W >= 1): the forward-style kernels (both forwards,
+//             the deterministic dQ kernel) walk KvWalk's windowed walk from the tile's first
+//             position and hide (q - k) + shift >= W on the tiles whose farthest pair is hidden
+//             (SegmentMask::window_tile / window_hidden, shift = window_shift of the walk's range);
+//             the KV-outer backward kernels take each item's distance bias from the windowed plan
+//             (plan_format.h) as the shift.
 //
 // Instantiated per (arch, direction, head dim, dtype) by src/cuda/CMakeLists.txt: the forward for
-// every combination, the backward for softcap on/off (sinks change no backward kernel).
+// every combination, the backward for softcap and window on/off (sinks change no backward kernel).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -23,10 +28,11 @@
 
 namespace dualkv::cuda {
 
-template <bool kSoftcapOn, bool kSinksOn>
+template <bool kSoftcapOn, bool kSinksOn, bool kWindowOn = false>
 struct Modifiers {
   static constexpr bool kSoftcap = kSoftcapOn;
   static constexpr bool kSinks = kSinksOn;
+  static constexpr bool kWindow = kWindowOn;
 
   // The factor that takes a score as the softmax sees it into log2 units (exp2 argument): the raw
   // dot products' scale log2(e), or log2(e) for capped scores (the scale is inside the cap).

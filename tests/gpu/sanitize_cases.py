@@ -39,6 +39,18 @@ def main() -> int:
                 (out.float().sum() + lse.sum()).backward()
                 torch.cuda.synchronize()
                 print(f"ok softcap+sinks D={D} lens={lens} det={det}", flush=True)
+            # the sliding window (issue 16): windowed walk, window apply, per-item distance biases
+            wlayout = dualkv.Layout.from_tree(lens, parents).to("cuda", windows=(48,))
+            for det in (False, True):
+                q = torch.randn(T, 4, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                k = torch.randn(T, 1, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                v = torch.randn(T, 1, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                sinks = torch.randn(4, device="cuda", requires_grad=True)
+                out, lse = dualkv.attention(q, k, v, wlayout, deterministic=det, return_lse=True, window=48,
+                                            sinks=sinks)
+                (out.float().sum() + lse.sum()).backward()
+                torch.cuda.synchronize()
+                print(f"ok window=48+sinks D={D} lens={lens} det={det}", flush=True)
         # External prefix segments (issue 17): a group whose 150-row prompt lives in the prefix
         # buffers (prefix 1; prefix 0, 3 rows, is unused), ragged responses, then an ordinary group.
         layout = dualkv.Layout.from_tree([0, 70, 1, 129, 5, 3], [-1, 0, 0, 0, -1, 4], [1, -1, -1, -1, -1, -1],

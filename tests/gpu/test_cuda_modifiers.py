@@ -1,11 +1,11 @@
-"""The CUDA kernels' mask modifiers (issue 16): logit softcap and attention sinks, alone and
-together, on both kernel families (the Hopper one where the device has it, and the portable one
+"""The CUDA kernels' mask modifiers (issue 16): sliding window, logit softcap and attention sinks,
+alone and together, on both kernel families (the Hopper one where the device has it, and the portable one
 forced with DUALKV_DISABLE_SM90 / DUALKV_DISABLE_SM90_BWD), against the float64 dense reference by
 test_cuda_attention.py's tolerance rule: for every output X (out, lse, dq, dk, dv, dsinks),
 max|X_kernel - X_ref64| <= 2 * max|X_torch_lowprec - X_ref64| + 1e-5, X_torch_lowprec being the
 same dense math by PyTorch in the input dtype (dualkv.reference.attention_ref, sinks in float32 as
 the kernels take them). Also: deterministic mode bit-identical run to run (dsinks included), split
-backward items, and the sliding window's typed refusal (not in the kernels yet).
+backward items, windowed plans per window, and the window's typed refusal with external prefixes.
 """
 from __future__ import annotations
 
@@ -63,10 +63,10 @@ def grads(fn, inputs, dout, dlse):
     return [out.detach(), lse.detach()] + [t.grad.detach().clone() for t in inputs]
 
 
-def modifier_inputs(H, softcap, with_sinks, seed):
+def modifier_inputs(H, softcap, with_sinks, seed, window=None):
     g = torch.Generator(device="cuda").manual_seed(10_000 + seed)
     sinks = (torch.randn(H, device="cuda", generator=g) + 1.0) if with_sinks else None
-    return dict(softcap=softcap, sinks=sinks)
+    return dict(softcap=softcap, sinks=sinks, window=window)
 
 
 def run_kernel(q, k, v, dout, dlse, layout, mods, deterministic=False):
@@ -77,7 +77,8 @@ def run_kernel(q, k, v, dout, dlse, layout, mods, deterministic=False):
         sinks = mods["sinks"].clone().requires_grad_(True)
         inputs.append(sinks)
     return grads(lambda: dualkv.attention(qq, kk, vv, layout, deterministic=deterministic, return_lse=True,
-                                          softcap=mods["softcap"], sinks=sinks), inputs, dout, dlse)
+                                          softcap=mods["softcap"], sinks=sinks, window=mods.get("window")),
+                 inputs, dout, dlse)
 
 
 def run_ref(q, k, v, dout, dlse, layout_cpu, mods, dtype):
@@ -89,7 +90,8 @@ def run_ref(q, k, v, dout, dlse, layout_cpu, mods, dtype):
         sinks = mods["sinks"].detach().to(torch.float64 if dtype == torch.float64 else torch.float32)
         sinks.requires_grad_(True)
         inputs.append(sinks)
-    got = grads(lambda: attention_ref(qq, kk, vv, layout_cpu, softcap=mods["softcap"], sinks=sinks), inputs,
+    got = grads(lambda: attention_ref(qq, kk, vv, layout_cpu, softcap=mods["softcap"], sinks=sinks,
+                                      window=mods.get("window")), inputs,
                 dout.to(dtype), None if dlse is None else dlse.to(torch.float64 if dtype == torch.float64 else
                                                                        torch.float32))
     return [t.double() for t in got]
@@ -104,19 +106,20 @@ def check(got, ref64, refpt, extra):
         assert err <= bound, f"{name}: max err {err:.3e} > bound {bound:.3e} {extra}"
 
 
-def run_case(lens, parents, H, Hk, D, dtype, seed, softcap, with_sinks, deterministic=False, with_dlse=False):
+def run_case(lens, parents, H, Hk, D, dtype, seed, softcap, with_sinks, deterministic=False, with_dlse=False,
+             window=None):
     layout_cpu = dualkv.Layout.from_tree(lens, parents)
-    layout = layout_cpu.to("cuda")
+    layout = layout_cpu.to("cuda", windows=(window,))
     q, k, v, dout = make_inputs(layout_cpu, H, Hk, D, dtype, seed)
     if softcap is not None:
         q = (q.float() * 3.0).to(dtype)  # scores past the cap
     dlse = torch.randn(H, layout_cpu.num_tokens, device="cuda") if with_dlse else None
-    mods = modifier_inputs(H, softcap, with_sinks, seed)
+    mods = modifier_inputs(H, softcap, with_sinks, seed, window)
     got = run_kernel(q, k, v, dout, dlse, layout, mods, deterministic)
     ref64 = run_ref(q, k, v, dout, dlse, layout_cpu, mods, torch.float64)
     refpt = run_ref(q, k, v, dout, dlse, layout_cpu, mods, dtype)
     extra = (f"(lens={lens}, parents={parents}, H={H}, Hk={Hk}, D={D}, {dtype}, softcap={softcap}, "
-             f"sinks={with_sinks}, det={deterministic})")
+             f"sinks={with_sinks}, window={window}, det={deterministic})")
     check(got, ref64, refpt, extra)
 
 
@@ -207,16 +210,109 @@ def test_sinks_of_minus_infinity_change_nothing(path, monkeypatch):
         assert torch.equal(got[5], torch.zeros_like(got[5])), f"dsinks {got[5]}; {report}"
 
 
-def test_window_is_refused_with_a_typed_error():
-    """The sliding window is not in the CUDA kernels yet: refused before any work, alone and with
-    the modifiers that are."""
+# ---- the sliding window (issue 16) ----
+
+WINDOWS = [1, 7, 64, 128, 1000]
+# (softcap, with sinks) next to the window: alone, with sinks (gpt-oss), with a softcap (Gemma-2)
+WINDOW_MODS = [(None, False), (None, True), (30.0, False), (5.0, True)]
+N_WINDOWED = 40
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("case", range(N_WINDOWED))
+def test_windowed_random_forests(case, path, monkeypatch):
+    """Random forests under each window W (the windowed plan, the windowed walk of the forward and
+    the deterministic dQ kernel, the per-item distance bias of the backward), with sinks and softcap
+    too, bf16 and fp16, every built head dim, both dQ modes, against the fp64 reference."""
+    use_path(path, monkeypatch)
+    dims = built_head_dims()
+    rng = random.Random(9000 + case)
+    D = dims[case % len(dims)]
+    dtype = DTYPES[(case // len(dims)) % 2]
+    H, Hk = GQA[case % len(GQA)]
+    window = WINDOWS[case % len(WINDOWS)]
+    softcap, with_sinks = WINDOW_MODS[(case // len(WINDOWS)) % len(WINDOW_MODS)]
+    lens, parents = cases.random_forest(rng, seg_len, 1400 if D <= 128 else 900)
+    run_case(lens, parents, H, Hk, D, dtype, seed=case, softcap=softcap, with_sinks=with_sinks,
+             deterministic=(case % 4 == 1), with_dlse=(case % 3 == 0), window=window)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("D", built_head_dims())
+def test_windowed_grpo_group(D, dtype, path, monkeypatch):
+    """A GRPO group whose prompt is longer than the window (responses see only its tail) and one
+    shorter, every window, with sinks and with a softcap."""
+    use_path(path, monkeypatch)
+    lens = [301, 1, 17, 130, 129, 64, 300, 5, 1, 200]
+    parents = [-1, 0, 0, 0, 0, 0, -1, 6, 6, 6]
+    for i, window in enumerate(WINDOWS):
+        softcap, with_sinks = WINDOW_MODS[i % len(WINDOW_MODS)]
+        run_case(lens, parents, 8, 2, D, dtype, seed=70 + i, softcap=softcap, with_sinks=with_sinks,
+                 with_dlse=True, window=window, deterministic=bool(i % 2))
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_windowed_split_query_ranges(deterministic, path, monkeypatch):
+    """Forced 64-row splits of the windowed backward items (several ranges per KV tile, each split,
+    reduced in a fixed order)."""
+    use_path(path, monkeypatch)
+    monkeypatch.setenv("DUALKV_CUDA_SPLIT_ROWS", "64")
+    lens = [700, 300, 257, 1, 400]
+    parents = [-1, 0, 0, 0, 3]
+    for D in built_head_dims():
+        for window in (7, 128, 1000):
+            run_case(lens, parents, 4, 1, D, torch.bfloat16, seed=13, softcap=None, with_sinks=True,
+                     deterministic=deterministic, window=window)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("D", built_head_dims())
+def test_windowed_deterministic_bitwise(D, path, monkeypatch):
+    use_path(path, monkeypatch)
+    lens = [900, 300, 200, 257, 1, 640, 128]
+    parents = [-1, 0, 0, 0, 0, -1, 5]
+    layout_cpu = dualkv.Layout.from_tree(lens, parents)
+    layout = layout_cpu.to("cuda", windows=(128,))
+    q, k, v, dout = make_inputs(layout_cpu, 8, 2, D, torch.bfloat16, seed=6)
+    dlse = torch.randn(8, layout_cpu.num_tokens, device="cuda")
+    mods = modifier_inputs(8, None, True, seed=6, window=128)
+    first = run_kernel(q, k, v, dout, dlse, layout, mods, deterministic=True)
+    for _ in range(3):
+        again = run_kernel(q, k, v, dout, dlse, layout, mods, deterministic=True)
+        for name, a, b in zip(["out", "lse", "dq", "dk", "dv", "dsinks"], first, again):
+            assert torch.equal(a, b), f"{name}: deterministic mode is not bit-identical run to run"
+
+
+def test_window_as_wide_as_the_forest_changes_nothing():
+    """A window no pair reaches (W > every distance) gives what no window gives: the windowed plan
+    has the same items (one un-windowed range per KV tile) and the window kernels apply nothing
+    (same arithmetic; compared by the output dtype's rounding, not bits, as another instantiation
+    may contract differently)."""
     D = built_head_dims()[0]
-    layout_cpu = dualkv.Layout.from_tree([64, 32], [-1, 0])
-    layout = layout_cpu.to("cuda")
+    lens, parents = [300, 200, 1, 90], [-1, 0, 0, 2]
+    layout_cpu = dualkv.Layout.from_tree(lens, parents)
+    layout = layout_cpu.to("cuda", windows=(None, 100_000))
+    q, k, v, dout = make_inputs(layout_cpu, 4, 2, D, torch.bfloat16, seed=3)
+    wide = run_kernel(q, k, v, dout, None, layout, dict(softcap=None, sinks=None, window=100_000), True)
+    none = run_kernel(q, k, v, dout, None, layout, dict(softcap=None, sinks=None, window=None), True)
+    diffs = {n: (a.double() - b.double()).abs().max().item() for n, a, b in zip(["out", "lse", "dq", "dk", "dv"],
+                                                                             wide, none)}
+    for name, a, b in zip(["out", "lse", "dq", "dk", "dv"], wide, none):
+        torch.testing.assert_close(a, b, rtol=2**-7, atol=1e-5, msg=f"{name}: max |diff| per tensor {diffs}")
+
+
+def test_window_with_external_prefixes_is_refused_with_a_typed_error():
+    """The window with external prefix segments is not in the CUDA kernels: refused before any
+    work, naming both."""
+    D = built_head_dims()[0]
+    layout_cpu = dualkv.Layout.from_tree([0, 64, 32], [-1, 0, 0], [0, -1, -1], [40])
+    layout = layout_cpu.to("cuda", windows=(None, 16))
     q, k, v, _ = make_inputs(layout_cpu, 4, 2, D, torch.bfloat16, seed=1)
-    for kw in (dict(window=16), dict(window=16, softcap=5.0), dict(window=16, sinks=torch.zeros(4, device="cuda"))):
-        with pytest.raises(dualkv.UnsupportedError, match="window"):
-            dualkv.attention(q, k, v, layout, **kw)
+    pk, pv = (torch.randn(40, 2, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    with pytest.raises(dualkv.UnsupportedError, match="window.*external prefix"):
+        dualkv.attention(q, k, v, layout, prefix_k=pk, prefix_v=pv, window=16)
 
 
 def test_windowed_plans_per_window_and_rejected_for_another():
@@ -256,7 +352,49 @@ def test_the_modifier_kernels_run(path, monkeypatch):
     hopper = torch.cuda.get_device_capability() == (9, 0) and path == "default" and D in cases.arch_head_dims(
         "sm90", "fwd")
     fwd = "fwd_sm90_kernel" if hopper else "fwd_kernel"
-    assert any(fwd in n and "Modifiers<true, true>" in n for n in names), sorted(names)
-    assert any("Modifiers<true, false>" in n and ("bwd_sm90_kernel" in n if hopper else "bwd_kv_kernel" in n)
+    assert any(fwd in n and "Modifiers<true, true, false>" in n for n in names), sorted(names)
+    assert any("Modifiers<true, false, false>" in n and ("bwd_sm90_kernel" in n if hopper else "bwd_kv_kernel" in n)
                for n in names), sorted(names)
     assert any("bwd_dsinks_kernel" in n for n in names), sorted(names)
+    # the window's instantiations (Modifiers<..., true>), forward and backward
+    layout = layout_cpu.to("cuda", windows=(64,))
+    mods = modifier_inputs(4, None, True, seed=9, window=64)
+    names = cases.cuda_kernels_run(lambda: run_kernel(q, k, v, dout, None, layout, mods))
+    assert any(fwd in n and "Modifiers<false, true, true>" in n for n in names), sorted(names)
+    assert any("Modifiers<false, false, true>" in n and ("bwd_sm90_kernel" in n if hopper else "bwd_kv_kernel" in n)
+               for n in names), sorted(names)
+
+
+def test_transformers_model_with_sliding_layers_runs_on_cuda():
+    """The transformers integration on CUDA with a Gemma-2-shaped model (sliding and global layers,
+    logit softcap): the guard builds the window's plan into the packed layout (Layout.to(...,
+    windows=(None, W))), and the logits match attn_implementation="dualkv_reference" (dense masks)
+    in bf16 up to rounding (relative Frobenius error)."""
+    transformers = pytest.importorskip("transformers")
+    import copy
+
+    from dualkv.integrations import transformers as dkt
+    from dualkv.packing import pack
+    if 64 not in built_head_dims():
+        pytest.skip("needs head dim 64 in the build")
+    cfg = transformers.Gemma2Config(vocab_size=96, hidden_size=128, intermediate_size=192, num_hidden_layers=2,
+                                    num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+                                    max_position_embeddings=512, sliding_window=16, attn_logit_softcapping=30.0,
+                                    final_logit_softcapping=None, query_pre_attn_scalar=64,
+                                    layer_types=["sliding_attention", "full_attention"], attention_dropout=0.0,
+                                    use_cache=False, initializer_range=0.3)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
+    model = model.to("cuda", torch.bfloat16)
+    ref = dkt.enable(copy.deepcopy(model), reference=True)
+    dk = dkt.enable(model)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 96, (p,), generator=g) for p in (40, 70)]
+    responses = [[torch.randint(0, 96, (r,), generator=g) for r in rs] for rs in ([30, 5, 50], [20, 1])]
+    packed = pack(prompts, responses).to("cuda")
+    assert set(packed.layout._plan_windows) == {0}  # the batch comes without the window's plan
+    with torch.no_grad():
+        a = dk(**dkt.model_inputs(packed)).logits.float()
+        b = ref(**dkt.model_inputs(packed)).logits.float()
+    err = ((a - b).norm() / b.norm()).item()
+    assert err < 2e-2, f"relative error {err:.3e}"

@@ -232,17 +232,19 @@ def test_bad_modifiers_raise_typed_errors():
 
 
 def test_cuda_refuses_modifiers_before_any_work():
-    """The CUDA backend implements softcap and sinks (issue 16), not the window yet: the Python
-    layer says so, naming it and the backend, from the build info (no CUDA call), and the C ABI
-    refuses it too. A build without CUDA has no CUDA modifiers at all."""
+    """The CUDA backend implements the window, softcap and sinks (issue 16); a build without CUDA
+    has no CUDA modifiers at all, and the Python layer says so from the build info (no CUDA call),
+    naming them and the backend. The C ABI refuses a CUDA call it cannot run (here float32, or no
+    CUDA in the build) before any work."""
     assert _native.backend_modifiers("cpu") == {"window", "softcap", "sinks"}
     cuda = _native.backend_modifiers("cuda")
-    assert cuda in (frozenset(), {"softcap", "sinks"}), cuda
-    missing = "window 128" if cuda else "window 128, sinks"
-    with pytest.raises(dualkv.UnsupportedError, match=f"CUDA backend does not implement the mask modifier.*{missing}"):
-        check_modifiers_supported("cuda", {"window": 128, "sinks": None})
+    assert cuda in (frozenset(), {"window", "softcap", "sinks"}), cuda
     if cuda:
-        check_modifiers_supported("cuda", {"softcap": 30.0, "sinks": None})
+        check_modifiers_supported("cuda", {"window": 128, "softcap": 30.0, "sinks": None})
+    else:
+        with pytest.raises(dualkv.UnsupportedError,
+                           match="CUDA backend does not implement the mask modifier.*window 128, sinks"):
+            check_modifiers_supported("cuda", {"window": 128, "sinks": None})
     check_modifiers_supported("cpu", {"window": 128, "softcap": 30.0, "sinks": None})
     import ctypes
     layout = dualkv.Layout.from_groups([4], [[2]])
@@ -255,24 +257,23 @@ def test_cuda_refuses_modifiers_before_any_work():
     p.out, p.out_token_stride, p.out_head_stride = out.data_ptr(), out.stride(0), out.stride(1)
     p.lse, p.lse_head_stride = lse.data_ptr(), lse.stride(0)
     p.device = _native.DEVICE_CUDA
-    with pytest.raises(dualkv.UnsupportedError, match="not implemented by the CUDA backend yet: sliding window 128"):
+    with pytest.raises(dualkv.UnsupportedError, match="CUDA"):
         _native.check(_native.lib().dualkv_fwd(ctypes.byref(p)), "attention")
 
 
 @pytest.mark.gpu
 def test_cuda_refuses_modifiers_and_head_dim_512_on_the_device():
-    """On a GPU: a CUDA call with the window (alone or next to the modifiers the kernels run)
-    raises UnsupportedError before any kernel runs, softcap and sinks run (issue 16; their accuracy:
-    tests/gpu/test_cuda_modifiers.py), and head dim 512 (not in the CUDA kernel table) is refused
-    like any unbuilt head dim."""
-    layout = dualkv.Layout.from_groups([64], [[32, 16]]).to("cuda")
+    """On a GPU: the window, softcap and sinks run (issue 16; their accuracy:
+    tests/gpu/test_cuda_modifiers.py), a window needs its plan (Layout.to(..., windows=)), and head
+    dim 512 (not in the CUDA kernel table) is refused like any unbuilt head dim."""
+    layout = dualkv.Layout.from_groups([64], [[32, 16]]).to("cuda", windows=(None, 16))
     q, k, v = [t.cuda() for t in qkv(layout.num_tokens, 4, 2, 64, dtype=torch.bfloat16, requires_grad=False)]
-    for kw in (dict(window=16), dict(window=16, softcap=30.0), dict(window=16, sinks=torch.zeros(4, device="cuda"))):
-        with pytest.raises(dualkv.UnsupportedError, match="CUDA backend"):
-            dualkv.attention(q, k, v, layout, **kw)
-    for kw in (dict(softcap=30.0), dict(sinks=torch.zeros(4, device="cuda"))):
+    for kw in (dict(window=16), dict(window=16, softcap=30.0), dict(window=16, sinks=torch.zeros(4, device="cuda")),
+               dict(softcap=30.0), dict(sinks=torch.zeros(4, device="cuda"))):
         out = dualkv.attention(q, k, v, layout, **kw)
         assert torch.isfinite(out).all()
+    with pytest.raises(dualkv.UnsupportedError, match="windows="):
+        dualkv.attention(q, k, v, layout, window=32)
     q5, k5, v5 = [t.cuda() for t in qkv(layout.num_tokens, 4, 2, 512, dtype=torch.bfloat16, requires_grad=False)]
     with pytest.raises(dualkv.UnsupportedError, match="head_dim 512"):
         dualkv.attention(q5, k5, v5, layout)

@@ -358,7 +358,7 @@ def check_config(config) -> None:
 
 def check_backend(model) -> None:
     """Raise :class:`dualkv.UnsupportedError` if the backend of the device the model's parameters are on
-    does not implement a mask modifier its configuration uses (today: the CUDA backend has none), so
+    does not implement a mask modifier its configuration uses (e.g. a build without CUDA modifiers), so
     that a user sees it before the model's forward does any work."""
     used = config_modifiers(model.config)
     param = next(model.parameters(), None)
@@ -463,6 +463,19 @@ def _forward_params(module) -> tuple:
         return ()
 
 
+def _layout_with_model_windows(model, layout):
+    """The layout with CUDA work plans for every sliding window the model's layers use (a plan is cut
+    to its window: :meth:`dualkv.Layout.to` ``windows=``): the layout itself when it has them, or is
+    not a CUDA :class:`dualkv.Layout` (CPU layouts need no plan; sequence shards refuse windows)."""
+    if not isinstance(layout, Layout) or layout.device.type != "cuda":
+        return layout
+    window = config_modifiers(model.config).get("window")
+    if window is None:
+        return layout
+    # global layers of a hybrid model (layer_types) run without a window: both plans
+    return layout.to(layout.device, windows=(None, window))
+
+
 def _make_pre_hook(check_positions: bool):
     def _pre_hook(module, args, kwargs):
         seen = kwargs
@@ -477,6 +490,10 @@ def _make_pre_hook(check_positions: bool):
                 changed = True
             if kwargs.get("use_cache") is None and "use_cache" in _forward_params(module):
                 kwargs["use_cache"] = False  # no KV cache for a packed training batch
+                changed = True
+            with_windows = _layout_with_model_windows(module, layout)
+            if with_windows is not layout:
+                kwargs[LAYOUT_KWARG] = with_windows
                 changed = True
             if changed:
                 return args, kwargs

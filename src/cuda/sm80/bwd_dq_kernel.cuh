@@ -91,8 +91,16 @@ bwd_dq_kernel(const BwdArgs args) {
     const T* vh = static_cast<const T*>(args.v) + hk * args.v_hs;
 
     KvWalk<BN> it;
-    if constexpr (kPrefix) it.init(L.offsets, L.parent, L.seg_prefix, L.prefix_offsets, seg, q1);
-    else it.init(L.offsets, L.parent, seg, q1);
+    // The sliding window (mask modifiers, issue 16): the walk from the tile's first position on.
+    int32_t first_pos = 0;
+    if constexpr (kPrefix) {
+      it.init(L.offsets, L.parent, L.seg_prefix, L.prefix_offsets, seg, q1);
+    } else if constexpr (Mods::kWindow) {
+      first_pos = SegmentMask::window_first_position(L.offsets, L.position_offset, seg, q0, args.window);
+      it.init_windowed(L.offsets, L.parent, L.position_offset, seg, q1, first_pos);
+    } else {
+      it.init(L.offsets, L.parent, seg, q1);
+    }
     load_tile_async<D, BM, P, NT>(sm.q, static_cast<const T*>(args.q) + q0 * args.q_ts + h * args.q_hs,
                                   args.q_ts, q1 - q0, tid);
     load_tile_async<D, BM, P, NT>(sm.dout, static_cast<const T*>(args.dout) + q0 * args.do_ts + h * args.do_hs,
@@ -160,6 +168,13 @@ bwd_dq_kernel(const BwdArgs args) {
         }
       }
       const bool need_mask = SegmentMask::fwd_ragged(klen, BN) || SegmentMask::fwd_diagonal(kpos, own, q0 + warp_row0, BN);
+      // The sliding window (issue 16): pos(q) - pos(k) = (q - k) + shift for the walk's range.
+      int32_t shift = 0;
+      bool need_window = false;
+      if constexpr (Mods::kWindow) {
+        shift = SegmentMask::window_shift(L.offsets, L.position_offset, seg, it.cur);
+        need_window = SegmentMask::window_tile(q0 + warp_row0 + 16 * MI - 1, kpos, shift, args.window);
+      }
 #pragma unroll
       for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
@@ -179,6 +194,13 @@ bwd_dq_kernel(const BwdArgs args) {
               const int32_t qi = q0 + warp_row0 + mi * 16 + g + r * 8;
               if (SegmentMask::fwd_hidden(kpos, klen, own, col, qi)) p = 0.f;
             }
+            if constexpr (Mods::kWindow) {
+              if (need_window) {
+                const int col = j * 8 + 2 * t4 + (e & 1);
+                const int32_t qi = q0 + warp_row0 + mi * 16 + g + r * 8;
+                if (SegmentMask::window_hidden(kpos + col, qi, shift, args.window)) p = 0.f;
+              }
+            }
             if constexpr (Mods::kSoftcap) p *= grad;
             s[mi][j][e] = p * (dp[mi][j][e] - dl[mi][r]);  // dS
           }
@@ -186,6 +208,7 @@ bwd_dq_kernel(const BwdArgs args) {
       mma_frags_times_smem<T, MI, BN, D>(acc, s, sm.k, P, lane);
       __syncthreads();  // everyone is done with K and V
       if constexpr (kPrefix) more = it.next(L.offsets, L.parent, L.seg_prefix, L.prefix_offsets);
+      else if constexpr (Mods::kWindow) more = it.next_windowed(L.offsets, L.parent, L.position_offset, first_pos);
       else more = it.next(L.offsets, L.parent);
       if (more) {
         if constexpr (kPrefix) {

@@ -10,6 +10,8 @@
 #include <cuda_runtime.h>
 #include <math_constants.h>
 
+#include <type_traits>
+
 #include "dualkv/mask.h"
 #include "kernel_params.h"
 #include "modifiers.cuh"
@@ -149,6 +151,11 @@ struct BwdItem {
   int32_t h_begin, group;
   int32_t prefix;  // external prefix (issue 17): a prefix item (prefix instantiations only)
 };
+// The sliding window (mask modifiers, issue 16): the item's distance bias from the windowed plan
+// (plan_format.h; kWindow kernels only, so the default kernel's shared layout stays as it was).
+struct BwdItemWindowed : BwdItem {
+  int32_t bias;
+};
 
 __device__ __forceinline__ void ldsm_x4(uint32_t* r, uint32_t addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
@@ -218,7 +225,7 @@ bwd_kv_kernel(const BwdArgs args) {
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   BwdSmem<D, T, kQStages>& sm = *reinterpret_cast<BwdSmem<D, T, kQStages>*>(smem_raw);
-  __shared__ BwdItem si;
+  __shared__ std::conditional_t<Mods::kWindow, BwdItemWindowed, BwdItem> si;
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t4 = lane & 3;
@@ -270,6 +277,7 @@ bwd_kv_kernel(const BwdArgs args) {
         si.h_end = (hk + 1) * load_shared_volatile(si.group);
         si.h_begin = hk * load_shared_volatile(si.group);
         if constexpr (kPrefix) si.prefix = is_prefix_item(L, wi[0]);
+        if constexpr (Mods::kWindow) si.bias = plan[plan[kHdrBwdBiasOffset] + static_cast<int32_t>(item / Hk)];
       }
     }
     __syncthreads();
@@ -396,6 +404,13 @@ bwd_kv_kernel(const BwdArgs args) {
         // prefix row, not a token).
         const bool need_mask = (!kPrefix || !load_shared_volatile(si.prefix)) && SegmentMask::bwd_diagonal(k0 + BN - 1, qt);
         const int mask_ofs = k0 + row0 + g - qt - wc * 32 - 2 * t4;  // k - q of the thread's first element
+        // The sliding window (mask modifiers, issue 16): pos(q) - pos(k) = (q - k) + the item's bias.
+        int32_t bias = 0;
+        bool need_window = false;
+        if constexpr (Mods::kWindow) {
+          bias = load_shared_volatile(si.bias);
+          need_window = SegmentMask::window_tile(qt + BM - 1, k0, bias, args.window);
+        }
         float2 l;  // lse of column block j, loaded at its first (mi = 0) block
         float dpt[MI][4][4];
 #pragma unroll
@@ -448,6 +463,12 @@ bwd_kv_kernel(const BwdArgs args) {
               if (need_mask) {
                 if (SegmentMask::bwd_hidden(mask_ofs + mi * 16 + hr * 8, j * 8)) p0 = 0.f;
                 if (SegmentMask::bwd_hidden(mask_ofs + mi * 16 + hr * 8, j * 8 + 1)) p1 = 0.f;
+              }
+              if constexpr (Mods::kWindow) {
+                if (need_window) {
+                  if (SegmentMask::window_hidden(mask_ofs + mi * 16 + hr * 8, j * 8, bias, args.window)) p0 = 0.f;
+                  if (SegmentMask::window_hidden(mask_ofs + mi * 16 + hr * 8, j * 8 + 1, bias, args.window)) p1 = 0.f;
+                }
               }
               if constexpr (Mods::kSoftcap) {
                 *reinterpret_cast<uint32_t*>(&sm.pt[row * PS + col]) = Ops::pack(p0, p1);

@@ -16,7 +16,7 @@ namespace dualkv::cuda::sm80 {
 constexpr size_t kSm8xSmemBytes[] = {99 * 1024, 163 * 1024};
 
 template <int D, typename T, int kQStages>
-constexpr size_t bwd_kv_smem() { return sizeof(BwdSmem<D, T, kQStages>) + sizeof(BwdItem); }
+constexpr size_t bwd_kv_smem() { return sizeof(BwdSmem<D, T, kQStages>) + sizeof(BwdItemWindowed); }  // the larger item
 
 // Whether the one-Q-buffer kernel fits a device class the two-buffer one does not (D = 64 on
 // sm_86/89, D = 256 on A100): only then is it instantiated.

@@ -7,6 +7,8 @@
 #include <cuda_runtime.h>
 #include <math_constants.h>
 
+#include <type_traits>
+
 #include "dualkv/mask.h"
 #include "kernel_params.h"
 #include "modifiers.cuh"
@@ -51,6 +53,12 @@ struct FwdItem {
   // default kernel's offsets of the fields above stay as they were)
   const T* pkh;
   const T* pvh;
+};
+// The sliding window (mask modifiers, issue 16): the item's first position, the windowed walk's
+// argument (kWindow kernels only, so the default kernel's shared layout stays as it was).
+template <int BN, int NT, int MI, typename T>
+struct FwdItemWindowed : FwdItem<BN, NT, MI, T> {
+  int32_t first_pos;
 };
 
 // Tile load (the Q tile, and on sm_80 every tile). sm_90a: a compile-time number of 16-byte
@@ -143,7 +151,7 @@ fwd_kernel(const FwdArgs args) {
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   FwdSmem<D, T>& sm = *reinterpret_cast<FwdSmem<D, T>*>(smem_raw);
-  __shared__ FwdItem<BN, NT, MI, T> st;
+  __shared__ std::conditional_t<Mods::kWindow, FwdItemWindowed<BN, NT, MI, T>, FwdItem<BN, NT, MI, T>> st;
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t4 = lane & 3;
@@ -179,6 +187,9 @@ fwd_kernel(const FwdArgs args) {
           st.pkh = static_cast<const T*>(args.prefix_k) + hk * args.pk_hs;
           st.pvh = static_cast<const T*>(args.prefix_v) + hk * args.pv_hs;
           st.walk[0].init(L.offsets, L.parent, L.seg_prefix, L.prefix_offsets, seg, st.q1);
+        } else if constexpr (Mods::kWindow) {  // mask modifiers (issue 16): from the window's first key on
+          st.first_pos = SegmentMask::window_first_position(L.offsets, L.position_offset, seg, st.q0, args.window);
+          st.walk[0].init_windowed(L.offsets, L.parent, L.position_offset, seg, st.q1, st.first_pos);
         } else {
           st.walk[0].init(L.offsets, L.parent, seg, st.q1);
         }
@@ -252,7 +263,17 @@ fwd_kernel(const FwdArgs args) {
         const bool own = load_shared_volatile(st.walk[slot].own);
         const int32_t q0 = load_shared_volatile(st.q0);
         const bool need_mask = SegmentMask::fwd_ragged(klen, BN) || SegmentMask::fwd_diagonal(kpos, own, q0 + warp_row0, BN);
-        if (need_mask) {
+        // The sliding window (mask modifiers, issue 16), on the tiles whose farthest pair of the
+        // warp's rows it hides: pos(q) - pos(k) = (q - k) + shift for the walk's range. One apply
+        // loop with the forest rule's (a second loop spilled 28 bytes at D = 128).
+        int32_t shift = 0;
+        bool need_window = false;
+        if constexpr (Mods::kWindow) {
+          shift = SegmentMask::window_shift(L.offsets, L.position_offset, load_shared_volatile(st.walk[slot].seg),
+                                            load_shared_volatile(st.walk[slot].cur));
+          need_window = SegmentMask::window_tile(q0 + warp_row0 + 16 * MI - 1, kpos, shift, args.window);
+        }
+        if (need_mask || need_window) {
 #pragma unroll
           for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
@@ -261,7 +282,10 @@ fwd_kernel(const FwdArgs args) {
               for (int e = 0; e < 4; ++e) {
                 const int col = j * 8 + 2 * t4 + (e & 1);
                 const int32_t qi = q0 + warp_row0 + mi * 16 + g + (e >> 1) * 8;
-                if (SegmentMask::fwd_hidden(kpos, klen, own, col, qi)) s[mi][j][e] = -CUDART_INF_F;
+                bool hidden = SegmentMask::fwd_hidden(kpos, klen, own, col, qi);
+                if constexpr (Mods::kWindow)
+                  hidden = hidden || SegmentMask::window_hidden(kpos + col, qi, shift, args.window);
+                if (hidden) s[mi][j][e] = -CUDART_INF_F;
               }
         }
       }
@@ -278,7 +302,10 @@ fwd_kernel(const FwdArgs args) {
             cp_async_commit();
           }
         } else {
-          more = w.next(L.offsets, L.parent);
+          if constexpr (Mods::kWindow)
+            more = w.next_windowed(L.offsets, L.parent, L.position_offset, load_shared_volatile(st.first_pos));
+          else
+            more = w.next(L.offsets, L.parent);
           if (more) {
             load_kv_tile<D, BN, P, NT>(sm.k, st.kh, w.pos, args.k_ts, w.len(), tid);
             cp_async_commit();

@@ -168,9 +168,12 @@ constexpr uint32_t kBwdDsBarrier = 1;      // named barrier id (0 is __syncthrea
 // kv_row0 + 8 (e >> 1), column 8j + 2 t4 + (e & 1). A constant mask (the softmax-overlap step calls
 // it once per branch of a uniform test) compiles to a loop without mask arithmetic. kCausal = false
 // (a prefix item's rows, external prefix issue 17): only the rows past klen are masked.
-template <int N, bool kCausal = true>
+// kWindow (mask modifiers, issue 16): the masked form also hides the pairs of the sliding window
+// `window` (SegmentMask::window_hidden with the item's distance bias `bias`).
+template <int N, bool kCausal = true, bool kWindow = false>
 __device__ __forceinline__ void bwd_softmax_p(float (&sacc)[N], const float* lse_s, float sl2, int t4,
-                                              int kv_row0, int klen, int32_t k0, int32_t qt, bool mask) {
+                                              int kv_row0, int klen, int32_t k0, int32_t qt, bool mask,
+                                              int32_t bias = 0, int32_t window = 0) {
 #pragma unroll
   for (int j = 0; j < N / 4; ++j) {
     const int c = j * 8 + 2 * t4;
@@ -182,6 +185,9 @@ __device__ __forceinline__ void bwd_softmax_p(float (&sacc)[N], const float* lse
       if (mask) {
         const int r = kv_row0 + (e >> 1) * 8;
         if (r >= klen || (kCausal && k0 + r > qt + c + (e & 1))) pv = 0.f;
+        if constexpr (kWindow) {
+          if (SegmentMask::window_hidden(k0 + r, qt + c + (e & 1), bias, window)) pv = 0.f;
+        }
       }
       sacc[4 * j + e] = pv;
     }
@@ -193,11 +199,11 @@ __device__ __forceinline__ void bwd_softmax_p(float (&sacc)[N], const float* lse
 // packed into A fragments (m = kv, k = q: frag[2j + h] holds elements 4j + 2h, 4j + 2h + 1). One
 // pass after the dP^T wait, not P^T under it as without a softcap: the cap's derivative would
 // need registers next to the running dP^T product (32-40 bytes spilled at D = 128).
-template <typename T, int N>
+template <typename T, int N, bool kWindow = false>
 __device__ __forceinline__ void bwd_softcap_p_ds(const float (&sacc)[N], const float (&dpacc)[N],
                                                  uint32_t (&pf)[N / 2], uint32_t (&dsf)[N / 2], const float* lse_s,
                                                  const float* delta_s, const BwdArgs& a, int t4, int kv_row0,
-                                                 int klen, int32_t k0, int32_t qt, bool mask) {
+                                                 int klen, int32_t k0, int32_t qt, bool mask, int32_t bias = 0) {
 #pragma unroll
   for (int j = 0; j < N / 4; ++j) {
     const int c = j * 8 + 2 * t4;
@@ -211,6 +217,9 @@ __device__ __forceinline__ void bwd_softcap_p_ds(const float (&sacc)[N], const f
       if (mask) {
         const int r = kv_row0 + (e >> 1) * 8;
         if (r >= klen || k0 + r > qt + c + (e & 1)) pv[e] = 0.f;
+        if constexpr (kWindow) {  // the sliding window (issue 16)
+          if (SegmentMask::window_hidden(k0 + r, qt + c + (e & 1), bias, a.window)) pv[e] = 0.f;
+        }
       }
       ds[e] = pv[e] * cap.grad() * (dpacc[4 * j + e] - ((e & 1) ? d2.y : d2.x));
     }
@@ -436,6 +445,9 @@ bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
     const int32_t k0 = wi[1], k1 = wi[2], qa = wi[3], qb = wi[4], pslot = wi[5];
     const int klen = k1 - k0;
     const bool prefix_item = kPrefix && is_prefix_item(L, wi[0]);  // k0, k1: prefix rows
+    // The sliding window (mask modifiers, issue 16): the item's distance bias (plan_format.h).
+    int32_t bias = 0;
+    if constexpr (Mods::kWindow) bias = plan[plan[kHdrBwdBiasOffset] + w];
     const int32_t tiles = (qb - qa + BM - 1) / BM;
     const int32_t n_steps = tiles * group;
     // This warpgroup's rows need masking on a tile whose first query precedes its last KV row, or
@@ -491,15 +503,21 @@ bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
       // not (the test is uniform per warpgroup and step): ptxas does not move it across the join,
       // and an unmasked step skips the per-element mask arithmetic.
       uint32_t pf[BM / 4], dsf[BM / 4];  // A fragments (m = kv, k = q) of P^T and dS^T
+      // The sliding window (issue 16): this warpgroup's farthest pair (the step's last query, its
+      // first KV row) hidden.
+      bool win = false;
+      if constexpr (Mods::kWindow) win = SegmentMask::window_tile(qt + BM - 1, k0 + cw * 64, bias, a.window);
       if constexpr (Mods::kSoftcap) {  // mask modifiers (issue 16)
         static_assert(!kPrefix, "sm90 backward: prefix items are instantiated without modifiers");
-        const bool mask = tail || qt < k0 + cw * 64 + 63;
+        const bool mask = tail || qt < k0 + cw * 64 + 63 || win;
         wgmma_wait<0>();
         fence_regs(dpacc);
         if (mask)
-          bwd_softcap_p_ds<T>(sacc, dpacc, pf, dsf, lse_s, delta_s, a, t4, kv_row0, klen, k0, qt, true);
+          bwd_softcap_p_ds<T, BM / 2, Mods::kWindow>(sacc, dpacc, pf, dsf, lse_s, delta_s, a, t4, kv_row0, klen, k0,
+                                                     qt, true, bias);
         else
-          bwd_softcap_p_ds<T>(sacc, dpacc, pf, dsf, lse_s, delta_s, a, t4, kv_row0, klen, k0, qt, false);
+          bwd_softcap_p_ds<T, BM / 2, Mods::kWindow>(sacc, dpacc, pf, dsf, lse_s, delta_s, a, t4, kv_row0, klen, k0,
+                                                     qt, false, bias);
       } else {
       if constexpr (kPrefix) {
         if (prefix_item) {  // every query of the range sees every row: only a ragged end is masked
@@ -510,11 +528,13 @@ bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
         }
       }
       if (!prefix_item) {
-        const bool mask = tail || qt < k0 + cw * 64 + 63;
+        const bool mask = tail || qt < k0 + cw * 64 + 63 || win;
         if (mask)
-          bwd_softmax_p(sacc, lse_s, sl2, t4, kv_row0, klen, k0, qt, true);
+          bwd_softmax_p<BM / 2, true, Mods::kWindow>(sacc, lse_s, sl2, t4, kv_row0, klen, k0, qt, true, bias,
+                                                     a.window);
         else
-          bwd_softmax_p(sacc, lse_s, sl2, t4, kv_row0, klen, k0, qt, false);
+          bwd_softmax_p<BM / 2, true, Mods::kWindow>(sacc, lse_s, sl2, t4, kv_row0, klen, k0, qt, false, bias,
+                                                     a.window);
       }
       wgmma_wait<0>();
       fence_regs(dpacc);

@@ -327,6 +327,9 @@ bwd_sm90_kernel_d256(const __grid_constant__ Sm90BwdParams<256> p) {
     const int32_t k0 = wi[1], k1 = wi[2], qa = wi[3], qb = wi[4], pslot = wi[5];
     const int klen = k1 - k0;
     const bool prefix_item = kPrefix && is_prefix_item(L, wi[0]);  // k0, k1: prefix rows
+    // The sliding window (mask modifiers, issue 16): the item's distance bias (plan_format.h).
+    int32_t bias = 0;
+    if constexpr (Mods::kWindow) bias = plan[plan[kHdrBwdBiasOffset] + w];
     const int32_t tiles = (qb - qa + BM - 1) / BM;
     const int32_t n_steps = tiles * group;
     const bool tail = klen < BN;  // the tile's KV range ends inside it (TMA loaded further tokens)
@@ -366,12 +369,15 @@ bwd_sm90_kernel_d256(const __grid_constant__ Sm90BwdParams<256> p) {
       uint32_t frag[BM / 4];
       if (p_role) {
         const float* lse_s = s_lse + st * BM;
+        // The sliding window (issue 16): the step's farthest pair (last query, first KV row) hidden.
+        bool win = false;
+        if constexpr (Mods::kWindow) win = SegmentMask::window_tile(qt + BM - 1, k0, bias, a.window);
         if constexpr (Mods::kSoftcap) {
           static_assert(!kPrefix, "sm90 backward d256: prefix items are instantiated without modifiers");
           // Mask modifiers (issue 16): as bwd_softmax_p from the capped scores; the dS role gets P^T
           // times the cap's derivative (dS^T = that (dP^T - delta)), stored as each 4 are known,
           // and this role keeps P^T in sacc for dV (A fragments below).
-          const bool mask = tail || qt < k0 + BN - 1;
+          const bool mask = tail || qt < k0 + BN - 1 || win;
 #pragma unroll
           for (int j = 0; j < BM / 8; ++j) {
             const int c = j * 8 + 2 * t4;
@@ -384,6 +390,9 @@ bwd_sm90_kernel_d256(const __grid_constant__ Sm90BwdParams<256> p) {
               if (mask) {
                 const int r = kv_row0 + (e >> 1) * 8;
                 if (r >= klen || k0 + r > qt + c + (e & 1)) pv = 0.f;
+                if constexpr (Mods::kWindow) {
+                  if (SegmentMask::window_hidden(k0 + r, qt + c + (e & 1), bias, a.window)) pv = 0.f;
+                }
               }
               sacc[4 * j + e] = pv;
               pg[e] = pv * cap.grad();
@@ -395,7 +404,8 @@ bwd_sm90_kernel_d256(const __grid_constant__ Sm90BwdParams<256> p) {
         if (prefix_item)  // every query of the range sees every row: only a ragged end is masked
           bwd_softmax_p<BM / 2, false>(sacc, lse_s, sl2, t4, kv_row0, klen, k0, qt, tail);
         else
-          bwd_softmax_p(sacc, lse_s, sl2, t4, kv_row0, klen, k0, qt, tail || qt < k0 + BN - 1);
+          bwd_softmax_p<BM / 2, true, Mods::kWindow>(sacc, lse_s, sl2, t4, kv_row0, klen, k0, qt,
+                                                     tail || qt < k0 + BN - 1 || win, bias, a.window);
 #pragma unroll
         for (int i = 0; i < BM / 8; ++i)
           bwd_st_shared_v4(p_thread + i * 2048, __float_as_uint(sacc[4 * i]), __float_as_uint(sacc[4 * i + 1]),

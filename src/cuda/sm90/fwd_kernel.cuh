@@ -173,8 +173,17 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
       const int32_t q1 = items[tile * kFwdItemInts + 2];
 
       KvWalk<BN> kv;
-      if constexpr (kPrefix) kv.init(L.offsets, L.parent, L.seg_prefix, L.prefix_offsets, seg, q1);
-      else kv.init(L.offsets, L.parent, seg, q1);
+      // The sliding window (mask modifiers, issue 16): the walk from the tile's first position on,
+      // as the consumers walk it.
+      int32_t first_pos = 0;
+      if constexpr (kPrefix) {
+        kv.init(L.offsets, L.parent, L.seg_prefix, L.prefix_offsets, seg, q1);
+      } else if constexpr (Mods::kWindow) {
+        first_pos = SegmentMask::window_first_position(L.offsets, L.position_offset, seg, q0, a.window);
+        kv.init_windowed(L.offsets, L.parent, L.position_offset, seg, q1, first_pos);
+      } else {
+        kv.init(L.offsets, L.parent, seg, q1);
+      }
       bool q_issued = false;
       do {
         const uint32_t st = kv_iter % S, kph = (kv_iter / S) & 1;
@@ -203,7 +212,9 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
         for (int b = 0; b < C::kBoxes; ++b)
           tma_load_3d(sV + st * C::kKVBytes + b * C::kKVBoxBytes, tv, &B.v_full[st], b * 64, hk, kv.pos);
         ++kv_iter;
-      } while (kPrefix ? kv.next(L.offsets, L.parent, L.seg_prefix, L.prefix_offsets) : kv.next(L.offsets, L.parent));
+      } while (kPrefix           ? kv.next(L.offsets, L.parent, L.seg_prefix, L.prefix_offsets)
+               : Mods::kWindow ? kv.next_windowed(L.offsets, L.parent, L.position_offset, first_pos)
+                               : kv.next(L.offsets, L.parent));
     }
     return;
   }
@@ -256,11 +267,19 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
     uint32_t pf[BN / 4];
 
     KvWalk<BN> kv;
-    if constexpr (kPrefix) kv.init(L.offsets, L.parent, L.seg_prefix, L.prefix_offsets, seg, q1);
-    else kv.init(L.offsets, L.parent, seg, q1);
+    int32_t first_pos = 0;  // the sliding window (issue 16): as the producer's walk
+    if constexpr (kPrefix) {
+      kv.init(L.offsets, L.parent, L.seg_prefix, L.prefix_offsets, seg, q1);
+    } else if constexpr (Mods::kWindow) {
+      first_pos = SegmentMask::window_first_position(L.offsets, L.position_offset, seg, q0, a.window);
+      kv.init_windowed(L.offsets, L.parent, L.position_offset, seg, q1, first_pos);
+    } else {
+      kv.init(L.offsets, L.parent, seg, q1);
+    }
     // The walk's next tile (a prefix tile's `own` is false: it is masked as an ancestor's).
     auto walk_next = [&]() {
       if constexpr (kPrefix) return kv.next(L.offsets, L.parent, L.seg_prefix, L.prefix_offsets);
+      else if constexpr (Mods::kWindow) return kv.next_windowed(L.offsets, L.parent, L.position_offset, first_pos);
       else return kv.next(L.offsets, L.parent);
     };
 
@@ -285,7 +304,8 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
       }
     };
     // Mask, online softmax of s (in place: s becomes P in fp32); returns the rescale factors.
-    auto softmax = [&](int32_t kpos, int32_t klen, bool own, float* alpha) {
+    // kcur: the segment of the tile's keys (the walk's cur; the window's shift, issue 16).
+    auto softmax = [&](int32_t kpos, int32_t klen, bool own, int32_t kcur, float* alpha) {
       if constexpr (Mods::kSoftcap) softcap_scores(s, a);  // mask modifiers (issue 16): before the mask
       if (klen < BN || (own && kpos + BN - 1 > q0)) {
 #pragma unroll
@@ -295,6 +315,22 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
             const int col = j * 8 + 2 * t4 + (e & 1);
             const int32_t qi = qi0 + (e >> 1) * 8;
             if (col >= klen || (own && kpos + col > qi)) s[4 * j + e] = -CUDART_INF_F;
+          }
+        }
+      }
+      if constexpr (Mods::kWindow) {
+        // The sliding window (issue 16), on the tiles whose farthest pair of this warpgroup's rows it
+        // hides: pos(q) - pos(k) = (q - k) + shift for the walk's range.
+        const int32_t shift = SegmentMask::window_shift(L.offsets, L.position_offset, seg, kcur);
+        if (SegmentMask::window_tile(q0 + cw * 64 + 63, kpos, shift, a.window)) {
+#pragma unroll
+          for (int j = 0; j < BN / 8; ++j) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const int32_t qi = qi0 + (e >> 1) * 8;
+              if (SegmentMask::window_hidden(kpos + j * 8 + 2 * t4 + (e & 1), qi, shift, a.window))
+                s[4 * j + e] = -CUDART_INF_F;
+            }
           }
         }
       }
@@ -345,7 +381,7 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
     fence_regs(s);
     __syncwarp();
     if (lane == 0) mbar_arrive(&B.k_empty[st]);
-    int32_t kpos = kv.pos, klen = kv.len();
+    int32_t kpos = kv.pos, klen = kv.len(), kcur = kv.cur;
     bool own = kv.own;
     bool more = walk_next();
     if (!more) {
@@ -354,14 +390,14 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
     }
     {
       float alpha[2];
-      softmax(kpos, klen, own, alpha);
+      softmax(kpos, klen, own, kcur, alpha);
     }
     to_pf();
     uint32_t prev = kv_iter;
     ++kv_iter;
 
     while (more) {
-      kpos = kv.pos; klen = kv.len(); own = kv.own;
+      kpos = kv.pos; klen = kv.len(); own = kv.own; kcur = kv.cur;
       st = kv_iter % S;
       mbar_wait(&B.k_full[st], (kv_iter / S) & 1);
       const uint32_t pst = prev % S;
@@ -383,7 +419,7 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
         if (lane == 0) mbar_arrive(B.q_empty);
       }
       float alpha[2];
-      softmax(kpos, klen, own, alpha);
+      softmax(kpos, klen, own, kcur, alpha);
       wgmma_wait<0>();
       fence_regs(o);
       fence_regs(pf);
