@@ -108,7 +108,7 @@ def main(argv=None) -> int:
     ap.add_argument("--token-scale", type=int, default=16)
     ap.add_argument("--n", type=int, default=16)
     ap.add_argument("--k", default="2,4")
-    ap.add_argument("--methods", default="once,once_nobudget,once_recompute")
+    ap.add_argument("--methods", default="once,once_budget,once_recompute")
     args = ap.parse_args(argv)
     undo = emulate_offload()
     # the log-prob chunk (about 512 MiB of fp32 logits at any vocabulary: 883 rows at 151936) is a
@@ -141,7 +141,7 @@ def main(argv=None) -> int:
                     budget = P + math.ceil(args.n * R / k)
                     peaks, mbs = {}, {}
                     methods = {"split": dict(prompt_once=False), "once": {},
-                               "once_nobudget": dict(prompt_state_budget=False),
+                               "once_budget": dict(prompt_state_budget=True),
                                "once_recompute": dict(recompute_prompt=True),
                                "once_keep": dict(offload_prompt_activations=False)}
                     for name in ["split"] + args.methods.split(","):

@@ -23,8 +23,9 @@ budget ``max_tokens = P + ceil(N R / k)`` so that the split path needs k micro-b
                   phase B (not in the default list)
   once_offload    recompute_prompt=True, offload_prompt_grads=True: the prompt's gradient buffers wait in
                   pinned host memory during phase C's forward (not in the default list)
-  once_nobudget   prompt_state_budget=False: response micro-batches packed to the whole budget, the kept
-                  prompt state not counted (the plan of the first H200 run; not in the default list)
+  once_budget     prompt_state_budget=True: the kept prompt state counted against each response
+                  micro-batch's budget (schedule.prompt_state_factor; the default of 69d3abd, a measured
+                  loser: docs/decisions.md; not in the default list)
 
 Model setup, timing (CUDA events: median of --iters updates after --warmup), the Flex/FA4 peers and the
 provenance come from bench/e2e.py. Per cell (model, P, R, k): seconds per update per method,
@@ -67,23 +68,24 @@ from dualkv.demo import MODEL_SIZES, qwen3_config  # noqa: E402
 from dualkv.grpo import policy_update  # noqa: E402
 
 METHODS = ("split", "once", "flex_fa4_split", "flex_split", "once_recompute", "once_offload", "once_keep",
-           "once_nobudget")
-ONCE_METHODS = ("once", "once_recompute", "once_offload", "once_keep", "once_nobudget")
+           "once_budget")
+ONCE_METHODS = ("once", "once_recompute", "once_offload", "once_keep", "once_budget")
 #: policy_update arguments of each prompt-once method (``once``: its defaults)
 ONCE_KWARGS = {"once": {}, "once_recompute": dict(recompute_prompt=True),
                "once_offload": dict(recompute_prompt=True, offload_prompt_grads=True),
-               "once_keep": dict(offload_prompt_activations=False), "once_nobudget": dict(prompt_state_budget=False)}
+               "once_keep": dict(offload_prompt_activations=False), "once_budget": dict(prompt_state_budget=True)}
 DEFAULT_METHODS = ("split", "once", "flex_fa4_split")
 PROTOCOL = {
     "update": "forward + backward of one GRPO policy update (dualkv.grpo.policy_update: DAPO clip 0.2/0.28, "
               "token-mean, micro-batch losses weighted by their response tokens); no optimizer step",
     "group": "one prompt of P tokens, N responses of R tokens each; max_tokens = P + ceil(N R / k)",
     "split": "plan_micro_batches(prompt_once=False): k micro-batches, each [prompt | its responses], dualkv",
-    "once": "plan_micro_batches(prompt_once=True, prompt_state_factor) + dualkv.schedule: the prompt once (phase A "
+    "once": "plan_micro_batches(prompt_once=True) + dualkv.schedule: the prompt once (phase A "
             "with gradients, its saved activations offloaded to pinned host memory; response micro-batches over its "
-            "kept keys and values, budgeted with the kept state; phase C: the prompt's backward), dualkv",
+            "kept keys and values; phase C: the prompt's backward), dualkv",
     "once_recompute": "once with recompute_prompt=True (phase A under no_grad, phase C's forward again)",
-    "once_nobudget": "once with prompt_state_budget=False (micro-batches packed to the whole budget)",
+    "once_budget": "once with prompt_state_budget=True (the kept prompt state counted against each "
+                   "micro-batch's budget)",
     "flex_fa4_split": "the split plan, compiled FlexAttention with BACKEND=FLASH (FA4), a BlockMask per "
                       "micro-batch built in the update",
     "flex_split": "the split plan, compiled FlexAttention (Triton)",

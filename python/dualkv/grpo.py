@@ -217,7 +217,7 @@ def policy_update(model, prompts: Sequence[Tensor], responses: Sequence[Sequence
                   *, num_ranks: int = 1, rank: int = 0, prompt_once: bool = True,
                   max_prompt_tokens: Optional[int] = None, recompute_prompt: bool = False,
                   prompt_grad_dtype: Optional[torch.dtype] = None, offload_prompt_grads: bool = False,
-                  offload_prompt_activations: bool = True, prompt_state_budget: Union[bool, float] = True,
+                  offload_prompt_activations: bool = True, prompt_state_budget: Union[bool, float] = False,
                   temperature: float = 1.0,
                   deterministic: bool = False, ref_logprobs: Optional[Sequence[Sequence[Tensor]]] = None,
                   **loss_kwargs: Any) -> Dict[str, Any]:
@@ -234,9 +234,11 @@ def policy_update(model, prompts: Sequence[Tensor], responses: Sequence[Sequence
     (:func:`dualkv.plan_micro_batches`, :func:`dualkv.schedule.micro_batches`; ``max_prompt_tokens``
     bounds a prompt phase; ``recompute_prompt``, ``prompt_grad_dtype``, ``offload_prompt_grads`` and
     ``offload_prompt_activations`` choose how the prompt phase trades memory for one more prompt
-    forward or host copies, :mod:`dualkv.schedule`; ``prompt_state_budget=True`` (default) counts what a
-    prompt phase keeps against its micro-batches' budget, :func:`dualkv.schedule.prompt_state_factor`,
-    so that the peak stays within a split micro-batch's; a number sets that factor, False turns it off).
+    forward or host copies, :mod:`dualkv.schedule`; ``prompt_state_budget=True`` counts what a prompt
+    phase keeps against its micro-batches' budget, :func:`dualkv.schedule.prompt_state_factor`, a
+    number sets that factor; off by default: on the H200 it doubled the micro-batches of the k = 4
+    cells and gave back the whole gain without lowering the peak, which phase A/C set there,
+    docs/decisions.md).
     Each micro-batch's loss is weighted by its share of the whole batch
     (tokens for ``token-mean``, responses for the sequence means), so the accumulated gradient is
     that of the loss over every response of every rank: this rank's share of it (``rank`` of

@@ -97,11 +97,12 @@
 #                (same seed and config: the same rollouts). Estimate: timing ~9 min, accuracy ~3 min
 #   bench-mods   issue 16's peers with mask modifiers: bench/attention.py, GRPO configs $MODS_CONFIGS (default
 #                "16,4096,1024;8,16384,2048", no varlen), methods $MODS_METHODS (default dualkv,fa4_dense,flex_fa4),
-#                three shapes, each process cut at $MODS_TIMEOUT (default 75) s: gpt-oss (H 64, Hk 8, D 64,
-#                window 128 + sinks), Gemma-2-like softcap 50 (H 32, Hk 8, D 128), window 1024 (D 128). dualkv
-#                is recorded as skipped (the CUDA backend's UnsupportedError) until the modifier kernels
-#                merge; an FA4 without one of the arguments is a skip naming it. Estimate ~3-4 min (FA4 and
-#                Flex-FA4 compile per config and modifier set: ~10-20 s each)
+#                three shapes, each process cut at $MODS_TIMEOUT (default 170) s: gpt-oss (H 64, Hk 8, D 64,
+#                window 128 + sinks), Gemma-2-like softcap 50 (H 32, Hk 8, D 128), window 1024 (D 128). An FA4
+#                without one of the arguments is a skip naming it. Measured at ef7fba9: with a 75 s cap every
+#                shape was cut inside Flex-FA4's first block-mask build (after dualkv and fa4_dense of the first
+#                config, ~20 s): give each shape ~170 s, i.e. one shape per call with MODS_SHAPES (e.g. "cap50"), or all three
+#                in a ~9 min call
 #   prompt-once  issue 17's acceptance: bench/prompt_once_e2e.py for ONE model per call, $ONCE_MODEL (default
 #                1.7b: run it first, then 8b), P $ONCE_PROMPTS (default 8192,16384), R $ONCE_RESPONSES (default
 #                1024), k $ONCE_K (default 2,4; max_tokens = P + ceil(16 R / k)), plus the k = 1 control per
@@ -113,7 +114,7 @@
 #                backend's UnsupportedError). $ONCE_ITERS (default 3) timed updates after $ONCE_WARMUP (default 1).
 #                The table (prompt_once_e2e_$m.txt, printed last) has a verdict column per cell: PASS, or
 #                FAIL(speed|flex|mem) naming the acceptance bar missed. Extra columns for once variants in
-#                ONCE_METHODS (once_recompute, once_keep, once_nobudget, once_offload). 8B in one call:
+#                ONCE_METHODS (once_recompute, once_keep, once_budget, once_offload). 8B in one call:
 #                ONCE_MODEL=8b ONCE_PROMPTS=8192,16384 ONCE_K=2,4 ONCE_ITERS=2 (estimate ~6-8 min; split
 #                it by P if the cap cuts it: the JSON keeps every finished method). Measured (1.7B at da0c15c,
 #                the default grid): 3.0 min for 6 cells x 3 methods; 8B at P 32K: ~20-40 s per update, one
@@ -217,7 +218,8 @@ for n in ('fla-core', 'trl', 'datasets', 'accelerate'):
                             "cap50:--heads 32 --kv-heads 8 --head-dim 128 --softcap 50" \
                             "w1024:--heads 32 --kv-heads 8 --head-dim 128 --window 1024"; do
                   name="${spec%%:*}"
-                  timeout -k 10 "${MODS_TIMEOUT:-75}" python3 bench/attention.py ${spec#*:} \
+                  case " ${MODS_SHAPES:-gptoss cap50 w1024} " in *" $name "*) ;; *) continue ;; esac
+                  timeout -k 10 "${MODS_TIMEOUT:-170}" python3 bench/attention.py ${spec#*:} \
                     --configs "${MODS_CONFIGS:-16,4096,1024;8,16384,2048}" --no-varlen \
                     --methods "${MODS_METHODS:-dualkv,fa4_dense,flex_fa4}" --iters 6 --warmup 2 --out "$OUT" \
                     --tag "mods_$name" > "$OUT/bench_mods_$name.log" 2>&1

@@ -17,7 +17,7 @@ def test_prompt_once_bench_runs_on_cpu(tmp_path):
     out = tmp_path / "prompt_once_e2e_tiny.json"
     rc = bench.main(["--device", "cpu", "--tiny", "--dtype", "float32", "--iters", "1",
                      "--methods",
-                     "split,once,flex_split,flex_fa4_split,once_offload,once_keep,once_recompute,once_nobudget",
+                     "split,once,flex_split,flex_fa4_split,once_offload,once_keep,once_recompute,once_budget",
                      "--out", str(out)])
     assert rc == 0
     data = json.loads(out.read_text())
@@ -28,14 +28,14 @@ def test_prompt_once_bench_runs_on_cpu(tmp_path):
         cells.setdefault(r["k"], {})[r["method"]] = r
     assert sorted(cells) == [1, 2]  # the control first, then k = 2
     for k, m in cells.items():
-        for name in ("split", "once", "flex_split", "once_offload", "once_keep", "once_recompute", "once_nobudget"):
+        for name in ("split", "once", "flex_split", "once_offload", "once_keep", "once_recompute", "once_budget"):
             assert m[name]["status"] == "ok", m[name]
             assert m[name]["peak_bytes"] > 0 and m[name]["seconds"] > 0
         # FA4 is not installed on a CPU host: skipped with the reason, not an error
         assert m["flex_fa4_split"]["status"] in ("skipped", "ok")
         assert m["split"]["micro_batches"] == k
         # fp32: the three ways give the same log-probs (the first response) up to summation order
-        for name in ("once", "flex_split", "once_offload", "once_keep", "once_recompute", "once_nobudget"):
+        for name in ("once", "flex_split", "once_offload", "once_keep", "once_recompute", "once_budget"):
             assert m[name]["max_abs_dlogp_vs_split"] <= 1e-4, (k, name, m[name]["max_abs_dlogp_vs_split"])
         assert m["once_offload"]["loss"] == pytest.approx(m["once"]["loss"], rel=1e-6)
     once1, once2 = cells[1]["once"], cells[2]["once"]
@@ -50,7 +50,7 @@ def test_prompt_once_bench_runs_on_cpu(tmp_path):
     assert "prompt_kv_memory" not in once1
     table = out.with_suffix(".txt").read_text()
     assert "split/once" in table and "acceptance" in table and "verdict" in table
-    assert "once_recompute s" in table and "once_nobudget s" in table  # the variants' columns
+    assert "once_recompute s" in table and "once_budget s" in table  # the variants' columns
 
 
 def test_device_run_prompt_once_step():
