@@ -30,6 +30,31 @@ def segment_length(rng: random.Random, edges: Sequence[int], cuts=(0.15, 0.25, 0
     return rng.randint(mid + 1, large)
 
 
+#: The dispatcher's kernel families a test runs: the default one (Hopper on an H200) and the portable
+#: kernels forced with the dispatcher's switches.
+PATHS = ["default", "portable"]
+
+
+def use_path(monkeypatch, path: str) -> None:
+    """Force the portable kernels for ``path == "portable"`` (the dispatcher reads the switches per call)."""
+    if path == "portable":
+        monkeypatch.setenv("DUALKV_DISABLE_SM90", "1")
+        monkeypatch.setenv("DUALKV_DISABLE_SM90_BWD", "1")
+
+
+def built_head_dims() -> List[int]:
+    """The head dims this library's CUDA kernels were built for ([128] without a GPU: collection only)."""
+    if not torch.cuda.is_available():
+        return [128]
+    from dualkv import _native
+    return [int(d) for d in _native.build_info().get("cuda", {}).get("head_dims", [])]
+
+
+def tile_edge_length(rng: random.Random) -> int:
+    """Lengths around the kernels' 64/128-row tiles, short, mid and long."""
+    return segment_length(rng, [127, 128, 129, 63, 64, 65])
+
+
 def random_forest(rng: random.Random, seg_len: Callable[[random.Random], int], max_tokens: int,
                   max_responses: int = 6, max_tree: int = 14) -> Tuple[List[int], List[int]]:
     """A quarter of the time a random tree of 2..max_tree segments (any depth), a quarter plain

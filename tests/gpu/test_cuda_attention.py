@@ -14,7 +14,8 @@ import pytest
 import torch
 
 import cases  # tests/gpu/cases.py (pytest puts this directory on sys.path)
-from cases import kernel_grads, make_inputs, ref_grads
+from cases import built_head_dims, kernel_grads, make_inputs, ref_grads
+from cases import tile_edge_length as seg_len
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -27,17 +28,6 @@ if torch.cuda.is_available():
 ATOL = {"out": 1e-5, "lse": 1e-5, "dq": 1e-5, "dk": 1e-5, "dv": 1e-5}
 GQA = [(4, 4), (4, 1), (8, 2), (8, 1)]  # (H, Hk): group sizes 1, 4, 4, 8
 DTYPES = [torch.bfloat16, torch.float16]
-
-
-def built_head_dims():
-    if not torch.cuda.is_available():
-        return [128]
-    return [int(d) for d in _native.build_info().get("cuda", {}).get("head_dims", [])]
-
-
-def seg_len(rng: random.Random) -> int:
-    """Lengths around the portable kernels' 64/128-row tiles, short, mid and long."""
-    return cases.segment_length(rng, [127, 128, 129, 63, 64, 65])
 
 
 def random_forest(rng: random.Random, max_tokens: int = 1400):

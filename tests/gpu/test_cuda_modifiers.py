@@ -16,7 +16,8 @@ import pytest
 import torch
 
 import cases  # tests/gpu/cases.py (pytest puts this directory on sys.path)
-from cases import make_inputs
+from cases import PATHS, built_head_dims, make_inputs, use_path
+from cases import tile_edge_length as seg_len
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -32,23 +33,6 @@ DTYPES = [torch.bfloat16, torch.float16]
 # (softcap, with sinks): each alone and both (Gemma-2's caps are 50 / 30; small caps saturate)
 MODS = [(5.0, False), (None, True), (30.0, True), (2.0, False), (None, True), (5.0, True)]
 # Kernel families: the default dispatch (sm90 on an H200) and the portable kernels forced.
-PATHS = ["default", "portable"]
-
-
-def built_head_dims():
-    if not torch.cuda.is_available():
-        return [128]
-    return [int(d) for d in _native.build_info().get("cuda", {}).get("head_dims", [])]
-
-
-def seg_len(rng: random.Random) -> int:
-    return cases.segment_length(rng, [127, 128, 129, 63, 64, 65])
-
-
-def use_path(path, monkeypatch):
-    if path == "portable":
-        monkeypatch.setenv("DUALKV_DISABLE_SM90", "1")
-        monkeypatch.setenv("DUALKV_DISABLE_SM90_BWD", "1")
 
 
 def grads(fn, inputs, dout, dlse):
@@ -129,7 +113,7 @@ N_RANDOM = 48
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("case", range(N_RANDOM))
 def test_random_forests(case, path, monkeypatch):
-    use_path(path, monkeypatch)
+    use_path(monkeypatch, path)
     dims = built_head_dims()
     rng = random.Random(5000 + case)
     D = dims[case % len(dims)]
@@ -145,7 +129,7 @@ def test_random_forests(case, path, monkeypatch):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("D", built_head_dims())
 def test_grpo_group_every_modifier(D, dtype, path, monkeypatch):
-    use_path(path, monkeypatch)
+    use_path(monkeypatch, path)
     lens = [301, 1, 17, 130, 129, 64, 300, 5, 1, 200]
     parents = [-1, 0, 0, 0, 0, 0, -1, 6, 6, 6]
     for softcap, with_sinks in [(5.0, False), (None, True), (30.0, True)]:
@@ -155,7 +139,7 @@ def test_grpo_group_every_modifier(D, dtype, path, monkeypatch):
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_split_query_ranges(deterministic, path, monkeypatch):
-    use_path(path, monkeypatch)
+    use_path(monkeypatch, path)
     monkeypatch.setenv("DUALKV_CUDA_SPLIT_ROWS", "64")
     lens = [700, 300, 257, 1, 400]
     parents = [-1, 0, 0, 0, 3]
@@ -167,7 +151,7 @@ def test_split_query_ranges(deterministic, path, monkeypatch):
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("D", built_head_dims())
 def test_deterministic_bitwise(D, path, monkeypatch):
-    use_path(path, monkeypatch)
+    use_path(monkeypatch, path)
     lens = [900, 300, 200, 257, 1, 640, 128]
     parents = [-1, 0, 0, 0, 0, -1, 5]
     layout_cpu = dualkv.Layout.from_tree(lens, parents)
@@ -189,7 +173,7 @@ def test_sinks_of_minus_infinity_change_nothing(path, monkeypatch):
     bits, and so are dk and dv (the same backward kernel on the same inputs; dq too in
     deterministic mode: the default one adds dQ by atomics); dsinks 0. On failure the message
     lists max |diff| of every tensor."""
-    use_path(path, monkeypatch)
+    use_path(monkeypatch, path)
     D = built_head_dims()[0]
     layout_cpu = dualkv.Layout.from_tree([130, 64, 1], [-1, 0, 0])
     layout = layout_cpu.to("cuda")
@@ -224,7 +208,7 @@ def test_windowed_random_forests(case, path, monkeypatch):
     """Random forests under each window W (the windowed plan, the windowed walk of the forward and
     the deterministic dQ kernel, the per-item distance bias of the backward), with sinks and softcap
     too, bf16 and fp16, every built head dim, both dQ modes, against the fp64 reference."""
-    use_path(path, monkeypatch)
+    use_path(monkeypatch, path)
     dims = built_head_dims()
     rng = random.Random(9000 + case)
     D = dims[case % len(dims)]
@@ -243,7 +227,7 @@ def test_windowed_random_forests(case, path, monkeypatch):
 def test_windowed_grpo_group(D, dtype, path, monkeypatch):
     """A GRPO group whose prompt is longer than the window (responses see only its tail) and one
     shorter, every window, with sinks and with a softcap."""
-    use_path(path, monkeypatch)
+    use_path(monkeypatch, path)
     lens = [301, 1, 17, 130, 129, 64, 300, 5, 1, 200]
     parents = [-1, 0, 0, 0, 0, 0, -1, 6, 6, 6]
     for i, window in enumerate(WINDOWS):
@@ -257,7 +241,7 @@ def test_windowed_grpo_group(D, dtype, path, monkeypatch):
 def test_windowed_split_query_ranges(deterministic, path, monkeypatch):
     """Forced 64-row splits of the windowed backward items (several ranges per KV tile, each split,
     reduced in a fixed order)."""
-    use_path(path, monkeypatch)
+    use_path(monkeypatch, path)
     monkeypatch.setenv("DUALKV_CUDA_SPLIT_ROWS", "64")
     lens = [700, 300, 257, 1, 400]
     parents = [-1, 0, 0, 0, 3]
@@ -270,7 +254,7 @@ def test_windowed_split_query_ranges(deterministic, path, monkeypatch):
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("D", built_head_dims())
 def test_windowed_deterministic_bitwise(D, path, monkeypatch):
-    use_path(path, monkeypatch)
+    use_path(monkeypatch, path)
     lens = [900, 300, 200, 257, 1, 640, 128]
     parents = [-1, 0, 0, 0, 0, -1, 5]
     layout_cpu = dualkv.Layout.from_tree(lens, parents)
@@ -342,7 +326,7 @@ def test_windowed_plans_per_window_and_rejected_for_another():
 def test_the_modifier_kernels_run(path, monkeypatch):
     """The call runs the modifier instantiations of the intended family (the Hopper one on an H200
     by default, the portable one when forced), and the sinks' gradient kernel."""
-    use_path(path, monkeypatch)
+    use_path(monkeypatch, path)
     D = built_head_dims()[0]
     layout_cpu = dualkv.Layout.from_tree([200, 70, 1], [-1, 0, 0])
     layout = layout_cpu.to("cuda")

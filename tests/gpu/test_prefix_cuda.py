@@ -25,6 +25,8 @@ import pytest
 import torch
 
 import cases  # tests/gpu/cases.py
+from cases import PATHS, built_head_dims, use_path
+from cases import tile_edge_length as seg_len
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -35,25 +37,6 @@ if torch.cuda.is_available():
 
 ATOL = 1e-5
 DTYPES = [torch.bfloat16, torch.float16]
-PATHS = ["default", "portable"]
-
-
-def built_head_dims():
-    if not torch.cuda.is_available():
-        return [128]
-    return [int(d) for d in _native.build_info().get("cuda", {}).get("head_dims", [])]
-
-
-def seg_len(rng: random.Random) -> int:
-    """Lengths around the kernels' 64/128-row tiles, short, mid and long."""
-    return cases.segment_length(rng, [127, 128, 129, 63, 64, 65])
-
-
-def use_path(monkeypatch, path: str) -> None:
-    """The portable path: the Hopper kernels switched off (the dispatcher reads the switches per call)."""
-    if path == "portable":
-        monkeypatch.setenv("DUALKV_DISABLE_SM90", "1")
-        monkeypatch.setenv("DUALKV_DISABLE_SM90_BWD", "1")
 
 
 class Case:
