@@ -279,6 +279,19 @@ def flex_with_lse(flex, *args, **kwargs):
     return out, aux.lse
 
 
+def softcap_score_mod(cap: float):
+    """The score_mod ``cap * tanh(score / cap)`` with ``cap`` a literal of its code. Neither capture
+    works on every backend: a captured 0-dim tensor fails FA4's CuTe lowering ("Expected TensorSSA,
+    but got <class 'int'>", H200, FA4 4.0.0b36), and a captured float becomes a SymFloat when a
+    second value re-traces it, which Flex refuses among a score_mod's captured values."""
+    cap = float(cap)
+    source = (f"def score_mod(score, b, h, q_idx, kv_idx):\n"
+              f"    return torch.tanh(score * {1.0 / cap!r}) * {cap!r}\n")
+    scope = {"torch": torch}
+    exec(compile(source, f"<softcap {cap!r}>", "exec"), scope)  # noqa: S102  (our own two-line source)
+    return scope["score_mod"]
+
+
 def flex_mods(case, mods, device):
     """(mask_mod, score_mod) of FlexAttention for ``case``'s packed layout under ``mods``: the forest
     rule (k <= q < key_end[k]) and the window on the layout's position ids; the softcap (None: none)."""
@@ -293,12 +306,7 @@ def flex_mods(case, mods, device):
             return (kv_idx <= q_idx) & (q_idx < key_end[kv_idx]) & (pos[q_idx] - pos[kv_idx] < window)
     score_mod = None
     if mods.softcap is not None:
-        # a tensor, not a float: a recompile for a second value would make a float a SymFloat, which
-        # Flex refuses among a score_mod's captured values
-        cap = torch.tensor(mods.softcap, dtype=torch.float32, device=device)
-
-        def score_mod(score, b, h, q_idx, kv_idx):
-            return cap * torch.tanh(score / cap)
+        score_mod = softcap_score_mod(mods.softcap)
     return mask_mod, score_mod
 
 
