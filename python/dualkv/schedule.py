@@ -205,6 +205,8 @@ class PromptKV:
         self.output: Optional[Tensor] = None
         self.stream = bool(stream)
         self._streamed: Optional[_StreamedPromptState] = None  # stream: made by the first record
+        #: stream: the copies between host and device so far, phases B and C (_StreamedPromptState.traffic)
+        self.traffic: Optional[Dict[str, int]] = None
 
     # ---- phase A (and phase C's forward of a rerun) ----
     def record(self, module, k: Tensor, v: Tensor) -> None:
@@ -237,6 +239,7 @@ class PromptKV:
         if self.stream:  # to host memory now: the copy overlaps the rest of phase A's forward
             if self._streamed is None:
                 self._streamed = _StreamedPromptState(k.device, self.grad_dtype)
+                self.traffic = self._streamed.traffic
             self._streamed.save(idx, k.detach(), v.detach())
             return
         self._keys[idx], self._values[idx] = k, v
@@ -426,8 +429,10 @@ class _StreamedPromptState:
       at once by its recompute, and the first layer of a backward is the first of the next
       micro-batch's forward) and prefetches the next layer in the direction of travel: up in a
       forward (0..L-1), down in the backward's recomputes (L-1..0); a read one below the last one,
-      or of the same non-first layer, is a recompute. Without checkpointing each layer is read once
-      per micro-batch, upwards.
+      or of the same layer, is a recompute, but a read of the first layer looks up (what comes next
+      is the next micro-batch's forward: its second layer stays, or is prefetched). Without
+      checkpointing each layer is read once per micro-batch, upwards (a later micro-batch's first
+      read is not prefetched).
     * Phase B's backward (:meth:`accumulate`): the micro-batch's gradients of layer i's prefix rows
       add into the layer's sum: the first contribution goes to the host as it is (fp32 sums of
       16-bit keys: added to zeros, as the device-resident path's zero-initialised fp32 buffer), a
@@ -460,6 +465,10 @@ class _StreamedPromptState:
         self._fp32_sums = False
         self._dtype: Optional[torch.dtype] = None
         self.anchor: Optional[Tensor] = None
+        #: copies made so far: bytes each way, reads of a layer whose copy was not prefetched (``missed``:
+        #: the compute stream waits for the whole copy), copies of keys and values and of sums back
+        self.traffic = {"to_device_bytes": 0, "to_host_bytes": 0, "kv_copies": 0, "kv_missed": 0,
+                        "grad_copies": 0, "grad_missed": 0}
 
     # ---- copies ----
     def _host_empty(self, t: Tensor) -> Tensor:
@@ -472,17 +481,20 @@ class _StreamedPromptState:
         if stream is None:
             for t, host in pairs:
                 host.copy_(t)
+                self.traffic["to_host_bytes"] += host.numel() * host.element_size()
             return None
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for t, host in pairs:
                 host.copy_(t, non_blocking=True)
                 t.record_stream(stream)  # the device buffer is not reused before the copy has read it
+                self.traffic["to_host_bytes"] += host.numel() * host.element_size()
             return stream.record_event()
 
     def _to_device(self, hosts: Sequence[Optional[Tensor]], after: Optional["torch.cuda.Event"]):
         """Device copies of ``hosts`` (None stays None), once ``after`` (the copy that filled them)
         is done; returns (copies, their event)."""
+        self.traffic["to_device_bytes"] += sum(h.numel() * h.element_size() for h in hosts if h is not None)
         stream = self._to_device_stream
         if stream is None:
             return [h.clone() if h is not None else None for h in hosts], None
@@ -528,15 +540,18 @@ class _StreamedPromptState:
 
     # ---- phase B ----
     def _fetch_kv(self, idx: int):
+        self.traffic["kv_copies"] += 1
         (k, v), ready = self._to_device(self.kv_host[idx], self._kv_saved[idx])
         return k, v, ready
 
     def read(self, idx: int) -> Tuple[Tensor, Tensor]:
         pos, last = self._pos[idx], self._last
         self._last = pos
-        down = last is not None and (pos == last - 1 or (pos == last and pos > 0))
+        # the first layer always looks up: the next read is layer 1 (a forward) either way
+        down = last is not None and pos > 0 and (pos == last - 1 or pos == last)
         entry = self.kv_cache.get(idx)
         if entry is None:  # not prefetched (a read out of the expected order): copied now
+            self.traffic["kv_missed"] += 1
             entry = self._fetch_kv(idx)
         keep = {idx: entry}
         nxt = pos - 1 if down else pos + 1
@@ -553,11 +568,14 @@ class _StreamedPromptState:
     def _prefetch_grad(self, idx: int) -> None:
         if idx in self.grad_cache or idx not in self.grad_host:
             return
+        self.traffic["grad_copies"] += 1
         sums, ready = self._to_device(self.grad_host[idx], self._grad_saved[idx])
         self.grad_cache[idx] = (sums, ready)
 
     def _take_grad(self, idx: int) -> List[Optional[Tensor]]:
         """Layer ``idx``'s sums on the device (prefetched or copied now); Nones where none."""
+        if idx not in self.grad_cache and idx in self.grad_host:
+            self.traffic["grad_missed"] += 1
         self._prefetch_grad(idx)
         entry = self.grad_cache.pop(idx, None)
         if entry is None:
@@ -594,8 +612,11 @@ class _StreamedPromptState:
 
     # ---- phase C ----
     def phase_c(self) -> Dict[int, List]:
-        """The keys and values go; per layer, a callable that returns its sums on the device."""
+        """The keys and values go; per layer, a callable that returns its sums on the device (phase
+        C's backward runs from the top layer down: its sums are prefetched now)."""
         self.kv_cache, self.kv_host, self._kv_saved = {}, {}, {}
+        if self.order:
+            self._prefetch_grad(self.order[-1])
 
         def fetcher(idx):
             def fetch() -> List[Optional[Tensor]]:
