@@ -292,3 +292,26 @@ def test_cuda_streamed_prompt_state_bitwise_and_off_the_device():
     assert traffic["streamed"]["kv_missed"] == traffic["streamed"]["grad_missed"] == 0, traffic
     assert peaks["streamed", "B"] <= peaks["resident", "B"] - 0.75 * 2 * kv_bytes, (peaks, kv_bytes)
     assert peaks["streamed", "C"] <= peaks["resident", "C"] - 0.75 * kv_bytes, (peaks, kv_bytes)
+
+
+def test_prompt_once_bench_streamed_methods_on_cpu(tmp_path):
+    """bench/prompt_once_e2e.py's once_stream and once_resident (tiny fp32 model, one timed update):
+    both run, give the same update (bitwise on the CPU), and once_stream's record has the state in
+    host memory and the copies of its prompt phase."""
+    import json
+
+    from test_demo import _load_bench
+    bench = _load_bench("prompt_once_e2e")
+    out = tmp_path / "prompt_once_e2e_tiny.json"
+    assert bench.main(["--device", "cpu", "--tiny", "--dtype", "float32", "--iters", "1", "--no-controls",
+                       "--methods", "split,once,once_stream,once_resident", "--out", str(out)]) == 0
+    by = {r["method"]: r for r in json.loads(out.read_text())["results"]}
+    for name in ("once", "once_stream", "once_resident"):
+        assert by[name]["status"] == "ok" and by[name]["prompt_phases"] == 1, by[name]
+    assert by["once_stream"]["loss"] == by["once_resident"]["loss"]
+    assert by["once_stream"]["max_abs_dlogp_vs_split"] == by["once_resident"]["max_abs_dlogp_vs_split"]
+    streamed, resident = by["once_stream"]["prompt_kv_memory"], by["once_resident"]["prompt_kv_memory"]
+    assert streamed["kv_host"] == resident["kv"] >= streamed["kv"]  # 2 layers: both stay (layers 0 and 1)
+    assert streamed["traffic"]["to_host_bytes"] >= streamed["kv_host"] and streamed["traffic"]["kv_copies"] > 0
+    assert "kv_host" not in resident and "traffic" not in resident
+    assert "once_stream s" in out.with_suffix(".txt").read_text()
