@@ -28,8 +28,8 @@ How phases A and C run:
   nothing moves) and comes back layer by layer when phase C's backward recomputes each layer. Each
   layer's keys and values reach phase C's backward through a probe (:class:`_PromptGrad`) whose
   gradients are filled in at phase C, so the kept keys and values are detached and free before it.
-  One prompt forward; phase B keeps the keys and values, their gradient buffers and the last
-  hidden state on the device.
+  One prompt forward; phase B keeps the last hidden state on the device, and the keys and values
+  and their gradient buffers there or in host memory (``stream_prompt_state``, below).
 * ``offload_prompt_activations=False``: the same with phase A's saved activations on the device.
 * ``recompute_prompt=True``: phase A runs under ``torch.no_grad()`` and keeps only the keys and
   values; phase C runs the prompts' forward again, with gradients (the random state restored, so
@@ -37,13 +37,34 @@ How phases A and C run:
   more prompt forward, no host memory. ``offload_prompt_grads=True`` (with it) also moves the
   gradient buffers to host memory for phase C's forward and back layer by layer in its backward.
 
+Where the prompt state lives through phase B (``stream_prompt_state``; default
+:data:`STREAM_PROMPT_STATE` on CUDA, never elsewhere):
+
+* streamed (True): each layer's recorded keys and values go to pinned host memory as phase A
+  records them (asynchronously, on a copy stream), and so do their gradient sums: a response
+  micro-batch reads layer i through :class:`_StreamedRead`, which returns device buffers prefetched
+  on a second copy stream one layer ahead in the direction of travel (under gradient checkpointing
+  a layer is read twice per micro-batch: the forward 0..L-1, then the recompute L-1..0), and whose
+  backward adds the micro-batch's gradients into the layer's sum brought back from the host (the
+  same in-place add as the device-resident path's) and sends it back. Phase C's probes fetch each
+  layer's sums as the backward reaches it. The device holds a few layers of the state instead of
+  all of them (:attr:`PromptKV.memory`); the price is PCIe traffic per response micro-batch and
+  layer: 2 copies of its keys and values to the device (1 without checkpointing) and its gradient
+  sums once each way, overlapped with the compute (events order the streams; no host sync), plus
+  the state's size in pinned host memory (Qwen3-1.7B at P 16K in bf16: 1.8 GB of keys and values
+  and as much of sums; per checkpointed micro-batch ~5.4 GB to the device and 1.8 GB back). Bitwise
+  the device-resident update.
+* device-resident (False): the keys and values and their gradient buffers stay on the device
+  through phase B (autograd leaves, the gradients accumulated into ``leaf.grad``).
+
 Every way is exact. :func:`prompt_state_factor` and :func:`prompt_state_credit` give the planner
 (:func:`dualkv.plan_micro_batches`) what a phase keeps, in micro-batch tokens, so that a phase and
 its micro-batches stay within the split path's peak.
 
 Memory of a phase: the recorded keys and values (2 x layers x prompt tokens x kv heads x head dim)
-and their gradient buffers (as many elements, in ``prompt_grad_dtype``), plus with
-``offload_prompt_activations=False`` what phase A's forward keeps for its backward; the plan bounds a phase's
+and their gradient buffers (as many elements, in ``prompt_grad_dtype``), on the device or, streamed,
+in host memory with a few layers' worth on the device; plus with ``offload_prompt_activations=False``
+what phase A's forward keeps for its backward; the plan bounds a phase's
 prompt tokens by ``max_prompt_tokens`` (default: the micro-batch budget). :attr:`PromptKV.memory`
 reports it.
 """
@@ -96,7 +117,8 @@ def prompt_state_factor(model, grad_dtype: Optional[torch.dtype] = None, recompu
                                          backward's own gradients, the log-prob chunk and the
                                          allocator's slack are left out (the lower bound)
 
-    Qwen3-1.7B in bf16: 233.5 KB / 213 KB = 1.096; Qwen3-8B: 303 KB / 483 KB = 0.628.
+    Qwen3-1.7B in bf16: 233.5 KB / 213 KB = 1.096; Qwen3-8B: 303 KB / 483 KB = 0.628; with
+    stream_prompt_state: 28.7 KB / 213 KB = 0.135 and 32.8 KB / 483 KB = 0.068.
     """
     cfg = getattr(model, "config", model)
     cfg = getattr(cfg, "text_config", None) or cfg
