@@ -315,3 +315,64 @@ def test_prompt_once_bench_streamed_methods_on_cpu(tmp_path):
     assert streamed["traffic"]["to_host_bytes"] >= streamed["kv_host"] and streamed["traffic"]["kv_copies"] > 0
     assert "kv_host" not in resident and "traffic" not in resident
     assert "once_stream s" in out.with_suffix(".txt").read_text()
+
+
+def test_streamed_state_leaves_the_device_cpu_emulation(monkeypatch):
+    """The GPU test's peak bounds on the CPU: with the streamed state's host buffers made where
+    bench/live_bytes.py does not count them (its CUDA configuration emulated: they stand for pinned
+    host memory), the tracked bytes of phase B (from the end of phase A to the start of phase C) and
+    of phase C drop by at least 3/4 of the kept keys and values plus their gradient sums (phase B) and
+    of the sums (phase C): L = 16 layers, of which the streamed state has at most 2 of keys and values
+    and 2 of sums alive at once (the bound's derivation is the gpu test's), so 7/8 is the floor. Also
+    shows that nothing else keeps a read's buffers alive (autograd, the checkpoint's recompute)."""
+    import pathlib
+    import sys
+
+    from torch.utils._python_dispatch import _disable_current_modes
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "bench"))
+    from live_bytes import LiveTensorBytes
+
+    host_empty = schedule._StreamedPromptState._host_empty
+
+    def untracked(self, t):
+        with _disable_current_modes():
+            return host_empty(self, t)
+    monkeypatch.setattr(schedule._StreamedPromptState, "_host_empty", untracked)
+    L, P = 16, 256
+    cfg = transformers.Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=L, num_attention_heads=4,
+                                   num_key_value_heads=2, head_dim=32, vocab_size=VOCAB, max_position_embeddings=1024,
+                                   use_cache=False)
+    torch.manual_seed(0)
+    model = dkt.enable(transformers.AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16).train())
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    prompts, responses, old, adv = rollouts([P], [[16] * 8], torch.bfloat16)
+    run_phase, backward = schedule.run_prompt_phase, schedule.PromptKV.backward
+    peaks = {}
+    for stream in (False, True):
+        model.zero_grad(set_to_none=True)
+        with LiveTensorBytes() as m:
+            def phase_a(*args, **kwargs):
+                kv = run_phase(*args, **kwargs)
+                m.reset_peak()
+                return kv
+
+            def phase_c(self):
+                peaks[stream, "B"] = m.peak
+                m.reset_peak()
+                backward(self)
+                peaks[stream, "C"] = m.peak
+            monkeypatch.setattr(schedule, "run_prompt_phase", phase_a)
+            monkeypatch.setattr(schedule.PromptKV, "backward", phase_c)
+            out = policy_update_with(model, prompts, responses, old, adv, 2 * 16 + 1, max_prompt_tokens=P,
+                                     stream_prompt_state=stream)
+        monkeypatch.setattr(schedule, "run_prompt_phase", run_phase)
+        monkeypatch.setattr(schedule.PromptKV, "backward", backward)
+        assert [mb.num_responses for mb in out["plan"].ranks[0]] == [2, 2, 2, 2]
+    kv_bytes = 2 * L * (P - 1) * 2 * 32 * 2  # (k, v) x layers x rows x kv heads x dim x bf16; the sums as many
+    assert peaks[True, "B"] <= peaks[False, "B"] - 0.75 * 2 * kv_bytes, (peaks, kv_bytes)
+    assert peaks[True, "C"] <= peaks[False, "C"] - 0.75 * kv_bytes, (peaks, kv_bytes)
+
+
+def policy_update_with(model, prompts, responses, old, adv, max_tokens, **kw):
+    from dualkv.grpo import policy_update
+    return policy_update(model, prompts, responses, old, adv, max_tokens, clip_high=0.28, **kw)
