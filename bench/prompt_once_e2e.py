@@ -37,11 +37,12 @@ Model setup, timing (CUDA events: median of --iters updates after --warmup), the
 provenance come from bench/e2e.py. Per cell (model, P, R, k): seconds per update per method,
 ``split / once``, the ideal token ratio ``(k P + N R) / (P + N R)``, their quotient (acceptance:
 >= 0.85), ``flex_fa4_split / once``, peak memory per method (CUDA: torch.cuda.max_memory_allocated
-over the timed updates; CPU: tracked tensor bytes of one extra update, bench/live_bytes.py) and
-``PromptKV.memory`` at the end of phase B (with the streamed state: what is on the device then, what
-is in host memory, and the copies of the update's last prompt phase, ``traffic``). Control cells (--controls, k = 1: the group fits,
-``max_tokens = P + N R``): ``once`` and ``split`` are then the same one-micro-batch dualkv update (no
-prompt phase), and must agree within 1%.
+over the timed updates, and the allocator's reserved peak; CPU: tracked tensor bytes of one extra
+update, bench/live_bytes.py) and ``PromptKV.memory`` at the end of phase B (with the streamed state:
+what is on the device then, what is in host memory, and the copies of the update's last prompt phase,
+``traffic``). Control cells (--controls, k = 1: the group fits, ``max_tokens = P + N R``): ``once``
+and ``split`` are then the same one-micro-batch dualkv update (no prompt phase), and must agree
+within 1%.
 
   python bench/prompt_once_e2e.py --models 1.7b                       # P 8K/16K/32K, R 1K/2K, k 2/3/4
   python bench/prompt_once_e2e.py --models 8b --prompts 8192,16384 --responses 1024 --k 4
@@ -237,6 +238,10 @@ def measure(method, model, data, max_tokens, args, device, base):
                 samples.append(seconds)
             if device.type == "cuda":
                 rec["peak_bytes"] = torch.cuda.max_memory_allocated(device)
+                # what the caching allocator held: above the allocated peak by its cache, and by the
+                # blocks a copy stream's recorded use keeps from reuse while the host runs ahead
+                # (stream_prompt_state's buffers)
+                rec["peak_reserved_bytes"] = torch.cuda.max_memory_reserved(device)
             else:
                 with LiveTensorBytes() as live:
                     one_update(method, model, data, max_tokens, device)
@@ -441,7 +446,10 @@ def main(argv=None):
             records.append(rec)
             e2e.log(f"  {base['cell']:<28} {method:<15} {rec['status']:<7} "
                     + (f"{rec['seconds']:.3f} s/update, {rec['micro_batches']} micro-batches, "
-                       f"peak {rec['peak_bytes'] / 2**30:.2f} GiB" if rec["status"] == "ok" else rec.get("error", "")))
+                       f"peak {rec['peak_bytes'] / 2**30:.2f} GiB"
+                       + (f" (reserved {rec['peak_reserved_bytes'] / 2**30:.2f})"
+                          if "peak_reserved_bytes" in rec else "")
+                       if rec["status"] == "ok" else rec.get("error", "")))
         compare(records, P, N, R, k)
         results.extend(records)
         save()

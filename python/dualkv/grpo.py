@@ -234,7 +234,8 @@ def policy_update(model, prompts: Sequence[Tensor], responses: Sequence[Sequence
     (:func:`dualkv.plan_micro_batches`, :func:`dualkv.schedule.micro_batches`; ``max_prompt_tokens``
     bounds a prompt phase; ``recompute_prompt``, ``prompt_grad_dtype``, ``offload_prompt_grads``,
     ``offload_prompt_activations`` and ``stream_prompt_state`` choose how the prompt phase trades
-    memory for one more prompt forward or host copies, :mod:`dualkv.schedule`; ``prompt_state_budget=True`` counts what a prompt
+    memory for one more prompt forward or host copies, :mod:`dualkv.schedule`;
+    ``prompt_state_budget=True`` counts what a prompt
     phase keeps against its micro-batches' budget, :func:`dualkv.schedule.prompt_state_factor`, a
     number sets that factor; off by default: on the H200 it doubled the micro-batches of the k = 4
     cells and gave back the whole gain without lowering the peak, which phase A/C set there,
