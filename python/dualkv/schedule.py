@@ -334,6 +334,7 @@ class PromptKV:
         del grads
         output, self.output = self.output, None
         if probes:
+            probes = _streamed_root_order(probes) if self.stream else probes
             _backward_with_output(probes, [None] * len(probes), output)
 
     def _backward_rerun(self) -> None:
@@ -354,6 +355,7 @@ class PromptKV:
             raise ArgumentError(f"dualkv.schedule: the prompt forward of phase C did not run attention layer(s) "
                                 f"{sorted(missing)} of phase A")
         if probes:
+            probes = _streamed_root_order(probes) if self.stream else probes
             _backward_with_output(probes, [None] * len(probes), output)
 
     def _probe(self, module, k: Tensor, v: Tensor) -> None:
@@ -657,6 +659,17 @@ class _StreamedPromptState:
                 "grad": nbytes(t for sums, _ in self.grad_cache.values() for t in sums),
                 "kv_host": nbytes(t for pair in self.kv_host.values() for t in pair),
                 "grad_host": nbytes(t for pair in self.grad_host.values() for t in pair)}
+
+
+def _streamed_root_order(probes: List[Tensor]) -> List[Tensor]:
+    """Phase C's probes (one per layer, in the forward's order) as the roots of its backward, top
+    layer first. The engine runs them by priority (the later node first: each just before its
+    layer's backward needs it), but on CUDA its device thread may take the first root queued before
+    the rest are: with the streamed sums, that probe fetches its layer's sums at once, so let it be
+    the top layer's, which is needed first (and prefetched by phase_c). The order only decides which
+    root is queued first; the gradients add the same (each key and value tensor gets two: the probe's
+    and attention's, and a sum of two does not depend on their order)."""
+    return probes[::-1]
 
 
 class _StreamedRead(torch.autograd.Function):
