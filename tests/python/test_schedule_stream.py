@@ -376,3 +376,103 @@ def test_streamed_state_leaves_the_device_cpu_emulation(monkeypatch):
 def policy_update_with(model, prompts, responses, old, adv, max_tokens, **kw):
     from dualkv.grpo import policy_update
     return policy_update(model, prompts, responses, old, adv, max_tokens, clip_high=0.28, **kw)
+
+
+# ---- under torch.distributed (gloo, 2 spawned ranks, test_distributed_ranks.py's models and data) ----
+
+def case_schedule_sp_streamed(rank, world):
+    """Ulysses SP over the 2 ranks: the split group runs its prompt once with each rank's heads'
+    keys and values streamed; every rank's gradients are bitwise those of the device-resident run."""
+    import torch.distributed as dist
+    from test_distributed_ranks import (DP_GROUPS, _mb_loss_inputs, _plan_and_losses, distributed, grads, grpo_loss,
+                                        qwen3)
+    group = dist.group.WORLD
+    prompts, responses, _, old, adv = _plan_and_losses(DP_GROUPS, 40, 1)
+    plan = dualkv.plan_micro_batches([(p.numel(), [r.numel() for r in rs]) for p, rs in zip(prompts, responses)], 24,
+                                     prompt_once=True)
+    assert plan.split_groups == (0,) and len(plan.prompt_phases[0]) == 1
+    model = qwen3()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    got = {}
+    for stream in (False, True):
+        model.zero_grad(set_to_none=True)
+        for mb, packed in schedule.micro_batches(model, plan, 0, prompts, responses, sp_group=group,
+                                                 stream_prompt_state=stream):
+            o, a, mask = _mb_loss_inputs(mb.entries, old, adv, packed)
+            logp, ent = dkt.packed_logprobs(model, distributed.shard(packed, group), entropy=True)
+            (grpo_loss(logp, ent, o, a, mask) * (mb.response_tokens / plan.response_tokens)).backward()
+        got[stream] = grads(model)
+    for name, g in got[False].items():
+        assert torch.equal(got[True][name], g), name
+
+
+def case_fsdp_dp_schedule_streamed(rank, world):
+    """FSDP2 over the 2 ranks (DP 2), checkpointing, policy_update with the split group's prompt once
+    on one rank and a placeholder phase on the other, both phase-C modes: the streamed state gives
+    bitwise the device-resident gradients."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from dualkv.grpo import policy_update
+    from test_distributed_ranks import DP_GROUPS, _plan_and_losses, fsdp_model, grads, qwen3
+    prompts, responses, _, old, adv = _plan_and_losses(DP_GROUPS, 40, world)
+    adv = [[float(a) for a in xs] for xs in adv]
+    model = qwen3()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model = fsdp_model(model, init_device_mesh("cpu", (world,)))
+    for recompute in (True, False):
+        got = {}
+        for stream in (False, True):
+            model.zero_grad(set_to_none=True)
+            out = policy_update(model, prompts, responses, old, adv, 40, num_ranks=world, rank=rank, clip_high=0.28,
+                                recompute_prompt=recompute, stream_prompt_state=stream)
+            assert out["plan"].split_groups == (0,) and len(out["plan"].prompt_phases[rank]) == 1
+            got[stream] = grads(model)
+        for name, g in got[False].items():
+            assert torch.equal(got[True][name], g), (recompute, name)
+
+
+def _distributed_worker(rank, world, init_file, out_dir, cases):
+    import datetime
+    import json
+    import pathlib
+    import traceback
+
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    results = {}
+    for name in cases:
+        try:
+            globals()[f"case_{name}"](rank, world)
+            results[name] = None
+        except BaseException:  # noqa: BLE001 - read by the test
+            results[name] = traceback.format_exc()
+    (pathlib.Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+def test_streamed_under_sequence_parallelism_and_fsdp(tmp_path):
+    """The two cases above on 2 gloo ranks (spawned): every rank reports each case passed."""
+    import json
+
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+    if not dist.is_gloo_available():
+        pytest.skip("torch.distributed without gloo")
+    cases = ["schedule_sp_streamed", "fsdp_dp_schedule_streamed"]
+    ctx = mp.start_processes(_distributed_worker, args=(2, str(tmp_path / "init"), str(tmp_path), cases), nprocs=2,
+                             join=False, start_method="spawn")
+    finished = False
+    try:
+        finished = ctx.join(timeout=300)  # False on the timeout (a deadlock); raises if a rank died
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+                p.join()
+    assert finished, "the ranks did not finish within 300 s"
+    for r in range(2):
+        results = json.loads((tmp_path / f"rank{r}.json").read_text())
+        for name in cases:
+            assert results.get(name, "did not run") is None, f"rank {r}, {name}:\n{results.get(name)}"
