@@ -455,6 +455,7 @@ def _distributed_worker(rank, world, init_file, out_dir, cases):
 def test_streamed_under_sequence_parallelism_and_fsdp(tmp_path):
     """The two cases above on 2 gloo ranks (spawned): every rank reports each case passed."""
     import json
+    import time
 
     import torch.distributed as dist
     import torch.multiprocessing as mp
@@ -463,9 +464,11 @@ def test_streamed_under_sequence_parallelism_and_fsdp(tmp_path):
     cases = ["schedule_sp_streamed", "fsdp_dp_schedule_streamed"]
     ctx = mp.start_processes(_distributed_worker, args=(2, str(tmp_path / "init"), str(tmp_path), cases), nprocs=2,
                              join=False, start_method="spawn")
-    finished = False
+    deadline, finished = time.monotonic() + 300, False
     try:
-        finished = ctx.join(timeout=300)  # False on the timeout (a deadlock); raises if a rank died
+        # join returns once some rank ends (True when all have); raises if one failed outside a case
+        while not finished and time.monotonic() < deadline:
+            finished = ctx.join(timeout=max(1.0, deadline - time.monotonic()))
     finally:
         for p in ctx.processes:
             if p.is_alive():
