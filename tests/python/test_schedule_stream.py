@@ -238,9 +238,12 @@ def test_cuda_streamed_prompt_state_bitwise_and_off_the_device():
     prefetched) and 2 layers of sums (the one being added into, the one prefetched; a sum whose copy
     to the host is in flight is freed in the allocator's count); so its phase-B peak is lower by at
     least (1 - 2/L)(kv + grad) = 7/8 of it: asserted >= 3/4. Phase C: the device-resident path starts
-    it with the buffers of every layer (and the keys and values, dropped first), the streamed one with
-    the top layer's sums and fetches one layer ahead: lower by at least (1 - 2/L) grad, asserted
-    >= 3/4 of grad."""
+    it (where its peak is measured from) with the keys and values and the gradient buffers of every
+    layer, and holds the buffers of each layer at least until its backward (the keys and values and
+    buffers even longer: the last micro-batch's graph, which the caller's loop still references,
+    keeps the leaves and their .grad alive), the streamed one holds the sums of at most 3 layers (the
+    one handed to the backward, the one prefetched, one fetched early if the engine runs a probe
+    before its turn): lower by at least (1 - 3/L) grad, asserted >= 3/4 of grad."""
     if not _cuda_reads_external_prefixes():
         pytest.skip("this build's CUDA backend does not run external prefix segments")
     L, P = 16, 8192
