@@ -26,15 +26,23 @@ budget ``max_tokens = P + ceil(N R / k)`` so that the split path needs k micro-b
   once_budget     prompt_state_budget=True: the kept prompt state counted against each response
                   micro-batch's budget (schedule.prompt_state_factor; the default of 69d3abd, a measured
                   loser: docs/decisions.md; not in the default list)
+  once_stream     stream_prompt_state=True: the recorded keys and values and their gradient sums in pinned
+                  host memory from phase A on, on the device a layer or two at a time (prefetched on copy
+                  streams; per response micro-batch and layer 2 copies of the keys and values to the device,
+                  one of the sums each way); not in the default list
+  once_resident   stream_prompt_state=False: the keys and values and their sums on the device through phase B
+                  (what ``once`` measures while schedule.STREAM_PROMPT_STATE is off; not in the default list)
 
 Model setup, timing (CUDA events: median of --iters updates after --warmup), the Flex/FA4 peers and the
 provenance come from bench/e2e.py. Per cell (model, P, R, k): seconds per update per method,
 ``split / once``, the ideal token ratio ``(k P + N R) / (P + N R)``, their quotient (acceptance:
 >= 0.85), ``flex_fa4_split / once``, peak memory per method (CUDA: torch.cuda.max_memory_allocated
-over the timed updates; CPU: tracked tensor bytes of one extra update, bench/live_bytes.py) and
-``PromptKV.memory`` at the end of phase B. Control cells (--controls, k = 1: the group fits,
-``max_tokens = P + N R``): ``once`` and ``split`` are then the same one-micro-batch dualkv update (no
-prompt phase), and must agree within 1%.
+over the timed updates, and the allocator's reserved peak; CPU: tracked tensor bytes of one extra
+update, bench/live_bytes.py) and ``PromptKV.memory`` at the end of phase B (with the streamed state:
+what is on the device then, what is in host memory, and the copies of the update's last prompt phase,
+``traffic``). Control cells (--controls, k = 1: the group fits, ``max_tokens = P + N R``): ``once``
+and ``split`` are then the same one-micro-batch dualkv update (no prompt phase), and must agree
+within 1%.
 
   python bench/prompt_once_e2e.py --models 1.7b                       # P 8K/16K/32K, R 1K/2K, k 2/3/4
   python bench/prompt_once_e2e.py --models 8b --prompts 8192,16384 --responses 1024 --k 4
@@ -68,12 +76,13 @@ from dualkv.demo import MODEL_SIZES, qwen3_config  # noqa: E402
 from dualkv.grpo import policy_update  # noqa: E402
 
 METHODS = ("split", "once", "flex_fa4_split", "flex_split", "once_recompute", "once_offload", "once_keep",
-           "once_budget")
-ONCE_METHODS = ("once", "once_recompute", "once_offload", "once_keep", "once_budget")
+           "once_budget", "once_stream", "once_resident")
+ONCE_METHODS = ("once", "once_recompute", "once_offload", "once_keep", "once_budget", "once_stream", "once_resident")
 #: policy_update arguments of each prompt-once method (``once``: its defaults)
 ONCE_KWARGS = {"once": {}, "once_recompute": dict(recompute_prompt=True),
                "once_offload": dict(recompute_prompt=True, offload_prompt_grads=True),
-               "once_keep": dict(offload_prompt_activations=False), "once_budget": dict(prompt_state_budget=True)}
+               "once_keep": dict(offload_prompt_activations=False), "once_budget": dict(prompt_state_budget=True),
+               "once_stream": dict(stream_prompt_state=True), "once_resident": dict(stream_prompt_state=False)}
 DEFAULT_METHODS = ("split", "once", "flex_fa4_split")
 PROTOCOL = {
     "update": "forward + backward of one GRPO policy update (dualkv.grpo.policy_update: DAPO clip 0.2/0.28, "
@@ -91,6 +100,9 @@ PROTOCOL = {
     "flex_split": "the split plan, compiled FlexAttention (Triton)",
     "once_keep": "once with offload_prompt_activations=False (phase A's activations kept on the device)",
     "once_offload": "once with offload_prompt_grads=True (phase C's forward with the gradient buffers in host memory)",
+    "once_stream": "once with stream_prompt_state=True (the prompt's keys, values and their gradient sums in pinned "
+                   "host memory, on the device a layer or two at a time)",
+    "once_resident": "once with stream_prompt_state=False (the prompt's keys, values and gradient sums on the device)",
     "ideal": "(k P + N R) / (P + N R): the token ratio of split to once",
 }
 
@@ -187,6 +199,8 @@ def prompt_kv_memory(into: dict):
     def backward(self):
         into.update(self.memory)
         original(self)
+        if self.traffic is not None:  # stream_prompt_state: the copies of the phase, phase C's included
+            into["traffic"] = dict(self.traffic)
     schedule.PromptKV.backward = backward
     try:
         yield
@@ -224,6 +238,10 @@ def measure(method, model, data, max_tokens, args, device, base):
                 samples.append(seconds)
             if device.type == "cuda":
                 rec["peak_bytes"] = torch.cuda.max_memory_allocated(device)
+                # what the caching allocator held: above the allocated peak by its cache, and by the
+                # blocks a copy stream's recorded use keeps from reuse while the host runs ahead
+                # (stream_prompt_state's buffers)
+                rec["peak_reserved_bytes"] = torch.cuda.max_memory_reserved(device)
             else:
                 with LiveTensorBytes() as live:
                     one_update(method, model, data, max_tokens, device)
@@ -428,7 +446,10 @@ def main(argv=None):
             records.append(rec)
             e2e.log(f"  {base['cell']:<28} {method:<15} {rec['status']:<7} "
                     + (f"{rec['seconds']:.3f} s/update, {rec['micro_batches']} micro-batches, "
-                       f"peak {rec['peak_bytes'] / 2**30:.2f} GiB" if rec["status"] == "ok" else rec.get("error", "")))
+                       f"peak {rec['peak_bytes'] / 2**30:.2f} GiB"
+                       + (f" (reserved {rec['peak_reserved_bytes'] / 2**30:.2f})"
+                          if "peak_reserved_bytes" in rec else "")
+                       if rec["status"] == "ok" else rec.get("error", "")))
         compare(records, P, N, R, k)
         results.extend(records)
         save()

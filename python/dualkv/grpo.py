@@ -218,7 +218,7 @@ def policy_update(model, prompts: Sequence[Tensor], responses: Sequence[Sequence
                   max_prompt_tokens: Optional[int] = None, recompute_prompt: bool = False,
                   prompt_grad_dtype: Optional[torch.dtype] = None, offload_prompt_grads: bool = False,
                   offload_prompt_activations: bool = True, prompt_state_budget: Union[bool, float] = False,
-                  temperature: float = 1.0,
+                  stream_prompt_state: Optional[bool] = None, temperature: float = 1.0,
                   deterministic: bool = False, ref_logprobs: Optional[Sequence[Sequence[Tensor]]] = None,
                   **loss_kwargs: Any) -> Dict[str, Any]:
     """The forward and backward of one policy update (no optimizer step) of a transformers causal LM
@@ -232,9 +232,10 @@ def policy_update(model, prompts: Sequence[Tensor], responses: Sequence[Sequence
     ``kl_coef``, ``kl_type``, ``agg``). Groups that fit stay whole; a group over the budget is split
     into response subsets and, with ``prompt_once`` (default), runs its prompt once
     (:func:`dualkv.plan_micro_batches`, :func:`dualkv.schedule.micro_batches`; ``max_prompt_tokens``
-    bounds a prompt phase; ``recompute_prompt``, ``prompt_grad_dtype``, ``offload_prompt_grads`` and
-    ``offload_prompt_activations`` choose how the prompt phase trades memory for one more prompt
-    forward or host copies, :mod:`dualkv.schedule`; ``prompt_state_budget=True`` counts what a prompt
+    bounds a prompt phase; ``recompute_prompt``, ``prompt_grad_dtype``, ``offload_prompt_grads``,
+    ``offload_prompt_activations`` and ``stream_prompt_state`` choose how the prompt phase trades
+    memory for one more prompt forward or host copies, :mod:`dualkv.schedule`;
+    ``prompt_state_budget=True`` counts what a prompt
     phase keeps against its micro-batches' budget, :func:`dualkv.schedule.prompt_state_factor`, a
     number sets that factor; off by default: on the H200 it doubled the micro-batches of the k = 4
     cells and gave back the whole gain without lowering the peak, which phase A/C set there,
@@ -252,7 +253,7 @@ def policy_update(model, prompts: Sequence[Tensor], responses: Sequence[Sequence
     from . import distributed
     from .integrations import transformers as dkt
     from .microbatch import plan_micro_batches
-    from .schedule import _offloads, micro_batches, prompt_state_credit, prompt_state_factor
+    from .schedule import _offloads, _streams, micro_batches, prompt_state_credit, prompt_state_factor
 
     agg = loss_kwargs.get("agg", "token-mean")
     groups = [(int(p.numel()), [int(r.numel()) for r in rs]) for p, rs in zip(prompts, responses)]
@@ -262,7 +263,8 @@ def policy_update(model, prompts: Sequence[Tensor], responses: Sequence[Sequence
         factor = prompt_state_budget  # an explicit factor (plan_micro_batches checks it)
         if prompt_state_budget is True:
             factor = prompt_state_factor(model, prompt_grad_dtype, recompute_prompt,
-                                         offload_prompt_activations and _offloads(model.device))
+                                         offload_prompt_activations and _offloads(model.device),
+                                         stream_prompt_state=_streams(stream_prompt_state, model.device))
     plan = plan_micro_batches(groups, max_tokens, num_ranks, prompt_once=prompt_once,
                               max_prompt_tokens=max_prompt_tokens, prompt_state_factor=factor,
                               prompt_state_credit=credit)
@@ -274,7 +276,8 @@ def policy_update(model, prompts: Sequence[Tensor], responses: Sequence[Sequence
     for mb, packed in micro_batches(model, plan, rank, prompts, responses, deterministic,
                                      recompute_prompt=recompute_prompt, prompt_grad_dtype=prompt_grad_dtype,
                                      offload_prompt_grads=offload_prompt_grads,
-                                     offload_prompt_activations=offload_prompt_activations):
+                                     offload_prompt_activations=offload_prompt_activations,
+                                     stream_prompt_state=stream_prompt_state):
         if packed is None:  # an empty micro-batch of the padding: the same collectives, no loss
             logp = dkt.packed_logprobs(model, distributed.placeholder_batch(model.device))
             (logp.sum() * 0.0).backward()

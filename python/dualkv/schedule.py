@@ -28,8 +28,8 @@ How phases A and C run:
   nothing moves) and comes back layer by layer when phase C's backward recomputes each layer. Each
   layer's keys and values reach phase C's backward through a probe (:class:`_PromptGrad`) whose
   gradients are filled in at phase C, so the kept keys and values are detached and free before it.
-  One prompt forward; phase B keeps the keys and values, their gradient buffers and the last
-  hidden state on the device.
+  One prompt forward; phase B keeps the last hidden state on the device, and the keys and values
+  and their gradient buffers there or in host memory (``stream_prompt_state``, below).
 * ``offload_prompt_activations=False``: the same with phase A's saved activations on the device.
 * ``recompute_prompt=True``: phase A runs under ``torch.no_grad()`` and keeps only the keys and
   values; phase C runs the prompts' forward again, with gradients (the random state restored, so
@@ -37,13 +37,34 @@ How phases A and C run:
   more prompt forward, no host memory. ``offload_prompt_grads=True`` (with it) also moves the
   gradient buffers to host memory for phase C's forward and back layer by layer in its backward.
 
+Where the prompt state lives through phase B (``stream_prompt_state``; default
+:data:`STREAM_PROMPT_STATE` on CUDA, never elsewhere):
+
+* streamed (True): each layer's recorded keys and values go to pinned host memory as phase A
+  records them (asynchronously, on a copy stream), and so do their gradient sums: a response
+  micro-batch reads layer i through :class:`_StreamedRead`, which returns device buffers prefetched
+  on a second copy stream one layer ahead in the direction of travel (under gradient checkpointing
+  a layer is read twice per micro-batch: the forward 0..L-1, then the recompute L-1..0), and whose
+  backward adds the micro-batch's gradients into the layer's sum brought back from the host (the
+  same in-place add as the device-resident path's) and sends it back. Phase C's probes fetch each
+  layer's sums as the backward reaches it. The device holds a few layers of the state instead of
+  all of them (:attr:`PromptKV.memory`); the price is PCIe traffic per response micro-batch and
+  layer: 2 copies of its keys and values to the device (1 without checkpointing) and its gradient
+  sums once each way, overlapped with the compute (events order the streams; no host sync), plus
+  the state's size in pinned host memory (Qwen3-1.7B at P 16K in bf16: 1.8 GB of keys and values
+  and as much of sums; per checkpointed micro-batch ~5.4 GB to the device and 1.8 GB back). Bitwise
+  the device-resident update.
+* device-resident (False): the keys and values and their gradient buffers stay on the device
+  through phase B (autograd leaves, the gradients accumulated into ``leaf.grad``).
+
 Every way is exact. :func:`prompt_state_factor` and :func:`prompt_state_credit` give the planner
 (:func:`dualkv.plan_micro_batches`) what a phase keeps, in micro-batch tokens, so that a phase and
 its micro-batches stay within the split path's peak.
 
 Memory of a phase: the recorded keys and values (2 x layers x prompt tokens x kv heads x head dim)
-and their gradient buffers (as many elements, in ``prompt_grad_dtype``), plus with
-``offload_prompt_activations=False`` what phase A's forward keeps for its backward; the plan bounds a phase's
+and their gradient buffers (as many elements, in ``prompt_grad_dtype``), on the device or, streamed,
+in host memory with a few layers' worth on the device; plus with ``offload_prompt_activations=False``
+what phase A's forward keeps for its backward; the plan bounds a phase's
 prompt tokens by ``max_prompt_tokens`` (default: the micro-batch budget). :attr:`PromptKV.memory`
 reports it.
 """
@@ -60,13 +81,15 @@ from .layout import Layout
 from .microbatch import MicroBatch, MicroBatchPlan, PromptPhase
 from .packing import PackedBatch, pack_groups
 
-__all__ = ["PromptKV", "micro_batches", "prompt_state_credit", "prompt_state_factor", "run_prompt_phase"]
+__all__ = ["PromptKV", "STREAM_PROMPT_STATE", "micro_batches", "prompt_state_credit", "prompt_state_factor",
+           "run_prompt_phase"]
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
 def prompt_state_factor(model, grad_dtype: Optional[torch.dtype] = None, recompute_prompt: bool = False,
-                        offload_prompt_activations: bool = True, dtype: Optional[torch.dtype] = None) -> float:
+                        offload_prompt_activations: bool = True, dtype: Optional[torch.dtype] = None,
+                        stream_prompt_state: bool = False) -> float:
     """Micro-batch tokens one kept prompt token of a prompt phase is worth, for
     :func:`dualkv.plan_micro_batches`'s ``prompt_state_factor``: bytes a phase keeps through its
     micro-batches per prompt token, over a lower bound of the bytes a gradient-checkpointed
@@ -77,7 +100,10 @@ def prompt_state_factor(model, grad_dtype: Optional[torch.dtype] = None, recompu
     dtype by default, float32 for a config). From the config (L layers, hidden H, Hq query and Hk key/value heads
     of dimension D, MLP width I, parameter bytes b, gradient-sum bytes b_g):
 
-      kept   = 2 L Hk D (b + b_g)        keys and values of every layer and their gradient sums
+      kept   = 2 L' Hk D (b + b_g)       keys and values and their gradient sums of L' = L layers, or
+                                         with stream_prompt_state of the few layers on the device at
+                                         once (L' = min(L, _STREAMED_LAYERS): the one being read, the
+                                         one prefetched, the one whose copy is in flight)
              + H b                       phase A's last hidden state (the root of phase C's backward)
              + (L + 1) H b               with the activations on the device: the checkpointed layer
                                          inputs and the final norm's input (recompute_prompt=False and
@@ -91,7 +117,8 @@ def prompt_state_factor(model, grad_dtype: Optional[torch.dtype] = None, recompu
                                          backward's own gradients, the log-prob chunk and the
                                          allocator's slack are left out (the lower bound)
 
-    Qwen3-1.7B in bf16: 233.5 KB / 213 KB = 1.096; Qwen3-8B: 303 KB / 483 KB = 0.628.
+    Qwen3-1.7B in bf16: 233.5 KB / 213 KB = 1.096; Qwen3-8B: 303 KB / 483 KB = 0.628; with
+    stream_prompt_state: 28.7 KB / 213 KB = 0.135 and 32.8 KB / 483 KB = 0.068.
     """
     cfg = getattr(model, "config", model)
     cfg = getattr(cfg, "text_config", None) or cfg
@@ -105,7 +132,7 @@ def prompt_state_factor(model, grad_dtype: Optional[torch.dtype] = None, recompu
         dtype = param.dtype if param is not None else torch.float32
     b = torch.empty((), dtype=dtype).element_size()
     bg = torch.empty((), dtype=grad_dtype).element_size() if grad_dtype is not None else b
-    kept = 2 * L * hk * d * (b + bg) + H * b
+    kept = 2 * (min(L, _STREAMED_LAYERS) if stream_prompt_state else L) * hk * d * (b + bg) + H * b
     if not recompute_prompt and not offload_prompt_activations:
         kept += (L + 1) * H * b
     return kept / _token_bytes(cfg, b)
@@ -169,10 +196,12 @@ class PromptKV:
     gradients (phase C), the layers reporting their keys and values to :meth:`record`.
     ``offload_grads`` (with ``rerun``): during phase C's forward the gradient buffers wait in host
     memory (pinned for CUDA) and go back to the device layer by layer as the backward reaches them.
+    ``stream``: the keys and values and their gradient sums live in host memory from phase A on and
+    come to the device a layer at a time (:class:`_StreamedPromptState`).
     """
 
     def __init__(self, prefix_lens: Sequence[int], grad_dtype: Optional[torch.dtype] = None,
-                 rerun: Optional[Callable[[], None]] = None, offload_grads: bool = False):
+                 rerun: Optional[Callable[[], None]] = None, offload_grads: bool = False, stream: bool = False):
         if grad_dtype not in (None, torch.float32):
             raise ArgumentError(f"dualkv.schedule: prompt_grad_dtype must be None (the model's dtype) or "
                                 f"torch.float32, got {grad_dtype}")
@@ -196,6 +225,10 @@ class PromptKV:
         self.host_bytes = 0  # phase A's saved activations in pinned host memory (offload_prompt_activations)
         #: phase A's last hidden state (recompute_prompt=False): a root of phase C's backward, zero gradient
         self.output: Optional[Tensor] = None
+        self.stream = bool(stream)
+        self._streamed: Optional[_StreamedPromptState] = None  # stream: made by the first record
+        #: stream: the copies between host and device so far, phases B and C (_StreamedPromptState.traffic)
+        self.traffic: Optional[Dict[str, int]] = None
 
     # ---- phase A (and phase C's forward of a rerun) ----
     def record(self, module, k: Tensor, v: Tensor) -> None:
@@ -214,7 +247,7 @@ class PromptKV:
                 "dualkv.schedule: gradients are off inside the layer of a prompt phase that runs with gradients "
                 "(reentrant gradient checkpointing?); the recorded keys and values would not reach the parameters. "
                 "Use model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})")
-        if idx in self._keys:
+        if idx in self._keys or (self._streamed is not None and idx in self._streamed.kv_host):
             raise ArgumentError(f"dualkv.schedule: attention layer {idx} ran twice in one prompt phase")
         k, v = _own_rows(k[:self.num_rows]), _own_rows(v[:self.num_rows])
         if self._grad_enabled and self._rerun is None and (k.requires_grad or v.requires_grad):
@@ -225,15 +258,24 @@ class PromptKV:
             self._slots[idx] = slot
             self._probes.append(_PromptGrad.apply(k, v, slot))
             k, v = k.detach(), v.detach()
+        if self.stream:  # to host memory now: the copy overlaps the rest of phase A's forward
+            if self._streamed is None:
+                self._streamed = _StreamedPromptState(k.device, self.grad_dtype)
+                self.traffic = self._streamed.traffic
+            self._streamed.save(idx, k.detach(), v.detach())
+            return
         self._keys[idx], self._values[idx] = k, v
 
     def finish(self) -> None:
         """End phase A: from now on the layers read the recorded keys and values through leaves
         whose gradients accumulate over the micro-batches."""
-        if not self._keys:
+        if not self._keys and self._streamed is None:
             raise ArgumentError("dualkv.schedule: the prompt phase recorded no keys and values; is the model's "
                                 "attention implementation \"dualkv\" (dualkv.integrations.transformers.enable)?")
         self.recording = False
+        if self._streamed is not None:
+            self._streamed.finish()
+            return
         for idx in self._keys:
             leaves = tuple(t.detach().requires_grad_() for t in (self._keys[idx], self._values[idx]))
             self._leaves[idx] = leaves
@@ -252,6 +294,10 @@ class PromptKV:
             raise ArgumentError("dualkv.schedule: a micro-batch with external prompts ran before its prompt phase "
                                 "finished")
         idx = _layer_index(module)
+        if self._streamed is not None:
+            if idx not in self._streamed.kv_host:
+                raise ArgumentError(f"dualkv.schedule: attention layer {idx} recorded nothing in the prompt phase")
+            return _StreamedRead.apply(self._streamed.anchor, self._streamed, idx)
         if idx not in self._leaves:
             raise ArgumentError(f"dualkv.schedule: attention layer {idx} recorded nothing in the prompt phase")
         return self._leaves[idx]
@@ -259,7 +305,12 @@ class PromptKV:
     # ---- phase C ----
     def _gradients(self) -> Dict[int, List[Optional[Tensor]]]:
         """Per layer, the accumulated gradients of its keys and values (None where no micro-batch
-        read them), in the keys' dtype; the phase-B state is dropped."""
+        read them), in the keys' dtype; the phase-B state is dropped. With ``stream``: per layer a
+        one-element list of a callable that brings the layer's sums back to the device (called by
+        _PromptGrad's backward, when phase C's backward reaches the layer)."""
+        if self._streamed is not None:
+            streamed, self._streamed = self._streamed, None
+            return streamed.phase_c()
         out = {}
         for idx, leaves in self._leaves.items():
             sums = self._sums.get(idx, (None, None))
@@ -283,12 +334,13 @@ class PromptKV:
         del grads
         output, self.output = self.output, None
         if probes:
+            probes = _streamed_root_order(probes) if self.stream else probes
             _backward_with_output(probes, [None] * len(probes), output)
 
     def _backward_rerun(self) -> None:
         rerun, self._rerun = self._rerun, None
         self._pending = self._gradients()  # the keys and values of phase A go: phase C makes its own
-        if self.offload_grads:
+        if self.offload_grads and not self.stream:  # streamed sums are in host memory already
             self._pending = {idx: [_to_host(g) for g in gs] for idx, gs in self._pending.items()}
         layers = set(self._pending)
         self._probing = True
@@ -303,6 +355,7 @@ class PromptKV:
             raise ArgumentError(f"dualkv.schedule: the prompt forward of phase C did not run attention layer(s) "
                                 f"{sorted(missing)} of phase A")
         if probes:
+            probes = _streamed_root_order(probes) if self.stream else probes
             _backward_with_output(probes, [None] * len(probes), output)
 
     def _probe(self, module, k: Tensor, v: Tensor) -> None:
@@ -321,15 +374,23 @@ class PromptKV:
 
     @property
     def memory(self) -> Dict[str, Optional[int]]:
-        """Bytes kept: ``kv`` (the recorded keys and values), ``grad`` (their accumulated
-        gradients: the leaves' gradient buffers, or fp32 sums with ``grad_dtype=torch.float32``),
-        ``device`` (phase A's whole kept state, activations included, measured by the CUDA
-        allocator; None on CPU)."""
+        """Bytes kept: ``kv`` (the recorded keys and values on the model's device), ``grad`` (their
+        accumulated gradients there: the leaves' gradient buffers, or fp32 sums with
+        ``grad_dtype=torch.float32``), ``device`` (phase A's whole kept state, activations included,
+        measured by the CUDA allocator; None on CPU), ``host`` (phase A's saved activations in host
+        memory). With ``stream``: ``kv`` and ``grad`` are the layers on the device now (a few), and
+        ``kv_host`` / ``grad_host`` the whole state in host memory (pinned for CUDA; on the CPU a
+        second copy that stands for it)."""
+        if self._streamed is not None:
+            return dict(self._streamed.memory(), device=self.device_bytes, host=self.host_bytes)
         kv = _storage_bytes([t for d in (self._keys, self._values) for t in d.values()])
         grad = sum(t.numel() * t.element_size() for pair in self._sums.values() for t in pair)
         grad += sum(leaf.grad.numel() * leaf.grad.element_size() for pair in self._leaves.values() for leaf in pair
                     if leaf.grad is not None)
-        return {"kv": kv, "grad": grad, "device": self.device_bytes, "host": self.host_bytes}
+        out = {"kv": kv, "grad": grad, "device": self.device_bytes, "host": self.host_bytes}
+        if self.stream:  # phase C has taken the streamed state
+            out.update(kv_host=0, grad_host=0)
+        return out
 
 
 class _PromptGrad(torch.autograd.Function):
@@ -347,11 +408,290 @@ class _PromptGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, _):
         grads, ctx.grads = ctx.grads, None
+        if len(grads) == 1 and callable(grads[0]):  # stream_prompt_state: the sums come from host memory now
+            grads[:] = grads[0]()
         out = tuple(torch.zeros(shape, dtype=dtype, device=device) if g is None
                     else g.to(device, non_blocking=True)  # back from the host (offload_grads); else itself
                     for g, (shape, dtype, device) in zip(grads, ctx.like))
         grads.clear()
         return out + (None,)
+
+
+# ---- stream_prompt_state: the prompt state in host memory, a layer at a time on the device ----
+
+#: the default of ``stream_prompt_state`` on CUDA (run_prompt_phase, micro_batches, grpo.policy_update):
+#: one constant, flipped once the H200 measures the streamed path's peak and time against the
+#: device-resident one (bench/prompt_once_e2e.py, methods once_stream and once_resident). Off the
+#: CUDA devices the default is never to stream (the CPU is the host: there is nothing to save).
+STREAM_PROMPT_STATE = False
+
+#: layers of keys and values (and of gradient sums) that the streamed state has on the device at a
+#: time, at most: the layer being read (or added into), the one prefetched in the direction of travel,
+#: the one whose copy to the host is in flight (prompt_state_factor's budget)
+_STREAMED_LAYERS = 3
+
+
+def _streams(stream_prompt_state: Optional[bool], device: torch.device) -> bool:
+    """``stream_prompt_state`` resolved: None is :data:`STREAM_PROMPT_STATE` on CUDA, off elsewhere."""
+    if stream_prompt_state is None:
+        return STREAM_PROMPT_STATE and device.type == "cuda"
+    return bool(stream_prompt_state)
+
+
+class _StreamedPromptState:
+    """``stream_prompt_state``: a prompt phase's keys and values and their gradient sums in host
+    memory (pinned for CUDA), on the device a layer or two at a time.
+
+    * Phase A (:meth:`save`): each layer's keys and values go to the host as the layer records them,
+      on a device-to-host copy stream (ordered after the compute stream's work so far); the first
+      layer also stays on the device (phase B reads it first).
+    * Phase B (:meth:`read`, from :class:`_StreamedRead`): a read of layer i returns device buffers
+      of a small cache filled by host-to-device copies on a second copy stream; the compute stream
+      waits on the copy's event and the buffers are marked used by it (``record_stream``), so that
+      the caching allocator never hands them out again while a queued kernel still reads them. A
+      read keeps layer i (under gradient checkpointing the last layer of the forward is read again
+      at once by its recompute, and the first layer of a backward is the first of the next
+      micro-batch's forward) and prefetches the next layer in the direction of travel: up in a
+      forward (0..L-1), down in the backward's recomputes (L-1..0); a read one below the last one,
+      or of the same layer, is a recompute, but a read of the first layer looks up (what comes next
+      is the next micro-batch's forward: its second layer stays, or is prefetched). Without
+      checkpointing each layer is read once per micro-batch, upwards (a later micro-batch's first
+      read is not prefetched).
+    * Phase B's backward (:meth:`accumulate`): the micro-batch's gradients of layer i's prefix rows
+      add into the layer's sum: the first contribution goes to the host as it is (fp32 sums of
+      16-bit keys: added to zeros, as the device-resident path's zero-initialised fp32 buffer), a
+      later one is added on the compute stream into the sum brought back from the host (prefetched
+      at the layer's recompute, or by the backward of the layer above), and the sum goes back on
+      the device-to-host stream: the arithmetic of the device-resident path's in-place accumulation.
+    * Phase C (:meth:`phase_c`): per layer a callable for :class:`_PromptGrad` that brings the layer's
+      sums back (prefetching the layer below), in the keys' dtype (fp32 sums rounded on the device).
+
+    No host synchronisation: events order the three streams. Per micro-batch and layer under
+    checkpointing: two host-to-device copies of the keys and values, one of the sums each way.
+    On the CPU the same bookkeeping runs with the host being the CPU: every copy is a plain copy.
+    """
+
+    def __init__(self, device: torch.device, grad_dtype: Optional[torch.dtype]):
+        self.device = device
+        self.grad_dtype = grad_dtype
+        cuda = device.type == "cuda"
+        self._to_device_stream = torch.cuda.Stream(device) if cuda else None
+        self._to_host_stream = torch.cuda.Stream(device) if cuda else None
+        self.order: List[int] = []  # layers in the order phase A ran them (a forward's order)
+        self._pos: Dict[int, int] = {}
+        self.kv_host: Dict[int, Tuple[Tensor, Tensor]] = {}
+        self._kv_saved: Dict[int, Optional["torch.cuda.Event"]] = {}  # the copy to kv_host is done
+        self.kv_cache: Dict[int, Tuple[Tensor, Tensor, Optional["torch.cuda.Event"]]] = {}
+        self.grad_host: Dict[int, List[Optional[Tensor]]] = {}  # per layer [keys', values'] sums
+        self._grad_saved: Dict[int, Optional["torch.cuda.Event"]] = {}  # the last copy to grad_host is done
+        self.grad_cache: Dict[int, Tuple[List[Optional[Tensor]], Optional["torch.cuda.Event"]]] = {}
+        self._last: Optional[int] = None  # position (in order) of the last read
+        self._fp32_sums = False
+        self._dtype: Optional[torch.dtype] = None
+        self.anchor: Optional[Tensor] = None
+        #: copies made so far: bytes each way, reads of a layer whose copy was not prefetched (``missed``:
+        #: the compute stream waits for the whole copy), copies of keys and values and of sums back
+        self.traffic = {"to_device_bytes": 0, "to_host_bytes": 0, "kv_copies": 0, "kv_missed": 0,
+                        "grad_copies": 0, "grad_missed": 0}
+
+    # ---- copies ----
+    def _host_empty(self, t: Tensor) -> Tensor:
+        return torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=self._to_host_stream is not None)
+
+    def _to_host(self, pairs: Sequence[Tuple[Tensor, Tensor]]) -> Optional["torch.cuda.Event"]:
+        """Copy each (device tensor, host buffer) pair, after the current stream's work so far;
+        returns the event of the copies (None on the CPU: done)."""
+        stream = self._to_host_stream
+        if stream is None:
+            for t, host in pairs:
+                host.copy_(t)
+                self.traffic["to_host_bytes"] += host.numel() * host.element_size()
+            return None
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for t, host in pairs:
+                host.copy_(t, non_blocking=True)
+                t.record_stream(stream)  # the device buffer is not reused before the copy has read it
+                self.traffic["to_host_bytes"] += host.numel() * host.element_size()
+            return stream.record_event()
+
+    def _to_device(self, hosts: Sequence[Optional[Tensor]], after: Optional["torch.cuda.Event"]):
+        """Device copies of ``hosts`` (None stays None), once ``after`` (the copy that filled them)
+        is done; returns (copies, their event)."""
+        self.traffic["to_device_bytes"] += sum(h.numel() * h.element_size() for h in hosts if h is not None)
+        stream = self._to_device_stream
+        if stream is None:
+            return [h.clone() if h is not None else None for h in hosts], None
+        with torch.cuda.stream(stream):  # allocated on the copy stream: no wait for the compute stream
+            if after is not None:
+                stream.wait_event(after)
+            out = []
+            for h in hosts:
+                if h is None:
+                    out.append(None)
+                    continue
+                t = torch.empty(h.shape, dtype=h.dtype, device=self.device)
+                t.copy_(h, non_blocking=True)
+                out.append(t)
+            return out, stream.record_event()
+
+    def _use(self, tensors: Sequence[Optional[Tensor]], ready: Optional["torch.cuda.Event"]) -> None:
+        """The current stream waits for ``tensors``' copy and is recorded as a user of their memory."""
+        if ready is None:
+            return
+        stream = torch.cuda.current_stream(self.device)
+        stream.wait_event(ready)
+        for t in tensors:
+            if t is not None:
+                t.record_stream(stream)
+
+    # ---- phase A ----
+    def save(self, idx: int, k: Tensor, v: Tensor) -> None:
+        if self._dtype is None:
+            self._dtype = k.dtype
+            self._fp32_sums = self.grad_dtype == torch.float32 and k.dtype in _LOW_PRECISION
+        self._pos[idx] = len(self.order)
+        self.order.append(idx)
+        hosts = (self._host_empty(k), self._host_empty(v))
+        self._kv_saved[idx] = self._to_host(list(zip((k, v), hosts)))
+        self.kv_host[idx] = hosts
+        if len(self.order) == 1:  # phase B's first read: it stays
+            self.kv_cache[idx] = (k, v, None)
+
+    def finish(self) -> None:
+        # the input of every read, so that autograd calls _StreamedRead's backward; no gradient reaches it
+        self.anchor = torch.empty(0, device=self.device, requires_grad=True)
+
+    # ---- phase B ----
+    def _fetch_kv(self, idx: int):
+        self.traffic["kv_copies"] += 1
+        (k, v), ready = self._to_device(self.kv_host[idx], self._kv_saved[idx])
+        return k, v, ready
+
+    def read(self, idx: int) -> Tuple[Tensor, Tensor]:
+        pos, last = self._pos[idx], self._last
+        self._last = pos
+        # the first layer always looks up: the next read is layer 1 (a forward) either way
+        down = last is not None and pos > 0 and (pos == last - 1 or pos == last)
+        entry = self.kv_cache.get(idx)
+        if entry is None:  # not prefetched (a read out of the expected order): copied now
+            self.traffic["kv_missed"] += 1
+            entry = self._fetch_kv(idx)
+        keep = {idx: entry}
+        nxt = pos - 1 if down else pos + 1
+        if 0 <= nxt < len(self.order):
+            ahead = self.order[nxt]
+            keep[ahead] = self.kv_cache.get(ahead) or self._fetch_kv(ahead)
+        self.kv_cache = keep  # the rest is dropped (freed once the streams that used it pass)
+        if down:  # a recompute: this layer's backward comes next and needs its sums
+            self._prefetch_grad(idx)
+        k, v, ready = entry
+        self._use((k, v), ready)
+        return k, v
+
+    def _prefetch_grad(self, idx: int) -> None:
+        if idx in self.grad_cache or idx not in self.grad_host:
+            return
+        self.traffic["grad_copies"] += 1
+        sums, ready = self._to_device(self.grad_host[idx], self._grad_saved[idx])
+        self.grad_cache[idx] = (sums, ready)
+
+    def _take_grad(self, idx: int) -> List[Optional[Tensor]]:
+        """Layer ``idx``'s sums on the device (prefetched or copied now); Nones where none."""
+        if idx not in self.grad_cache and idx in self.grad_host:
+            self.traffic["grad_missed"] += 1
+        self._prefetch_grad(idx)
+        entry = self.grad_cache.pop(idx, None)
+        if entry is None:
+            return [None, None]
+        sums, ready = entry
+        self._use(sums, ready)
+        return list(sums)
+
+    def _prefetch_below(self, idx: int) -> None:
+        pos = self._pos[idx]
+        if pos > 0:
+            self._prefetch_grad(self.order[pos - 1])
+
+    def accumulate(self, idx: int, grads: Sequence[Optional[Tensor]]) -> None:
+        if all(g is None for g in grads):
+            return
+        sums = self._take_grad(idx)
+        hosts = self.grad_host.setdefault(idx, [None, None])
+        copies = []
+        for j, g in enumerate(grads):
+            if g is None:
+                continue
+            if sums[j] is None:  # the first contribution: the sum as the device-resident path starts it
+                if self._fp32_sums:
+                    total = torch.zeros(g.shape, dtype=torch.float32, device=g.device).add_(g)
+                else:
+                    total = g
+                hosts[j] = self._host_empty(total)
+            else:
+                total = sums[j].add_(g)
+            copies.append((total, hosts[j]))
+        self._grad_saved[idx] = self._to_host(copies)  # on one stream: after the layer's earlier copies
+        self._prefetch_below(idx)
+
+    # ---- phase C ----
+    def phase_c(self) -> Dict[int, List]:
+        """The keys and values go; per layer, a callable that returns its sums on the device (phase
+        C's backward runs from the top layer down: its sums are prefetched now)."""
+        self.kv_cache, self.kv_host, self._kv_saved = {}, {}, {}
+        if self.order:
+            self._prefetch_grad(self.order[-1])
+
+        def fetcher(idx):
+            def fetch() -> List[Optional[Tensor]]:
+                sums = self._take_grad(idx)
+                self.grad_host.pop(idx, None)  # host buffers return to the pinned pool after their copies
+                self._prefetch_below(idx)
+                return [s.to(self._dtype) if s is not None else None for s in sums]
+            return fetch
+        return {idx: [fetcher(idx)] for idx in self.order}
+
+    def memory(self) -> Dict[str, int]:
+        def nbytes(ts):
+            return sum(t.numel() * t.element_size() for t in ts if t is not None)
+        kv_device = _storage_bytes([t for k, v, _ in self.kv_cache.values() for t in (k, v)])
+        return {"kv": kv_device,
+                "grad": nbytes(t for sums, _ in self.grad_cache.values() for t in sums),
+                "kv_host": nbytes(t for pair in self.kv_host.values() for t in pair),
+                "grad_host": nbytes(t for pair in self.grad_host.values() for t in pair)}
+
+
+def _streamed_root_order(probes: List[Tensor]) -> List[Tensor]:
+    """Phase C's probes (one per layer, in the forward's order) as the roots of its backward, top
+    layer first. The engine runs them by priority (the later node first: each just before its
+    layer's backward needs it), but on CUDA its device thread may take the first root queued before
+    the rest are: with the streamed sums, that probe fetches its layer's sums at once, so let it be
+    the top layer's, which is needed first (and prefetched by phase_c). The order only decides which
+    root is queued first; the gradients add the same (each key and value tensor gets two: the probe's
+    and attention's, and a sum of two does not depend on their order)."""
+    return probes[::-1]
+
+
+class _StreamedRead(torch.autograd.Function):
+    """Phase B with ``stream_prompt_state``: one read of layer ``idx``'s prefix keys and values
+    (:meth:`_StreamedPromptState.read`); its backward adds the micro-batch's gradients into the
+    layer's sums (:meth:`_StreamedPromptState.accumulate`). Nothing is saved for the backward: the
+    read buffers live as long as the attention that reads them keeps them (under checkpointing, its
+    recompute). The input is the state's empty anchor, so that the outputs require gradients."""
+
+    @staticmethod
+    def forward(ctx, anchor: Tensor, state: _StreamedPromptState, idx: int):
+        ctx.state, ctx.idx = state, idx
+        ctx.set_materialize_grads(False)  # a missing gradient adds nothing (as for a leaf)
+        k, v = state.read(idx)
+        # new tensor objects over the cached buffers: autograd marks its outputs, and a buffer is
+        # returned again by the layer's recompute
+        return k.detach(), v.detach()
+
+    @staticmethod
+    def backward(ctx, dk: Optional[Tensor], dv: Optional[Tensor]):
+        ctx.state.accumulate(ctx.idx, (dk, dv))
+        return None, None, None
 
 
 def _own_rows(t: Tensor) -> Tensor:
@@ -471,7 +811,8 @@ def _set_rng_states(device: torch.device, states) -> None:
 
 def run_prompt_phase(model, prompts: Sequence[Tensor], deterministic: bool = False, sp_group=None,
                      recompute_prompt: bool = False, prompt_grad_dtype: Optional[torch.dtype] = None,
-                     offload_prompt_grads: bool = False, offload_prompt_activations: bool = True) -> PromptKV:
+                     offload_prompt_grads: bool = False, offload_prompt_activations: bool = True,
+                     stream_prompt_state: Optional[bool] = None) -> PromptKV:
     """Phase A: run the prompts (1-D token tensors, at least 2 tokens each) without their last
     token through ``model`` (a transformers causal LM with dualkv attention, in training mode) and
     return their recorded keys and values. Runs inside the model's own forward call, so wrappers
@@ -485,7 +826,10 @@ def run_prompt_phase(model, prompts: Sequence[Tensor], deterministic: bool = Fal
     ``prompt_grad_dtype``: None (sums in the model's dtype) or ``torch.float32``.
     ``offload_prompt_grads`` (needs ``recompute_prompt``): phase C's forward runs with the gradient
     buffers in host memory, so that its peak holds the prompt's checkpointed layer inputs but not the
-    buffers (one copy to the host and one back per update: ~0.1-0.2 s for 4.8 GB over PCIe)."""
+    buffers (one copy to the host and one back per update: ~0.1-0.2 s for 4.8 GB over PCIe).
+    ``stream_prompt_state``: the recorded keys and values and their gradient sums live in host
+    memory through phase B and come to the device a layer at a time (the module docstring has the
+    trade-off); None: :data:`STREAM_PROMPT_STATE` on CUDA, off elsewhere."""
     from .integrations import transformers as dkt
     if not prompts:
         raise ArgumentError("dualkv.schedule.run_prompt_phase: no prompts")
@@ -500,6 +844,7 @@ def run_prompt_phase(model, prompts: Sequence[Tensor], deterministic: bool = Fal
         raise ArgumentError("dualkv.schedule: offload_prompt_grads needs recompute_prompt=True (without it phase C "
                             "is one backward that needs every gradient buffer at once)")
     device = prompts[0].device
+    stream = _streams(stream_prompt_state, device)
     lens = [int(p.numel()) - 1 for p in prompts]
     layout = Layout.varlen(lens).to(device)
     ids = torch.cat([p[:-1] for p in prompts]).view(1, -1)
@@ -538,10 +883,10 @@ def run_prompt_phase(model, prompts: Sequence[Tensor], deterministic: bool = Fal
                 _set_rng_states(device, after)
 
         with torch.no_grad():
-            kv = PromptKV(lens, prompt_grad_dtype, rerun, offload_prompt_grads)
+            kv = PromptKV(lens, prompt_grad_dtype, rerun, offload_prompt_grads, stream=stream)
             run(kv)
     else:
-        kv = PromptKV(lens, prompt_grad_dtype)
+        kv = PromptKV(lens, prompt_grad_dtype, stream=stream)
         if offload_prompt_activations and _offloads(device) and torch.is_grad_enabled():
             offload = _OffloadSaved()
             with offload:
@@ -577,7 +922,8 @@ def micro_batches(model, plan: MicroBatchPlan, rank: int, prompts: Sequence[Tens
                   responses: Sequence[Sequence[Tensor]], deterministic: bool = False, sp_group=None,
                   recompute_prompt: bool = False, prompt_grad_dtype: Optional[torch.dtype] = None,
                   offload_prompt_grads: bool = False,
-                  offload_prompt_activations: bool = True) -> Iterator[Tuple[MicroBatch, Optional[PackedBatch]]]:
+                  offload_prompt_activations: bool = True,
+                  stream_prompt_state: Optional[bool] = None) -> Iterator[Tuple[MicroBatch, Optional[PackedBatch]]]:
     """Run rank ``rank``'s part of ``plan`` micro-batch by micro-batch: yields ``(micro_batch,
     packed)`` for the caller's forward (e.g. :func:`dualkv.integrations.transformers.packed_logprobs`
     on ``packed``) and backward; ``packed`` is None for an empty micro-batch (the plan pads ranks to
@@ -595,7 +941,8 @@ def micro_batches(model, plan: MicroBatchPlan, rank: int, prompts: Sequence[Tens
     (:func:`dualkv.distributed.shard`) for its forward, as for any micro-batch.
 
     ``recompute_prompt``, ``prompt_grad_dtype``, ``offload_prompt_grads``,
-    ``offload_prompt_activations``: as for :func:`run_prompt_phase` (the module docstring weighs them).
+    ``offload_prompt_activations``, ``stream_prompt_state``: as for :func:`run_prompt_phase` (the
+    module docstring weighs them).
     """
     phases = plan.prompt_phases[rank] if plan.prompt_phases else ()
     phase_of = {i: j for j, ph in enumerate(phases) for i in ph.micro_batches}
@@ -611,7 +958,8 @@ def micro_batches(model, plan: MicroBatchPlan, rank: int, prompts: Sequence[Tens
                 if not phase_prompts:  # padding: a placeholder prompt keeps the ranks' collectives in step
                     phase_prompts = [torch.zeros(2, dtype=torch.int64, device=model.device)]
                 kv = run_prompt_phase(model, phase_prompts, deterministic, sp_group, recompute_prompt,
-                                      prompt_grad_dtype, offload_prompt_grads, offload_prompt_activations)
+                                      prompt_grad_dtype, offload_prompt_grads, offload_prompt_activations,
+                                      stream_prompt_state)
             current = j
         if not mb.entries:
             yield mb, None

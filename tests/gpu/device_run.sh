@@ -114,7 +114,9 @@
 #                backend's UnsupportedError). $ONCE_ITERS (default 3) timed updates after $ONCE_WARMUP (default 1).
 #                The table (prompt_once_e2e_$m.txt, printed last) has a verdict column per cell: PASS, or
 #                FAIL(speed|flex|mem) naming the acceptance bar missed. Extra columns for once variants in
-#                ONCE_METHODS (once_recompute, once_keep, once_budget, once_offload). 8B in one call:
+#                ONCE_METHODS (once_recompute, once_keep, once_budget, once_offload, once_stream: the prompt
+#                state streamed from pinned host memory, once_resident: kept on the device; e.g.
+#                ONCE_METHODS=split,once,once_stream,flex_fa4_split). 8B in one call:
 #                ONCE_MODEL=8b ONCE_PROMPTS=8192,16384 ONCE_K=2,4 ONCE_ITERS=2 (estimate ~6-8 min; split
 #                it by P if the cap cuts it: the JSON keeps every finished method). Measured (1.7B at da0c15c,
 #                the default grid): 3.0 min for 6 cells x 3 methods; 8B at P 32K: ~20-40 s per update, one
