@@ -115,3 +115,28 @@ def compiled_flex(backend: str, dynamic):
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
         _COMPILED[key] = torch.compile(flex_attention, dynamic=dynamic)
     return _COMPILED[key]
+
+
+def apply_sinks(out, lse, sinks):
+    """Attention sinks on a result computed without them: each row's softmax gains one more term,
+    exp(sink_h), so the output scales by exp(lse - logaddexp(lse, sink_h)). ``out`` [B, H, T, D] and
+    ``lse`` [B, H, T] (natural log), ``sinks`` [H]. Differentiable in all three."""
+    lse = lse.float()
+    scale = torch.exp(lse - torch.logaddexp(lse, sinks.float()[None, :, None]))
+    return (out.float() * scale[..., None]).to(out.dtype)
+
+
+def flex_with_lse(flex, *args, **kwargs):
+    """(out, lse) of a FlexAttention call: return_aux=AuxRequest(lse=True) where torch has it (2.9+;
+    return_lse is deprecated there and goes in 2.10), else return_lse=True."""
+    try:
+        from torch.nn.attention.flex_attention import AuxRequest
+    except ImportError:
+        return flex(*args, return_lse=True, **kwargs)
+    out, aux = flex(*args, return_aux=AuxRequest(lse=True), **kwargs)
+    return out, aux.lse
+
+
+class Unsupported(Unavailable):
+    """A peer that is installed but cannot run this model as asked (a head dim, or a modifier's
+    backward, its kernels lack): recorded as unavailable, with the reason."""
