@@ -570,32 +570,123 @@ def fp32_truth_mode(model, impl):
         model.to(dtype)
 
 
-def truth_logprobs(model, mb: MicroBatch, rows: int, impl, device):
+class RouterTape:
+    """The MoE routing of a model's forward (the top-k experts of every token, per router in layer
+    order), recorded, or replayed into another forward. bf16 rounding flips near-tied routing
+    decisions (measured on the tiny gpt-oss: a 0.0500 / 0.0498 tie flipped between the packed and the
+    unpacked rows, moving that row's log-probs by 0.047, ~30x the attention's bf16 error), so the
+    tolerance rule of a MoE model compares each method with the fp32 truth under the method's own
+    routing (router replay, as RL frameworks do for MoE: R3), and records the free-routing error too."""
+
+    def __init__(self, model):
+        self.routers = [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
+
+    @contextlib.contextmanager
+    def record(self):
+        """Yields {router index: [indices of each call]} filled by the forwards inside."""
+        calls = {i: [] for i in range(len(self.routers))}
+        handles = [r.register_forward_hook(lambda mod, inp, out, i=i: calls[i].append(out[-1].detach()))
+                   for i, r in enumerate(self.routers)]
+        try:
+            yield calls
+        finally:
+            for h in handles:
+                h.remove()
+
+    @contextlib.contextmanager
+    def replay(self, indices):
+        """Every router returns ``indices[i]`` ([tokens, k]) as its choice, with the routing weights a
+        softmax over its own logits of those experts (GptOssTopKRouter's rule)."""
+        for router, idx in zip(self.routers, indices):
+            def forward(hidden, router=router, idx=idx):
+                logits = torch.nn.functional.linear(hidden, router.weight, router.bias)
+                top = logits.gather(-1, idx.to(logits.device))
+                return logits, torch.softmax(top, dim=1, dtype=top.dtype), idx
+            router.forward = forward
+        try:
+            yield
+        finally:
+            for router in self.routers:
+                del router.forward
+
+
+def row_token_indices(method, mb: MicroBatch, rows: int, spec):
+    """For each of the first ``rows`` rows: the positions of its tokens (prompt, then response) in the
+    token stream a method's forward sees: the packed stream, or the unpacked passes (std_passes)
+    flattened one after the other."""
+    out = []
+    if method in ("std", "fa4_dense"):
+        base = {}
+        offset = 0
+        for start, stop, length in std_passes(mb, spec):
+            for b in range(start, stop):
+                base[b] = offset + (b - start) * length
+            offset += (stop - start) * length
+        for b in range(rows):
+            out.append(base[b] + torch.arange(int(mb.std_valid[b].sum())))
+        return out
+    pk = mb.packed
+    prompt_lens = [pk.group_prompt_lens[int(g)] for g in pk.row_group.tolist()]
+    for b in range(rows):
+        last, plen = int(pk.prompt_last_index[b]), prompt_lens[b]
+        first = int(pk.response_offsets[b])
+        out.append(torch.cat([torch.arange(last - plen + 1, last + 1), torch.arange(first, first + int(pk.response_lens[b]))]))
+    return out
+
+
+def method_routes(method, model, mb: MicroBatch, rows: int, args, device, tape: RouterTape):
+    """[row][router] -> [tokens, k]: the routing of the first ``rows`` rows in a no-grad forward of
+    ``method`` on ``mb`` (the routing its timed updates computed on the same inputs)."""
+    set_method(model, method, args)
+    with torch.no_grad(), _sdpa_context(device, args.sdpa_backend if method == "std" else "default"), \
+            tape.record() as calls:
+        logprobs_of(method, model, mb, args, device)
+    stream = [torch.cat([c.reshape(-1, c.shape[-1]) for c in calls[i]]) for i in range(len(tape.routers))]
+    return [[layer[idx.to(layer.device)] for layer in stream] for idx in row_token_indices(method, mb, rows, args.spec)]
+
+
+def truth_logprobs(model, mb: MicroBatch, rows: int, impl, device, routes=None, tape=None):
     """fp32 log-probs [rows, R_max] (fp64) of the first ``rows`` rows of ``mb``, one unpadded row at a
-    time through the stock attention ``impl`` (SDPA restricted to its fp32-exact backends on CUDA)."""
-    out = torch.zeros(rows, mb.packed.max_response_len, dtype=torch.float64, device=device)
+    time through the stock attention ``impl`` (SDPA restricted to its fp32-exact backends on CUDA):
+    {"free": with the fp32 model's own routing} plus, for a MoE model, {method: under that method's
+    routing} for every method of ``routes`` ({method: method_routes(...)}), replayed by ``tape``."""
+    runs = {"free": None, **(routes or {})}
+    out = {name: torch.zeros(rows, mb.packed.max_response_len, dtype=torch.float64, device=device) for name in runs}
     pairs = [(p, r) for p, rs in zip(mb.prompts, mb.responses) for r in rs][:rows]
     with torch.no_grad(), fp32_truth_mode(model, impl):
         for b, (p, r) in enumerate(pairs):
             row = pack([p], [[r]])
-            ctx = contextlib.nullcontext()
-            if device.type == "cuda" and impl == "sdpa":
-                from torch.nn.attention import SDPBackend, sdpa_kernel
-                ctx = sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
-            with ctx:
-                hidden = model.model(input_ids=row.input_ids, use_cache=False).last_hidden_state
-            out[b, :r.numel()] = response_logprobs(hidden, model.lm_head.weight, row)[0].double()
+            for name, route in runs.items():
+                ctx = contextlib.ExitStack()
+                if device.type == "cuda" and impl == "sdpa":
+                    from torch.nn.attention import SDPBackend, sdpa_kernel
+                    ctx.enter_context(sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]))
+                if route is not None:
+                    ctx.enter_context(tape.replay(route[b]))
+                with ctx:
+                    hidden = model.model(input_ids=row.input_ids, use_cache=False).last_hidden_state
+                out[name][b, :r.numel()] = response_logprobs(hidden, model.lm_head.weight, row)[0].double()
     return out
 
 
-def tolerance_rule(results, truth, mask):
+def tolerance_rule(results, truths, mask):
     """The log-prob tolerance rule (bench/logprob_noise.py): each method's max |logp - fp32 truth| on
-    the truth's rows, against the bound 2 * std's own (the stock bf16 path's) + 1e-3."""
-    rows = truth.shape[0]
-    std = next((r for r in results if r["method"] == "std" and "logp0" in r), None)
+    the truth's rows, against the bound 2 * std's own (the stock bf16 path's) + 1e-3. ``truths`` is
+    truth_logprobs' dict: a method with its own entry (MoE: its routing replayed) is judged against
+    it; the error against the freely routed truth is recorded as well."""
+    free = truths["free"]
+    rows = free.shape[0]
+
+    def err(r, truth):
+        return float((r["logp0"][:rows].double() - truth).abs()[mask[:rows]].max())
     for r in results:
-        if "logp0" in r:
-            r["max_abs_dlogp_vs_truth"] = float((r["logp0"][:rows].double() - truth).abs()[mask[:rows]].max())
+        if "logp0" not in r:
+            continue
+        r["max_abs_dlogp_vs_truth"] = err(r, truths.get(r["method"], free))
+        if r["method"] in truths:
+            r["truth_routing"] = "replayed (the method's own MoE routing)"
+            r["max_abs_dlogp_vs_truth_free_routing"] = err(r, free)
+    std = next((r for r in results if r["method"] == "std" and "max_abs_dlogp_vs_truth" in r), None)
     if std is None:
         return
     bound = 2 * std["max_abs_dlogp_vs_truth"] + 1e-3
@@ -641,21 +732,24 @@ def _sdpa_context(device, backend: str):
                          "efficient": SDPBackend.EFFICIENT_ATTENTION}[backend]])
 
 
+def std_passes(mb: MicroBatch, spec=None):
+    """(first row, end row, length) of each model pass over the unpacked rows: one pass of every row
+    at the padded length, or (the stock eager attention of issue 16's models: ModelSpec.std_rows_per_pass)
+    passes of a few rows, each cut to its longest row."""
+    rows = spec.std_rows_per_pass(mb) if spec is not None else mb.B
+    if rows >= mb.B:
+        return [(0, mb.B, mb.L)]
+    return [(i, min(i + rows, mb.B), int(mb.std_valid[i:i + rows].sum(1).max())) for i in range(0, mb.B, rows)]
+
+
 def logprobs_of(method, model, mb: MicroBatch, args, device):
     spec = getattr(args, "spec", None)
     if method in ("std", "fa4_dense"):
-        rows = spec.std_rows_per_pass(mb) if spec is not None else mb.B
-        if rows >= mb.B:
-            out = model.model(input_ids=mb.std_ids, use_cache=False)
-            hidden = out.last_hidden_state[mb.std_valid]
-        else:  # passes of `rows` rows (the stock eager attention's scores), each cut to its longest row
-            parts = []
-            for i in range(0, mb.B, rows):
-                valid = mb.std_valid[i:i + rows]
-                length = int(valid.sum(1).max())
-                out = model.model(input_ids=mb.std_ids[i:i + rows, :length], use_cache=False)
-                parts.append(out.last_hidden_state[valid[:, :length]])
-            hidden = torch.cat(parts)
+        parts = []
+        for start, stop, length in std_passes(mb, spec):
+            out = model.model(input_ids=mb.std_ids[start:stop, :length], use_cache=False)
+            parts.append(out.last_hidden_state[mb.std_valid[start:stop, :length]])
+        hidden = parts[0] if len(parts) == 1 else torch.cat(parts)
         return response_logprobs(hidden, model.lm_head.weight, mb.std_rows)
     kw = dict(input_ids=mb.packed.input_ids, position_ids=mb.packed.position_ids, use_cache=False)
     if method in FLEX_BACKENDS:
@@ -1157,8 +1251,12 @@ def run_config(model, cfg, size, n, P, R, args, device, save=None):
         t0 = time.perf_counter()
         try:
             with _time_limit(args.method_timeout, "fp32 truth"):
-                truth = truth_logprobs(model, mbs[0], rows, spec.std_impl if spec is not None else "sdpa", device)
-            tolerance_rule(results, truth, mbs[0].mask)
+                tape = RouterTape(model)
+                routes = {r["method"]: method_routes(r["method"], model, mbs[0], rows, args, device, tape)
+                          for r in results if "logp0" in r} if tape.routers else None
+                truths = truth_logprobs(model, mbs[0], rows, spec.std_impl if spec is not None else "sdpa", device,
+                                        routes, tape)
+            tolerance_rule(results, truths, mbs[0].mask)
             log(f"  fp32 truth of {rows} row(s): {time.perf_counter() - t0:.1f} s")
         except (Exception, MethodTimeout) as exc:  # noqa: BLE001  (recorded; the speed results stand)
             for r in results:
@@ -1331,8 +1429,10 @@ def summary(results, models=None):
                 f"; FA4 block {r['flash_block_size']}" if "flash_block_size" in r else ""))
         if "max_abs_dlogp_vs_truth" in r:
             verdict = "-" if "within_tolerance" not in r else "PASS" if r["within_tolerance"] else "FAIL"
+            routing = ("" if "max_abs_dlogp_vs_truth_free_routing" not in r else
+                       f"; MoE routing replayed, free routing {r['max_abs_dlogp_vs_truth_free_routing']:.3g}")
             lines.append(f"{'':>38} {r['method']}: max|logp - fp32 truth| {r['max_abs_dlogp_vs_truth']:.3g} "
-                         f"(bound {_fmt(r.get('tolerance_bound'), '.3g')} = 2 x std's + 1e-3): {verdict}")
+                         f"(bound {_fmt(r.get('tolerance_bound'), '.3g')} = 2 x std's + 1e-3): {verdict}{routing}")
         if "seconds_interleaved" in r:
             extra = ""
             if r.get("dualkv_speedup_interleaved") is not None:
