@@ -293,9 +293,13 @@ MOD_MODELS = {
 #: configs of issue 16's models (P 4K-8K, N 8-16) and of their tiny shapes
 MOD_CONFIGS = [(16, 4096, 1024), (8, 8192, 1024)]
 MOD_TINY_CONFIGS = [(3, 40, 16)]
-#: the largest head dim FA4 runs under Flex (BACKEND=FLASH); layers above it run Flex's Triton
-#: kernels in the flex_fa4 method (as OpenPipe ART does), recorded per layer kind
-FLEX_FLASH_MAX_HEAD_DIM = 256
+#: the largest head dim FA4 trains under Flex (BACKEND=FLASH) as measured on the H200: 64 and 128 run
+#: forward and backward; at 256 FlashAttention-4 4.0.0b36 has no block size for training (its forward
+#: wants the key block equal to its tile, 80; its backward wants 64: docs/benchmarks.md, hybrid_e2e.log),
+#: and it has no kernel above 256. Layers above it run Flex's Triton kernels in the flex_fa4 method (as
+#: OpenPipe ART does), recorded per layer kind; a model with no layer under it gets flex_fa4 recorded as
+#: unavailable (then flex on Triton runs). --flex-fa4-max-head-dim 256 retries a newer FA4.
+FLEX_FLASH_MAX_HEAD_DIM = 128
 #: transient memory the stock eager attention may use per layer (its [rows, H, L, L] score tensors):
 #: the unpacked rows go through the model in passes of as many rows as fit (gradients accumulate)
 EAGER_SCORE_BUDGET_BYTES = 16 * 2**30
@@ -353,8 +357,9 @@ class ModelSpec:
     """How a benchmarked model runs: its stock attention (``std_impl``), the SDPA backend of std,
     its attention layer kinds, and (issue 16's models) the depth cut. Qwen3 shapes: SDPA, one kind."""
 
-    def __init__(self, name, model, std_impl="sdpa", published_layers=None):
+    def __init__(self, name, model, std_impl="sdpa", published_layers=None, flash_max_head_dim=None):
         self.name, self.std_impl = name, std_impl
+        self.flash_max_head_dim = flash_max_head_dim or FLEX_FLASH_MAX_HEAD_DIM
         self.kinds = layer_kinds(model) if name in MOD_MODELS else []
         self.mods = bool(self.kinds)  # packed Flex / dualkv go through the per-layer-kind path
         self.windows = sorted({k.window for k in self.kinds if k.window is not None})
@@ -377,7 +382,7 @@ class ModelSpec:
     def flex_backend(self, method, kind):
         """Flex's kernels for a layer kind: flex_fa4 runs FA4 (FLASH) where FA4 takes the head dim,
         Triton above it; flex runs Triton everywhere."""
-        if method == "flex_fa4" and kind.head_dim <= FLEX_FLASH_MAX_HEAD_DIM:
+        if method == "flex_fa4" and kind.head_dim <= self.flash_max_head_dim:
             return "FLASH"
         return "TRITON"
 
@@ -1053,6 +1058,11 @@ def measure(method, model, mbs, args, device, base, flops):
         if mods and method in FLEX_BACKENDS:
             rec["flex_layer_backends"] = [dict(window=k.window, head_dim=k.head_dim, layers=k.count,
                                                backend=spec.flex_backend(method, k)) for k in spec.kinds]
+            if method == "flex_fa4" and all(b["backend"] != "FLASH" for b in rec["flex_layer_backends"]):
+                raise Unsupported(
+                    f"flex_fa4: no attention layer of {spec.name} has a head dim FA4 trains under Flex "
+                    f"(<= {spec.flash_max_head_dim}; FA4 4.0.0b36 has no training block size at 256 and no kernel "
+                    f"above): head dims {sorted({k.head_dim for k in spec.kinds})}")
             if spec.sinks:  # the sinks' gradient flows through Flex's lse: check the backend takes it
                 t_c = time.perf_counter()
                 with _time_limit(args.method_timeout, f"{method} sinks check"):
@@ -1474,6 +1484,9 @@ def main(argv=None):
                          "0 = none for the Qwen3 shapes)")
     ap.add_argument("--no-flex-fallback", dest="flex_fallback", action="store_false",
                     help="do not run flex (Triton) in place of a flex_fa4 that cannot run the model")
+    ap.add_argument("--flex-fa4-max-head-dim", type=int, default=FLEX_FLASH_MAX_HEAD_DIM,
+                    help="largest head dim flex_fa4 runs on FA4 (FLASH); layers above it on Triton (default "
+                         f"{FLEX_FLASH_MAX_HEAD_DIM}: what FA4 4.0.0b36 trains under Flex on the H200)")
     ap.add_argument("--experts-implementation", default=None,
                     help="transformers' experts_implementation of a MoE model (default: transformers' choice, recorded)")
     ap.add_argument("--configs", default=None, help="N,P,R;N,P,R (default 16,4096,1024;8,16384,2048)")
@@ -1582,7 +1595,8 @@ def main(argv=None):
         model.train()
         if not args.no_grad_ckpt:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        args.spec = None if mod is None else ModelSpec(size, model, mod["stock"], mod["published_layers"])
+        args.spec = None if mod is None else ModelSpec(size, model, mod["stock"], mod["published_layers"],
+                                                       args.flex_fa4_max_head_dim)
         args.sdpa_backend = sdpa_backend or ("cudnn" if mod is None else "default")
         args.flex_flash_block = tuple(FLEX_BLOCK["FLASH"])  # raised per model if FA4 refuses it
         truth_rows = args.truth_rows

@@ -476,3 +476,24 @@ def test_flex_sinks_check_catches_a_backward_without_the_lse_gradient():
     with pytest.raises(e2e.Unsupported, match="does not take the gradient of the returned lse"):
         e2e.check_flex_sinks(spec, "flex", (256, 128), torch.device("cpu"), flex=fake_flex(False))
     assert e2e.check_flex_sinks(spec, "flex", (256, 128), torch.device("cpu")) == {}  # no Flex backward on a CPU
+
+
+def test_flex_fa4_per_layer_kind_and_unavailable_above_fa4s_head_dims(tmp_path, monkeypatch):
+    """With FA4 present (stubbed; the CPU runs the same math densely): gpt-oss's layer kinds (head dim
+    16 here, 64 in the real shape) run flex_fa4 on FLASH through the block-size warm-up; Gemma-4's
+    (16 and 32 here; 256 and 512 real) with --flex-fa4-max-head-dim 8 have no layer FA4 trains under
+    Flex: flex_fa4 is unavailable with the reason, and flex (Triton) runs in its place."""
+    e2e = _load_bench("e2e")
+    monkeypatch.setattr(e2e, "fa4", lambda: None)
+    out = tmp_path / "fa4.json"
+    assert e2e.main(MODS[:-1] + ["gpt-oss-tiny", "--methods", "flex_fa4", "--out", str(out)]) == 0
+    rec = json.loads(out.read_text())["results"][0]
+    assert rec["status"] == "ok" and rec["flash_block_size"] == list(e2e.FLEX_BLOCK["FLASH"])
+    assert [b["backend"] for b in rec["flex_layer_backends"]] == ["FLASH", "FLASH"]
+    assert e2e.main(MODS[:-1] + ["gemma-4-tiny", "--methods", "std,flex_fa4", "--flex-fa4-max-head-dim", "8",
+                                 "--out", str(out)]) == 0
+    res = _by(json.loads(out.read_text())["results"])
+    fa4_rec = res[("gemma-4-tiny", "flex_fa4")]
+    assert fa4_rec["status"] == "unavailable" and "no attention layer of gemma-4-tiny" in fa4_rec["error"]
+    assert "head dims [16, 32]" in fa4_rec["error"]
+    assert res[("gemma-4-tiny", "flex")]["status"] == "ok"
