@@ -497,3 +497,19 @@ def test_flex_fa4_per_layer_kind_and_unavailable_above_fa4s_head_dims(tmp_path, 
     assert fa4_rec["status"] == "unavailable" and "no attention layer of gemma-4-tiny" in fa4_rec["error"]
     assert "head dims [16, 32]" in fa4_rec["error"]
     assert res[("gemma-4-tiny", "flex")]["status"] == "ok"
+
+
+def test_device_run_e2e_mods_step():
+    """tests/gpu/device_run.sh e2e-mods: one bench/e2e.py process per model of $MODS_E2E_MODELS (both
+    by default), each cut so that both fit one device call (<= 540 s with the kill grace), the
+    per-method timeout a knob, the output in a file (not a pipe), progress lines and the table printed."""
+    step = _device_run_step("e2e-mods")
+    assert 'for m in ${MODS_E2E_MODELS:-gpt-oss-20b gemma-4-31b}' in step
+    assert '--methods "${MODS_E2E_METHODS:-std,dualkv,flex_fa4}"' in step
+    assert '--method-timeout "${MODS_E2E_METHOD_TIMEOUT:-120}"' in step
+    assert '> "$OUT/e2e_mods_$m.log" 2>&1' in step and 'cat "$OUT/e2e_mods_$m.txt"' in step
+    cap = int(re.search(r'timeout -k 10 "\$\{MODS_E2E_CAP:-(\d+)\}"', step).group(1))
+    assert 2 * (cap + 10) <= 540
+    e2e = _load_bench("e2e")
+    for m in ("gpt-oss-20b", "gemma-4-31b"):
+        assert m in e2e.MOD_MODELS
