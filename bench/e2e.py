@@ -601,12 +601,19 @@ class RouterTape:
     @contextlib.contextmanager
     def replay(self, indices):
         """Every router returns ``indices[i]`` ([tokens, k]) as its choice, with the routing weights a
-        softmax over its own logits of those experts (GptOssTopKRouter's rule)."""
+        softmax over its own logits of those experts (GptOssTopKRouter's rule), in the router's own
+        output form: (logits, weights [tokens, k], indices) in transformers 5.x, (dense weights
+        [tokens, E], indices) in the 4.5x releases."""
         for router, idx in zip(self.routers, indices):
-            def forward(hidden, router=router, idx=idx):
-                logits = torch.nn.functional.linear(hidden, router.weight, router.bias)
-                top = logits.gather(-1, idx.to(logits.device))
-                return logits, torch.softmax(top, dim=1, dtype=top.dtype), idx
+            def forward(hidden, router=router, idx=idx, original=router.forward):
+                form = len(original(hidden))
+                logits = torch.nn.functional.linear(hidden.reshape(-1, router.weight.shape[1]), router.weight,
+                                                    router.bias)
+                idx = idx.to(logits.device)
+                top = torch.softmax(logits.gather(-1, idx), dim=1, dtype=logits.dtype)
+                if form == 3:
+                    return logits, top, idx
+                return torch.zeros_like(logits).scatter_(1, idx, top), idx
             router.forward = forward
         try:
             yield
@@ -1391,7 +1398,7 @@ def plot(results, path):
         ax.set_xticklabels([f"N{n} P{p} R{rr}\nrho {next(x['rho_tokens'] for x in rows if (x['N'], x['P'], x['R']) == (n, p, rr)):.2f}"
                             for n, p, rr in cases], fontsize=8)
         ax.set_ylabel("seconds per policy update")
-        ax.set_title(f"Qwen3-{m} shape")
+        ax.set_title(f"{m} shape" if m in MOD_MODELS else f"Qwen3-{m} shape")
         ax.grid(axis="y", alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()

@@ -513,3 +513,42 @@ def test_device_run_e2e_mods_step():
     e2e = _load_bench("e2e")
     for m in ("gpt-oss-20b", "gemma-4-31b"):
         assert m in e2e.MOD_MODELS
+
+
+def test_router_replay_keeps_the_routers_output_form():
+    """RouterTape.replay returns the recorded experts with their softmax weights in the router's own
+    form: (logits, weights, indices) as transformers 5.x's GptOssTopKRouter, (dense weights,
+    indices) as the 4.5x one; record() collects each call's indices."""
+    import torch
+    e2e = _load_bench("e2e")
+
+    class NewTopKRouter(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight, self.bias = torch.nn.Parameter(torch.randn(4, 6)), torch.nn.Parameter(torch.randn(4))
+
+        def forward(self, h):
+            logits = torch.nn.functional.linear(h, self.weight, self.bias)
+            top, idx = logits.topk(2, dim=-1)
+            return logits, torch.softmax(top, dim=1), idx
+
+    class OldTopKRouter(NewTopKRouter):
+        def forward(self, h):
+            logits, top, idx = super().forward(h)
+            return torch.zeros_like(logits).scatter_(1, idx, top), idx
+
+    h = torch.randn(5, 6)
+    for cls in (NewTopKRouter, OldTopKRouter):
+        router = cls()
+        tape = e2e.RouterTape(torch.nn.ModuleList([router]))
+        with tape.record() as calls:
+            free = router(h)
+        assert torch.equal(calls[0][0], free[-1])
+        forced = torch.tensor([[0, 1]] * 5)
+        with tape.replay([forced]):
+            out = router(h)
+        assert len(out) == len(free) and torch.equal(out[-1], forced)
+        weights = out[1] if len(out) == 3 else out[0].gather(1, forced)
+        logits = torch.nn.functional.linear(h, router.weight, router.bias)
+        assert torch.allclose(weights, torch.softmax(logits[:, :2], dim=1))
+        assert "forward" not in router.__dict__  # restored
