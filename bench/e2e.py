@@ -26,6 +26,24 @@ Methods (same model object, the attention implementation is switched between met
 fa4_dense and flex_fa4 need FlashAttention-4 (tests/gpu/device_run.sh fa4-install); without it they
 are recorded as "skipped" (and left out of the default list on a CPU).
 
+Issue 16's models (--models gpt-oss-20b,gemma-4-31b; MOD_MODELS): the published dimensions with random
+weights and the depth cut to fit (gpt-oss-20b 16 of 24 layers, sliding window 128 on alternate layers,
+attention sinks, MoE 32 x top-4 on transformers' experts implementation; Gemma-4-31B 18 of 60 layers,
+window 1024 at head dim 256, global layers at head dim 512 with 4 KV heads); the cut, the layer kinds
+and the experts implementation are in the JSON ("environment" "models") and under the table. Their
+methods: std on the stock attention (gpt-oss: "eager", transformers' only training path for sinks, in
+passes of as many rows as its [rows, H, L, L] scores allow; Gemma-4: SDPA, torch's backend choice per
+layer); dualkv with the layout's window plans (a library without a head dim raises its typed
+UnsupportedError: the method is recorded "unavailable" with that message); flex / flex_fa4 per layer
+kind (a BlockMask per window, the window as a mask_mod on the position ids, a softcap as a score_mod,
+the sinks through the returned lse, checked against fp32 before the update: check_flex_sinks); flex_fa4
+runs FA4 where it trains under Flex (head dim <= 128) and Triton above; where it cannot run (Gemma-4's
+head dims, a backward that drops the lse gradient) it is "unavailable" and flex on Triton runs in its
+place. After the methods, the log-prob tolerance rule: every method's max |logp - fp32 truth| on the
+first --truth-rows rows (the stock path in fp32, row by row) within 2 x std's own + 1e-3; for a MoE
+model each method is compared with the truth under its own routing (router replay: bf16 flips
+near-tied routing decisions, which would otherwise dominate), the free-routing error recorded too.
+
 All compute log-probs only at the positions that predict response tokens, with the same fused
 routine (``dualkv.logprobs.response_logprobs``; for std on the unpacked rows' real tokens), so the
 differences come from the token count and the attention.
@@ -50,6 +68,8 @@ unless --allow-dirty.
   python bench/e2e.py --models 8b --configs 16,4096,1024
   python bench/e2e.py --grid                           # more (N, P, R); >= 3 timed updates per cell
   python bench/e2e.py --device cpu --tiny              # smoke test on a CPU (tiny model, tiny configs)
+  python bench/e2e.py --models gpt-oss-20b             # issue 16 (also gemma-4-31b; tests/gpu/device_run.sh e2e-mods)
+  python bench/e2e.py --device cpu --tiny --models gpt-oss-tiny,gemma-4-tiny   # their CPU smoke test
 """
 from __future__ import annotations
 
