@@ -519,7 +519,7 @@ SINKS_CHECK_TOLERANCE = 0.05
 def check_flex_sinks(spec: ModelSpec, method, flash_block, device, seed=0, flex=None):
     """Flex with attention sinks needs the gradient of its returned lse in its backward (the sinks
     enter as out * exp(lse - logaddexp(lse, sink))). Before the update, on a small forest layout
-    (a 96-token prompt, three responses of 32) with large sink logits, per layer kind with sinks:
+    (a 256-token prompt, three responses of 64) with large sink logits, per layer kind with sinks:
     Flex's (backend, block mask) forward + backward in bf16 against the same math in fp32 (dense).
     A backend that raises, or whose dq / dk miss the lse term (relative error above
     SINKS_CHECK_TOLERANCE, while the term itself is larger), makes the method Unsupported, with the
@@ -528,13 +528,14 @@ def check_flex_sinks(spec: ModelSpec, method, flash_block, device, seed=0, flex=
     with the CPU's dense masks)."""
     if not spec.sinks or (flex is None and device.type != "cuda"):
         return {}
+    from torch.nn.attention.flex_attention import create_mask
     g = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, 100, (96 + 3 * 32,), generator=g)
-    small = MicroBatch([tokens[:96]], [[tokens[96 + 32 * i: 128 + 32 * i] for i in range(3)]],
+    prompt, resp = 256, 64
+    tokens = torch.randint(0, 100, (prompt + 3 * resp,), generator=g)
+    small = MicroBatch([tokens[:prompt]], [[tokens[prompt + resp * i: prompt + resp * (i + 1)] for i in range(3)]],
                        torch.zeros(3), device)
     masks = build_layer_masks(small, device, spec, method, flash_block)
-    dense_masks = {w: torch.nn.attention.flex_attention.create_mask(forest_window_mask_mod(small, w), None, None,
-                                                                    small.T, small.T, device=device)
+    dense_masks = {w: create_mask(forest_window_mask_mod(small, w), None, None, small.T, small.T, device=device)
                    for w in {k.window for k in spec.kinds}}
     report = {}
     for kind in spec.kinds:
@@ -544,7 +545,8 @@ def check_flex_sinks(spec: ModelSpec, method, flash_block, device, seed=0, flex=
         gen = torch.Generator(device=device).manual_seed(seed + D)
         # bf16-representable inputs: the fp32 reference sees exactly what the bf16 kernels see
         q, k, v = (torch.randn(1, h, T, D, device=device, generator=gen).to(torch.bfloat16).float() for h in (H, Hk, Hk))
-        sinks = (4.0 + 0.5 * torch.randn(H, device=device, generator=gen)).to(torch.bfloat16).float()
+        # sink logits near the rows' lse, so that the sink takes a large share and its lse term is large
+        sinks = (5.0 + 0.5 * torch.randn(H, device=device, generator=gen)).to(torch.bfloat16).float()
         dout = torch.randn(1, H, T, D, device=device, generator=gen)
         scale = D ** -0.5
         block_mask, backend = masks[kind.key]
@@ -581,9 +583,13 @@ def check_flex_sinks(spec: ModelSpec, method, flash_block, device, seed=0, flex=
 
 @contextlib.contextmanager
 def fp32_truth_mode(model, impl):
-    """The model upcast in place (exact), TF32 off, attention ``impl`` (the stock one); restored on
-    exit (the bf16 round trip is exact: no weight changes). Gradients must be freed before."""
-    dtype = next(model.parameters()).dtype
+    """The model upcast in place (exact), TF32 off, attention ``impl`` (the stock one); on exit every
+    parameter and buffer gets its own dtype back (exact: a bf16 -> fp32 -> bf16 round trip; model.to(bf16)
+    would also round the fp32 buffers, e.g. RoPE's inv_freq, and change the model: measured as flipped
+    MoE routing on the tiny gpt-oss). Gradients must be freed before."""
+    dtypes = {(id(m), kind, name): t.dtype for m in model.modules() for kind, store in
+              (("p", m._parameters), ("b", m._buffers)) for name, t in store.items() if t is not None}
+    attn = model.config._attn_implementation
     tf32 = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
     model.float()
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
@@ -592,7 +598,14 @@ def fp32_truth_mode(model, impl):
         yield
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
-        model.to(dtype)
+        for m in model.modules():
+            for name, t in m._parameters.items():
+                if t is not None and t.dtype != dtypes[(id(m), "p", name)]:
+                    t.data = t.data.to(dtypes[(id(m), "p", name)])
+            for name, t in m._buffers.items():
+                if t is not None and t.dtype != dtypes[(id(m), "b", name)]:
+                    m._buffers[name] = t.to(dtypes[(id(m), "b", name)])
+        model.set_attn_implementation(attn)
 
 
 class RouterTape:
@@ -677,12 +690,13 @@ def method_routes(method, model, mb: MicroBatch, rows: int, args, device, tape: 
     return [[layer[idx.to(layer.device)] for layer in stream] for idx in row_token_indices(method, mb, rows, args.spec)]
 
 
-def truth_logprobs(model, mb: MicroBatch, rows: int, impl, device, routes=None, tape=None):
+def truth_logprobs(model, mb: MicroBatch, rows: int, impl, device, routes=None, tape=None, free=True):
     """fp32 log-probs [rows, R_max] (fp64) of the first ``rows`` rows of ``mb``, one unpadded row at a
     time through the stock attention ``impl`` (SDPA restricted to its fp32-exact backends on CUDA):
     {"free": with the fp32 model's own routing} plus, for a MoE model, {method: under that method's
-    routing} for every method of ``routes`` ({method: method_routes(...)}), replayed by ``tape``."""
-    runs = {"free": None, **(routes or {})}
+    routing} for every method of ``routes`` ({method: method_routes(...)}), replayed by ``tape``
+    (``free=False``: those alone)."""
+    runs = {**({"free": None} if free else {}), **(routes or {})}
     out = {name: torch.zeros(rows, mb.packed.max_response_len, dtype=torch.float64, device=device) for name in runs}
     pairs = [(p, r) for p, rs in zip(mb.prompts, mb.responses) for r in rs][:rows]
     with torch.no_grad(), fp32_truth_mode(model, impl):
@@ -701,23 +715,25 @@ def truth_logprobs(model, mb: MicroBatch, rows: int, impl, device, routes=None, 
     return out
 
 
-def tolerance_rule(results, truths, mask):
-    """The log-prob tolerance rule (bench/logprob_noise.py): each method's max |logp - fp32 truth| on
-    the truth's rows, against the bound 2 * std's own (the stock bf16 path's) + 1e-3. ``truths`` is
-    truth_logprobs' dict: a method with its own entry (MoE: its routing replayed) is judged against
-    it; the error against the freely routed truth is recorded as well."""
+def truth_errors(rec, truths, mask) -> None:
+    """A method's max |logp - fp32 truth| on the truth's rows (``truths``: truth_logprobs' dict): against
+    its own entry when it has one (MoE: its routing replayed; the free-routing error recorded as
+    well), else against the freely routed truth."""
     free = truths["free"]
     rows = free.shape[0]
 
-    def err(r, truth):
-        return float((r["logp0"][:rows].double() - truth).abs()[mask[:rows]].max())
-    for r in results:
-        if "logp0" not in r:
-            continue
-        r["max_abs_dlogp_vs_truth"] = err(r, truths.get(r["method"], free))
-        if r["method"] in truths:
-            r["truth_routing"] = "replayed (the method's own MoE routing)"
-            r["max_abs_dlogp_vs_truth_free_routing"] = err(r, free)
+    def err(truth):
+        return float((rec["logp0"][:rows].double() - truth).abs()[mask[:rows]].max())
+    rec["max_abs_dlogp_vs_truth"] = err(truths.get(rec["method"], free))
+    if rec["method"] in truths:
+        rec["truth_routing"] = "replayed (the method's own MoE routing)"
+        rec["max_abs_dlogp_vs_truth_free_routing"] = err(free)
+
+
+def tolerance_rule(results) -> None:
+    """The log-prob tolerance rule (bench/logprob_noise.py): each method's max |logp - fp32 truth|
+    against the bound 2 * std's own (the stock bf16 path's) + 1e-3, on every record with truth errors
+    (nothing before std has its own)."""
     std = next((r for r in results if r["method"] == "std" and "max_abs_dlogp_vs_truth" in r), None)
     if std is None:
         return
@@ -726,6 +742,41 @@ def tolerance_rule(results, truths, mask):
         if "max_abs_dlogp_vs_truth" in r:
             r["tolerance_bound"] = bound
             r["within_tolerance"] = r["max_abs_dlogp_vs_truth"] <= bound
+
+
+class TruthJudge:
+    """The tolerance rule method by method, right after each one ran (so a run cut by the device
+    call's limit keeps the verdicts of the methods that finished): the freely routed fp32 truth of the
+    first ``rows`` rows of ``mb`` once, and for a MoE model the truth under each method's own routing."""
+
+    def __init__(self, model, mb: MicroBatch, rows: int, impl, args, device):
+        self.model, self.mb, self.rows, self.impl, self.args, self.device = model, mb, min(rows, mb.B), impl, args, device
+        self.tape, self.free = RouterTape(model), None
+
+    def __call__(self, rec, results) -> None:
+        if "logp0" not in rec:
+            return
+        t0 = time.perf_counter()
+        try:
+            with _time_limit(self.args.method_timeout, f"{rec['method']} fp32 truth"):
+                if self.free is None:
+                    self.free = truth_logprobs(self.model, self.mb, self.rows, self.impl, self.device)["free"]
+                truths = {"free": self.free}
+                if self.tape.routers:
+                    routes = {rec["method"]: method_routes(rec["method"], self.model, self.mb, self.rows, self.args,
+                                                           self.device, self.tape)}
+                    truths.update(truth_logprobs(self.model, self.mb, self.rows, self.impl, self.device, routes,
+                                                 self.tape, free=False))
+            truth_errors(rec, truths, self.mb.mask)
+            tolerance_rule(results + [rec])
+            rec["truth_s"] = time.perf_counter() - t0
+        except (Exception, MethodTimeout) as exc:  # noqa: BLE001  (recorded; the speed results stand)
+            rec["truth_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+            log(f"  fp32 truth failed: {rec['truth_error'][:200]}")
+        finally:
+            self.model.zero_grad(set_to_none=True)
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
 
 
 def model_flops_per_token(model, spec: ModelSpec):
@@ -1187,6 +1238,8 @@ def probe_max_groups(method, model, cfg, n, P, R, args, device):
         try:
             mb = make_micro_batches(n, P, R, 1, g, cfg.vocab_size, args.seed + 1000 + g, device,
                                     args.equal_responses)[0]
+            if getattr(args, "spec", None) is not None:
+                mb.with_window_plans(args.spec.windows)
             mb.old = torch.zeros(mb.mask.shape, device=device)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -1259,11 +1312,15 @@ def run_config(model, cfg, size, n, P, R, args, device, save=None):
     if spec is not None and spec.mods:  # the depth cut, in every record
         base.update(layers=spec.layers, published_layers=spec.published_layers)
     results = []
+    judge = (TruthJudge(model, mbs[0], args.truth_rows, spec.std_impl if spec is not None else "sdpa", args, device)
+             if args.truth_rows > 0 else None)
     methods = list(args.methods)
     for method in methods:
         if save is not None:
             save([_json_record(r) for r in results] + [dict(base, method=method, status="running")])
         rec = measure(method, model, mbs, args, device, base, flops)
+        if judge is not None:  # the tolerance rule: this method's log-probs against the fp32 truth
+            judge(rec, results)
         if args.probe_max_mb and rec["status"] == "ok":
             rec.update(probe_max_groups(method, model, cfg, n, P, R, args, device))
             log(f"  {method}: largest micro-batch that fits: {rec['max_mb_groups']} group(s) of N={n}"
@@ -1274,6 +1331,9 @@ def run_config(model, cfg, size, n, P, R, args, device, save=None):
         log(f"  {size:>5} N={n:<3} P={P:<6} R={R:<5} {method:<7} {rec['status']:<5} "
             + (f"{rec['seconds']:.3f} s/update, {rec['tokens_per_s']:,.0f} tok/s"
                + (f", peak {rec['peak_gib']:.1f} GiB, MFU {100 * rec['mfu']:.1f}%" if "mfu" in rec else "")
+               + (f", max|logp - fp32 truth| {rec['max_abs_dlogp_vs_truth']:.3g}"
+                  + (f" ({'PASS' if rec['within_tolerance'] else 'FAIL'}, bound {rec['tolerance_bound']:.3g})"
+                     if "within_tolerance" in rec else "") if "max_abs_dlogp_vs_truth" in rec else "")
                if rec["status"] == "ok" else rec.get("error", "")))
         if save is not None:
             save([_json_record(r) for r in results])
@@ -1282,27 +1342,6 @@ def run_config(model, cfg, size, n, P, R, args, device, save=None):
             # Flex-FA4 cannot run one of issue 16's models (or FA4 is missing): Flex on Triton instead
             log(f"  flex_fa4 {rec['status']}: running flex (Triton kernels) in its place")
             methods.append("flex")
-    if args.truth_rows > 0 and any("logp0" in r for r in results):
-        # the tolerance rule: every method's log-probs against the fp32 truth of the first rows
-        rows = min(args.truth_rows, mbs[0].B)
-        t0 = time.perf_counter()
-        try:
-            with _time_limit(args.method_timeout, "fp32 truth"):
-                tape = RouterTape(model)
-                routes = {r["method"]: method_routes(r["method"], model, mbs[0], rows, args, device, tape)
-                          for r in results if "logp0" in r} if tape.routers else None
-                truths = truth_logprobs(model, mbs[0], rows, spec.std_impl if spec is not None else "sdpa", device,
-                                        routes, tape)
-            tolerance_rule(results, truths, mbs[0].mask)
-            log(f"  fp32 truth of {rows} row(s): {time.perf_counter() - t0:.1f} s")
-        except (Exception, MethodTimeout) as exc:  # noqa: BLE001  (recorded; the speed results stand)
-            for r in results:
-                r["truth_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-            log(f"  fp32 truth failed: {type(exc).__name__}: {str(exc)[:200]}")
-        finally:
-            model.zero_grad(set_to_none=True)
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
     if args.rounds > 0:
         interleaved_rounds(results, model, mbs, args, device)
         if save is not None:

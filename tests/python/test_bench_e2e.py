@@ -552,3 +552,21 @@ def test_router_replay_keeps_the_routers_output_form():
         logits = torch.nn.functional.linear(h, router.weight, router.bias)
         assert torch.allclose(weights, torch.softmax(logits[:, :2], dim=1))
         assert "forward" not in router.__dict__  # restored
+
+
+def test_fp32_truth_mode_restores_the_model_bit_for_bit():
+    """After the fp32 truth every parameter and buffer is back, bit for bit and in its own dtype: the
+    bf16 weights, and the fp32 RoPE inv_freq buffer that model.to(bfloat16) would have rounded (which
+    changed later methods' MoE routing)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    e2e = _load_bench("e2e")
+    model = AutoModelForCausalLM.from_config(e2e.mod_model_config("gpt-oss-tiny"), attn_implementation="eager",
+                                             dtype=torch.bfloat16)
+    before = {k: v.clone() for k, v in list(model.named_parameters()) + list(model.named_buffers())}
+    assert any(v.dtype == torch.float32 for v in before.values())  # the RoPE buffer
+    with e2e.fp32_truth_mode(model, "eager"):
+        assert all(p.dtype == torch.float32 for p in model.parameters())
+    after = dict(list(model.named_parameters()) + list(model.named_buffers()))
+    for k, v in before.items():
+        assert after[k].dtype == v.dtype and torch.equal(after[k], v), k
