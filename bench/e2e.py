@@ -284,8 +284,8 @@ MOD_MODELS = {
     # openai/gpt-oss-20b: 24 layers alternating sliding (window 128) / full, attention sinks in every
     # layer, 64 query / 8 KV heads of 64, hidden 2880, MoE 32 experts top-4 (intermediate 2880), vocab
     # 201088, YaRN RoPE (transformers' GptOssConfig defaults are the 120b's: 36 layers, 128 experts).
-    # Cut to 16 layers (8 + 8): 14.2 B params, 57 GB of bf16 weights + grads; the full 24 (20.9 B,
-    # 84 GB) leaves too little for the stock eager attention's score tensors at P 8K.
+    # Cut to 16 layers (8 + 8): 14.3 B params, 57 GB of bf16 weights + grads; the full 24 (20.9 B,
+    # 84 GB) leaves too little for the stock eager attention's score tensors at P 8K (~43 GB for one row).
     "gpt-oss-20b": dict(kind="gpt_oss", published_layers=24, layers=16, stock="eager", config=dict(
         hidden_size=2880, intermediate_size=2880, num_attention_heads=64, num_key_value_heads=8, head_dim=64,
         num_local_experts=32, num_experts_per_tok=4, sliding_window=128, vocab_size=201088,
@@ -295,7 +295,8 @@ MOD_MODELS = {
     # (attention_k_eq_v), hidden 5376, MLP 21504, vocab 262144 (tied), no attention-logit softcap in
     # the text decoder; final_logit_softcapping 30.0 (the log-prob routine does not apply it, for any
     # method). Cut to 18 layers (15 + 3): 10.2 B params, 41 GB of weights + grads, ~70-90 GB peak
-    # estimated for the unpacked rows at N 8-16, P 4K-8K, and ~20 s per unpacked update of 2 micro-batches.
+    # estimated for the unpacked rows at N 8-16, P 4K-8K, and ~20-30 s per unpacked update of 2
+    # micro-batches (estimate), so that both models' methods fit one device call.
     "gemma-4-31b": dict(kind="gemma4_text", published_layers=60, layers=18, stock="sdpa", config=dict(
         hidden_size=5376, intermediate_size=21504, num_attention_heads=32, num_key_value_heads=16, head_dim=256,
         global_head_dim=512, num_global_key_value_heads=4, attention_k_eq_v=True, sliding_window=1024,
@@ -374,8 +375,8 @@ def layer_kinds(model) -> list:
 
 
 class ModelSpec:
-    """How a benchmarked model runs: its stock attention (``std_impl``), the SDPA backend of std,
-    its attention layer kinds, and (issue 16's models) the depth cut. Qwen3 shapes: SDPA, one kind."""
+    """How one of issue 16's models runs: its stock attention (``std_impl``), its attention layer kinds
+    (windows, head dims, sinks), Flex's kernels per kind, the unpacked passes, and the depth cut."""
 
     def __init__(self, name, model, std_impl="sdpa", published_layers=None, flash_max_head_dim=None):
         self.name, self.std_impl = name, std_impl
@@ -523,7 +524,8 @@ def check_flex_sinks(spec: ModelSpec, method, flash_block, device, seed=0, flex=
     Flex's (backend, block mask) forward + backward in bf16 against the same math in fp32 (dense).
     A backend that raises, or whose dq / dk miss the lse term (relative error above
     SINKS_CHECK_TOLERANCE, while the term itself is larger), makes the method Unsupported, with the
-    reason. Returns {kind: {"backend", "dq_rel_err", "dk_rel_err", "lse_term_rel"}}. ``flex``: the
+    reason (an output off the same way: a wrong lse convention). Returns {kind: {"backend", "out_rel_err",
+    "dq_rel_err", "dk_rel_err", "lse_term_rel"}}. ``flex``: the
     Flex function to check (default: the compiled one of each backend; on a CPU only a given one runs,
     with the CPU's dense masks)."""
     if not spec.sinks or (flex is None and device.type != "cuda"):
@@ -555,7 +557,8 @@ def check_flex_sinks(spec: ModelSpec, method, flash_block, device, seed=0, flex=
             fn = flex if flex is not None else compiled_flex(backend, _FLEX.get("dynamic"))
             out, lse = flex_with_lse(fn, *xs, block_mask=block_mask, scale=scale, enable_gqa=True,
                                      kernel_options=kernel_options(backend))
-            apply_sinks(out, lse, sinks.to(torch.bfloat16)).backward(dout.to(torch.bfloat16))
+            out = apply_sinks(out, lse, sinks.to(torch.bfloat16))
+            out.backward(dout.to(torch.bfloat16))
         except Exception as exc:  # noqa: BLE001  (the kernels refuse: the method cannot run this model)
             raise Unsupported(f"Flex on {backend} cannot run attention sinks (their gradient flows through the "
                               f"returned lse) at head dim {D}: {type(exc).__name__}: {' '.join(str(exc).split())[:300]}")
@@ -563,15 +566,22 @@ def check_flex_sinks(spec: ModelSpec, method, flash_block, device, seed=0, flex=
         def reference(lse_grad: bool):
             r = [t.clone().requires_grad_() for t in (q, k, v)]
             o, l = _dense_attention_lse(*r, dense_masks[kind.window], scale, None)
-            apply_sinks(o, l if lse_grad else l.detach(), sinks).backward(dout)
-            return r
+            o = apply_sinks(o, l if lse_grad else l.detach(), sinks)
+            o.backward(dout)
+            return r + [o.detach()]
         ref, no_lse = reference(True), reference(False)
 
         def rel(a, b):
             return float((a.float() - b).abs().max() / b.abs().max().clamp_min(1e-12))
-        errs = {"dq_rel_err": rel(xs[0].grad, ref[0].grad), "dk_rel_err": rel(xs[1].grad, ref[1].grad),
+        errs = {"out_rel_err": rel(out.detach(), ref[3]), "dq_rel_err": rel(xs[0].grad, ref[0].grad),
+                "dk_rel_err": rel(xs[1].grad, ref[1].grad),
                 "lse_term_rel": min(rel(no_lse[0].grad, ref[0].grad), rel(no_lse[1].grad, ref[1].grad))}
         report[f"window {kind.window} head dim {D}"] = dict(backend=backend, **errs)
+        if errs["out_rel_err"] > SINKS_CHECK_TOLERANCE:
+            raise Unsupported(
+                f"Flex on {backend} gives a wrong output with attention sinks at head dim {D} (relative error "
+                f"{errs['out_rel_err']:.3g} against an fp32 reference): its returned lse is not the natural-log "
+                "logsumexp of the scores apply_sinks expects")
         if max(errs["dq_rel_err"], errs["dk_rel_err"]) > SINKS_CHECK_TOLERANCE:
             raise Unsupported(
                 f"Flex on {backend} computes wrong dq / dk with attention sinks at head dim {D} (relative error "

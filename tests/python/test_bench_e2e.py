@@ -455,6 +455,7 @@ def test_flex_sinks_check_catches_a_backward_without_the_lse_gradient():
     """check_flex_sinks (run before a Flex method on a model with sinks): a Flex whose backward drops
     the returned lse's gradient is Unsupported, naming it; one that keeps it passes, and the check
     can tell the two apart (the lse term is far above the tolerance)."""
+    import math
     import types
     import torch
     from transformers import AutoModelForCausalLM
@@ -463,10 +464,12 @@ def test_flex_sinks_check_catches_a_backward_without_the_lse_gradient():
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
     spec = e2e.ModelSpec("gpt-oss-tiny", model, "eager", 2)
 
-    def fake_flex(keep_lse_grad):
+    def fake_flex(keep_lse_grad, lse_base=None):
         def flex(q, k, v, block_mask=None, scale=None, enable_gqa=True, kernel_options=None, return_aux=None,
                  score_mod=None):
             out, lse = e2e._dense_attention_lse(q.float(), k.float(), v.float(), block_mask, scale, None)
+            if lse_base is not None:
+                lse = lse / math.log(lse_base)
             return out.to(q.dtype), types.SimpleNamespace(lse=lse if keep_lse_grad else lse.detach())
         return flex
     report = e2e.check_flex_sinks(spec, "flex", (256, 128), torch.device("cpu"), flex=fake_flex(True))
@@ -475,6 +478,8 @@ def test_flex_sinks_check_catches_a_backward_without_the_lse_gradient():
         assert max(r["dq_rel_err"], r["dk_rel_err"]) <= e2e.SINKS_CHECK_TOLERANCE < r["lse_term_rel"] / 4, r
     with pytest.raises(e2e.Unsupported, match="does not take the gradient of the returned lse"):
         e2e.check_flex_sinks(spec, "flex", (256, 128), torch.device("cpu"), flex=fake_flex(False))
+    with pytest.raises(e2e.Unsupported, match="not the natural-log logsumexp"):
+        e2e.check_flex_sinks(spec, "flex", (256, 128), torch.device("cpu"), flex=fake_flex(True, lse_base=2))
     assert e2e.check_flex_sinks(spec, "flex", (256, 128), torch.device("cpu")) == {}  # no Flex backward on a CPU
 
 
