@@ -364,9 +364,7 @@ def test_issue16_models_run_every_method_and_pass_the_tolerance_rule(tmp_path, m
     e2e = _load_bench("e2e")
     monkeypatch.setattr(e2e, "EAGER_SCORE_BUDGET_BYTES", 1)
     out = tmp_path / "mods.json"
-    t0 = time.monotonic()
-    assert e2e.main(MODS + ["--methods", "std,dualkv,flex_fa4", "--out", str(out)]) == 0
-    assert time.monotonic() - t0 < 60  # ~4 s alone; a loose guard against a pathologically slow path
+    assert e2e.main(MODS + ["--methods", "std,dualkv,flex_fa4", "--out", str(out)]) == 0  # ~4 s alone
     data = json.loads(out.read_text())
     res = _by(data["results"])
     for model in ("gpt-oss-tiny", "gemma-4-tiny"):
