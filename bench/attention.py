@@ -65,8 +65,8 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "python"))
 import dualkv  # noqa: E402
 import provenance  # noqa: E402
-from peers import (FLEX_BACKENDS, FLEX_BLOCK, Unavailable, accepted_block_size, compiled_flex, fa4,  # noqa: E402
-                   first_output, kernel_options)
+from peers import (FLEX_BACKENDS, FLEX_BLOCK, Unavailable, accepted_block_size, apply_sinks,  # noqa: E402
+                   compiled_flex, fa4, first_output, flex_with_lse, kernel_options, softcap_score_mod)
 
 DEFAULT_CONFIGS = [(16, 4096, 1024), (28, 4096, 2048), (16, 8192, 2048), (32, 8192, 1024),
                    (8, 16384, 2048), (28, 16384, 2048), (4, 8192, 1024)]
@@ -257,39 +257,6 @@ def _no_mods_in(method, mods):
     if mods.active:
         raise Unavailable(f"skipped: {method} has no sliding window, logit softcap or attention sinks (an explicit "
                           "mask would leave its flash kernels)")
-
-
-def apply_sinks(out, lse, sinks):
-    """Attention sinks on a result computed without them: each row's softmax gains one more term,
-    exp(sink_h), so the output scales by exp(lse - logaddexp(lse, sink_h)). ``out`` [B, H, T, D] and
-    ``lse`` [B, H, T] (natural log), ``sinks`` [H]. Differentiable in all three."""
-    lse = lse.float()
-    scale = torch.exp(lse - torch.logaddexp(lse, sinks.float()[None, :, None]))
-    return (out.float() * scale[..., None]).to(out.dtype)
-
-
-def flex_with_lse(flex, *args, **kwargs):
-    """(out, lse) of a FlexAttention call: return_aux=AuxRequest(lse=True) where torch has it (2.9+;
-    return_lse is deprecated there and goes in 2.10), else return_lse=True."""
-    try:
-        from torch.nn.attention.flex_attention import AuxRequest
-    except ImportError:
-        return flex(*args, return_lse=True, **kwargs)
-    out, aux = flex(*args, return_aux=AuxRequest(lse=True), **kwargs)
-    return out, aux.lse
-
-
-def softcap_score_mod(cap: float):
-    """The score_mod ``cap * tanh(score / cap)`` with ``cap`` a literal of its code. Neither capture
-    works on every backend: a captured 0-dim tensor fails FA4's CuTe lowering ("Expected TensorSSA,
-    but got <class 'int'>", H200, FA4 4.0.0b36), and a captured float becomes a SymFloat when a
-    second value re-traces it, which Flex refuses among a score_mod's captured values."""
-    cap = float(cap)
-    source = (f"def score_mod(score, b, h, q_idx, kv_idx):\n"
-              f"    return torch.tanh(score * {1.0 / cap!r}) * {cap!r}\n")
-    scope = {"torch": torch}
-    exec(compile(source, f"<softcap {cap!r}>", "exec"), scope)  # noqa: S102  (our own two-line source)
-    return scope["score_mod"]
 
 
 def flex_mods(case, mods, device):

@@ -115,3 +115,46 @@ def compiled_flex(backend: str, dynamic):
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
         _COMPILED[key] = torch.compile(flex_attention, dynamic=dynamic)
     return _COMPILED[key]
+
+
+def apply_sinks(out, lse, sinks):
+    """Attention sinks on a result computed without them: each row's softmax gains one more term,
+    exp(sink_h), so the output scales by exp(lse - logaddexp(lse, sink_h)). ``out`` [B, H, T, D] and
+    ``lse`` [B, H, T] (natural log), ``sinks`` [H]. Differentiable in all three."""
+    lse = lse.float()
+    scale = torch.exp(lse - torch.logaddexp(lse, sinks.float()[None, :, None]))
+    return (out.float() * scale[..., None]).to(out.dtype)
+
+
+def flex_with_lse(flex, *args, **kwargs):
+    """(out, lse) of a FlexAttention call: return_aux=AuxRequest(lse=True) where torch has it (2.9+;
+    return_lse is deprecated there and goes in 2.10), else return_lse=True."""
+    try:
+        from torch.nn.attention.flex_attention import AuxRequest
+    except ImportError:
+        return flex(*args, return_lse=True, **kwargs)
+    out, aux = flex(*args, return_aux=AuxRequest(lse=True), **kwargs)
+    return out, aux.lse
+
+
+_SOFTCAP_MODS = {}
+
+
+def softcap_score_mod(cap: float):
+    """The score_mod ``cap * tanh(score / cap)`` with ``cap`` a literal of its code (one function per
+    value). Neither capture works on every backend: a captured 0-dim tensor fails FA4's CuTe lowering
+    ("Expected TensorSSA, but got <class 'int'>", H200, FA4 4.0.0b36), and a captured float becomes a
+    SymFloat when a second value re-traces it, which Flex refuses among a score_mod's captured values."""
+    cap = float(cap)
+    if cap not in _SOFTCAP_MODS:
+        source = (f"def score_mod(score, b, h, q_idx, kv_idx):\n"
+                  f"    return torch.tanh(score * {1.0 / cap!r}) * {cap!r}\n")
+        scope = {"torch": torch}
+        exec(compile(source, f"<softcap {cap!r}>", "exec"), scope)  # noqa: S102  (our own two-line source)
+        _SOFTCAP_MODS[cap] = scope["score_mod"]
+    return _SOFTCAP_MODS[cap]
+
+
+class Unsupported(Unavailable):
+    """A peer that is installed but cannot run this model as asked (a head dim, or a modifier's
+    backward, its kernels lack): recorded as unavailable, with the reason."""

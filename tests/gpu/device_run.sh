@@ -2,7 +2,7 @@
 # What one device session runs, step by step; logs and JSON go to $OUT (or ./device-out).
 #   tests/gpu/device_run.sh [fa4-stage] [fa4-install] [tests] [sanitize] [bench-quick|bench] [bench-dims]
 #                           [bench-portable] [ab] [e2e] [e2e-flex] [e2e-all] [e2e-grid] [noise]
-#                           [wheels] [hybrid-tests] [hybrid] [trl-step] [prompt-once] [bench-mods]
+#                           [wheels] [hybrid-tests] [hybrid] [trl-step] [prompt-once] [bench-mods] [e2e-mods]
 # The library is $DUALKV_LIBRARY (default build-h200/libdualkv.so, a 90a build made on the host and
 # carried: docs/hopper.md "Running it"). Every benchmark refuses a tree that is not a commit (commit
 # first; DUALKV_ALLOW_DIRTY=1 runs anyway and marks the results dirty: bench/provenance.py). The device
@@ -121,6 +121,24 @@
 #                it by P if the cap cuts it: the JSON keeps every finished method). Measured (1.7B at da0c15c,
 #                the default grid): 3.0 min for 6 cells x 3 methods; 8B at P 32K: ~20-40 s per update, one
 #                cell per call
+#   e2e-mods     issue 16's end to end: bench/e2e.py on the gpt-oss-20b shape (16 of 24 layers, 14.3 B params: sinks
+#                + window 128 on alternate layers, MoE 32 x top-4) and the Gemma-4-31B shape (18 of 60 layers, 10.2 B:
+#                window 1024 at head dim 256, global layers at head dim 512), random weights, one process per model
+#                of $MODS_E2E_MODELS (default "gpt-oss-20b gemma-4-31b"), each cut at $MODS_E2E_CAP (default 255) s,
+#                so both fit one call (<= 540 s). Configs $MODS_E2E_CONFIGS (default 16,4096,1024; the other
+#                acceptance point 8,8192,1024 in a call of its own), methods $MODS_E2E_METHODS (default
+#                std,dualkv,flex_fa4: std = the stock model on the unpacked rows, gpt-oss on transformers' eager
+#                attention (its sinks have no SDPA path) in passes of as many rows as its score tensors allow,
+#                Gemma-4 on SDPA; flex_fa4 unavailable for a model (Gemma-4's head dims; sinks whose lse gradient
+#                the backend drops, checked against fp32 first) or without FA4 -> flex on Triton runs in its place),
+#                $MODS_E2E_MB (default 2) micro-batches, 1 warm-up + $MODS_E2E_ITERS (default 2) timed updates,
+#                --method-timeout $MODS_E2E_METHOD_TIMEOUT (default 120) s, then the fp32-truth tolerance rule (2
+#                rows; gpt-oss with each method's MoE routing replayed). Without head dim 512 in the library (before
+#                the d512 branch merges) Gemma-4's dualkv row is "unavailable" with the library's UnsupportedError.
+#                Estimate (no GPU number yet): gpt-oss ~150-200 s (std eager ~15-20 s per update, Flex-FA4's sinks
+#                check + compiles ~60-90 s), Gemma-4 ~150-200 s (std ~20 s per update, Flex on Triton compiling
+#                head dim 512). FA4 first (fa4-stage, then fa4-install in the same call as e2e-mods); one model per call:
+#                MODS_E2E_MODELS=gpt-oss-20b MODS_E2E_CAP=520. The JSON is saved before and after every method.
 # More than 8 files in $OUT at the end are packed into $OUT/device-out.tgz (a device call returns 8 files).
 # Long-running python writes to a log file, not into a pipe: a compiler child left behind by a cut
 # process (ptxas) would otherwise hold the pipe open and stall the step.
@@ -236,6 +254,17 @@ for n in ('fla-core', 'trl', 'datasets', 'accelerate'):
                  echo "prompt-once $m rc=$? (cap ${ONCE_CAP:-570} s)"
                  grep -v -i "warn\|create_block_mask(" "$OUT/prompt_once_e2e_$m.log" | tail -30
                  [ -f "$OUT/prompt_once_e2e_$m.txt" ] && cat "$OUT/prompt_once_e2e_$m.txt" ;;
+    e2e-mods) for m in ${MODS_E2E_MODELS:-gpt-oss-20b gemma-4-31b}; do
+                echo "e2e-mods $m: start (t=$(( $(date +%s) - t0 )) s)"
+                timeout -k 10 "${MODS_E2E_CAP:-255}" python3 bench/e2e.py --models "$m" \
+                  --configs "${MODS_E2E_CONFIGS:-16,4096,1024}" --methods "${MODS_E2E_METHODS:-std,dualkv,flex_fa4}" \
+                  --micro-batches "${MODS_E2E_MB:-2}" --iters "${MODS_E2E_ITERS:-2}" --warmup 1 \
+                  --method-timeout "${MODS_E2E_METHOD_TIMEOUT:-120}" ${MODS_E2E_ARGS:-} \
+                  --out "$OUT/e2e_mods_$m.json" > "$OUT/e2e_mods_$m.log" 2>&1
+                echo "e2e-mods $m rc=$? (cap ${MODS_E2E_CAP:-255} s, t=$(( $(date +%s) - t0 )) s)"
+                grep "^\[" "$OUT/e2e_mods_$m.log" | grep -v "create_block_mask(" | tail -24
+                [ -f "$OUT/e2e_mods_$m.txt" ] && cat "$OUT/e2e_mods_$m.txt"
+              done ;;
     *) echo "unknown step $step" ;;
   esac
 done

@@ -344,3 +344,232 @@ def test_grid_needs_three_timed_updates():
     e2e = _load_bench("e2e")
     with pytest.raises(SystemExit):
         e2e.main(["--device", "cpu", "--tiny", "--grid", "--iters", "2"])
+
+
+# ---- issue 16's models (gpt-oss-20b, Gemma-4-31B shapes) on their tiny CPU shapes ----
+
+MODS = ["--device", "cpu", "--tiny", "--dtype", "bfloat16", "--micro-batches", "2", "--iters", "1",
+        "--models", "gpt-oss-tiny,gemma-4-tiny"]
+
+
+def _by(results):
+    return {(r["model"], r["method"]): r for r in results}
+
+
+def test_issue16_models_run_every_method_and_pass_the_tolerance_rule(tmp_path, monkeypatch):
+    """Both tiny shapes in bf16: std (gpt-oss on its eager attention, here one row per pass as a
+    large model's eager scores need), dualkv, flex_fa4 (no FA4 on a CPU: skipped, flex on Triton's
+    path runs in its place); every log-prob within the tolerance rule against the fp32 truth (MoE
+    routing replayed for gpt-oss); the depth cut and layer kinds in the JSON and the table."""
+    e2e = _load_bench("e2e")
+    monkeypatch.setattr(e2e, "EAGER_SCORE_BUDGET_BYTES", 1)
+    out = tmp_path / "mods.json"
+    assert e2e.main(MODS + ["--methods", "std,dualkv,flex_fa4", "--out", str(out)]) == 0  # ~4 s alone
+    data = json.loads(out.read_text())
+    res = _by(data["results"])
+    for model in ("gpt-oss-tiny", "gemma-4-tiny"):
+        assert [r["method"] for r in data["results"] if r["model"] == model] == ["std", "dualkv", "flex_fa4", "flex"]
+        assert res[(model, "flex_fa4")]["status"] == "skipped"
+        for method in ("std", "dualkv", "flex"):
+            r = res[(model, method)]
+            assert r["status"] == "ok", r
+            assert r["within_tolerance"] is True and r["max_abs_dlogp_vs_truth"] <= r["tolerance_bound"], r
+            assert r["layers"] == r["published_layers"] == data["environment"]["models"][model]["layers"]
+    assert res[("gpt-oss-tiny", "std")]["std_attention"] == "eager"
+    assert res[("gpt-oss-tiny", "std")]["std_rows_per_pass"] == 1
+    assert res[("gemma-4-tiny", "std")]["std_attention"] == "sdpa"
+    assert res[("gpt-oss-tiny", "dualkv")]["truth_routing"].startswith("replayed")
+    assert "truth_routing" not in res[("gemma-4-tiny", "dualkv")]  # dense: nothing to replay
+    gpt, gemma = data["environment"]["models"]["gpt-oss-tiny"], data["environment"]["models"]["gemma-4-tiny"]
+    assert gpt["depth_cut"] == "all 2 layers" and gpt["experts_implementation"]
+    assert [(k["window"], k["head_dim"], k["sinks"]) for k in gpt["layer_kinds"]] == [(8, 16, True), (None, 16, True)]
+    assert [(k["window"], k["head_dim"], k["kv_heads"], k["layers"]) for k in gemma["layer_kinds"]] == [
+        (8, 16, 2, 2), (None, 32, 1, 1)]
+    flex = res[("gemma-4-tiny", "flex")]
+    assert [b["backend"] for b in flex["flex_layer_backends"]] == ["TRITON", "TRITON"]
+    assert flex["mask_build_s"] > 0 and "compile_s" in flex
+    table = out.with_suffix(".txt").read_text()
+    assert "model gpt-oss-tiny: random weights, all 2 layers" in table and "sinks" in table
+    assert table.count(": PASS") == 6 and "FAIL" not in table and "MoE routing replayed" in table
+
+
+def test_issue16_depth_cuts_are_stated():
+    """The published shapes cut to fit: gpt-oss-20b 16 of 24 layers (alternating sliding / full),
+    Gemma-4-31B 18 of 60 (5 sliding : 1 global, the last global); the record says so."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    e2e = _load_bench("e2e")
+    for name, layers, types in (("gpt-oss-20b", 16, ["sliding_attention", "full_attention"] * 8),
+                                ("gemma-4-31b", 18, (["sliding_attention"] * 5 + ["full_attention"]) * 3)):
+        cfg = e2e.mod_model_config(name)
+        assert cfg.num_hidden_layers == layers and cfg.layer_types == types
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(cfg, attn_implementation=e2e.MOD_MODELS[name]["stock"])
+        rec = e2e.ModelSpec(name, model, e2e.MOD_MODELS[name]["stock"], e2e.MOD_MODELS[name]["published_layers"]).record(model)
+        assert rec["depth_cut"] == f"depth cut to {layers} of {e2e.MOD_MODELS[name]['published_layers']} layers"
+        assert rec["layers"] == layers
+    assert [(k["window"], k["head_dim"], k["kv_heads"]) for k in rec["layer_kinds"]] == [(1024, 256, 16), (None, 512, 4)]
+    assert 10.0e9 < rec["params"] < 10.5e9 and rec["final_logit_softcapping"] == 30.0
+
+
+def test_flex_without_the_sinks_fails_the_tolerance_rule(tmp_path, monkeypatch):
+    """The rule can fail: Flex with the sinks dropped (apply_sinks a no-op) is out of bounds."""
+    e2e = _load_bench("e2e")
+    monkeypatch.setattr(e2e, "apply_sinks", lambda out, lse, sinks: out)
+    out = tmp_path / "nosinks.json"
+    assert e2e.main(MODS[:-1] + ["gpt-oss-tiny", "--methods", "std,flex", "--out", str(out)]) == 0
+    flex = _by(json.loads(out.read_text())["results"])[("gpt-oss-tiny", "flex")]
+    assert flex["status"] == "ok" and flex["within_tolerance"] is False
+    assert "FAIL" in out.with_suffix(".txt").read_text()
+
+
+def test_dualkv_without_head_dim_512_is_unavailable_not_a_crash(tmp_path, monkeypatch):
+    """A library without Gemma-4's global head dim raises its typed UnsupportedError from the first
+    attention call at that head dim: dualkv is recorded as unavailable with the library's message,
+    the other methods run and the process exits 0. (Simulated: the tiny global layers' head dim 32
+    plays 512.)"""
+    import dualkv
+    from dualkv.integrations import transformers as dkt
+    e2e = _load_bench("e2e")
+    real = dkt._dualkv_attention
+
+    def without_32(q, k, v, layout, **kw):
+        if q.shape[-1] == 32:
+            raise dualkv.UnsupportedError("cuda: head_dim 32 is not built for CUDA bfloat16 (built head dims: 64, "
+                                          "128, 256; supported: 64, 128, 256, 512 via -DDUALKV_HEAD_DIMS)")
+        return real(q, k, v, layout, **kw)
+    monkeypatch.setattr(dkt, "_dualkv_attention", without_32)
+    out = tmp_path / "d512.json"
+    assert e2e.main(MODS[:-1] + ["gemma-4-tiny", "--methods", "std,dualkv,flex", "--out", str(out)]) == 0
+    res = _by(json.loads(out.read_text())["results"])
+    dkv = res[("gemma-4-tiny", "dualkv")]
+    assert dkv["status"] == "unavailable" and dkv["error"].startswith("UnsupportedError: cuda: head_dim 32 is not built")
+    assert res[("gemma-4-tiny", "std")]["status"] == res[("gemma-4-tiny", "flex")]["status"] == "ok"
+    assert res[("gemma-4-tiny", "flex")]["within_tolerance"] is True
+    assert "unavailable" in out.with_suffix(".txt").read_text()
+
+
+def test_flex_sinks_check_catches_a_backward_without_the_lse_gradient():
+    """check_flex_sinks (run before a Flex method on a model with sinks): a Flex whose backward drops
+    the returned lse's gradient is Unsupported, naming it; one that keeps it passes, and the check
+    can tell the two apart (the lse term is far above the tolerance)."""
+    import math
+    import types
+    import torch
+    from transformers import AutoModelForCausalLM
+    e2e = _load_bench("e2e")
+    cfg = e2e.mod_model_config("gpt-oss-tiny")
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
+    spec = e2e.ModelSpec("gpt-oss-tiny", model, "eager", 2)
+
+    def fake_flex(keep_lse_grad, lse_base=None):
+        def flex(q, k, v, block_mask=None, scale=None, enable_gqa=True, kernel_options=None, return_aux=None,
+                 score_mod=None):
+            out, lse = e2e._dense_attention_lse(q.float(), k.float(), v.float(), block_mask, scale, None)
+            if lse_base is not None:
+                lse = lse / math.log(lse_base)
+            return out.to(q.dtype), types.SimpleNamespace(lse=lse if keep_lse_grad else lse.detach())
+        return flex
+    report = e2e.check_flex_sinks(spec, "flex", (256, 128), torch.device("cpu"), flex=fake_flex(True))
+    assert len(report) == 2
+    for r in report.values():
+        assert max(r["dq_rel_err"], r["dk_rel_err"]) <= e2e.SINKS_CHECK_TOLERANCE < r["lse_term_rel"] / 4, r
+    with pytest.raises(e2e.Unsupported, match="does not take the gradient of the returned lse"):
+        e2e.check_flex_sinks(spec, "flex", (256, 128), torch.device("cpu"), flex=fake_flex(False))
+    with pytest.raises(e2e.Unsupported, match="not the natural-log logsumexp"):
+        e2e.check_flex_sinks(spec, "flex", (256, 128), torch.device("cpu"), flex=fake_flex(True, lse_base=2))
+    assert e2e.check_flex_sinks(spec, "flex", (256, 128), torch.device("cpu")) == {}  # no Flex backward on a CPU
+
+
+def test_flex_fa4_per_layer_kind_and_unavailable_above_fa4s_head_dims(tmp_path, monkeypatch):
+    """With FA4 present (stubbed; the CPU runs the same math densely): gpt-oss's layer kinds (head dim
+    16 here, 64 in the real shape) run flex_fa4 on FLASH through the block-size warm-up; Gemma-4's
+    (16 and 32 here; 256 and 512 real) with --flex-fa4-max-head-dim 8 have no layer FA4 trains under
+    Flex: flex_fa4 is unavailable with the reason, and flex (Triton) runs in its place."""
+    e2e = _load_bench("e2e")
+    monkeypatch.setattr(e2e, "fa4", lambda: None)
+    out = tmp_path / "fa4.json"
+    assert e2e.main(MODS[:-1] + ["gpt-oss-tiny", "--methods", "flex_fa4", "--out", str(out)]) == 0
+    rec = json.loads(out.read_text())["results"][0]
+    assert rec["status"] == "ok" and rec["flash_block_size"] == list(e2e.FLEX_BLOCK["FLASH"])
+    assert [b["backend"] for b in rec["flex_layer_backends"]] == ["FLASH", "FLASH"]
+    assert e2e.main(MODS[:-1] + ["gemma-4-tiny", "--methods", "std,flex_fa4", "--flex-fa4-max-head-dim", "8",
+                                 "--out", str(out)]) == 0
+    res = _by(json.loads(out.read_text())["results"])
+    fa4_rec = res[("gemma-4-tiny", "flex_fa4")]
+    assert fa4_rec["status"] == "unavailable" and "no attention layer of gemma-4-tiny" in fa4_rec["error"]
+    assert "head dims [16, 32]" in fa4_rec["error"]
+    assert res[("gemma-4-tiny", "flex")]["status"] == "ok"
+
+
+def test_device_run_e2e_mods_step():
+    """tests/gpu/device_run.sh e2e-mods: one bench/e2e.py process per model of $MODS_E2E_MODELS (both
+    by default), each cut so that both fit one device call (<= 540 s with the kill grace), the
+    per-method timeout a knob, the output in a file (not a pipe), progress lines and the table printed."""
+    step = _device_run_step("e2e-mods")
+    assert 'for m in ${MODS_E2E_MODELS:-gpt-oss-20b gemma-4-31b}' in step
+    assert '--methods "${MODS_E2E_METHODS:-std,dualkv,flex_fa4}"' in step
+    assert '--method-timeout "${MODS_E2E_METHOD_TIMEOUT:-120}"' in step
+    assert '> "$OUT/e2e_mods_$m.log" 2>&1' in step and 'cat "$OUT/e2e_mods_$m.txt"' in step
+    cap = int(re.search(r'timeout -k 10 "\$\{MODS_E2E_CAP:-(\d+)\}"', step).group(1))
+    assert 2 * (cap + 10) <= 540
+    e2e = _load_bench("e2e")
+    for m in ("gpt-oss-20b", "gemma-4-31b"):
+        assert m in e2e.MOD_MODELS
+
+
+def test_router_replay_keeps_the_routers_output_form():
+    """RouterTape.replay returns the recorded experts with their softmax weights in the router's own
+    form: (logits, weights, indices) as transformers 5.x's GptOssTopKRouter, (dense weights,
+    indices) as the 4.5x one; record() collects each call's indices."""
+    import torch
+    e2e = _load_bench("e2e")
+
+    class NewTopKRouter(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight, self.bias = torch.nn.Parameter(torch.randn(4, 6)), torch.nn.Parameter(torch.randn(4))
+
+        def forward(self, h):
+            logits = torch.nn.functional.linear(h, self.weight, self.bias)
+            top, idx = logits.topk(2, dim=-1)
+            return logits, torch.softmax(top, dim=1), idx
+
+    class OldTopKRouter(NewTopKRouter):
+        def forward(self, h):
+            logits, top, idx = super().forward(h)
+            return torch.zeros_like(logits).scatter_(1, idx, top), idx
+
+    h = torch.randn(5, 6)
+    for cls in (NewTopKRouter, OldTopKRouter):
+        router = cls()
+        tape = e2e.RouterTape(torch.nn.ModuleList([router]))
+        with tape.record() as calls:
+            free = router(h)
+        assert torch.equal(calls[0][0], free[-1])
+        forced = torch.tensor([[0, 1]] * 5)
+        with tape.replay([forced]):
+            out = router(h)
+        assert len(out) == len(free) and torch.equal(out[-1], forced)
+        weights = out[1] if len(out) == 3 else out[0].gather(1, forced)
+        logits = torch.nn.functional.linear(h, router.weight, router.bias)
+        assert torch.allclose(weights, torch.softmax(logits[:, :2], dim=1))
+        assert "forward" not in router.__dict__  # restored
+
+
+def test_fp32_truth_mode_restores_the_model_bit_for_bit():
+    """After the fp32 truth every parameter and buffer is back, bit for bit and in its own dtype: the
+    bf16 weights, and the fp32 RoPE inv_freq buffer that model.to(bfloat16) would have rounded (which
+    changed later methods' MoE routing)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    e2e = _load_bench("e2e")
+    model = AutoModelForCausalLM.from_config(e2e.mod_model_config("gpt-oss-tiny"), attn_implementation="eager",
+                                             dtype=torch.bfloat16)
+    before = {k: v.clone() for k, v in list(model.named_parameters()) + list(model.named_buffers())}
+    assert any(v.dtype == torch.float32 for v in before.values())  # the RoPE buffer
+    with e2e.fp32_truth_mode(model, "eager"):
+        assert all(p.dtype == torch.float32 for p in model.parameters())
+    after = dict(list(model.named_parameters()) + list(model.named_buffers()))
+    for k, v in before.items():
+        assert after[k].dtype == v.dtype and torch.equal(after[k], v), k
