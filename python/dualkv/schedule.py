@@ -223,7 +223,7 @@ class PromptKV:
             # detached, so that they free before phase C instead of living through its backward
             slot: List[Optional[Tensor]] = []
             self._slots[idx] = slot
-            self._probes.append(_PromptGrad.apply(k, v, slot))
+            self._probes.append(_PromptGrad.apply(k, v, slot, False))
             k, v = k.detach(), v.detach()
         self._keys[idx], self._values[idx] = k, v
 
@@ -259,11 +259,20 @@ class PromptKV:
     # ---- phase C ----
     def _gradients(self) -> Dict[int, List[Optional[Tensor]]]:
         """Per layer, the accumulated gradients of its keys and values (None where no micro-batch
-        read them), in the keys' dtype; the phase-B state is dropped."""
+        read them), in the keys' dtype; the phase-B state is dropped.
+
+        The leaves themselves may outlive this: the autograd graph of a phase-B micro-batch holds
+        them (its AccumulateGrad nodes) for as long as the caller keeps a tensor of it, and a training
+        loop keeps its last micro-batch's loss until the next step of the loop, which is when phase C
+        runs. So each leaf lets go of its gradient buffer (the returned list holds it now: offloading
+        or back-propagating it is what frees it) and of its keys' or values' memory (an empty tensor
+        in its place; a tensor of phase A's graph that shares the storage keeps it as it should)."""
         out = {}
         for idx, leaves in self._leaves.items():
             sums = self._sums.get(idx, (None, None))
             out[idx] = [(total.to(leaf.dtype) if total is not None else leaf.grad) for leaf, total in zip(leaves, sums)]
+            for leaf in leaves:
+                _release_leaf(leaf)
         self._keys, self._values, self._leaves, self._sums = {}, {}, {}, {}
         return out
 
@@ -290,6 +299,7 @@ class PromptKV:
         self._pending = self._gradients()  # the keys and values of phase A go: phase C makes its own
         if self.offload_grads:
             self._pending = {idx: [_to_host(g) for g in gs] for idx, gs in self._pending.items()}
+            # (with the leaves' own references gone (_gradients), the device buffers free here)
         layers = set(self._pending)
         self._probing = True
         try:
@@ -317,7 +327,7 @@ class PromptKV:
                                 "phase A's, or ran twice")
         grads = self._pending.pop(idx)
         self._probed.append(idx)
-        self._probes.append(_PromptGrad.apply(k[:self.num_rows], v[:self.num_rows], grads))
+        self._probes.append(_PromptGrad.apply(k[:self.num_rows], v[:self.num_rows], grads, self.offload_grads))
 
     @property
     def memory(self) -> Dict[str, Optional[int]]:
@@ -339,8 +349,9 @@ class _PromptGrad(torch.autograd.Function):
     backward, so the keys and values themselves are not kept."""
 
     @staticmethod
-    def forward(ctx, k: Tensor, v: Tensor, grads: List[Optional[Tensor]]) -> Tensor:
+    def forward(ctx, k: Tensor, v: Tensor, grads: List[Optional[Tensor]], on_host: bool) -> Tensor:
         ctx.grads = grads
+        ctx.on_host = on_host  # offload_grads: host copies, brought back here
         ctx.like = [(t.shape, t.dtype, t.device) for t in (k, v)]
         return k.new_zeros(())
 
@@ -348,10 +359,19 @@ class _PromptGrad(torch.autograd.Function):
     def backward(ctx, _):
         grads, ctx.grads = ctx.grads, None
         out = tuple(torch.zeros(shape, dtype=dtype, device=device) if g is None
-                    else g.to(device, non_blocking=True)  # back from the host (offload_grads); else itself
+                    else _device_copy(g, device) if ctx.on_host else g
                     for g, (shape, dtype, device) in zip(grads, ctx.like))
         grads.clear()
-        return out + (None,)
+        return out + (None, None)
+
+
+def _release_leaf(leaf: Tensor) -> None:
+    """Drop a phase-B leaf's gradient and storage (PromptKV._gradients says why), keeping the tensor
+    object that a caller's graph may still hold."""
+    leaf.grad = None
+    # an empty tensor in its place: neither set_() nor resize_(): they would move the version counter
+    # the leaf shares with phase A's keys and values (saved by phase A's graph when it has gradients)
+    leaf.data = leaf.new_empty(0)
 
 
 def _own_rows(t: Tensor) -> Tensor:
@@ -379,11 +399,7 @@ def _backward_with_output(tensors: List[Tensor], grads: List[Optional[Tensor]], 
 def _to_host(g: Optional[Tensor]) -> Optional[Tensor]:
     """A host copy of a gradient buffer (pinned memory for a CUDA one, copied asynchronously: the
     copy back is ordered after it on the same stream); the device buffer frees when the caller drops it."""
-    if g is None:
-        return None
-    host = torch.empty(g.shape, dtype=g.dtype, device="cpu", pin_memory=g.is_cuda)
-    host.copy_(g, non_blocking=g.is_cuda)
-    return host
+    return None if g is None else _host_copy(g)
 
 
 def _add_into(total: Tensor):
