@@ -171,7 +171,10 @@ def dsinks_rounding_bound(out, lse, dout, sinks, dlse=None, threads: int = 256):
       sequence (exact in fp32: two 8- or 11-bit significands), then 5 shuffle levels, then the dlse
       subtraction: n_dot = D / 32 + 6 roundings on every path, |err| <= gamma(n_dot) (sum_d |dO O| + |dlse|).
     * p = exp(sink - lse) (sink_probability): the subtraction is rounded (relative error of p up
-      to |sink - lse| u) and expf is within 2 ulp (4 u); the product p * delta once more (u).
+      to |x| u, x = sink - lse); the CUDA sources build with --use_fast_math, so exp is __expf,
+      within 2 + 1.173 |x| ulp (the CUDA programming guide's intrinsic table; an ulp is at most 2 u
+      relative); the product p * delta once more (u): (5 + 3.346 |x|) u in all. (Flush-to-zero
+      drops p below 2^-126 only: nothing at this scale.)
     * the sum over t (bwd_dsinks_kernel): each of ``threads`` threads sums ceil(T / threads) terms,
       then a tree of log2(threads) levels: gamma(n_sum) sum_t |p delta|.
 
@@ -204,5 +207,5 @@ def dsinks_rounding_bound(out, lse, dout, sinks, dlse=None, threads: int = 256):
     p = torch.exp(arg)
     n_dot = D // 32 + 6
     n_sum = math.ceil(T / threads) + int(math.log2(threads))
-    per_row = p * (gamma(n_dot) * prod + (arg.abs() * u + 5 * u + gamma(n_sum)) * delta.abs())
+    per_row = p * (gamma(n_dot) * prod + ((5 + 3.346 * arg.abs()) * u + gamma(n_sum)) * delta.abs())
     return (1 + 1e-3) * per_row.sum(-1)
