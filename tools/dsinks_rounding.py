@@ -20,7 +20,9 @@ case and seed:
                 and whether a whole 64-row split range counted twice / left out is caught (every one)
 
 Inputs are standard normal from a CPU generator (the GPU test's are from the CUDA generator: other
-numbers, the same distribution), so the figures are the error's typical size, not the GPU run's.
+numbers, the same distribution), so the figures are the error's typical size, not the GPU run's;
+torch-lowp is PyTorch's CPU bf16 arithmetic, not its CUDA one (its own draw either way: a bf16
+number, whose error against fp64 can be anywhere from ~0 to a few bf16 ulps of |dsinks|).
 
   PYTHONPATH=python:tests/gpu python tools/dsinks_rounding.py [--seeds 4] [--cases failing|all]
 """
