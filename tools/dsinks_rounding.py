@@ -3,7 +3,8 @@ reference, on the shapes of tests/gpu/test_cuda_modifiers.py's cases (issue 16's
 
 The kernels' dsinks (src/cuda/bwd_prepost.cuh) is
 
-    dsinks[h] = -sum_t exp(sink_h - lse[h, t]) * delta[h, t],   delta[h, t] = sum_d dO[t, h, d] * O[t, h, d] - dlse[h, t]
+    dsinks[h] = -sum_t exp(sink_h - lse[h, t]) * delta[h, t],
+    delta[h, t] = sum_d dO[t, h, d] * O[t, h, d] - dlse[h, t]
 
 with O the forward's output *as returned* (bf16 / fp16: FlashAttention's delta), lse in fp32, and
 fp32 sums. This script reproduces that arithmetic (the forward as the kernels do it: scores in
@@ -141,8 +142,8 @@ def main(argv=None) -> int:
             r = run(FAILING["lens"], FAILING["parents"], FAILING["H"], FAILING["Hk"], D, torch.bfloat16, window,
                     seed)
             print(f"{D:>4} {window:>5} {seed:>4} {r['err']:>11.2e} {r['err_pt']:>10.2e} {r['old_bound']:>9.2e} "
-                  f"{r['err_from_o']:>9.2e} {r['bound']:>10.2e} {r['err_self']:>9.2e} {'yes' if r['self_ok'] else 'NO':>3}"
-                  f" {r['caught_rows']:>11.3f} {'all' if r['ranges_caught'] else 'NOT ALL':>9}", flush=True)
+                  f"{r['err_from_o']:>9.2e} {r['bound']:>10.2e} {r['err_self']:>9.2e} "
+                  f"{'yes' if r['self_ok'] else 'NO':>3} {r['caught_rows']:>11.3f} {'all' if r['ranges_caught'] else 'NOT ALL':>9}", flush=True)
     return 0
 
 

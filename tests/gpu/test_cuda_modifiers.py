@@ -6,8 +6,9 @@ max|X_kernel - X_ref64| <= 2 * max|X_torch_lowprec - X_ref64| + 1e-5, X_torch_lo
 same dense math by PyTorch in the input dtype (dualkv.reference.attention_ref, sinks in float32 as
 the kernels take them). dsinks: against dualkv.reference.sinks_grad_ref of the kernels' own out and
 lse, within the fp32 arithmetic of its kernel (cases.dsinks_rounding_bound: the derivation, and why
-the PyTorch rule does not fit it), and that formula against the fp64 autograd reference. Also: deterministic mode bit-identical run to run (dsinks included), split
-backward items, windowed plans per window, and the window's typed refusal with external prefixes.
+the PyTorch rule does not fit it), and that formula against the fp64 autograd reference. Also:
+deterministic mode bit-identical run to run (dsinks included), split backward items, windowed plans
+per window, and the window's typed refusal with external prefixes.
 """
 from __future__ import annotations
 
