@@ -143,7 +143,8 @@ def main(argv=None) -> int:
                     seed)
             print(f"{D:>4} {window:>5} {seed:>4} {r['err']:>11.2e} {r['err_pt']:>10.2e} {r['old_bound']:>9.2e} "
                   f"{r['err_from_o']:>9.2e} {r['bound']:>10.2e} {r['err_self']:>9.2e} "
-                  f"{'yes' if r['self_ok'] else 'NO':>3} {r['caught_rows']:>11.3f} {'all' if r['ranges_caught'] else 'NOT ALL':>9}", flush=True)
+                  f"{'yes' if r['self_ok'] else 'NO':>3} {r['caught_rows']:>11.3f} "
+                  f"{'all' if r['ranges_caught'] else 'NOT ALL':>9}", flush=True)
     return 0
 
 
