@@ -188,6 +188,7 @@ class PromptKV:
         self._values: Dict[int, Tensor] = {}
         self._leaves: Dict[int, Tuple[Tensor, Tensor]] = {}
         self._sums: Dict[int, Tuple[Tensor, Tensor]] = {}  # fp32 gradient sums of 16-bit leaves
+        self._hooks: List = []  # the leaves' hooks that add into _sums (their handles: phase C removes them)
         self._pending: Dict[int, List] = {}  # phase C of a rerun: per layer, its gradients until probed
         self._probes: List[Tensor] = []  # phase C of a rerun: one _PromptGrad output per layer
         self._probed: List[int] = []
@@ -241,7 +242,7 @@ class PromptKV:
                 sums = tuple(torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in leaves)
                 self._sums[idx] = sums
                 for leaf, total in zip(leaves, sums):
-                    leaf.register_post_accumulate_grad_hook(_add_into(total))
+                    self._hooks.append(leaf.register_post_accumulate_grad_hook(_add_into(total)))
             # otherwise autograd accumulates into leaf.grad: the first micro-batch's gradient
             # becomes the layer's buffer and the later ones are added into it in place
 
@@ -265,15 +266,18 @@ class PromptKV:
         them (its AccumulateGrad nodes) for as long as the caller keeps a tensor of it, and a training
         loop keeps its last micro-batch's loss until the next step of the loop, which is when phase C
         runs. So each leaf lets go of its gradient buffer (the returned list holds it now: offloading
-        or back-propagating it is what frees it) and of its keys' or values' memory (an empty tensor
-        in its place; a tensor of phase A's graph that shares the storage keeps it as it should)."""
+        or back-propagating it is what frees it), of its keys' or values' memory (an empty tensor in
+        its place; a tensor of phase A's graph that shares the storage keeps it as it should) and of
+        its hook into the fp32 sum (``grad_dtype=torch.float32``)."""
         out = {}
         for idx, leaves in self._leaves.items():
             sums = self._sums.get(idx, (None, None))
             out[idx] = [(total.to(leaf.dtype) if total is not None else leaf.grad) for leaf, total in zip(leaves, sums)]
             for leaf in leaves:
                 _release_leaf(leaf)
-        self._keys, self._values, self._leaves, self._sums = {}, {}, {}, {}
+        for hook in self._hooks:  # each holds its fp32 sum, and a kept leaf would keep the hook
+            hook.remove()
+        self._keys, self._values, self._leaves, self._sums, self._hooks = {}, {}, {}, {}, []
         return out
 
     def backward(self) -> None:

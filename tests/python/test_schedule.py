@@ -378,6 +378,43 @@ def test_offloaded_prompt_gradients_leave_the_device_during_phase_c():
         assert torch.equal(runs["offload"][2][name], g), name
 
 
+@pytest.mark.parametrize("recompute", [True, False])
+@pytest.mark.parametrize("prompt_grad_dtype", [None, torch.float32])
+def test_phase_c_frees_the_phase_b_buffers_while_the_caller_holds_the_last_loss(prompt_grad_dtype, recompute):
+    """policy_update, as any training loop, still holds its last micro-batch's loss (and so that
+    micro-batch's graph, and through its AccumulateGrad nodes the key/value leaves) while phase C
+    runs: by the end of phase C no gradient buffer, fp32 sum or recorded key/value of the phase is
+    alive all the same (weak references to each, taken as phase C starts)."""
+    import weakref
+    cfg = transformers.Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, head_dim=16, vocab_size=VOCAB, max_position_embeddings=2048,
+                                   use_cache=False)
+    torch.manual_seed(0)
+    model = dkt.enable(transformers.AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16).train())
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    P, R, N = 64, 8, 4
+    prompts, responses, old, adv = rollouts([P], [[R] * N], torch.bfloat16)
+    original, watched, alive = schedule.PromptKV.backward, [], []
+
+    def backward(self):
+        for pair in self._leaves.values():
+            for leaf in pair:
+                watched.append(("grad", weakref.ref(leaf.grad) if leaf.grad is not None else None))
+                watched.append(("kv", weakref.ref(leaf.untyped_storage())))
+        watched.extend(("fp32 sum", weakref.ref(t)) for pair in self._sums.values() for t in pair)
+        original(self)
+        alive.extend(name for name, ref in watched if ref is not None and ref() is not None)
+    schedule.PromptKV.backward = backward
+    try:
+        dualkv_update(model, prompts, responses, old, adv, P + 2 * R, recompute_prompt=recompute,
+                      prompt_grad_dtype=prompt_grad_dtype)
+    finally:
+        schedule.PromptKV.backward = original
+    kinds = {name for name, ref in watched if ref is not None}
+    assert kinds == ({"kv", "fp32 sum"} if prompt_grad_dtype else {"kv", "grad"}), kinds
+    assert not alive, alive
+
+
 @pytest.mark.gpu
 def test_cuda_phase_c_peak_with_offloaded_gradients():
     """On the H200: a bf16 Qwen3 shape (hidden = 4 x KV width, as 8B) at P = 4096, checkpointing on.
