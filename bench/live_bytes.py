@@ -58,9 +58,10 @@ class LiveTensorBytes(TorchDispatchMode):
 # ---- CPU check of the prompt-once memory rule on scaled model shapes ----
 
 def emulate_offload():
-    """Make the CPU behave as a CUDA device for dualkv.schedule's offload_prompt_activations: phase
-    A's saved activations are "moved to the host" (copied where this mode does not count them) and
-    come back as counted copies in phase C; the size threshold drops so that the scaled shapes'
+    """Make the CPU behave as a CUDA device for dualkv.schedule's offload_prompt_activations (and
+    offload_prompt_grads, through the same two copies): phase A's saved activations (the prompt's
+    gradient buffers) are "moved to the host" (copied where this mode does not count them) and come
+    back as counted copies in phase C; the size threshold drops so that the scaled shapes'
     activations move. Returns a function that undoes it."""
     from torch.utils._python_dispatch import _disable_current_modes
 

@@ -81,6 +81,18 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Lay
     return out, lse
 
 
+
+def sinks_grad_ref(out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, sinks: torch.Tensor,
+                   dlse: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """float64 [H]: d loss / d sinks from a forward's ``out`` [T, H, D] and ``lse`` [H, T] (with the sink),
+    ``dout`` and ``dlse`` (None: 0): ``-sum_t exp(sink_h - lse[h, t]) * (sum_d dout * out - dlse[h, t])``.
+    The sink is a value-less key, so its logit's gradient is its probability times (0 - delta); given the
+    kernels' own out and lse it is what their dsinks computes, up to the fp32 rounding of that sum."""
+    delta = (dout.double() * out.double()).sum(-1).T  # [H, T]
+    if dlse is not None:
+        delta = delta - dlse.double()
+    return -(torch.exp(sinks.double()[:, None] - lse.double()) * delta).sum(-1)
+
 def unpacked_groups(layout: Layout):
     """Per root-to-leaf path (leaves in packed order, any depth), the packed token indices of the
     unpacked sequence, e.g. ``prompt + response`` (the N×(P+R) view of GRPO)."""

@@ -217,6 +217,7 @@ class PromptKV:
         self._values: Dict[int, Tensor] = {}
         self._leaves: Dict[int, Tuple[Tensor, Tensor]] = {}
         self._sums: Dict[int, Tuple[Tensor, Tensor]] = {}  # fp32 gradient sums of 16-bit leaves
+        self._hooks: List = []  # the leaves' hooks that add into _sums (their handles: phase C removes them)
         self._pending: Dict[int, List] = {}  # phase C of a rerun: per layer, its gradients until probed
         self._probes: List[Tensor] = []  # phase C of a rerun: one _PromptGrad output per layer
         self._probed: List[int] = []
@@ -256,7 +257,7 @@ class PromptKV:
             # detached, so that they free before phase C instead of living through its backward
             slot: List[Optional[Tensor]] = []
             self._slots[idx] = slot
-            self._probes.append(_PromptGrad.apply(k, v, slot))
+            self._probes.append(_PromptGrad.apply(k, v, slot, False))
             k, v = k.detach(), v.detach()
         if self.stream:  # to host memory now: the copy overlaps the rest of phase A's forward
             if self._streamed is None:
@@ -283,7 +284,7 @@ class PromptKV:
                 sums = tuple(torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in leaves)
                 self._sums[idx] = sums
                 for leaf, total in zip(leaves, sums):
-                    leaf.register_post_accumulate_grad_hook(_add_into(total))
+                    self._hooks.append(leaf.register_post_accumulate_grad_hook(_add_into(total)))
             # otherwise autograd accumulates into leaf.grad: the first micro-batch's gradient
             # becomes the layer's buffer and the later ones are added into it in place
 
@@ -307,7 +308,16 @@ class PromptKV:
         """Per layer, the accumulated gradients of its keys and values (None where no micro-batch
         read them), in the keys' dtype; the phase-B state is dropped. With ``stream``: per layer a
         one-element list of a callable that brings the layer's sums back to the device (called by
-        _PromptGrad's backward, when phase C's backward reaches the layer)."""
+        _PromptGrad's backward, when phase C's backward reaches the layer).
+
+        The leaves themselves may outlive this: the autograd graph of a phase-B micro-batch holds
+        them (its AccumulateGrad nodes) for as long as the caller keeps a tensor of it, and a training
+        loop keeps its last micro-batch's loss until the next step of the loop, which is when phase C
+        runs. So each leaf lets go of its gradient buffer (the returned list holds it now: offloading
+        or back-propagating it is what frees it), of its keys' or values' memory (an empty tensor in
+        its place; a tensor of phase A's graph that shares the storage keeps it as it should) and of
+        its hook into the fp32 sum (``grad_dtype=torch.float32``). (The streamed state has no leaves:
+        its reads are _StreamedRead outputs, which hold nothing of the state.)"""
         if self._streamed is not None:
             streamed, self._streamed = self._streamed, None
             return streamed.phase_c()
@@ -315,7 +325,11 @@ class PromptKV:
         for idx, leaves in self._leaves.items():
             sums = self._sums.get(idx, (None, None))
             out[idx] = [(total.to(leaf.dtype) if total is not None else leaf.grad) for leaf, total in zip(leaves, sums)]
-        self._keys, self._values, self._leaves, self._sums = {}, {}, {}, {}
+            for leaf in leaves:
+                _release_leaf(leaf)
+        for hook in self._hooks:  # each holds its fp32 sum, and a kept leaf would keep the hook
+            hook.remove()
+        self._keys, self._values, self._leaves, self._sums, self._hooks = {}, {}, {}, {}, []
         return out
 
     def backward(self) -> None:
@@ -342,6 +356,7 @@ class PromptKV:
         self._pending = self._gradients()  # the keys and values of phase A go: phase C makes its own
         if self.offload_grads and not self.stream:  # streamed sums are in host memory already
             self._pending = {idx: [_to_host(g) for g in gs] for idx, gs in self._pending.items()}
+            # (with the leaves' own references gone (_gradients), the device buffers free here)
         layers = set(self._pending)
         self._probing = True
         try:
@@ -370,7 +385,7 @@ class PromptKV:
                                 "phase A's, or ran twice")
         grads = self._pending.pop(idx)
         self._probed.append(idx)
-        self._probes.append(_PromptGrad.apply(k[:self.num_rows], v[:self.num_rows], grads))
+        self._probes.append(_PromptGrad.apply(k[:self.num_rows], v[:self.num_rows], grads, self.offload_grads))
 
     @property
     def memory(self) -> Dict[str, Optional[int]]:
@@ -400,8 +415,9 @@ class _PromptGrad(torch.autograd.Function):
     backward, so the keys and values themselves are not kept."""
 
     @staticmethod
-    def forward(ctx, k: Tensor, v: Tensor, grads: List[Optional[Tensor]]) -> Tensor:
+    def forward(ctx, k: Tensor, v: Tensor, grads: List[Optional[Tensor]], on_host: bool) -> Tensor:
         ctx.grads = grads
+        ctx.on_host = on_host  # offload_grads: host copies, brought back here
         ctx.like = [(t.shape, t.dtype, t.device) for t in (k, v)]
         return k.new_zeros(())
 
@@ -411,10 +427,19 @@ class _PromptGrad(torch.autograd.Function):
         if len(grads) == 1 and callable(grads[0]):  # stream_prompt_state: the sums come from host memory now
             grads[:] = grads[0]()
         out = tuple(torch.zeros(shape, dtype=dtype, device=device) if g is None
-                    else g.to(device, non_blocking=True)  # back from the host (offload_grads); else itself
+                    else _device_copy(g, device) if ctx.on_host else g
                     for g, (shape, dtype, device) in zip(grads, ctx.like))
         grads.clear()
-        return out + (None,)
+        return out + (None, None)
+
+
+def _release_leaf(leaf: Tensor) -> None:
+    """Drop a phase-B leaf's gradient and storage (PromptKV._gradients says why), keeping the tensor
+    object that a caller's graph may still hold."""
+    leaf.grad = None
+    # an empty tensor in its place: neither set_() nor resize_(): they would move the version counter
+    # the leaf shares with phase A's keys and values (saved by phase A's graph when it has gradients)
+    leaf.data = leaf.new_empty(0)
 
 
 # ---- stream_prompt_state: the prompt state in host memory, a layer at a time on the device ----
@@ -719,11 +744,7 @@ def _backward_with_output(tensors: List[Tensor], grads: List[Optional[Tensor]], 
 def _to_host(g: Optional[Tensor]) -> Optional[Tensor]:
     """A host copy of a gradient buffer (pinned memory for a CUDA one, copied asynchronously: the
     copy back is ordered after it on the same stream); the device buffer frees when the caller drops it."""
-    if g is None:
-        return None
-    host = torch.empty(g.shape, dtype=g.dtype, device="cpu", pin_memory=g.is_cuda)
-    host.copy_(g, non_blocking=g.is_cuda)
-    return host
+    return None if g is None else _host_copy(g)
 
 
 def _add_into(total: Tensor):

@@ -157,3 +157,56 @@ def arch_test_marks(arch: str, direction: str):
     if torch.cuda.is_available() and not dims:
         marks.append(pytest.mark.skip(reason=f"needs a device and a library with {arch} {direction} kernels"))
     return marks, dims or [128]
+
+
+# ---- the attention sinks' gradient (issue 16) ----
+
+def dsinks_rounding_bound(out, lse, dout, sinks, dlse=None, threads: int = 256):
+    """float64 [H]: how far the CUDA kernels' dsinks may be from ``dualkv.reference.sinks_grad_ref``
+    of the same ``out`` (as returned, in bf16 / fp16) and ``lse``: only the fp32 arithmetic of
+    src/cuda/bwd_prepost.cuh, bounded term by term (u = 2^-24, gamma_n = n u / (1 - n u): the
+    bound on a sum of n roundings in sequence, relative to the sum of the magnitudes):
+
+    * delta[h, t] = sum_d dO * O - dlse (bwd_preprocess_kernel): a lane adds D / 32 products in
+      sequence (exact in fp32: two 8- or 11-bit significands), then 5 shuffle levels, then the dlse
+      subtraction: n_dot = D / 32 + 6 roundings on every path, |err| <= gamma(n_dot) (sum_d |dO O| + |dlse|).
+    * p = exp(sink - lse) (sink_probability): the subtraction is rounded (relative error of p up
+      to |x| u, x = sink - lse); the CUDA sources build with --use_fast_math, so exp is __expf,
+      within 2 + 1.173 |x| ulp (the CUDA programming guide's intrinsic table; an ulp is at most 2 u
+      relative); the product p * delta once more (u): (5 + 3.346 |x|) u in all. (Flush-to-zero
+      drops p below 2^-126 only: nothing at this scale.)
+    * the sum over t (bwd_dsinks_kernel): each of ``threads`` threads sums ceil(T / threads) terms,
+      then a tree of log2(threads) levels: gamma(n_sum) sum_t |p delta|.
+
+    Summed over t with p and delta in fp64 (second-order terms, u^2 relative, are left out: the
+    factor 1 + 1e-3 covers them many times over). Why this and not the PyTorch rule of the other
+    outputs: that rule bounds the kernels' error by twice PyTorch's own on the same inputs, which
+    holds when both come from the same roundings. For dsinks they do not: the kernels (as
+    FlashAttention) take delta from O rounded to the input dtype -- per row that moves delta by
+    sum_d dO_d (O_bf16 - O)_d, ~ 2^-9 sqrt(D) |O| with random signs, summed over the rows (1e-2 to
+    2e-1 against fp64 at the test's shapes, growing with D and with short windows) -- while the bf16
+    PyTorch dsinks is another random draw (its softmax backward from bf16 P and dP) and is then
+    rounded to a bf16 number (its sink logit is a bf16 tensor): its error runs from 0 (dsinks next to
+    a bf16 number) to a few bf16 ulps of |dsinks|, and twice it is no bound on the kernels' (the H200
+    run: 3.7e-2 > 2 x 1.0e-2 at D 256, window 128). tools/dsinks_rounding.py emulates the kernels'
+    arithmetic on the CPU: at that shape their error against fp64, 1.9e-2 to 4.2e-2 over 4 seeds,
+    is all the share the rounded O and lse carry in (the fp32 sums add ~1e-6).
+    The out and lse checks bound the rounding of O and lse; this bound is the rest, and it is tight:
+    a row counted twice or left out moves dsinks[h] by p * delta of that row, past the bound for all
+    but the rows whose p * |delta| is below it (in the script's cases 76-99% of the rows are caught,
+    and every 64-row query range, counted twice or left out). ``threads``: kDsinksThreads."""
+    import math
+    u = 2.0 ** -24
+    gamma = lambda n: n * u / (1 - n * u)  # noqa: E731
+    T, H, D = out.shape
+    prod = (dout.double() * out.double()).abs().sum(-1).T  # [H, T]: sum_d |dO O|
+    delta = (dout.double() * out.double()).sum(-1).T
+    if dlse is not None:
+        prod = prod + dlse.double().abs()
+        delta = delta - dlse.double()
+    arg = sinks.double()[:, None] - lse.double()
+    p = torch.exp(arg)
+    n_dot = D // 32 + 6
+    n_sum = math.ceil(T / threads) + int(math.log2(threads))
+    per_row = p * (gamma(n_dot) * prod + ((5 + 3.346 * arg.abs()) * u + gamma(n_sum)) * delta.abs())
+    return (1 + 1e-3) * per_row.sum(-1)

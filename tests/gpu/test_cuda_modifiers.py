@@ -1,11 +1,14 @@
 """The CUDA kernels' mask modifiers (issue 16): sliding window, logit softcap and attention sinks,
 alone and together, on both kernel families (the Hopper one where the device has it, and the portable one
 forced with DUALKV_DISABLE_SM90 / DUALKV_DISABLE_SM90_BWD), against the float64 dense reference by
-test_cuda_attention.py's tolerance rule: for every output X (out, lse, dq, dk, dv, dsinks),
+test_cuda_attention.py's tolerance rule: for every output X (out, lse, dq, dk, dv),
 max|X_kernel - X_ref64| <= 2 * max|X_torch_lowprec - X_ref64| + 1e-5, X_torch_lowprec being the
 same dense math by PyTorch in the input dtype (dualkv.reference.attention_ref, sinks in float32 as
-the kernels take them). Also: deterministic mode bit-identical run to run (dsinks included), split
-backward items, windowed plans per window, and the window's typed refusal with external prefixes.
+the kernels take them). dsinks: against dualkv.reference.sinks_grad_ref of the kernels' own out and
+lse, within the fp32 arithmetic of its kernel (cases.dsinks_rounding_bound: the derivation, and why
+the PyTorch rule does not fit it), and that formula against the fp64 autograd reference. Also:
+deterministic mode bit-identical run to run (dsinks included), split backward items, windowed plans
+per window, and the window's typed refusal with external prefixes.
 """
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ import pytest
 import torch
 
 import cases  # tests/gpu/cases.py (pytest puts this directory on sys.path)
-from cases import PATHS, built_head_dims, make_inputs, use_path
+from cases import PATHS, built_head_dims, dsinks_rounding_bound, make_inputs, use_path
 from cases import tile_edge_length as seg_len
 
 pytestmark = [pytest.mark.gpu,
@@ -25,7 +28,7 @@ pytestmark = [pytest.mark.gpu,
 if torch.cuda.is_available():
     import dualkv
     from dualkv import _native
-    from dualkv.reference import attention_ref
+    from dualkv.reference import attention_ref, sinks_grad_ref
 
 ATOL = 1e-5
 GQA = [(4, 4), (4, 1), (8, 2), (8, 1)]
@@ -81,13 +84,35 @@ def run_ref(q, k, v, dout, dlse, layout_cpu, mods, dtype):
     return [t.double() for t in got]
 
 
-def check(got, ref64, refpt, extra):
-    names = ["out", "lse", "dq", "dk", "dv", "dsinks"]
+def check(got, ref64, refpt, extra, dout=None, dlse=None, sinks=None):
+    names = ["out", "lse", "dq", "dk", "dv"]
     for name, a, r64, rpt in zip(names, got, ref64, refpt):
         err = (a.double() - r64).abs().max().item()
         bound = 2 * (rpt - r64).abs().max().item() + ATOL
         assert math.isfinite(err), f"{name}: non-finite output {extra}"
         assert err <= bound, f"{name}: max err {err:.3e} > bound {bound:.3e} {extra}"
+    if len(got) > 5:
+        check_dsinks(got, ref64, dout, dlse, sinks, extra)
+
+
+def check_dsinks(got, ref64, dout, dlse, sinks, extra):
+    """dsinks against the sink gradient of the kernels' own out and lse (both checked above against
+    the fp64 reference), within the fp32 arithmetic of its kernel (cases.dsinks_rounding_bound says
+    why dsinks takes this rule instead of the low-precision PyTorch one, and derives the bound); the
+    formula itself against the fp64 autograd reference."""
+    out, lse, ds = got[0], got[1], got[5].double()
+    formula = sinks_grad_ref(ref64[0], ref64[1], dout, sinks, dlse)
+    scale = 1.0 + ref64[5].abs().max().item()
+    assert (formula - ref64[5]).abs().max().item() <= 1e-9 * scale, \
+        f"sinks_grad_ref {formula.tolist()} != the fp64 autograd dsinks {ref64[5].tolist()} {extra}"
+    want = sinks_grad_ref(out, lse, dout, sinks, dlse)
+    bound = dsinks_rounding_bound(out, lse, dout, sinks, dlse)
+    err = (ds - want).abs()
+    assert bool(torch.isfinite(ds).all()), f"dsinks: non-finite output {ds.tolist()} {extra}"
+    assert bool((err <= bound).all()), (
+        f"dsinks: |dsinks - sinks_grad_ref(out, lse)| per head {err.tolist()} > the fp32 bound {bound.tolist()} "
+        f"(error against the fp64 reference, the bf16 out's share included: "
+        f"{(ds - ref64[5]).abs().max().item():.3e}) {extra}")
 
 
 def run_case(lens, parents, H, Hk, D, dtype, seed, softcap, with_sinks, deterministic=False, with_dlse=False,
@@ -104,7 +129,7 @@ def run_case(lens, parents, H, Hk, D, dtype, seed, softcap, with_sinks, determin
     refpt = run_ref(q, k, v, dout, dlse, layout_cpu, mods, dtype)
     extra = (f"(lens={lens}, parents={parents}, H={H}, Hk={Hk}, D={D}, {dtype}, softcap={softcap}, "
              f"sinks={with_sinks}, window={window}, det={deterministic})")
-    check(got, ref64, refpt, extra)
+    check(got, ref64, refpt, extra, dout, dlse, mods["sinks"])
 
 
 N_RANDOM = 48
