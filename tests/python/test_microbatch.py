@@ -267,3 +267,24 @@ def test_prompt_state_credit_lets_one_micro_batch_phase_stand():
     for bad in (-1.0, float("inf"), True):
         with pytest.raises(ValueError, match="prompt_state_credit"):
             plan_micro_batches(groups, budget, prompt_once=True, prompt_state_factor=f, prompt_state_credit=bad)
+
+
+def test_prompt_once_spreads_a_groups_responses_evenly():
+    # 16 x 1K responses + 1 token over 16K: first-fit would give 15 + 1 responses; the even split
+    # gives 8 + 8 in the same two micro-batches. The split path (prompt_once=False) stays first-fit.
+    plan = plan_micro_batches([(8192, [1024] * 16)], 8192 + 8192, prompt_once=True)
+    assert [mb.num_responses for mb in plan.ranks[0]] == [8, 8]
+    uneven = plan_micro_batches([(8192, [100, 900, 1024, 1024, 3000, 400] + [1024] * 10)], 8192, prompt_once=True)
+    sizes = sorted(mb.response_tokens for mb in uneven.ranks[0])
+    assert sum(sizes) == 100 + 900 + 2048 + 3000 + 400 + 10240 and max(sizes) - min(sizes) <= 3000
+    split = plan_micro_batches([(4096, [1000] * 5)], 4096 + 4000)
+    assert sorted(mb.num_responses for mb in split.ranks[0]) == [1, 4]
+
+
+def test_prompt_once_keeps_first_fit_where_even_subsets_cost_a_micro_batch():
+    # group 0's first-fit tail (1 response) leaves room for group 1 (a fitted group); an even split
+    # of group 0 (8 + 8) would not, so the plan keeps first-fit: 2 micro-batches, not 3
+    groups = [(8192, [1024] * 16), (2000, [1000] * 10)]
+    plan = plan_micro_batches(groups, 16384, prompt_once=True)
+    assert plan.micro_batches_per_rank == 2
+    assert sorted(mb.num_responses for mb in plan.ranks[0]) == [11, 15]
