@@ -444,11 +444,13 @@ def _release_leaf(leaf: Tensor) -> None:
 
 # ---- stream_prompt_state: the prompt state in host memory, a layer at a time on the device ----
 
-#: the default of ``stream_prompt_state`` on CUDA (run_prompt_phase, micro_batches, grpo.policy_update):
-#: one constant, flipped once the H200 measures the streamed path's peak and time against the
-#: device-resident one (bench/prompt_once_e2e.py, methods once_stream and once_resident). Off the
-#: CUDA devices the default is never to stream (the CPU is the host: there is nothing to save).
-STREAM_PROMPT_STATE = False
+#: the default of ``stream_prompt_state`` on CUDA (run_prompt_phase, micro_batches, grpo.policy_update).
+#: On: measured on the H200 at 41df68b (1.7B, N 16, R 1K, P 8K / 16K, k 2 / 4), the device-resident
+#: state's peak is above the split path's at k 4 (10.82 / 12.14 against 9.99 / 11.95 GB), the
+#: streamed one's well below it everywhere (8.6-9.1 GB), at 0-10% more time (bench/prompt_once_e2e.py,
+#: methods once_stream and once_resident; docs/benchmarks.md). Off the CUDA devices the default is
+#: never to stream (the CPU is the host: there is nothing to save).
+STREAM_PROMPT_STATE = True
 
 #: layers of keys and values (and of gradient sums) that the streamed state has on the device at a
 #: time, at most: the layer being read (or added into), the one prefetched in the direction of travel,

@@ -416,13 +416,15 @@ def test_phase_c_frees_the_phase_b_buffers_while_the_caller_holds_the_last_loss(
 
 
 @pytest.mark.gpu
-def test_cuda_phase_c_peak_with_offloaded_gradients():
+def test_cuda_phase_c_peak_with_offloaded_gradients(monkeypatch):
     """On the H200: a bf16 Qwen3 shape (hidden = 4 x KV width, as 8B) at P = 4096, checkpointing on.
     offload_prompt_grads takes phase_c_peak_bound (7/8 of the gradient buffers here) off phase C's
     peak, and the update is bitwise the same (deterministic mode: it only moves data). The peak is
     the allocator's peak of *requested* bytes: the bytes the allocations asked for, before the caching
     allocator rounds them up to its blocks (a block split leaves up to 1 MiB with an allocation, so
     the reserved-block peak of two runs with different caches may differ by a few MiB either way)."""
+    # the device-resident phase B (stream_prompt_state=False): what offload_prompt_grads moves
+    monkeypatch.setattr(schedule, "STREAM_PROMPT_STATE", False)
     if not _cuda_reads_external_prefixes():
         pytest.skip("this build's CUDA backend does not run external prefix segments yet (issue 17's kernels)")
     L = 8
@@ -466,11 +468,13 @@ def test_cuda_phase_c_peak_with_offloaded_gradients():
 
 
 @pytest.mark.gpu
-def test_cuda_offloaded_prompt_activations_bitwise_and_off_the_device():
+def test_cuda_offloaded_prompt_activations_bitwise_and_off_the_device(monkeypatch):
     """On the H200, the default prompt phase (recompute_prompt=False, offload_prompt_activations):
     phase A leaves on the device its keys and values and last hidden state only (the checkpointed
     layer inputs, 8 x 4095 x 1024 bf16 = 64 MiB, are in pinned host memory), against the layer
     inputs kept without the offload; the update is bitwise the one without it (deterministic mode)."""
+    # the device-resident keys and values (stream_prompt_state=False): this checks the activations' offload
+    monkeypatch.setattr(schedule, "STREAM_PROMPT_STATE", False)
     if not _cuda_reads_external_prefixes():
         pytest.skip("this build's CUDA backend does not run external prefix segments yet (issue 17's kernels)")
     cfg = transformers.Qwen3Config(hidden_size=1024, intermediate_size=3072, num_hidden_layers=8, num_attention_heads=8,
