@@ -257,19 +257,11 @@ def torch_reference_gdn(model):
 
 @contextlib.contextmanager
 def fp32_truth_mode(model):
-    """The model upcast in place (exact), TF32 off, the GDN layers on the PyTorch recurrence; restored
-    on exit (the bf16 round trip is exact: no weight changed)."""
-    dtype = next(model.parameters()).dtype
-    tf32 = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
-    model.float()
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    model.set_attn_implementation("sdpa")
-    try:
-        with torch_reference_gdn(model):
-            yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
-        model.to(dtype)
+    """e2e.fp32_truth_mode with the stock SDPA attention (the model upcast in place, TF32 off, every
+    parameter and buffer back in its own dtype on exit: ``model.to(bf16)`` here rounded RoPE's fp32
+    ``inv_freq`` for every config after the first), and the GDN layers on the PyTorch recurrence."""
+    with e2e.fp32_truth_mode(model, "sdpa"), torch_reference_gdn(model):
+        yield
 
 
 def truth_logprobs(model, mb: MicroBatch, rows: int, device):
