@@ -7,6 +7,9 @@ Methods (each on its own layout; TFLOP/s credited with that layout's visible (q,
              under SDPBackend.FLASH_ATTENTION (PyTorch's FlashAttention-2), one batched call per
              distinct sequence length: no padding (the varlen case is several calls)
   sdpa_cudnn same calls under SDPBackend.CUDNN_ATTENTION
+  sdpa_efficient  same calls under SDPBackend.EFFICIENT_ATTENTION (the CUTLASS memory-efficient
+             kernel), K/V heads repeated to H in the inputs (its enable_gqa is not a kernel of its own;
+             the copy is outside the timing): the one SDPA kernel above head dim 256
   fa4_dense  FlashAttention-4 (flash_attn.cute) causal on the expanded sequences: flash_attn_func on
              the batch, flash_attn_varlen_func when lengths differ: the generic kernel's rate
   flex       compiled flex_attention (Triton kernels) on the packed layout, BlockMask of the forest rule
@@ -17,8 +20,12 @@ Methods (each on its own layout; TFLOP/s credited with that layout's visible (q,
   dualkv_ab  dualkv through a second build of libdualkv (--ab-library PATH, C ABI 1 or 2) loaded into
              the same process, with its own layouts and plans: A/B of two builds, e.g. a change against
              the library it started from (with --rounds 3: same-round time ratios, see ab_summary)
-A method whose package is missing (FA4 off the GPU machine) is recorded as "skipped: ...". Flex's
-block-mask build and every method's first call (the compiles) are reported apart from the timing.
+A method whose package is missing (FA4 off the GPU machine) is recorded as "skipped: ...", and so is
+a peer at a head dim it has no kernel for (HEAD_DIM_LIMITS: SDPA's FlashAttention and cuDNN
+backends and FA4 stop at 256, so at --head-dim 512 the dense peers are sdpa_efficient and Flex on
+Triton). Per case, "best dense" is the fastest of the dense peers that ran on the unpacked batch
+(DENSE_METHODS) and dualkv's useful rate over its rate. Flex's block-mask build and every method's
+first call (the compiles) are reported apart from the timing.
 
 Mask modifiers (issue 16; --window W, --softcap C, --sinks), applied by every method that can:
   dualkv     dualkv.attention(window=, softcap=, sinks=); a backend that does not implement them yet
@@ -76,7 +83,14 @@ VARLEN = {"name": "varlen", "prompts": [3000, 7000, 1500, 5000],
                         [2048, 512, 1024, 1536],
                         [100, 3000, 650, 1, 2200, 800],
                         [1000, 1000, 1700, 250, 600]]}
-METHODS = ["dualkv", "sdpa_flash", "sdpa_cudnn", "fa4_dense", "flex", "flex_fa4", "pgrouper"]
+METHODS = ["dualkv", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "fa4_dense", "flex", "flex_fa4", "pgrouper"]
+#: the dense peers: on the unpacked (expanded) batch, no mask but causal
+DENSE_METHODS = ("sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "fa4_dense")
+#: the largest head dim of each peer's kernels on an H100 / H200, from their own checks: PyTorch's
+#: sdp_utils.cpp (check_head_dim_size_flash: 256; check_cudnn_tensor_shapes: 256 on sm_90 with cuDNN
+#: >= 9.10, else 128) and FlashAttention-4's interface (head dims up to 256 on sm_90; Flex's FLASH
+#: backend runs it). The memory-efficient SDPA kernel and Flex's Triton kernels have no limit.
+HEAD_DIM_LIMITS = {"sdpa_flash": 256, "sdpa_cudnn": 256, "fa4_dense": 256, "flex_fa4": 256}
 #: where the methods' tensors live: the GPU (the timing needs it); the CPU tests run the methods that
 #: have a CPU path (dualkv) with DEVICE = "cpu"
 DEVICE = "cuda"
@@ -253,6 +267,13 @@ def sink_logits(H, dtype, seed):
     return randn((H,), dtype, seed, True)
 
 
+def check_head_dim(method, D):
+    """Unavailable (recorded as skipped) when ``method``'s kernels stop below head dim ``D``."""
+    limit = HEAD_DIM_LIMITS.get(method)
+    if limit is not None and D > limit:
+        raise Unavailable(f"skipped: {method} has no kernel above head dim {limit} (got {D})")
+
+
 def _no_mods_in(method, mods):
     if mods.active:
         raise Unavailable(f"skipped: {method} has no sliding window, logit softcap or attention sinks (an explicit "
@@ -329,16 +350,21 @@ def method_dualkv(case, H, Hk, D, dtype, library, deterministic=False, mods=NO_M
 
 def method_sdpa(case, H, Hk, D, dtype, backend, mods=NO_MODS):
     """SDPA on the expanded sequences, one batched call per distinct length (no padding: every
-    computed pair is a real one; one call when all sequences have the same length)."""
+    computed pair is a real one; one call when all sequences have the same length). The
+    memory-efficient backend gets K/V with H heads (GQA expanded in the inputs, outside the timing:
+    its best case)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     _no_mods_in(f"sdpa_{backend}", mods)
-    be = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[backend]
+    check_head_dim(f"sdpa_{backend}", D)
+    be = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+          "efficient": SDPBackend.EFFICIENT_ATTENTION}[backend]
+    kv_heads, gqa = (H, False) if backend == "efficient" else (Hk, True)
     buckets = sorted(collections.Counter(case.seq_lens).items())
 
     def setup(seed):
         ins, grads = [], []
         for i, (L, n) in enumerate(buckets):
-            x, do = qkv_do((n, H, L, D), (n, Hk, L, D), dtype, seed + 10 * i)
+            x, do = qkv_do((n, H, L, D), (n, kv_heads, L, D), dtype, seed + 10 * i)
             ins += x
             grads += do
         return ins + grads
@@ -346,7 +372,7 @@ def method_sdpa(case, H, Hk, D, dtype, backend, mods=NO_MODS):
     def call(x):
         with sdpa_kernel(be):
             return [F.scaled_dot_product_attention(x[3 * i], x[3 * i + 1], x[3 * i + 2], is_causal=True,
-                                                   enable_gqa=True) for i in range(len(buckets))]
+                                                   enable_gqa=gqa) for i in range(len(buckets))]
 
     fwd, fwdbwd = directions(call, 3 * len(buckets))
     return setup, fwd, fwdbwd, case.expanded_pairs, {"calls": len(buckets)}
@@ -379,6 +405,7 @@ def method_fa4_dense(case, H, Hk, D, dtype, mods=NO_MODS):
     """FA4 causal on the expanded sequences: flash_attn_func on [N, S, H, D] when all have one
     length, else flash_attn_varlen_func on the concatenated sequences (no padding); the modifiers
     through FA4's own arguments."""
+    check_head_dim("fa4_dense", D)
     dense, varlen = fa4()
     lens = case.seq_lens
     n_in = 4 if mods.sinks else 3
@@ -420,6 +447,7 @@ def method_flex(case, H, Hk, D, dtype, backend, mods=NO_MODS):
     modifiers: flex_mods (window, softcap) and apply_sinks on the returned lse."""
     from torch.nn.attention.flex_attention import create_block_mask
     if backend == "FLASH":
+        check_head_dim("flex_fa4", D)
         fa4()
     flex = compiled_flex(backend, dynamic=False)  # kernel rate: the best case for Flex (e2e: automatic)
     mask_mod, score_mod = flex_mods(case, mods, DEVICE)
@@ -500,6 +528,8 @@ def build_method(name, case, H, Hk, D, dtype, libraries, mods=NO_MODS):
         return method_sdpa(case, H, Hk, D, dtype, "flash", mods)
     if name == "sdpa_cudnn":
         return method_sdpa(case, H, Hk, D, dtype, "cudnn", mods)
+    if name == "sdpa_efficient":
+        return method_sdpa(case, H, Hk, D, dtype, "efficient", mods)
     if name == "fa4_dense":
         return method_fa4_dense(case, H, Hk, D, dtype, mods)
     if name in FLEX_BACKENDS:
@@ -639,10 +669,31 @@ def case_results(per_method, ab_tolerance):
         for m, v in round_speedups(per_method, key).items():
             results[m][f"dualkv_speedup_{key}_rounds"] = v
     entry = {"results": results}
+    dense = best_dense(results)
+    if dense:
+        entry["best_dense"] = dense
     ab = ab_summary(per_method, ab_tolerance)
     if ab:
         entry["ab"] = ab
     return entry
+
+
+def best_dense(results) -> dict:
+    """Per direction ("fwd", "fwdbwd"), the fastest dense peer (DENSE_METHODS) that ran, by useful
+    TFLOP/s: {"method", "tflops", "dualkv_over_best"} (dualkv's rate over it, when dualkv ran);
+    a direction no dense peer ran is left out."""
+    out = {}
+    for key in ("fwd", "fwdbwd"):
+        rates = {m: r[f"{key}_tflops"] for m, r in results.items()
+                 if m in DENSE_METHODS and f"{key}_tflops" in r}
+        if not rates:
+            continue
+        best = max(rates, key=rates.get)
+        out[key] = {"method": best, "tflops": rates[best]}
+        mine = results.get("dualkv", {}).get(f"{key}_tflops")
+        if mine is not None:
+            out[key]["dualkv_over_best"] = mine / rates[best]
+    return out
 
 
 def summary_table(results) -> str:
@@ -665,6 +716,11 @@ def summary_table(results) -> str:
                              f"{r['mask_first_build_s']:.2f} s, then {r['mask_build_ms']:.1f} ms per build; compile "
                              f"fwd {r['compile_fwd_s']:.1f} s, fwd+bwd {r['compile_fwdbwd_s']:.1f} s (outside the "
                              "times above)")
+        for key, name in (("fwd", "fwd"), ("fwdbwd", "fwd+bwd")):
+            b = c.get("best_dense", {}).get(key)
+            if b is not None:
+                ratio = f", dualkv {b['dualkv_over_best']:.2f}x its rate" if "dualkv_over_best" in b else ""
+                lines.append(f"{'':32s} best dense {name}: {b['method']} {b['tflops']:.1f} TF/s{ratio}")
     return "\n".join(lines)
 
 

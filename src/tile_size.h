@@ -22,8 +22,12 @@ struct PlanTiles {
 };
 // Backward KV tiles of 128 rows up to D = 128 (each tile's dQ traffic covers twice the work of a
 // 64-row tile), 64 above (the dK/dV accumulators of 128 rows do not fit the registers).
+// Above D = 256 (D = 512): query tiles of 64 rows (the portable forward's Q tile, 64 x 512 at 16
+// bits = 64 KiB of shared memory, and the deterministic dQ kernel's Q and dO tiles, 128 KiB, next
+// to their K/V steps) and KV tiles of 32 rows (dK and dV of 32 x 512 in fp32 over the backward's
+// 8 warps = 128 registers per thread, as 64 rows are at D = 256).
 DUALKV_TILE_FN PlanTiles plan_tiles(int head_dim) {
-  return head_dim <= 128 ? PlanTiles{128, 128, 64} : PlanTiles{128, 64, 64};
+  return head_dim <= 128 ? PlanTiles{128, 128, 64} : head_dim <= 256 ? PlanTiles{128, 64, 64} : PlanTiles{64, 32, 64};
 }
 
 // ---- sm80 (mma.sync) kernels ----
@@ -32,21 +36,43 @@ DUALKV_TILE_FN PlanTiles plan_tiles(int head_dim) {
 // warps as fill the plan's query tile, and 64 KV rows per step: FlashAttention-2's sm80 choice
 // above D = 64 (its 8 warps above 128 are our one row block per warp). At D = 64 FA2 takes 128 KV
 // rows; here that spills 112-152 bytes in the KV loop (nvcc 13.0), 64 rows spill nothing.
+// Above D = 256 (D = 512) the output accumulator of a 16-row block, 16 x 512 fp32 = 256 registers
+// per thread, cannot be one warp's: d_split = 2 warps share each row block, each owning half of
+// D's columns of O (128 registers, as at D = 256). Each computes S over its half of D and the two
+// partial scores are summed through shared memory (no QK^T work is repeated), after which both
+// run the same softmax. KV steps of 32 rows there: S in 16 registers, and K, V (2 x 32 KiB) next
+// to Q (64 KiB) and the partial scores (16 KiB) fit A100's 163 KiB.
 struct Sm80FwdTiles {
   int row_blocks;  // 16-row query blocks per warp
   int block_n;     // KV rows per step
+  int d_split;     // warps sharing a row block, each with D / d_split columns of the output
 };
-DUALKV_TILE_FN Sm80FwdTiles sm80_fwd_tiles(int head_dim) { return Sm80FwdTiles{head_dim <= 128 ? 2 : 1, 64}; }
-
-// Deterministic dQ kernel (query-tile-outer): the forward's warp layout, KV steps short enough for
-// S, dP and dQ in registers.
-DUALKV_TILE_FN Sm80FwdTiles sm80_dq_tiles(int head_dim) {
-  return Sm80FwdTiles{head_dim <= 128 ? 2 : 1, 32};
+DUALKV_TILE_FN Sm80FwdTiles sm80_fwd_tiles(int head_dim) {
+  return head_dim <= 256 ? Sm80FwdTiles{head_dim <= 128 ? 2 : 1, 64, 1} : Sm80FwdTiles{1, 32, 2};
 }
 
-// Backward main kernel (KV-tile-outer): 8 warps as 4 x 2, each owning row_blocks x 16 KV rows of
-// the plan's KV tile and half of its columns.
-DUALKV_TILE_FN int sm80_bwd_row_blocks(int head_dim) { return plan_tiles(head_dim).bwd_block_n / 64; }
+// Deterministic dQ kernel (query-tile-outer): the forward's warp layout, KV steps short enough for
+// S, dP and dQ in registers. Above D = 256 the forward's split of D over warp pairs (dQ's columns
+// as O's; the partial S and dP summed through shared memory), with KV steps of 16 rows: Q and dO
+// (128 KiB), K and V (32 KiB) and the partial S and dP (16 KiB) fit the H100's 227 KiB (32 rows do
+// not: 231.5 KiB).
+DUALKV_TILE_FN Sm80FwdTiles sm80_dq_tiles(int head_dim) {
+  return head_dim <= 256 ? Sm80FwdTiles{head_dim <= 128 ? 2 : 1, 32, 1} : Sm80FwdTiles{1, 16, 2};
+}
+
+// Backward main kernel (KV-tile-outer): 8 warps as warp_rows x (8 / warp_rows), each owning
+// row_blocks x 16 KV rows of the plan's KV tile and 1 / (8 / warp_rows) of its columns: 4 x 2 up
+// to D = 256; 2 x 4 at D = 512, whose 32-row tiles give each warp 16 rows and a quarter of D (dK
+// and dV in 128 registers per thread, as at D = 256).
+DUALKV_TILE_FN int sm80_bwd_row_blocks(int head_dim) {
+  return plan_tiles(head_dim).bwd_block_n >= 64 ? plan_tiles(head_dim).bwd_block_n / 64 : 1;
+}
+DUALKV_TILE_FN int sm80_bwd_warp_rows(int head_dim) {
+  return plan_tiles(head_dim).bwd_block_n / (16 * sm80_bwd_row_blocks(head_dim));
+}
+// Phase 4 (dQ = dS K with atomics) holds a warp's dQ block in registers next to dK and dV: at most
+// 128 columns at a time (D = 512: two passes over the warp's 256 columns, 64 registers each).
+DUALKV_TILE_FN int sm80_bwd_dq_pass_cols(int warp_cols) { return warp_cols <= 128 ? warp_cols : 128; }
 
 // ---- sm90 (wgmma + TMA) kernels ----
 // Forward KV rows per pipeline stage: 128 up to D = 128, 64 above (shared memory: Q 64 KiB plus

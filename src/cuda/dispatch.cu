@@ -233,6 +233,14 @@ struct ModifierVariant {
 };
 ModifierVariant modifier_variant(const FwdArgs& a) { return {a.softcap > 0.f, a.sinks != nullptr, a.window > 0}; }
 ModifierVariant modifier_variant(const BwdArgs& a) { return {a.softcap > 0.f, false, a.window > 0}; }
+// A variant's modifiers by name, for the error messages.
+std::string modifier_names(const ModifierVariant& v) {
+  std::string s;
+  if (v.window) s = "sliding window";
+  if (v.softcap) s += std::string(s.empty() ? "" : ", ") + "softcap";
+  if (v.sinks) s += std::string(s.empty() ? "" : ", ") + "sinks";
+  return s;
+}
 
 // One launcher of `FN` (an arch's run_fwd / run_bwd) per modifier variant.
 #define DKV_PICK_MODS_W(FN, D, T, V, W)                                                                   \
@@ -244,6 +252,9 @@ ModifierVariant modifier_variant(const BwdArgs& a) { return {a.softcap > 0.f, fa
   ((V).softcap ? &FN<D, T, Modifiers<true, false, W>> : &FN<D, T, Modifiers<false, false, W>>)
 #define DKV_PICK_MODS_BWD(FN, D, T, V) \
   ((V).window ? DKV_PICK_MODS_BWD_W(FN, D, T, V, true) : DKV_PICK_MODS_BWD_W(FN, D, T, V, false))
+// A head dim of the kernel table's PLAIN list: the default kernels only.
+#define DKV_PICK_PLAIN(FN, D, T, V) \
+  ((V).softcap || (V).sinks || (V).window ? nullptr : &FN<D, T, Modifiers<false, false>>)
 
 // `arch`'s launcher for (head dim, dtype, modifiers) in this build, or null.
 template <typename Args>
@@ -255,10 +266,16 @@ Launcher<Args> find_launcher(const char* arch, int head_dim, bool bf16, Modifier
 #define DKV_FWD(ARCH, D) DKV_LAUNCHER(ARCH, D, fwd, DKV_PICK_MODS)
     DUALKV_FWD_KERNELS(DKV_FWD)
 #undef DKV_FWD
+#define DKV_FWD_PLAIN(ARCH, D) DKV_LAUNCHER(ARCH, D, fwd, DKV_PICK_PLAIN)
+    DUALKV_FWD_PLAIN_KERNELS(DKV_FWD_PLAIN)
+#undef DKV_FWD_PLAIN
   } else {
 #define DKV_BWD(ARCH, D) DKV_LAUNCHER(ARCH, D, bwd, DKV_PICK_MODS_BWD)
     DUALKV_BWD_KERNELS(DKV_BWD)
 #undef DKV_BWD
+#define DKV_BWD_PLAIN(ARCH, D) DKV_LAUNCHER(ARCH, D, bwd, DKV_PICK_PLAIN)
+    DUALKV_BWD_PLAIN_KERNELS(DKV_BWD_PLAIN)
+#undef DKV_BWD_PLAIN
   }
 #undef DKV_LAUNCHER
   return nullptr;
@@ -266,6 +283,7 @@ Launcher<Args> find_launcher(const char* arch, int head_dim, bool bf16, Modifier
 #undef DKV_PICK_MODS_W
 #undef DKV_PICK_MODS_BWD
 #undef DKV_PICK_MODS_BWD_W
+#undef DKV_PICK_PLAIN
 }
 
 // DUALKV_LOG_KERNELS=1: one line on stderr per call saying which kernel family runs and, when an
@@ -289,10 +307,26 @@ template <typename Args>
 dualkv_status run_on_first_arch(const char* dir, const Args& a, int head_dim, int32_t dtype, const DeviceInfo& info,
                                 cudaStream_t stream) {
   constexpr bool kFwd = std::is_same_v<Args, FwdArgs>;
+  const bool bf16 = dtype == DUALKV_DTYPE_BFLOAT16;
+  // A head dim whose kernels are built without mask-modifier variants (the kernel table's PLAIN
+  // list: 512) refuses a modifier by name, before any device arch is tried.
+  const ModifierVariant mods = modifier_variant(a);
+  if (mods.softcap || mods.sinks || mods.window) {
+    bool plain = false, with_mods = false;
+    for (const Arch& arch : kArchs) {
+      plain = plain || find_launcher<Args>(arch.name, head_dim, bf16, ModifierVariant{false, false, false}) != nullptr;
+      with_mods = with_mods || find_launcher<Args>(arch.name, head_dim, bf16, mods) != nullptr;
+    }
+    if (plain && !with_mods)
+      return fail(DUALKV_ERROR_UNSUPPORTED,
+                  "%s: the %s is not supported by the CUDA kernels at head_dim %d (built without mask modifiers: "
+                  "head dims %s; the CPU backend runs it)",
+                  dir, modifier_names(mods).c_str(), head_dim,
+                  DUALKV_PLAIN_HEAD_DIMS_STRING);
+  }
   std::string passed_over;  // why the last arch before the one that runs was not used
   for (const Arch& arch : kArchs) {
-    const Launcher<Args> launch =
-        find_launcher<Args>(arch.name, head_dim, dtype == DUALKV_DTYPE_BFLOAT16, modifier_variant(a));
+    const Launcher<Args> launch = find_launcher<Args>(arch.name, head_dim, bf16, mods);
     const char* env = kFwd ? arch.fwd_disable_env : arch.bwd_disable_env;
     if (!arch.runs_on(info.major, info.minor)) {
       passed_over = arch.device_mismatch;
@@ -502,10 +536,11 @@ std::string cuda_build_info_json() {
   const std::string archs = json_string_array(DUALKV_CUDA_ARCHS_STRING);
   int runtime = 0;
   cudaRuntimeGetVersion(&runtime);
-  // head_dims: every head dim with a kernel; kernels: per arch (dispatch order) and direction.
+  // head_dims: every head dim with a kernel; plain_head_dims: those built without mask-modifier
+  // kernels (a modifier there is refused); kernels: per arch (dispatch order) and direction.
   return "\"cuda_archs\": " + archs + ", \"head_dims\": [" + built_head_dims_string() +
-         "], \"dtypes\": [\"float16\", \"bfloat16\"], \"kernels\": " DUALKV_KERNELS_JSON ", \"cuda_runtime\": " +
-         std::to_string(runtime);
+         "], \"plain_head_dims\": [" DUALKV_PLAIN_HEAD_DIMS_STRING "], \"dtypes\": [\"float16\", \"bfloat16\"], "
+         "\"kernels\": " DUALKV_KERNELS_JSON ", \"cuda_runtime\": " + std::to_string(runtime);
 }
 
 }  // namespace dualkv::detail

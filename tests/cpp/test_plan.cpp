@@ -157,7 +157,7 @@ TEST(Plan, RandomForestsEveryTiling) {
     std::vector<int32_t> lens, parents;
     random_forest(rng, 1 + trial % 3, 1 + trial % 4, 4, 300, &lens, &parents);
     HostLayout l(lens, parents);
-    for (int D : {64, 256})
+    for (int D : {64, 256, 512})
       for (int sms : {1, 7, 132}) check_plan(l, inspect(l, D, sms), "trial " + std::to_string(trial));
   }
 }
@@ -186,6 +186,35 @@ TEST(Plan, GrpoGroupTilesAndSplits) {
   EXPECT_EQ(one.info.num_reductions, 0);
   // Head dim 256: 64-row KV tiles.
   EXPECT_EQ(inspect(l, 256, 132).info.bwd_block_n, 64);
+  // Head dim 512 (tile_size.h): 64-row query tiles, 32-row KV tiles, 64-row backward steps, so
+  // twice the forward tiles and four times the KV tiles; split lengths still multiples of 64. Four
+  // times the KV tiles make four times the work per SM, whose split length (total / 132 rows)
+  // then exceeds the group's 44000 queries: nothing is split on 132 SMs.
+  const Inspected d512 = inspect(l, 512, 132);
+  check_plan(l, d512, "grpo d512");
+  EXPECT_EQ(d512.info.fwd_block_m, 64);
+  EXPECT_EQ(d512.info.bwd_block_n, 32);
+  EXPECT_EQ(d512.info.bwd_block_m, 64);
+  EXPECT_EQ(d512.info.num_fwd_tiles, (20000 + 63) / 64 + 8 * ((3000 + 63) / 64));
+  EXPECT_EQ(d512.info.num_bwd_items, (20000 + 31) / 32 + 8 * ((3000 + 31) / 32));
+  EXPECT_EQ(d512.info.bwd_split_rows % 64, 0);
+  EXPECT_GT(d512.info.bwd_split_rows, 44000);
+  EXPECT_EQ(d512.info.num_reductions, 0);
+}
+
+TEST(Plan, HeadDim512ForcedSplitsAndOneTokenSegments) {
+  // Segments of 1, 31, 32, 33, 63, 64, 65 tokens around the 512 tiles (32 KV rows, 64 query rows),
+  // under forced 64-row splits: the items still cover exactly the visible pairs.
+  HostLayout l({65, 1, 31, 32, 33, 63, 64, 1}, {-1, 0, 0, 2, 3, 0, -1, 6});
+  for (const char* split : {"", "64", "128"}) {
+    if (*split) setenv("DUALKV_CUDA_SPLIT_ROWS", split, 1);
+    const Inspected r = inspect(l, 512, 132);
+    unsetenv("DUALKV_CUDA_SPLIT_ROWS");
+    check_plan(l, r, std::string("d512 split ") + split);
+    if (*split) {
+      EXPECT_GT(r.info.num_split_slots, 0) << split;
+    }
+  }
 }
 
 TEST(Plan, SplitRowsFromTheEnvironment) {
@@ -204,6 +233,8 @@ TEST(Plan, KeyNamesLayoutAndTiling) {
   EXPECT_EQ(ka, inspect(a, 128, 132).info.plan_key >> dualkv::kPlanSlotBits);
   EXPECT_NE(ka, inspect(b, 128, 132).info.plan_key >> dualkv::kPlanSlotBits);  // T differs
   EXPECT_NE(ka, inspect(a, 256, 132).info.plan_key >> dualkv::kPlanSlotBits);  // head dim and tiling
+  EXPECT_NE(inspect(a, 256, 132).info.plan_key >> dualkv::kPlanSlotBits,
+            inspect(a, 512, 132).info.plan_key >> dualkv::kPlanSlotBits);  // head dim and tiling
   EXPECT_NE(ka, inspect(a, 64, 132).info.plan_key >> dualkv::kPlanSlotBits);   // head dim
 }
 
@@ -236,7 +267,7 @@ TEST(Plan, PrefixItemsCoverEveryPrefixRowOfEachReferencingSegment) {
     const dualkv_layout v = l.view();
     const dualkv_prefixes px = l.prefixes();
     const dualkv::ForestView f = dualkv::make_forest_view(v, px);
-    for (int D : {64, 256})
+    for (int D : {64, 256, 512})
       for (const char* split : {"", "64"}) {
         if (*split) setenv("DUALKV_CUDA_SPLIT_ROWS", split, 1);
         const Inspected r = inspect(v, &px, D, 132);
@@ -409,7 +440,7 @@ TEST(Plan, WindowedPlansCoverExactlyTheWindowedPairs) {
     random_forest(rng, 1 + trial % 3, 1 + trial % 4, 4, 200, &lens, &parents);
     HostLayout l(lens, parents);
     for (int32_t window : {1, 7, 64, 128, 1000})
-      for (int D : {64, 256}) {
+      for (int D : {64, 256, 512}) {
         const std::string what = "trial " + std::to_string(trial) + " D " + std::to_string(D);
         check_windowed_plan(l, inspect_windowed(l, D, window, 132), window, what);
       }

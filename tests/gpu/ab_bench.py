@@ -92,7 +92,8 @@ def main() -> int:
     for D in head_dims:
         for path in args.paths.split(","):
             set_path(path)
-            with_fa2 = args.fa2 and path in args.fa2_paths.split(",")
+            # FA2 (SDPA's flash backend) has no kernel above head dim 256 (bench.HEAD_DIM_LIMITS)
+            with_fa2 = args.fa2 and path in args.fa2_paths.split(",") and D <= bench.HEAD_DIM_LIMITS["sdpa_flash"]
             for case in cases:
                 methods = (["base"] if D in base_dims else []) + ["new"] + (["fa2"] if with_fa2 else [])
                 per = {m: [] for m in methods}

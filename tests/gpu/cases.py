@@ -50,6 +50,21 @@ def built_head_dims() -> List[int]:
     return [int(d) for d in _native.build_info().get("cuda", {}).get("head_dims", [])]
 
 
+def plain_head_dims() -> List[int]:
+    """The built head dims whose CUDA kernels have no mask-modifier variants (the kernel table's
+    PLAIN list, build info "plain_head_dims": 512); a modifier there is refused by name."""
+    if not torch.cuda.is_available():
+        return []
+    from dualkv import _native
+    return [int(d) for d in _native.build_info().get("cuda", {}).get("plain_head_dims", [])]
+
+
+def modifier_head_dims() -> List[int]:
+    """The built head dims with the mask-modifier kernels ([128] without a GPU: collection only)."""
+    plain = set(plain_head_dims())
+    return [d for d in built_head_dims() if d not in plain]
+
+
 def tile_edge_length(rng: random.Random) -> int:
     """Lengths around the kernels' 64/128-row tiles, short, mid and long."""
     return segment_length(rng, [127, 128, 129, 63, 64, 65])

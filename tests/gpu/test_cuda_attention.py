@@ -104,14 +104,49 @@ def test_grpo_group_shapes(D, dtype):
     run_case(lens, parents, 8, 2, D, dtype, seed=7)
 
 
+@pytest.mark.parametrize("D", sorted({built_head_dims()[0], built_head_dims()[-1]}))
 @pytest.mark.parametrize("deterministic", [False, True])
-def test_split_query_ranges(deterministic, monkeypatch):
-    # Force the backward to split long query ranges over several work items (fp32 partials).
+def test_split_query_ranges(deterministic, D, monkeypatch):
+    # Force the backward to split long query ranges over several work items (fp32 partials); the
+    # smallest and the largest built head dim (512: 32-row KV tiles, the D-split forward and dQ).
     monkeypatch.setenv("DUALKV_CUDA_SPLIT_ROWS", "128")
-    D = built_head_dims()[0]
     lens = [700, 300, 257, 1, 400]
     parents = [-1, 0, 0, 0, 3]
     run_case(lens, parents, 4, 1, D, torch.bfloat16, seed=11, deterministic=deterministic)
+
+
+D512 = pytest.mark.skipif(not torch.cuda.is_available() or 512 not in built_head_dims(),
+                          reason="needs a library with head dim 512")
+
+
+@D512
+@pytest.mark.parametrize("dtype,deterministic,H,Hk", [(torch.bfloat16, False, 8, 2), (torch.float16, True, 8, 1),
+                                                      (torch.bfloat16, True, 4, 4), (torch.float16, False, 4, 1)])
+def test_head_dim_512_tile_edges(dtype, deterministic, H, Hk):
+    """Head dim 512's tiles (tile_size.h: 64-row query tiles over warp pairs that split D, 32-row KV
+    tiles, 16-row dQ steps): segments of 1 token and at every edge of 16, 32 and 64 rows, a
+    three-deep tree and a second group, GQA 1 to 8, both dtypes and both backward modes."""
+    lens = [65, 1, 31, 32, 33, 16, 17, 63, 64, 129, 15, 96]
+    parents = [-1, 0, 0, 2, 3, 0, 0, 0, -1, 8, 9, 8]
+    run_case(lens, parents, H, Hk, 512, dtype, seed=512, deterministic=deterministic, with_dlse=deterministic)
+
+
+@D512
+def test_head_dim_512_backward_needs_hopper_shared_memory(monkeypatch):
+    """The D = 512 backward needs 205 KB of shared memory per block (one Q buffer): with A100's
+    163 KB (DUALKV_CUDA_SMEM_LIMIT) the forward (146 KB) runs and the backward is a typed error
+    naming the head dim, launching nothing."""
+    monkeypatch.setenv("DUALKV_CUDA_SMEM_LIMIT", "166912")
+    layout_cpu = dualkv.Layout.from_tree([100, 40, 70], [-1, 0, 0])
+    layout = layout_cpu.to("cuda")
+    q, k, v, dout = make_inputs(layout_cpu, 4, 2, 512, torch.bfloat16, seed=1)
+    out, lse = dualkv.attention(q, k, v, layout, return_lse=True)
+    r64 = attention_ref(q.double(), k.double(), v.double(), layout_cpu)
+    rpt = attention_ref(q, k, v, layout_cpu)
+    check_against_ref([out, lse], [r.double() for r in r64], [r.double() for r in rpt])
+    qq = q.clone().requires_grad_(True)
+    with pytest.raises(dualkv.UnsupportedError, match="bwd: no CUDA kernel takes head_dim 512"):
+        dualkv.attention(qq, k, v, layout).backward(dout)
 
 
 def test_deep_chain():

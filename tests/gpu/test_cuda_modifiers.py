@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import cases  # tests/gpu/cases.py (pytest puts this directory on sys.path)
-from cases import PATHS, built_head_dims, dsinks_rounding_bound, make_inputs, use_path
+from cases import PATHS, dsinks_rounding_bound, make_inputs, modifier_head_dims, plain_head_dims, use_path
 from cases import tile_edge_length as seg_len
 
 pytestmark = [pytest.mark.gpu,
@@ -139,7 +139,7 @@ N_RANDOM = 48
 @pytest.mark.parametrize("case", range(N_RANDOM))
 def test_random_forests(case, path, monkeypatch):
     use_path(monkeypatch, path)
-    dims = built_head_dims()
+    dims = modifier_head_dims()
     rng = random.Random(5000 + case)
     D = dims[case % len(dims)]
     dtype = DTYPES[(case // len(dims)) % 2]
@@ -152,7 +152,7 @@ def test_random_forests(case, path, monkeypatch):
 
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("D", built_head_dims())
+@pytest.mark.parametrize("D", modifier_head_dims())
 def test_grpo_group_every_modifier(D, dtype, path, monkeypatch):
     use_path(monkeypatch, path)
     lens = [301, 1, 17, 130, 129, 64, 300, 5, 1, 200]
@@ -168,13 +168,13 @@ def test_split_query_ranges(deterministic, path, monkeypatch):
     monkeypatch.setenv("DUALKV_CUDA_SPLIT_ROWS", "64")
     lens = [700, 300, 257, 1, 400]
     parents = [-1, 0, 0, 0, 3]
-    for D in built_head_dims():
+    for D in modifier_head_dims():
         run_case(lens, parents, 4, 1, D, torch.bfloat16, seed=11, softcap=5.0, with_sinks=True,
                  deterministic=deterministic)
 
 
 @pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("D", built_head_dims())
+@pytest.mark.parametrize("D", modifier_head_dims())
 def test_deterministic_bitwise(D, path, monkeypatch):
     use_path(monkeypatch, path)
     lens = [900, 300, 200, 257, 1, 640, 128]
@@ -199,7 +199,7 @@ def test_sinks_of_minus_infinity_change_nothing(path, monkeypatch):
     deterministic mode: the default one adds dQ by atomics); dsinks 0. On failure the message
     lists max |diff| of every tensor."""
     use_path(monkeypatch, path)
-    D = built_head_dims()[0]
+    D = modifier_head_dims()[0]
     layout_cpu = dualkv.Layout.from_tree([130, 64, 1], [-1, 0, 0])
     layout = layout_cpu.to("cuda")
     q, k, v, dout = make_inputs(layout_cpu, 4, 2, D, torch.bfloat16, seed=2)
@@ -234,7 +234,7 @@ def test_windowed_random_forests(case, path, monkeypatch):
     the deterministic dQ kernel, the per-item distance bias of the backward), with sinks and softcap
     too, bf16 and fp16, every built head dim, both dQ modes, against the fp64 reference."""
     use_path(monkeypatch, path)
-    dims = built_head_dims()
+    dims = modifier_head_dims()
     rng = random.Random(9000 + case)
     D = dims[case % len(dims)]
     dtype = DTYPES[(case // len(dims)) % 2]
@@ -248,7 +248,7 @@ def test_windowed_random_forests(case, path, monkeypatch):
 
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("D", built_head_dims())
+@pytest.mark.parametrize("D", modifier_head_dims())
 def test_windowed_grpo_group(D, dtype, path, monkeypatch):
     """A GRPO group whose prompt is longer than the window (responses see only its tail) and one
     shorter, every window, with sinks and with a softcap."""
@@ -270,14 +270,14 @@ def test_windowed_split_query_ranges(deterministic, path, monkeypatch):
     monkeypatch.setenv("DUALKV_CUDA_SPLIT_ROWS", "64")
     lens = [700, 300, 257, 1, 400]
     parents = [-1, 0, 0, 0, 3]
-    for D in built_head_dims():
+    for D in modifier_head_dims():
         for window in (7, 128, 1000):
             run_case(lens, parents, 4, 1, D, torch.bfloat16, seed=13, softcap=None, with_sinks=True,
                      deterministic=deterministic, window=window)
 
 
 @pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("D", built_head_dims())
+@pytest.mark.parametrize("D", modifier_head_dims())
 def test_windowed_deterministic_bitwise(D, path, monkeypatch):
     use_path(monkeypatch, path)
     lens = [900, 300, 200, 257, 1, 640, 128]
@@ -299,7 +299,7 @@ def test_window_as_wide_as_the_forest_changes_nothing():
     has the same items (one un-windowed range per KV tile) and the window kernels apply nothing
     (same arithmetic; compared by the output dtype's rounding, not bits, as another instantiation
     may contract differently)."""
-    D = built_head_dims()[0]
+    D = modifier_head_dims()[0]
     lens, parents = [300, 200, 1, 90], [-1, 0, 0, 2]
     layout_cpu = dualkv.Layout.from_tree(lens, parents)
     layout = layout_cpu.to("cuda", windows=(None, 100_000))
@@ -315,7 +315,7 @@ def test_window_as_wide_as_the_forest_changes_nothing():
 def test_window_with_external_prefixes_is_refused_with_a_typed_error():
     """The window with external prefix segments is not in the CUDA kernels: refused before any
     work, naming both."""
-    D = built_head_dims()[0]
+    D = modifier_head_dims()[0]
     layout_cpu = dualkv.Layout.from_tree([0, 64, 32], [-1, 0, 0], [0, -1, -1], [40])
     layout = layout_cpu.to("cuda", windows=(None, 16))
     q, k, v, _ = make_inputs(layout_cpu, 4, 2, D, torch.bfloat16, seed=1)
@@ -324,11 +324,30 @@ def test_window_with_external_prefixes_is_refused_with_a_typed_error():
         dualkv.attention(q, k, v, layout, prefix_k=pk, prefix_v=pv, window=16)
 
 
+@pytest.mark.skipif(not plain_head_dims(), reason="every built head dim has the modifier kernels")
+@pytest.mark.parametrize("path", PATHS)
+def test_modifiers_at_a_plain_head_dim_are_refused_by_name(path, monkeypatch):
+    """Head dim 512 is built without mask-modifier kernels (src/cuda/CMakeLists.txt, PLAIN): each
+    modifier is a typed error naming it and the head dim, before any work; the same call without
+    modifiers runs."""
+    use_path(monkeypatch, path)
+    D = plain_head_dims()[0]
+    layout_cpu = dualkv.Layout.from_tree([64, 32, 16], [-1, 0, 0])
+    layout = layout_cpu.to("cuda", windows=(None, 16))
+    q, k, v, _ = make_inputs(layout_cpu, 4, 2, D, torch.bfloat16, seed=2)
+    sinks = torch.zeros(4, device="cuda")
+    for kw, name in ((dict(softcap=30.0), "softcap"), (dict(sinks=sinks), "sinks"), (dict(window=16), "sliding window"),
+                     (dict(window=16, softcap=30.0), "sliding window, softcap")):
+        with pytest.raises(dualkv.UnsupportedError, match=f"the {name} is not supported .* head_dim {D}"):
+            dualkv.attention(q, k, v, layout, **kw)
+    assert torch.isfinite(dualkv.attention(q, k, v, layout)).all()
+
+
 def test_windowed_plans_per_window_and_rejected_for_another():
     """Layout.to(device, windows=...) builds one plan per (dtype, head dim, window), cut to the
     window (plan_format.h); a plan built for a window is rejected by a call without it (the plan
     key names the window), and a window with no plan is a typed error naming the fix."""
-    D = built_head_dims()[0]
+    D = modifier_head_dims()[0]
     layout_cpu = dualkv.Layout.from_tree([300, 200, 1, 90], [-1, 0, 0, 2])
     layout = layout_cpu.to("cuda", windows=(None, 128))
     plain, key = layout.plan_for(torch.bfloat16, D)
@@ -352,7 +371,7 @@ def test_the_modifier_kernels_run(path, monkeypatch):
     """The call runs the modifier instantiations of the intended family (the Hopper one on an H200
     by default, the portable one when forced), and the sinks' gradient kernel."""
     use_path(monkeypatch, path)
-    D = built_head_dims()[0]
+    D = modifier_head_dims()[0]
     layout_cpu = dualkv.Layout.from_tree([200, 70, 1], [-1, 0, 0])
     layout = layout_cpu.to("cuda")
     q, k, v, dout = make_inputs(layout_cpu, 4, 2, D, torch.bfloat16, seed=9)
@@ -384,7 +403,7 @@ def test_transformers_model_with_sliding_layers_runs_on_cuda():
 
     from dualkv.integrations import transformers as dkt
     from dualkv.packing import pack
-    if 64 not in built_head_dims():
+    if 64 not in modifier_head_dims():
         pytest.skip("needs head dim 64 in the build")
     cfg = transformers.Gemma2Config(vocab_size=96, hidden_size=128, intermediate_size=192, num_hidden_layers=2,
                                     num_attention_heads=2, num_key_value_heads=1, head_dim=64,

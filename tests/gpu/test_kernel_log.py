@@ -17,16 +17,17 @@ SNIPPET = """
 import torch, dualkv
 layout = dualkv.Layout.from_groups([200], [[70, 1]]).to("cuda")
 T = layout.num_tokens
-q, k, v = (torch.randn(T, h, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for h in (4, 1, 1))
+q, k, v = (torch.randn(T, h, {head_dim}, device="cuda", dtype=torch.bfloat16, requires_grad=True) for h in (4, 1, 1))
 dualkv.attention(q, k, v, layout).sum().backward()
 torch.cuda.synchronize()
 """
 
 
-def kernel_log(**env) -> list[str]:
+def kernel_log(head_dim: int = 128, **env) -> list[str]:
     e = dict(os.environ, DUALKV_LOG_KERNELS="1", **env)
     e["PYTHONPATH"] = str(ROOT / "python") + os.pathsep + e.get("PYTHONPATH", "")
-    res = subprocess.run([sys.executable, "-c", SNIPPET], env=e, capture_output=True, text=True, timeout=120)
+    res = subprocess.run([sys.executable, "-c", SNIPPET.format(head_dim=head_dim)], env=e, capture_output=True,
+                         text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
     return [line for line in res.stderr.splitlines() if line.startswith("[dualkv]")]
 
@@ -64,9 +65,24 @@ def test_log_gives_the_reason_of_a_fallback():
         assert "(DUALKV_DISABLE_SM90_BWD)" in bwd, bwd
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                    reason="the Hopper kernels apply to sm_90 only")
+def test_head_dim_512_runs_the_portable_kernels_on_hopper():
+    """Head dim 512 has no Hopper kernel (src/cuda/CMakeLists.txt): on an H200 both directions run
+    the portable ones, the log naming why the Hopper family was passed over."""
+    from dualkv import _native
+    if 512 not in _native.build_info().get("cuda", {}).get("head_dims", []):
+        pytest.skip("needs a library with head dim 512")
+    lines = kernel_log(head_dim=512)
+    for direction in ("fwd", "bwd"):
+        line = next(line for line in lines if line.startswith(f"[dualkv] {direction}: "))
+        assert line == f"[dualkv] {direction}: sm80 mma (no sm90 kernel built for this head dim)", line
+
+
 def test_no_log_without_the_switch():
     e = {k: v for k, v in os.environ.items() if k != "DUALKV_LOG_KERNELS"}
     e["PYTHONPATH"] = str(ROOT / "python") + os.pathsep + e.get("PYTHONPATH", "")
-    res = subprocess.run([sys.executable, "-c", SNIPPET], env=e, capture_output=True, text=True, timeout=120)
+    res = subprocess.run([sys.executable, "-c", SNIPPET.format(head_dim=128)], env=e, capture_output=True, text=True,
+                         timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "[dualkv]" not in res.stderr

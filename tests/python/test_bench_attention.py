@@ -275,6 +275,46 @@ def test_summary_table_states_flex_costs_apart():
     assert lines[4].split()[:3] == ["N16", "fa4_dense", "Unavailable:"]
 
 
+# ---- head dim 512: the peers without a kernel there, the best dense rate ----
+
+@pytest.mark.parametrize("method", ["sdpa_flash", "sdpa_cudnn", "fa4_dense", "flex_fa4"])
+def test_peers_above_their_head_dim_are_skipped_before_any_work(method):
+    """At head dim 512 SDPA's FlashAttention and cuDNN backends and FA4 (dense and under Flex) have
+    no kernel: build_method raises Unavailable naming the limit (measure_case records it as
+    skipped), before touching a device or importing FA4; at 256 the check passes."""
+    case = attention.Case("c", [9], [[3, 4]])
+    with pytest.raises(peers.Unavailable, match=f"skipped: {method} has no kernel above head dim 256 \\(got 512\\)"):
+        attention.build_method(method, case, 4, 2, 512, None, {})
+    attention.check_head_dim(method, 256)
+    for other in ("dualkv", "sdpa_efficient", "flex", "pgrouper"):
+        attention.check_head_dim(other, 512)
+    per = attention.measure_case([method], 2, lambda m: attention.build_method(m, case, 4, 2, 512, None, {}))
+    assert per[method] == [{"error": f"Unavailable: skipped: {method} has no kernel above head dim 256 (got 512)"}]
+
+
+def test_best_dense_is_the_fastest_dense_peer_that_ran():
+    """best_dense: per direction the dense peer (unpacked batch) with the highest useful rate among
+    those that ran (Flex, on the packed layout, and failed peers are not candidates), and dualkv's
+    rate over it; the case entry and the summary table carry it."""
+    per = {"dualkv": [res(1.0, 4.0, pairs=3000)],
+           "sdpa_flash": [{"error": "Unavailable: skipped: sdpa_flash has no kernel above head dim 256 (got 512)"}],
+           "sdpa_efficient": [res(2.0, 8.0, pairs=4000)],
+           "fa4_dense": [res(1.0, 9.0, pairs=1000)],
+           "flex": [res(0.5, 1.0, pairs=3000)]}
+    entry = attention.case_results(per, 0.02)
+    best = entry["best_dense"]
+    assert best["fwd"]["method"] == "sdpa_efficient"  # 4000 pairs in 2 ms beats 1000 in 1 ms
+    assert best["fwd"]["dualkv_over_best"] == pytest.approx((3000 / 1.0) / (4000 / 2.0))
+    assert best["fwdbwd"]["method"] == "sdpa_efficient"
+    assert best["fwdbwd"]["dualkv_over_best"] == pytest.approx((3000 / 4.0) / (4000 / 8.0))
+    assert "best_dense" not in attention.case_results({"dualkv": per["dualkv"], "flex": per["flex"]}, 0.02)
+    lines = attention.summary_table({"cases": [dict(entry, case={"name": "N16"})]}).splitlines()
+    assert any("best dense fwd: sdpa_efficient" in line and "dualkv 1.50x its rate" in line for line in lines)
+    assert any("best dense fwd+bwd: sdpa_efficient" in line and "dualkv 1.50x its rate" in line for line in lines)
+    only_peer = attention.best_dense(attention.case_results({"fa4_dense": [res(1.0, 4.0)]}, 0.02)["results"])
+    assert only_peer["fwd"]["method"] == "fa4_dense" and "dualkv_over_best" not in only_peer["fwd"]
+
+
 # ---- mask modifiers (issue 16): --window, --softcap, --sinks ----
 
 def test_window_pairs_count_the_visible_pairs():

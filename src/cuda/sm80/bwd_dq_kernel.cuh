@@ -7,6 +7,8 @@
 #include <cuda_runtime.h>
 #include <math_constants.h>
 
+#include <type_traits>
+
 #include "dualkv/mask.h"
 #include "kernel_params.h"
 #include "modifiers.cuh"
@@ -25,6 +27,15 @@ struct DqSmem {
   T k[C::kBlockN * C::kPitch];
   T v[C::kBlockN * C::kPitch];
 };
+// D split over warp pairs (DqConfig::kDSplit = 2, D = 512): each warp's partial S and dP (its half
+// of D's sums) for its partner, as [warp][S, dP][fragment register][lane].
+template <int D, typename T>
+struct DqSmemSplit : DqSmem<D, T> {
+  using C = DqConfig<D>;
+  float part[C::kWarps][2][C::kMI * (C::kBlockN / 8) * 4][32];
+};
+template <int D, typename T>
+using DqSmemOf = std::conditional_t<DqConfig<D>::kDSplit == 1, DqSmem<D, T>, DqSmemSplit<D, T>>;
 
 // external prefix (issue 17): the K/V tile at the walk's position: the layout's K/V, or a prefix's
 // rows (a CTA-uniform choice).
@@ -55,10 +66,13 @@ bwd_dq_kernel(const BwdArgs args) {
   using Ops = TypeOps<T>;
   constexpr int BM = C::kBlockM, BN = C::kBlockN, P = C::kPitch, NT = C::kThreads, MI = C::kMI;
   constexpr int kNB = BN / 8;
-  constexpr int kDB = D / 8;
+  // D split over warp pairs (kDS = 2 at D = 512, config.h): the warp's kWD columns of dQ; S and dP
+  // summed from the pair's partial products.
+  constexpr int kDS = C::kDSplit, kWD = C::kWarpD;
+  constexpr int kDB = kWD / 8;
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  DqSmem<D, T>& sm = *reinterpret_cast<DqSmem<D, T>*>(smem_raw);
+  DqSmemOf<D, T>& sm = *reinterpret_cast<DqSmemOf<D, T>*>(smem_raw);
   __shared__ int32_t s_item;
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -73,7 +87,8 @@ bwd_dq_kernel(const BwdArgs args) {
   const int group = H / args.num_kv_heads;
   const int64_t n_items = static_cast<int64_t>(n_tiles) * H;
   const int64_t T_ = L.num_tokens;
-  const int warp_row0 = warp * 16 * MI;
+  const int warp_row0 = (kDS == 1 ? warp : warp % C::kRowWarps) * 16 * MI;
+  const int dcol0 = kDS == 1 ? 0 : (warp / C::kRowWarps) * kWD;  // first column of the warp's part of D
 
   while (true) {
     __syncthreads();
@@ -143,29 +158,53 @@ bwd_dq_kernel(const BwdArgs args) {
 #pragma unroll
           for (int e = 0; e < 4; ++e) s[mi][j][e] = dp[mi][j][e] = 0.f;
 #pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk) {
+      for (int kk = 0; kk < kWD / 16; ++kk) {
         uint32_t aq[MI][4], ao[MI][4];
 #pragma unroll
         for (int mi = 0; mi < MI; ++mi) {
-          ldmatrix_x4(aq[mi], a_frag_addr(sm.q, P, warp_row0 + mi * 16, kk * 16, lane));
-          ldmatrix_x4(ao[mi], a_frag_addr(sm.dout, P, warp_row0 + mi * 16, kk * 16, lane));
+          ldmatrix_x4(aq[mi], a_frag_addr(sm.q, P, warp_row0 + mi * 16, dcol0 + kk * 16, lane));
+          ldmatrix_x4(ao[mi], a_frag_addr(sm.dout, P, warp_row0 + mi * 16, dcol0 + kk * 16, lane));
         }
 #pragma unroll
         for (int nb = 0; nb < BN / 16; ++nb) {
           uint32_t b[4];
-          ldmatrix_x4(b, bnk_frag_addr(sm.k, P, nb * 16, kk * 16, lane));
+          ldmatrix_x4(b, bnk_frag_addr(sm.k, P, nb * 16, dcol0 + kk * 16, lane));
 #pragma unroll
           for (int mi = 0; mi < MI; ++mi) {
             Ops::mma(s[mi][2 * nb], aq[mi], b[0], b[1]);
             Ops::mma(s[mi][2 * nb + 1], aq[mi], b[2], b[3]);
           }
-          ldmatrix_x4(b, bnk_frag_addr(sm.v, P, nb * 16, kk * 16, lane));
+          ldmatrix_x4(b, bnk_frag_addr(sm.v, P, nb * 16, dcol0 + kk * 16, lane));
 #pragma unroll
           for (int mi = 0; mi < MI; ++mi) {
             Ops::mma(dp[mi][2 * nb], ao[mi], b[0], b[1]);
             Ops::mma(dp[mi][2 * nb + 1], ao[mi], b[2], b[3]);
           }
         }
+      }
+      if constexpr (kDS > 1) {
+        // D split: S and dP = own partial + the partner's (the same sums in both warps). The
+        // partner's write of the next tile follows the barrier after dQ, after every read here.
+#pragma unroll
+        for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+          for (int j = 0; j < kNB; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              sm.part[warp][0][(mi * kNB + j) * 4 + e][lane] = s[mi][j][e];
+              sm.part[warp][1][(mi * kNB + j) * 4 + e][lane] = dp[mi][j][e];
+            }
+        __syncthreads();
+        const int partner = (warp + C::kRowWarps) % C::kWarps;
+#pragma unroll
+        for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+          for (int j = 0; j < kNB; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              s[mi][j][e] += sm.part[partner][0][(mi * kNB + j) * 4 + e][lane];
+              dp[mi][j][e] += sm.part[partner][1][(mi * kNB + j) * 4 + e][lane];
+            }
       }
       const bool need_mask = SegmentMask::fwd_ragged(klen, BN) || SegmentMask::fwd_diagonal(kpos, own, q0 + warp_row0, BN);
       // The sliding window (issue 16): pos(q) - pos(k) = (q - k) + shift for the walk's range.
@@ -205,7 +244,7 @@ bwd_dq_kernel(const BwdArgs args) {
             s[mi][j][e] = p * (dp[mi][j][e] - dl[mi][r]);  // dS
           }
       // dQ += dS K
-      mma_frags_times_smem<T, MI, BN, D>(acc, s, sm.k, P, lane);
+      mma_frags_times_smem<T, MI, BN, kWD>(acc, s, sm.k + dcol0, P, lane);
       __syncthreads();  // everyone is done with K and V
       if constexpr (kPrefix) more = it.next(L.offsets, L.parent, L.seg_prefix, L.prefix_offsets);
       else if constexpr (Mods::kWindow) more = it.next_windowed(L.offsets, L.parent, L.position_offset, first_pos);
@@ -228,7 +267,7 @@ bwd_dq_kernel(const BwdArgs args) {
       for (int r = 0; r < 2; ++r) {
         const int32_t qi = q0 + warp_row0 + mi * 16 + g + r * 8;
         if (qi < q1) {
-          T* row = static_cast<T*>(args.dq) + qi * args.dq_ts + h * args.dq_hs + 2 * t4;
+          T* row = static_cast<T*>(args.dq) + qi * args.dq_ts + h * args.dq_hs + dcol0 + 2 * t4;
 #pragma unroll
           for (int j = 0; j < kDB; ++j)
             *reinterpret_cast<uint32_t*>(row + j * 8) =
@@ -242,12 +281,12 @@ template <int D, typename T, typename Mods>
 cudaError_t launch_bwd_dq(const BwdArgs& args, int sms, cudaStream_t stream) {
   if (args.prefix_k != nullptr) {  // external prefix (issue 17): instantiated without modifiers only
     if constexpr (std::is_same_v<Mods, NoModifiers>)
-      return launch_on_sms<bwd_dq_kernel<D, T, Mods, true>>(DqConfig<D>::kThreads, sizeof(DqSmem<D, T>), sms, args,
+      return launch_on_sms<bwd_dq_kernel<D, T, Mods, true>>(DqConfig<D>::kThreads, sizeof(DqSmemOf<D, T>), sms, args,
                                                             stream);
     else
       return cudaErrorNotSupported;  // api.cpp refuses a modifier with external prefixes first
   }
-  return launch_on_sms<bwd_dq_kernel<D, T, Mods, false>>(DqConfig<D>::kThreads, sizeof(DqSmem<D, T>), sms, args,
+  return launch_on_sms<bwd_dq_kernel<D, T, Mods, false>>(DqConfig<D>::kThreads, sizeof(DqSmemOf<D, T>), sms, args,
                                                          stream);
 }
 

@@ -204,10 +204,11 @@ bwd_kv_kernel(const BwdArgs args) {
   using Ops = TypeOps<T>;
   constexpr int BM = C::kBlockM, BN = C::kBlockN, P = C::kPitch, PS = C::kPitchS, NT = C::kThreads;
   constexpr int MI = C::kMI;
-  constexpr int kWR = C::kWarps / 2;
-  constexpr int kHalfD = D / 2;
-  constexpr int kDB = kHalfD / 8;
-  constexpr int MQ = C::kMQ, kDW = D / C::kDC, kQB = kDW / 8;
+  constexpr int kWR = C::kWR, kWC = C::kWC;  // warp rows x warp column parts (config.h)
+  constexpr int kWarpD = D / kWC;             // the warp's D columns of dK, dV
+  constexpr int kQC = BM / kWC, kQJ = kQC / 8;  // the warp's query columns of S^T, dP^T; n8 blocks
+  constexpr int kDB = kWarpD / 8;
+  constexpr int MQ = C::kMQ, kDW = D / C::kDC, kQB = C::kDqCols / 8;  // phase 4: kQB n8 blocks per pass
   constexpr int E = static_cast<int>(sizeof(T));  // bytes per element
   constexpr uint32_t kQBytes = BM * P * E;        // one q buffer
   static_assert(BM == 64 && kWR * 16 * MI == BN, "warp tiling");
@@ -368,12 +369,12 @@ bwd_kv_kernel(const BwdArgs args) {
       // block b in step b kKK / kPBlocks (one per step at D = 128, two at D = 64, every few steps
       // above 128), once its S is final.
       {
-        constexpr int kKK = D / 16, kPBlocks = 4 * MI;
-        float st[MI][4][4];  // S^T, then P^T in place
+        constexpr int kKK = D / 16, kPBlocks = kQJ * MI;
+        float st[MI][kQJ][4];  // S^T, then P^T in place
 #pragma unroll
         for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
-          for (int j = 0; j < 4; ++j)
+          for (int j = 0; j < kQJ; ++j)
 #pragma unroll
             for (int e = 0; e < 4; ++e) st[mi][j][e] = 0.f;
 #pragma unroll
@@ -383,9 +384,9 @@ bwd_kv_kernel(const BwdArgs args) {
           for (int mi = 0; mi < MI; ++mi)
             ldsm_x4(ak[mi], s_k + ((row0 + mi * 16 + la_r) * P + kk * 16 + la_c) * E);
 #pragma unroll
-          for (int nb = 0; nb < 2; ++nb) {
+          for (int nb = 0; nb < kQJ / 2; ++nb) {
             uint32_t b[4];
-            ldsm_x4(b, s_q + ((wc * 32 + nb * 16 + lb_r) * P + kk * 16 + lb_c) * E);
+            ldsm_x4(b, s_q + ((wc * kQC + nb * 16 + lb_r) * P + kk * 16 + lb_c) * E);
 #pragma unroll
             for (int mi = 0; mi < MI; ++mi) {
               Ops::mma(st[mi][2 * nb], ak[mi], b[0], b[1]);
@@ -403,7 +404,7 @@ bwd_kv_kernel(const BwdArgs args) {
         // A prefix item's rows are seen by every query of its range: never diagonal (and k0 is a
         // prefix row, not a token).
         const bool need_mask = (!kPrefix || !load_shared_volatile(si.prefix)) && SegmentMask::bwd_diagonal(k0 + BN - 1, qt);
-        const int mask_ofs = k0 + row0 + g - qt - wc * 32 - 2 * t4;  // k - q of the thread's first element
+        const int mask_ofs = k0 + row0 + g - qt - wc * kQC - 2 * t4;  // k - q of the thread's first element
         // The sliding window (mask modifiers, issue 16): pos(q) - pos(k) = (q - k) + the item's bias.
         int32_t bias = 0;
         bool need_window = false;
@@ -412,11 +413,11 @@ bwd_kv_kernel(const BwdArgs args) {
           need_window = SegmentMask::window_tile(qt + BM - 1, k0, bias, args.window);
         }
         float2 l;  // lse of column block j, loaded at its first (mi = 0) block
-        float dpt[MI][4][4];
+        float dpt[MI][kQJ][4];
 #pragma unroll
         for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
-          for (int j = 0; j < 4; ++j)
+          for (int j = 0; j < kQJ; ++j)
 #pragma unroll
             for (int e = 0; e < 4; ++e) dpt[mi][j][e] = 0.f;
 #pragma unroll
@@ -426,9 +427,9 @@ bwd_kv_kernel(const BwdArgs args) {
           for (int mi = 0; mi < MI; ++mi)
             ldsm_x4(av[mi], s_v + ((row0 + mi * 16 + la_r) * P + kk * 16 + la_c) * E);
 #pragma unroll
-          for (int nb = 0; nb < 2; ++nb) {
+          for (int nb = 0; nb < kQJ / 2; ++nb) {
             uint32_t b[4];
-            ldsm_x4(b, s_do + ((wc * 32 + nb * 16 + lb_r) * P + kk * 16 + lb_c) * E);
+            ldsm_x4(b, s_do + ((wc * kQC + nb * 16 + lb_r) * P + kk * 16 + lb_c) * E);
 #pragma unroll
             for (int mi = 0; mi < MI; ++mi) {
               Ops::mma(dpt[mi][2 * nb], av[mi], b[0], b[1]);
@@ -440,7 +441,7 @@ bwd_kv_kernel(const BwdArgs args) {
           for (int b = 0; b < kPBlocks; ++b) {
             if (b * kKK / kPBlocks != kk) continue;
             const int j = b / MI, mi = b % MI;
-            const int col = wc * 32 + j * 8 + 2 * t4;
+            const int col = wc * kQC + j * 8 + 2 * t4;
             if (mi == 0) l = *reinterpret_cast<const float2*>(&sm.lse_delta[col]);
 #pragma unroll
             for (int hr = 0; hr < 2; ++hr) {
@@ -483,8 +484,8 @@ bwd_kv_kernel(const BwdArgs args) {
           }
         }
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const int col = wc * 32 + j * 8 + 2 * t4;
+        for (int j = 0; j < kQJ; ++j) {
+          const int col = wc * kQC + j * 8 + 2 * t4;
           const float2 d = *reinterpret_cast<const float2*>(&sm.lse_delta[BM + col]);
 #pragma unroll
           for (int mi = 0; mi < MI; ++mi)
@@ -509,7 +510,7 @@ bwd_kv_kernel(const BwdArgs args) {
           ld_val = tid < BM ? args.lse[hn * args.lse_hs + qtn + ld_i] : args.delta[hn * T_ + qtn + ld_i];
       };
 
-      // Phase 3a: dV += P^T dO for kv rows [row0, +16 MI), d cols [D/2 wc, +D/2).
+      // Phase 3a: dV += P^T dO for kv rows [row0, +16 MI), d cols [kWarpD wc, +kWarpD).
 #pragma unroll
       for (int kk = 0; kk < BM / 16; ++kk) {
         uint32_t ap[MI][4];
@@ -519,7 +520,7 @@ bwd_kv_kernel(const BwdArgs args) {
 #pragma unroll
         for (int nd = 0; nd < kDB / 2; ++nd) {
           uint32_t b[4];
-          ldsm_x4_trans(b, s_do + ((kk * 16 + la_r) * P + wc * kHalfD + nd * 16 + la_c) * E);
+          ldsm_x4_trans(b, s_do + ((kk * 16 + la_r) * P + wc * kWarpD + nd * 16 + la_c) * E);
 #pragma unroll
           for (int mi = 0; mi < MI; ++mi) {
             Ops::mma(dv[mi][2 * nd], ap[mi], b[0], b[1]);
@@ -543,6 +544,7 @@ bwd_kv_kernel(const BwdArgs args) {
       if constexpr (kAtomicDq) {
         const int32_t qb = load_shared_volatile(si.qb);
         // Phase 4: dQ[q rows qrow0.., d cols dcol0..] += dS K, accumulated into fp32 by atomics.
+        if constexpr (C::kDqPasses == 1) {
         float dq[MQ][kQB][4];
 #pragma unroll
         for (int mi = 0; mi < MQ; ++mi)
@@ -579,9 +581,54 @@ bwd_kv_kernel(const BwdArgs args) {
               for (int j = 0; j < kQB; ++j) atomic_add_pair(dst + j * 8, dq[mi][j][2 * hr], dq[mi][j][2 * hr + 1]);
             }
           }
+        } else {
+        // D = 512: kDqPasses passes of kDqCols columns, so that a pass's dQ block fits the registers
+        // next to dK and dV (its own copy of the product above: the one-pass kernels keep their
+        // machine code).
+#pragma unroll
+        for (int pass = 0; pass < C::kDqPasses; ++pass) {
+          const int dcol = dcol0 + pass * C::kDqCols;
+          float dq[MQ][kQB][4];
+#pragma unroll
+          for (int mi = 0; mi < MQ; ++mi)
+#pragma unroll
+            for (int j = 0; j < kQB; ++j)
+#pragma unroll
+              for (int e = 0; e < 4; ++e) dq[mi][j][e] = 0.f;
+#pragma unroll
+          for (int kk = 0; kk < BN / 16; ++kk) {
+            uint32_t a[MQ][4];
+#pragma unroll
+            for (int mi = 0; mi < MQ; ++mi)
+              ldsm_x4_trans(a[mi], s_ds + ((kk * 16 + lb_r) * PS + qrow0 + mi * 16 + lb_c) * E);
+#pragma unroll
+            for (int nd = 0; nd < kQB / 2; ++nd) {
+              uint32_t b[4];
+              ldsm_x4_trans(b, s_k + ((kk * 16 + la_r) * P + dcol + nd * 16 + la_c) * E);
+#pragma unroll
+              for (int mi = 0; mi < MQ; ++mi) {
+                Ops::mma(dq[mi][2 * nd], a[mi], b[0], b[1]);
+                Ops::mma(dq[mi][2 * nd + 1], a[mi], b[2], b[3]);
+              }
+            }
+            if (pass == 0 && kk == kIssueKK) issue_do_next();
+          }
+#pragma unroll
+          for (int mi = 0; mi < MQ; ++mi)
+#pragma unroll
+            for (int hr = 0; hr < 2; ++hr) {
+              const int32_t qi = qt + qrow0 + mi * 16 + g + hr * 8;
+              if (qi < qb) {
+                float* dst = args.dq_accum + (static_cast<int64_t>(qi) * H + h) * D + dcol + 2 * t4;
+#pragma unroll
+                for (int j = 0; j < kQB; ++j) atomic_add_pair(dst + j * 8, dq[mi][j][2 * hr], dq[mi][j][2 * hr + 1]);
+              }
+            }
+        }
+        }
       }
 
-      // Phase 3b: dK += dS^T Q for kv rows [row0, +16 MI), d cols [D/2 wc, +D/2).
+      // Phase 3b: dK += dS^T Q for kv rows [row0, +16 MI), d cols [kWarpD wc, +kWarpD).
 #pragma unroll
       for (int kk = 0; kk < BM / 16; ++kk) {
         uint32_t ads[MI][4];
@@ -591,7 +638,7 @@ bwd_kv_kernel(const BwdArgs args) {
 #pragma unroll
         for (int nd = 0; nd < kDB / 2; ++nd) {
           uint32_t b[4];
-          ldsm_x4_trans(b, s_q + ((kk * 16 + la_r) * P + wc * kHalfD + nd * 16 + la_c) * E);
+          ldsm_x4_trans(b, s_q + ((kk * 16 + la_r) * P + wc * kWarpD + nd * 16 + la_c) * E);
 #pragma unroll
           for (int mi = 0; mi < MI; ++mi) {
             Ops::mma(dk[mi][2 * nd], ads[mi], b[0], b[1]);
@@ -624,7 +671,7 @@ bwd_kv_kernel(const BwdArgs args) {
     // The item is re-read from si (nobody writes it before the item loop's next barrier).
     const int32_t slot = load_shared_volatile(si.slot);
     const int Hk = args.num_kv_heads;
-    const int col0 = wc * kHalfD + 2 * t4;
+    const int col0 = wc * kWarpD + 2 * t4;
     if (kPrefix && slot < 0 && load_shared_volatile(si.prefix)) {
       const int32_t k0 = load_shared_volatile(si.k0), klen = load_shared_volatile(si.klen);
       const int hk = load_shared_volatile(si.hk);

@@ -12,18 +12,27 @@
 
 namespace dualkv::cuda::sm80 {
 
-// Opt-in shared memory per block of the devices the sm_80 code runs on: sm_86/89 and A100.
-constexpr size_t kSm8xSmemBytes[] = {99 * 1024, 163 * 1024};
+// Opt-in shared memory per block of the devices the portable code runs on: sm_86/89, A100 and (the
+// portable kernels compiled for sm_90a) H100 / H200.
+constexpr size_t kSm8xSmemBytes[] = {99 * 1024, 163 * 1024, 227 * 1024};
 
 template <int D, typename T, int kQStages>
 constexpr size_t bwd_kv_smem() { return sizeof(BwdSmem<D, T, kQStages>) + sizeof(BwdItemWindowed); }  // the larger item
 
 // Whether the one-Q-buffer kernel fits a device class the two-buffer one does not (D = 64 on
-// sm_86/89, D = 256 on A100): only then is it instantiated.
+// sm_86/89, D = 256 on A100, D = 512 on Hopper): only then is it instantiated.
 template <int D, typename T>
 constexpr bool one_q_buffer_fits_more() {
   for (size_t limit : kSm8xSmemBytes)
     if (bwd_kv_smem<D, T, 1>() <= limit && bwd_kv_smem<D, T, 2>() > limit) return true;
+  return false;
+}
+// Whether any device class holds two Q buffers (not at D = 512: 270 KB): otherwise the two-buffer
+// kernel is not instantiated.
+template <int D, typename T>
+constexpr bool two_q_buffers_fit_some() {
+  for (size_t limit : kSm8xSmemBytes)
+    if (bwd_kv_smem<D, T, 2>() <= limit) return true;
   return false;
 }
 
@@ -44,15 +53,30 @@ cudaError_t launch_bwd_kv(const BwdArgs& args, int sms, cudaStream_t stream) {
 // on A100), else one where that fits.
 template <int D, typename T, bool kAtomicDq, typename Mods>
 cudaError_t launch_bwd_kv(const BwdArgs& args, int sms, cudaStream_t stream) {
-  if constexpr (one_q_buffer_fits_more<D, T>()) {
-    if (bwd_kv_smem<D, T, 2>() > device_smem_limit())
-      return launch_bwd_kv<D, T, kAtomicDq, 1, Mods>(args, sms, stream);
+  if constexpr (!two_q_buffers_fit_some<D, T>()) {
+    return launch_bwd_kv<D, T, kAtomicDq, 1, Mods>(args, sms, stream);
+  } else {
+    if constexpr (one_q_buffer_fits_more<D, T>()) {
+      if (bwd_kv_smem<D, T, 2>() > device_smem_limit())
+        return launch_bwd_kv<D, T, kAtomicDq, 1, Mods>(args, sms, stream);
+    }
+    return launch_bwd_kv<D, T, kAtomicDq, 2, Mods>(args, sms, stream);
   }
-  return launch_bwd_kv<D, T, kAtomicDq, 2, Mods>(args, sms, stream);
+}
+
+// Shared memory the backward's kernels need on the device (the main kernel with one Q buffer, the
+// deterministic dQ kernel): D = 512 needs Hopper's (205 KB), which A100 and sm_86/89 lack; there
+// the launcher declines before launching anything (the dispatcher reports it as unsupported).
+template <int D, typename T>
+constexpr size_t bwd_min_smem() {
+  return bwd_kv_smem<D, T, 1>() > sizeof(DqSmemOf<D, T>) ? bwd_kv_smem<D, T, 1>() : sizeof(DqSmemOf<D, T>);
 }
 
 template <int D, typename T, typename Mods>
 cudaError_t run_bwd(const BwdArgs& args, int sms, cudaStream_t stream) {
+  if constexpr (bwd_min_smem<D, T>() > kSm8xSmemBytes[1]) {  // D = 512: Hopper's shared memory only
+    if (bwd_min_smem<D, T>() > device_smem_limit()) return cudaErrorNotSupported;
+  }
   cudaError_t err;
   if ((err = launch_bwd_preprocess<D, T>(args, sms, stream)) != cudaSuccess) return err;
   err = args.deterministic ? launch_bwd_kv<D, T, false, Mods>(args, sms, stream)

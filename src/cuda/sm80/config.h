@@ -5,43 +5,62 @@
 
 namespace dualkv::cuda::sm80 {
 
-// Forward kernel: warps of kMI x 16 query rows filling the plan's query tile.
+// Forward kernel: warps of kMI x 16 query rows filling the plan's query tile; kDSplit warps per row
+// block, each with D / kDSplit columns of O (tile_size.h: 2 at D = 512, else 1). Warp w has row
+// block w % kRowWarps and column part w / kRowWarps.
 template <int D> struct FwdConfig {
   static constexpr int kMI = sm80_fwd_tiles(D).row_blocks;
   static constexpr int kBlockM = plan_tiles(D).fwd_block_m;
-  static constexpr int kWarps = kBlockM / (16 * kMI);
+  static constexpr int kDSplit = sm80_fwd_tiles(D).d_split;
+  static constexpr int kRowWarps = kBlockM / (16 * kMI);
+  static constexpr int kWarps = kRowWarps * kDSplit;
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kBlockN = sm80_fwd_tiles(D).block_n;
   static constexpr int kPitch = D + 8;  // +16 B per row: conflict-free ldmatrix without swizzle
+  static constexpr int kWarpD = D / kDSplit;  // the warp's columns of O
+  static_assert(kDSplit == 1 || kMI == 1, "split row blocks are single");
 };
 
 // Deterministic dQ kernel: the plan's query tiles (it reuses the forward items), kMI row blocks per
-// warp as in the forward, KV tiles short enough for S, dP and dQ in registers.
+// warp as in the forward, KV tiles short enough for S, dP and dQ in registers; kDSplit as the
+// forward's (dQ's columns split as O's).
 template <int D> struct DqConfig {
   static constexpr int kMI = sm80_dq_tiles(D).row_blocks;
   static constexpr int kBlockM = plan_tiles(D).fwd_block_m;
-  static constexpr int kWarps = kBlockM / (16 * kMI);
+  static constexpr int kDSplit = sm80_dq_tiles(D).d_split;
+  static constexpr int kRowWarps = kBlockM / (16 * kMI);
+  static constexpr int kWarps = kRowWarps * kDSplit;
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kBlockN = sm80_dq_tiles(D).block_n;
   static constexpr int kPitch = D + 8;
+  static constexpr int kWarpD = D / kDSplit;
+  static_assert(kDSplit == 1 || kMI == 1, "split row blocks are single");
 };
 
 // Backward KV-outer kernel: the plan's KV tiles (kBlockN rows) and query steps (kBlockM rows),
 // 8 warps laid out 4 x 2: each owns kMI x 16 KV rows (S^T, dP^T, dK, dV) and half of the columns.
 // dQ (phase 4) uses its own layout: kMQ x 16 query rows by D / kDC columns per warp.
+// kWR x kWC warps (4 x 2 up to D = 256, 2 x 4 at D = 512): warp w owns KV rows of warp row w % kWR,
+// query columns (S^T, dP^T) and D columns (dK, dV) of part w / kWR. Phase 4 holds kDqCols of its
+// columns at a time (kDqPasses passes).
 template <int D> struct BwdConfig {
   static constexpr int kMI = sm80_bwd_row_blocks(D);
   static constexpr int kWarps = 8;
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kBlockM = plan_tiles(D).bwd_block_m;
   static constexpr int kBlockN = plan_tiles(D).bwd_block_n;
+  static constexpr int kWR = sm80_bwd_warp_rows(D);
+  static constexpr int kWC = kWarps / kWR;
   static constexpr int kMQ = (kMI == 2 && (D / 4) % 16 == 0) ? 2 : 1;
   static constexpr int kQR = kBlockM / (16 * kMQ);  // query row groups in phase 4
   static constexpr int kDC = kWarps / kQR;          // column groups in phase 4
+  static constexpr int kDqCols = sm80_bwd_dq_pass_cols(D / kDC);
+  static constexpr int kDqPasses = (D / kDC) / kDqCols;
   static constexpr int kPitch = D + 8;
   static constexpr int kPitchS = kBlockM + 8;
-  static_assert(kBlockN == 4 * 16 * kMI, "4 warp rows of kMI x 16 KV rows");
-  static_assert((D / kDC) % 16 == 0, "phase-4 warp columns must be a multiple of 16");
+  static_assert(kBlockN == kWR * 16 * kMI, "kWR warp rows of kMI x 16 KV rows");
+  static_assert((D / kDC) % 16 == 0 && kDqCols % 16 == 0, "phase-4 warp columns must be a multiple of 16");
+  static_assert((kBlockM / kWC) % 16 == 0 && (D / kWC) % 16 == 0, "warp parts of 16 columns");
 };
 
 }  // namespace dualkv::cuda::sm80

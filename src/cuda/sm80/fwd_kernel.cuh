@@ -25,6 +25,15 @@ struct FwdSmem {
   T k[C::kBlockN * C::kPitch];
   T v[C::kBlockN * C::kPitch];
 };
+// D split over warp pairs (FwdConfig::kDSplit = 2, D = 512): each warp's partial S (its half of D's
+// QK^T sum) for its partner, as [warp][fragment register][lane] (conflict-free).
+template <int D, typename T>
+struct FwdSmemSplit : FwdSmem<D, T> {
+  using C = FwdConfig<D>;
+  float s_part[C::kWarps][C::kMI * (C::kBlockN / 8) * 4][32];
+};
+template <int D, typename T>
+using FwdSmemOf = std::conditional_t<FwdConfig<D>::kDSplit == 1, FwdSmem<D, T>, FwdSmemSplit<D, T>>;
 
 // What the loop does and why (measured at head dim 128 on the H200 against the first version of
 // this kernel, 1.06-1.10x; docs/notes/2026-11-30-portable-forward.md):
@@ -147,10 +156,13 @@ fwd_kernel(const FwdArgs args) {
   constexpr int BM = C::kBlockM, BN = C::kBlockN, P = C::kPitch, NT = C::kThreads, MI = C::kMI;
   constexpr int kNB = BN / 8;   // n8 blocks of S
   constexpr int kKB = BN / 16;  // k16 blocks of P (A fragments of O += P V)
-  constexpr int kDB = D / 8;    // n8 blocks of O
+  // D split over warp pairs (kDS = 2 at D = 512, config.h): the warp's kWD columns of O; S summed
+  // from the pair's partial products (below, "D split").
+  constexpr int kDS = C::kDSplit, kWD = C::kWarpD;
+  constexpr int kDB = kWD / 8;  // n8 blocks of O
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  FwdSmem<D, T>& sm = *reinterpret_cast<FwdSmem<D, T>*>(smem_raw);
+  FwdSmemOf<D, T>& sm = *reinterpret_cast<FwdSmemOf<D, T>*>(smem_raw);
   __shared__ std::conditional_t<Mods::kWindow, FwdItemWindowed<BN, NT, MI, T>, FwdItem<BN, NT, MI, T>> st;
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -159,7 +171,8 @@ fwd_kernel(const FwdArgs args) {
   const int32_t* plan = args.plan;
   if (!plan_matches(plan, L))
     return;
-  const int warp_row0 = warp * 16 * MI;  // first tile row of this warp
+  const int warp_row0 = (kDS == 1 ? warp : warp % C::kRowWarps) * 16 * MI;  // first tile row of this warp
+  const int dcol0 = kDS == 1 ? 0 : (warp / C::kRowWarps) * kWD;  // first column of the warp's part of D
   if (tid == 0) {
     st.num_heads = args.num_heads;
     st.kv_group = args.num_heads / args.num_kv_heads;
@@ -239,20 +252,34 @@ fwd_kernel(const FwdArgs args) {
 #pragma unroll
         for (int j = 0; j < kNB; ++j) s[mi][j][0] = s[mi][j][1] = s[mi][j][2] = s[mi][j][3] = 0.f;
 #pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk) {
+      for (int kk = 0; kk < kWD / 16; ++kk) {
         uint32_t a[MI][4];
 #pragma unroll
-        for (int mi = 0; mi < MI; ++mi) ldmatrix_x4(a[mi], a_frag_addr(sm.q, P, warp_row0 + mi * 16, kk * 16, lane));
+        for (int mi = 0; mi < MI; ++mi)
+          ldmatrix_x4(a[mi], a_frag_addr(sm.q, P, warp_row0 + mi * 16, dcol0 + kk * 16, lane));
 #pragma unroll
         for (int nb = 0; nb < BN / 16; ++nb) {
           uint32_t b[4];
-          ldmatrix_x4(b, bnk_frag_addr(sm.k, P, nb * 16, kk * 16, lane));
+          ldmatrix_x4(b, bnk_frag_addr(sm.k, P, nb * 16, dcol0 + kk * 16, lane));
 #pragma unroll
           for (int mi = 0; mi < MI; ++mi) {
             Ops::mma(s[mi][2 * nb], a[mi], b[0], b[1]);
             Ops::mma(s[mi][2 * nb + 1], a[mi], b[2], b[3]);
           }
         }
+      }
+
+      // D split: this warp's partial S for its partner, read after the V barrier below (the
+      // partner's write of the next tile follows the next iteration's first barrier, after every
+      // read of this one). Written before the mask: each warp masks its own partial, and -inf plus
+      // the partner's finite partial is -inf, so both warps hold the same masked sum.
+      if constexpr (kDS > 1) {
+#pragma unroll
+        for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+          for (int j = 0; j < kNB; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) sm.s_part[warp][(mi * kNB + j) * 4 + e][lane] = s[mi][j][e];
       }
 
       // Masking: ragged KV tile end, and the causal diagonal of the query's own segment. The tile
@@ -315,6 +342,15 @@ fwd_kernel(const FwdArgs args) {
         if (tid == 0) st.walk[slot ^ 1] = w;
         slot ^= 1;
       }
+      if constexpr (kDS > 1) {  // D split: S = own partial + the partner's (the same sum in both warps)
+        const int partner = (warp + C::kRowWarps) % C::kWarps;
+#pragma unroll
+        for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+          for (int j = 0; j < kNB; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[mi][j][e] += sm.s_part[partner][(mi * kNB + j) * 4 + e][lane];
+      }
 
       // Online softmax (exp2 with the scale folded in); P leaves in A-fragment layout:
       // p[mi][kb] = {C(2kb).c01, C(2kb).c23, C(2kb+1).c01, C(2kb+1).c23} (ptx.cuh).
@@ -361,9 +397,9 @@ fwd_kernel(const FwdArgs args) {
 #pragma unroll
       for (int kb = 0; kb < kKB; ++kb)
 #pragma unroll
-        for (int nd = 0; nd < D / 16; ++nd) {
+        for (int nd = 0; nd < kWD / 16; ++nd) {
           uint32_t b[4];
-          ldmatrix_x4_trans(b, bkn_frag_addr(sm.v, P, kb * 16, nd * 16, lane));
+          ldmatrix_x4_trans(b, bkn_frag_addr(sm.v, P, kb * 16, dcol0 + nd * 16, lane));
 #pragma unroll
           for (int mi = 0; mi < MI; ++mi) {
             Ops::mma(acc[mi][2 * nd], p[mi][kb], b[0], b[1]);
@@ -395,13 +431,13 @@ fwd_kernel(const FwdArgs args) {
           inv = fold_sink_epilogue(row_max[mi][r], total, Mods::score_scale(args), args.sinks[h], &sink_lse);
         const int32_t qi = q0 + warp_row0 + mi * 16 + g + r * 8;
         if (qi < q1) {
-          T* orow = og + static_cast<int64_t>(qi) * args.o_ts + h * args.o_hs;
+          T* orow = og + static_cast<int64_t>(qi) * args.o_ts + h * args.o_hs + dcol0;
 #pragma unroll
           for (int j = 0; j < kDB; ++j) {
             *reinterpret_cast<uint32_t*>(orow + j * 8 + 2 * t4) =
                 Ops::pack(acc[mi][j][2 * r] * inv, acc[mi][j][2 * r + 1] * inv);
           }
-          if (args.lse != nullptr && t4 == 0) {
+          if (args.lse != nullptr && t4 == 0 && (kDS == 1 || dcol0 == 0)) {  // D split: one warp of the pair
             const float lse = Mods::kSinks ? sink_lse
                               : total > 0.f ? row_max[mi][r] * Mods::score_scale(args) + logf(total) : CUDART_INF_F;
             args.lse[h * args.lse_hs + qi] = lse;

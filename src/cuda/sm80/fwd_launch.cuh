@@ -15,12 +15,12 @@ cudaError_t run_fwd(const FwdArgs& args, int sms, cudaStream_t stream) {
   if (err != cudaSuccess) return err;
   if (args.prefix_k != nullptr) {  // external prefix (issue 17): instantiated without modifiers only
     if constexpr (std::is_same_v<Mods, NoModifiers>)
-      return launch_on_sms<fwd_kernel<D, T, Mods, true>>(FwdConfig<D>::kThreads, sizeof(FwdSmem<D, T>), sms, args,
+      return launch_on_sms<fwd_kernel<D, T, Mods, true>>(FwdConfig<D>::kThreads, sizeof(FwdSmemOf<D, T>), sms, args,
                                                          stream);
     else
       return cudaErrorNotSupported;  // api.cpp refuses a modifier with external prefixes first
   }
-  return launch_on_sms<fwd_kernel<D, T, Mods, false>>(FwdConfig<D>::kThreads, sizeof(FwdSmem<D, T>), sms, args,
+  return launch_on_sms<fwd_kernel<D, T, Mods, false>>(FwdConfig<D>::kThreads, sizeof(FwdSmemOf<D, T>), sms, args,
                                                       stream);
 }
 
