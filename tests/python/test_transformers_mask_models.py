@@ -218,3 +218,35 @@ def test_torch_compile_fullgraph_with_window_and_sinks():
     b.square().mean().backward()
     for (name, p), q in zip(eager.named_parameters(), comp.parameters()):
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+@pytest.mark.parametrize("kind", ["gpt_oss", "gemma3"])
+def test_packed_forward_serves_windowed_models(kind):
+    """The packed log-prob path of TRL / veRL (_packed_forward) on models with sliding-window layers
+    (and sinks): the log-probs and entropies of the backend's own packed path (tested against the
+    stock model above), and gradients that reach the parameters."""
+    from dualkv.integrations._packed_forward import check_servable, forward_kwargs, install
+    from dualkv.logprobs import response_logprobs
+    model = dkt.enable(make_model(kind, "eager"))
+    check_servable(model, torch.device("cpu"))
+    install(model)
+    packed = pack(*rollouts())
+    out = model(**forward_kwargs(packed, 1.0, True))
+    hidden = model.model(**dkt.model_inputs(packed)).last_hidden_state
+    want_lp, want_ent = response_logprobs(hidden[0], model.lm_head.weight, packed, entropy=True)
+    torch.testing.assert_close(out.log_probs, want_lp, rtol=0, atol=1e-6)
+    torch.testing.assert_close(out.entropy, want_ent, rtol=0, atol=1e-6)
+    out.log_probs.sum().backward()
+    assert all(p.grad is not None for n, p in model.named_parameters() if "self_attn" in n)
+
+
+def test_packed_forward_checks_gemma4_global_head_dim(monkeypatch):
+    """The packed log-prob path checks every head dim of the model: Gemma-4's global layers have
+    their own (16 here, 8 on its sliding layers), refused by a backend whose limit is 8."""
+    from dualkv.integrations import _packed_forward
+    model = make_model("gemma4", "sdpa")
+    _packed_forward.check_servable(model, torch.device("cpu"))
+    info = dualkv.build_info()
+    monkeypatch.setattr(_packed_forward, "build_info", lambda: dict(info, cpu=dict(info["cpu"], max_head_dim=8)))
+    with pytest.raises(dualkv.UnsupportedError, match="head dim 16"):
+        _packed_forward.check_servable(model, torch.device("cpu"))

@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 import types
 from dataclasses import dataclass
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 from transformers.utils import ModelOutput
@@ -56,12 +56,27 @@ def _text_config(config):
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
+def _head_dims(text) -> List[int]:
+    """Every attention head dim of the model. Gemma-4's global layers have their own (512 where its
+    sliding layers have 256): transformers 5.2x describes them per layer (``per_layer_config``, and
+    reading ``head_dim`` of the whole config raises), 5.17 as ``global_head_dim``."""
+    dims = set()
+    for layer in getattr(text, "per_layer_config", None) or ():
+        if getattr(layer, "head_dim", None):
+            dims.add(int(layer.head_dim))
+    if not dims:
+        dims.add(int(getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads))
+    if getattr(text, "global_head_dim", None):
+        dims.add(int(text.global_head_dim))
+    return sorted(dims)
+
+
 def check_servable(model, device: Optional[torch.device] = None) -> None:
     """Raise :class:`dualkv.UnsupportedError` if the packed path cannot serve ``model`` exactly.
 
-    Refused: what :func:`dualkv.integrations.transformers.check_config` refuses (sliding windows,
-    softcapping, sinks, attention dropout), decoder layers that are not attention (linear
-    attention, Mamba: they would ignore the layout), an LM head with a bias, final-logit
+    Refused: what :func:`dualkv.integrations.transformers.check_config` refuses (a window, softcap or
+    sink the device's backend lacks, non-causal attention, attention dropout), decoder layers that
+    are not attention (linear attention, Mamba: they would ignore the layout), an LM head with a bias, final-logit
     softcapping or logit scaling (``response_logprobs`` applies none of them), and a head dim the
     native library was not built for on ``device``.
     """
@@ -69,7 +84,10 @@ def check_servable(model, device: Optional[torch.device] = None) -> None:
     text = _text_config(config)
     name = getattr(text, "model_type", type(model).__name__)
     dkt.check_config(config)
-    mixers = sorted({str(t) for t in (getattr(text, "layer_types", None) or ())} - {"full_attention"})
+    # sliding-window layers follow the layout through their window plans (the attention backend builds
+    # them); linear attention or Mamba would ignore it
+    mixers = sorted({str(t) for t in (getattr(text, "layer_types", None) or ())}
+                    - {"full_attention", "sliding_attention"})
     if mixers:
         raise UnsupportedError(f"dualkv: {name} has {', '.join(mixers)} layers; only full-attention decoder layers "
                                "follow the packed layout")
@@ -82,17 +100,17 @@ def check_servable(model, device: Optional[torch.device] = None) -> None:
     if getattr(text, "final_logit_softcapping", None) is not None or scale not in (None, 1, 1.0):
         raise UnsupportedError(f"dualkv: {name} softcaps or scales its final logits, which response_logprobs "
                                "does not apply")
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     device = torch.device(device) if device is not None else None
     info = build_info()
-    if device is not None and device.type == "cuda":
-        built = [int(d) for d in info.get("cuda", {}).get("head_dims", [])]
-        if head_dim not in built:
-            raise UnsupportedError(f"dualkv: {name} has head dim {head_dim}; this libdualkv was built for CUDA head "
-                                   f"dims {built} (rebuild with HEAD_DIMS including {head_dim})")
-    elif head_dim > int(info["cpu"]["max_head_dim"]):
-        raise UnsupportedError(f"dualkv: {name} has head dim {head_dim}; the CPU backend takes at most "
-                               f"{info['cpu']['max_head_dim']}")
+    for head_dim in _head_dims(text):
+        if device is not None and device.type == "cuda":
+            built = [int(d) for d in info.get("cuda", {}).get("head_dims", [])]
+            if head_dim not in built:
+                raise UnsupportedError(f"dualkv: {name} has head dim {head_dim}; this libdualkv was built for CUDA "
+                                       f"head dims {built} (rebuild with HEAD_DIMS including {head_dim})")
+        elif head_dim > int(info["cpu"]["max_head_dim"]):
+            raise UnsupportedError(f"dualkv: {name} has head dim {head_dim}; the CPU backend takes at most "
+                                   f"{info['cpu']['max_head_dim']}")
 
 
 def forward_kwargs(packed: PackedBatch, temperature: float = 1.0, entropy: bool = False) -> Dict[str, Any]:
