@@ -33,6 +33,10 @@ BENCHMARKS = {
                              "and Flex-FA4 with the same modifiers (issue 16; step bench-mods)",
     "attention_mods_cap50": "bench/attention.py --softcap 50, H 32 / Hk 8 / D 128 (issue 16; step bench-mods)",
     "attention_mods_w1024": "bench/attention.py --window 1024, H 32 / Hk 8 / D 128 (issue 16; step bench-mods)",
+    "attention_h512": "bench/attention.py --head-dim 512 --heads 16 --kv-heads 4 --quick, the portable kernels (no "
+                      "Hopper 512 kernel) vs memory-efficient SDPA and Flex on Triton (issue 16)",
+    "e2e_mods_gpt-oss-20b": "bench/e2e.py --models gpt-oss-20b (16 of 24 layers, random weights), one GRPO update, "
+                            "dualkv and the stock eager path (issue 16; step e2e-mods; cut at its cap: see the file)",
     "e2e_1.7b": "bench/e2e.py, Qwen3-1.7B shape, GRPO update per method (step e2e-all)",
     "e2e_8b": "bench/e2e.py, Qwen3-8B shape, GRPO update per method (step e2e-all)",
     "e2e_8b_p16k_clocks": "bench/e2e.py, 8B N8 P16384 R2048, dualkv vs Flex with SM clocks, 3 interleaved rounds "
@@ -57,8 +61,9 @@ BENCHMARKS = {
                              "it (056fda6: FA2's dQ warp layout at D 192/256, reverted; docs/decisions.md)",
     "cpu_attention": "bench/cpu_attention.py, the CPU backend vs per-row torch SDPA on the CPU, 2 threads (issue 22)",
     "cpu_attention_1thread": "bench/cpu_attention.py --threads 1, the same with one thread (issue 22)",
-    "prompt_once_e2e_1.7b": "bench/prompt_once_e2e.py, Qwen3-1.7B shape, split vs once vs flex_fa4_split, one group "
-                            "over the budget, N 16 (issue 17; step prompt-once)",
+    "prompt_once_e2e_1.7b": "bench/prompt_once_e2e.py, Qwen3-1.7B shape, split vs once (streamed state) vs "
+                            "once_resident vs flex_fa4_split, one group over the budget, N 16 (issue 17; step "
+                            "prompt-once)",
     "prompt_once_e2e_8b": "bench/prompt_once_e2e.py, Qwen3-8B shape (issue 17; step prompt-once, ONCE_MODEL=8b)",
     "hybrid_e2e": "bench/hybrid_e2e.py, Qwen3.5-shaped GRPO update, dualkv + GDN state fork vs std vs Flex "
                   "(issue 21; step hybrid)",
