@@ -530,7 +530,8 @@ def check_flex_sinks(spec: ModelSpec, method, flash_block, device, seed=0, flex=
         H, Hk, D, T = kind.heads, kind.kv_heads, kind.head_dim, small.T
         gen = torch.Generator(device=device).manual_seed(seed + D)
         # bf16-representable inputs: the fp32 reference sees exactly what the bf16 kernels see
-        q, k, v = (torch.randn(1, h, T, D, device=device, generator=gen).to(torch.bfloat16).float() for h in (H, Hk, Hk))
+        q, k, v = (torch.randn(1, h, T, D, device=device, generator=gen).to(torch.bfloat16).float()
+                   for h in (H, Hk, Hk))
         # sink logits near the rows' lse, so that the sink takes a large share and its lse term is large
         sinks = (5.0 + 0.5 * torch.randn(H, device=device, generator=gen)).to(torch.bfloat16).float()
         dout = torch.randn(1, H, T, D, device=device, generator=gen)
@@ -544,8 +545,9 @@ def check_flex_sinks(spec: ModelSpec, method, flash_block, device, seed=0, flex=
             out = apply_sinks(out, lse, sinks.to(torch.bfloat16))
             out.backward(dout.to(torch.bfloat16))
         except Exception as exc:  # noqa: BLE001  (the kernels refuse: the method cannot run this model)
+            reason = " ".join(str(exc).split())[:300]
             raise Unsupported(f"Flex on {backend} cannot run attention sinks (their gradient flows through the "
-                              f"returned lse) at head dim {D}: {type(exc).__name__}: {' '.join(str(exc).split())[:300]}")
+                              f"returned lse) at head dim {D}: {type(exc).__name__}: {reason}")
 
         def reference(lse_grad: bool):
             r = [t.clone().requires_grad_() for t in (q, k, v)]
@@ -669,7 +671,8 @@ def row_token_indices(method, mb: MicroBatch, rows: int, spec):
     for b in range(rows):
         last, plen = int(pk.prompt_last_index[b]), prompt_lens[b]
         first = int(pk.response_offsets[b])
-        out.append(torch.cat([torch.arange(last - plen + 1, last + 1), torch.arange(first, first + int(pk.response_lens[b]))]))
+        out.append(torch.cat([torch.arange(last - plen + 1, last + 1),
+                              torch.arange(first, first + int(pk.response_lens[b]))]))
     return out
 
 
@@ -744,7 +747,8 @@ class TruthJudge:
     first ``rows`` rows of ``mb`` once, and for a MoE model the truth under each method's own routing."""
 
     def __init__(self, model, mb: MicroBatch, rows: int, impl, args, device):
-        self.model, self.mb, self.rows, self.impl, self.args, self.device = model, mb, min(rows, mb.B), impl, args, device
+        self.model, self.mb, self.rows = model, mb, min(rows, mb.B)
+        self.impl, self.args, self.device = impl, args, device
         self.tape, self.free = RouterTape(model), None
 
     def __call__(self, rec, results) -> None:
@@ -856,7 +860,8 @@ def set_method(model, method, args=None):
     if method == "fa4_dense" and spec is not None and spec.mods:
         raise Unavailable("skipped: fa4_dense is not wired for the mask modifiers of this model (bench-mods compares "
                           "FA4's own window / sinks arguments at the attention level)")
-    impl = {"std": spec.std_impl if spec is not None else "sdpa", "fa4_dense": FA4_IMPL, "flex": FLEX_IMPL, "flex_fa4": FLEX_IMPL,
+    impl = {"std": spec.std_impl if spec is not None else "sdpa", "fa4_dense": FA4_IMPL, "flex": FLEX_IMPL,
+            "flex_fa4": FLEX_IMPL,
             "dualkv": "dualkv"}[method]
     model.set_attn_implementation(impl)
 
@@ -1448,8 +1453,8 @@ def plot(results, path):
                     ax.text(i + j * width, r["seconds"], f"{r['speedup_vs_std']:.2f}x", ha="center", va="bottom",
                             fontsize=7)
         ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cases))])
-        ax.set_xticklabels([f"N{n} P{p} R{rr}\nrho {next(x['rho_tokens'] for x in rows if (x['N'], x['P'], x['R']) == (n, p, rr)):.2f}"
-                            for n, p, rr in cases], fontsize=8)
+        rho = {(x["N"], x["P"], x["R"]): x["rho_tokens"] for x in reversed(rows)}  # the first row of a case
+        ax.set_xticklabels([f"N{n} P{p} R{rr}\nrho {rho[(n, p, rr)]:.2f}" for n, p, rr in cases], fontsize=8)
         ax.set_ylabel("seconds per policy update")
         ax.set_title(f"{m} shape" if m in MOD_MODELS else f"Qwen3-{m} shape")
         ax.grid(axis="y", alpha=0.3)
@@ -1516,7 +1521,8 @@ def summary(results, models=None):
         kinds = "; ".join(f"{k['layers']} x window {k['window']} D {k['head_dim']} H {k['heads']}/{k['kv_heads']}"
                           + (" sinks" if k["sinks"] else "") + (f" softcap {k['softcap']}" if k["softcap"] else "")
                           for k in m["layer_kinds"])
-        lines.append(f"model {m['model']}: random weights, {m['depth_cut']} ({m['params'] / 1e9:.2f} B params; {kinds}); "
+        lines.append(f"model {m['model']}: random weights, {m['depth_cut']} "
+                     f"({m['params'] / 1e9:.2f} B params; {kinds}); "
                      f"std on {m['std_attention']!r}" + (f", MoE experts on {m['experts_implementation']!r}"
                                                          if m.get("experts_implementation") else ""))
     return "\n".join(lines)
@@ -1548,7 +1554,8 @@ def main(argv=None):
                     help="largest head dim flex_fa4 runs on FA4 (FLASH); layers above it on Triton (default "
                          f"{FLEX_FLASH_MAX_HEAD_DIM}: what FA4 4.0.0b36 trains under Flex on the H200)")
     ap.add_argument("--experts-implementation", default=None,
-                    help="transformers' experts_implementation of a MoE model (default: transformers' choice, recorded)")
+                    help="transformers' experts_implementation of a MoE model "
+                         "(default: transformers' choice, recorded)")
     ap.add_argument("--configs", default=None, help="N,P,R;N,P,R (default 16,4096,1024;8,16384,2048)")
     ap.add_argument("--grid", action="store_true", help="run the larger grid of (N, P, R)")
     ap.add_argument("--methods", default=None,
@@ -1665,7 +1672,8 @@ def main(argv=None):
             f"gradient checkpointing {'off' if args.no_grad_ckpt else 'on'}")
         if args.spec is not None:
             env["models"][size] = args.spec.record(model)
-            log(f"  {env['models'][size]['depth_cut']}; layer kinds {env['models'][size]['layer_kinds']}; std attention "
+            rec = env["models"][size]
+            log(f"  {rec['depth_cut']}; layer kinds {rec['layer_kinds']}; std attention "
                 f"{args.spec.std_impl!r}; experts {args.spec.experts!r}")
         for n, P, R in configs:
             all_results += run_config(model, cfg, size, n, P, R, args, device,

@@ -351,7 +351,8 @@ def summary(results) -> str:
                      f"{gib(m.get('split')):>10} {gib(once):>9} "
                      f"{((kvm['kv'] + kvm['grad']) / 2**20 if kvm else float('nan')):>8.1f}M {verdict(m, k):>14}"
                      + "".join(f" {sec(m.get(name)):>16} {gib(m.get(name)):>8}" for name in extra))
-    lines.append("acceptance: quot = (split/once) / ideal >= 0.85, (flex/once) / ideal >= 0.85, peak once <= peak split; "
+    lines.append("acceptance: quot = (split/once) / ideal >= 0.85, (flex/once) / ideal >= 0.85, "
+                 "peak once <= peak split; "
                  "k = 1 rows (controls): split/once within 1% of 1; mbs s/o: micro-batches of split / once")
     return "\n".join(lines)
 

@@ -235,7 +235,8 @@ def test_interleaved_rounds(tmp_path):
     flex, dualkv = json.loads(out.read_text())["results"]
     for r in (flex, dualkv):
         assert len(r["interleaved_times"]) == 2 and r["seconds_interleaved"] > 0, r
-    assert flex["dualkv_speedup_interleaved"] == pytest.approx(flex["seconds_interleaved"] / dualkv["seconds_interleaved"])
+    assert flex["dualkv_speedup_interleaved"] == pytest.approx(
+        flex["seconds_interleaved"] / dualkv["seconds_interleaved"])
     assert flex["dualkv_speedup_interleaved_excl_mask"] == pytest.approx(
         (flex["seconds_interleaved"] - flex["mask_build_s"]) / dualkv["seconds_interleaved"])
     assert "dualkv_speedup_interleaved" not in dualkv
@@ -405,10 +406,12 @@ def test_issue16_depth_cuts_are_stated():
         assert cfg.num_hidden_layers == layers and cfg.layer_types == types
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(cfg, attn_implementation=e2e.MOD_MODELS[name]["stock"])
-        rec = e2e.ModelSpec(name, model, e2e.MOD_MODELS[name]["stock"], e2e.MOD_MODELS[name]["published_layers"]).record(model)
+        spec = e2e.MOD_MODELS[name]
+        rec = e2e.ModelSpec(name, model, spec["stock"], spec["published_layers"]).record(model)
         assert rec["depth_cut"] == f"depth cut to {layers} of {e2e.MOD_MODELS[name]['published_layers']} layers"
         assert rec["layers"] == layers
-    assert [(k["window"], k["head_dim"], k["kv_heads"]) for k in rec["layer_kinds"]] == [(1024, 256, 16), (None, 512, 4)]
+    kinds = [(k["window"], k["head_dim"], k["kv_heads"]) for k in rec["layer_kinds"]]
+    assert kinds == [(1024, 256, 16), (None, 512, 4)]
     assert 10.0e9 < rec["params"] < 10.5e9 and rec["final_logit_softcapping"] == 30.0
 
 
@@ -443,7 +446,8 @@ def test_dualkv_without_head_dim_512_is_unavailable_not_a_crash(tmp_path, monkey
     assert e2e.main(MODS[:-1] + ["gemma-4-tiny", "--methods", "std,dualkv,flex", "--out", str(out)]) == 0
     res = _by(json.loads(out.read_text())["results"])
     dkv = res[("gemma-4-tiny", "dualkv")]
-    assert dkv["status"] == "unavailable" and dkv["error"].startswith("UnsupportedError: cuda: head_dim 32 is not built")
+    assert dkv["status"] == "unavailable"
+    assert dkv["error"].startswith("UnsupportedError: cuda: head_dim 32 is not built")
     assert res[("gemma-4-tiny", "std")]["status"] == res[("gemma-4-tiny", "flex")]["status"] == "ok"
     assert res[("gemma-4-tiny", "flex")]["within_tolerance"] is True
     assert "unavailable" in out.with_suffix(".txt").read_text()
