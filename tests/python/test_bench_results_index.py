@@ -19,7 +19,7 @@ def test_index_is_current():
 
 
 def _cited(text: str) -> set[str]:
-    return set(re.findall(r"`?([\w.]+\.json)`?", text))
+    return set(re.findall(r"`?([\w.-]+\.json)`?", text))  # names may hold hyphens (gpt-oss-20b)
 
 
 def test_claims_rest_on_clean_results():
