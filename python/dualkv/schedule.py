@@ -50,7 +50,8 @@ Where the prompt state lives through phase B (``stream_prompt_state``; default
   layer's sums as the backward reaches it. The device holds a few layers of the state instead of
   all of them (:attr:`PromptKV.memory`); the price is PCIe traffic per response micro-batch and
   layer: 2 copies of its keys and values to the device (1 without checkpointing) and its gradient
-  sums once each way, overlapped with the compute (events order the streams; no host sync), plus
+  sums once each way, overlapped with the compute (events order the streams; the host only waits
+  to stay within two reads of the device, whose deferred frees it would otherwise pile up), plus
   the state's size in pinned host memory (Qwen3-1.7B at P 16K in bf16: 1.8 GB of keys and values
   and as much of sums; per checkpointed micro-batch ~5.4 GB to the device and 1.8 GB back). Bitwise
   the device-resident update.
@@ -496,7 +497,8 @@ class _StreamedPromptState:
     * Phase C (:meth:`phase_c`): per layer a callable for :class:`_PromptGrad` that brings the layer's
       sums back (prefetching the layer below), in the keys' dtype (fp32 sums rounded on the device).
 
-    No host synchronisation: events order the three streams. Per micro-batch and layer under
+    Events order the three streams; the host waits only to stay within _STREAM_LAG reads of the
+    device (_throttle). Per micro-batch and layer under
     checkpointing: two host-to-device copies of the keys and values, one of the sums each way.
     On the CPU the same bookkeeping runs with the host being the CPU: every copy is a plain copy.
     """
