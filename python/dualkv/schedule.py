@@ -498,8 +498,8 @@ class _StreamedPromptState:
       sums back (prefetching the layer below), in the keys' dtype (fp32 sums rounded on the device).
 
     Events order the three streams; the host waits only to stay within _STREAM_LAG reads of the
-    device (_throttle). Per micro-batch and layer under
-    checkpointing: two host-to-device copies of the keys and values, one of the sums each way.
+    device (_throttle). Per micro-batch and layer under checkpointing: two host-to-device copies of
+    the keys and values, one of the sums each way.
     On the CPU the same bookkeeping runs with the host being the CPU: every copy is a plain copy.
     """
 
