@@ -185,26 +185,10 @@ bwd_dq_kernel(const BwdArgs args) {
       if constexpr (kDS > 1) {
         // D split: S and dP = own partial + the partner's (the same sums in both warps). The
         // partner's write of the next tile follows the barrier after dQ, after every read here.
-#pragma unroll
-        for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-          for (int j = 0; j < kNB; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              sm.part[warp][0][(mi * kNB + j) * 4 + e][lane] = s[mi][j][e];
-              sm.part[warp][1][(mi * kNB + j) * 4 + e][lane] = dp[mi][j][e];
-            }
+        exchange_split_partial<false, MI, kNB>(sm.part[warp], lane, s, dp);
         __syncthreads();
         const int partner = (warp + C::kRowWarps) % C::kWarps;
-#pragma unroll
-        for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-          for (int j = 0; j < kNB; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              s[mi][j][e] += sm.part[partner][0][(mi * kNB + j) * 4 + e][lane];
-              dp[mi][j][e] += sm.part[partner][1][(mi * kNB + j) * 4 + e][lane];
-            }
+        exchange_split_partial<true, MI, kNB>(sm.part[partner], lane, s, dp);
       }
       const bool need_mask = SegmentMask::fwd_ragged(klen, BN) || SegmentMask::fwd_diagonal(kpos, own, q0 + warp_row0, BN);
       // The sliding window (issue 16): pos(q) - pos(k) = (q - k) + shift for the walk's range.

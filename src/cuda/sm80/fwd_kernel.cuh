@@ -273,14 +273,7 @@ fwd_kernel(const FwdArgs args) {
       // partner's write of the next tile follows the next iteration's first barrier, after every
       // read of this one). Written before the mask: each warp masks its own partial, and -inf plus
       // the partner's finite partial is -inf, so both warps hold the same masked sum.
-      if constexpr (kDS > 1) {
-#pragma unroll
-        for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-          for (int j = 0; j < kNB; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) sm.s_part[warp][(mi * kNB + j) * 4 + e][lane] = s[mi][j][e];
-      }
+      if constexpr (kDS > 1) exchange_split_partial<false, MI, kNB>(&sm.s_part[warp], lane, s);
 
       // Masking: ragged KV tile end, and the causal diagonal of the query's own segment. The tile
       // is re-read from shared memory here (volatile: not kept in registers through S = QK^T).
@@ -344,12 +337,7 @@ fwd_kernel(const FwdArgs args) {
       }
       if constexpr (kDS > 1) {  // D split: S = own partial + the partner's (the same sum in both warps)
         const int partner = (warp + C::kRowWarps) % C::kWarps;
-#pragma unroll
-        for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-          for (int j = 0; j < kNB; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) s[mi][j][e] += sm.s_part[partner][(mi * kNB + j) * 4 + e][lane];
+        exchange_split_partial<true, MI, kNB>(&sm.s_part[partner], lane, s);
       }
 
       // Online softmax (exp2 with the scale folded in); P leaves in A-fragment layout:

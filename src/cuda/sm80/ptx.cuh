@@ -126,6 +126,28 @@ __device__ __forceinline__ void mma_frags_times_smem(float (&acc)[MI][D / 8][4],
   }
 }
 
+// The D split (config.h kDSplit > 1) of the forward and the deterministic dQ kernel, where a warp
+// pair sums its partial products: kAdd false stores a warp's partial accumulator fragments
+// frags[MI][NB][4] (one or more arrays, S and dP in the dQ kernel) to its slots of shared memory,
+// slot k for array k, each as [fragment register][lane] (conflict-free); kAdd true adds the
+// partner's slots into the warp's arrays. The arrays go element by element together, as the
+// kernels had them inline (array by array changed the dQ kernel's machine code).
+template <bool kAdd, int MI, int NB, typename... Frags>
+__device__ __forceinline__ void exchange_split_partial(float (*slots)[MI * NB * 4][32], int lane, Frags&... frags) {
+#pragma unroll
+  for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+    for (int j = 0; j < NB; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        int k = 0;
+        if constexpr (kAdd)
+          ((frags[mi][j][e] += slots[k++][(mi * NB + j) * 4 + e][lane]), ...);
+        else
+          ((slots[k++][(mi * NB + j) * 4 + e][lane] = frags[mi][j][e]), ...);
+      }
+}
+
 // How NT threads copy a [rows][D] tile in 16-byte chunks with compile-time trip counts: thread tid
 // owns chunk column tid % kThreadsPerRow of every column block, in rows tid / kThreadsPerRow + p
 // kRowsPerPass. A row is one block when the threads split it evenly into D / 8 chunks, else blocks

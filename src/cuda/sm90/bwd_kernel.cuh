@@ -59,6 +59,8 @@
 #include <math_constants.h>
 #include <stdint.h>
 
+#include <type_traits>
+
 #include "convert.cuh"
 #include "kernel_params.h"
 #include "modifiers.cuh"
@@ -642,42 +644,43 @@ bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
     if (lane == 0) mbar_arrive(B.kv_empty);
 
     // Epilogue: dK scaled by the softmax scale and dV, or fp32 partials (unscaled) for a split.
+    // The tile's valid rows of dK (scaled) and dV in T: added into the external prefix's gradients
+    // (kAdd) or stored to dk / dv. The fields of `a` are read where they are used (the stores may
+    // alias them for the compiler: passing them in as values changed the machine code).
+    auto store_dk_dv = [&](auto add) {
+      constexpr bool kAdd = decltype(add)::value;
+      T* dkb = static_cast<T*>(kAdd ? a.prefix_dk : a.dk) + static_cast<int64_t>(k0) * (kAdd ? a.pdk_ts : a.dk_ts) +
+               static_cast<int64_t>(hk) * (kAdd ? a.pdk_hs : a.dk_hs);
+      T* dvb = static_cast<T*>(kAdd ? a.prefix_dv : a.dv) + static_cast<int64_t>(k0) * (kAdd ? a.pdv_ts : a.dv_ts) +
+               static_cast<int64_t>(hk) * (kAdd ? a.pdv_hs : a.dv_hs);
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        const int r = kv_row0 + hr * 8;
+        if (r < klen) {
+#pragma unroll
+          for (int j = 0; j < D / 8; ++j) {
+            const int col = j * 8 + 2 * t4;
+            if constexpr (kAdd) {
+              uint32_t* pk = reinterpret_cast<uint32_t*>(dkb + static_cast<int64_t>(r) * a.pdk_ts + col);
+              uint32_t* pv = reinterpret_cast<uint32_t*>(dvb + static_cast<int64_t>(r) * a.pdv_ts + col);
+              const float2 ok = Convert<T>::unpack(*pk), ov = Convert<T>::unpack(*pv);
+              *pk = Convert<T>::pack(ok.x + dk[4 * j + 2 * hr] * a.scale, ok.y + dk[4 * j + 2 * hr + 1] * a.scale);
+              *pv = Convert<T>::pack(ov.x + dv[4 * j + 2 * hr], ov.y + dv[4 * j + 2 * hr + 1]);
+            } else {
+              *reinterpret_cast<uint32_t*>(dkb + static_cast<int64_t>(r) * a.dk_ts + col) =
+                  Convert<T>::pack(dk[4 * j + 2 * hr] * a.scale, dk[4 * j + 2 * hr + 1] * a.scale);
+              *reinterpret_cast<uint32_t*>(dvb + static_cast<int64_t>(r) * a.dv_ts + col) =
+                  Convert<T>::pack(dv[4 * j + 2 * hr], dv[4 * j + 2 * hr + 1]);
+            }
+          }
+        }
+      }
+    };
     if (prefix_item && pslot < 0) {
       // external prefix (issue 17): added into the prefix rows' gradients (one item per row).
-      T* dkb = static_cast<T*>(a.prefix_dk) + static_cast<int64_t>(k0) * a.pdk_ts + static_cast<int64_t>(hk) * a.pdk_hs;
-      T* dvb = static_cast<T*>(a.prefix_dv) + static_cast<int64_t>(k0) * a.pdv_ts + static_cast<int64_t>(hk) * a.pdv_hs;
-#pragma unroll
-      for (int hr = 0; hr < 2; ++hr) {
-        const int r = kv_row0 + hr * 8;
-        if (r < klen) {
-#pragma unroll
-          for (int j = 0; j < D / 8; ++j) {
-            const int col = j * 8 + 2 * t4;
-            uint32_t* pk = reinterpret_cast<uint32_t*>(dkb + static_cast<int64_t>(r) * a.pdk_ts + col);
-            uint32_t* pv = reinterpret_cast<uint32_t*>(dvb + static_cast<int64_t>(r) * a.pdv_ts + col);
-            const float2 ok = Convert<T>::unpack(*pk), ov = Convert<T>::unpack(*pv);
-            *pk = Convert<T>::pack(ok.x + dk[4 * j + 2 * hr] * a.scale, ok.y + dk[4 * j + 2 * hr + 1] * a.scale);
-            *pv = Convert<T>::pack(ov.x + dv[4 * j + 2 * hr], ov.y + dv[4 * j + 2 * hr + 1]);
-          }
-        }
-      }
+      store_dk_dv(std::true_type{});
     } else if (pslot < 0) {
-      T* dkb = static_cast<T*>(a.dk) + static_cast<int64_t>(k0) * a.dk_ts + static_cast<int64_t>(hk) * a.dk_hs;
-      T* dvb = static_cast<T*>(a.dv) + static_cast<int64_t>(k0) * a.dv_ts + static_cast<int64_t>(hk) * a.dv_hs;
-#pragma unroll
-      for (int hr = 0; hr < 2; ++hr) {
-        const int r = kv_row0 + hr * 8;
-        if (r < klen) {
-#pragma unroll
-          for (int j = 0; j < D / 8; ++j) {
-            const int col = j * 8 + 2 * t4;
-            *reinterpret_cast<uint32_t*>(dkb + static_cast<int64_t>(r) * a.dk_ts + col) =
-                Convert<T>::pack(dk[4 * j + 2 * hr] * a.scale, dk[4 * j + 2 * hr + 1] * a.scale);
-            *reinterpret_cast<uint32_t*>(dvb + static_cast<int64_t>(r) * a.dv_ts + col) =
-                Convert<T>::pack(dv[4 * j + 2 * hr], dv[4 * j + 2 * hr + 1]);
-          }
-        }
-      }
+      store_dk_dv(std::false_type{});
     } else {
       float* base = a.partials + ((static_cast<int64_t>(pslot) * Hk + hk) * 2) * BN * D;
 #pragma unroll

@@ -511,44 +511,44 @@ bwd_sm90_kernel_d256(const __grid_constant__ Sm90BwdParams<256> p) {
 
     // Epilogue: dK scaled by the softmax scale (dS role) and dV (P role), or fp32 partials
     // (unscaled, all 64 rows) for a split item: [slot][hk][0] = dK, [1] = dV.
+    // The role's gradient (dK scaled, dV) in T for the tile's valid rows: added into the external
+    // prefix's gradients (kAdd) or stored to dk / dv. The fields of `a` are read where they are used
+    // (the stores may alias them for the compiler: passing them in as values changed the machine code).
+    auto store_role_grad = [&](auto add) {
+      constexpr bool kAdd = decltype(add)::value;
+      const bool is_dk = !p_role;
+      T* base = is_dk ? static_cast<T*>(kAdd ? a.prefix_dk : a.dk) +
+                            static_cast<int64_t>(k0) * (kAdd ? a.pdk_ts : a.dk_ts) +
+                            static_cast<int64_t>(hk) * (kAdd ? a.pdk_hs : a.dk_hs)
+                      : static_cast<T*>(kAdd ? a.prefix_dv : a.dv) +
+                            static_cast<int64_t>(k0) * (kAdd ? a.pdv_ts : a.dv_ts) +
+                            static_cast<int64_t>(hk) * (kAdd ? a.pdv_hs : a.dv_hs);
+      const int64_t ts = is_dk ? (kAdd ? a.pdk_ts : a.dk_ts) : (kAdd ? a.pdv_ts : a.dv_ts);
+      const float sc = is_dk ? a.scale : 1.f;
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        const int r = kv_row0 + hr * 8;
+        if (r < klen) {
+#pragma unroll
+          for (int j = 0; j < D / 8; ++j) {
+            const int col = j * 8 + 2 * t4;
+            if constexpr (kAdd) {
+              uint32_t* dst = reinterpret_cast<uint32_t*>(base + static_cast<int64_t>(r) * ts + col);
+              const float2 old = Convert<T>::unpack(*dst);
+              *dst = Convert<T>::pack(old.x + acc[4 * j + 2 * hr] * sc, old.y + acc[4 * j + 2 * hr + 1] * sc);
+            } else {
+              *reinterpret_cast<uint32_t*>(base + static_cast<int64_t>(r) * ts + col) =
+                  Convert<T>::pack(acc[4 * j + 2 * hr] * sc, acc[4 * j + 2 * hr + 1] * sc);
+            }
+          }
+        }
+      }
+    };
     if (prefix_item && pslot < 0) {
       // external prefix (issue 17): added into the prefix rows' gradients (one item per row).
-      const bool is_dk = !p_role;
-      T* base = is_dk ? static_cast<T*>(a.prefix_dk) + static_cast<int64_t>(k0) * a.pdk_ts + static_cast<int64_t>(hk) * a.pdk_hs
-                      : static_cast<T*>(a.prefix_dv) + static_cast<int64_t>(k0) * a.pdv_ts + static_cast<int64_t>(hk) * a.pdv_hs;
-      const int64_t ts = is_dk ? a.pdk_ts : a.pdv_ts;
-      const float sc = is_dk ? a.scale : 1.f;
-#pragma unroll
-      for (int hr = 0; hr < 2; ++hr) {
-        const int r = kv_row0 + hr * 8;
-        if (r < klen) {
-#pragma unroll
-          for (int j = 0; j < D / 8; ++j) {
-            const int col = j * 8 + 2 * t4;
-            uint32_t* dst = reinterpret_cast<uint32_t*>(base + static_cast<int64_t>(r) * ts + col);
-            const float2 old = Convert<T>::unpack(*dst);
-            *dst = Convert<T>::pack(old.x + acc[4 * j + 2 * hr] * sc, old.y + acc[4 * j + 2 * hr + 1] * sc);
-          }
-        }
-      }
+      store_role_grad(std::true_type{});
     } else if (pslot < 0) {
-      const bool is_dk = !p_role;
-      T* base = is_dk ? static_cast<T*>(a.dk) + static_cast<int64_t>(k0) * a.dk_ts + static_cast<int64_t>(hk) * a.dk_hs
-                      : static_cast<T*>(a.dv) + static_cast<int64_t>(k0) * a.dv_ts + static_cast<int64_t>(hk) * a.dv_hs;
-      const int64_t ts = is_dk ? a.dk_ts : a.dv_ts;
-      const float sc = is_dk ? a.scale : 1.f;
-#pragma unroll
-      for (int hr = 0; hr < 2; ++hr) {
-        const int r = kv_row0 + hr * 8;
-        if (r < klen) {
-#pragma unroll
-          for (int j = 0; j < D / 8; ++j) {
-            const int col = j * 8 + 2 * t4;
-            *reinterpret_cast<uint32_t*>(base + static_cast<int64_t>(r) * ts + col) =
-                Convert<T>::pack(acc[4 * j + 2 * hr] * sc, acc[4 * j + 2 * hr + 1] * sc);
-          }
-        }
-      }
+      store_role_grad(std::false_type{});
     } else {
       float* base = a.partials + ((static_cast<int64_t>(pslot) * Hk + hk) * 2 + (p_role ? 1 : 0)) * BN * D;
 #pragma unroll
