@@ -316,6 +316,21 @@ def _cuda_reads_external_prefixes() -> bool:
     return True
 
 
+def cuda_qwen3_case(layers: int, prompt_len: int, max_positions: int):
+    """The GPU memory tests' setup: a bf16 Qwen3 shape (hidden 1024 = 4 x the KV width, as 8B) of
+    ``layers`` layers on CUDA with non-reentrant checkpointing, and one group of ``prompt_len`` and
+    8 responses of 256 on the device: ``(model, prompts, responses, old, adv)``."""
+    cfg = transformers.Qwen3Config(hidden_size=1024, intermediate_size=3072, num_hidden_layers=layers,
+                                   num_attention_heads=8, num_key_value_heads=2, head_dim=128, vocab_size=4096,
+                                   max_position_embeddings=max_positions, use_cache=False)
+    torch.manual_seed(0)
+    model = dkt.enable(transformers.AutoModelForCausalLM.from_config(cfg).to("cuda", torch.bfloat16).train())
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    prompts, responses, old, adv = rollouts([prompt_len], [[256] * 8], torch.bfloat16)
+    return (model, [p.cuda() for p in prompts], [[r.cuda() for r in rs] for rs in responses],
+            [[o.cuda() for o in os] for os in old], adv)
+
+
 def phase_c_peak_bound(grad_bytes: int, num_layers: int) -> float:
     """What offload_prompt_grads must take off phase C's peak (bytes), with why.
 
@@ -428,16 +443,7 @@ def test_cuda_phase_c_peak_with_offloaded_gradients(monkeypatch):
     if not _cuda_reads_external_prefixes():
         pytest.skip("this build's CUDA backend does not run external prefix segments yet (issue 17's kernels)")
     L = 8
-    cfg = transformers.Qwen3Config(hidden_size=1024, intermediate_size=3072, num_hidden_layers=L, num_attention_heads=8,
-                                   num_key_value_heads=2, head_dim=128, vocab_size=4096, max_position_embeddings=8192,
-                                   use_cache=False)
-    torch.manual_seed(0)
-    model = dkt.enable(transformers.AutoModelForCausalLM.from_config(cfg).to("cuda", torch.bfloat16).train())
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    prompts, responses, old, adv = rollouts([4096], [[256] * 8], torch.bfloat16)
-    prompts = [p.cuda() for p in prompts]
-    responses = [[r.cuda() for r in rs] for rs in responses]
-    old = [[o.cuda() for o in os] for os in old]
+    model, prompts, responses, old, adv = cuda_qwen3_case(L, 4096, 8192)
     peaks, grad_bytes, original = {}, {}, schedule.PromptKV.backward
 
     def requested(which):
@@ -477,16 +483,7 @@ def test_cuda_offloaded_prompt_activations_bitwise_and_off_the_device(monkeypatc
     monkeypatch.setattr(schedule, "STREAM_PROMPT_STATE", False)
     if not _cuda_reads_external_prefixes():
         pytest.skip("this build's CUDA backend does not run external prefix segments yet (issue 17's kernels)")
-    cfg = transformers.Qwen3Config(hidden_size=1024, intermediate_size=3072, num_hidden_layers=8, num_attention_heads=8,
-                                   num_key_value_heads=2, head_dim=128, vocab_size=4096, max_position_embeddings=8192,
-                                   use_cache=False)
-    torch.manual_seed(0)
-    model = dkt.enable(transformers.AutoModelForCausalLM.from_config(cfg).to("cuda", torch.bfloat16).train())
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    prompts, responses, old, adv = rollouts([4096], [[256] * 8], torch.bfloat16)
-    prompts = [p.cuda() for p in prompts]
-    responses = [[r.cuda() for r in rs] for rs in responses]
-    old = [[o.cuda() for o in os] for os in old]
+    model, prompts, responses, old, adv = cuda_qwen3_case(8, 4096, 8192)
     layer_inputs = 8 * 4095 * 1024 * 2
     kept = {}
     for offload in (True, False):

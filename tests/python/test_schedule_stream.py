@@ -20,8 +20,8 @@ transformers = pytest.importorskip("transformers")
 import dualkv  # noqa: E402
 from dualkv import schedule  # noqa: E402
 from dualkv.integrations import transformers as dkt  # noqa: E402
-from test_schedule import (PROMPT_LENS, RESPONSE_LENS, _cuda_reads_external_prefixes, dualkv_update,  # noqa: E402
-                           make_model, rollouts)
+from test_schedule import (PROMPT_LENS, RESPONSE_LENS, _cuda_reads_external_prefixes, cuda_qwen3_case,  # noqa: E402
+                           dualkv_update, make_model, rollouts)
 from test_transformers_integration import COMMON, VOCAB  # noqa: E402
 
 
@@ -247,16 +247,7 @@ def test_cuda_streamed_prompt_state_bitwise_and_off_the_device():
     if not _cuda_reads_external_prefixes():
         pytest.skip("this build's CUDA backend does not run external prefix segments")
     L, P = 16, 8192
-    cfg = transformers.Qwen3Config(hidden_size=1024, intermediate_size=3072, num_hidden_layers=L, num_attention_heads=8,
-                                   num_key_value_heads=2, head_dim=128, vocab_size=4096, max_position_embeddings=16384,
-                                   use_cache=False)
-    torch.manual_seed(0)
-    model = dkt.enable(transformers.AutoModelForCausalLM.from_config(cfg).to("cuda", torch.bfloat16).train())
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    prompts, responses, old, adv = rollouts([P], [[256] * 8], torch.bfloat16)
-    prompts = [p.cuda() for p in prompts]
-    responses = [[r.cuda() for r in rs] for rs in responses]
-    old = [[o.cuda() for o in os] for os in old]
+    model, prompts, responses, old, adv = cuda_qwen3_case(L, P, 16384)
     peaks, kept, traffic = {}, {}, {}
     run_phase, backward = schedule.run_prompt_phase, schedule.PromptKV.backward
 
