@@ -102,9 +102,9 @@ def check_servable(model, device: Optional[torch.device] = None) -> None:
                                "does not apply")
     device = torch.device(device) if device is not None else None
     info = build_info()
+    built = [int(d) for d in info.get("cuda", {}).get("head_dims", [])]
     for head_dim in _head_dims(text):
         if device is not None and device.type == "cuda":
-            built = [int(d) for d in info.get("cuda", {}).get("head_dims", [])]
             if head_dim not in built:
                 raise UnsupportedError(f"dualkv: {name} has head dim {head_dim}; this libdualkv was built for CUDA "
                                        f"head dims {built} (rebuild with HEAD_DIMS including {head_dim})")
