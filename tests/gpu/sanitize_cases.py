@@ -31,29 +31,21 @@ def main() -> int:
                 print(f"ok D={D} lens={lens} det={det} split={os.environ.get('DUALKV_CUDA_SPLIT_ROWS')}", flush=True)
             if D in plain:  # built without the mask-modifier kernels (head dim 512): refused by name
                 continue
-            # mask modifiers (issue 16): the softcap + sinks kernels, the dsinks reduction
-            for det in (False, True):
-                q = torch.randn(T, 4, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-                k = torch.randn(T, 1, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-                v = torch.randn(T, 1, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-                sinks = torch.randn(4, device="cuda", requires_grad=True)
-                out, lse = dualkv.attention(q, k, v, layout, deterministic=det, return_lse=True, softcap=5.0,
-                                            sinks=sinks)
-                (out.float().sum() + lse.sum()).backward()
-                torch.cuda.synchronize()
-                print(f"ok softcap+sinks D={D} lens={lens} det={det}", flush=True)
-            # the sliding window (issue 16): windowed walk, window apply, per-item distance biases
+            # mask modifiers (issue 16), with sinks (the dsinks reduction): the softcap kernels, then
+            # the sliding window (windowed walk, window apply, per-item distance biases)
             wlayout = dualkv.Layout.from_tree(lens, parents).to("cuda", windows=(48,))
-            for det in (False, True):
-                q = torch.randn(T, 4, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-                k = torch.randn(T, 1, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-                v = torch.randn(T, 1, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-                sinks = torch.randn(4, device="cuda", requires_grad=True)
-                out, lse = dualkv.attention(q, k, v, wlayout, deterministic=det, return_lse=True, window=48,
-                                            sinks=sinks)
-                (out.float().sum() + lse.sum()).backward()
-                torch.cuda.synchronize()
-                print(f"ok window=48+sinks D={D} lens={lens} det={det}", flush=True)
+            for lay, label, mods in ((layout, "softcap+sinks", dict(softcap=5.0)),
+                                     (wlayout, "window=48+sinks", dict(window=48))):
+                for det in (False, True):
+                    q = torch.randn(T, 4, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                    k = torch.randn(T, 1, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                    v = torch.randn(T, 1, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                    sinks = torch.randn(4, device="cuda", requires_grad=True)
+                    out, lse = dualkv.attention(q, k, v, lay, deterministic=det, return_lse=True, sinks=sinks,
+                                                **mods)
+                    (out.float().sum() + lse.sum()).backward()
+                    torch.cuda.synchronize()
+                    print(f"ok {label} D={D} lens={lens} det={det}", flush=True)
         # External prefix segments (issue 17): a group whose 150-row prompt lives in the prefix
         # buffers (prefix 1; prefix 0, 3 rows, is unused), ragged responses, then an ordinary group.
         layout = dualkv.Layout.from_tree([0, 70, 1, 129, 5, 3], [-1, 0, 0, 0, -1, 4], [1, -1, -1, -1, -1, -1],
