@@ -469,6 +469,52 @@ def _streams(stream_prompt_state: Optional[bool], device: torch.device) -> bool:
     return bool(stream_prompt_state)
 
 
+class _Pair:
+    """A layer's two tensors (keys and values, or their gradient sums; None where absent) in one
+    buffer, so that each move of the streamed state is one allocation, one copy and one stream record
+    instead of two: the per-layer host work of streaming is what the device waits for when the host
+    is the slower side (1.7B, P 8K: the H200 profile at eb4b2db had the compute stream idle 0.25 s per
+    update with no copy in flight). Parts start at multiples of 256 bytes (TMA wants 16)."""
+
+    _ALIGN = 256
+    __slots__ = ("buf", "parts", "nbytes")
+
+    def __init__(self, buf: Tensor, parts, nbytes: int):
+        self.buf, self.parts, self.nbytes = buf, parts, nbytes  # parts: (offset, shape, dtype) or None
+
+    @classmethod
+    def empty(cls, like: Sequence[Optional[Tensor]], dtype: Optional[torch.dtype], device, pin: bool = False) -> "_Pair":
+        """An uninitialised pair shaped as ``like`` (in ``dtype``, or each one's own)."""
+        parts, size, nbytes = [], 0, 0
+        for t in like:
+            if t is None:
+                parts.append(None)
+                continue
+            dt = dtype or t.dtype
+            n = t.numel() * dt.itemsize
+            parts.append((size, tuple(t.shape), dt))
+            size += -(-n // cls._ALIGN) * cls._ALIGN
+            nbytes += n
+        buf = torch.empty(size, dtype=torch.uint8, device=device, pin_memory=pin)
+        return cls(buf, tuple(parts), nbytes)
+
+    def like(self, device) -> "_Pair":
+        return _Pair(torch.empty(self.buf.shape, dtype=torch.uint8, device=device), self.parts, self.nbytes)
+
+    def views(self) -> List[Optional[Tensor]]:
+        out = []
+        for part in self.parts:
+            if part is None:
+                out.append(None)
+                continue
+            offset, shape, dtype = part
+            n = dtype.itemsize
+            for d in shape:
+                n *= d
+            out.append(self.buf[offset:offset + n].view(dtype).view(shape))
+        return out
+
+
 class _StreamedPromptState:
     """``stream_prompt_state``: a prompt phase's keys and values and their gradient sums in host
     memory (pinned for CUDA), on the device a layer or two at a time.
@@ -511,12 +557,13 @@ class _StreamedPromptState:
         self._to_host_stream = torch.cuda.Stream(device) if cuda else None
         self.order: List[int] = []  # layers in the order phase A ran them (a forward's order)
         self._pos: Dict[int, int] = {}
-        self.kv_host: Dict[int, Tuple[Tensor, Tensor]] = {}
+        self.kv_host: Dict[int, _Pair] = {}
         self._kv_saved: Dict[int, Optional["torch.cuda.Event"]] = {}  # the copy to kv_host is done
-        self.kv_cache: Dict[int, Tuple[Tensor, Tensor, Optional["torch.cuda.Event"]]] = {}
-        self.grad_host: Dict[int, List[Optional[Tensor]]] = {}  # per layer [keys', values'] sums
+        #: per layer on the device: (keys, values), what the streams record as used, the copy's event
+        self.kv_cache: Dict[int, Tuple[List[Tensor], List[Tensor], Optional["torch.cuda.Event"]]] = {}
+        self.grad_host: Dict[int, _Pair] = {}  # per layer the (keys', values') sums
         self._grad_saved: Dict[int, Optional["torch.cuda.Event"]] = {}  # the last copy to grad_host is done
-        self.grad_cache: Dict[int, Tuple[List[Optional[Tensor]], Optional["torch.cuda.Event"]]] = {}
+        self.grad_cache: Dict[int, Tuple[_Pair, Optional["torch.cuda.Event"]]] = {}
         self._last: Optional[int] = None  # position (in order) of the last read
         self._lag: List["torch.cuda.Event"] = []  # the compute stream at the last reads (_throttle)
         self._fp32_sums = False
@@ -528,59 +575,58 @@ class _StreamedPromptState:
                         "grad_copies": 0, "grad_missed": 0}
 
     # ---- copies ----
-    def _host_empty(self, t: Tensor) -> Tensor:
-        return torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=self._to_host_stream is not None)
+    def _host_pair(self, like: Sequence[Optional[Tensor]]) -> _Pair:
+        """Host memory (pinned for CUDA) for a pair shaped as ``like``."""
+        return _Pair.empty(like, None, "cpu", pin=self._to_host_stream is not None)
 
-    def _to_host(self, pairs: Sequence[Tuple[Tensor, Tensor]]) -> Optional["torch.cuda.Event"]:
-        """Copy each (device tensor, host buffer) pair, after the current stream's work so far;
-        returns the event of the copies (None on the CPU: done)."""
+    def _to_host(self, pairs: Sequence[Tuple[Tensor, Tensor]], nbytes: int) -> Optional["torch.cuda.Event"]:
+        """Copy each (device tensor, host tensor) pair (``nbytes`` of data in all), after the current
+        stream's work so far; returns the event of the copies (None on the CPU: done)."""
+        self.traffic["to_host_bytes"] += nbytes
         stream = self._to_host_stream
         if stream is None:
             for t, host in pairs:
                 host.copy_(t)
-                self.traffic["to_host_bytes"] += host.numel() * host.element_size()
             return None
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for t, host in pairs:
                 host.copy_(t, non_blocking=True)
                 t.record_stream(stream)  # the device buffer is not reused before the copy has read it
-                self.traffic["to_host_bytes"] += host.numel() * host.element_size()
             return stream.record_event()
 
-    def _to_device(self, hosts: Sequence[Optional[Tensor]], after: Optional["torch.cuda.Event"]):
-        """Device copies of ``hosts`` (None stays None), once ``after`` (the copy that filled them)
-        is done; returns (copies, their event)."""
-        self.traffic["to_device_bytes"] += sum(h.numel() * h.element_size() for h in hosts if h is not None)
+    def _to_device(self, host: _Pair, after: Optional["torch.cuda.Event"]) -> Tuple[_Pair, Optional["torch.cuda.Event"]]:
+        """A device copy of ``host``, once ``after`` (the copy that filled it) is done; returns
+        (the copy, its event)."""
+        self.traffic["to_device_bytes"] += host.nbytes
         stream = self._to_device_stream
         if stream is None:
-            return [h.clone() if h is not None else None for h in hosts], None
+            out = host.like(self.device)
+            out.buf.copy_(host.buf)
+            return out, None
         # allocated from the compute stream's pool, as every other tensor of the step: blocks of a
         # copy stream's own pool are reused only by that stream, and the H200 run at 41df68b held
         # 3-4 GB more reserved than allocated that way (1.7B, P 8K-16K). The copy waits for the
         # compute stream's work queued so far (a block it freed may be handed out here), which the
         # prefetch still runs ahead of: it is queued a layer before the read that waits for it.
         compute = torch.cuda.current_stream(self.device)
-        out = [None if h is None else torch.empty(h.shape, dtype=h.dtype, device=self.device) for h in hosts]
+        out = host.like(self.device)
         stream.wait_stream(compute)
         with torch.cuda.stream(stream):
             if after is not None:
                 stream.wait_event(after)
-            for t, h in zip(out, hosts):
-                if t is not None:
-                    t.copy_(h, non_blocking=True)
-                    t.record_stream(stream)  # not reused before the copy has written it (a dropped prefetch)
+            out.buf.copy_(host.buf, non_blocking=True)
+            out.buf.record_stream(stream)  # not reused before the copy has written it (a dropped prefetch)
             return out, stream.record_event()
 
-    def _use(self, tensors: Sequence[Optional[Tensor]], ready: Optional["torch.cuda.Event"]) -> None:
-        """The current stream waits for ``tensors``' copy and is recorded as a user of their memory."""
+    def _use(self, buffers: Sequence[Tensor], ready: Optional["torch.cuda.Event"]) -> None:
+        """The current stream waits for ``buffers``' copy and is recorded as a user of their memory."""
         if ready is None:
             return
         stream = torch.cuda.current_stream(self.device)
         stream.wait_event(ready)
-        for t in tensors:
-            if t is not None:
-                t.record_stream(stream)
+        for t in buffers:
+            t.record_stream(stream)
 
     # ---- phase A ----
     def save(self, idx: int, k: Tensor, v: Tensor) -> None:
@@ -589,11 +635,11 @@ class _StreamedPromptState:
             self._fp32_sums = self.grad_dtype == torch.float32 and k.dtype in _LOW_PRECISION
         self._pos[idx] = len(self.order)
         self.order.append(idx)
-        hosts = (self._host_empty(k), self._host_empty(v))
-        self._kv_saved[idx] = self._to_host(list(zip((k, v), hosts)))
-        self.kv_host[idx] = hosts
+        host = self._host_pair((k, v))
+        self._kv_saved[idx] = self._to_host(list(zip((k, v), host.views())), host.nbytes)
+        self.kv_host[idx] = host
         if len(self.order) == 1:  # phase B's first read: it stays
-            self.kv_cache[idx] = (k, v, None)
+            self.kv_cache[idx] = ([k, v], [k, v], None)
 
     def finish(self) -> None:
         # the input of every read, so that autograd calls _StreamedRead's backward; no gradient reaches it
@@ -602,8 +648,8 @@ class _StreamedPromptState:
     # ---- phase B ----
     def _fetch_kv(self, idx: int):
         self.traffic["kv_copies"] += 1
-        (k, v), ready = self._to_device(self.kv_host[idx], self._kv_saved[idx])
-        return k, v, ready
+        pair, ready = self._to_device(self.kv_host[idx], self._kv_saved[idx])
+        return pair.views(), [pair.buf], ready
 
     def read(self, idx: int) -> Tuple[Tensor, Tensor]:
         pos, last = self._pos[idx], self._last
@@ -622,19 +668,16 @@ class _StreamedPromptState:
         self.kv_cache = keep  # the rest is dropped (freed once the streams that used it pass)
         if down:  # a recompute: this layer's backward comes next and needs its sums
             self._prefetch_grad(idx)
-        k, v, ready = entry
-        self._use((k, v), ready)
+        (k, v), buffers, ready = entry
+        self._use(buffers, ready)
         self._throttle()
         return k, v
 
     def _throttle(self) -> None:
-        """Keep the host at most _STREAM_LAG reads ahead of the compute stream. A buffer the copy
-        streams used is freed only once their events complete, so a host far ahead of the device
-        (small layers) would hold a cache's worth of buffers per layer it ran ahead: the H200 run at
-        41df68b measured phase B's allocated peak 0.16 GB above the device-resident path's on a
-        16-layer test model instead of 0.2 GB below it. One wait per read on an event the device
-        reached long ago when the layers are large (the 1.7B shape: ms of compute per layer)."""
-        if self._to_device_stream is None:
+        """Keep the host at most _STREAM_LAG reads ahead of the compute stream (None: no bound). A
+        buffer the copy streams used is freed only once their events complete, so a host far ahead
+        of the device would hold a cache's worth of buffers per layer it ran ahead."""
+        if self._to_device_stream is None or _STREAM_LAG is None:
             return
         self._lag.append(torch.cuda.current_stream(self.device).record_event())
         if len(self._lag) > _STREAM_LAG:
@@ -644,45 +687,71 @@ class _StreamedPromptState:
         if idx in self.grad_cache or idx not in self.grad_host:
             return
         self.traffic["grad_copies"] += 1
-        sums, ready = self._to_device(self.grad_host[idx], self._grad_saved[idx])
-        self.grad_cache[idx] = (sums, ready)
+        self.grad_cache[idx] = self._to_device(self.grad_host[idx], self._grad_saved[idx])
 
-    def _take_grad(self, idx: int) -> List[Optional[Tensor]]:
-        """Layer ``idx``'s sums on the device (prefetched or copied now); Nones where none."""
+    def _take_grad(self, idx: int) -> Optional[_Pair]:
+        """Layer ``idx``'s sums on the device (prefetched or copied now); None where none yet."""
         if idx not in self.grad_cache and idx in self.grad_host:
             self.traffic["grad_missed"] += 1
         self._prefetch_grad(idx)
         entry = self.grad_cache.pop(idx, None)
         if entry is None:
-            return [None, None]
+            return None
         sums, ready = entry
-        self._use(sums, ready)
-        return list(sums)
+        self._use([sums.buf], ready)
+        return sums
 
     def _prefetch_below(self, idx: int) -> None:
         pos = self._pos[idx]
         if pos > 0:
             self._prefetch_grad(self.order[pos - 1])
 
+    def _start_sums(self, grads: Sequence[Optional[Tensor]], sums: Optional[_Pair]) -> _Pair:
+        """A device pair for the sums of ``grads`` holding ``sums``' parts (the layer's sums so far;
+        None: none yet), each part ``grads`` bring first started as the device-resident path starts it:
+        an fp32 sum of 16-bit keys added to zeros, else the gradient itself."""
+        like = [g if g is not None else (sums.views()[j] if sums is not None else None) for j, g in enumerate(grads)]
+        total = _Pair.empty(like, torch.float32 if self._fp32_sums else None, self.device)
+        old = sums.views() if sums is not None else [None] * len(grads)
+        for t, o, g in zip(total.views(), old, grads):
+            if t is None:
+                continue
+            if o is not None:
+                t.copy_(o)
+            elif self._fp32_sums:
+                t.zero_()
+            else:
+                t.copy_(g)
+        return total
+
     def accumulate(self, idx: int, grads: Sequence[Optional[Tensor]]) -> None:
         if all(g is None for g in grads):
             return
         sums = self._take_grad(idx)
-        hosts = self.grad_host.setdefault(idx, [None, None])
-        copies = []
-        for j, g in enumerate(grads):
-            if g is None:
-                continue
-            if sums[j] is None:  # the first contribution: the sum as the device-resident path starts it
-                if self._fp32_sums:
-                    total = torch.zeros(g.shape, dtype=torch.float32, device=g.device).add_(g)
-                else:
-                    total = g
-                hosts[j] = self._host_empty(total)
-            else:
-                total = sums[j].add_(g)
-            copies.append((total, hosts[j]))
-        self._grad_saved[idx] = self._to_host(copies)  # on one stream: after the layer's earlier copies
+        first = sums is None
+        if first and not self._fp32_sums:  # the first contribution as it is: straight to the host
+            host = self._host_pair(grads)
+            pairs = [(g, h) for g, h in zip(grads, host.views()) if g is not None]
+            self._grad_saved[idx] = self._to_host(pairs, host.nbytes)
+            self.grad_host[idx] = host
+            self._prefetch_below(idx)
+            return
+        if first or any(g is not None and part is None for g, part in zip(grads, sums.parts)):
+            # none yet, or a part no earlier micro-batch brought (a rare layout: kept general)
+            started = self._start_sums(grads, sums)
+            fresh = [g is not None and (first or sums.parts[j] is None) for j, g in enumerate(grads)]
+            sums = started
+        else:
+            fresh = [False] * len(grads)
+        for t, g, f in zip(sums.views(), grads, fresh):
+            if g is not None and (not f or self._fp32_sums):
+                t.add_(g)
+        host = self.grad_host.get(idx)
+        if host is None or host.parts != sums.parts:
+            host = self._host_pair(sums.views())
+            self.grad_host[idx] = host
+        # on one stream: after the layer's earlier copies
+        self._grad_saved[idx] = self._to_host([(sums.buf, host.buf)], sums.nbytes)
         self._prefetch_below(idx)
 
     # ---- phase C ----
@@ -698,18 +767,19 @@ class _StreamedPromptState:
                 sums = self._take_grad(idx)
                 self.grad_host.pop(idx, None)  # host buffers return to the pinned pool after their copies
                 self._prefetch_below(idx)
-                return [s.to(self._dtype) if s is not None else None for s in sums]
+                if sums is None:
+                    return [None, None]
+                return [s.to(self._dtype) if s is not None else None for s in sums.views()]
             return fetch
         return {idx: [fetcher(idx)] for idx in self.order}
 
     def memory(self) -> Dict[str, int]:
         def nbytes(ts):
             return sum(t.numel() * t.element_size() for t in ts if t is not None)
-        kv_device = _storage_bytes([t for k, v, _ in self.kv_cache.values() for t in (k, v)])
-        return {"kv": kv_device,
-                "grad": nbytes(t for sums, _ in self.grad_cache.values() for t in sums),
-                "kv_host": nbytes(t for pair in self.kv_host.values() for t in pair),
-                "grad_host": nbytes(t for pair in self.grad_host.values() for t in pair)}
+        return {"kv": nbytes(t for views, _, _ in self.kv_cache.values() for t in views),
+                "grad": sum(sums.nbytes for sums, _ in self.grad_cache.values()),
+                "kv_host": sum(pair.nbytes for pair in self.kv_host.values()),
+                "grad_host": sum(pair.nbytes for pair in self.grad_host.values())}
 
 
 def _streamed_root_order(probes: List[Tensor]) -> List[Tensor]:
