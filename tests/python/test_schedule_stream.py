@@ -38,6 +38,12 @@ def assert_bitwise(a, b):
         assert torch.equal(g_a[name], g_b[name]), name
 
 
+def on_host(run):
+    """An update's (loss, log-probs, gradients, plan) with its tensors in host memory."""
+    loss, lps, grads, plan = run
+    return loss, [[x.cpu() for x in xs] for xs in lps], {k: g.cpu() for k, g in grads.items()}, plan
+
+
 class PhaseRecorder:
     """Wraps PromptKV.backward (phase C) for the duration: per prompt phase, PromptKV.memory at the
     end of phase B and the streamed copies (PromptKV.traffic) once phase C is done."""
@@ -273,12 +279,11 @@ def test_cuda_streamed_prompt_state_bitwise_and_off_the_device():
     for name, stream in (("resident", False), ("streamed", True)):
         schedule.run_prompt_phase, schedule.PromptKV.backward = measured(name)
         try:
-            loss, lps, grads, plan = dualkv_update(model, prompts, responses, old, adv, 2 * 256 + 1, max_prompt_tokens=P,
-                                                   deterministic=True, stream_prompt_state=stream)
             # kept on the host: the first run's gradient copies (a model's worth) on the device would
             # count in the second run's peaks (they did: streamed 1.40 GB vs resident 1.24 GB on the H200
-            # at 22866ee; without them 0.93 vs 1.15 GiB at eb4b2db)
-            runs[name] = (loss, [[x.cpu() for x in xs] for xs in lps], {k: g.cpu() for k, g in grads.items()}, plan)
+            # at 22866ee; 0.93 vs 1.15 GiB without them at eb4b2db)
+            runs[name] = on_host(dualkv_update(model, prompts, responses, old, adv, 2 * 256 + 1, max_prompt_tokens=P,
+                                               deterministic=True, stream_prompt_state=stream))
         finally:
             schedule.run_prompt_phase, schedule.PromptKV.backward = run_phase, backward
     assert [mb.num_responses for mb in runs["streamed"][3].ranks[0]] == [2, 2, 2, 2]
