@@ -116,8 +116,8 @@ void bwd_ranges(const ForestView& f, PositionWindow w, int32_t s, int32_t k0, in
 template <typename Item, typename LongestFirst>
 void order_windowed_items(std::vector<Item>& items, int32_t windowed_max, int num_sms, LongestFirst longest_first) {
   // Kernels take Hk items per work entry (one per KV head); the plan is built without the head
-  // counts, so the tail is sized for 4 KV heads: long enough for the 2 - 8 of common GQA models
-  // (fewer heads want a longer tail, more a shorter one; the model in the note has both).
+  // counts, so the tail is sized for 4 KV heads, a compromise over the 2 - 8 of common GQA models:
+  // fewer heads want a longer tail (balance), more a shorter one (L2); the note models both.
   constexpr int64_t kTailKvHeads = 4;
   constexpr int64_t kTailClasses = 8;
   auto len = [](const Item& b) { return static_cast<int64_t>(b.qb) - b.qa; };

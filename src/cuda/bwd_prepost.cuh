@@ -180,7 +180,7 @@ cudaError_t launch_bwd_preprocess(const BwdArgs& args, int sms, cudaStream_t str
 }
 
 // kWindowedPlan: the plan is cut to a sliding window (the kernels' Mods::kWindow): its split tiles
-// are reduced in row chunks (bwd_reduce_kernel's kRowChunks).
+// are reduced in row chunks (bwd_reduce_rows_kernel).
 template <int D, typename T, bool kWindowedPlan = false>
 cudaError_t launch_bwd_postprocess(const BwdArgs& args, int sms, cudaStream_t stream) {
   cudaError_t err;
