@@ -15,7 +15,10 @@
 // (SegmentMask::bwd_prefix_query_range), and its dK / dV are added into prefix_dk / prefix_dv.
 //
 // Items are sorted longest-work-first; ties keep the segments of one tree (prompt + responses)
-// adjacent so that their shared K/V stays in L2. Kernels grab items through an atomic counter and
+// adjacent so that their shared K/V stays in L2. The backward items of a plan with a sliding
+// window are ordered for L2 reuse of their queries instead (plan.cpp, order_windowed_items): the
+// long un-windowed pieces first, then token order of the query ranges, ending on a tail of short
+// items by length class. Kernels grab items through an atomic counter and
 // multiply them by the heads: forward item i covers tile i / H, query head i % H; backward item i
 // covers KV work entry i / Hk, KV head i % Hk.
 //

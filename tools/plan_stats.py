@@ -12,7 +12,13 @@ an LRU model of L2 (the step's (head, 64-row query tile): Q + dO + dQ = 64 x D x
 of capacity) as misses per step, and the dQ contention: per step, how many other CTAs add into
 the same (head, query tile) in the same step, and the fan-in (KV tiles whose range covers a row).
 The model assumes uniform step times, so it shows what the plan allows, not what the device does.
-Run: PYTHONPATH=python DUALKV_LIBRARY=build/libdualkv.so python3 tools/plan_stats.py [--schedule]
+--window W builds the plan cut to a sliding window of W positions (plan_format.h) and adds the
+masking numbers of the Hopper backward (sm90/bwd_kernel.cuh: a consumer warpgroup's 64 KV rows
+against a 64-row query step take the masked softmax when the step is ragged, crosses the causal
+diagonal or holds a pair the window hides): the share of masked warpgroup-steps, and the useful
+pairs per computed pair (visible pairs under the window / 64 x 64 per warpgroup-step).
+(--masking prints them without a window too.)
+Run: PYTHONPATH=python DUALKV_LIBRARY=build/libdualkv.so python3 tools/plan_stats.py [--schedule] [--window W]
 """
 from __future__ import annotations
 
@@ -21,6 +27,8 @@ import bisect
 import collections
 import ctypes
 import heapq
+
+import numpy as np
 
 import dualkv
 from dualkv import _native
@@ -38,30 +46,71 @@ class PlanInfo(ctypes.Structure):
 
 
 # src/plan_format.h
-HDR_BWD_OFFSET, BWD_ITEM_INTS = 9, 6
+HDR_BWD_OFFSET, HDR_BWD_BIAS_OFFSET, BWD_ITEM_INTS = 9, 14, 6
 
 
-def build_plan(P, N, R, D, sms):
-    """The library's plan for one group (prompt P, N responses of R) through dualkv_plan_inspect."""
+def build_plan(P, N, R, D, sms, window=0):
+    """The library's plan for one group (prompt P, N responses of R), cut to a sliding window of
+    `window` positions (0: none), through dualkv_plan_inspect_ex."""
     layout = dualkv.Layout.from_groups([P], [[R] * N])
     c = layout.c_layout(host=True)
     lib = _native.lib()
-    lib.dualkv_plan_inspect.argtypes = [ctypes.POINTER(_native.Layout_), ctypes.c_int32, ctypes.c_int32,
-                                        ctypes.POINTER(PlanInfo), ctypes.POINTER(ctypes.c_int32), ctypes.c_int64]
+    lib.dualkv_plan_inspect_ex.argtypes = [ctypes.POINTER(_native.Layout_), ctypes.POINTER(_native.PlanRequest_),
+                                           ctypes.c_int32, ctypes.POINTER(PlanInfo), ctypes.POINTER(ctypes.c_int32),
+                                           ctypes.c_int64]
+    req = _native.PlanRequest_(struct_size=ctypes.sizeof(_native.PlanRequest_), head_dim=D, window=window)
     info = PlanInfo(struct_size=ctypes.sizeof(PlanInfo))
-    _native.check(lib.dualkv_plan_inspect(ctypes.byref(c), D, sms, ctypes.byref(info), None, 0), "plan_inspect")
-    buf = (ctypes.c_int32 * info.plan_len)()
-    _native.check(lib.dualkv_plan_inspect(ctypes.byref(c), D, sms, ctypes.byref(info), buf, info.plan_len),
+    _native.check(lib.dualkv_plan_inspect_ex(ctypes.byref(c), ctypes.byref(req), sms, ctypes.byref(info), None, 0),
                   "plan_inspect")
+    buf = (ctypes.c_int32 * info.plan_len)()
+    _native.check(lib.dualkv_plan_inspect_ex(ctypes.byref(c), ctypes.byref(req), sms, ctypes.byref(info), buf,
+                                             info.plan_len), "plan_inspect")
     first = buf[HDR_BWD_OFFSET]
     bwd = [tuple(buf[first + i * BWD_ITEM_INTS + j] for j in range(BWD_ITEM_INTS)) for i in range(info.num_bwd_items)]
+    # distance biases (plan_format.h): only in a windowed plan; 0 is what the kernels use without
+    bias_at = buf[HDR_BWD_BIAS_OFFSET] if window > 0 else 0
+    bias = [buf[bias_at + i] if window > 0 else 0 for i in range(info.num_bwd_items)]
     # KV tiles (seg, k0, k1, end of the query range): the last query of the tile's items
     kv = {}
     for s, k0, k1, _, qb, _ in bwd:
         kv[(s, k0, k1)] = max(kv.get((s, k0, k1), 0), qb)
     return dict(T=layout.num_tokens, bn=info.bwd_block_n, split=info.bwd_split_rows,
                 kv=[(s, k0, k1, qend) for (s, k0, k1), qend in sorted(kv.items())],
-                bwd=bwd, n_split=info.num_reductions, n_slots=info.num_split_slots)
+                bwd=bwd, bias=bias, window=window, n_split=info.num_reductions, n_slots=info.num_split_slots)
+
+
+def masking(plan, wg_rows=64):
+    """The Hopper backward's masked warpgroup-steps and visible pairs, per query head: each item's
+    64-row query steps against each 64-row half of its KV tile (sm90/bwd_kernel.cuh: `tail`, the
+    causal test qt < k_first + 63 and SegmentMask::window_tile). Returns (warpgroup-steps, masked
+    ones, visible pairs, items' masked steps as a list)."""
+    W = plan["window"]
+    q = np.arange(BM)[None, :]
+    r = np.arange(wg_rows)[:, None]
+    steps = masked = 0
+    pairs = 0
+    per_item = []
+    for (s, k0, k1, qa, qb, _), b in zip(plan["bwd"], plan["bias"]):
+        klen = k1 - k0
+        item_masked = 0
+        for half in range(plan["bn"] // wg_rows):
+            kf = k0 + half * wg_rows
+            for qt in range(qa, qb, BM):
+                tail = half * wg_rows + wg_rows - 1 >= klen
+                diag = qt < kf + wg_rows - 1
+                win = W > 0 and (qt + BM - 1 - kf) + b >= W
+                steps += 1
+                m = tail or diag or win
+                masked += m
+                item_masked += m
+                k = kf + r
+                qq = qt + q
+                vis = (k < k1) & (k <= qq) & (qq < qb)
+                if W > 0:
+                    vis &= (qq - k) + b < W
+                pairs += int(vis.sum())
+        per_item.append(item_masked)
+    return steps, masked, pairs, per_item
 
 
 def schedule(plan, H, Hk, sms, overhead):
@@ -127,12 +176,14 @@ def main():
     ap.add_argument("--schedule", action="store_true", help="persistent-scheduler, L2 and contention model (~1 min)")
     ap.add_argument("--overhead", type=float, default=2.0, help="per-item cost in steps (K/V load, epilogue)")
     ap.add_argument("--l2-mb", type=float, default=50.0)
+    ap.add_argument("--window", type=int, default=0, help="sliding window of W positions (0: none)")
+    ap.add_argument("--masking", action="store_true", help="masking numbers without a window too")
     args = ap.parse_args()
     H, Hk = args.heads, args.kv_heads
     for D in (int(x) for x in args.head_dims.split(",")):
         for cfg in args.configs.split(";"):
             N, P, R = (int(x) for x in cfg.split(","))
-            plan = build_plan(P, N, R, D, args.sms)
+            plan = build_plan(P, N, R, D, args.sms, args.window)
             steps = sum((b[4] - b[3] + BM - 1) // BM for b in plan["bwd"]) * H
             flop_step = 5 * 2 * BM * plan["bn"] * D
             fan_in = sum(1 for (_, k0, _, qend) in plan["kv"] if k0 <= plan["T"] - 1 < qend)
@@ -142,6 +193,11 @@ def main():
                     f"({plan['n_slots']} slots, partials {partial_mib:.0f} MiB), {steps} steps "
                     f"({steps / args.sms:.0f} per SM), dQ {BM * D * 4 / flop_step * 1e3:.2f} B/kFLOP, "
                     f"dQ fan-in of the last row {fan_in} KV tiles")
+            if args.window > 0 or args.masking:
+                wg_steps, wg_masked, pairs, _ = masking(plan)
+                line += (f"; window {args.window}: {wg_masked / wg_steps:.1%} of warpgroup-steps masked, "
+                         f"{pairs / 1e6:.2f}M visible pairs (one head), {pairs / (wg_steps * 64 * 64):.3f} of the "
+                         f"computed pairs")
             if args.schedule:
                 starts, makespan, mean = schedule(plan, H, Hk, args.sms, args.overhead)
                 events = list(step_events(starts, H, Hk, args.overhead))

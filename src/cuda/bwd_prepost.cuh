@@ -67,8 +67,14 @@ __global__ void bwd_dq_convert_kernel(const BwdArgs args) {
 
 // kPrefix (external prefix, issue 17): the plan may reduce prefix items, whose sums are ADDED into
 // prefix_dk / prefix_dv (the caller's value plus the fp32 sum, rounded once).
-template <int D, typename T, bool kPrefix>
-__global__ void bwd_reduce_kernel(const BwdArgs args) {
+// kRowChunks (plans cut to a sliding window, issue 16): each (reduction, KV head) is shared by
+// kRowChunks blocks, each summing BN / kRowChunks of its rows (the same slots in the same order:
+// the same bits). A windowed plan has few split tiles, each with many slots (one per child range
+// its window reaches: 8 tiles of 17 slots for a prompt and 16 responses under W = 1024), so one
+// block per (tile, head) left most SMs idle while the others read 17 x 128 KiB each
+// (docs/notes/2026-12-02-window-bwd.md). 1: the kernel as before (bwd_reduce_kernel).
+template <int D, typename T, bool kPrefix, int kRowChunks>
+__device__ __forceinline__ void bwd_reduce(const BwdArgs& args) {
   using Ops = Convert<T>;
   constexpr int BN = plan_tiles(D).bwd_block_n;
   const int32_t* plan = args.plan;
@@ -78,12 +84,19 @@ __global__ void bwd_reduce_kernel(const BwdArgs args) {
   const int32_t n_red = plan[kHdrNumRed];
   const int32_t* items = plan + plan[kHdrRedOffset];
   const int Hk = args.num_kv_heads;
-  for (int64_t item = blockIdx.x; item < static_cast<int64_t>(n_red) * Hk; item += gridDim.x) {
+  static_assert(BN % kRowChunks == 0, "bwd_reduce: row chunks must divide the KV tile");
+  constexpr int kChunkRows = BN / kRowChunks;
+  for (int64_t work = blockIdx.x; work < static_cast<int64_t>(n_red) * Hk * kRowChunks; work += gridDim.x) {
+    const int64_t item = work / kRowChunks;
     const int32_t* it = items + (item / Hk) * kRedItemInts;
     const int hk = static_cast<int>(item % Hk);
     const int32_t k0 = it[1], k1 = it[2], slot0 = it[3], nsplit = it[4];
     const int klen = k1 - k0;
-    for (int i = threadIdx.x; i < klen * (D / 2); i += blockDim.x) {
+    // This block's (row, column pair) elements: rows [chunk kChunkRows, +kChunkRows) of the tile.
+    const int chunk = static_cast<int>(work % kRowChunks);
+    const int first = chunk * kChunkRows * (D / 2);
+    const int end = kRowChunks == 1 ? klen * (D / 2) : min(klen, (chunk + 1) * kChunkRows) * (D / 2);
+    for (int i = first + threadIdx.x; i < end; i += blockDim.x) {
       const int row = i / (D / 2), d = (i % (D / 2)) * 2;
       float2 sk = make_float2(0.f, 0.f), sv = make_float2(0.f, 0.f);
       for (int s = 0; s < nsplit; ++s) {  // fixed order: deterministic
@@ -110,6 +123,17 @@ __global__ void bwd_reduce_kernel(const BwdArgs args) {
           Ops::pack(sv.x, sv.y);
     }
   }
+}
+
+template <int D, typename T, bool kPrefix>
+__global__ void bwd_reduce_kernel(const BwdArgs args) {
+  bwd_reduce<D, T, kPrefix, 1>(args);
+}
+// A windowed plan's reductions, kRowChunks blocks per (tile, head) (a kernel of its own: the
+// plain one keeps its name and code).
+template <int D, typename T, int kRowChunks>
+__global__ void bwd_reduce_rows_kernel(const BwdArgs args) {
+  bwd_reduce<D, T, false, kRowChunks>(args);
 }
 
 // d loss / d sink_h = -sum_t sink_probability(sink_h, lse[h, t]) delta[h, t], one block per head:
@@ -155,7 +179,9 @@ cudaError_t launch_bwd_preprocess(const BwdArgs& args, int sms, cudaStream_t str
   return cudaGetLastError();
 }
 
-template <int D, typename T>
+// kWindowedPlan: the plan is cut to a sliding window (the kernels' Mods::kWindow): its split tiles
+// are reduced in row chunks (bwd_reduce_rows_kernel).
+template <int D, typename T, bool kWindowedPlan = false>
 cudaError_t launch_bwd_postprocess(const BwdArgs& args, int sms, cudaStream_t stream) {
   cudaError_t err;
   if (!args.deterministic) {
@@ -165,10 +191,15 @@ cudaError_t launch_bwd_postprocess(const BwdArgs& args, int sms, cudaStream_t st
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
   }
   if (args.n_slots > 0) {
-    if (args.prefix_k != nullptr)  // external prefix (issue 17)
+    if constexpr (kWindowedPlan) {  // a window with external prefixes is refused (api.cpp)
+      // Chunks of 16 rows (8 per 128-row tile): 1024 column pairs at D = 128, 4 per thread.
+      constexpr int kChunks = plan_tiles(D).bwd_block_n >= 16 ? plan_tiles(D).bwd_block_n / 16 : 1;
+      bwd_reduce_rows_kernel<D, T, kChunks><<<sms * 4, 256, 0, stream>>>(args);
+    } else if (args.prefix_k != nullptr) {  // external prefix (issue 17)
       bwd_reduce_kernel<D, T, true><<<sms * 4, 256, 0, stream>>>(args);
-    else
+    } else {
       bwd_reduce_kernel<D, T, false><<<sms * 4, 256, 0, stream>>>(args);
+    }
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
   }
   return cudaSuccess;

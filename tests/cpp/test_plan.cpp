@@ -529,6 +529,95 @@ TEST(Plan, WindowedWorkScalesWithTheWindow) {
   EXPECT_LT(bwd_w * 10, bwd_full);
 }
 
+// The backward order of a windowed plan (plan.cpp, order_windowed_items): items longer than any
+// window-cut range (W + BN - 1 rows) first, longest first; then the rest in token order of their
+// query range (qa, then k0), but for a tail of at least num_sms * (longest of them) / 4 rows,
+// minimal, ordered by length class (eighths of that longest, descending) and then token order.
+// Checked against its statement on the items of the plan, whatever their order, so a plan that
+// moves, drops or adds items fails too (the coverage test above checks the items themselves).
+void check_windowed_order(const Inspected& r, int32_t window, int sms, const std::string& what) {
+  SCOPED_TRACE(what + " window " + std::to_string(window) + " sms " + std::to_string(sms));
+  struct It { int32_t qa, qb, k0; };
+  const int32_t* p = r.plan.data();
+  std::vector<It> items;
+  for (int i = 0; i < r.info.num_bwd_items; ++i) {
+    const int32_t* it = p + p[dualkv::kHdrBwdOffset] + i * dualkv::kBwdItemInts;
+    items.push_back({it[3], it[4], it[1]});
+  }
+  auto len = [](const It& a) { return int64_t(a.qb) - a.qa; };
+  const int64_t windowed_max = int64_t(window) + r.info.bwd_block_n - 1;
+  size_t i = 0;
+  for (; i < items.size() && len(items[i]) > windowed_max; ++i)
+    if (i > 0) ASSERT_LE(len(items[i]), len(items[i - 1])) << "long items not longest-first at " << i;
+  const size_t first_rest = i;
+  int64_t longest = 0;
+  for (size_t j = first_rest; j < items.size(); ++j) {
+    ASSERT_LE(len(items[j]), windowed_max) << "a long item after the first short one, at " << j;
+    longest = std::max(longest, len(items[j]));
+  }
+  if (first_rest == items.size()) return;
+  // The tail: the shortest suffix of the token-ordered rest holding num_sms * longest / 4 rows.
+  std::vector<It> rest(items.begin() + first_rest, items.end());
+  auto token_less = [](const It& a, const It& b) { return a.qa != b.qa ? a.qa < b.qa : a.k0 < b.k0; };
+  std::sort(rest.begin(), rest.end(), token_less);
+  const int64_t tail_rows = int64_t(sms) * longest / 4;
+  size_t tail = rest.size();
+  for (int64_t rows = 0; tail > 0 && rows < tail_rows;) rows += len(rest[--tail]);
+  const size_t tail_at = first_rest + tail;
+  for (size_t j = first_rest; j < tail_at; ++j)
+    ASSERT_TRUE(items[j].qa == rest[j - first_rest].qa && items[j].k0 == rest[j - first_rest].k0)
+        << "not in token order at " << j;
+  auto size_class = [&](const It& a) { return (len(a) * 8 + longest - 1) / longest; };
+  std::vector<It> expect_tail(rest.begin() + tail, rest.end());
+  std::stable_sort(expect_tail.begin(), expect_tail.end(), [&](const It& a, const It& b) {
+    return size_class(a) != size_class(b) ? size_class(a) > size_class(b) : token_less(a, b);
+  });
+  for (size_t j = tail_at; j < items.size(); ++j)
+    ASSERT_TRUE(items[j].qa == expect_tail[j - tail_at].qa && items[j].k0 == expect_tail[j - tail_at].k0)
+        << "tail out of order at " << j;
+}
+
+TEST(Plan, WindowedBackwardItemsRunInTokenOrderThenEndShort) {
+  std::mt19937 rng(1602);
+  for (int trial = 0; trial < 12; ++trial) {
+    std::vector<int32_t> lens, parents;
+    random_forest(rng, 1 + trial % 3, 1 + trial % 4, 4, 400, &lens, &parents);
+    HostLayout l(lens, parents);
+    for (int32_t window : {7, 128, 1000})
+      for (int D : {64, 128, 256})
+        for (int sms : {1, 132})
+          check_windowed_order(inspect_windowed(l, D, window, sms), window, sms,
+                               "trial " + std::to_string(trial) + " D " + std::to_string(D));
+  }
+  // The GRPO group of issue 16's benchmark: prompt 4096, 16 responses of 1024, W = 1024. No range
+  // is un-windowed (the responses outlast the window), so every item is in the token-ordered part:
+  // the KV tiles that see one response (its own 8 and the prompt's last 8) are adjacent, and the
+  // plan ends on its shortest items.
+  std::vector<int32_t> lens{4096}, parents{-1};
+  for (int i = 0; i < 16; ++i) {
+    lens.push_back(1024);
+    parents.push_back(0);
+  }
+  HostLayout g(lens, parents);
+  const Inspected r = inspect_windowed(g, 128, 1024, 132);
+  check_windowed_order(r, 1024, 132, "grpo");
+  const int32_t* p = r.plan.data();
+  std::vector<std::pair<int32_t, int32_t>> ranges;  // (qa, qb) in plan order
+  for (int i = 0; i < r.info.num_bwd_items; ++i) {
+    const int32_t* it = p + p[dualkv::kHdrBwdOffset] + i * dualkv::kBwdItemInts;
+    ranges.push_back({it[3], it[4]});
+  }
+  // Response 3's rows [4096 + 3 * 1024, + 1024): the 16 items starting in them are consecutive.
+  const int32_t r3 = 4096 + 3 * 1024;
+  std::vector<int> at;
+  for (size_t i = 0; i < ranges.size(); ++i)
+    if (ranges[i].first >= r3 && ranges[i].first < r3 + 1024) at.push_back(static_cast<int>(i));
+  ASSERT_EQ(at.size(), 16u);
+  EXPECT_EQ(at.back() - at.front(), 15);
+  // The last: response 15's last KV tile (its 128 own queries), of the shortest class.
+  EXPECT_EQ(ranges.back(), std::make_pair(4096 + 15 * 1024 + 896, 4096 + 16 * 1024));
+}
+
 TEST(Plan, BadArgumentsAreErrors) {
   HostLayout l({10}, {-1});
   const dualkv_layout v = l.view();
