@@ -877,7 +877,7 @@ class _Offloaded:
     """One activation :class:`_OffloadSaved` moved to the host: its pinned copy, the copy's event
     (None: done), its place in the order of saving, whether phase C has unpacked it yet, and a
     device copy made ahead of its unpack (with that copy's event)."""
-    __slots__ = ("device", "host", "saved", "pos", "unpacked", "ahead")
+    __slots__ = ("device", "host", "saved", "pos", "unpacked", "ahead", "__weakref__")
 
     def __init__(self, device, host: Tensor, saved, pos: int):
         self.device, self.host, self.saved, self.pos = device, host, saved, pos
@@ -903,7 +903,11 @@ class _OffloadSaved(torch.autograd.graph.saved_tensors_hooks):
     def __init__(self):
         self.bytes = 0
         copies: Dict[tuple, tuple] = {}
-        order: List[_Offloaded] = []
+        # weak: the closures here outlive phase C (the hooks object and its pack hook refer to each
+        # other, freed only by the cyclic collector), and a strong list kept every host copy pinned
+        # until then, so the next update's phase A allocated pinned memory again (H200, 28597cd: 1.7B
+        # P 8K and 16K once 1.87 / 2.59 s against 1.37 / 1.98 s with the activations kept on the device)
+        order: List["weakref.ReferenceType[_Offloaded]"] = []
         cursor: List[int] = []  # the highest position in ``order`` not unpacked yet (phase C)
         reading: List[Tuple[Tensor, "torch.cuda.Event"]] = []  # copies to the host in flight, with their sources
         streams: Dict[str, "torch.cuda.Stream"] = {}
@@ -933,7 +937,7 @@ class _OffloadSaved(torch.autograd.graph.saved_tensors_hooks):
                 host = _host_copy(t)
             self.bytes += host.numel() * host.element_size()
             packed = _Offloaded(t.device, host, saved, len(order))
-            order.append(packed)
+            order.append(weakref.ref(packed))
             copies[key] = (weakref.ref(t), packed)
             return packed
 
@@ -975,13 +979,14 @@ class _OffloadSaved(torch.autograd.graph.saved_tensors_hooks):
             if not packed.unpacked:
                 packed.unpacked = True
                 top = cursor[0] if cursor else len(order) - 1
-                while top >= 0 and order[top].unpacked:
+                while top >= 0 and (order[top]() is None or order[top]().unpacked):
                     top -= 1
                 cursor[:] = [top]
                 # the unpack that reached the highest activation not unpacked before it fetches the
                 # next one (an early unpack of a shared one, a RoPE table saved at layer 0, does not)
-                if streams and top >= 0 and packed.pos > top and order[top].ahead is None:
-                    fetch_ahead(order[top])
+                below = order[top]() if top >= 0 else None
+                if streams and below is not None and packed.pos > top and below.ahead is None:
+                    fetch_ahead(below)
             return dev
 
         self._copies = copies

@@ -752,6 +752,42 @@ def test_offloaded_prompt_activations_are_exact_and_leave_the_device(fp64_exact)
     assert_same_update(got[:3], want[:3], 1e-10)
 
 
+def test_offloaded_prompt_activations_free_their_host_copies_with_phase_c():
+    """The host copies of phase A's activations are freed when phase C's backward frees its graph,
+    without the cyclic garbage collector: a copy kept until a collection holds its pinned memory
+    through the next update, whose phase A then pins new memory (H200, 28597cd: 0.5-0.6 s more per
+    update). The offload emulated on the CPU (bench/live_bytes.py), the copies watched by weak
+    references."""
+    import gc
+    import sys
+    import weakref
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "bench"))
+    from live_bytes import emulate_offload
+    model = dkt.enable(make_model("qwen3", torch.float32))
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    prompts = [torch.randint(0, VOCAB, (n,)) for n in (9, 6)]
+    undo = emulate_offload()
+    emulated = schedule._host_copy
+    copies = []
+
+    def watched(t):
+        host = emulated(t)
+        copies.append(weakref.ref(host))
+        return host
+    schedule._host_copy = watched
+    gc.disable()
+    try:
+        kv = schedule.run_prompt_phase(model, prompts)
+        assert kv.memory["host"] > 0 and len(copies) >= model.config.num_hidden_layers
+        assert all(c() is not None for c in copies)
+        kv.backward()
+        del kv
+        assert all(c() is None for c in copies), sum(c() is not None for c in copies)
+    finally:
+        gc.enable()
+        undo()
+
+
 def test_prompt_state_factor_of_qwen3_shapes():
     """The documented factors (schedule.prompt_state_factor's docstring) from the configs alone."""
     from dualkv.demo import qwen3_config
