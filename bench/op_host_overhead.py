@@ -13,7 +13,10 @@ tiny kernels the host is the bottleneck, so wall time / calls is the host time p
   (``dualkv_attention_forward``) on [1, H, T, D] inputs with grad, forward only (what each decoder
   layer calls).
 
-Each is also given "over library": its time minus that of the bare C calls (``dualkv_fwd`` /
+* ``model``: one forward+backward step of a tiny Qwen3 (``--layers``, gradient checkpointing) on
+  the packed batch: the op's host time among everything else of a training step.
+
+Each op loop is also given "over library": its time minus that of the bare C calls (``dualkv_fwd`` /
 ``dualkv_bwd`` on params built once; their entry checks and the kernels), i.e. the host work the
 Python layer adds per call.
 
@@ -55,7 +58,8 @@ def _time(fn, device, calls: int, repeats: int, warmup: int = 20) -> float:
 
 def _set_workspace(params, ws):
     """Points the params at workspace ``ws`` (None or empty: none); returns it (held by the caller)."""
-    params.workspace, params.workspace_bytes = (ws.data_ptr(), ws.numel()) if ws is not None and ws.numel() else (None, 0)
+    used = ws is not None and ws.numel()
+    params.workspace, params.workspace_bytes = (ws.data_ptr(), ws.numel()) if used else (None, 0)
     return ws
 
 
@@ -94,12 +98,23 @@ def _library_calls(q, k, v, layout, grad):
     return fwd, bwd
 
 
-class _Layer(torch.nn.Module):
-    """Stands in for a decoder layer's attention module (the function reads .training and .scaling)."""
+def _tiny_qwen3(device, dtype, layers: int, H: int, Hk: int, D: int):
+    """A random Qwen3 of ``layers`` decoder layers, hidden size H*D, dualkv attention, gradient
+    checkpointing (non-reentrant, as the GRPO runs): every layer calls the op twice in the forward
+    (the recompute) and once in the backward."""
+    import warnings
 
-    def __init__(self, head_dim):
-        super().__init__()
-        self.scaling = head_dim ** -0.5
+    import transformers
+    config = transformers.Qwen3Config(hidden_size=H * D, intermediate_size=H * D, num_hidden_layers=layers,
+                                      num_attention_heads=H, num_key_value_heads=Hk, head_dim=D, vocab_size=96,
+                                      max_position_embeddings=128, attention_dropout=0.0, use_cache=False)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").to(device, dtype)
+    dkt.enable(model.train())
+    with warnings.catch_warnings():  # transformers 5 renames it (activation_checkpointing_enable)
+        warnings.simplefilter("ignore", FutureWarning)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
 
 
 def main(argv=None):
@@ -111,6 +126,7 @@ def main(argv=None):
     ap.add_argument("--heads", type=int, default=2)
     ap.add_argument("--kv-heads", type=int, default=1)
     ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--layers", type=int, default=28, help="decoder layers of the tiny Qwen3 (the 'model' loop)")
     ap.add_argument("--profile", action="store_true")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
@@ -132,13 +148,22 @@ def main(argv=None):
     def fwd_bwd():
         dualkv.attention(qg, kg, vg, layout).backward(grad)
 
-    module = _Layer(D)
+    model = _tiny_qwen3(device, dtype, args.layers, H, Hk, D)
+    module = model.model.layers[0].self_attn  # the attention function reads its config and scaling
     query = qg.detach().transpose(0, 1).unsqueeze(0).requires_grad_()  # [1, H, T, D] (stride as transformers')
     key = kg.detach().transpose(0, 1).unsqueeze(0).requires_grad_()
     value = vg.detach().transpose(0, 1).unsqueeze(0).requires_grad_()
 
     def layer():
         dkt.dualkv_attention_forward(module, query, key, value, None, dualkv_layout=layout)
+
+    g = torch.Generator().manual_seed(1)
+    packed = dualkv.pack([torch.randint(0, 96, (8,), generator=g)],
+                         [[torch.randint(0, 96, (8,), generator=g) for _ in range(3)]]).to(device)
+    inputs = dkt.model_inputs(packed)
+
+    def model_step():
+        model(**inputs).logits.float().sum().backward()
 
     lib_fwd, lib_bwd = _library_calls(q, k, v, layout, grad)
     print(f"device {device}, {dtype}, T {T}, H {H}, Hk {Hk}, D {D}, torch {torch.__version__}; us per call, best "
@@ -149,6 +174,9 @@ def main(argv=None):
                             ("layer", layer, base["fwd"])):
         t = _time(fn, device, args.calls, args.repeats)
         print(f"{name:12s} {t:8.1f}   over library {t - floor:8.1f}")
+    step = _time(model_step, device, max(args.calls // (20 * args.layers), 3), args.repeats, warmup=2)
+    print(f"{'model':12s} {step / 1e3:8.2f} ms per fwd+bwd step of a {args.layers}-layer Qwen3 with gradient "
+          f"checkpointing ({3 * args.layers} op calls)")
     if args.profile:
         prof = cProfile.Profile()
         prof.enable()
