@@ -279,14 +279,23 @@ class Layout:
         return c_prefixes_struct(self._host_meta if host else self._meta, self.num_segments, self.num_prefixes,
                                  self.num_prefix_rows)
 
+    def __getstate__(self) -> dict:
+        # copies (pickle, copy.deepcopy) leave the C structs behind: they hold this object's addresses
+        # (and ctypes refuses to pickle pointers)
+        state = dict(self.__dict__)
+        state["_c_call_structs"] = None
+        return state
+
     def _c_structs(self) -> tuple:
         """(:meth:`c_layout`, :meth:`c_prefixes`) over the arrays on ``self.device``, built on first use
         and kept: every attention call over this layout (each layer, forward, recompute and backward of
         a micro-batch) passes the same structs. They hold addresses in ``self._meta``, which lives as
-        long as this object."""
-        if self._c_call_structs is None:
-            self._c_call_structs = (self.c_layout(), self.c_prefixes())
-        return self._c_call_structs
+        long as this object (copies leave them behind: __getstate__); structs whose addresses are not
+        this object's arrays' are rebuilt all the same."""
+        structs = self._c_call_structs
+        if structs is None or structs[0].seg_offsets != self._meta.data_ptr():
+            structs = self._c_call_structs = (self.c_layout(), self.c_prefixes())
+        return structs
 
     @property
     def position_ids(self) -> torch.Tensor:

@@ -75,6 +75,22 @@ def test_layers_of_a_micro_batch_build_the_layout_structs_once(monkeypatch):
     assert c.calls["c_layout"] == 2 and c.calls["_fwd_impl"] == 6
 
 
+def test_a_copied_layout_never_reads_the_originals_structs():
+    """A pickled (or deep-copied) layout has its own metadata: its structs are its own, never the
+    original's addresses (which would dangle once the original is freed)."""
+    import copy
+    import pickle
+    layout = Layout.from_groups([5, 3], [[2, 4], [1, 3, 2]], prompt_prefix=[0, -1], prefix_lens=[3])
+    q, k, v = _qkv(layout.num_tokens, requires_grad=False)
+    pk, pv = torch.randn(2, 3, 2, 16, dtype=torch.float64).unbind(0)
+    expect = dualkv.attention(q, k, v, layout, prefix_k=pk, prefix_v=pv)  # builds the original's structs
+    for other in (pickle.loads(pickle.dumps(layout)), copy.deepcopy(layout)):
+        c, x = other._c_structs()
+        assert c.seg_offsets == other.meta.data_ptr() != layout.meta.data_ptr()
+        assert x.seg_prefix == other.meta.data_ptr() + 4 * (5 * other.num_segments + 1)
+        assert torch.equal(dualkv.attention(q, k, v, other, prefix_k=pk, prefix_v=pv), expect)
+
+
 def test_no_grad_calls_build_no_autograd_node(monkeypatch):
     layout = Layout.from_groups([4], [[3, 2]])
     q, k, v = _qkv(layout.num_tokens)
