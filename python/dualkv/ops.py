@@ -3,7 +3,10 @@
 Two ``torch.library.custom_op`` ops, ``dualkv::fwd`` and ``dualkv::bwd``, each with a fake
 (meta) implementation, joined by ``register_autograd``: the op works under autograd and
 ``torch.compile(fullgraph=True)`` without graph breaks. Outputs and workspace are allocated here
-(destination passing); the library never allocates.
+(destination passing); the library never allocates. In eager mode :func:`attention` runs the same
+implementations without the dispatcher (``_EagerAttention``; see "the eager path" below): the
+dispatcher and the custom op's Python autograd wrapper cost more host time per call than the
+library call itself.
 
 External prefix segments (the prefix key/value buffers) and the mask modifiers (sliding window,
 logit softcap, attention sinks) are arguments of both ops, in the order of the C ABI's blocks; the
