@@ -378,11 +378,24 @@ def using(handle: ctypes.CDLL):
         _lib = saved
 
 
+_PARAMS_VERSIONS: dict = {}  # (library handle, params type, features) -> params_version's answer
+
+
 def params_version(params: type, features, what: str) -> tuple[int, int]:
     """(struct_size, abi_version) of ``params`` (FwdParams or BwdParams) for the library in use:
-    its C ABI's layout (_PARAMS_END). ``features``: the FEATURE_ABI entries the call uses; one the
-    library's ABI lacks raises UnsupportedError naming it and the ABI."""
+    its C ABI's layout (_PARAMS_END). ``features``: the FEATURE_ABI entries the call uses;
+    one the library's ABI lacks raises UnsupportedError naming it and the ABI. Answers are kept per
+    library handle (every attention call asks)."""
     handle = lib()
+    key = (handle, params, tuple(features))
+    known = _PARAMS_VERSIONS.get(key)
+    if known is not None:
+        return known
+    _PARAMS_VERSIONS[key] = answer = _params_version(handle, params, features, what)
+    return answer
+
+
+def _params_version(handle, params: type, features, what: str) -> tuple[int, int]:
     lacking = [f for f in features if FEATURE_ABI[f] > handle.abi_version]
     if lacking:
         raise UnsupportedError(f"{what}: {' and '.join(lacking)} need C ABI "

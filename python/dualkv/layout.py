@@ -133,6 +133,7 @@ class Layout:
         self._plans: dict = {}  # (dtype, head_dim, window) -> (plan tensor view, key) on self.device
         self._plan_windows: tuple = ()  # the windows (0: none) self._plans were built for
         self._position_ids = None
+        self._c_call_structs = None  # (dualkv_layout, dualkv_prefixes) over self._meta
 
     # ---- constructors ----
     @classmethod
@@ -278,6 +279,24 @@ class Layout:
         return c_prefixes_struct(self._host_meta if host else self._meta, self.num_segments, self.num_prefixes,
                                  self.num_prefix_rows)
 
+    def __getstate__(self) -> dict:
+        # copies (pickle, copy.deepcopy) leave the C structs behind: they hold this object's addresses
+        # (and ctypes refuses to pickle pointers)
+        state = dict(self.__dict__)
+        state["_c_call_structs"] = None
+        return state
+
+    def _c_structs(self) -> tuple:
+        """(:meth:`c_layout`, :meth:`c_prefixes`) over the arrays on ``self.device``, built on first use
+        and kept: every attention call over this layout (each layer, forward, recompute and backward of
+        a micro-batch) passes the same structs. They hold addresses in ``self._meta``, which lives as
+        long as this object (copies leave them behind: __getstate__); structs whose addresses are not
+        this object's arrays' are rebuilt all the same."""
+        structs = self._c_call_structs
+        if structs is None or structs[0].seg_offsets != self._meta.data_ptr():
+            structs = self._c_call_structs = (self.c_layout(), self.c_prefixes())
+        return structs
+
     @property
     def position_ids(self) -> torch.Tensor:
         """int64 [T] RoPE positions: ancestors' total length (an external prefix's rows included) +
@@ -323,6 +342,7 @@ class Layout:
         other._device = device
         other._position_ids = None
         other._plans = {}
+        other._c_call_structs = None
         if device.type == "cpu":
             other._meta = self._host_meta
             return other

@@ -3,7 +3,10 @@
 Two ``torch.library.custom_op`` ops, ``dualkv::fwd`` and ``dualkv::bwd``, each with a fake
 (meta) implementation, joined by ``register_autograd``: the op works under autograd and
 ``torch.compile(fullgraph=True)`` without graph breaks. Outputs and workspace are allocated here
-(destination passing); the library never allocates.
+(destination passing); the library never allocates. In eager mode :func:`attention` runs the same
+implementations without the dispatcher (``_EagerAttention``; see "the eager path" below): the
+dispatcher and the custom op's Python autograd wrapper cost more host time per call than the
+library call itself.
 
 External prefix segments (the prefix key/value buffers) and the mask modifiers (sliding window,
 logit softcap, attention sinks) are arguments of both ops, in the order of the C ABI's blocks; the
@@ -28,44 +31,88 @@ def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _device_fields(t: torch.Tensor):
-    if t.device.type == "cuda":
-        return _native.DEVICE_CUDA, t.device.index, torch.cuda.current_stream(t.device).cuda_stream
+    device = t.device
+    if device.type == "cuda":
+        # the raw handle of the current stream: torch.cuda.current_stream() would build a Stream object
+        # per call for the same number
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return _native.DEVICE_CUDA, index, torch._C._cuda_getCurrentRawStream(index)
     return _native.DEVICE_CPU, 0, 0
 
 
-def _fill_common(p, q, k, v, meta, plan, num_segments, max_depth, plan_key, softmax_scale, deterministic,
-                 prefix_k, prefix_v, num_prefixes, window, softcap, sinks):
-    features = [name for name, used in (("external prefix segments", num_prefixes),
-                                        ("mask modifiers", window or softcap or sinks is not None)) if used]
+def _fill_params(p, q, k, v, c_layout, c_prefixes, plan, plan_key, softmax_scale, deterministic, prefix_k,
+                 prefix_v, window, softcap, sinks):
+    """Fills the fields forward and backward share, given the layout's C structs (``c_layout``,
+    ``c_prefixes``: over the metadata on q's device)."""
+    num_prefixes = c_prefixes.num_prefixes
+    modified = window or softcap or sinks is not None
+    features = (("external prefix segments",) if num_prefixes else ()) + (("mask modifiers",) if modified else ())
     # the params of the library in use (an A/B may drive an older ABI's build; the fields past its
     # struct_size are filled but never read)
     p.struct_size, p.abi_version = _native.params_version(type(p), features, "attention")
-    device, index, stream = _device_fields(q)
-    p.device, p.device_index, p.stream = device, index, stream
+    p.device, p.device_index, p.stream = _device_fields(q)
     p.dtype = DTYPE_CODES[q.dtype]
     p.flags = _native.FLAG_DETERMINISTIC if deterministic else 0
     p.num_heads, p.num_kv_heads, p.head_dim = q.shape[1], k.shape[1], q.shape[2]
-    p.num_threads = torch.get_num_threads() if device == _native.DEVICE_CPU else 0
+    p.num_threads = torch.get_num_threads() if p.device == _native.DEVICE_CPU else 0
     p.softmax_scale = softmax_scale
-    p.layout = c_layout_struct(meta, num_segments, q.shape[0], max_depth)
+    p.layout = c_layout
     p.plan, p.plan_len, p.plan_key = plan.data_ptr() if plan.numel() else None, plan.numel(), plan_key % 2**64
     p.q, p.k, p.v = q.data_ptr(), k.data_ptr(), v.data_ptr()
     p.q_token_stride, p.q_head_stride = q.stride(0), q.stride(1)
     p.k_token_stride, p.k_head_stride = k.stride(0), k.stride(1)
     p.v_token_stride, p.v_head_stride = v.stride(0), v.stride(1)
     if num_prefixes:
-        p.prefixes = c_prefixes_struct(meta, num_segments, num_prefixes, prefix_k.shape[0])
+        p.prefixes = c_prefixes
         p.prefix_k, p.prefix_v = prefix_k.data_ptr(), prefix_v.data_ptr()
         p.prefix_k_token_stride, p.prefix_k_head_stride = prefix_k.stride(0), prefix_k.stride(1)
         p.prefix_v_token_stride, p.prefix_v_head_stride = prefix_v.stride(0), prefix_v.stride(1)
-    p.window, p.softcap = window, softcap
-    p.sinks = sinks.data_ptr() if sinks is not None else None
+    if modified:
+        p.window, p.softcap = window, softcap
+        p.sinks = sinks.data_ptr() if sinks is not None else None
 
 
-def _workspace(query, params, device) -> torch.Tensor:
+def _c_structs(meta, num_segments, num_tokens, max_depth, num_prefixes, prefix_k):
+    """The layout's C structs over the metadata buffer ``meta`` (the ops' argument)."""
+    return (c_layout_struct(meta, num_segments, num_tokens, max_depth),
+            c_prefixes_struct(meta, num_segments, num_prefixes, prefix_k.shape[0] if num_prefixes else 0))
+
+
+def _fill_common(p, q, k, v, meta, plan, num_segments, max_depth, plan_key, softmax_scale, deterministic,
+                 prefix_k, prefix_v, num_prefixes, window, softcap, sinks):
+    """:func:`_fill_params` over the metadata buffer ``meta`` (the C structs built from it)."""
+    c_layout, c_prefixes = _c_structs(meta, num_segments, q.shape[0], max_depth, num_prefixes, prefix_k)
+    _fill_params(p, q, k, v, c_layout, c_prefixes, plan, plan_key, softmax_scale, deterministic, prefix_k, prefix_v,
+                 window, softcap, sinks)
+
+
+def _workspace(query, params, device) -> Optional[torch.Tensor]:
+    """The workspace the library asks for (None when it needs none: no allocation); sets the params'
+    workspace fields. The caller keeps the tensor alive until its call returns."""
     size = ctypes.c_size_t(0)
     _native.check(query(ctypes.byref(params), ctypes.byref(size)), "attention")
-    return torch.empty(size.value, dtype=torch.uint8, device=device)
+    if not size.value:
+        params.workspace, params.workspace_bytes = None, 0
+        return None
+    ws = torch.empty(size.value, dtype=torch.uint8, device=device)
+    params.workspace, params.workspace_bytes = ws.data_ptr(), ws.numel()
+    return ws
+
+
+def _fwd_impl(q, k, v, c_layout, c_prefixes, plan, plan_key, softmax_scale, deterministic, prefix_k, prefix_v,
+              window, softcap, sinks):
+    """The forward: (out, lse), computed by the library into fresh tensors."""
+    lib = _native.lib()
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = torch.empty(q.shape[1], q.shape[0], dtype=_lse_dtype(q.dtype), device=q.device)
+    p = _native.FwdParams()
+    _fill_params(p, q, k, v, c_layout, c_prefixes, plan, plan_key, softmax_scale, deterministic, prefix_k, prefix_v,
+                 window, softcap, sinks)
+    p.out, p.out_token_stride, p.out_head_stride = out.data_ptr(), out.stride(0), out.stride(1)
+    p.lse, p.lse_head_stride = lse.data_ptr(), lse.stride(0)
+    ws = _workspace(lib.dualkv_fwd_workspace_size, p, q.device)  # noqa: F841 (held for the call)
+    _native.check(lib.dualkv_fwd(ctypes.byref(p)), "attention")
+    return out, lse
 
 
 @torch.library.custom_op("dualkv::fwd", mutates_args=())
@@ -74,18 +121,9 @@ def _fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: torch.Tensor, 
          deterministic: bool, prefix_k: Optional[torch.Tensor] = None, prefix_v: Optional[torch.Tensor] = None,
          num_prefixes: int = 0, window: int = 0, softcap: float = 0.0,
          sinks: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    lib = _native.lib()
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    lse = torch.empty(q.shape[1], q.shape[0], dtype=_lse_dtype(q.dtype), device=q.device)
-    p = _native.FwdParams()
-    _fill_common(p, q, k, v, meta, plan, num_segments, max_depth, plan_key, softmax_scale, deterministic,
-                 prefix_k, prefix_v, num_prefixes, window, softcap, sinks)
-    p.out, p.out_token_stride, p.out_head_stride = out.data_ptr(), out.stride(0), out.stride(1)
-    p.lse, p.lse_head_stride = lse.data_ptr(), lse.stride(0)
-    ws = _workspace(lib.dualkv_fwd_workspace_size, p, q.device)
-    p.workspace, p.workspace_bytes = (ws.data_ptr() if ws.numel() else None), ws.numel()
-    _native.check(lib.dualkv_fwd(ctypes.byref(p)), "attention")
-    return out, lse
+    c_layout, c_prefixes = _c_structs(meta, num_segments, q.shape[0], max_depth, num_prefixes, prefix_k)
+    return _fwd_impl(q, k, v, c_layout, c_prefixes, plan, plan_key, softmax_scale, deterministic, prefix_k, prefix_v,
+                     window, softcap, sinks)
 
 
 @_fwd.register_fake
@@ -103,31 +141,28 @@ def _prefix_grad(prefix: Optional[torch.Tensor], q: torch.Tensor) -> torch.Tenso
     return torch.zeros(prefix.shape, dtype=prefix.dtype, device=prefix.device)
 
 
-@torch.library.custom_op("dualkv::bwd", mutates_args=())
-def _bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-         lse: torch.Tensor, dlse: Optional[torch.Tensor], meta: torch.Tensor, plan: torch.Tensor,
-         num_segments: int, max_depth: int, plan_key: int, softmax_scale: float,
-         deterministic: bool, prefix_k: Optional[torch.Tensor] = None, prefix_v: Optional[torch.Tensor] = None,
-         num_prefixes: int = 0, window: int = 0, softcap: float = 0.0, sinks: Optional[torch.Tensor] = None
-         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dq, dk, dv, the prefix gradients (empty tensors without prefixes) and dsinks (an empty tensor
-    without sinks)."""
+def _bwd_impl(dout, q, k, v, out, lse, dlse, c_layout, c_prefixes, plan, plan_key, softmax_scale, deterministic,
+              prefix_k, prefix_v, window, softcap, sinks):
+    """The backward: dq, dk, dv, the prefix gradients (None without external prefixes) and dsinks
+    (None without sinks)."""
     lib = _native.lib()
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
     dq = torch.empty_like(q, memory_format=torch.contiguous_format)
     dk = torch.empty_like(k, memory_format=torch.contiguous_format)
     dv = torch.empty_like(v, memory_format=torch.contiguous_format)
-    dpk, dpv = _prefix_grad(prefix_k, q), _prefix_grad(prefix_v, q)
-    dsinks = lse.new_empty(sinks.shape[0] if sinks is not None else 0)
     p = _native.BwdParams()
-    _fill_common(p, q, k, v, meta, plan, num_segments, max_depth, plan_key, softmax_scale, deterministic,
-                 prefix_k, prefix_v, num_prefixes, window, softcap, sinks)
-    if num_prefixes:
+    _fill_params(p, q, k, v, c_layout, c_prefixes, plan, plan_key, softmax_scale, deterministic, prefix_k, prefix_v,
+                 window, softcap, sinks)
+    dpk = dpv = dsinks = None
+    if c_prefixes.num_prefixes:
+        dpk, dpv = _prefix_grad(prefix_k, q), _prefix_grad(prefix_v, q)
         p.prefix_dk, p.prefix_dv = dpk.data_ptr(), dpv.data_ptr()
         p.prefix_dk_token_stride, p.prefix_dk_head_stride = dpk.stride(0), dpk.stride(1)
         p.prefix_dv_token_stride, p.prefix_dv_head_stride = dpv.stride(0), dpv.stride(1)
-    p.dsinks = dsinks.data_ptr() if sinks is not None else None
+    if sinks is not None:
+        dsinks = lse.new_empty(sinks.shape[0])
+        p.dsinks = dsinks.data_ptr()
     p.out, p.out_token_stride, p.out_head_stride = out.data_ptr(), out.stride(0), out.stride(1)
     p.dout, p.dout_token_stride, p.dout_head_stride = dout.data_ptr(), dout.stride(0), dout.stride(1)
     p.lse, p.lse_head_stride = lse.data_ptr(), lse.stride(0)
@@ -137,9 +172,27 @@ def _bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     p.dq, p.dq_token_stride, p.dq_head_stride = dq.data_ptr(), dq.stride(0), dq.stride(1)
     p.dk, p.dk_token_stride, p.dk_head_stride = dk.data_ptr(), dk.stride(0), dk.stride(1)
     p.dv, p.dv_token_stride, p.dv_head_stride = dv.data_ptr(), dv.stride(0), dv.stride(1)
-    ws = _workspace(lib.dualkv_bwd_workspace_size, p, q.device)
-    p.workspace, p.workspace_bytes = (ws.data_ptr() if ws.numel() else None), ws.numel()
+    ws = _workspace(lib.dualkv_bwd_workspace_size, p, q.device)  # noqa: F841 (held for the call)
     _native.check(lib.dualkv_bwd(ctypes.byref(p)), "attention backward")
+    return dq, dk, dv, dpk, dpv, dsinks
+
+
+@torch.library.custom_op("dualkv::bwd", mutates_args=())
+def _bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+         lse: torch.Tensor, dlse: Optional[torch.Tensor], meta: torch.Tensor, plan: torch.Tensor,
+         num_segments: int, max_depth: int, plan_key: int, softmax_scale: float,
+         deterministic: bool, prefix_k: Optional[torch.Tensor] = None, prefix_v: Optional[torch.Tensor] = None,
+         num_prefixes: int = 0, window: int = 0, softcap: float = 0.0, sinks: Optional[torch.Tensor] = None
+         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv, the prefix gradients (empty tensors without prefixes) and dsinks (an empty tensor
+    without sinks)."""
+    c_layout, c_prefixes = _c_structs(meta, num_segments, q.shape[0], max_depth, num_prefixes, prefix_k)
+    dq, dk, dv, dpk, dpv, dsinks = _bwd_impl(dout, q, k, v, out, lse, dlse, c_layout, c_prefixes, plan, plan_key,
+                                             softmax_scale, deterministic, prefix_k, prefix_v, window, softcap, sinks)
+    if dpk is None:  # an op's outputs are tensors
+        dpk, dpv = _prefix_grad(prefix_k, q), _prefix_grad(prefix_v, q)
+    if dsinks is None:
+        dsinks = lse.new_empty(0)
     return dq, dk, dv, dpk, dpv, dsinks
 
 
@@ -179,6 +232,73 @@ def _backward(ctx, dout, dlse):
 
 
 _fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ---- the eager path ------------------------------------------------------------------------------
+# Outside torch.compile, a call through the custom ops costs far more host time than the library
+# call itself: the dispatcher twice per op, the custom op's Python autograd wrapper (whose
+# fill_defaults rebuilds the schema's argument list once per argument: ~80 us per forward on CPU)
+# and its backend wrapper. attention() therefore calls the same implementations (_fwd_impl,
+# _bwd_impl) directly when nothing needs to see the op: no compile or trace, no dispatch or torch
+# function mode (fake tensors, selective checkpointing, FlopCounter), no functorch transform, only
+# plain tensors. Otherwise it calls the ops (their registration is unchanged).
+
+
+def _eager_path(tensors) -> bool:
+    """True when attention() may skip the custom ops for ``tensors`` (None entries ignored)."""
+    if (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() or torch._C._get_tracing_state()
+            or torch._C._is_torch_function_mode_enabled() or torch._C._functorch.peek_interpreter_stack() is not None):
+        return False
+    return all(t is None or type(t) in _PLAIN_TENSORS for t in tensors)
+
+
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
+class _EagerAttention(torch.autograd.Function):
+    """dualkv::fwd and its autograd formula (_setup_context, _backward) without the dispatcher.
+    ``call``: (layout, plan, plan key, softmax_scale, deterministic, window, softcap)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, prefix_k, prefix_v, sinks, call):
+        layout, plan, plan_key, softmax_scale, deterministic, window, softcap = call
+        c_layout, c_prefixes = layout._c_structs()
+        if torch._C._autograd._profiler_enabled():  # the op's name in traces, as through the dispatcher
+            with torch.autograd.profiler.record_function("dualkv::fwd"):
+                out, lse = _fwd_impl(q, k, v, c_layout, c_prefixes, plan, plan_key, softmax_scale, deterministic,
+                                     prefix_k, prefix_v, window, softcap, sinks)
+        else:
+            out, lse = _fwd_impl(q, k, v, c_layout, c_prefixes, plan, plan_key, softmax_scale, deterministic,
+                                 prefix_k, prefix_v, window, softcap, sinks)
+        ctx.save_for_backward(q, k, v, out, lse, prefix_k, prefix_v, sinks)
+        ctx.call = call
+        ctx.set_materialize_grads(False)  # see _setup_context
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse, prefix_k, prefix_v, sinks = ctx.saved_tensors
+        layout, plan, plan_key, softmax_scale, deterministic, window, softcap = ctx.call
+        if dout is None:
+            dout = torch.zeros_like(out)
+        if torch.is_grad_enabled():
+            # create_graph=True: through dualkv::bwd as on the op path; it has no autograd formula, so a
+            # second derivative raises there instead of silently missing this term
+            dq, dk, dv, dpk, dpv, dsinks = _bwd(dout, q, k, v, out, lse, dlse, layout.meta, plan, layout.num_segments,
+                                                layout.max_depth, plan_key, softmax_scale, deterministic, prefix_k,
+                                                prefix_v, layout.num_prefixes, window, softcap, sinks)
+            if not layout.num_prefixes:
+                dpk = dpv = None
+            return dq, dk, dv, dpk, dpv, dsinks if sinks is not None else None, None
+        c_layout, c_prefixes = layout._c_structs()
+        args = (dout, q, k, v, out, lse, dlse, c_layout, c_prefixes, plan, plan_key, softmax_scale, deterministic,
+                prefix_k, prefix_v, window, softcap, sinks)
+        if torch._C._autograd._profiler_enabled():
+            with torch.autograd.profiler.record_function("dualkv::bwd"):
+                dq, dk, dv, dpk, dpv, dsinks = _bwd_impl(*args)
+        else:
+            dq, dk, dv, dpk, dpv, dsinks = _bwd_impl(*args)
+        return dq, dk, dv, dpk, dpv, dsinks, None
 
 
 def _check_prefix(k: torch.Tensor, prefix_k, prefix_v, layout: Layout) -> None:
@@ -343,6 +463,15 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Layout,
             raise _native.ArgumentError(f"attention: softmax_scale must be finite and > 0, got {softmax_scale}")
     window, softcap, sinks = _check_modifiers(q, window, softcap, sinks)
     plan, key = layout.plan_for(q.dtype, q.shape[-1], window)
-    out, lse = _fwd(q, k, v, layout.meta, plan, layout.num_segments, layout.max_depth, key, softmax_scale,
-                    bool(deterministic), prefix_k, prefix_v, layout.num_prefixes, window, softcap, sinks)
+    if _eager_path((q, k, v, prefix_k, prefix_v, sinks)):
+        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, prefix_k, prefix_v,
+                                                                                       sinks)):
+            out, lse = _EagerAttention.apply(q, k, v, prefix_k, prefix_v, sinks, (layout, plan, key, softmax_scale,
+                                                                                  bool(deterministic), window, softcap))
+        else:
+            out, lse = _fwd_impl(q, k, v, *layout._c_structs(), plan, key, softmax_scale, bool(deterministic), prefix_k,
+                                 prefix_v, window, softcap, sinks)
+    else:
+        out, lse = _fwd(q, k, v, layout.meta, plan, layout.num_segments, layout.max_depth, key, softmax_scale,
+                        bool(deterministic), prefix_k, prefix_v, layout.num_prefixes, window, softcap, sinks)
     return (out, lse) if return_lse else out

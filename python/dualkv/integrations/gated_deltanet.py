@@ -69,7 +69,9 @@ def unforked_hybrid(module: torch.nn.Module) -> bool:
     """True if ``module`` (a model, or one of its attention modules) belongs to a hybrid model whose
     GDN layers were not forked by :func:`install`: a packed batch would then run the stock
     recurrence across segment boundaries."""
-    if getattr(module, _FORKED_MARK, False):
+    # the instance dict, where install() puts the mark: a missing attribute through nn.Module's
+    # __getattr__ costs an AttributeError per call (this runs in every attention layer's call)
+    if vars(module).get(_FORKED_MARK, False):
         return False
     return is_hybrid(getattr(module, "config", None))
 
