@@ -64,6 +64,8 @@ BENCHMARKS = {
     "prompt_once_e2e_1.7b": "bench/prompt_once_e2e.py, Qwen3-1.7B shape, split vs once (streamed state) vs "
                             "once_resident vs flex_fa4_split, one group over the budget, N 16 (issue 17; step "
                             "prompt-once)",
+    "prompt_once_e2e_1.7b_grid": "bench/prompt_once_e2e.py, Qwen3-1.7B shape, P 8K-32K x k 2/4, split vs once vs "
+                                 "flex_fa4_split, median of 2 (issue 17; step prompt-once, session 12 at 5335cce)",
     "prompt_once_e2e_8b": "bench/prompt_once_e2e.py, Qwen3-8B shape (issue 17; step prompt-once, ONCE_MODEL=8b)",
     "hybrid_e2e": "bench/hybrid_e2e.py, Qwen3.5-shaped GRPO update, dualkv + GDN state fork vs std vs Flex "
                   "(issue 21; step hybrid)",
