@@ -7,11 +7,16 @@ kernels' results through both paths.
 """
 from __future__ import annotations
 
+import pathlib
+import sys
+
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from cases import built_head_dims
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "python"))
+from test_op_host_path import _SeesOps  # noqa: E402  (the CPU half's dispatch mode)
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -19,18 +24,6 @@ pytestmark = [pytest.mark.gpu,
 if torch.cuda.is_available():
     import dualkv
     from dualkv import ops
-
-
-class _SeesOps(TorchDispatchMode):
-    """Any dispatch mode makes attention() take the custom ops; records that it did."""
-
-    def __init__(self):
-        super().__init__()
-        self.seen = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.seen.append(str(func))
-        return func(*args, **(kwargs or {}))
 
 
 def _head_dim() -> int:
