@@ -895,10 +895,10 @@ class _OffloadSaved(torch.autograd.graph.saved_tensors_hooks):
 
     On CUDA the copies run on two side streams, off the compute stream (on it they took 42 ms of a
     1.35 s update: 1.7B, P 8K, H200 profile at eb4b2db): phase A's copy of a layer's input overlaps
-    the layer's compute (the compute stream waits for it at the next saved activation), and phase C brings the next activation down the order of saving (the next
-    layer's backward needs it) while the current layer recomputes and runs its backward; phase C's
-    backward unpacks them top layer first, so the next one is the highest saved before the one just
-    unpacked that no unpack has reached yet."""
+    the layer's compute (the compute stream waits for it two saves later), and phase C brings the
+    next activation down the order of saving (the next layer's backward needs it) while the current
+    layer recomputes and runs its backward; phase C's backward unpacks them top layer first, so the
+    next one is the highest saved before the one just unpacked that no unpack has reached yet."""
 
     def __init__(self):
         self.bytes = 0
