@@ -483,7 +483,8 @@ class _Pair:
         self.buf, self.parts, self.nbytes = buf, parts, nbytes  # parts: (offset, shape, dtype) or None
 
     @classmethod
-    def empty(cls, like: Sequence[Optional[Tensor]], dtype: Optional[torch.dtype], device, pin: bool = False) -> "_Pair":
+    def empty(cls, like: Sequence[Optional[Tensor]], dtype: Optional[torch.dtype], device,
+              pin: bool = False) -> "_Pair":
         """An uninitialised pair shaped as ``like`` (in ``dtype``, or each one's own)."""
         parts, size, nbytes = [], 0, 0
         for t in like:
@@ -595,7 +596,8 @@ class _StreamedPromptState:
                 t.record_stream(stream)  # the device buffer is not reused before the copy has read it
             return stream.record_event()
 
-    def _to_device(self, host: _Pair, after: Optional["torch.cuda.Event"]) -> Tuple[_Pair, Optional["torch.cuda.Event"]]:
+    def _to_device(self, host: _Pair,
+                   after: Optional["torch.cuda.Event"]) -> Tuple[_Pair, Optional["torch.cuda.Event"]]:
         """A device copy of ``host``, once ``after`` (the copy that filled it) is done; returns
         (the copy, its event)."""
         self.traffic["to_device_bytes"] += host.nbytes
