@@ -24,8 +24,9 @@ How phases A and C run:
 
 * default (``recompute_prompt=False``, ``offload_prompt_activations=True``): phase A runs with
   gradients; what its forward saves for the backward (under gradient checkpointing: each layer's
-  input, the final norm's input) goes to pinned host memory as it is saved (CUDA only: on the CPU
-  nothing moves) and comes back layer by layer when phase C's backward recomputes each layer. Each
+  input, the final norm's input) goes to pinned host memory as it is saved (CUDA only, on a side
+  stream: :class:`_OffloadSaved`; on the CPU nothing moves) and comes back layer by layer when phase
+  C's backward recomputes each layer, the next layer's fetched while the current one runs. Each
   layer's keys and values reach phase C's backward through a probe (:class:`_PromptGrad`) whose
   gradients are filled in at phase C, so the kept keys and values are detached and free before it.
   One prompt forward; phase B keeps the last hidden state on the device, and the keys and values
@@ -41,7 +42,8 @@ Where the prompt state lives through phase B (``stream_prompt_state``; default
 :data:`STREAM_PROMPT_STATE` on CUDA, never elsewhere):
 
 * streamed (True): each layer's recorded keys and values go to pinned host memory as phase A
-  records them (asynchronously, on a copy stream), and so do their gradient sums: a response
+  records them (asynchronously, on a copy stream, as one buffer per layer: :class:`_Pair`), and so
+  do their gradient sums: a response
   micro-batch reads layer i through :class:`_StreamedRead`, which returns device buffers prefetched
   on a second copy stream one layer ahead in the direction of travel (under gradient checkpointing
   a layer is read twice per micro-batch: the forward 0..L-1, then the recompute L-1..0), and whose
