@@ -513,7 +513,7 @@ DUALKV_API dualkv_status dualkv_plan_build(const dualkv_layout* host_layout, int
 DUALKV_API dualkv_status dualkv_plan_size_ex(const dualkv_layout* host_layout, const dualkv_plan_request* request,
                                              int64_t* plan_len, uint64_t* plan_key) {
   clear_error();
-  dualkv_plan_request r;
+  dualkv_plan_request r{};  // filled by read_plan_request on success (GCC cannot see that)
   if (dualkv_status st = read_plan_request(request, "plan_size", &r); st != DUALKV_OK) return st;
   return plan_size(host_layout, r, plan_len, plan_key);
 }
@@ -521,7 +521,7 @@ DUALKV_API dualkv_status dualkv_plan_size_ex(const dualkv_layout* host_layout, c
 DUALKV_API dualkv_status dualkv_plan_build_ex(const dualkv_layout* host_layout, const dualkv_plan_request* request,
                                               int32_t* plan, int64_t plan_len) {
   clear_error();
-  dualkv_plan_request r;
+  dualkv_plan_request r{};  // filled by read_plan_request on success (GCC cannot see that)
   if (dualkv_status st = read_plan_request(request, "plan_build", &r); st != DUALKV_OK) return st;
   return plan_build(host_layout, r, plan, plan_len);
 }
@@ -537,7 +537,7 @@ DUALKV_API dualkv_status dualkv_plan_inspect_ex(const dualkv_layout* host_layout
                                                 int32_t num_sms, dualkv_plan_info* info, int32_t* plan,
                                                 int64_t plan_len) {
   clear_error();
-  dualkv_plan_request r;
+  dualkv_plan_request r{};  // filled by read_plan_request on success (GCC cannot see that)
   if (dualkv_status st = read_plan_request(request, "plan_inspect", &r); st != DUALKV_OK) return st;
   return plan_inspect(host_layout, r.prefixes, r.head_dim, r.window, num_sms, info, plan, plan_len);
 }

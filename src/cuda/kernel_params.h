@@ -41,9 +41,9 @@ struct FwdArgs {
   const void* prefix_v;
   int64_t pk_ts, pk_hs, pv_ts, pv_hs;
   int32_t prefix_rows;  // rows of the prefix buffers (the Hopper kernels' TMA maps)
-  // mask modifiers (issue 16): each off when zero / null. The kernels take softcap and sinks as
-  // compile-time flags (modifiers.cuh); the window is carried for the plan key check only (the
-  // kernels do not run it yet: api.cpp refuses it on CUDA).
+  // mask modifiers (issue 16): each off when zero / null. The kernels take which modifiers run as
+  // compile-time flags (modifiers.cuh: Modifiers<softcap, sinks, window>) and these values at run
+  // time; the window also keys the plan (plan_key), whose items are cut to it.
   int32_t window;
   float softcap;              // c > 0: scores s = scale q.k become c tanh(s / c)
   float softcap_exp2_factor;  // 2 log2(e) scale / c: tanh(scale q.k / c) from exp2(q.k factor)
@@ -84,9 +84,9 @@ struct BwdArgs {
   void* prefix_dv;
   int64_t pk_ts, pk_hs, pv_ts, pv_hs, pdk_ts, pdk_hs, pdv_ts, pdv_hs;
   int32_t prefix_rows;  // rows of the prefix buffers (the Hopper kernels' TMA maps)
-  // mask modifiers (issue 16): each off when zero / null. The kernels take softcap and sinks as
-  // compile-time flags (modifiers.cuh); the window is carried for the plan key check only (the
-  // kernels do not run it yet: api.cpp refuses it on CUDA).
+  // mask modifiers (issue 16): each off when zero / null. The kernels take which modifiers run as
+  // compile-time flags (modifiers.cuh: Modifiers<softcap, sinks, window>) and these values at run
+  // time; the window also keys the plan (plan_key), whose items are cut to it.
   int32_t window;
   float softcap;              // c > 0: scores s = scale q.k become c tanh(s / c)
   float softcap_exp2_factor;  // 2 log2(e) scale / c: tanh(scale q.k / c) from exp2(q.k factor)
