@@ -316,16 +316,24 @@ def _cuda_reads_external_prefixes() -> bool:
     return True
 
 
+def checkpointed_qwen3(device="cpu", **config):
+    """A bf16 Qwen3 of ``config`` (transformers.Qwen3Config arguments; use_cache off) on ``device``,
+    seeded, in training mode with dualkv attention and non-reentrant gradient checkpointing: the
+    memory tests' model."""
+    cfg = transformers.Qwen3Config(use_cache=False, **config)
+    torch.manual_seed(0)
+    model = dkt.enable(transformers.AutoModelForCausalLM.from_config(cfg).to(device, torch.bfloat16).train())
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
 def cuda_qwen3_case(layers: int, prompt_len: int, max_positions: int):
     """The GPU memory tests' setup: a bf16 Qwen3 shape (hidden 1024 = 4 x the KV width, as 8B) of
     ``layers`` layers on CUDA with non-reentrant checkpointing, and one group of ``prompt_len`` and
     8 responses of 256 on the device: ``(model, prompts, responses, old, adv)``."""
-    cfg = transformers.Qwen3Config(hidden_size=1024, intermediate_size=3072, num_hidden_layers=layers,
-                                   num_attention_heads=8, num_key_value_heads=2, head_dim=128, vocab_size=4096,
-                                   max_position_embeddings=max_positions, use_cache=False)
-    torch.manual_seed(0)
-    model = dkt.enable(transformers.AutoModelForCausalLM.from_config(cfg).to("cuda", torch.bfloat16).train())
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model = checkpointed_qwen3("cuda", hidden_size=1024, intermediate_size=3072, num_hidden_layers=layers,
+                               num_attention_heads=8, num_key_value_heads=2, head_dim=128, vocab_size=4096,
+                               max_position_embeddings=max_positions)
     prompts, responses, old, adv = rollouts([prompt_len], [[256] * 8], torch.bfloat16)
     return (model, [p.cuda() for p in prompts], [[r.cuda() for r in rs] for rs in responses],
             [[o.cuda() for o in os] for os in old], adv)
@@ -360,12 +368,8 @@ def test_offloaded_prompt_gradients_leave_the_device_during_phase_c():
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "bench"))
     from live_bytes import LiveTensorBytes, emulate_offload
     L, P, R, N = 4, 256, 32, 8
-    cfg = transformers.Qwen3Config(hidden_size=128, intermediate_size=384, num_hidden_layers=L, num_attention_heads=4,
-                                   num_key_value_heads=1, head_dim=32, vocab_size=VOCAB, max_position_embeddings=2048,
-                                   use_cache=False)
-    torch.manual_seed(0)
-    model = dkt.enable(transformers.AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16).train())
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model = checkpointed_qwen3(hidden_size=128, intermediate_size=384, num_hidden_layers=L, num_attention_heads=4,
+                               num_key_value_heads=1, head_dim=32, vocab_size=VOCAB, max_position_embeddings=2048)
     prompts, responses, old, adv = rollouts([P], [[R] * N], torch.bfloat16)
     peaks, grad_bytes, runs, original = {}, {}, {}, schedule.PromptKV.backward
     undo = emulate_offload()
@@ -401,12 +405,8 @@ def test_phase_c_frees_the_phase_b_buffers_while_the_caller_holds_the_last_loss(
     runs: by the end of phase C no gradient buffer, fp32 sum or recorded key/value of the phase is
     alive all the same (weak references to each, taken as phase C starts)."""
     import weakref
-    cfg = transformers.Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, head_dim=16, vocab_size=VOCAB, max_position_embeddings=2048,
-                                   use_cache=False)
-    torch.manual_seed(0)
-    model = dkt.enable(transformers.AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16).train())
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model = checkpointed_qwen3(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                               num_key_value_heads=2, head_dim=16, vocab_size=VOCAB, max_position_embeddings=2048)
     P, R, N = 64, 8, 4
     prompts, responses, old, adv = rollouts([P], [[R] * N], torch.bfloat16)
     original, watched, alive = schedule.PromptKV.backward, [], []

@@ -20,8 +20,8 @@ transformers = pytest.importorskip("transformers")
 import dualkv  # noqa: E402
 from dualkv import schedule  # noqa: E402
 from dualkv.integrations import transformers as dkt  # noqa: E402
-from test_schedule import (PROMPT_LENS, RESPONSE_LENS, _cuda_reads_external_prefixes, cuda_qwen3_case,  # noqa: E402
-                           dualkv_update, make_model, rollouts)
+from test_schedule import (PROMPT_LENS, RESPONSE_LENS, _cuda_reads_external_prefixes,  # noqa: E402
+                           checkpointed_qwen3, cuda_qwen3_case, dualkv_update, make_model, rollouts)
 from test_transformers_integration import COMMON, VOCAB  # noqa: E402
 
 
@@ -342,12 +342,8 @@ def test_streamed_state_leaves_the_device_cpu_emulation(monkeypatch):
             return host_pair(self, like)
     monkeypatch.setattr(schedule._StreamedPromptState, "_host_pair", untracked)
     L, P = 16, 256
-    cfg = transformers.Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=L, num_attention_heads=4,
-                                   num_key_value_heads=2, head_dim=32, vocab_size=VOCAB, max_position_embeddings=1024,
-                                   use_cache=False)
-    torch.manual_seed(0)
-    model = dkt.enable(transformers.AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16).train())
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model = checkpointed_qwen3(hidden_size=64, intermediate_size=128, num_hidden_layers=L, num_attention_heads=4,
+                               num_key_value_heads=2, head_dim=32, vocab_size=VOCAB, max_position_embeddings=1024)
     prompts, responses, old, adv = rollouts([P], [[16] * 8], torch.bfloat16)
     run_phase, backward = schedule.run_prompt_phase, schedule.PromptKV.backward
     peaks = {}
