@@ -200,12 +200,8 @@ class Case:
         self.uniform = len(self.prompts) == 1 and len(set(self.responses[0])) == 1
 
     def window_pairs(self, window) -> int:
-        """Visible (q, k) pairs of the packed layout under a window: every query sees the keys of its
-        root-to-leaf path, whose positions run 0..position(q), so min(position + 1, W) of them."""
-        if window is None:
-            return self.shared_pairs
-        pos = self.layout_cpu.position_ids.to(torch.int64)
-        return int(torch.clamp(pos + 1, max=window).sum())
+        """Visible (q, k) pairs of the packed layout under a window (None: all of them)."""
+        return self.layout_cpu.window_pairs(window)
 
     def expanded_window_pairs(self, window) -> int:
         """The same on the expanded N x (P + R) sequences."""

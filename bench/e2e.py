@@ -792,14 +792,6 @@ def model_flops_per_token(model, spec: ModelSpec):
     return linear, {k.key: (k.heads * k.head_dim, k.count) for k in spec.kinds}
 
 
-def window_pairs(mb: MicroBatch, window) -> int:
-    """Visible (q, k) pairs of the packed layout under a window: a query sees the last min(pos + 1, W)
-    positions of its path (no window: the forest's visible pairs)."""
-    if window is None:
-        return mb.shared_pairs
-    return int(torch.clamp(mb.packed.position_ids.reshape(-1).long() + 1, max=window).sum())
-
-
 # ----------------------------------------------------------------------------------------------
 # one micro-batch, each method
 # ----------------------------------------------------------------------------------------------
@@ -880,7 +872,7 @@ def useful_flops(cfg, mbs, model=None, spec=None):
         for mb in mbs:
             total += 6.0 * linear * mb.T + 6.0 * cfg.vocab_size * cfg.hidden_size * mb.logit_rows
             for (window, _), (hd, count) in kinds.items():
-                total += 3.5 * 4.0 * hd * window_pairs(mb, window) * count
+                total += 3.5 * 4.0 * hd * mb.packed.layout.window_pairs(window) * count
         return total
     d, L = cfg.hidden_size, cfg.num_hidden_layers
     H, Hk, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim

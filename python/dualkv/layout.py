@@ -318,6 +318,14 @@ class Layout:
                                                                          ctypes.byref(pairs)), "visible_pairs")
         return int(pairs.value)
 
+    def window_pairs(self, window: Optional[int] = None) -> int:
+        """Visible (query, key) pairs under a sliding window of ``window`` positions (None:
+        :attr:`visible_pairs`): a query at position p sees the keys of its root-to-leaf path at
+        positions p - W < pos <= p, so min(p + 1, W) of them. Forward FLOPs = 4 * H * D * this."""
+        if window is None:
+            return self.visible_pairs
+        return int(torch.clamp(self.position_ids.cpu() + 1, max=window).sum())
+
     def segment_ids(self) -> torch.Tensor:
         """int64 [T]: the segment of every token (on ``self.device``)."""
         lens = torch.tensor(self.segment_lens, dtype=torch.int64)

@@ -81,7 +81,6 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Lay
     return out, lse
 
 
-
 def sinks_grad_ref(out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, sinks: torch.Tensor,
                    dlse: Optional[torch.Tensor] = None) -> torch.Tensor:
     """float64 [H]: d loss / d sinks from a forward's ``out`` [T, H, D] and ``lse`` [H, T] (with the sink),
@@ -92,6 +91,7 @@ def sinks_grad_ref(out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, sin
     if dlse is not None:
         delta = delta - dlse.double()
     return -(torch.exp(sinks.double()[:, None] - lse.double()) * delta).sum(-1)
+
 
 def unpacked_groups(layout: Layout):
     """Per root-to-leaf path (leaves in packed order, any depth), the packed token indices of the

@@ -69,7 +69,9 @@ def test_mask_and_positions_cross_check(rng):
         lens, parents = random_forest(rng, roots=3, max_depth=3)
         layout = dualkv.Layout.from_tree(lens, parents)
         assert torch.equal(layout.position_ids, position_ids_ref(layout))
-        assert layout.visible_pairs == int(visibility_mask(layout).sum())
+        assert layout.visible_pairs == int(visibility_mask(layout).sum()) == layout.window_pairs(None)
+        for window in (1, 3, 8):
+            assert layout.window_pairs(window) == int(visibility_mask(layout, window).sum()), window
 
 
 def test_from_groups_layout():
