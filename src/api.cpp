@@ -7,9 +7,9 @@
 #include <cstddef>
 #include <cstdio>
 #include <cstring>
+#include <initializer_list>
 #include <limits>
 #include <string>
-#include <vector>
 
 #include "dualkv/dualkv.h"
 #include "dualkv/layout.h"
@@ -85,14 +85,15 @@ dualkv_status read_params(const Params* p, const char* what, Params* out) {
   if (!p) return fail(DUALKV_ERROR_INVALID_ARGUMENT, "%s: params is NULL", what);
   const size_t size = p->struct_size;
   const ParamsLayout* known = nullptr;
-  std::string sizes;
-  for (const ParamsLayout& l : kParamsLayouts<Params>) {
+  for (const ParamsLayout& l : kParamsLayouts<Params>)
     if (l.size == size) known = &l;
-    sizes += (sizes.empty() ? "" : ", ") + std::to_string(l.size) + ": ABI " + std::to_string(l.abi_version);
-  }
-  if (!known)
+  if (!known) {
+    std::string sizes;  // the message's list, built on this path only (not on every call)
+    for (const ParamsLayout& l : kParamsLayouts<Params>)
+      sizes += (sizes.empty() ? "" : ", ") + std::to_string(l.size) + ": ABI " + std::to_string(l.abi_version);
     return fail(DUALKV_ERROR_VERSION, "%s: params struct_size %zu is that of no ABI this library takes (%s); "
                 "rebuild the caller against this dualkv.h", what, size, sizes.c_str());
+  }
   if (p->abi_version != known->abi_version)
     return fail(DUALKV_ERROR_VERSION, "%s: abi_version %u, but struct_size %zu is that of ABI %u", what,
                 p->abi_version, size, known->abi_version);
@@ -194,7 +195,29 @@ dualkv_status check_no_aliasing(const Operand* operands, size_t n) {
   return DUALKV_OK;
 }
 
+// The operands of one call, on the stack (no allocation per call): at most 16, the backward's nine
+// with dlse, sinks and dsinks, and the external prefixes' four.
+class OperandList {
+ public:
+  static constexpr size_t kCapacity = 16;
+  OperandList(std::initializer_list<Operand> operands) {
+    for (const Operand& o : operands) push_back(o);
+  }
+  void push_back(const Operand& o) {
+    if (n_ < kCapacity) items_[n_] = o;
+    ++n_;  // past kCapacity: refused by check_operands
+  }
+  const Operand* data() const { return items_; }
+  size_t size() const { return n_; }
+
+ private:
+  Operand items_[kCapacity];
+  size_t n_ = 0;
+};
+
 dualkv_status check_operands(const Operand* operands, size_t n) {
+  if (n > OperandList::kCapacity)
+    return fail(DUALKV_ERROR_INTERNAL, "%zu operands, more than the %zu the checks hold", n, OperandList::kCapacity);
   for (size_t i = 0; i < n; ++i)
     if (dualkv_status st = check_operand(operands[i]); st != DUALKV_OK) return st;
   return check_no_aliasing(operands, n);
@@ -273,7 +296,7 @@ dualkv_status check_common(const Params* p, const char* what) {
 
 // The prefix key/value buffers of a call with external prefix segments ([rows, Hk, D], inputs).
 template <typename Params>
-void add_prefix_inputs(const Params* p, std::vector<Operand>* ops) {
+void add_prefix_inputs(const Params* p, OperandList* ops) {
   if (p->prefixes.num_prefixes == 0) return;
   const int64_t rows = p->prefixes.num_prefix_rows, Hk = p->num_kv_heads, D = p->head_dim;
   const size_t es = dtype_size(p->dtype);
@@ -285,7 +308,7 @@ dualkv_status check_fwd(const dualkv_fwd_params* p) {
   if (dualkv_status st = check_common(p, "fwd"); st != DUALKV_OK) return st;
   const int64_t T = p->layout.num_tokens, H = p->num_heads, Hk = p->num_kv_heads, D = p->head_dim;
   const size_t es = dtype_size(p->dtype), ls = lse_element_size(p->dtype);
-  std::vector<Operand> ops = {
+  OperandList ops = {
       {"q", p->q, T, H, D, p->q_token_stride, p->q_head_stride, es, false},
       {"k", p->k, T, Hk, D, p->k_token_stride, p->k_head_stride, es, false},
       {"v", p->v, T, Hk, D, p->v_token_stride, p->v_head_stride, es, false},
@@ -305,7 +328,7 @@ dualkv_status check_bwd(const dualkv_bwd_params* p) {
   if (!p->sinks != !p->dsinks)
     return fail(DUALKV_ERROR_INVALID_ARGUMENT, p->sinks ? "dsinks: pointer is NULL (a backward with sinks returns "
                 "their gradient)" : "dsinks: given without sinks");
-  std::vector<Operand> ops = {
+  OperandList ops = {
       {"q", p->q, T, H, D, p->q_token_stride, p->q_head_stride, es, false},
       {"k", p->k, T, Hk, D, p->k_token_stride, p->k_head_stride, es, false},
       {"v", p->v, T, Hk, D, p->v_token_stride, p->v_head_stride, es, false},

@@ -160,15 +160,26 @@ __global__ void __launch_bounds__(kDsinksThreads) bwd_dsinks_kernel(const BwdArg
   if (threadIdx.x == 0) args.dsinks[h] = -part[0];
 }
 
+// The work counters (counters[0..3]: every arch's main and dQ kernels') and, unless deterministic,
+// the fp32 dQ accumulator of `dq_bytes`, zeroed on `stream`: one memset when the accumulator
+// follows the counters' 256 bytes (the workspace's order, dispatch.cu), else one each (a memset is
+// a launch of its own: its host time counts per call).
+inline cudaError_t zero_counters_and_dq_accum(const BwdArgs& args, size_t dq_bytes, cudaStream_t stream) {
+  constexpr size_t kCounterBytes = 256;  // the workspace's counter block (cuda_bwd_workspace_bytes)
+  if (args.deterministic) return cudaMemsetAsync(args.counters, 0, 4 * sizeof(int32_t), stream);
+  if (reinterpret_cast<const char*>(args.dq_accum) == reinterpret_cast<const char*>(args.counters) + kCounterBytes)
+    return cudaMemsetAsync(args.counters, 0, kCounterBytes + dq_bytes, stream);
+  cudaError_t err;
+  if ((err = cudaMemsetAsync(args.counters, 0, 4 * sizeof(int32_t), stream)) != cudaSuccess) return err;
+  return cudaMemsetAsync(args.dq_accum, 0, dq_bytes, stream);
+}
+
 template <int D, typename T>
 cudaError_t launch_bwd_preprocess(const BwdArgs& args, int sms, cudaStream_t stream) {
   cudaError_t err;
-  if ((err = cudaMemsetAsync(args.counters, 0, 4 * sizeof(int32_t), stream)) != cudaSuccess) return err;
   const int64_t T_ = args.layout.num_tokens;
-  if (!args.deterministic) {
-    if ((err = cudaMemsetAsync(args.dq_accum, 0, sizeof(float) * T_ * args.num_heads * D, stream)) != cudaSuccess)
-      return err;
-  }
+  if ((err = zero_counters_and_dq_accum(args, sizeof(float) * T_ * args.num_heads * D, stream)) != cudaSuccess)
+    return err;
   const int64_t rows = T_ * args.num_heads;
   const int blocks = static_cast<int>(std::min<int64_t>((rows + 7) / 8, static_cast<int64_t>(sms) * 16));
   bwd_preprocess_kernel<D, T><<<blocks, 256, 0, stream>>>(args);

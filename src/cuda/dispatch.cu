@@ -9,7 +9,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <mutex>
 #include <string>
 #include <type_traits>
 
@@ -18,6 +17,7 @@
 #include "kernel_params.h"
 #include "kernel_table.h"  // generated: every arch's arch.h and the kernel lists
 #include "modifiers.cuh"
+#include "per_device.h"
 #include "plan.h"
 #include "tile_size.h"
 
@@ -72,55 +72,76 @@ class DeviceGuard {
   bool switched_ = false;
 };
 
-constexpr int kMaxDevices = 64;
+constexpr int kMaxDevices = kMaxCachedDevices;
 struct DeviceInfo {
   int status = -1;  // -1 unknown, 0 ok, 1 unsupported
   int sms = 0;
   int major = 0, minor = 0;
   std::string error;
 };
-std::mutex g_device_mutex;
-DeviceInfo g_devices[kMaxDevices];
 
-// Returns DUALKV_OK and fills *info, or fails naming the reason.
-dualkv_status query_device(int32_t device_index, DeviceInfo* out) {
+// The runtime's device count and its error: both fixed once the runtime has initialised (the
+// visible devices are read then; a missing driver stays missing), so asked once per process.
+struct DeviceCount {
+  cudaError_t err = cudaSuccess;
   int count = 0;
-  cudaError_t err = cudaGetDeviceCount(&count);
-  if (err != cudaSuccess || count == 0) {
-    cudaGetLastError();
-    return fail(DUALKV_ERROR_UNSUPPORTED, "cuda: no usable CUDA device (%s)",
-                err != cudaSuccess ? cudaGetErrorString(err) : "device count is 0");
-  }
-  if (device_index < 0 || device_index >= count || device_index >= kMaxDevices)
-    return fail(DUALKV_ERROR_INVALID_ARGUMENT, "cuda: device_index %d out of range (%d devices)", device_index, count);
-  std::lock_guard<std::mutex> lock(g_device_mutex);
-  DeviceInfo& d = g_devices[device_index];
-  if (d.status < 0) {
-    cudaDeviceGetAttribute(&d.major, cudaDevAttrComputeCapabilityMajor, device_index);
-    cudaDeviceGetAttribute(&d.minor, cudaDevAttrComputeCapabilityMinor, device_index);
-    cudaDeviceGetAttribute(&d.sms, cudaDevAttrMultiProcessorCount, device_index);
-    if (d.major < 8) {
+};
+const DeviceCount& device_count() {
+  static const DeviceCount counted = [] {
+    DeviceCount c;
+    c.err = cudaGetDeviceCount(&c.count);
+    if (c.err != cudaSuccess) {
+      c.count = 0;
+      cudaGetLastError();
+    }
+    return c;
+  }();
+  return counted;
+}
+
+// A device's compute capability, SM count and whether this build has kernels for it: asked once
+// per device (its properties never change while the process runs).
+DeviceInfo load_device(int device_index) {
+  DeviceInfo d;
+  cudaDeviceGetAttribute(&d.major, cudaDevAttrComputeCapabilityMajor, device_index);
+  cudaDeviceGetAttribute(&d.minor, cudaDevAttrComputeCapabilityMinor, device_index);
+  cudaDeviceGetAttribute(&d.sms, cudaDevAttrMultiProcessorCount, device_index);
+  if (d.major < 8) {
+    d.status = 1;
+    d.error = "cuda: device " + std::to_string(device_index) + " is sm_" + std::to_string(d.major) +
+              std::to_string(d.minor) + "; the CUDA backend needs sm_80 or newer";
+  } else {
+    DeviceGuard guard(device_index);
+    cudaFuncAttributes attr;
+    const cudaError_t err = guard.ok() ? cudaFuncGetAttributes(&attr, probe_kernel) : cudaErrorInvalidDevice;
+    if (err != cudaSuccess) {
+      cudaGetLastError();
       d.status = 1;
-      d.error = "cuda: device " + std::to_string(device_index) + " is sm_" + std::to_string(d.major) +
-                std::to_string(d.minor) + "; the CUDA backend needs sm_80 or newer";
+      d.error = "cuda: this libdualkv has no kernels for device " + std::to_string(device_index) + " (sm_" +
+                std::to_string(d.major) + std::to_string(d.minor) + "); built for CUDA archs " +
+                DUALKV_CUDA_ARCHS_STRING + " (" + cudaGetErrorString(err) +
+                "); rebuild with DUALKV_CUDA_ARCHS including this arch";
     } else {
-      DeviceGuard guard(device_index);
-      cudaFuncAttributes attr;
-      err = guard.ok() ? cudaFuncGetAttributes(&attr, probe_kernel) : cudaErrorInvalidDevice;
-      if (err != cudaSuccess) {
-        cudaGetLastError();
-        d.status = 1;
-        d.error = "cuda: this libdualkv has no kernels for device " + std::to_string(device_index) + " (sm_" +
-                  std::to_string(d.major) + std::to_string(d.minor) + "); built for CUDA archs " +
-                  DUALKV_CUDA_ARCHS_STRING + " (" + cudaGetErrorString(err) +
-                  "); rebuild with DUALKV_CUDA_ARCHS including this arch";
-      } else {
-        d.status = 0;
-      }
+      d.status = 0;
     }
   }
+  return d;
+}
+PerDevice<DeviceInfo> g_devices;
+
+// Returns DUALKV_OK and points *out at the device's info, or fails naming the reason. After a
+// device's first call: no CUDA call, no lock (every attention call passes here twice).
+dualkv_status query_device(int32_t device_index, const DeviceInfo** out) {
+  const DeviceCount& c = device_count();
+  if (c.err != cudaSuccess || c.count == 0)
+    return fail(DUALKV_ERROR_UNSUPPORTED, "cuda: no usable CUDA device (%s)",
+                c.err != cudaSuccess ? cudaGetErrorString(c.err) : "device count is 0");
+  if (device_index < 0 || device_index >= c.count || device_index >= kMaxDevices)
+    return fail(DUALKV_ERROR_INVALID_ARGUMENT, "cuda: device_index %d out of range (%d devices)", device_index,
+                c.count);
+  const DeviceInfo& d = g_devices.get(device_index, load_device);
   if (d.status != 0) return fail(DUALKV_ERROR_UNSUPPORTED, "%s", d.error.c_str());
-  *out = d;
+  *out = &d;
   return DUALKV_OK;
 }
 
@@ -373,17 +394,17 @@ dualkv_status cuda_check_supported(int32_t device_index, int32_t dtype, int32_t 
                 "cuda: head_dim %d is not built for CUDA %s (built head dims: %s; supported: %s via "
                 "-DDUALKV_HEAD_DIMS)",
                 head_dim, dtype_name(dtype), built_head_dims_string().c_str(), DUALKV_SUPPORTED_HEAD_DIMS_STRING);
-  DeviceInfo info;
+  const DeviceInfo* info;
   return query_device(device_index, &info);
 }
 
 dualkv_status cuda_plan_size(const dualkv_layout& host_layout, const dualkv_prefixes* prefixes, int32_t device_index,
                              int32_t dtype, int32_t head_dim, int32_t window, int64_t* plan_len, uint64_t* plan_key) {
   (void)dtype;
-  DeviceInfo info;
+  const DeviceInfo* info;
   if (dualkv_status st = query_device(device_index, &info); st != DUALKV_OK) return st;
   dualkv::plan::Plan built;
-  if (dualkv_status st = dualkv::plan::build(host_layout, prefixes, head_dim, window, info.sms, &built);
+  if (dualkv_status st = dualkv::plan::build(host_layout, prefixes, head_dim, window, info->sms, &built);
       st != DUALKV_OK)
     return st;
   *plan_len = static_cast<int64_t>(built.data.size());
@@ -394,10 +415,10 @@ dualkv_status cuda_plan_size(const dualkv_layout& host_layout, const dualkv_pref
 dualkv_status cuda_plan_build(const dualkv_layout& host_layout, const dualkv_prefixes* prefixes, int32_t device_index,
                               int32_t dtype, int32_t head_dim, int32_t window, int32_t* plan, int64_t plan_len) {
   (void)dtype;
-  DeviceInfo info;
+  const DeviceInfo* info;
   if (dualkv_status st = query_device(device_index, &info); st != DUALKV_OK) return st;
   dualkv::plan::Plan p;
-  if (dualkv_status st = dualkv::plan::build(host_layout, prefixes, head_dim, window, info.sms, &p); st != DUALKV_OK)
+  if (dualkv_status st = dualkv::plan::build(host_layout, prefixes, head_dim, window, info->sms, &p); st != DUALKV_OK)
     return st;
   if (plan_len != static_cast<int64_t>(p.data.size()))
     return fail(DUALKV_ERROR_INVALID_ARGUMENT, "plan_build: plan_len %lld, but this layout's plan has %zu int32",
@@ -414,9 +435,9 @@ size_t cuda_fwd_workspace_bytes(const dualkv_fwd_params& p) {
 size_t cuda_bwd_workspace_bytes(const dualkv_bwd_params& p) {
   const size_t T = static_cast<size_t>(p.layout.num_tokens), H = static_cast<size_t>(p.num_heads);
   size_t bytes = 256;                                   // counters
-  bytes += align_workspace(H * T * sizeof(float));      // delta
   if (!(p.flags & DUALKV_FLAG_DETERMINISTIC))
-    bytes += align_workspace(T * H * p.head_dim * sizeof(float));  // dq accumulator
+    bytes += align_workspace(T * H * p.head_dim * sizeof(float));  // dq accumulator (after the counters)
+  bytes += align_workspace(H * T * sizeof(float));      // delta
   bytes += align_workspace(bwd_partials_bytes(p));
   return bytes;
 }
@@ -429,7 +450,7 @@ dualkv_status cuda_fwd(const dualkv_fwd_params& p) {
   if ((st = check_rows("fwd", "v", p.v, p.v_token_stride, p.v_head_stride))) return st;
   if ((st = check_rows("fwd", "out", p.out, p.out_token_stride, p.out_head_stride))) return st;
   if ((st = check_prefix_rows(p, "fwd"))) return st;
-  DeviceInfo info;
+  const DeviceInfo* info;
   if ((st = query_device(p.device_index, &info))) return st;
   DeviceGuard guard(p.device_index);
   if (!guard.ok()) return fail(DUALKV_ERROR_CUDA, "fwd: cannot select device %d", p.device_index);
@@ -453,7 +474,7 @@ dualkv_status cuda_fwd(const dualkv_fwd_params& p) {
   set_modifiers(p, &a);
 
   cudaGetLastError();  // do not report an earlier, unrelated launch error as ours
-  return run_on_first_arch("fwd", a, p.head_dim, p.dtype, info, static_cast<cudaStream_t>(p.stream));
+  return run_on_first_arch("fwd", a, p.head_dim, p.dtype, *info, static_cast<cudaStream_t>(p.stream));
 }
 
 dualkv_status cuda_bwd(const dualkv_bwd_params& p) {
@@ -468,7 +489,7 @@ dualkv_status cuda_bwd(const dualkv_bwd_params& p) {
   if ((st = check_rows("bwd", "dk", p.dk, p.dk_token_stride, p.dk_head_stride))) return st;
   if ((st = check_rows("bwd", "dv", p.dv, p.dv_token_stride, p.dv_head_stride))) return st;
   if ((st = check_prefix_rows(p, "bwd"))) return st;
-  DeviceInfo info;
+  const DeviceInfo* info;
   if ((st = query_device(p.device_index, &info))) return st;
   DeviceGuard guard(p.device_index);
   if (!guard.ok()) return fail(DUALKV_ERROR_CUDA, "bwd: cannot select device %d", p.device_index);
@@ -498,21 +519,22 @@ dualkv_status cuda_bwd(const dualkv_bwd_params& p) {
 
   const size_t T = static_cast<size_t>(p.layout.num_tokens), H = static_cast<size_t>(p.num_heads);
   char* ws = static_cast<char*>(p.workspace);
+  // The dQ accumulator right after the counters: one memset zeroes both (launch_bwd_preprocess).
   a.counters = reinterpret_cast<int32_t*>(ws);
   ws += 256;
-  a.delta = reinterpret_cast<float*>(ws);
-  ws += align_workspace(H * T * sizeof(float));
   if (!a.deterministic) {
     a.dq_accum = reinterpret_cast<float*>(ws);
     ws += align_workspace(T * H * p.head_dim * sizeof(float));
   }
+  a.delta = reinterpret_cast<float*>(ws);
+  ws += align_workspace(H * T * sizeof(float));
   a.partials = a.n_slots > 0 ? reinterpret_cast<float*>(ws) : nullptr;
   fill_prefix_args(p, &a);
   set_modifiers(p, &a);
   a.dsinks = static_cast<float*>(p.dsinks);
 
   cudaGetLastError();
-  return run_on_first_arch("bwd", a, p.head_dim, p.dtype, info, static_cast<cudaStream_t>(p.stream));
+  return run_on_first_arch("bwd", a, p.head_dim, p.dtype, *info, static_cast<cudaStream_t>(p.stream));
 }
 
 // "a,b" -> ["a", "b"] (a JSON array of strings; empty items skipped).

@@ -7,6 +7,7 @@
 #include <cuda_runtime.h>
 
 #include "bwd_prepost.cuh"
+#include "launch.h"
 #include "sm80/bwd_dq_kernel.cuh"
 #include "sm90/arch.h"
 #include "sm90/bwd_kernel.cuh"
@@ -16,11 +17,12 @@
 namespace dualkv::cuda::sm90 {
 
 // The parameters of one main-kernel launch: the argument check, the TMA maps of Q, dO (BlockM-row
-// boxes), K, V (BlockN-row boxes) and, unless deterministic (no dQ), of the fp32 dQ accumulator; the
-// work counter zeroed on `stream`. cudaErrorNotSupported:
-// nothing was launched (the caller falls back to the sm80 kernel).
+// boxes), K, V (BlockN-row boxes) and, unless deterministic (no dQ), of the fp32 dQ accumulator.
+// Its work counter (counters[2]) needs no launch of its own: launch_bwd_preprocess zeroed
+// counters[0..3] on `stream` before (run_bwd), and nothing between reads or writes it.
+// cudaErrorNotSupported: nothing was launched (the caller falls back to the sm80 kernel).
 template <typename Element, int HeadDim, int BlockM, int BlockN>
-cudaError_t prepare_bwd_params(const BwdArgs& args, Sm90BwdParams<HeadDim>* p, cudaStream_t stream) {
+cudaError_t prepare_bwd_params(const BwdArgs& args, Sm90BwdParams<HeadDim>* p) {
   constexpr CUtensorMapDataType dt = kTmaType<Element>;
   const int T = args.layout.num_tokens;
   const int H = args.num_heads, Hk = args.num_kv_heads;
@@ -38,16 +40,16 @@ cudaError_t prepare_bwd_params(const BwdArgs& args, Sm90BwdParams<HeadDim>* p, c
       (!make_map(&p->tpk, dt, args.prefix_k, HeadDim, Hk, args.prefix_rows, args.pk_hs, args.pk_ts, BlockN) ||
        !make_map(&p->tpv, dt, args.prefix_v, HeadDim, Hk, args.prefix_rows, args.pv_hs, args.pv_ts, BlockN)))
     return cudaErrorNotSupported;
-  return cudaMemsetAsync(p->counter, 0, sizeof(int32_t), stream);
+  return cudaSuccess;
 }
 
-// A persistent launch: one CTA per SM, `smem` bytes of dynamic shared memory (opted into first).
-template <typename Params>
-cudaError_t launch_persistent(void (*kernel)(Params), uint32_t smem, int threads, int sms, const Params& p,
-                              cudaStream_t stream) {
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+// A persistent launch: one CTA per SM, `smem` bytes of dynamic shared memory (opted into once per
+// device, launch.h).
+template <auto Kernel, typename Params>
+cudaError_t launch_persistent(uint32_t smem, int threads, int sms, const Params& p, cudaStream_t stream) {
+  cudaError_t err = opt_in_smem<Kernel>(smem);
   if (err != cudaSuccess) return err;
-  kernel<<<sms, threads, smem, stream>>>(p);
+  Kernel<<<sms, threads, smem, stream>>>(p);
   return cudaGetLastError();
 }
 
@@ -59,18 +61,22 @@ cudaError_t run_bwd_main_d256(const BwdArgs& args, int sms, cudaStream_t stream)
   static_assert(plan_tiles(256).bwd_block_n == C::kBlockN, "sm90 backward d256: plan KV tiles must be kBlockN rows");
   static_assert(plan_tiles(256).bwd_block_m == C::kBlockM, "sm90 backward d256: plan splits are multiples of kBlockM");
   Sm90BwdParams<256> p;
-  cudaError_t err = prepare_bwd_params<Element, 256, C::kBlockM, C::kBlockN>(args, &p, stream);
+  cudaError_t err = prepare_bwd_params<Element, 256, C::kBlockM, C::kBlockN>(args, &p);
   if (err != cudaSuccess) return err;
   if constexpr (std::is_same_v<Mods, NoModifiers>) {
     if (args.prefix_k != nullptr) {  // external prefix (issue 17): instantiated without modifiers only
-      auto kernel = args.deterministic ? bwd_sm90_kernel_d256<Element, false, Mods, true>
-                                       : bwd_sm90_kernel_d256<Element, true, Mods, true>;
-      return launch_persistent(kernel, C::kSmemBytes, C::kThreads, sms, p, stream);
+      if (args.deterministic)
+        return launch_persistent<bwd_sm90_kernel_d256<Element, false, Mods, true>>(C::kSmemBytes, C::kThreads, sms,
+                                                                                   p, stream);
+      return launch_persistent<bwd_sm90_kernel_d256<Element, true, Mods, true>>(C::kSmemBytes, C::kThreads, sms, p,
+                                                                                stream);
     }
   }
-  auto kernel = args.deterministic ? bwd_sm90_kernel_d256<Element, false, Mods, false>
-                                   : bwd_sm90_kernel_d256<Element, true, Mods, false>;
-  return launch_persistent(kernel, C::kSmemBytes, C::kThreads, sms, p, stream);
+  if (args.deterministic)
+    return launch_persistent<bwd_sm90_kernel_d256<Element, false, Mods, false>>(C::kSmemBytes, C::kThreads, sms, p,
+                                                                                stream);
+  return launch_persistent<bwd_sm90_kernel_d256<Element, true, Mods, false>>(C::kSmemBytes, C::kThreads, sms, p,
+                                                                             stream);
 }
 
 template <typename Element, int HeadDim, typename Mods>
@@ -85,23 +91,23 @@ cudaError_t run_bwd_main(const BwdArgs& args, int sms, cudaStream_t stream) {
     static_assert(plan_tiles(HeadDim).bwd_block_n == C::kBlockN, "sm90 backward: plan KV tiles must be kBlockN rows");
     static_assert(plan_tiles(HeadDim).bwd_block_m == C::kBlockM, "sm90 backward: plan splits are multiples of kBlockM");
     Sm90BwdParams<HeadDim> p;
-    cudaError_t err = prepare_bwd_params<Element, HeadDim, C::kBlockM, C::kBlockN>(args, &p, stream);
+    cudaError_t err = prepare_bwd_params<Element, HeadDim, C::kBlockM, C::kBlockN>(args, &p);
     if (err != cudaSuccess) return err;
     if constexpr (std::is_same_v<Mods, NoModifiers>) {
       if (args.prefix_k != nullptr) {  // external prefix (issue 17): instantiated without modifiers only
         if (args.deterministic)
-          return launch_persistent(bwd_sm90_kernel<Element, HeadDim, false, Mods, true>, C::kSmemBytes, C::kThreads,
-                                   sms, p, stream);
-        return launch_persistent(bwd_sm90_kernel<Element, HeadDim, true, Mods, true>,
-                                 Sm90BwdConfig<HeadDim, true>::kSmemBytes, C::kThreads, sms, p, stream);
+          return launch_persistent<bwd_sm90_kernel<Element, HeadDim, false, Mods, true>>(C::kSmemBytes, C::kThreads,
+                                                                                         sms, p, stream);
+        return launch_persistent<bwd_sm90_kernel<Element, HeadDim, true, Mods, true>>(
+            Sm90BwdConfig<HeadDim, true>::kSmemBytes, C::kThreads, sms, p, stream);
       }
     }
     if (args.deterministic)
-      return launch_persistent(bwd_sm90_kernel<Element, HeadDim, false, Mods, false>, C::kSmemBytes, C::kThreads, sms,
-                               p, stream);
+      return launch_persistent<bwd_sm90_kernel<Element, HeadDim, false, Mods, false>>(C::kSmemBytes, C::kThreads, sms,
+                                                                                      p, stream);
     // The dQ-computing kernel has dQ staging buffers on top.
-    return launch_persistent(bwd_sm90_kernel<Element, HeadDim, true, Mods, false>, Sm90BwdConfig<HeadDim, true>::kSmemBytes,
-                             C::kThreads, sms, p, stream);
+    return launch_persistent<bwd_sm90_kernel<Element, HeadDim, true, Mods, false>>(
+        Sm90BwdConfig<HeadDim, true>::kSmemBytes, C::kThreads, sms, p, stream);
   }
 }
 

@@ -4,6 +4,7 @@
 #include <cuda.h>
 #include <cuda_runtime.h>
 
+#include "launch.h"
 #include "sm90/arch.h"
 #include "sm90/fwd_kernel.cuh"
 #include "sm90/tma.h"
@@ -12,6 +13,18 @@ namespace dualkv::cuda::sm90 {
 
 // Forward query tiles per scheduling window (decode_fwd_item, plan_reader.cuh).
 constexpr int kTileWindow = 16;
+
+// One persistent CTA per SM of `Kernel`, its shared memory opted into once per device
+// (launch.h); the work counter zeroed on `stream` first.
+template <auto Kernel, int D>
+cudaError_t launch_fwd(const Sm90FwdParams<D>& p, int sms, cudaStream_t stream) {
+  using C = Sm90FwdConfig<D>;
+  cudaError_t err = opt_in_smem<Kernel>(C::kSmemBytes);
+  if (err != cudaSuccess) return err;
+  if ((err = cudaMemsetAsync(p.a.counter, 0, sizeof(int32_t), stream)) != cudaSuccess) return err;
+  Kernel<<<sms, C::kThreads, C::kSmemBytes, stream>>>(p);
+  return cudaGetLastError();
+}
 
 template <int D, typename T, typename Mods>
 cudaError_t run_fwd(const FwdArgs& args, int sms, cudaStream_t stream) {
@@ -28,24 +41,18 @@ cudaError_t run_fwd(const FwdArgs& args, int sms, cudaStream_t stream) {
       !make_map(&p.tk, kTmaType<T>, args.k, D, Hk, T_, args.k_hs, args.k_ts, C::kBlockN) ||
       !make_map(&p.tv, kTmaType<T>, args.v, D, Hk, T_, args.v_hs, args.v_ts, C::kBlockN))
     return cudaErrorNotSupported;
-  auto kernel = fwd_sm90_kernel<T, D, Mods, false>;
   if (args.prefix_k != nullptr) {  // external prefix (issue 17): instantiated without modifiers only
     if constexpr (std::is_same_v<Mods, NoModifiers>) {
       // The prefix buffers' tensor maps (rows: the prefix buffers').
       if (!make_map(&p.tpk, kTmaType<T>, args.prefix_k, D, Hk, args.prefix_rows, args.pk_hs, args.pk_ts, C::kBlockN) ||
           !make_map(&p.tpv, kTmaType<T>, args.prefix_v, D, Hk, args.prefix_rows, args.pv_hs, args.pv_ts, C::kBlockN))
         return cudaErrorNotSupported;
-      kernel = fwd_sm90_kernel<T, D, Mods, true>;
+      return launch_fwd<fwd_sm90_kernel<T, D, Mods, true>, D>(p, sms, stream);
     } else {
       return cudaErrorNotSupported;  // api.cpp refuses a modifier with external prefixes first
     }
   }
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         static_cast<int>(C::kSmemBytes));
-  if (err != cudaSuccess) return err;
-  if ((err = cudaMemsetAsync(args.counter, 0, sizeof(int32_t), stream)) != cudaSuccess) return err;
-  kernel<<<sms, C::kThreads, C::kSmemBytes, stream>>>(p);
-  return cudaGetLastError();
+  return launch_fwd<fwd_sm90_kernel<T, D, Mods, false>, D>(p, sms, stream);
 }
 
 }  // namespace dualkv::cuda::sm90
