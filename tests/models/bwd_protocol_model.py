@@ -9,6 +9,11 @@ arrival counts and transaction counts; a TMA load completes at a random later ti
 barrier 1 (256 threads) syncs the two consumer warpgroups after their dS halves are written.
 
 A wgmma group reads its smem operands from its issue until the wgmma.wait_group that retires it.
+Consumer step (dQ-computing kernel; the order since 2026-12-02, FA3/FA4's): S^T, dP^T, wait_group 1,
+wait_group 0, dV, dS stored, [dK's first k step: D 128, a group of its own; half the runs model it],
+barrier 1, dQ, dK (the rest), wait_group 1 (dV, the dK head and dQ retired; checked before dQ is
+read), dQ staged (--bulk) or added while dK runs, wait_group 0, qdo_empty. Deterministic kernel:
+S^T, dP^T, waits, dV, dK, wait_group 0, qdo_empty.
 Checked, over random interleavings of random work (items with 1-6 query steps):
   - no deadlock (every run ends),
   - TMA never overwrites K/V/Q/dO while a wgmma that reads it may run, and producer lanes never
@@ -28,7 +33,9 @@ exits with no reduce still reading smem.
 --mutant NAME plants a bug and expects the model to catch it (exit status 0 when it does):
   single_ds (one dS buffer), count32 (qdo_full initialised to 32 arrivals instead of 33),
   early_kv (kv_empty released before the item's last step), no_ds_bar (no named barrier before dQ),
-  early_qdo (qdo_empty arrived before the dK / dQ wgmmas retire); with --bulk also:
+  early_qdo (qdo_empty arrived before the dK / dQ wgmmas retire), dk_first (dK issued before dQ, as
+  before 2026-12-02, with the new wait_group 1 before reading dQ), qdo_at_wait1 (qdo_empty arrived
+  at wait_group 1, while dK still reads Q); with --bulk also:
   dq_no_wait_read (dq_empty arrived right after the reduces' commit, before wait_group.read),
   dq_no_empty_wait (consumers store into the staging buffer without waiting dq_empty),
   dq_full4 (dq_full initialised to 4 arrivals: one warpgroup's), dq_missing_arrive (warpgroup 1
@@ -90,7 +97,7 @@ def wgmma_reads(me):
     return groups, read, retire
 
 
-def simulate(rng, steps_of, deterministic=False, mutant=None, bulk=False, d256=False, stagger=True):
+def simulate(rng, steps_of, deterministic=False, mutant=None, bulk=False, d256=False, stagger=True, dk_head=False):
     n_items = len(steps_of)
     stages = 2
     writer_on = bulk and not deterministic  # the deterministic kernel has no writer in a bulk build
@@ -204,26 +211,47 @@ def simulate(rng, steps_of, deterministic=False, mutant=None, bulk=False, d256=F
                     b.readers.discard(me)
                 groups.append({read(dO[st], (item, s))})                  # dV += P^T dO
                 buf = dS[step % n_ds]
-                if not deterministic:
-                    buf[cw].write((item, s), loaded=True)                 # stmatrix + proxy fence
-                groups.append({read(Q[st], (item, s))})                   # dK += dS^T Q
+                if deterministic:
+                    groups.append({read(Q[st], (item, s))})               # dK += dS^T Q
+                    if mutant == "early_qdo":
+                        qdo_empty[st].arrive(4)
+                    yield "step"
+                    if mutant == "early_kv" and s == n_steps - 1:
+                        kv_empty.arrive(4)
+                        yield "step"
+                    retire(0)
+                    if mutant != "early_qdo":
+                        qdo_empty[st].arrive(4)
+                    step += 1
+                    yield "step"                                          # next step
+                    continue
+                # dQ-computing kernel: dS stored, barrier, dQ issued before dK; wait_group 1 retires
+                # dV and dQ, the dQ staging runs under dK, wait_group 0, then qdo_empty.
+                buf[cw].write((item, s), loaded=True)                     # stmatrix + proxy fence
+                if mutant == "dk_first" or dk_head:                       # dK's first k step (D 128),
+                    groups.append({read(Q[st], (item, s))})               # or all of dK (the mutant)
+                yield "step"
+                if mutant != "no_ds_bar":
+                    gen = ds_bar.generation
+                    ds_bar.arrive(me)
+                    yield from wait(lambda: ds_bar.generation > gen)
+                dq_group = {read(buf[0], (item, s)), read(buf[1], (item, s)), read(K, item)}
+                groups.append(dq_group)                                   # dQ = dS K
+                if mutant != "dk_first":
+                    groups.append({read(Q[st], (item, s))})               # dK += dS^T Q
                 if mutant == "early_qdo":
                     qdo_empty[st].arrive(4)
                 yield "step"
-                if not deterministic:
-                    if mutant != "no_ds_bar":
-                        gen = ds_bar.generation
-                        ds_bar.arrive(me)
-                        yield from wait(lambda: ds_bar.generation > gen)
-                    groups.append({read(buf[0], (item, s)), read(buf[1], (item, s)), read(K, item)})  # dQ
-                    yield "step"
                 if mutant == "early_kv" and s == n_steps - 1:
                     kv_empty.arrive(4)
                     yield "step"
-                retire(0)
-                if mutant != "early_qdo":
+                retire(1)                                                 # wait_group 1: dV, dQ
+                if mutant == "qdo_at_wait1":
                     qdo_empty[st].arrive(4)
-                if writer_on:                                             # stage dQ, per warp
+                    yield "step"
+                # dQ's accumulators are read (staged or added) only once its group retired.
+                check(not any(g is dq_group for g in groups), f"{me} reads dQ of step {step} before it retired")
+                if writer_on:                                             # stage dQ, per warp, under dK
                     b = step % n_dq
                     if mutant != "dq_no_empty_wait":
                         yield from wait(lambda: dq_empty[b].ready(((step // n_dq) & 1) ^ 1))
@@ -233,6 +261,11 @@ def simulate(rng, steps_of, deterministic=False, mutant=None, bulk=False, d256=F
                             dq_full[b].arrive()                           # lane 0 after __syncwarp
                         if rng.random() < 0.3:
                             yield "step"
+                else:
+                    yield "step"                                          # dQ atomics
+                retire(0)                                                 # wait_group 0: dK
+                if mutant not in ("early_qdo", "qdo_at_wait1"):
+                    qdo_empty[st].arrive(4)
                 step += 1
                 yield "step"                                              # dQ atomics / next step
             if mutant != "early_kv":
@@ -458,7 +491,7 @@ def run_many(runs, seed, deterministic, mutant, bulk=False, d256=False, stagger=
     for _ in range(runs):
         n_items = rng.randint(1, 10)
         steps_of = [rng.choice([1, 1, 2, 3, rng.randint(1, 6)]) for _ in range(n_items)]
-        simulate(rng, steps_of, deterministic, mutant, bulk, d256, stagger)
+        simulate(rng, steps_of, deterministic, mutant, bulk, d256, stagger, dk_head=rng.random() < 0.5)
 
 
 def main():
@@ -470,7 +503,7 @@ def main():
                                          "dq_no_wait_read", "dq_no_empty_wait", "dq_full4", "dq_missing_arrive",
                                          "item_empty8", "p_no_bar", "det_no_end_bar", "p_arrive_early",
                                          "d256_early_qdo", "d256_no_ds_bar", "d256_consumer_release",
-                                         "d256_qdo_empty8", "d256_stage_no_bar"])
+                                         "d256_qdo_empty8", "d256_stage_no_bar", "dk_first", "qdo_at_wait1"])
     ap.add_argument("--d256", action="store_true", help="the head-dim-256 kernel (src/cuda/sm90/bwd_kernel_d256.cuh)")
     ap.add_argument("--no-stagger", action="store_true",
                     help="--d256 built with DUALKV_SM90_BWD_D256_STAGGER=0 (no named barrier 3)")

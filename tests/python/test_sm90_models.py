@@ -40,10 +40,10 @@ def test_backward_protocol(flags):
 
 
 BWD_MUTANTS = [
-    ([], m) for m in ("single_ds", "count32", "early_kv", "no_ds_bar", "early_qdo")
+    ([], m) for m in ("single_ds", "count32", "early_kv", "no_ds_bar", "early_qdo", "dk_first", "qdo_at_wait1")
 ] + [
     (["--bulk"], m) for m in ("single_ds", "early_qdo", "dq_no_wait_read", "dq_no_empty_wait", "dq_full4",
-                              "dq_missing_arrive", "item_empty8")
+                              "dq_missing_arrive", "item_empty8", "dk_first", "qdo_at_wait1")
 ] + [
     (["--d256"], m) for m in ("count32", "early_kv", "p_no_bar", "p_arrive_early", "d256_early_qdo", "d256_no_ds_bar")
 ] + [(["--d256", "--deterministic"], "det_no_end_bar")] + [

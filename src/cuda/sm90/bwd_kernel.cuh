@@ -33,6 +33,10 @@
 //     consumers.
 //   Rows of Q/dO past qb get lse = +inf (P = 0); TMA zero-fills past T. KV rows past k1 (the next
 //   segment's tokens, loaded by TMA) are masked explicitly.
+//   Issue order of the dQ-computing kernel (since 2026-12-02, FA3/FA4's): dV, dS stores, [dK's
+//     first k step, D = 128 only], barrier 1, dQ, dK (the rest); wait_group 1 retires dV and dQ,
+//     the dQ staging runs while dK is in flight, wait_group 0, then qdo_empty. Deterministic
+//     kernel: dV, dK, wait_group 0, qdo_empty.
 //
 // Barriers (mbarriers in smem):
 //   item_full[2] / item_empty[2]  work item hand-off (count 1 / 8 consumer warps)
@@ -42,7 +46,8 @@
 //   named barrier 1 (256 threads) dS of the step written by both consumer warpgroups; dS is
 //                                 double-buffered by step parity, so a buffer is rewritten only
 //                                 after the other warpgroup passed the next step's barrier, i.e.
-//                                 after its dQ wgmma of this step retired.
+//                                 after its dQ wgmma of this step retired (its wait_group 1,
+//                                 before its next barrier).
 //   kBwdDqBulk only (non-deterministic kernel):
 //   item_empty[2]                 9 arrivals: the 8 consumer warps + the dQ writer
 //   dq_full[2] / dq_empty[2]      staging buffer of the step written by every consumer warp (lane
@@ -577,11 +582,21 @@ bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
         }
         bwd_fence_proxy_async();
       }
-      // dK += dS^T Q: B = Q [q][d] read N-major.
+      // dK += dS^T Q: B = Q [q][d] read N-major; k steps [k_lo, k_hi) (integral constants) as one wgmma group.
+      auto issue_dk = [&](auto k_lo, auto k_hi) {
 #pragma unroll
-      for (int kk = 0; kk < BM / 16; ++kk)
-        MmaKV::rs(dk, &dsf[4 * kk], make_desc_sw128(qb_s + kk * 16 * 128, C::kQBoxBytes, 1024), 1);
-      wgmma_commit();
+        for (int kk = decltype(k_lo)::value; kk < decltype(k_hi)::value; ++kk)
+          MmaKV::rs(dk, &dsf[4 * kk], make_desc_sw128(qb_s + kk * 16 * 128, C::kQBoxBytes, 1024), 1);
+        wgmma_commit();
+      };
+      // The dQ-computing kernel issues dK after dQ (below), except its first kDkHead k steps, here:
+      // at D = 128, with all of dK behind dQ, ptxas (13.0) serialises every wgmma of the kernel
+      // ("insufficient register resources", C7512); with one k step of dK in flight before dQ it
+      // keeps the pipeline (consumers at 228 registers of 232).
+      constexpr int kDkHead = D == 128 ? 1 : 0;
+      if constexpr (!kAtomicDq) issue_dk(std::integral_constant<int, 0>{}, std::integral_constant<int, BM / 16>{});
+      if constexpr (kAtomicDq && kDkHead > 0)
+        issue_dk(std::integral_constant<int, 0>{}, std::integral_constant<int, kDkHead>{});
 
       if constexpr (kAtomicDq) {
         named_bar_sync(kBwdDsBarrier, 256);  // both halves of dS written
@@ -594,14 +609,18 @@ bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
                    make_desc_sw128(k_dq + kk * 16 * 128, C::kKVBoxBytes, 1024), kk > 0 ? 1 : 0);
         }
         wgmma_commit();
-        wgmma_wait<0>();
+        // dQ first, (the rest of) dK behind it (FA3/FA4's order): wait_group 1 retires dV and dQ
+        // while dK still runs, so the dQ staging below (dq_empty wait, stores, fence, dq_full)
+        // overlaps dK on the tensor pipe instead of following all three with nothing in flight.
+        // dK's operands (dsf, the dk accumulators, Q) stay untouched until wait_group 0; qdo_empty
+        // (Q is dK's B operand) is released only after it. The same wgmmas on the same
+        // accumulators in the same order as before: dK, dV and each step's dQ are bit for bit
+        // unchanged.
+        issue_dk(std::integral_constant<int, kDkHead>{}, std::integral_constant<int, BM / 16>{});
+        wgmma_wait<1>();
         fence_regs(dq);
-        fence_regs(dk);
         fence_regs(dv);
-        fence_regs(pf);
-        fence_regs(dsf);
-        __syncwarp();
-        if (kBwdQdoEmptyCount != kBwdConsumerWarps || lane == 0) mbar_arrive(&B.qdo_empty[st]);
+        fence_regs(pf);  // dV's A fragments: free for the staging's registers
         // Stage this warpgroup's dQ half for the writer: rows r0 = 16 warp + g and r0 + 8 (both
         // with r % 8 == g), columns 8j + 2t4 of the half, in box (column / 32) at 16-byte chunk
         // (column % 32) / 4 XOR g. Rows >= qb as 0: the reduce box always covers 64 rows.
@@ -629,6 +648,11 @@ bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
         bwd_fence_proxy_async();
         __syncwarp();
         if (kBwdDqFullCount != kBwdConsumerWarps || lane == 0) mbar_arrive(&B.dq_full[st]);
+        wgmma_wait<0>();  // dK retired: Q, dO (dV retired already) and lse/delta are free
+        fence_regs(dk);
+        fence_regs(dsf);
+        __syncwarp();
+        if (kBwdQdoEmptyCount != kBwdConsumerWarps || lane == 0) mbar_arrive(&B.qdo_empty[st]);
       } else {
         wgmma_wait<0>();
         fence_regs(dk);
