@@ -59,14 +59,20 @@ BENCHMARKS = {
                           "3 interleaved rounds (issue 15's recheck of its noisy D256 configs; step ab)",
     "ab_portable_candidate": "tests/gpu/ab_bench.py, the latest portable kernel candidate against the build before "
                              "it (056fda6: FA2's dQ warp layout at D 192/256, reverted; docs/decisions.md)",
+    "ab_bwd_dq_first": "bench/attention.py --ab-library, the dQ-first sm90 backward (21c2aef) against main (28597cd "
+                       "build), D 128, 3 rounds (issue 23 change #1); .compare.log: bitwise dK/dV and kernel times",
+    "ab_window_fwd_order": "bench/attention.py --window 1024 --ab-library, the windowed forward ordered by work "
+                           "class (branch winfwd, not merged) + the library host cost (hostcpp) against 28597cd, "
+                           "with FA4 dense, 3 rounds (issue 16; docs/decisions.md)",
     "cpu_attention": "bench/cpu_attention.py, the CPU backend vs per-row torch SDPA on the CPU, 2 threads (issue 22)",
     "cpu_attention_1thread": "bench/cpu_attention.py --threads 1, the same with one thread (issue 22)",
     "prompt_once_e2e_1.7b": "bench/prompt_once_e2e.py, Qwen3-1.7B shape, split vs once (streamed state) vs "
                             "once_resident vs flex_fa4_split, one group over the budget, N 16 (issue 17; step "
                             "prompt-once)",
-    "prompt_once_e2e_1.7b_grid": "bench/prompt_once_e2e.py, Qwen3-1.7B shape, P 8K-32K x k 2/4, split vs once vs "
-                                 "flex_fa4_split, median of 2 (issue 17; step prompt-once, session 12 at 5335cce)",
-    "prompt_once_e2e_8b": "bench/prompt_once_e2e.py, Qwen3-8B shape (issue 17; step prompt-once, ONCE_MODEL=8b)",
+    "prompt_once_e2e_1.7b_grid": "bench/prompt_once_e2e.py, Qwen3-1.7B shape, P 32K R 1K and P 16K R 2K, k 2/4, split vs "
+                                 "once vs flex_fa4_split, median of 2, one process per (P, R) (issue 17; session 13)",
+    "prompt_once_e2e_8b": "bench/prompt_once_e2e.py, Qwen3-8B shape, P 8K and 16K (one process each), k 2/4 + controls, "
+                          "split vs once vs flex_fa4_split (issue 17; step prompt-once, ONCE_MODEL=8b)",
     "hybrid_e2e": "bench/hybrid_e2e.py, Qwen3.5-shaped GRPO update, dualkv + GDN state fork vs std vs Flex "
                   "(issue 21; step hybrid)",
     "hybrid_e2e_p8k": "bench/hybrid_e2e.py at N16 P8192 R1024 with Flex on Triton (FA4 refuses head dim 256 "
