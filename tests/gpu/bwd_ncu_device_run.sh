@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device step: where the backward's time goes, dualkv against FA2 (SDPA flash), head dim 128 bf16,
-# H = 32, Hk = 8, one (N, P, R) config ($NCU_CONFIG, default 28,16384,2048: issue 3's weakest case).
+# H = 32, Hk = 8, one (N, P, R) config ($NCU_CONFIG, default 28,16384,2048: issue 3's weakest case);
+# $NCU_SHAPE=H,Hk,D (default 32,8,128) changes the heads and head dim (e.g. 32,8,256 for issue 15's D 256).
 #   1. kernel times of 3 fwd+bwd per method (torch profiler, one process): which kernels the backward
 #      runs and how long each takes (dualkv: preprocess / main / dQ convert / split reduce; FA2:
 #      dot(dO, O) / main / dQ convert)
@@ -19,16 +20,18 @@ export PYTHONPATH=$PWD/python:$PWD/bench PYTHONUNBUFFERED=1
 export DUALKV_LIBRARY=${DUALKV_LIBRARY:-$PWD/build-h200/libdualkv.so}
 [ -z "${NCU_SM90:-}" ] && export DUALKV_DISABLE_SM90=1 DUALKV_DISABLE_SM90_BWD=1
 CONFIG=${NCU_CONFIG:-28,16384,2048}
+SHAPE=${NCU_SHAPE:-32,8,128}  # H,Hk,D
 DRIVER=$(mktemp /tmp/bwd_ncu_driver_XXXX.py)  # not under $OUT: the device returns a limited number of files
 cat > "$DRIVER" <<'EOF'
 import sys, torch
 import attention as A
 mode, method, (N, P, R) = sys.argv[1], sys.argv[2], map(int, sys.argv[3].split(","))
+H, Hk, D = map(int, sys.argv[4].split(","))
 case = A.Case(f"N{N}_P{P}_R{R}", [P], [[R] * N])
 methods = ["dualkv", "sdpa_flash"] if method == "both" else [method]
 libraries = {"dualkv": A.Library.default()}
 for m in methods:
-    setup, fwd, fwdbwd, _, _ = A.build_method(m, case, 32, 8, 128, torch.bfloat16, libraries)
+    setup, fwd, fwdbwd, _, _ = A.build_method(m, case, H, Hk, D, torch.bfloat16, libraries)
     x = setup(7)
     if mode == "once":  # for ncu: the second call's kernels are profiled
         for _ in range(2):
@@ -48,7 +51,7 @@ EOF
 t0=$(date +%s)
 if [ -z "${NCU_SKIP_PROFILE:-}" ]; then
   echo "== 1. kernel times (torch profiler) $CONFIG"
-  timeout 120 python3 "$DRIVER" profile both "$CONFIG" > "$OUTDIR/bwd_kernels.log" 2>&1
+  timeout 120 python3 "$DRIVER" profile both "$CONFIG" "$SHAPE" > "$OUTDIR/bwd_kernels.log" 2>&1
   echo "rc=$? t=$(( $(date +%s) - t0 ))s"
   grep -E "^==|bwd|Bwd|dot_do|convert|reduce|preprocess|Self CUDA time" "$OUTDIR/bwd_kernels.log" | cut -c1-200 | head -40
 fi
@@ -75,7 +78,7 @@ for spec in "dualkv:regex:bwd_kv_kernel|bwd_sm90_kernel" "sdpa_flash:regex:flash
   case ",${NCU_METHODS:-dualkv,sdpa_flash}," in *",$m,"*) ;; *) continue ;; esac
   echo "== 2. ncu $m ($k) t=$(( $(date +%s) - t0 ))s"
   timeout 200 "$NCU" --clock-control none --target-processes all --kernel-name "$k" --launch-skip 1 --launch-count 1 \
-    $SECTIONS --metrics "$METRICS" python3 "$DRIVER" once "$m" "$CONFIG" > "$OUTDIR/ncu_$m.log" 2>&1
+    $SECTIONS --metrics "$METRICS" python3 "$DRIVER" once "$m" "$CONFIG" "$SHAPE" > "$OUTDIR/ncu_$m.log" 2>&1
   echo "rc=$? t=$(( $(date +%s) - t0 ))s"
   grep -E "^  [a-z_]+.*\(|Duration|Throughput|Pipe|Issue|Stall|Warp Cycles|Eligible|Active Warps|Registers|Shared Memory|Bank|Executed Ipc|No Eligible|Theoretical Occ|Achieved Occ|smsp__|sm__|l1tex__|lts__|dram__" \
     "$OUTDIR/ncu_$m.log" | cut -c1-150 | head -90
@@ -101,7 +104,7 @@ if [ -n "${NCU_SOURCE:-}" ]; then
     REP=/tmp/ncu_${m}_source  # the report stays on the device (size); its CSV export comes back
     timeout 240 "$NCU" --clock-control none --target-processes all --kernel-name "$k" \
       --launch-skip 1 --launch-count 1 --section SourceCounters --section WarpStateStats --import-source yes -f -o "$REP" \
-      python3 "$DRIVER" once "${m%_*}" "$CONFIG" > "$OUTDIR/ncu_source_run_$m.log" 2>&1
+      python3 "$DRIVER" once "${m%_*}" "$CONFIG" "$SHAPE" > "$OUTDIR/ncu_source_run_$m.log" 2>&1
     echo "rc=$? t=$(( $(date +%s) - t0 ))s"
     "$NCU" -i "$REP.ncu-rep" --page source --csv --print-source sass > "$OUTDIR/ncu_${m}_sass.csv" 2> "$OUTDIR/ncu_source_export_$m.err"
     echo "export rc=$? ($(wc -l < "$OUTDIR/ncu_${m}_sass.csv") lines)"

@@ -16,7 +16,8 @@
 #                the steps after it (FlashAttention-4 4.0.0b36, nvidia-cutlass-dsl 4.8.1); prints the
 #                versions (~30 s). A later call on the same machine only needs the export: it is idempotent.
 #                Without it the FA4 methods (fa4_dense, flex_fa4) are recorded as skipped.
-#   tests        tests/gpu + the GPU cases of tests/python (~1.5 min)
+#   tests        tests/gpu + the GPU cases of tests/python (~1.5 min once; 2026-12-02 at ed0c468 55% of it took 200 s:
+#                ~6 min now, give it a call of its own)
 #   sanitize     compute-sanitizer memcheck + racecheck on small layouts (~40 s); racecheck uses
 #                $RACECHECK_LIBRARY when set (the per-thread-release diagnostic build, docs/hopper.md)
 #   bench        bench/attention.py, every config and method (dualkv, sdpa_flash, sdpa_cudnn, fa4_dense, flex,
