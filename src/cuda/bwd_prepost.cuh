@@ -165,10 +165,9 @@ __global__ void __launch_bounds__(kDsinksThreads) bwd_dsinks_kernel(const BwdArg
 // follows the counters' 256 bytes (the workspace's order, dispatch.cu), else one each (a memset is
 // a launch of its own: its host time counts per call).
 inline cudaError_t zero_counters_and_dq_accum(const BwdArgs& args, size_t dq_bytes, cudaStream_t stream) {
-  constexpr size_t kCounterBytes = 256;  // the workspace's counter block (cuda_bwd_workspace_bytes)
   if (args.deterministic) return cudaMemsetAsync(args.counters, 0, 4 * sizeof(int32_t), stream);
-  if (reinterpret_cast<const char*>(args.dq_accum) == reinterpret_cast<const char*>(args.counters) + kCounterBytes)
-    return cudaMemsetAsync(args.counters, 0, kCounterBytes + dq_bytes, stream);
+  if (reinterpret_cast<const char*>(args.dq_accum) == reinterpret_cast<const char*>(args.counters) + kBwdCounterBytes)
+    return cudaMemsetAsync(args.counters, 0, kBwdCounterBytes + dq_bytes, stream);
   cudaError_t err;
   if ((err = cudaMemsetAsync(args.counters, 0, 4 * sizeof(int32_t), stream)) != cudaSuccess) return err;
   return cudaMemsetAsync(args.dq_accum, 0, dq_bytes, stream);

@@ -72,7 +72,6 @@ class DeviceGuard {
   bool switched_ = false;
 };
 
-constexpr int kMaxDevices = kMaxCachedDevices;
 struct DeviceInfo {
   int status = -1;  // -1 unknown, 0 ok, 1 unsupported
   int sms = 0;
@@ -136,7 +135,7 @@ dualkv_status query_device(int32_t device_index, const DeviceInfo** out) {
   if (c.err != cudaSuccess || c.count == 0)
     return fail(DUALKV_ERROR_UNSUPPORTED, "cuda: no usable CUDA device (%s)",
                 c.err != cudaSuccess ? cudaGetErrorString(c.err) : "device count is 0");
-  if (device_index < 0 || device_index >= c.count || device_index >= kMaxDevices)
+  if (device_index < 0 || device_index >= c.count || device_index >= kMaxCachedDevices)
     return fail(DUALKV_ERROR_INVALID_ARGUMENT, "cuda: device_index %d out of range (%d devices)", device_index,
                 c.count);
   const DeviceInfo& d = g_devices.get(device_index, load_device);
@@ -434,7 +433,7 @@ size_t cuda_fwd_workspace_bytes(const dualkv_fwd_params& p) {
 
 size_t cuda_bwd_workspace_bytes(const dualkv_bwd_params& p) {
   const size_t T = static_cast<size_t>(p.layout.num_tokens), H = static_cast<size_t>(p.num_heads);
-  size_t bytes = 256;                                   // counters
+  size_t bytes = kBwdCounterBytes;                      // counters
   if (!(p.flags & DUALKV_FLAG_DETERMINISTIC))
     bytes += align_workspace(T * H * p.head_dim * sizeof(float));  // dq accumulator (after the counters)
   bytes += align_workspace(H * T * sizeof(float));      // delta
@@ -521,7 +520,7 @@ dualkv_status cuda_bwd(const dualkv_bwd_params& p) {
   char* ws = static_cast<char*>(p.workspace);
   // The dQ accumulator right after the counters: one memset zeroes both (launch_bwd_preprocess).
   a.counters = reinterpret_cast<int32_t*>(ws);
-  ws += 256;
+  ws += kBwdCounterBytes;
   if (!a.deterministic) {
     a.dq_accum = reinterpret_cast<float*>(ws);
     ws += align_workspace(T * H * p.head_dim * sizeof(float));

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cuda_runtime_api.h>
+#include <stddef.h>
 #include <stdint.h>
 
 #include "dualkv/dualkv.h"
@@ -50,6 +51,10 @@ struct FwdArgs {
   const float* sinks;         // [H] sink logits (natural units), or null
 };
 
+// Bytes of the backward workspace's counter block, its first piece (dispatch.cu lays it out; the
+// fp32 dQ accumulator follows it, so one memset zeroes both: bwd_prepost.cuh).
+constexpr size_t kBwdCounterBytes = 256;
+
 struct BwdArgs {
   LayoutPtrs layout;
   const int32_t* plan;
@@ -72,7 +77,7 @@ struct BwdArgs {
   bool deterministic;
   int32_t n_slots;     // split-partial slots in the plan (from the plan key)
   // workspace pieces
-  int32_t* counters;   // [4], zeroed before the launches
+  int32_t* counters;   // [4] at the start of a kBwdCounterBytes block, zeroed before the launches
   float* delta;        // [H, T]: rowsum(dO * O) - dlse
   float* dq_accum;     // [T, H, D] fp32 (atomic mode only)
   float* partials;     // [n_slots, Hk, 2, BlockN, D] fp32 split partial dK / dV

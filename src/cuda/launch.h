@@ -56,6 +56,15 @@ cudaError_t launch_on_sms(int threads, size_t smem, int sms, const Args& args, c
   return cudaGetLastError();
 }
 
+// A persistent launch of `Kernel` with one block per SM (the Hopper kernels: one CTA fills an SM),
+// `smem` bytes of dynamic shared memory opted into first.
+template <auto Kernel, typename Args>
+cudaError_t launch_persistent(size_t smem, int threads, int sms, const Args& args, cudaStream_t stream) {
+  if (cudaError_t err = opt_in_smem<Kernel>(smem); err != cudaSuccess) return err;
+  Kernel<<<sms, threads, smem, stream>>>(args);
+  return cudaGetLastError();
+}
+
 // Shared memory a block may opt into on the current device (the device attribute, read once per
 // device). DUALKV_CUDA_SMEM_LIMIT (bytes) lowers it: tests use it to run a kernel's
 // small-shared-memory configuration on a device that fits the large one (read at each call: a test

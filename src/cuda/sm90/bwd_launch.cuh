@@ -43,16 +43,6 @@ cudaError_t prepare_bwd_params(const BwdArgs& args, Sm90BwdParams<HeadDim>* p) {
   return cudaSuccess;
 }
 
-// A persistent launch: one CTA per SM, `smem` bytes of dynamic shared memory (opted into once per
-// device, launch.h).
-template <auto Kernel, typename Params>
-cudaError_t launch_persistent(uint32_t smem, int threads, int sms, const Params& p, cudaStream_t stream) {
-  cudaError_t err = opt_in_smem<Kernel>(smem);
-  if (err != cudaSuccess) return err;
-  Kernel<<<sms, threads, smem, stream>>>(p);
-  return cudaGetLastError();
-}
-
 // Head dim 256 (bwd_sm90_kernel_d256.cuh): 64-row KV tiles, dQ by TMA reduce-adds from the dead Q/dO
 // stage (the same dq_accum tensor map as the D <= 128 kernel, 64-row boxes).
 template <typename Element, typename Mods>

@@ -14,16 +14,12 @@ namespace dualkv::cuda::sm90 {
 // Forward query tiles per scheduling window (decode_fwd_item, plan_reader.cuh).
 constexpr int kTileWindow = 16;
 
-// One persistent CTA per SM of `Kernel`, its shared memory opted into once per device
-// (launch.h); the work counter zeroed on `stream` first.
+// One persistent CTA per SM of `Kernel` (launch.h), its work counter zeroed on `stream` first.
 template <auto Kernel, int D>
 cudaError_t launch_fwd(const Sm90FwdParams<D>& p, int sms, cudaStream_t stream) {
   using C = Sm90FwdConfig<D>;
-  cudaError_t err = opt_in_smem<Kernel>(C::kSmemBytes);
-  if (err != cudaSuccess) return err;
-  if ((err = cudaMemsetAsync(p.a.counter, 0, sizeof(int32_t), stream)) != cudaSuccess) return err;
-  Kernel<<<sms, C::kThreads, C::kSmemBytes, stream>>>(p);
-  return cudaGetLastError();
+  if (cudaError_t err = cudaMemsetAsync(p.a.counter, 0, sizeof(int32_t), stream); err != cudaSuccess) return err;
+  return launch_persistent<Kernel>(C::kSmemBytes, C::kThreads, sms, p, stream);
 }
 
 template <int D, typename T, typename Mods>
