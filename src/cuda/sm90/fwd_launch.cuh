@@ -4,15 +4,14 @@
 #include <cuda.h>
 #include <cuda_runtime.h>
 
+#include <cstdlib>
+
 #include "launch.h"
 #include "sm90/arch.h"
 #include "sm90/fwd_kernel.cuh"
 #include "sm90/tma.h"
 
 namespace dualkv::cuda::sm90 {
-
-// Forward query tiles per scheduling window (decode_fwd_item, plan_reader.cuh).
-constexpr int kTileWindow = 16;
 
 // One persistent CTA per SM of `Kernel`, its shared memory opted into once per device
 // (launch.h); the work counter zeroed on `stream` first.
@@ -36,7 +35,13 @@ cudaError_t run_fwd(const FwdArgs& args, int sms, cudaStream_t stream) {
   const int H = args.num_heads, Hk = args.num_kv_heads;
   Sm90FwdParams<D> p;
   p.a = args;
-  p.tile_window = kTileWindow;
+  // The item order (fwd_item_order.h): KV-head-major over the whole plan unless the measurement
+  // knobs DUALKV_SM90_FWD_ORDER / DUALKV_SM90_TILE_WINDOW ask otherwise (read on every launch, two
+  // getenv calls: they go with the losing order after the A/B).
+  const FwdItemOrder order =
+      choose_fwd_item_order(H, Hk, std::getenv("DUALKV_SM90_TILE_WINDOW"), std::getenv("DUALKV_SM90_FWD_ORDER"));
+  p.tile_window = order.window;
+  p.head_run = order.head_run;
   if (!make_map(&p.tq, kTmaType<T>, args.q, D, H, T_, args.q_hs, args.q_ts, C::kBlockM) ||
       !make_map(&p.tk, kTmaType<T>, args.k, D, Hk, T_, args.k_hs, args.k_ts, C::kBlockN) ||
       !make_map(&p.tv, kTmaType<T>, args.v, D, Hk, T_, args.v_hs, args.v_ts, C::kBlockN))

@@ -1,0 +1,109 @@
+// The Hopper forward's item order: which (plan query tile, query head) forward item i covers.
+//
+// Host and device code: the launcher picks the order's two numbers (sm90/fwd_launch.cuh), the
+// kernel decodes its items with them (sm90/fwd_kernel.cuh), and the CPU tests
+// (tests/cpp/test_fwd_item_order.cpp) check that every order is a permutation of the items. The
+// plan itself does not know the head counts, so the order of heads is decided here, per launch.
+#pragma once
+
+#include <stdint.h>
+
+#if defined(__CUDACC__)
+#define DUALKV_ORDER_FN __host__ __device__ __forceinline__
+#else
+#define DUALKV_ORDER_FN inline
+#endif
+
+namespace dualkv::cuda {
+
+// Forward item index -> (tile, h), item in [0, n_tiles * H).
+//
+// The plan's tiles (longest work first: neighbours have similar work, usually one prompt group)
+// are cut into scheduling windows of `window` consecutive tiles; a window's window * H items come
+// before the next window's. Inside a window of cnt tiles the query heads go in runs of `head_run`
+// consecutive heads: item = w * window * H + ((h / head_run) * cnt + t) * head_run + h % head_run
+// for tile = w * window + t:
+//   head_run 1:     query head outer, tiles inner (the only order up to 2026-12-02).
+//   head_run group: KV head outer, tiles, then the group's query heads (h = hk * group + g): the
+//                   query heads that read one KV head take the same tile one after another, so
+//                   their CTAs walk the same K / V at the same time, and with a window of at
+//                   least SMs / group tiles the CTAs running at once read one KV head's K / V.
+// Requires 1 <= window <= n_tiles (clamp_fwd_window) and H % head_run == 0; the last window may
+// have fewer tiles. window == 1 with head_run == H is the plain order (tile = item / H).
+DUALKV_ORDER_FN void decode_fwd_item(int32_t item, int32_t n_tiles, int32_t H, int32_t window, int32_t head_run,
+                                     int32_t& tile, int32_t& h) {
+  const int32_t per_w = window * H;
+  const int32_t w = item / per_w;
+  const int32_t r = item - w * per_w;
+  const int32_t first = w * window;
+  const int32_t cnt = n_tiles - first < window ? n_tiles - first : window;
+  const int32_t per_run = cnt * head_run;  // items of one run of heads over the window's tiles
+  const int32_t run = r / per_run;
+  const int32_t r2 = r - run * per_run;
+  const int32_t t = r2 / head_run;
+  tile = first + t;
+  h = run * head_run + (r2 - t * head_run);
+}
+
+// The window a launch's decode_fwd_item uses: the host's (FwdItemOrder::window, which may ask for
+// the whole plan with INT32_MAX) clamped to [1, n_tiles], so that window * H cannot overflow.
+DUALKV_ORDER_FN int32_t clamp_fwd_window(int32_t window, int32_t n_tiles) {
+  const int32_t w = window < n_tiles ? window : n_tiles;
+  return w > 1 ? w : 1;
+}
+
+#if !defined(__CUDA_ARCH__)
+// ---- host: the order a launch uses ----
+
+// The two numbers of decode_fwd_item for one launch.
+struct FwdItemOrder {
+  int32_t window;    // tiles per scheduling window, in [1, n_tiles] once clamped to the plan
+  int32_t head_run;  // query heads per run, divides H
+};
+
+// Which order a launch with H query heads and Hk KV heads uses.
+//
+// Default: KV-head-major (head_run = the GQA group) over the whole plan as one window
+// (docs/notes/2026-12-02-fwd-kv-head-order.md): the CTAs running at once read one KV head's
+// K / V, which is then read from HBM about once per forward instead of once per 16-tile window.
+//
+// MEASUREMENT KNOBS, to be removed with the losing order after the H200 A/B (docs/decisions.md:
+// a measured loser does not stay as an option). Read on every launch so that one process can
+// sweep them:
+//   DUALKV_SM90_FWD_ORDER=head|kvhead   head: query head outer (head_run 1, main's order up to
+//                                       2026-12-02); kvhead: the default above.
+//   DUALKV_SM90_TILE_WINDOW=N|all       tiles per scheduling window (main used 16); all or 0:
+//                                       the whole plan.
+// Anything else in either is ignored (the default applies). Both are kernel parameters: the
+// kernels' code is the same for every value.
+// `window_env` / `order_env` are the variables' values (null when unset).
+inline FwdItemOrder choose_fwd_item_order(int32_t H, int32_t Hk, const char* window_env, const char* order_env) {
+  constexpr int32_t kWholePlan = INT32_MAX;  // the kernel clamps the window to the plan's tiles
+  FwdItemOrder o{kWholePlan, (Hk > 0 && H % Hk == 0) ? H / Hk : 1};
+  if (order_env != nullptr) {
+    const char* s = order_env;
+    auto eq = [s](const char* lit) {
+      int i = 0;
+      for (; lit[i] != 0; ++i)
+        if (s[i] != lit[i]) return false;
+      return s[i] == 0;
+    };
+    if (eq("head")) o.head_run = 1;
+  }
+  if (window_env != nullptr) {
+    const char* s = window_env;
+    if (s[0] == 'a' && s[1] == 'l' && s[2] == 'l' && s[3] == 0) {
+      o.window = kWholePlan;
+    } else {
+      int64_t v = 0;
+      int i = 0;
+      for (; s[i] >= '0' && s[i] <= '9' && v <= kWholePlan; ++i) v = v * 10 + (s[i] - '0');
+      if (i > 0 && s[i] == 0) o.window = (v == 0 || v > kWholePlan) ? kWholePlan : static_cast<int32_t>(v);
+    }
+  }
+  if (o.head_run < 1 || H % o.head_run != 0) o.head_run = 1;
+  return o;
+}
+#endif
+
+}  // namespace dualkv::cuda
