@@ -52,8 +52,8 @@ DUALKV_ORDER_FN int32_t clamp_fwd_window(int32_t window, int32_t n_tiles) {
   return w > 1 ? w : 1;
 }
 
-#if !defined(__CUDA_ARCH__)
-// ---- host: the order a launch uses ----
+// ---- host: the order a launch uses (declared in nvcc's device pass too, where the launchers'
+// host code is parsed; never called from device code) ----
 
 // The two numbers of decode_fwd_item for one launch.
 struct FwdItemOrder {
@@ -104,6 +104,5 @@ inline FwdItemOrder choose_fwd_item_order(int32_t H, int32_t Hk, const char* win
   if (o.head_run < 1 || H % o.head_run != 0) o.head_run = 1;
   return o;
 }
-#endif
 
 }  // namespace dualkv::cuda
