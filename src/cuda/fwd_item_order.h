@@ -61,47 +61,16 @@ struct FwdItemOrder {
   int32_t head_run;  // query heads per run, divides H
 };
 
-// Which order a launch with H query heads and Hk KV heads uses.
-//
-// Default: KV-head-major (head_run = the GQA group) over the whole plan as one window
-// (docs/notes/2026-12-02-fwd-kv-head-order.md): the CTAs running at once read one KV head's
-// K / V, which is then read from HBM about once per forward instead of once per 16-tile window.
-//
-// MEASUREMENT KNOBS, to be removed with the losing order after the H200 A/B (docs/decisions.md:
-// a measured loser does not stay as an option). Read on every launch so that one process can
-// sweep them:
-//   DUALKV_SM90_FWD_ORDER=head|kvhead   head: query head outer (head_run 1, main's order up to
-//                                       2026-12-02); kvhead: the default above.
-//   DUALKV_SM90_TILE_WINDOW=N|all       tiles per scheduling window (main used 16); all or 0:
-//                                       the whole plan.
-// Anything else in either is ignored (the default applies). Both are kernel parameters: the
-// kernels' code is the same for every value.
-// `window_env` / `order_env` are the variables' values (null when unset).
-inline FwdItemOrder choose_fwd_item_order(int32_t H, int32_t Hk, const char* window_env, const char* order_env) {
+// Which order a launch with H query heads and Hk KV heads uses: KV-head-major (head_run = the GQA
+// group) over the whole plan as one window (docs/notes/2026-12-02-fwd-kv-head-order.md): the CTAs
+// running at once read one KV head's K / V, which is then read from HBM about once per forward
+// instead of once per 16-tile window. Measured on the H200 against the query-head-outer order with
+// 16-tile windows (main's until 2026-12-02): fwd 0.984 / 0.988 / 0.986 of its time at N8 P16K R2K /
+// N16 P8K R2K / N16 P4K R1K (H 32, Hk 8, D 128), W 1024 0.975 at P 4K; the other orders swept
+// (head runs of 1 with windows 16..all, KV-head runs with windows 16/33/64) are in docs/decisions.md.
+inline FwdItemOrder choose_fwd_item_order(int32_t H, int32_t Hk) {
   constexpr int32_t kWholePlan = INT32_MAX;  // the kernel clamps the window to the plan's tiles
   FwdItemOrder o{kWholePlan, (Hk > 0 && H % Hk == 0) ? H / Hk : 1};
-  if (order_env != nullptr) {
-    const char* s = order_env;
-    auto eq = [s](const char* lit) {
-      int i = 0;
-      for (; lit[i] != 0; ++i)
-        if (s[i] != lit[i]) return false;
-      return s[i] == 0;
-    };
-    if (eq("head")) o.head_run = 1;
-  }
-  if (window_env != nullptr) {
-    const char* s = window_env;
-    if (s[0] == 'a' && s[1] == 'l' && s[2] == 'l' && s[3] == 0) {
-      o.window = kWholePlan;
-    } else {
-      int64_t v = 0;
-      int i = 0;
-      for (; s[i] >= '0' && s[i] <= '9' && v <= kWholePlan; ++i) v = v * 10 + (s[i] - '0');
-      if (i > 0 && s[i] == 0) o.window = (v == 0 || v > kWholePlan) ? kWholePlan : static_cast<int32_t>(v);
-    }
-  }
-  if (o.head_run < 1 || H % o.head_run != 0) o.head_run = 1;
   return o;
 }
 

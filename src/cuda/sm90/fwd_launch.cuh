@@ -4,8 +4,6 @@
 #include <cuda.h>
 #include <cuda_runtime.h>
 
-#include <cstdlib>
-
 #include "launch.h"
 #include "sm90/arch.h"
 #include "sm90/fwd_kernel.cuh"
@@ -35,11 +33,8 @@ cudaError_t run_fwd(const FwdArgs& args, int sms, cudaStream_t stream) {
   const int H = args.num_heads, Hk = args.num_kv_heads;
   Sm90FwdParams<D> p;
   p.a = args;
-  // The item order (fwd_item_order.h): KV-head-major over the whole plan unless the measurement
-  // knobs DUALKV_SM90_FWD_ORDER / DUALKV_SM90_TILE_WINDOW ask otherwise (read on every launch, two
-  // getenv calls: they go with the losing order after the A/B).
-  const FwdItemOrder order =
-      choose_fwd_item_order(H, Hk, std::getenv("DUALKV_SM90_TILE_WINDOW"), std::getenv("DUALKV_SM90_FWD_ORDER"));
+  // The item order (fwd_item_order.h): KV-head-major over the whole plan.
+  const FwdItemOrder order = choose_fwd_item_order(H, Hk);
   p.tile_window = order.window;
   p.head_run = order.head_run;
   if (!make_map(&p.tq, kTmaType<T>, args.q, D, H, T_, args.q_hs, args.q_ts, C::kBlockM) ||
