@@ -10,6 +10,7 @@
 
 #include <stdint.h>
 
+#include "fwd_item_order.h"
 #include "kernel_params.h"
 #include "plan_format.h"
 
@@ -24,20 +25,8 @@ __device__ __forceinline__ bool plan_matches(const int32_t* plan, const LayoutPt
 // reductions (seg, k0, k1, slot0, nsplit, 0)). Kernels index them inline: an accessor function here
 // changed ptxas' schedule of the Hopper backward (16 bytes spilled at D = 64).
 
-// Forward item index -> (query tile, head) in scheduling windows of `window` consecutive tiles
-// (similar work, usually one prompt group), heads outer and tiles inner, so the CTAs running at one
-// time read the K/V of few KV heads and that K/V stays in L2. window == 1 is the plain order
-// (tile = item / H, head = item % H).
-__device__ __forceinline__ void decode_fwd_item(int32_t item, int32_t n_tiles, int H, int32_t window, int32_t& tile,
-                                                int& h) {
-  const int32_t per_w = window * H;
-  const int32_t w = item / per_w;
-  const int32_t r = item - w * per_w;
-  const int32_t first = w * window;
-  const int32_t cnt = min(window, n_tiles - first);
-  h = r / cnt;
-  tile = first + (r - h * cnt);
-}
+// Forward item index -> (query tile, head): decode_fwd_item of fwd_item_order.h (the Hopper
+// forward's order; shared with the host, which picks its window and head runs per launch).
 
 // external prefix (issue 17): whether a backward item or reduction of segment `seg` is a prefix item
 // (plan_format.h: its k0, k1 are rows of the prefix buffers). Only the kernels' prefix

@@ -68,7 +68,8 @@ template <int D>
 struct Sm90FwdParams {
   FwdArgs a;
   CUtensorMap tq, tk, tv;
-  int32_t tile_window;  // decode_fwd_item (plan_reader.cuh)
+  int32_t tile_window;  // decode_fwd_item (fwd_item_order.h): tiles per window, clamped to the plan's
+  int32_t head_run;     // decode_fwd_item: query heads per run, divides H (the launcher checks)
   CUtensorMap tpk, tpv;  // external prefix (issue 17): the prefix K / V buffers (prefix kernels only)
 };
 
@@ -124,7 +125,7 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
   const int H = a.num_heads;
   const int group = H / a.num_kv_heads;
   const int32_t n_items = n_tiles * H;
-  const int32_t window = max(1, p.tile_window);
+  const int32_t window = clamp_fwd_window(p.tile_window, n_tiles);
 
   constexpr uint32_t kConsumerWarps = 8;
   if (threadIdx.x == 0) {
@@ -166,7 +167,7 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
       if (item >= n_items) break;
       int32_t tile;
       int h;
-      decode_fwd_item(item, n_tiles, H, window, tile, h);
+      decode_fwd_item(item, n_tiles, H, window, p.head_run, tile, h);
       const int hk = h / group;
       const int32_t seg = items[tile * kFwdItemInts + 0];
       const int32_t q0 = items[tile * kFwdItemInts + 1];
@@ -252,7 +253,7 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
     if (item >= n_items) break;
     int32_t tile;
     int h;
-    decode_fwd_item(item, n_tiles, H, window, tile, h);
+    decode_fwd_item(item, n_tiles, H, window, p.head_run, tile, h);
     const int32_t seg = items[tile * kFwdItemInts + 0];
     const int32_t q0 = items[tile * kFwdItemInts + 1];
     const int32_t q1 = items[tile * kFwdItemInts + 2];

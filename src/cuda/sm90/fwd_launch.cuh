@@ -11,9 +11,6 @@
 
 namespace dualkv::cuda::sm90 {
 
-// Forward query tiles per scheduling window (decode_fwd_item, plan_reader.cuh).
-constexpr int kTileWindow = 16;
-
 // One persistent CTA per SM of `Kernel` (launch.h), its work counter zeroed on `stream` first.
 template <auto Kernel, int D>
 cudaError_t launch_fwd(const Sm90FwdParams<D>& p, int sms, cudaStream_t stream) {
@@ -32,7 +29,10 @@ cudaError_t run_fwd(const FwdArgs& args, int sms, cudaStream_t stream) {
   const int H = args.num_heads, Hk = args.num_kv_heads;
   Sm90FwdParams<D> p;
   p.a = args;
-  p.tile_window = kTileWindow;
+  // The item order (fwd_item_order.h): KV-head-major over the whole plan.
+  const FwdItemOrder order = choose_fwd_item_order(H, Hk);
+  p.tile_window = order.window;
+  p.head_run = order.head_run;
   if (!make_map(&p.tq, kTmaType<T>, args.q, D, H, T_, args.q_hs, args.q_ts, C::kBlockM) ||
       !make_map(&p.tk, kTmaType<T>, args.k, D, Hk, T_, args.k_hs, args.k_ts, C::kBlockN) ||
       !make_map(&p.tv, kTmaType<T>, args.v, D, Hk, T_, args.v_hs, args.v_ts, C::kBlockN))

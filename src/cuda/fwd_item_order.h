@@ -1,0 +1,77 @@
+// The Hopper forward's item order: which (plan query tile, query head) forward item i covers.
+//
+// Host and device code: the launcher picks the order's two numbers (sm90/fwd_launch.cuh), the
+// kernel decodes its items with them (sm90/fwd_kernel.cuh), and the CPU tests
+// (tests/cpp/test_fwd_item_order.cpp) check that every order is a permutation of the items. The
+// plan itself does not know the head counts, so the order of heads is decided here, per launch.
+#pragma once
+
+#include <stdint.h>
+
+#if defined(__CUDACC__)
+#define DUALKV_ORDER_FN __host__ __device__ __forceinline__
+#else
+#define DUALKV_ORDER_FN inline
+#endif
+
+namespace dualkv::cuda {
+
+// Forward item index -> (tile, h), item in [0, n_tiles * H).
+//
+// The plan's tiles (longest work first: neighbours have similar work, usually one prompt group)
+// are cut into scheduling windows of `window` consecutive tiles; a window's window * H items come
+// before the next window's. Inside a window of cnt tiles the query heads go in runs of `head_run`
+// consecutive heads: item = w * window * H + ((h / head_run) * cnt + t) * head_run + h % head_run
+// for tile = w * window + t:
+//   head_run 1:     query head outer, tiles inner (the only order up to 2026-12-02).
+//   head_run group: KV head outer, tiles, then the group's query heads (h = hk * group + g): the
+//                   query heads that read one KV head take the same tile one after another, so
+//                   their CTAs walk the same K / V at the same time, and with a window of at
+//                   least SMs / group tiles the CTAs running at once read one KV head's K / V.
+// Requires 1 <= window <= n_tiles (clamp_fwd_window) and H % head_run == 0; the last window may
+// have fewer tiles. window == 1 with head_run == H is the plain order (tile = item / H).
+DUALKV_ORDER_FN void decode_fwd_item(int32_t item, int32_t n_tiles, int32_t H, int32_t window, int32_t head_run,
+                                     int32_t& tile, int32_t& h) {
+  const int32_t per_w = window * H;
+  const int32_t w = item / per_w;
+  const int32_t r = item - w * per_w;
+  const int32_t first = w * window;
+  const int32_t cnt = n_tiles - first < window ? n_tiles - first : window;
+  const int32_t per_run = cnt * head_run;  // items of one run of heads over the window's tiles
+  const int32_t run = r / per_run;
+  const int32_t r2 = r - run * per_run;
+  const int32_t t = r2 / head_run;
+  tile = first + t;
+  h = run * head_run + (r2 - t * head_run);
+}
+
+// The window a launch's decode_fwd_item uses: the host's (FwdItemOrder::window, which may ask for
+// the whole plan with INT32_MAX) clamped to [1, n_tiles], so that window * H cannot overflow.
+DUALKV_ORDER_FN int32_t clamp_fwd_window(int32_t window, int32_t n_tiles) {
+  const int32_t w = window < n_tiles ? window : n_tiles;
+  return w > 1 ? w : 1;
+}
+
+// ---- host: the order a launch uses (declared in nvcc's device pass too, where the launchers'
+// host code is parsed; never called from device code) ----
+
+// The two numbers of decode_fwd_item for one launch.
+struct FwdItemOrder {
+  int32_t window;    // tiles per scheduling window, in [1, n_tiles] once clamped to the plan
+  int32_t head_run;  // query heads per run, divides H
+};
+
+// Which order a launch with H query heads and Hk KV heads uses: KV-head-major (head_run = the GQA
+// group) over the whole plan as one window (docs/notes/2026-12-02-fwd-kv-head-order.md): the CTAs
+// running at once read one KV head's K / V, which is then read from HBM about once per forward
+// instead of once per 16-tile window. Measured on the H200 against the query-head-outer order with
+// 16-tile windows (main's until 2026-12-02): fwd 0.984 / 0.988 / 0.986 of its time at N8 P16K R2K /
+// N16 P8K R2K / N16 P4K R1K (H 32, Hk 8, D 128), W 1024 0.975 at P 4K; the other orders swept
+// (head runs of 1 with windows 16..all, KV-head runs with windows 16/33/64) are in docs/decisions.md.
+inline FwdItemOrder choose_fwd_item_order(int32_t H, int32_t Hk) {
+  constexpr int32_t kWholePlan = INT32_MAX;  // the kernel clamps the window to the plan's tiles
+  FwdItemOrder o{kWholePlan, (Hk > 0 && H % Hk == 0) ? H / Hk : 1};
+  return o;
+}
+
+}  // namespace dualkv::cuda
