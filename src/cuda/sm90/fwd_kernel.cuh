@@ -104,37 +104,47 @@ struct Sm90Barriers {
 // ---- The O epilogue through smem and a TMA store (Sm90FwdConfig::kOStaged, issue 23) ----
 // Per consumer warpgroup cw: its 64 rows in kOHalfBytes of smem (D / 64 boxes of 64 rows x 128 B,
 // 128B swizzle: row r's 16-byte chunk c at chunk c ^ (r % 8)), named barrier kFwdOBarrier + cw, and
-// thread tid 0 issues the TMA stores (one bulk group per item) and waits for them.
+// the warpgroup's first thread issues the TMA stores (one bulk group per item) and waits for them.
+// Addresses are 32-bit smem addresses, and every per-thread value is derived from the thread index
+// read afresh in the epilogue: nothing new stays live through the KV loop (per-thread values the
+// compiler hoisted out of the item loop made the softcap kernels spill, 16 bytes).
 constexpr uint32_t kFwdOBarrier = 3;  // 1 and 2: the consumers' turn-taking
+
+__device__ __forceinline__ bool fwd_o_store_thread() { return thread_index_x() % 128 == 0; }
 
 // Before staging: the warpgroup's previous store has finished reading its smem (issued an item
 // ago, so this rarely waits).
-__device__ __forceinline__ void fwd_o_staging_acquire(int cw, int tid) {
-  if (tid == 0) bulk_wait_group_read<0>();
+__device__ __forceinline__ void fwd_o_staging_acquire(int cw) {
+  if (fwd_o_store_thread()) bulk_wait_group_read<0>();
   named_bar_sync(kFwdOBarrier + cw, 128);
 }
 
-// Row r (0: row g, 1: row g + 8 of the thread's 16-row slice; `row` its index in the warpgroup's 64)
-// of the accumulator fragment, times inv, as element pairs. Per store instruction the warp's 8 rows
-// x 4 pairs land in 32 distinct banks (the swizzle spreads the rows' chunks).
+// Row r (0: row g, 1: row g + 8 of the warp's 16-row slice) of the accumulator fragment, times inv,
+// as element pairs. `thread`: the thread's index in the warpgroup, from thread_index_x() read in the
+// epilogue, so that the per-thread addresses are computed here and not hoisted out of the item loop.
+// Row `row` has row % 8 == g, so chunk c lands at ((c ^ g) * 16) = (g * 16) ^ (c * 16) within the
+// row (the row's base has bits 4-6 clear). Per store instruction the warp's 8 rows x 4 pairs land in
+// 32 distinct banks.
 template <typename T, int D>
-__device__ __forceinline__ void fwd_o_stage_row(uint8_t* sOw, const float (&o)[D / 2], int r, float inv, int row,
-                                                int g, int t4) {
-  uint8_t* srow = sOw + row * 128 + 4 * t4;
+__device__ __forceinline__ void fwd_o_stage_row(uint32_t sOw, const float (&o)[D / 2], int r, float inv,
+                                                uint32_t thread) {
+  const uint32_t lane = thread % 32, g = lane / 4, t4 = lane % 4;
+  const uint32_t row = (thread / 32) * 16 + g + r * 8;
+  const uint32_t srow = (sOw + row * 128 + 4 * t4) | (g * 16);
 #pragma unroll
   for (int j = 0; j < D / 8; ++j)
-    *reinterpret_cast<uint32_t*>(srow + (j / 8) * (64 * 128) + (((j % 8) ^ g) * 16)) =
-        Convert<T>::pack(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
+    st_shared_u32((srow ^ ((j % 8) * 16)) + (j / 8) * (64 * 128),
+                  Convert<T>::pack(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv));
 }
 
 // After staging: every thread's writes made visible to the async proxy, then one thread stores the
 // warpgroup's boxes (columns b * 64, head h, tokens [row0, row0 + 64)).
 template <int D>
-__device__ __forceinline__ void fwd_o_staging_release(const CUtensorMap* to, const uint8_t* sOw, int cw, int tid,
-                                                      int h, int32_t row0) {
+__device__ __forceinline__ void fwd_o_staging_release(const CUtensorMap* to, uint32_t sOw, int cw, int h,
+                                                      int32_t row0) {
   fence_proxy_async_smem();
   named_bar_sync(kFwdOBarrier + cw, 128);
-  if (tid == 0) {
+  if (fwd_o_store_thread()) {
 #pragma unroll
     for (int b = 0; b < D / 64; ++b) tma_store_3d(to, sOw + b * (64 * 128), b * 64, h, row0);
     bulk_commit_group();
@@ -160,7 +170,6 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
   uint8_t* sQ = smem;
   uint8_t* sK = smem + C::kOffK;
   uint8_t* sV = smem + C::kOffV;
-  uint8_t* sO = smem + C::kOffO;  // Sm90FwdConfig::kOStaged
   uint64_t* bars = reinterpret_cast<uint64_t*>(smem + C::kOffBar);
   Sm90Barriers B;
   B.k_full = bars;
@@ -514,8 +523,20 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
     // O through smem and a TMA store when every row of this warpgroup's box is the item's or lies
     // past the tensor's end (TMA clips only there): rows past q1 inside T belong to the next
     // segment or another item, so a ragged box stores per thread as before.
-    const bool o_staged = C::kOStaged && p.o_tma != 0 && (q0 + cw * 64 + 64 <= q1 || (q1 >= L.num_tokens && q0 + cw * 64 < q1));
-    if (o_staged) fwd_o_staging_acquire(cw, tid);
+    // Everything per thread here derives from a fresh read of the thread index (ocw: cw again): the
+    // compiler cannot hoist it out of the item loop, where each value kept live through the KV loop
+    // would cost a register there (the softcap kernels spilled).
+    const uint32_t o_thread_x = thread_index_x();
+    const int ocw = static_cast<int>(o_thread_x / 128) - 1;
+    const uint32_t o_thread = o_thread_x % 128;
+    const int32_t o_row0 = q0 + ocw * 64;  // this warpgroup's first row
+    // The same for the whole warpgroup; the vote tells the compiler so (as a per-thread branch
+    // around the named barriers it cost the all-modifier kernels 16 bytes of spills).
+    const bool o_staged = C::kOStaged && p.o_tma != 0 &&
+                          __all_sync(0xffffffffu, o_row0 + 64 <= q1 || (q1 >= L.num_tokens && o_row0 < q1));
+    // This warpgroup's O box, from an address the loop keeps live (K's).
+    const uint32_t o_box = k_base - C::kOffK + C::kOffO + ocw * C::kOHalfBytes;
+    if (o_staged) fwd_o_staging_acquire(ocw);
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       float tot = l[r];
@@ -526,7 +547,7 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
       if constexpr (Mods::kSinks)  // mask modifiers (issue 16): the sink joins the row's softmax
         inv = fold_sink_epilogue(m[r], tot, Mods::score_scale(a), a.sinks[h], &sink_lse);
       if constexpr (C::kOStaged) {
-        if (o_staged) fwd_o_stage_row<T, D>(sO + cw * C::kOHalfBytes, o, r, inv, warp * 16 + g + r * 8, g, t4);
+        if (o_staged) fwd_o_stage_row<T, D>(o_box, o, r, inv, o_thread);
       }
       const int32_t qi = qi0 + r * 8;
       if (qi < q1) {
@@ -543,12 +564,12 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
       }
     }
     if constexpr (C::kOStaged) {
-      if (o_staged) fwd_o_staging_release<D>(&p.to, sO + cw * C::kOHalfBytes, cw, tid, h, q0 + cw * 64);
+      if (o_staged) fwd_o_staging_release<D>(&p.to, o_box, ocw, h, o_row0);
     }
   }
   // The last TMA stores of O still read smem: the issuing thread waits for them before the CTA ends.
   if constexpr (C::kOStaged) {
-    if (tid == 0) bulk_wait_group<0>();
+    if (fwd_o_store_thread()) bulk_wait_group<0>();
   }
 }
 
