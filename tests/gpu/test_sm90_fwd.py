@@ -107,3 +107,13 @@ def test_strided_inputs():
 
 def test_single_token():
     check([1], [-1], 2, 1, DIMS[0], torch.bfloat16, seed=19)
+
+
+@pytest.mark.parametrize("D", DIMS)
+@pytest.mark.parametrize("tail", [63, 64, 65, 127, 128, 129, 191, 192, 193])
+def test_epilogue_box_edges(D, tail):
+    """The O epilogue (D <= 128) stores a consumer warpgroup's 64-row box by TMA only when every row
+    is the tile's or lies past T (TMA clips only at T): segments of `tail` rows end one row before,
+    at and one row after each box edge, in the middle of the packed tensor (the next segment's rows
+    follow: a box stored whole would overwrite them) and at its end (the clip)."""
+    check([200, tail, 70, tail], [-1, 0, 0, -1], 4, 1, D, torch.bfloat16, seed=tail)

@@ -18,7 +18,8 @@ inline bool runs_on(int major, int minor) { return major == 9 && minor == 0; }
 
 // TMA needs every base pointer of q, k, v (and dout) 16-byte aligned and their token and head
 // strides multiples of 16 bytes; the epilogues store element pairs from registers (out, dk, dv
-// 4-byte aligned with even strides); the backward's dQ accumulator is a TMA reduce target.
+// 4-byte aligned with even strides; the forward stores out by TMA where it is also TMA-aligned,
+// fwd_launch.cuh); the backward's dQ accumulator is a TMA reduce target.
 bool fwd_args_ok(const FwdArgs& args, int head_dim);
 bool bwd_args_ok(const BwdArgs& args, int head_dim);
 

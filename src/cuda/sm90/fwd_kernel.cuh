@@ -9,6 +9,8 @@
 //     S_j = Q K_j^T (wgmma, both operands in smem), issued together with O += P_{j-1} V_{j-1}
 //     (wgmma, P from registers, V in smem read N-major), so that the softmax of tile j overlaps
 //     the P V product of tile j-1. Online softmax in fp32 with exp2; the scale is folded in.
+//     Epilogue (D <= 128): O normalised into the warpgroup's smem box and stored by TMA (one thread
+//     issues, the warpgroup goes on to its next item); ragged boxes and D 256 store per thread.
 //   Masks: columns past the end of the KV range (a tile may overlap the next segment or run past
 //   T, where TMA fills zeros), and the causal diagonal inside the query's own segment.
 //
@@ -20,6 +22,8 @@
 //                                  once S = Q K^T completes, so the next K load has a whole
 //                                  iteration of slack (measured +24-37% against releasing K with
 //                                  V after P V, H200, hdim 128); kv_empty guards V alone
+//   named barrier 3 + cw            consumer warpgroup cw's O staging box: free (its previous TMA
+//                                  store has read it) / written and fenced (the store may go)
 // Phases follow running counters kept identically by producer and consumers.
 #pragma once
 
@@ -55,10 +59,19 @@ struct Sm90FwdConfig {
   static constexpr uint32_t kKVBytes = kBlockN * D * 2;  // one K (or V) tile
   static constexpr uint32_t kQBoxBytes = kBlockM * 128;
   static constexpr uint32_t kKVBoxBytes = kBlockN * 128;
-  // smem: Q | K[stages] | V[stages] | barriers + item slots. Tiles 1024-byte aligned.
+  // smem: Q | K[stages] | V[stages] | O (D <= 128) | barriers + item slots. Tiles 1024-byte aligned.
   static constexpr uint32_t kOffK = kQBytes;
   static constexpr uint32_t kOffV = kOffK + kStages * kKVBytes;
-  static constexpr uint32_t kOffBar = kOffV + kStages * kKVBytes;
+  // The O epilogue through smem and a TMA store (issue 23, FA3's epilogue): a consumer warpgroup
+  // stages its 64 normalised rows and hands them to the TMA engine instead of storing from
+  // registers. Its own buffer, not Q's: the producer may be loading the next item's Q by then. At D
+  // 256 the 64 KiB buffer does not fit next to Q, K, V (263 KB > 227 KB): per-thread stores there.
+  static constexpr bool kOStaged = D <= 128;
+  static constexpr uint32_t kOBytes = kOStaged ? kBlockM * D * 2 : 0;
+  static constexpr uint32_t kOHalfBytes = kOBytes / 2;  // one consumer warpgroup's 64 rows
+  static constexpr uint32_t kOBoxBytes = 64 * 128;      // 64 rows x 64 columns, 128B swizzle
+  static constexpr uint32_t kOffO = kOffV + kStages * kKVBytes;
+  static constexpr uint32_t kOffBar = kOffO + kOBytes;
   static constexpr uint32_t kBarBytes = 8 * (4 * kStages + 2 + 4) + 16;
   static constexpr uint32_t kSmemBytes = kOffBar + kBarBytes + 1024;  // + alignment slack
   static_assert(D % 64 == 0, "head dim must be a multiple of 64");
@@ -71,6 +84,10 @@ struct Sm90FwdParams {
   int32_t tile_window;  // decode_fwd_item (fwd_item_order.h): tiles per window, clamped to the plan's
   int32_t head_run;     // decode_fwd_item: query heads per run, divides H (the launcher checks)
   CUtensorMap tpk, tpv;  // external prefix (issue 17): the prefix K / V buffers (prefix kernels only)
+  // The O epilogue's TMA store (Sm90FwdConfig::kOStaged): the output's map, boxes of 64 rows, and
+  // whether it could be made (o_tma = 0: out is not TMA-aligned, every tile stores per thread).
+  CUtensorMap to;
+  int32_t o_tma;
 };
 
 struct Sm90Barriers {
@@ -84,6 +101,56 @@ struct Sm90Barriers {
   uint64_t* item_empty;
   int32_t* items;
 };
+
+// ---- The O epilogue through smem and a TMA store (Sm90FwdConfig::kOStaged, issue 23) ----
+// Per consumer warpgroup cw: its 64 rows in kOHalfBytes of smem (D / 64 boxes of 64 rows x 128 B,
+// 128B swizzle: row r's 16-byte chunk c at chunk c ^ (r % 8)), named barrier kFwdOBarrier + cw, and
+// the warpgroup's first thread issues the TMA stores (one bulk group per item) and waits for them.
+// Addresses are 32-bit smem addresses, and every per-thread value is derived from the thread index
+// read afresh in the epilogue: nothing new stays live through the KV loop (per-thread values the
+// compiler hoisted out of the item loop made the softcap kernels spill, 16 bytes).
+constexpr uint32_t kFwdOBarrier = 3;  // 1 and 2: the consumers' turn-taking
+
+__device__ __forceinline__ bool fwd_o_store_thread() { return thread_index_x() % 128 == 0; }
+
+// Before staging: the warpgroup's previous store has finished reading its smem (issued an item
+// ago, so this rarely waits).
+__device__ __forceinline__ void fwd_o_staging_acquire(int cw) {
+  if (fwd_o_store_thread()) bulk_wait_group_read<0>();
+  named_bar_sync(kFwdOBarrier + cw, 128);
+}
+
+// Row r (0: row g, 1: row g + 8 of the warp's 16-row slice) of the accumulator fragment, times inv,
+// as element pairs. `thread`: the thread's index in the warpgroup, from thread_index_x() read in the
+// epilogue, so that the per-thread addresses are computed here and not hoisted out of the item loop.
+// Row `row` has row % 8 == g, so chunk c lands at ((c ^ g) * 16) = (g * 16) ^ (c * 16) within the
+// row (the row's base has bits 4-6 clear). Per store instruction the warp's 8 rows x 4 pairs land in
+// 32 distinct banks.
+template <typename T, int D>
+__device__ __forceinline__ void fwd_o_stage_row(uint32_t sOw, const float (&o)[D / 2], int r, float inv,
+                                                uint32_t thread) {
+  const uint32_t lane = thread % 32, g = lane / 4, t4 = lane % 4;
+  const uint32_t row = (thread / 32) * 16 + g + r * 8;
+  const uint32_t srow = (sOw + row * 128 + 4 * t4) | (g * 16);
+#pragma unroll
+  for (int j = 0; j < D / 8; ++j)
+    st_shared_u32((srow ^ ((j % 8) * 16)) + (j / 8) * (64 * 128),
+                  Convert<T>::pack(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv));
+}
+
+// After staging: every thread's writes made visible to the async proxy, then one thread stores the
+// warpgroup's boxes (columns b * 64, head h, tokens [row0, row0 + 64)).
+template <int D>
+__device__ __forceinline__ void fwd_o_staging_release(const CUtensorMap* to, uint32_t sOw, int cw, int h,
+                                                      int32_t row0) {
+  fence_proxy_async_smem();
+  named_bar_sync(kFwdOBarrier + cw, 128);
+  if (fwd_o_store_thread()) {
+#pragma unroll
+    for (int b = 0; b < D / 64; ++b) tma_store_3d(to, sOw + b * (64 * 128), b * 64, h, row0);
+    bulk_commit_group();
+  }
+}
 
 // Ping-pong: the two consumer warpgroups take turns issuing their wgmma batches (named barriers 1
 // and 2), so that one's softmax runs while the other's matrix products occupy the tensor cores.
@@ -454,6 +521,23 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
 
     // Epilogue: normalise, store O (input dtype) and the natural-log LSE.
     T* og = static_cast<T*>(a.out);
+    // O through smem and a TMA store when every row of this warpgroup's box is the item's or lies
+    // past the tensor's end (TMA clips only there): rows past q1 inside T belong to the next
+    // segment or another item, so a ragged box stores per thread as before.
+    // Everything per thread here derives from a fresh read of the thread index (ocw: cw again): the
+    // compiler cannot hoist it out of the item loop, where each value kept live through the KV loop
+    // would cost a register there (the softcap kernels spilled).
+    const uint32_t o_thread_x = thread_index_x();
+    const int ocw = static_cast<int>(o_thread_x / 128) - 1;
+    const uint32_t o_thread = o_thread_x % 128;
+    const int32_t o_row0 = q0 + ocw * 64;  // this warpgroup's first row
+    // The same for the whole warpgroup; the vote tells the compiler so (as a per-thread branch
+    // around the named barriers it cost the all-modifier kernels 16 bytes of spills).
+    const bool o_staged = C::kOStaged && p.o_tma != 0 &&
+                          __all_sync(0xffffffffu, o_row0 + 64 <= q1 || (q1 >= L.num_tokens && o_row0 < q1));
+    // This warpgroup's O box, from an address the loop keeps live (K's).
+    const uint32_t o_box = k_base - C::kOffK + C::kOffO + ocw * C::kOHalfBytes;
+    if (o_staged) fwd_o_staging_acquire(ocw);
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       float tot = l[r];
@@ -463,18 +547,30 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
       float sink_lse = 0.f;
       if constexpr (Mods::kSinks)  // mask modifiers (issue 16): the sink joins the row's softmax
         inv = fold_sink_epilogue(m[r], tot, Mods::score_scale(a), a.sinks[h], &sink_lse);
+      if constexpr (C::kOStaged) {
+        if (o_staged) fwd_o_stage_row<T, D>(o_box, o, r, inv, o_thread);
+      }
       const int32_t qi = qi0 + r * 8;
       if (qi < q1) {
         T* orow = og + static_cast<int64_t>(qi) * a.o_ts + static_cast<int64_t>(h) * a.o_hs;
+        if (!o_staged) {
 #pragma unroll
-        for (int j = 0; j < D / 8; ++j)
-          *reinterpret_cast<uint32_t*>(orow + j * 8 + 2 * t4) =
-              Convert<T>::pack(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
+          for (int j = 0; j < D / 8; ++j)
+            *reinterpret_cast<uint32_t*>(orow + j * 8 + 2 * t4) =
+                Convert<T>::pack(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
+        }
         if (a.lse != nullptr && t4 == 0)
           a.lse[static_cast<int64_t>(h) * a.lse_hs + qi] =
               Mods::kSinks ? sink_lse : tot > 0.f ? m[r] * Mods::score_scale(a) + logf(tot) : CUDART_INF_F;
       }
     }
+    if constexpr (C::kOStaged) {
+      if (o_staged) fwd_o_staging_release<D>(&p.to, o_box, ocw, h, o_row0);
+    }
+  }
+  // The last TMA stores of O still read smem: the issuing thread waits for them before the CTA ends.
+  if constexpr (C::kOStaged) {
+    if (fwd_o_store_thread()) bulk_wait_group<0>();
   }
 }
 

@@ -37,6 +37,14 @@ cudaError_t run_fwd(const FwdArgs& args, int sms, cudaStream_t stream) {
       !make_map(&p.tk, kTmaType<T>, args.k, D, Hk, T_, args.k_hs, args.k_ts, C::kBlockN) ||
       !make_map(&p.tv, kTmaType<T>, args.v, D, Hk, T_, args.v_hs, args.v_ts, C::kBlockN))
     return cudaErrorNotSupported;
+  // The O epilogue's TMA store (Sm90FwdConfig::kOStaged): only where out is TMA-aligned (16-byte
+  // base and strides); otherwise the kernel stores every tile per thread (fwd_args_ok asks pairs only).
+  p.o_tma = 0;
+  if constexpr (C::kOStaged) {
+    const bool aligned = reinterpret_cast<uintptr_t>(args.out) % 16 == 0 && args.o_ts > 0 && (args.o_ts * 2) % 16 == 0 &&
+                         (H == 1 || (args.o_hs > 0 && (args.o_hs * 2) % 16 == 0));
+    p.o_tma = aligned && make_map(&p.to, kTmaType<T>, args.out, D, H, T_, args.o_hs, args.o_ts, 64) ? 1 : 0;
+  }
   if (args.prefix_k != nullptr) {  // external prefix (issue 17): instantiated without modifiers only
     if constexpr (std::is_same_v<Mods, NoModifiers>) {
       // The prefix buffers' tensor maps (rows: the prefix buffers').

@@ -73,6 +73,31 @@ __device__ __forceinline__ void tma_reduce_add_3d(const CUtensorMap* map, const 
       "r"(smem_u32(smem_src)), "r"(c0), "r"(c1), "r"(c2)
       : "memory");
 }
+// 3-d tiled store of a smem box to global (the forward's O epilogue): element type and swizzle from
+// the map; box elements past the tensor's bounds are skipped (clipped at the tensor, nothing finer).
+// Completes in a bulk group of the issuing thread, like tma_reduce_add_3d.
+__device__ __forceinline__ void tma_store_3d(const CUtensorMap* map, uint32_t smem_src, int32_t c0, int32_t c1,
+                                             int32_t c2) {
+  asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.tile.bulk_group [%0, {%2, %3, %4}], [%1];\n" ::"l"(
+                   reinterpret_cast<uint64_t>(map)),
+               "r"(smem_src), "r"(c0), "r"(c1), "r"(c2)
+               : "memory");
+}
+// 4-byte store to smem byte address `addr` (a 32-bit shared-window address: no 64-bit pointer kept).
+__device__ __forceinline__ void st_shared_u32(uint32_t addr, uint32_t v) {
+  asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
+}
+// This thread's index in its block, read afresh (volatile: not kept live from an earlier read).
+__device__ __forceinline__ uint32_t thread_index_x() {
+  uint32_t t;
+  asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(t));
+  return t;
+}
+// Makes this thread's generic-proxy writes to smem visible to the async proxy (a TMA store that reads
+// them after a barrier).
+__device__ __forceinline__ void fence_proxy_async_smem() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
 __device__ __forceinline__ void bulk_commit_group() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
 // Until at most N of this thread's bulk groups still read their smem sources.
 template <int N>
