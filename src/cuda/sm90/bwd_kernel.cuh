@@ -31,6 +31,11 @@
 //     instead of D/16 16-byte global atomics (+ D/8 shuffles), and the L2 reductions no longer go
 //     through the math warps' load/store queues. The writer walks the same items and steps as the
 //     consumers.
+//   Head dim 64 without softcap (since 2026-12-02, Sm90BwdConfig): 128-row query tiles, so S^T
+//     and dP^T are m64 n128, dV / dK take k = 128, and dQ is split by rows instead of columns
+//     (warpgroup c: dQ[64c .. 64c + 64, :] = dS[64c.., :] K, m64 nD), staged in ONE buffer (dq_full[0]
+//     / dq_empty[0], phase = step parity) that the writer reduces as two 64-row boxes per 32
+//     columns (the second skipped when wholly past qb).
 //   Rows of Q/dO past qb get lse = +inf (P = 0); TMA zero-fills past T. KV rows past k1 (the next
 //   segment's tokens, loaded by TMA) are masked explicitly.
 //   Issue order of the dQ-computing kernel (since 2026-12-02, FA3/FA4's): dV, dS stores, [dK's
