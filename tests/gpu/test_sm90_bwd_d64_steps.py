@@ -27,7 +27,7 @@ if torch.cuda.is_available() and 64 not in DIMS:
 
 if torch.cuda.is_available():
     import dualkv
-    from test_cuda_modifiers import run_case as run_modifier_case  # noqa: E402  (the modifier tests' rule)
+    from test_cuda_modifiers import run_case as run_modifier_case  # the modifier tests' rule
     from test_prefix_cuda import Case, check_case, flat_inputs, prefixed_grads, prefixed_inputs, references
     from test_sm90_bwd import run
 
