@@ -78,6 +78,12 @@ DUALKV_TILE_FN int sm80_bwd_dq_pass_cols(int warp_cols) { return warp_cols <= 12
 // Forward KV rows per pipeline stage: 128 up to D = 128, 64 above (shared memory: Q 64 KiB plus
 // two stages of K and V).
 DUALKV_TILE_FN int sm90_fwd_block_n(int head_dim) { return head_dim <= 128 ? 128 : 64; }
+// Backward main kernel (D <= 128) query rows per step: 128 at D = 64 (a step then has D 128's
+// GEMM work and accumulator registers, so its fixed cost is amortised over twice the FLOPs of a
+// 64-row step; docs/notes/2026-12-02-d64-bwd-steps.md), 64 otherwise. Softcap kernels keep 64 at
+// D = 64: the cap's derivative next to 64 x 128 scores and dP^T spills 44-96 bytes (nvcc 13.0).
+// A multiple of the plan's bwd_block_m (its split granularity).
+DUALKV_TILE_FN int sm90_bwd_block_m(int head_dim, bool softcap) { return head_dim == 64 && !softcap ? 128 : 64; }
 
 }  // namespace dualkv
 

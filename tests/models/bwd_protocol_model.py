@@ -30,6 +30,11 @@ reduces, whose smem reads happen at random later times, waits cp.async.bulk.wait
 arrives on dq_empty. Checked in addition: no consumer overwrites a staging quarter that an issued
 reduce has not read yet, every reduce reads the step's version of all 8 quarters, the writer
 exits with no reduce still reading smem.
+--bulk --wide models the 128-row-step kernel (D 64 without softcap, since 2026-12-02): the same
+protocol with ONE dQ staging buffer (dq_full[0] / dq_empty[0], phase = step parity; two of 32 KiB do
+not fit next to dS), so a consumer stages step i only after the writer's reduces of step i - 1 have
+read the buffer. The writer's skipped reduce of a 64-row block wholly past qb only reads less.
+Mutant dq_stage_parity (--wide only): the one buffer waited with the two-buffer parity.
 --mutant NAME plants a bug and expects the model to catch it (exit status 0 when it does):
   single_ds (one dS buffer), count32 (qdo_full initialised to 32 arrivals instead of 33),
   early_kv (kv_empty released before the item's last step), no_ds_bar (no named barrier before dQ),
@@ -65,7 +70,7 @@ producer has reloaded, no TMA load overwrites a quarter a reduce still reads, ev
 arrive on qdo_empty, count 8, after dV/dK retire, the writer does not), d256_qdo_empty8 (qdo_empty left at 8 arrivals), d256_stage_no_bar (a warpgroup stages
 its dQ half without waiting for barrier 1, i.e. while the other may still read Q or dO), and
 dq_no_wait_read, dq_full4, dq_missing_arrive, item_empty8 as for --bulk.
-Run: python3 tests/models/bwd_protocol_model.py [--runs N] [--deterministic] [--bulk]
+Run: python3 tests/models/bwd_protocol_model.py [--runs N] [--deterministic] [--bulk [--wide]]
      [--d256 [--no-stagger]] [--mutant NAME]
 """
 from __future__ import annotations
@@ -97,7 +102,8 @@ def wgmma_reads(me):
     return groups, read, retire
 
 
-def simulate(rng, steps_of, deterministic=False, mutant=None, bulk=False, d256=False, stagger=True, dk_head=False):
+def simulate(rng, steps_of, deterministic=False, mutant=None, bulk=False, d256=False, stagger=True, dk_head=False,
+             dq_stages=2):
     n_items = len(steps_of)
     stages = 2
     writer_on = bulk and not deterministic  # the deterministic kernel has no writer in a bulk build
@@ -121,7 +127,7 @@ def simulate(rng, steps_of, deterministic=False, mutant=None, bulk=False, d256=F
     inflight = []  # (barrier, buffer)
     counter = [0]
     # dQ staging (bulk): [buffer][warpgroup][warp] quarters of 16 rows x D/2 columns.
-    n_dq = 2
+    n_dq = dq_stages  # 1 in the 128-row-step (D 64) kernel: one buffer, its phase flips every step
     dq_stage = [[[Buffer(f"dQstage{b}.wg{c}.w{w}") for w in range(4)] for c in range(2)] for b in range(n_dq)]
     dq_full = [MBar(4 if mutant == "dq_full4" else 8) for _ in range(n_dq)]
     dq_empty = [MBar(1) for _ in range(n_dq)]
@@ -253,8 +259,10 @@ def simulate(rng, steps_of, deterministic=False, mutant=None, bulk=False, d256=F
                 check(not any(g is dq_group for g in groups), f"{me} reads dQ of step {step} before it retired")
                 if writer_on:                                             # stage dQ, per warp, under dK
                     b = step % n_dq
+                    # dq_stage_parity: one buffer waited with the two-buffer parity ((step >> 1) & 1).
+                    ph = ((step // 2) & 1) if mutant == "dq_stage_parity" else ((step // n_dq) & 1)
                     if mutant != "dq_no_empty_wait":
-                        yield from wait(lambda: dq_empty[b].ready(((step // n_dq) & 1) ^ 1))
+                        yield from wait(lambda: dq_empty[b].ready(ph ^ 1))
                     for w in rng.sample(range(4), 4):
                         dq_stage[b][cw][w].write((item, s), loaded=True)  # st.shared + fence.proxy.async
                         if not (mutant == "dq_missing_arrive" and cw == 1 and s == n_steps - 1):
@@ -457,9 +465,12 @@ def check_dq_staging_layout():
     dq_accum tensor map reads (box 32 fp32 columns x 64 rows, 128B swizzle: byte offset o of a box
     holds element (row o // 128, 16-byte chunk ((o // 16) % 8) ^ (row % 8), word (o // 4) % 4)),
     for D = 64 and 128: every (row, column) written once, at its place; each 8-byte store
-    instruction of a warp touches every bank at most twice (2 wavefronts for 256 B, the minimum)."""
-    for D in (64, 128):
-        dq_n, box_bytes = D // 2, 64 * 128
+    instruction of a warp touches every bank at most twice (2 wavefronts for 256 B, the minimum).
+    Wide (128-row steps, D 64): warpgroup cw stages rows [64 cw, 64 cw + 64) with all D columns into
+    the boxes of its 64-row block (row block major, D/32 boxes each), which the writer reduces at
+    query row qt + 64 cw."""
+    for D, wide in ((64, False), (128, False), (64, True)):
+        dq_n, box_bytes = (D if wide else D // 2), 64 * 128
         written = {}
         for cw in range(2):
             for warp in range(4):
@@ -469,29 +480,34 @@ def check_dq_staging_layout():
                         for lane in range(32):
                             g, t4 = lane >> 2, lane & 3
                             r0 = warp * 16 + g
-                            box = (cw * dq_n) // 32 + j // 4
+                            box = (cw * (D // 32) if wide else (cw * dq_n) // 32) + j // 4
                             chunk = (2 * (j % 4) + (t4 >> 1)) ^ g
                             addr = r0 * 128 + (t4 & 1) * 8 + box * box_bytes + (chunk << 4) + half * 8 * 128
-                            row, col = r0 + 8 * half, cw * dq_n + 8 * j + 2 * t4  # fragment's element
+                            row = (64 * cw if wide else 0) + r0 + 8 * half       # fragment's element
+                            col = (0 if wide else cw * dq_n) + 8 * j + 2 * t4
                             for e in range(2):
                                 a = addr + 4 * e
                                 b, o = divmod(a, box_bytes)
                                 trow = o // 128
+                                if wide:                    # box b: row block b // (D/32), columns 32 (b % (D/32))
+                                    trow += 64 * (b // (D // 32))
+                                    b %= D // 32
                                 tcol = b * 32 + (((o // 16) % 8) ^ (trow % 8)) * 4 + (o // 4) % 4
                                 check((trow, tcol) == (row, col + e), f"D={D}: ({row},{col + e}) at {a}")
                                 check(a not in written, f"D={D}: address {a} written twice")
                                 written[a] = (row, col + e)
                                 banks.setdefault((a // 4) % 32, set()).add(a // 4)
                         check(max(len(v) for v in banks.values()) <= 2, f"D={D}: bank conflict in store {j}")
-        check(len(written) == 64 * D, f"D={D}: {len(written)} elements written, expected {64 * D}")
+        check(len(written) == (128 if wide else 64) * D, f"D={D}: {len(written)} elements written")
 
 
-def run_many(runs, seed, deterministic, mutant, bulk=False, d256=False, stagger=True):
+def run_many(runs, seed, deterministic, mutant, bulk=False, d256=False, stagger=True, dq_stages=2):
     rng = random.Random(seed)
     for _ in range(runs):
         n_items = rng.randint(1, 10)
         steps_of = [rng.choice([1, 1, 2, 3, rng.randint(1, 6)]) for _ in range(n_items)]
-        simulate(rng, steps_of, deterministic, mutant, bulk, d256, stagger, dk_head=rng.random() < 0.5)
+        simulate(rng, steps_of, deterministic, mutant, bulk, d256, stagger, dk_head=rng.random() < 0.5,
+                 dq_stages=dq_stages)
 
 
 def main():
@@ -503,7 +519,10 @@ def main():
                                          "dq_no_wait_read", "dq_no_empty_wait", "dq_full4", "dq_missing_arrive",
                                          "item_empty8", "p_no_bar", "det_no_end_bar", "p_arrive_early",
                                          "d256_early_qdo", "d256_no_ds_bar", "d256_consumer_release",
-                                         "d256_qdo_empty8", "d256_stage_no_bar", "dk_first", "qdo_at_wait1"])
+                                         "d256_qdo_empty8", "d256_stage_no_bar", "dk_first", "qdo_at_wait1",
+                                         "dq_stage_parity"])
+    ap.add_argument("--wide", action="store_true",
+                    help="the 128-row-step kernel (D 64 without softcap): one dQ staging buffer")
     ap.add_argument("--d256", action="store_true", help="the head-dim-256 kernel (src/cuda/sm90/bwd_kernel_d256.cuh)")
     ap.add_argument("--no-stagger", action="store_true",
                     help="--d256 built with DUALKV_SM90_BWD_D256_STAGGER=0 (no named barrier 3)")
@@ -512,12 +531,15 @@ def main():
         if args.bulk and not args.d256:
             check_dq_staging_layout()
             print("ok: dQ staging addresses = the tensor map's 128B-swizzled boxes, no bank conflicts")
-        run_many(args.runs, 1, args.deterministic, None, args.bulk, args.d256, not args.no_stagger)
+        run_many(args.runs, 1, args.deterministic, None, args.bulk, args.d256, not args.no_stagger,
+                 1 if args.wide else 2)
         print(f"ok: {args.runs} random runs (deterministic={args.deterministic}, bulk={args.bulk}, "
-              f"d256={args.d256}{', no stagger' if args.d256 and args.no_stagger else ''})")
+              f"d256={args.d256}{', no stagger' if args.d256 and args.no_stagger else ''}"
+              f"{', wide (one dQ staging buffer)' if args.wide else ''})")
         return 0
     try:
-        run_many(args.runs, 1, args.deterministic, args.mutant, args.bulk, args.d256, not args.no_stagger)
+        run_many(args.runs, 1, args.deterministic, args.mutant, args.bulk, args.d256, not args.no_stagger,
+                 1 if args.wide else 2)
     except ProtocolError as e:
         print(f"mutant {args.mutant} caught: {e}")
         return 0

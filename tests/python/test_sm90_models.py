@@ -28,7 +28,7 @@ def test_forward_protocol_finds_the_one_stage_deadlock():
     assert res.returncode != 0 and "deadlock" in res.stdout + res.stderr
 
 
-BWD_MODES = [[], ["--deterministic"], ["--bulk"], ["--bulk", "--deterministic"], ["--d256"],
+BWD_MODES = [[], ["--deterministic"], ["--bulk"], ["--bulk", "--deterministic"], ["--bulk", "--wide"], ["--d256"],
              ["--d256", "--deterministic"], ["--d256", "--no-stagger"], ["--d256", "--bulk"],
              ["--d256", "--bulk", "--deterministic"]]
 
@@ -44,6 +44,9 @@ BWD_MUTANTS = [
 ] + [
     (["--bulk"], m) for m in ("single_ds", "early_qdo", "dq_no_wait_read", "dq_no_empty_wait", "dq_full4",
                               "dq_missing_arrive", "item_empty8", "dk_first", "qdo_at_wait1")
+] + [
+    (["--bulk", "--wide"], m) for m in ("dq_stage_parity", "dq_no_wait_read", "dq_no_empty_wait", "dq_full4",
+                                        "dq_missing_arrive", "single_ds", "qdo_at_wait1")
 ] + [
     (["--d256"], m) for m in ("count32", "early_kv", "p_no_bar", "p_arrive_early", "d256_early_qdo", "d256_no_ds_bar")
 ] + [(["--d256", "--deterministic"], "det_no_end_bar")] + [

@@ -31,6 +31,11 @@
 //     instead of D/16 16-byte global atomics (+ D/8 shuffles), and the L2 reductions no longer go
 //     through the math warps' load/store queues. The writer walks the same items and steps as the
 //     consumers.
+//   Head dim 64 without softcap (since 2026-12-02, Sm90BwdConfig): 128-row query tiles, so S^T
+//     and dP^T are m64 n128, dV / dK take k = 128, and dQ is split by rows instead of columns
+//     (warpgroup c: dQ[64c .. 64c + 64, :] = dS[64c.., :] K, m64 nD), staged in ONE buffer (dq_full[0]
+//     / dq_empty[0], phase = step parity) that the writer reduces as two 64-row boxes per 32
+//     columns (the second skipped when wholly past qb).
 //   Rows of Q/dO past qb get lse = +inf (P = 0); TMA zero-fills past T. KV rows past k1 (the next
 //   segment's tokens, loaded by TMA) are masked explicitly.
 //   Issue order of the dQ-computing kernel (since 2026-12-02, FA3/FA4's): dV, dS stores, [dK's
@@ -78,9 +83,19 @@ namespace dualkv::cuda::sm90 {
 
 // kDqStage: the layout of the dQ-computing kernel (kAtomicDq), with the dQ staging buffers; the
 // deterministic kernel has none.
-template <int D, bool kDqStage = false>
+//
+// Query rows per step (2026-12-02, issue 23 #4, docs/notes/2026-12-02-d64-bwd-steps.md): 64 at
+// D = 128, 128 at D = 64. A D 64 step of 64 x 128 has half the GEMM work of a D 128 step but the
+// same fixed cost (barriers, waits, the P^T / dS^T elementwise of 64 x 128 scores, the dS stores),
+// so the kernel ran at 0.73x cuDNN's rate; with 128 query rows a D 64 step has D 128's FLOPs and
+// accumulator footprint (S^T, dP^T: 64 x 128 fp32 = 64 registers each; dK, dV 64 x 64 = 32 each).
+// (Not with a softcap: those kernels keep 64-row steps, tile_size.h.)
+// The plan's split granularity stays 64 rows (plan_tiles): a piece of an odd number of 64-row
+// blocks ends in a step whose second half is past qb (lse = +inf there, P = 0, as any ragged end).
+// kStepRows: sm90_bwd_block_m (tile_size.h).
+template <int D, bool kDqStage = false, int kStepRows = 64>
 struct Sm90BwdConfig {
-  static constexpr int kBlockM = 64;   // query rows per step
+  static constexpr int kBlockM = kStepRows;  // query rows per step
   static constexpr int kBlockN = 128;  // KV rows per item (= the plan's bwd_block_n)
   static constexpr int kThreads = 384;
   static constexpr int kConsumerRegs = 232;
@@ -92,12 +107,22 @@ struct Sm90BwdConfig {
   static constexpr uint32_t kKVBytes = kBlockN * D * 2;  // K (or V)
   static constexpr uint32_t kDSBoxBytes = kBlockM * 128;
   static constexpr uint32_t kDSBytes = kBlockM * kBlockN * 2;
-  static constexpr int kDqN = D / 2;  // dQ columns per consumer warpgroup
-  // dQ staging (kDqStage): 64 rows x D fp32 per buffer, as D/32 boxes of 32 columns (128-byte
-  // rows, 128B swizzle: the float2 stores of an accumulator fragment then hit every bank once).
-  static constexpr int kDqBoxes = D / 32;
-  static constexpr uint32_t kDqBoxBytes = kBlockM * 128;
+  // dQ of the step (kBlockM x D) between the two consumer warpgroups: by columns at 64 rows
+  // (warpgroup c: all 64 rows, columns [c D/2, c D/2 + D/2)), by rows at 128 (warpgroup c: rows
+  // [64c, 64c + 64), all D columns): either way one m64 wgmma chain over the 128 KV rows.
+  static constexpr bool kDqByRows = kBlockM == 128;
+  static constexpr int kDqN = kDqByRows ? D : D / 2;  // dQ columns per consumer warpgroup
+  // dQ staging (kDqStage): kBlockM rows x D fp32 per buffer, as (kBlockM / 64) x (D / 32) boxes of
+  // 64 rows x 32 columns (128-byte rows, 128B swizzle: the float2 stores of an accumulator fragment
+  // then hit every bank once), row block major.
+  static constexpr int kDqBoxes = D / 32;  // boxes per 64-row block
+  static constexpr uint32_t kDqBoxBytes = 64 * 128;
   static constexpr uint32_t kDqStageBytes = kDqStage ? kBlockM * D * 4 : 0;
+  // Staging buffers: 2 (by step parity) at 64 rows; 1 at 128 rows, where two of 32 KiB do not fit
+  // next to the 2 x 32 KiB of dS (232,576 B of 232,448). One buffer costs no wait in practice: the
+  // writer's reduces read step i's staging while the consumers run step i + 1's S^T, dP^T, softmax,
+  // dV and dQ before they stage again.
+  static constexpr int kDqStages = kBlockM == 128 ? 1 : 2;
   // smem: K | V | Q[2] | dO[2] | dS[2] | dQ staging[2] (kDqStage) | lse[2][64] | delta[2][64] |
   // barriers + item slots.
   static constexpr uint32_t kOffK = 0;
@@ -106,16 +131,18 @@ struct Sm90BwdConfig {
   static constexpr uint32_t kOffDO = kOffQ + 2 * kQBytes;
   static constexpr uint32_t kOffDS = kOffDO + 2 * kQBytes;
   static constexpr uint32_t kOffDQ = kOffDS + 2 * kDSBytes;
-  static constexpr uint32_t kOffLse = kOffDQ + 2 * kDqStageBytes;
+  static constexpr uint32_t kOffLse = kOffDQ + kDqStages * kDqStageBytes;
   static constexpr uint32_t kOffDelta = kOffLse + 2 * kBlockM * 4;
   static constexpr uint32_t kOffBar = kOffDelta + 2 * kBlockM * 4;
   // 10 mbarriers + 2 item slots (16 B); kDqStage adds dq_full[2], dq_empty[2] after the slots.
   static constexpr uint32_t kBarBytes = kDqStage ? 8 * 16 : 8 * 10 + 16;
   static constexpr uint32_t kSmemBytes = kOffBar + kBarBytes + 1024;  // + alignment slack
   // D = 128: 165,984 B; with kDqStage + 65,536 (staging) + 32 (barriers) = 231,552 of 232,448 B.
+  // D = 64 (128-row steps): 167,008 B; with kDqStage + 32,768 (one staging buffer) + 32 = 199,808 B.
   static_assert(kSmemBytes <= 227 * 1024, "sm90 backward: over the 227 KiB opt-in smem limit");
   static_assert(D == 64 || D == 128, "sm90 backward: head dim 64 or 128");
   static_assert(kDqN % 32 == 0 && (kDqN <= 64), "dQ half must lie inside one 64-column box");
+  static_assert(kBlockM == 64 || (kBlockM == 128 && D == 64), "sm90 backward: 128-row steps at D = 64 only");
 };
 
 template <int D>
@@ -251,7 +278,7 @@ __global__ void __launch_bounds__(Sm90BwdConfig<D>::kThreads, 1)
 bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
   // The deterministic kernel computes no dQ, so it has no dQ writer (nor staging).
   constexpr bool kBulk = kAtomicDq;
-  using C = Sm90BwdConfig<D, kBulk>;
+  using C = Sm90BwdConfig<D, kBulk, sm90_bwd_block_m(D, Mods::kSoftcap)>;
   constexpr int BM = C::kBlockM, BN = C::kBlockN;
 
   extern __shared__ __align__(1024) uint8_t smem_raw[];
@@ -329,11 +356,20 @@ bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
           for (int32_t s = 0; s < n_steps; ++s, ++step) {
             const int h = hk * group + s / tiles;
             const int32_t qt = qa + (s % tiles) * BM;
-            const uint32_t st = step & 1;
-            mbar_wait(&B.dq_full[st], (step >> 1) & 1);
+            const uint32_t st = C::kDqStages == 2 ? step & 1 : 0;
+            const uint32_t dq_ph = C::kDqStages == 2 ? (step >> 1) & 1 : step & 1;
+            mbar_wait(&B.dq_full[st], dq_ph);
             const uint8_t* stage = smem + C::kOffDQ + st * C::kDqStageBytes;
+            // One reduce per 64-row block and 32-column box; a block wholly past qb (the second of
+            // a ragged 128-row step) was staged as zeros: not added.
 #pragma unroll
-            for (int b = 0; b < C::kDqBoxes; ++b) tma_reduce_add_3d(&p.tdq, stage + b * C::kDqBoxBytes, b * 32, h, qt);
+            for (int rb = 0; rb < BM / 64; ++rb) {
+              if (rb == 0 || qt + rb * 64 < qb) {
+#pragma unroll
+                for (int b = 0; b < C::kDqBoxes; ++b)
+                  tma_reduce_add_3d(&p.tdq, stage + (rb * C::kDqBoxes + b) * C::kDqBoxBytes, b * 32, h, qt + rb * 64);
+              }
+            }
             bulk_commit_group();
             bulk_wait_group_read<0>();
             mbar_arrive(&B.dq_empty[st]);
@@ -421,7 +457,7 @@ bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
   setmaxnreg_inc<C::kConsumerRegs>();
   using MmaS = Wgmma<T, BM>;       // S^T, dP^T: m64 (kv) x n64 (q)
   using MmaKV = Wgmma<T, D>;       // dV, dK: m64 (kv) x nD
-  using MmaQ = WgmmaTB<T, C::kDqN>;  // dQ half: m64 (q) x nD/2
+  using MmaQ = WgmmaTB<T, C::kDqN>;  // dQ half: m64 (q) x nD/2 (64-row steps) or x nD (128-row steps)
   const int cw = wg - 1;
   const int tid = threadIdx.x & 127;
   const int warp = tid >> 5, lane = tid & 31;
@@ -430,9 +466,11 @@ bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
   const uint32_t k_rows = smem_u32(smem + C::kOffK) + cw * 64 * 128;  // this warpgroup's 64 KV rows
   const uint32_t v_rows = smem_u32(smem + C::kOffV) + cw * 64 * 128;
   // dQ: B = K[:, cw D/2 .. +D/2] read N-major: box of those columns, byte offset inside its rows.
-  constexpr int kDqBoxCols = C::kDqN;
+  // 128-row steps (C::kDqByRows): all of K's D columns, and A = dS rows [64 cw, 64 cw + 64).
+  constexpr int kDqBoxCols = C::kDqByRows ? 0 : C::kDqN;
   const uint32_t k_dq = smem_u32(smem + C::kOffK) + ((cw * kDqBoxCols) / 64) * C::kKVBoxBytes +
                         ((cw * kDqBoxCols) % 64) * 2;
+  const uint32_t ds_rows = C::kDqByRows ? cw * 64 * 128 : 0;  // byte offset of the warpgroup's dS rows
   const uint32_t q_smem = smem_u32(smem + C::kOffQ);
   const uint32_t do_smem = smem_u32(smem + C::kOffDO);
   const uint32_t ds_smem = smem_u32(smem + C::kOffDS);
@@ -593,7 +631,11 @@ bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
       // at D = 128, with all of dK behind dQ, ptxas (13.0) serialises every wgmma of the kernel
       // ("insufficient register resources", C7512); with one k step of dK in flight before dQ it
       // keeps the pipeline (consumers at 228 registers of 232).
-      constexpr int kDkHead = D == 128 ? 1 : 0;
+      // 128-row steps (D = 64, 2026-12-02): the same register load as D 128; ptxas 13.0 keeps the
+      // pipeline with all of dK behind dQ in the kernels without prefix items (one dK k step ahead
+      // serialises them, C7512) and needs the one k step ahead in the prefix kernels (else 4 bytes
+      // spilled). Each choice is the one without a warning.
+      constexpr int kDkHead = D == 128 ? 1 : (BM == 128 && kPrefix) ? 1 : 0;
       if constexpr (!kAtomicDq) issue_dk(std::integral_constant<int, 0>{}, std::integral_constant<int, BM / 16>{});
       if constexpr (kAtomicDq && kDkHead > 0)
         issue_dk(std::integral_constant<int, 0>{}, std::integral_constant<int, kDkHead>{});
@@ -605,7 +647,7 @@ bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk) {
           const uint32_t box = kk / 4, within = (kk % 4) * 32;
-          MmaQ::ss(dq, make_desc_sw128(ds_buf + box * C::kDSBoxBytes + within, 16, 1024),
+          MmaQ::ss(dq, make_desc_sw128(ds_buf + ds_rows + box * C::kDSBoxBytes + within, 16, 1024),
                    make_desc_sw128(k_dq + kk * 16 * 128, C::kKVBoxBytes, 1024), kk > 0 ? 1 : 0);
         }
         wgmma_commit();
@@ -624,15 +666,18 @@ bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
         // Stage this warpgroup's dQ half for the writer: rows r0 = 16 warp + g and r0 + 8 (both
         // with r % 8 == g), columns 8j + 2t4 of the half, in box (column / 32) at 16-byte chunk
         // (column % 32) / 4 XOR g. Rows >= qb as 0: the reduce box always covers 64 rows.
-        mbar_wait(&B.dq_empty[st], ((step >> 1) & 1) ^ 1);
+        // 128-row steps: rows 64 cw + r0 (+ 8), boxes of the warpgroup's 64-row block; one buffer.
+        const uint32_t dst = C::kDqStages == 2 ? st : 0;
+        mbar_wait(&B.dq_empty[dst], (C::kDqStages == 2 ? (step >> 1) & 1 : step & 1) ^ 1);
         const int r0 = warp * 16 + g;
-        const bool v0 = qt + r0 < qb, v1 = qt + r0 + 8 < qb;
-        const uint32_t row_base = smem_u32(smem + C::kOffDQ) + st * C::kDqStageBytes + r0 * 128 + (t4 & 1) * 8;
+        const int q_r0 = C::kDqByRows ? cw * 64 + r0 : r0;  // step-local query row
+        const bool v0 = qt + q_r0 < qb, v1 = qt + q_r0 + 8 < qb;
+        const uint32_t row_base = smem_u32(smem + C::kOffDQ) + dst * C::kDqStageBytes + r0 * 128 + (t4 & 1) * 8;
         // A full query tile stores without the row selects.
         auto stage = [&](bool select_rows) {
 #pragma unroll
           for (int j = 0; j < C::kDqN / 8; ++j) {
-            const uint32_t box = (cw * C::kDqN) / 32 + j / 4;
+            const uint32_t box = (C::kDqByRows ? cw * C::kDqBoxes : (cw * C::kDqN) / 32) + j / 4;
             const uint32_t chunk = static_cast<uint32_t>((2 * (j % 4) + (t4 >> 1)) ^ g);
             const uint32_t addr = row_base + box * C::kDqBoxBytes + (chunk << 4);
             const bool w0 = !select_rows || v0, w1 = !select_rows || v1;
@@ -640,14 +685,14 @@ bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
             bwd_st_shared_f32x2(addr + 8 * 128, w1 ? dq[4 * j + 2] : 0.f, w1 ? dq[4 * j + 3] : 0.f);
           }
         };
-        if (qt + BM <= qb)
+        if (qt + (C::kDqByRows ? cw * 64 + 64 : BM) <= qb)
           stage(false);
         else
           stage(true);
         // Generic-proxy stores before the writer's async-proxy (TMA) reads.
         bwd_fence_proxy_async();
         __syncwarp();
-        if (kBwdDqFullCount != kBwdConsumerWarps || lane == 0) mbar_arrive(&B.dq_full[st]);
+        if (kBwdDqFullCount != kBwdConsumerWarps || lane == 0) mbar_arrive(&B.dq_full[dst]);
         wgmma_wait<0>();  // dK retired: Q, dO (dV retired already) and lse/delta are free
         fence_regs(dk);
         fence_regs(dsf);

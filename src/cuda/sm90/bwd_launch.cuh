@@ -33,7 +33,9 @@ cudaError_t prepare_bwd_params(const BwdArgs& args, Sm90BwdParams<HeadDim>* p) {
       !make_map(&p->tk, dt, args.k, HeadDim, Hk, T, args.k_hs, args.k_ts, BlockN) ||
       !make_map(&p->tv, dt, args.v, HeadDim, Hk, T, args.v_hs, args.v_ts, BlockN))
     return cudaErrorNotSupported;
-  if (!args.deterministic && !make_dq_accum_map(&p->tdq, args.dq_accum, HeadDim, H, T, BlockM))
+  // dQ reduce boxes of at most 64 rows (a 128-row step, D = 64, reduces two of them per column box).
+  constexpr int kDqBoxRows = BlockM < 64 ? BlockM : 64;
+  if (!args.deterministic && !make_dq_accum_map(&p->tdq, args.dq_accum, HeadDim, H, T, kDqBoxRows))
     return cudaErrorNotSupported;
   // external prefix (issue 17): the prefix buffers' tensor maps (rows: the prefix buffers').
   if (args.prefix_k != nullptr &&
@@ -77,9 +79,13 @@ cudaError_t run_bwd_main(const BwdArgs& args, int sms, cudaStream_t stream) {
   if constexpr (HeadDim == 256) {
     return run_bwd_main_d256<Element, Mods>(args, sms, stream);
   } else {
-    using C = Sm90BwdConfig<HeadDim>;
+    constexpr int kStepRows = sm90_bwd_block_m(HeadDim, Mods::kSoftcap);
+    using C = Sm90BwdConfig<HeadDim, false, kStepRows>;
     static_assert(plan_tiles(HeadDim).bwd_block_n == C::kBlockN, "sm90 backward: plan KV tiles must be kBlockN rows");
-    static_assert(plan_tiles(HeadDim).bwd_block_m == C::kBlockM, "sm90 backward: plan splits are multiples of kBlockM");
+    // The plan's split lengths are multiples of its 64-row step; the kernel's step may be a multiple
+    // of that (128 rows at D = 64: a piece of an odd number of 64-row blocks ends in a half step).
+    static_assert(C::kBlockM % plan_tiles(HeadDim).bwd_block_m == 0,
+                  "sm90 backward: kernel steps must be whole multiples of the plan's split granularity");
     Sm90BwdParams<HeadDim> p;
     cudaError_t err = prepare_bwd_params<Element, HeadDim, C::kBlockM, C::kBlockN>(args, &p);
     if (err != cudaSuccess) return err;
@@ -89,7 +95,7 @@ cudaError_t run_bwd_main(const BwdArgs& args, int sms, cudaStream_t stream) {
           return launch_persistent<bwd_sm90_kernel<Element, HeadDim, false, Mods, true>>(C::kSmemBytes, C::kThreads,
                                                                                          sms, p, stream);
         return launch_persistent<bwd_sm90_kernel<Element, HeadDim, true, Mods, true>>(
-            Sm90BwdConfig<HeadDim, true>::kSmemBytes, C::kThreads, sms, p, stream);
+            Sm90BwdConfig<HeadDim, true, kStepRows>::kSmemBytes, C::kThreads, sms, p, stream);
       }
     }
     if (args.deterministic)
@@ -97,7 +103,7 @@ cudaError_t run_bwd_main(const BwdArgs& args, int sms, cudaStream_t stream) {
                                                                                       p, stream);
     // The dQ-computing kernel has dQ staging buffers on top.
     return launch_persistent<bwd_sm90_kernel<Element, HeadDim, true, Mods, false>>(
-        Sm90BwdConfig<HeadDim, true>::kSmemBytes, C::kThreads, sms, p, stream);
+        Sm90BwdConfig<HeadDim, true, kStepRows>::kSmemBytes, C::kThreads, sms, p, stream);
   }
 }
 
