@@ -59,6 +59,7 @@ import ctypes
 import datetime
 import itertools
 import json
+import math
 import pathlib
 import statistics
 import sys
@@ -764,9 +765,13 @@ def plot(results, path):
         return
     names = [c["case"]["name"] for c in results["cases"]]
     methods = [m for m in results["methods"]]
+    # fwd+bwd unless the run timed the forward only (--fwd-only: every fwdbwd value is missing, and a
+    # log axis of nothing but NaN makes tight_layout fail).
+    timed = [c["results"].get(m, {}).get("fwdbwd_ms") for c in results["cases"] for m in methods]
+    d, label = ("fwdbwd", "fwd+bwd") if any(v is not None and math.isfinite(v) for v in timed) else ("fwd", "fwd")
     fig, axes = plt.subplots(1, 2, figsize=(16, 5.5))
-    for ax, key, title in ((axes[0], "fwdbwd_ms", "fwd+bwd time (ms, lower is better)"),
-                           (axes[1], "fwdbwd_tflops", "fwd+bwd useful TFLOP/s (own layout)")):
+    for ax, key, title in ((axes[0], f"{d}_ms", f"{label} time (ms, lower is better)"),
+                           (axes[1], f"{d}_tflops", f"{label} useful TFLOP/s (own layout)")):
         width = 0.8 / max(len(methods), 1)
         for j, m in enumerate(methods):
             vals = [c["results"].get(m, {}).get(key, float("nan")) for c in results["cases"]]
