@@ -64,6 +64,19 @@ BENCHMARKS = {
     "ab_window_fwd_order": "bench/attention.py --window 1024 --ab-library, the windowed forward ordered by work "
                            "class (branch winfwd, not merged) + the library host cost (hostcpp) against 28597cd, "
                            "with FA4 dense, 3 rounds (issue 16; docs/decisions.md)",
+    "ab_fwd_kv_order": "bench/attention.py --fwd-only --ab-library, the sm90 forward's KV-head-major order (branch fwdord, "
+                       "library bdaadcd) against main (ac9c92a build), 3 rounds (issue 23 change #2); .sweep.log: "
+                       "bitwise check and the order sweep (plain and window 1024)",
+    "ab_fwd_tma_epilogue": "bench/attention.py --fwd-only --ab-library, the sm90 forward's TMA-store epilogue (branch "
+                           "fwdepi, library 53e8624) against main (ac9c92a build), 3 rounds (issue 23); .compare.log: "
+                           "bitwise out/lse on 21 cases",
+    "ab_fwd_tma_epilogue_w1024": "the same with --window 1024 (issue 16/23)",
+    "ab_bwd_d64_steps": "bench/attention.py --head-dim 64 --ab-library, the D 64 backward's 128-row steps (branch "
+                        "d64bwd, 7aba25b) against main (ac9c92a build) with sdpa_cudnn, 3 rounds (issue 23); "
+                        ".compare.log: bitwise dK/dV, fp64 errors and kernel times",
+    "ab_dq_reduce": "bench/attention.py --ab-library, the half-row dQ accumulator without cache hint (branch dqred, "
+                    "not merged) against main (ac9c92a build), D 128, 3 rounds (issue 23); .compare.log: the hint / "
+                    "layout / no-hint variants' bitwise checks and kernel times",
     "cpu_attention": "bench/cpu_attention.py, the CPU backend vs per-row torch SDPA on the CPU, 2 threads (issue 22)",
     "cpu_attention_1thread": "bench/cpu_attention.py --threads 1, the same with one thread (issue 22)",
     "prompt_once_e2e_1.7b": "bench/prompt_once_e2e.py, Qwen3-1.7B shape, split vs once (streamed state) vs "
