@@ -32,7 +32,8 @@ BENCHMARKS = {
     "attention_mods_gptoss": "bench/attention.py --window 128 --sinks, H 64 / Hk 8 / D 64 (gpt-oss), dualkv vs FA4 "
                              "and Flex-FA4 with the same modifiers (issue 16; step bench-mods)",
     "attention_mods_cap50": "bench/attention.py --softcap 50, H 32 / Hk 8 / D 128 (issue 16; step bench-mods)",
-    "attention_mods_w1024": "bench/attention.py --window 1024, H 32 / Hk 8 / D 128 (issue 16; step bench-mods)",
+    "attention_mods_w1024": "bench/attention.py --window 1024, H 32 / Hk 8 / D 128, dualkv vs FA4 dense and Flex-FA4 (issue 16; "
+                            "step bench-mods; the latest run adds dualkv_ab = an earlier build of main)",
     "attention_h512": "bench/attention.py --head-dim 512 --heads 16 --kv-heads 4 --quick, the portable kernels (no "
                       "Hopper 512 kernel) vs memory-efficient SDPA and Flex on Triton (issue 16)",
     "e2e_mods_gpt-oss-20b": "bench/e2e.py --models gpt-oss-20b (16 of 24 layers, random weights), one GRPO update, "
@@ -77,6 +78,8 @@ BENCHMARKS = {
     "ab_dq_reduce": "bench/attention.py --ab-library, the half-row dQ accumulator without cache hint (branch dqred, "
                     "not merged) against main (ac9c92a build), D 128, 3 rounds (issue 23); .compare.log: the hint / "
                     "layout / no-hint variants' bitwise checks and kernel times",
+    "ab_merged_s14": "bench/attention.py --ab-library, main after session 14's kernel merges (fwdord + fwdepi + d64bwd, "
+                     "636705f) against main's ac9c92a build, with FA4 dense and Flex-FA4, D 128, 3 rounds (issue 23)",
     "cpu_attention": "bench/cpu_attention.py, the CPU backend vs per-row torch SDPA on the CPU, 2 threads (issue 22)",
     "cpu_attention_1thread": "bench/cpu_attention.py --threads 1, the same with one thread (issue 22)",
     "prompt_once_e2e_1.7b": "bench/prompt_once_e2e.py, Qwen3-1.7B shape, split vs once (streamed state) vs "
@@ -86,6 +89,11 @@ BENCHMARKS = {
                                  "once vs flex_fa4_split, median of 2, one process per (P, R) (issue 17; session 13)",
     "prompt_once_e2e_8b": "bench/prompt_once_e2e.py, Qwen3-8B shape, P 8K and 16K (one process each), k 2/4 + controls, "
                           "split vs once vs flex_fa4_split (issue 17; step prompt-once, ONCE_MODEL=8b)",
+    "prompt_once_e2e_8b_p32k": "bench/prompt_once_e2e.py, Qwen3-8B shape, P 32K R 1K, k 4 and 2, split vs once vs "
+                               "flex_fa4_split, median of 2, one process (issue 17; session 14)",
+    "prompt_once_e2e_1.7b_p32k_r1k_k4": "bench/prompt_once_e2e.py, Qwen3-1.7B, P 32K R 1K k 4, split vs once vs "
+                                        "flex_fa4_split, median of 2 (issue 17's Flex-clause recheck; session 14)",
+    "prompt_once_e2e_1.7b_p16k_r2k_k4": "the same at P 16K R 2K k 4 (session 14)",
     "hybrid_e2e": "bench/hybrid_e2e.py, Qwen3.5-shaped GRPO update, dualkv + GDN state fork vs std vs Flex "
                   "(issue 21; step hybrid)",
     "hybrid_e2e_p8k": "bench/hybrid_e2e.py at N16 P8192 R1024 with Flex on Triton (FA4 refuses head dim 256 "
