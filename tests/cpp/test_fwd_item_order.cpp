@@ -104,27 +104,15 @@ TEST(FwdItemOrder, WindowsRunInPlanOrder) {
     }
 }
 
-TEST(FwdItemOrder, KnobsParseAsDocumented) {
-  const FwdItemOrder def = choose_fwd_item_order(32, 8, nullptr, nullptr);
+TEST(FwdItemOrder, DefaultIsKvHeadRunsOverTheWholePlan) {
+  const FwdItemOrder def = choose_fwd_item_order(32, 8);
   EXPECT_EQ(def.window, INT32_MAX);
   EXPECT_EQ(def.head_run, 4);
-  EXPECT_EQ(choose_fwd_item_order(32, 8, nullptr, "head").head_run, 1);
-  EXPECT_EQ(choose_fwd_item_order(32, 8, nullptr, "kvhead").head_run, 4);
-  EXPECT_EQ(choose_fwd_item_order(32, 8, nullptr, "heads").head_run, 4);  // not a value: the default
-  EXPECT_EQ(choose_fwd_item_order(32, 8, nullptr, "").head_run, 4);
-  EXPECT_EQ(choose_fwd_item_order(32, 8, "16", nullptr).window, 16);
-  EXPECT_EQ(choose_fwd_item_order(32, 8, "1", nullptr).window, 1);
-  EXPECT_EQ(choose_fwd_item_order(32, 8, "all", nullptr).window, INT32_MAX);
-  EXPECT_EQ(choose_fwd_item_order(32, 8, "0", nullptr).window, INT32_MAX);
-  EXPECT_EQ(choose_fwd_item_order(32, 8, "99999999999999", nullptr).window, INT32_MAX);
-  EXPECT_EQ(choose_fwd_item_order(32, 8, "16x", nullptr).window, INT32_MAX);  // not a value: the default
-  EXPECT_EQ(choose_fwd_item_order(32, 8, "-3", nullptr).window, INT32_MAX);
-  EXPECT_EQ(choose_fwd_item_order(32, 8, "", nullptr).window, INT32_MAX);
   // MHA: a group of one; a KV head count that does not divide H (the API refuses it first) falls
   // back to query-head runs of one, still a permutation.
-  EXPECT_EQ(choose_fwd_item_order(16, 16, nullptr, nullptr).head_run, 1);
-  EXPECT_EQ(choose_fwd_item_order(12, 5, nullptr, nullptr).head_run, 1);
-  EXPECT_EQ(choose_fwd_item_order(12, 0, nullptr, nullptr).head_run, 1);
+  EXPECT_EQ(choose_fwd_item_order(16, 16).head_run, 1);
+  EXPECT_EQ(choose_fwd_item_order(12, 5).head_run, 1);
+  EXPECT_EQ(choose_fwd_item_order(12, 0).head_run, 1);
   EXPECT_EQ(clamp_fwd_window(INT32_MAX, 256), 256);
   EXPECT_EQ(clamp_fwd_window(16, 256), 16);
   EXPECT_EQ(clamp_fwd_window(0, 256), 1);
