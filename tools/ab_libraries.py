@@ -11,25 +11,28 @@ each with its own CUDA runtime; either may be of C ABI 1 or 2) and ``_native.usi
 package at one or the other around each call, so each library derives its own layout and builds its
 own plans. Every case runs the same seeded inputs through the base and the candidate.
 
-Checks (a line ``ok ...``, ``DIFF ...`` or ``ERROR ...`` per case, head dim and candidate; a summary
-line; exit status 1 on any DIFF or ERROR, or when nothing was compared):
+Checks (a line ``ok ...``, ``DIFF ...`` or ``ERROR ...`` per case, head dim, check and candidate,
+``skip ...`` for a case a library cannot run; a summary line; exit status 1 on any DIFF or ERROR, or
+when nothing was compared):
 
-* ``--check fwd`` (a forward-only change): out and lse of each of ``--runs`` candidate runs bit for
-  bit equal to the base's (a race can show in one run and not another).
-* ``--check bwd`` (a backward change), forward + backward in the default mode: out, lse, dK and dV of
-  every candidate run bit for bit equal to the base's (the forward and the dK/dV products need no
-  atomics); dQ, and where the case has them the prefix gradients and dsinks (summed through atomics),
-  within the reduce-order noise: max |cand - base| <= max(4 x floor, max |base| / 64), the floor
-  being max |base run 2 - base run 1|. ``--dkdv noise`` puts dK/dV under that rule too (a change that
-  may reorder their sums, e.g. other query steps). ``--deterministic`` adds the deterministic mode:
-  every output of the candidate's runs bit for bit equal run to run, and against the base as above
-  (the floor there is the base's own run-to-run difference, normally 0).
-* Both: errors against a float64 dense reference (``dualkv.reference.attention_ref``) on the cases
-  small enough for it (T^2 H <= --ref-max-elements; not the external-prefix cases): per output
-  max |X - ref64| <= 2 max |X_ref_in_dtype - ref64| + 1e-5 (the tests' rule), required of the
-  candidate, printed for the base. dsinks is not checked against the reference (it has its own fp32
-  bound in tests/gpu/test_cuda_modifiers.py).
+* ``--check fwd`` (a forward-only change): the forward (no autograd), out and lse of each of
+  ``--runs`` candidate runs bit for bit equal to the base's (a race can show in one run only).
+* ``--check bwd`` (a backward change): forward + backward of sum(out * dout) in the default mode, two
+  base runs and ``--runs`` candidate runs: out, lse, dK, dV and, where the case has them, the
+  prefix rows' dK/dV and dsinks of every candidate run bit for bit equal to the base's (none of
+  them is summed through atomics: split items are reduced in a fixed order); dQ (fp32 atomics)
+  within the reduce-order noise: max |cand - base| <= max(4 x floor, max |base| / 64) over the
+  candidate runs, the floor being max |base run 2 - base run 1|. ``--dkdv noise`` puts the K/V
+  gradients under that rule too (a change that may reorder their sums, e.g. other query steps).
+  ``--deterministic`` repeats it all in the deterministic mode and adds: every output bit for bit
+  equal across the candidate's runs (there the floor is the base's deterministic run-to-run
+  difference, 0, so dQ's limit is max |dQ| / 64).
 * ``--check both``: the fwd check, then the bwd check, per case.
+* With every check: errors against the float64 dense reference (``dualkv.reference.attention_ref``)
+  on the cases small enough for it (T^2 H <= --ref-max-elements; not the external-prefix cases):
+  per output max |X - ref64| <= 2 max |X_ref_in_dtype - ref64| + 1e-5 (the tests' rule), required
+  of each candidate's first run, printed for the base. dsinks is not checked against the reference
+  (its fp32 bound is in tests/gpu/test_cuda_modifiers.py).
 
 Cases (over every head dim of --dims that both libraries are built for; --cases filters by name):
 full-tile GRPO groups, ragged GRPO groups (segment starts that are not multiples of 8 or 64, a
@@ -55,8 +58,14 @@ the (first) candidate: the package needs one of its own C ABI loaded to switch f
         --cand /tmp/libdualkv_cand.so --check bwd --dims 64,128 --deterministic \
         --profile "16,4096,1024;8,16384,2048" --kernels bwd_sm90_kernel
 
+More candidates: --cand LABEL=PATH, repeated (each compared with the base; the profile rotates all).
+--base-env / --cand-env KEY=VALUE set an environment switch around one side's calls (e.g.
+DUALKV_DISABLE_SM90=1 for the portable kernels). --profile-mods window=W,softcap=C,sinks profiles
+with modifiers.
+
 --device cpu runs the same checks on the CPU backend (a smoke test of the tool; base and candidate
-may be the same CPU build, then they are one loaded library). --self-test-perturb NAME is for the
+may be the same CPU build, then they are one loaded library; cases above --max-tokens, 6000 there,
+are skipped). --self-test-perturb NAME is for the
 tool's own test only: it changes one element of output NAME of every candidate run, so a correct
 tool must report DIFF and exit 1.
 """
@@ -84,11 +93,14 @@ import dualkv  # noqa: E402
 import provenance  # noqa: E402  (bench/provenance.py: the tree's commit, a library file's sha256)
 from dualkv import _native  # noqa: E402
 
-# Outputs whose base value is one deterministic computation (bitwise-equal rule) and those summed
-# through atomics in the default mode (the noise rule); --dkdv noise moves dk, dv to the second.
+# The outputs. The bwd check holds every output but dq to the bitwise rule: the forward's, dK/dV and
+# the prefix rows' dK/dV (no atomics; split items are reduced in a fixed order) and dsinks (a fixed
+# tree over delta from out) are the same bits on every run in both modes (docs/cuda.md). dQ is
+# summed with fp32 atomics in the default mode: the noise rule. --dkdv noise moves the K/V
+# gradients to the noise rule.
 FORWARD_OUTPUTS = ("out", "lse")
 GRAD_OUTPUTS = ("dq", "dk", "dv", "dprefix_k", "dprefix_v", "dsinks")
-ATOMIC_OUTPUTS = ("dq", "dprefix_k", "dprefix_v", "dsinks")
+KV_GRAD_OUTPUTS = ("dk", "dv", "dprefix_k", "dprefix_v")
 REF_ATOL = 1e-5  # the tests' absolute slack of the float64-reference rule
 NOISE_FLOOR_FACTOR = 4  # cand-vs-base may be this many times the base-vs-base difference
 NOISE_SCALE_FRACTION = 1 / 64  # ... or this fraction of max |base| (a few bf16 ulps at the largest values)
@@ -137,6 +149,8 @@ class Build:
         missing = [m for m in case.modifiers() if m not in backend.get("modifiers", ())]
         if missing:
             return f"no {'/'.join(missing)} on {device}"
+        if case.modifiers() and head_dim in backend.get("plain_head_dims", ()):
+            return f"head dim {head_dim} has the default kernels only (no mask modifiers)"
         if case.prefix_rows and self.handle.abi_version < _native.FEATURE_ABI["external prefix segments"]:
             return f"C ABI {self.handle.abi_version} has no external prefix segments"
         return None
@@ -396,7 +410,8 @@ def check_backward(args, tally, base, cands, case, title, x, deterministic):
     mode = "deterministic" if deterministic else "default"
     b1 = run_case(base, case, x, args.device, True, deterministic)
     b2 = run_case(base, case, x, args.device, True, deterministic)
-    bitwise = FORWARD_OUTPUTS + (("dk", "dv") if args.dkdv == "bitwise" else ())
+    noise = ("dq",) + (KV_GRAD_OUTPUTS if args.dkdv == "noise" else ())
+    bitwise = [n for n in b1 if n not in noise]
     firsts = {}
     for cand in cands:
         runs = [run_candidate(args, cand, case, x, True, deterministic) for _ in range(args.runs)]
@@ -429,7 +444,7 @@ def check_backward(args, tally, base, cands, case, title, x, deterministic):
         else:
             same = "/".join(n for n in b1 if n in bitwise)
             rerun = f", run to run bitwise x{args.runs}" if deterministic else ""
-            tally.line("ok", head + f"{same} bitwise equal to base x{args.runs}{rerun}; " + "; ".join(notes))
+            tally.line("ok", head + "; ".join([f"{same} bitwise equal to base x{args.runs}{rerun}"] + notes))
     return b1, firsts
 
 
