@@ -29,7 +29,8 @@ when nothing was compared):
   difference, 0, so dQ's limit is max |dQ| / 64).
 * ``--check both``: the fwd check, then the bwd check, per case.
 * With every check: errors against the float64 dense reference (``dualkv.reference.attention_ref``)
-  on the cases small enough for it (T^2 H <= --ref-max-elements; not the external-prefix cases):
+  on the cases small enough for it (T^2 H <= --ref-max-elements; external prefixes through the flat
+  forest, the prefix rows as a local root):
   per output max |X - ref64| <= 2 max |X_ref_in_dtype - ref64| + 1e-5 (the tests' rule), required
   of each candidate's first run, printed for the base. dsinks is not checked against the reference
   (its fp32 bound is in tests/gpu/test_cuda_modifiers.py).
@@ -318,17 +319,63 @@ def run_case(build: Build, case: Case, x: Inputs, device: str, backward: bool, d
     return res
 
 
-def reference(case: Case, layout_cpu, x: Inputs, dtype, backward: bool) -> dict:
+def flat_forest(layout) -> tuple:
+    """(layout, local, rows): ``layout`` with each external segment replaced by a local root of its
+    prefix's rows (the same visibility: every query of the subtree sees every row), the flat token
+    of each token of ``layout`` and of each prefix buffer row (-1: a row no segment holds)."""
+    starts = [0]
+    for n in layout.prefix_lens:
+        starts.append(starts[-1] + n)
+    lens, local, rows, t = [], [], [-1] * starts[-1], 0
+    for n, e in zip(layout.segment_lens, layout.seg_prefix):
+        if e >= 0:
+            n = layout.prefix_lens[e]
+            rows[starts[e]:starts[e] + n] = range(t, t + n)
+        else:
+            local += range(t, t + n)
+        lens.append(n)
+        t += n
+    return dualkv.Layout.from_tree(lens, layout.parents), torch.tensor(local), torch.tensor(rows)
+
+
+def dense_reference(case: Case, layout_cpu, q, k, v, dout, sinks, dtype, backward: bool) -> dict:
     """{output name: float64 tensor} of the dense reference computed in ``dtype``."""
     from dualkv.reference import attention_ref
-    q, k, v = (t.detach().to(dtype).requires_grad_(backward) for t in (x.q, x.k, x.v))
+    q, k, v = (t.detach().to(dtype).requires_grad_(backward) for t in (q, k, v))
     with torch.set_grad_enabled(backward):
-        out, lse = attention_ref(q, k, v, layout_cpu, window=case.window, softcap=case.softcap, sinks=x.sinks)
+        out, lse = attention_ref(q, k, v, layout_cpu, window=case.window, softcap=case.softcap, sinks=sinks)
         if backward:
-            (out.to(dtype) * x.dout.to(dtype)).sum().backward()
+            (out.to(dtype) * dout.to(dtype)).sum().backward()
     res = {"out": out.detach().double(), "lse": lse.detach().double()}
     if backward:
         res.update(dq=q.grad.double(), dk=k.grad.double(), dv=v.grad.double())
+    return res
+
+
+def reference(case: Case, layout_cpu, x: Inputs, dtype, backward: bool) -> dict:
+    """{output name: float64 tensor} of the dense reference computed in ``dtype``; a layout with
+    external prefixes through its flat forest (the prefix rows as queries with dout 0)."""
+    if not case.prefix_rows:
+        return dense_reference(case, layout_cpu, x.q, x.k, x.v, x.dout, x.sinks, dtype, backward)
+    flat, local, rows = flat_forest(layout_cpu)
+    local, rows = local.to(x.q.device), rows.to(x.q.device)
+    held = rows >= 0
+
+    def scatter(tokens, prefix_rows):
+        full = tokens.new_zeros((flat.num_tokens, *tokens.shape[1:]))
+        full[local] = tokens
+        if prefix_rows is not None:
+            full[rows[held]] = prefix_rows[held]
+        return full
+
+    ref = dense_reference(case, flat, scatter(x.q, None), scatter(x.k, x.prefix_k), scatter(x.v, x.prefix_v),
+                          scatter(x.dout, None), x.sinks, dtype, backward)
+    res = {"out": ref["out"][local], "lse": ref["lse"][:, local]}
+    if backward:
+        res.update(dq=ref["dq"][local], dk=ref["dk"][local], dv=ref["dv"][local])
+        for name, grad in (("dprefix_k", ref["dk"]), ("dprefix_v", ref["dv"])):
+            res[name] = grad.new_zeros((len(rows), *grad.shape[1:]))
+            res[name][held] = grad[rows[held]]
     return res
 
 
@@ -508,7 +555,8 @@ def run_checks(args, tally, base, cands, cases, dims, dtype):
                     tally.line("skip", f"{title}: T above --max-tokens {args.max_tokens}")
                     continue
                 x = make_inputs(case, T, D, dtype, seed_of(case, D), args.device)
-                with_ref = (not case.prefix_rows and T * T * case.heads <= args.ref_max_elements)
+                ref_tokens = T + case.prefix_rows  # the flat forest's, with external prefixes
+                with_ref = ref_tokens * ref_tokens * case.heads <= args.ref_max_elements
                 ref = LazyReference(case, layout_cpu, x, with_grads="bwd" in directions)
                 for direction in directions:
                     if direction == "fwd":

@@ -40,7 +40,7 @@ def test_same_library_passes_every_check(library):
     assert r.returncode == 0, out
     for expected in ("ok    fwd cand | tiny T D64", "ok    bwd default cand | tiny T D64",
                      "ok    bwd deterministic cand | tiny T D64", "ok    ref64 bwd default cand | tiny T D64",
-                     "ok    bwd default cand | prefix ragged D64"):
+                     "ok    bwd default cand | prefix ragged D64", "ok    ref64 bwd default cand | prefix ragged D64"):
         assert expected in out, out
     assert not [line for line in out.splitlines() if line.startswith(("DIFF", "ERROR"))], out
     # the prefix gradients are compared too
