@@ -36,9 +36,11 @@ when nothing was compared):
   (its fp32 bound is in tests/gpu/test_cuda_modifiers.py).
 
 Cases (over every head dim of --dims that both libraries are built for; --cases filters by name):
-full-tile GRPO groups, ragged GRPO groups (segment starts that are not multiples of 8 or 64, a
-1-token response), MHA and GQA, a last segment ending at T, a tiny T, random forests (several roots,
-chains) and forests whose query ranges end anywhere in a 128-row step; with --mods the sliding
+full-tile GRPO groups (one with a 16K prompt, whose KV tiles are split items), ragged GRPO groups
+(segment starts that are not multiples of 8 or 64, a 1-token response), MHA and GQA (groups 4, 8),
+a last segment ending at T, a tiny T, independent sequences, random forests (several roots, chains)
+and forests whose query ranges end anywhere in a 128-row step; --layouts N,P,R;... adds GRPO
+layouts (--heads, --kv-heads); with --mods the sliding
 window (1024 and small ones), the logit softcap, attention sinks and their combinations, and
 external prefixes (--mods prefix; not combined with the others, which CUDA refuses together).
 
@@ -86,7 +88,7 @@ from typing import Optional
 
 ROOT = pathlib.Path(__file__).absolute().parents[1]  # the tree it is run in (not a symlink target)
 sys.path.insert(0, str(ROOT / "python"))
-sys.path.insert(0, str(ROOT / "bench"))
+sys.path.append(str(ROOT / "bench"))  # for provenance.py only: last, so that none of its scripts shadows a package
 
 import torch  # noqa: E402
 
@@ -223,20 +225,24 @@ def grpo(n: int, p: int, r: int) -> tuple:
     return ([p], [[r] * n])
 
 
-def build_cases(mods: set) -> list:
-    """The case set: the plain cases, then those of each modifier asked for."""
+def build_cases(mods: set, layouts: list, heads: int, kv_heads: int) -> list:
+    """The case set: the plain cases, the GRPO ``layouts`` [(N, P, R)] asked for, then the cases of
+    each modifier asked for."""
     cases = [
         Case("grpo N16 P4096 R1024 (full tiles)", 32, 8, groups=grpo(16, 4096, 1024)),
+        Case("grpo N8 P16384 R2048 (long prompt: split items)", 32, 8, groups=grpo(8, 16384, 2048)),
         Case("grpo N5 P1001 R333 (ragged starts)", 32, 8, groups=grpo(5, 1001, 333)),
         Case("ragged groups", 32, 8, groups=RAGGED_GROUPS),
         Case("ragged MHA", 8, 8, groups=([2049], [[191, 64, 127, 65]])),
         Case("last segment ends at T", 8, 1, groups=([512], [[256, 384]])),
         Case("tiny T", 4, 1, groups=([3], [[2]])),
+        Case("varlen (independent sequences)", 32, 8, tree=([1500, 700, 129, 64, 1, 2048, 333], [-1] * 7)),
         Case("forest steps a", 8, 2, tree=FOREST_STEPS_A),
         Case("forest steps b", 8, 2, tree=FOREST_STEPS_B),
     ]
     cases += [Case(f"random forest {i} ({n} segments)", 8, 2, tree=random_forest(17 + i, n))
               for i, n in enumerate((12, 30, 60))]
+    cases += [Case(f"grpo N{n} P{p} R{r} (--layouts)", heads, kv_heads, groups=grpo(n, p, r)) for n, p, r in layouts]
     if "window" in mods:
         cases += [
             Case("window 1024 grpo N16 P4096 R1024", 32, 8, groups=grpo(16, 4096, 1024), window=1024),
@@ -714,6 +720,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dkdv", choices=("bitwise", "noise"), default="bitwise",
                     help="bwd: dK/dV bitwise equal to base (default), or within the noise rule of dQ")
     ap.add_argument("--runs", type=int, default=3, help="candidate runs per case (races show in some runs)")
+    ap.add_argument("--layouts", default="", help="N,P,R;... more GRPO cases to check (--heads, --kv-heads)")
     ap.add_argument("--cases", default="", help="only the cases whose name contains one of these comma-separated texts")
     ap.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
     ap.add_argument("--max-tokens", type=int, default=None,
@@ -726,8 +733,8 @@ def main(argv=None) -> int:
     ap.add_argument("--profile-mods", default="", help="modifiers of the profiled layouts: window=W,softcap=C,sinks")
     ap.add_argument("--rounds", type=int, default=2, help="profile rounds (libraries in rotating order)")
     ap.add_argument("--profile-calls", type=int, default=3, help="profiled calls per library and round")
-    ap.add_argument("--heads", type=int, default=32, help="query heads of the profiled layouts")
-    ap.add_argument("--kv-heads", type=int, default=8, help="KV heads of the profiled layouts")
+    ap.add_argument("--heads", type=int, default=32, help="query heads of the profiled layouts and of --layouts")
+    ap.add_argument("--kv-heads", type=int, default=8, help="KV heads of the profiled layouts and of --layouts")
     ap.add_argument("--base-env", action="append", help="KEY=VALUE set around the base's calls (repeatable)")
     ap.add_argument("--cand-env", action="append", help="KEY=VALUE set around the candidates' calls (repeatable)")
     ap.add_argument("--verbose", action="store_true", help="tracebacks of errors")
@@ -778,7 +785,11 @@ def main(argv=None) -> int:
         print(f"  TEST ONLY: output {args.self_test_perturb!r} of every candidate run is perturbed", flush=True)
 
     wanted = [w for w in args.cases.split(",") if w]
-    cases = [c for c in build_cases(mods) if not wanted or any(w in c.name for w in wanted)]
+    layouts = [tuple(int(v) for v in item.split(",")) for item in args.layouts.split(";") if item.strip()]
+    if any(len(lay) != 3 for lay in layouts):
+        ap.error(f"--layouts: {args.layouts!r} is not N,P,R;...")
+    cases = [c for c in build_cases(mods, layouts, args.heads, args.kv_heads)
+             if not wanted or any(w in c.name for w in wanted)]
     run_checks(args, tally, base, cands, cases, dims, dtype)
     if args.profile:
         run_profile(args, tally, [base] + cands, dims, dtype)
