@@ -77,6 +77,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import importlib.util
 import os
 import pathlib
 import random
@@ -88,13 +89,23 @@ from typing import Optional
 
 ROOT = pathlib.Path(__file__).absolute().parents[1]  # the tree it is run in (not a symlink target)
 sys.path.insert(0, str(ROOT / "python"))
-sys.path.append(str(ROOT / "bench"))  # for provenance.py only: last, so that none of its scripts shadows a package
 
 import torch  # noqa: E402
 
 import dualkv  # noqa: E402
-import provenance  # noqa: E402  (bench/provenance.py: the tree's commit, a library file's sha256)
 from dualkv import _native  # noqa: E402
+
+
+def _bench_module(name: str):
+    """bench/<name>.py loaded from its file (bench/ stays off sys.path: its scripts' names, e.g.
+    provenance, are also names of PyPI packages)."""
+    spec = importlib.util.spec_from_file_location(f"dualkv_bench_{name}", ROOT / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+provenance = _bench_module("provenance")  # the tree's commit, a library file's sha256
 
 # The outputs. The bwd check holds every output but dq to the bitwise rule: the forward's, dK/dV and
 # the prefix rows' dK/dV (no atomics; split items are reduced in a fixed order) and dsinks (a fixed
