@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""A/B of two libdualkv builds in one process: are the candidate's results the base's, and are its
+r"""A/B of two libdualkv builds in one process: are the candidate's results the base's, and are its
 kernels faster?
 
     PYTHONPATH=python python3 tools/ab_libraries.py --base A.so --cand B.so --check fwd|bwd|both \
@@ -52,14 +52,19 @@ contains each --kernels substring (summed), and of all kernels of the step, per 
 cand/base. A substring that matches no kernel of any library is an ERROR (that path did not run);
 one that only some libraries run (a kernel added or removed) is printed with its zeros.
 
-On the device machine: carry both libraries (they are ignored files, e.g. ``*.so.xz`` under .dev/
-decompressed there first) and declare the tree's commit with DUALKV_COMMIT (its copy of .git may be
-stale; the header line prints the commit). DUALKV_LIBRARY, the package's own library, defaults to
-the (first) candidate: the package needs one of its own C ABI loaded to switch from.
+On the device machine (a copy of the working tree): carry both libraries, which are ignored files
+(e.g. ``run(carry=[".dev/lib"])`` with main's and the branch's builds as ``.so.xz``, decompressed
+there to /tmp), and declare the tree's commit with DUALKV_COMMIT (the copy's .git may be stale; the
+header line prints the commit, each library's path, sha256, C ABI and head dims). DUALKV_LIBRARY,
+the package's own library, defaults to the (first) candidate: the package needs one of its own C ABI
+loaded to switch from. Cost: per case, head dim and mode 2 base runs + --runs runs of each
+candidate (+ the float64 reference); the profile, rounds x libraries x layouts x (1 +
+--profile-calls) steps.
 
-    DUALKV_COMMIT=<sha> PYTHONPATH=python python3 tools/ab_libraries.py --base /tmp/libdualkv_main.so \
-        --cand /tmp/libdualkv_cand.so --check bwd --dims 64,128 --deterministic \
-        --profile "16,4096,1024;8,16384,2048" --kernels bwd_sm90_kernel
+    xz -dc .dev/lib/libdualkv_main.so.xz > /tmp/base.so; xz -dc .dev/lib/libdualkv_new.so.xz > /tmp/new.so
+    DUALKV_COMMIT=<sha> PYTHONPATH=python python3 tools/ab_libraries.py --base /tmp/base.so \
+        --cand /tmp/new.so --check bwd --dims 64,128 --deterministic \
+        --profile "16,4096,1024;8,16384,2048" --kernels bwd_sm90_kernel,bwd_dq_convert
 
 More candidates: --cand LABEL=PATH, repeated (each compared with the base; the profile rotates all).
 --base-env / --cand-env KEY=VALUE set an environment switch around one side's calls (e.g.
@@ -68,9 +73,8 @@ with modifiers.
 
 --device cpu runs the same checks on the CPU backend (a smoke test of the tool; base and candidate
 may be the same CPU build, then they are one loaded library; cases above --max-tokens, 6000 there,
-are skipped). --self-test-perturb NAME is for the
-tool's own test only: it changes one element of output NAME of every candidate run, so a correct
-tool must report DIFF and exit 1.
+are skipped). --self-test-perturb NAME is for the tool's own test only: it changes one element of
+output NAME of every candidate run, so a correct tool must report DIFF and exit 1.
 """
 from __future__ import annotations
 
