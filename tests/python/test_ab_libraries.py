@@ -1,7 +1,9 @@
 """tools/ab_libraries.py, the A/B of two libdualkv builds in one process, in its CPU smoke mode: with
 the test suite's library as base and as candidate every check passes and it exits 0; with one output
 of the candidate perturbed (the tool's test-only --self-test-perturb) it reports DIFF and exits 1,
-for an output under the bitwise rule (lse) and one under the reduce-noise rule (dq)."""
+for an output under the bitwise rule (lse) and one under the reduce-noise rule (dq). The profile's
+bookkeeping (rotating rounds, medians, a kernel no library ran) with fixed times in place of the
+profiler, which needs a GPU."""
 import importlib.util
 import os
 import pathlib
@@ -27,7 +29,8 @@ def library() -> pathlib.Path:
 
 
 def run_tool(library: pathlib.Path, *args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, DUALKV_LIBRARY=str(library), PYTHONPATH=str(ROOT / "python"))
+    path = os.pathsep.join(p for p in (str(ROOT / "python"), os.environ.get("PYTHONPATH")) if p)
+    env = dict(os.environ, DUALKV_LIBRARY=str(library), PYTHONPATH=path)
     cmd = [sys.executable, str(TOOL), "--base", str(library), "--cand", str(library), "--device", "cpu",
            "--dims", "64", "--runs", "2", *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT, check=False)
