@@ -1,0 +1,107 @@
+"""tools/ab_libraries.py, the A/B of two libdualkv builds in one process, in its CPU smoke mode: with
+the test suite's library as base and as candidate every check passes and it exits 0; with one output
+of the candidate perturbed (the tool's test-only --self-test-perturb) it reports DIFF and exits 1,
+for an output under the bitwise rule (lse) and one under the reduce-noise rule (dq). The profile's
+bookkeeping (rotating rounds, medians, a kernel no library ran) with fixed times in place of the
+profiler, which needs a GPU."""
+import importlib.util
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from dualkv import _native
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+TOOL = ROOT / "tools" / "ab_libraries.py"
+
+
+@pytest.fixture(scope="module")
+def library() -> pathlib.Path:
+    """The libdualkv the suite runs on (every build has the CPU backend the smoke mode uses)."""
+    try:
+        handle = _native.lib()
+    except _native.LibraryNotFoundError as e:
+        pytest.skip(f"no libdualkv for the tool to compare (set DUALKV_LIBRARY): {e}")
+    return pathlib.Path(handle._name).resolve()
+
+
+def run_tool(library: pathlib.Path, *args: str) -> subprocess.CompletedProcess:
+    path = os.pathsep.join(p for p in (str(ROOT / "python"), os.environ.get("PYTHONPATH")) if p)
+    env = dict(os.environ, DUALKV_LIBRARY=str(library), PYTHONPATH=path)
+    cmd = [sys.executable, str(TOOL), "--base", str(library), "--cand", str(library), "--device", "cpu",
+           "--dims", "64", "--runs", "2", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT, check=False)
+
+
+def test_same_library_passes_every_check(library):
+    r = run_tool(library, "--check", "both", "--deterministic", "--mods", "prefix", "--cases",
+                 "tiny T,prefix ragged")
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out
+    for expected in ("ok    fwd cand | tiny T D64", "ok    bwd default cand | tiny T D64",
+                     "ok    bwd deterministic cand | tiny T D64", "ok    ref64 bwd default cand | tiny T D64",
+                     "ok    bwd default cand | prefix ragged D64", "ok    ref64 bwd default cand | prefix ragged D64"):
+        assert expected in out, out
+    assert not [line for line in out.splitlines() if line.startswith(("DIFF", "ERROR"))], out
+    # the prefix gradients are compared too
+    assert "prefix ragged D64 (T 472, H 8/2, prefix 300 rows): out/lse/dk/dv/dprefix_k/dprefix_v bitwise" in out, out
+    assert out.rstrip().splitlines()[-1].endswith("all ok"), out
+
+
+def test_perturbed_candidate_fails_the_bitwise_rule(library):
+    r = run_tool(library, "--check", "fwd", "--cases", "tiny T", "--self-test-perturb", "lse")
+    out = r.stdout + r.stderr
+    assert r.returncode == 1, out
+    assert "DIFF  fwd cand | tiny T D64" in out and "lse differs on 1 tokens" in out, out
+    assert out.rstrip().splitlines()[-1].endswith("FAILED"), out
+
+
+def load_tool(monkeypatch):
+    """The tool as a module of this process (sys.path and sys.modules restored afterwards)."""
+    monkeypatch.setattr(sys, "path", list(sys.path))  # it prepends python/ and bench/
+    spec = importlib.util.spec_from_file_location("ab_libraries", TOOL)
+    tool = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, tool)  # its dataclasses look their module up
+    spec.loader.exec_module(tool)
+    return tool
+
+
+def test_perturbed_candidate_fails_the_noise_rule(library, monkeypatch, capsys):
+    """In this process (the CLI's exit status is the test above's): main()'s return value."""
+    tool = load_tool(monkeypatch)
+    monkeypatch.setenv("DUALKV_LIBRARY", str(library))
+    status = tool.main(["--base", str(library), "--cand", str(library), "--device", "cpu", "--dims", "64",
+                        "--runs", "2", "--check", "bwd", "--cases", "tiny T", "--self-test-perturb", "dq"])
+    out = capsys.readouterr().out
+    assert status == 1, out
+    assert "DIFF  bwd default cand | tiny T D64" in out and "OUTSIDE THE NOISE" in out, out
+
+
+def test_profile_rounds_and_a_kernel_no_library_ran(library, monkeypatch, capsys):
+    """The profile's bookkeeping without a GPU: kernel_ms replaced by fixed device times. Libraries in
+    rotating order, medians per library, cand/base; a substring no library ran is an ERROR."""
+    tool = load_tool(monkeypatch)
+    calls = []
+
+    def fake_kernel_ms(build, case, T, D, dtype, backward, n_calls, kernels):
+        calls.append((build.label, case.name, T, D, backward))
+        ms = {"main": 2.0 if build.label == "base" else 1.5, "gone": 0.0, "all kernels": 3.0}
+        return {k: ms[k] for k in list(kernels) + ["all kernels"]}, ["main_kernel"]
+
+    monkeypatch.setattr(tool, "kernel_ms", fake_kernel_ms)
+    base = tool.Build("base", library, {})
+    cand = tool.Build("cand", library, {})
+    args = tool.argparse.Namespace(device="cuda", check="bwd", kernels="main,gone", profile_mods="window=64",
+                                   profile="2,256,64;1,128,32,128", rounds=3, profile_calls=2, heads=4,
+                                   kv_heads=2, verbose=False)
+    tally = tool.Tally()
+    tool.run_profile(args, tally, [base, cand], [64], None)
+    out = capsys.readouterr().out
+    assert [c[0] for c in calls[:6]] == ["base", "cand", "cand", "base", "base", "cand"], calls
+    assert {(c[2], c[3]) for c in calls} == {(384, 64), (160, 128)} and all(c[4] for c in calls), calls
+    assert "profile N2 P256 R64 D64 window 64 fwd+bwd 'main' ms/call: base 2.000 (2.000 2.000 2.000), " \
+           "cand 1.500 (1.500 1.500 1.500); cand/base 0.750" in out, out
+    assert tally.error == 2 and "no kernel matching 'gone' ran in any library" in out, out
