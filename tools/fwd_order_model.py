@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import ctypes
 import heapq
 import sys
 
@@ -31,29 +30,9 @@ from dualkv import _native
 HDR_FWD_OFFSET, FWD_ITEM_INTS = 8, 4  # src/plan_format.h
 
 
-class PlanInfo(ctypes.Structure):
-    """dualkv_plan_info (include/dualkv/dualkv.h)."""
-    _fields_ = [("struct_size", ctypes.c_uint32), ("head_dim", ctypes.c_int32), ("fwd_block_m", ctypes.c_int32),
-                ("bwd_block_n", ctypes.c_int32), ("bwd_block_m", ctypes.c_int32),
-                ("bwd_split_rows", ctypes.c_int32), ("num_fwd_tiles", ctypes.c_int32),
-                ("num_bwd_items", ctypes.c_int32), ("num_reductions", ctypes.c_int32),
-                ("num_split_slots", ctypes.c_int32), ("plan_len", ctypes.c_int64), ("plan_key", ctypes.c_uint64)]
-
-
 def forward_tiles(layout, D, sms):
     """The plan's forward tiles (seg, q0, q1) in plan order."""
-    c = layout.c_layout(host=True)
-    lib = _native.lib()
-    lib.dualkv_plan_inspect_ex.argtypes = [ctypes.POINTER(_native.Layout_), ctypes.POINTER(_native.PlanRequest_),
-                                           ctypes.c_int32, ctypes.POINTER(PlanInfo), ctypes.POINTER(ctypes.c_int32),
-                                           ctypes.c_int64]
-    req = _native.PlanRequest_(struct_size=ctypes.sizeof(_native.PlanRequest_), head_dim=D, window=0)
-    info = PlanInfo(struct_size=ctypes.sizeof(PlanInfo))
-    _native.check(lib.dualkv_plan_inspect_ex(ctypes.byref(c), ctypes.byref(req), sms, ctypes.byref(info), None, 0),
-                  "plan_inspect")
-    buf = (ctypes.c_int32 * info.plan_len)()
-    _native.check(lib.dualkv_plan_inspect_ex(ctypes.byref(c), ctypes.byref(req), sms, ctypes.byref(info), buf,
-                                             info.plan_len), "plan_inspect")
+    info, buf = _native.inspect_plan(layout, D, sms)
     first = buf[HDR_FWD_OFFSET]
     return [tuple(buf[first + i * FWD_ITEM_INTS + j] for j in range(3)) for i in range(info.num_fwd_tiles)]
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import bisect
 import collections
-import ctypes
 import heapq
 
 import numpy as np
@@ -36,15 +35,6 @@ from dualkv import _native
 BM = 64
 
 
-class PlanInfo(ctypes.Structure):
-    """dualkv_plan_info (include/dualkv/dualkv.h)."""
-    _fields_ = [("struct_size", ctypes.c_uint32), ("head_dim", ctypes.c_int32), ("fwd_block_m", ctypes.c_int32),
-                ("bwd_block_n", ctypes.c_int32), ("bwd_block_m", ctypes.c_int32),
-                ("bwd_split_rows", ctypes.c_int32), ("num_fwd_tiles", ctypes.c_int32),
-                ("num_bwd_items", ctypes.c_int32), ("num_reductions", ctypes.c_int32),
-                ("num_split_slots", ctypes.c_int32), ("plan_len", ctypes.c_int64), ("plan_key", ctypes.c_uint64)]
-
-
 # src/plan_format.h
 HDR_BWD_OFFSET, HDR_BWD_BIAS_OFFSET, BWD_ITEM_INTS = 9, 14, 6
 
@@ -53,18 +43,7 @@ def build_plan(P, N, R, D, sms, window=0):
     """The library's plan for one group (prompt P, N responses of R), cut to a sliding window of
     `window` positions (0: none), through dualkv_plan_inspect_ex."""
     layout = dualkv.Layout.from_groups([P], [[R] * N])
-    c = layout.c_layout(host=True)
-    lib = _native.lib()
-    lib.dualkv_plan_inspect_ex.argtypes = [ctypes.POINTER(_native.Layout_), ctypes.POINTER(_native.PlanRequest_),
-                                           ctypes.c_int32, ctypes.POINTER(PlanInfo), ctypes.POINTER(ctypes.c_int32),
-                                           ctypes.c_int64]
-    req = _native.PlanRequest_(struct_size=ctypes.sizeof(_native.PlanRequest_), head_dim=D, window=window)
-    info = PlanInfo(struct_size=ctypes.sizeof(PlanInfo))
-    _native.check(lib.dualkv_plan_inspect_ex(ctypes.byref(c), ctypes.byref(req), sms, ctypes.byref(info), None, 0),
-                  "plan_inspect")
-    buf = (ctypes.c_int32 * info.plan_len)()
-    _native.check(lib.dualkv_plan_inspect_ex(ctypes.byref(c), ctypes.byref(req), sms, ctypes.byref(info), buf,
-                                             info.plan_len), "plan_inspect")
+    info, buf = _native.inspect_plan(layout, D, sms, window)
     first = buf[HDR_BWD_OFFSET]
     bwd = [tuple(buf[first + i * BWD_ITEM_INTS + j] for j in range(BWD_ITEM_INTS)) for i in range(info.num_bwd_items)]
     # distance biases (plan_format.h): only in a windowed plan; 0 is what the kernels use without

@@ -122,6 +122,40 @@ class PlanRequest_(ctypes.Structure):
     ]
 
 
+class PlanInfo_(ctypes.Structure):
+    """dualkv_plan_info: the tile sizes and item counts of a CUDA work plan (dualkv_plan_inspect_ex)."""
+    _fields_ = [
+        ("struct_size", ctypes.c_uint32),
+        ("head_dim", ctypes.c_int32),
+        ("fwd_block_m", ctypes.c_int32),
+        ("bwd_block_n", ctypes.c_int32),
+        ("bwd_block_m", ctypes.c_int32),
+        ("bwd_split_rows", ctypes.c_int32),
+        ("num_fwd_tiles", ctypes.c_int32),
+        ("num_bwd_items", ctypes.c_int32),
+        ("num_reductions", ctypes.c_int32),
+        ("num_split_slots", ctypes.c_int32),
+        ("plan_len", ctypes.c_int64),
+        ("plan_key", ctypes.c_uint64),
+    ]
+
+
+def inspect_plan(layout, head_dim: int, num_sms: int, window: int = 0):
+    """The plan the CUDA backend would build for `layout` (a dualkv.Layout) at `head_dim` on a device
+    with `num_sms` multiprocessors, built on the host by any library (dualkv_plan_inspect_ex): for
+    tools and tests. Returns (PlanInfo_, the plan as a list of int32; format: src/plan_format.h)."""
+    c = layout.c_layout(host=True)
+    f = lib().dualkv_plan_inspect_ex
+    f.argtypes = [ctypes.POINTER(Layout_), ctypes.POINTER(PlanRequest_), ctypes.c_int32,
+                  ctypes.POINTER(PlanInfo_), ctypes.POINTER(ctypes.c_int32), ctypes.c_int64]
+    req = PlanRequest_(struct_size=ctypes.sizeof(PlanRequest_), head_dim=head_dim, window=window)
+    info = PlanInfo_(struct_size=ctypes.sizeof(PlanInfo_))
+    check(f(ctypes.byref(c), ctypes.byref(req), num_sms, ctypes.byref(info), None, 0), "plan_inspect")
+    buf = (ctypes.c_int32 * info.plan_len)()
+    check(f(ctypes.byref(c), ctypes.byref(req), num_sms, ctypes.byref(info), buf, info.plan_len), "plan_inspect")
+    return info, list(buf)
+
+
 # the params block appended for external prefix segments (dualkv.h)
 _PREFIX_INPUTS = [
     ("prefixes", Prefixes_),
