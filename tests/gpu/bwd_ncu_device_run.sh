@@ -7,7 +7,10 @@
 #      dot(dO, O) / main / dQ convert)
 #   2. Nsight Compute on ONE launch of each backward main kernel (the second fwd+bwd; the first warms
 #      up): speed of light, pipe utilisation, warp stall reasons, scheduler, shared-memory bank
-#      conflicts, occupancy. --clock-control none (METHOD.md: leave the clocks alone).
+#      conflicts, occupancy, L2 hit rate, SM clock. --clock-control none (METHOD.md: leave the clocks
+#      alone). NCU_KERNEL=fwd: the forward kernels instead (issue 23: why the Hopper forward runs 8.7%
+#      slower per iteration at N8 P16384 R2048 than at N16 P4096 R1024 — docs/notes/2026-12-02-fwd-long-layouts.md
+#      on branch fwdwide; NCU_SM90=1 NCU_KERNEL=fwd NCU_METHODS=dualkv NCU_SKIP_PROFILE=1, once per config).
 # The portable kernels are forced (DUALKV_DISABLE_SM90{,_BWD}=1) unless NCU_SM90=1. NCU_METHODS
 # (default "dualkv,sdpa_flash") picks the kernels of step 2; NCU_SKIP_PROFILE=1 skips step 1;
 # NCU_SOURCE=1 adds step 3 (per-instruction stall sampling, NCU_SOURCE_METHODS, default dualkv; NCU_METHODS=none
@@ -72,8 +75,15 @@ GMMA=""
 METRICS="sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,${GMMA}smsp__inst_executed.sum,\
 sm__cycles_elapsed.avg,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum,\
 l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum,l1tex__data_pipe_lsu_wavefronts_mem_shared.sum,\
-lts__t_sectors_op_red.sum,dram__bytes.sum,smsp__issue_active.avg.pct_of_peak_sustained_active$STALLS"
-for spec in "dualkv:regex:bwd_kv_kernel|bwd_sm90_kernel" "sdpa_flash:regex:flash_bwd_dq_dk_dv"; do
+lts__t_sectors_op_red.sum,dram__bytes.sum,smsp__issue_active.avg.pct_of_peak_sustained_active,\
+lts__t_sector_hit_rate.pct,sm__cycles_elapsed.avg.per_second$STALLS"
+# NCU_KERNEL=fwd profiles the forward kernels in step 2 instead (the driver runs fwd+bwd either way).
+if [ "${NCU_KERNEL:-bwd}" = fwd ]; then
+  SPECS2="dualkv:regex:fwd_kernel|fwd_sm90_kernel sdpa_flash:regex:flash_fwd_kernel"
+else
+  SPECS2="dualkv:regex:bwd_kv_kernel|bwd_sm90_kernel sdpa_flash:regex:flash_bwd_dq_dk_dv"
+fi
+for spec in $SPECS2; do
   m=${spec%%:*}; k=${spec#*:}
   case ",${NCU_METHODS:-dualkv,sdpa_flash}," in *",$m,"*) ;; *) continue ;; esac
   echo "== 2. ncu $m ($k) t=$(( $(date +%s) - t0 ))s"
