@@ -20,10 +20,10 @@
 //       dK_c += dS^T Q            (RS: dS^T from registers, Q N-major)
 //       dS^T -> smem as dS [q][kv] (stmatrix.trans, 128B swizzle), both warpgroups sync (named
 //       barrier 1), then warpgroup c computes dQ[:, cD/2 .. +D/2] = dS K[:, half] (SS, B N-major)
-//       and adds it to the fp32 dQ accumulator with 16-byte atomics (skipped in deterministic mode,
-//       where the sm80 query-outer dQ kernel runs afterwards).
-//   dQ by bulk reduce (compile-time switch DUALKV_SM90_BWD_DQ_BULK=1, kBwdDqBulk; the CMake option of
-//     that name, default ON, sets it; OFF keeps the atomics above): instead of the atomics,
+//       and adds it to the fp32 dQ accumulator (the dQ-computing kernel, template flag kAtomicDq, a
+//       name from when it added dQ with 16-byte atomics; skipped in deterministic mode, where the
+//       sm80 query-outer dQ kernel runs afterwards).
+//   dQ by bulk reduce (the only dQ path: the build switch that kept the atomics is gone):
 //     warpgroup c stores its fp32 dQ half into a staging buffer (64 x D fp32, double-buffered by
 //     step parity, 128B-swizzled boxes of 32 columns; rows >= qb stored as 0), and thread 32 of the
 //     producer warpgroup (the "dQ writer") adds the whole tile to dq_accum with D/32 TMA reduce-adds
@@ -53,7 +53,7 @@
 //                                 after the other warpgroup passed the next step's barrier, i.e.
 //                                 after its dQ wgmma of this step retired (its wait_group 1,
 //                                 before its next barrier).
-//   kBwdDqBulk only (non-deterministic kernel):
+//   dQ-computing (non-deterministic) kernel only:
 //   item_empty[2]                 9 arrivals: the 8 consumer warps + the dQ writer
 //   dq_full[2] / dq_empty[2]      staging buffer of the step written by every consumer warp (lane
 //                                 0 after each lane's stores + fence.proxy.async + __syncwarp) /
@@ -162,7 +162,7 @@ struct Sm90BwdBarriers {
   uint64_t* qdo_full;
   uint64_t* qdo_empty;
   int32_t* items;
-  uint64_t* dq_full;  // kBwdDqBulk only
+  uint64_t* dq_full;  // dQ-computing kernel only
   uint64_t* dq_empty;
 };
 

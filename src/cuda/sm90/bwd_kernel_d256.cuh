@@ -1,10 +1,10 @@
 // Hopper backward main kernel for head dim 256 (sm_90a): KV-tile-outer, wgmma + TMA + warp
-// specialisation. Built with the CMake option DUALKV_SM90_BWD_D256 (default ON since f0046e3).
+// specialisation.
 //
 // Same contract as bwd_sm90_kernel (bwd_kernel.cuh) and the portable bwd_kv_kernel: the plan's
 // backward items (seg, k0, k1, qa, qb, slot) with plan_tiles(256).bwd_block_n = 64 KV rows, the same
 // workspace, the same outputs (dK * scale and dV for unsplit items; unscaled fp32 partials
-// [slot, Hk, 2, 64, 256] for split items; fp32 atomic adds of dS K into dq_accum [T, H, 256] unless
+// [slot, Hk, 2, 64, 256] for split items; dS K added into dq_accum [T, H, 256] by bulk reduce unless
 // deterministic).
 //
 // Why not the D <= 128 scheme (each consumer warpgroup owns half of the KV rows and keeps their dK
@@ -20,17 +20,17 @@
 //                                                 dS^T = P^T (dP^T - delta)
 //     dV += P^T dO        (RS m64n256, k 64)     dK += dS^T Q         (RS m64n256, k 64)
 //                                                 dS^T -> smem as dS [q][kv] (stmatrix.trans,
-//                                                 128B swizzle; atomic-dQ kernel only)
-//     named barrier 1 (both warpgroups; atomic-dQ kernel only)
+//                                                 128B swizzle; dQ-computing kernel only)
+//     named barrier 1 (both warpgroups; dQ-computing kernel only)
 //     dQ[:, 0..128)   = dS K[:, 0..128)          dQ[:, 128..256) = dS K[:, 128..256)  (SS m64n128,
-//                                                 B N-major), 16-byte red.global.add.v4.f32
+//                                                 B N-major), staged and bulk-reduced (below)
 //
 // so the tensor work per query tile is the useful 5 x (2 x 64 x 64 x 256) FLOP, 2.5 units per
 // warpgroup (no recomputation of S^T or dP^T), the softmax numerators cross between the warpgroups
 // once per step as 16 KiB of fp32 (so dS^T = P^T (dP^T - delta) is computed from the same fp32 P^T
 // as in the D <= 128 kernel), and dS crosses once as there.
 //
-// Issue order (kBwdD256StaggerDp, default): the dS warpgroup issues dP^T after the P warpgroup's
+// Issue order: the dS warpgroup issues dP^T after the P warpgroup's
 // S^T retired (named barrier 3: P warpgroup arrives, dS warpgroup syncs), so the tensor work runs
 // S^T | dP^T (overlapping the exponentials) | dV, dK | dQ instead of S^T + dP^T together, then
 // the exponentials with the tensor cores idle.
@@ -44,8 +44,8 @@
 // the Q/dO/lse/delta ring (2 stages, qdo_full / qdo_empty) are those of bwd_sm90_kernel. The CPU
 // model of this protocol: tests/models/bwd_protocol_model.py --d256.
 //
-// dQ by bulk reduce (compile-time switch DUALKV_SM90_BWD_D256_DQ_BULK=1, kBwdD256DqBulk; needs
-// DUALKV_SM90_BWD_DQ_BULK for the dq_accum tensor map; atomic-dQ kernel only): there is no room for
+// dQ by bulk reduce (the dQ-computing kernel, template flag kAtomicDq; the build switches that
+// kept 16-byte atomics are gone): there is no room for
 // the D <= 128 kernel's separate 2 x 64 KiB staging buffers, but after barrier 1 the step's Q and dO
 // stage (2 x 32 KiB) is dead: S^T, dP^T, dV and dK, its only readers, have retired in both
 // warpgroups. So each warpgroup stages its fp32 dQ half (64 x 128 = four 32-column boxes of
