@@ -3,9 +3,9 @@
 // A kernel first checks that the plan was built for its layout (S, T; the host already rejected a
 // wrong plan key, this catches a stale device buffer) and otherwise does nothing. Persistent CTAs
 // then take item indices from an atomic counter in the workspace; an index covers one plan entry
-// and one head: forward entry i / H with query head i % H (or, with scheduling windows, see
-// decode_fwd_item), backward entry i / Hk with KV head i % Hk, heads fastest so that the CTAs
-// running at one moment share K/V.
+// and one head: in the portable forward entry i / H with query head i % H, in the Hopper forward
+// KV head outer over the whole plan (decode_fwd_item, fwd_item_order.h), backward entry i / Hk with
+// KV head i % Hk; either way the CTAs running at one moment share K/V.
 #pragma once
 
 #include <stdint.h>
