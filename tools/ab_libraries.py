@@ -98,6 +98,7 @@ import torch  # noqa: E402
 
 import dualkv  # noqa: E402
 from dualkv import _native  # noqa: E402
+from dualkv.reference import attention_ref, flatten_prefixes  # noqa: E402
 
 
 def _bench_module(name: str):
@@ -340,28 +341,8 @@ def run_case(build: Build, case: Case, x: Inputs, device: str, backward: bool, d
     return res
 
 
-def flat_forest(layout) -> tuple:
-    """(layout, local, rows): ``layout`` with each external segment replaced by a local root of its
-    prefix's rows (the same visibility: every query of the subtree sees every row), the flat token
-    of each token of ``layout`` and of each prefix buffer row (-1: a row no segment holds)."""
-    starts = [0]
-    for n in layout.prefix_lens:
-        starts.append(starts[-1] + n)
-    lens, local, rows, t = [], [], [-1] * starts[-1], 0
-    for n, e in zip(layout.segment_lens, layout.seg_prefix):
-        if e >= 0:
-            n = layout.prefix_lens[e]
-            rows[starts[e]:starts[e] + n] = range(t, t + n)
-        else:
-            local += range(t, t + n)
-        lens.append(n)
-        t += n
-    return dualkv.Layout.from_tree(lens, layout.parents), torch.tensor(local), torch.tensor(rows)
-
-
 def dense_reference(case: Case, layout_cpu, q, k, v, dout, sinks, dtype, backward: bool) -> dict:
     """{output name: float64 tensor} of the dense reference computed in ``dtype``."""
-    from dualkv.reference import attention_ref
     q, k, v = (t.detach().to(dtype).requires_grad_(backward) for t in (q, k, v))
     with torch.set_grad_enabled(backward):
         out, lse = attention_ref(q, k, v, layout_cpu, window=case.window, softcap=case.softcap, sinks=sinks)
@@ -378,7 +359,7 @@ def reference(case: Case, layout_cpu, x: Inputs, dtype, backward: bool) -> dict:
     external prefixes through its flat forest (the prefix rows as queries with dout 0)."""
     if not case.prefix_rows:
         return dense_reference(case, layout_cpu, x.q, x.k, x.v, x.dout, x.sinks, dtype, backward)
-    flat, local, rows = flat_forest(layout_cpu)
+    flat, local, rows = flatten_prefixes(layout_cpu)
     local, rows = local.to(x.q.device), rows.to(x.q.device)
     held = rows >= 0
 

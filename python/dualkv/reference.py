@@ -52,6 +52,26 @@ def position_ids_ref(layout: Layout) -> torch.Tensor:
     return visibility_mask(layout).sum(1) - 1
 
 
+def flatten_prefixes(layout: Layout):
+    """The forest of ``layout`` with each external prefix segment replaced by a local root of its
+    prefix's rows (the same visibility and positions: every query of the subtree sees every row), for
+    a dense reference of a prefixed call. Returns (flat layout, the flat token of each token of
+    ``layout``, the flat token of each prefix buffer row or -1 for a row no segment holds)."""
+    starts = [0]
+    for n in layout.prefix_lens:
+        starts.append(starts[-1] + n)
+    lens, local, rows, t = [], [], [-1] * starts[-1], 0
+    for n, e in zip(layout.segment_lens, layout.seg_prefix):
+        if e >= 0:
+            n = layout.prefix_lens[e]
+            rows[starts[e]:starts[e] + n] = range(t, t + n)
+        else:
+            local += range(t, t + n)
+        lens.append(n)
+        t += n
+    return Layout.from_tree(lens, layout.parents), torch.tensor(local), torch.tensor(rows)
+
+
 def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Layout,
                   softmax_scale: Optional[float] = None, mask: Optional[torch.Tensor] = None,
                   window: Optional[int] = None, softcap: Optional[float] = None,

@@ -8,6 +8,7 @@ import torch
 
 import dualkv
 from conftest import random_forest
+from dualkv.reference import flatten_prefixes
 
 
 def split_forest(rng: random.Random, lens, parents):
@@ -38,6 +39,20 @@ def split_forest(rng: random.Random, lens, parents):
         for j in range(lens[s]):
             prefix_rows[prefix_starts[seg_prefix[s]] + j] = starts[s] + j
     return prefixed, flat, torch.tensor(local), prefix_rows
+
+
+@pytest.mark.parametrize("trial", range(8))
+def test_flatten_prefixes_inverts_split_forest(trial):
+    """dualkv.reference.flatten_prefixes (the dense reference's view of a prefixed layout) gives back
+    the forest split_forest started from: its segment lengths and parents, where each local token
+    sits and each prefix row's flat token (-1 for the unused prefix)."""
+    rng = random.Random(300 + trial)
+    lens, parents = random_forest(rng, roots=rng.randint(1, 4), max_depth=rng.randint(2, 4), max_children=3)
+    prefixed, flat, local, prefix_rows = split_forest(rng, lens, parents)
+    got, got_local, got_rows = flatten_prefixes(prefixed)
+    assert got.segment_lens == flat.segment_lens and got.parents == flat.parents
+    assert torch.equal(got_local, local)
+    assert got_rows.tolist() == prefix_rows
 
 
 def modifier_args(rng: random.Random, H: int):
