@@ -451,8 +451,8 @@ def _distributed_worker(rank, world, init_file, out_dir, cases):
             results[name] = traceback.format_exc()
     (pathlib.Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(results))
     # Both ranks past their last collective before either tears gloo down: without it a rank that
-    # finished first sometimes died in destroy_process_group with "terminate called without an
-    # active exception" (SIGABRT) while the other still had FSDP's last reduce in flight (CI and
+    # finished first sometimes died (where exactly is not known) with "terminate called without an
+    # active exception" (SIGABRT), probably while the other was still in its last collective (CI and
     # ~1 in 30 local runs, 2026-12-02). As test_distributed_ranks' worker: one all_reduce, of the
     # failed-case count (the results are in the files already; this is only the sync).
     dist.all_reduce(torch.tensor([sum(v is not None for v in results.values())]))
