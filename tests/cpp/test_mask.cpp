@@ -27,22 +27,25 @@ constexpr int kBlockM = 16;  // small tiles: many tile pairs, ragged ends and di
 constexpr int kBlockN = 8;
 
 // Forward: for each query tile, the KvWalk's tiles and the apply step see exactly the visible keys.
+// BM x BN: the query and KV tiles (KV tiles may be wider than query tiles: the sm90 D-128 forward's
+// 160-row KV tiles against its 128-row query tiles).
+template <int BM = kBlockM, int BN = kBlockN>
 void check_forward(const HostLayout& l) {
   const dualkv_layout v = l.view();
   const dualkv::ForestView f = dualkv::make_forest_view(v);
   for (int32_t s = 0; s < l.num_segments(); ++s) {
-    for (int32_t q0 = f.segment_begin(s); q0 < f.segment_end(s); q0 += kBlockM) {
-      const int32_t q1 = std::min(q0 + kBlockM, f.segment_end(s));
+    for (int32_t q0 = f.segment_begin(s); q0 < f.segment_end(s); q0 += BM) {
+      const int32_t q1 = std::min(q0 + BM, f.segment_end(s));
       std::vector<std::vector<char>> seen(q1 - q0, std::vector<char>(l.num_tokens(), 0));
-      dualkv::KvWalk<kBlockN> walk;
+      dualkv::KvWalk<BN> walk;
       walk.init(l.offsets.data(), l.parent.data(), s, q1);
       int tiles = 0;
       do {
         const int32_t klen = walk.len();
         ASSERT_GE(klen, 1);
-        const TileKind kind = SegmentMask::fwd_tile_kind(walk.pos, klen, walk.own, q0, kBlockN);
+        const TileKind kind = SegmentMask::fwd_tile_kind(walk.pos, klen, walk.own, q0, BN);
         for (int32_t q = q0; q < q1; ++q)
-          for (int32_t col = 0; col < kBlockN; ++col) {
+          for (int32_t col = 0; col < BN; ++col) {
             const bool hidden = SegmentMask::fwd_hidden(walk.pos, klen, walk.own, col, q);
             if (kind == TileKind::kFull) ASSERT_FALSE(hidden) << "a full tile hides a pair";
             if (!hidden) ++seen[q - q0][walk.pos + col];
@@ -283,3 +286,29 @@ TEST(Mask, PrefixedWalkSeesExactlyTheVisibleKeys) {
     check_prefixed(l);
   }
 }
+
+namespace {
+
+// The sm90 D-128 forward walks 160-row KV tiles against 128-row query tiles (issue 23,
+// docs/notes/2026-12-02-fwd-long-layouts.md): KV tiles 1.25 times as wide as the query tiles, so a
+// query tile's diagonal may span two KV tiles. The same check at that ratio (16 x 20), and at the
+// kernel's own sizes on forests whose lengths sit around the 128- and 160-row edges.
+TEST(Mask, ForwardWalkWithKvTilesWiderThanQueryTiles) {
+  std::mt19937 rng(1600);
+  for (int trial = 0; trial < 40; ++trial) {
+    std::vector<int32_t> lens, parents;
+    random_forest(rng, 1 + trial % 3, 1 + trial % 4, 3, 60, &lens, &parents);
+    HostLayout l(lens, parents);
+    SCOPED_TRACE(trial);
+    check_forward<16, 20>(l);
+  }
+  const std::vector<std::vector<int32_t>> kernel_lens = {{161, 159, 320, 1}, {320, 481, 128}, {129, 160, 479}};
+  for (const auto& lens : kernel_lens) {
+    std::vector<int32_t> parents(lens.size(), 0);
+    parents[0] = -1;
+    HostLayout l(lens, parents);
+    check_forward<128, 160>(l);
+  }
+}
+
+}  // namespace

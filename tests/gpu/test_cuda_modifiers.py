@@ -200,6 +200,14 @@ def test_sinks_of_minus_infinity_change_nothing(path, monkeypatch):
     lists max |diff| of every tensor."""
     use_path(monkeypatch, path)
     D = modifier_head_dims()[0]
+    if path == "default" and D == 128:
+        # The Hopper D-128 kernel without modifiers walks 160-row KV tiles (fwd_kernel.cuh,
+        # fwd_wide_tiles), the sinks kernel 128-row ones: the same sums in another order, so not the
+        # same bits. The claim holds between kernels of one tiling: take another head dim.
+        others = [d for d in modifier_head_dims() if d != 128]
+        if not others:
+            pytest.skip("the only modifier head dim is 128, whose plain Hopper forward tiles differently")
+        D = others[0]
     layout_cpu = dualkv.Layout.from_tree([130, 64, 1], [-1, 0, 0])
     layout = layout_cpu.to("cuda")
     q, k, v, dout = make_inputs(layout_cpu, 4, 2, D, torch.bfloat16, seed=2)

@@ -117,3 +117,46 @@ def test_epilogue_box_edges(D, tail):
     at and one row after each box edge, in the middle of the packed tensor (the next segment's rows
     follow: a box stored whole would overwrite them) and at its end (the clip)."""
     check([200, tail, 70, tail], [-1, 0, 0, -1], 4, 1, D, torch.bfloat16, seed=tail)
+
+
+# ---- wide KV tiles (issue 23, docs/notes/2026-12-02-fwd-long-layouts.md) ----
+# The D-128 default kernel (no modifiers, no external prefix) walks 160-row KV tiles
+# (fwd_kernel.cuh, kFwdWideBlockN): a range's last tile is ragged against 160 rather than 128, and the
+# own segment's diagonal may span two 160-row tiles. These cases put every range end one row before,
+# at and one row after the 160-row edges (and a 128-row one), in prompts, responses and forests.
+WIDE_EDGES = [159, 160, 161, 319, 320, 321, 479, 480, 481, 128, 129]
+
+
+def seg_len_wide(rng):
+    return cases.segment_length(rng, WIDE_EDGES, cuts=(0.1, 0.45, 0.6, 0.85), small=64, mid=400, large=900)
+
+
+needs_d128 = pytest.mark.skipif(128 not in DIMS, reason="the 160-row KV tiles are the D-128 kernel's")
+
+
+@needs_d128
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("prompt", [159, 160, 161, 320, 321, 1000])
+def test_wide_kv_tile_edges(prompt, dtype):
+    """A group whose prompt ends at, before and after a 160-row edge, with responses of the same
+    lengths (their own walk's diagonal tile crossing a 160-row edge), a second root after it."""
+    lens = [prompt, 159, 160, 161, 1, 330, 480, prompt]
+    parents = [-1, 0, 0, 0, 0, 0, 0, -1]
+    check(lens, parents, 8, 2, 128, dtype, seed=prompt)
+
+
+@needs_d128
+def test_wide_kv_tile_chain():
+    """A chain (every ancestor a range of the walk) of lengths around 160-row edges, MHA."""
+    lens = [161, 159, 320, 1, 481, 160, 77]
+    parents = [-1] + list(range(len(lens) - 1))
+    check(lens, parents, 4, 4, 128, torch.bfloat16, seed=23)
+
+
+@needs_d128
+@pytest.mark.parametrize("case", range(16))
+def test_wide_kv_tile_random_forests(case):
+    rng = random.Random(9100 + case)
+    H, Hk = GQA[case % len(GQA)]
+    lens, parents = cases.random_forest(rng, seg_len_wide, 2500)
+    check(lens, parents, H, Hk, 128, DTYPES[case % 2], seed=100 + case)

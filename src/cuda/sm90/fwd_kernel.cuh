@@ -34,6 +34,8 @@
 #include <math_constants.h>
 #include <stdint.h>
 
+#include <type_traits>
+
 #include "convert.cuh"
 #include "dualkv/mask.h"
 #include "kernel_params.h"
@@ -45,10 +47,23 @@
 
 namespace dualkv::cuda::sm90 {
 
-template <int D>
+// ---- Wide KV tiles (issue 23, change #7; docs/notes/2026-12-02-fwd-long-layouts.md) ----
+// The D-128 default kernel (no modifiers, no external prefix) walks its KV ranges in tiles of
+// kFwdWideBlockN rows instead of sm90_fwd_block_n(D): the per-tile fixed cost (row max / sum
+// reductions, the O rescale, barriers, hand-offs) is paid once per 160 keys instead of per 128. 160
+// is the widest tile whose two K / V stages fit next to Q and the O staging buffer (230,528 of
+// 232,448 bytes; FA3 takes 176 for non-causal D 128, without an O buffer). The modifier, window and
+// external-prefix kernels keep 128: their walks are short (window) or their registers are tight.
+constexpr int kFwdWideBlockN = 160;
+template <int D, typename Mods, bool kPrefix>
+constexpr bool fwd_wide_tiles() {
+  return D == 128 && std::is_same_v<Mods, NoModifiers> && !kPrefix;
+}
+
+template <int D, bool kWide = false>
 struct Sm90FwdConfig {
   static constexpr int kBlockM = 128;                  // query rows per tile (= the plan's tiles)
-  static constexpr int kBlockN = sm90_fwd_block_n(D);  // KV rows per tile
+  static constexpr int kBlockN = kWide ? kFwdWideBlockN : sm90_fwd_block_n(D);  // KV rows per tile
   static constexpr int kStages = 2;
   static constexpr int kBox = 64;                      // columns per TMA box (128 B of 16-bit)
   static constexpr int kBoxes = D / kBox;
@@ -75,6 +90,7 @@ struct Sm90FwdConfig {
   static constexpr uint32_t kBarBytes = 8 * (4 * kStages + 2 + 4) + 16;
   static constexpr uint32_t kSmemBytes = kOffBar + kBarBytes + 1024;  // + alignment slack
   static_assert(D % 64 == 0, "head dim must be a multiple of 64");
+  static_assert(kSmemBytes <= 232448, "sm90 forward: Q, the K / V stages and O do not fit in shared memory");
 };
 
 template <int D>
@@ -162,7 +178,7 @@ __device__ __forceinline__ void fwd_o_staging_release(const CUtensorMap* to, uin
 template <typename T, int D, typename Mods = NoModifiers, bool kPrefix = false>
 __global__ void __launch_bounds__(Sm90FwdConfig<D>::kThreads, 1)
 fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
-  using C = Sm90FwdConfig<D>;
+  using C = Sm90FwdConfig<D, fwd_wide_tiles<D, Mods, kPrefix>()>;
   constexpr int BN = C::kBlockN, S = C::kStages;
 
   extern __shared__ __align__(1024) uint8_t smem_raw[];

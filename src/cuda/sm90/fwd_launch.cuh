@@ -12,9 +12,9 @@
 namespace dualkv::cuda::sm90 {
 
 // One persistent CTA per SM of `Kernel` (launch.h), its work counter zeroed on `stream` first.
-template <auto Kernel, int D>
+template <auto Kernel, int D, bool kWide = false>
 cudaError_t launch_fwd(const Sm90FwdParams<D>& p, int sms, cudaStream_t stream) {
-  using C = Sm90FwdConfig<D>;
+  using C = Sm90FwdConfig<D, kWide>;
   if (cudaError_t err = cudaMemsetAsync(p.a.counter, 0, sizeof(int32_t), stream); err != cudaSuccess) return err;
   return launch_persistent<Kernel>(C::kSmemBytes, C::kThreads, sms, p, stream);
 }
@@ -33,9 +33,13 @@ cudaError_t run_fwd(const FwdArgs& args, int sms, cudaStream_t stream) {
   const FwdItemOrder order = choose_fwd_item_order(H, Hk);
   p.tile_window = order.window;
   p.head_run = order.head_run;
+  // Wide KV tiles (fwd_wide_tiles, issue 23): the kernel without an external prefix may walk wider
+  // tiles than C's, and its K / V boxes are its tiles.
+  constexpr bool kWide = fwd_wide_tiles<D, Mods, false>();
+  const int kv_box_rows = args.prefix_k == nullptr ? Sm90FwdConfig<D, kWide>::kBlockN : C::kBlockN;
   if (!make_map(&p.tq, kTmaType<T>, args.q, D, H, T_, args.q_hs, args.q_ts, C::kBlockM) ||
-      !make_map(&p.tk, kTmaType<T>, args.k, D, Hk, T_, args.k_hs, args.k_ts, C::kBlockN) ||
-      !make_map(&p.tv, kTmaType<T>, args.v, D, Hk, T_, args.v_hs, args.v_ts, C::kBlockN))
+      !make_map(&p.tk, kTmaType<T>, args.k, D, Hk, T_, args.k_hs, args.k_ts, kv_box_rows) ||
+      !make_map(&p.tv, kTmaType<T>, args.v, D, Hk, T_, args.v_hs, args.v_ts, kv_box_rows))
     return cudaErrorNotSupported;
   // The O epilogue's TMA store (Sm90FwdConfig::kOStaged): only where out is TMA-aligned (16-byte
   // base and strides); otherwise the kernel stores every tile per thread (fwd_args_ok asks pairs only).
@@ -56,7 +60,7 @@ cudaError_t run_fwd(const FwdArgs& args, int sms, cudaStream_t stream) {
       return cudaErrorNotSupported;  // api.cpp refuses a modifier with external prefixes first
     }
   }
-  return launch_fwd<fwd_sm90_kernel<T, D, Mods, false>, D>(p, sms, stream);
+  return launch_fwd<fwd_sm90_kernel<T, D, Mods, false>, D, kWide>(p, sms, stream);
 }
 
 }  // namespace dualkv::cuda::sm90
