@@ -76,8 +76,13 @@ DUALKV_TILE_FN int sm80_bwd_dq_pass_cols(int warp_cols) { return warp_cols <= 12
 
 // ---- sm90 (wgmma + TMA) kernels ----
 // Forward KV rows per pipeline stage: 128 up to D = 128, 64 above (shared memory: Q 64 KiB plus
-// two stages of K and V).
-DUALKV_TILE_FN int sm90_fwd_block_n(int head_dim) { return head_dim <= 128 ? 128 : 64; }
+// two stages of K and V). The D-128 kernel without modifiers or an external prefix walks wide
+// tiles of 160 rows (sm90/fwd_kernel.cuh fwd_wide_tiles): the per-tile fixed cost (row max / sum,
+// O rescale, barriers) is paid once per 160 keys; 160 is the widest whose two K / V stages fit next
+// to Q and the O staging buffer (230,528 of 232,448 bytes).
+DUALKV_TILE_FN int sm90_fwd_block_n(int head_dim, bool wide = false) {
+  return wide && head_dim == 128 ? 160 : head_dim <= 128 ? 128 : 64;
+}
 // Backward main kernel (D <= 128) query rows per step: 128 at D = 64 (a step then has D 128's
 // GEMM work and accumulator registers, so its fixed cost is amortised over twice the FLOPs of a
 // 64-row step; docs/notes/2026-12-02-d64-bwd-steps.md), 64 otherwise. Softcap kernels keep 64 at

@@ -121,7 +121,7 @@ def test_epilogue_box_edges(D, tail):
 
 # ---- wide KV tiles (issue 23, docs/notes/2026-12-02-fwd-long-layouts.md) ----
 # The D-128 default kernel (no modifiers, no external prefix) walks 160-row KV tiles
-# (fwd_kernel.cuh, kFwdWideBlockN): a range's last tile is ragged against 160 rather than 128, and the
+# (tile_size.h sm90_fwd_block_n(D, wide)): a range's last tile is ragged against 160 rather than 128, and the
 # own segment's diagonal may span two 160-row tiles. These cases put every range end one row before,
 # at and one row after the 160-row edges (and a 128-row one), in prompts, responses and forests.
 WIDE_EDGES = [159, 160, 161, 319, 320, 321, 479, 480, 481, 128, 129]

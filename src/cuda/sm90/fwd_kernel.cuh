@@ -49,12 +49,9 @@ namespace dualkv::cuda::sm90 {
 
 // ---- Wide KV tiles (issue 23, change #7; docs/notes/2026-12-02-fwd-long-layouts.md) ----
 // The D-128 default kernel (no modifiers, no external prefix) walks its KV ranges in tiles of
-// kFwdWideBlockN rows instead of sm90_fwd_block_n(D): the per-tile fixed cost (row max / sum
-// reductions, the O rescale, barriers, hand-offs) is paid once per 160 keys instead of per 128. 160
-// is the widest tile whose two K / V stages fit next to Q and the O staging buffer (230,528 of
-// 232,448 bytes; FA3 takes 176 for non-causal D 128, without an O buffer). The modifier, window and
-// external-prefix kernels keep 128: their walks are short (window) or their registers are tight.
-constexpr int kFwdWideBlockN = 160;
+// sm90_fwd_block_n(D, wide) = 160 rows instead of 128 (tile_size.h says why 160; FA3 takes 176 for
+// non-causal D 128, without an O buffer). The modifier, window and external-prefix kernels keep 128:
+// their walks are short (window) or their registers are tight.
 template <int D, typename Mods, bool kPrefix>
 constexpr bool fwd_wide_tiles() {
   return D == 128 && std::is_same_v<Mods, NoModifiers> && !kPrefix;
@@ -63,7 +60,7 @@ constexpr bool fwd_wide_tiles() {
 template <int D, bool kWide = false>
 struct Sm90FwdConfig {
   static constexpr int kBlockM = 128;                  // query rows per tile (= the plan's tiles)
-  static constexpr int kBlockN = kWide ? kFwdWideBlockN : sm90_fwd_block_n(D);  // KV rows per tile
+  static constexpr int kBlockN = sm90_fwd_block_n(D, kWide);  // KV rows per tile
   static constexpr int kStages = 2;
   static constexpr int kBox = 64;                      // columns per TMA box (128 B of 16-bit)
   static constexpr int kBoxes = D / kBox;
