@@ -1119,11 +1119,8 @@ def measure(method, model, mbs, args, device, base, flops):
         rec["std_rows_per_pass"] = max(spec.std_rows_per_pass(mb) for mb in mbs)
     unpacked, packed = base["unpacked_tokens"], base["packed_tokens"]
     try:
-        set_method(model, method, args)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats(device)
+        # The head-dim verdict first: it holds whether FA4 is installed or not, and it is the reason
+        # to record (a missing FA4 is not why Flex-FA4 cannot run the model).
         if mods and method in FLEX_BACKENDS:
             rec["flex_layer_backends"] = [dict(window=k.window, head_dim=k.head_dim, layers=k.count,
                                                backend=spec.flex_backend(method, k)) for k in spec.kinds]
@@ -1132,6 +1129,12 @@ def measure(method, model, mbs, args, device, base, flops):
                     f"flex_fa4: no attention layer of {spec.name} has a head dim FA4 trains under Flex "
                     f"(<= {spec.flash_max_head_dim}; FA4 4.0.0b36 has no training block size at 256 and no kernel "
                     f"above): head dims {sorted({k.head_dim for k in spec.kinds})}")
+        set_method(model, method, args)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+        if mods and method in FLEX_BACKENDS:
             if spec.sinks:  # the sinks' gradient flows through Flex's lse: check the backend takes it
                 t_c = time.perf_counter()
                 with _time_limit(args.method_timeout, f"{method} sinks check"):

@@ -506,6 +506,22 @@ def test_flex_fa4_per_layer_kind_and_unavailable_above_fa4s_head_dims(tmp_path, 
     assert res[("gemma-4-tiny", "flex")]["status"] == "ok"
 
 
+def test_flex_fa4_head_dim_reason_without_fa4(tmp_path, monkeypatch):
+    """Without FA4 installed, a model none of whose layers FA4 trains under Flex still records the
+    head-dim reason (the one that holds either way), not the missing install."""
+    e2e = _load_bench("e2e")
+
+    def missing():
+        raise e2e.Unavailable("skipped: FlashAttention-4 (flash_attn.cute) is not importable (stub)")
+    monkeypatch.setattr(e2e, "fa4", missing)
+    out = tmp_path / "nofa4.json"
+    assert e2e.main(MODS[:-1] + ["gemma-4-tiny", "--methods", "flex_fa4", "--flex-fa4-max-head-dim", "8",
+                                 "--no-flex-fallback", "--out", str(out)]) == 0
+    rec = json.loads(out.read_text())["results"][0]
+    assert rec["status"] == "unavailable" and "no attention layer of gemma-4-tiny" in rec["error"]
+    assert "not importable" not in rec["error"]
+
+
 def test_device_run_e2e_mods_step():
     """tests/gpu/device_run.sh e2e-mods: one bench/e2e.py process per model of $MODS_E2E_MODELS (both
     by default), each cut so that both fit one device call (<= 540 s with the kill grace), the
