@@ -112,7 +112,8 @@
 #                (default 570) s; the JSON is saved after every method. The rest of the grid in later calls:
 #                ONCE_PROMPTS=32768, ONCE_RESPONSES=2048, ONCE_K=3. Needs the external-prefix CUDA kernels
 #                (issue 17's kernel branch): before they merge, once is recorded as an error (the CUDA
-#                backend's UnsupportedError). $ONCE_ITERS (default 3) timed updates after $ONCE_WARMUP (default 1).
+#                backend's UnsupportedError). $ONCE_ITERS (default 3) timed updates after $ONCE_WARMUP
+#                (default 2: bench/prompt_once_e2e.py says why).
 #                The table (prompt_once_e2e_$m.txt, printed last) has a verdict column per cell: PASS, or
 #                FAIL(speed|flex|mem) naming the acceptance bar missed. Extra columns for once variants in
 #                ONCE_METHODS (once_recompute, once_keep, once_budget, once_offload, once_stream: the prompt
@@ -250,7 +251,7 @@ for n in ('fla-core', 'trl', 'datasets', 'accelerate'):
                  timeout -k 10 "${ONCE_CAP:-570}" python3 bench/prompt_once_e2e.py --models "$m" \
                    --prompts "${ONCE_PROMPTS:-8192,16384}" --responses "${ONCE_RESPONSES:-1024}" --k "${ONCE_K:-2,4}" \
                    --methods "${ONCE_METHODS:-split,once,flex_fa4_split}" --iters "${ONCE_ITERS:-3}" \
-                   --warmup "${ONCE_WARMUP:-1}" --method-timeout 240 \
+                   --warmup "${ONCE_WARMUP:-2}" --method-timeout 240 \
                    ${ONCE_ARGS:-} --out "$OUT/prompt_once_e2e_$m.json" > "$OUT/prompt_once_e2e_$m.log" 2>&1
                  echo "prompt-once $m rc=$? (cap ${ONCE_CAP:-570} s)"
                  grep -v -i "warn\|create_block_mask(" "$OUT/prompt_once_e2e_$m.log" | tail -30

@@ -56,7 +56,7 @@ def test_prompt_once_bench_runs_on_cpu(tmp_path):
 def test_device_run_prompt_once_step():
     step = _device_run_step("prompt-once")
     assert "bench/prompt_once_e2e.py" in step and "timeout -k 10 \"${ONCE_CAP:-570}\"" in step
-    assert '--iters "${ONCE_ITERS:-3}"' in step and '--warmup "${ONCE_WARMUP:-1}" --method-timeout 240' in step
+    assert '--iters "${ONCE_ITERS:-3}"' in step and '--warmup "${ONCE_WARMUP:-2}" --method-timeout 240' in step
     assert 'cat "$OUT/prompt_once_e2e_$m.txt"' in step  # the acceptance table, verdicts included, comes back
     assert '"$OUT/prompt_once_e2e_$m.json"' in step
     bench = _load_bench("results_index")
