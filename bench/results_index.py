@@ -36,8 +36,11 @@ BENCHMARKS = {
                             "step bench-mods; the latest run adds dualkv_ab = an earlier build of main)",
     "attention_h512": "bench/attention.py --head-dim 512 --heads 16 --kv-heads 4 --quick, the portable kernels (no "
                       "Hopper 512 kernel) vs memory-efficient SDPA and Flex on Triton (issue 16)",
-    "e2e_mods_gpt-oss-20b": "bench/e2e.py --models gpt-oss-20b (16 of 24 layers, random weights), one GRPO update, "
-                            "dualkv and the stock eager path (issue 16; step e2e-mods; cut at its cap: see the file)",
+    "e2e_mods_gpt-oss-20b": "bench/e2e.py --models gpt-oss-20b --layers 8 (8 of 24 layers, random weights), N8 P2K "
+                            "R512, one GRPO update: std (stock eager), dualkv, Flex on Triton (Flex-FA4 refuses the "
+                            "sinks backward) (issue 16; step e2e-mods)",
+    "e2e_mods_gemma-4-31b": "bench/e2e.py --models gemma-4-31b (18 of 60 layers, random weights), N16 P4K R1K, one GRPO "
+                            "update: std (SDPA), dualkv; no Flex runs head dim 512 (issue 16; step e2e-mods)",
     "e2e_1.7b": "bench/e2e.py, Qwen3-1.7B shape, GRPO update per method (step e2e-all)",
     "e2e_8b": "bench/e2e.py, Qwen3-8B shape, GRPO update per method (step e2e-all)",
     "e2e_8b_p16k_clocks": "bench/e2e.py, 8B N8 P16384 R2048, dualkv vs Flex with SM clocks, 3 interleaved rounds "
@@ -80,11 +83,17 @@ BENCHMARKS = {
                     "layout / no-hint variants' bitwise checks and kernel times",
     "ab_merged_s14": "bench/attention.py --ab-library, main after session 14's kernel merges (fwdord + fwdepi + d64bwd, "
                      "636705f) against main's ac9c92a build, with FA4 dense and Flex-FA4, D 128, 3 rounds (issue 23)",
+    "ab_fwd_wide_tiles": "bench/attention.py --fwd-only --ab-library, the sm90 D-128 forward's 160-row KV tiles (branch "
+                         "fwdwide, merged) against main (aa31a08 build), 3 rounds (issue 23 #7); .compare.log: fp64 "
+                         "checks of the changed kernel, every other forward bitwise",
+    "ab_bwd_d128_dv_interleave": "bench/attention.py --ab-library, the D-128 backward with dV interleaved per 16-query "
+                                 "chunk (branch bwd128, not merged: docs/decisions.md) against main (aa31a08 build), "
+                                 "3 rounds (issue 23); .compare.log: bitwise dK/dV and kernel times",
     "cpu_attention": "bench/cpu_attention.py, the CPU backend vs per-row torch SDPA on the CPU, 2 threads (issue 22)",
     "cpu_attention_1thread": "bench/cpu_attention.py --threads 1, the same with one thread (issue 22)",
-    "prompt_once_e2e_1.7b": "bench/prompt_once_e2e.py, Qwen3-1.7B shape, split vs once (streamed state) vs "
-                            "once_resident vs flex_fa4_split, one group over the budget, N 16 (issue 17; step "
-                            "prompt-once)",
+    "prompt_once_e2e_1.7b": "bench/prompt_once_e2e.py, Qwen3-1.7B shape, P 8K / 16K R 1K k 2/4, split vs once vs "
+                            "flex_fa4_split, one group over the budget, N 16, 2 warm-ups + median of 3 (issue 17; "
+                            "step prompt-once)",
     "prompt_once_e2e_1.7b_grid": "bench/prompt_once_e2e.py, Qwen3-1.7B shape, P 32K R 1K and P 16K R 2K, k 2/4, split vs "
                                  "once vs flex_fa4_split, median of 2, one process per (P, R) (issue 17; session 13)",
     "prompt_once_e2e_8b": "bench/prompt_once_e2e.py, Qwen3-8B shape, P 8K and 16K (one process each), k 2/4 + controls, "
