@@ -283,7 +283,7 @@ def _candidates() -> list[pathlib.Path]:
 
 
 _lib = None
-_info = None  # the build info, parsed once when the library loads
+_info = None  # the build info of the library in use (_lib), parsed once per library when it loads
 _lock = threading.Lock()
 
 
@@ -366,6 +366,7 @@ def open_library(path) -> ctypes.CDLL:
         raise LibraryNotFoundError(f"{path} (C ABI version {version}; this package drives versions "
                                    f"{', '.join(map(str, _PARAMS_END))}: rebuild it)")
     _declare(handle)
+    handle.info = json.loads(handle.dualkv_build_info().decode())
     return handle
 
 
@@ -390,7 +391,7 @@ def lib() -> ctypes.CDLL:
                 tried.append(f"{path} (C ABI version {handle.abi_version}, this package needs {ABI_VERSION}: "
                              "rebuild it)")
                 continue
-            _info = json.loads(handle.dualkv_build_info().decode())
+            _info = handle.info
             _lib = handle
             return _lib
         raise LibraryNotFoundError(
@@ -402,14 +403,15 @@ def lib() -> ctypes.CDLL:
 def using(handle: ctypes.CDLL):
     """Inside the block every call of the package (layouts, plans, the attention ops, an autograd
     backward run in it) goes to ``handle`` (from open_library) instead of the package's own library:
-    the switch of the A/B harnesses, which run two builds in one process. Not thread-safe."""
-    global _lib
-    saved = lib()
-    _lib = handle
+    the switch of the A/B harnesses, which run two builds in one process. Not thread-safe.
+    backend_modifiers answers for ``handle`` inside the block (its build info, parsed by open_library)."""
+    global _lib, _info
+    saved, saved_info = lib(), _info
+    _lib, _info = handle, handle.info
     try:
         yield handle
     finally:
-        _lib = saved
+        _lib, _info = saved, saved_info
 
 
 _PARAMS_VERSIONS: dict = {}  # (library handle, params type, features) -> params_version's answer

@@ -372,14 +372,17 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Lay
 def check_modifiers_supported(device_type: str, used, what: str = "attention") -> None:
     """Raise :class:`dualkv.UnsupportedError` naming the mask modifiers of ``used`` (name -> value or
     None, e.g. ``{"window": 128}``) that the library's backend for ``device_type`` does not implement
-    (its build info says which), before any work is done."""
+    (its build info says which), before any work is done. A library whose C ABI predates the
+    modifiers (an A/B base) is refused for that, naming its ABI."""
     supported = _native.backend_modifiers(device_type)
     missing = [f"{name} {value}" if value is not None else name for name, value in used.items()
                if name not in supported]
     if missing:
+        _native.params_version(_native.FwdParams, ["mask modifiers"], what)  # raises for an older ABI
+        also = "" if device_type == "cpu" else " (the CPU backend does)"
         raise _native.UnsupportedError(
             f"{what}: the {device_type.upper()} backend does not implement the mask modifier(s) "
-            f"{', '.join(missing)} yet (the CPU backend does)")
+            f"{', '.join(missing)} yet{also}")
 
 
 def _check_modifiers(q: torch.Tensor, window, softcap, sinks):

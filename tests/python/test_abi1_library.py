@@ -35,15 +35,18 @@ def test_abi1_build_computes_what_the_current_one_does(abi1, rng, dtype):
     layout = dualkv.Layout.from_tree(lens, parents)
     current = fwd_bwd(layout, q, k, v, dout, dlse)
     assert _native.params_version(_native.FwdParams, [], "t") == (ctypes.sizeof(_native.FwdParams), 2)
+    own_modifiers = _native.backend_modifiers("cpu")
+    assert own_modifiers == {"window", "softcap", "sinks"}
     with _native.using(abi1):
         assert _native.lib() is abi1
+        assert _native.backend_modifiers("cpu") == frozenset()  # the ABI-1 build's own answer
         assert _native.params_version(_native.FwdParams, [], "t") == (264, 1)
         assert _native.params_version(_native.BwdParams, [], "t") == (376, 1)
         old_layout = dualkv.Layout.from_tree(lens, parents)  # derived by the ABI-1 build
         old = fwd_bwd(old_layout, q, k, v, dout, dlse)
         assert torch.equal(old_layout.position_ids, layout.position_ids)
         assert old_layout.visible_pairs == layout.visible_pairs
-    assert _native.lib() is not abi1
+    assert _native.lib() is not abi1 and _native.backend_modifiers("cpu") == own_modifiers
     for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), current, old):
         torch.testing.assert_close(b, a, msg=lambda m, name=name: f"{name}: {m}")
 
