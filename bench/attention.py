@@ -45,6 +45,12 @@ Timing: CUDA events, warm-up, median over iterations, inputs rotated over severa
 --rounds K measures every method K times per case, interleaved in rotated order, and reports the
 median round (and, as dualkv_speedup_*_rounds, the median of same-round ratios).
 
+The times above are a burst's (warm-up + iters calls, tens of ms): the H200 may run them above the
+clock it holds at its board power limit. --sustain S also runs each method back to back for ~S s
+with the SM clock and power sampled (bench/telemetry.py) and reports that rate next to the burst's
+(the first round's with --rounds; 2026-12-02: the D-128 forward at P 4K 642 TF/s in a burst, 579
+sustained at 690 W and 1650 MHz).
+
   PYTHONPATH=python DUALKV_LIBRARY=build/libdualkv.so python3 bench/attention.py [--quick]
   ... bench/attention.py --ab-library base/libdualkv.so --ab-label 72977b9 --rounds 3   (A/B of two builds)
 The Hopper kernels are switched off per call by DUALKV_DISABLE_SM90=1 / DUALKV_DISABLE_SM90_BWD=1
@@ -73,6 +79,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "python"))
 import dualkv  # noqa: E402
 import provenance  # noqa: E402
+from telemetry import GpuSampler  # noqa: E402
 from peers import (FLEX_BACKENDS, FLEX_BLOCK, Unavailable, accepted_block_size, apply_sinks,  # noqa: E402
                    compiled_flex, fa4, first_output, flex_with_lse, kernel_options, softcap_score_mod)
 
@@ -250,6 +257,25 @@ def time_fn(fn, sets, warmup, iters):
         events.append((s, e))
     torch.cuda.synchronize()
     return statistics.median(s.elapsed_time(e) for s, e in events), first_s
+
+
+def sustained_rate(fn, sets, seconds, burst_ms, flops) -> dict:
+    """``fn`` back to back for about ``seconds`` (the call count from the burst's median time),
+    timed by one pair of events around all of it, with the SM clock and board power sampled by
+    nvidia-smi meanwhile (bench/telemetry.py): the rate of work that runs long enough to sit at the
+    board's power limit, next to time_fn's burst rate."""
+    calls = max(10, math.ceil(seconds * 1e3 / burst_ms))
+    torch.cuda.synchronize()
+    with GpuSampler(torch.device(DEVICE)) as sampler:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for i in range(calls):
+            fn(sets[i % len(sets)])
+        end.record()
+        torch.cuda.synchronize()
+    ms = start.elapsed_time(end) / calls
+    return {"seconds": calls * ms / 1e3, "calls": calls, "ms": ms, "tflops": flops / (ms * 1e-3) / 1e12,
+            "telemetry": sampler.summary()}
 
 
 def randn(shape, dtype, seed, requires_grad):
@@ -550,6 +576,11 @@ def run_method(name, case, args, dtype, libraries):
     if not args.fwd_only:
         res["fwdbwd_ms"], res["fwdbwd_first_s"] = time_fn(fwdbwd, sets, args.warmup, args.iters)
         res["fwdbwd_tflops"] = 3.5 * fwd_flops / (res["fwdbwd_ms"] * 1e-3) / 1e12
+    if args.sustain > 0:
+        res["sustained"] = {"fwd": sustained_rate(fwd, sets, args.sustain, res["fwd_ms"], fwd_flops)}
+        if not args.fwd_only:
+            res["sustained"]["fwdbwd"] = sustained_rate(fwdbwd, sets, args.sustain, res["fwdbwd_ms"],
+                                                        3.5 * fwd_flops)
     res["peak_gib"] = (torch.cuda.max_memory_allocated() - base_mem) / 2**30
     res.update(extras)
     del sets
@@ -708,6 +739,14 @@ def summary_table(results) -> str:
             lines.append(f"{c['case']['name']:20s} {m:11s} {r['fwd_ms']:8.3f} {r['fwd_tflops']:9.1f} "
                          f"{r.get('fwdbwd_ms', float('nan')):9.3f} {r.get('fwdbwd_tflops', float('nan')):9.1f} "
                          f"{'' if speedup is None else f'{speedup:.2f}x':>10s} {r['peak_gib']:9.2f}")
+            for key, name in (("fwd", "fwd"), ("fwdbwd", "fwd+bwd")):
+                sus = r.get("sustained", {}).get(key)
+                if sus is not None:
+                    tel = sus["telemetry"]
+                    at = (f" at SM clock {tel['sm_clock_mhz_median']:.0f} MHz (min {tel['sm_clock_mhz_min']:.0f}), "
+                          f"{tel['power_w_median']:.0f} W" if tel else " (no nvidia-smi telemetry)")
+                    lines.append(f"{'':32s} {m}: sustained {name} {sus['tflops']:.1f} TF/s over {sus['seconds']:.1f} s"
+                                 f"{at}")
             if "mask_build_ms" in r:
                 lines.append(f"{'':32s} {m}: block mask {r['block_size'][0]}x{r['block_size'][1]}, first build "
                              f"{r['mask_first_build_s']:.2f} s, then {r['mask_build_ms']:.1f} ms per build; compile "
@@ -844,6 +883,9 @@ def main():
                     help="measure every method this many times per case, interleaved in rotated order; "
                          "report the median round (ratios: median of same-round ratios)")
     ap.add_argument("--fwd-only", action="store_true")
+    ap.add_argument("--sustain", type=float, default=0.0, metavar="SECONDS",
+                    help="after each method's burst timing, also run it back to back for SECONDS with the SM clock "
+                         "and board power sampled (nvidia-smi): the rate at the power limit (every round)")
     ap.add_argument("--window", type=int, default=None,
                     help="sliding window of W positions (query i sees key j iff pos(i) - pos(j) < W), every method "
                          "that has one; the useful pairs count only the visible ones")

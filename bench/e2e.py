@@ -83,7 +83,6 @@ import pathlib
 import re
 import signal
 import statistics
-import subprocess
 import sys
 import time
 import traceback
@@ -96,6 +95,7 @@ sys.path.insert(0, str(HERE.parent / "python"))
 
 import dualkv  # noqa: E402
 import provenance  # noqa: E402
+from telemetry import GpuSampler, telemetry_summary  # noqa: E402
 from peers import (FLEX_BACKENDS, FLEX_BLOCK, Unavailable, Unsupported, accepted_block_size, apply_sinks,  # noqa: E402
                    compiled_flex, fa4, first_output, flex_with_lse, kernel_options, softcap_score_mod)
 from dualkv.demo import MODEL_SIZES, qwen3_config  # noqa: E402
@@ -1002,71 +1002,6 @@ def _mask_build_seconds(mbs, device, backend, reps: int = 3, method=None, args=N
             torch.cuda.synchronize(device)
         samples.append(time.perf_counter() - t0)
     return statistics.median(samples)
-
-
-class GpuSampler:
-    """SM clock (MHz), board power (W) and temperature (C) sampled by ``nvidia-smi -lms`` while a
-    block runs; ``summary()`` gives medians (and the lowest clock). Used by --sample-clocks to see
-    whether one method runs the GPU at lower clocks than another (power limit). Without nvidia-smi
-    (or on a CPU) it records nothing and ``summary()`` is None."""
-
-    FIELDS = ("clocks.sm", "power.draw", "temperature.gpu")
-
-    def __init__(self, device: torch.device, period_ms: int = 50):
-        self.device, self.period_ms, self.samples, self._proc, self._thread = device, period_ms, [], None, None
-
-    def _gpu_id(self) -> str:
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        index = self.device.index or 0
-        if visible:
-            ids = [v.strip() for v in visible.split(",") if v.strip()]
-            if index < len(ids):
-                return ids[index]
-        return str(index)
-
-    def __enter__(self):
-        import shutil
-        import threading
-        smi = shutil.which("nvidia-smi")
-        if self.device.type != "cuda" or smi is None:
-            return self
-        self._proc = subprocess.Popen(
-            [smi, "-i", self._gpu_id(), f"--query-gpu={','.join(self.FIELDS)}", "--format=csv,noheader,nounits",
-             f"-lms={self.period_ms}"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-
-        def read(stream):
-            for line in stream:
-                try:
-                    self.samples.append(tuple(float(x) for x in line.split(",")))
-                except ValueError:  # "[N/A]" fields or a partial line
-                    pass
-        self._thread = threading.Thread(target=read, args=(self._proc.stdout,), daemon=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        if self._proc is not None:
-            self._proc.terminate()
-            try:
-                self._proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-            self._thread.join(timeout=5)
-        return False
-
-    def summary(self):
-        return telemetry_summary(self.samples)
-
-
-def telemetry_summary(samples):
-    """Medians of (SM clock MHz, power W, temperature C) samples, the lowest clock and the highest
-    temperature; None without samples."""
-    if not samples:
-        return None
-    clocks, power, temp = (sorted(col) for col in zip(*samples))
-    return {"samples": len(samples), "sm_clock_mhz_median": statistics.median(clocks),
-            "sm_clock_mhz_min": clocks[0], "power_w_median": statistics.median(power),
-            "temperature_c_max": temp[-1]}
 
 
 #: kernel-name patterns of the GPU time breakdown (first match wins; lower-case names)

@@ -275,6 +275,20 @@ def test_summary_table_states_flex_costs_apart():
     assert lines[4].split()[:3] == ["N16", "fa4_dense", "Unavailable:"]
 
 
+def test_summary_table_states_the_sustained_rate_with_its_clock():
+    """--sustain: a line per direction under the method with the sustained rate, its duration and
+    the median clock / power, or that nvidia-smi gave nothing."""
+    tel = {"samples": 80, "sm_clock_mhz_median": 1650.0, "sm_clock_mhz_min": 1380.0, "power_w_median": 689.6,
+           "temperature_c_max": 65.0}
+    dk = dict(res(1.0, 4.0), sustained={"fwd": {"seconds": 4.01, "calls": 1700, "ms": 2.37, "tflops": 579.1,
+                                                 "telemetry": tel},
+                                         "fwdbwd": {"seconds": 4.2, "calls": 1000, "ms": 4.2, "tflops": 480.0,
+                                                    "telemetry": None}})
+    lines = attention.summary_table({"cases": [{"case": {"name": "N16"}, "results": {"dualkv": dk}}]}).splitlines()
+    assert "dualkv: sustained fwd 579.1 TF/s over 4.0 s at SM clock 1650 MHz (min 1380), 690 W" in lines[2]
+    assert "dualkv: sustained fwd+bwd 480.0 TF/s over 4.2 s (no nvidia-smi telemetry)" in lines[3]
+
+
 # ---- head dim 512: the peers without a kernel there, the best dense rate ----
 
 @pytest.mark.parametrize("method", ["sdpa_flash", "sdpa_cudnn", "fa4_dense", "flex_fa4"])

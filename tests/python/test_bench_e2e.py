@@ -200,14 +200,14 @@ def test_gpu_sampler_parses_nvidia_smi(tmp_path, monkeypatch):
     """--sample-clocks: the sampler reads nvidia-smi's csv lines (skipping '[N/A]' ones) into medians;
     without nvidia-smi, or on a CPU device, it records nothing and summary() is None."""
     import torch
-    e2e = _load_bench("e2e")
+    telemetry = _load_bench("telemetry")
     fake = tmp_path / "nvidia-smi"
     fake.write_text("#!/bin/sh\nprintf '1980, 650.5, 60\\n1700, 700.0, 66\\n[N/A], [N/A], [N/A]\\n1830, 690.0, 63\\n'\n"
                     "sleep 30\n")
     fake.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
-    sampler = e2e.GpuSampler(torch.device("cuda", 0))
+    sampler = telemetry.GpuSampler(torch.device("cuda", 0))
     assert sampler._gpu_id() == "3"
     with sampler:
         deadline = time.time() + 10
@@ -215,11 +215,11 @@ def test_gpu_sampler_parses_nvidia_smi(tmp_path, monkeypatch):
             time.sleep(0.05)
     assert sampler.summary() == {"samples": 3, "sm_clock_mhz_median": 1830.0, "sm_clock_mhz_min": 1700.0,
                                  "power_w_median": 690.0, "temperature_c_max": 66.0}
-    with e2e.GpuSampler(torch.device("cpu")) as cpu_sampler:
+    with telemetry.GpuSampler(torch.device("cpu")) as cpu_sampler:
         pass
     assert cpu_sampler.summary() is None
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
-    with e2e.GpuSampler(torch.device("cuda", 0)) as no_smi:
+    with telemetry.GpuSampler(torch.device("cuda", 0)) as no_smi:
         pass
     assert no_smi.summary() is None
 
