@@ -34,6 +34,8 @@ BENCHMARKS = {
     "attention_mods_cap50": "bench/attention.py --softcap 50, H 32 / Hk 8 / D 128 (issue 16; step bench-mods)",
     "attention_mods_w1024": "bench/attention.py --window 1024, H 32 / Hk 8 / D 128, dualkv vs FA4 dense and Flex-FA4 (issue 16; "
                             "step bench-mods; the latest run adds dualkv_ab = an earlier build of main)",
+    "attention_sustain_h128": "bench/attention.py --sustain 3, H 32 / Hk 8 / D 128, two GRPO layouts, dualkv vs FA4 dense: "
+                              "burst and sustained (at the power limit) rates with the SM clock and power (issue 23)",
     "attention_h512": "bench/attention.py --head-dim 512 --heads 16 --kv-heads 4 --quick, the portable kernels (no "
                       "Hopper 512 kernel) vs memory-efficient SDPA and Flex on Triton (issue 16)",
     "e2e_mods_gpt-oss-20b": "bench/e2e.py --models gpt-oss-20b --layers 8 (8 of 24 layers, random weights), N8 P2K "
