@@ -149,6 +149,27 @@ def test_head_dim_512_backward_needs_hopper_shared_memory(monkeypatch):
         dualkv.attention(qq, k, v, layout).backward(dout)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or 256 not in built_head_dims(), reason="needs head dim 256 on CUDA")
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_head_dim_256_portable_backward_on_a100_shared_memory(monkeypatch, deterministic):
+    """With A100's 163 KB (DUALKV_CUDA_SMEM_LIMIT) and the portable path forced, the D = 256 default
+    backward runs its one-Q-buffer main kernel (154 KB) and matches the reference; the deterministic
+    dQ kernel needs 168,960 B, so that mode is a typed refusal launching nothing (it refused both
+    modes before: the check counted the dQ kernel in the default mode too)."""
+    monkeypatch.setenv("DUALKV_CUDA_SMEM_LIMIT", "166912")
+    monkeypatch.setenv("DUALKV_DISABLE_SM90", "1")
+    monkeypatch.setenv("DUALKV_DISABLE_SM90_BWD", "1")
+    lens, parents = [300, 129, 64, 1, 200, 65], [-1, 0, 0, 0, -1, 4]
+    if not deterministic:
+        run_case(lens, parents, 8, 2, 256, torch.bfloat16, seed=256)
+        return
+    layout_cpu = dualkv.Layout.from_tree(lens, parents)
+    q, k, v, dout = make_inputs(layout_cpu, 8, 2, 256, torch.bfloat16, seed=256)
+    qq = q.clone().requires_grad_(True)
+    with pytest.raises(dualkv.UnsupportedError, match="bwd: no CUDA kernel takes head_dim 256"):
+        dualkv.attention(qq, k, v, layout_cpu.to("cuda"), deterministic=True).backward(dout)
+
+
 def test_deep_chain():
     # Depth 12 chain of odd lengths: every query walks 11 ancestors.
     D = built_head_dims()[0]

@@ -64,19 +64,26 @@ cudaError_t launch_bwd_kv(const BwdArgs& args, int sms, cudaStream_t stream) {
   }
 }
 
-// Shared memory the backward's kernels need on the device (the main kernel with one Q buffer, the
-// deterministic dQ kernel): D = 512 needs Hopper's (205 KB), which A100 and sm_86/89 lack; there
-// the launcher declines before launching anything (the dispatcher reports it as unsupported).
+// Shared memory the backward needs on the device, per mode: the main kernel's smallest instantiation
+// the launcher can pick and, in deterministic mode, also the dQ kernel's. Where it exceeds what the
+// device lets a block opt into, run_bwd declines before launching anything (the dispatcher reports
+// DUALKV_ERROR_UNSUPPORTED): D = 512 needs Hopper's 205 KB in both modes; at D = 256 the
+// deterministic dQ kernel needs 168,960 B, above A100's 163 KiB, while the default mode's one-Q-buffer
+// main kernel (154 KB) runs there; sm_86/89 (99 KB) run the backward at D = 64 only.
 template <int D, typename T>
-constexpr size_t bwd_min_smem() {
-  return bwd_kv_smem<D, T, 1>() > sizeof(DqSmemOf<D, T>) ? bwd_kv_smem<D, T, 1>() : sizeof(DqSmemOf<D, T>);
+constexpr size_t bwd_kv_min_smem() {
+  if constexpr (two_q_buffers_fit_some<D, T>() && !one_q_buffer_fits_more<D, T>()) return bwd_kv_smem<D, T, 2>();
+  return bwd_kv_smem<D, T, 1>();
+}
+template <int D, typename T>
+constexpr size_t bwd_min_smem(bool deterministic) {
+  const size_t kv = bwd_kv_min_smem<D, T>(), dq = sizeof(DqSmemOf<D, T>);
+  return deterministic && dq > kv ? dq : kv;
 }
 
 template <int D, typename T, typename Mods>
 cudaError_t run_bwd(const BwdArgs& args, int sms, cudaStream_t stream) {
-  if constexpr (bwd_min_smem<D, T>() > kSm8xSmemBytes[1]) {  // D = 512: Hopper's shared memory only
-    if (bwd_min_smem<D, T>() > device_smem_limit()) return cudaErrorNotSupported;
-  }
+  if (bwd_min_smem<D, T>(args.deterministic) > device_smem_limit()) return cudaErrorNotSupported;
   cudaError_t err;
   if ((err = launch_bwd_preprocess<D, T>(args, sms, stream)) != cudaSuccess) return err;
   err = args.deterministic ? launch_bwd_kv<D, T, false, Mods>(args, sms, stream)
