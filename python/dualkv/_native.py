@@ -145,9 +145,7 @@ def inspect_plan(layout, head_dim: int, num_sms: int, window: int = 0):
     with `num_sms` multiprocessors, built on the host by any library (dualkv_plan_inspect_ex): for
     tools and tests. Returns (PlanInfo_, the plan as a list of int32; format: src/plan_format.h)."""
     c = layout.c_layout(host=True)
-    f = lib().dualkv_plan_inspect_ex
-    f.argtypes = [ctypes.POINTER(Layout_), ctypes.POINTER(PlanRequest_), ctypes.c_int32,
-                  ctypes.POINTER(PlanInfo_), ctypes.POINTER(ctypes.c_int32), ctypes.c_int64]
+    f = lib().dualkv_plan_inspect_ex  # declared by _declare
     req = PlanRequest_(struct_size=ctypes.sizeof(PlanRequest_), head_dim=head_dim, window=window)
     info = PlanInfo_(struct_size=ctypes.sizeof(PlanInfo_))
     check(f(ctypes.byref(c), ctypes.byref(req), num_sms, ctypes.byref(info), None, 0), "plan_inspect")
@@ -333,6 +331,10 @@ def _declare(lib: ctypes.CDLL) -> None:
         lib.dualkv_plan_build_ex.argtypes = [c.POINTER(Layout_), c.POINTER(PlanRequest_), _i32p, c.c_int64]
         lib.dualkv_plan_size_ex.restype = c.c_int
         lib.dualkv_plan_build_ex.restype = c.c_int
+    if hasattr(lib, "dualkv_plan_inspect_ex"):  # the host-built plan for tools (inspect_plan)
+        lib.dualkv_plan_inspect_ex.argtypes = [c.POINTER(Layout_), c.POINTER(PlanRequest_), c.c_int32,
+                                               c.POINTER(PlanInfo_), _i32p, c.c_int64]
+        lib.dualkv_plan_inspect_ex.restype = c.c_int
     if not hasattr(lib, "dualkv_layout_derive_prefixed"):
         for name, (plain, at) in _PREFIXED.items():
             setattr(lib, name, _prefix_free(lib, name, getattr(lib, plain), at))
