@@ -61,12 +61,14 @@ DUALKV_TILE_FN Sm80FwdTiles sm80_dq_tiles(int head_dim) {
 }
 
 // Backward main kernel (KV-tile-outer): 8 warps as warp_rows x (8 / warp_rows), each owning
-// row_blocks x 16 KV rows of the plan's KV tile and 1 / (8 / warp_rows) of its columns: 4 x 2 up
-// to D = 256; 2 x 4 at D = 512, whose 32-row tiles give each warp 16 rows and a quarter of D (dK
-// and dV in 128 registers per thread, as at D = 256).
-DUALKV_TILE_FN int sm80_bwd_row_blocks(int head_dim) {
-  return plan_tiles(head_dim).bwd_block_n >= 64 ? plan_tiles(head_dim).bwd_block_n / 64 : 1;
-}
+// row_blocks x 16 KV rows of the plan's KV tile and 1 / (8 / warp_rows) of its columns. Two row
+// blocks per warp wherever the tile has 64 rows or more: every Q / dO fragment loaded from shared
+// memory then feeds two row blocks of S^T and dP^T, and the dV, dK and dQ products read a narrower
+// B operand per warp. That is 4 x 2 up to D = 128 (128-row tiles) and 2 x 4 above (64-row tiles,
+// FlashAttention-2's dK/dV layout at 256: each warp 32 rows by a quarter of D, dK and dV in 128
+// registers per thread as 16 rows by half of D were; ldmatrix per step 204 -> 180 at D = 256). At
+// D = 512 the 32-row tiles give 2 x 4 with one row block (16 rows by a quarter of D, 128 registers).
+DUALKV_TILE_FN int sm80_bwd_row_blocks(int head_dim) { return plan_tiles(head_dim).bwd_block_n >= 64 ? 2 : 1; }
 DUALKV_TILE_FN int sm80_bwd_warp_rows(int head_dim) {
   return plan_tiles(head_dim).bwd_block_n / (16 * sm80_bwd_row_blocks(head_dim));
 }

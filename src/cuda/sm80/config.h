@@ -38,9 +38,9 @@ template <int D> struct DqConfig {
 };
 
 // Backward KV-outer kernel: the plan's KV tiles (kBlockN rows) and query steps (kBlockM rows),
-// 8 warps laid out 4 x 2: each owns kMI x 16 KV rows (S^T, dP^T, dK, dV) and half of the columns.
+// 8 warps: each owns kMI x 16 KV rows (S^T, dP^T, dK, dV) and a part of the columns.
 // dQ (phase 4) uses its own layout: kMQ x 16 query rows by D / kDC columns per warp.
-// kWR x kWC warps (4 x 2 up to D = 256, 2 x 4 at D = 512): warp w owns KV rows of warp row w % kWR,
+// kWR x kWC warps (4 x 2 up to D = 128, 2 x 4 above: tile_size.h): warp w owns KV rows of warp row w % kWR,
 // query columns (S^T, dP^T) and D columns (dK, dV) of part w / kWR. Phase 4 holds kDqCols of its
 // columns at a time (kDqPasses passes).
 template <int D> struct BwdConfig {
