@@ -91,6 +91,18 @@ BENCHMARKS = {
     "ab_bwd_d128_dv_interleave": "bench/attention.py --ab-library, the D-128 backward with dV interleaved per 16-query "
                                  "chunk (branch bwd128, not merged: docs/decisions.md) against main (aa31a08 build), "
                                  "3 rounds (issue 23); .compare.log: bitwise dK/dV and kernel times",
+    "ab_bwd_d256_2x4": "bench/attention.py --head-dim 256 --ab-library, portable path, the sm80 backward's 2 x 4 dK/dV "
+                       "warps above D 128 (54617bd, merged) against main (98b65f6 build), with FA2, 3 rounds (issue "
+                       "15; cut by its cap after 5 of 8 configs); .compare.log: tools/ab_libraries.py bitwise dK/dV "
+                       "in both modes with window/softcap/sinks and the main kernel's times",
+    "ab_bwd_d256_dq_blocks": "bench/attention.py --head-dim 256 --ab-library, portable path, two candidates on top of "
+                             "54617bd (not merged: docs/decisions.md): dQ per 16-column block (A, dualkv_ab) and A + "
+                             "Q loads spread over S (AB, dualkv), with FA2, 3 rounds (issue 15); .compare.log: "
+                             "tools/ab_libraries.py against 54617bd, bitwise dK/dV and kernel times",
+    "attention_portable_h64": "bench/attention.py --head-dim 64, portable kernels forced, dualkv vs SDPA-flash (FA2), "
+                              "3 rounds (issue 15)",
+    "attention_portable_h256": "bench/attention.py --head-dim 256, portable kernels forced, dualkv vs SDPA-flash (FA2), "
+                               "3 rounds (issue 15)",
     "cpu_attention": "bench/cpu_attention.py, the CPU backend vs per-row torch SDPA on the CPU, 2 threads (issue 22)",
     "cpu_attention_1thread": "bench/cpu_attention.py --threads 1, the same with one thread (issue 22)",
     "prompt_once_e2e_1.7b": "bench/prompt_once_e2e.py, Qwen3-1.7B shape, P 8K / 16K R 1K k 2/4, split vs once vs "
