@@ -100,7 +100,7 @@ DUALKV_TILE_FN int sm90_fwd_block_n(int head_dim, bool wide = false) {
 // 64-row step; docs/notes/2026-12-02-d64-bwd-steps.md), 64 otherwise. Softcap kernels keep 64 at
 // D = 64: the cap's derivative next to 64 x 128 scores and dP^T spills 44-96 bytes (nvcc 13.0).
 // A multiple of the plan's bwd_block_m (its split granularity).
-DUALKV_TILE_FN int sm90_bwd_block_m(int head_dim, bool softcap) { return head_dim == 64 ? 128 : 64; }
+DUALKV_TILE_FN int sm90_bwd_block_m(int head_dim, bool softcap) { return head_dim == 64 && !softcap ? 128 : 64; }
 
 }  // namespace dualkv
 
