@@ -75,6 +75,16 @@ DUALKV_TILE_FN int sm80_bwd_warp_rows(int head_dim) {
 // Phase 4 (dQ = dS K with atomics) holds a warp's dQ block in registers next to dK and dV: at most
 // 128 columns at a time (D = 512: two passes over the warp's 256 columns, 64 registers each).
 DUALKV_TILE_FN int sm80_bwd_dq_pass_cols(int warp_cols) { return warp_cols <= 128 ? warp_cols : 128; }
+// Query rows per step: 128 at D = 64 (FlashAttention-2's D-64 backward: 128 x 128; each warp then
+// holds S^T and dP^T of 32 KV rows by 64 queries next to dK and dV of 32 rows by 32 columns, 192
+// accumulators as D = 128's 64-row step, and the step's fixed cost (barriers, the lse/delta and
+// loader bookkeeping, the P/dS epilogue's tail) is paid once per twice the GEMM work, as on sm90:
+// sm90_bwd_block_m), 64 otherwise. Softcap kernels keep 64 at D = 64, as on sm90: the cap's
+// derivative next to 64 x 128 scores and dP^T spills 4-12 bytes on sm_80 and 44-68 bytes with the
+// window (nvcc 13.0). The 128-row kernel needs 159 KiB of shared memory with two Q buffers:
+// sm_86/89 (99 KiB) run the 64-row one (the launcher picks by the device's limit).
+// A multiple of the plan's bwd_block_m (its split granularity).
+DUALKV_TILE_FN int sm80_bwd_block_m(int head_dim, bool softcap) { return head_dim == 64 && !softcap ? 128 : 64; }
 
 // ---- sm90 (wgmma + TMA) kernels ----
 // Forward KV rows per pipeline stage: 128 up to D = 128, 64 above (shared memory: Q 64 KiB plus

@@ -6,7 +6,7 @@
 #   portable-tests  tests/gpu/test_cuda_attention.py on the portable kernels (DUALKV_DISABLE_SM90{,_BWD}=1),
 #                   every built head dim (~75 s for five)
 #   smem1-tests     the same at head dim 256 with DUALKV_CUDA_SMEM_LIMIT=166912 (A100's shared memory)
-#                   and at 64 with 101376 (sm_86/89's): the backward kernel with one Q buffer (~20 s)
+#                   and at 64 with 101376 (sm_86/89's): the backward kernel with 64-row steps and one Q buffer (~20 s)
 #   tests           tests/gpu + tests/python on the default dispatch (~2 min)
 #   tests-sm90      the Hopper forward / backward tests and the kernel log, 12 random forests each (~40 s)
 #   sanitize        compute-sanitizer memcheck + racecheck, portable kernels forced, $SAN_DIMS (~1 min)

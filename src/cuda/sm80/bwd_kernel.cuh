@@ -91,13 +91,17 @@ __device__ __forceinline__ void store_dk_dv_partial(float* base, const float (&d
 
 // ---- Backward main kernel (KV-tile-outer) ----
 // One CTA per work item (a KV tile of the plan and its query range, for one KV head): dK and dV of
-// the tile accumulate in registers over every 64-row query tile of the range and every query head
-// of the KV head's group. Per step (FlashAttention-2's order; measured at head dim 128 on the H200,
+// the tile accumulate in registers over every BM-row query step of the range and every query head
+// of the KV head's group. BM (kStepM) is the plan's 64-row split granularity, or 128 at D = 64
+// where the device holds it (tile_size.h sm80_bwd_block_m; a range that is an odd number of 64-row
+// blocks long ends in a step of 64 valid rows, zero-filled past them with lse = +inf, so P = 0 there,
+// as every partial step). Per step (FlashAttention-2's order; measured at head dim 128 on the H200,
 // docs/notes/2026-11-30-portable-backward.md):
 //  - Q is double-buffered (kQStages = 2): Q of step s + 1 is issued after the first k16 step of S
-//    (after the barrier that opens step s) and has the whole step to land. On devices whose shared
-//    memory cannot hold two Q buffers (D = 256 on A100: 184 KB; D = 64 on sm_86/89: 100 KB),
-//    kQStages = 1: Q(s + 1) is issued after an extra barrier that follows dK, its last reader.
+//    (the third at 128-row steps: kIssueQKK), after the barrier that opens step s, and has the rest
+//    of the step to land. On devices whose shared
+//    memory cannot hold two Q buffers (D = 256 on A100: 184 KB; D = 64 on sm_86/89: 100 KB at 64-row
+//    steps), kQStages = 1: Q(s + 1) is issued after an extra barrier that follows dK, its last reader.
 //  - S^T = K Q^T, then dP^T = V dO^T with P^T computed and stored during the dP product (the
 //    MUFU latency and the stores overlap mma.sync); dS^T = P^T (dP^T - delta) after it. [bar A]
 //  - dV += P^T dO (lse/delta of step s + 1 loaded into a register after its first k16 step; stored
@@ -129,9 +133,12 @@ __device__ __forceinline__ void store_dk_dv_partial(float* base, const float (&d
 //            the second one and until the next item's first one.
 //   Across items: the last step issues nothing (no next step), so no cp.async is in flight
 //   into q/dout when the next item's prologue issues its loads into q[0] and dout.
-template <int D, typename T, int kQStages>
+// The step's rows (BM = 64 or 128) change none of these: every buffer is sized by BM, every
+// product and store of a step sits in the same barrier interval, and lse_delta is still written by
+// threads below 2 BM only (all 256 at BM = 128).
+template <int D, typename T, int kQStages, int kStepM = plan_tiles(D).bwd_block_m>
 struct BwdSmem {
-  using C = BwdConfig<D>;
+  using C = BwdConfig<D, kStepM>;
   T k[C::kBlockN * C::kPitch];
   T v[C::kBlockN * C::kPitch];
   T q[kQStages][C::kBlockM * C::kPitch];  // by step parity
@@ -197,10 +204,11 @@ __device__ __forceinline__ void load_rows(uint32_t s, const T* g, int64_t token_
 // comes from the prefix buffers, no step is diagonal, and their dK/dV are added into prefix_dk /
 // prefix_dv; instantiated with NoModifiers only. The default instantiation is the kernel as it
 // was before either.
-template <int D, typename T, bool kAtomicDq, int kQStages, typename Mods = NoModifiers, bool kPrefix = false>
+template <int D, typename T, bool kAtomicDq, int kQStages, int kStepM, typename Mods = NoModifiers,
+          bool kPrefix = false>
 __global__ void __launch_bounds__(BwdConfig<D>::kThreads, 1)
 bwd_kv_kernel(const BwdArgs args) {
-  using C = BwdConfig<D>;
+  using C = BwdConfig<D, kStepM>;
   using Ops = TypeOps<T>;
   constexpr int BM = C::kBlockM, BN = C::kBlockN, P = C::kPitch, PS = C::kPitchS, NT = C::kThreads;
   constexpr int MI = C::kMI;
@@ -211,8 +219,8 @@ bwd_kv_kernel(const BwdArgs args) {
   constexpr int MQ = C::kMQ, kDW = D / C::kDC, kQB = C::kDqCols / 8;  // phase 4: kQB n8 blocks per pass
   constexpr int E = static_cast<int>(sizeof(T));  // bytes per element
   constexpr uint32_t kQBytes = BM * P * E;        // one q buffer
-  static_assert(BM == 64 && kWR * 16 * MI == BN, "warp tiling");
-  static_assert(2 * BM <= NT, "threads 0 .. 2 BM - 1 load lse and delta");
+  static_assert(kWR * 16 * MI == BN, "warp tiling");
+  static_assert(2 * BM <= NT && (BM & (BM - 1)) == 0, "threads 0 .. 2 BM - 1 load lse and delta (tid & (BM - 1))");
   static_assert(kQStages == 1 || kQStages == 2, "one or two Q buffers");
   // The loads of step + 1 (Q, lse/delta, dO) are issued after k16 step kIssueKK of the product that
   // follows their barrier (S, dV, dQ / dK) rather than right after it, so every barrier is followed
@@ -223,9 +231,14 @@ bwd_kv_kernel(const BwdArgs args) {
   // B(s) (last dout reads: dP, dV before bar B); lse/delta: the global load into a register inside
   // dV, the shared store after dK. All are waited for at top(s+1); the last step issues nothing.
   constexpr int kIssueKK = 0;
+  // Q(step + 1) at 128-row steps (D = 64) after k16 step 2 of S (of 4, 16 mma.sync each): issued
+  // earlier, its address and row predicates stay live into the S / dP products' peak (S^T of 64
+  // query columns next to dK, dV) and spill 8-24 bytes (step 0 on sm_90a, step 1 on sm_80 in the
+  // deterministic kernel; nvcc 13.0). The load still has dP, dV, dQ and dK to land.
+  constexpr int kIssueQKK = BM == 128 ? 2 : kIssueKK;
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  BwdSmem<D, T, kQStages>& sm = *reinterpret_cast<BwdSmem<D, T, kQStages>*>(smem_raw);
+  BwdSmem<D, T, kQStages, kStepM>& sm = *reinterpret_cast<BwdSmem<D, T, kQStages, kStepM>*>(smem_raw);
   __shared__ std::conditional_t<Mods::kWindow, BwdItemWindowed, BwdItem> si;
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -393,9 +406,9 @@ bwd_kv_kernel(const BwdArgs args) {
               Ops::mma(st[mi][2 * nb + 1], ak[mi], b[2], b[3]);
             }
           }
-          // Q(step + 1) after k16 step kIssueKK of S, not right after the barrier.
+          // Q(step + 1) after k16 step kIssueQKK of S, not right after the barrier.
           if constexpr (kQStages == 2) {
-            if (kk == kIssueKK) issue_q_next();
+            if (kk == kIssueQKK) issue_q_next();
           }
         }
         const int32_t k0 = load_shared_volatile(si.k0);
@@ -460,7 +473,7 @@ bwd_kv_kernel(const BwdArgs args) {
               float p0 = exp2f(st[mi][j][2 * hr] * Mods::score_log2(args) - l.x);
               float p1 = exp2f(st[mi][j][2 * hr + 1] * Mods::score_log2(args) - l.y);
               // key and query of the pair (row, col), relative to the thread's first pair: mask_ofs +
-              // (row - row0 - g) and col - wc 32 - 2 t4
+              // (row - row0 - g) and col - wc kQC - 2 t4
               if (need_mask) {
                 if (SegmentMask::bwd_hidden(mask_ofs + mi * 16 + hr * 8, j * 8)) p0 = 0.f;
                 if (SegmentMask::bwd_hidden(mask_ofs + mi * 16 + hr * 8, j * 8 + 1)) p1 = 0.f;
@@ -500,8 +513,8 @@ bwd_kv_kernel(const BwdArgs args) {
       }
       __syncthreads();  // bar A: P, dS written; lse, delta, and K/V/Q/dO of S and dP read
 
-      // lse/delta of step + 1 into a register (threads 0-63: lse, 64-127: delta); stored at the
-      // end of the step, so the load has the dV, dQ and dK products to land.
+      // lse/delta of step + 1 into a register (threads below BM: lse, BM .. 2 BM - 1: delta); stored
+      // at the end of the step, so the load has the dV, dQ and dK products to land.
       float ld_val = 0.f;
       const int ld_i = tid & (BM - 1);
       const bool ld_ok = has_next && tid < 2 * BM && ld_i < rows_next;

@@ -1,5 +1,5 @@
-// Host side of the portable backward: preprocess, the main kernel (Q stages chosen by the device's
-// shared memory), the deterministic dQ kernel or nothing, postprocess.
+// Host side of the portable backward: preprocess, the main kernel (step rows and Q stages chosen by
+// the device's shared memory), the deterministic dQ kernel or nothing, postprocess.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -16,52 +16,95 @@ namespace dualkv::cuda::sm80 {
 // portable kernels compiled for sm_90a) H100 / H200.
 constexpr size_t kSm8xSmemBytes[] = {99 * 1024, 163 * 1024, 227 * 1024};
 
-template <int D, typename T, int kQStages>
-constexpr size_t bwd_kv_smem() { return sizeof(BwdSmem<D, T, kQStages>) + sizeof(BwdItemWindowed); }  // the larger item
+template <int D, typename T, int kQStages, int kStepM>
+constexpr size_t bwd_kv_smem() {
+  return sizeof(BwdSmem<D, T, kQStages, kStepM>) + sizeof(BwdItemWindowed);  // the larger item
+}
 
-// Whether the one-Q-buffer kernel fits a device class the two-buffer one does not (D = 64 on
-// sm_86/89, D = 256 on A100, D = 512 on Hopper): only then is it instantiated.
-template <int D, typename T>
+// The kernel's step rows: sm80_bwd_block_m (128 at D = 64 without softcap) on every device class
+// whose shared memory holds that kernel, the plan's 64 rows on the classes below it (D = 64 on
+// sm_86/89: the 128-row kernel needs 159 KiB). kBelow: the device classes a kStepM-row kernel
+// serves are those with less shared memory than kBelow (all of them for the widest step).
+constexpr size_t kAllClasses = ~size_t{0};
+
+// Whether the one-Q-buffer kernel fits a device class the two-buffer one does not (D = 64 at 64-row
+// steps on sm_86/89, D = 256 on A100, D = 512 on Hopper): only then is it instantiated.
+template <int D, typename T, int kStepM, size_t kBelow>
 constexpr bool one_q_buffer_fits_more() {
   for (size_t limit : kSm8xSmemBytes)
-    if (bwd_kv_smem<D, T, 1>() <= limit && bwd_kv_smem<D, T, 2>() > limit) return true;
+    if (limit < kBelow && bwd_kv_smem<D, T, 1, kStepM>() <= limit && bwd_kv_smem<D, T, 2, kStepM>() > limit)
+      return true;
   return false;
 }
-// Whether any device class holds two Q buffers (not at D = 512: 270 KB): otherwise the two-buffer
-// kernel is not instantiated.
-template <int D, typename T>
+// Whether any device class holds two Q buffers (not at D = 512: 270 KB; not sm_86/89 at D = 64):
+// otherwise the two-buffer kernel is not instantiated.
+template <int D, typename T, int kStepM, size_t kBelow>
 constexpr bool two_q_buffers_fit_some() {
   for (size_t limit : kSm8xSmemBytes)
-    if (bwd_kv_smem<D, T, 2>() <= limit) return true;
+    if (limit < kBelow && bwd_kv_smem<D, T, 2, kStepM>() <= limit) return true;
   return false;
 }
+// The smallest instantiation of the kStepM-row kernel the launcher can pick.
+template <int D, typename T, int kStepM, size_t kBelow>
+constexpr size_t bwd_kv_steps_min_smem() {
+  if constexpr (two_q_buffers_fit_some<D, T, kStepM, kBelow>() && !one_q_buffer_fits_more<D, T, kStepM, kBelow>())
+    return bwd_kv_smem<D, T, 2, kStepM>();
+  return bwd_kv_smem<D, T, 1, kStepM>();
+}
+// Whether the plan's 64-row steps serve a device class the wide step's kernel does not fit: only
+// then are they instantiated next to it.
+template <int D, typename T, typename Mods>
+constexpr bool plan_steps_fit_more() {
+  constexpr int kWide = sm80_bwd_block_m(D, Mods::kSoftcap), kPlanM = plan_tiles(D).bwd_block_m;
+  if constexpr (kWide == kPlanM) {
+    return false;
+  } else {
+    constexpr size_t kWideSmem = bwd_kv_steps_min_smem<D, T, kWide, kAllClasses>();
+    for (size_t limit : kSm8xSmemBytes)
+      if (limit < kWideSmem && bwd_kv_smem<D, T, 1, kPlanM>() <= limit) return true;
+    return false;
+  }
+}
 
-template <int D, typename T, bool kAtomicDq, int kQStages, typename Mods>
+template <int D, typename T, bool kAtomicDq, int kQStages, int kStepM, typename Mods>
 cudaError_t launch_bwd_kv(const BwdArgs& args, int sms, cudaStream_t stream) {
+  constexpr size_t kSmem = sizeof(BwdSmem<D, T, kQStages, kStepM>);
   if (args.prefix_k != nullptr) {  // external prefix (issue 17): instantiated without modifiers only
     if constexpr (std::is_same_v<Mods, NoModifiers>)
-      return launch_on_sms<bwd_kv_kernel<D, T, kAtomicDq, kQStages, Mods, true>>(
-          BwdConfig<D>::kThreads, sizeof(BwdSmem<D, T, kQStages>), sms, args, stream);
+      return launch_on_sms<bwd_kv_kernel<D, T, kAtomicDq, kQStages, kStepM, Mods, true>>(BwdConfig<D>::kThreads,
+                                                                                           kSmem, sms, args, stream);
     else
       return cudaErrorNotSupported;  // api.cpp refuses a modifier with external prefixes first
   }
-  return launch_on_sms<bwd_kv_kernel<D, T, kAtomicDq, kQStages, Mods, false>>(
-      BwdConfig<D>::kThreads, sizeof(BwdSmem<D, T, kQStages>), sms, args, stream);
+  return launch_on_sms<bwd_kv_kernel<D, T, kAtomicDq, kQStages, kStepM, Mods, false>>(BwdConfig<D>::kThreads, kSmem,
+                                                                                        sms, args, stream);
 }
 
-// Two Q buffers where the device's shared memory holds them (every head dim on Hopper; up to 192
-// on A100), else one where that fits.
+// kStepM-row steps: two Q buffers where the device's shared memory holds them (every head dim on
+// Hopper; up to 192 on A100), else one where that fits.
+template <int D, typename T, bool kAtomicDq, int kStepM, size_t kBelow, typename Mods>
+cudaError_t launch_bwd_kv_steps(const BwdArgs& args, int sms, cudaStream_t stream) {
+  if constexpr (!two_q_buffers_fit_some<D, T, kStepM, kBelow>()) {
+    return launch_bwd_kv<D, T, kAtomicDq, 1, kStepM, Mods>(args, sms, stream);
+  } else {
+    if constexpr (one_q_buffer_fits_more<D, T, kStepM, kBelow>()) {
+      if (bwd_kv_smem<D, T, 2, kStepM>() > device_smem_limit())
+        return launch_bwd_kv<D, T, kAtomicDq, 1, kStepM, Mods>(args, sms, stream);
+    }
+    return launch_bwd_kv<D, T, kAtomicDq, 2, kStepM, Mods>(args, sms, stream);
+  }
+}
+
+// The wide step (sm80_bwd_block_m) where the device holds it, else the plan's 64 rows.
 template <int D, typename T, bool kAtomicDq, typename Mods>
 cudaError_t launch_bwd_kv(const BwdArgs& args, int sms, cudaStream_t stream) {
-  if constexpr (!two_q_buffers_fit_some<D, T>()) {
-    return launch_bwd_kv<D, T, kAtomicDq, 1, Mods>(args, sms, stream);
-  } else {
-    if constexpr (one_q_buffer_fits_more<D, T>()) {
-      if (bwd_kv_smem<D, T, 2>() > device_smem_limit())
-        return launch_bwd_kv<D, T, kAtomicDq, 1, Mods>(args, sms, stream);
-    }
-    return launch_bwd_kv<D, T, kAtomicDq, 2, Mods>(args, sms, stream);
+  constexpr int kWide = sm80_bwd_block_m(D, Mods::kSoftcap), kPlanM = plan_tiles(D).bwd_block_m;
+  constexpr size_t kWideSmem = bwd_kv_steps_min_smem<D, T, kWide, kAllClasses>();
+  if constexpr (plan_steps_fit_more<D, T, Mods>()) {
+    if (kWideSmem > device_smem_limit())
+      return launch_bwd_kv_steps<D, T, kAtomicDq, kPlanM, kWideSmem, Mods>(args, sms, stream);
   }
+  return launch_bwd_kv_steps<D, T, kAtomicDq, kWide, kAllClasses, Mods>(args, sms, stream);
 }
 
 // Shared memory the backward needs on the device, per mode: the main kernel's smallest instantiation
@@ -69,21 +112,26 @@ cudaError_t launch_bwd_kv(const BwdArgs& args, int sms, cudaStream_t stream) {
 // device lets a block opt into, run_bwd declines before launching anything (the dispatcher reports
 // DUALKV_ERROR_UNSUPPORTED): D = 512 needs Hopper's 205 KB in both modes; at D = 256 the
 // deterministic dQ kernel needs 168,960 B, above A100's 163 KiB, while the default mode's one-Q-buffer
-// main kernel (154 KB) runs there; sm_86/89 (99 KB) run the backward at D = 64 only.
-template <int D, typename T>
+// main kernel (154 KB) runs there; sm_86/89 (99 KB) run the backward at D = 64 only (64-row steps,
+// one Q buffer: 92,720 B).
+template <int D, typename T, typename Mods>
 constexpr size_t bwd_kv_min_smem() {
-  if constexpr (two_q_buffers_fit_some<D, T>() && !one_q_buffer_fits_more<D, T>()) return bwd_kv_smem<D, T, 2>();
-  return bwd_kv_smem<D, T, 1>();
+  constexpr int kWide = sm80_bwd_block_m(D, Mods::kSoftcap);
+  constexpr size_t kWideSmem = bwd_kv_steps_min_smem<D, T, kWide, kAllClasses>();
+  if constexpr (plan_steps_fit_more<D, T, Mods>())
+    return bwd_kv_steps_min_smem<D, T, plan_tiles(D).bwd_block_m, kWideSmem>();
+  else
+    return kWideSmem;
 }
-template <int D, typename T>
+template <int D, typename T, typename Mods>
 constexpr size_t bwd_min_smem(bool deterministic) {
-  const size_t kv = bwd_kv_min_smem<D, T>(), dq = sizeof(DqSmemOf<D, T>);
+  const size_t kv = bwd_kv_min_smem<D, T, Mods>(), dq = sizeof(DqSmemOf<D, T>);
   return deterministic && dq > kv ? dq : kv;
 }
 
 template <int D, typename T, typename Mods>
 cudaError_t run_bwd(const BwdArgs& args, int sms, cudaStream_t stream) {
-  if (bwd_min_smem<D, T>(args.deterministic) > device_smem_limit()) return cudaErrorNotSupported;
+  if (bwd_min_smem<D, T, Mods>(args.deterministic) > device_smem_limit()) return cudaErrorNotSupported;
   cudaError_t err;
   if ((err = launch_bwd_preprocess<D, T>(args, sms, stream)) != cudaSuccess) return err;
   err = args.deterministic ? launch_bwd_kv<D, T, false, Mods>(args, sms, stream)

@@ -37,17 +37,19 @@ template <int D> struct DqConfig {
   static_assert(kDSplit == 1 || kMI == 1, "split row blocks are single");
 };
 
-// Backward KV-outer kernel: the plan's KV tiles (kBlockN rows) and query steps (kBlockM rows),
-// 8 warps: each owns kMI x 16 KV rows (S^T, dP^T, dK, dV) and a part of the columns.
+// Backward KV-outer kernel: the plan's KV tiles (kBlockN rows) and query steps of kBlockM = kStepM
+// rows: the plan's split granularity (64) by default, 128 at D = 64 where the device's shared memory
+// holds it (sm80_bwd_block_m, tile_size.h; the launcher picks). 8 warps: each owns kMI x 16 KV rows
+// (S^T, dP^T, dK, dV) and a part of the columns.
 // dQ (phase 4) uses its own layout: kMQ x 16 query rows by D / kDC columns per warp.
 // kWR x kWC warps (4 x 2 up to D = 128, 2 x 4 above: tile_size.h): warp w owns KV rows of warp row w % kWR,
 // query columns (S^T, dP^T) and D columns (dK, dV) of part w / kWR. Phase 4 holds kDqCols of its
 // columns at a time (kDqPasses passes).
-template <int D> struct BwdConfig {
+template <int D, int kStepM = plan_tiles(D).bwd_block_m> struct BwdConfig {
   static constexpr int kMI = sm80_bwd_row_blocks(D);
   static constexpr int kWarps = 8;
   static constexpr int kThreads = kWarps * 32;
-  static constexpr int kBlockM = plan_tiles(D).bwd_block_m;
+  static constexpr int kBlockM = kStepM;
   static constexpr int kBlockN = plan_tiles(D).bwd_block_n;
   static constexpr int kWR = sm80_bwd_warp_rows(D);
   static constexpr int kWC = kWarps / kWR;
@@ -61,6 +63,7 @@ template <int D> struct BwdConfig {
   static_assert(kBlockN == kWR * 16 * kMI, "kWR warp rows of kMI x 16 KV rows");
   static_assert((D / kDC) % 16 == 0 && kDqCols % 16 == 0, "phase-4 warp columns must be a multiple of 16");
   static_assert((kBlockM / kWC) % 16 == 0 && (D / kWC) % 16 == 0, "warp parts of 16 columns");
+  static_assert(kBlockM % plan_tiles(D).bwd_block_m == 0, "steps are whole multiples of the plan's split granularity");
 };
 
 }  // namespace dualkv::cuda::sm80
