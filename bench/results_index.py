@@ -99,6 +99,10 @@ BENCHMARKS = {
                              "54617bd (not merged: docs/decisions.md): dQ per 16-column block (A, dualkv_ab) and A + "
                              "Q loads spread over S (AB, dualkv), with FA2, 3 rounds (issue 15); .compare.log: "
                              "tools/ab_libraries.py against 54617bd, bitwise dK/dV and kernel times",
+    "ab_bwd_d64_portable_steps": "bench/attention.py --head-dim 64 --ab-library, portable path, the sm80 backward's "
+                                 "128-row query steps at D 64 (branch d64step, 39dfe2e, merged) against main (54617bd "
+                                 "build), with FA2, 3 rounds (issue 15); .compare.log: tools/ab_libraries.py bitwise "
+                                 "dK/dV in both modes with window/softcap/sinks/prefix and the main kernel's times",
     "attention_portable_h64": "bench/attention.py --head-dim 64, portable kernels forced, dualkv vs SDPA-flash (FA2), "
                               "3 rounds (issue 15)",
     "attention_portable_h256": "bench/attention.py --head-dim 256, portable kernels forced, dualkv vs SDPA-flash (FA2), "
