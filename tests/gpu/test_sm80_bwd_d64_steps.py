@@ -31,7 +31,7 @@ if torch.cuda.is_available():
     import dualkv
     from test_cuda_modifiers import run_case as run_modifier_case  # the modifier tests' rule
     from test_sm90_bwd import run
-    from test_sm90_bwd_d64_steps import DTYPES, WINDOWS, step_edge_forest
+    from test_sm90_bwd_d64_steps import DTYPES, WINDOWS, check_ragged_steps, check_split_pieces, step_edge_forest
 
 
 def device_smem_optin() -> int:
@@ -49,20 +49,13 @@ def portable(monkeypatch):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("H,Hk", [(4, 4), (8, 2), (8, 1)])
 def test_ragged_steps(H, Hk, dtype, deterministic):
-    for i in range(3):
-        lens, parents = step_edge_forest(random.Random(640 + 10 * i + H + Hk))
-        run(lens, parents, H, Hk, D, dtype, seed=i, deterministic=deterministic, with_dlse=(i == 1))
+    check_ragged_steps(H, Hk, dtype, deterministic)
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("split", ["64", "128", "192", "320"])
 def test_split_pieces_of_odd_64_row_blocks(split, deterministic, monkeypatch):
-    # Pieces of 64, 192, 320 rows end in a half step; 128 in whole steps. fp32 partial slots.
-    monkeypatch.setenv("DUALKV_CUDA_SPLIT_ROWS", split)
-    lens = [700, 300, 257, 1, 400, 65, 129]
-    parents = [-1, 0, 0, 0, 3, -1, 5]
-    run(lens, parents, 8, 2, D, torch.bfloat16, seed=11, deterministic=deterministic)
-    run(lens, parents, 4, 1, D, torch.float16, seed=12, deterministic=deterministic, with_dlse=True)
+    check_split_pieces(split, deterministic, monkeypatch)
 
 
 @pytest.mark.parametrize("deterministic", [False, True])

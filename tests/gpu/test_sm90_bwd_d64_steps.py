@@ -57,25 +57,34 @@ def step_edge_forest(rng: random.Random, n_groups: int = 4, budget: int = 2000):
     return lens, parents
 
 
-@pytest.mark.parametrize("deterministic", [False, True])
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("H,Hk", [(4, 4), (8, 2), (8, 1)])
-def test_ragged_steps(H, Hk, dtype, deterministic):
+def check_ragged_steps(H, Hk, dtype, deterministic):
+    """Forests whose query ranges end on every step edge (shared with the portable kernel's test)."""
     for i in range(3):
         lens, parents = step_edge_forest(random.Random(640 + 10 * i + H + Hk))
         run(lens, parents, H, Hk, D, dtype, seed=i, deterministic=deterministic, with_dlse=(i == 1))
 
 
-@pytest.mark.parametrize("deterministic", [False, True])
-@pytest.mark.parametrize("split", ["64", "128", "192", "320"])
-def test_split_pieces_of_odd_64_row_blocks(split, deterministic, monkeypatch):
-    # Pieces of 64, 192, 320 rows end in a half step (the plan's split granularity is 64 rows);
-    # 128 in whole steps. fp32 partial slots, reduced by the sm80 kernel.
+def check_split_pieces(split, deterministic, monkeypatch):
+    """Pieces of 64, 192, 320 rows end in a half step (the plan's split granularity is 64 rows); 128
+    in whole steps. fp32 partial slots, reduced by the sm80 kernel."""
     monkeypatch.setenv("DUALKV_CUDA_SPLIT_ROWS", split)
     lens = [700, 300, 257, 1, 400, 65, 129]
     parents = [-1, 0, 0, 0, 3, -1, 5]
     run(lens, parents, 8, 2, D, torch.bfloat16, seed=11, deterministic=deterministic)
     run(lens, parents, 4, 1, D, torch.float16, seed=12, deterministic=deterministic, with_dlse=True)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("H,Hk", [(4, 4), (8, 2), (8, 1)])
+def test_ragged_steps(H, Hk, dtype, deterministic):
+    check_ragged_steps(H, Hk, dtype, deterministic)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("split", ["64", "128", "192", "320"])
+def test_split_pieces_of_odd_64_row_blocks(split, deterministic, monkeypatch):
+    check_split_pieces(split, deterministic, monkeypatch)
 
 
 @pytest.mark.parametrize("split", [None, "192"])
