@@ -87,6 +87,10 @@ DUALKV_TILE_FN int sm80_bwd_dq_pass_cols(int warp_cols) { return warp_cols <= 12
 DUALKV_TILE_FN int sm80_bwd_block_m(int head_dim, bool softcap) { return head_dim == 64 && !softcap ? 128 : 64; }
 
 // ---- sm90 (wgmma + TMA) kernels ----
+// Shared memory a block may opt into on sm_90 (H100 / H200): 227 KiB = 232,448 bytes. Every Hopper
+// kernel's layout is checked against it at compile time; the portable kernels' launcher counts it as
+// the largest device class they run on.
+inline constexpr int kSm90SmemOptinBytes = 227 * 1024;
 // Forward KV rows per pipeline stage: 128 up to D = 128, 64 above (shared memory: Q 64 KiB plus
 // two stages of K and V). The D-128 kernel without modifiers or an external prefix walks wide
 // tiles of 160 rows (sm90/fwd_kernel.cuh fwd_wide_tiles): the per-tile fixed cost (row max / sum,

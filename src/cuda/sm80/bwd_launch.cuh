@@ -14,7 +14,7 @@ namespace dualkv::cuda::sm80 {
 
 // Opt-in shared memory per block of the devices the portable code runs on: sm_86/89, A100 and (the
 // portable kernels compiled for sm_90a) H100 / H200.
-constexpr size_t kSm8xSmemBytes[] = {99 * 1024, 163 * 1024, 227 * 1024};
+constexpr size_t kSm8xSmemBytes[] = {99 * 1024, 163 * 1024, kSm90SmemOptinBytes};
 
 template <int D, typename T, int kQStages, int kStepM>
 constexpr size_t bwd_kv_smem() {

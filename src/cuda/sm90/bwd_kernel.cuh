@@ -139,7 +139,7 @@ struct Sm90BwdConfig {
   static constexpr uint32_t kSmemBytes = kOffBar + kBarBytes + 1024;  // + alignment slack
   // D = 128: 165,984 B; with kDqStage + 65,536 (staging) + 32 (barriers) = 231,552 of 232,448 B.
   // D = 64 (128-row steps): 167,008 B; with kDqStage + 32,768 (one staging buffer) + 32 = 199,808 B.
-  static_assert(kSmemBytes <= 227 * 1024, "sm90 backward: over the 227 KiB opt-in smem limit");
+  static_assert(kSmemBytes <= kSm90SmemOptinBytes, "sm90 backward: over the 227 KiB opt-in smem limit");
   static_assert(D == 64 || D == 128, "sm90 backward: head dim 64 or 128");
   static_assert(kDqN % 32 == 0 && (kDqN <= 64), "dQ half must lie inside one 64-column box");
   static_assert(kBlockM == 64 || (kBlockM == 128 && D == 64), "sm90 backward: 128-row steps at D = 64 only");

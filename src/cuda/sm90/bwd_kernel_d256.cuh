@@ -96,7 +96,7 @@ struct Sm90BwdConfigD256 {
   static constexpr uint32_t kSmemBytes = kOffBar + kBarBytes + 1024;  // + alignment slack
   // 221,184 (K, V, 2 x Q, 2 x dO: 192 KiB; P^T 16 KiB; dS 8 KiB) + 1,024 (lse/delta) + 96 (barriers,
   // item slots) + 1,024 (alignment slack) = 223,328 of 232,448 B.
-  static_assert(kSmemBytes <= 227 * 1024, "sm90 backward d256: over the 227 KiB opt-in smem limit");
+  static_assert(kSmemBytes <= kSm90SmemOptinBytes, "sm90 backward d256: over the 227 KiB opt-in smem limit");
   static_assert(kOffP % 1024 == 0 && kOffDS % 1024 == 0, "swizzled buffers need 1 KiB alignment");
 };
 

@@ -87,7 +87,8 @@ struct Sm90FwdConfig {
   static constexpr uint32_t kBarBytes = 8 * (4 * kStages + 2 + 4) + 16;
   static constexpr uint32_t kSmemBytes = kOffBar + kBarBytes + 1024;  // + alignment slack
   static_assert(D % 64 == 0, "head dim must be a multiple of 64");
-  static_assert(kSmemBytes <= 232448, "sm90 forward: Q, the K / V stages and O do not fit in shared memory");
+  static_assert(kSmemBytes <= kSm90SmemOptinBytes,
+                "sm90 forward: Q, the K / V stages and O do not fit in shared memory");
 };
 
 template <int D>
