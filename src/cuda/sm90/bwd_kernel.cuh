@@ -506,15 +506,11 @@ bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
     mbar_wait(B.kv_full, kv_iter & 1);
     ++kv_iter;
 
-    int32_t tile_i = 0, head_i = 0;  // s % tiles, s / tiles, kept by counting
+    int32_t tile_i = 0;  // s % tiles, kept by counting (the producer loads the step's head)
     for (int32_t s = 0; s < n_steps; ++s, ++step) {
       // No integer division in front of the step's first wgmma.
-      const int h = hk * group + head_i;
       const int32_t qt = qa + tile_i * BM;
-      if (++tile_i == tiles) {
-        tile_i = 0;
-        ++head_i;
-      }
+      if (++tile_i == tiles) tile_i = 0;
       const uint32_t st = step & 1;
       const uint32_t qb_s = q_smem + st * C::kQBytes;
       const uint32_t dob_s = do_smem + st * C::kQBytes;
