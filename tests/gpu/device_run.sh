@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # What one device session runs, step by step; logs and JSON go to $OUT (or ./device-out).
 #   tests/gpu/device_run.sh [fa4-stage] [fa4-install] [tests] [sanitize] [bench-quick|bench] [bench-dims]
-#                           [bench-portable] [ab] [e2e] [e2e-flex] [e2e-all] [e2e-grid] [noise]
+#                           [bench-portable] [ab] [ab-check] [e2e] [e2e-flex] [e2e-all] [e2e-grid] [noise]
 #                           [wheels] [hybrid-tests] [hybrid] [trl-step] [prompt-once] [bench-mods] [e2e-mods]
 # The library is $DUALKV_LIBRARY (default build-h200/libdualkv.so, a 90a build made on the host and
 # carried: docs/hopper.md "Running it"). Every benchmark refuses a tree that is not a commit (commit
@@ -42,6 +42,16 @@
 #                per (path, dim) at D 64/128 on sm90, ~60-90 s portable, up to ~2x that at D 256: ~6-8 min for
 #                all six, each process cut at $AB_TIMEOUT (default 150) s. If one call would be too long:
 #                AB_PATHS=sm90 in one call, AB_PATHS=portable in the next.
+#                AB_METHODS (default dualkv; --ab-library adds dualkv_ab) adds peers to the same process, e.g.
+#                AB_METHODS=dualkv,sdpa_flash for the portable path against FA2 (issue 15: measured
+#                ~110 s at D 64, ~250 s at D 256 for 8 configs x 3 rounds, 2026-12-02).
+#   ab-check     tools/ab_libraries.py: $AB_LIBRARY (base) against $DUALKV_LIBRARY (candidate) in one process,
+#                --check $AB_CHECK (default bwd) --deterministic, with --mods $AB_MODS (default
+#                window,softcap,sinks,prefix), at $AB_DIMS for each path of $AB_PATHS, and the main kernels'
+#                profile ($AB_PROFILE, default "16,4096,1024;8,16384,2048;28,16384,2048"; $AB_KERNELS, default
+#                bwd_kv_kernel on the portable path, bwd_sm90_kernel on sm90), 3 rounds. Prints every line but
+#                the ok ones; exit status in "ab-check <path> d<dim> rc=". Measured 50-100 s per (path, dim) with
+#                --runs 2 (2026-12-02).
 #   e2e          bench/e2e.py std + dualkv, 1.7b and 8b, both default configs, 2 timed updates (~6 min; a quick
 #                check, not an acceptance run); E2E_ARGS="--breakdown --probe-max-mb" adds the GPU time by
 #                kernel category and the largest micro-batch that fits per method (bisected; a few more minutes)
@@ -185,10 +195,25 @@ print('FA4', m.version('flash-attn-4'), 'CuTe DSL', m.version('nvidia-cutlass-ds
         for path in ${AB_PATHS:-sm90 portable}; do
           case $path in portable) sw="DUALKV_DISABLE_SM90=1 DUALKV_DISABLE_SM90_BWD=1" ;; *) sw="" ;; esac
           for d in ${AB_DIMS:-64 128 256}; do
-            env $sw timeout -k 10 "${AB_TIMEOUT:-150}" python3 bench/attention.py --head-dim $d --methods dualkv \
+            env $sw timeout -k 10 "${AB_TIMEOUT:-150}" python3 bench/attention.py --head-dim $d --methods "${AB_METHODS:-dualkv}" \
               --ab-library "$AB_LIBRARY" --ab-label "${AB_LABEL:-}" --rounds 3 --iters 6 --warmup 2 \
               --out "$OUT" --tag "ab_${path}_d$d" > "$OUT/ab_${path}_d$d.log" 2>&1
             echo "ab $path d$d rc=$?"; sed -n '/^A\/B:/,$p' "$OUT/ab_${path}_d$d.log"
+          done
+        done ;;
+    ab-check) [ -f "${AB_LIBRARY:-}" ] || { echo "ab-check: set AB_LIBRARY to the base build's libdualkv.so"; continue; }
+        for path in ${AB_PATHS:-sm90 portable}; do
+          envs=""; kern=bwd_sm90_kernel
+          if [ "$path" = portable ]; then
+            envs="--base-env DUALKV_DISABLE_SM90=1 --base-env DUALKV_DISABLE_SM90_BWD=1 --cand-env DUALKV_DISABLE_SM90=1 --cand-env DUALKV_DISABLE_SM90_BWD=1"
+            kern=bwd_kv_kernel
+          fi
+          for d in ${AB_DIMS:-64 128 256}; do
+            timeout -k 10 "${AB_TIMEOUT:-200}" python3 tools/ab_libraries.py --base "$AB_LIBRARY" --cand "$DUALKV_LIBRARY" \
+              --check "${AB_CHECK:-bwd}" --deterministic --mods "${AB_MODS:-window,softcap,sinks,prefix}" --dims $d $envs \
+              --runs 2 --profile "${AB_PROFILE:-16,4096,1024;8,16384,2048;28,16384,2048}" --kernels "${AB_KERNELS:-$kern}" \
+              --rounds 3 > "$OUT/ab_check_${path}_d$d.log" 2>&1
+            echo "ab-check $path d$d rc=$?"; grep -v "^ok" "$OUT/ab_check_${path}_d$d.log" | grep -iv warn | tail -12
           done
         done ;;
     e2e) for m in 1.7b 8b; do
