@@ -196,6 +196,19 @@ def test_device_run_ab_and_fa4_steps():
     assert "/tmp/site/nvidia_cutlass_dsl/dsl_packages" in install
 
 
+def test_device_run_ab_check_step():
+    """ab-check: tools/ab_libraries.py with $AB_LIBRARY as the base and the package's library as the
+    candidate, both modes and every modifier, the portable path's switches on both sides, the main
+    kernel profiled per path; each (path, dim) cut inside the call, its log a file."""
+    step = _device_run_step("ab-check")
+    assert 'tools/ab_libraries.py --base "$AB_LIBRARY" --cand "$DUALKV_LIBRARY"' in step
+    assert "--deterministic" in step and '"${AB_MODS:-window,softcap,sinks,prefix}"' in step
+    for side in ("base", "cand"):
+        assert f"--{side}-env DUALKV_DISABLE_SM90=1 --{side}-env DUALKV_DISABLE_SM90_BWD=1" in step
+    assert "kern=bwd_kv_kernel" in step and "kern=bwd_sm90_kernel" in step
+    assert '> "$OUT/ab_check_${path}_d$d.log"' in step and 'timeout -k 10 "${AB_TIMEOUT:-200}"' in step
+
+
 def test_gpu_sampler_parses_nvidia_smi(tmp_path, monkeypatch):
     """--sample-clocks: the sampler reads nvidia-smi's csv lines (skipping '[N/A]' ones) into medians;
     without nvidia-smi, or on a CPU device, it records nothing and summary() is None."""
