@@ -51,20 +51,21 @@ constexpr size_t bwd_kv_steps_min_smem() {
     return bwd_kv_smem<D, T, 2, kStepM>();
   return bwd_kv_smem<D, T, 1, kStepM>();
 }
-// Whether the plan's 64-row steps serve a device class the wide step's kernel does not fit: only
-// then are they instantiated next to it.
+// The step rows a (D, T, Mods) backward can launch with: the wide step (sm80_bwd_block_m) and the
+// smallest of its instantiations, and whether the plan's 64-row steps are instantiated next to it
+// (only where they serve a device class the wide kernel does not fit).
 template <int D, typename T, typename Mods>
-constexpr bool plan_steps_fit_more() {
-  constexpr int kWide = sm80_bwd_block_m(D, Mods::kSoftcap), kPlanM = plan_tiles(D).bwd_block_m;
-  if constexpr (kWide == kPlanM) {
-    return false;
-  } else {
-    constexpr size_t kWideSmem = bwd_kv_steps_min_smem<D, T, kWide, kAllClasses>();
+struct BwdSteps {
+  static constexpr int kWide = sm80_bwd_block_m(D, Mods::kSoftcap);
+  static constexpr int kPlan = plan_tiles(D).bwd_block_m;
+  static constexpr size_t kWideSmem = bwd_kv_steps_min_smem<D, T, kWide, kAllClasses>();
+  static constexpr bool kPlanSteps = [] {
+    if (kWide == kPlan) return false;
     for (size_t limit : kSm8xSmemBytes)
-      if (limit < kWideSmem && bwd_kv_smem<D, T, 1, kPlanM>() <= limit) return true;
+      if (limit < kWideSmem && bwd_kv_smem<D, T, 1, kPlan>() <= limit) return true;
     return false;
-  }
-}
+  }();
+};
 
 template <int D, typename T, bool kAtomicDq, int kQStages, int kStepM, typename Mods>
 cudaError_t launch_bwd_kv(const BwdArgs& args, int sms, cudaStream_t stream) {
@@ -98,13 +99,12 @@ cudaError_t launch_bwd_kv_steps(const BwdArgs& args, int sms, cudaStream_t strea
 // The wide step (sm80_bwd_block_m) where the device holds it, else the plan's 64 rows.
 template <int D, typename T, bool kAtomicDq, typename Mods>
 cudaError_t launch_bwd_kv(const BwdArgs& args, int sms, cudaStream_t stream) {
-  constexpr int kWide = sm80_bwd_block_m(D, Mods::kSoftcap), kPlanM = plan_tiles(D).bwd_block_m;
-  constexpr size_t kWideSmem = bwd_kv_steps_min_smem<D, T, kWide, kAllClasses>();
-  if constexpr (plan_steps_fit_more<D, T, Mods>()) {
-    if (kWideSmem > device_smem_limit())
-      return launch_bwd_kv_steps<D, T, kAtomicDq, kPlanM, kWideSmem, Mods>(args, sms, stream);
+  using S = BwdSteps<D, T, Mods>;
+  if constexpr (S::kPlanSteps) {
+    if (S::kWideSmem > device_smem_limit())
+      return launch_bwd_kv_steps<D, T, kAtomicDq, S::kPlan, S::kWideSmem, Mods>(args, sms, stream);
   }
-  return launch_bwd_kv_steps<D, T, kAtomicDq, kWide, kAllClasses, Mods>(args, sms, stream);
+  return launch_bwd_kv_steps<D, T, kAtomicDq, S::kWide, kAllClasses, Mods>(args, sms, stream);
 }
 
 // Shared memory the backward needs on the device, per mode: the main kernel's smallest instantiation
@@ -116,12 +116,11 @@ cudaError_t launch_bwd_kv(const BwdArgs& args, int sms, cudaStream_t stream) {
 // one Q buffer: 92,720 B).
 template <int D, typename T, typename Mods>
 constexpr size_t bwd_kv_min_smem() {
-  constexpr int kWide = sm80_bwd_block_m(D, Mods::kSoftcap);
-  constexpr size_t kWideSmem = bwd_kv_steps_min_smem<D, T, kWide, kAllClasses>();
-  if constexpr (plan_steps_fit_more<D, T, Mods>())
-    return bwd_kv_steps_min_smem<D, T, plan_tiles(D).bwd_block_m, kWideSmem>();
+  using S = BwdSteps<D, T, Mods>;
+  if constexpr (S::kPlanSteps)
+    return bwd_kv_steps_min_smem<D, T, S::kPlan, S::kWideSmem>();
   else
-    return kWideSmem;
+    return S::kWideSmem;
 }
 template <int D, typename T, typename Mods>
 constexpr size_t bwd_min_smem(bool deterministic) {
