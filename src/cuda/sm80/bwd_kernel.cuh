@@ -149,6 +149,14 @@ struct BwdSmem {
                                    // [BM, 2 BM): delta, 0 past the range
 };
 
+// The kernel's dynamic shared memory: BwdSmem and the slack its base is rounded up in (tiles on
+// 128-byte boundaries, for SmemTile's swizzle).
+constexpr uint32_t kBwdSmemAlign = 128;
+template <int D, typename T, int kQStages, int kStepM>
+constexpr size_t bwd_kv_dynamic_smem() {
+  return sizeof(BwdSmem<D, T, kQStages, kStepM>) + kBwdSmemAlign;
+}
+
 // Item state of bwd_kv_kernel, decoded by thread 0 (CTA-uniform, read from shared memory).
 struct BwdItem {
   int32_t done, hk, k0, klen, qa, qb, slot, h_end;
@@ -179,22 +187,26 @@ __device__ __forceinline__ void cp_async16_s(uint32_t saddr, const void* gmem, i
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(saddr), "l"(gmem), "r"(bytes));
 }
 
-// A [ROWS][D] tile in 16-byte chunks (ChunkMap<D, NT>): `s` is the shared address of the thread's
-// first chunk, `g` the global address of its first chunk, `rows_left` = valid rows - its first row;
-// invalid rows are zero-filled (the copy then reads nothing; `fallback`, a valid address, is passed
-// instead).
-template <int D, int ROWS, int PITCH, int NT, typename T>
+// A [ROWS][D] tile in 16-byte chunks (ChunkMap<D, NT>) into its SmemTile<D> layout: `s` is the
+// shared address of the thread's first chunk (the tile's start + SmemTile<D>::offset), `g` the
+// global address of its first chunk, `rows_left` = valid rows - its first row; invalid rows are
+// zero-filled (the copy then reads nothing; `fallback`, a valid address, is passed instead).
+template <int D, int ROWS, int NT, typename T>
 __device__ __forceinline__ void load_rows(uint32_t s, const T* g, int64_t token_stride, int rows_left,
                                           const T* fallback) {
   using M = ChunkMap<D, NT>;
   static_assert(ROWS % M::kRowsPerPass == 0, "whole rows per pass");
+  // SmemTile::at's steps: a pass's rows are a multiple of 8 or a power of two above the thread's
+  // row; a block's chunks add whole lines (swizzled tiles are one block wide).
+  static_assert(M::kRowsPerPass % 8 == 0 || (8 % M::kRowsPerPass == 0), "pass rows keep the swizzle key carry-free");
+  static_assert(!SmemTile<D>::kSwizzled || M::kBlocks == 1, "swizzled rows are one chunk block");
 #pragma unroll
   for (int p = 0; p < ROWS / M::kRowsPerPass; ++p) {
     const bool valid = p * M::kRowsPerPass < rows_left;
 #pragma unroll
     for (int b = 0; b < M::kBlocks; ++b)
-      cp_async16_s(s + (p * M::kRowsPerPass * PITCH + b * M::kBlockCols) * static_cast<int>(sizeof(T)),
-                   valid ? g + b * M::kBlockCols : fallback, valid ? 16 : 0);
+      cp_async16_s(SmemTile<D>::at(s, p * M::kRowsPerPass, b * M::kBlockCols / 8), valid ? g + b * M::kBlockCols : fallback,
+                   valid ? 16 : 0);
     g += M::kRowsPerPass * token_stride;
   }
 }
@@ -237,8 +249,11 @@ bwd_kv_kernel(const BwdArgs args) {
   // deterministic kernel; nvcc 13.0). The load still has dP, dV, dQ and dK to land.
   constexpr int kIssueQKK = BM == 128 ? 2 : kIssueKK;
 
+  // The tiles start on 128-byte boundaries (SmemTile's swizzle acts on absolute address bits 4-6):
+  // the base is rounded up inside the kBwdSmemAlign bytes of slack the launcher adds.
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  BwdSmem<D, T, kQStages, kStepM>& sm = *reinterpret_cast<BwdSmem<D, T, kQStages, kStepM>*>(smem_raw);
+  BwdSmem<D, T, kQStages, kStepM>& sm = *reinterpret_cast<BwdSmem<D, T, kQStages, kStepM>*>(
+      smem_raw + ((kBwdSmemAlign - (smem_addr(smem_raw) & (kBwdSmemAlign - 1))) & (kBwdSmemAlign - 1)));
   __shared__ std::conditional_t<Mods::kWindow, BwdItemWindowed, BwdItem> si;
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -266,9 +281,17 @@ bwd_kv_kernel(const BwdArgs args) {
   // B [k][n] (bkn_frag_addr), A^T (at_frag_addr).
   const int la_r = (lane & 7) + ((lane >> 3) & 1) * 8, la_c = (lane >> 4) * 8;
   const int lb_r = (lane & 7) + (lane >> 4) * 8, lb_c = ((lane >> 3) & 1) * 8;
+  // The lanes' offsets in the Q/K/V/dO tiles (Tile: swizzled or padded rows), stepped by Tile::at:
+  // A fragments of K and V (S^T, dP^T), B [n][k] of Q and dO (S^T, dP^T), B [k][n] of dO and Q over
+  // the warp's D columns (dV, dK) and of K over phase 4's columns (dQ).
+  using Tile = SmemTile<D>;
+  const uint32_t o_kv = Tile::offset(row0 + la_r, la_c / 8);
+  const uint32_t o_qdo = Tile::offset(wc * kQC + lb_r, lb_c / 8);
+  const uint32_t o_cols = Tile::offset(la_r, (wc * kWarpD + la_c) / 8);
+  const uint32_t o_dq = Tile::offset(la_r, (dcol0 + la_c) / 8);
   // Q/dO/K/V loader (ChunkMap): row ld_r (+ kRowsPerPass p), column ld_c (+ kBlockCols b).
   const int ld_r = tid / ChunkMap<D, NT>::kThreadsPerRow, ld_c = (tid % ChunkMap<D, NT>::kThreadsPerRow) * 8;
-  const uint32_t s_ld = static_cast<uint32_t>((ld_r * P + ld_c) * E);
+  const uint32_t s_ld = Tile::offset(ld_r, ld_c / 8);
 
   if (tid == 0) si.group = H / args.num_kv_heads;  // written and read by thread 0 only
   while (true) {
@@ -307,17 +330,17 @@ bwd_kv_kernel(const BwdArgs args) {
       if (si.prefix) {  // the tile's rows are prefix rows
         const T* pkg = static_cast<const T*>(args.prefix_k);
         const T* pvg = static_cast<const T*>(args.prefix_v);
-        load_rows<D, BN, P, NT>(s_k + s_ld, pkg + (k0 + ld_r) * args.pk_ts + hk * args.pk_hs + ld_c, args.pk_ts,
+        load_rows<D, BN, NT>(s_k + s_ld, pkg + (k0 + ld_r) * args.pk_ts + hk * args.pk_hs + ld_c, args.pk_ts,
                                 klen - ld_r, pkg);
-        load_rows<D, BN, P, NT>(s_v + s_ld, pvg + (k0 + ld_r) * args.pv_ts + hk * args.pv_hs + ld_c, args.pv_ts,
+        load_rows<D, BN, NT>(s_v + s_ld, pvg + (k0 + ld_r) * args.pv_ts + hk * args.pv_hs + ld_c, args.pv_ts,
                                 klen - ld_r, pvg);
         kv_loaded = true;
       }
     }
     if (!kv_loaded) {
-      load_rows<D, BN, P, NT>(s_k + s_ld, kg + (k0 + ld_r) * args.k_ts + hk * args.k_hs + ld_c, args.k_ts,
+      load_rows<D, BN, NT>(s_k + s_ld, kg + (k0 + ld_r) * args.k_ts + hk * args.k_hs + ld_c, args.k_ts,
                                  klen - ld_r, kg);
-      load_rows<D, BN, P, NT>(s_v + s_ld, vg + (k0 + ld_r) * args.v_ts + hk * args.v_hs + ld_c, args.v_ts,
+      load_rows<D, BN, NT>(s_v + s_ld, vg + (k0 + ld_r) * args.v_ts + hk * args.v_hs + ld_c, args.v_ts,
                                  klen - ld_r, vg);
     }
 
@@ -328,9 +351,9 @@ bwd_kv_kernel(const BwdArgs args) {
     // Step 0's Q, dO, lse, delta (the prologue: the global latency is paid once per item).
     {
       const int rows = min(BM, qb - qt);
-      load_rows<D, BM, P, NT>(s_q0 + s_ld, qg + (qt + ld_r) * args.q_ts + h * args.q_hs + ld_c, args.q_ts,
+      load_rows<D, BM, NT>(s_q0 + s_ld, qg + (qt + ld_r) * args.q_ts + h * args.q_hs + ld_c, args.q_ts,
                                  rows - ld_r, qg);
-      load_rows<D, BM, P, NT>(s_do + s_ld, dog + (qt + ld_r) * args.do_ts + h * args.do_hs + ld_c, args.do_ts,
+      load_rows<D, BM, NT>(s_do + s_ld, dog + (qt + ld_r) * args.do_ts + h * args.do_hs + ld_c, args.do_ts,
                                  rows - ld_r, dog);
       cp_async_commit();
       if (tid < BM) {
@@ -364,7 +387,7 @@ bwd_kv_kernel(const BwdArgs args) {
       // it once this step's dK is done everywhere.
       auto issue_q_next = [&]() {
         if (has_next) {
-          load_rows<D, BM, P, NT>(s_q0 + (kQStages == 2 ? qbuf ^ 1 : 0) * kQBytes + s_ld,
+          load_rows<D, BM, NT>(s_q0 + (kQStages == 2 ? qbuf ^ 1 : 0) * kQBytes + s_ld,
                                      qg + (qtn + ld_r) * args.q_ts + hn * args.q_hs + ld_c, args.q_ts,
                                      rows_next - ld_r, qg);
           cp_async_commit();
@@ -395,11 +418,11 @@ bwd_kv_kernel(const BwdArgs args) {
           uint32_t ak[MI][4];
 #pragma unroll
           for (int mi = 0; mi < MI; ++mi)
-            ldsm_x4(ak[mi], s_k + ((row0 + mi * 16 + la_r) * P + kk * 16 + la_c) * E);
+            ldsm_x4(ak[mi], Tile::at(s_k + o_kv, mi * 16, kk * 2));
 #pragma unroll
           for (int nb = 0; nb < kQJ / 2; ++nb) {
             uint32_t b[4];
-            ldsm_x4(b, s_q + ((wc * kQC + nb * 16 + lb_r) * P + kk * 16 + lb_c) * E);
+            ldsm_x4(b, Tile::at(s_q + o_qdo, nb * 16, kk * 2));
 #pragma unroll
             for (int mi = 0; mi < MI; ++mi) {
               Ops::mma(st[mi][2 * nb], ak[mi], b[0], b[1]);
@@ -438,11 +461,11 @@ bwd_kv_kernel(const BwdArgs args) {
           uint32_t av[MI][4];
 #pragma unroll
           for (int mi = 0; mi < MI; ++mi)
-            ldsm_x4(av[mi], s_v + ((row0 + mi * 16 + la_r) * P + kk * 16 + la_c) * E);
+            ldsm_x4(av[mi], Tile::at(s_v + o_kv, mi * 16, kk * 2));
 #pragma unroll
           for (int nb = 0; nb < kQJ / 2; ++nb) {
             uint32_t b[4];
-            ldsm_x4(b, s_do + ((wc * kQC + nb * 16 + lb_r) * P + kk * 16 + lb_c) * E);
+            ldsm_x4(b, Tile::at(s_do + o_qdo, nb * 16, kk * 2));
 #pragma unroll
             for (int mi = 0; mi < MI; ++mi) {
               Ops::mma(dpt[mi][2 * nb], av[mi], b[0], b[1]);
@@ -533,7 +556,7 @@ bwd_kv_kernel(const BwdArgs args) {
 #pragma unroll
         for (int nd = 0; nd < kDB / 2; ++nd) {
           uint32_t b[4];
-          ldsm_x4_trans(b, s_do + ((kk * 16 + la_r) * P + wc * kWarpD + nd * 16 + la_c) * E);
+          ldsm_x4_trans(b, Tile::at(s_do + o_cols, kk * 16, nd * 2));
 #pragma unroll
           for (int mi = 0; mi < MI; ++mi) {
             Ops::mma(dv[mi][2 * nd], ap[mi], b[0], b[1]);
@@ -548,7 +571,7 @@ bwd_kv_kernel(const BwdArgs args) {
       // mode), still after bar B.
       auto issue_do_next = [&]() {
         if (has_next) {
-          load_rows<D, BM, P, NT>(s_do + s_ld, dog + (qtn + ld_r) * args.do_ts + hn * args.do_hs + ld_c,
+          load_rows<D, BM, NT>(s_do + s_ld, dog + (qtn + ld_r) * args.do_ts + hn * args.do_hs + ld_c,
                                      args.do_ts, rows_next - ld_r, dog);
           cp_async_commit();
         }
@@ -574,7 +597,7 @@ bwd_kv_kernel(const BwdArgs args) {
 #pragma unroll
           for (int nd = 0; nd < kQB / 2; ++nd) {
             uint32_t b[4];
-            ldsm_x4_trans(b, s_k + ((kk * 16 + la_r) * P + dcol0 + nd * 16 + la_c) * E);
+            ldsm_x4_trans(b, Tile::at(s_k + o_dq, kk * 16, nd * 2));
 #pragma unroll
             for (int mi = 0; mi < MQ; ++mi) {
               Ops::mma(dq[mi][2 * nd], a[mi], b[0], b[1]);
@@ -617,7 +640,7 @@ bwd_kv_kernel(const BwdArgs args) {
 #pragma unroll
             for (int nd = 0; nd < kQB / 2; ++nd) {
               uint32_t b[4];
-              ldsm_x4_trans(b, s_k + ((kk * 16 + la_r) * P + dcol + nd * 16 + la_c) * E);
+              ldsm_x4_trans(b, Tile::at(s_k + o_dq, kk * 16, pass * C::kDqCols / 8 + nd * 2));
 #pragma unroll
               for (int mi = 0; mi < MQ; ++mi) {
                 Ops::mma(dq[mi][2 * nd], a[mi], b[0], b[1]);
@@ -651,7 +674,7 @@ bwd_kv_kernel(const BwdArgs args) {
 #pragma unroll
         for (int nd = 0; nd < kDB / 2; ++nd) {
           uint32_t b[4];
-          ldsm_x4_trans(b, s_q + ((kk * 16 + la_r) * P + wc * kWarpD + nd * 16 + la_c) * E);
+          ldsm_x4_trans(b, Tile::at(s_q + o_cols, kk * 16, nd * 2));
 #pragma unroll
           for (int mi = 0; mi < MI; ++mi) {
             Ops::mma(dk[mi][2 * nd], ads[mi], b[0], b[1]);

@@ -1,6 +1,7 @@
 // The portable (sm80) kernels' configurations, from the tile-size table (tile_size.h).
 #pragma once
 
+#include "sm80/smem_tile.cuh"
 #include "tile_size.h"
 
 namespace dualkv::cuda::sm80 {
@@ -58,7 +59,7 @@ template <int D, int kStepM = plan_tiles(D).bwd_block_m> struct BwdConfig {
   static constexpr int kDC = kWarps / kQR;          // column groups in phase 4
   static constexpr int kDqCols = sm80_bwd_dq_pass_cols(D / kDC);
   static constexpr int kDqPasses = (D / kDC) / kDqCols;
-  static constexpr int kPitch = D + 8;
+  static constexpr int kPitch = SmemTile<D>::kPitch;  // Q, K, V, dO rows (swizzled or padded: smem_tile.cuh)
   static constexpr int kPitchS = kBlockM + 8;
   static_assert(kBlockN == kWR * 16 * kMI, "kWR warp rows of kMI x 16 KV rows");
   static_assert((D / kDC) % 16 == 0 && kDqCols % 16 == 0, "phase-4 warp columns must be a multiple of 16");
