@@ -133,7 +133,7 @@ def test_head_dim_512_tile_edges(dtype, deterministic, H, Hk):
 
 @D512
 def test_head_dim_512_backward_needs_hopper_shared_memory(monkeypatch):
-    """The D = 512 backward needs 205 KB of shared memory per block (one Q buffer): with A100's
+    """The D = 512 backward needs 202 KB of shared memory per block (one Q buffer): with A100's
     163 KB (DUALKV_CUDA_SMEM_LIMIT) the forward (146 KB) runs and the backward is a typed error
     naming the head dim, launching nothing."""
     monkeypatch.setenv("DUALKV_CUDA_SMEM_LIMIT", "166912")
@@ -153,7 +153,7 @@ def test_head_dim_512_backward_needs_hopper_shared_memory(monkeypatch):
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_head_dim_256_portable_backward_on_a100_shared_memory(monkeypatch, deterministic):
     """With A100's 163 KB (DUALKV_CUDA_SMEM_LIMIT) and the portable path forced, the D = 256 default
-    backward runs its one-Q-buffer main kernel (154 KB) and matches the reference; the deterministic
+    backward runs its one-Q-buffer main kernel (150 KB) and matches the reference; the deterministic
     dQ kernel needs 168,960 B, so that mode is a typed refusal launching nothing (it refused both
     modes before: the check counted the dQ kernel in the default mode too)."""
     monkeypatch.setenv("DUALKV_CUDA_SMEM_LIMIT", "166912")
