@@ -10,6 +10,7 @@
 #include <cuda_runtime.h>
 #include <math_constants.h>
 
+#include <cstddef>
 #include <type_traits>
 
 #include "dualkv/mask.h"
@@ -275,20 +276,27 @@ bwd_kv_kernel(const BwdArgs args) {
   const T* __restrict__ dog = static_cast<const T*>(args.dout);
 
   // Per-thread shared-memory byte offsets (32-bit), fixed for the kernel.
-  const uint32_t s_k = smem_addr(sm.k), s_v = smem_addr(sm.v), s_q0 = smem_addr(sm.q[0]);
-  const uint32_t s_do = smem_addr(sm.dout), s_pt = smem_addr(sm.pt), s_ds = smem_addr(sm.dst);
+  using Smem = BwdSmem<D, T, kQStages, kStepM>;
+  constexpr uint32_t kOffK = offsetof(Smem, k), kOffV = offsetof(Smem, v), kOffQ = offsetof(Smem, q),
+                     kOffDo = offsetof(Smem, dout);
+  const uint32_t s_sm = smem_addr(&sm);  // 128-byte aligned
+  const uint32_t s_k = s_sm + kOffK, s_v = s_sm + kOffV, s_q0 = s_sm + kOffQ, s_do = s_sm + kOffDo;
+  const uint32_t s_pt = smem_addr(sm.pt), s_ds = smem_addr(sm.dst);
   // ldmatrix lane offsets (elements): A fragment (a_frag_addr), B [n][k] (bnk_frag_addr),
   // B [k][n] (bkn_frag_addr), A^T (at_frag_addr).
   const int la_r = (lane & 7) + ((lane >> 3) & 1) * 8, la_c = (lane >> 4) * 8;
   const int lb_r = (lane & 7) + (lane >> 4) * 8, lb_c = ((lane >> 3) & 1) * 8;
-  // The lanes' offsets in the Q/K/V/dO tiles (Tile: swizzled or padded rows), stepped by Tile::at:
-  // A fragments of K and V (S^T, dP^T), B [n][k] of Q and dO (S^T, dP^T), B [k][n] of dO and Q over
-  // the warp's D columns (dV, dK) and of K over phase 4's columns (dQ).
+  // The lanes' ldmatrix bases in the Q/K/V/dO tiles (Tile: swizzled or padded rows), one per lane
+  // pattern: A fragments of K and V (S^T, dP^T), B [n][k] of Q and dO (S^T, dP^T), B [k][n] of dO
+  // and Q over the warp's D columns (dV, dK) and of K over phase 4's columns (dQ). Each is taken at
+  // the start of shared memory and stepped by Tile::at before the tile's offset (a multiple of 128
+  // bytes) is added as an immediate, so the two tiles of a pattern share the swizzled addresses of
+  // a k16 step (held per tile they spilled 24-36 bytes at D = 64 / 512, nvcc 13.0).
   using Tile = SmemTile<D>;
-  const uint32_t o_kv = Tile::offset(row0 + la_r, la_c / 8);
-  const uint32_t o_qdo = Tile::offset(wc * kQC + lb_r, lb_c / 8);
-  const uint32_t o_cols = Tile::offset(la_r, (wc * kWarpD + la_c) / 8);
-  const uint32_t o_dq = Tile::offset(la_r, (dcol0 + la_c) / 8);
+  const uint32_t b_kv = s_sm + Tile::offset(row0 + la_r, la_c / 8);
+  const uint32_t b_qdo = s_sm + Tile::offset(wc * kQC + lb_r, lb_c / 8);
+  const uint32_t b_cols = s_sm + Tile::offset(la_r, (wc * kWarpD + la_c) / 8);
+  const uint32_t b_dq = s_sm + Tile::offset(la_r, (dcol0 + la_c) / 8);
   // Q/dO/K/V loader (ChunkMap): row ld_r (+ kRowsPerPass p), column ld_c (+ kBlockCols b).
   const int ld_r = tid / ChunkMap<D, NT>::kThreadsPerRow, ld_c = (tid % ChunkMap<D, NT>::kThreadsPerRow) * 8;
   const uint32_t s_ld = Tile::offset(ld_r, ld_c / 8);
@@ -381,7 +389,7 @@ bwd_kv_kernel(const BwdArgs args) {
       if (qtn >= qb_) { qtn = load_shared_volatile(si.qa); ++hn; }
       has_next = hn < load_shared_volatile(si.h_end);
       const int rows_next = min(BM, qb_ - qtn);
-      const uint32_t s_q = s_q0 + qbuf * kQBytes;
+      const uint32_t q_ofs = qbuf * kQBytes;  // this step's Q buffer
 
       // Q(step + 1) into the other buffer (last read by step - 1's S and dK), or with one buffer into
       // it once this step's dK is done everywhere.
@@ -418,11 +426,11 @@ bwd_kv_kernel(const BwdArgs args) {
           uint32_t ak[MI][4];
 #pragma unroll
           for (int mi = 0; mi < MI; ++mi)
-            ldsm_x4(ak[mi], Tile::at(s_k + o_kv, mi * 16, kk * 2));
+            ldsm_x4(ak[mi], Tile::at(b_kv, mi * 16, kk * 2) + kOffK);
 #pragma unroll
           for (int nb = 0; nb < kQJ / 2; ++nb) {
             uint32_t b[4];
-            ldsm_x4(b, Tile::at(s_q + o_qdo, nb * 16, kk * 2));
+            ldsm_x4(b, Tile::at(b_qdo + q_ofs, nb * 16, kk * 2) + kOffQ);
 #pragma unroll
             for (int mi = 0; mi < MI; ++mi) {
               Ops::mma(st[mi][2 * nb], ak[mi], b[0], b[1]);
@@ -461,11 +469,11 @@ bwd_kv_kernel(const BwdArgs args) {
           uint32_t av[MI][4];
 #pragma unroll
           for (int mi = 0; mi < MI; ++mi)
-            ldsm_x4(av[mi], Tile::at(s_v + o_kv, mi * 16, kk * 2));
+            ldsm_x4(av[mi], Tile::at(b_kv, mi * 16, kk * 2) + kOffV);
 #pragma unroll
           for (int nb = 0; nb < kQJ / 2; ++nb) {
             uint32_t b[4];
-            ldsm_x4(b, Tile::at(s_do + o_qdo, nb * 16, kk * 2));
+            ldsm_x4(b, Tile::at(b_qdo, nb * 16, kk * 2) + kOffDo);
 #pragma unroll
             for (int mi = 0; mi < MI; ++mi) {
               Ops::mma(dpt[mi][2 * nb], av[mi], b[0], b[1]);
@@ -556,7 +564,7 @@ bwd_kv_kernel(const BwdArgs args) {
 #pragma unroll
         for (int nd = 0; nd < kDB / 2; ++nd) {
           uint32_t b[4];
-          ldsm_x4_trans(b, Tile::at(s_do + o_cols, kk * 16, nd * 2));
+          ldsm_x4_trans(b, Tile::at(b_cols, kk * 16, nd * 2) + kOffDo);
 #pragma unroll
           for (int mi = 0; mi < MI; ++mi) {
             Ops::mma(dv[mi][2 * nd], ap[mi], b[0], b[1]);
@@ -597,7 +605,7 @@ bwd_kv_kernel(const BwdArgs args) {
 #pragma unroll
           for (int nd = 0; nd < kQB / 2; ++nd) {
             uint32_t b[4];
-            ldsm_x4_trans(b, Tile::at(s_k + o_dq, kk * 16, nd * 2));
+            ldsm_x4_trans(b, Tile::at(b_dq, kk * 16, nd * 2) + kOffK);
 #pragma unroll
             for (int mi = 0; mi < MQ; ++mi) {
               Ops::mma(dq[mi][2 * nd], a[mi], b[0], b[1]);
@@ -640,7 +648,7 @@ bwd_kv_kernel(const BwdArgs args) {
 #pragma unroll
             for (int nd = 0; nd < kQB / 2; ++nd) {
               uint32_t b[4];
-              ldsm_x4_trans(b, Tile::at(s_k + o_dq, kk * 16, pass * C::kDqCols / 8 + nd * 2));
+              ldsm_x4_trans(b, Tile::at(b_dq, kk * 16, pass * C::kDqCols / 8 + nd * 2) + kOffK);
 #pragma unroll
               for (int mi = 0; mi < MQ; ++mi) {
                 Ops::mma(dq[mi][2 * nd], a[mi], b[0], b[1]);
@@ -674,7 +682,7 @@ bwd_kv_kernel(const BwdArgs args) {
 #pragma unroll
         for (int nd = 0; nd < kDB / 2; ++nd) {
           uint32_t b[4];
-          ldsm_x4_trans(b, Tile::at(s_q + o_cols, kk * 16, nd * 2));
+          ldsm_x4_trans(b, Tile::at(b_cols + q_ofs, kk * 16, nd * 2) + kOffQ);
 #pragma unroll
           for (int mi = 0; mi < MI; ++mi) {
             Ops::mma(dk[mi][2 * nd], ads[mi], b[0], b[1]);
