@@ -51,6 +51,19 @@ DUALKV_TILE_FN Sm80FwdTiles sm80_fwd_tiles(int head_dim) {
   return head_dim <= 256 ? Sm80FwdTiles{head_dim <= 128 ? 2 : 1, 64, 1} : Sm80FwdTiles{1, 32, 2};
 }
 
+// Shared-memory rows of the Q / K / V / dO tiles (sm80/smem_tile.cuh): exactly D elements with
+// XOR-swizzled 16-byte chunks, or padded by 16 bytes. Padded rows misalign every cp.async phase
+// with the 128-byte lines (10.5 shared wavefronts per copy for an ideal 4 at D = 256); swizzled
+// rows need D a power of two from 64 up (whole lines, power-of-two warp column parts). Measured on
+// the H200 against padded rows (2026-12-02): forward main kernel 0.90-0.91 of the time at D = 256,
+// backward 0.974-0.976 at 256, 0.976-0.993 at 128, 0.996-1.009 at 64. The backward keeps padded rows
+// at D = 64: its 128-row kernels hold 255 registers and the swizzled addresses spill 8-24 bytes
+// there (nvcc 13.0) for no measured gain. The deterministic dQ kernel keeps padded rows (not
+// measured swizzled).
+DUALKV_TILE_FN bool sm80_swizzled_rows(int head_dim, bool backward) {
+  return head_dim >= 64 && (head_dim & (head_dim - 1)) == 0 && !(backward && head_dim == 64);
+}
+
 // Deterministic dQ kernel (query-tile-outer): the forward's warp layout, KV steps short enough for
 // S, dP and dQ in registers. Above D = 256 the forward's split of D over warp pairs (dQ's columns
 // as O's; the partial S and dP summed through shared memory), with KV steps of 16 rows: Q and dO

@@ -43,15 +43,16 @@ template <int D, int BN, typename T, typename Smem>
 __device__ __forceinline__ void load_prefixed_kv(const KvWalk<BN>& it, const T* kh, const T* vh, int hk, int tid,
                                                  Smem& sm, const BwdArgs& args) {
   using C = DqConfig<D>;
-  constexpr int P = C::kPitch, NT = C::kThreads;
+  using Tile = typename C::Tile;
+  constexpr int NT = C::kThreads;
   if (it.prefix) {
-    load_tile_async<D, BN, P, NT>(sm.k, static_cast<const T*>(args.prefix_k) + hk * args.pk_hs + it.pos * args.pk_ts,
+    load_tile_async<D, BN, Tile, NT>(sm.k, static_cast<const T*>(args.prefix_k) + hk * args.pk_hs + it.pos * args.pk_ts,
                                   args.pk_ts, it.len(), tid);
-    load_tile_async<D, BN, P, NT>(sm.v, static_cast<const T*>(args.prefix_v) + hk * args.pv_hs + it.pos * args.pv_ts,
+    load_tile_async<D, BN, Tile, NT>(sm.v, static_cast<const T*>(args.prefix_v) + hk * args.pv_hs + it.pos * args.pv_ts,
                                   args.pv_ts, it.len(), tid);
   } else {
-    load_tile_async<D, BN, P, NT>(sm.k, kh + it.pos * args.k_ts, args.k_ts, it.len(), tid);
-    load_tile_async<D, BN, P, NT>(sm.v, vh + it.pos * args.v_ts, args.v_ts, it.len(), tid);
+    load_tile_async<D, BN, Tile, NT>(sm.k, kh + it.pos * args.k_ts, args.k_ts, it.len(), tid);
+    load_tile_async<D, BN, Tile, NT>(sm.v, vh + it.pos * args.v_ts, args.v_ts, it.len(), tid);
   }
 }
 
@@ -64,6 +65,7 @@ __global__ void __launch_bounds__(DqConfig<D>::kThreads, 1)
 bwd_dq_kernel(const BwdArgs args) {
   using C = DqConfig<D>;
   using Ops = TypeOps<T>;
+  using Tile = typename C::Tile;
   constexpr int BM = C::kBlockM, BN = C::kBlockN, P = C::kPitch, NT = C::kThreads, MI = C::kMI;
   constexpr int kNB = BN / 8;
   // D split over warp pairs (kDS = 2 at D = 512, config.h): the warp's kWD columns of dQ; S and dP
@@ -116,15 +118,15 @@ bwd_dq_kernel(const BwdArgs args) {
     } else {
       it.init(L.offsets, L.parent, seg, q1);
     }
-    load_tile_async<D, BM, P, NT>(sm.q, static_cast<const T*>(args.q) + q0 * args.q_ts + h * args.q_hs,
+    load_tile_async<D, BM, Tile, NT>(sm.q, static_cast<const T*>(args.q) + q0 * args.q_ts + h * args.q_hs,
                                   args.q_ts, q1 - q0, tid);
-    load_tile_async<D, BM, P, NT>(sm.dout, static_cast<const T*>(args.dout) + q0 * args.do_ts + h * args.do_hs,
+    load_tile_async<D, BM, Tile, NT>(sm.dout, static_cast<const T*>(args.dout) + q0 * args.do_ts + h * args.do_hs,
                                   args.do_ts, q1 - q0, tid);
     if constexpr (kPrefix) {
       load_prefixed_kv<D, BN>(it, kh, vh, hk, tid, sm, args);
     } else {
-      load_tile_async<D, BN, P, NT>(sm.k, kh + it.pos * args.k_ts, args.k_ts, it.len(), tid);
-      load_tile_async<D, BN, P, NT>(sm.v, vh + it.pos * args.v_ts, args.v_ts, it.len(), tid);
+      load_tile_async<D, BN, Tile, NT>(sm.k, kh + it.pos * args.k_ts, args.k_ts, it.len(), tid);
+      load_tile_async<D, BN, Tile, NT>(sm.v, vh + it.pos * args.v_ts, args.v_ts, it.len(), tid);
     }
     cp_async_commit();
 
@@ -237,8 +239,8 @@ bwd_dq_kernel(const BwdArgs args) {
         if constexpr (kPrefix) {
           load_prefixed_kv<D, BN>(it, kh, vh, hk, tid, sm, args);
         } else {
-          load_tile_async<D, BN, P, NT>(sm.k, kh + it.pos * args.k_ts, args.k_ts, it.len(), tid);
-          load_tile_async<D, BN, P, NT>(sm.v, vh + it.pos * args.v_ts, args.v_ts, it.len(), tid);
+          load_tile_async<D, BN, Tile, NT>(sm.k, kh + it.pos * args.k_ts, args.k_ts, it.len(), tid);
+          load_tile_async<D, BN, Tile, NT>(sm.v, vh + it.pos * args.v_ts, args.v_ts, it.len(), tid);
         }
         cp_async_commit();
         cp_async_wait_all();

@@ -150,14 +150,6 @@ struct BwdSmem {
                                    // [BM, 2 BM): delta, 0 past the range
 };
 
-// The kernel's dynamic shared memory: BwdSmem and the slack its base is rounded up in (tiles on
-// 128-byte boundaries, for SmemTile's swizzle).
-constexpr uint32_t kBwdSmemAlign = 128;
-template <int D, typename T, int kQStages, int kStepM>
-constexpr size_t bwd_kv_dynamic_smem() {
-  return sizeof(BwdSmem<D, T, kQStages, kStepM>) + kBwdSmemAlign;
-}
-
 // Item state of bwd_kv_kernel, decoded by thread 0 (CTA-uniform, read from shared memory).
 struct BwdItem {
   int32_t done, hk, k0, klen, qa, qb, slot, h_end;
@@ -173,41 +165,22 @@ struct BwdItemWindowed : BwdItem {
   int32_t bias;
 };
 
-__device__ __forceinline__ void ldsm_x4(uint32_t* r, uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
-__device__ __forceinline__ void ldsm_x4_trans(uint32_t* r, uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
-
-__device__ __forceinline__ void cp_async16_s(uint32_t saddr, const void* gmem, int bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(saddr), "l"(gmem), "r"(bytes));
-}
-
-// A [ROWS][D] tile in 16-byte chunks (ChunkMap<D, NT>) into its SmemTile<D> layout: `s` is the
-// shared address of the thread's first chunk (the tile's start + SmemTile<D>::offset), `g` the
-// global address of its first chunk, `rows_left` = valid rows - its first row; invalid rows are
+// A [ROWS][D] tile in 16-byte chunks (ChunkMap<D, NT>) into its Tile (SmemTile) layout: `s` is the
+// tile's shared address, `o` the thread's first chunk's Tile::offset, `g` the global
+// address of its first chunk, `rows_left` = valid rows - its first row; invalid rows are
 // zero-filled (the copy then reads nothing; `fallback`, a valid address, is passed instead).
-template <int D, int ROWS, int NT, typename T>
-__device__ __forceinline__ void load_rows(uint32_t s, const T* g, int64_t token_stride, int rows_left,
+template <int D, int ROWS, int NT, typename Tile, typename T>
+__device__ __forceinline__ void load_rows(uint32_t s, uint32_t o, const T* g, int64_t token_stride, int rows_left,
                                           const T* fallback) {
   using M = ChunkMap<D, NT>;
   static_assert(ROWS % M::kRowsPerPass == 0, "whole rows per pass");
-  // SmemTile::at's steps: a pass's rows are a multiple of 8 or a power of two above the thread's
-  // row; a block's chunks add whole lines (swizzled tiles are one block wide).
-  static_assert(M::kRowsPerPass % 8 == 0 || (8 % M::kRowsPerPass == 0), "pass rows keep the swizzle key carry-free");
-  static_assert(!SmemTile<D>::kSwizzled || M::kBlocks == 1, "swizzled rows are one chunk block");
 #pragma unroll
   for (int p = 0; p < ROWS / M::kRowsPerPass; ++p) {
     const bool valid = p * M::kRowsPerPass < rows_left;
 #pragma unroll
     for (int b = 0; b < M::kBlocks; ++b)
-      cp_async16_s(SmemTile<D>::at(s, p * M::kRowsPerPass, b * M::kBlockCols / 8), valid ? g + b * M::kBlockCols : fallback,
-                   valid ? 16 : 0);
+      cp_async16_s(s + Tile::at(o, p * M::kRowsPerPass, b * M::kBlockCols / 8),
+                   valid ? g + b * M::kBlockCols : fallback, valid ? 16 : 0);
     g += M::kRowsPerPass * token_stride;
   }
 }
@@ -250,11 +223,9 @@ bwd_kv_kernel(const BwdArgs args) {
   // deterministic kernel; nvcc 13.0). The load still has dP, dV, dQ and dK to land.
   constexpr int kIssueQKK = BM == 128 ? 2 : kIssueKK;
 
-  // The tiles start on 128-byte boundaries (SmemTile's swizzle acts on absolute address bits 4-6):
-  // the base is rounded up inside the kBwdSmemAlign bytes of slack the launcher adds.
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  BwdSmem<D, T, kQStages, kStepM>& sm = *reinterpret_cast<BwdSmem<D, T, kQStages, kStepM>*>(
-      smem_raw + ((kBwdSmemAlign - (smem_addr(smem_raw) & (kBwdSmemAlign - 1))) & (kBwdSmemAlign - 1)));
+  // 128-byte aligned: SmemTile's swizzled lines are the hardware's (smem_tile.cuh).
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  BwdSmem<D, T, kQStages, kStepM>& sm = *reinterpret_cast<BwdSmem<D, T, kQStages, kStepM>*>(smem_raw);
   __shared__ std::conditional_t<Mods::kWindow, BwdItemWindowed, BwdItem> si;
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -279,24 +250,26 @@ bwd_kv_kernel(const BwdArgs args) {
   using Smem = BwdSmem<D, T, kQStages, kStepM>;
   constexpr uint32_t kOffK = offsetof(Smem, k), kOffV = offsetof(Smem, v), kOffQ = offsetof(Smem, q),
                      kOffDo = offsetof(Smem, dout);
-  const uint32_t s_sm = smem_addr(&sm);  // 128-byte aligned
+  static_assert(!C::Tile::kSwizzled || (kOffK % 128 == 0 && kOffV % 128 == 0 && kOffQ % 128 == 0 && kOffDo % 128 == 0),
+                "swizzled tiles start on 128-byte lines");
+  const uint32_t s_sm = smem_addr(smem_raw);
   const uint32_t s_k = s_sm + kOffK, s_v = s_sm + kOffV, s_q0 = s_sm + kOffQ, s_do = s_sm + kOffDo;
   const uint32_t s_pt = smem_addr(sm.pt), s_ds = smem_addr(sm.dst);
   // ldmatrix lane offsets (elements): A fragment (a_frag_addr), B [n][k] (bnk_frag_addr),
   // B [k][n] (bkn_frag_addr), A^T (at_frag_addr).
   const int la_r = (lane & 7) + ((lane >> 3) & 1) * 8, la_c = (lane >> 4) * 8;
   const int lb_r = (lane & 7) + (lane >> 4) * 8, lb_c = ((lane >> 3) & 1) * 8;
-  // The lanes' ldmatrix bases in the Q/K/V/dO tiles (Tile: swizzled or padded rows), one per lane
+  // The lanes' ldmatrix offsets in the Q/K/V/dO tiles (Tile: swizzled or padded rows), one per lane
   // pattern: A fragments of K and V (S^T, dP^T), B [n][k] of Q and dO (S^T, dP^T), B [k][n] of dO
-  // and Q over the warp's D columns (dV, dK) and of K over phase 4's columns (dQ). Each is taken at
-  // the start of shared memory and stepped by Tile::at before the tile's offset (a multiple of 128
-  // bytes) is added as an immediate, so the two tiles of a pattern share the swizzled addresses of
-  // a k16 step (held per tile they spilled 24-36 bytes at D = 64 / 512, nvcc 13.0).
-  using Tile = SmemTile<D>;
-  const uint32_t b_kv = s_sm + Tile::offset(row0 + la_r, la_c / 8);
-  const uint32_t b_qdo = s_sm + Tile::offset(wc * kQC + lb_r, lb_c / 8);
-  const uint32_t b_cols = s_sm + Tile::offset(la_r, (wc * kWarpD + la_c) / 8);
-  const uint32_t b_dq = s_sm + Tile::offset(la_r, (dcol0 + la_c) / 8);
+  // and Q over the warp's D columns (dV, dK) and of K over phase 4's columns (dQ). Stepped by
+  // Tile::at, then added to the tile's address (a constant: the two tiles of a pattern share the
+  // swizzled offsets of a k16 step; per-tile absolute addresses spilled 24-36 bytes at D = 64 / 512,
+  // nvcc 13.0).
+  using Tile = typename C::Tile;
+  const uint32_t b_kv = Tile::offset(row0 + la_r, la_c / 8);
+  const uint32_t b_qdo = Tile::offset(wc * kQC + lb_r, lb_c / 8);
+  const uint32_t b_cols = Tile::offset(la_r, (wc * kWarpD + la_c) / 8);
+  const uint32_t b_dq = Tile::offset(la_r, (dcol0 + la_c) / 8);
   // Q/dO/K/V loader (ChunkMap): row ld_r (+ kRowsPerPass p), column ld_c (+ kBlockCols b).
   const int ld_r = tid / ChunkMap<D, NT>::kThreadsPerRow, ld_c = (tid % ChunkMap<D, NT>::kThreadsPerRow) * 8;
   const uint32_t s_ld = Tile::offset(ld_r, ld_c / 8);
@@ -338,17 +311,17 @@ bwd_kv_kernel(const BwdArgs args) {
       if (si.prefix) {  // the tile's rows are prefix rows
         const T* pkg = static_cast<const T*>(args.prefix_k);
         const T* pvg = static_cast<const T*>(args.prefix_v);
-        load_rows<D, BN, NT>(s_k + s_ld, pkg + (k0 + ld_r) * args.pk_ts + hk * args.pk_hs + ld_c, args.pk_ts,
+        load_rows<D, BN, NT, Tile>(s_k, s_ld, pkg + (k0 + ld_r) * args.pk_ts + hk * args.pk_hs + ld_c, args.pk_ts,
                                 klen - ld_r, pkg);
-        load_rows<D, BN, NT>(s_v + s_ld, pvg + (k0 + ld_r) * args.pv_ts + hk * args.pv_hs + ld_c, args.pv_ts,
+        load_rows<D, BN, NT, Tile>(s_v, s_ld, pvg + (k0 + ld_r) * args.pv_ts + hk * args.pv_hs + ld_c, args.pv_ts,
                                 klen - ld_r, pvg);
         kv_loaded = true;
       }
     }
     if (!kv_loaded) {
-      load_rows<D, BN, NT>(s_k + s_ld, kg + (k0 + ld_r) * args.k_ts + hk * args.k_hs + ld_c, args.k_ts,
+      load_rows<D, BN, NT, Tile>(s_k, s_ld, kg + (k0 + ld_r) * args.k_ts + hk * args.k_hs + ld_c, args.k_ts,
                                  klen - ld_r, kg);
-      load_rows<D, BN, NT>(s_v + s_ld, vg + (k0 + ld_r) * args.v_ts + hk * args.v_hs + ld_c, args.v_ts,
+      load_rows<D, BN, NT, Tile>(s_v, s_ld, vg + (k0 + ld_r) * args.v_ts + hk * args.v_hs + ld_c, args.v_ts,
                                  klen - ld_r, vg);
     }
 
@@ -359,9 +332,9 @@ bwd_kv_kernel(const BwdArgs args) {
     // Step 0's Q, dO, lse, delta (the prologue: the global latency is paid once per item).
     {
       const int rows = min(BM, qb - qt);
-      load_rows<D, BM, NT>(s_q0 + s_ld, qg + (qt + ld_r) * args.q_ts + h * args.q_hs + ld_c, args.q_ts,
+      load_rows<D, BM, NT, Tile>(s_q0, s_ld, qg + (qt + ld_r) * args.q_ts + h * args.q_hs + ld_c, args.q_ts,
                                  rows - ld_r, qg);
-      load_rows<D, BM, NT>(s_do + s_ld, dog + (qt + ld_r) * args.do_ts + h * args.do_hs + ld_c, args.do_ts,
+      load_rows<D, BM, NT, Tile>(s_do, s_ld, dog + (qt + ld_r) * args.do_ts + h * args.do_hs + ld_c, args.do_ts,
                                  rows - ld_r, dog);
       cp_async_commit();
       if (tid < BM) {
@@ -395,7 +368,7 @@ bwd_kv_kernel(const BwdArgs args) {
       // it once this step's dK is done everywhere.
       auto issue_q_next = [&]() {
         if (has_next) {
-          load_rows<D, BM, NT>(s_q0 + (kQStages == 2 ? qbuf ^ 1 : 0) * kQBytes + s_ld,
+          load_rows<D, BM, NT, Tile>(s_q0 + (kQStages == 2 ? qbuf ^ 1 : 0) * kQBytes, s_ld,
                                      qg + (qtn + ld_r) * args.q_ts + hn * args.q_hs + ld_c, args.q_ts,
                                      rows_next - ld_r, qg);
           cp_async_commit();
@@ -426,11 +399,11 @@ bwd_kv_kernel(const BwdArgs args) {
           uint32_t ak[MI][4];
 #pragma unroll
           for (int mi = 0; mi < MI; ++mi)
-            ldsm_x4(ak[mi], Tile::at(b_kv, mi * 16, kk * 2) + kOffK);
+            ldsm_x4(ak[mi], s_k + Tile::at(b_kv, mi * 16, kk * 2));
 #pragma unroll
           for (int nb = 0; nb < kQJ / 2; ++nb) {
             uint32_t b[4];
-            ldsm_x4(b, Tile::at(b_qdo + q_ofs, nb * 16, kk * 2) + kOffQ);
+            ldsm_x4(b, s_q0 + Tile::at(b_qdo + q_ofs, nb * 16, kk * 2));
 #pragma unroll
             for (int mi = 0; mi < MI; ++mi) {
               Ops::mma(st[mi][2 * nb], ak[mi], b[0], b[1]);
@@ -469,11 +442,11 @@ bwd_kv_kernel(const BwdArgs args) {
           uint32_t av[MI][4];
 #pragma unroll
           for (int mi = 0; mi < MI; ++mi)
-            ldsm_x4(av[mi], Tile::at(b_kv, mi * 16, kk * 2) + kOffV);
+            ldsm_x4(av[mi], s_v + Tile::at(b_kv, mi * 16, kk * 2));
 #pragma unroll
           for (int nb = 0; nb < kQJ / 2; ++nb) {
             uint32_t b[4];
-            ldsm_x4(b, Tile::at(b_qdo, nb * 16, kk * 2) + kOffDo);
+            ldsm_x4(b, s_do + Tile::at(b_qdo, nb * 16, kk * 2));
 #pragma unroll
             for (int mi = 0; mi < MI; ++mi) {
               Ops::mma(dpt[mi][2 * nb], av[mi], b[0], b[1]);
@@ -564,7 +537,7 @@ bwd_kv_kernel(const BwdArgs args) {
 #pragma unroll
         for (int nd = 0; nd < kDB / 2; ++nd) {
           uint32_t b[4];
-          ldsm_x4_trans(b, Tile::at(b_cols, kk * 16, nd * 2) + kOffDo);
+          ldsm_x4_trans(b, s_do + Tile::at(b_cols, kk * 16, nd * 2));
 #pragma unroll
           for (int mi = 0; mi < MI; ++mi) {
             Ops::mma(dv[mi][2 * nd], ap[mi], b[0], b[1]);
@@ -579,7 +552,7 @@ bwd_kv_kernel(const BwdArgs args) {
       // mode), still after bar B.
       auto issue_do_next = [&]() {
         if (has_next) {
-          load_rows<D, BM, NT>(s_do + s_ld, dog + (qtn + ld_r) * args.do_ts + hn * args.do_hs + ld_c,
+          load_rows<D, BM, NT, Tile>(s_do, s_ld, dog + (qtn + ld_r) * args.do_ts + hn * args.do_hs + ld_c,
                                      args.do_ts, rows_next - ld_r, dog);
           cp_async_commit();
         }
@@ -605,7 +578,7 @@ bwd_kv_kernel(const BwdArgs args) {
 #pragma unroll
           for (int nd = 0; nd < kQB / 2; ++nd) {
             uint32_t b[4];
-            ldsm_x4_trans(b, Tile::at(b_dq, kk * 16, nd * 2) + kOffK);
+            ldsm_x4_trans(b, s_k + Tile::at(b_dq, kk * 16, nd * 2));
 #pragma unroll
             for (int mi = 0; mi < MQ; ++mi) {
               Ops::mma(dq[mi][2 * nd], a[mi], b[0], b[1]);
@@ -648,7 +621,7 @@ bwd_kv_kernel(const BwdArgs args) {
 #pragma unroll
             for (int nd = 0; nd < kQB / 2; ++nd) {
               uint32_t b[4];
-              ldsm_x4_trans(b, Tile::at(b_dq, kk * 16, pass * C::kDqCols / 8 + nd * 2) + kOffK);
+              ldsm_x4_trans(b, s_k + Tile::at(b_dq, kk * 16, pass * C::kDqCols / 8 + nd * 2));
 #pragma unroll
               for (int mi = 0; mi < MQ; ++mi) {
                 Ops::mma(dq[mi][2 * nd], a[mi], b[0], b[1]);
@@ -682,7 +655,7 @@ bwd_kv_kernel(const BwdArgs args) {
 #pragma unroll
         for (int nd = 0; nd < kDB / 2; ++nd) {
           uint32_t b[4];
-          ldsm_x4_trans(b, Tile::at(b_cols + q_ofs, kk * 16, nd * 2) + kOffQ);
+          ldsm_x4_trans(b, s_q0 + Tile::at(b_cols + q_ofs, kk * 16, nd * 2));
 #pragma unroll
           for (int mi = 0; mi < MI; ++mi) {
             Ops::mma(dk[mi][2 * nd], ads[mi], b[0], b[1]);

@@ -18,7 +18,7 @@ constexpr size_t kSm8xSmemBytes[] = {99 * 1024, 163 * 1024, kSm90SmemOptinBytes}
 
 template <int D, typename T, int kQStages, int kStepM>
 constexpr size_t bwd_kv_smem() {
-  return bwd_kv_dynamic_smem<D, T, kQStages, kStepM>() + sizeof(BwdItemWindowed);  // the larger item
+  return sizeof(BwdSmem<D, T, kQStages, kStepM>) + sizeof(BwdItemWindowed);  // the larger item
 }
 
 // The kernel's step rows: sm80_bwd_block_m (128 at D = 64 without softcap) on every device class
@@ -69,7 +69,7 @@ struct BwdSteps {
 
 template <int D, typename T, bool kAtomicDq, int kQStages, int kStepM, typename Mods>
 cudaError_t launch_bwd_kv(const BwdArgs& args, int sms, cudaStream_t stream) {
-  constexpr size_t kSmem = bwd_kv_dynamic_smem<D, T, kQStages, kStepM>();
+  constexpr size_t kSmem = sizeof(BwdSmem<D, T, kQStages, kStepM>);
   if (args.prefix_k != nullptr) {  // external prefix (issue 17): instantiated without modifiers only
     if constexpr (std::is_same_v<Mods, NoModifiers>)
       return launch_on_sms<bwd_kv_kernel<D, T, kAtomicDq, kQStages, kStepM, Mods, true>>(BwdConfig<D>::kThreads,

@@ -17,8 +17,9 @@ template <int D> struct FwdConfig {
   static constexpr int kWarps = kRowWarps * kDSplit;
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kBlockN = sm80_fwd_tiles(D).block_n;
-  static constexpr int kPitch = D + 8;  // +16 B per row: conflict-free ldmatrix without swizzle
   static constexpr int kWarpD = D / kDSplit;  // the warp's columns of O
+  using Tile = SmemTile<D, sm80_swizzled_rows(D, false)>;  // Q, K, V rows (smem_tile.cuh)
+  static constexpr int kPitch = Tile::kPitch;
   static_assert(kDSplit == 1 || kMI == 1, "split row blocks are single");
 };
 
@@ -33,7 +34,8 @@ template <int D> struct DqConfig {
   static constexpr int kWarps = kRowWarps * kDSplit;
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kBlockN = sm80_dq_tiles(D).block_n;
-  static constexpr int kPitch = D + 8;
+  using Tile = SmemTile<D, false>;  // padded rows (tile_size.h sm80_swizzled_rows)
+  static constexpr int kPitch = Tile::kPitch;
   static constexpr int kWarpD = D / kDSplit;
   static_assert(kDSplit == 1 || kMI == 1, "split row blocks are single");
 };
@@ -59,7 +61,8 @@ template <int D, int kStepM = plan_tiles(D).bwd_block_m> struct BwdConfig {
   static constexpr int kDC = kWarps / kQR;          // column groups in phase 4
   static constexpr int kDqCols = sm80_bwd_dq_pass_cols(D / kDC);
   static constexpr int kDqPasses = (D / kDC) / kDqCols;
-  static constexpr int kPitch = SmemTile<D>::kPitch;  // Q, K, V, dO rows (swizzled or padded: smem_tile.cuh)
+  using Tile = SmemTile<D, sm80_swizzled_rows(D, true)>;  // Q, K, V, dO rows (smem_tile.cuh)
+  static constexpr int kPitch = Tile::kPitch;
   static constexpr int kPitchS = kBlockM + 8;
   static_assert(kBlockN == kWR * 16 * kMI, "kWR warp rows of kMI x 16 KV rows");
   static_assert((D / kDC) % 16 == 0 && kDqCols % 16 == 0, "phase-4 warp columns must be a multiple of 16");

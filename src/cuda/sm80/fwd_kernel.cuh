@@ -74,13 +74,15 @@ struct FwdItemWindowed : FwdItem<BN, NT, MI, T> {
 // chunks per thread (no loop branches; load_tile_async's runtime trip count makes ptxas keep its
 // per-thread bookkeeping live and spill in the KV loop). sm_80: load_tile_async, with which ptxas
 // fits the kernel without spilling there (the unrolled form spills 64 bytes on sm_80 at D = 128).
-template <int D, int ROWS, int PITCH, int NT, typename T>
+template <int D, int ROWS, int NT, typename T>
 __device__ __forceinline__ void load_tile(T* smem, const T* gmem, int64_t token_stride, int valid_rows, int tid) {
+  using Tile = typename FwdConfig<D>::Tile;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   using M = ChunkMap<D, NT>;
   static_assert(ROWS % M::kRowsPerPass == 0, "the tile must be a whole number of passes");
   const int row0 = tid / M::kThreadsPerRow;
   const int col = (tid % M::kThreadsPerRow) * 8;
+  const uint32_t s = smem_addr(smem), o = Tile::offset(row0, col / 8);
 #pragma unroll
   for (int p = 0; p < ROWS / M::kRowsPerPass; ++p) {
     const int row = row0 + p * M::kRowsPerPass;
@@ -89,11 +91,12 @@ __device__ __forceinline__ void load_tile(T* smem, const T* gmem, int64_t token_
     for (int b = 0; b < M::kBlocks; ++b) {
       const int c = b * M::kBlockCols + col;
       // A zero-filled chunk still needs an address: the tile base (row 0 always exists).
-      cp_async16(smem + row * PITCH + c, valid ? gmem + static_cast<int64_t>(row) * token_stride + c : gmem, valid);
+      cp_async16_s(s + Tile::at(o, p * M::kRowsPerPass, b * M::kBlockCols / 8),
+                   valid ? gmem + static_cast<int64_t>(row) * token_stride + c : gmem, valid ? 16 : 0);
     }
   }
 #else
-  load_tile_async<D, ROWS, PITCH, NT>(smem, gmem, token_stride, valid_rows, tid);
+  load_tile_async<D, ROWS, Tile, NT>(smem, gmem, token_stride, valid_rows, tid);
 #endif
 }
 
@@ -106,14 +109,16 @@ __device__ __forceinline__ void load_tile(T* smem, const T* gmem, int64_t token_
 // unpredicated form; a partial tile zero-fills the missing rows, with the pointer held at the last
 // real row. sm_80 keeps load_tile (this form spills 8 bytes there). The same bytes land in the
 // same shared-memory places either way.
-template <int D, int ROWS, int PITCH, int NT, typename T>
+template <int D, int ROWS, int NT, typename T>
 __device__ __forceinline__ void load_kv_tile(T* smem, const T* head, int32_t pos, int64_t token_stride,
                                              int valid_rows, int tid) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  using Tile = typename FwdConfig<D>::Tile;
   using M = ChunkMap<D, NT>;
   static_assert(ROWS % M::kRowsPerPass == 0, "the tile must be a whole number of passes");
   const int row0 = tid / M::kThreadsPerRow;
   const int col = (tid % M::kThreadsPerRow) * 8;
+  const uint32_t s = smem_addr(smem), o = Tile::offset(row0, col / 8);
   // A zero-filled chunk still gets the address of a real row (load_tile uses the tile's row 0):
   // the pointer starts at the thread's row or the tile's last real row, and only moves on to rows
   // that exist.
@@ -124,8 +129,7 @@ __device__ __forceinline__ void load_kv_tile(T* smem, const T* head, int32_t pos
     for (int p = 0; p < ROWS / M::kRowsPerPass; ++p) {
 #pragma unroll
       for (int b = 0; b < M::kBlocks; ++b)
-        cp_async16(smem + (row0 + p * M::kRowsPerPass) * PITCH + b * M::kBlockCols + col, src + b * M::kBlockCols,
-                   true);
+        cp_async16_s(s + Tile::at(o, p * M::kRowsPerPass, b * M::kBlockCols / 8), src + b * M::kBlockCols, 16);
       src += step;
     }
   } else {
@@ -134,12 +138,13 @@ __device__ __forceinline__ void load_kv_tile(T* smem, const T* head, int32_t pos
       const int row = row0 + p * M::kRowsPerPass;
 #pragma unroll
       for (int b = 0; b < M::kBlocks; ++b)
-        cp_async16(smem + row * PITCH + b * M::kBlockCols + col, src + b * M::kBlockCols, row < valid_rows);
+        cp_async16_s(s + Tile::at(o, p * M::kRowsPerPass, b * M::kBlockCols / 8), src + b * M::kBlockCols,
+                     row < valid_rows ? 16 : 0);
       if (row + M::kRowsPerPass < valid_rows) src += step;
     }
   }
 #else
-  load_tile<D, ROWS, PITCH, NT>(smem, head + static_cast<int64_t>(pos) * token_stride, token_stride, valid_rows, tid);
+  load_tile<D, ROWS, NT>(smem, head + static_cast<int64_t>(pos) * token_stride, token_stride, valid_rows, tid);
 #endif
 }
 
@@ -153,7 +158,7 @@ __global__ void __launch_bounds__(FwdConfig<D>::kThreads, 1)
 fwd_kernel(const FwdArgs args) {
   using C = FwdConfig<D>;
   using Ops = TypeOps<T>;
-  constexpr int BM = C::kBlockM, BN = C::kBlockN, P = C::kPitch, NT = C::kThreads, MI = C::kMI;
+  constexpr int BM = C::kBlockM, BN = C::kBlockN, NT = C::kThreads, MI = C::kMI;
   constexpr int kNB = BN / 8;   // n8 blocks of S
   constexpr int kKB = BN / 16;  // k16 blocks of P (A fragments of O += P V)
   // D split over warp pairs (kDS = 2 at D = 512, config.h): the warp's kWD columns of O; S summed
@@ -161,7 +166,8 @@ fwd_kernel(const FwdArgs args) {
   constexpr int kDS = C::kDSplit, kWD = C::kWarpD;
   constexpr int kDB = kWD / 8;  // n8 blocks of O
 
-  extern __shared__ __align__(16) unsigned char smem_raw[];
+  // 128-byte aligned: SmemTile's swizzled lines are the hardware's (smem_tile.cuh).
+  extern __shared__ __align__(128) unsigned char smem_raw[];
   FwdSmemOf<D, T>& sm = *reinterpret_cast<FwdSmemOf<D, T>*>(smem_raw);
   __shared__ std::conditional_t<Mods::kWindow, FwdItemWindowed<BN, NT, MI, T>, FwdItem<BN, NT, MI, T>> st;
 
@@ -173,6 +179,17 @@ fwd_kernel(const FwdArgs args) {
     return;
   const int warp_row0 = (kDS == 1 ? warp : warp % C::kRowWarps) * 16 * MI;  // first tile row of this warp
   const int dcol0 = kDS == 1 ? 0 : (warp / C::kRowWarps) * kWD;  // first column of the warp's part of D
+  // The lanes' ldmatrix offsets in the Q/K/V tiles (Tile: swizzled or padded rows), at the warp's
+  // first column of D: A fragments of Q and B [k][n] fragments of V share a lane pattern
+  // (a_frag_addr's, bkn_frag_addr's), B [n][k] of K (bnk_frag_addr's) has its own. Stepped by
+  // Tile::at, then added to the tile's address (Q's with the warp's rows, a multiple of 128 bytes),
+  // so Q and V share the swizzled offsets of a k16 step.
+  using Tile = typename C::Tile;
+  const uint32_t s_q = smem_addr(sm.q) + warp_row0 * Tile::kRowBytes, s_k = smem_addr(sm.k), s_v = smem_addr(sm.v);
+  const int la_r = (lane & 7) + ((lane >> 3) & 1) * 8, la_c = (lane >> 4) * 8;
+  const int lb_r = (lane & 7) + (lane >> 4) * 8, lb_c = ((lane >> 3) & 1) * 8;
+  const uint32_t b_qv = Tile::offset(la_r, (dcol0 + la_c) / 8);
+  const uint32_t b_k = Tile::offset(lb_r, (dcol0 + lb_c) / 8);
   if (tid == 0) {
     st.num_heads = args.num_heads;
     st.kv_group = args.num_heads / args.num_kv_heads;
@@ -214,9 +231,9 @@ fwd_kernel(const FwdArgs args) {
     {
       const int32_t q0 = st.q0;
       const T* q_tile = static_cast<const T*>(args.q) + st.h * args.q_hs + static_cast<int64_t>(q0) * args.q_ts;
-      load_tile<D, BM, P, NT>(sm.q, q_tile, args.q_ts, st.q1 - q0, tid);
+      load_tile<D, BM, NT>(sm.q, q_tile, args.q_ts, st.q1 - q0, tid);
       const bool pre = kPrefix && st.walk[0].prefix;  // the first tile is of prefix rows
-      load_tile<D, BN, P, NT>(sm.k, (pre ? st.pkh : st.kh) + static_cast<int64_t>(st.walk[0].pos) * (pre ? args.pk_ts : args.k_ts),
+      load_tile<D, BN, NT>(sm.k, (pre ? st.pkh : st.kh) + static_cast<int64_t>(st.walk[0].pos) * (pre ? args.pk_ts : args.k_ts),
                                  pre ? args.pk_ts : args.k_ts, st.walk[0].len(), tid);
       cp_async_commit();
     }
@@ -239,10 +256,10 @@ fwd_kernel(const FwdArgs args) {
       __syncthreads();  // K (and Q on the first tile) landed; every warp is done reading the previous V
       if constexpr (kPrefix) {
         const bool pre = st.walk[slot].prefix;  // CTA-uniform: the tile is of prefix rows
-        load_kv_tile<D, BN, P, NT>(sm.v, pre ? st.pvh : st.vh, st.walk[slot].pos, pre ? args.pv_ts : args.v_ts,
+        load_kv_tile<D, BN, NT>(sm.v, pre ? st.pvh : st.vh, st.walk[slot].pos, pre ? args.pv_ts : args.v_ts,
                                    st.walk[slot].len(), tid);
       } else {
-        load_kv_tile<D, BN, P, NT>(sm.v, st.vh, st.walk[slot].pos, args.v_ts, st.walk[slot].len(), tid);
+        load_kv_tile<D, BN, NT>(sm.v, st.vh, st.walk[slot].pos, args.v_ts, st.walk[slot].len(), tid);
       }
       cp_async_commit();
 
@@ -256,11 +273,11 @@ fwd_kernel(const FwdArgs args) {
         uint32_t a[MI][4];
 #pragma unroll
         for (int mi = 0; mi < MI; ++mi)
-          ldmatrix_x4(a[mi], a_frag_addr(sm.q, P, warp_row0 + mi * 16, dcol0 + kk * 16, lane));
+          ldsm_x4(a[mi], s_q + Tile::at(b_qv, mi * 16, kk * 2));
 #pragma unroll
         for (int nb = 0; nb < BN / 16; ++nb) {
           uint32_t b[4];
-          ldmatrix_x4(b, bnk_frag_addr(sm.k, P, nb * 16, dcol0 + kk * 16, lane));
+          ldsm_x4(b, s_k + Tile::at(b_k, nb * 16, kk * 2));
 #pragma unroll
           for (int mi = 0; mi < MI; ++mi) {
             Ops::mma(s[mi][2 * nb], a[mi], b[0], b[1]);
@@ -317,7 +334,7 @@ fwd_kernel(const FwdArgs args) {
         if constexpr (kPrefix) {
           more = w.next(L.offsets, L.parent, L.seg_prefix, L.prefix_offsets);
           if (more) {
-            load_kv_tile<D, BN, P, NT>(sm.k, w.prefix ? st.pkh : st.kh, w.pos, w.prefix ? args.pk_ts : args.k_ts,
+            load_kv_tile<D, BN, NT>(sm.k, w.prefix ? st.pkh : st.kh, w.pos, w.prefix ? args.pk_ts : args.k_ts,
                                        w.len(), tid);
             cp_async_commit();
           }
@@ -327,7 +344,7 @@ fwd_kernel(const FwdArgs args) {
           else
             more = w.next(L.offsets, L.parent);
           if (more) {
-            load_kv_tile<D, BN, P, NT>(sm.k, st.kh, w.pos, args.k_ts, w.len(), tid);
+            load_kv_tile<D, BN, NT>(sm.k, st.kh, w.pos, args.k_ts, w.len(), tid);
             cp_async_commit();
           }
         }
@@ -387,7 +404,7 @@ fwd_kernel(const FwdArgs args) {
 #pragma unroll
         for (int nd = 0; nd < kWD / 16; ++nd) {
           uint32_t b[4];
-          ldmatrix_x4_trans(b, bkn_frag_addr(sm.v, P, kb * 16, dcol0 + nd * 16, lane));
+          ldsm_x4_trans(b, s_v + Tile::at(b_qv, kb * 16, nd * 2));
 #pragma unroll
           for (int mi = 0; mi < MI; ++mi) {
             Ops::mma(acc[mi][2 * nd], p[mi][kb], b[0], b[1]);

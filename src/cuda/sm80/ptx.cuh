@@ -16,6 +16,7 @@
 #include <stdint.h>
 
 #include "convert.cuh"
+#include "sm80/smem_tile.cuh"
 
 namespace dualkv::cuda::sm80 {
 
@@ -57,6 +58,10 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool va
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(smem)), "l"(gmem),
                "r"(bytes));
 }
+// The same with a 32-bit shared-memory address (SmemTile's) and the byte count (16, or 0 to zero-fill).
+__device__ __forceinline__ void cp_async16_s(uint32_t saddr, const void* gmem, int bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(saddr), "l"(gmem), "r"(bytes));
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::); }
 
@@ -69,6 +74,18 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t* r, const void* smem)
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(smem_addr(smem)));
+}
+
+// ldmatrix from 32-bit shared-memory addresses (SmemTile's swizzled or padded rows).
+__device__ __forceinline__ void ldsm_x4(uint32_t* r, uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+__device__ __forceinline__ void ldsm_x4_trans(uint32_t* r, uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
 }
 
 // Address a lane passes to ldmatrix_x4 for a 16x16 A fragment at (row0, col0) of a row-major
@@ -159,11 +176,16 @@ struct ChunkMap {
   static constexpr int kThreadsPerRow = kBlockCols / 8;
   static constexpr int kRowsPerPass = NT / kThreadsPerRow;
   static_assert(D % kBlockCols == 0 && NT % kThreadsPerRow == 0, "whole rows of chunks per pass");
+  // SmemTile::at steps a thread's chunk by kRowsPerPass rows and kBlockCols columns without a carry
+  // into its own row / chunk bits: both are powers of two above the thread's first row / chunk.
+  static_assert((kRowsPerPass & (kRowsPerPass - 1)) == 0 && (kThreadsPerRow & (kThreadsPerRow - 1)) == 0,
+                "pass rows and row threads are powers of two");
 };
 
 // Loads rows [0, rows) of a [rows_max, D] tile from global (token-major, token stride in
-// elements) into smem with `pitch`; rows >= valid_rows are zero-filled. All threads participate.
-template <int D, int ROWS, int PITCH, int NT, typename T>
+// elements) into smem in layout Tile (SmemTile); rows >= valid_rows are zero-filled. All threads
+// participate.
+template <int D, int ROWS, typename Tile, int NT, typename T>
 __device__ __forceinline__ void load_tile_async(T* smem, const T* gmem, int64_t token_stride,
                                                 int valid_rows, int tid) {
   constexpr int kChunksPerRow = D / 8;
@@ -174,7 +196,7 @@ __device__ __forceinline__ void load_tile_async(T* smem, const T* gmem, int64_t 
     const int c = i % kChunksPerRow;
     const bool valid = row < valid_rows;
     const T* src = valid ? gmem + static_cast<int64_t>(row) * token_stride + c * 8 : gmem;
-    cp_async16(smem + row * PITCH + c * 8, src, valid);
+    cp_async16(smem + Tile::index(row, c * 8), src, valid);
   }
 }
 
