@@ -94,7 +94,7 @@ DUALKV_TILE_FN int sm80_bwd_dq_pass_cols(int warp_cols) { return warp_cols <= 12
 // loader bookkeeping, the P/dS epilogue's tail) is paid once per twice the GEMM work, as on sm90:
 // sm90_bwd_block_m), 64 otherwise. Softcap kernels keep 64 at D = 64, as on sm90: the cap's
 // derivative next to 64 x 128 scores and dP^T spills 4-12 bytes on sm_80 and 44-68 bytes with the
-// window (nvcc 13.0). The 128-row kernel needs 149 KiB of shared memory with two Q buffers:
+// window (nvcc 13.0). The 128-row kernel needs 159 KiB of shared memory with two Q buffers:
 // sm_86/89 (99 KiB) run the 64-row one (the launcher picks by the device's limit).
 // A multiple of the plan's bwd_block_m (its split granularity).
 DUALKV_TILE_FN int sm80_bwd_block_m(int head_dim, bool softcap) { return head_dim == 64 && !softcap ? 128 : 64; }

@@ -134,7 +134,7 @@ def test_head_dim_512_tile_edges(dtype, deterministic, H, Hk):
 @D512
 def test_head_dim_512_backward_needs_hopper_shared_memory(monkeypatch):
     """The D = 512 backward needs 202 KB of shared memory per block (one Q buffer): with A100's
-    163 KB (DUALKV_CUDA_SMEM_LIMIT) the forward (146 KB) runs and the backward is a typed error
+    163 KB (DUALKV_CUDA_SMEM_LIMIT) the forward (144 KB) runs and the backward is a typed error
     naming the head dim, launching nothing."""
     monkeypatch.setenv("DUALKV_CUDA_SMEM_LIMIT", "166912")
     layout_cpu = dualkv.Layout.from_tree([100, 40, 70], [-1, 0, 0])

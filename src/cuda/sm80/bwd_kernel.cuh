@@ -101,8 +101,8 @@ __device__ __forceinline__ void store_dk_dv_partial(float* base, const float (&d
 //  - Q is double-buffered (kQStages = 2): Q of step s + 1 is issued after the first k16 step of S
 //    (the third at 128-row steps: kIssueQKK), after the barrier that opens step s, and has the rest
 //    of the step to land. On devices whose shared memory cannot hold two Q buffers (D = 256 on
-//    A100: 179 KB), kQStages = 1: Q(s + 1) is issued after an extra barrier that follows dK, its
-//    last reader.
+//    A100: 179 KB; D = 64 on sm_86/89: 100 KB at 64-row steps), kQStages = 1: Q(s + 1) is issued
+//    after an extra barrier that follows dK, its last reader.
 //  - S^T = K Q^T, then dP^T = V dO^T with P^T computed and stored during the dP product (the
 //    MUFU latency and the stores overlap mma.sync); dS^T = P^T (dP^T - delta) after it. [bar A]
 //  - dV += P^T dO (lse/delta of step s + 1 loaded into a register after its first k16 step; stored

@@ -23,12 +23,12 @@ constexpr size_t bwd_kv_smem() {
 
 // The kernel's step rows: sm80_bwd_block_m (128 at D = 64 without softcap) on every device class
 // whose shared memory holds that kernel, the plan's 64 rows on the classes below it (D = 64 on
-// sm_86/89: the 128-row kernel needs 149 KiB). kBelow: the device classes a kStepM-row kernel
+// sm_86/89: the 128-row kernel needs 159 KiB). kBelow: the device classes a kStepM-row kernel
 // serves are those with less shared memory than kBelow (all of them for the widest step).
 constexpr size_t kAllClasses = ~size_t{0};
 
-// Whether the one-Q-buffer kernel fits a device class the two-buffer one does not (D = 256 on A100,
-// D = 512 on Hopper): only then is it instantiated.
+// Whether the one-Q-buffer kernel fits a device class the two-buffer one does not (D = 64 at 64-row
+// steps on sm_86/89, D = 256 on A100, D = 512 on Hopper): only then is it instantiated.
 template <int D, typename T, int kStepM, size_t kBelow>
 constexpr bool one_q_buffer_fits_more() {
   for (size_t limit : kSm8xSmemBytes)
@@ -36,7 +36,7 @@ constexpr bool one_q_buffer_fits_more() {
       return true;
   return false;
 }
-// Whether any device class holds two Q buffers (not at D = 512: 266 KB):
+// Whether any device class holds two Q buffers (not at D = 512: 266 KB; not sm_86/89 at D = 64):
 // otherwise the two-buffer kernel is not instantiated.
 template <int D, typename T, int kStepM, size_t kBelow>
 constexpr bool two_q_buffers_fit_some() {
@@ -113,7 +113,7 @@ cudaError_t launch_bwd_kv(const BwdArgs& args, int sms, cudaStream_t stream) {
 // DUALKV_ERROR_UNSUPPORTED): D = 512 needs Hopper's 202 KB in both modes; at D = 256 the
 // deterministic dQ kernel needs 168,960 B, above A100's 163 KiB, while the default mode's one-Q-buffer
 // main kernel (150 KB) runs there; sm_86/89 (99 KB) run the backward at D = 64 only (64-row steps,
-// two Q buffers: 94,896 B).
+// one Q buffer: 92,720 B).
 template <int D, typename T, typename Mods>
 constexpr size_t bwd_kv_min_smem() {
   using S = BwdSteps<D, T, Mods>;
