@@ -49,7 +49,20 @@ __global__ void bwd_preprocess_kernel(const BwdArgs args) {
   }
 }
 
-template <int D, typename T>
+// Where column d of a row of the fp32 dQ accumulator is stored. kQuadOrder (the portable backward):
+// each 16-column group in mma.sync fragment quads, column 8b + 2t + e at 4t + 2b + e, so that a
+// lane's four values of an accumulator row (columns 2t, 2t + 1 of both n8 blocks) are one 16-byte
+// atomic (sm80/ptx.cuh atomic_add_quad). Otherwise in column order (the Hopper kernels). Column
+// pairs (e = 0, 1) stay adjacent either way.
+template <bool kQuadOrder>
+__device__ __forceinline__ int dq_accum_column(int d) {
+  if constexpr (kQuadOrder)
+    return (d & ~15) | ((d & 6) << 1) | ((d & 8) >> 2) | (d & 1);
+  else
+    return d;
+}
+
+template <int D, typename T, bool kDqQuadOrder>
 __global__ void bwd_dq_convert_kernel(const BwdArgs args) {
   using Ops = Convert<T>;
   const int64_t H = args.num_heads;
@@ -59,7 +72,7 @@ __global__ void bwd_dq_convert_kernel(const BwdArgs args) {
     const int64_t row = i / (D / 2);
     const int d = static_cast<int>(i % (D / 2)) * 2;
     const int64_t t = row / H, h = row % H;
-    const float2 v = *reinterpret_cast<const float2*>(args.dq_accum + row * D + d);
+    const float2 v = *reinterpret_cast<const float2*>(args.dq_accum + row * D + dq_accum_column<kDqQuadOrder>(d));
     *reinterpret_cast<uint32_t*>(static_cast<T*>(args.dq) + t * args.dq_ts + h * args.dq_hs + d) =
         Ops::pack(v.x * args.scale, v.y * args.scale);
   }
@@ -190,14 +203,15 @@ cudaError_t launch_bwd_preprocess(const BwdArgs& args, int sms, cudaStream_t str
 }
 
 // kWindowedPlan: the plan is cut to a sliding window (the kernels' Mods::kWindow): its split tiles
-// are reduced in row chunks (bwd_reduce_rows_kernel).
-template <int D, typename T, bool kWindowedPlan = false>
+// are reduced in row chunks (bwd_reduce_rows_kernel). kDqQuadOrder: the main kernel accumulated dQ
+// in quad order (dq_accum_column).
+template <int D, typename T, bool kWindowedPlan, bool kDqQuadOrder>
 cudaError_t launch_bwd_postprocess(const BwdArgs& args, int sms, cudaStream_t stream) {
   cudaError_t err;
   if (!args.deterministic) {
     const int64_t pairs = static_cast<int64_t>(args.layout.num_tokens) * args.num_heads * (D / 2);
     const int blocks = static_cast<int>(std::min<int64_t>((pairs + 255) / 256, static_cast<int64_t>(sms) * 32));
-    bwd_dq_convert_kernel<D, T><<<blocks, 256, 0, stream>>>(args);
+    bwd_dq_convert_kernel<D, T, kDqQuadOrder><<<blocks, 256, 0, stream>>>(args);
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
   }
   if (args.n_slots > 0) {

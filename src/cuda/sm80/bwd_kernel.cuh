@@ -593,9 +593,11 @@ bwd_kv_kernel(const BwdArgs args) {
           for (int hr = 0; hr < 2; ++hr) {
             const int32_t qi = qt + qrow0 + mi * 16 + g + hr * 8;
             if (qi < qb) {
-              float* dst = args.dq_accum + (static_cast<int64_t>(qi) * H + h) * D + dcol0 + 2 * t4;
+              float* dst = args.dq_accum + (static_cast<int64_t>(qi) * H + h) * D + dcol0 + 4 * t4;
 #pragma unroll
-              for (int j = 0; j < kQB; ++j) atomic_add_pair(dst + j * 8, dq[mi][j][2 * hr], dq[mi][j][2 * hr + 1]);
+              for (int j = 0; j < kQB; j += 2)
+                atomic_add_quad(dst + j * 8, dq[mi][j][2 * hr], dq[mi][j][2 * hr + 1], dq[mi][j + 1][2 * hr],
+                                dq[mi][j + 1][2 * hr + 1]);
             }
           }
         } else {
@@ -636,9 +638,11 @@ bwd_kv_kernel(const BwdArgs args) {
             for (int hr = 0; hr < 2; ++hr) {
               const int32_t qi = qt + qrow0 + mi * 16 + g + hr * 8;
               if (qi < qb) {
-                float* dst = args.dq_accum + (static_cast<int64_t>(qi) * H + h) * D + dcol + 2 * t4;
+                float* dst = args.dq_accum + (static_cast<int64_t>(qi) * H + h) * D + dcol + 4 * t4;
 #pragma unroll
-                for (int j = 0; j < kQB; ++j) atomic_add_pair(dst + j * 8, dq[mi][j][2 * hr], dq[mi][j][2 * hr + 1]);
+                for (int j = 0; j < kQB; j += 2)
+                  atomic_add_quad(dst + j * 8, dq[mi][j][2 * hr], dq[mi][j][2 * hr + 1], dq[mi][j + 1][2 * hr],
+                                  dq[mi][j + 1][2 * hr + 1]);
               }
             }
         }

@@ -137,7 +137,7 @@ cudaError_t run_bwd(const BwdArgs& args, int sms, cudaStream_t stream) {
                            : launch_bwd_kv<D, T, true, Mods>(args, sms, stream);
   if (err != cudaSuccess) return err;
   if (args.deterministic && (err = launch_bwd_dq<D, T, Mods>(args, sms, stream)) != cudaSuccess) return err;
-  return launch_bwd_postprocess<D, T, Mods::kWindow>(args, sms, stream);
+  return launch_bwd_postprocess<D, T, Mods::kWindow, true>(args, sms, stream);  // dQ in quad order
 }
 
 }  // namespace dualkv::cuda::sm80

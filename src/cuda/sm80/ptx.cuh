@@ -200,18 +200,21 @@ __device__ __forceinline__ void load_tile_async(T* smem, const T* gmem, int64_t 
   }
 }
 
-// dst[0] += a, dst[1] += b in fp32 global memory (dst 8-byte aligned): the dQ accumulation of the
-// backward, called with the two consecutive columns an mma.sync accumulator fragment holds per row.
-// sm_90+: one 8-byte vector atomic (red.global.add.v2.f32) read straight from the accumulator
-// registers. The 16-byte variant this replaced needed a lane-pair shuffle and selects per n8 block,
-// a serial register chain that was 21% of the portable backward's stall samples (ncu source view,
-// docs/cuda.md "dQ atomics"). Earlier archs: two scalar atomics.
-__device__ __forceinline__ void atomic_add_pair(float* dst, float a, float b) {
+// dst[0..3] += v in fp32 global memory (dst 16-byte aligned): the portable backward's dQ accumulation,
+// a lane's four values of one accumulator row in a 16-column group (columns 2t, 2t + 1, 8 + 2t,
+// 9 + 2t of the two n8 blocks), contiguous in the accumulator's quad order (bwd_prepost.cuh
+// dq_accum_column). sm_90+: one 16-byte vector atomic (red.global.add.v4.f32) read straight from the
+// accumulator registers, half the instructions of the 8-byte pairs it replaced (those had replaced
+// 16-byte atomics fed by a lane-pair shuffle, a serial register chain that was 21% of the stall
+// samples; docs/cuda.md "dQ atomics"). Earlier archs: four scalar atomics.
+__device__ __forceinline__ void atomic_add_quad(float* dst, float a, float b, float c, float d) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  atomicAdd(reinterpret_cast<float2*>(dst), make_float2(a, b));
+  atomicAdd(reinterpret_cast<float4*>(dst), make_float4(a, b, c, d));
 #else
   atomicAdd(dst, a);
   atomicAdd(dst + 1, b);
+  atomicAdd(dst + 2, c);
+  atomicAdd(dst + 3, d);
 #endif
 }
 

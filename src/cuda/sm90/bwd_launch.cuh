@@ -113,7 +113,7 @@ cudaError_t run_bwd(const BwdArgs& args, int sms, cudaStream_t stream) {
   if ((err = launch_bwd_preprocess<D, T>(args, sms, stream)) != cudaSuccess) return err;
   if ((err = run_bwd_main<T, D, Mods>(args, sms, stream)) != cudaSuccess) return err;
   if (args.deterministic && (err = sm80::launch_bwd_dq<D, T, Mods>(args, sms, stream)) != cudaSuccess) return err;
-  return launch_bwd_postprocess<D, T, Mods::kWindow>(args, sms, stream);
+  return launch_bwd_postprocess<D, T, Mods::kWindow, false>(args, sms, stream);
 }
 
 }  // namespace dualkv::cuda::sm90
