@@ -188,8 +188,8 @@ fwd_kernel(const FwdArgs args) {
   const uint32_t s_q = smem_addr(sm.q) + warp_row0 * Tile::kRowBytes, s_k = smem_addr(sm.k), s_v = smem_addr(sm.v);
   const int la_r = (lane & 7) + ((lane >> 3) & 1) * 8, la_c = (lane >> 4) * 8;
   const int lb_r = (lane & 7) + (lane >> 4) * 8, lb_c = ((lane >> 3) & 1) * 8;
-  const uint32_t b_qv = Tile::offset(la_r, (dcol0 + la_c) / 8);
-  const uint32_t b_k = Tile::offset(lb_r, (dcol0 + lb_c) / 8);
+  uint32_t b_qv = Tile::offset(la_r, (dcol0 + la_c) / 8);
+  uint32_t b_k = Tile::offset(lb_r, (dcol0 + lb_c) / 8);
   if (tid == 0) {
     st.num_heads = args.num_heads;
     st.kv_group = args.num_heads / args.num_kv_heads;
@@ -252,6 +252,10 @@ fwd_kernel(const FwdArgs args) {
     int slot = 0;  // st.walk[slot] describes the current KV tile
     bool more = true;
     do {
+      // The windowed kernels derive the swizzled per-k16 offsets from b_qv / b_k inside the loop:
+      // hoisted out of it (ptxas's choice without this opaque redefinition) they spilled 68 bytes at
+      // D = 128 (nvcc 13.0) and the windowed forward ran 1.01x the padded kernel's time.
+      if constexpr (Mods::kWindow) asm volatile("" : "+r"(b_qv), "+r"(b_k));
       cp_async_wait_all();
       __syncthreads();  // K (and Q on the first tile) landed; every warp is done reading the previous V
       if constexpr (kPrefix) {
