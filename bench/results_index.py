@@ -27,8 +27,9 @@ BENCHMARKS = {
     "attention_h128": "bench/attention.py, H 32 / Hk 8 / D 128, default (Hopper) path, every method (step bench)",
     "attention_h64": "bench/attention.py at head dim 64, three configs (step bench-dims)",
     "attention_h256": "bench/attention.py at head dim 256, three configs (step bench-dims)",
-    "attention_portable_h128": "bench/attention.py, portable kernels forced, dualkv vs SDPA-flash, 3 rounds "
-                               "(step bench-portable, BENCH_ARGS='--rounds 3')",
+    "attention_portable_h128": "bench/attention.py --head-dim 128 --ab-library, portable kernels forced, dualkv vs "
+                               "SDPA-flash (FA2) and dualkv_ab = main 16ade0b's build, 3 rounds (issue 15; step ab, "
+                               "AB_METHODS=dualkv,sdpa_flash)",
     "attention_mods_gptoss": "bench/attention.py --window 128 --sinks, H 64 / Hk 8 / D 64 (gpt-oss), dualkv vs FA4 "
                              "and Flex-FA4 with the same modifiers (issue 16; step bench-mods)",
     "attention_mods_cap50": "bench/attention.py --softcap 50, H 32 / Hk 8 / D 128 (issue 16; step bench-mods)",
@@ -103,10 +104,14 @@ BENCHMARKS = {
                                  "128-row query steps at D 64 (branch d64step, 39dfe2e, merged) against main (54617bd "
                                  "build), with FA2, 3 rounds (issue 15); .compare.log: tools/ab_libraries.py bitwise "
                                  "dK/dV in both modes with window/softcap/sinks/prefix and the main kernel's times",
-    "attention_portable_h64": "bench/attention.py --head-dim 64, portable kernels forced, dualkv vs SDPA-flash (FA2), "
-                              "3 rounds (issue 15)",
-    "attention_portable_h256": "bench/attention.py --head-dim 256, portable kernels forced, dualkv vs SDPA-flash (FA2), "
-                               "3 rounds (issue 15)",
+    "attention_portable_h64": "bench/attention.py --head-dim 64 --ab-library, portable kernels forced, dualkv vs "
+                              "SDPA-flash (FA2) and dualkv_ab = main 16ade0b's build, 3 rounds (issue 15; step ab)",
+    "attention_portable_h256": "bench/attention.py --head-dim 256 --ab-library, portable kernels forced, dualkv vs "
+                               "SDPA-flash (FA2) and dualkv_ab = main 16ade0b's build, 3 rounds (issue 15; step ab)",
+    "ab_portable_swizzle": "bench/attention.py --head-dim 256 --ab-library, portable path, the swizzled Q/K/V/dO tiles "
+                           "(bca69c7 build, before the quad-order dQ atomics) against main (16ade0b build), with FA2, 3 "
+                           "rounds (issue 15); .compare.log: every tools/ab_libraries.py run of the change (bitwise "
+                           "checks, kernel times, the sm_80 code path, sanitizers)",
     "cpu_attention": "bench/cpu_attention.py, the CPU backend vs per-row torch SDPA on the CPU, 2 threads (issue 22)",
     "cpu_attention_1thread": "bench/cpu_attention.py --threads 1, the same with one thread (issue 22)",
     "prompt_once_e2e_1.7b": "bench/prompt_once_e2e.py, Qwen3-1.7B shape, P 8K / 16K R 1K k 2/4, split vs once vs "
