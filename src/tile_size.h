@@ -55,11 +55,11 @@ DUALKV_TILE_FN Sm80FwdTiles sm80_fwd_tiles(int head_dim) {
 // XOR-swizzled 16-byte chunks, or padded by 16 bytes. Padded rows misalign every cp.async phase
 // with the 128-byte lines (10.5 shared wavefronts per copy for an ideal 4 at D = 256); swizzled
 // rows need D a power of two from 64 up (whole lines, power-of-two warp column parts). Measured on
-// the H200 against padded rows (2026-12-02): forward main kernel 0.90-0.91 of the time at D = 256,
-// backward 0.974-0.976 at 256, 0.976-0.993 at 128, 0.996-1.009 at 64. The backward keeps padded rows
-// at D = 64: its 128-row kernels hold 255 registers and the swizzled addresses spill 8-24 bytes
-// there (nvcc 13.0) for no measured gain. The deterministic dQ kernel keeps padded rows (not
-// measured swizzled).
+// the H200 against padded rows (2026-12-02, main kernels): forward 0.88-0.90 of the time at D = 256,
+// 0.95-0.96 at 128, 0.96-0.98 at 64; backward 0.970-0.973 at 256, 0.952-0.961 at 128. The backward
+// keeps padded rows at D = 64: its 128-row kernels hold 255 registers, the swizzled addresses spill
+// 16-24 bytes there (nvcc 13.0), and the first A/B showed no gain (0.996-1.009). The deterministic
+// dQ kernel keeps padded rows (not measured swizzled).
 DUALKV_TILE_FN bool sm80_swizzled_rows(int head_dim, bool backward) {
   return head_dim >= 64 && (head_dim & (head_dim - 1)) == 0 && !(backward && head_dim == 64);
 }
