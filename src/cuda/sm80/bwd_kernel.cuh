@@ -312,9 +312,9 @@ bwd_kv_kernel(const BwdArgs args) {
         const T* pkg = static_cast<const T*>(args.prefix_k);
         const T* pvg = static_cast<const T*>(args.prefix_v);
         load_rows<D, BN, NT, Tile>(s_k, s_ld, pkg + (k0 + ld_r) * args.pk_ts + hk * args.pk_hs + ld_c, args.pk_ts,
-                                klen - ld_r, pkg);
+                                   klen - ld_r, pkg);
         load_rows<D, BN, NT, Tile>(s_v, s_ld, pvg + (k0 + ld_r) * args.pv_ts + hk * args.pv_hs + ld_c, args.pv_ts,
-                                klen - ld_r, pvg);
+                                   klen - ld_r, pvg);
         kv_loaded = true;
       }
     }
