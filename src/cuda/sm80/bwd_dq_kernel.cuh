@@ -73,7 +73,7 @@ bwd_dq_kernel(const BwdArgs args) {
   constexpr int kDS = C::kDSplit, kWD = C::kWarpD;
   constexpr int kDB = kWD / 8;
 
-  extern __shared__ __align__(16) unsigned char smem_raw[];
+  extern __shared__ __align__(128) unsigned char smem_raw[];  // the symbol the other portable kernels align (smem_tile.cuh)
   DqSmemOf<D, T>& sm = *reinterpret_cast<DqSmemOf<D, T>*>(smem_raw);
   __shared__ int32_t s_item;
 
