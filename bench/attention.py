@@ -78,6 +78,7 @@ HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "python"))
 import dualkv  # noqa: E402
+import layout_classes  # noqa: E402
 import provenance  # noqa: E402
 from telemetry import GpuSampler  # noqa: E402
 from peers import (FLEX_BACKENDS, FLEX_BLOCK, Unavailable, accepted_block_size, apply_sinks,  # noqa: E402
@@ -196,16 +197,24 @@ def expanded_pairs(lens) -> int:
 
 
 class Case:
-    """One micro-batch: groups of (prompt length, response lengths)."""
+    """One micro-batch: a forest of segments (lengths, parents in DFS order); ``Case.groups`` makes
+    GRPO groups (a prompt and its responses), whose ``prompts`` / ``responses`` are kept (None for
+    any other forest)."""
 
-    def __init__(self, name, prompts, responses):
-        self.name, self.prompts, self.responses = name, list(prompts), [list(r) for r in responses]
-        self.layout_cpu = dualkv.Layout.from_groups(self.prompts, self.responses)
+    def __init__(self, name, lens, parents, groups=None):
+        self.name, self.lens, self.parents = name, list(lens), list(parents)
+        self.prompts, self.responses = groups if groups else (None, None)
+        self.layout_cpu = dualkv.Layout.from_tree(self.lens, self.parents)
         self.T = self.layout_cpu.num_tokens
         self.shared_pairs = self.layout_cpu.visible_pairs
-        self.seq_lens = [p + r for p, rs in zip(self.prompts, self.responses) for r in rs]
+        self.seq_lens = layout_classes.root_paths(self.lens, self.parents)
         self.expanded_pairs = expanded_pairs(self.seq_lens)
-        self.uniform = len(self.prompts) == 1 and len(set(self.responses[0])) == 1
+        self.uniform = groups is not None and len(self.prompts) == 1 and len(set(self.responses[0])) == 1
+
+    @classmethod
+    def groups(cls, name, prompts, responses):
+        layout = dualkv.Layout.from_groups(prompts, responses)
+        return cls(name, layout.segment_lens, layout.parents, (list(prompts), [list(r) for r in responses]))
 
     def window_pairs(self, window) -> int:
         """Visible (q, k) pairs of the packed layout under a window (None: all of them)."""
@@ -223,7 +232,9 @@ class Case:
         return off[end][lay.segment_ids()]
 
     def describe(self):
-        return {"name": self.name, "prompts": self.prompts, "responses": self.responses,
+        shape = ({"prompts": self.prompts, "responses": self.responses} if self.prompts is not None
+                 else {"segment_lens": self.lens, "parents": self.parents})
+        return {"name": self.name, **shape, "segments": len(self.lens), "paths": len(self.seq_lens),
                 "packed_tokens": self.T, "expanded_tokens": sum(self.seq_lens),
                 "shared_pairs": self.shared_pairs, "expanded_pairs": self.expanded_pairs,
                 "rho_attn": self.expanded_pairs / self.shared_pairs}
@@ -357,7 +368,7 @@ def method_dualkv(case, H, Hk, D, dtype, library, deterministic=False, mods=NO_M
             raise Unavailable(f"skipped: {exc}") from None
     with library.active():
         # A CUDA plan is cut to its window: build the one this run's window needs.
-        layout = dualkv.Layout.from_groups(case.prompts, case.responses).to(DEVICE, windows=(mods.window,))
+        layout = dualkv.Layout.from_tree(case.lens, case.parents).to(DEVICE, windows=(mods.window,))
 
     def setup(seed):
         x, do = qkv_do((case.T, H, D), (case.T, Hk, D), dtype, seed)
@@ -514,7 +525,7 @@ def method_pgrouper(case, H, Hk, D, dtype, mods=NO_MODS):
     from torch.nn.attention.bias import causal_lower_right
     _no_mods_in("pgrouper (SDPA)", mods)
     if not case.uniform:
-        raise NotImplementedError("pgrouper baseline implemented for one group with equal response lengths")
+        raise Unavailable("skipped: the pgrouper baseline is implemented for one group with equal response lengths")
     P, N, R = case.prompts[0], len(case.responses[0]), case.responses[0][0]
     G = H // Hk
     bias = causal_lower_right(R, P + R)
@@ -864,6 +875,16 @@ def markdown(path):
         print("\n```\n" + ab_table(res) + "\n```")
 
 
+def class_list(text: str) -> str:
+    """--classes: comma-separated names of layout_classes.CLASSES, or "all"."""
+    names = list(layout_classes.CLASSES) if text == "all" else [c for c in text.split(",") if c]
+    unknown = [c for c in names if c not in layout_classes.CLASSES]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown layout class {', '.join(unknown)}; "
+                                         f"the classes are {', '.join(layout_classes.CLASSES)}")
+    return ",".join(names)
+
+
 def main():
     if len(sys.argv) == 3 and sys.argv[1] == "--markdown":
         return markdown(sys.argv[2])
@@ -875,6 +896,9 @@ def main():
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     ap.add_argument("--configs", default="", help="N,P,R;N,P,R;... (default: the issue's list)")
     ap.add_argument("--no-varlen", action="store_true")
+    ap.add_argument("--classes", default="", type=class_list,
+                    help="layout classes (bench/layout_classes.py: " + ", ".join(layout_classes.CLASSES)
+                         + ", or all) in place of the default configs and varlen; with --configs, both")
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--iters", type=int, default=10)
@@ -919,9 +943,13 @@ def main():
         configs = DEFAULT_CONFIGS
     if args.quick:
         args.warmup, args.iters = min(args.warmup, 2), min(args.iters, 5)
-    cases = [Case(f"N{n}_P{p}_R{r}", [p], [[r] * n]) for n, p, r in configs]
-    if not args.no_varlen:
-        cases.append(Case(VARLEN["name"], VARLEN["prompts"], VARLEN["responses"]))
+    classes = [c for c in args.classes.split(",") if c]
+    if classes and not args.configs:
+        configs = []  # the classes in place of the default configs and varlen
+    cases = [Case.groups(f"N{n}_P{p}_R{r}", [p], [[r] * n]) for n, p, r in configs]
+    if not args.no_varlen and not classes:
+        cases.append(Case.groups(VARLEN["name"], VARLEN["prompts"], VARLEN["responses"]))
+    cases += [Case(c, *layout_classes.layout_class(c)) for c in classes]
     methods = [m for m in args.methods.split(",") if m]
     libraries = {"dualkv": Library.default()}
     if args.ab_library:

@@ -31,6 +31,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "python"))
 import dualkv  # noqa: E402
 import provenance  # noqa: E402
+from layout_classes import root_paths  # noqa: E402
 
 # (name, segment lengths, parents): GRPO groups, a plain varlen batch, and a multi-turn tree.
 CASES = [
@@ -41,27 +42,6 @@ CASES = [
     ("tree_depth3", *[[256, 64, 96, 80, 128, 48, 112], [-1, 0, 1, 1, 0, 4, 4]]),
 ]
 QUICK_CASES = CASES[:1]
-
-
-def root_paths(lens, parents):
-    """Token count of every root-to-leaf path: the rows of the unpacked batch."""
-    children = {s: [] for s in range(len(lens))}
-    for s, p in enumerate(parents):
-        if p >= 0:
-            children[p].append(s)
-    rows = []
-
-    def walk(s, prefix):
-        total = prefix + lens[s]
-        if not children[s]:
-            rows.append(total)
-        for c in children[s]:
-            walk(c, total)
-
-    for s, p in enumerate(parents):
-        if p < 0:
-            walk(s, 0)
-    return rows
 
 
 def median_seconds(fn, reps, min_seconds=0.05):

@@ -2,6 +2,7 @@
 same-round ratios. Pure Python; the timing itself needs a GPU and runs on the device."""
 from __future__ import annotations
 
+import argparse
 import pathlib
 import sys
 
@@ -9,6 +10,7 @@ import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "bench"))
 import attention  # noqa: E402
+import layout_classes  # noqa: E402
 import peers  # noqa: E402
 
 
@@ -180,12 +182,62 @@ def test_key_end_is_the_forest_rule():
     import torch
 
     from dualkv.reference import visibility_mask
-    case = attention.Case("c", [5, 3], [[2, 4, 1], [3]])
+    case = attention.Case.groups("c", [5, 3], [[2, 4, 1], [3]])
     end = case.key_end()
     idx = torch.arange(case.T)
     mask = (idx[None, :] <= idx[:, None]) & (idx[:, None] < end[None, :])
     assert torch.equal(mask, visibility_mask(case.layout_cpu))
     assert int(mask.sum()) == case.shared_pairs
+
+
+def test_key_end_is_the_forest_rule_on_a_tree():
+    """The same on a three-level tree (a layout class's shape), and its unpacked rows are the
+    root-to-leaf paths: their causal pairs count every visible pair once per path through it."""
+    import torch
+
+    from dualkv.reference import visibility_mask
+    lens, parents = [4, 3, 2, 2, 5, 1], [-1, 0, 1, 1, 0, -1]
+    case = attention.Case("t", lens, parents)
+    end = case.key_end()
+    idx = torch.arange(case.T)
+    mask = (idx[None, :] <= idx[:, None]) & (idx[:, None] < end[None, :])
+    assert torch.equal(mask, visibility_mask(case.layout_cpu))
+    assert case.seq_lens == [9, 9, 9, 1] and case.prompts is None and not case.uniform
+    assert case.describe()["paths"] == 4 and case.describe()["segment_lens"] == lens
+
+
+@pytest.mark.parametrize("name", layout_classes.CLASSES)
+def test_layout_classes_are_fixed_forests_of_their_shape(name):
+    """Each class is one layout (same lengths on every call), a valid forest in DFS order, with the
+    lengths its docstring names."""
+    lens, parents = layout_classes.layout_class(name)
+    assert (lens, parents) == layout_classes.layout_class(name)
+    assert all(p < s for s, p in enumerate(parents))  # parents come first (DFS order)
+    case = attention.Case(name, lens, parents)
+    assert 30_000 <= case.T <= 90_000, case.T  # a micro-batch: thousands of tiles, all SMs busy
+    roots = [s for s, p in enumerate(parents) if p < 0]
+    leaves = [s for s in range(len(lens)) if s not in parents]
+    if name == "small_groups":
+        assert len(roots) == 24 and all(100 <= lens[r] <= 600 for r in roots)
+        assert all(50 <= lens[s] <= 400 for s in leaves)
+    elif name == "tiny_responses":
+        assert all(lens[r] == 4096 for r in roots) and all(1 <= lens[s] <= 64 for s in leaves)
+        assert case.expanded_pairs > 10 * case.shared_pairs
+    elif name == "long_responses":
+        assert all(lens[r] == 256 for r in roots) and all(2048 <= lens[s] <= 8192 for s in leaves)
+        assert case.expanded_pairs < 1.1 * case.shared_pairs  # rho ~ 1: nothing shared to save
+    else:
+        assert len(roots) == 4 and len(leaves) == 64 and len(case.seq_lens) == 64
+        assert case.layout_cpu.max_depth == 3
+
+
+def test_classes_option_names_the_classes():
+    assert attention.class_list("all") == ",".join(layout_classes.CLASSES)
+    assert attention.class_list("tree,small_groups") == "tree,small_groups"
+    with pytest.raises(argparse.ArgumentTypeError, match="unknown layout class trees"):
+        attention.class_list("tree,trees")
+    with pytest.raises(ValueError, match="unknown layout class"):
+        layout_classes.layout_class("nope")
 
 
 def test_next_block_size_follows_the_refused_tiles():
@@ -296,7 +348,7 @@ def test_peers_above_their_head_dim_are_skipped_before_any_work(method):
     """At head dim 512 SDPA's FlashAttention and cuDNN backends and FA4 (dense and under Flex) have
     no kernel: build_method raises Unavailable naming the limit (measure_case records it as
     skipped), before touching a device or importing FA4; at 256 the check passes."""
-    case = attention.Case("c", [9], [[3, 4]])
+    case = attention.Case.groups("c", [9], [[3, 4]])
     with pytest.raises(peers.Unavailable, match=f"skipped: {method} has no kernel above head dim 256 \\(got 512\\)"):
         attention.build_method(method, case, 4, 2, 512, None, {})
     attention.check_head_dim(method, 256)
@@ -335,7 +387,7 @@ def test_window_pairs_count_the_visible_pairs():
     """The useful pairs under a window: the packed layout's (sum of min(position + 1, W)) equal the
     dense reference mask's count, and the expanded sequences' a brute-force count."""
     from dualkv.reference import visibility_mask
-    case = attention.Case("c", [7, 3], [[2, 5, 1], [4]])
+    case = attention.Case.groups("c", [7, 3], [[2, 5, 1], [4]])
     for window in (1, 3, 6, 100):
         assert case.window_pairs(window) == int(visibility_mask(case.layout_cpu, window).sum())
         brute = sum(min(i + 1, window) for n in case.seq_lens for i in range(n))
@@ -362,7 +414,7 @@ def test_flex_modifiers_equal_dualkv_on_the_cpu(mods):
 
     import dualkv
     mods = attention.Mods(*mods)
-    case = attention.Case("c", [9, 4], [[3, 6, 1], [5, 2]])
+    case = attention.Case.groups("c", [9, 4], [[3, 6, 1], [5, 2]])
     H, Hk, D, T = 4, 2, 16, case.T
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(T, h, D, generator=g) for h in (H, Hk, Hk))
@@ -387,7 +439,7 @@ def test_dualkv_method_runs_the_modifiers_and_skips_where_unsupported(monkeypatc
 
     import dualkv
     monkeypatch.setattr(attention, "DEVICE", "cpu")
-    case = attention.Case("c", [8], [[3, 5, 2]])
+    case = attention.Case.groups("c", [8], [[3, 5, 2]])
     mods = attention.Mods(4, 30.0, True)
     libraries = {"dualkv": attention.Library.default()}
     setup, fwd, fwdbwd, pairs, _ = attention.build_method("dualkv", case, 4, 2, 16, torch.float32, libraries, mods)
