@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What one device session runs, step by step; logs and JSON go to $OUT (or ./device-out).
-#   tests/gpu/device_run.sh [fa4-stage] [fa4-install] [tests] [sanitize] [bench-quick|bench] [bench-dims]
+#   tests/gpu/device_run.sh [fa4-stage] [fa4-install] [tests] [sanitize] [bench-quick|bench] [bench-dims] [bench-classes]
 #                           [bench-portable] [ab] [ab-check] [e2e] [e2e-flex] [e2e-all] [e2e-grid] [noise]
 #                           [wheels] [hybrid-tests] [hybrid] [trl-step] [prompt-once] [bench-mods] [e2e-mods]
 # The library is $DUALKV_LIBRARY (default build-h200/libdualkv.so, a 90a build made on the host and
@@ -26,6 +26,11 @@
 #                time, a few s after; cut at $BENCH_TIMEOUT, default 560 s). bench-quick: 2 configs (~1.5 min)
 #   bench-dims   dualkv, cuDNN, fa4_dense and flex_fa4 at hdim 64 and 256 (H 32, Hk 8), three configs each (~2-3 min estimated with FA4; flex_fa4 at 256 searches a block size its kernels
 #                accept: up to 4 compiles, each recorded)
+#   bench-classes issue 23's layout classes (bench/layout_classes.py: small groups, tiny responses, long
+#                responses, multi-turn trees) per head dim in $CLASSES_DIMS (default 128), methods
+#                $CLASSES_METHODS (default dualkv,fa4_dense,flex_fa4,sdpa_cudnn; with $AB_LIBRARY also
+#                dualkv_ab), $CLASSES_ROUNDS interleaved rounds (default 2), cut at $CLASSES_TIMEOUT s per
+#                head dim (default 300; Flex-FA4's first block mask in a process compiles for ~90 s)
 #   bench-portable  issue 3's acceptance run: the portable kernels (DUALKV_DISABLE_SM90{,_BWD}=1) against SDPA-flash
 #                on the unpacked batch, every config + varlen, hdim 128, one process (measured 38 s at 426f4d0);
 #                BENCH_ARGS="--rounds 3" interleaves 3 rounds of both methods per config and reports the median
@@ -191,6 +196,13 @@ print('FA4', m.version('flash-attn-4'), 'CuTe DSL', m.version('nvidia-cutlass-ds
                     --no-varlen --methods dualkv,sdpa_cudnn,fa4_dense,flex_fa4 --iters 6 --warmup 2 --out "$OUT" --tag d$d \
                     > "$OUT/bench_d$d.log" 2>&1; echo "bench-dims d$d rc=$?"; sed -n '/^case /,$p' "$OUT/bench_d$d.log"
                 done ;;
+    bench-classes) ab=""; [ -f "${AB_LIBRARY:-}" ] && ab="--ab-library $AB_LIBRARY --ab-label ${AB_LABEL:-}"
+                   for d in ${CLASSES_DIMS:-128}; do
+                     timeout -k 10 "${CLASSES_TIMEOUT:-300}" python3 bench/attention.py --head-dim $d --classes all \
+                       --methods "${CLASSES_METHODS:-dualkv,fa4_dense,flex_fa4,sdpa_cudnn}" $ab --rounds "${CLASSES_ROUNDS:-2}" \
+                       --iters 6 --warmup 2 --out "$OUT" --tag "classes_d$d" ${BENCH_ARGS:-} > "$OUT/classes_d$d.log" 2>&1
+                     echo "bench-classes d$d rc=$?"; sed -n '/^case /,$p' "$OUT/classes_d$d.log"
+                   done ;;
     ab) [ -f "${AB_LIBRARY:-}" ] || { echo "ab: set AB_LIBRARY to the second build's libdualkv.so"; continue; }
         for path in ${AB_PATHS:-sm90 portable}; do
           case $path in portable) sw="DUALKV_DISABLE_SM90=1 DUALKV_DISABLE_SM90_BWD=1" ;; *) sw="" ;; esac
