@@ -9,7 +9,8 @@
 // The four parts, and who uses them:
 //   1. visible(): the elementwise rule (CPU backend, tests, dense references).
 //   2. Trip counts: the KV ranges a forward query tile walks (KvWalk: every proper ancestor in
-//      full, nearest first, then its own segment up to the tile's last query), and the query range
+//      full, nearest first, then its own segment up to the tile's last query; a tile of sibling
+//      leaves walks its first segment's ancestors, then every sibling's tokens), and the query range
 //      a backward KV tile is seen by (bwd_query_range: its own causal queries, then every
 //      descendant's tokens, contiguous in DFS order). The planner sizes work with them; the kernels
 //      walk them.
@@ -92,7 +93,9 @@ struct BlockPair {
 
 // The KV ranges a forward query tile of segment `seg` (last query q1 - 1) sees, walked in tiles
 // of BN tokens: the parent's tokens, its parent's, ... up to the root (full), then the segment's
-// own tokens up to q1. Host and device; the kernels keep one walk per query tile.
+// own tokens up to q1 (for a tile of sibling leaves, q1 past seg's end: every sibling's tokens,
+// of which each row keeps its own, SegmentMask::fwd_own_begin). Host and device; the kernels keep
+// one walk per query tile.
 template <int BN>
 struct KvWalk {
   int32_t seg;      // query segment
@@ -233,20 +236,40 @@ struct SegmentMask {
   }
 
   // 3./4. Forward: the KV tile at kpos with klen valid rows of block_n (a tile of the KvWalk;
-  // `own`: it lies in the query's segment) against query rows from q_first on. The kind's two
+  // `own`: it lies in the query tile's own range) against query rows from q_first on. The kind's
   // conditions are predicates of their own: kernels branch on them (as one uniform test per tile).
+  //
+  // A query tile of sibling leaves (the planner's packing of short leaves, plan_format.h): the tile
+  // (seg, q0, q1) holds whole leaf segments seg, seg + 1, ... with one parent (or all roots), q1 past
+  // seg's end. They share their ancestors, so the walk of seg serves every row; its own range
+  // [offsets[seg], q1) holds all the siblings' keys, of which a row sees its own segment's, from
+  // fwd_own_begin on: every tile of that range is masked (fwd_diagonal with `siblings`).
+  DUALKV_HOST_DEVICE static bool fwd_packs_siblings(const int32_t* offsets, int32_t seg, int32_t q1) {
+    return q1 > offsets[seg + 1];
+  }
+  // The first key query q of the tile (seg, .., q1) sees in the own range: its segment's first
+  // token (offsets[seg] but in a tile of siblings). Rows past q1 (a kernel's padding) take the last
+  // row's.
+  DUALKV_HOST_DEVICE static int32_t fwd_own_begin(const int32_t* offsets, int32_t seg, int32_t q1, int32_t q) {
+    const int32_t last = q < q1 ? q : q1 - 1;
+    int32_t s = seg;
+    while (offsets[s + 1] <= last) ++s;
+    return offsets[s];
+  }
   DUALKV_HOST_DEVICE static bool fwd_ragged(int32_t klen, int32_t block_n) { return klen < block_n; }
-  DUALKV_HOST_DEVICE static bool fwd_diagonal(int32_t kpos, bool own, int32_t q_first, int32_t block_n) {
-    return own && kpos + block_n - 1 > q_first;
+  DUALKV_HOST_DEVICE static bool fwd_diagonal(int32_t kpos, bool own, int32_t q_first, int32_t block_n,
+                                              bool siblings) {
+    return own && (siblings || kpos + block_n - 1 > q_first);
   }
   DUALKV_HOST_DEVICE static TileKind fwd_tile_kind(int32_t kpos, int32_t klen, bool own, int32_t q_first,
-                                                   int32_t block_n) {
+                                                   int32_t block_n, bool siblings) {
     if (fwd_ragged(klen, block_n)) return TileKind::kRagged;
-    return fwd_diagonal(kpos, own, q_first, block_n) ? TileKind::kDiagonal : TileKind::kFull;
+    return fwd_diagonal(kpos, own, q_first, block_n, siblings) ? TileKind::kDiagonal : TileKind::kFull;
   }
-  // Element (column col of that KV tile, query q) is hidden.
-  DUALKV_HOST_DEVICE static bool fwd_hidden(int32_t kpos, int32_t klen, bool own, int32_t col, int32_t q) {
-    return col >= klen || (own && kpos + col > q);
+  // Element (column col of that KV tile, query q whose own segment begins at own_begin) is hidden.
+  DUALKV_HOST_DEVICE static bool fwd_hidden(int32_t kpos, int32_t klen, bool own, int32_t col, int32_t q,
+                                            int32_t own_begin) {
+    return col >= klen || (own && (kpos + col > q || kpos + col < own_begin));
   }
 
   // 3./4. Backward: KV rows up to k_last of a tile against the query tile from q_first on (queries

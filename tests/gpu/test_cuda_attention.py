@@ -104,6 +104,20 @@ def test_grpo_group_shapes(D, dtype):
     run_case(lens, parents, 8, 2, D, dtype, seed=7)
 
 
+@pytest.mark.parametrize("D", built_head_dims())
+@pytest.mark.parametrize("path", cases.PATHS)
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_sibling_leaf_tiles(D, path, deterministic, monkeypatch):
+    """Short leaves of one parent share a forward (and deterministic dQ) query tile (the planner's
+    packing): responses of 1-64 tokens after a prompt, a tile's worth exactly (1 + 17 + 46 + 64), a
+    long response between short ones, a multi-turn tree's leaves, and short roots (varlen) at the
+    end; every row masked to its own segment, on the Hopper and the portable kernels."""
+    cases.use_path(monkeypatch, path)
+    lens = [300, 1, 17, 46, 64, 64, 5, 200, 3, 33, 90, 12, 70, 9, 2, 50, 7, 31]
+    parents = [-1, 0, 0, 0, 0, 0, 0, 0, 0, 0, -1, 10, 11, 11, 10, 14, -1, -1]
+    run_case(lens, parents, 8, 2, D, torch.bfloat16, seed=23, deterministic=deterministic)
+
+
 @pytest.mark.parametrize("D", sorted({built_head_dims()[0], built_head_dims()[-1]}))
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_split_query_ranges(deterministic, D, monkeypatch):
