@@ -162,9 +162,9 @@ dualkv_status build(const dualkv_layout& l, const dualkv_prefixes* prefixes, int
   // parent (or short roots) that follow each other share a tile, whole, up to fwd_block_m rows:
   // they share every ancestor, so the tile walks the ancestors once for all of them (a tile per
   // leaf walked them once per leaf: N responses of a few tokens each cost N walks of the prompt),
-  // and its own range [first token, q1) holds the siblings' keys, each row masked to its own
-  // segment's (SegmentMask::fwd_own_begin). Not under a window: the siblings' rows share no
-  // window cut. The walk of the first segment to q1 counts num_visible_keys(s, q1 - 1) keys.
+  // then each sibling's tokens as an own range (KvWalk), which the other siblings' rows do not see:
+  // a row's arithmetic is the same as in a tile of its segment alone. Not under a window: the
+  // siblings' rows share no window cut. The walk counts num_visible_keys(s, q1 - 1) keys.
   struct Fwd { int32_t s, q0, q1, work; };
   std::vector<Fwd> fwd;
   auto packable = [&](int32_t s) {

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "dualkv/mask.h"
@@ -28,17 +29,34 @@ namespace {
 constexpr int kBlockM = 16;  // small tiles: many tile pairs, ragged ends and diagonals per forest
 constexpr int kBlockN = 8;
 
+// The KV tiles in which query q of the tile (s, .., q1) sees a key, with the columns it sees in each.
+template <int BN>
+std::vector<std::pair<int32_t, std::vector<char>>> row_trace(const HostLayout& l, int32_t s, int32_t q1, int32_t q) {
+  std::vector<std::pair<int32_t, std::vector<char>>> trace;
+  dualkv::KvWalk<BN> walk;
+  walk.init(l.offsets.data(), l.parent.data(), s, q1);
+  do {
+    std::vector<char> cols(BN, 0);
+    bool any = false;
+    for (int32_t col = 0; col < BN; ++col) {
+      cols[col] = !SegmentMask::fwd_hidden(walk.pos, walk.len(), walk.own, walk.end, col, q);
+      any = any || cols[col];
+    }
+    if (any) trace.emplace_back(walk.pos, cols);
+  } while (walk.next(l.offsets.data(), l.parent.data()));
+  return trace;
+}
+
 // Forward: for each query tile (s, q0, q1), the KvWalk's tiles and the apply step see exactly the
-// visible keys. The tile kind is taken against the tile's first row q0 (the sm90 kernels' test) and
-// against each of its rows (the sm80 warps' test, from a warp's first row). A tile past s's end is
-// one of sibling leaves (the planner's packing): every row sees its own segment's keys from
-// fwd_own_begin on.
+// visible keys. The tile kind is taken for the tile's rows q0 .. q1 - 1 (the sm90 kernels' test)
+// and for each row alone (the sm80 warps' test over their rows). A tile past s's end is one of
+// sibling leaves (the planner's packing): each row meets its keys in the same KV tiles at the same
+// columns as in a tile of its segment alone (so the kernels compute it to the same bits).
 template <int BN>
 void check_forward_tile(const HostLayout& l, int32_t s, int32_t q0, int32_t q1) {
   const dualkv_layout v = l.view();
   const dualkv::ForestView f = dualkv::make_forest_view(v);
   const int32_t* off = l.offsets.data();
-  const bool siblings = SegmentMask::fwd_packs_siblings(off, s, q1);
   std::vector<std::vector<char>> seen(q1 - q0, std::vector<char>(l.num_tokens(), 0));
   dualkv::KvWalk<BN> walk;
   walk.init(off, l.parent.data(), s, q1);
@@ -46,12 +64,11 @@ void check_forward_tile(const HostLayout& l, int32_t s, int32_t q0, int32_t q1) 
   do {
     const int32_t klen = walk.len();
     ASSERT_GE(klen, 1);
-    const TileKind kind = SegmentMask::fwd_tile_kind(walk.pos, klen, walk.own, q0, BN, siblings);
+    const TileKind kind = SegmentMask::fwd_tile_kind(walk.pos, klen, walk.own, q0, q1 - 1, walk.end, BN);
     for (int32_t q = q0; q < q1; ++q) {
-      const TileKind row_kind = SegmentMask::fwd_tile_kind(walk.pos, klen, walk.own, q, BN, siblings);
-      const int32_t own_begin = SegmentMask::fwd_own_begin(off, s, q1, q);
+      const TileKind row_kind = SegmentMask::fwd_tile_kind(walk.pos, klen, walk.own, q, q, walk.end, BN);
       for (int32_t col = 0; col < BN; ++col) {
-        const bool hidden = SegmentMask::fwd_hidden(walk.pos, klen, walk.own, col, q, own_begin);
+        const bool hidden = SegmentMask::fwd_hidden(walk.pos, klen, walk.own, walk.end, col, q);
         if (kind == TileKind::kFull || row_kind == TileKind::kFull) ASSERT_FALSE(hidden) << "a full tile hides a pair";
         if (!hidden) ++seen[q - q0][walk.pos + col];
       }
@@ -59,6 +76,7 @@ void check_forward_tile(const HostLayout& l, int32_t s, int32_t q0, int32_t q1) 
     ++tiles;
   } while (walk.next(off, l.parent.data()));
   ASSERT_EQ(tiles > 0, true);
+  const bool siblings = SegmentMask::fwd_packs_siblings(off, s, q1);
   for (int32_t q = q0; q < q1; ++q) {
     const int32_t qs = f.segment_of(q);
     int visible = 0;
@@ -68,6 +86,7 @@ void check_forward_tile(const HostLayout& l, int32_t s, int32_t q0, int32_t q1) 
       visible += expect;
     }
     ASSERT_EQ(visible, f.num_visible_keys(qs, q));
+    if (siblings) ASSERT_EQ(row_trace<BN>(l, s, q1, q), row_trace<BN>(l, qs, q + 1, q)) << "row " << q;
   }
 }
 
@@ -250,11 +269,11 @@ void check_prefixed(const PrefixedLayout& l) {
         const int32_t klen = walk.len();
         ASSERT_GE(klen, 1);
         ASSERT_FALSE(walk.prefix && walk.own);
-        const TileKind kind = SegmentMask::fwd_tile_kind(walk.pos, klen, walk.own, q0, kBlockN, false);
+        const TileKind kind = SegmentMask::fwd_tile_kind(walk.pos, klen, walk.own, q0, q1 - 1, walk.end, kBlockN);
         if (walk.prefix) ASSERT_NE(kind, TileKind::kDiagonal);
         for (int32_t q = q0; q < q1; ++q)
           for (int32_t col = 0; col < kBlockN; ++col) {
-            const bool hidden = SegmentMask::fwd_hidden(walk.pos, klen, walk.own, col, q, f.segment_begin(s));
+            const bool hidden = SegmentMask::fwd_hidden(walk.pos, klen, walk.own, walk.end, col, q);
             if (kind == TileKind::kFull) ASSERT_FALSE(hidden) << "a full tile hides a pair";
             if (!hidden) ++seen[q - q0][(walk.prefix ? T : 0) + walk.pos + col];
           }

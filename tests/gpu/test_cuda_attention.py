@@ -118,6 +118,29 @@ def test_sibling_leaf_tiles(D, path, deterministic, monkeypatch):
     run_case(lens, parents, 8, 2, D, torch.bfloat16, seed=23, deterministic=deterministic)
 
 
+@pytest.mark.parametrize("D", built_head_dims())
+@pytest.mark.parametrize("path", cases.PATHS)
+def test_sibling_tiles_keep_each_rows_bits(D, path, monkeypatch):
+    """A response's output, lse and (deterministic) dQ are the same bits whether its short siblings
+    share its forward tile or it runs alone after the prompt: the tile walks each sibling's keys as
+    a range of its own (KvWalk), so every row meets the same KV tiles at the same columns."""
+    cases.use_path(monkeypatch, path)
+    P, R, H, Hk = 300, [1, 17, 46, 64, 5, 33], 8, 2
+    lens = [P] + R
+    q, k, v, dout = make_inputs(dualkv.Layout.from_tree(lens, [-1] + [0] * len(R)), H, Hk, D, torch.bfloat16, 31)
+    together = kernel_grads(q, k, v, dout, dualkv.Layout.from_tree(lens, [-1] + [0] * len(R)).to("cuda"), True)
+    start = P
+    for r in R:
+        rows = torch.cat([torch.arange(P), torch.arange(start, start + r)]).cuda()
+        alone = kernel_grads(*(t[rows] for t in (q, k, v, dout)), dualkv.Layout.from_tree([P, r], [-1, 0]).to("cuda"),
+                             True)
+        for name, a, b in zip(("out", "lse", "dq"), together, alone):
+            got = a[..., start:start + r] if name == "lse" else a[start:start + r]
+            want = b[..., P:] if name == "lse" else b[P:]
+            assert torch.equal(got, want), f"{name} of the response of {r} tokens ({path}, D {D})"
+        start += r
+
+
 @pytest.mark.parametrize("D", sorted({built_head_dims()[0], built_head_dims()[-1]}))
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_split_query_ranges(deterministic, D, monkeypatch):

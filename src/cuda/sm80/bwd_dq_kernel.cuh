@@ -104,7 +104,6 @@ bwd_dq_kernel(const BwdArgs args) {
     const int32_t seg = items[tile * kFwdItemInts + 0];
     const int32_t q0 = items[tile * kFwdItemInts + 1];
     const int32_t q1 = items[tile * kFwdItemInts + 2];
-    const bool siblings = SegmentMask::fwd_packs_siblings(L.offsets, seg, q1);  // a tile of sibling leaves
     const T* kh = static_cast<const T*>(args.k) + hk * args.k_hs;
     const T* vh = static_cast<const T*>(args.v) + hk * args.v_hs;
 
@@ -193,18 +192,9 @@ bwd_dq_kernel(const BwdArgs args) {
         const int partner = (warp + C::kRowWarps) % C::kWarps;
         exchange_split_partial<true, MI, kNB>(sm.part[partner], lane, s, dp);
       }
-      const bool need_mask =
-          SegmentMask::fwd_ragged(klen, BN) || SegmentMask::fwd_diagonal(kpos, own, q0 + warp_row0, BN, siblings);
-      // The first own key of each of the thread's rows: its segment's first token in a tile of
-      // siblings; else the tile's first key stands in (no key of the tile lies below it).
-      int32_t own_begin[MI][2];
-#pragma unroll
-      for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-        for (int r = 0; r < 2; ++r)
-          own_begin[mi][r] = siblings && own
-                                 ? SegmentMask::fwd_own_begin(L.offsets, seg, q1, q0 + warp_row0 + mi * 16 + g + r * 8)
-                                 : kpos;
+      const int32_t q_last = min(q0 + warp_row0 + 16 * MI, q1) - 1;
+      const bool need_mask = SegmentMask::fwd_ragged(klen, BN) ||
+                             SegmentMask::fwd_diagonal(kpos, own, q0 + warp_row0, q_last, it.end, BN);
       // The sliding window (issue 16): pos(q) - pos(k) = (q - k) + shift for the walk's range.
       int32_t shift = 0;
       bool need_window = false;
@@ -229,7 +219,7 @@ bwd_dq_kernel(const BwdArgs args) {
             if (need_mask) {
               const int col = j * 8 + 2 * t4 + (e & 1);
               const int32_t qi = q0 + warp_row0 + mi * 16 + g + r * 8;
-              if (SegmentMask::fwd_hidden(kpos, klen, own, col, qi, own_begin[mi][r])) p = 0.f;
+              if (SegmentMask::fwd_hidden(kpos, klen, own, it.end, col, qi)) p = 0.f;
             }
             if constexpr (Mods::kWindow) {
               if (need_window) {
