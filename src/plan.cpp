@@ -158,14 +158,32 @@ dualkv_status build(const dualkv_layout& l, const dualkv_prefixes* prefixes, int
   std::vector<int32_t> root(S);
   for (int32_t s = 0; s < S; ++s) root[s] = l.seg_parent[s] < 0 ? s : root[l.seg_parent[s]];
 
-  // Forward query tiles; work = the keys the tile's last query sees.
+  // Forward query tiles; work = the keys the tile walks (for its last query). Short leaves with one
+  // parent (or short roots) that follow each other share a tile, whole, up to fwd_block_m rows:
+  // they share every ancestor, so the tile walks the ancestors once for all of them (a tile per
+  // leaf walked them once per leaf: N responses of a few tokens each cost N walks of the prompt),
+  // then each sibling's tokens as an own range (KvWalk), which the other siblings' rows do not see:
+  // a row's arithmetic is the same as in a tile of its segment alone. Not under a window: the
+  // siblings' rows share no window cut. The walk counts num_visible_keys(s, q1 - 1) keys.
   struct Fwd { int32_t s, q0, q1, work; };
   std::vector<Fwd> fwd;
-  for (int32_t s = 0; s < S; ++s)
+  auto packable = [&](int32_t s) {
+    return w.size <= 0 && l.seg_subtree_end[s] == s + 1 && !f.is_external(s) && off[s + 1] - off[s] < ts.fwd_block_m;
+  };
+  for (int32_t s = 0; s < S;) {
+    if (packable(s)) {
+      int32_t t = s + 1;
+      while (t < S && packable(t) && l.seg_parent[t] == l.seg_parent[s] && off[t + 1] - off[s] <= ts.fwd_block_m) ++t;
+      fwd.push_back({s, off[s], off[t], f.num_visible_keys(s, off[t] - 1)});
+      s = t;
+      continue;
+    }
     for (int32_t q0 = off[s]; q0 < off[s + 1]; q0 += ts.fwd_block_m) {
       const int32_t q1 = std::min(q0 + ts.fwd_block_m, off[s + 1]);
       fwd.push_back({s, q0, q1, fwd_work(f, w, s, q0, q1)});
     }
+    ++s;
+  }
   std::stable_sort(fwd.begin(), fwd.end(), [&](const Fwd& a, const Fwd& b) {
     if (a.work != b.work) return a.work > b.work;
     if (root[a.s] != root[b.s]) return root[a.s] < root[b.s];

@@ -4,7 +4,11 @@
 // the caller, and read by every kernel of both directions:
 //
 //   header [kHeaderInts]
-//   forward / dQ query tiles   n_fwd   x kFwdItemInts  (seg, q0, q1, work)
+//   forward / dQ query tiles   n_fwd   x kFwdItemInts  (seg, q0, q1, work): rows [q0, q1) of
+//                              segment seg, or, with q1 past seg's end, the whole short leaves
+//                              seg, seg + 1, ... of one parent (or roots) that follow it (a tile of
+//                              siblings, SegmentMask::fwd_packs_siblings: seg's ancestors, then each
+//                              sibling's own range, KvWalk; never in a windowed plan)
 //   backward KV work items     n_bwd   x kBwdItemInts  (seg, k0, k1, qa, qb, slot)
 //   split reductions           n_red   x kRedItemInts  (seg, k0, k1, slot0, nsplit, 0)
 //   distance biases            n_bwd int32, only in a plan with a sliding window (header

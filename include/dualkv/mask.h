@@ -9,7 +9,8 @@
 // The four parts, and who uses them:
 //   1. visible(): the elementwise rule (CPU backend, tests, dense references).
 //   2. Trip counts: the KV ranges a forward query tile walks (KvWalk: every proper ancestor in
-//      full, nearest first, then its own segment up to the tile's last query), and the query range
+//      full, nearest first, then its own segment up to the tile's last query; a tile of sibling
+//      leaves walks its first segment's ancestors, then each sibling's tokens), and the query range
 //      a backward KV tile is seen by (bwd_query_range: its own causal queries, then every
 //      descendant's tokens, contiguous in DFS order). The planner sizes work with them; the kernels
 //      walk them.
@@ -92,15 +93,20 @@ struct BlockPair {
 
 // The KV ranges a forward query tile of segment `seg` (last query q1 - 1) sees, walked in tiles
 // of BN tokens: the parent's tokens, its parent's, ... up to the root (full), then the segment's
-// own tokens up to q1. Host and device; the kernels keep one walk per query tile.
+// own tokens up to q1. A tile of sibling leaves (q1 past seg's end) walks its first segment's
+// ancestors and then each sibling's tokens as an own range of its own (cur the sibling, end its
+// last token + 1): every row meets its own keys in the same KV tiles, at the same columns, as in a
+// tile of its segment alone, and the other siblings' ranges hide all its columns (fwd_hidden), so
+// its arithmetic is the same bits whichever siblings share its tile. Host and device; the kernels
+// keep one walk per query tile.
 template <int BN>
 struct KvWalk {
-  int32_t seg;      // query segment
+  int32_t seg;      // query segment (a tile of siblings: the first)
   int32_t cur;      // segment of the current KV range
   int32_t pos;      // first token of the current KV tile
   int32_t end;      // end of the current KV range (exclusive)
   int32_t own_end;  // q1
-  bool own;         // the current range is the query segment itself
+  bool own;         // the current range is the query segment itself (or one of the tile's siblings)
   bool prefix;      // the current range is an external segment's prefix rows (pos, end: rows of the
                     // prefix buffers, not tokens); only the walk with prefixes below sets and reads
                     // it (the plain walk leaves it alone: its kernels keep their code)
@@ -112,7 +118,7 @@ struct KvWalk {
     if (a >= 0) {
       cur = a; pos = offsets[a]; end = offsets[a + 1]; own = false;
     } else {
-      cur = s; pos = offsets[s]; end = q1; own = true;
+      enter_own(offsets, s);
     }
   }
   // Tokens of the current KV tile (BN but at the end of a range).
@@ -121,16 +127,30 @@ struct KvWalk {
   DUALKV_HOST_DEVICE bool next(const int32_t* offsets, const int32_t* parent) {
     pos += BN;
     if (pos < end) return true;
-    if (own) return false;
+    if (own) return next_sibling(offsets);
     const int32_t a = parent[cur];
     if (a >= 0) {
       cur = a; pos = offsets[a]; end = offsets[a + 1];
     } else {
-      cur = seg; pos = offsets[seg]; end = own_end; own = true;
+      enter_own(offsets, seg);
     }
     return true;
   }
 
+ private:
+  // The own range of segment s: its tokens up to q1.
+  DUALKV_HOST_DEVICE void enter_own(const int32_t* offsets, int32_t s) {
+    const int32_t e = offsets[s + 1];
+    cur = s; pos = offsets[s]; end = e < own_end ? e : own_end; own = true;
+  }
+  // In a tile of siblings, the next sibling's own range; false at q1.
+  DUALKV_HOST_DEVICE bool next_sibling(const int32_t* offsets) {
+    if (end >= own_end) return false;
+    enter_own(offsets, cur + 1);
+    return true;
+  }
+
+ public:
   // ---- the same walk under a sliding window (issue 16; the forward kernels' windowed tiles) ----
   // `first_pos`: the first position the tile's first query q0 sees,
   // PositionWindow::first_position(pos(q0)) (every query of the tile sees at most the keys from
@@ -166,7 +186,7 @@ struct KvWalk {
     return true;
   }
   // The query segment's tokens from the window's first position up to own_end (never empty: the
-  // first query sees itself).
+  // first query sees itself). A windowed plan has no tiles of siblings (plan.cpp).
   DUALKV_HOST_DEVICE void enter_own_windowed(const int32_t* offsets, const int32_t* position_offset,
                                              int32_t first_pos) {
     const int32_t skip = first_pos - position_offset[seg];
@@ -188,13 +208,14 @@ struct KvWalk {
                                const int32_t* prefix_offsets) {
     pos += BN;
     if (pos < end) return true;
-    if (own) return false;
+    if (own) return next_sibling(offsets);
     const int32_t a = parent[cur];
     if (a >= 0) {
       cur = a;
       enter_ancestor(offsets, seg_prefix, prefix_offsets, a);
     } else {
-      cur = seg; pos = offsets[seg]; end = own_end; own = true; prefix = false;
+      enter_own(offsets, seg);
+      prefix = false;
     }
     return true;
   }
@@ -233,20 +254,32 @@ struct SegmentMask {
   }
 
   // 3./4. Forward: the KV tile at kpos with klen valid rows of block_n (a tile of the KvWalk;
-  // `own`: it lies in the query's segment) against query rows from q_first on. The kind's two
-  // conditions are predicates of their own: kernels branch on them (as one uniform test per tile).
+  // `own`: it lies in an own range, which ends at kend, the walk's `end`) against query rows q_first
+  // .. q_last (rows up to the tile's q1 - 1). The kind's conditions are predicates of their own:
+  // kernels branch on them (as one uniform test per tile).
+  //
+  // A query tile of sibling leaves (the planner's packing of short leaves, plan_format.h): the tile
+  // (seg, q0, q1) holds whole leaf segments seg, seg + 1, ... with one parent (or all roots), q1 past
+  // seg's end. They share their ancestors, so the walk of seg serves every row; then each sibling's
+  // own range (KvWalk), which the rows past its end (other siblings') do not see.
+  DUALKV_HOST_DEVICE static bool fwd_packs_siblings(const int32_t* offsets, int32_t seg, int32_t q1) {
+    return q1 > offsets[seg + 1];
+  }
   DUALKV_HOST_DEVICE static bool fwd_ragged(int32_t klen, int32_t block_n) { return klen < block_n; }
-  DUALKV_HOST_DEVICE static bool fwd_diagonal(int32_t kpos, bool own, int32_t q_first, int32_t block_n) {
-    return own && kpos + block_n - 1 > q_first;
+  DUALKV_HOST_DEVICE static bool fwd_diagonal(int32_t kpos, bool own, int32_t q_first, int32_t q_last, int32_t kend,
+                                              int32_t block_n) {
+    return own && (kpos + block_n - 1 > q_first || q_last >= kend);
   }
   DUALKV_HOST_DEVICE static TileKind fwd_tile_kind(int32_t kpos, int32_t klen, bool own, int32_t q_first,
-                                                   int32_t block_n) {
+                                                   int32_t q_last, int32_t kend, int32_t block_n) {
     if (fwd_ragged(klen, block_n)) return TileKind::kRagged;
-    return fwd_diagonal(kpos, own, q_first, block_n) ? TileKind::kDiagonal : TileKind::kFull;
+    return fwd_diagonal(kpos, own, q_first, q_last, kend, block_n) ? TileKind::kDiagonal : TileKind::kFull;
   }
-  // Element (column col of that KV tile, query q) is hidden.
-  DUALKV_HOST_DEVICE static bool fwd_hidden(int32_t kpos, int32_t klen, bool own, int32_t col, int32_t q) {
-    return col >= klen || (own && kpos + col > q);
+  // Element (column col of that KV tile, query q) is hidden: past the tile's keys, or, in an own
+  // range, past the diagonal or a row of a later sibling (q >= kend).
+  DUALKV_HOST_DEVICE static bool fwd_hidden(int32_t kpos, int32_t klen, bool own, int32_t kend, int32_t col,
+                                            int32_t q) {
+    return col >= klen || (own && (kpos + col > q || q >= kend));
   }
 
   // 3./4. Backward: KV rows up to k_last of a tile against the query tile from q_first on (queries

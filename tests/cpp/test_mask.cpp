@@ -7,10 +7,13 @@
 
 #include <cmath>
 #include <random>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "dualkv/mask.h"
 #include "forest_testing.h"
+#include "plan_format.h"
 
 using dualkv::BlockPair;
 using dualkv::PositionWindow;
@@ -26,45 +29,74 @@ namespace {
 constexpr int kBlockM = 16;  // small tiles: many tile pairs, ragged ends and diagonals per forest
 constexpr int kBlockN = 8;
 
-// Forward: for each query tile, the KvWalk's tiles and the apply step see exactly the visible keys.
-// BM x BN: the query and KV tiles (KV tiles may be wider than query tiles: the sm90 D-128 forward's
-// 160-row KV tiles against its 128-row query tiles).
-template <int BM = kBlockM, int BN = kBlockN>
-void check_forward(const HostLayout& l) {
+// The KV tiles in which query q of the tile (s, .., q1) sees a key, with the columns it sees in each.
+template <int BN>
+std::vector<std::pair<int32_t, std::vector<char>>> row_trace(const HostLayout& l, int32_t s, int32_t q1, int32_t q) {
+  std::vector<std::pair<int32_t, std::vector<char>>> trace;
+  dualkv::KvWalk<BN> walk;
+  walk.init(l.offsets.data(), l.parent.data(), s, q1);
+  do {
+    std::vector<char> cols(BN, 0);
+    bool any = false;
+    for (int32_t col = 0; col < BN; ++col) {
+      cols[col] = !SegmentMask::fwd_hidden(walk.pos, walk.len(), walk.own, walk.end, col, q);
+      any = any || cols[col];
+    }
+    if (any) trace.emplace_back(walk.pos, cols);
+  } while (walk.next(l.offsets.data(), l.parent.data()));
+  return trace;
+}
+
+// Forward: for each query tile (s, q0, q1), the KvWalk's tiles and the apply step see exactly the
+// visible keys. The tile kind is taken for the tile's rows q0 .. q1 - 1 (the sm90 kernels' test)
+// and for each row alone (the sm80 warps' test over their rows). A tile past s's end is one of
+// sibling leaves (the planner's packing): each row meets its keys in the same KV tiles at the same
+// columns as in a tile of its segment alone (so the kernels compute it to the same bits).
+template <int BN>
+void check_forward_tile(const HostLayout& l, int32_t s, int32_t q0, int32_t q1) {
   const dualkv_layout v = l.view();
   const dualkv::ForestView f = dualkv::make_forest_view(v);
-  for (int32_t s = 0; s < l.num_segments(); ++s) {
-    for (int32_t q0 = f.segment_begin(s); q0 < f.segment_end(s); q0 += BM) {
-      const int32_t q1 = std::min(q0 + BM, f.segment_end(s));
-      std::vector<std::vector<char>> seen(q1 - q0, std::vector<char>(l.num_tokens(), 0));
-      dualkv::KvWalk<BN> walk;
-      walk.init(l.offsets.data(), l.parent.data(), s, q1);
-      int tiles = 0;
-      do {
-        const int32_t klen = walk.len();
-        ASSERT_GE(klen, 1);
-        const TileKind kind = SegmentMask::fwd_tile_kind(walk.pos, klen, walk.own, q0, BN);
-        for (int32_t q = q0; q < q1; ++q)
-          for (int32_t col = 0; col < BN; ++col) {
-            const bool hidden = SegmentMask::fwd_hidden(walk.pos, klen, walk.own, col, q);
-            if (kind == TileKind::kFull) ASSERT_FALSE(hidden) << "a full tile hides a pair";
-            if (!hidden) ++seen[q - q0][walk.pos + col];
-          }
-        ++tiles;
-      } while (walk.next(l.offsets.data(), l.parent.data()));
-      // The planner's work count is the walk's length for the tile's last query.
-      ASSERT_EQ(tiles > 0, true);
-      for (int32_t q = q0; q < q1; ++q) {
-        int visible = 0;
-        for (int32_t k = 0; k < l.num_tokens(); ++k) {
-          const bool expect = SegmentMask::visible(f, s, q, f.segment_of(k), k);
-          ASSERT_EQ(seen[q - q0][k], expect ? 1 : 0) << "q " << q << " k " << k;
-          visible += expect;
-        }
-        ASSERT_EQ(visible, f.num_visible_keys(s, q));
+  const int32_t* off = l.offsets.data();
+  std::vector<std::vector<char>> seen(q1 - q0, std::vector<char>(l.num_tokens(), 0));
+  dualkv::KvWalk<BN> walk;
+  walk.init(off, l.parent.data(), s, q1);
+  int tiles = 0;
+  do {
+    const int32_t klen = walk.len();
+    ASSERT_GE(klen, 1);
+    const TileKind kind = SegmentMask::fwd_tile_kind(walk.pos, klen, walk.own, q0, q1 - 1, walk.end, BN);
+    for (int32_t q = q0; q < q1; ++q) {
+      const TileKind row_kind = SegmentMask::fwd_tile_kind(walk.pos, klen, walk.own, q, q, walk.end, BN);
+      for (int32_t col = 0; col < BN; ++col) {
+        const bool hidden = SegmentMask::fwd_hidden(walk.pos, klen, walk.own, walk.end, col, q);
+        if (kind == TileKind::kFull || row_kind == TileKind::kFull) ASSERT_FALSE(hidden) << "a full tile hides a pair";
+        if (!hidden) ++seen[q - q0][walk.pos + col];
       }
     }
+    ++tiles;
+  } while (walk.next(off, l.parent.data()));
+  ASSERT_EQ(tiles > 0, true);
+  const bool siblings = SegmentMask::fwd_packs_siblings(off, s, q1);
+  for (int32_t q = q0; q < q1; ++q) {
+    const int32_t qs = f.segment_of(q);
+    int visible = 0;
+    for (int32_t k = 0; k < l.num_tokens(); ++k) {
+      const bool expect = SegmentMask::visible(f, qs, q, f.segment_of(k), k);
+      ASSERT_EQ(seen[q - q0][k], expect ? 1 : 0) << "q " << q << " k " << k;
+      visible += expect;
+    }
+    ASSERT_EQ(visible, f.num_visible_keys(qs, q));
+    if (siblings) ASSERT_EQ(row_trace<BN>(l, s, q1, q), row_trace<BN>(l, qs, q + 1, q)) << "row " << q;
   }
+}
+
+// Every segment in tiles of BM rows. BM x BN: the query and KV tiles (KV tiles may be wider than
+// query tiles: the sm90 D-128 forward's 160-row KV tiles against its 128-row query tiles).
+template <int BM = kBlockM, int BN = kBlockN>
+void check_forward(const HostLayout& l) {
+  for (int32_t s = 0; s < l.num_segments(); ++s)
+    for (int32_t q0 = l.offsets[s]; q0 < l.offsets[s + 1]; q0 += BM)
+      check_forward_tile<BN>(l, s, q0, std::min(q0 + BM, l.offsets[s + 1]));
 }
 
 // Backward: for each KV tile, the queries of bwd_query_range, in query tiles, with the tile kinds
@@ -237,11 +269,11 @@ void check_prefixed(const PrefixedLayout& l) {
         const int32_t klen = walk.len();
         ASSERT_GE(klen, 1);
         ASSERT_FALSE(walk.prefix && walk.own);
-        const TileKind kind = SegmentMask::fwd_tile_kind(walk.pos, klen, walk.own, q0, kBlockN);
+        const TileKind kind = SegmentMask::fwd_tile_kind(walk.pos, klen, walk.own, q0, q1 - 1, walk.end, kBlockN);
         if (walk.prefix) ASSERT_NE(kind, TileKind::kDiagonal);
         for (int32_t q = q0; q < q1; ++q)
           for (int32_t col = 0; col < kBlockN; ++col) {
-            const bool hidden = SegmentMask::fwd_hidden(walk.pos, klen, walk.own, col, q);
+            const bool hidden = SegmentMask::fwd_hidden(walk.pos, klen, walk.own, walk.end, col, q);
             if (kind == TileKind::kFull) ASSERT_FALSE(hidden) << "a full tile hides a pair";
             if (!hidden) ++seen[q - q0][(walk.prefix ? T : 0) + walk.pos + col];
           }
@@ -288,6 +320,36 @@ TEST(Mask, PrefixedWalkSeesExactlyTheVisibleKeys) {
 }
 
 namespace {
+
+// The planner's forward tiles (dualkv_plan_inspect), tiles of sibling leaves among them, walked
+// and masked as the kernels do, at the plan's query tiles (128 rows up to D = 256, 64 at 512) and at
+// 8- and 160-row KV tiles, on forests of many short segments (most leaves pack).
+TEST(Mask, ForwardTilesOfThePlanIncludingSiblingLeaves) {
+  std::mt19937 rng(2300);
+  int sibling_tiles = 0;
+  for (int trial = 0; trial < 24; ++trial) {
+    std::vector<int32_t> lens, parents;
+    random_forest(rng, 1 + trial % 3, 1 + trial % 3, 6, trial % 2 ? 40 : 150, &lens, &parents);
+    HostLayout l(lens, parents);
+    const dualkv_layout v = l.view();
+    for (int head_dim : {128, 512}) {
+      SCOPED_TRACE("trial " + std::to_string(trial) + " D " + std::to_string(head_dim));
+      dualkv_plan_info info{};
+      info.struct_size = sizeof(info);
+      ASSERT_EQ(dualkv_plan_inspect(&v, head_dim, 132, &info, nullptr, 0), DUALKV_OK) << dualkv_last_error();
+      std::vector<int32_t> plan(info.plan_len);
+      ASSERT_EQ(dualkv_plan_inspect(&v, head_dim, 132, &info, plan.data(), info.plan_len), DUALKV_OK);
+      const int32_t* fwd = plan.data() + plan[dualkv::kHdrFwdOffset];
+      for (int i = 0; i < info.num_fwd_tiles; ++i) {
+        const int32_t* it = fwd + i * dualkv::kFwdItemInts;
+        sibling_tiles += SegmentMask::fwd_packs_siblings(l.offsets.data(), it[0], it[2]);
+        check_forward_tile<8>(l, it[0], it[1], it[2]);
+        check_forward_tile<160>(l, it[0], it[1], it[2]);
+      }
+    }
+  }
+  EXPECT_GT(sibling_tiles, 50);  // the check saw many tiles of siblings
+}
 
 // The sm90 D-128 forward walks 160-row KV tiles against 128-row query tiles (issue 23,
 // docs/notes/2026-12-02-fwd-long-layouts.md): KV tiles 1.25 times as wide as the query tiles, so a

@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <map>
 #include <random>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -69,17 +70,27 @@ void check_plan(const dualkv_layout& v, const dualkv_prefixes* px, const Inspect
   ASSERT_EQ(p[dualkv::kHdrNumSlots], info.num_split_slots);
   ASSERT_EQ(static_cast<int32_t>(info.plan_key & dualkv::kPlanSlotMask), info.num_split_slots);
 
-  // Forward tiles: one per (segment, fwd_block_m rows), covering every token once, never straddling
-  // a segment, sorted by work (the keys the tile's last query sees) descending.
+  // Forward tiles: one per (segment, fwd_block_m rows), or one per run of short leaf siblings (whole
+  // segments with one parent, or roots, up to fwd_block_m rows together; never under a window),
+  // covering every token once, sorted by work (the keys the tile walks) descending.
   std::vector<int> covered(l.num_tokens(), 0);
   const int32_t* fwd = p + p[dualkv::kHdrFwdOffset];
   int32_t prev_work = INT32_MAX;
   for (int i = 0; i < info.num_fwd_tiles; ++i) {
     const int32_t s = fwd[i * dualkv::kFwdItemInts], q0 = fwd[i * dualkv::kFwdItemInts + 1],
                   q1 = fwd[i * dualkv::kFwdItemInts + 2], work = fwd[i * dualkv::kFwdItemInts + 3];
-    ASSERT_TRUE(f.segment_begin(s) <= q0 && q0 < q1 && q1 <= f.segment_end(s));
+    ASSERT_TRUE(f.segment_begin(s) <= q0 && q0 < q1);
     ASSERT_LE(q1 - q0, info.fwd_block_m);
     ASSERT_EQ((q0 - f.segment_begin(s)) % info.fwd_block_m, 0);
+    if (q1 > f.segment_end(s)) {  // siblings: whole short leaves of s's parent, from s on
+      ASSERT_EQ(p[dualkv::kHdrWindow], 0);
+      ASSERT_EQ(q0, f.segment_begin(s));
+      for (int32_t x = s; x < l.num_segments() && f.segment_begin(x) < q1; ++x) {
+        ASSERT_EQ(v.seg_parent[x], v.seg_parent[s]) << "tile " << i << " segment " << x;
+        ASSERT_EQ(v.seg_subtree_end[x], x + 1) << "not a leaf: " << x;
+        ASSERT_LE(f.segment_end(x), q1) << "segment " << x << " cut";
+      }
+    }
     ASSERT_EQ(work, f.num_visible_keys(s, q1 - 1));
     ASSERT_LE(work, prev_work);
     prev_work = work;
@@ -200,6 +211,40 @@ TEST(Plan, GrpoGroupTilesAndSplits) {
   EXPECT_EQ(d512.info.bwd_split_rows % 64, 0);
   EXPECT_GT(d512.info.bwd_split_rows, 44000);
   EXPECT_EQ(d512.info.num_reductions, 0);
+}
+
+TEST(Plan, ShortLeafSiblingsShareForwardTiles) {
+  // A prompt of 300 and responses 10, 20 | 100, 5 | 200 | 30, 30, 30 | 127, 1 (| = a new tile at
+  // 128 rows): runs of whole short leaves, greedily up to fwd_block_m rows; a response of 200 is
+  // tiled alone; the prompt (with children) in its own tiles. Then two short roots (a varlen
+  // pair), one tile. Under a window no tile packs.
+  HostLayout l({300, 10, 20, 100, 5, 200, 30, 30, 30, 127, 1, 40, 50},
+               {-1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, -1, -1});
+  const Inspected r = inspect(l, 128, 132);
+  check_plan(l, r, "siblings");
+  EXPECT_EQ(r.info.num_fwd_tiles, 3 + 1 + 1 + 2 + 1 + 1 + 1);
+  std::set<std::array<int32_t, 3>> tiles;
+  const int32_t* fwd = r.plan.data() + r.plan[dualkv::kHdrFwdOffset];
+  for (int i = 0; i < r.info.num_fwd_tiles; ++i)
+    tiles.insert({fwd[i * dualkv::kFwdItemInts], fwd[i * dualkv::kFwdItemInts + 1], fwd[i * dualkv::kFwdItemInts + 2]});
+  const std::vector<int32_t>& off = l.offsets;
+  for (const auto& [s, t] : std::vector<std::pair<int32_t, int32_t>>{{1, 3}, {3, 5}, {6, 9}, {9, 11}, {11, 13}})
+    EXPECT_EQ(tiles.count({s, off[s], off[t]}), 1u) << "segments " << s << ".." << t - 1;
+  // Head dim 512: 64-row query tiles, so 100 + 5 no longer fit one; 30 + 30 do, 127 is long.
+  const Inspected d512 = inspect(l, 512, 132);
+  check_plan(l, d512, "siblings d512");
+  // Under a window every tile is one segment's (windowed plans: no sibling tiles).
+  dualkv_plan_info info{};
+  info.struct_size = sizeof(info);
+  const dualkv_layout v = l.view();
+  const dualkv_plan_request req{sizeof(dualkv_plan_request), DUALKV_DEVICE_CUDA, 0, DUALKV_DTYPE_BFLOAT16, 128, 64,
+                                nullptr};
+  ASSERT_EQ(dualkv_plan_inspect_ex(&v, &req, 132, &info, nullptr, 0), DUALKV_OK) << dualkv_last_error();
+  std::vector<int32_t> plan(info.plan_len);
+  ASSERT_EQ(dualkv_plan_inspect_ex(&v, &req, 132, &info, plan.data(), info.plan_len), DUALKV_OK);
+  const int32_t* wf = plan.data() + plan[dualkv::kHdrFwdOffset];
+  for (int i = 0; i < info.num_fwd_tiles; ++i)
+    EXPECT_LE(wf[i * dualkv::kFwdItemInts + 2], off[wf[i * dualkv::kFwdItemInts] + 1]) << "windowed tile " << i;
 }
 
 TEST(Plan, HeadDim512ForcedSplitsAndOneTokenSegments) {

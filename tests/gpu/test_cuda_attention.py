@@ -104,6 +104,43 @@ def test_grpo_group_shapes(D, dtype):
     run_case(lens, parents, 8, 2, D, dtype, seed=7)
 
 
+@pytest.mark.parametrize("D", built_head_dims())
+@pytest.mark.parametrize("path", cases.PATHS)
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_sibling_leaf_tiles(D, path, deterministic, monkeypatch):
+    """Short leaves of one parent share a forward (and deterministic dQ) query tile (the planner's
+    packing): responses of 1-64 tokens after a prompt, a tile's worth exactly (1 + 17 + 46 + 64), a
+    long response between short ones, a multi-turn tree's leaves, and short roots (varlen) at the
+    end; every row masked to its own segment, on the Hopper and the portable kernels."""
+    cases.use_path(monkeypatch, path)
+    lens = [300, 1, 17, 46, 64, 64, 5, 200, 3, 33, 90, 12, 70, 9, 2, 50, 7, 31]
+    parents = [-1, 0, 0, 0, 0, 0, 0, 0, 0, 0, -1, 10, 11, 11, 10, 14, -1, -1]
+    run_case(lens, parents, 8, 2, D, torch.bfloat16, seed=23, deterministic=deterministic)
+
+
+@pytest.mark.parametrize("D", built_head_dims())
+@pytest.mark.parametrize("path", cases.PATHS)
+def test_sibling_tiles_keep_each_rows_bits(D, path, monkeypatch):
+    """A response's output, lse and (deterministic) dQ are the same bits whether its short siblings
+    share its forward tile or it runs alone after the prompt: the tile walks each sibling's keys as
+    a range of its own (KvWalk), so every row meets the same KV tiles at the same columns."""
+    cases.use_path(monkeypatch, path)
+    P, R, H, Hk = 300, [1, 17, 46, 64, 5, 33], 8, 2
+    lens = [P] + R
+    q, k, v, dout = make_inputs(dualkv.Layout.from_tree(lens, [-1] + [0] * len(R)), H, Hk, D, torch.bfloat16, 31)
+    together = kernel_grads(q, k, v, dout, dualkv.Layout.from_tree(lens, [-1] + [0] * len(R)).to("cuda"), True)
+    start = P
+    for r in R:
+        rows = torch.cat([torch.arange(P), torch.arange(start, start + r)]).cuda()
+        alone = kernel_grads(*(t[rows] for t in (q, k, v, dout)), dualkv.Layout.from_tree([P, r], [-1, 0]).to("cuda"),
+                             True)
+        for name, a, b in zip(("out", "lse", "dq"), together, alone):
+            got = a[..., start:start + r] if name == "lse" else a[start:start + r]
+            want = b[..., P:] if name == "lse" else b[P:]
+            assert torch.equal(got, want), f"{name} of the response of {r} tokens ({path}, D {D})"
+        start += r
+
+
 @pytest.mark.parametrize("D", sorted({built_head_dims()[0], built_head_dims()[-1]}))
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_split_query_ranges(deterministic, D, monkeypatch):

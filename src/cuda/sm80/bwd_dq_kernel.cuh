@@ -192,7 +192,9 @@ bwd_dq_kernel(const BwdArgs args) {
         const int partner = (warp + C::kRowWarps) % C::kWarps;
         exchange_split_partial<true, MI, kNB>(sm.part[partner], lane, s, dp);
       }
-      const bool need_mask = SegmentMask::fwd_ragged(klen, BN) || SegmentMask::fwd_diagonal(kpos, own, q0 + warp_row0, BN);
+      const int32_t q_last = min(q0 + warp_row0 + 16 * MI, q1) - 1;
+      const bool need_mask = SegmentMask::fwd_ragged(klen, BN) ||
+                             SegmentMask::fwd_diagonal(kpos, own, q0 + warp_row0, q_last, it.end, BN);
       // The sliding window (issue 16): pos(q) - pos(k) = (q - k) + shift for the walk's range.
       int32_t shift = 0;
       bool need_window = false;
@@ -217,7 +219,7 @@ bwd_dq_kernel(const BwdArgs args) {
             if (need_mask) {
               const int col = j * 8 + 2 * t4 + (e & 1);
               const int32_t qi = q0 + warp_row0 + mi * 16 + g + r * 8;
-              if (SegmentMask::fwd_hidden(kpos, klen, own, col, qi)) p = 0.f;
+              if (SegmentMask::fwd_hidden(kpos, klen, own, it.end, col, qi)) p = 0.f;
             }
             if constexpr (Mods::kWindow) {
               if (need_window) {

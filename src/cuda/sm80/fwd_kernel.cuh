@@ -300,10 +300,13 @@ fwd_kernel(const FwdArgs args) {
       // is re-read from shared memory here (volatile: not kept in registers through S = QK^T).
       {
         const int32_t kpos = load_shared_volatile(st.walk[slot].pos);
-        const int32_t klen = min(BN, load_shared_volatile(st.walk[slot].end) - kpos);
+        const int32_t kend = load_shared_volatile(st.walk[slot].end);  // the range's end
+        const int32_t klen = min(BN, kend - kpos);
         const bool own = load_shared_volatile(st.walk[slot].own);
         const int32_t q0 = load_shared_volatile(st.q0);
-        const bool need_mask = SegmentMask::fwd_ragged(klen, BN) || SegmentMask::fwd_diagonal(kpos, own, q0 + warp_row0, BN);
+        const int32_t q_last = min(q0 + warp_row0 + 16 * MI, load_shared_volatile(st.q1)) - 1;
+        const bool need_mask = SegmentMask::fwd_ragged(klen, BN) ||
+                               SegmentMask::fwd_diagonal(kpos, own, q0 + warp_row0, q_last, kend, BN);
         // The sliding window (mask modifiers, issue 16), on the tiles whose farthest pair of the
         // warp's rows it hides: pos(q) - pos(k) = (q - k) + shift for the walk's range. One apply
         // loop with the forest rule's (a second loop spilled 28 bytes at D = 128).
@@ -323,7 +326,7 @@ fwd_kernel(const FwdArgs args) {
               for (int e = 0; e < 4; ++e) {
                 const int col = j * 8 + 2 * t4 + (e & 1);
                 const int32_t qi = q0 + warp_row0 + mi * 16 + g + (e >> 1) * 8;
-                bool hidden = SegmentMask::fwd_hidden(kpos, klen, own, col, qi);
+                bool hidden = SegmentMask::fwd_hidden(kpos, klen, own, kend, col, qi);
                 if constexpr (Mods::kWindow)
                   hidden = hidden || SegmentMask::window_hidden(kpos + col, qi, shift, args.window);
                 if (hidden) s[mi][j][e] = -CUDART_INF_F;

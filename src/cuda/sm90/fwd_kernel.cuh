@@ -389,14 +389,19 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
     // kcur: the segment of the tile's keys (the walk's cur; the window's shift, issue 16).
     auto softmax = [&](int32_t kpos, int32_t klen, bool own, int32_t kcur, float* alpha) {
       if constexpr (Mods::kSoftcap) softcap_scores(s, a);  // mask modifiers (issue 16): before the mask
+      // Ragged or diagonal (SegmentMask::fwd_tile_kind, against the tile's first row q0 and last
+      // q1 - 1). In a tile of siblings every own range starts at or after q0, so the diagonal test
+      // holds for it without fwd_diagonal's q_last >= kend term (a tile of one segment never has it:
+      // its own range ends at q1).
       if (klen < BN || (own && kpos + BN - 1 > q0)) {
+        const int32_t kend = own ? min(L.offsets[kcur + 1], q1) : q1;  // an own range: its segment's end or q1
 #pragma unroll
         for (int j = 0; j < BN / 8; ++j) {
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const int col = j * 8 + 2 * t4 + (e & 1);
             const int32_t qi = qi0 + (e >> 1) * 8;
-            if (col >= klen || (own && kpos + col > qi)) s[4 * j + e] = -CUDART_INF_F;
+            if (SegmentMask::fwd_hidden(kpos, klen, own, kend, col, qi)) s[4 * j + e] = -CUDART_INF_F;
           }
         }
       }
