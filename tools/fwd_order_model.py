@@ -48,13 +48,17 @@ def decode(item, n_tiles, H, window, head_run):
 
 
 def walk(off, parent, s, q1, bn):
-    """KV tile start rows of the tile's walk (KvWalk, include/dualkv/mask.h)."""
+    """KV tile start rows of the tile's walk (KvWalk, include/dualkv/mask.h): the ancestors, then each
+    own range (one per sibling in a tile of sibling leaves)."""
     ranges = []
     a = parent[s]
     while a >= 0:
         ranges.append((off[a], off[a + 1]))
         a = parent[a]
-    ranges.append((off[s], q1))
+    x = s
+    while x + 1 < len(off) and off[x] < q1:
+        ranges.append((off[x], min(off[x + 1], q1)))
+        x += 1
     return [k for b, e in ranges for k in range(b, e, bn)]
 
 
