@@ -123,6 +123,9 @@ struct KvWalk {
   }
   // Tokens of the current KV tile (BN but at the end of a range).
   DUALKV_HOST_DEVICE int32_t len() const { return end - pos < BN ? end - pos : BN; }
+  // Keys of the current range from the tile's first on (len() at the range's last tile, more than
+  // BN before it): the forward mask's `krem`, which also places the range's end.
+  DUALKV_HOST_DEVICE int32_t rest() const { return end - pos; }
   // Advances to the next KV tile; false when every range is done.
   DUALKV_HOST_DEVICE bool next(const int32_t* offsets, const int32_t* parent) {
     pos += BN;
@@ -253,33 +256,42 @@ struct SegmentMask {
     return TokenRange{f.segment_begin(x), f.subtree_token_end(x)};
   }
 
-  // 3./4. Forward: the KV tile at kpos with klen valid rows of block_n (a tile of the KvWalk;
-  // `own`: it lies in an own range, which ends at kend, the walk's `end`) against query rows q_first
-  // .. q_last (rows up to the tile's q1 - 1). The kind's conditions are predicates of their own:
-  // kernels branch on them (as one uniform test per tile).
+  // 3./4. Forward: the KV tile at kpos (a tile of the KvWalk; `own`: it lies in an own range), with
+  // krem keys left in its range from kpos on (KvWalk::rest(): the tile has min(krem, block_n) valid
+  // keys and the range ends at kpos + krem), against query rows q_first .. q_last (rows up to the
+  // tile's q1 - 1). The kind's conditions are predicates of their own: kernels branch on them (as
+  // one uniform test per tile).
   //
   // A query tile of sibling leaves (the planner's packing of short leaves, plan_format.h): the tile
   // (seg, q0, q1) holds whole leaf segments seg, seg + 1, ... with one parent (or all roots), q1 past
   // seg's end. They share their ancestors, so the walk of seg serves every row; then each sibling's
-  // own range (KvWalk), which the rows past its end (other siblings') do not see.
+  // own range (KvWalk), which the rows past its end (later siblings') do not see.
   DUALKV_HOST_DEVICE static bool fwd_packs_siblings(const int32_t* offsets, int32_t seg, int32_t q1) {
     return q1 > offsets[seg + 1];
   }
-  DUALKV_HOST_DEVICE static bool fwd_ragged(int32_t klen, int32_t block_n) { return klen < block_n; }
-  DUALKV_HOST_DEVICE static bool fwd_diagonal(int32_t kpos, bool own, int32_t q_first, int32_t q_last, int32_t kend,
+  DUALKV_HOST_DEVICE static bool fwd_ragged(int32_t krem, int32_t block_n) { return krem < block_n; }
+  DUALKV_HOST_DEVICE static bool fwd_diagonal(int32_t kpos, int32_t krem, bool own, int32_t q_first, int32_t q_last,
                                               int32_t block_n) {
-    return own && (kpos + block_n - 1 > q_first || q_last >= kend);
+    return own && (kpos + block_n - 1 > q_first || q_last >= kpos + krem);
   }
-  DUALKV_HOST_DEVICE static TileKind fwd_tile_kind(int32_t kpos, int32_t klen, bool own, int32_t q_first,
-                                                   int32_t q_last, int32_t kend, int32_t block_n) {
-    if (fwd_ragged(klen, block_n)) return TileKind::kRagged;
-    return fwd_diagonal(kpos, own, q_first, q_last, kend, block_n) ? TileKind::kDiagonal : TileKind::kFull;
+  DUALKV_HOST_DEVICE static TileKind fwd_tile_kind(int32_t kpos, int32_t krem, bool own, int32_t q_first,
+                                                   int32_t q_last, int32_t block_n) {
+    if (fwd_ragged(krem, block_n)) return TileKind::kRagged;
+    return fwd_diagonal(kpos, krem, own, q_first, q_last, block_n) ? TileKind::kDiagonal : TileKind::kFull;
   }
-  // Element (column col of that KV tile, query q) is hidden: past the tile's keys, or, in an own
-  // range, past the diagonal or a row of a later sibling (q >= kend).
-  DUALKV_HOST_DEVICE static bool fwd_hidden(int32_t kpos, int32_t klen, bool own, int32_t kend, int32_t col,
-                                            int32_t q) {
-    return col >= klen || (own && (kpos + col > q || q >= kend));
+  // The columns of that KV tile query q sees are [0, fwd_visible_cols): each rule hides a suffix of
+  // them (the range's end; in an own range the causal diagonal, and every column for a row past the
+  // range's end, a later sibling's). Kernels take it once per row and tile, then one compare per
+  // element (the three tests per element spilled 76-208 bytes in the D-128 forwards).
+  DUALKV_HOST_DEVICE static int32_t fwd_visible_cols(int32_t kpos, int32_t krem, bool own, int32_t q) {
+    if (!own) return krem;
+    if (q >= kpos + krem) return 0;
+    const int32_t diagonal = q - kpos + 1;
+    return diagonal < krem ? diagonal : krem;
+  }
+  // Element (column col of that KV tile, query q) is hidden.
+  DUALKV_HOST_DEVICE static bool fwd_hidden(int32_t kpos, int32_t krem, bool own, int32_t col, int32_t q) {
+    return col >= fwd_visible_cols(kpos, krem, own, q);
   }
 
   // 3./4. Backward: KV rows up to k_last of a tile against the query tile from q_first on (queries

@@ -39,7 +39,7 @@ std::vector<std::pair<int32_t, std::vector<char>>> row_trace(const HostLayout& l
     std::vector<char> cols(BN, 0);
     bool any = false;
     for (int32_t col = 0; col < BN; ++col) {
-      cols[col] = !SegmentMask::fwd_hidden(walk.pos, walk.len(), walk.own, walk.end, col, q);
+      cols[col] = !SegmentMask::fwd_hidden(walk.pos, walk.rest(), walk.own, col, q);
       any = any || cols[col];
     }
     if (any) trace.emplace_back(walk.pos, cols);
@@ -64,11 +64,11 @@ void check_forward_tile(const HostLayout& l, int32_t s, int32_t q0, int32_t q1) 
   do {
     const int32_t klen = walk.len();
     ASSERT_GE(klen, 1);
-    const TileKind kind = SegmentMask::fwd_tile_kind(walk.pos, klen, walk.own, q0, q1 - 1, walk.end, BN);
+    const TileKind kind = SegmentMask::fwd_tile_kind(walk.pos, walk.rest(), walk.own, q0, q1 - 1, BN);
     for (int32_t q = q0; q < q1; ++q) {
-      const TileKind row_kind = SegmentMask::fwd_tile_kind(walk.pos, klen, walk.own, q, q, walk.end, BN);
+      const TileKind row_kind = SegmentMask::fwd_tile_kind(walk.pos, walk.rest(), walk.own, q, q, BN);
       for (int32_t col = 0; col < BN; ++col) {
-        const bool hidden = SegmentMask::fwd_hidden(walk.pos, klen, walk.own, walk.end, col, q);
+        const bool hidden = SegmentMask::fwd_hidden(walk.pos, walk.rest(), walk.own, col, q);
         if (kind == TileKind::kFull || row_kind == TileKind::kFull) ASSERT_FALSE(hidden) << "a full tile hides a pair";
         if (!hidden) ++seen[q - q0][walk.pos + col];
       }
@@ -269,11 +269,11 @@ void check_prefixed(const PrefixedLayout& l) {
         const int32_t klen = walk.len();
         ASSERT_GE(klen, 1);
         ASSERT_FALSE(walk.prefix && walk.own);
-        const TileKind kind = SegmentMask::fwd_tile_kind(walk.pos, klen, walk.own, q0, q1 - 1, walk.end, kBlockN);
+        const TileKind kind = SegmentMask::fwd_tile_kind(walk.pos, walk.rest(), walk.own, q0, q1 - 1, kBlockN);
         if (walk.prefix) ASSERT_NE(kind, TileKind::kDiagonal);
         for (int32_t q = q0; q < q1; ++q)
           for (int32_t col = 0; col < kBlockN; ++col) {
-            const bool hidden = SegmentMask::fwd_hidden(walk.pos, klen, walk.own, walk.end, col, q);
+            const bool hidden = SegmentMask::fwd_hidden(walk.pos, walk.rest(), walk.own, col, q);
             if (kind == TileKind::kFull) ASSERT_FALSE(hidden) << "a full tile hides a pair";
             if (!hidden) ++seen[q - q0][(walk.prefix ? T : 0) + walk.pos + col];
           }

@@ -150,7 +150,7 @@ bwd_dq_kernel(const BwdArgs args) {
     __syncthreads();
     bool more = true;
     while (more) {
-      const int32_t kpos = it.pos, klen = it.len();
+      const int32_t kpos = it.pos, krem = it.rest();
       const bool own = it.own;
       float s[MI][kNB][4], dp[MI][kNB][4];
 #pragma unroll
@@ -193,8 +193,14 @@ bwd_dq_kernel(const BwdArgs args) {
         exchange_split_partial<true, MI, kNB>(sm.part[partner], lane, s, dp);
       }
       const int32_t q_last = min(q0 + warp_row0 + 16 * MI, q1) - 1;
-      const bool need_mask = SegmentMask::fwd_ragged(klen, BN) ||
-                             SegmentMask::fwd_diagonal(kpos, own, q0 + warp_row0, q_last, it.end, BN);
+      const bool need_mask = SegmentMask::fwd_ragged(krem, BN) ||
+                             SegmentMask::fwd_diagonal(kpos, krem, own, q0 + warp_row0, q_last, BN);
+      int32_t cols[MI][2];  // SegmentMask::fwd_visible_cols of the thread's rows
+#pragma unroll
+      for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+        for (int r = 0; r < 2; ++r)
+          cols[mi][r] = SegmentMask::fwd_visible_cols(kpos, krem, own, q0 + warp_row0 + mi * 16 + g + r * 8);
       // The sliding window (issue 16): pos(q) - pos(k) = (q - k) + shift for the walk's range.
       int32_t shift = 0;
       bool need_window = false;
@@ -216,11 +222,7 @@ bwd_dq_kernel(const BwdArgs args) {
               grad = c.grad();
             }
             float p = exp2f(s[mi][j][e] * Mods::score_log2(args) - lse2[mi][r]);
-            if (need_mask) {
-              const int col = j * 8 + 2 * t4 + (e & 1);
-              const int32_t qi = q0 + warp_row0 + mi * 16 + g + r * 8;
-              if (SegmentMask::fwd_hidden(kpos, klen, own, it.end, col, qi)) p = 0.f;
-            }
+            if (need_mask && j * 8 + 2 * t4 + (e & 1) >= cols[mi][r]) p = 0.f;
             if constexpr (Mods::kWindow) {
               if (need_window) {
                 const int col = j * 8 + 2 * t4 + (e & 1);

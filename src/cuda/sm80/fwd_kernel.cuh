@@ -300,13 +300,12 @@ fwd_kernel(const FwdArgs args) {
       // is re-read from shared memory here (volatile: not kept in registers through S = QK^T).
       {
         const int32_t kpos = load_shared_volatile(st.walk[slot].pos);
-        const int32_t kend = load_shared_volatile(st.walk[slot].end);  // the range's end
-        const int32_t klen = min(BN, kend - kpos);
+        const int32_t krem = load_shared_volatile(st.walk[slot].end) - kpos;  // KvWalk::rest()
         const bool own = load_shared_volatile(st.walk[slot].own);
         const int32_t q0 = load_shared_volatile(st.q0);
         const int32_t q_last = min(q0 + warp_row0 + 16 * MI, load_shared_volatile(st.q1)) - 1;
-        const bool need_mask = SegmentMask::fwd_ragged(klen, BN) ||
-                               SegmentMask::fwd_diagonal(kpos, own, q0 + warp_row0, q_last, kend, BN);
+        const bool need_mask = SegmentMask::fwd_ragged(krem, BN) ||
+                               SegmentMask::fwd_diagonal(kpos, krem, own, q0 + warp_row0, q_last, BN);
         // The sliding window (mask modifiers, issue 16), on the tiles whose farthest pair of the
         // warp's rows it hides: pos(q) - pos(k) = (q - k) + shift for the walk's range. One apply
         // loop with the forest rule's (a second loop spilled 28 bytes at D = 128).
@@ -318,6 +317,12 @@ fwd_kernel(const FwdArgs args) {
           need_window = SegmentMask::window_tile(q0 + warp_row0 + 16 * MI - 1, kpos, shift, args.window);
         }
         if (need_mask || need_window) {
+          int32_t cols[MI][2];  // SegmentMask::fwd_visible_cols of the thread's rows
+#pragma unroll
+          for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+            for (int r = 0; r < 2; ++r)
+              cols[mi][r] = SegmentMask::fwd_visible_cols(kpos, krem, own, q0 + warp_row0 + mi * 16 + g + r * 8);
 #pragma unroll
           for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
@@ -326,7 +331,7 @@ fwd_kernel(const FwdArgs args) {
               for (int e = 0; e < 4; ++e) {
                 const int col = j * 8 + 2 * t4 + (e & 1);
                 const int32_t qi = q0 + warp_row0 + mi * 16 + g + (e >> 1) * 8;
-                bool hidden = SegmentMask::fwd_hidden(kpos, klen, own, kend, col, qi);
+                bool hidden = col >= cols[mi][e >> 1];
                 if constexpr (Mods::kWindow)
                   hidden = hidden || SegmentMask::window_hidden(kpos + col, qi, shift, args.window);
                 if (hidden) s[mi][j][e] = -CUDART_INF_F;

@@ -386,22 +386,22 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
       }
     };
     // Mask, online softmax of s (in place: s becomes P in fp32); returns the rescale factors.
-    // kcur: the segment of the tile's keys (the walk's cur; the window's shift, issue 16).
-    auto softmax = [&](int32_t kpos, int32_t klen, bool own, int32_t kcur, float* alpha) {
+    // krem: the keys left in the walk's range from kpos on (KvWalk::rest(), SegmentMask's forward
+    // part); kcur: the segment of the tile's keys (the walk's cur; the window's shift, issue 16).
+    auto softmax = [&](int32_t kpos, int32_t krem, bool own, int32_t kcur, float* alpha) {
       if constexpr (Mods::kSoftcap) softcap_scores(s, a);  // mask modifiers (issue 16): before the mask
       // Ragged or diagonal (SegmentMask::fwd_tile_kind, against the tile's first row q0 and last
       // q1 - 1). In a tile of siblings every own range starts at or after q0, so the diagonal test
-      // holds for it without fwd_diagonal's q_last >= kend term (a tile of one segment never has it:
-      // its own range ends at q1).
-      if (klen < BN || (own && kpos + BN - 1 > q0)) {
-        const int32_t kend = own ? min(L.offsets[kcur + 1], q1) : q1;  // an own range: its segment's end or q1
+      // holds for it without fwd_diagonal's q_last >= kpos + krem term (which a tile of one segment
+      // never meets: its own range ends at q1).
+      if (krem < BN || (own && kpos + BN - 1 > q0)) {
+        const int32_t cols[2] = {SegmentMask::fwd_visible_cols(kpos, krem, own, qi0),
+                                 SegmentMask::fwd_visible_cols(kpos, krem, own, qi0 + 8)};
 #pragma unroll
         for (int j = 0; j < BN / 8; ++j) {
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
-            const int col = j * 8 + 2 * t4 + (e & 1);
-            const int32_t qi = qi0 + (e >> 1) * 8;
-            if (SegmentMask::fwd_hidden(kpos, klen, own, kend, col, qi)) s[4 * j + e] = -CUDART_INF_F;
+            if (j * 8 + 2 * t4 + (e & 1) >= cols[e >> 1]) s[4 * j + e] = -CUDART_INF_F;
           }
         }
       }
@@ -468,7 +468,7 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
     fence_regs(s);
     __syncwarp();
     if (lane == 0) mbar_arrive(&B.k_empty[st]);
-    int32_t kpos = kv.pos, klen = kv.len(), kcur = kv.cur;
+    int32_t kpos = kv.pos, krem = kv.rest(), kcur = kv.cur;
     bool own = kv.own;
     bool more = walk_next();
     if (!more) {
@@ -477,14 +477,14 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
     }
     {
       float alpha[2];
-      softmax(kpos, klen, own, kcur, alpha);
+      softmax(kpos, krem, own, kcur, alpha);
     }
     to_pf();
     uint32_t prev = kv_iter;
     ++kv_iter;
 
     while (more) {
-      kpos = kv.pos; klen = kv.len(); own = kv.own; kcur = kv.cur;
+      kpos = kv.pos; krem = kv.rest(); own = kv.own; kcur = kv.cur;
       st = kv_iter % S;
       mbar_wait(&B.k_full[st], (kv_iter / S) & 1);
       const uint32_t pst = prev % S;
@@ -506,7 +506,7 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
         if (lane == 0) mbar_arrive(B.q_empty);
       }
       float alpha[2];
-      softmax(kpos, klen, own, kcur, alpha);
+      softmax(kpos, krem, own, kcur, alpha);
       wgmma_wait<0>();
       fence_regs(o);
       fence_regs(pf);
