@@ -392,7 +392,10 @@ fwd_kernel(const FwdArgs args) {
           for (int j = 0; j < kNB; ++j) mx = fmaxf(mx, fmaxf(s[mi][j][2 * r], s[mi][j][2 * r + 1]));
           mx = warp_max4(mx);
           const float m_scaled = mx == -CUDART_INF_F ? 0.f : mx * Mods::score_log2(args);
-          alpha[mi][r] = exp2f(row_max[mi][r] * Mods::score_log2(args) - m_scaled);
+          // (old max - new max) * c: exactly 0, so alpha exactly 1, when the max stays (the contracted
+          // old * c - m_scaled need not be 0): a tile that hides the whole row (a later sibling's
+          // range) then leaves the row to the same bits.
+          alpha[mi][r] = exp2f((row_max[mi][r] - (mx == -CUDART_INF_F ? 0.f : mx)) * Mods::score_log2(args));
           row_max[mi][r] = mx;
           float sum = 0.f;
 #pragma unroll

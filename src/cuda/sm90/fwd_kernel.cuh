@@ -429,7 +429,10 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
         const float ms = mx == -CUDART_INF_F ? 0.f : mx * sl2;
-        alpha[r] = fast_exp2(m[r] * sl2 - ms);
+        // (old max - new max) * sl2: exactly 0, so alpha exactly 1, when the max stays (the
+        // contracted m * sl2 - ms need not be 0): a tile that hides the whole row (a later
+        // sibling's range) then leaves the row to the same bits.
+        alpha[r] = fast_exp2((m[r] - (mx == -CUDART_INF_F ? 0.f : mx)) * sl2);
         m[r] = mx;
         float sum = 0.f;
 #pragma unroll
