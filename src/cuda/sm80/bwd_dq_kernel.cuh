@@ -195,12 +195,8 @@ bwd_dq_kernel(const BwdArgs args) {
       const int32_t q_last = min(q0 + warp_row0 + 16 * MI, q1) - 1;
       const bool need_mask = SegmentMask::fwd_ragged(krem, BN) ||
                              SegmentMask::fwd_diagonal(kpos, krem, own, q0 + warp_row0, q_last, BN);
-      int32_t cols[MI][2];  // SegmentMask::fwd_visible_cols of the thread's rows
-#pragma unroll
-      for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-        for (int r = 0; r < 2; ++r)
-          cols[mi][r] = SegmentMask::fwd_visible_cols(kpos, krem, own, q0 + warp_row0 + mi * 16 + g + r * 8);
+      int32_t cols[MI][2];
+      fwd_visible_cols_of_rows<MI>(cols, kpos, krem, own, q0 + warp_row0, g);
       // The sliding window (issue 16): pos(q) - pos(k) = (q - k) + shift for the walk's range.
       int32_t shift = 0;
       bool need_window = false;

@@ -317,12 +317,8 @@ fwd_kernel(const FwdArgs args) {
           need_window = SegmentMask::window_tile(q0 + warp_row0 + 16 * MI - 1, kpos, shift, args.window);
         }
         if (need_mask || need_window) {
-          int32_t cols[MI][2];  // SegmentMask::fwd_visible_cols of the thread's rows
-#pragma unroll
-          for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-            for (int r = 0; r < 2; ++r)
-              cols[mi][r] = SegmentMask::fwd_visible_cols(kpos, krem, own, q0 + warp_row0 + mi * 16 + g + r * 8);
+          int32_t cols[MI][2];
+          fwd_visible_cols_of_rows<MI>(cols, kpos, krem, own, q0 + warp_row0, g);
 #pragma unroll
           for (int mi = 0; mi < MI; ++mi)
 #pragma unroll

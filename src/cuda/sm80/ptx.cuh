@@ -16,6 +16,7 @@
 #include <stdint.h>
 
 #include "convert.cuh"
+#include "dualkv/mask.h"
 #include "sm80/smem_tile.cuh"
 
 namespace dualkv::cuda::sm80 {
@@ -211,6 +212,17 @@ __device__ __forceinline__ void atomic_add_quad(float* dst, float a, float b, fl
   atomicAdd(dst + 2, c);
   atomicAdd(dst + 3, d);
 #endif
+}
+
+// SegmentMask::fwd_visible_cols of the C-fragment rows a thread holds in MI 16-row blocks from query
+// first_row (rows first_row + 16 mi + g and + 8): the forward mask of the forward and dQ kernels.
+template <int MI>
+__device__ __forceinline__ void fwd_visible_cols_of_rows(int32_t (&cols)[MI][2], int32_t kpos, int32_t krem, bool own,
+                                                         int32_t first_row, int g) {
+#pragma unroll
+  for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) cols[mi][r] = SegmentMask::fwd_visible_cols(kpos, krem, own, first_row + mi * 16 + g + r * 8);
 }
 
 __device__ __forceinline__ float warp_max4(float v) {
