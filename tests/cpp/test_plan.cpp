@@ -102,11 +102,23 @@ void check_plan(const dualkv_layout& v, const dualkv_prefixes* px, const Inspect
   // a tile with one item writes dK/dV (slot -1), a split tile's items write consecutive slots that
   // its reduction sums.
   std::map<std::pair<int32_t, int32_t>, std::vector<std::array<int32_t, 4>>> by_tile;  // (s, k0) -> (k1, qa, qb, slot)
+  // Order (no window): one segment's items together, longest first; segments by their longest item.
   const int32_t* bwd = p + p[dualkv::kHdrBwdOffset];
-  int32_t prev_len = INT32_MAX;
+  int32_t prev_len = INT32_MAX, prev_seg = -1, prev_seg_longest = INT32_MAX;
+  std::vector<char> seg_done(l.num_segments(), 0);
   for (int i = 0; i < info.num_bwd_items; ++i) {
     const int32_t* it = bwd + i * dualkv::kBwdItemInts;
-    ASSERT_LE(it[4] - it[3], prev_len) << "not longest-first";
+    if (p[dualkv::kHdrWindow] == 0) {
+      if (it[0] != prev_seg) {
+        ASSERT_FALSE(seg_done[it[0]]) << "segment " << it[0] << "'s items not together";
+        if (prev_seg >= 0) seg_done[prev_seg] = 1;
+        ASSERT_LE(it[4] - it[3], prev_seg_longest) << "segments not by their longest item";
+        prev_seg = it[0];
+        prev_seg_longest = it[4] - it[3];
+      } else {
+        ASSERT_LE(it[4] - it[3], prev_len) << "not longest-first within segment " << it[0];
+      }
+    }
     prev_len = it[4] - it[3];
     ASSERT_LE(it[4] - it[3], std::max(info.bwd_split_rows, 1));
     by_tile[{it[0], it[1]}].push_back({it[2], it[3], it[4], it[5]});
