@@ -116,6 +116,12 @@ BENCHMARKS = {
                         "path, D 128: forward tiles of sibling leaves (55a0280 build) against main (5276c54 build) "
                         "with FA4 dense, Flex-FA4 and cuDNN, 2 rounds (issue 23; step bench-classes); .log: the "
                         "run's tables",
+    "ab_sibling_tiles_fwd": "bench/attention.py --classes tree,small_groups,tiny_responses --fwd-only --ab-library, "
+                            "Hopper path, D 128: the sibling-tiles build (55a0280) against main (5276c54), 5 rounds "
+                            "of 12 calls (issue 23; the re-measurement of ab_sibling_tiles' forward)",
+    "ab_bwd_order": "bench/attention.py --classes all --configs 16,4096,1024;8,16384,2048 --ab-library, Hopper "
+                    "path, D 128: the segment-grouped backward item order (73d685e build) against the "
+                    "sibling-tiles build (55a0280), with cuDNN, 2 rounds (issue 23); .log: the run's tables",
     "cpu_attention": "bench/cpu_attention.py, the CPU backend vs per-row torch SDPA on the CPU, 2 threads (issue 22)",
     "cpu_attention_1thread": "bench/cpu_attention.py --threads 1, the same with one thread (issue 22)",
     "prompt_once_e2e_1.7b": "bench/prompt_once_e2e.py, Qwen3-1.7B shape, P 8K / 16K R 1K k 2/4, split vs once vs "

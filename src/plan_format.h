@@ -18,8 +18,10 @@
 // is a prefix item: its k0, k1 are rows of the prefix buffers, qa, qb tokens of the segment's subtree
 // (SegmentMask::bwd_prefix_query_range), and its dK / dV are added into prefix_dk / prefix_dv.
 //
-// Items are sorted longest-work-first; ties keep the segments of one tree (prompt + responses)
-// adjacent so that their shared K/V stays in L2. The backward items of a plan with a sliding
+// Forward items are sorted longest-work-first; ties keep the segments of one tree (prompt +
+// responses) adjacent so that their shared K/V stays in L2. Backward items (no window) run one
+// segment's items together, longest first, segments by their longest item, so the items in flight
+// share their query rows in L2 (plan.cpp). The backward items of a plan with a sliding
 // window are ordered for L2 reuse of their queries instead (plan.cpp, order_windowed_items): the
 // long un-windowed pieces first, then token order of the query ranges, ending on a tail of short
 // items by length class. Kernels grab items through an atomic counter and
