@@ -51,6 +51,9 @@ with the SM clock and power sampled (bench/telemetry.py) and reports that rate n
 (the first round's with --rounds; 2026-12-02: the D-128 forward at P 4K 642 TF/s in a burst, 579
 sustained at 690 W and 1650 MHz).
 
+--classes (all, or names of bench/layout_classes.py: small_groups, tiny_responses, long_responses, tree)
+runs issue 23's layout classes, fixed seeded forests, in place of the default configs and varlen.
+
   PYTHONPATH=python DUALKV_LIBRARY=build/libdualkv.so python3 bench/attention.py [--quick]
   ... bench/attention.py --ab-library base/libdualkv.so --ab-label 72977b9 --rounds 3   (A/B of two builds)
 The Hopper kernels are switched off per call by DUALKV_DISABLE_SM90=1 / DUALKV_DISABLE_SM90_BWD=1
