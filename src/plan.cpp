@@ -164,7 +164,7 @@ dualkv_status build(const dualkv_layout& l, const dualkv_prefixes* prefixes, int
   // leaf walked them once per leaf: N responses of a few tokens each cost N walks of the prompt),
   // then each sibling's tokens as an own range (KvWalk), which the other siblings' rows do not see:
   // a row's arithmetic is the same as in a tile of its segment alone. Not under a window: the
-  // siblings' rows share no window cut. The walk counts num_visible_keys(s, q1 - 1) keys.
+  // siblings' rows share no window cut.
   struct Fwd { int32_t s, q0, q1, work; };
   std::vector<Fwd> fwd;
   auto packable = [&](int32_t s) {
@@ -174,7 +174,7 @@ dualkv_status build(const dualkv_layout& l, const dualkv_prefixes* prefixes, int
     if (packable(s)) {
       int32_t t = s + 1;
       while (t < S && packable(t) && l.seg_parent[t] == l.seg_parent[s] && off[t + 1] - off[s] <= ts.fwd_block_m) ++t;
-      fwd.push_back({s, off[s], off[t], f.num_visible_keys(s, off[t] - 1)});
+      fwd.push_back({s, off[s], off[t], fwd_work(f, w, s, off[s], off[t])});
       s = t;
       continue;
     }

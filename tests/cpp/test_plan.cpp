@@ -50,6 +50,20 @@ Inspected inspect(const HostLayout& l, int head_dim, int sms) {
   return r;
 }
 
+// The plan of layout l cut to a sliding window of `window` positions.
+Inspected inspect_windowed(const HostLayout& l, int head_dim, int32_t window, int sms) {
+  Inspected r;
+  r.info.struct_size = sizeof(r.info);
+  const dualkv_layout v = l.view();
+  dualkv_plan_request req{sizeof(dualkv_plan_request), DUALKV_DEVICE_CUDA, 0, DUALKV_DTYPE_BFLOAT16, head_dim, window,
+                          nullptr};
+  EXPECT_EQ(dualkv_plan_inspect_ex(&v, &req, sms, &r.info, nullptr, 0), DUALKV_OK) << dualkv_last_error();
+  r.plan.resize(r.info.plan_len);
+  EXPECT_EQ(dualkv_plan_inspect_ex(&v, &req, sms, &r.info, r.plan.data(), r.info.plan_len), DUALKV_OK)
+      << dualkv_last_error();
+  return r;
+}
+
 // Every structural property of a plan, checked against the layout it was built for (with its
 // external prefixes px, or none: NULL).
 void check_plan(const dualkv_layout& v, const dualkv_prefixes* px, const Inspected& r, const std::string& what) {
@@ -246,16 +260,9 @@ TEST(Plan, ShortLeafSiblingsShareForwardTiles) {
   const Inspected d512 = inspect(l, 512, 132);
   check_plan(l, d512, "siblings d512");
   // Under a window every tile is one segment's (windowed plans: no sibling tiles).
-  dualkv_plan_info info{};
-  info.struct_size = sizeof(info);
-  const dualkv_layout v = l.view();
-  const dualkv_plan_request req{sizeof(dualkv_plan_request), DUALKV_DEVICE_CUDA, 0, DUALKV_DTYPE_BFLOAT16, 128, 64,
-                                nullptr};
-  ASSERT_EQ(dualkv_plan_inspect_ex(&v, &req, 132, &info, nullptr, 0), DUALKV_OK) << dualkv_last_error();
-  std::vector<int32_t> plan(info.plan_len);
-  ASSERT_EQ(dualkv_plan_inspect_ex(&v, &req, 132, &info, plan.data(), info.plan_len), DUALKV_OK);
-  const int32_t* wf = plan.data() + plan[dualkv::kHdrFwdOffset];
-  for (int i = 0; i < info.num_fwd_tiles; ++i)
+  const Inspected windowed = inspect_windowed(l, 128, 64, 132);
+  const int32_t* wf = windowed.plan.data() + windowed.plan[dualkv::kHdrFwdOffset];
+  for (int i = 0; i < windowed.info.num_fwd_tiles; ++i)
     EXPECT_LE(wf[i * dualkv::kFwdItemInts + 2], off[wf[i * dualkv::kFwdItemInts] + 1]) << "windowed tile " << i;
 }
 
@@ -381,19 +388,6 @@ TEST(Plan, PrefixItemsCoverEveryPrefixRowOfEachReferencingSegment) {
 }
 
 // ---- plans cut to a sliding window (mask modifiers, issue 16; plan_format.h) ----
-
-Inspected inspect_windowed(const HostLayout& l, int head_dim, int32_t window, int sms) {
-  Inspected r;
-  r.info.struct_size = sizeof(r.info);
-  const dualkv_layout v = l.view();
-  dualkv_plan_request req{sizeof(dualkv_plan_request), DUALKV_DEVICE_CUDA, 0, DUALKV_DTYPE_BFLOAT16, head_dim, window,
-                          nullptr};
-  EXPECT_EQ(dualkv_plan_inspect_ex(&v, &req, sms, &r.info, nullptr, 0), DUALKV_OK) << dualkv_last_error();
-  r.plan.resize(r.info.plan_len);
-  EXPECT_EQ(dualkv_plan_inspect_ex(&v, &req, sms, &r.info, r.plan.data(), r.info.plan_len), DUALKV_OK)
-      << dualkv_last_error();
-  return r;
-}
 
 // A windowed plan against brute force over the pairs: forward work = the keys the walk visits
 // (the forest-visible keys of the tile's last query within W of its first query: a superset of
