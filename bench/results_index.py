@@ -122,6 +122,18 @@ BENCHMARKS = {
     "ab_bwd_order": "bench/attention.py --classes all --configs 16,4096,1024;8,16384,2048 --ab-library, Hopper "
                     "path, D 128: the segment-grouped backward item order (73d685e build) against the "
                     "sibling-tiles build (55a0280), with cuDNN, 2 rounds (issue 23); .log: the run's tables",
+    "classes_h128": "bench/attention.py --classes all --configs 16,4096,1024;8,16384,2048, Hopper path, D 128: main's "
+                    "kernels (73d685e build, tree c7b1d38) with FA4 dense and Flex-FA4, 2 rounds (issue 23; step "
+                    "bench-classes); .log: the run's tables",
+    "classes_h64": "bench/attention.py --head-dim 64 --classes all, the same library and peers, 2 rounds (issue 23; "
+                   "step bench-classes)",
+    "classes_h256": "bench/attention.py --head-dim 256 --classes all, the same library and peers, 2 rounds (issue 23; "
+                    "step bench-classes)",
+    "e2e_flex_fa4_1.7b": "bench/e2e.py, Qwen3-1.7B shape, std / dualkv / Flex-FA4 (automatic dynamic shapes), P 8K and "
+                         "16K, 4 micro-batches, 3 updates after 1 warm-up (issue 23's end-to-end bar; step e2e-all)",
+    "ab_bwd_regs240": "bench/attention.py --classes all --configs 16,4096,1024;8,16384,2048 --ab-library, Hopper path, "
+                      "D 128: the backward with 240 / 24 registers and all of dK behind dQ (branch regs240, not "
+                      "merged: docs/decisions.md) against the 73d685e build, 3 rounds (issue 23)",
     "cpu_attention": "bench/cpu_attention.py, the CPU backend vs per-row torch SDPA on the CPU, 2 threads (issue 22)",
     "cpu_attention_1thread": "bench/cpu_attention.py --threads 1, the same with one thread (issue 22)",
     "prompt_once_e2e_1.7b": "bench/prompt_once_e2e.py, Qwen3-1.7B shape, P 8K / 16K R 1K k 2/4, split vs once vs "
