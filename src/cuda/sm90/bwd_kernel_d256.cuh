@@ -68,6 +68,8 @@ struct Sm90BwdConfigD256 {
   static constexpr int kThreads = 384;
   static constexpr int kConsumerRegs = 232;
   static constexpr int kProducerRegs = 40;
+  static_assert(setmaxnreg_split_fits(kThreads, kProducerRegs, kConsumerRegs),
+                "sm90: the consumers' setmaxnreg.inc would wait for registers the producer never returns");
   static constexpr int kBoxes = D / 64;  // TMA boxes of 64 columns (128 B of 16-bit)
   static constexpr uint32_t kQBoxBytes = kBlockM * 128;
   static constexpr uint32_t kQBytes = kBlockM * D * 2;  // one Q (or dO) stage: 32 KiB

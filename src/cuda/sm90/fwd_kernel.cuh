@@ -67,6 +67,8 @@ struct Sm90FwdConfig {
   static constexpr int kThreads = 384;
   static constexpr int kConsumerRegs = 232;
   static constexpr int kProducerRegs = 40;
+  static_assert(setmaxnreg_split_fits(kThreads, kProducerRegs, kConsumerRegs),
+                "sm90: the consumers' setmaxnreg.inc would wait for registers the producer never returns");
   static constexpr uint32_t kQBytes = kBlockM * D * 2;
   static constexpr uint32_t kKVBytes = kBlockN * D * 2;  // one K (or V) tile
   static constexpr uint32_t kQBoxBytes = kBlockM * 128;

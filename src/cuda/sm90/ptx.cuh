@@ -140,6 +140,23 @@ __device__ __forceinline__ uint64_t make_desc_sw128(uint32_t addr, uint32_t lbo_
 }
 
 // ---- warp specialisation ----
+// Whether a kernel of `threads` threads (one producer warpgroup, the rest consumers, launched with
+// __launch_bounds__(threads, 1)) can move registers from its producer to its consumers with
+// setmaxnreg: the launch gives every thread 65536 / threads registers rounded down to a multiple of 8
+// (168 at 384 threads), and setmaxnreg.inc only takes registers that a setmaxnreg.dec returned, so
+// 128 x producer + (threads - 128) x consumer must fit in that; past it the consumers wait forever
+// (a 32 / 240 split at 384 threads hung the backward: docs/decisions.md, session 19). Counts are
+// multiples of 8 in [24, 256] (PTX).
+constexpr bool setmaxnreg_split_fits(int threads, int producer_regs, int consumer_regs) {
+  const int launch_regs = (65536 / threads) / 8 * 8;
+  const bool legal = producer_regs % 8 == 0 && consumer_regs % 8 == 0 && producer_regs >= 24 &&
+                     consumer_regs <= 256 && producer_regs <= launch_regs && consumer_regs >= launch_regs;
+  return legal && 128 * producer_regs + (threads - 128) * consumer_regs <= launch_regs * threads;
+}
+static_assert(setmaxnreg_split_fits(384, 40, 232) && setmaxnreg_split_fits(384, 24, 240) &&
+                  !setmaxnreg_split_fits(384, 32, 240),
+              "the setmaxnreg budget rule");
+
 template <uint32_t R>
 __device__ __forceinline__ void setmaxnreg_inc() {
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(R));
