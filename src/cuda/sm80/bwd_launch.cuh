@@ -59,11 +59,12 @@ struct BwdSteps {
   static constexpr int kWide = sm80_bwd_block_m(D, Mods::kSoftcap);
   static constexpr int kPlan = plan_tiles(D).bwd_block_m;
   static constexpr size_t kWideSmem = bwd_kv_steps_min_smem<D, T, kWide, kAllClasses>();
+  // (No early return on kWide == kPlan: nvcc then warns that the loop is unreachable, #128-D.)
   static constexpr bool kPlanSteps = [] {
-    if (kWide == kPlan) return false;
+    bool serves_a_class = false;
     for (size_t limit : kSm8xSmemBytes)
-      if (limit < kWideSmem && bwd_kv_smem<D, T, 1, kPlan>() <= limit) return true;
-    return false;
+      serves_a_class = serves_a_class || (limit < kWideSmem && bwd_kv_smem<D, T, 1, kPlan>() <= limit);
+    return kWide != kPlan && serves_a_class;
   }();
 };
 
