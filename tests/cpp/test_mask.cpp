@@ -14,6 +14,7 @@
 #include "dualkv/mask.h"
 #include "forest_testing.h"
 #include "plan_format.h"
+#include "plan_testing.h"
 
 using dualkv::BlockPair;
 using dualkv::PositionWindow;
@@ -331,16 +332,12 @@ TEST(Mask, ForwardTilesOfThePlanIncludingSiblingLeaves) {
     std::vector<int32_t> lens, parents;
     random_forest(rng, 1 + trial % 3, 1 + trial % 3, 6, trial % 2 ? 40 : 150, &lens, &parents);
     HostLayout l(lens, parents);
-    const dualkv_layout v = l.view();
     for (int head_dim : {128, 512}) {
       SCOPED_TRACE("trial " + std::to_string(trial) + " D " + std::to_string(head_dim));
-      dualkv_plan_info info{};
-      info.struct_size = sizeof(info);
-      ASSERT_EQ(dualkv_plan_inspect(&v, head_dim, 132, &info, nullptr, 0), DUALKV_OK) << dualkv_last_error();
-      std::vector<int32_t> plan(info.plan_len);
-      ASSERT_EQ(dualkv_plan_inspect(&v, head_dim, 132, &info, plan.data(), info.plan_len), DUALKV_OK);
-      const int32_t* fwd = plan.data() + plan[dualkv::kHdrFwdOffset];
-      for (int i = 0; i < info.num_fwd_tiles; ++i) {
+      const dualkv::testing::Inspected r = dualkv::testing::inspect(l, head_dim, 132);
+      ASSERT_FALSE(r.plan.empty());
+      const int32_t* fwd = r.plan.data() + r.plan[dualkv::kHdrFwdOffset];
+      for (int i = 0; i < r.info.num_fwd_tiles; ++i) {
         const int32_t* it = fwd + i * dualkv::kFwdItemInts;
         sibling_tiles += SegmentMask::fwd_packs_siblings(l.offsets.data(), it[0], it[2]);
         check_forward_tile<8>(l, it[0], it[1], it[2]);

@@ -15,54 +15,16 @@
 #include "dualkv/mask.h"
 #include "forest_testing.h"
 #include "plan_format.h"
+#include "plan_testing.h"
 
 using dualkv::testing::HostLayout;
+using dualkv::testing::Inspected;
+using dualkv::testing::inspect;
+using dualkv::testing::inspect_windowed;
 using dualkv::testing::PrefixedLayout;
 using dualkv::testing::random_forest;
 
 namespace {
-
-struct Inspected {
-  dualkv_plan_info info{};
-  std::vector<int32_t> plan;
-};
-
-// The plan of layout v (with external prefixes px, or none: NULL).
-Inspected inspect(const dualkv_layout& v, const dualkv_prefixes* px, int head_dim, int sms) {
-  Inspected r;
-  r.info.struct_size = sizeof(r.info);
-  const dualkv_plan_request req{sizeof(dualkv_plan_request), DUALKV_DEVICE_CUDA, 0, DUALKV_DTYPE_BFLOAT16, head_dim, 0,
-                                px};
-  EXPECT_EQ(dualkv_plan_inspect_ex(&v, &req, sms, &r.info, nullptr, 0), DUALKV_OK) << dualkv_last_error();
-  r.plan.resize(r.info.plan_len);
-  EXPECT_EQ(dualkv_plan_inspect_ex(&v, &req, sms, &r.info, r.plan.data(), r.info.plan_len), DUALKV_OK)
-      << dualkv_last_error();
-  return r;
-}
-Inspected inspect(const HostLayout& l, int head_dim, int sms) {
-  Inspected r;
-  r.info.struct_size = sizeof(r.info);
-  const dualkv_layout v = l.view();
-  EXPECT_EQ(dualkv_plan_inspect(&v, head_dim, sms, &r.info, nullptr, 0), DUALKV_OK) << dualkv_last_error();
-  r.plan.resize(r.info.plan_len);
-  EXPECT_EQ(dualkv_plan_inspect(&v, head_dim, sms, &r.info, r.plan.data(), r.info.plan_len), DUALKV_OK)
-      << dualkv_last_error();
-  return r;
-}
-
-// The plan of layout l cut to a sliding window of `window` positions.
-Inspected inspect_windowed(const HostLayout& l, int head_dim, int32_t window, int sms) {
-  Inspected r;
-  r.info.struct_size = sizeof(r.info);
-  const dualkv_layout v = l.view();
-  dualkv_plan_request req{sizeof(dualkv_plan_request), DUALKV_DEVICE_CUDA, 0, DUALKV_DTYPE_BFLOAT16, head_dim, window,
-                          nullptr};
-  EXPECT_EQ(dualkv_plan_inspect_ex(&v, &req, sms, &r.info, nullptr, 0), DUALKV_OK) << dualkv_last_error();
-  r.plan.resize(r.info.plan_len);
-  EXPECT_EQ(dualkv_plan_inspect_ex(&v, &req, sms, &r.info, r.plan.data(), r.info.plan_len), DUALKV_OK)
-      << dualkv_last_error();
-  return r;
-}
 
 // Every structural property of a plan, checked against the layout it was built for (with its
 // external prefixes px, or none: NULL).

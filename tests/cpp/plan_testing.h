@@ -1,0 +1,60 @@
+// Test helper: a layout's plan through the C ABI (dualkv_plan_inspect / _ex), as the CUDA backend
+// would build it (bf16; the plan does not depend on the dtype), with gtest failures on errors.
+#ifndef DUALKV_TESTS_PLAN_TESTING_H_
+#define DUALKV_TESTS_PLAN_TESTING_H_
+
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "dualkv/dualkv.h"
+#include "forest_testing.h"
+
+namespace dualkv::testing {
+
+struct Inspected {
+  dualkv_plan_info info{};
+  std::vector<int32_t> plan;
+};
+
+// The plan of layout v (with external prefixes px, or none: NULL).
+inline Inspected inspect(const dualkv_layout& v, const dualkv_prefixes* px, int head_dim, int sms) {
+  Inspected r;
+  r.info.struct_size = sizeof(r.info);
+  const dualkv_plan_request req{sizeof(dualkv_plan_request), DUALKV_DEVICE_CUDA, 0, DUALKV_DTYPE_BFLOAT16, head_dim, 0,
+                                px};
+  EXPECT_EQ(dualkv_plan_inspect_ex(&v, &req, sms, &r.info, nullptr, 0), DUALKV_OK) << dualkv_last_error();
+  r.plan.resize(r.info.plan_len);
+  EXPECT_EQ(dualkv_plan_inspect_ex(&v, &req, sms, &r.info, r.plan.data(), r.info.plan_len), DUALKV_OK)
+      << dualkv_last_error();
+  return r;
+}
+inline Inspected inspect(const HostLayout& l, int head_dim, int sms) {
+  Inspected r;
+  r.info.struct_size = sizeof(r.info);
+  const dualkv_layout v = l.view();
+  EXPECT_EQ(dualkv_plan_inspect(&v, head_dim, sms, &r.info, nullptr, 0), DUALKV_OK) << dualkv_last_error();
+  r.plan.resize(r.info.plan_len);
+  EXPECT_EQ(dualkv_plan_inspect(&v, head_dim, sms, &r.info, r.plan.data(), r.info.plan_len), DUALKV_OK)
+      << dualkv_last_error();
+  return r;
+}
+
+// The plan of layout l cut to a sliding window of `window` positions.
+inline Inspected inspect_windowed(const HostLayout& l, int head_dim, int32_t window, int sms) {
+  Inspected r;
+  r.info.struct_size = sizeof(r.info);
+  const dualkv_layout v = l.view();
+  dualkv_plan_request req{sizeof(dualkv_plan_request), DUALKV_DEVICE_CUDA, 0, DUALKV_DTYPE_BFLOAT16, head_dim, window,
+                          nullptr};
+  EXPECT_EQ(dualkv_plan_inspect_ex(&v, &req, sms, &r.info, nullptr, 0), DUALKV_OK) << dualkv_last_error();
+  r.plan.resize(r.info.plan_len);
+  EXPECT_EQ(dualkv_plan_inspect_ex(&v, &req, sms, &r.info, r.plan.data(), r.info.plan_len), DUALKV_OK)
+      << dualkv_last_error();
+  return r;
+}
+
+}  // namespace dualkv::testing
+
+#endif  // DUALKV_TESTS_PLAN_TESTING_H_
