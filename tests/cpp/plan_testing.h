@@ -18,18 +18,24 @@ struct Inspected {
   std::vector<int32_t> plan;
 };
 
-// The plan of layout v (with external prefixes px, or none: NULL).
-inline Inspected inspect(const dualkv_layout& v, const dualkv_prefixes* px, int head_dim, int sms) {
+// The plan of layout v for request req (dualkv_plan_inspect_ex: the size call, then the plan).
+inline Inspected inspect_request(const dualkv_layout& v, const dualkv_plan_request& req, int sms) {
   Inspected r;
   r.info.struct_size = sizeof(r.info);
-  const dualkv_plan_request req{sizeof(dualkv_plan_request), DUALKV_DEVICE_CUDA, 0, DUALKV_DTYPE_BFLOAT16, head_dim, 0,
-                                px};
   EXPECT_EQ(dualkv_plan_inspect_ex(&v, &req, sms, &r.info, nullptr, 0), DUALKV_OK) << dualkv_last_error();
   r.plan.resize(r.info.plan_len);
   EXPECT_EQ(dualkv_plan_inspect_ex(&v, &req, sms, &r.info, r.plan.data(), r.info.plan_len), DUALKV_OK)
       << dualkv_last_error();
   return r;
 }
+
+// The plan of layout v (with external prefixes px, or none: NULL).
+inline Inspected inspect(const dualkv_layout& v, const dualkv_prefixes* px, int head_dim, int sms) {
+  return inspect_request(
+      v, dualkv_plan_request{sizeof(dualkv_plan_request), DUALKV_DEVICE_CUDA, 0, DUALKV_DTYPE_BFLOAT16, head_dim, 0, px},
+      sms);
+}
+// The plan of layout l through the plain entry point (dualkv_plan_inspect).
 inline Inspected inspect(const HostLayout& l, int head_dim, int sms) {
   Inspected r;
   r.info.struct_size = sizeof(r.info);
@@ -43,16 +49,10 @@ inline Inspected inspect(const HostLayout& l, int head_dim, int sms) {
 
 // The plan of layout l cut to a sliding window of `window` positions.
 inline Inspected inspect_windowed(const HostLayout& l, int head_dim, int32_t window, int sms) {
-  Inspected r;
-  r.info.struct_size = sizeof(r.info);
-  const dualkv_layout v = l.view();
-  dualkv_plan_request req{sizeof(dualkv_plan_request), DUALKV_DEVICE_CUDA, 0, DUALKV_DTYPE_BFLOAT16, head_dim, window,
-                          nullptr};
-  EXPECT_EQ(dualkv_plan_inspect_ex(&v, &req, sms, &r.info, nullptr, 0), DUALKV_OK) << dualkv_last_error();
-  r.plan.resize(r.info.plan_len);
-  EXPECT_EQ(dualkv_plan_inspect_ex(&v, &req, sms, &r.info, r.plan.data(), r.info.plan_len), DUALKV_OK)
-      << dualkv_last_error();
-  return r;
+  return inspect_request(l.view(),
+                         dualkv_plan_request{sizeof(dualkv_plan_request), DUALKV_DEVICE_CUDA, 0, DUALKV_DTYPE_BFLOAT16,
+                                             head_dim, window, nullptr},
+                         sms);
 }
 
 }  // namespace dualkv::testing
