@@ -163,6 +163,8 @@ set -uo pipefail
 OUT="${OUT:-device-out}"; mkdir -p "$OUT"
 export PYTHONPATH="$PWD/python" PYTHONUNBUFFERED=1
 export DUALKV_LIBRARY="${DUALKV_LIBRARY:-$PWD/build-h200/libdualkv.so}"
+# The portable path on a Hopper device: both libraries read these at call time (bench-portable, ab, ab-check).
+PORTABLE_SWITCHES=(DUALKV_DISABLE_SM90=1 DUALKV_DISABLE_SM90_BWD=1)
 PT="--timeout 120"; python3 -c "import pytest_timeout" 2>/dev/null || PT=""
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu --format=csv,noheader
 python3 -c "import dualkv; print(dualkv._native.build_info())" 2>&1 | tee "$OUT/info.txt"
@@ -189,7 +191,7 @@ print('FA4', m.version('flash-attn-4'), 'CuTe DSL', m.version('nvidia-cutlass-ds
                    | tee "$OUT/bench.log" | tail -20 ;;
     bench) timeout "${BENCH_TIMEOUT:-560}" python3 bench/attention.py --iters 6 --warmup 2 --out "$OUT" ${BENCH_ARGS:-} \
              > "$OUT/bench.log" 2>&1; echo "bench rc=$?"; sed -n '/^case /,$p' "$OUT/bench.log" ;;
-    bench-portable) DUALKV_DISABLE_SM90=1 DUALKV_DISABLE_SM90_BWD=1 timeout "${BENCH_TIMEOUT:-360}" python3 bench/attention.py --methods dualkv,sdpa_flash \
+    bench-portable) env "${PORTABLE_SWITCHES[@]}" timeout "${BENCH_TIMEOUT:-360}" python3 bench/attention.py --methods dualkv,sdpa_flash \
                       --iters 6 --warmup 2 --out "$OUT" --tag portable ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_portable.log" | tail -24 ;;
     bench-dims) for d in 64 256; do
                   timeout 240 python3 bench/attention.py --head-dim $d --configs "16,4096,1024;8,16384,2048;32,8192,1024" \
@@ -205,7 +207,7 @@ print('FA4', m.version('flash-attn-4'), 'CuTe DSL', m.version('nvidia-cutlass-ds
                    done ;;
     ab) [ -f "${AB_LIBRARY:-}" ] || { echo "ab: set AB_LIBRARY to the second build's libdualkv.so"; continue; }
         for path in ${AB_PATHS:-sm90 portable}; do
-          case $path in portable) sw="DUALKV_DISABLE_SM90=1 DUALKV_DISABLE_SM90_BWD=1" ;; *) sw="" ;; esac
+          case $path in portable) sw="${PORTABLE_SWITCHES[*]}" ;; *) sw="" ;; esac
           for d in ${AB_DIMS:-64 128 256}; do
             env $sw timeout -k 10 "${AB_TIMEOUT:-150}" python3 bench/attention.py --head-dim $d --methods "${AB_METHODS:-dualkv}" \
               --ab-library "$AB_LIBRARY" --ab-label "${AB_LABEL:-}" --rounds 3 --iters 6 --warmup 2 \
@@ -217,7 +219,7 @@ print('FA4', m.version('flash-attn-4'), 'CuTe DSL', m.version('nvidia-cutlass-ds
         for path in ${AB_PATHS:-sm90 portable}; do
           envs=""; kern=bwd_sm90_kernel
           if [ "$path" = portable ]; then
-            envs="--base-env DUALKV_DISABLE_SM90=1 --base-env DUALKV_DISABLE_SM90_BWD=1 --cand-env DUALKV_DISABLE_SM90=1 --cand-env DUALKV_DISABLE_SM90_BWD=1"
+            for sw in "${PORTABLE_SWITCHES[@]}"; do envs="$envs --base-env $sw --cand-env $sw"; done
             kern=bwd_kv_kernel
           fi
           for d in ${AB_DIMS:-64 128 256}; do
