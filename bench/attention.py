@@ -85,7 +85,8 @@ import layout_classes  # noqa: E402
 import provenance  # noqa: E402
 from telemetry import GpuSampler  # noqa: E402
 from peers import (FLEX_BACKENDS, FLEX_BLOCK, Unavailable, accepted_block_size, apply_sinks,  # noqa: E402
-                   compiled_flex, fa4, first_output, flex_with_lse, kernel_options, softcap_score_mod)
+                   compile_cache_state, compiled_flex, fa4, first_output, flex_with_lse, kernel_options,
+                   softcap_score_mod)
 
 DEFAULT_CONFIGS = [(16, 4096, 1024), (28, 4096, 2048), (16, 8192, 2048), (32, 8192, 1024),
                    (8, 16384, 2048), (28, 16384, 2048), (4, 8192, 1024)]
@@ -738,6 +739,13 @@ def best_dense(results) -> dict:
     return out
 
 
+def warm_cache_note(results) -> str:
+    """A note for Flex's first-build and compile figures when torch's compile cache was warm at the
+    start of the process (they then read earlier compiles back: not a cold start's costs)."""
+    warm = results.get("env", {}).get("compile_cache_at_start", {}).get("warm")
+    return "; torch's compile cache was warm at process start" if warm else ""
+
+
 def summary_table(results) -> str:
     """One line per (case, method): times, useful TFLOP/s, dualkv's speedup over the method
     (same-round median with --rounds), peak memory; a Flex method's compile and block-mask costs on
@@ -765,7 +773,7 @@ def summary_table(results) -> str:
                 lines.append(f"{'':32s} {m}: block mask {r['block_size'][0]}x{r['block_size'][1]}, first build "
                              f"{r['mask_first_build_s']:.2f} s, then {r['mask_build_ms']:.1f} ms per build; compile "
                              f"fwd {r['compile_fwd_s']:.1f} s, fwd+bwd {r['compile_fwdbwd_s']:.1f} s (outside the "
-                             "times above)")
+                             f"times above{warm_cache_note(results)})")
         for key, name in (("fwd", "fwd"), ("fwdbwd", "fwd+bwd")):
             b = c.get("best_dense", {}).get(key)
             if b is not None:
@@ -961,6 +969,7 @@ def main():
             methods.append("dualkv_ab")
 
     env = provenance.record(tree, "cuda")
+    env["compile_cache_at_start"] = compile_cache_state()  # before any compile of this process
     if "dualkv_ab" in libraries:
         env["dualkv_ab_library"] = libraries["dualkv_ab"].describe()
         env["ab_label"] = args.ab_label

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+import pathlib
 import re
 
 import torch
@@ -97,6 +98,19 @@ def accepted_block_size(attempt, block, tries=FLEX_BLOCK_TRIES):
             if block is None:
                 raise
     raise RuntimeError(f"no block size accepted after {tries} tries: {refused}")
+
+
+def compile_cache_state() -> dict:
+    """torch inductor's on-disk cache directory and whether it held anything at the time of the call
+    (call it at process start). Warm, an earlier process on this machine compiled graphs that Flex's
+    first block mask and first calls may read back instead of compiling, so their "first" costs are
+    then not a cold start's; the results record which."""
+    try:
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+        path = pathlib.Path(cache_dir())
+    except Exception as e:  # noqa: BLE001 (a torch without the helper: say so, do not guess)
+        return {"inductor_cache_dir": None, "warm": None, "note": f"cache dir unknown: {e}"}
+    return {"inductor_cache_dir": str(path), "warm": path.is_dir() and any(path.iterdir())}
 
 
 _COMPILED = {}

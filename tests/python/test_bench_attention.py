@@ -325,6 +325,20 @@ def test_summary_table_states_flex_costs_apart():
     assert "block mask 256x160, first build 3.50 s, then 1.2 ms per build" in lines[3]
     assert "compile fwd 9.0 s, fwd+bwd 21.0 s" in lines[3]
     assert lines[4].split()[:3] == ["N16", "fa4_dense", "Unavailable:"]
+    assert "warm" not in lines[3]
+    results["env"] = {"compile_cache_at_start": {"inductor_cache_dir": "/tmp/x", "warm": True}}
+    assert attention.summary_table(results).splitlines()[3].endswith(
+        "(outside the times above; torch's compile cache was warm at process start)")
+
+
+def test_compile_cache_state_says_whether_the_inductor_cache_held_anything(tmp_path, monkeypatch):
+    """A missing or empty cache directory is cold, one with anything in it warm (TORCHINDUCTOR_CACHE_DIR
+    is where torch's cache_dir() looks first; it creates the directory)."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))
+    assert peers.compile_cache_state() == {"inductor_cache_dir": str(tmp_path / "cache"), "warm": False}
+    assert peers.compile_cache_state()["warm"] is False  # torch's cache_dir() made it: still empty
+    (tmp_path / "cache" / "fxgraph").mkdir(parents=True)
+    assert peers.compile_cache_state()["warm"] is True
 
 
 def test_summary_table_states_the_sustained_rate_with_its_clock():

@@ -167,6 +167,16 @@ def _device_run_step(name):
     return body[:end.start()]
 
 
+def _portable_switches(script_line):
+    """What one line of device_run.sh's bash makes of PORTABLE_SWITCHES (the portable path's switches),
+    run by bash after the script's own definition of the array, with envs="" as the steps start."""
+    text = (ROOT / "tests" / "gpu" / "device_run.sh").read_text()
+    definition = re.search(r"^PORTABLE_SWITCHES=\(.*\)$", text, re.M).group(0)
+    out = subprocess.run(["bash", "-c", f'{definition}; envs=""; {script_line.strip()}; echo "$sw|$envs"'],
+                         capture_output=True, text=True, check=True)
+    return out.stdout.strip()
+
+
 def test_device_run_e2e_steps_are_planned():
     """tests/gpu/device_run.sh: e2e-all is issue 23's acceptance (P 8K-16K, >= 4 micro-batches, >= 3
     timed updates, Flex-FA4 last) for one model per call, e2e-grid times >= 3 updates per cell, and
@@ -189,7 +199,9 @@ def test_device_run_ab_and_fa4_steps():
     ab, install = _device_run_step("ab"), _device_run_step("fa4-install")
     assert "--ab-library \"$AB_LIBRARY\"" in ab and "--rounds 3" in ab
     assert "${AB_PATHS:-sm90 portable}" in ab and "${AB_DIMS:-64 128 256}" in ab
-    assert "DUALKV_DISABLE_SM90=1 DUALKV_DISABLE_SM90_BWD=1" in ab
+    portable = next(line for line in ab.splitlines() if "portable)" in line)
+    sw = _portable_switches(portable.replace("case $path in", 'path=portable; case $path in')).split("|")[0]
+    assert sw == "DUALKV_DISABLE_SM90=1 DUALKV_DISABLE_SM90_BWD=1" and "env $sw " in ab
     assert "cat /tmp/fa4/part_aa" in install
     assert "pip install -q --no-index --no-deps --no-compile --target /tmp/site" in install
     assert "tar -xJf /tmp/fa4/cu13.tar.xz -C /tmp/site" in install
@@ -203,8 +215,12 @@ def test_device_run_ab_check_step():
     step = _device_run_step("ab-check")
     assert 'tools/ab_libraries.py --base "$AB_LIBRARY" --cand "$DUALKV_LIBRARY"' in step
     assert "--deterministic" in step and '"${AB_MODS:-window,softcap,sinks,prefix}"' in step
+    loop = next(line for line in step.splitlines() if "PORTABLE_SWITCHES" in line)
+    envs = _portable_switches(loop).split("|")[1].split()
     for side in ("base", "cand"):
-        assert f"--{side}-env DUALKV_DISABLE_SM90=1 --{side}-env DUALKV_DISABLE_SM90_BWD=1" in step
+        switches = [envs[i + 1] for i in range(0, len(envs), 2) if envs[i] == f"--{side}-env"]
+        assert switches == ["DUALKV_DISABLE_SM90=1", "DUALKV_DISABLE_SM90_BWD=1"], envs
+    assert "$envs" in step
     assert "kern=bwd_kv_kernel" in step and "kern=bwd_sm90_kernel" in step
     assert '> "$OUT/ab_check_${path}_d$d.log"' in step and 'timeout -k 10 "${AB_TIMEOUT:-200}"' in step
 
