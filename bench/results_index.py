@@ -134,6 +134,20 @@ BENCHMARKS = {
     "ab_bwd_regs240": "bench/attention.py --classes all --configs 16,4096,1024;8,16384,2048 --ab-library, Hopper path, "
                       "D 128: the backward with 240 / 24 registers and all of dK behind dQ (branch regs240, not "
                       "merged: docs/decisions.md) against the 73d685e build, 3 rounds (issue 23)",
+    "ab_fwd_d256_wide80": "bench/attention.py --head-dim 256 --classes all --ab-library, Hopper path: the D-256 forward "
+                          "with 80-row KV tiles (branch d256wide, 78e5f57, not merged: docs/decisions.md) against the "
+                          "73d685e build, FA4 dense / Flex-FA4 / cuDNN in process, 2 rounds (issue 23; step bench-classes)",
+    "ab_fwd_d64_3wg": "bench/attention.py --head-dim 64 --classes all --configs 16,4096,1024;8,16384,2048 --ab-library, "
+                      "Hopper path: the D-64 forward with three consumer warpgroups and 192-row plan tiles (branch "
+                      "d64fwd3, tree 7947205) against the 73d685e build, FA4 dense and Flex-FA4 in process, 3 rounds "
+                      "(issue 23; step bench-classes)",
+    "ab_fwd_d64_3wg_portable": "bench/attention.py --head-dim 64 --ab-library, portable kernels forced: the same tree's "
+                               "192-row D-64 tiles on the portable forward (4 warps x 3 row blocks, 32-row KV steps) "
+                               "against 73d685e, SDPA-flash in process, 3 rounds (step ab, AB_PATHS=portable)",
+    "ab_fwd_d64_6warp_portable": "the same A/B with the portable forward at 6 warps x 2 row blocks (tree f115ae7)",
+    "e2e_breakdown_1.7b": "bench/e2e.py --breakdown --methods dualkv, Qwen3-1.7B shape, P 8K and 16K, 4 micro-batches, "
+                          "3 updates: device time per update by kernel category (attention / GEMM / other; issue 23's "
+                          "end-to-end bar; step e2e-all, E2E_ARGS=--breakdown)",
     "cpu_attention": "bench/cpu_attention.py, the CPU backend vs per-row torch SDPA on the CPU, 2 threads (issue 22)",
     "cpu_attention_1thread": "bench/cpu_attention.py --threads 1, the same with one thread (issue 22)",
     "prompt_once_e2e_1.7b": "bench/prompt_once_e2e.py, Qwen3-1.7B shape, P 8K / 16K R 1K k 2/4, split vs once vs "
