@@ -85,8 +85,8 @@ import layout_classes  # noqa: E402
 import provenance  # noqa: E402
 from telemetry import GpuSampler  # noqa: E402
 from peers import (FLEX_BACKENDS, FLEX_BLOCK, Unavailable, accepted_block_size, apply_sinks,  # noqa: E402
-                   compile_cache_state, compiled_flex, fa4, first_output, flex_with_lse, kernel_options,
-                   softcap_score_mod)
+                   WARM_CACHE_NOTE, compile_cache_state, compile_cache_was_warm, compiled_flex, fa4, first_output,
+                   flex_with_lse, kernel_options, softcap_score_mod)
 
 DEFAULT_CONFIGS = [(16, 4096, 1024), (28, 4096, 2048), (16, 8192, 2048), (32, 8192, 1024),
                    (8, 16384, 2048), (28, 16384, 2048), (4, 8192, 1024)]
@@ -742,8 +742,7 @@ def best_dense(results) -> dict:
 def warm_cache_note(results) -> str:
     """A note for Flex's first-build and compile figures when torch's compile cache was warm at the
     start of the process (they then read earlier compiles back: not a cold start's costs)."""
-    warm = results.get("env", {}).get("compile_cache_at_start", {}).get("warm")
-    return "; torch's compile cache was warm at process start" if warm else ""
+    return f"; {WARM_CACHE_NOTE}" if compile_cache_was_warm(results.get("env", {})) else ""
 
 
 def summary_table(results) -> str:

@@ -97,8 +97,8 @@ import dualkv  # noqa: E402
 import provenance  # noqa: E402
 from telemetry import GpuSampler, telemetry_summary  # noqa: E402
 from peers import (FLEX_BACKENDS, FLEX_BLOCK, Unavailable, Unsupported, accepted_block_size, apply_sinks,  # noqa: E402
-                   compile_cache_state, compiled_flex, fa4, first_output, flex_with_lse, kernel_options,
-                   softcap_score_mod)
+                   WARM_CACHE_NOTE, compile_cache_state, compile_cache_was_warm, compiled_flex, fa4, first_output,
+                   flex_with_lse, kernel_options, softcap_score_mod)
 from dualkv.demo import MODEL_SIZES, qwen3_config  # noqa: E402
 from dualkv.demo import _Timer as Timer  # noqa: E402  (CUDA events on a GPU, wall clock otherwise)
 from dualkv.grpo import group_advantages, policy_loss  # noqa: E402
@@ -1617,9 +1617,9 @@ def main(argv=None):
             torch.cuda.empty_cache()
     save(all_results)
     table = summary(all_results, env["models"])
-    if env["compile_cache_at_start"].get("warm") and any(r["method"] in FLEX_BACKENDS for r in all_results):
-        table += ("\ntorch's compile cache was warm at process start: the Flex methods' first-update compiles read "
-                  "earlier compiles back (not a cold start's cost)")
+    if compile_cache_was_warm(env) and any(r["method"] in FLEX_BACKENDS for r in all_results):
+        table += (f"\n{WARM_CACHE_NOTE}: the Flex methods' first-update compiles read earlier compiles back "
+                  "(not a cold start's cost)")
     print()
     print(table)
     out_path.with_suffix(".txt").write_text(table + "\n")

@@ -113,6 +113,16 @@ def compile_cache_state() -> dict:
     return {"inductor_cache_dir": str(path), "warm": path.is_dir() and any(path.iterdir())}
 
 
+#: what a results table says next to Flex's first-build and compile figures when compile_cache_state()
+#: found the cache warm (bench/attention.py per case, bench/e2e.py under its table)
+WARM_CACHE_NOTE = "torch's compile cache was warm at process start"
+
+
+def compile_cache_was_warm(env: dict) -> bool:
+    """Whether the results' env records a warm inductor cache at process start (compile_cache_state)."""
+    return bool(env.get("compile_cache_at_start", {}).get("warm"))
+
+
 _COMPILED = {}
 
 
