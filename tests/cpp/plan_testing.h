@@ -29,11 +29,15 @@ inline Inspected inspect_request(const dualkv_layout& v, const dualkv_plan_reque
   return r;
 }
 
+// A CUDA bf16 plan request for head_dim, a sliding window (0: none) and external prefixes (NULL: none).
+inline dualkv_plan_request cuda_request(int head_dim, int32_t window, const dualkv_prefixes* px) {
+  return dualkv_plan_request{sizeof(dualkv_plan_request), DUALKV_DEVICE_CUDA, 0, DUALKV_DTYPE_BFLOAT16,
+                             head_dim, window, px};
+}
+
 // The plan of layout v (with external prefixes px, or none: NULL).
 inline Inspected inspect(const dualkv_layout& v, const dualkv_prefixes* px, int head_dim, int sms) {
-  return inspect_request(
-      v, dualkv_plan_request{sizeof(dualkv_plan_request), DUALKV_DEVICE_CUDA, 0, DUALKV_DTYPE_BFLOAT16, head_dim, 0, px},
-      sms);
+  return inspect_request(v, cuda_request(head_dim, 0, px), sms);
 }
 // The plan of layout l through the plain entry point (dualkv_plan_inspect).
 inline Inspected inspect(const HostLayout& l, int head_dim, int sms) {
@@ -49,10 +53,7 @@ inline Inspected inspect(const HostLayout& l, int head_dim, int sms) {
 
 // The plan of layout l cut to a sliding window of `window` positions.
 inline Inspected inspect_windowed(const HostLayout& l, int head_dim, int32_t window, int sms) {
-  return inspect_request(l.view(),
-                         dualkv_plan_request{sizeof(dualkv_plan_request), DUALKV_DEVICE_CUDA, 0, DUALKV_DTYPE_BFLOAT16,
-                                             head_dim, window, nullptr},
-                         sms);
+  return inspect_request(l.view(), cuda_request(head_dim, window, nullptr), sms);
 }
 
 }  // namespace dualkv::testing
