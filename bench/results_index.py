@@ -139,7 +139,7 @@ BENCHMARKS = {
                           "73d685e build, FA4 dense / Flex-FA4 / cuDNN in process, 2 rounds (issue 23; step bench-classes)",
     "ab_fwd_d64_3wg": "bench/attention.py --head-dim 64 --classes all --configs 16,4096,1024;8,16384,2048 --ab-library, "
                       "Hopper path: the D-64 forward with three consumer warpgroups and 192-row plan tiles (branch "
-                      "d64fwd3, tree 7947205) against the 73d685e build, FA4 dense and Flex-FA4 in process, 3 rounds "
+                      "d64fwd3-measured, tree 7947205) against the 73d685e build, FA4 dense and Flex-FA4 in process, 3 rounds "
                       "(issue 23; step bench-classes)",
     "ab_fwd_d64_3wg_portable": "bench/attention.py --head-dim 64 --ab-library, portable kernels forced: the same tree's "
                                "192-row D-64 tiles on the portable forward (4 warps x 3 row blocks, 32-row KV steps) "
