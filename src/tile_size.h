@@ -26,8 +26,14 @@ struct PlanTiles {
 // bits = 64 KiB of shared memory, and the deterministic dQ kernel's Q and dO tiles, 128 KiB, next
 // to their K/V steps) and KV tiles of 32 rows (dK and dV of 32 x 512 in fp32 over the backward's
 // 8 warps = 128 registers per thread, as 64 rows are at D = 256).
+// Forward query tiles of 192 rows at D = 64 (the sm90 forward's three consumer warpgroups:
+// sm90/fwd_kernel.cuh Sm90FwdConfig; the portable forward and deterministic dQ kernels take as many
+// warps as the tile has row pairs of 16: 6).
 DUALKV_TILE_FN PlanTiles plan_tiles(int head_dim) {
-  return head_dim <= 128 ? PlanTiles{128, 128, 64} : head_dim <= 256 ? PlanTiles{128, 64, 64} : PlanTiles{64, 32, 64};
+  return head_dim == 64    ? PlanTiles{192, 128, 64}
+         : head_dim <= 128 ? PlanTiles{128, 128, 64}
+         : head_dim <= 256 ? PlanTiles{128, 64, 64}
+                           : PlanTiles{64, 32, 64};
 }
 
 // ---- sm80 (mma.sync) kernels ----
