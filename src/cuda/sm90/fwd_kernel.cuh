@@ -60,7 +60,7 @@ constexpr bool fwd_wide_tiles() {
 
 template <int D, bool kWide = false>
 struct Sm90FwdConfig {
-  static constexpr int kBlockM = plan_tiles(D).fwd_block_m;  // query rows per tile (the plan's tiles)
+  static constexpr int kBlockM = fwd_block_m(D, TileFamily::kSm90);  // query rows per tile (the plan's)
   // Consumer warpgroups, 64 query rows each: 3 at D = 64 (192-row tiles, FA3/FA4's D-64 forward: a
   // 128-key tile's exponentials take as long as its two GEMMs there, so a third warpgroup's softmax
   // keeps the tensor cores busy while two take turns), 2 otherwise.

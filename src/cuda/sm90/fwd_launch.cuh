@@ -22,9 +22,9 @@ cudaError_t launch_fwd(const Sm90FwdParams<D>& p, int sms, cudaStream_t stream) 
 template <int D, typename T, typename Mods>
 cudaError_t run_fwd(const FwdArgs& args, int sms, cudaStream_t stream) {
   using C = Sm90FwdConfig<D>;
-  // The plan's forward items are query tiles of plan_tiles(D).fwd_block_m rows; the kernel holds one
-  // such tile per CTA.
-  static_assert(plan_tiles(D).fwd_block_m == C::kBlockM, "sm90 forward: plan query tiles must be kBlockM rows");
+  // The plan's forward items are query tiles of the Hopper family's rows (fwd_tiles_ok: the
+  // dispatcher sends a plan cut for the portable kernels to them); the kernel holds one tile per CTA.
+  static_assert(fwd_block_m(D, TileFamily::kSm90) == C::kBlockM, "sm90 forward: plan query tiles must be kBlockM rows");
   const int T_ = args.layout.num_tokens;
   const int H = args.num_heads, Hk = args.num_kv_heads;
   Sm90FwdParams<D> p;
