@@ -474,7 +474,7 @@ dualkv_status plan_inspect(const dualkv_layout* host_layout, const dualkv_prefix
   const dualkv::PlanTiles bwd_tiles = dualkv::plan_tiles(head_dim);
   const int32_t* hdr = p.data.data();
   info->head_dim = head_dim;
-  info->fwd_block_m = dualkv::fwd_block_m(head_dim, family);
+  info->fwd_block_m = dualkv::fwd_block_m(head_dim, family, window > 0);
   info->bwd_block_n = bwd_tiles.bwd_block_n;
   info->bwd_block_m = bwd_tiles.bwd_block_m;
   info->bwd_split_rows = p.split_rows;

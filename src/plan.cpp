@@ -145,7 +145,7 @@ void order_windowed_items(std::vector<Item>& items, int32_t windowed_max, int nu
 dualkv_status build(const dualkv_layout& l, const dualkv_prefixes* prefixes, int head_dim, TileFamily family,
                     int32_t window, int num_sms, Plan* out) {
   const PlanTiles ts = plan_tiles(head_dim);
-  const int32_t fwd_m = fwd_block_m(head_dim, family);
+  const int32_t fwd_m = fwd_block_m(head_dim, family, window > 0);
   const dualkv_prefixes none{0, 0, nullptr, nullptr};
   const dualkv_prefixes& px = prefixes != nullptr ? *prefixes : none;
   if (window > 0 && px.num_prefixes > 0)

@@ -23,14 +23,17 @@ enum class TileFamily : int { kPortable = 1, kSm90 = 2 };
 // Query rows of a forward (and deterministic dQ) work item: 128 up to D = 256; 192 at D = 64 for
 // the Hopper forward (three consumer warpgroups of 64 rows, FA3 / FA4's D-64 forward: a 128-key
 // tile's exponentials take as long as its two GEMMs there, so a third warpgroup's softmax keeps the
-// tensor cores busy while two take turns; measured 0.88-0.97x the forward time of 128-row tiles,
-// 2026-12-03). The portable kernels keep 128 rows there (192-row tiles ran 1.16-1.31x their time)
-// and are also built for 192 (sm80/config.h): the Hopper forward falls back to them at launch.
+// tensor cores busy while two take turns; measured 0.84-0.97x the forward time of 128-row tiles,
+// 2026-12-03), except in a plan cut to a sliding window (`windowed`): a 192-row tile walks its
+// window's keys for all three warpgroups, whose rows see different keys, and at gpt-oss's window
+// of 128 that made the forward 1.06-1.12x the time of 128-row tiles. The portable kernels keep 128
+// rows (192-row tiles ran 1.16-1.31x their time) and are also built for 192 (sm80/config.h): the
+// Hopper forward falls back to them at launch.
 // Above D = 256 (D = 512): 64 rows (the portable forward's Q tile, 64 x 512 at 16 bits = 64 KiB of
 // shared memory, and the deterministic dQ kernel's Q and dO tiles, 128 KiB, next to their K/V
 // steps).
-DUALKV_TILE_FN int fwd_block_m(int head_dim, TileFamily family) {
-  return head_dim == 64 && family == TileFamily::kSm90 ? 192 : head_dim <= 256 ? 128 : 64;
+DUALKV_TILE_FN int fwd_block_m(int head_dim, TileFamily family, bool windowed) {
+  return head_dim == 64 && family == TileFamily::kSm90 && !windowed ? 192 : head_dim <= 256 ? 128 : 64;
 }
 
 // The backward's tiles, the same in every family's plan.

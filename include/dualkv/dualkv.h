@@ -285,8 +285,9 @@ typedef struct dualkv_plan_request {
   const dualkv_prefixes* prefixes; /* host table of the external prefix segments; NULL: none */
   int32_t tiles;        /* dualkv_plan_tiles: the kernel family the plan's tiles are cut for */
 } dualkv_plan_request;
-/* The kernel family a CUDA plan is cut for. Their forward query tiles differ at head dim 64 (192
- * rows for the Hopper forward, 128 for the portable kernels); elsewhere the plans are the same.
+/* The kernel family a CUDA plan is cut for. Their forward query tiles differ at head dim 64 without
+ * a window (192 rows for the Hopper forward, 128 for the portable kernels); elsewhere the plans are
+ * the same.
  * A plan of either family runs on any device: the portable kernels take both, the Hopper forward
  * its own (the dispatcher runs a portable-family plan's forward on the portable kernels).
  * DEVICE: the family the dispatcher runs on the request's device when the plan is built (the

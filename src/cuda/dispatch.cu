@@ -153,7 +153,7 @@ dualkv_status check_plan(const Params& p, const char* what, int32_t* fwd_tile_ro
   const uint64_t key = p.plan_key >> kPlanSlotBits;
   *fwd_tile_rows = 0;
   for (TileFamily family : {TileFamily::kPortable, TileFamily::kSm90}) {
-    const int32_t m = fwd_block_m(p.head_dim, family);
+    const int32_t m = fwd_block_m(p.head_dim, family, p.window > 0);
     if (key == plan::key_hash(p.head_dim, m, p.layout.num_segments, p.layout.num_tokens, p.window, E, rows))
       *fwd_tile_rows = m;
   }
@@ -241,7 +241,7 @@ struct Arch {
   bool (*fwd_args_ok)(const FwdArgs&, int head_dim);
   bool (*bwd_args_ok)(const BwdArgs&, int head_dim);
   TileFamily tiles;  // the plan family its forward is cut for (what a DEVICE plan request builds)
-  bool (*fwd_tiles_ok)(int head_dim, int fwd_block_m);  // its forward runs plans of these query tiles
+  bool (*fwd_tiles_ok)(int head_dim, bool windowed, int fwd_block_m);  // its forward runs plans of these tiles
 };
 
 #define DKV_ARCH(ARCH)                                                                                       \
@@ -364,7 +364,7 @@ dualkv_status run_on_first_arch(const char* dir, const Args& a, int head_dim, in
       passed_over = std::string("no ") + arch.name + " kernel built for this head dim";
     } else if (!args_ok(arch, a, head_dim)) {
       passed_over = arch.args_mismatch;
-    } else if (kFwd && !arch.fwd_tiles_ok(head_dim, a.fwd_block_m)) {
+    } else if (kFwd && !arch.fwd_tiles_ok(head_dim, a.window > 0, a.fwd_block_m)) {
       passed_over = std::string("plan cut for another kernel family's forward tiles (") +
                     std::to_string(a.fwd_block_m) + " query rows)";
     } else if (env != nullptr && std::getenv(env) != nullptr) {

@@ -169,7 +169,7 @@ TEST(Plan, RandomForestsEveryTiling) {
 }
 
 // The two kernel families' plans (dualkv_plan_request.tiles) differ in the forward query tiles at
-// D = 64 only, and the key says which a plan has (the dispatcher learns it from the key); the
+// D = 64 without a window only, and the key says which a plan has (the dispatcher learns it from the key); the
 // backward items are the same. DEVICE is PORTABLE without a device, and a request of the size
 // before `tiles` was appended is a DEVICE request.
 TEST(Plan, KernelFamiliesDifferInForwardTilesAtHeadDim64Only) {
@@ -199,6 +199,12 @@ TEST(Plan, KernelFamiliesDifferInForwardTilesAtHeadDim64Only) {
     EXPECT_EQ(p.plan, h.plan);
     EXPECT_EQ(p.info.plan_key, h.info.plan_key);
   }
+  // Cut to a window, both families' plans have 128-row tiles at D = 64 (tile_size.h fwd_block_m).
+  const Inspected pw = inspect_request(v, cuda_request(64, 128, nullptr, DUALKV_PLAN_TILES_PORTABLE), 132),
+                  hw = inspect_request(v, cuda_request(64, 128, nullptr, DUALKV_PLAN_TILES_SM90), 132);
+  EXPECT_EQ(hw.info.fwd_block_m, 128);
+  EXPECT_EQ(pw.plan, hw.plan);
+  EXPECT_EQ(pw.info.plan_key, hw.info.plan_key);
   // The request without `tiles` (its struct_size then) is DEVICE's; an unknown family is refused.
   dualkv_plan_request req = cuda_request(64, 0, nullptr, DUALKV_PLAN_TILES_SM90);
   req.struct_size = offsetof(dualkv_plan_request, tiles);

@@ -21,9 +21,9 @@ inline bool bwd_args_ok(const BwdArgs&, int /*head_dim*/) { return true; }
 // The forward and the deterministic dQ kernel are built for both families' query tiles (config.h):
 // they run the Hopper forward's fallbacks on the plans it was given.
 constexpr TileFamily kTiles = TileFamily::kPortable;
-inline bool fwd_tiles_ok(int head_dim, int fwd_block_m) {
-  return fwd_block_m == dualkv::fwd_block_m(head_dim, TileFamily::kPortable) ||
-         fwd_block_m == dualkv::fwd_block_m(head_dim, TileFamily::kSm90);
+inline bool fwd_tiles_ok(int head_dim, bool windowed, int fwd_block_m) {
+  return fwd_block_m == dualkv::fwd_block_m(head_dim, TileFamily::kPortable, windowed) ||
+         fwd_block_m == dualkv::fwd_block_m(head_dim, TileFamily::kSm90, windowed);
 }
 
 // `sms`: the device's multiprocessor count (persistent grids).

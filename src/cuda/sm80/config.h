@@ -7,11 +7,12 @@
 namespace dualkv::cuda::sm80 {
 
 // The plan query tiles the portable forward and deterministic dQ kernels are built for: the
-// portable family's, and the Hopper family's where it differs (tile_size.h fwd_block_m: the Hopper
-// forward falls back to the portable one at launch, and the deterministic dQ kernel runs after the
-// Hopper backward, on the plan the Hopper forward ran).
-template <int D> inline constexpr int kPortableTileM = fwd_block_m(D, TileFamily::kPortable);
-template <int D> inline constexpr int kSm90TileM = fwd_block_m(D, TileFamily::kSm90);
+// portable family's, and the Hopper family's where it differs (tile_size.h fwd_block_m; windowed
+// plans have the portable family's in both): the Hopper forward falls back to the portable one at
+// launch, and the deterministic dQ kernel runs after the Hopper backward, on the plan the Hopper
+// forward ran.
+template <int D> inline constexpr int kPortableTileM = fwd_block_m(D, TileFamily::kPortable, false);
+template <int D> inline constexpr int kSm90TileM = fwd_block_m(D, TileFamily::kSm90, false);
 
 // Forward kernel: warps of kMI x 16 query rows filling the plan's query tile of kTileM rows; kDSplit
 // warps per row block, each with D / kDSplit columns of O (tile_size.h: 2 at D = 512, else 1). Warp

@@ -1,5 +1,5 @@
 // Hopper forward kernel (sm_90a): one persistent CTA per SM, a producer warpgroup and two consumer
-// warpgroups (three at D = 64: Sm90FwdConfig::kConsumerWGs).
+// warpgroups (three at D = 64 without a window: Sm90FwdConfig::kConsumerWGs).
 //
 //   warpgroup 0 (producer, 40 registers): one thread takes (query tile, head) items from the plan
 //     through the atomic counter, hands each to the consumers through a 2-slot ring in smem, and
@@ -58,12 +58,13 @@ constexpr bool fwd_wide_tiles() {
   return D == 128 && std::is_same_v<Mods, NoModifiers> && !kPrefix;
 }
 
-template <int D, bool kWide = false>
+// kWindow: the sliding-window kernels, which run plans cut to a window (tile_size.h fwd_block_m).
+template <int D, bool kWide = false, bool kWindow = false>
 struct Sm90FwdConfig {
-  static constexpr int kBlockM = fwd_block_m(D, TileFamily::kSm90);  // query rows per tile (the plan's)
-  // Consumer warpgroups, 64 query rows each: 3 at D = 64 (192-row tiles, FA3/FA4's D-64 forward: a
-  // 128-key tile's exponentials take as long as its two GEMMs there, so a third warpgroup's softmax
-  // keeps the tensor cores busy while two take turns), 2 otherwise.
+  static constexpr int kBlockM = fwd_block_m(D, TileFamily::kSm90, kWindow);  // query rows per tile (the plan's)
+  // Consumer warpgroups, 64 query rows each: 3 at D = 64 without a window (192-row tiles, FA3/FA4's
+  // D-64 forward: a 128-key tile's exponentials take as long as its two GEMMs there, so a third
+  // warpgroup's softmax keeps the tensor cores busy while two take turns), 2 otherwise.
   static constexpr int kConsumerWGs = kBlockM / 64;
   static constexpr int kBlockN = sm90_fwd_block_n(D, kWide);  // KV rows per tile
   static constexpr int kStages = 2;
@@ -185,9 +186,9 @@ __device__ __forceinline__ void fwd_o_staging_release(const CUtensorMap* to, uin
 // and the consumers mask them as ancestor tiles (never diagonal); instantiated with NoModifiers
 // only. The default instantiation is the kernel as it was before either.
 template <typename T, int D, typename Mods = NoModifiers, bool kPrefix = false>
-__global__ void __launch_bounds__(Sm90FwdConfig<D>::kThreads, 1)
+__global__ void __launch_bounds__(Sm90FwdConfig<D, false, Mods::kWindow>::kThreads, 1)
 fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
-  using C = Sm90FwdConfig<D, fwd_wide_tiles<D, Mods, kPrefix>()>;
+  using C = Sm90FwdConfig<D, fwd_wide_tiles<D, Mods, kPrefix>(), Mods::kWindow>;
   constexpr int BN = C::kBlockN, S = C::kStages;
 
   extern __shared__ __align__(1024) uint8_t smem_raw[];
