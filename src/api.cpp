@@ -391,8 +391,9 @@ dualkv_status read_plan_request(const dualkv_plan_request* r, const char* what, 
   // The request before `tiles` was appended: the device's family.
   constexpr size_t kWithoutTiles = offsetof(dualkv_plan_request, tiles);
   if (r->struct_size != sizeof(dualkv_plan_request) && r->struct_size != kWithoutTiles)
-    return fail(DUALKV_ERROR_VERSION, "%s: request struct_size %u does not match the library's %zu (or %zu without tiles)",
-                what, r->struct_size, sizeof(dualkv_plan_request), kWithoutTiles);
+    return fail(DUALKV_ERROR_VERSION,
+                "%s: request struct_size %u does not match the library's %zu (or %zu without tiles)", what,
+                r->struct_size, sizeof(dualkv_plan_request), kWithoutTiles);
   if (r->window < 0)
     return fail(DUALKV_ERROR_INVALID_ARGUMENT, "%s: window must be >= 1 (or 0 for none), got %d", what, r->window);
   *out = dualkv_plan_request{};

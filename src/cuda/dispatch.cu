@@ -364,11 +364,11 @@ dualkv_status run_on_first_arch(const char* dir, const Args& a, int head_dim, in
       passed_over = std::string("no ") + arch.name + " kernel built for this head dim";
     } else if (!args_ok(arch, a, head_dim)) {
       passed_over = arch.args_mismatch;
+    } else if (env != nullptr && std::getenv(env) != nullptr) {
+      passed_over = env;
     } else if (kFwd && !arch.fwd_tiles_ok(head_dim, a.window > 0, a.fwd_block_m)) {
       passed_over = std::string("plan cut for another kernel family's forward tiles (") +
                     std::to_string(a.fwd_block_m) + " query rows)";
-    } else if (env != nullptr && std::getenv(env) != nullptr) {
-      passed_over = env;
     } else {
       const cudaError_t err = launch(a, info.sms, stream);
       if (err == cudaSuccess) {

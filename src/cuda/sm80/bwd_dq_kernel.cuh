@@ -288,7 +288,8 @@ cudaError_t launch_bwd_dq(const BwdArgs& args, int sms, cudaStream_t stream) {
 // Shared memory of the dQ kernel that takes the plan's query tiles.
 template <int D, typename T>
 constexpr size_t bwd_dq_smem(int fwd_block_m) {
-  return fwd_block_m == kSm90TileM<D> ? sizeof(DqSmemOf<D, kSm90TileM<D>, T>) : sizeof(DqSmemOf<D, kPortableTileM<D>, T>);
+  return fwd_block_m == kSm90TileM<D> ? sizeof(DqSmemOf<D, kSm90TileM<D>, T>)
+                                      : sizeof(DqSmemOf<D, kPortableTileM<D>, T>);
 }
 
 }  // namespace dualkv::cuda::sm80
