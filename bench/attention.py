@@ -20,6 +20,8 @@ Methods (each on its own layout; TFLOP/s credited with that layout's visible (q,
   dualkv_ab  dualkv through a second build of libdualkv (--ab-library PATH, C ABI 1 or 2) loaded into
              the same process, with its own layouts and plans: A/B of two builds, e.g. a change against
              the library it started from (with --rounds 3: same-round time ratios, see ab_summary)
+  dualkv_det, dualkv_ab_det  the same two in deterministic mode (dualkv_ab_det joins dualkv_det
+             when --ab-library is given; ab_summary then also compares their forward+backward)
 A method whose package is missing (FA4 off the GPU machine) is recorded as "skipped: ...", and so is
 a peer at a head dim it has no kernel for (HEAD_DIM_LIMITS: SDPA's FlashAttention and cuDNN
 backends and FA4 stop at 256, so at --head-dim 512 the dense peers are sdpa_efficient and Flex on
@@ -562,6 +564,10 @@ def build_method(name, case, H, Hk, D, dtype, libraries, mods=NO_MODS):
         if "dualkv_ab" not in libraries:
             raise ValueError("method dualkv_ab needs --ab-library PATH")
         return method_dualkv(case, H, Hk, D, dtype, libraries["dualkv_ab"], mods=mods)
+    if name == "dualkv_ab_det":
+        if "dualkv_ab" not in libraries:
+            raise ValueError("method dualkv_ab_det needs --ab-library PATH")
+        return method_dualkv(case, H, Hk, D, dtype, libraries["dualkv_ab"], deterministic=True, mods=mods)
     if name == "sdpa_flash":
         return method_sdpa(case, H, Hk, D, dtype, "flash", mods)
     if name == "sdpa_cudnn":
@@ -660,14 +666,18 @@ def ab_summary(per_method, tolerance):
     slower in every round, and ``within`` = median <= 1 + tolerance and not slower in every round
     (a build counts as no slower only if both hold). Empty without two rounds of both builds."""
     out = {}
-    for key in ("fwd", "fwdbwd"):
-        ratios = same_round_ratios(per_method, "dualkv", "dualkv_ab", key)
+    pairs = [("fwd", "dualkv", "dualkv_ab", "fwd"), ("fwdbwd", "dualkv", "dualkv_ab", "fwdbwd"),
+             ("det_fwdbwd", "dualkv_det", "dualkv_ab_det", "fwdbwd")]
+    for name, new, base, key in pairs:
+        if new not in per_method or base not in per_method:
+            continue
+        ratios = same_round_ratios(per_method, new, base, key)
         if len(ratios) < 2:
             continue
         med = statistics.median(ratios)
         slower_always = all(r > 1.0 for r in ratios)
-        out[key] = {"time_ratios": ratios, "median": med, "slower_every_round": slower_always,
-                    "within": med <= 1.0 + tolerance and not slower_always}
+        out[name] = {"time_ratios": ratios, "median": med, "slower_every_round": slower_always,
+                     "within": med <= 1.0 + tolerance and not slower_always}
     return out
 
 
@@ -966,6 +976,8 @@ def main():
         libraries["dualkv_ab"] = Library.load(args.ab_library)
         if "dualkv_ab" not in methods:
             methods.append("dualkv_ab")
+        if "dualkv_det" in methods and "dualkv_ab_det" not in methods:
+            methods.append("dualkv_ab_det")
 
     env = provenance.record(tree, "cuda")
     env["compile_cache_at_start"] = compile_cache_state()  # before any compile of this process

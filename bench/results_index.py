@@ -145,6 +145,21 @@ BENCHMARKS = {
                                "192-row D-64 tiles on the portable forward (4 warps x 3 row blocks, 32-row KV steps) "
                                "against 73d685e, SDPA-flash in process, 3 rounds (step ab, AB_PATHS=portable)",
     "ab_fwd_d64_6warp_portable": "the same A/B with the portable forward at 6 warps x 2 row blocks (tree f115ae7)",
+    "ab_d64_plan_families": "bench/attention.py --head-dim 64 --classes all --configs 16,4096,1024;8,16384,2048 "
+                            "--ab-library, Hopper path: plans cut per kernel family, the D-64 Hopper forward with three "
+                            "consumer warpgroups and 192-row tiles (tree c8a1aed, kernels of a83ea7a) against the 73d685e "
+                            "build, FA4 dense and Flex-FA4 in process, 3 rounds (issue 23; step bench-classes)",
+    "ab_d64_plan_families_det": "the same tree's A/B in deterministic mode too (methods dualkv, dualkv_det and the base's "
+                                "dualkv_ab, dualkv_ab_det; no peers), 3 rounds",
+    "ab_d64_plan_families_portable": "the same tree, portable kernels forced (portable-family plans: the 128-row kernels "
+                                     "as before) against 73d685e, 3 rounds (step ab, AB_PATHS=portable)",
+    "ab_d64_plan_families_window": "tree be927f3 (windowed D-64 plans keep 128-row tiles) against 73d685e at D 64 with "
+                                   "--window 128: long responses, small groups, N16 P4K, 3 rounds",
+    "ab_d64_plan_families_sinks": "the same with --sinks (gpt-oss's full-attention layers: 192-row tiles)",
+    "ab_d64_plan_families_sinks_window": "the same with --sinks --window 128 (gpt-oss's sliding layers)",
+    "ab_d64_plan_families_softcap": "the same with --softcap 30 (the D-64 Hopper softcap kernel spills 52 bytes)",
+    "ab_fwd_d64_192_sinks_window": "tree c8a1aed, the loser: 192-row tiles in windowed D-64 plans, --sinks --window 128 "
+                                   "against 73d685e, 3 rounds (forward 1.06-1.12x the time: docs/decisions.md)",
     "e2e_breakdown_1.7b": "bench/e2e.py --breakdown --methods dualkv, Qwen3-1.7B shape, P 8K and 16K, 4 micro-batches, "
                           "3 updates: device time per update by kernel category (attention / GEMM / other; issue 23's "
                           "end-to-end bar; step e2e-all, E2E_ARGS=--breakdown)",

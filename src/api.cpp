@@ -388,17 +388,27 @@ namespace {
 // plain entry points' arguments with no window.
 dualkv_status read_plan_request(const dualkv_plan_request* r, const char* what, dualkv_plan_request* out) {
   if (!r) return fail(DUALKV_ERROR_INVALID_ARGUMENT, "%s: request is NULL", what);
-  if (r->struct_size != sizeof(dualkv_plan_request))
-    return fail(DUALKV_ERROR_VERSION, "%s: request struct_size %u does not match the library's %zu", what,
-                r->struct_size, sizeof(dualkv_plan_request));
+  // The request before `tiles` was appended: the device's family.
+  constexpr size_t kWithoutTiles = offsetof(dualkv_plan_request, tiles);
+  if (r->struct_size != sizeof(dualkv_plan_request) && r->struct_size != kWithoutTiles)
+    return fail(DUALKV_ERROR_VERSION,
+                "%s: request struct_size %u does not match the library's %zu (or %zu without tiles)", what,
+                r->struct_size, sizeof(dualkv_plan_request), kWithoutTiles);
   if (r->window < 0)
     return fail(DUALKV_ERROR_INVALID_ARGUMENT, "%s: window must be >= 1 (or 0 for none), got %d", what, r->window);
-  *out = *r;
+  *out = dualkv_plan_request{};
+  std::memcpy(out, r, r->struct_size);
+  out->struct_size = sizeof(dualkv_plan_request);
+  if (out->tiles != DUALKV_PLAN_TILES_DEVICE && out->tiles != DUALKV_PLAN_TILES_PORTABLE &&
+      out->tiles != DUALKV_PLAN_TILES_SM90)
+    return fail(DUALKV_ERROR_INVALID_ARGUMENT,
+                "%s: tiles must be DUALKV_PLAN_TILES_DEVICE (0), _PORTABLE (1) or _SM90 (2), got %d", what, out->tiles);
   return DUALKV_OK;
 }
 
 dualkv_plan_request plain_request(int32_t device, int32_t device_index, int32_t dtype, int32_t head_dim) {
-  return dualkv_plan_request{sizeof(dualkv_plan_request), device, device_index, dtype, head_dim, 0, nullptr};
+  return dualkv_plan_request{sizeof(dualkv_plan_request), device, device_index, dtype, head_dim, 0, nullptr,
+                             DUALKV_PLAN_TILES_DEVICE};
 }
 
 dualkv_status plan_size(const dualkv_layout* host_layout, const dualkv_plan_request& r, int64_t* plan_len,
@@ -414,8 +424,8 @@ dualkv_status plan_size(const dualkv_layout* host_layout, const dualkv_plan_requ
 #if defined(DUALKV_WITH_CUDA)
   if (r.device == DUALKV_DEVICE_CUDA) {
     if (dualkv_status st = cuda_check_supported(r.device_index, r.dtype, r.head_dim); st != DUALKV_OK) return st;
-    return cuda_plan_size(*host_layout, r.prefixes, r.device_index, r.dtype, r.head_dim, r.window, plan_len,
-                          plan_key);
+    return cuda_plan_size(*host_layout, r.prefixes, r.device_index, r.dtype, r.head_dim, r.window, r.tiles,
+                          plan_len, plan_key);
   }
 #else
   if (r.device == DUALKV_DEVICE_CUDA)
@@ -433,7 +443,8 @@ dualkv_status plan_build(const dualkv_layout* host_layout, const dualkv_plan_req
   if (r.device == DUALKV_DEVICE_CUDA) {
     if (!plan) return fail(DUALKV_ERROR_INVALID_ARGUMENT, "plan_build: plan is NULL");
     if (dualkv_status st = cuda_check_supported(r.device_index, r.dtype, r.head_dim); st != DUALKV_OK) return st;
-    return cuda_plan_build(*host_layout, r.prefixes, r.device_index, r.dtype, r.head_dim, r.window, plan, plan_len);
+    return cuda_plan_build(*host_layout, r.prefixes, r.device_index, r.dtype, r.head_dim, r.window, r.tiles, plan,
+                           plan_len);
   }
 #else
   (void)plan; (void)plan_len;
@@ -443,8 +454,10 @@ dualkv_status plan_build(const dualkv_layout* host_layout, const dualkv_plan_req
   return fail(DUALKV_ERROR_INVALID_ARGUMENT, "plan_build: unknown device code %d", r.device);
 }
 
+// tiles: DUALKV_PLAN_TILES_*; DEVICE (there is none here) is PORTABLE.
 dualkv_status plan_inspect(const dualkv_layout* host_layout, const dualkv_prefixes* prefixes, int32_t head_dim,
-                           int32_t window, int32_t num_sms, dualkv_plan_info* info, int32_t* plan, int64_t plan_len) {
+                           int32_t window, int32_t tiles, int32_t num_sms, dualkv_plan_info* info, int32_t* plan,
+                           int64_t plan_len) {
   if (!host_layout || !info) return fail(DUALKV_ERROR_INVALID_ARGUMENT, "plan_inspect: NULL argument");
   if (info->struct_size != sizeof(dualkv_plan_info))
     return fail(DUALKV_ERROR_VERSION, "plan_inspect: info struct_size %u does not match the library's %zu",
@@ -453,15 +466,18 @@ dualkv_status plan_inspect(const dualkv_layout* host_layout, const dualkv_prefix
     return fail(DUALKV_ERROR_INVALID_ARGUMENT, "plan_inspect: head_dim (%d) and num_sms (%d) must be >= 1",
                 head_dim, num_sms);
   if (dualkv_status st = check_host_layout(*host_layout, prefixes); st != DUALKV_OK) return st;
+  const dualkv::TileFamily family =
+      tiles == DUALKV_PLAN_TILES_SM90 ? dualkv::TileFamily::kSm90 : dualkv::TileFamily::kPortable;
   dualkv::plan::Plan p;
-  if (dualkv_status st = dualkv::plan::build(*host_layout, prefixes, head_dim, window, num_sms, &p); st != DUALKV_OK)
+  if (dualkv_status st = dualkv::plan::build(*host_layout, prefixes, head_dim, family, window, num_sms, &p);
+      st != DUALKV_OK)
     return st;
-  const dualkv::PlanTiles tiles = dualkv::plan_tiles(head_dim);
+  const dualkv::PlanTiles bwd_tiles = dualkv::plan_tiles(head_dim);
   const int32_t* hdr = p.data.data();
   info->head_dim = head_dim;
-  info->fwd_block_m = tiles.fwd_block_m;
-  info->bwd_block_n = tiles.bwd_block_n;
-  info->bwd_block_m = tiles.bwd_block_m;
+  info->fwd_block_m = dualkv::fwd_block_m(head_dim, family, window > 0);
+  info->bwd_block_n = bwd_tiles.bwd_block_n;
+  info->bwd_block_m = bwd_tiles.bwd_block_m;
   info->bwd_split_rows = p.split_rows;
   info->num_fwd_tiles = hdr[dualkv::kHdrNumFwd];
   info->num_bwd_items = hdr[dualkv::kHdrNumBwd];
@@ -553,7 +569,7 @@ DUALKV_API dualkv_status dualkv_plan_inspect(const dualkv_layout* host_layout, i
                                              int32_t num_sms, dualkv_plan_info* info, int32_t* plan,
                                              int64_t plan_len) {
   clear_error();
-  return plan_inspect(host_layout, nullptr, head_dim, 0, num_sms, info, plan, plan_len);
+  return plan_inspect(host_layout, nullptr, head_dim, 0, DUALKV_PLAN_TILES_PORTABLE, num_sms, info, plan, plan_len);
 }
 
 DUALKV_API dualkv_status dualkv_plan_inspect_ex(const dualkv_layout* host_layout, const dualkv_plan_request* request,
@@ -562,7 +578,7 @@ DUALKV_API dualkv_status dualkv_plan_inspect_ex(const dualkv_layout* host_layout
   clear_error();
   dualkv_plan_request r{};  // filled by read_plan_request on success (GCC cannot see that)
   if (dualkv_status st = read_plan_request(request, "plan_inspect", &r); st != DUALKV_OK) return st;
-  return plan_inspect(host_layout, r.prefixes, r.head_dim, r.window, num_sms, info, plan, plan_len);
+  return plan_inspect(host_layout, r.prefixes, r.head_dim, r.window, r.tiles, num_sms, info, plan, plan_len);
 }
 
 DUALKV_API dualkv_status dualkv_fwd_workspace_size(const dualkv_fwd_params* params, size_t* bytes) {

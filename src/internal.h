@@ -47,11 +47,14 @@ const char* cpu_isa();
 // UNSUPPORTED/CUDA status with the last error set to say why.
 dualkv_status cuda_check_supported(int32_t device_index, int32_t dtype, int32_t head_dim);
 // Plans for a device (plan.h), cut to `window` (0: none), with the external prefix table
-// `prefixes` (host memory; NULL: none).
+// `prefixes` (host memory; NULL: none), for the kernel family `tiles` (DUALKV_PLAN_TILES_*;
+// DEVICE: the one the dispatcher runs the forward with on this device now).
 dualkv_status cuda_plan_size(const dualkv_layout& host_layout, const dualkv_prefixes* prefixes, int32_t device_index,
-                             int32_t dtype, int32_t head_dim, int32_t window, int64_t* plan_len, uint64_t* plan_key);
+                             int32_t dtype, int32_t head_dim, int32_t window, int32_t tiles, int64_t* plan_len,
+                             uint64_t* plan_key);
 dualkv_status cuda_plan_build(const dualkv_layout& host_layout, const dualkv_prefixes* prefixes, int32_t device_index,
-                              int32_t dtype, int32_t head_dim, int32_t window, int32_t* plan, int64_t plan_len);
+                              int32_t dtype, int32_t head_dim, int32_t window, int32_t tiles, int32_t* plan,
+                              int64_t plan_len);
 size_t cuda_fwd_workspace_bytes(const dualkv_fwd_params& p);
 dualkv_status cuda_fwd(const dualkv_fwd_params& p);
 size_t cuda_bwd_workspace_bytes(const dualkv_bwd_params& p);

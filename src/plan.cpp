@@ -24,10 +24,11 @@ uint64_t mix64(uint64_t x) {
 
 }  // namespace
 
-uint64_t key_hash(int head_dim, int32_t S, int32_t T, int32_t window, int32_t num_prefixes, int32_t prefix_rows) {
+uint64_t key_hash(int head_dim, int fwd_tile_rows, int32_t S, int32_t T, int32_t window, int32_t num_prefixes,
+                  int32_t prefix_rows) {
   const PlanTiles ts = plan_tiles(head_dim);
   uint64_t h = mix64(static_cast<uint64_t>(kPlanVersion) << 48 | static_cast<uint64_t>(head_dim) << 32 |
-                     static_cast<uint64_t>(ts.fwd_block_m) << 16 | static_cast<uint64_t>(ts.bwd_block_n));
+                     static_cast<uint64_t>(fwd_tile_rows) << 16 | static_cast<uint64_t>(ts.bwd_block_n));
   h = mix64(h ^ (static_cast<uint64_t>(ts.bwd_block_m) << 40) ^ static_cast<uint64_t>(static_cast<uint32_t>(S)));
   h = mix64(h ^ (static_cast<uint64_t>(static_cast<uint32_t>(T)) << 7));
   h = mix64(h ^ (static_cast<uint64_t>(static_cast<uint32_t>(num_prefixes)) << 32 |
@@ -141,9 +142,10 @@ void order_windowed_items(std::vector<Item>& items, int32_t windowed_max, int nu
 
 }  // namespace
 
-dualkv_status build(const dualkv_layout& l, const dualkv_prefixes* prefixes, int head_dim, int32_t window, int num_sms,
-                    Plan* out) {
+dualkv_status build(const dualkv_layout& l, const dualkv_prefixes* prefixes, int head_dim, TileFamily family,
+                    int32_t window, int num_sms, Plan* out) {
   const PlanTiles ts = plan_tiles(head_dim);
+  const int32_t fwd_m = fwd_block_m(head_dim, family, window > 0);
   const dualkv_prefixes none{0, 0, nullptr, nullptr};
   const dualkv_prefixes& px = prefixes != nullptr ? *prefixes : none;
   if (window > 0 && px.num_prefixes > 0)
@@ -159,7 +161,7 @@ dualkv_status build(const dualkv_layout& l, const dualkv_prefixes* prefixes, int
   for (int32_t s = 0; s < S; ++s) root[s] = l.seg_parent[s] < 0 ? s : root[l.seg_parent[s]];
 
   // Forward query tiles; work = the keys the tile walks (for its last query). Short leaves with one
-  // parent (or short roots) that follow each other share a tile, whole, up to fwd_block_m rows:
+  // parent (or short roots) that follow each other share a tile, whole, up to fwd_m rows:
   // they share every ancestor, so the tile walks the ancestors once for all of them (a tile per
   // leaf walked them once per leaf: N responses of a few tokens each cost N walks of the prompt),
   // then each sibling's tokens as an own range (KvWalk), which the other siblings' rows do not see:
@@ -168,18 +170,18 @@ dualkv_status build(const dualkv_layout& l, const dualkv_prefixes* prefixes, int
   struct Fwd { int32_t s, q0, q1, work; };
   std::vector<Fwd> fwd;
   auto packable = [&](int32_t s) {
-    return w.size <= 0 && l.seg_subtree_end[s] == s + 1 && !f.is_external(s) && off[s + 1] - off[s] < ts.fwd_block_m;
+    return w.size <= 0 && l.seg_subtree_end[s] == s + 1 && !f.is_external(s) && off[s + 1] - off[s] < fwd_m;
   };
   for (int32_t s = 0; s < S;) {
     if (packable(s)) {
       int32_t t = s + 1;
-      while (t < S && packable(t) && l.seg_parent[t] == l.seg_parent[s] && off[t + 1] - off[s] <= ts.fwd_block_m) ++t;
+      while (t < S && packable(t) && l.seg_parent[t] == l.seg_parent[s] && off[t + 1] - off[s] <= fwd_m) ++t;
       fwd.push_back({s, off[s], off[t], fwd_work(f, w, s, off[s], off[t])});
       s = t;
       continue;
     }
-    for (int32_t q0 = off[s]; q0 < off[s + 1]; q0 += ts.fwd_block_m) {
-      const int32_t q1 = std::min(q0 + ts.fwd_block_m, off[s + 1]);
+    for (int32_t q0 = off[s]; q0 < off[s + 1]; q0 += fwd_m) {
+      const int32_t q1 = std::min(q0 + fwd_m, off[s + 1]);
       fwd.push_back({s, q0, q1, fwd_work(f, w, s, q0, q1)});
     }
     ++s;
@@ -327,7 +329,7 @@ dualkv_status build(const dualkv_layout& l, const dualkv_prefixes* prefixes, int
     int32_t* p = &d[red_off + i * kRedItemInts];
     p[0] = red[i].s; p[1] = red[i].k0; p[2] = red[i].k1; p[3] = red[i].slot0; p[4] = red[i].n; p[5] = 0;
   }
-  out->key = (key_hash(head_dim, S, T, w.size > 0 ? w.size : 0, px.num_prefixes,
+  out->key = (key_hash(head_dim, fwd_m, S, T, w.size > 0 ? w.size : 0, px.num_prefixes,
                        px.num_prefixes > 0 ? px.num_prefix_rows : 0) << kPlanSlotBits) |
              static_cast<uint64_t>(n_slots);
   out->split_rows = static_cast<int32_t>(std::min<int64_t>(split, INT32_MAX));

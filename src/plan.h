@@ -11,6 +11,7 @@
 
 #include "dualkv/dualkv.h"
 #include "plan_format.h"
+#include "tile_size.h"
 
 namespace dualkv::plan {
 
@@ -21,19 +22,21 @@ struct Plan {
 };
 
 // Builds the plan of a valid, derived host layout (with its external prefix table `prefixes`, host
-// memory, checked with it; NULL or num_prefixes 0: none) for `head_dim` and a sliding window of
+// memory, checked with it; NULL or num_prefixes 0: none) for `head_dim`, the forward query tiles of
+// the kernel family `family` (tile_size.h fwd_block_m) and a sliding window of
 // `window` positions (0: none; plan_format.h) on a device with `num_sms` multiprocessors (the
 // backward split length is max(8192, total / num_sms) query rows, or DUALKV_CUDA_SPLIT_ROWS when
 // set: tests use it to exercise splits).
-dualkv_status build(const dualkv_layout& layout, const dualkv_prefixes* prefixes, int head_dim, int32_t window,
-                    int num_sms, Plan* out);
+dualkv_status build(const dualkv_layout& layout, const dualkv_prefixes* prefixes, int head_dim, TileFamily family,
+                    int32_t window, int num_sms, Plan* out);
 
-// The part of the plan key that names the tiling, the window, the layout's S and T and its prefix
+// The part of the plan key that names the tiling (the head dim's backward tiles and the forward's
+// `fwd_tile_rows` query rows), the window, the layout's S and T and its prefix
 // table's size (E prefixes of `prefix_rows` rows; 0, 0 without): kernels' callers recompute it
 // from their params and reject a plan built for anything else (a plan built for another window,
 // or without the table of a prefixed forest, among them).
-uint64_t key_hash(int head_dim, int32_t num_segments, int32_t num_tokens, int32_t window, int32_t num_prefixes,
-                  int32_t prefix_rows);
+uint64_t key_hash(int head_dim, int fwd_tile_rows, int32_t num_segments, int32_t num_tokens, int32_t window,
+                  int32_t num_prefixes, int32_t prefix_rows);
 
 // Split slots recorded in a plan key (they size the backward workspace).
 inline int32_t key_slots(uint64_t key) { return static_cast<int32_t>(key & kPlanSlotMask); }

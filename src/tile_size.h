@@ -15,19 +15,38 @@
 namespace dualkv {
 
 // ---- the work plan (every arch takes the plan's items as they are) ----
+// The kernel family a plan is cut for: its forward query tiles are the family's forward kernel's
+// (they differ at D = 64 only); the backward's tiles are the same in both. The values are the C
+// ABI's (dualkv_plan_request.tiles, DUALKV_PLAN_TILES_*).
+enum class TileFamily : int { kPortable = 1, kSm90 = 2 };
+
+// Query rows of a forward (and deterministic dQ) work item: 128 up to D = 256; 192 at D = 64 for
+// the Hopper forward (three consumer warpgroups of 64 rows, FA3 / FA4's D-64 forward: a 128-key
+// tile's exponentials take as long as its two GEMMs there, so a third warpgroup's softmax keeps the
+// tensor cores busy while two take turns; measured 0.84-0.97x the forward time of 128-row tiles,
+// 2026-12-03), except in a plan cut to a sliding window (`windowed`): a 192-row tile walks its
+// window's keys for all three warpgroups, whose rows see different keys, and at gpt-oss's window
+// of 128 that made the forward 1.06-1.12x the time of 128-row tiles. The portable kernels keep 128
+// rows (192-row tiles ran 1.16-1.31x their time) and are also built for 192 (sm80/config.h): the
+// Hopper forward falls back to them at launch.
+// Above D = 256 (D = 512): 64 rows (the portable forward's Q tile, 64 x 512 at 16 bits = 64 KiB of
+// shared memory, and the deterministic dQ kernel's Q and dO tiles, 128 KiB, next to their K/V
+// steps).
+DUALKV_TILE_FN int fwd_block_m(int head_dim, TileFamily family, bool windowed) {
+  return head_dim == 64 && family == TileFamily::kSm90 && !windowed ? 192 : head_dim <= 256 ? 128 : 64;
+}
+
+// The backward's tiles, the same in every family's plan.
 struct PlanTiles {
-  int fwd_block_m;  // query rows of a forward (and deterministic dQ) work item
   int bwd_block_n;  // KV rows of a backward work item
   int bwd_block_m;  // query rows of a backward step; backward split lengths are multiples of it
 };
 // Backward KV tiles of 128 rows up to D = 128 (each tile's dQ traffic covers twice the work of a
-// 64-row tile), 64 above (the dK/dV accumulators of 128 rows do not fit the registers).
-// Above D = 256 (D = 512): query tiles of 64 rows (the portable forward's Q tile, 64 x 512 at 16
-// bits = 64 KiB of shared memory, and the deterministic dQ kernel's Q and dO tiles, 128 KiB, next
-// to their K/V steps) and KV tiles of 32 rows (dK and dV of 32 x 512 in fp32 over the backward's
-// 8 warps = 128 registers per thread, as 64 rows are at D = 256).
+// 64-row tile), 64 above (the dK/dV accumulators of 128 rows do not fit the registers), and 32 rows
+// above D = 256 (dK and dV of 32 x 512 in fp32 over the backward's 8 warps = 128 registers per
+// thread, as 64 rows are at D = 256).
 DUALKV_TILE_FN PlanTiles plan_tiles(int head_dim) {
-  return head_dim <= 128 ? PlanTiles{128, 128, 64} : head_dim <= 256 ? PlanTiles{128, 64, 64} : PlanTiles{64, 32, 64};
+  return head_dim <= 128 ? PlanTiles{128, 64} : head_dim <= 256 ? PlanTiles{64, 64} : PlanTiles{32, 64};
 }
 
 // ---- sm80 (mma.sync) kernels ----
@@ -36,6 +55,10 @@ DUALKV_TILE_FN PlanTiles plan_tiles(int head_dim) {
 // warps as fill the plan's query tile, and 64 KV rows per step: FlashAttention-2's sm80 choice
 // above D = 64 (its 8 warps above 128 are our one row block per warp). At D = 64 FA2 takes 128 KV
 // rows; here that spills 112-152 bytes in the KV loop (nvcc 13.0), 64 rows spill nothing.
+// The Hopper family's 192-row tiles at D = 64 (fwd_block_m; the portable forward runs them when
+// the Hopper forward falls back) keep 4 warps, one per SM sub-partition, with 3 row blocks each and
+// 32-row KV steps (no spills): 6 warps of 2 row blocks, which leave two sub-partitions with two
+// warps, took 1.40-1.57x the 128-row kernel's time, 4 x 3 takes 1.16-1.31x (H200, 2026-12-03).
 // Above D = 256 (D = 512) the output accumulator of a 16-row block, 16 x 512 fp32 = 256 registers
 // per thread, cannot be one warp's: d_split = 2 warps share each row block, each owning half of
 // D's columns of O (128 registers, as at D = 256). Each computes S over its half of D and the two
@@ -47,8 +70,10 @@ struct Sm80FwdTiles {
   int block_n;     // KV rows per step
   int d_split;     // warps sharing a row block, each with D / d_split columns of the output
 };
-DUALKV_TILE_FN Sm80FwdTiles sm80_fwd_tiles(int head_dim) {
-  return head_dim <= 256 ? Sm80FwdTiles{head_dim <= 128 ? 2 : 1, 64, 1} : Sm80FwdTiles{1, 32, 2};
+DUALKV_TILE_FN Sm80FwdTiles sm80_fwd_tiles(int head_dim, int block_m) {
+  return block_m == 192    ? Sm80FwdTiles{3, 32, 1}
+         : head_dim <= 256 ? Sm80FwdTiles{head_dim <= 128 ? 2 : 1, 64, 1}
+                           : Sm80FwdTiles{1, 32, 2};
 }
 
 // Shared-memory rows of the Q / K / V / dO tiles (sm80/smem_tile.cuh): exactly D elements with
@@ -68,9 +93,12 @@ DUALKV_TILE_FN bool sm80_swizzled_rows(int head_dim, bool backward) {
 // S, dP and dQ in registers. Above D = 256 the forward's split of D over warp pairs (dQ's columns
 // as O's; the partial S and dP summed through shared memory), with KV steps of 16 rows: Q and dO
 // (128 KiB), K and V (32 KiB) and the partial S and dP (16 KiB) fit the H100's 227 KiB (32 rows do
-// not: 231.5 KiB).
-DUALKV_TILE_FN Sm80FwdTiles sm80_dq_tiles(int head_dim) {
-  return head_dim <= 256 ? Sm80FwdTiles{head_dim <= 128 ? 2 : 1, 32, 1} : Sm80FwdTiles{1, 16, 2};
+// not: 231.5 KiB). The 192-row tiles (D = 64, Hopper family) with 3 row blocks per warp, as the
+// forward's (4 warps; 254 registers, no spills, nvcc 13.0).
+DUALKV_TILE_FN Sm80FwdTiles sm80_dq_tiles(int head_dim, int block_m) {
+  return block_m == 192    ? Sm80FwdTiles{3, 32, 1}
+         : head_dim <= 256 ? Sm80FwdTiles{head_dim <= 128 ? 2 : 1, 32, 1}
+                           : Sm80FwdTiles{1, 16, 2};
 }
 
 // Backward main kernel (KV-tile-outer): 8 warps as warp_rows x (8 / warp_rows), each owning

@@ -273,7 +273,8 @@ DUALKV_API dualkv_status dualkv_plan_build(const dualkv_layout* host_layout, int
  * the table, are rejected by the plan key. The plain functions are the request with window 0 and
  * no prefixes (they refuse a forest with external segments). A window together with external
  * prefixes is refused (DUALKV_ERROR_UNSUPPORTED) for the CUDA backend.
- * Versioned by struct_size: later fields are appended. */
+ * Versioned by struct_size: later fields are appended; the library also takes the request without
+ * `tiles` (struct_size offsetof(dualkv_plan_request, tiles): DUALKV_PLAN_TILES_DEVICE). */
 typedef struct dualkv_plan_request {
   uint32_t struct_size; /* sizeof(dualkv_plan_request) */
   int32_t device;
@@ -282,7 +283,21 @@ typedef struct dualkv_plan_request {
   int32_t head_dim;
   int32_t window;       /* 0: none (the plan dualkv_plan_size / dualkv_plan_build build); >= 1: W */
   const dualkv_prefixes* prefixes; /* host table of the external prefix segments; NULL: none */
+  int32_t tiles;        /* dualkv_plan_tiles: the kernel family the plan's tiles are cut for */
 } dualkv_plan_request;
+/* The kernel family a CUDA plan is cut for. Their forward query tiles differ at head dim 64 without
+ * a window (192 rows for the Hopper forward, 128 for the portable kernels); elsewhere the plans are
+ * the same.
+ * A plan of either family runs on any device: the portable kernels take both, the Hopper forward
+ * its own (the dispatcher runs a portable-family plan's forward on the portable kernels).
+ * DEVICE: the family the dispatcher runs on the request's device when the plan is built (the
+ * Hopper kernels on sm_90 unless DUALKV_DISABLE_SM90 is set, else the portable ones); for
+ * dualkv_plan_inspect_ex, which has no device, DEVICE is PORTABLE. */
+typedef enum dualkv_plan_tiles {
+  DUALKV_PLAN_TILES_DEVICE = 0,
+  DUALKV_PLAN_TILES_PORTABLE = 1,
+  DUALKV_PLAN_TILES_SM90 = 2
+} dualkv_plan_tiles;
 DUALKV_API dualkv_status dualkv_plan_size_ex(const dualkv_layout* host_layout, const dualkv_plan_request* request,
                                              int64_t* plan_len, uint64_t* plan_key);
 DUALKV_API dualkv_status dualkv_plan_build_ex(const dualkv_layout* host_layout, const dualkv_plan_request* request,

@@ -108,9 +108,14 @@ class Prefixes_(ctypes.Structure):
     ]
 
 
+# dualkv_plan_tiles: the kernel family a CUDA plan's tiles are cut for (dualkv.h)
+PLAN_TILES_DEVICE, PLAN_TILES_PORTABLE, PLAN_TILES_SM90 = 0, 1, 2
+
+
 class PlanRequest_(ctypes.Structure):
-    """dualkv_plan_request: a work plan's device, dtype, head dim, sliding window (0: none) and
-    external prefix table (host memory; NULL: none)."""
+    """dualkv_plan_request: a work plan's device, dtype, head dim, sliding window (0: none),
+    external prefix table (host memory; NULL: none) and kernel family (PLAN_TILES_*; 0: the
+    device's)."""
     _fields_ = [
         ("struct_size", ctypes.c_uint32),
         ("device", ctypes.c_int32),
@@ -119,6 +124,7 @@ class PlanRequest_(ctypes.Structure):
         ("head_dim", ctypes.c_int32),
         ("window", ctypes.c_int32),
         ("prefixes", ctypes.POINTER(Prefixes_)),
+        ("tiles", ctypes.c_int32),
     ]
 
 
@@ -140,13 +146,14 @@ class PlanInfo_(ctypes.Structure):
     ]
 
 
-def inspect_plan(layout, head_dim: int, num_sms: int, window: int = 0):
+def inspect_plan(layout, head_dim: int, num_sms: int, window: int = 0, tiles: int = PLAN_TILES_PORTABLE):
     """The plan the CUDA backend would build for `layout` (a dualkv.Layout) at `head_dim` on a device
-    with `num_sms` multiprocessors, built on the host by any library (dualkv_plan_inspect_ex): for
-    tools and tests. Returns (PlanInfo_, the plan as a list of int32; format: src/plan_format.h)."""
+    with `num_sms` multiprocessors for the kernel family `tiles` (PLAN_TILES_PORTABLE or _SM90),
+    built on the host by any library (dualkv_plan_inspect_ex): for tools and tests. Returns
+    (PlanInfo_, the plan as a list of int32; format: src/plan_format.h)."""
     c = layout.c_layout(host=True)
     f = lib().dualkv_plan_inspect_ex  # declared by _declare
-    req = PlanRequest_(struct_size=ctypes.sizeof(PlanRequest_), head_dim=head_dim, window=window)
+    req = PlanRequest_(struct_size=ctypes.sizeof(PlanRequest_), head_dim=head_dim, window=window, tiles=tiles)
     info = PlanInfo_(struct_size=ctypes.sizeof(PlanInfo_))
     check(f(ctypes.byref(c), ctypes.byref(req), num_sms, ctypes.byref(info), None, 0), "plan_inspect")
     buf = (ctypes.c_int32 * info.plan_len)()

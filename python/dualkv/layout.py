@@ -466,7 +466,10 @@ def _plan_calls(lib, c, x, device_index: int, dtype: torch.dtype, head_dim: int,
     if window or x.num_prefixes:
         if not hasattr(lib, "dualkv_plan_size_ex"):
             return None
-        req = _native.PlanRequest_(ctypes.sizeof(_native.PlanRequest_), _native.DEVICE_CUDA, device_index, code,
+        # The request without `tiles` (its struct_size then): the device's kernel family, as the plain
+        # entry points build, and a request every library with the _ex entry points takes (A/B runs
+        # load builds from before `tiles` was appended).
+        req = _native.PlanRequest_(_native.PlanRequest_.tiles.offset, _native.DEVICE_CUDA, device_index, code,
                                    head_dim, window, ctypes.pointer(x) if x.num_prefixes else None)
         size = lambda: lib.dualkv_plan_size_ex(ctypes.byref(c), ctypes.byref(req), ctypes.byref(length),  # noqa: E731
                                                ctypes.byref(key))

@@ -144,12 +144,20 @@ dualkv_status query_device(int32_t device_index, const DeviceInfo** out) {
   return DUALKV_OK;
 }
 
+// Checks the plan key against the call and says which family's forward query tiles the plan has
+// (*fwd_tile_rows; the key hashes them, tile_size.h fwd_block_m): the host learns it without
+// reading the plan, which lives on the device.
 template <typename Params>
-dualkv_status check_plan(const Params& p, const char* what) {
+dualkv_status check_plan(const Params& p, const char* what, int32_t* fwd_tile_rows) {
   const int32_t E = p.prefixes.num_prefixes, rows = E > 0 ? p.prefixes.num_prefix_rows : 0;
-  const uint64_t expect =
-      plan::key_hash(p.head_dim, p.layout.num_segments, p.layout.num_tokens, p.window, E, rows);
-  if ((p.plan_key >> kPlanSlotBits) != expect)
+  const uint64_t key = p.plan_key >> kPlanSlotBits;
+  *fwd_tile_rows = 0;
+  for (TileFamily family : {TileFamily::kPortable, TileFamily::kSm90}) {
+    const int32_t m = fwd_block_m(p.head_dim, family, p.window > 0);
+    if (key == plan::key_hash(p.head_dim, m, p.layout.num_segments, p.layout.num_tokens, p.window, E, rows))
+      *fwd_tile_rows = m;
+  }
+  if (*fwd_tile_rows == 0)
     return fail(DUALKV_ERROR_INVALID_ARGUMENT,
                 "%s: plan_key does not match this layout (S=%d, T=%d, %d external prefixes of %d rows), head_dim "
                 "%d tiling and window %d; the plan was built for another layout or configuration: rebuild it with "
@@ -232,11 +240,13 @@ struct Arch {
   const char* bwd_disable_env;
   bool (*fwd_args_ok)(const FwdArgs&, int head_dim);
   bool (*bwd_args_ok)(const BwdArgs&, int head_dim);
+  TileFamily tiles;  // the plan family its forward is cut for (what a DEVICE plan request builds)
+  bool (*fwd_tiles_ok)(int head_dim, bool windowed, int fwd_block_m);  // its forward runs plans of these tiles
 };
 
 #define DKV_ARCH(ARCH)                                                                                       \
   Arch{#ARCH, ARCH::kKernelName, &ARCH::runs_on, ARCH::kDeviceMismatch, ARCH::kArgsMismatch, ARCH::kFwdDisableEnv, \
-       ARCH::kBwdDisableEnv, &ARCH::fwd_args_ok, &ARCH::bwd_args_ok},
+       ARCH::kBwdDisableEnv, &ARCH::fwd_args_ok, &ARCH::bwd_args_ok, ARCH::kTiles, &ARCH::fwd_tiles_ok},
 const Arch kArchs[] = {DUALKV_ARCHS(DKV_ARCH)};
 #undef DKV_ARCH
 
@@ -356,6 +366,9 @@ dualkv_status run_on_first_arch(const char* dir, const Args& a, int head_dim, in
       passed_over = arch.args_mismatch;
     } else if (env != nullptr && std::getenv(env) != nullptr) {
       passed_over = env;
+    } else if (kFwd && !arch.fwd_tiles_ok(head_dim, a.window > 0, a.fwd_block_m)) {
+      passed_over = std::string("plan cut for another kernel family's forward tiles (") +
+                    std::to_string(a.fwd_block_m) + " query rows)";
     } else {
       const cudaError_t err = launch(a, info.sms, stream);
       if (err == cudaSuccess) {
@@ -382,6 +395,24 @@ void set_modifiers(const Params& p, Args* a) {
   a->sinks = static_cast<const float*>(p.sinks);
 }
 
+// The plan family a DEVICE request builds: that of the first arch whose forward the dispatcher
+// would run on this device now (as run_on_first_arch tries them, before the call's arguments are
+// known: a call whose pointers or strides the arch declines falls back to the portable kernels,
+// which take every family's tiles). tiles: DUALKV_PLAN_TILES_*.
+TileFamily plan_family(int32_t tiles, const DeviceInfo& info, int32_t dtype, int32_t head_dim) {
+  if (tiles == DUALKV_PLAN_TILES_PORTABLE) return TileFamily::kPortable;
+  if (tiles == DUALKV_PLAN_TILES_SM90) return TileFamily::kSm90;
+  const bool bf16 = dtype == DUALKV_DTYPE_BFLOAT16;
+  for (const Arch& arch : kArchs) {
+    if (!arch.runs_on(info.major, info.minor) ||
+        find_launcher<FwdArgs>(arch.name, head_dim, bf16, ModifierVariant{false, false, false}) == nullptr ||
+        (arch.fwd_disable_env != nullptr && std::getenv(arch.fwd_disable_env) != nullptr))
+      continue;
+    return arch.tiles;
+  }
+  return TileFamily::kPortable;
+}
+
 }  // namespace
 
 dualkv_status cuda_check_supported(int32_t device_index, int32_t dtype, int32_t head_dim) {
@@ -398,12 +429,13 @@ dualkv_status cuda_check_supported(int32_t device_index, int32_t dtype, int32_t 
 }
 
 dualkv_status cuda_plan_size(const dualkv_layout& host_layout, const dualkv_prefixes* prefixes, int32_t device_index,
-                             int32_t dtype, int32_t head_dim, int32_t window, int64_t* plan_len, uint64_t* plan_key) {
-  (void)dtype;
+                             int32_t dtype, int32_t head_dim, int32_t window, int32_t tiles, int64_t* plan_len,
+                             uint64_t* plan_key) {
   const DeviceInfo* info;
   if (dualkv_status st = query_device(device_index, &info); st != DUALKV_OK) return st;
+  const TileFamily family = plan_family(tiles, *info, dtype, head_dim);
   dualkv::plan::Plan built;
-  if (dualkv_status st = dualkv::plan::build(host_layout, prefixes, head_dim, window, info->sms, &built);
+  if (dualkv_status st = dualkv::plan::build(host_layout, prefixes, head_dim, family, window, info->sms, &built);
       st != DUALKV_OK)
     return st;
   *plan_len = static_cast<int64_t>(built.data.size());
@@ -412,12 +444,14 @@ dualkv_status cuda_plan_size(const dualkv_layout& host_layout, const dualkv_pref
 }
 
 dualkv_status cuda_plan_build(const dualkv_layout& host_layout, const dualkv_prefixes* prefixes, int32_t device_index,
-                              int32_t dtype, int32_t head_dim, int32_t window, int32_t* plan, int64_t plan_len) {
-  (void)dtype;
+                              int32_t dtype, int32_t head_dim, int32_t window, int32_t tiles, int32_t* plan,
+                              int64_t plan_len) {
   const DeviceInfo* info;
   if (dualkv_status st = query_device(device_index, &info); st != DUALKV_OK) return st;
+  const TileFamily family = plan_family(tiles, *info, dtype, head_dim);
   dualkv::plan::Plan p;
-  if (dualkv_status st = dualkv::plan::build(host_layout, prefixes, head_dim, window, info->sms, &p); st != DUALKV_OK)
+  if (dualkv_status st = dualkv::plan::build(host_layout, prefixes, head_dim, family, window, info->sms, &p);
+      st != DUALKV_OK)
     return st;
   if (plan_len != static_cast<int64_t>(p.data.size()))
     return fail(DUALKV_ERROR_INVALID_ARGUMENT, "plan_build: plan_len %lld, but this layout's plan has %zu int32",
@@ -442,7 +476,8 @@ size_t cuda_bwd_workspace_bytes(const dualkv_bwd_params& p) {
 }
 
 dualkv_status cuda_fwd(const dualkv_fwd_params& p) {
-  if (dualkv_status st = check_plan(p, "fwd"); st != DUALKV_OK) return st;
+  int32_t fwd_tile_rows;
+  if (dualkv_status st = check_plan(p, "fwd", &fwd_tile_rows); st != DUALKV_OK) return st;
   dualkv_status st;
   if ((st = check_rows("fwd", "q", p.q, p.q_token_stride, p.q_head_stride))) return st;
   if ((st = check_rows("fwd", "k", p.k, p.k_token_stride, p.k_head_stride))) return st;
@@ -458,6 +493,7 @@ dualkv_status cuda_fwd(const dualkv_fwd_params& p) {
   a.layout = layout_ptrs(p.layout, p.prefixes);
   a.plan = p.plan;
   a.plan_len = p.plan_len;
+  a.fwd_block_m = fwd_tile_rows;
   a.q = p.q; a.k = p.k; a.v = p.v; a.out = p.out;
   a.lse = static_cast<float*>(p.lse);
   a.q_ts = p.q_token_stride; a.q_hs = p.q_head_stride;
@@ -477,7 +513,8 @@ dualkv_status cuda_fwd(const dualkv_fwd_params& p) {
 }
 
 dualkv_status cuda_bwd(const dualkv_bwd_params& p) {
-  if (dualkv_status st = check_plan(p, "bwd"); st != DUALKV_OK) return st;
+  int32_t fwd_tile_rows;
+  if (dualkv_status st = check_plan(p, "bwd", &fwd_tile_rows); st != DUALKV_OK) return st;
   dualkv_status st;
   if ((st = check_rows("bwd", "q", p.q, p.q_token_stride, p.q_head_stride))) return st;
   if ((st = check_rows("bwd", "k", p.k, p.k_token_stride, p.k_head_stride))) return st;
@@ -497,6 +534,7 @@ dualkv_status cuda_bwd(const dualkv_bwd_params& p) {
   a.layout = layout_ptrs(p.layout, p.prefixes);
   a.plan = p.plan;
   a.plan_len = p.plan_len;
+  a.fwd_block_m = fwd_tile_rows;
   a.q = p.q; a.k = p.k; a.v = p.v; a.out = p.out; a.dout = p.dout;
   a.lse = static_cast<const float*>(p.lse);
   a.dlse = static_cast<const float*>(p.dlse);

@@ -26,6 +26,7 @@ struct FwdArgs {
   LayoutPtrs layout;
   const int32_t* plan;
   int64_t plan_len;
+  int32_t fwd_block_m;  // the plan's forward query tile rows (its key names them: dispatch.cu)
   const void* q;
   const void* k;
   const void* v;
@@ -59,6 +60,7 @@ struct BwdArgs {
   LayoutPtrs layout;
   const int32_t* plan;
   int64_t plan_len;
+  int32_t fwd_block_m;  // the plan's forward query tile rows (the deterministic dQ kernel walks them)
   const void* q;
   const void* k;
   const void* v;

@@ -29,10 +29,12 @@ inline Inspected inspect_request(const dualkv_layout& v, const dualkv_plan_reque
   return r;
 }
 
-// A CUDA bf16 plan request for head_dim, a sliding window (0: none) and external prefixes (NULL: none).
-inline dualkv_plan_request cuda_request(int head_dim, int32_t window, const dualkv_prefixes* px) {
+// A CUDA bf16 plan request for head_dim, a sliding window (0: none), external prefixes (NULL: none)
+// and the kernel family's tiles (DUALKV_PLAN_TILES_*; DEVICE is PORTABLE for dualkv_plan_inspect_ex).
+inline dualkv_plan_request cuda_request(int head_dim, int32_t window, const dualkv_prefixes* px,
+                                        int32_t tiles = DUALKV_PLAN_TILES_DEVICE) {
   return dualkv_plan_request{sizeof(dualkv_plan_request), DUALKV_DEVICE_CUDA, 0, DUALKV_DTYPE_BFLOAT16,
-                             head_dim, window, px};
+                             head_dim, window, px, tiles};
 }
 
 // The plan of layout v (with external prefixes px, or none: NULL).

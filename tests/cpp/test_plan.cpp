@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <array>
 #include <climits>
+#include <cstddef>
 #include <cstdlib>
 #include <map>
 #include <random>
@@ -17,9 +18,11 @@
 #include "plan_format.h"
 #include "plan_testing.h"
 
+using dualkv::testing::cuda_request;
 using dualkv::testing::HostLayout;
 using dualkv::testing::Inspected;
 using dualkv::testing::inspect;
+using dualkv::testing::inspect_request;
 using dualkv::testing::inspect_windowed;
 using dualkv::testing::PrefixedLayout;
 using dualkv::testing::random_forest;
@@ -158,7 +161,59 @@ TEST(Plan, RandomForestsEveryTiling) {
     HostLayout l(lens, parents);
     for (int D : {64, 256, 512})
       for (int sms : {1, 7, 132}) check_plan(l, inspect(l, D, sms), "trial " + std::to_string(trial));
+    // The Hopper family's 192-row forward tiles at D = 64 (tile_size.h fwd_block_m).
+    const Inspected h = inspect_request(l.view(), cuda_request(64, 0, nullptr, DUALKV_PLAN_TILES_SM90), 132);
+    check_plan(l, h, "trial " + std::to_string(trial) + " sm90 tiles");
+    EXPECT_EQ(h.info.fwd_block_m, 192);
   }
+}
+
+// The two kernel families' plans (dualkv_plan_request.tiles) differ in the forward query tiles at
+// D = 64 without a window only, and the key says which a plan has (the dispatcher learns it from the key); the
+// backward items are the same. DEVICE is PORTABLE without a device, and a request of the size
+// before `tiles` was appended is a DEVICE request.
+TEST(Plan, KernelFamiliesDifferInForwardTilesAtHeadDim64Only) {
+  std::vector<int32_t> lens{1000}, parents{-1};
+  for (int i = 0; i < 6; ++i) {
+    lens.push_back(150 + 70 * i);
+    parents.push_back(0);
+  }
+  HostLayout l(lens, parents);
+  const dualkv_layout v = l.view();
+  auto plan_of = [&](int D, int32_t tiles) { return inspect_request(v, cuda_request(D, 0, nullptr, tiles), 132); };
+  auto bwd_part = [](const Inspected& r) {
+    return std::vector<int32_t>(r.plan.begin() + r.plan[dualkv::kHdrBwdOffset], r.plan.end());
+  };
+  const Inspected p64 = plan_of(64, DUALKV_PLAN_TILES_PORTABLE), h64 = plan_of(64, DUALKV_PLAN_TILES_SM90);
+  check_plan(l, h64, "sm90 tiles");
+  EXPECT_EQ(p64.info.fwd_block_m, 128);
+  EXPECT_EQ(h64.info.fwd_block_m, 192);
+  EXPECT_EQ(h64.info.num_fwd_tiles, (1000 + 191) / 192 + 1 + 2 + 2 + 2 + 3 + 3);  // 150, 220, .. 500 rows
+  EXPECT_NE(p64.info.plan_key >> dualkv::kPlanSlotBits, h64.info.plan_key >> dualkv::kPlanSlotBits);
+  EXPECT_EQ(p64.info.num_bwd_items, h64.info.num_bwd_items);
+  EXPECT_EQ(bwd_part(p64), bwd_part(h64));
+  EXPECT_EQ(plan_of(64, DUALKV_PLAN_TILES_DEVICE).plan, p64.plan);
+  for (int D : {128, 256, 512}) {
+    SCOPED_TRACE(D);
+    const Inspected p = plan_of(D, DUALKV_PLAN_TILES_PORTABLE), h = plan_of(D, DUALKV_PLAN_TILES_SM90);
+    EXPECT_EQ(p.plan, h.plan);
+    EXPECT_EQ(p.info.plan_key, h.info.plan_key);
+  }
+  // Cut to a window, both families' plans have 128-row tiles at D = 64 (tile_size.h fwd_block_m).
+  const Inspected pw = inspect_request(v, cuda_request(64, 128, nullptr, DUALKV_PLAN_TILES_PORTABLE), 132),
+                  hw = inspect_request(v, cuda_request(64, 128, nullptr, DUALKV_PLAN_TILES_SM90), 132);
+  EXPECT_EQ(hw.info.fwd_block_m, 128);
+  EXPECT_EQ(pw.plan, hw.plan);
+  EXPECT_EQ(pw.info.plan_key, hw.info.plan_key);
+  // The request without `tiles` (its struct_size then) is DEVICE's; an unknown family is refused.
+  dualkv_plan_request req = cuda_request(64, 0, nullptr, DUALKV_PLAN_TILES_SM90);
+  req.struct_size = offsetof(dualkv_plan_request, tiles);
+  EXPECT_EQ(inspect_request(v, req, 132).plan, p64.plan);
+  req = cuda_request(64, 0, nullptr, 3);
+  dualkv_plan_info info{};
+  info.struct_size = sizeof(info);
+  EXPECT_EQ(dualkv_plan_inspect_ex(&v, &req, 132, &info, nullptr, 0), DUALKV_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(dualkv_last_error()).find("tiles"), std::string::npos);
 }
 
 TEST(Plan, GrpoGroupTilesAndSplits) {

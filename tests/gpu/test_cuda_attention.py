@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import os
 import random
+import re
 
 import pytest
 import torch
@@ -139,6 +140,38 @@ def test_sibling_tiles_keep_each_rows_bits(D, path, monkeypatch):
             want = b[..., P:] if name == "lse" else b[P:]
             assert torch.equal(got, want), f"{name} of the response of {r} tokens ({path}, D {D})"
         start += r
+
+
+@pytest.mark.parametrize("D", built_head_dims())
+@pytest.mark.parametrize("planned,run", [("default", "portable"), ("portable", "default")])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_plan_of_one_kernel_family_runs_on_the_other(D, planned, run, deterministic, monkeypatch):
+    """A plan's forward query tiles are its kernel family's (tile_size.h fwd_block_m: 192 rows for
+    the Hopper forward at D 64, 128 for the portable kernels), fixed when layout.to() builds it. A
+    Hopper-family plan on the portable kernels (the Hopper forward's fallback, or the switches set
+    after planning) runs their 192-row forward and deterministic dQ kernels; a portable plan with
+    the Hopper kernels enabled runs the portable forward (the Hopper one takes its own tiles only)."""
+    lens = [700, 1, 191, 192, 193, 64, 400, 30, 20, 150, 385]
+    parents = [-1, 0, 0, 0, 0, 0, -1, 6, 6, 6, -1]
+    cases.use_path(monkeypatch, planned)
+    layout_cpu = dualkv.Layout.from_tree(lens, parents)
+    layout = layout_cpu.to("cuda")
+    for switch in ("DUALKV_DISABLE_SM90", "DUALKV_DISABLE_SM90_BWD"):
+        monkeypatch.delenv(switch, raising=False)
+    cases.use_path(monkeypatch, run)
+    q, k, v, dout = make_inputs(layout_cpu, 8, 2, D, torch.bfloat16, seed=31)
+    got = []
+    names = cases.cuda_kernels_run(lambda: got.extend(kernel_grads(q, k, v, dout, layout, deterministic)))
+    ref64 = ref_grads(q, k, v, dout, layout_cpu, torch.float64)
+    refpt = ref_grads(q, k, v, dout, layout_cpu, torch.bfloat16)
+    check_against_ref(got, ref64, refpt, f"(D={D}, planned {planned}, run {run}, det={deterministic})")
+    hopper_d64 = (D == 64 and torch.cuda.get_device_capability() == (9, 0)
+                  and 64 in cases.arch_head_dims("sm90", "fwd"))
+    if hopper_d64:
+        portable_fwd = [n for n in names if re.search(r"sm80::fwd_kernel<64, *(\d+)", n)]
+        rows = {int(re.search(r"sm80::fwd_kernel<64, *(\d+)", n).group(1)) for n in portable_fwd}
+        assert rows == {192 if planned == "default" else 128}, sorted(names)
+        assert not any("fwd_sm90_kernel" in n for n in names), sorted(names)
 
 
 @pytest.mark.parametrize("D", sorted({built_head_dims()[0], built_head_dims()[-1]}))

@@ -79,6 +79,28 @@ def test_head_dim_512_runs_the_portable_kernels_on_hopper():
         assert line == f"[dualkv] {direction}: sm80 mma (no sm90 kernel built for this head dim)", line
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                    reason="the Hopper kernels apply to sm_90 only")
+def test_log_names_a_plan_cut_for_the_portable_kernels():
+    """At head dim 64 the two kernel families' plans differ (tile_size.h fwd_block_m): a plan built
+    while DUALKV_DISABLE_SM90 was set, run after it is cleared, runs the portable forward, the log
+    saying why; the backward takes either plan and runs the Hopper kernels."""
+    from dualkv import _native
+    if 64 not in _native.build_info().get("cuda", {}).get("kernels", {}).get("sm90", {}).get("fwd", []):
+        pytest.skip("needs a library with the Hopper forward at head dim 64")
+    snippet = SNIPPET.format(head_dim=64).replace(
+        '.to("cuda")\n', '.to("cuda")\nimport os\ndel os.environ["DUALKV_DISABLE_SM90"]\n')
+    e = dict(os.environ, DUALKV_LOG_KERNELS="1", DUALKV_DISABLE_SM90="1")
+    e["PYTHONPATH"] = str(ROOT / "python") + os.pathsep + e.get("PYTHONPATH", "")
+    res = subprocess.run([sys.executable, "-c", snippet], env=e, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    lines = [line for line in res.stderr.splitlines() if line.startswith("[dualkv]")]
+    fwd = next(line for line in lines if line.startswith("[dualkv] fwd: "))
+    bwd = next(line for line in lines if line.startswith("[dualkv] bwd: "))
+    assert fwd == "[dualkv] fwd: sm80 mma (plan cut for another kernel family's forward tiles (128 query rows))", fwd
+    assert bwd.startswith("[dualkv] bwd: sm90 wgmma") or not built("bwd"), bwd
+
+
 def test_no_log_without_the_switch():
     e = {k: v for k, v in os.environ.items() if k != "DUALKV_LOG_KERNELS"}
     e["PYTHONPATH"] = str(ROOT / "python") + os.pathsep + e.get("PYTHONPATH", "")

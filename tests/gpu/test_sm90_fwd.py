@@ -61,8 +61,8 @@ def check(lens, parents, H, Hk, D, dtype, seed, strided=False):
 
 
 def seg_len(rng):
-    """Lengths around the sm90 forward's 128-row query and 64/128-row KV tiles (and 256)."""
-    return cases.segment_length(rng, [127, 128, 129, 63, 64, 65, 255, 256, 257], cuts=(0.15, 0.3, 0.6, 0.9),
+    """Lengths around the sm90 forward's 128-row (192 at D 64) query and 64/128-row KV tiles (and 256)."""
+    return cases.segment_length(rng, [127, 128, 129, 63, 64, 65, 191, 192, 193, 255, 256, 257], cuts=(0.15, 0.3, 0.6, 0.9),
                                 small=64, mid=300, large=700)
 
 

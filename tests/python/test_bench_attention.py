@@ -91,6 +91,11 @@ def test_ab_summary_same_round_ratios_and_verdict():
     # one round, or a failed build: no verdict
     assert attention.ab_summary({"dualkv": [res(1, 4)], "dualkv_ab": [res(1, 4)]}, 0.02) == {}
     assert attention.ab_summary({"dualkv": [res(1, 4)] * 3, "dualkv_ab": [{"error": "x"}]}, 0.02) == {}
+    # deterministic mode: its forward+backward compared as det_fwdbwd, next to the default mode's
+    det = attention.ab_summary({"dualkv": [res(1, 4)] * 2, "dualkv_ab": [res(1, 4)] * 2,
+                                "dualkv_det": [res(1, 5)] * 2, "dualkv_ab_det": [res(1, 4)] * 2}, 0.02)
+    assert set(det) == {"fwd", "fwdbwd", "det_fwdbwd"}
+    assert det["det_fwdbwd"]["median"] == pytest.approx(1.25) and det["det_fwdbwd"]["slower_every_round"]
 
 
 def test_case_results_combines_rounds_and_adds_the_ab():

@@ -6,6 +6,7 @@
 #include <cuda_runtime_api.h>
 
 #include "kernel_params.h"
+#include "tile_size.h"
 
 namespace dualkv::cuda::sm80 {
 
@@ -17,6 +18,13 @@ constexpr const char* kArgsMismatch = "";
 inline bool runs_on(int major, int /*minor*/) { return major >= 8; }
 inline bool fwd_args_ok(const FwdArgs&, int /*head_dim*/) { return true; }
 inline bool bwd_args_ok(const BwdArgs&, int /*head_dim*/) { return true; }
+// The forward and the deterministic dQ kernel are built for both families' query tiles (config.h):
+// they run the Hopper forward's fallbacks on the plans it was given.
+constexpr TileFamily kTiles = TileFamily::kPortable;
+inline bool fwd_tiles_ok(int head_dim, bool windowed, int fwd_block_m) {
+  return fwd_block_m == dualkv::fwd_block_m(head_dim, TileFamily::kPortable, windowed) ||
+         fwd_block_m == dualkv::fwd_block_m(head_dim, TileFamily::kSm90, windowed);
+}
 
 // `sms`: the device's multiprocessor count (persistent grids).
 // Mods: the mask modifiers compiled in (modifiers.cuh: Modifiers<softcap, sinks>; the backward's

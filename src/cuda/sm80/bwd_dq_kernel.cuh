@@ -19,9 +19,9 @@
 
 namespace dualkv::cuda::sm80 {
 
-template <int D, typename T>
+template <int D, int BM, typename T>
 struct DqSmem {
-  using C = DqConfig<D>;
+  using C = DqConfig<D, BM>;
   T q[C::kBlockM * C::kPitch];
   T dout[C::kBlockM * C::kPitch];
   T k[C::kBlockN * C::kPitch];
@@ -29,20 +29,20 @@ struct DqSmem {
 };
 // D split over warp pairs (DqConfig::kDSplit = 2, D = 512): each warp's partial S and dP (its half
 // of D's sums) for its partner, as [warp][S, dP][fragment register][lane].
-template <int D, typename T>
-struct DqSmemSplit : DqSmem<D, T> {
-  using C = DqConfig<D>;
+template <int D, int BM, typename T>
+struct DqSmemSplit : DqSmem<D, BM, T> {
+  using C = DqConfig<D, BM>;
   float part[C::kWarps][2][C::kMI * (C::kBlockN / 8) * 4][32];
 };
-template <int D, typename T>
-using DqSmemOf = std::conditional_t<DqConfig<D>::kDSplit == 1, DqSmem<D, T>, DqSmemSplit<D, T>>;
+template <int D, int BM, typename T>
+using DqSmemOf = std::conditional_t<DqConfig<D, BM>::kDSplit == 1, DqSmem<D, BM, T>, DqSmemSplit<D, BM, T>>;
 
 // external prefix (issue 17): the K/V tile at the walk's position: the layout's K/V, or a prefix's
 // rows (a CTA-uniform choice).
-template <int D, int BN, typename T, typename Smem>
+template <int D, int BM, int BN, typename T, typename Smem>
 __device__ __forceinline__ void load_prefixed_kv(const KvWalk<BN>& it, const T* kh, const T* vh, int hk, int tid,
                                                  Smem& sm, const BwdArgs& args) {
-  using C = DqConfig<D>;
+  using C = DqConfig<D, BM>;
   using Tile = typename C::Tile;
   constexpr int NT = C::kThreads;
   if (it.prefix) {
@@ -60,10 +60,10 @@ __device__ __forceinline__ void load_prefixed_kv(const KvWalk<BN>& it, const T* 
 // kPrefix: the layout has external prefix segments (the walk's prefix tiles load from the prefix
 // buffers); instantiated with NoModifiers only. The default instantiation is the kernel as it was
 // before either.
-template <int D, typename T, typename Mods = NoModifiers, bool kPrefix = false>
-__global__ void __launch_bounds__(DqConfig<D>::kThreads, 1)
+template <int D, int kTileM, typename T, typename Mods = NoModifiers, bool kPrefix = false>
+__global__ void __launch_bounds__(DqConfig<D, kTileM>::kThreads, 1)
 bwd_dq_kernel(const BwdArgs args) {
-  using C = DqConfig<D>;
+  using C = DqConfig<D, kTileM>;
   using Ops = TypeOps<T>;
   using Tile = typename C::Tile;
   constexpr int BM = C::kBlockM, BN = C::kBlockN, P = C::kPitch, NT = C::kThreads, MI = C::kMI;
@@ -74,7 +74,7 @@ bwd_dq_kernel(const BwdArgs args) {
   constexpr int kDB = kWD / 8;
 
   extern __shared__ __align__(128) unsigned char smem_raw[];  // the symbol the other portable kernels align (smem_tile.cuh)
-  DqSmemOf<D, T>& sm = *reinterpret_cast<DqSmemOf<D, T>*>(smem_raw);
+  DqSmemOf<D, kTileM, T>& sm = *reinterpret_cast<DqSmemOf<D, kTileM, T>*>(smem_raw);
   __shared__ int32_t s_item;
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -123,7 +123,7 @@ bwd_dq_kernel(const BwdArgs args) {
     load_tile_async<D, BM, Tile, NT>(sm.dout, static_cast<const T*>(args.dout) + q0 * args.do_ts + h * args.do_hs,
                                   args.do_ts, q1 - q0, tid);
     if constexpr (kPrefix) {
-      load_prefixed_kv<D, BN>(it, kh, vh, hk, tid, sm, args);
+      load_prefixed_kv<D, BM, BN>(it, kh, vh, hk, tid, sm, args);
     } else {
       load_tile_async<D, BN, Tile, NT>(sm.k, kh + it.pos * args.k_ts, args.k_ts, it.len(), tid);
       load_tile_async<D, BN, Tile, NT>(sm.v, vh + it.pos * args.v_ts, args.v_ts, it.len(), tid);
@@ -237,7 +237,7 @@ bwd_dq_kernel(const BwdArgs args) {
       else more = it.next(L.offsets, L.parent);
       if (more) {
         if constexpr (kPrefix) {
-          load_prefixed_kv<D, BN>(it, kh, vh, hk, tid, sm, args);
+          load_prefixed_kv<D, BM, BN>(it, kh, vh, hk, tid, sm, args);
         } else {
           load_tile_async<D, BN, Tile, NT>(sm.k, kh + it.pos * args.k_ts, args.k_ts, it.len(), tid);
           load_tile_async<D, BN, Tile, NT>(sm.v, vh + it.pos * args.v_ts, args.v_ts, it.len(), tid);
@@ -263,17 +263,33 @@ bwd_dq_kernel(const BwdArgs args) {
   }
 }
 
-template <int D, typename T, typename Mods>
-cudaError_t launch_bwd_dq(const BwdArgs& args, int sms, cudaStream_t stream) {
+template <int D, int kTileM, typename T, typename Mods>
+cudaError_t launch_bwd_dq_tiles(const BwdArgs& args, int sms, cudaStream_t stream) {
+  constexpr int kThreads = DqConfig<D, kTileM>::kThreads;
+  constexpr size_t kSmem = sizeof(DqSmemOf<D, kTileM, T>);
   if (args.prefix_k != nullptr) {  // external prefix (issue 17): instantiated without modifiers only
     if constexpr (std::is_same_v<Mods, NoModifiers>)
-      return launch_on_sms<bwd_dq_kernel<D, T, Mods, true>>(DqConfig<D>::kThreads, sizeof(DqSmemOf<D, T>), sms, args,
-                                                            stream);
+      return launch_on_sms<bwd_dq_kernel<D, kTileM, T, Mods, true>>(kThreads, kSmem, sms, args, stream);
     else
       return cudaErrorNotSupported;  // api.cpp refuses a modifier with external prefixes first
   }
-  return launch_on_sms<bwd_dq_kernel<D, T, Mods, false>>(DqConfig<D>::kThreads, sizeof(DqSmemOf<D, T>), sms, args,
-                                                         stream);
+  return launch_on_sms<bwd_dq_kernel<D, kTileM, T, Mods, false>>(kThreads, kSmem, sms, args, stream);
+}
+
+// The kernel built for the plan's query tiles (args.fwd_block_m), as the portable forward's.
+template <int D, typename T, typename Mods>
+cudaError_t launch_bwd_dq(const BwdArgs& args, int sms, cudaStream_t stream) {
+  if constexpr (kSm90TileM<D> != kPortableTileM<D>) {
+    if (args.fwd_block_m == kSm90TileM<D>) return launch_bwd_dq_tiles<D, kSm90TileM<D>, T, Mods>(args, sms, stream);
+  }
+  return launch_bwd_dq_tiles<D, kPortableTileM<D>, T, Mods>(args, sms, stream);
+}
+
+// Shared memory of the dQ kernel that takes the plan's query tiles.
+template <int D, typename T>
+constexpr size_t bwd_dq_smem(int fwd_block_m) {
+  return fwd_block_m == kSm90TileM<D> ? sizeof(DqSmemOf<D, kSm90TileM<D>, T>)
+                                      : sizeof(DqSmemOf<D, kPortableTileM<D>, T>);
 }
 
 }  // namespace dualkv::cuda::sm80

@@ -124,14 +124,15 @@ constexpr size_t bwd_kv_min_smem() {
     return S::kWideSmem;
 }
 template <int D, typename T, typename Mods>
-constexpr size_t bwd_min_smem(bool deterministic) {
-  const size_t kv = bwd_kv_min_smem<D, T, Mods>(), dq = sizeof(DqSmemOf<D, T>);
+constexpr size_t bwd_min_smem(bool deterministic, int fwd_block_m) {
+  const size_t kv = bwd_kv_min_smem<D, T, Mods>(), dq = bwd_dq_smem<D, T>(fwd_block_m);
   return deterministic && dq > kv ? dq : kv;
 }
 
 template <int D, typename T, typename Mods>
 cudaError_t run_bwd(const BwdArgs& args, int sms, cudaStream_t stream) {
-  if (bwd_min_smem<D, T, Mods>(args.deterministic) > device_smem_limit()) return cudaErrorNotSupported;
+  if (bwd_min_smem<D, T, Mods>(args.deterministic, args.fwd_block_m) > device_smem_limit())
+    return cudaErrorNotSupported;
   cudaError_t err;
   if ((err = launch_bwd_preprocess<D, T>(args, sms, stream)) != cudaSuccess) return err;
   err = args.deterministic ? launch_bwd_kv<D, T, false, Mods>(args, sms, stream)

@@ -6,34 +6,42 @@
 
 namespace dualkv::cuda::sm80 {
 
-// Forward kernel: warps of kMI x 16 query rows filling the plan's query tile; kDSplit warps per row
-// block, each with D / kDSplit columns of O (tile_size.h: 2 at D = 512, else 1). Warp w has row
-// block w % kRowWarps and column part w / kRowWarps.
-template <int D> struct FwdConfig {
-  static constexpr int kMI = sm80_fwd_tiles(D).row_blocks;
-  static constexpr int kBlockM = plan_tiles(D).fwd_block_m;
-  static constexpr int kDSplit = sm80_fwd_tiles(D).d_split;
+// The plan query tiles the portable forward and deterministic dQ kernels are built for: the
+// portable family's, and the Hopper family's where it differs (tile_size.h fwd_block_m; windowed
+// plans have the portable family's in both): the Hopper forward falls back to the portable one at
+// launch, and the deterministic dQ kernel runs after the Hopper backward, on the plan the Hopper
+// forward ran.
+template <int D> inline constexpr int kPortableTileM = fwd_block_m(D, TileFamily::kPortable, false);
+template <int D> inline constexpr int kSm90TileM = fwd_block_m(D, TileFamily::kSm90, false);
+
+// Forward kernel: warps of kMI x 16 query rows filling the plan's query tile of kTileM rows; kDSplit
+// warps per row block, each with D / kDSplit columns of O (tile_size.h: 2 at D = 512, else 1). Warp
+// w has row block w % kRowWarps and column part w / kRowWarps.
+template <int D, int kTileM = kPortableTileM<D>> struct FwdConfig {
+  static constexpr int kMI = sm80_fwd_tiles(D, kTileM).row_blocks;
+  static constexpr int kBlockM = kTileM;
+  static constexpr int kDSplit = sm80_fwd_tiles(D, kTileM).d_split;
   static constexpr int kRowWarps = kBlockM / (16 * kMI);
   static constexpr int kWarps = kRowWarps * kDSplit;
   static constexpr int kThreads = kWarps * 32;
-  static constexpr int kBlockN = sm80_fwd_tiles(D).block_n;
+  static constexpr int kBlockN = sm80_fwd_tiles(D, kTileM).block_n;
   static constexpr int kWarpD = D / kDSplit;  // the warp's columns of O
   using Tile = SmemTile<D, sm80_swizzled_rows(D, false)>;  // Q, K, V rows (smem_tile.cuh)
   static constexpr int kPitch = Tile::kPitch;
   static_assert(kDSplit == 1 || kMI == 1, "split row blocks are single");
 };
 
-// Deterministic dQ kernel: the plan's query tiles (it reuses the forward items), kMI row blocks per
-// warp as in the forward, KV tiles short enough for S, dP and dQ in registers; kDSplit as the
-// forward's (dQ's columns split as O's).
-template <int D> struct DqConfig {
-  static constexpr int kMI = sm80_dq_tiles(D).row_blocks;
-  static constexpr int kBlockM = plan_tiles(D).fwd_block_m;
-  static constexpr int kDSplit = sm80_dq_tiles(D).d_split;
+// Deterministic dQ kernel: the plan's query tiles of kTileM rows (it reuses the forward items), kMI
+// row blocks per warp as in the forward, KV tiles short enough for S, dP and dQ in registers;
+// kDSplit as the forward's (dQ's columns split as O's).
+template <int D, int kTileM = kPortableTileM<D>> struct DqConfig {
+  static constexpr int kMI = sm80_dq_tiles(D, kTileM).row_blocks;
+  static constexpr int kBlockM = kTileM;
+  static constexpr int kDSplit = sm80_dq_tiles(D, kTileM).d_split;
   static constexpr int kRowWarps = kBlockM / (16 * kMI);
   static constexpr int kWarps = kRowWarps * kDSplit;
   static constexpr int kThreads = kWarps * 32;
-  static constexpr int kBlockN = sm80_dq_tiles(D).block_n;
+  static constexpr int kBlockN = sm80_dq_tiles(D, kTileM).block_n;
   using Tile = SmemTile<D, false>;  // padded rows (tile_size.h sm80_swizzled_rows)
   static constexpr int kPitch = Tile::kPitch;
   static constexpr int kWarpD = D / kDSplit;

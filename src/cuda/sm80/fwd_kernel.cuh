@@ -18,22 +18,22 @@
 
 namespace dualkv::cuda::sm80 {
 
-template <int D, typename T>
+template <int D, int BM, typename T>
 struct FwdSmem {
-  using C = FwdConfig<D>;
+  using C = FwdConfig<D, BM>;
   T q[C::kBlockM * C::kPitch];
   T k[C::kBlockN * C::kPitch];
   T v[C::kBlockN * C::kPitch];
 };
 // D split over warp pairs (FwdConfig::kDSplit = 2, D = 512): each warp's partial S (its half of D's
 // QK^T sum) for its partner, as [warp][fragment register][lane] (conflict-free).
-template <int D, typename T>
-struct FwdSmemSplit : FwdSmem<D, T> {
-  using C = FwdConfig<D>;
+template <int D, int BM, typename T>
+struct FwdSmemSplit : FwdSmem<D, BM, T> {
+  using C = FwdConfig<D, BM>;
   float s_part[C::kWarps][C::kMI * (C::kBlockN / 8) * 4][32];
 };
-template <int D, typename T>
-using FwdSmemOf = std::conditional_t<FwdConfig<D>::kDSplit == 1, FwdSmem<D, T>, FwdSmemSplit<D, T>>;
+template <int D, int BM, typename T>
+using FwdSmemOf = std::conditional_t<FwdConfig<D, BM>::kDSplit == 1, FwdSmem<D, BM, T>, FwdSmemSplit<D, BM, T>>;
 
 // What the loop does and why (measured at head dim 128 on the H200 against the first version of
 // this kernel, 1.06-1.10x; docs/notes/2026-11-30-portable-forward.md):
@@ -152,11 +152,11 @@ __device__ __forceinline__ void load_kv_tile(T* smem, const T* head, int32_t pos
 // kPrefix: the layout has external prefix segments (the walk may enter prefix rows, whose tiles
 // load from the prefix buffers: a CTA-uniform choice per tile); instantiated with NoModifiers only
 // (fwd_launch.cuh). The default instantiation (NoModifiers, kPrefix = false) is the kernel as it
-// was before either.
-template <int D, typename T, typename Mods = NoModifiers, bool kPrefix = false>
-__global__ void __launch_bounds__(FwdConfig<D>::kThreads, 1)
+// was before either. kTileM: the plan's query tile rows (config.h, kPortableTileM / kSm90TileM).
+template <int D, int kTileM, typename T, typename Mods = NoModifiers, bool kPrefix = false>
+__global__ void __launch_bounds__(FwdConfig<D, kTileM>::kThreads, 1)
 fwd_kernel(const FwdArgs args) {
-  using C = FwdConfig<D>;
+  using C = FwdConfig<D, kTileM>;
   using Ops = TypeOps<T>;
   constexpr int BM = C::kBlockM, BN = C::kBlockN, NT = C::kThreads, MI = C::kMI;
   constexpr int kNB = BN / 8;   // n8 blocks of S
@@ -168,7 +168,7 @@ fwd_kernel(const FwdArgs args) {
 
   // 128-byte aligned: SmemTile's swizzled lines are the hardware's (smem_tile.cuh).
   extern __shared__ __align__(128) unsigned char smem_raw[];
-  FwdSmemOf<D, T>& sm = *reinterpret_cast<FwdSmemOf<D, T>*>(smem_raw);
+  FwdSmemOf<D, kTileM, T>& sm = *reinterpret_cast<FwdSmemOf<D, kTileM, T>*>(smem_raw);
   __shared__ std::conditional_t<Mods::kWindow, FwdItemWindowed<BN, NT, MI, T>, FwdItem<BN, NT, MI, T>> st;
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;

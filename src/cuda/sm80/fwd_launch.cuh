@@ -9,19 +9,29 @@
 
 namespace dualkv::cuda::sm80 {
 
+template <int D, int kTileM, typename T, typename Mods>
+cudaError_t launch_fwd(const FwdArgs& args, int sms, cudaStream_t stream) {
+  constexpr int kThreads = FwdConfig<D, kTileM>::kThreads;
+  constexpr size_t kSmem = sizeof(FwdSmemOf<D, kTileM, T>);
+  if (args.prefix_k != nullptr) {  // external prefix (issue 17): instantiated without modifiers only
+    if constexpr (std::is_same_v<Mods, NoModifiers>)
+      return launch_on_sms<fwd_kernel<D, kTileM, T, Mods, true>>(kThreads, kSmem, sms, args, stream);
+    else
+      return cudaErrorNotSupported;  // api.cpp refuses a modifier with external prefixes first
+  }
+  return launch_on_sms<fwd_kernel<D, kTileM, T, Mods, false>>(kThreads, kSmem, sms, args, stream);
+}
+
+// The kernel built for the plan's query tiles (args.fwd_block_m: config.h kPortableTileM, or the
+// Hopper family's kSm90TileM where it differs; fwd_tiles_ok lets no other reach here).
 template <int D, typename T, typename Mods>
 cudaError_t run_fwd(const FwdArgs& args, int sms, cudaStream_t stream) {
   const cudaError_t err = cudaMemsetAsync(args.counter, 0, sizeof(int32_t), stream);
   if (err != cudaSuccess) return err;
-  if (args.prefix_k != nullptr) {  // external prefix (issue 17): instantiated without modifiers only
-    if constexpr (std::is_same_v<Mods, NoModifiers>)
-      return launch_on_sms<fwd_kernel<D, T, Mods, true>>(FwdConfig<D>::kThreads, sizeof(FwdSmemOf<D, T>), sms, args,
-                                                         stream);
-    else
-      return cudaErrorNotSupported;  // api.cpp refuses a modifier with external prefixes first
+  if constexpr (kSm90TileM<D> != kPortableTileM<D>) {
+    if (args.fwd_block_m == kSm90TileM<D>) return launch_fwd<D, kSm90TileM<D>, T, Mods>(args, sms, stream);
   }
-  return launch_on_sms<fwd_kernel<D, T, Mods, false>>(FwdConfig<D>::kThreads, sizeof(FwdSmemOf<D, T>), sms, args,
-                                                      stream);
+  return launch_fwd<D, kPortableTileM<D>, T, Mods>(args, sms, stream);
 }
 
 }  // namespace dualkv::cuda::sm80

@@ -5,6 +5,7 @@
 #include <cuda_runtime_api.h>
 
 #include "kernel_params.h"
+#include "tile_size.h"
 
 namespace dualkv::cuda::sm90 {
 
@@ -22,6 +23,13 @@ inline bool runs_on(int major, int minor) { return major == 9 && minor == 0; }
 // fwd_launch.cuh); the backward's dQ accumulator is a TMA reduce target.
 bool fwd_args_ok(const FwdArgs& args, int head_dim);
 bool bwd_args_ok(const BwdArgs& args, int head_dim);
+// The forward runs plans of its own family's query tiles (192 rows at D = 64 without a window:
+// three consumer warpgroups); a plan cut for the portable kernels runs on them. The backward takes
+// either.
+constexpr TileFamily kTiles = TileFamily::kSm90;
+inline bool fwd_tiles_ok(int head_dim, bool windowed, int fwd_block_m) {
+  return fwd_block_m == dualkv::fwd_block_m(head_dim, TileFamily::kSm90, windowed);
+}
 
 // `sms`: the device's multiprocessor count (one persistent CTA per SM). cudaErrorNotSupported:
 // nothing was launched (a TMA descriptor could not be made); the dispatcher falls back.

@@ -1,11 +1,12 @@
-// Hopper forward kernel (sm_90a): one persistent CTA per SM, three warpgroups.
+// Hopper forward kernel (sm_90a): one persistent CTA per SM, a producer warpgroup and two consumer
+// warpgroups (three at D = 64 without a window: Sm90FwdConfig::kConsumerWGs).
 //
 //   warpgroup 0 (producer, 40 registers): one thread takes (query tile, head) items from the plan
 //     through the atomic counter, hands each to the consumers through a 2-slot ring in smem, and
 //     issues the TMA loads: the 128-row Q tile, then the K and V tiles of the KV ranges the tile
 //     sees (ancestors from the parent to the root, full; then its own segment up to its last
 //     query), into a kStages-deep ring completing on mbarriers.
-//   warpgroups 1, 2 (consumers, 232 registers): 64 query rows each. Per KV tile j:
+//   warpgroups 1, 2 [, 3] (consumers, 232 registers; 160 with three): 64 query rows each. Per KV tile j:
 //     S_j = Q K_j^T (wgmma, both operands in smem), issued together with O += P_{j-1} V_{j-1}
 //     (wgmma, P from registers, V in smem read N-major), so that the softmax of tile j overlaps
 //     the P V product of tile j-1. Online softmax in fp32 with exp2; the scale is folded in.
@@ -22,7 +23,7 @@
 //                                  once S = Q K^T completes, so the next K load has a whole
 //                                  iteration of slack (measured +24-37% against releasing K with
 //                                  V after P V, H200, hdim 128); kv_empty guards V alone
-//   named barrier 3 + cw            consumer warpgroup cw's O staging box: free (its previous TMA
+//   named barrier kOBarrier + cw    consumer warpgroup cw's O staging box: free (its previous TMA
 //                                  store has read it) / written and fenced (the store may go)
 // Phases follow running counters kept identically by producer and consumers.
 #pragma once
@@ -57,16 +58,22 @@ constexpr bool fwd_wide_tiles() {
   return D == 128 && std::is_same_v<Mods, NoModifiers> && !kPrefix;
 }
 
-template <int D, bool kWide = false>
+// kWindow: the sliding-window kernels, which run plans cut to a window (tile_size.h fwd_block_m).
+template <int D, bool kWide = false, bool kWindow = false>
 struct Sm90FwdConfig {
-  static constexpr int kBlockM = 128;                  // query rows per tile (= the plan's tiles)
+  static constexpr int kBlockM = fwd_block_m(D, TileFamily::kSm90, kWindow);  // query rows per tile (the plan's)
+  // Consumer warpgroups, 64 query rows each: 3 at D = 64 without a window (192-row tiles, FA3/FA4's
+  // D-64 forward: a 128-key tile's exponentials take as long as its two GEMMs there, so a third
+  // warpgroup's softmax keeps the tensor cores busy while two take turns), 2 otherwise.
+  static constexpr int kConsumerWGs = kBlockM / 64;
   static constexpr int kBlockN = sm90_fwd_block_n(D, kWide);  // KV rows per tile
   static constexpr int kStages = 2;
   static constexpr int kBox = 64;                      // columns per TMA box (128 B of 16-bit)
   static constexpr int kBoxes = D / kBox;
-  static constexpr int kThreads = 384;
-  static constexpr int kConsumerRegs = 232;
-  static constexpr int kProducerRegs = 40;
+  static constexpr int kThreads = 128 * (1 + kConsumerWGs);
+  // 384 threads: 232 / 40 (the launch's 168 each); 512: FA3's 160 / 32 (the launch's 128 each).
+  static constexpr int kConsumerRegs = kConsumerWGs == 3 ? 160 : 232;
+  static constexpr int kProducerRegs = kConsumerWGs == 3 ? 32 : 40;
   static_assert(setmaxnreg_split_fits(kThreads, kProducerRegs, kConsumerRegs),
                 "sm90: the consumers' setmaxnreg.inc would wait for registers the producer never returns");
   static constexpr uint32_t kQBytes = kBlockM * D * 2;
@@ -82,13 +89,17 @@ struct Sm90FwdConfig {
   // 256 the 64 KiB buffer does not fit next to Q, K, V (263 KB > 227 KB): per-thread stores there.
   static constexpr bool kOStaged = D <= 128;
   static constexpr uint32_t kOBytes = kOStaged ? kBlockM * D * 2 : 0;
-  static constexpr uint32_t kOHalfBytes = kOBytes / 2;  // one consumer warpgroup's 64 rows
+  static constexpr uint32_t kOWgBytes = kOBytes / kConsumerWGs;  // one consumer warpgroup's 64 rows
+  // Named barriers: 1 .. kConsumerWGs the consumers' turn-taking, then one per warpgroup's O box.
+  static constexpr uint32_t kOBarrier = 1 + kConsumerWGs;
   static constexpr uint32_t kOBoxBytes = 64 * 128;      // 64 rows x 64 columns, 128B swizzle
   static constexpr uint32_t kOffO = kOffV + kStages * kKVBytes;
   static constexpr uint32_t kOffBar = kOffO + kOBytes;
   static constexpr uint32_t kBarBytes = 8 * (4 * kStages + 2 + 4) + 16;
   static constexpr uint32_t kSmemBytes = kOffBar + kBarBytes + 1024;  // + alignment slack
   static_assert(D % 64 == 0, "head dim must be a multiple of 64");
+  static_assert(kBlockM % 64 == 0 && (kConsumerWGs == 2 || kConsumerWGs == 3), "64 query rows per consumer warpgroup");
+  static_assert(kOBarrier + kConsumerWGs <= 16, "named barriers 0..15");
   static_assert(kSmemBytes <= kSm90SmemOptinBytes,
                 "sm90 forward: Q, the K / V stages and O do not fit in shared memory");
 };
@@ -119,21 +130,20 @@ struct Sm90Barriers {
 };
 
 // ---- The O epilogue through smem and a TMA store (Sm90FwdConfig::kOStaged, issue 23) ----
-// Per consumer warpgroup cw: its 64 rows in kOHalfBytes of smem (D / 64 boxes of 64 rows x 128 B,
-// 128B swizzle: row r's 16-byte chunk c at chunk c ^ (r % 8)), named barrier kFwdOBarrier + cw, and
+// Per consumer warpgroup cw: its 64 rows in kOWgBytes of smem (D / 64 boxes of 64 rows x 128 B,
+// 128B swizzle: row r's 16-byte chunk c at chunk c ^ (r % 8)), named barrier kOBarrier + cw, and
 // the warpgroup's first thread issues the TMA stores (one bulk group per item) and waits for them.
 // Addresses are 32-bit smem addresses, and every per-thread value is derived from the thread index
 // read afresh in the epilogue: nothing new stays live through the KV loop (per-thread values the
 // compiler hoisted out of the item loop made the softcap kernels spill, 16 bytes).
-constexpr uint32_t kFwdOBarrier = 3;  // 1 and 2: the consumers' turn-taking
 
 __device__ __forceinline__ bool fwd_o_store_thread() { return thread_index_x() % 128 == 0; }
 
 // Before staging: the warpgroup's previous store has finished reading its smem (issued an item
 // ago, so this rarely waits).
-__device__ __forceinline__ void fwd_o_staging_acquire(int cw) {
+__device__ __forceinline__ void fwd_o_staging_acquire(uint32_t bar) {
   if (fwd_o_store_thread()) bulk_wait_group_read<0>();
-  named_bar_sync(kFwdOBarrier + cw, 128);
+  named_bar_sync(bar, 128);
 }
 
 // Row r (0: row g, 1: row g + 8 of the warp's 16-row slice) of the accumulator fragment, times inv,
@@ -157,10 +167,10 @@ __device__ __forceinline__ void fwd_o_stage_row(uint32_t sOw, const float (&o)[D
 // After staging: every thread's writes made visible to the async proxy, then one thread stores the
 // warpgroup's boxes (columns b * 64, head h, tokens [row0, row0 + 64)).
 template <int D>
-__device__ __forceinline__ void fwd_o_staging_release(const CUtensorMap* to, uint32_t sOw, int cw, int h,
+__device__ __forceinline__ void fwd_o_staging_release(const CUtensorMap* to, uint32_t sOw, uint32_t bar, int h,
                                                       int32_t row0) {
   fence_proxy_async_smem();
-  named_bar_sync(kFwdOBarrier + cw, 128);
+  named_bar_sync(bar, 128);
   if (fwd_o_store_thread()) {
 #pragma unroll
     for (int b = 0; b < D / 64; ++b) tma_store_3d(to, sOw + b * (64 * 128), b * 64, h, row0);
@@ -176,9 +186,9 @@ __device__ __forceinline__ void fwd_o_staging_release(const CUtensorMap* to, uin
 // and the consumers mask them as ancestor tiles (never diagonal); instantiated with NoModifiers
 // only. The default instantiation is the kernel as it was before either.
 template <typename T, int D, typename Mods = NoModifiers, bool kPrefix = false>
-__global__ void __launch_bounds__(Sm90FwdConfig<D>::kThreads, 1)
+__global__ void __launch_bounds__(Sm90FwdConfig<D, false, Mods::kWindow>::kThreads, 1)
 fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
-  using C = Sm90FwdConfig<D, fwd_wide_tiles<D, Mods, kPrefix>()>;
+  using C = Sm90FwdConfig<D, fwd_wide_tiles<D, Mods, kPrefix>(), Mods::kWindow>;
   constexpr int BN = C::kBlockN, S = C::kStages;
 
   extern __shared__ __align__(1024) uint8_t smem_raw[];
@@ -210,7 +220,7 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
   const int32_t n_items = n_tiles * H;
   const int32_t window = clamp_fwd_window(p.tile_window, n_tiles);
 
-  constexpr uint32_t kConsumerWarps = 8;
+  constexpr uint32_t kConsumerWarps = 4 * C::kConsumerWGs;
   if (threadIdx.x == 0) {
     for (int i = 0; i < S; ++i) {
       mbar_init(&B.k_full[i], 1);
@@ -317,14 +327,15 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
   const uint32_t k_base = smem_u32(sK);
   const uint32_t v_base = smem_u32(sV);
   // Turn-taking between the consumer warpgroups: warpgroup c waits on barrier 1 + c before issuing
-  // and then lets the other one go. Warpgroup 0 starts.
+  // and then lets the next one (c + 1, cyclically) go. Warpgroup 0 starts.
+  constexpr int W = C::kConsumerWGs;
   auto turn_wait = [&]() {
     named_bar_sync(1 + cw, 256);
   };
   auto turn_pass = [&]() {
-    named_bar_arrive(1 + (cw ^ 1), 256);
+    named_bar_arrive(1 + (W == 2 ? cw ^ 1 : cw + 1 == W ? 0 : cw + 1), 256);
   };
-  if (cw == 1) named_bar_arrive(1, 256);
+  if (cw == W - 1) named_bar_arrive(1, 256);
 
   uint32_t q_iter = 0, kv_iter = 0;
   for (uint32_t n = 0;; ++n) {
@@ -560,8 +571,8 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
     const bool o_staged = C::kOStaged && p.o_tma != 0 &&
                           __all_sync(0xffffffffu, o_row0 + 64 <= q1 || (q1 >= L.num_tokens && o_row0 < q1));
     // This warpgroup's O box, from an address the loop keeps live (K's).
-    const uint32_t o_box = k_base - C::kOffK + C::kOffO + ocw * C::kOHalfBytes;
-    if (o_staged) fwd_o_staging_acquire(ocw);
+    const uint32_t o_box = k_base - C::kOffK + C::kOffO + ocw * C::kOWgBytes;
+    if (o_staged) fwd_o_staging_acquire(C::kOBarrier + ocw);
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       float tot = l[r];
@@ -589,7 +600,7 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
       }
     }
     if constexpr (C::kOStaged) {
-      if (o_staged) fwd_o_staging_release<D>(&p.to, o_box, ocw, h, o_row0);
+      if (o_staged) fwd_o_staging_release<D>(&p.to, o_box, C::kOBarrier + ocw, h, o_row0);
     }
   }
   // The last TMA stores of O still read smem: the issuing thread waits for them before the CTA ends.

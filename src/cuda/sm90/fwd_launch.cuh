@@ -12,19 +12,20 @@
 namespace dualkv::cuda::sm90 {
 
 // One persistent CTA per SM of `Kernel` (launch.h), its work counter zeroed on `stream` first.
-template <auto Kernel, int D, bool kWide = false>
+template <auto Kernel, int D, bool kWide, bool kWindow>
 cudaError_t launch_fwd(const Sm90FwdParams<D>& p, int sms, cudaStream_t stream) {
-  using C = Sm90FwdConfig<D, kWide>;
+  using C = Sm90FwdConfig<D, kWide, kWindow>;
   if (cudaError_t err = cudaMemsetAsync(p.a.counter, 0, sizeof(int32_t), stream); err != cudaSuccess) return err;
   return launch_persistent<Kernel>(C::kSmemBytes, C::kThreads, sms, p, stream);
 }
 
 template <int D, typename T, typename Mods>
 cudaError_t run_fwd(const FwdArgs& args, int sms, cudaStream_t stream) {
-  using C = Sm90FwdConfig<D>;
-  // The plan's forward items are query tiles of plan_tiles(D).fwd_block_m rows; the kernel holds one
-  // such tile per CTA.
-  static_assert(plan_tiles(D).fwd_block_m == C::kBlockM, "sm90 forward: plan query tiles must be kBlockM rows");
+  using C = Sm90FwdConfig<D, false, Mods::kWindow>;
+  // The plan's forward items are query tiles of the Hopper family's rows (fwd_tiles_ok: the
+  // dispatcher sends a plan cut for the portable kernels to them); the kernel holds one tile per CTA.
+  static_assert(fwd_block_m(D, TileFamily::kSm90, Mods::kWindow) == C::kBlockM,
+                "sm90 forward: plan query tiles must be kBlockM rows");
   const int T_ = args.layout.num_tokens;
   const int H = args.num_heads, Hk = args.num_kv_heads;
   Sm90FwdParams<D> p;
@@ -36,7 +37,7 @@ cudaError_t run_fwd(const FwdArgs& args, int sms, cudaStream_t stream) {
   // Wide KV tiles (fwd_wide_tiles, issue 23): the kernel without an external prefix may walk wider
   // tiles than C's, and its K / V boxes are its tiles.
   constexpr bool kWide = fwd_wide_tiles<D, Mods, false>();
-  const int kv_box_rows = args.prefix_k == nullptr ? Sm90FwdConfig<D, kWide>::kBlockN : C::kBlockN;
+  const int kv_box_rows = args.prefix_k == nullptr ? Sm90FwdConfig<D, kWide, Mods::kWindow>::kBlockN : C::kBlockN;
   if (!make_map(&p.tq, kTmaType<T>, args.q, D, H, T_, args.q_hs, args.q_ts, C::kBlockM) ||
       !make_map(&p.tk, kTmaType<T>, args.k, D, Hk, T_, args.k_hs, args.k_ts, kv_box_rows) ||
       !make_map(&p.tv, kTmaType<T>, args.v, D, Hk, T_, args.v_hs, args.v_ts, kv_box_rows))
@@ -55,12 +56,12 @@ cudaError_t run_fwd(const FwdArgs& args, int sms, cudaStream_t stream) {
       if (!make_map(&p.tpk, kTmaType<T>, args.prefix_k, D, Hk, args.prefix_rows, args.pk_hs, args.pk_ts, C::kBlockN) ||
           !make_map(&p.tpv, kTmaType<T>, args.prefix_v, D, Hk, args.prefix_rows, args.pv_hs, args.pv_ts, C::kBlockN))
         return cudaErrorNotSupported;
-      return launch_fwd<fwd_sm90_kernel<T, D, Mods, true>, D>(p, sms, stream);
+      return launch_fwd<fwd_sm90_kernel<T, D, Mods, true>, D, false, false>(p, sms, stream);
     } else {
       return cudaErrorNotSupported;  // api.cpp refuses a modifier with external prefixes first
     }
   }
-  return launch_fwd<fwd_sm90_kernel<T, D, Mods, false>, D, kWide>(p, sms, stream);
+  return launch_fwd<fwd_sm90_kernel<T, D, Mods, false>, D, kWide, Mods::kWindow>(p, sms, stream);
 }
 
 }  // namespace dualkv::cuda::sm90
