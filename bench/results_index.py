@@ -131,6 +131,9 @@ BENCHMARKS = {
                     "step bench-classes)",
     "e2e_flex_fa4_1.7b": "bench/e2e.py, Qwen3-1.7B shape, std / dualkv / Flex-FA4 (automatic dynamic shapes), P 8K and "
                          "16K, 4 micro-batches, 3 updates after 1 warm-up (issue 23's end-to-end bar; step e2e-all)",
+    "e2e_flex_fa4_8b": "bench/e2e.py, Qwen3-8B shape, dualkv / Flex-FA4 (automatic dynamic shapes; std not run: ~85 s "
+                       "per update), P 8K and 16K, 4 micro-batches, 3 updates after 1 warm-up (issue 23's end-to-end "
+                       "bar; step e2e-all, E2E_MODEL=8b)",
     "ab_bwd_regs240": "bench/attention.py --classes all --configs 16,4096,1024;8,16384,2048 --ab-library, Hopper path, "
                       "D 128: the backward with 240 / 24 registers and all of dK behind dQ (branch regs240, not "
                       "merged: docs/decisions.md) against the 73d685e build, 3 rounds (issue 23)",
