@@ -71,7 +71,8 @@ struct Sm90FwdConfig {
   static constexpr int kBox = 64;                      // columns per TMA box (128 B of 16-bit)
   static constexpr int kBoxes = D / kBox;
   static constexpr int kThreads = 128 * (1 + kConsumerWGs);
-  // 384 threads: 232 / 40 (the launch's 168 each); 512: FA3's 160 / 32 (the launch's 128 each).
+  // 384 threads: 232 / 40 (the launch's 168 each); 512: FA3's 160 / 32 (the launch's 128 each; the
+  // softcap kernels spill 52 bytes there and still took 0.90-1.00x the two-warpgroup time).
   static constexpr int kConsumerRegs = kConsumerWGs == 3 ? 160 : 232;
   static constexpr int kProducerRegs = kConsumerWGs == 3 ? 32 : 40;
   static_assert(setmaxnreg_split_fits(kThreads, kProducerRegs, kConsumerRegs),
