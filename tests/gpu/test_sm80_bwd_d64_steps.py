@@ -27,11 +27,13 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available() or D not in built_head_dims(),
                                  reason="needs a CUDA GPU and a library with head dim 64")]
 
+# the Hopper module's cases and checks (it imports without a GPU: the parametrize lists below need them)
+from test_sm90_bwd_d64_steps import DTYPES, WINDOWS, check_ragged_steps, check_split_pieces, step_edge_forest
+
 if torch.cuda.is_available():
     import dualkv
     from test_cuda_modifiers import run_case as run_modifier_case  # the modifier tests' rule
     from test_sm90_bwd import run
-    from test_sm90_bwd_d64_steps import DTYPES, WINDOWS, check_ragged_steps, check_split_pieces, step_edge_forest
 
 
 def device_smem_optin() -> int:
