@@ -152,9 +152,11 @@ dualkv_status check_plan(const Params& p, const char* what, int32_t* fwd_tile_ro
   const int32_t E = p.prefixes.num_prefixes, rows = E > 0 ? p.prefixes.num_prefix_rows : 0;
   const uint64_t key = p.plan_key >> kPlanSlotBits;
   *fwd_tile_rows = 0;
-  for (TileFamily family : {TileFamily::kPortable, TileFamily::kSm90}) {
-    const int32_t m = fwd_block_m(p.head_dim, family, p.window > 0);
-    if (key == plan::key_hash(p.head_dim, m, p.layout.num_segments, p.layout.num_tokens, p.window, E, rows))
+  const int32_t portable = fwd_block_m(p.head_dim, TileFamily::kPortable, p.window > 0);
+  const int32_t sm90 = fwd_block_m(p.head_dim, TileFamily::kSm90, p.window > 0);
+  for (int32_t m : {portable, sm90}) {  // the second hash only if the first key does not match
+    if (*fwd_tile_rows == 0 &&
+        key == plan::key_hash(p.head_dim, m, p.layout.num_segments, p.layout.num_tokens, p.window, E, rows))
       *fwd_tile_rows = m;
   }
   if (*fwd_tile_rows == 0)

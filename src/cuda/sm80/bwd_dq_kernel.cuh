@@ -276,20 +276,18 @@ cudaError_t launch_bwd_dq_tiles(const BwdArgs& args, int sms, cudaStream_t strea
   return launch_on_sms<bwd_dq_kernel<D, kTileM, T, Mods, false>>(kThreads, kSmem, sms, args, stream);
 }
 
-// The kernel built for the plan's query tiles (args.fwd_block_m), as the portable forward's.
+// The kernel built for the plan's query tiles (args.fwd_block_m, config.h with_plan_tile).
 template <int D, typename T, typename Mods>
 cudaError_t launch_bwd_dq(const BwdArgs& args, int sms, cudaStream_t stream) {
-  if constexpr (kSm90TileM<D> != kPortableTileM<D>) {
-    if (args.fwd_block_m == kSm90TileM<D>) return launch_bwd_dq_tiles<D, kSm90TileM<D>, T, Mods>(args, sms, stream);
-  }
-  return launch_bwd_dq_tiles<D, kPortableTileM<D>, T, Mods>(args, sms, stream);
+  return with_plan_tile<D>(args.fwd_block_m, [&](auto m) {
+    return launch_bwd_dq_tiles<D, decltype(m)::value, T, Mods>(args, sms, stream);
+  });
 }
 
 // Shared memory of the dQ kernel that takes the plan's query tiles.
 template <int D, typename T>
-constexpr size_t bwd_dq_smem(int fwd_block_m) {
-  return fwd_block_m == kSm90TileM<D> ? sizeof(DqSmemOf<D, kSm90TileM<D>, T>)
-                                      : sizeof(DqSmemOf<D, kPortableTileM<D>, T>);
+size_t bwd_dq_smem(int fwd_block_m) {
+  return with_plan_tile<D>(fwd_block_m, [](auto m) { return sizeof(DqSmemOf<D, decltype(m)::value, T>); });
 }
 
 }  // namespace dualkv::cuda::sm80

@@ -124,7 +124,7 @@ constexpr size_t bwd_kv_min_smem() {
     return S::kWideSmem;
 }
 template <int D, typename T, typename Mods>
-constexpr size_t bwd_min_smem(bool deterministic, int fwd_block_m) {
+size_t bwd_min_smem(bool deterministic, int fwd_block_m) {
   const size_t kv = bwd_kv_min_smem<D, T, Mods>(), dq = bwd_dq_smem<D, T>(fwd_block_m);
   return deterministic && dq > kv ? dq : kv;
 }

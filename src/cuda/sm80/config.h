@@ -1,6 +1,8 @@
 // The portable (sm80) kernels' configurations, from the tile-size table (tile_size.h).
 #pragma once
 
+#include <type_traits>
+
 #include "sm80/smem_tile.cuh"
 #include "tile_size.h"
 
@@ -13,6 +15,16 @@ namespace dualkv::cuda::sm80 {
 // forward ran.
 template <int D> inline constexpr int kPortableTileM = fwd_block_m(D, TileFamily::kPortable, false);
 template <int D> inline constexpr int kSm90TileM = fwd_block_m(D, TileFamily::kSm90, false);
+// f(std::integral_constant<int, M>{}) for M the plan's query tile rows (fwd_block_m: the
+// dispatcher's fwd_tiles_ok lets only these two reach the portable kernels), the one place the
+// launchers turn the plan's tile into a kernel instantiation.
+template <int D, typename F>
+decltype(auto) with_plan_tile(int fwd_block_m, F&& f) {
+  if constexpr (kSm90TileM<D> != kPortableTileM<D>) {
+    if (fwd_block_m == kSm90TileM<D>) return f(std::integral_constant<int, kSm90TileM<D>>{});
+  }
+  return f(std::integral_constant<int, kPortableTileM<D>>{});
+}
 
 // Forward kernel: warps of kMI x 16 query rows filling the plan's query tile of kTileM rows; kDSplit
 // warps per row block, each with D / kDSplit columns of O (tile_size.h: 2 at D = 512, else 1). Warp

@@ -22,16 +22,13 @@ cudaError_t launch_fwd(const FwdArgs& args, int sms, cudaStream_t stream) {
   return launch_on_sms<fwd_kernel<D, kTileM, T, Mods, false>>(kThreads, kSmem, sms, args, stream);
 }
 
-// The kernel built for the plan's query tiles (args.fwd_block_m: config.h kPortableTileM, or the
-// Hopper family's kSm90TileM where it differs; fwd_tiles_ok lets no other reach here).
+// The kernel built for the plan's query tiles (args.fwd_block_m, config.h with_plan_tile).
 template <int D, typename T, typename Mods>
 cudaError_t run_fwd(const FwdArgs& args, int sms, cudaStream_t stream) {
   const cudaError_t err = cudaMemsetAsync(args.counter, 0, sizeof(int32_t), stream);
   if (err != cudaSuccess) return err;
-  if constexpr (kSm90TileM<D> != kPortableTileM<D>) {
-    if (args.fwd_block_m == kSm90TileM<D>) return launch_fwd<D, kSm90TileM<D>, T, Mods>(args, sms, stream);
-  }
-  return launch_fwd<D, kPortableTileM<D>, T, Mods>(args, sms, stream);
+  return with_plan_tile<D>(args.fwd_block_m,
+                           [&](auto m) { return launch_fwd<D, decltype(m)::value, T, Mods>(args, sms, stream); });
 }
 
 }  // namespace dualkv::cuda::sm80
