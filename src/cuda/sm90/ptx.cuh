@@ -138,6 +138,9 @@ __device__ __forceinline__ uint64_t make_desc_sw128(uint32_t addr, uint32_t lbo_
   d |= static_cast<uint64_t>(1) << 62;  // 128-byte swizzle
   return d;
 }
+// The descriptor of the operand `bytes` further on in shared memory: the start-address field (bits
+// 0-13, address >> 4) plus bytes >> 4, which never carries out of it (shared memory < 256 KiB).
+__device__ __forceinline__ uint64_t desc_advance(uint64_t desc, uint32_t bytes) { return desc + (bytes >> 4); }
 
 // ---- warp specialisation ----
 // Whether a kernel of `threads` threads (one producer warpgroup, the rest consumers, launched with
