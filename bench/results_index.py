@@ -168,6 +168,17 @@ BENCHMARKS = {
     "ab_d64_plan_families_softcap": "the same with --softcap 30 (the D-64 Hopper softcap kernel spills 52 bytes)",
     "ab_fwd_d64_192_sinks_window": "tree c8a1aed, the loser: 192-row tiles in windowed D-64 plans, --sinks --window 128 "
                                    "against 73d685e, 3 rounds (forward 1.06-1.12x the time: docs/decisions.md)",
+    "ab_bwd_descriptors_d64": "bench/attention.py --head-dim 64 --classes all --configs 16,4096,1024;8,16384,2048 "
+                              "--ab-library, Hopper path: the backward's per-step descriptors + dS before dV (branch "
+                              "bwdcand, 1fcf69f's build) against main's (dff01ad kernels), default and deterministic "
+                              "mode, 3 rounds (issue 23); .compare.log: tools/ab_libraries.py, the three cumulative "
+                              "candidates' kernel times, bitwise checks of the L2-hint stack and of the merged backward "
+                              "(60e4fec) at D 64 / 128 / 256; .forward.log: the same for the forward's descriptors",
+    "ab_bwd_descriptors_d128": "the same at head dim 128",
+    "ab_fwd_d128_narrow_kv": "bench/attention.py --head-dim 128 --classes all --configs 16,4096,1024;8,16384,2048 "
+                             "--ab-library, Hopper path: the D-128 forward with 128-row KV tiles (scratch build, not "
+                             "merged) against the 160-row wide tiles (fwddesc2 1029e35), 3 rounds; .profile.log: the "
+                             "forward kernel's time on six GRPO layouts, 5 rounds (issue 23, session 22)",
     "e2e_breakdown_1.7b": "bench/e2e.py --breakdown --methods dualkv, Qwen3-1.7B shape, P 8K and 16K, 4 micro-batches, "
                           "3 updates: device time per update by kernel category (attention / GEMM / other; issue 23's "
                           "end-to-end bar; step e2e-all, E2E_ARGS=--breakdown)",
