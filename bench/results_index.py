@@ -175,6 +175,11 @@ BENCHMARKS = {
                               "candidates' kernel times, bitwise checks of the L2-hint stack and of the merged backward "
                               "(60e4fec) at D 64 / 128 / 256; .forward.log: the same for the forward's descriptors",
     "ab_bwd_descriptors_d128": "the same at head dim 128",
+    "ab_bwd_descriptors_classes_d128": "bench/attention.py --head-dim 128 --classes all --configs 16,4096,1024;8,16384,2048 "
+                                       "--ab-library, Hopper path: the library of a680fa5 (the backward's descriptors, "
+                                       "merged, and the forward's, reverted in 6bc6c89) against main's (dff01ad "
+                                       "kernels), FA4 dense and Flex-FA4 in process, 2 rounds (issue 23; step "
+                                       "bench-classes); .fwd_alone.log: trees and small groups without peers, 4 rounds",
     "ab_fwd_d128_narrow_kv": "bench/attention.py --head-dim 128 --classes all --configs 16,4096,1024;8,16384,2048 "
                              "--ab-library, Hopper path: the D-128 forward with 128-row KV tiles (scratch build, not "
                              "merged) against the 160-row wide tiles (fwddesc2 1029e35), 3 rounds; .profile.log: the "
