@@ -174,7 +174,8 @@ BENCHMARKS = {
                               "mode, 3 rounds (issue 23); .compare.log: tools/ab_libraries.py, the three cumulative "
                               "candidates' kernel times, bitwise checks of the L2-hint stack and of the merged backward "
                               "(60e4fec) at D 64 / 128 / 256; .forward.log: the same for the forward's descriptors",
-    "ab_bwd_descriptors_d128": "the same at head dim 128",
+    "ab_bwd_descriptors_d128": "the same at head dim 128 with the descriptors alone (cee3475's build; the merged D-128 "
+                               "kernel)",
     "ab_bwd_descriptors_classes_d128": "bench/attention.py --head-dim 128 --classes all --configs 16,4096,1024;8,16384,2048 "
                                        "--ab-library, Hopper path: the library of a680fa5 (the backward's descriptors, "
                                        "merged, and the forward's, reverted in 6bc6c89) against main's (dff01ad "
