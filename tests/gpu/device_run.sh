@@ -16,8 +16,8 @@
 #                the steps after it (FlashAttention-4 4.0.0b36, nvidia-cutlass-dsl 4.8.1); prints the
 #                versions (~30 s). A later call on the same machine only needs the export: it is idempotent.
 #                Without it the FA4 methods (fa4_dense, flex_fa4) are recorded as skipped.
-#   tests        tests/gpu + the GPU cases of tests/python (~1.5 min once; 2026-12-02 at ed0c468 55% of it took 200 s:
-#                ~6 min now, give it a call of its own)
+#   tests        tests/gpu + the GPU cases of tests/python (-m gpu: the CPU cases of tests/python are CI's; with
+#                them the step ran past 230 s on 2026-12-03): 847 passed in 90-98 s at 6bc6c89's kernels
 #   sanitize     compute-sanitizer memcheck + racecheck on small layouts (~40 s); racecheck uses
 #                $RACECHECK_LIBRARY when set (the per-thread-release diagnostic build, docs/hopper.md)
 #   bench        bench/attention.py, every config and method (dualkv, sdpa_flash, sdpa_cudnn, fa4_dense, flex,
@@ -181,7 +181,7 @@ for step in "$@"; do
                  export PYTHONPATH="/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PYTHONPATH"
                  python3 -c "import importlib.metadata as m, flash_attn.cute, cutlass
 print('FA4', m.version('flash-attn-4'), 'CuTe DSL', m.version('nvidia-cutlass-dsl'))" 2>&1 | tail -2 ;;
-    tests) timeout "${TEST_TIMEOUT:-240}" python3 -m pytest tests/gpu tests/python -q -p no:cacheprovider $PT \
+    tests) timeout "${TEST_TIMEOUT:-240}" python3 -m pytest tests/gpu tests/python -m gpu -q -p no:cacheprovider $PT \
              --maxfail=10 -rs 2>&1 | tee "$OUT/pytest.log" | tail -15 ;;
     tests-k) timeout "${TEST_TIMEOUT:-240}" python3 -m pytest tests/gpu -q --maxfail=10 -p no:cacheprovider \
              -k "${TEST_K}" 2>&1 | tee "$OUT/pytest.log" | tail -60 ;;
