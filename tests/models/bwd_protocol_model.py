@@ -10,7 +10,8 @@ barrier 1 (256 threads) syncs the two consumer warpgroups after their dS halves 
 
 A wgmma group reads its smem operands from its issue until the wgmma.wait_group that retires it.
 Consumer step (dQ-computing kernel; the order since 2026-12-02, FA3/FA4's): S^T, dP^T, wait_group 1,
-wait_group 0, dV, dS stored, [dK's first k step: D 128, a group of its own; half the runs model it],
+wait_group 0, dV, dS stored (or dS stored, then dV: the 128-row steps' kDvAfterDsStore since
+2026-12-03; half the runs model it), [dK's first k step: D 128, a group of its own; half the runs model it],
 barrier 1, dQ, dK (the rest), wait_group 1 (dV, the dK head and dQ retired; checked before dQ is
 read), dQ staged (--bulk) or added while dK runs, wait_group 0, qdo_empty. Deterministic kernel:
 S^T, dP^T, waits, dV, dK, wait_group 0, qdo_empty.
@@ -103,7 +104,7 @@ def wgmma_reads(me):
 
 
 def simulate(rng, steps_of, deterministic=False, mutant=None, bulk=False, d256=False, stagger=True, dk_head=False,
-             dq_stages=2):
+             dv_after_ds=False, dq_stages=2):
     n_items = len(steps_of)
     stages = 2
     writer_on = bulk and not deterministic  # the deterministic kernel has no writer in a bulk build
@@ -215,7 +216,8 @@ def simulate(rng, steps_of, deterministic=False, mutant=None, bulk=False, d256=F
                 lse_read += [read(lse[st][l], (item, s)) for l in range(32)]  # dS: delta
                 for b in lse_read:
                     b.readers.discard(me)
-                groups.append({read(dO[st], (item, s))})                  # dV += P^T dO
+                if deterministic or not dv_after_ds:
+                    groups.append({read(dO[st], (item, s))})              # dV += P^T dO
                 buf = dS[step % n_ds]
                 if deterministic:
                     groups.append({read(Q[st], (item, s))})               # dK += dS^T Q
@@ -234,6 +236,8 @@ def simulate(rng, steps_of, deterministic=False, mutant=None, bulk=False, d256=F
                 # dQ-computing kernel: dS stored, barrier, dQ issued before dK; wait_group 1 retires
                 # dV and dQ, the dQ staging runs under dK, wait_group 0, then qdo_empty.
                 buf[cw].write((item, s), loaded=True)                     # stmatrix + proxy fence
+                if dv_after_ds:                                           # 128-row steps: dV after
+                    groups.append({read(dO[st], (item, s))})              # the dS stores
                 if mutant == "dk_first" or dk_head:                       # dK's first k step (D 128),
                     groups.append({read(Q[st], (item, s))})               # or all of dK (the mutant)
                 yield "step"
@@ -507,7 +511,7 @@ def run_many(runs, seed, deterministic, mutant, bulk=False, d256=False, stagger=
         n_items = rng.randint(1, 10)
         steps_of = [rng.choice([1, 1, 2, 3, rng.randint(1, 6)]) for _ in range(n_items)]
         simulate(rng, steps_of, deterministic, mutant, bulk, d256, stagger, dk_head=rng.random() < 0.5,
-                 dq_stages=dq_stages)
+                 dv_after_ds=rng.random() < 0.5, dq_stages=dq_stages)
 
 
 def main():

@@ -38,10 +38,12 @@
 //     columns (the second skipped when wholly past qb).
 //   Rows of Q/dO past qb get lse = +inf (P = 0); TMA zero-fills past T. KV rows past k1 (the next
 //   segment's tokens, loaded by TMA) are masked explicitly.
-//   Issue order of the dQ-computing kernel (since 2026-12-02, FA3/FA4's): dV, dS stores, [dK's
-//     first k step, D = 128 only], barrier 1, dQ, dK (the rest); wait_group 1 retires dV and dQ,
-//     the dQ staging runs while dK is in flight, wait_group 0, then qdo_empty. Deterministic
-//     kernel: dV, dK, wait_group 0, qdo_empty.
+//   Issue order of the dQ-computing kernel (since 2026-12-02, FA3/FA4's): dV, dS stores (with
+//     128-row steps dS stores, then dV: kDvAfterDsStore, since 2026-12-03), [dK's first k step:
+//     kDkHead, D = 128 and the 128-row prefix kernels], barrier 1, dQ, dK (the rest); wait_group 1
+//     retires dV, that dK step and dQ, the dQ staging runs while dK is in flight, wait_group 0, then
+//     qdo_empty. Deterministic kernel: dV, dK, wait_group 0, qdo_empty. (tests/models/
+//     bwd_protocol_model.py models the barriers, which the order of the issues does not change.)
 //
 // Barriers (mbarriers in smem):
 //   item_full[2] / item_empty[2]  work item hand-off (count 1 / 8 consumer warps)
