@@ -243,6 +243,13 @@ dualkv_status build(const dualkv_layout& l, const dualkv_prefixes* prefixes, int
       if (n > 1) slots += n;
     }
     if (slots <= static_cast<int64_t>(kPlanSlotMask)) break;
+    // Past `total` rows every range is one piece: the slots left are of KV tiles seen by several
+    // window-cut ranges, which no split length merges (doubling on would overflow).
+    if (split >= total)
+      return detail::fail(DUALKV_ERROR_UNSUPPORTED,
+                          "plan: %lld split slots (partial sums of KV tiles seen by several query ranges under the "
+                          "window) exceed the plan key's %llu; split the batch",
+                          static_cast<long long>(slots), static_cast<unsigned long long>(kPlanSlotMask));
     split *= 2;
   }
 

@@ -723,3 +723,20 @@ TEST(Plan, BadArgumentsAreErrors) {
 }
 
 }  // namespace
+
+// A windowed plan whose KV tile is seen by more query ranges than the plan key can count as split
+// slots (one per range: each child of the prompt is its own range, with its own distance bias) is
+// refused with a clear error; before, the planner doubled the split length forever.
+TEST(Plan, TooManySplitSlotsIsAnError) {
+  constexpr int32_t kChildren = (1 << 20) + 16;  // more ranges than any key can count
+  std::vector<int32_t> lens(kChildren + 1, 1), parents(kChildren + 1, 0);
+  lens[0] = 64;
+  parents[0] = -1;
+  HostLayout l(lens, parents);
+  const dualkv_layout v = l.view();
+  const dualkv_plan_request req = dualkv::testing::cuda_request(128, 64, nullptr);  // hides pairs: ranges per child
+  dualkv_plan_info info{};
+  info.struct_size = sizeof(info);
+  EXPECT_EQ(dualkv_plan_inspect_ex(&v, &req, 132, &info, nullptr, 0), DUALKV_ERROR_UNSUPPORTED);
+  EXPECT_NE(std::string(dualkv_last_error()).find("split slots"), std::string::npos) << dualkv_last_error();
+}
