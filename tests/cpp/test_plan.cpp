@@ -726,7 +726,8 @@ TEST(Plan, BadArgumentsAreErrors) {
 
 // A windowed plan whose KV tile is seen by more query ranges than the plan key can count as split
 // slots (one per range: each child of the prompt is its own range, with its own distance bias) is
-// refused with a clear error; before, the planner doubled the split length forever.
+// refused with a clear error; before, the planner doubled the split length until it overflowed
+// (SIGFPE).
 TEST(Plan, TooManySplitSlotsIsAnError) {
   constexpr int32_t kChildren = (1 << 20) + 16;  // more ranges than any key can count
   std::vector<int32_t> lens(kChildren + 1, 1), parents(kChildren + 1, 0);
