@@ -44,8 +44,9 @@ layouts (--heads, --kv-heads); with --mods the sliding
 window (1024 and small ones), the logit softcap, attention sinks and their combinations, and
 external prefixes (--mods prefix; not combined with the others, which CUDA refuses together).
 
-Profile (--profile "N,P,R[,D];...", CUDA): per GRPO layout (one prompt of P tokens, N responses of R
-tokens, --heads/--kv-heads, each head dim of --dims unless D is given), --rounds rounds of every
+Profile (--profile "N,P,R[,D];CLASS[,D];...", CUDA): per GRPO layout (one prompt of P tokens, N
+responses of R tokens) or layout class of bench/layout_classes.py (small_groups, tiny_responses,
+long_responses, tree), --heads/--kv-heads, each head dim of --dims unless D is given, --rounds rounds of every
 library in rotating order, each --profile-calls calls (fwd for --check fwd, else fwd+bwd) under
 torch.profiler after one warm-up call: the median device ms per call of the kernels whose name
 contains each --kernels substring (summed), and of all kernels of the step, per library, and
@@ -111,6 +112,7 @@ def _bench_module(name: str):
 
 
 provenance = _bench_module("provenance")  # the tree's commit, a library file's sha256
+layout_classes = _bench_module("layout_classes")  # issue 23's layout classes, for --profile
 
 # The outputs. The bwd check holds every output but dq to the bitwise rule: the forward's, dK/dV and
 # the prefix rows' dK/dV (no atomics; split items are reduced in a fixed order) and dsinks (a fixed
@@ -584,17 +586,28 @@ def run_checks(args, tally, base, cands, cases, dims, dtype):
 # the profile
 
 
-def parse_profile(text: str, dims: list) -> list:
-    """[(N, P, R, D)] from "N,P,R[,D];..." (no D: every head dim of --dims)."""
+def parse_profile(text: str, dims: list, heads: int, kv_heads: int, mods: dict) -> list:
+    """[(Case, tokens, D)] from "N,P,R[,D];CLASS[,D];..." (N,P,R: one GRPO group; CLASS: a layout class of
+    bench/layout_classes.py; no D: every head dim of --dims)."""
     out = []
-    for item in (s for s in text.split(";") if s.strip()):
-        nums = [int(v) for v in item.split(",")]
-        if len(nums) == 4:
-            out.append(tuple(nums))
-        elif len(nums) == 3:
-            out += [(*nums, D) for D in dims]
+    for item in (s.strip() for s in text.split(";") if s.strip()):
+        head, *rest = item.split(",")
+        if head in layout_classes.CLASSES:
+            lens, parents = layout_classes.layout_class(head)
+            case, tokens = Case(head, heads, kv_heads, tree=(lens, parents), **mods), sum(lens)
         else:
-            raise ValueError(f"--profile: {item!r} is not N,P,R or N,P,R,D")
+            try:
+                nums = [int(v) for v in item.split(",")]
+            except ValueError:
+                nums = []
+            if len(nums) not in (3, 4):
+                raise ValueError(f"--profile: {item!r} is not N,P,R[,D] or a layout class "
+                                 f"({', '.join(layout_classes.CLASSES)})[,D]")
+            (n, p, r), rest = nums[:3], nums[3:]
+            case, tokens = Case(f"N{n} P{p} R{r}", heads, kv_heads, groups=grpo(n, p, r), **mods), p + n * r
+        if len(rest) > 1:
+            raise ValueError(f"--profile: {item!r} has more than one head dim")
+        out += [(case, tokens, int(D)) for D in (rest or dims)]
     return out
 
 
@@ -658,15 +671,14 @@ def run_profile(args, tally, builds, dims, dtype):
     backward = args.check != "fwd"
     kernels = [k for k in args.kernels.split(",") if k]
     mods = parse_profile_mods(args.profile_mods)
-    for n, p, r, D in parse_profile(args.profile, dims):
-        case = Case(f"N{n} P{p} R{r}", args.heads, args.kv_heads, groups=grpo(n, p, r), **mods)
+    for case, tokens, D in parse_profile(args.profile, dims, args.heads, args.kv_heads, mods):
         title = f"profile {case.name} D{D} {case.mods_text()} {'fwd+bwd' if backward else 'fwd'}"
         try:
             times = {b.label: [] for b in builds}
             seen = set()
             for i in range(args.rounds):
                 for b in builds[i % len(builds):] + builds[:i % len(builds)]:  # rotating order
-                    ms, names = kernel_ms(b, case, p + n * r, D, dtype, backward, args.profile_calls, kernels)
+                    ms, names = kernel_ms(b, case, tokens, D, dtype, backward, args.profile_calls, kernels)
                     times[b.label].append(ms)
                     seen.update(names)
             base_label = builds[0].label
@@ -724,7 +736,7 @@ def main(argv=None) -> int:
     ap.add_argument("--ref-max-elements", type=int, default=2 ** 26,
                     help="float64 reference on cases with T^2 H at most this (0: no reference)")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: a smoke test of the tool")
-    ap.add_argument("--profile", default="", help="N,P,R[,D];... GRPO layouts whose kernel times to profile (cuda)")
+    ap.add_argument("--profile", default="", help="N,P,R[,D] or CLASS[,D];... GRPO layouts or layout classes whose kernel times to profile (cuda)")
     ap.add_argument("--kernels", default="", help="comma-separated kernel name substrings to time")
     ap.add_argument("--profile-mods", default="", help="modifiers of the profiled layouts: window=W,softcap=C,sinks")
     ap.add_argument("--rounds", type=int, default=2, help="profile rounds (libraries in rotating order)")

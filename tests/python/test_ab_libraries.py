@@ -105,3 +105,20 @@ def test_profile_rounds_and_a_kernel_no_library_ran(library, monkeypatch, capsys
     assert "profile N2 P256 R64 D64 window 64 fwd+bwd 'main' ms/call: base 2.000 (2.000 2.000 2.000), " \
            "cand 1.500 (1.500 1.500 1.500); cand/base 0.750" in out, out
     assert tally.error == 2 and "no kernel matching 'gone' ran in any library" in out, out
+
+
+def test_profile_takes_layout_classes_and_grpo_groups(monkeypatch):
+    """--profile items: N,P,R[,D] (one GRPO group) or a bench/layout_classes.py class name[,D]; without
+    D every head dim of --dims; anything else is a ValueError naming the item."""
+    tool = load_tool(monkeypatch)
+    items = tool.parse_profile("tree,64; 2,256,64 ;long_responses", [128, 256], 4, 2, {"window": 64})
+    lens, parents = tool.layout_classes.layout_class("tree")
+    assert [(c.name, t, D) for c, t, D in items] == [
+        ("tree", sum(lens), 64), ("N2 P256 R64", 384, 128), ("N2 P256 R64", 384, 256),
+        ("long_responses", sum(tool.layout_classes.layout_class("long_responses")[0]), 128),
+        ("long_responses", sum(tool.layout_classes.layout_class("long_responses")[0]), 256)]
+    assert items[0][0].tree == (lens, parents) and items[0][0].window == 64 and items[1][0].groups == ([256], [[64] * 2])
+    assert all((c.heads, c.kv_heads) == (4, 2) for c, _, _ in items)
+    for bad in ("trees", "2,256", "2,256,64,128,1", "tree,64,128"):
+        with pytest.raises(ValueError, match="--profile"):
+            tool.parse_profile(bad, [128], 4, 2, {})
