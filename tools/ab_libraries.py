@@ -705,6 +705,22 @@ def run_profile(args, tally, builds, dims, dtype):
 # ---------------------------------------------------------------------------------------------
 
 
+def cand_env(items, label: str) -> dict:
+    """The environment of candidate ``label``: the --cand-env items KEY=VALUE (every candidate's) and
+    LABEL:KEY=VALUE (that candidate's alone), e.g. one library under two settings of a launch switch:
+    --cand a=lib.so --cand b=lib.so --cand-env a:X=1 --cand-env b:X=2."""
+    shared, own = [], []
+    for item in items or ():
+        key = item.partition("=")[0]
+        if ":" in key:
+            who, _, rest = item.partition(":")
+            if who == label:
+                own.append(rest)
+        else:
+            shared.append(item)
+    return {**parse_env(shared), **parse_env(own)}
+
+
 def parse_env(items) -> dict:
     env = {}
     for item in items or ():
@@ -744,7 +760,8 @@ def main(argv=None) -> int:
     ap.add_argument("--heads", type=int, default=32, help="query heads of the profiled layouts and of --layouts")
     ap.add_argument("--kv-heads", type=int, default=8, help="KV heads of the profiled layouts and of --layouts")
     ap.add_argument("--base-env", action="append", help="KEY=VALUE set around the base's calls (repeatable)")
-    ap.add_argument("--cand-env", action="append", help="KEY=VALUE set around the candidates' calls (repeatable)")
+    ap.add_argument("--cand-env", action="append",
+                    help="KEY=VALUE set around the candidates' calls, LABEL:KEY=VALUE around one candidate's (repeatable)")
     ap.add_argument("--verbose", action="store_true", help="tracebacks of errors")
     ap.add_argument("--self-test-perturb", default=None, choices=FORWARD_OUTPUTS + GRAD_OUTPUTS,
                     help="TEST ONLY (the tool's own test): change one element of this output of every "
@@ -775,7 +792,7 @@ def main(argv=None) -> int:
     tally = Tally()
     try:
         base = Build("base", args.base, parse_env(args.base_env))
-        cands = [Build(label, path, parse_env(args.cand_env)) for label, path in cand_specs]
+        cands = [Build(label, path, cand_env(args.cand_env, label)) for label, path in cand_specs]
     except _native.DualKVError as e:
         print(f"ERROR loading the libraries: {e}", flush=True)
         return 1

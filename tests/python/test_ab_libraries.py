@@ -122,3 +122,13 @@ def test_profile_takes_layout_classes_and_grpo_groups(monkeypatch):
     for bad in ("trees", "2,256", "2,256,64,128,1", "tree,64,128"):
         with pytest.raises(ValueError, match="--profile"):
             tool.parse_profile(bad, [128], 4, 2, {})
+
+
+def test_cand_env_per_label(monkeypatch):
+    """--cand-env KEY=VALUE reaches every candidate, LABEL:KEY=VALUE only that one (and wins)."""
+    tool = load_tool(monkeypatch)
+    items = ["A=1", "b:A=2", "b:B=3", "c:C=4"]
+    assert tool.cand_env(items, "a") == {"A": "1"}
+    assert tool.cand_env(items, "b") == {"A": "2", "B": "3"}
+    assert tool.cand_env(items, "c") == {"A": "1", "C": "4"}
+    assert tool.cand_env(None, "a") == {}
