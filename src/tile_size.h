@@ -6,6 +6,8 @@
 // rules over D, each with the reason for its threshold.
 #pragma once
 
+#include <stdint.h>
+
 #if defined(__CUDACC__)
 #define DUALKV_TILE_FN __host__ __device__ constexpr
 #else
@@ -140,6 +142,17 @@ inline constexpr int kSm90SmemOptinBytes = 227 * 1024;
 // to Q and the O staging buffer (230,528 of 232,448 bytes).
 DUALKV_TILE_FN int sm90_fwd_block_n(int head_dim, bool wide = false) {
   return wide && head_dim == 128 ? 160 : head_dim <= 128 ? 128 : 64;
+}
+// Wide tiles pay only where the KV walks are long; elsewhere their ragged last tile of each range
+// (and the diagonal's) costs more than the per-tile saving. The plan says which (its key's long-walk
+// bit, plan_format.h): the forward's query rows walk on average (row-weighted over the forward items)
+// at least kFwdLongWalkKeys keys. Measured 2026-12-03 (H200, D 128, forward kernel time of 128-row
+// against 160-row tiles; docs/notes/2026-12-03-issue23-bwd-descriptors.md): 0.907 / 0.967 / 0.987 /
+// 0.991 at mean walks of 1.3K / 2.4K / 2.4K / 4.2K keys, 0.998 at 6.1K, 1.019 at 12.9K; 160-row tiles
+// took 0.949 / 0.983 of 128's at 12.9K / 15.4K when they were merged (session 15).
+inline constexpr int64_t kFwdLongWalkKeys = 8192;
+DUALKV_TILE_FN bool fwd_long_kv_walks(int64_t row_keys, int64_t rows, int64_t long_walk_keys = kFwdLongWalkKeys) {
+  return rows > 0 && row_keys >= long_walk_keys * rows;
 }
 // Backward main kernel (D <= 128) query rows per step: 128 at D = 64 (a step then has D 128's
 // GEMM work and accumulator registers, so its fixed cost is amortised over twice the FLOPs of a
