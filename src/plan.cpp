@@ -194,7 +194,11 @@ dualkv_status build(const dualkv_layout& l, const dualkv_prefixes* prefixes, int
     fwd_row_keys += static_cast<int64_t>(it.work) * (it.q1 - it.q0);
   }
   int64_t long_walk_keys = kFwdLongWalkKeys;
-  if (const char* env = std::getenv("DUALKV_CUDA_LONG_WALK_KEYS")) long_walk_keys = std::max(0LL, std::atoll(env));
+  if (const char* env = std::getenv("DUALKV_CUDA_LONG_WALK_KEYS")) {  // a count >= 0, else ignored
+    char* end = nullptr;
+    const long long v = std::strtoll(env, &end, 10);
+    if (end != env && *end == '\0' && v >= 0) long_walk_keys = v;
+  }
   const bool long_walks = fwd_long_kv_walks(fwd_row_keys, fwd_rows, long_walk_keys);
   std::stable_sort(fwd.begin(), fwd.end(), [&](const Fwd& a, const Fwd& b) {
     if (a.work != b.work) return a.work > b.work;

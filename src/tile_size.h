@@ -152,7 +152,7 @@ DUALKV_TILE_FN int sm90_fwd_block_n(int head_dim, bool wide = false) {
 // took 0.949 / 0.983 of 128's at 12.9K / 15.4K when they were merged (session 15).
 inline constexpr int64_t kFwdLongWalkKeys = 8192;
 DUALKV_TILE_FN bool fwd_long_kv_walks(int64_t row_keys, int64_t rows, int64_t long_walk_keys = kFwdLongWalkKeys) {
-  return rows > 0 && row_keys >= long_walk_keys * rows;
+  return rows > 0 && row_keys / rows >= long_walk_keys;  // (= row_keys >= long_walk_keys * rows, no overflow)
 }
 // Backward main kernel (D <= 128) query rows per step: 128 at D = 64 (a step then has D 128's
 // GEMM work and accumulator registers, so its fixed cost is amortised over twice the FLOPs of a

@@ -331,9 +331,14 @@ TEST(Plan, LongForwardWalksSetTheKeysLongWalkBit) {
     EXPECT_NE(a.info.plan_key & dualkv::kPlanLongWalksBit, 0u);
     EXPECT_EQ(b.info.plan_key & dualkv::kPlanLongWalksBit, 0u);
   }
+  for (const char* ignored : {"-5", "lots", "", "12x"}) {  // not a count >= 0: the default threshold
+    setenv("DUALKV_CUDA_LONG_WALK_KEYS", ignored, 1);
+    EXPECT_EQ(inspect(shorter, 128, 132).info.plan_key & dualkv::kPlanLongWalksBit, 0u) << ignored;
+    EXPECT_NE(inspect(longer, 128, 132).info.plan_key & dualkv::kPlanLongWalksBit, 0u) << ignored;
+  }
   setenv("DUALKV_CUDA_LONG_WALK_KEYS", "0", 1);
   const Inspected every = inspect(shorter, 128, 132);
-  setenv("DUALKV_CUDA_LONG_WALK_KEYS", "1000000000", 1);
+  setenv("DUALKV_CUDA_LONG_WALK_KEYS", "9223372036854775807", 1);  // no overflow in the rule
   const Inspected none = inspect(longer, 128, 132);
   unsetenv("DUALKV_CUDA_LONG_WALK_KEYS");
   EXPECT_NE(every.info.plan_key & dualkv::kPlanLongWalksBit, 0u);
