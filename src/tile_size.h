@@ -147,10 +147,12 @@ DUALKV_TILE_FN int sm90_fwd_block_n(int head_dim, bool wide = false) {
 // (and the diagonal's) costs more than the per-tile saving. The plan says which (its key's long-walk
 // bit, plan_format.h): the forward's query rows walk on average (row-weighted over the forward items)
 // at least kFwdLongWalkKeys keys. Measured 2026-12-03 (H200, D 128, forward kernel time of 128-row
-// against 160-row tiles; docs/notes/2026-12-03-issue23-bwd-descriptors.md): 0.907 / 0.967 / 0.987 /
-// 0.991 at mean walks of 1.3K / 2.4K / 2.4K / 4.2K keys, 0.998 at 6.1K, 1.019 at 12.9K; 160-row tiles
-// took 0.949 / 0.983 of 128's at 12.9K / 15.4K when they were merged (session 15).
-inline constexpr int64_t kFwdLongWalkKeys = 8192;
+// against 160-row tiles, profiler, 5 rounds; docs/notes/2026-12-03-issue23-kv-width-bwd-order.md):
+// 0.902 / 0.939 / 0.967 / 0.985 / 0.988 / 0.990 / 0.996 at mean walks of 1.3K (N64 P1K R512) /
+// 0.5K (small groups) / 2.4K (N8 P256 R4K) / 2.4K (N16 P4K R48) / the tree / tiny responses / 4.2K
+// (N16 P4K R1K), but 1.035 at 6.1K (N8 P2K R8K), 1.000 / 1.008 at 12.9K / 15.4K (P 16K): the
+// threshold sits between 4.2K and 6.1K.
+inline constexpr int64_t kFwdLongWalkKeys = 5120;
 DUALKV_TILE_FN bool fwd_long_kv_walks(int64_t row_keys, int64_t rows, int64_t long_walk_keys = kFwdLongWalkKeys) {
   return rows > 0 && row_keys / rows >= long_walk_keys;  // (= row_keys >= long_walk_keys * rows, no overflow)
 }
