@@ -34,7 +34,7 @@ uint64_t key_hash(int head_dim, int fwd_tile_rows, int32_t S, int32_t T, int32_t
   h = mix64(h ^ (static_cast<uint64_t>(static_cast<uint32_t>(num_prefixes)) << 32 |
                  static_cast<uint64_t>(static_cast<uint32_t>(prefix_rows))));
   h = mix64(h ^ static_cast<uint64_t>(static_cast<uint32_t>(window)));
-  return h >> kPlanSlotBits;
+  return h >> kPlanKeyLowBits;
 }
 
 namespace {
@@ -186,6 +186,20 @@ dualkv_status build(const dualkv_layout& l, const dualkv_prefixes* prefixes, int
     }
     ++s;
   }
+  // Whether the forward's KV walks are long (tile_size.h fwd_long_kv_walks; the key's long-walk bit).
+  // DUALKV_CUDA_LONG_WALK_KEYS moves the threshold (tests: 0 makes every walk long, a huge value none).
+  int64_t fwd_rows = 0, fwd_row_keys = 0;
+  for (const Fwd& it : fwd) {
+    fwd_rows += it.q1 - it.q0;
+    fwd_row_keys += static_cast<int64_t>(it.work) * (it.q1 - it.q0);
+  }
+  int64_t long_walk_keys = kFwdLongWalkKeys;
+  if (const char* env = std::getenv("DUALKV_CUDA_LONG_WALK_KEYS")) {  // a count >= 0, else ignored
+    char* end = nullptr;
+    const long long v = std::strtoll(env, &end, 10);
+    if (end != env && *end == '\0' && v >= 0) long_walk_keys = v;
+  }
+  const bool long_walks = fwd_long_kv_walks(fwd_row_keys, fwd_rows, long_walk_keys);
   std::stable_sort(fwd.begin(), fwd.end(), [&](const Fwd& a, const Fwd& b) {
     if (a.work != b.work) return a.work > b.work;
     if (root[a.s] != root[b.s]) return root[a.s] < root[b.s];
@@ -337,8 +351,8 @@ dualkv_status build(const dualkv_layout& l, const dualkv_prefixes* prefixes, int
     p[0] = red[i].s; p[1] = red[i].k0; p[2] = red[i].k1; p[3] = red[i].slot0; p[4] = red[i].n; p[5] = 0;
   }
   out->key = (key_hash(head_dim, fwd_m, S, T, w.size > 0 ? w.size : 0, px.num_prefixes,
-                       px.num_prefixes > 0 ? px.num_prefix_rows : 0) << kPlanSlotBits) |
-             static_cast<uint64_t>(n_slots);
+                       px.num_prefixes > 0 ? px.num_prefix_rows : 0) << kPlanKeyLowBits) |
+             (long_walks ? kPlanLongWalksBit : 0) | static_cast<uint64_t>(n_slots);
   out->split_rows = static_cast<int32_t>(std::min<int64_t>(split, INT32_MAX));
   return DUALKV_OK;
 }

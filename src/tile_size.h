@@ -6,6 +6,8 @@
 // rules over D, each with the reason for its threshold.
 #pragma once
 
+#include <stdint.h>
+
 #if defined(__CUDACC__)
 #define DUALKV_TILE_FN __host__ __device__ constexpr
 #else
@@ -140,6 +142,19 @@ inline constexpr int kSm90SmemOptinBytes = 227 * 1024;
 // to Q and the O staging buffer (230,528 of 232,448 bytes).
 DUALKV_TILE_FN int sm90_fwd_block_n(int head_dim, bool wide = false) {
   return wide && head_dim == 128 ? 160 : head_dim <= 128 ? 128 : 64;
+}
+// Wide tiles pay only where the KV walks are long; elsewhere their ragged last tile of each range
+// (and the diagonal's) costs more than the per-tile saving. The plan says which (its key's long-walk
+// bit, plan_format.h): the forward's query rows walk on average (row-weighted over the forward items)
+// at least kFwdLongWalkKeys keys. Measured 2026-12-03 (H200, D 128, forward kernel time of 128-row
+// against 160-row tiles, profiler, 5 rounds; docs/notes/2026-12-03-issue23-kv-width-bwd-order.md):
+// 0.902 / 0.939 / 0.967 / 0.985 / 0.988 / 0.990 / 0.996 at mean walks of 1.3K (N64 P1K R512) /
+// 0.5K (small groups) / 2.4K (N8 P256 R4K) / 2.4K (N16 P4K R48) / the tree / tiny responses / 4.2K
+// (N16 P4K R1K), but 1.035 at 6.1K (N8 P2K R8K), 1.000 / 1.008 at 12.9K / 15.4K (P 16K): the
+// threshold sits between 4.2K and 6.1K.
+inline constexpr int64_t kFwdLongWalkKeys = 5120;
+DUALKV_TILE_FN bool fwd_long_kv_walks(int64_t row_keys, int64_t rows, int64_t long_walk_keys = kFwdLongWalkKeys) {
+  return rows > 0 && row_keys / rows >= long_walk_keys;  // (= row_keys >= long_walk_keys * rows, no overflow)
 }
 // Backward main kernel (D <= 128) query rows per step: 128 at D = 64 (a step then has D 128's
 // GEMM work and accumulator registers, so its fixed cost is amortised over twice the FLOPs of a

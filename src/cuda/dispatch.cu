@@ -150,7 +150,7 @@ dualkv_status query_device(int32_t device_index, const DeviceInfo** out) {
 template <typename Params>
 dualkv_status check_plan(const Params& p, const char* what, int32_t* fwd_tile_rows) {
   const int32_t E = p.prefixes.num_prefixes, rows = E > 0 ? p.prefixes.num_prefix_rows : 0;
-  const uint64_t key = p.plan_key >> kPlanSlotBits;
+  const uint64_t key = p.plan_key >> kPlanKeyLowBits;
   *fwd_tile_rows = 0;
   const int32_t portable = fwd_block_m(p.head_dim, TileFamily::kPortable, p.window > 0);
   const int32_t sm90 = fwd_block_m(p.head_dim, TileFamily::kSm90, p.window > 0);
@@ -496,6 +496,7 @@ dualkv_status cuda_fwd(const dualkv_fwd_params& p) {
   a.plan = p.plan;
   a.plan_len = p.plan_len;
   a.fwd_block_m = fwd_tile_rows;
+  a.long_kv_walks = plan::key_long_kv_walks(p.plan_key) ? 1 : 0;
   a.q = p.q; a.k = p.k; a.v = p.v; a.out = p.out;
   a.lse = static_cast<float*>(p.lse);
   a.q_ts = p.q_token_stride; a.q_hs = p.q_head_stride;

@@ -17,6 +17,7 @@
 #include "forest_testing.h"
 #include "plan_format.h"
 #include "plan_testing.h"
+#include "tile_size.h"
 
 using dualkv::testing::cuda_request;
 using dualkv::testing::HostLayout;
@@ -55,6 +56,7 @@ void check_plan(const dualkv_layout& v, const dualkv_prefixes* px, const Inspect
   std::vector<int> covered(l.num_tokens(), 0);
   const int32_t* fwd = p + p[dualkv::kHdrFwdOffset];
   int32_t prev_work = INT32_MAX;
+  int64_t row_keys = 0;  // keys walked, summed over the forward's query rows (a tile's rows walk its work)
   for (int i = 0; i < info.num_fwd_tiles; ++i) {
     const int32_t s = fwd[i * dualkv::kFwdItemInts], q0 = fwd[i * dualkv::kFwdItemInts + 1],
                   q1 = fwd[i * dualkv::kFwdItemInts + 2], work = fwd[i * dualkv::kFwdItemInts + 3];
@@ -73,9 +75,14 @@ void check_plan(const dualkv_layout& v, const dualkv_prefixes* px, const Inspect
     ASSERT_EQ(work, f.num_visible_keys(s, q1 - 1));
     ASSERT_LE(work, prev_work);
     prev_work = work;
+    row_keys += static_cast<int64_t>(work) * (q1 - q0);
     for (int32_t q = q0; q < q1; ++q) ++covered[q];
   }
   for (int32_t t = 0; t < l.num_tokens(); ++t) ASSERT_EQ(covered[t], 1) << "token " << t;
+  // The key's long-walk bit: the forward's rows walk at least kFwdLongWalkKeys keys on average.
+  if (std::getenv("DUALKV_CUDA_LONG_WALK_KEYS") == nullptr)
+    ASSERT_EQ((info.plan_key & dualkv::kPlanLongWalksBit) != 0,
+              row_keys >= dualkv::kFwdLongWalkKeys * static_cast<int64_t>(l.num_tokens()));
 
   // Backward items: per KV tile, the query ranges of its items tile the policy's range exactly;
   // a tile with one item writes dK/dV (slot -1), a split tile's items write consecutive slots that
@@ -189,7 +196,7 @@ TEST(Plan, KernelFamiliesDifferInForwardTilesAtHeadDim64Only) {
   EXPECT_EQ(p64.info.fwd_block_m, 128);
   EXPECT_EQ(h64.info.fwd_block_m, 192);
   EXPECT_EQ(h64.info.num_fwd_tiles, (1000 + 191) / 192 + 1 + 2 + 2 + 2 + 3 + 3);  // 150, 220, .. 500 rows
-  EXPECT_NE(p64.info.plan_key >> dualkv::kPlanSlotBits, h64.info.plan_key >> dualkv::kPlanSlotBits);
+  EXPECT_NE(p64.info.plan_key >> dualkv::kPlanKeyLowBits, h64.info.plan_key >> dualkv::kPlanKeyLowBits);
   EXPECT_EQ(p64.info.num_bwd_items, h64.info.num_bwd_items);
   EXPECT_EQ(bwd_part(p64), bwd_part(h64));
   EXPECT_EQ(plan_of(64, DUALKV_PLAN_TILES_DEVICE).plan, p64.plan);
@@ -308,15 +315,49 @@ TEST(Plan, SplitRowsFromTheEnvironment) {
   EXPECT_GT(r.info.num_split_slots, 0);
 }
 
+// The key's long-walk bit (tile_size.h fwd_long_kv_walks): set for a group whose responses read a
+// 16K prompt (rows walk ~12.9K keys on average), clear for short groups (~1.3K); the threshold
+// moves with DUALKV_CUDA_LONG_WALK_KEYS; the bit is outside the hash and the slot count.
+TEST(Plan, LongForwardWalksSetTheKeysLongWalkBit) {
+  std::vector<int32_t> long_lens{16384}, short_lens{1024}, long_parents{-1}, short_parents{-1};
+  for (int i = 0; i < 8; ++i) long_lens.push_back(2048), long_parents.push_back(0);
+  for (int i = 0; i < 64; ++i) short_lens.push_back(512), short_parents.push_back(0);
+  HostLayout longer(long_lens, long_parents), shorter(short_lens, short_parents);
+  for (int d : {64, 128, 256}) {
+    SCOPED_TRACE(d);
+    const Inspected a = inspect(longer, d, 132), b = inspect(shorter, d, 132);
+    check_plan(longer, a, "long walks");
+    check_plan(shorter, b, "short walks");
+    EXPECT_NE(a.info.plan_key & dualkv::kPlanLongWalksBit, 0u);
+    EXPECT_EQ(b.info.plan_key & dualkv::kPlanLongWalksBit, 0u);
+  }
+  for (const char* ignored : {"-5", "lots", "", "12x"}) {  // not a count >= 0: the default threshold
+    setenv("DUALKV_CUDA_LONG_WALK_KEYS", ignored, 1);
+    EXPECT_EQ(inspect(shorter, 128, 132).info.plan_key & dualkv::kPlanLongWalksBit, 0u) << ignored;
+    EXPECT_NE(inspect(longer, 128, 132).info.plan_key & dualkv::kPlanLongWalksBit, 0u) << ignored;
+  }
+  setenv("DUALKV_CUDA_LONG_WALK_KEYS", "0", 1);
+  const Inspected every = inspect(shorter, 128, 132);
+  setenv("DUALKV_CUDA_LONG_WALK_KEYS", "9223372036854775807", 1);  // no overflow in the rule
+  const Inspected none = inspect(longer, 128, 132);
+  unsetenv("DUALKV_CUDA_LONG_WALK_KEYS");
+  EXPECT_NE(every.info.plan_key & dualkv::kPlanLongWalksBit, 0u);
+  EXPECT_EQ(none.info.plan_key & dualkv::kPlanLongWalksBit, 0u);
+  const Inspected a = inspect(longer, 128, 132), b = inspect(shorter, 128, 132);
+  EXPECT_EQ(every.info.plan_key & ~dualkv::kPlanLongWalksBit, b.info.plan_key);
+  EXPECT_EQ(none.info.plan_key, a.info.plan_key & ~dualkv::kPlanLongWalksBit);
+  EXPECT_EQ(static_cast<int32_t>(none.info.plan_key & dualkv::kPlanSlotMask), a.info.num_split_slots);
+}
+
 TEST(Plan, KeyNamesLayoutAndTiling) {
   HostLayout a({100, 50}, {-1, 0}), b({100, 51}, {-1, 0});
-  const uint64_t ka = inspect(a, 128, 132).info.plan_key >> dualkv::kPlanSlotBits;
-  EXPECT_EQ(ka, inspect(a, 128, 132).info.plan_key >> dualkv::kPlanSlotBits);
-  EXPECT_NE(ka, inspect(b, 128, 132).info.plan_key >> dualkv::kPlanSlotBits);  // T differs
-  EXPECT_NE(ka, inspect(a, 256, 132).info.plan_key >> dualkv::kPlanSlotBits);  // head dim and tiling
-  EXPECT_NE(inspect(a, 256, 132).info.plan_key >> dualkv::kPlanSlotBits,
-            inspect(a, 512, 132).info.plan_key >> dualkv::kPlanSlotBits);  // head dim and tiling
-  EXPECT_NE(ka, inspect(a, 64, 132).info.plan_key >> dualkv::kPlanSlotBits);   // head dim
+  const uint64_t ka = inspect(a, 128, 132).info.plan_key >> dualkv::kPlanKeyLowBits;
+  EXPECT_EQ(ka, inspect(a, 128, 132).info.plan_key >> dualkv::kPlanKeyLowBits);
+  EXPECT_NE(ka, inspect(b, 128, 132).info.plan_key >> dualkv::kPlanKeyLowBits);  // T differs
+  EXPECT_NE(ka, inspect(a, 256, 132).info.plan_key >> dualkv::kPlanKeyLowBits);  // head dim and tiling
+  EXPECT_NE(inspect(a, 256, 132).info.plan_key >> dualkv::kPlanKeyLowBits,
+            inspect(a, 512, 132).info.plan_key >> dualkv::kPlanKeyLowBits);  // head dim and tiling
+  EXPECT_NE(ka, inspect(a, 64, 132).info.plan_key >> dualkv::kPlanKeyLowBits);   // head dim
 }
 
 // External prefix segments (plan version 3): every prefix row is in exactly one KV tile per
@@ -387,8 +428,8 @@ TEST(Plan, PrefixItemsCoverEveryPrefixRowOfEachReferencingSegment) {
       ASSERT_EQ(m.derive(), DUALKV_OK) << dualkv_last_error();
       const dualkv_layout mv = m.view();
       const dualkv_prefixes mp = m.prefixes();
-      EXPECT_NE(inspect(v, &px, 128, 132).info.plan_key >> dualkv::kPlanSlotBits,
-                inspect(mv, &mp, 128, 132).info.plan_key >> dualkv::kPlanSlotBits);
+      EXPECT_NE(inspect(v, &px, 128, 132).info.plan_key >> dualkv::kPlanKeyLowBits,
+                inspect(mv, &mp, 128, 132).info.plan_key >> dualkv::kPlanKeyLowBits);
       // Without the table the forest is refused (its external segments hold no tokens).
       dualkv_plan_info info{};
       info.struct_size = sizeof(info);
@@ -566,9 +607,9 @@ TEST(Plan, WindowZeroIsThePlainPlanAndTheKeyNamesTheWindow) {
   const Inspected plain = inspect(l, 128, 132), zero = inspect_windowed(l, 128, 0, 132);
   EXPECT_EQ(plain.plan, zero.plan);
   EXPECT_EQ(plain.info.plan_key, zero.info.plan_key);
-  const uint64_t k0 = plain.info.plan_key >> dualkv::kPlanSlotBits;
-  const uint64_t k64 = inspect_windowed(l, 128, 64, 132).info.plan_key >> dualkv::kPlanSlotBits;
-  const uint64_t k65 = inspect_windowed(l, 128, 65, 132).info.plan_key >> dualkv::kPlanSlotBits;
+  const uint64_t k0 = plain.info.plan_key >> dualkv::kPlanKeyLowBits;
+  const uint64_t k64 = inspect_windowed(l, 128, 64, 132).info.plan_key >> dualkv::kPlanKeyLowBits;
+  const uint64_t k65 = inspect_windowed(l, 128, 65, 132).info.plan_key >> dualkv::kPlanKeyLowBits;
   EXPECT_NE(k0, k64);
   EXPECT_NE(k64, k65);
 }

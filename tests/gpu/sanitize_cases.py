@@ -17,7 +17,14 @@ def main() -> int:
         ([5, 70, 3, 1, 200], [-1, 0, 1, -1, 3]),        # depth 3 + a second tree
         ([1], [-1]),                                    # one token
     ]
-    for D in dims:
+    # D 128's forward has 160-row KV tiles for plans of long walks (tile_size.h fwd_long_kv_walks),
+    # which these small layouts are not: the second pass makes every walk long.
+    runs = [(D, long_walks) for D in dims for long_walks in ((False, True) if D == 128 else (False,))]
+    for D, long_walks in runs:
+        if long_walks:
+            os.environ["DUALKV_CUDA_LONG_WALK_KEYS"] = "0"
+        else:
+            os.environ.pop("DUALKV_CUDA_LONG_WALK_KEYS", None)
         for lens, parents in cases:
             layout = dualkv.Layout.from_tree(lens, parents).to("cuda")
             T = layout.num_tokens
@@ -28,7 +35,7 @@ def main() -> int:
                 out, lse = dualkv.attention(q, k, v, layout, deterministic=det, return_lse=True)
                 (out.float().sum() + lse.sum()).backward()
                 torch.cuda.synchronize()
-                print(f"ok D={D} lens={lens} det={det} split={os.environ.get('DUALKV_CUDA_SPLIT_ROWS')}", flush=True)
+                print(f"ok D={D} long_walks={long_walks} lens={lens} det={det} split={os.environ.get('DUALKV_CUDA_SPLIT_ROWS')}", flush=True)
             if D in plain:  # built without the mask-modifier kernels (head dim 512): refused by name
                 continue
             # mask modifiers (issue 16), with sinks (the dsinks reduction): the softcap kernels, then

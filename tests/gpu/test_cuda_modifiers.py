@@ -201,9 +201,11 @@ def test_sinks_of_minus_infinity_change_nothing(path, monkeypatch):
     use_path(monkeypatch, path)
     D = modifier_head_dims()[0]
     if path == "default" and D == 128:
-        # The Hopper D-128 kernel without modifiers walks 160-row KV tiles (fwd_kernel.cuh,
-        # fwd_wide_tiles), the sinks kernel 128-row ones: the same sums in another order, so not the
-        # same bits. The claim holds between kernels of one tiling: take another head dim.
+        # The Hopper D-128 kernel without modifiers walks 160-row KV tiles on plans of long walks
+        # (fwd_kernel.cuh fwd_wide_tiles, tile_size.h fwd_long_kv_walks), the sinks kernel 128-row
+        # ones: the same sums in another order, so not the same bits. This small layout's walks are
+        # short, but the claim holds between kernels of one tiling whatever the plan: take another
+        # head dim.
         others = [d for d in modifier_head_dims() if d != 128]
         if not others:
             pytest.skip("the only modifier head dim is 128, whose plain Hopper forward tiles differently")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import os
 import random
+import re
 
 import pytest
 import torch
@@ -28,7 +29,14 @@ if torch.cuda.is_available():
 ATOL = 1e-5
 
 
-def check(lens, parents, H, Hk, D, dtype, seed, strided=False):
+def wide_flags(names):
+    """kWide of every sm90 forward kernel among the profiler's kernel names (its last template
+    argument: fwd_sm90_kernel<T, D, Mods, kPrefix, kWide>)."""
+    return {m.group(1) == "true" for n in names if (m := re.search(r"fwd_sm90_kernel<.*, (true|false)>\(", n))}
+
+
+def check(lens, parents, H, Hk, D, dtype, seed, strided=False, wide=None):
+    """`wide`: None, or whether the kernel that ran must be the one with 160-row KV tiles."""
     layout_cpu = dualkv.Layout.from_tree(lens, parents)
     layout = layout_cpu.to("cuda")
     T = layout_cpu.num_tokens
@@ -41,6 +49,8 @@ def check(lens, parents, H, Hk, D, dtype, seed, strided=False):
     res = {}
     names = cuda_kernels_run(lambda: res.update(got=dualkv.attention(q, k, v, layout, return_lse=True)))
     assert any("fwd_sm90_kernel" in n for n in names), f"sm90 forward kernel not launched: {sorted(names)}"
+    if wide is not None:
+        assert wide_flags(names) == {wide}, sorted(names)
     out, lse = res["got"]
     r64 = attention_ref(q.double(), k.double(), v.double(), layout_cpu)
     rpt = attention_ref(q, k, v, layout_cpu)
@@ -121,9 +131,11 @@ def test_epilogue_box_edges(D, tail):
 
 # ---- wide KV tiles (issue 23, docs/notes/2026-12-02-fwd-long-layouts.md) ----
 # The D-128 default kernel (no modifiers, no external prefix) walks 160-row KV tiles
-# (tile_size.h sm90_fwd_block_n(D, wide)): a range's last tile is ragged against 160 rather than 128, and the
-# own segment's diagonal may span two 160-row tiles. These cases put every range end one row before,
-# at and one row after the 160-row edges (and a 128-row one), in prompts, responses and forests.
+# (tile_size.h sm90_fwd_block_n(D, wide)) for plans whose KV walks are long (the key's long-walk bit,
+# tile_size.h fwd_long_kv_walks; these small layouts get it from DUALKV_CUDA_LONG_WALK_KEYS=0): a
+# range's last tile is ragged against 160 rather than 128, and the own segment's diagonal may span
+# two 160-row tiles. These cases put every range end one row before, at and one row after the
+# 160-row edges (and a 128-row one), in prompts, responses and forests.
 WIDE_EDGES = [159, 160, 161, 319, 320, 321, 479, 480, 481, 128, 129]
 
 
@@ -134,29 +146,62 @@ def seg_len_wide(rng):
 needs_d128 = pytest.mark.skipif(128 not in DIMS, reason="the 160-row KV tiles are the D-128 kernel's")
 
 
+@pytest.fixture
+def long_walks(monkeypatch):
+    """Every plan built in the test says its KV walks are long (the planner's threshold at 0 keys)."""
+    monkeypatch.setenv("DUALKV_CUDA_LONG_WALK_KEYS", "0")
+
+
+def kernel_is_wide(lens, parents, D):
+    """Which KV tile width the sm90 forward ran for a fresh layout (the planner's choice)."""
+    layout_cpu = dualkv.Layout.from_tree(lens, parents)
+    q, k, v, _ = make_inputs(layout_cpu, 2, 1, D, torch.bfloat16, 41)
+    layout = layout_cpu.to("cuda")
+    flags = wide_flags(cuda_kernels_run(lambda: dualkv.attention(q, k, v, layout)))
+    assert len(flags) == 1, flags
+    return flags.pop()
+
+
+@needs_d128
+def test_kv_tile_width_follows_the_walks(monkeypatch):
+    """Without the override the planner picks: a group reading a 16K prompt walks ~12.9K keys per
+    query row (wide tiles), a group of short responses ~1.3K (128-row tiles); the threshold moved
+    past the long group runs it on 128-row tiles too (the tests above check both widths' results)."""
+    monkeypatch.delenv("DUALKV_CUDA_LONG_WALK_KEYS", raising=False)
+    long_group, short_group = ([16384] + [2048] * 8, [-1] + [0] * 8), ([1024] + [512] * 64, [-1] + [0] * 64)
+    assert kernel_is_wide(*long_group, 128)
+    assert not kernel_is_wide(*short_group, 128)
+    monkeypatch.setenv("DUALKV_CUDA_LONG_WALK_KEYS", "1000000000")
+    assert not kernel_is_wide(*long_group, 128)
+    monkeypatch.setenv("DUALKV_CUDA_LONG_WALK_KEYS", "0")
+    assert kernel_is_wide(*short_group, 128)
+    if 64 in DIMS:  # no wide tiles at D 64: the plan's bit changes nothing there
+        assert not kernel_is_wide(*long_group, 64)
+
+
 @needs_d128
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("prompt", [159, 160, 161, 320, 321, 1000])
-def test_wide_kv_tile_edges(prompt, dtype):
+def test_wide_kv_tile_edges(prompt, dtype, long_walks):
     """A group whose prompt ends at, before and after a 160-row edge, with responses of the same
     lengths (their own walk's diagonal tile crossing a 160-row edge), a second root after it."""
     lens = [prompt, 159, 160, 161, 1, 330, 480, prompt]
     parents = [-1, 0, 0, 0, 0, 0, 0, -1]
-    check(lens, parents, 8, 2, 128, dtype, seed=prompt)
+    check(lens, parents, 8, 2, 128, dtype, seed=prompt, wide=True)
 
 
 @needs_d128
-def test_wide_kv_tile_chain():
+def test_wide_kv_tile_chain(long_walks):
     """A chain (every ancestor a range of the walk) of lengths around 160-row edges, MHA."""
     lens = [161, 159, 320, 1, 481, 160, 77]
     parents = [-1] + list(range(len(lens) - 1))
-    check(lens, parents, 4, 4, 128, torch.bfloat16, seed=23)
+    check(lens, parents, 4, 4, 128, torch.bfloat16, seed=23, wide=True)
 
 
 @needs_d128
 @pytest.mark.parametrize("case", range(16))
-def test_wide_kv_tile_random_forests(case):
+def test_wide_kv_tile_random_forests(case, long_walks):
     rng = random.Random(9100 + case)
     H, Hk = GQA[case % len(GQA)]
     lens, parents = cases.random_forest(rng, seg_len_wide, 2500)
-    check(lens, parents, H, Hk, 128, DTYPES[case % 2], seed=100 + case)
+    check(lens, parents, H, Hk, 128, DTYPES[case % 2], seed=100 + case, wide=True)

@@ -49,10 +49,11 @@
 namespace dualkv::cuda::sm90 {
 
 // ---- Wide KV tiles (issue 23, change #7; docs/notes/2026-12-02-fwd-long-layouts.md) ----
-// The D-128 default kernel (no modifiers, no external prefix) walks its KV ranges in tiles of
-// sm90_fwd_block_n(D, wide) = 160 rows instead of 128 (tile_size.h says why 160; FA3 takes 176 for
-// non-causal D 128, without an O buffer). The modifier, window and external-prefix kernels keep 128:
-// their walks are short (window) or their registers are tight.
+// The D-128 default kernel (no modifiers, no external prefix) is also built to walk its KV ranges
+// in tiles of sm90_fwd_block_n(D, wide) = 160 rows instead of 128 (tile_size.h says why 160; FA3
+// takes 176 for non-causal D 128, without an O buffer); the launcher runs that one for plans whose
+// KV walks are long (FwdArgs::long_kv_walks, tile_size.h fwd_long_kv_walks). The modifier, window
+// and external-prefix kernels keep 128: their walks are short (window) or their registers are tight.
 template <int D, typename Mods, bool kPrefix>
 constexpr bool fwd_wide_tiles() {
   return D == 128 && std::is_same_v<Mods, NoModifiers> && !kPrefix;
@@ -186,10 +187,12 @@ __device__ __forceinline__ void fwd_o_staging_release(const CUtensorMap* to, uin
 // producer loads those tiles through the prefix buffers' tensor maps (one uniform choice per tile)
 // and the consumers mask them as ancestor tiles (never diagonal); instantiated with NoModifiers
 // only. The default instantiation is the kernel as it was before either.
-template <typename T, int D, typename Mods = NoModifiers, bool kPrefix = false>
+// kWide: 160-row KV tiles (fwd_wide_tiles says which kernels have them).
+template <typename T, int D, typename Mods = NoModifiers, bool kPrefix = false, bool kWide = false>
 __global__ void __launch_bounds__(Sm90FwdConfig<D, false, Mods::kWindow>::kThreads, 1)
 fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
-  using C = Sm90FwdConfig<D, fwd_wide_tiles<D, Mods, kPrefix>(), Mods::kWindow>;
+  static_assert(!kWide || fwd_wide_tiles<D, Mods, kPrefix>(), "sm90 forward: no wide KV tiles for this kernel");
+  using C = Sm90FwdConfig<D, kWide, Mods::kWindow>;
   constexpr int BN = C::kBlockN, S = C::kStages;
 
   extern __shared__ __align__(1024) uint8_t smem_raw[];

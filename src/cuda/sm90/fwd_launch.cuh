@@ -34,10 +34,11 @@ cudaError_t run_fwd(const FwdArgs& args, int sms, cudaStream_t stream) {
   const FwdItemOrder order = choose_fwd_item_order(H, Hk);
   p.tile_window = order.window;
   p.head_run = order.head_run;
-  // Wide KV tiles (fwd_wide_tiles, issue 23): the kernel without an external prefix may walk wider
-  // tiles than C's, and its K / V boxes are its tiles.
-  constexpr bool kWide = fwd_wide_tiles<D, Mods, false>();
-  const int kv_box_rows = args.prefix_k == nullptr ? Sm90FwdConfig<D, kWide, Mods::kWindow>::kBlockN : C::kBlockN;
+  // Wide KV tiles (fwd_wide_tiles, issue 23): the kernel without an external prefix walks wider
+  // tiles than C's where the plan's KV walks are long, and its K / V boxes are its tiles.
+  constexpr bool kHasWide = fwd_wide_tiles<D, Mods, false>();
+  const bool wide = kHasWide && args.prefix_k == nullptr && args.long_kv_walks != 0;
+  const int kv_box_rows = wide ? Sm90FwdConfig<D, true, Mods::kWindow>::kBlockN : C::kBlockN;
   if (!make_map(&p.tq, kTmaType<T>, args.q, D, H, T_, args.q_hs, args.q_ts, C::kBlockM) ||
       !make_map(&p.tk, kTmaType<T>, args.k, D, Hk, T_, args.k_hs, args.k_ts, kv_box_rows) ||
       !make_map(&p.tv, kTmaType<T>, args.v, D, Hk, T_, args.v_hs, args.v_ts, kv_box_rows))
@@ -56,12 +57,15 @@ cudaError_t run_fwd(const FwdArgs& args, int sms, cudaStream_t stream) {
       if (!make_map(&p.tpk, kTmaType<T>, args.prefix_k, D, Hk, args.prefix_rows, args.pk_hs, args.pk_ts, C::kBlockN) ||
           !make_map(&p.tpv, kTmaType<T>, args.prefix_v, D, Hk, args.prefix_rows, args.pv_hs, args.pv_ts, C::kBlockN))
         return cudaErrorNotSupported;
-      return launch_fwd<fwd_sm90_kernel<T, D, Mods, true>, D, false, false>(p, sms, stream);
+      return launch_fwd<fwd_sm90_kernel<T, D, Mods, true, false>, D, false, false>(p, sms, stream);
     } else {
       return cudaErrorNotSupported;  // api.cpp refuses a modifier with external prefixes first
     }
   }
-  return launch_fwd<fwd_sm90_kernel<T, D, Mods, false>, D, kWide, Mods::kWindow>(p, sms, stream);
+  if constexpr (kHasWide) {
+    if (wide) return launch_fwd<fwd_sm90_kernel<T, D, Mods, false, true>, D, true, Mods::kWindow>(p, sms, stream);
+  }
+  return launch_fwd<fwd_sm90_kernel<T, D, Mods, false, false>, D, false, Mods::kWindow>(p, sms, stream);
 }
 
 }  // namespace dualkv::cuda::sm90
