@@ -185,6 +185,18 @@ BENCHMARKS = {
                              "--ab-library, Hopper path: the D-128 forward with 128-row KV tiles (scratch build, not "
                              "merged) against the 160-row wide tiles (fwddesc2 1029e35), 3 rounds; .profile.log: the "
                              "forward kernel's time on six GRPO layouts, 5 rounds (issue 23, session 22)",
+    "ab_fwd_kv_width_classes_d128": "bench/attention.py --head-dim 128 --classes all --configs 16,4096,1024;8,16384,2048 "
+                                    "--ab-library, Hopper path: the D-128 forward's KV tile width per plan (branch kvwidth "
+                                    "at aac38a2, threshold 8,192 keys, merged with 5,120) against main's kernels (6bc6c89), "
+                                    "FA4 dense and Flex-FA4 in process, 2 rounds (issue 23, session 23); .profile.log: "
+                                    "tools/ab_libraries.py --profile, the forward kernel's time on 7 GRPO layouts and the 4 "
+                                    "classes, 5 rounds",
+    "sustain_long_responses_d128": "bench/attention.py --classes long_responses --sustain 4, D 128: dualkv (kvwidth "
+                                   "aac38a2) and FA4 dense, burst and sustained rates with the SM clock and power "
+                                   "(issue 23, session 23); .ncu.csv: Nsight Compute sections (SpeedOfLight, "
+                                   "ComputeWorkloadAnalysis, WarpStateStats, SchedulerStats, Occupancy; --clock-control "
+                                   "none) of both methods' forward + backward kernels (tools/kernel_counters.py), the "
+                                   "metric rows",
     "e2e_breakdown_1.7b": "bench/e2e.py --breakdown --methods dualkv, Qwen3-1.7B shape, P 8K and 16K, 4 micro-batches, "
                           "3 updates: device time per update by kernel category (attention / GEMM / other; issue 23's "
                           "end-to-end bar; step e2e-all, E2E_ARGS=--breakdown)",
