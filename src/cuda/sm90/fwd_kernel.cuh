@@ -321,11 +321,13 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
   setmaxnreg_inc<C::kConsumerRegs>();
   using Mma = Wgmma<T, BN>;
   using MmaO = Wgmma<T, D>;
-  // Consumer warpgroup: rows [64 cw, 64 cw + 64) of the tile. At D 64 made warp-uniform through a
-  // shuffle (wg is the same in every lane but derived from the thread index), so that the wgmma
-  // descriptors built from it live in uniform registers (as in the backward; kUniformDescriptors).
-  // MEASUREMENT CANDIDATE (session 23, not yet run): session 22 measured the change at every head
-  // dim, D 64 0.946-0.990 of the forward kernel's time but D 128 up to 1.09 on short-walk classes.
+  // Consumer warpgroup: rows [64 cw, 64 cw + 64) of the tile. At D 64 it is made warp-uniform
+  // through a shuffle (wg is the same in every lane but derived from the thread index), so that the
+  // wgmma descriptors built from it live in uniform registers, and each operand's descriptor is
+  // built once and advanced per k16 slice (ptx.cuh desc_advance), as in the backward: 0.968-0.982 of
+  // the D-64 forward kernel's time on 8 GRPO layouts and classes (H200, 2026-12-03, outputs bit for
+  // bit equal). At D 128 / 256 the same change measured 0.97-1.03 on GRPO layouts and up to 1.09 on
+  // short-walk classes (session 22, docs/decisions.md): those keep a descriptor per instruction.
   constexpr bool kUniformDescriptors = D == 64;
   const int cw = kUniformDescriptors ? __shfl_sync(0xffffffffu, wg - 1, 0) : wg - 1;
   const int tid = threadIdx.x & 127;
