@@ -321,7 +321,15 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
   setmaxnreg_inc<C::kConsumerRegs>();
   using Mma = Wgmma<T, BN>;
   using MmaO = Wgmma<T, D>;
-  const int cw = wg - 1;                 // consumer warpgroup: rows [64 cw, 64 cw + 64) of the tile
+  // Consumer warpgroup: rows [64 cw, 64 cw + 64) of the tile. At D 64 it is made warp-uniform
+  // through a shuffle (wg is the same in every lane but derived from the thread index), so that the
+  // wgmma descriptors built from it live in uniform registers, and each operand's descriptor is
+  // built once and advanced per k16 slice (ptx.cuh desc_advance), as in the backward: 0.968-0.982 of
+  // the D-64 forward kernel's time on 8 GRPO layouts and classes (H200, 2026-12-03, outputs bit for
+  // bit equal). At D 128 / 256 the same change measured 0.97-1.03 on GRPO layouts and up to 1.09 on
+  // short-walk classes (session 22, docs/decisions.md): those keep a descriptor per instruction.
+  constexpr bool kUniformDescriptors = D == 64;
+  const int cw = kUniformDescriptors ? __shfl_sync(0xffffffffu, wg - 1, 0) : wg - 1;
   const int tid = threadIdx.x & 127;
   const int warp = tid >> 5, lane = tid & 31;
   const int g = lane >> 2, t4 = lane & 3;
@@ -384,22 +392,38 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
 
     // S = Q K^T for the stage `st` into s.
     auto issue_qk = [&](uint32_t st) {
-      const uint32_t kb = k_base + st * C::kKVBytes;
+      if constexpr (kUniformDescriptors) {  // one descriptor per operand, advanced per k16 slice
+        const uint64_t dq = make_desc_sw128(q_base, 16, 1024), dk = make_desc_sw128(k_base + st * C::kKVBytes, 16, 1024);
 #pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk) {
-        const uint32_t box = kk / 4, within = (kk % 4) * 32;
-        const uint64_t da = make_desc_sw128(q_base + box * C::kQBoxBytes + within, 16, 1024);
-        const uint64_t db = make_desc_sw128(kb + box * C::kKVBoxBytes + within, 16, 1024);
-        Mma::ss(s, da, db, kk > 0 ? 1 : 0);
+        for (int kk = 0; kk < D / 16; ++kk) {
+          const uint32_t box = kk / 4, within = (kk % 4) * 32;
+          Mma::ss(s, desc_advance(dq, box * C::kQBoxBytes + within), desc_advance(dk, box * C::kKVBoxBytes + within),
+                  kk > 0 ? 1 : 0);
+        }
+      } else {
+        const uint32_t kb = k_base + st * C::kKVBytes;
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+          const uint32_t box = kk / 4, within = (kk % 4) * 32;
+          const uint64_t da = make_desc_sw128(q_base + box * C::kQBoxBytes + within, 16, 1024);
+          const uint64_t db = make_desc_sw128(kb + box * C::kKVBoxBytes + within, 16, 1024);
+          Mma::ss(s, da, db, kk > 0 ? 1 : 0);
+        }
       }
     };
     // O += P V for the stage `st`.
     auto issue_pv = [&](uint32_t st) {
-      const uint32_t vb = v_base + st * C::kKVBytes;
+      if constexpr (kUniformDescriptors) {
+        const uint64_t dv = make_desc_sw128(v_base + st * C::kKVBytes, C::kKVBoxBytes, 1024);
 #pragma unroll
-      for (int kk = 0; kk < BN / 16; ++kk) {
-        const uint64_t db = make_desc_sw128(vb + kk * 16 * 128, C::kKVBoxBytes, 1024);
-        MmaO::rs(o, &pf[4 * kk], db, 1);
+        for (int kk = 0; kk < BN / 16; ++kk) MmaO::rs(o, &pf[4 * kk], desc_advance(dv, kk * 16 * 128), 1);
+      } else {
+        const uint32_t vb = v_base + st * C::kKVBytes;
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk) {
+          const uint64_t db = make_desc_sw128(vb + kk * 16 * 128, C::kKVBoxBytes, 1024);
+          MmaO::rs(o, &pf[4 * kk], db, 1);
+        }
       }
     };
     // Mask, online softmax of s (in place: s becomes P in fp32); returns the rescale factors.
