@@ -344,7 +344,6 @@ bwd_sm90_kernel_d256(const __grid_constant__ Sm90BwdParams<256> p) {
     ++kv_iter;
 
     for (int32_t s = 0; s < n_steps; ++s, ++step) {
-      const int h = hk * group + s / tiles;
       const int32_t qt = qa + (s % tiles) * BM;
       const uint32_t st = step & 1;
       const uint32_t qb_s = q_smem + st * C::kQBytes;
