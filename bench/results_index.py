@@ -196,7 +196,15 @@ BENCHMARKS = {
                                    "(issue 23, session 23); .ncu.csv: Nsight Compute sections (SpeedOfLight, "
                                    "ComputeWorkloadAnalysis, WarpStateStats, SchedulerStats, Occupancy; --clock-control "
                                    "none) of both methods' forward + backward kernels (tools/kernel_counters.py), the "
-                                   "metric rows",
+                                   "metric rows; .bwd_order.*: the backward item orders of branch bwdorder (06b6057, not "
+                                   "merged: docs/decisions.md), tools/ab_libraries.py outputs check and backward kernel "
+                                   "profile (6 layouts x D 128 / 64, 4 rounds), and ncu DRAM bytes of two orders",
+    "ab_fwd_d64_descriptors": "bench/attention.py --head-dim 64 --classes all --configs 16,4096,1024;8,16384,2048: "
+                              "dualkv with the D-64 forward's descriptors from one base (branch fwddesc64, efb441a, "
+                              "merged) against FA4 dense, 3 rounds (issue 23, session 23); .profile.log: "
+                              "tools/ab_libraries.py --profile, its forward kernel time against main's (kvwidth) on 8 "
+                              "D-64 layouts and 2 D-128 controls, 5 rounds; .check.log: outputs bit for bit with "
+                              "every modifier",
     "e2e_breakdown_1.7b": "bench/e2e.py --breakdown --methods dualkv, Qwen3-1.7B shape, P 8K and 16K, 4 micro-batches, "
                           "3 updates: device time per update by kernel category (attention / GEMM / other; issue 23's "
                           "end-to-end bar; step e2e-all, E2E_ARGS=--breakdown)",
