@@ -198,7 +198,8 @@ BENCHMARKS = {
                                    "none) of both methods' forward + backward kernels (tools/kernel_counters.py), the "
                                    "metric rows; .bwd_order.*: the backward item orders of branch bwdorder (06b6057, not "
                                    "merged: docs/decisions.md), tools/ab_libraries.py outputs check and backward kernel "
-                                   "profile (6 layouts x D 128 / 64, 4 rounds), and ncu DRAM bytes of two orders",
+                                   "profile (6 layouts x D 128 / 64, 4 rounds), and ncu DRAM bytes of two orders; .stalls.csv: "
+                                   "ncu warp stall reasons of both backward main kernels (WarpStateStats, raw page)",
     "ab_fwd_d64_descriptors": "bench/attention.py --head-dim 64 --classes all --configs 16,4096,1024;8,16384,2048: "
                               "dualkv with the D-64 forward's descriptors from one base (branch fwddesc64, efb441a, "
                               "merged) against FA4 dense, 3 rounds (issue 23, session 23); .profile.log: "
