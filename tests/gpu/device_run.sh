@@ -3,6 +3,7 @@
 #   tests/gpu/device_run.sh [fa4-stage] [fa4-install] [tests] [sanitize] [bench-quick|bench] [bench-dims] [bench-classes]
 #                           [bench-portable] [ab] [ab-check] [e2e] [e2e-flex] [e2e-all] [e2e-grid] [noise]
 #                           [wheels] [hybrid-tests] [hybrid] [trl-step] [prompt-once] [bench-mods] [e2e-mods]
+#                           [ncu-stalls]
 # The library is $DUALKV_LIBRARY (default build-h200/libdualkv.so, a 90a build made on the host and
 # carried: docs/hopper.md "Running it"). Every benchmark refuses a tree that is not a commit (commit
 # first; DUALKV_ALLOW_DIRTY=1 runs anyway and marks the results dirty: bench/provenance.py). The device
@@ -156,6 +157,15 @@
 #                check + compiles ~60-90 s), Gemma-4 ~150-200 s (std ~20 s per update, Flex on Triton compiling
 #                head dim 512). FA4 first (fa4-stage, then fa4-install in the same call as e2e-mods); one model per call:
 #                MODS_E2E_MODELS=gpt-oss-20b MODS_E2E_CAP=520. The JSON is saved before and after every method.
+#   ncu-stalls   where a kernel's warps wait, dualkv against a peer on one layout: for each method of
+#                $NCU_METHODS (default dualkv,fa4_dense; FA4 needs fa4-install first), Nsight Compute's
+#                SourceCounters + WarpStateStats (--clock-control none) on the kernels matching
+#                $NCU_KERNEL (default bwd_sm90: ours and FA4's backward main kernels; fwd_sm90 the forwards)
+#                of one warmed-up call (tools/kernel_counters.py: $NCU_CASE, default long_responses, a class
+#                or N,P,R; $NCU_DIM, default 128; $NCU_DIRECTION, default fwdbwd); the SASS source page
+#                (ncu_stalls_<method>_sass.csv, ~1 MB) and its summary by tests/gpu/ncu_source_summary.py
+#                (stall reasons per instruction block). Estimate ~1-2 min per method (session 23: the
+#                WarpStateStats pass of both backward kernels took ~40 s).
 # More than 8 files in $OUT at the end are packed into $OUT/device-out.tgz (a device call returns 8 files).
 # Long-running python writes to a log file, not into a pipe: a compiler child left behind by a cut
 # process (ptxas) would otherwise hold the pipe open and stall the step.
@@ -205,6 +215,19 @@ print('FA4', m.version('flash-attn-4'), 'CuTe DSL', m.version('nvidia-cutlass-ds
                        --iters 6 --warmup 2 --out "$OUT" --tag "classes_d$d" ${BENCH_ARGS:-} > "$OUT/classes_d$d.log" 2>&1
                      echo "bench-classes d$d rc=$?"; sed -n '/^case /,$p' "$OUT/classes_d$d.log"
                    done ;;
+    ncu-stalls) NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
+                [ -n "$NCU" ] || { echo "ncu-stalls: no ncu"; continue; }
+                for m in $(echo "${NCU_METHODS:-dualkv,fa4_dense}" | tr , ' '); do
+                  rep="/tmp/ncu_stalls_$m"  # the report stays here (size); its source page comes back
+                  timeout -k 10 240 "$NCU" --profile-from-start off --clock-control none -k "regex:${NCU_KERNEL:-bwd_sm90}" \
+                    --section SourceCounters --section WarpStateStats --import-source yes -f -o "$rep" \
+                    python3 tools/kernel_counters.py --case "${NCU_CASE:-long_responses}" --methods "$m" \
+                    --direction "${NCU_DIRECTION:-fwdbwd}" --head-dim "${NCU_DIM:-128}" > "$OUT/ncu_stalls_$m.log" 2>&1
+                  echo "ncu-stalls $m rc=$?"
+                  "$NCU" -i "$rep.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu_stalls_${m}_sass.csv" \
+                    2>> "$OUT/ncu_stalls_$m.log"
+                  python3 tests/gpu/ncu_source_summary.py "$OUT/ncu_stalls_${m}_sass.csv" --top 25
+                done ;;
     ab) [ -f "${AB_LIBRARY:-}" ] || { echo "ab: set AB_LIBRARY to the second build's libdualkv.so"; continue; }
         for path in ${AB_PATHS:-sm90 portable}; do
           case $path in portable) sw="${PORTABLE_SWITCHES[*]}" ;; *) sw="" ;; esac

@@ -622,3 +622,18 @@ def test_fp32_truth_mode_restores_the_model_bit_for_bit():
     after = dict(list(model.named_parameters()) + list(model.named_buffers()))
     for k, v in before.items():
         assert after[k].dtype == v.dtype and torch.equal(after[k], v), k
+
+
+def test_device_run_ncu_stalls_step():
+    """ncu-stalls: per method, Nsight Compute's per-instruction stall sampling of one warmed-up call
+    (tools/kernel_counters.py brackets it: --profile-from-start off) with the clocks left alone, the
+    SASS source page exported and summarised; documented in the header."""
+    step = _device_run_step("ncu-stalls")
+    assert "--profile-from-start off --clock-control none" in step
+    assert "--section SourceCounters --section WarpStateStats" in step
+    assert "python3 tools/kernel_counters.py --case" in step and "${NCU_METHODS:-dualkv,fa4_dense}" in step
+    assert "--page source --csv --print-source sass" in step
+    assert "tests/gpu/ncu_source_summary.py" in step and "timeout -k 10 240" in step
+    text = (ROOT / "tests" / "gpu" / "device_run.sh").read_text()
+    assert "#   ncu-stalls " in text and "[ncu-stalls]" in text
+    assert (ROOT / "tools" / "kernel_counters.py").exists() and (ROOT / "tests" / "gpu" / "ncu_source_summary.py").exists()
