@@ -591,23 +591,22 @@ def parse_profile(text: str, dims: list, heads: int, kv_heads: int, mods: dict) 
     bench/layout_classes.py; no D: every head dim of --dims)."""
     out = []
     for item in (s.strip() for s in text.split(";") if s.strip()):
-        head, *rest = item.split(",")
-        if head in layout_classes.CLASSES:
-            lens, parents = layout_classes.layout_class(head)
-            case, tokens = Case(head, heads, kv_heads, tree=(lens, parents), **mods), sum(lens)
-        else:
-            try:
-                nums = [int(v) for v in item.split(",")]
-            except ValueError:
-                nums = []
-            if len(nums) not in (3, 4):
-                raise ValueError(f"--profile: {item!r} is not N,P,R[,D] or a layout class "
-                                 f"({', '.join(layout_classes.CLASSES)})[,D]")
-            (n, p, r), rest = nums[:3], nums[3:]
-            case, tokens = Case(f"N{n} P{p} R{r}", heads, kv_heads, groups=grpo(n, p, r), **mods), p + n * r
-        if len(rest) > 1:
+        fields = item.split(",")
+        try:
+            if fields[0] in layout_classes.CLASSES:
+                lens, parents = layout_classes.layout_class(fields[0])
+                case, tokens = Case(fields[0], heads, kv_heads, tree=(lens, parents), **mods), sum(lens)
+                ds = [int(d) for d in fields[1:]]
+            else:
+                n, p, r = (int(v) for v in fields[:3])  # fewer than three fields: a ValueError too
+                case, tokens = Case(f"N{n} P{p} R{r}", heads, kv_heads, groups=grpo(n, p, r), **mods), p + n * r
+                ds = [int(d) for d in fields[3:]]
+        except ValueError:
+            raise ValueError(f"--profile: {item!r} is not N,P,R[,D] or a layout class "
+                             f"({', '.join(layout_classes.CLASSES)})[,D]") from None
+        if len(ds) > 1:
             raise ValueError(f"--profile: {item!r} has more than one head dim")
-        out += [(case, tokens, int(D)) for D in (rest or dims)]
+        out += [(case, tokens, D) for D in (ds or dims)]
     return out
 
 
