@@ -390,41 +390,29 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
       else return kv.next(L.offsets, L.parent);
     };
 
+    // An operand's descriptor at byte offset `off` from its base: with kUniformDescriptors the base's
+    // descriptor advanced (desc_advance), else one built from the address.
+    auto operand_desc = [&](uint64_t base_desc, uint32_t base, uint32_t off, uint32_t stride) {
+      return kUniformDescriptors ? desc_advance(base_desc, off) : make_desc_sw128(base + off, stride, 1024);
+    };
     // S = Q K^T for the stage `st` into s.
     auto issue_qk = [&](uint32_t st) {
-      if constexpr (kUniformDescriptors) {  // one descriptor per operand, advanced per k16 slice
-        const uint64_t dq = make_desc_sw128(q_base, 16, 1024), dk = make_desc_sw128(k_base + st * C::kKVBytes, 16, 1024);
+      const uint32_t kb = k_base + st * C::kKVBytes;
+      const uint64_t dq = make_desc_sw128(q_base, 16, 1024), dk = make_desc_sw128(kb, 16, 1024);
 #pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) {
-          const uint32_t box = kk / 4, within = (kk % 4) * 32;
-          Mma::ss(s, desc_advance(dq, box * C::kQBoxBytes + within), desc_advance(dk, box * C::kKVBoxBytes + within),
-                  kk > 0 ? 1 : 0);
-        }
-      } else {
-        const uint32_t kb = k_base + st * C::kKVBytes;
-#pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) {
-          const uint32_t box = kk / 4, within = (kk % 4) * 32;
-          const uint64_t da = make_desc_sw128(q_base + box * C::kQBoxBytes + within, 16, 1024);
-          const uint64_t db = make_desc_sw128(kb + box * C::kKVBoxBytes + within, 16, 1024);
-          Mma::ss(s, da, db, kk > 0 ? 1 : 0);
-        }
+      for (int kk = 0; kk < D / 16; ++kk) {
+        const uint32_t box = kk / 4, within = (kk % 4) * 32;
+        Mma::ss(s, operand_desc(dq, q_base, box * C::kQBoxBytes + within, 16),
+                operand_desc(dk, kb, box * C::kKVBoxBytes + within, 16), kk > 0 ? 1 : 0);
       }
     };
     // O += P V for the stage `st`.
     auto issue_pv = [&](uint32_t st) {
-      if constexpr (kUniformDescriptors) {
-        const uint64_t dv = make_desc_sw128(v_base + st * C::kKVBytes, C::kKVBoxBytes, 1024);
+      const uint32_t vb = v_base + st * C::kKVBytes;
+      const uint64_t dv = make_desc_sw128(vb, C::kKVBoxBytes, 1024);
 #pragma unroll
-        for (int kk = 0; kk < BN / 16; ++kk) MmaO::rs(o, &pf[4 * kk], desc_advance(dv, kk * 16 * 128), 1);
-      } else {
-        const uint32_t vb = v_base + st * C::kKVBytes;
-#pragma unroll
-        for (int kk = 0; kk < BN / 16; ++kk) {
-          const uint64_t db = make_desc_sw128(vb + kk * 16 * 128, C::kKVBoxBytes, 1024);
-          MmaO::rs(o, &pf[4 * kk], db, 1);
-        }
-      }
+      for (int kk = 0; kk < BN / 16; ++kk)
+        MmaO::rs(o, &pf[4 * kk], operand_desc(dv, vb, kk * 16 * 128, C::kKVBoxBytes), 1);
     };
     // Mask, online softmax of s (in place: s becomes P in fp32); returns the rescale factors.
     // krem: the keys left in the walk's range from kpos on (KvWalk::rest(), SegmentMask's forward
