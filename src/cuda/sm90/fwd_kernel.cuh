@@ -328,7 +328,9 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
   // the D-64 forward kernel's time on 8 GRPO layouts and classes (H200, 2026-12-03, outputs bit for
   // bit equal). At D 128 / 256 the same change measured 0.97-1.03 on GRPO layouts and up to 1.09 on
   // short-walk classes (session 22, docs/decisions.md): those keep a descriptor per instruction.
-  constexpr bool kUniformDescriptors = D == 64;
+  constexpr bool kUniformDescriptors = D <= 128;  // CANDIDATE
+  // CANDIDATE: softmax before walk_next at D >= 128 (runs under P V; measured 1.02-1.035 at D 64)
+  constexpr bool kSoftmaxBeforeWalk = D >= 128;
   const int cw = kUniformDescriptors ? __shfl_sync(0xffffffffu, wg - 1, 0) : wg - 1;
   const int tid = threadIdx.x & 127;
   const int warp = tid >> 5, lane = tid & 31;
@@ -532,13 +534,14 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
       fence_regs(s);
       __syncwarp();
       if (lane == 0) mbar_arrive(&B.k_empty[st]);
+      float alpha[2];
+      if constexpr (kSoftmaxBeforeWalk) softmax(kpos, krem, own, kcur, alpha);
       more = walk_next();
       if (!more) {
         __syncwarp();
         if (lane == 0) mbar_arrive(B.q_empty);
       }
-      float alpha[2];
-      softmax(kpos, krem, own, kcur, alpha);
+      if constexpr (!kSoftmaxBeforeWalk) softmax(kpos, krem, own, kcur, alpha);
       wgmma_wait<0>();
       fence_regs(o);
       fence_regs(pf);
