@@ -321,14 +321,23 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
   setmaxnreg_inc<C::kConsumerRegs>();
   using Mma = Wgmma<T, BN>;
   using MmaO = Wgmma<T, D>;
-  // Consumer warpgroup: rows [64 cw, 64 cw + 64) of the tile. At D 64 it is made warp-uniform
+  // Consumer warpgroup: rows [64 cw, 64 cw + 64) of the tile. At D 64 / 128 it is made warp-uniform
   // through a shuffle (wg is the same in every lane but derived from the thread index), so that the
   // wgmma descriptors built from it live in uniform registers, and each operand's descriptor is
-  // built once and advanced per k16 slice (ptx.cuh desc_advance), as in the backward: 0.968-0.982 of
-  // the D-64 forward kernel's time on 8 GRPO layouts and classes (H200, 2026-12-03, outputs bit for
-  // bit equal). At D 128 / 256 the same change measured 0.97-1.03 on GRPO layouts and up to 1.09 on
-  // short-walk classes (session 22, docs/decisions.md): those keep a descriptor per instruction.
-  constexpr bool kUniformDescriptors = D == 64;
+  // built once and advanced per k16 slice (ptx.cuh desc_advance), as in the backward. D 64:
+  // 0.968-0.982 of the forward kernel's time on 8 GRPO layouts and classes (H200, 2026-12-03). D 128
+  // only with kSoftmaxBeforeWalk (below): alone it measured 0.97-1.03 on GRPO layouts and up to 1.09
+  // on short-walk classes (session 22, docs/decisions.md). D 256 keeps a descriptor per instruction.
+  constexpr bool kUniformDescriptors = D <= 128;
+  // The softmax of a KV tile before the walk advances (walk_next), where it runs under the previous
+  // tile's P V: with walk_next()'s branches between the two waits, ptxas put the P V wait
+  // (wait_group 0) at the top of the softmax's block, and none of the exponentials overlapped P V
+  // (static SASS, D 128; docs/notes/2026-12-03-fwd-sass-comparison.md). Measured (H200, forward
+  // kernel time against main's kernels, 5 rounds, outputs bit for bit equal): D 128 with the uniform
+  // descriptors 0.979-0.999 on 9 GRPO layouts and classes in one run, 0.986-0.994 on 5 in another;
+  // alone 0.985-1.118. D 64 1.02-1.035 and D 256 0.979-1.014 (trees): those keep the order after
+  // walk_next.
+  constexpr bool kSoftmaxBeforeWalk = D == 128;
   const int cw = kUniformDescriptors ? __shfl_sync(0xffffffffu, wg - 1, 0) : wg - 1;
   const int tid = threadIdx.x & 127;
   const int warp = tid >> 5, lane = tid & 31;
@@ -532,13 +541,14 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
       fence_regs(s);
       __syncwarp();
       if (lane == 0) mbar_arrive(&B.k_empty[st]);
+      float alpha[2];  // softmax() reads only what was captured above, not the walk's state
+      if constexpr (kSoftmaxBeforeWalk) softmax(kpos, krem, own, kcur, alpha);
       more = walk_next();
       if (!more) {
         __syncwarp();
         if (lane == 0) mbar_arrive(B.q_empty);
       }
-      float alpha[2];
-      softmax(kpos, krem, own, kcur, alpha);
+      if constexpr (!kSoftmaxBeforeWalk) softmax(kpos, krem, own, kcur, alpha);
       wgmma_wait<0>();
       fence_regs(o);
       fence_regs(pf);
