@@ -213,14 +213,20 @@ constexpr uint32_t kBwdDsBarrier = 1;      // named barrier id (0 is __syncthrea
 // (a prefix item's rows, external prefix issue 17): only the rows past klen are masked.
 // kWindow (mask modifiers, issue 16): the masked form also hides the pairs of the sliding window
 // `window` (SegmentMask::window_hidden with the item's distance bias `bias`).
+// lse_first: the lse pairs of the first kBwdLsePreload n8 blocks, loaded before the wait for S^T, so
+// that the first exponentials do not wait for a shared load behind it (CANDIDATE, 2026-12-03: the
+// first FFMA's short-scoreboard stall was 4% of the backward's warp samples under ncu).
+constexpr int kBwdLsePreload = 2;
 template <int N, bool kCausal = true, bool kWindow = false>
-__device__ __forceinline__ void bwd_softmax_p(float (&sacc)[N], const float* lse_s, float sl2, int t4,
+__device__ __forceinline__ void bwd_softmax_p(float (&sacc)[N], const float* lse_s,
+                                              const float2 (&lse_first)[kBwdLsePreload], float sl2, int t4,
                                               int kv_row0, int klen, int32_t k0, int32_t qt, bool mask,
                                               int32_t bias = 0, int32_t window = 0) {
 #pragma unroll
   for (int j = 0; j < N / 4; ++j) {
     const int c = j * 8 + 2 * t4;
-    const float2 l2 = *reinterpret_cast<const float2*>(lse_s + c);
+    const float2 l2 = j < kBwdLsePreload ? lse_first[j < kBwdLsePreload ? j : 0]
+                                         : *reinterpret_cast<const float2*>(lse_s + c);
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const float lv = (e & 1) ? l2.y : l2.x;
@@ -553,10 +559,14 @@ bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
       wgmma_commit();
 
       // P^T (in place in sacc) once S^T is ready; dP^T may still be running.
-      wgmma_wait<1>();
-      fence_regs(sacc);
       const float* lse_s = s_lse + st * BM;
       const float* delta_s = s_delta + st * BM;
+      float2 lse_first[kBwdLsePreload];
+#pragma unroll
+      for (int j = 0; j < kBwdLsePreload; ++j)
+        lse_first[j] = *reinterpret_cast<const float2*>(lse_s + j * 8 + 2 * t4);
+      wgmma_wait<1>();
+      fence_regs(sacc);
       // Softmax under the dP^T wgmma (H200 A/B at 274e72f: main kernel 4-6% faster than computing
       // P^T between wgmma.wait_group 1 and 0, where ptxas sank 28 of the 32 MUFU.EX2 and the
       // masking below the WARPGROUP.DEPBAR of dP^T). P^T is computed in its own branch, masked or
@@ -582,18 +592,18 @@ bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
       if constexpr (kPrefix) {
         if (prefix_item) {  // every query of the range sees every row: only a ragged end is masked
           if (tail)
-            bwd_softmax_p<BM / 2, false>(sacc, lse_s, sl2, t4, kv_row0, klen, k0, qt, true);
+            bwd_softmax_p<BM / 2, false>(sacc, lse_s, lse_first, sl2, t4, kv_row0, klen, k0, qt, true);
           else
-            bwd_softmax_p<BM / 2, false>(sacc, lse_s, sl2, t4, kv_row0, klen, k0, qt, false);
+            bwd_softmax_p<BM / 2, false>(sacc, lse_s, lse_first, sl2, t4, kv_row0, klen, k0, qt, false);
         }
       }
       if (!prefix_item) {
         const bool mask = tail || qt < k0 + cw * 64 + 63 || win;
         if (mask)
-          bwd_softmax_p<BM / 2, true, Mods::kWindow>(sacc, lse_s, sl2, t4, kv_row0, klen, k0, qt, true, bias,
+          bwd_softmax_p<BM / 2, true, Mods::kWindow>(sacc, lse_s, lse_first, sl2, t4, kv_row0, klen, k0, qt, true, bias,
                                                      a.window);
         else
-          bwd_softmax_p<BM / 2, true, Mods::kWindow>(sacc, lse_s, sl2, t4, kv_row0, klen, k0, qt, false, bias,
+          bwd_softmax_p<BM / 2, true, Mods::kWindow>(sacc, lse_s, lse_first, sl2, t4, kv_row0, klen, k0, qt, false, bias,
                                                      a.window);
       }
       wgmma_wait<0>();
