@@ -362,11 +362,6 @@ bwd_sm90_kernel_d256(const __grid_constant__ Sm90BwdParams<256> p) {
                  make_desc_sw128(b_first + box * C::kQBoxBytes + within, 16, 1024), kk > 0 ? 1 : 0);
       }
       wgmma_commit();
-      const float* lse_s = s_lse + st * BM;
-      float2 lse_first[kBwdLsePreload];  // bwd_softmax_p's first lse pairs, before the wait (P role's)
-#pragma unroll
-      for (int j = 0; j < kBwdLsePreload; ++j)
-        lse_first[j] = *reinterpret_cast<const float2*>(lse_s + j * 8 + 2 * t4);
       wgmma_wait<0>();
       fence_regs(sacc);
       if (p_role) named_bar_arrive(kBwdSBarrier, 256);
@@ -374,6 +369,7 @@ bwd_sm90_kernel_d256(const __grid_constant__ Sm90BwdParams<256> p) {
       // A fragments (m = kv, k = q) of P^T (P role) or dS^T (dS role).
       uint32_t frag[BM / 4];
       if (p_role) {
+        const float* lse_s = s_lse + st * BM;
         // The sliding window (issue 16): the step's farthest pair (last query, first KV row) hidden.
         bool win = false;
         if constexpr (Mods::kWindow) win = SegmentMask::window_tile(qt + BM - 1, k0, bias, a.window);
@@ -407,9 +403,9 @@ bwd_sm90_kernel_d256(const __grid_constant__ Sm90BwdParams<256> p) {
           }
         } else {
         if (prefix_item)  // every query of the range sees every row: only a ragged end is masked
-          bwd_softmax_p<BM / 2, false>(sacc, lse_s, lse_first, sl2, t4, kv_row0, klen, k0, qt, tail);
+          bwd_softmax_p<BM / 2, false>(sacc, lse_s, sl2, t4, kv_row0, klen, k0, qt, tail);
         else
-          bwd_softmax_p<BM / 2, true, Mods::kWindow>(sacc, lse_s, lse_first, sl2, t4, kv_row0, klen, k0, qt,
+          bwd_softmax_p<BM / 2, true, Mods::kWindow>(sacc, lse_s, sl2, t4, kv_row0, klen, k0, qt,
                                                      tail || qt < k0 + BN - 1 || win, bias, a.window);
 #pragma unroll
         for (int i = 0; i < BM / 8; ++i)
