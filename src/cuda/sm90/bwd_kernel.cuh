@@ -212,15 +212,17 @@ constexpr uint32_t kBwdDsBarrier = 1;      // named barrier id (0 is __syncthrea
 // it once per branch of a uniform test) compiles to a loop without mask arithmetic. kCausal = false
 // (a prefix item's rows, external prefix issue 17): only the rows past klen are masked.
 // kWindow (mask modifiers, issue 16): the masked form also hides the pairs of the sliding window
-// `window` (SegmentMask::window_hidden with the item's distance bias `bias`).
-template <int N, bool kCausal = true, bool kWindow = false>
+// `window` (SegmentMask::window_hidden with the item's distance bias `bias`). lse_first: the lse
+// pairs of the first kPreloaded n8 blocks, read by the caller before its wait for S^T.
+template <int N, bool kCausal = true, bool kWindow = false, int kPreloaded = 0>
 __device__ __forceinline__ void bwd_softmax_p(float (&sacc)[N], const float* lse_s, float sl2, int t4,
                                               int kv_row0, int klen, int32_t k0, int32_t qt, bool mask,
-                                              int32_t bias = 0, int32_t window = 0) {
+                                              int32_t bias = 0, int32_t window = 0,
+                                              const float2* lse_first = nullptr) {
 #pragma unroll
   for (int j = 0; j < N / 4; ++j) {
     const int c = j * 8 + 2 * t4;
-    const float2 l2 = *reinterpret_cast<const float2*>(lse_s + c);
+    const float2 l2 = j < kPreloaded ? lse_first[j] : *reinterpret_cast<const float2*>(lse_s + c);
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const float lv = (e & 1) ? l2.y : l2.x;
@@ -553,10 +555,21 @@ bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
       wgmma_commit();
 
       // P^T (in place in sacc) once S^T is ready; dP^T may still be running.
-      wgmma_wait<1>();
-      fence_regs(sacc);
       const float* lse_s = s_lse + st * BM;
       const float* delta_s = s_delta + st * BM;
+      // At D 64 (128-row steps) the first two lse pairs are read before the wait, so that the first
+      // exponentials do not wait for a shared load issued behind it (under ncu, D 128: the first
+      // FFMA's short-scoreboard stall was 4% of the backward's warp samples). Measured (H200,
+      // backward kernel against the build without it, 4 rounds): D 64 0.985-0.997 on 9 GRPO layouts
+      // and classes; D 128 0.970-1.031 and D 256 0.984-1.007 (docs/decisions.md), so D 64 only.
+      constexpr int kLsePreload = D == 64 ? 2 : 0;
+      float2 lse_first[2];
+      if constexpr (kLsePreload > 0) {
+#pragma unroll
+        for (int j = 0; j < kLsePreload; ++j) lse_first[j] = *reinterpret_cast<const float2*>(lse_s + j * 8 + 2 * t4);
+      }
+      wgmma_wait<1>();
+      fence_regs(sacc);
       // Softmax under the dP^T wgmma (H200 A/B at 274e72f: main kernel 4-6% faster than computing
       // P^T between wgmma.wait_group 1 and 0, where ptxas sank 28 of the 32 MUFU.EX2 and the
       // masking below the WARPGROUP.DEPBAR of dP^T). P^T is computed in its own branch, masked or
@@ -582,19 +595,21 @@ bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
       if constexpr (kPrefix) {
         if (prefix_item) {  // every query of the range sees every row: only a ragged end is masked
           if (tail)
-            bwd_softmax_p<BM / 2, false>(sacc, lse_s, sl2, t4, kv_row0, klen, k0, qt, true);
+            bwd_softmax_p<BM / 2, false, false, kLsePreload>(sacc, lse_s, sl2, t4, kv_row0, klen, k0, qt, true, 0, 0,
+                                                             lse_first);
           else
-            bwd_softmax_p<BM / 2, false>(sacc, lse_s, sl2, t4, kv_row0, klen, k0, qt, false);
+            bwd_softmax_p<BM / 2, false, false, kLsePreload>(sacc, lse_s, sl2, t4, kv_row0, klen, k0, qt, false, 0, 0,
+                                                             lse_first);
         }
       }
       if (!prefix_item) {
         const bool mask = tail || qt < k0 + cw * 64 + 63 || win;
         if (mask)
-          bwd_softmax_p<BM / 2, true, Mods::kWindow>(sacc, lse_s, sl2, t4, kv_row0, klen, k0, qt, true, bias,
-                                                     a.window);
+          bwd_softmax_p<BM / 2, true, Mods::kWindow, kLsePreload>(sacc, lse_s, sl2, t4, kv_row0, klen, k0, qt, true,
+                                                                  bias, a.window, lse_first);
         else
-          bwd_softmax_p<BM / 2, true, Mods::kWindow>(sacc, lse_s, sl2, t4, kv_row0, klen, k0, qt, false, bias,
-                                                     a.window);
+          bwd_softmax_p<BM / 2, true, Mods::kWindow, kLsePreload>(sacc, lse_s, sl2, t4, kv_row0, klen, k0, qt, false,
+                                                                  bias, a.window, lse_first);
       }
       wgmma_wait<0>();
       fence_regs(dpacc);
