@@ -199,7 +199,21 @@ BENCHMARKS = {
                                    "metric rows; .bwd_order.*: the backward item orders of branch bwdorder (06b6057, not "
                                    "merged: docs/decisions.md), tools/ab_libraries.py outputs check and backward kernel "
                                    "profile (6 layouts x D 128 / 64, 4 rounds), and ncu DRAM bytes of two orders; .stalls.csv: "
-                                   "ncu warp stall reasons of both backward main kernels (WarpStateStats, raw page)",
+                                   "ncu warp stall reasons of both backward main kernels (WarpStateStats, raw page); "
+                                   ".ncu_stalls.txt (session 24): ncu SourceCounters of both backward main kernels (main "
+                                   "64f76e0's kernels), summarised per instruction (tests/gpu/ncu_source_summary.py); "
+                                   ".dq_quad_order.*: the backward's dQ staging in quad order (cand24 4ea9452, not merged: "
+                                   "docs/decisions.md), check and backward kernel profile (13 layouts x D, 4 rounds); "
+                                   ".lse_preload.*: the first lse pairs read before the S^T wait (bwdlse 9864918; merged "
+                                   "at D 64 only), check and backward kernel profile against main 34beecd",
+    "ab_fwd_d128_softmax_under_pv": "bench/attention.py --classes all --configs 16,4096,1024;8,16384,2048, D 128: "
+                                    "main 34beecd (the D-128 forward's softmax under P V with uniform descriptors, "
+                                    "branch fwdpv, merged) against the kernels before (67fd568) as dualkv_ab, with FA4 "
+                                    "dense, Flex-FA4 and cuDNN, 2 rounds (issue 23, session 24); .profile.log / "
+                                    ".check.log: tools/ab_libraries.py, the forward kernel's time of fwdoverlap (e16, "
+                                    "650e11d) and fwdoverlap-desc128 (e17, 4beab03) at D 128 / 64 on 9 layouts, 5 rounds, "
+                                    "and outputs bit for bit with every modifier; .profile2.log: cand24 (4ea9452) at D "
+                                    "256 / 128 on 5 layouts, 5 rounds",
     "ab_fwd_d64_descriptors": "bench/attention.py --head-dim 64 --classes all --configs 16,4096,1024;8,16384,2048: "
                               "dualkv with the D-64 forward's descriptors from one base (branch fwddesc64, efb441a, "
                               "merged) against FA4 dense, 3 rounds (issue 23, session 23); .profile.log: "
