@@ -213,7 +213,11 @@ BENCHMARKS = {
                                     ".check.log: tools/ab_libraries.py, the forward kernel's time of fwdoverlap (e16, "
                                     "650e11d) and fwdoverlap-desc128 (e17, 4beab03) at D 128 / 64 on 9 layouts, 5 rounds, "
                                     "and outputs bit for bit with every modifier; .profile2.log: cand24 (4ea9452) at D "
-                                    "256 / 128 on 5 layouts, 5 rounds",
+                                    "256 / 128 on 5 layouts, 5 rounds; .net_profile.log: main 0f69730's kernels against "
+                                    "the session's start (67fd568), forward and backward kernels on 7 layouts x D 128 / "
+                                    "64, 3 rounds (SASS-identical kernels moved 0.98-1.02 there: the noise); "
+                                    ".sanitize.log: compute-sanitizer on 0f69730's kernels (memcheck 0 errors; racecheck "
+                                    "the documented lse / delta hand-off, docs/hopper.md)",
     "ab_fwd_d64_descriptors": "bench/attention.py --head-dim 64 --classes all --configs 16,4096,1024;8,16384,2048: "
                               "dualkv with the D-64 forward's descriptors from one base (branch fwddesc64, efb441a, "
                               "merged) against FA4 dense, 3 rounds (issue 23, session 23); .profile.log: "
