@@ -52,6 +52,8 @@ torch.profiler after one warm-up call: the median device ms per call of the kern
 contains each --kernels substring (summed), and of all kernels of the step, per library, and
 cand/base. A substring that matches no kernel of any library is an ERROR (that path did not run);
 one that only some libraries run (a kernel added or removed) is printed with its zeros.
+--profile-only skips the checks (--check then only says fwd or fwd+bwd): the exit status is 0 when
+the profile ran without an ERROR.
 
 On the device machine (a copy of the working tree): carry both libraries, which are ignored files
 (e.g. ``run(carry=[".dev/lib"])`` with main's and the branch's builds as ``.so.xz``, decompressed
@@ -753,6 +755,8 @@ def main(argv=None) -> int:
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: a smoke test of the tool")
     ap.add_argument("--profile", default="", help="N,P,R[,D] or CLASS[,D];... GRPO layouts or layout classes whose kernel times to profile (cuda)")
     ap.add_argument("--kernels", default="", help="comma-separated kernel name substrings to time")
+    ap.add_argument("--profile-only", action="store_true",
+                    help="time --profile without the checks (exit 0 unless the profile reports an ERROR)")
     ap.add_argument("--profile-mods", default="", help="modifiers of the profiled layouts: window=W,softcap=C,sinks")
     ap.add_argument("--rounds", type=int, default=2, help="profile rounds (libraries in rotating order)")
     ap.add_argument("--profile-calls", type=int, default=3, help="profiled calls per library and round")
@@ -775,6 +779,8 @@ def main(argv=None) -> int:
         ap.error(f"--mods: unknown {', '.join(sorted(unknown))} (window, softcap, sinks, prefix)")
     if args.profile and not args.kernels:
         ap.error("--profile needs --kernels (substrings of the kernel names to time)")
+    if args.profile_only and (not args.profile or args.device != "cuda"):
+        ap.error("--profile-only needs --profile and --device cuda (the profiler times CUDA kernels)")
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: no CUDA device here (--device cpu runs the smoke test)")
     dtype = getattr(torch, args.dtype)
@@ -814,9 +820,14 @@ def main(argv=None) -> int:
         ap.error(f"--layouts: {args.layouts!r} is not N,P,R;...")
     cases = [c for c in build_cases(mods, layouts, args.heads, args.kv_heads)
              if not wanted or any(w in c.name for w in wanted)]
-    run_checks(args, tally, base, cands, cases, dims, dtype)
+    if not args.profile_only:
+        run_checks(args, tally, base, cands, cases, dims, dtype)
     if args.profile:
         run_profile(args, tally, [base] + cands, dims, dtype)
+    if args.profile_only:
+        print(f"summary: profile only, {tally.error} ERROR ({len(cands)} candidate(s) against {base.path.name})",
+              flush=True)
+        return 1 if tally.error else 0
 
     compared = tally.ok + tally.diff
     failed = tally.diff + tally.error

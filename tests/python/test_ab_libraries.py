@@ -132,3 +132,32 @@ def test_cand_env_per_label(monkeypatch):
     assert tool.cand_env(items, "b") == {"A": "2", "B": "3"}
     assert tool.cand_env(items, "c") == {"A": "1", "C": "4"}
     assert tool.cand_env(None, "a") == {}
+
+
+def test_profile_only_skips_the_checks_and_exits_by_the_profile(library, monkeypatch, capsys):
+    """--profile-only: no check runs, and main() returns 0 unless the profile reported an ERROR (the
+    profiler itself needs a GPU: run_profile is replaced by one that tallies a given outcome)."""
+    tool = load_tool(monkeypatch)
+    monkeypatch.setenv("DUALKV_LIBRARY", str(library))
+    monkeypatch.setattr(tool.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(tool.torch.cuda, "get_device_name", lambda *a: "no GPU (test)")
+
+    def no_checks(*a):
+        raise AssertionError("--profile-only ran the checks")
+
+    monkeypatch.setattr(tool, "run_checks", no_checks)
+    argv = ["--base", str(library), "--cand", str(library), "--check", "fwd", "--dims", "64",
+            "--profile", "2,256,64", "--kernels", "fwd", "--profile-only"]
+    for errors, status in ((0, 0), (1, 1)):
+        def fake_profile(args, tally, builds, dims, dtype, errors=errors):
+            for _ in range(errors):
+                tally.line("ERROR", "profile: a kernel no library ran")
+
+        monkeypatch.setattr(tool, "run_profile", fake_profile)
+        assert tool.main(argv) == status
+        assert f"summary: profile only, {errors} ERROR" in capsys.readouterr().out
+
+
+def test_profile_only_needs_a_profile_on_cuda(library):
+    r = run_tool(library, "--check", "fwd", "--profile-only")
+    assert r.returncode == 2 and "--profile-only needs --profile and --device cuda" in r.stderr, r.stderr
