@@ -28,11 +28,21 @@ import sys
 
 
 def cuobjdump() -> str:
-    for cand in (shutil.which("cuobjdump"), "/usr/local/cuda/bin/cuobjdump"):
-        if cand and os.path.exists(cand):
+    """$CUOBJDUMP, then PATH, /usr/local/cuda, the CUDA 13 wheel (nvidia/cu13/bin) and the triton
+    wheel's copy; a clear error when none is there."""
+    cands = [os.environ.get("CUOBJDUMP"), shutil.which("cuobjdump"), "/usr/local/cuda/bin/cuobjdump"]
+    for module, parts in (("nvidia", ("cu13", "bin")), ("triton", ("backends", "nvidia", "bin"))):
+        try:
+            pkg = __import__(module)
+        except ImportError:
+            continue
+        for root in list(getattr(pkg, "__path__", [])) or [os.path.dirname(pkg.__file__)]:
+            cands.append(os.path.join(root, *parts, "cuobjdump"))
+    for cand in cands:
+        if cand and os.path.isfile(cand):
             return cand
-    import triton  # the triton wheel ships one
-    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    sys.exit("sass_compare: no cuobjdump (set CUOBJDUMP, put one on PATH, or install nvidia-cuda-nvcc / triton); "
+             "tried: " + ", ".join(c for c in cands if c))
 
 
 ADDRESS = re.compile(r"/\*[0-9a-f]{4,}\*/")
