@@ -563,11 +563,9 @@ bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
       // backward kernel against the build without it, 4 rounds): D 64 0.985-0.997 on 9 GRPO layouts
       // and classes; D 128 0.970-1.031 and D 256 0.984-1.007 (docs/decisions.md), so D 64 only.
       constexpr int kLsePreload = D == 64 ? 2 : 0;
-      float2 lse_first[2];
-      if constexpr (kLsePreload > 0) {
+      float2 lse_first[kLsePreload > 0 ? kLsePreload : 1];
 #pragma unroll
-        for (int j = 0; j < kLsePreload; ++j) lse_first[j] = *reinterpret_cast<const float2*>(lse_s + j * 8 + 2 * t4);
-      }
+      for (int j = 0; j < kLsePreload; ++j) lse_first[j] = *reinterpret_cast<const float2*>(lse_s + j * 8 + 2 * t4);
       wgmma_wait<1>();
       fence_regs(sacc);
       // Softmax under the dP^T wgmma (H200 A/B at 274e72f: main kernel 4-6% faster than computing
