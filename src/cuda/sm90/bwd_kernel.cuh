@@ -584,7 +584,6 @@ bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
       // first KV row) hidden.
       bool win = false;
       if constexpr (Mods::kWindow) win = SegmentMask::window_tile(qt + BM - 1, k0 + cw * 64, bias, a.window);
-      const bool mask = tail || qt < k0 + cw * 64 + 63 || win;
       // The step's work in pieces of k16 steps [kk_lo, kk_hi) (query columns 16 kk_lo .. 16 kk_hi),
       // integral constants:
       // P^T in place in sacc. Each case in its own branch (the test is uniform per warpgroup and
@@ -603,6 +602,7 @@ bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
           }
         }
         if (!prefix_item) {
+          const bool mask = tail || qt < k0 + cw * 64 + 63 || win;
           if (mask)
             bwd_softmax_p<BM / 2, true, Mods::kWindow, kLsePreload, J0, J1>(sacc, lse_s, sl2, t4, kv_row0, klen, k0,
                                                                             qt, true, bias, a.window, lse_first);
@@ -611,16 +611,8 @@ bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
                                                                             qt, false, bias, a.window, lse_first);
         }
       };
-      // P^T packed into its A fragments.
-      auto pack_p = [&](auto kk_lo, auto kk_hi) {
-#pragma unroll
-        for (int kk = decltype(kk_lo)::value; kk < decltype(kk_hi)::value; ++kk) {
-#pragma unroll
-          for (int i = 0; i < 4; ++i) pf[4 * kk + i] = Convert<T>::pack(sacc[8 * kk + 2 * i], sacc[8 * kk + 2 * i + 1]);
-        }
-      };
-      // dS^T = P^T (dP^T - delta) in place in dpacc, packed into its A fragments.
-      auto ds_and_pack = [&](auto kk_lo, auto kk_hi) {
+      // dS^T = P^T (dP^T - delta) in place in dpacc.
+      auto ds = [&](auto kk_lo, auto kk_hi) {
 #pragma unroll
         for (int j = 2 * decltype(kk_lo)::value; j < 2 * decltype(kk_hi)::value; ++j) {
           const float2 d2 = *reinterpret_cast<const float2*>(delta_s + j * 8 + 2 * t4);
@@ -628,11 +620,16 @@ bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
           for (int e = 0; e < 4; ++e)
             dpacc[4 * j + e] = sacc[4 * j + e] * (dpacc[4 * j + e] - ((e & 1) ? d2.y : d2.x));
         }
+      };
+      // P^T and dS^T packed into their A fragments.
+      auto pack = [&](auto kk_lo, auto kk_hi) {
 #pragma unroll
         for (int kk = decltype(kk_lo)::value; kk < decltype(kk_hi)::value; ++kk) {
 #pragma unroll
-          for (int i = 0; i < 4; ++i)
+          for (int i = 0; i < 4; ++i) {
+            pf[4 * kk + i] = Convert<T>::pack(sacc[8 * kk + 2 * i], sacc[8 * kk + 2 * i + 1]);
             dsf[4 * kk + i] = Convert<T>::pack(dpacc[8 * kk + 2 * i], dpacc[8 * kk + 2 * i + 1]);
+          }
         }
       };
       // dV += P^T dO (B = dO [q][d] read N-major: k = q, n = d), one wgmma group.
@@ -692,14 +689,14 @@ bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
         softmax_p(KK0{}, KKHalf{});
         wgmma_wait<0>();
         fence_regs(dpacc);
-        ds_and_pack(KK0{}, KKHalf{});
-        pack_p(KK0{}, KKHalf{});
+        ds(KK0{}, KKHalf{});
+        pack(KK0{}, KKHalf{});
         if constexpr (kAtomicDq) store_ds(KK0{}, KKHalf{});
         issue_dv(KK0{}, KKHalf{});  // fences dsf too
         issue_dk(KK0{}, KKHalf{});
         softmax_p(KKHalf{}, KKAll{});
-        ds_and_pack(KKHalf{}, KKAll{});
-        pack_p(KKHalf{}, KKAll{});
+        ds(KKHalf{}, KKAll{});
+        pack(KKHalf{}, KKAll{});
         if constexpr (kAtomicDq) {
           store_ds(KKHalf{}, KKAll{});
           bwd_fence_proxy_async();
@@ -709,6 +706,7 @@ bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
       } else {
         if constexpr (Mods::kSoftcap) {  // mask modifiers (issue 16)
           static_assert(!kPrefix, "sm90 backward: prefix items are instantiated without modifiers");
+          const bool mask = tail || qt < k0 + cw * 64 + 63 || win;
           wgmma_wait<0>();
           fence_regs(dpacc);
           if (mask)
@@ -721,8 +719,8 @@ bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
           softmax_p(KK0{}, KKAll{});
           wgmma_wait<0>();
           fence_regs(dpacc);
-          ds_and_pack(KK0{}, KKAll{});
-          pack_p(KK0{}, KKAll{});
+          ds(KK0{}, KKAll{});
+          pack(KK0{}, KKAll{});
         }
         if constexpr (!C::kDvAfterDsStore) issue_dv(KK0{}, KKAll{});
         if constexpr (kAtomicDq) {
