@@ -650,9 +650,8 @@ bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
       };
       // dS^T (kv x q fragments) -> dS [q][kv] for the dQ wgmma, 128B-swizzled boxes of 64 kv columns
       // (the dQ-computing kernel only).
-      const uint32_t ds_buf = ds_smem + st * C::kDSBytes;
-      const uint64_t dDS0 = make_desc_sw128(ds_buf + ds_rows, 16, 1024);
       auto store_ds = [&](auto kk_lo, auto kk_hi) {
+        const uint32_t ds_buf = ds_smem + st * C::kDSBytes;
         const int m = lane >> 3;
         const int kvl = cw * 64 + warp * 16 + (m & 1) * 8;
         const uint32_t chunk = static_cast<uint32_t>((kvl % 64) / 8);
@@ -733,6 +732,7 @@ bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
 
       if constexpr (kAtomicDq) {
         named_bar_sync(kBwdDsBarrier, 256);  // both halves of dS written
+        const uint64_t dDS0 = make_desc_sw128(ds_smem + st * C::kDSBytes + ds_rows, 16, 1024);
         float dq[C::kDqN / 2];
         wgmma_fence();
 #pragma unroll
