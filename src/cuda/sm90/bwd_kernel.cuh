@@ -42,8 +42,11 @@
 //     128-row steps dS stores, then dV: kDvAfterDsStore, since 2026-12-03), [dK's first k step:
 //     kDkHead, D = 128 and the 128-row prefix kernels], barrier 1, dQ, dK (the rest); wait_group 1
 //     retires dV, that dK step and dQ, the dQ staging runs while dK is in flight, wait_group 0, then
-//     qdo_empty. Deterministic kernel: dV, dK, wait_group 0, qdo_empty. (tests/models/
-//     bwd_protocol_model.py models the barriers, which the order of the issues does not change.)
+//     qdo_empty. Deterministic kernel: dV, dK, wait_group 0, qdo_empty. 128-row steps without a
+//     softcap (kSoftmaxHalves, since 2026-12-03) in two halves of the step's queries: the first
+//     half's dS stores, dV and dK, then the second half's exponentials, dS stores and dV, barrier 1,
+//     dQ, the second half's dK. (tests/models/bwd_protocol_model.py models the barriers, which the
+//     order of the issues does not change.)
 //
 // Barriers (mbarriers in smem):
 //   item_full[2] / item_empty[2]  work item hand-off (count 1 / 8 consumer warps)
@@ -122,9 +125,12 @@ struct Sm90BwdConfig {
   // (D 128: slower on 3 of 4), so only the former.
   static constexpr bool kDvAfterDsStore = kBlockM == 128;
   // The softmax in two halves of the step's query columns, each half's dV and dK issued as soon as
-  // its P^T / dS^T are in registers (2026-12-03). With 128-row steps (D 64) a step's 128 x 128
-  // exponentials take ~1,024 cycles of an SM sub-partition's MUFU (16 per cycle per SM), twice the
-  // dP^T wgmma they run under, and the tensor cores idled for the rest of them.
+  // its P^T / dS^T are in registers, the second half's exponentials under the first half's wgmmas
+  // (2026-12-03). With 128-row steps (D 64) a step's 128 x 128 exponentials take ~1,024 cycles of
+  // a sub-partition's MUFU (16 per cycle per SM), twice the dP^T wgmma they ran under. Predicted
+  // 10-15% of the backward kernel from that count; measured (H200, kernel time against the kernel
+  // without halves, 6 rounds) 0.967-0.999 on 9 GRPO layouts and classes, so the exponentials were
+  // not the step's long pole. With 64-row steps (D 128) 0.989-1.034: not there (docs/decisions.md).
   static constexpr bool kSoftmaxHalves = kBlockM == 128;
   // dQ staging (kDqStage): kBlockM rows x D fp32 per buffer, as (kBlockM / 64) x (D / 32) boxes of
   // 64 rows x 32 columns (128-byte rows, 128B swizzle: the float2 stores of an accumulator fragment
