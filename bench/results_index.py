@@ -218,6 +218,15 @@ BENCHMARKS = {
                                     "64, 3 rounds (SASS-identical kernels moved 0.98-1.02 there: the noise); "
                                     ".sanitize.log: compute-sanitizer on 0f69730's kernels (memcheck 0 errors; racecheck "
                                     "the documented lse / delta hand-off, docs/hopper.md)",
+    "ab_bwd_d64_softmax_halves": "bench/attention.py --head-dim 64 --classes all --configs 16,4096,1024;8,16384,2048: "
+                                 "dualkv with the D-64 backward's softmax in halves (branch bwdhalves, b3a13ce) against "
+                                 "main fede779 as dualkv_ab, with FA4 dense, 3 rounds (issue 23, session 25); "
+                                 ".profile.log / .profile2.log: tools/ab_libraries.py, the backward kernel's time of "
+                                 "halves (D 64 only) and all (halves at D 128 too, not merged) against main on 9 layouts "
+                                 "x D 64 / 128, 4 and 6 rounds; .check.log: both bit for bit with every modifier; "
+                                 ".sanitize.log: compute-sanitizer on halves (memcheck 0 errors; racecheck the "
+                                 "documented lse / delta hand-off); .diag.log: event time against the profiled kernels "
+                                 "of main's forward and forward + backward on long responses, D 64 / 128",
     "ab_fwd_d64_descriptors": "bench/attention.py --head-dim 64 --classes all --configs 16,4096,1024;8,16384,2048: "
                               "dualkv with the D-64 forward's descriptors from one base (branch fwddesc64, efb441a, "
                               "merged) against FA4 dense, 3 rounds (issue 23, session 23); .profile.log: "

@@ -42,8 +42,11 @@
 //     128-row steps dS stores, then dV: kDvAfterDsStore, since 2026-12-03), [dK's first k step:
 //     kDkHead, D = 128 and the 128-row prefix kernels], barrier 1, dQ, dK (the rest); wait_group 1
 //     retires dV, that dK step and dQ, the dQ staging runs while dK is in flight, wait_group 0, then
-//     qdo_empty. Deterministic kernel: dV, dK, wait_group 0, qdo_empty. (tests/models/
-//     bwd_protocol_model.py models the barriers, which the order of the issues does not change.)
+//     qdo_empty. Deterministic kernel: dV, dK, wait_group 0, qdo_empty. 128-row steps without a
+//     softcap (kSoftmaxHalves, since 2026-12-03) in two halves of the step's queries: the first
+//     half's dS stores, dV and dK, then the second half's exponentials, dS stores and dV, barrier 1,
+//     dQ, the second half's dK. (tests/models/bwd_protocol_model.py models the barriers, which the
+//     order of the issues does not change.)
 //
 // Barriers (mbarriers in smem):
 //   item_full[2] / item_empty[2]  work item hand-off (count 1 / 8 consumer warps)
@@ -121,6 +124,14 @@ struct Sm90BwdConfig {
   // 4 layouts x 5 rounds): 0.989-0.998x with 128-row steps (D 64), 0.990-1.010x with 64-row steps
   // (D 128: slower on 3 of 4), so only the former.
   static constexpr bool kDvAfterDsStore = kBlockM == 128;
+  // The softmax in two halves of the step's query columns, each half's dV and dK issued as soon as
+  // its P^T / dS^T are in registers, the second half's exponentials under the first half's wgmmas
+  // (2026-12-03). With 128-row steps (D 64) a step's 128 x 128 exponentials take ~1,024 cycles of
+  // a sub-partition's MUFU (16 per cycle per SM), twice the dP^T wgmma they ran under. Predicted
+  // 10-15% of the backward kernel from that count; measured (H200, kernel time against the kernel
+  // without halves, 6 rounds) 0.967-0.999 on 9 GRPO layouts and classes, so the exponentials were
+  // not the step's long pole. With 64-row steps (D 128) 0.989-1.034: not there (docs/decisions.md).
+  static constexpr bool kSoftmaxHalves = kBlockM == 128;
   // dQ staging (kDqStage): kBlockM rows x D fp32 per buffer, as (kBlockM / 64) x (D / 32) boxes of
   // 64 rows x 32 columns (128-byte rows, 128B swizzle: the float2 stores of an accumulator fragment
   // then hit every bank once), row block major.
@@ -214,13 +225,14 @@ constexpr uint32_t kBwdDsBarrier = 1;      // named barrier id (0 is __syncthrea
 // kWindow (mask modifiers, issue 16): the masked form also hides the pairs of the sliding window
 // `window` (SegmentMask::window_hidden with the item's distance bias `bias`). lse_first: the lse
 // pairs of the first kPreloaded n8 blocks, read by the caller before its wait for S^T.
-template <int N, bool kCausal = true, bool kWindow = false, int kPreloaded = 0>
+// [kJ0, kJ1): the n8 blocks (query columns 8 kJ0 .. 8 kJ1) computed, all by default.
+template <int N, bool kCausal = true, bool kWindow = false, int kPreloaded = 0, int kJ0 = 0, int kJ1 = N / 4>
 __device__ __forceinline__ void bwd_softmax_p(float (&sacc)[N], const float* lse_s, float sl2, int t4,
                                               int kv_row0, int klen, int32_t k0, int32_t qt, bool mask,
                                               int32_t bias = 0, int32_t window = 0,
                                               const float2* lse_first = nullptr) {
 #pragma unroll
-  for (int j = 0; j < N / 4; ++j) {
+  for (int j = kJ0; j < kJ1; ++j) {
     const int c = j * 8 + 2 * t4;
     const float2 l2 = j < kPreloaded ? lse_first[j] : *reinterpret_cast<const float2*>(lse_s + c);
 #pragma unroll
@@ -578,103 +590,155 @@ bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
       // first KV row) hidden.
       bool win = false;
       if constexpr (Mods::kWindow) win = SegmentMask::window_tile(qt + BM - 1, k0 + cw * 64, bias, a.window);
-      if constexpr (Mods::kSoftcap) {  // mask modifiers (issue 16)
-        static_assert(!kPrefix, "sm90 backward: prefix items are instantiated without modifiers");
-        const bool mask = tail || qt < k0 + cw * 64 + 63 || win;
-        wgmma_wait<0>();
-        fence_regs(dpacc);
-        if (mask)
-          bwd_softcap_p_ds<T, BM / 2, Mods::kWindow>(sacc, dpacc, pf, dsf, lse_s, delta_s, a, t4, kv_row0, klen, k0,
-                                                     qt, true, bias);
-        else
-          bwd_softcap_p_ds<T, BM / 2, Mods::kWindow>(sacc, dpacc, pf, dsf, lse_s, delta_s, a, t4, kv_row0, klen, k0,
-                                                     qt, false, bias);
-      } else {
-      if constexpr (kPrefix) {
-        if (prefix_item) {  // every query of the range sees every row: only a ragged end is masked
-          if (tail)
-            bwd_softmax_p<BM / 2, false, false, kLsePreload>(sacc, lse_s, sl2, t4, kv_row0, klen, k0, qt, true, 0, 0,
-                                                             lse_first);
+      // The step's work in pieces of k16 steps [kk_lo, kk_hi) (query columns 16 kk_lo .. 16 kk_hi),
+      // integral constants:
+      // P^T in place in sacc. Each case in its own branch (the test is uniform per warpgroup and
+      // step): ptxas does not move the exponentials across the join, and an unmasked step skips
+      // the per-element mask arithmetic.
+      auto softmax_p = [&](auto kk_lo, auto kk_hi) {
+        constexpr int J0 = 2 * decltype(kk_lo)::value, J1 = 2 * decltype(kk_hi)::value;  // n8 blocks
+        if constexpr (kPrefix) {
+          if (prefix_item) {  // every query of the range sees every row: only a ragged end is masked
+            if (tail)
+              bwd_softmax_p<BM / 2, false, false, kLsePreload, J0, J1>(sacc, lse_s, sl2, t4, kv_row0, klen, k0, qt,
+                                                                       true, 0, 0, lse_first);
+            else
+              bwd_softmax_p<BM / 2, false, false, kLsePreload, J0, J1>(sacc, lse_s, sl2, t4, kv_row0, klen, k0, qt,
+                                                                       false, 0, 0, lse_first);
+          }
+        }
+        if (!prefix_item) {
+          const bool mask = tail || qt < k0 + cw * 64 + 63 || win;
+          if (mask)
+            bwd_softmax_p<BM / 2, true, Mods::kWindow, kLsePreload, J0, J1>(sacc, lse_s, sl2, t4, kv_row0, klen, k0,
+                                                                            qt, true, bias, a.window, lse_first);
           else
-            bwd_softmax_p<BM / 2, false, false, kLsePreload>(sacc, lse_s, sl2, t4, kv_row0, klen, k0, qt, false, 0, 0,
-                                                             lse_first);
+            bwd_softmax_p<BM / 2, true, Mods::kWindow, kLsePreload, J0, J1>(sacc, lse_s, sl2, t4, kv_row0, klen, k0,
+                                                                            qt, false, bias, a.window, lse_first);
         }
-      }
-      if (!prefix_item) {
-        const bool mask = tail || qt < k0 + cw * 64 + 63 || win;
-        if (mask)
-          bwd_softmax_p<BM / 2, true, Mods::kWindow, kLsePreload>(sacc, lse_s, sl2, t4, kv_row0, klen, k0, qt, true,
-                                                                  bias, a.window, lse_first);
-        else
-          bwd_softmax_p<BM / 2, true, Mods::kWindow, kLsePreload>(sacc, lse_s, sl2, t4, kv_row0, klen, k0, qt, false,
-                                                                  bias, a.window, lse_first);
-      }
-      wgmma_wait<0>();
-      fence_regs(dpacc);
+      };
+      // dS^T = P^T (dP^T - delta) in place in dpacc.
+      auto ds = [&](auto kk_lo, auto kk_hi) {
 #pragma unroll
-      for (int j = 0; j < BM / 8; ++j) {
-        const float2 d2 = *reinterpret_cast<const float2*>(delta_s + j * 8 + 2 * t4);
+        for (int j = 2 * decltype(kk_lo)::value; j < 2 * decltype(kk_hi)::value; ++j) {
+          const float2 d2 = *reinterpret_cast<const float2*>(delta_s + j * 8 + 2 * t4);
 #pragma unroll
-        for (int e = 0; e < 4; ++e) dpacc[4 * j + e] = sacc[4 * j + e] * (dpacc[4 * j + e] - ((e & 1) ? d2.y : d2.x));
-      }
-#pragma unroll
-      for (int kk = 0; kk < BM / 16; ++kk) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          pf[4 * kk + i] = Convert<T>::pack(sacc[8 * kk + 2 * i], sacc[8 * kk + 2 * i + 1]);
-          dsf[4 * kk + i] = Convert<T>::pack(dpacc[8 * kk + 2 * i], dpacc[8 * kk + 2 * i + 1]);
+          for (int e = 0; e < 4; ++e)
+            dpacc[4 * j + e] = sacc[4 * j + e] * (dpacc[4 * j + e] - ((e & 1) ? d2.y : d2.x));
         }
-      }
-      }  // default (no softcap)
-
-      // dV += P^T dO: B = dO [q][d] read N-major (k = q, n = d).
-      auto issue_dv = [&] {
+      };
+      // P^T and dS^T packed into their A fragments.
+      auto pack = [&](auto kk_lo, auto kk_hi) {
+#pragma unroll
+        for (int kk = decltype(kk_lo)::value; kk < decltype(kk_hi)::value; ++kk) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            pf[4 * kk + i] = Convert<T>::pack(sacc[8 * kk + 2 * i], sacc[8 * kk + 2 * i + 1]);
+            dsf[4 * kk + i] = Convert<T>::pack(dpacc[8 * kk + 2 * i], dpacc[8 * kk + 2 * i + 1]);
+          }
+        }
+      };
+      // dV += P^T dO (B = dO [q][d] read N-major: k = q, n = d), one wgmma group.
+      auto issue_dv = [&](auto kk_lo, auto kk_hi) {
         wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < BM / 16; ++kk)
+        for (int kk = decltype(kk_lo)::value; kk < decltype(kk_hi)::value; ++kk)
           MmaKV::rs(dv, &pf[4 * kk], desc_advance(dDOt, kk * 16 * 128), 1);
         wgmma_commit();
       };
-      if constexpr (!C::kDvAfterDsStore) issue_dv();
-      const uint32_t ds_buf = ds_smem + st * C::kDSBytes;
-      const uint64_t dDS0 = make_desc_sw128(ds_buf + ds_rows, 16, 1024);
-      if constexpr (kAtomicDq) {
-        // dS^T (kv x q fragments) -> dS [q][kv], 128B-swizzled boxes of 64 kv columns.
+      // dK += dS^T Q (B = Q [q][d] read N-major), one wgmma group.
+      // Callers fence first where dsf was written since the last wgmma_fence.
+      auto issue_dk = [&](auto kk_lo, auto kk_hi) {
+#pragma unroll
+        for (int kk = decltype(kk_lo)::value; kk < decltype(kk_hi)::value; ++kk)
+          MmaKV::rs(dk, &dsf[4 * kk], desc_advance(dQt, kk * 16 * 128), 1);
+        wgmma_commit();
+      };
+      // dS^T (kv x q fragments) -> dS [q][kv] for the dQ wgmma, 128B-swizzled boxes of 64 kv columns
+      // (the dQ-computing kernel only).
+      auto store_ds = [&](auto kk_lo, auto kk_hi) {
+        const uint32_t ds_buf = ds_smem + st * C::kDSBytes;
         const int m = lane >> 3;
         const int kvl = cw * 64 + warp * 16 + (m & 1) * 8;
         const uint32_t chunk = static_cast<uint32_t>((kvl % 64) / 8);
         const uint32_t box_base = ds_buf + (kvl / 64) * C::kDSBoxBytes;
 #pragma unroll
-        for (int kk = 0; kk < BM / 16; ++kk) {
+        for (int kk = decltype(kk_lo)::value; kk < decltype(kk_hi)::value; ++kk) {
           const uint32_t q = kk * 16 + (m >> 1) * 8 + (lane & 7);
           bwd_stmatrix_x4_trans(box_base + q * 128 + ((chunk ^ (q & 7)) << 4), dsf[4 * kk + 0], dsf[4 * kk + 1],
                                 dsf[4 * kk + 2], dsf[4 * kk + 3]);
         }
-        bwd_fence_proxy_async();
-      }
-      if constexpr (C::kDvAfterDsStore) issue_dv();
-      // dK += dS^T Q: B = Q [q][d] read N-major; k steps [k_lo, k_hi) (integral constants) as one wgmma group.
-      auto issue_dk = [&](auto k_lo, auto k_hi) {
-#pragma unroll
-        for (int kk = decltype(k_lo)::value; kk < decltype(k_hi)::value; ++kk)
-          MmaKV::rs(dk, &dsf[4 * kk], desc_advance(dQt, kk * 16 * 128), 1);
-        wgmma_commit();
       };
-      // The dQ-computing kernel issues dK after dQ (below), except its first kDkHead k steps, here:
-      // at D = 128, with all of dK behind dQ, ptxas (13.0) serialises every wgmma of the kernel
-      // ("insufficient register resources", C7512); with one k step of dK in flight before dQ it
-      // keeps the pipeline (consumers at 228 registers of 232).
-      // 128-row steps (D = 64, 2026-12-02): the same register load as D 128; ptxas 13.0 keeps the
-      // pipeline with all of dK behind dQ in the kernels without prefix items (one dK k step ahead
-      // serialises them, C7512) and needs the one k step ahead in the prefix kernels (else 4 bytes
-      // spilled). Each choice is the one without a warning.
+      using KK0 = std::integral_constant<int, 0>;
+      using KKHalf = std::integral_constant<int, BM / 32>;
+      using KKAll = std::integral_constant<int, BM / 16>;
+      constexpr bool kHalves = C::kSoftmaxHalves && !Mods::kSoftcap;
+      // dK's k steps [0, kDkIssued) are issued before the dQ wgmma (the rest after it, below).
+      //   kDkHead, without halves: at D = 128, with all of dK behind dQ, ptxas (13.0) serialises
+      //   every wgmma of the kernel ("insufficient register resources", C7512); with one k step of
+      //   dK in flight before dQ it keeps the pipeline (consumers at 228 registers of 232). With
+      //   128-row steps it keeps the pipeline with all of dK behind dQ in the kernels without prefix
+      //   items, and needs the one k step ahead in the prefix kernels (else 4 bytes spilled). Each
+      //   choice is the one without a warning.
+      //   In halves: the first half's.
       constexpr int kDkHead = D == 128 ? 1 : (BM == 128 && kPrefix) ? 1 : 0;
-      if constexpr (!kAtomicDq) issue_dk(std::integral_constant<int, 0>{}, std::integral_constant<int, BM / 16>{});
-      if constexpr (kAtomicDq && kDkHead > 0)
-        issue_dk(std::integral_constant<int, 0>{}, std::integral_constant<int, kDkHead>{});
+      constexpr int kDkIssued = !kAtomicDq ? BM / 16 : kHalves ? BM / 32 : kDkHead;
+      if constexpr (kHalves) {
+        // In two halves of the step's query columns (C::kSoftmaxHalves): the first half's P^T under
+        // the dP^T wgmma; then its dS^T, and dV and dK on that half issued before the second half's
+        // exponentials, which run under them. Issued before, not under dP^T: there the second
+        // half's scores, all of dP^T and the first half's fragments would need 233 registers
+        // (ptxas 13.0 serialised the wgmmas and spilled 16 bytes). The same wgmmas on the same
+        // accumulators in the same order (dV's and dK's k steps ascending, dQ after both halves of
+        // dS): dK, dV and dQ are bit for bit those of the kernel without halves.
+        softmax_p(KK0{}, KKHalf{});
+        wgmma_wait<0>();
+        fence_regs(dpacc);
+        ds(KK0{}, KKHalf{});
+        pack(KK0{}, KKHalf{});
+        if constexpr (kAtomicDq) store_ds(KK0{}, KKHalf{});
+        issue_dv(KK0{}, KKHalf{});  // fences dsf too
+        issue_dk(KK0{}, KKHalf{});
+        softmax_p(KKHalf{}, KKAll{});
+        ds(KKHalf{}, KKAll{});
+        pack(KKHalf{}, KKAll{});
+        if constexpr (kAtomicDq) {
+          store_ds(KKHalf{}, KKAll{});
+          bwd_fence_proxy_async();
+        }
+        issue_dv(KKHalf{}, KKAll{});
+        if constexpr (!kAtomicDq) issue_dk(KKHalf{}, KKAll{});
+      } else {
+        if constexpr (Mods::kSoftcap) {  // mask modifiers (issue 16)
+          static_assert(!kPrefix, "sm90 backward: prefix items are instantiated without modifiers");
+          const bool mask = tail || qt < k0 + cw * 64 + 63 || win;
+          wgmma_wait<0>();
+          fence_regs(dpacc);
+          if (mask)
+            bwd_softcap_p_ds<T, BM / 2, Mods::kWindow>(sacc, dpacc, pf, dsf, lse_s, delta_s, a, t4, kv_row0, klen, k0,
+                                                       qt, true, bias);
+          else
+            bwd_softcap_p_ds<T, BM / 2, Mods::kWindow>(sacc, dpacc, pf, dsf, lse_s, delta_s, a, t4, kv_row0, klen, k0,
+                                                       qt, false, bias);
+        } else {
+          softmax_p(KK0{}, KKAll{});
+          wgmma_wait<0>();
+          fence_regs(dpacc);
+          ds(KK0{}, KKAll{});
+          pack(KK0{}, KKAll{});
+        }
+        if constexpr (!C::kDvAfterDsStore) issue_dv(KK0{}, KKAll{});
+        if constexpr (kAtomicDq) {
+          store_ds(KK0{}, KKAll{});
+          bwd_fence_proxy_async();
+        }
+        if constexpr (C::kDvAfterDsStore) issue_dv(KK0{}, KKAll{});
+        if constexpr (kDkIssued > 0) issue_dk(KK0{}, std::integral_constant<int, kDkIssued>{});
+      }
 
       if constexpr (kAtomicDq) {
         named_bar_sync(kBwdDsBarrier, 256);  // both halves of dS written
+        const uint64_t dDS0 = make_desc_sw128(ds_smem + st * C::kDSBytes + ds_rows, 16, 1024);
         float dq[C::kDqN / 2];
         wgmma_fence();
 #pragma unroll
@@ -691,7 +755,7 @@ bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
         // (Q is dK's B operand) is released only after it. The same wgmmas on the same
         // accumulators in the same order as before: dK, dV and each step's dQ are bit for bit
         // unchanged.
-        issue_dk(std::integral_constant<int, kDkHead>{}, std::integral_constant<int, BM / 16>{});
+        issue_dk(std::integral_constant<int, kDkIssued>{}, KKAll{});
         wgmma_wait<1>();
         fence_regs(dq);
         fence_regs(dv);
