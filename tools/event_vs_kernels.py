@@ -24,7 +24,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).absolute().parent))
 
 import torch  # noqa: E402
 
-from kernel_counters import _bench_module, case_of  # noqa: E402
+from kernel_counters import built_methods  # noqa: E402
 
 
 def summarize(kernels, calls: int) -> dict:
@@ -88,12 +88,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         ap.error("needs a CUDA device")
 
-    bench = _bench_module("attention")
-    case = case_of(bench, args.case)
-    libraries = {"dualkv": bench.Library.default()}
-    for name in args.methods.split(","):
-        setup, fwd, fwdbwd, _pairs, _extras = bench.build_method(
-            name, case, args.heads, args.kv_heads, args.head_dim, torch.bfloat16, libraries)
+    for bench, case, name, setup, fwd, fwdbwd in built_methods(args):
         sets = [setup(1), setup(2)]  # two input sets rotated, as bench/attention.py's --rotate default
         for direction in directions:
             fn = fwd if direction == "fwd" else fwdbwd

@@ -41,6 +41,18 @@ def case_of(bench, text: str):
     return bench.Case.groups(f"N{n}_P{p}_R{r}", [p], [[r] * n])
 
 
+def built_methods(args):
+    """bench/attention.py's methods args.methods on layout args.case (args.heads, args.kv_heads,
+    args.head_dim; bf16), one at a time: (bench module, case, name, setup, fwd, fwdbwd)."""
+    bench = _bench_module("attention")
+    case = case_of(bench, args.case)
+    libraries = {"dualkv": bench.Library.default()}
+    for name in args.methods.split(","):
+        setup, fwd, fwdbwd, _pairs, _extras = bench.build_method(
+            name, case, args.heads, args.kv_heads, args.head_dim, torch.bfloat16, libraries)
+        yield bench, case, name, setup, fwd, fwdbwd
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--case", required=True, help="a layout class name or N,P,R")
@@ -54,12 +66,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         ap.error("needs a CUDA device")
 
-    bench = _bench_module("attention")
-    case = case_of(bench, args.case)
-    libraries = {"dualkv": bench.Library.default()}
-    for name in args.methods.split(","):
-        setup, fwd, fwdbwd, _pairs, _extras = bench.build_method(
-            name, case, args.heads, args.kv_heads, args.head_dim, torch.bfloat16, libraries)
+    for _bench, case, name, setup, fwd, fwdbwd in built_methods(args):
         fn = fwd if args.direction == "fwd" else fwdbwd
         x = setup(17)
         for _ in range(args.warmup):  # compiles, plans, caches: outside the profiled range
