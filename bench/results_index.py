@@ -226,7 +226,13 @@ BENCHMARKS = {
                                  "x D 64 / 128, 4 and 6 rounds; .check.log: both bit for bit with every modifier; "
                                  ".sanitize.log: compute-sanitizer on halves (memcheck 0 errors; racecheck the "
                                  "documented lse / delta hand-off); .diag.log: event time against the profiled kernels "
-                                 "of main's forward and forward + backward on long responses, D 64 / 128",
+                                 "of main's forward and forward + backward on long responses, D 64 / 128; "
+                                 ".fwd_skip.*: the forward whose consumer warpgroups stop at the first KV tile their "
+                                 "rows cannot see (branch fwdskip, not merged: docs/decisions.md), forward kernel "
+                                 "time against main's on 9 layouts x D 64 / 128, 5 rounds (.profile1.log: 3d8d695, "
+                                 "its descriptors out of the uniform registers; .profile.log: 400b0af), outputs bit "
+                                 "for bit with every modifier, and compute-sanitizer on 400b0af (memcheck 0 errors; "
+                                 "racecheck 0 hazards with its per-thread-release build)",
     "ab_fwd_d64_descriptors": "bench/attention.py --head-dim 64 --classes all --configs 16,4096,1024;8,16384,2048: "
                               "dualkv with the D-64 forward's descriptors from one base (branch fwddesc64, efb441a, "
                               "merged) against FA4 dense, 3 rounds (issue 23, session 23); .profile.log: "
