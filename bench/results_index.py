@@ -218,6 +218,9 @@ BENCHMARKS = {
                                     "64, 3 rounds (SASS-identical kernels moved 0.98-1.02 there: the noise); "
                                     ".sanitize.log: compute-sanitizer on 0f69730's kernels (memcheck 0 errors; racecheck "
                                     "the documented lse / delta hand-off, docs/hopper.md)",
+    "classes_fa4_dense_h256": "bench/attention.py --head-dim 256 --classes all, dualkv (main's kernels: the b3a13ce "
+                              "build; tree e75cc3f declared) against FA4 dense on the unpacked batch, 2 rounds: the "
+                              "never-lose bar at D 256 (issue 23, session 25; step bench-classes)",
     "ab_bwd_d64_softmax_halves": "bench/attention.py --head-dim 64 --classes all --configs 16,4096,1024;8,16384,2048: "
                                  "dualkv with the D-64 backward's softmax in halves (branch bwdhalves, b3a13ce) against "
                                  "main fede779 as dualkv_ab, with FA4 dense, 3 rounds (issue 23, session 25); "
