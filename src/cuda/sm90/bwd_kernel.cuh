@@ -38,9 +38,8 @@
 //     columns (the second skipped when wholly past qb).
 //   Rows of Q/dO past qb get lse = +inf (P = 0); TMA zero-fills past T. KV rows past k1 (the next
 //   segment's tokens, loaded by TMA) are masked explicitly.
-//   Issue order of the dQ-computing kernel (since 2026-12-02, FA3/FA4's): dV, dS stores (with
-//     128-row steps dS stores, then dV: kDvAfterDsStore, since 2026-12-03), [dK's first k step:
-//     kDkHead, D = 128 and the 128-row prefix kernels], barrier 1, dQ, dK (the rest); wait_group 1
+//   Issue order of the dQ-computing kernel (since 2026-12-02, FA3/FA4's): dV, dS stores, [dK's
+//     first k step: kDkHead, D = 128], barrier 1, dQ, dK (the rest); wait_group 1
 //     retires dV, that dK step and dQ, the dQ staging runs while dK is in flight, wait_group 0, then
 //     qdo_empty. Deterministic kernel: dV, dK, wait_group 0, qdo_empty. 128-row steps without a
 //     softcap (kSoftmaxHalves, since 2026-12-03) in two halves of the step's queries: the first
@@ -119,11 +118,6 @@ struct Sm90BwdConfig {
   // [64c, 64c + 64), all D columns): either way one m64 wgmma chain over the 128 KV rows.
   static constexpr bool kDqByRows = kBlockM == 128;
   static constexpr int kDqN = kDqByRows ? D : D / 2;  // dQ columns per consumer warpgroup
-  // Issue dV += P^T dO after dS is in shared memory (FA3's order: the dQ wgmma's operand is in place
-  // sooner) rather than before it. Measured 2026-12-03 (H200, backward kernel time against dV first,
-  // 4 layouts x 5 rounds): 0.989-0.998x with 128-row steps (D 64), 0.990-1.010x with 64-row steps
-  // (D 128: slower on 3 of 4), so only the former.
-  static constexpr bool kDvAfterDsStore = kBlockM == 128;
   // The softmax in two halves of the step's query columns, each half's dV and dK issued as soon as
   // its P^T / dS^T are in registers, the second half's exponentials under the first half's wgmmas
   // (2026-12-03). With 128-row steps (D 64) a step's 128 x 128 exponentials take ~1,024 cycles of
@@ -131,6 +125,9 @@ struct Sm90BwdConfig {
   // 10-15% of the backward kernel from that count; measured (H200, kernel time against the kernel
   // without halves, 6 rounds) 0.967-0.999 on 9 GRPO layouts and classes, so the exponentials were
   // not the step's long pole. With 64-row steps (D 128) 0.989-1.034: not there (docs/decisions.md).
+  // Each half's dS is stored before its dV is issued (FA3's D-64 order: the dQ wgmma's operand is in
+  // place sooner; measured 0.989-0.998x with 128-row steps before the halves, 2026-12-03). 64-row
+  // steps issue dV first (dS first measured 0.990-1.010x there, slower on 3 of 4 layouts).
   static constexpr bool kSoftmaxHalves = kBlockM == 128;
   // dQ staging (kDqStage): kBlockM rows x D fp32 per buffer, as (kBlockM / 64) x (D / 32) boxes of
   // 64 rows x 32 columns (128-byte rows, 128B swizzle: the float2 stores of an accumulator fragment
@@ -674,14 +671,12 @@ bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
       using KKAll = std::integral_constant<int, BM / 16>;
       constexpr bool kHalves = C::kSoftmaxHalves && !Mods::kSoftcap;
       // dK's k steps [0, kDkIssued) are issued before the dQ wgmma (the rest after it, below).
-      //   kDkHead, without halves: at D = 128, with all of dK behind dQ, ptxas (13.0) serialises
+      //   64-row steps (kDkHead): at D = 128, with all of dK behind dQ, ptxas (13.0) serialises
       //   every wgmma of the kernel ("insufficient register resources", C7512); with one k step of
-      //   dK in flight before dQ it keeps the pipeline (consumers at 228 registers of 232). With
-      //   128-row steps it keeps the pipeline with all of dK behind dQ in the kernels without prefix
-      //   items, and needs the one k step ahead in the prefix kernels (else 4 bytes spilled). Each
-      //   choice is the one without a warning.
-      //   In halves: the first half's.
-      constexpr int kDkHead = D == 128 ? 1 : (BM == 128 && kPrefix) ? 1 : 0;
+      //   dK in flight before dQ it keeps the pipeline (consumers at 228 registers of 232). The D-64
+      //   softcap kernels keep all of dK behind dQ. Each choice is the one without a warning.
+      //   128-row steps, in halves: the first half's.
+      constexpr int kDkHead = D == 128 ? 1 : 0;
       constexpr int kDkIssued = !kAtomicDq ? BM / 16 : kHalves ? BM / 32 : kDkHead;
       if constexpr (kHalves) {
         // In two halves of the step's query columns (C::kSoftmaxHalves): the first half's P^T under
@@ -727,12 +722,11 @@ bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
           ds(KK0{}, KKAll{});
           pack(KK0{}, KKAll{});
         }
-        if constexpr (!C::kDvAfterDsStore) issue_dv(KK0{}, KKAll{});
+        issue_dv(KK0{}, KKAll{});
         if constexpr (kAtomicDq) {
           store_ds(KK0{}, KKAll{});
           bwd_fence_proxy_async();
         }
-        if constexpr (C::kDvAfterDsStore) issue_dv(KK0{}, KKAll{});
         if constexpr (kDkIssued > 0) issue_dk(KK0{}, std::integral_constant<int, kDkIssued>{});
       }
 
