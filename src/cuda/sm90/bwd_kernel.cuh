@@ -589,9 +589,7 @@ bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
       if constexpr (Mods::kWindow) win = SegmentMask::window_tile(qt + BM - 1, k0 + cw * 64, bias, a.window);
       // The step's work in pieces of k16 steps [kk_lo, kk_hi) (query columns 16 kk_lo .. 16 kk_hi),
       // integral constants:
-      // P^T in place in sacc. Each case in its own branch (the test is uniform per warpgroup and
-      // step): ptxas does not move the exponentials across the join, and an unmasked step skips
-      // the per-element mask arithmetic.
+      // P^T in place in sacc, each case in its own branch (above).
       auto softmax_p = [&](auto kk_lo, auto kk_hi) {
         constexpr int J0 = 2 * decltype(kk_lo)::value, J1 = 2 * decltype(kk_hi)::value;  // n8 blocks
         if constexpr (kPrefix) {
