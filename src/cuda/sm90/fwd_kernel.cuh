@@ -48,26 +48,47 @@
 
 namespace dualkv::cuda::sm90 {
 
-// ---- Wide KV tiles (issue 23, change #7; docs/notes/2026-12-02-fwd-long-layouts.md) ----
-// The D-128 default kernel (no modifiers, no external prefix) is also built to walk its KV ranges
-// in tiles of sm90_fwd_block_n(D, wide) = 160 rows instead of 128 (tile_size.h says why 160; FA3
-// takes 176 for non-causal D 128, without an O buffer); the launcher runs that one for plans whose
-// KV walks are long (FwdArgs::long_kv_walks, tile_size.h fwd_long_kv_walks). The modifier, window
-// and external-prefix kernels keep 128: their walks are short (window) or their registers are tight.
+// ---- Kernels per walk length (issue 23) ----
+// Some kernels are built twice, and the launcher runs the long-walk one for plans whose KV walks
+// are long (FwdArgs::long_kv_walks, the plan key's bit, tile_size.h fwd_long_kv_walks):
+// - Wide KV tiles (change #7; docs/notes/2026-12-02-fwd-long-layouts.md): the D-128 default kernel
+//   (no modifiers, no external prefix) walks its KV ranges in tiles of sm90_fwd_block_n(D, wide) =
+//   160 rows instead of 128 (tile_size.h says why 160; FA3 takes 176 for non-causal D 128, without
+//   an O buffer). The modifier, window and external-prefix kernels keep 128: their walks are short
+//   (window) or their registers are tight.
+// - Hidden tiles skipped (fwd_skips_hidden_tiles): the D-64 kernels without softcap or external
+//   prefix, for short walks, stop each warpgroup at the first own KV tile past its rows (the kernel
+//   says how). Measured 2026-12-03 (H200, forward kernel time against computing every tile, 5
+//   rounds): small groups 0.896 (mean walk 0.5K), trees 0.907, N16 P4K R1K 0.952 (4.2K), N64 P1K
+//   R512 0.953 (1.3K), N8 P256 R4K 0.981 (2.4K), tiny responses 0.979, long responses 1.006, but
+//   N8 P2K R8K 1.067 (6.1K) and N8 P16K R2K 1.038 (12.9K): its loop is slower where it skips
+//   nearly nothing, so long walks compute every tile. At D 128
+//   it was 0.968-1.036 (slower on 6 of 9 layouts), at D 256 and in the D-64 softcap kernels ptxas
+//   spilled 56-164 and 40 bytes; external-prefix plans walk their prompts (long).
 template <int D, typename Mods, bool kPrefix>
 constexpr bool fwd_wide_tiles() {
   return D == 128 && std::is_same_v<Mods, NoModifiers> && !kPrefix;
 }
+template <int D, typename Mods, bool kPrefix>
+constexpr bool fwd_skips_hidden_tiles() {
+  return D == 64 && !Mods::kSoftcap && !kPrefix;
+}
+// Whether the kernel has a long-walk build that differs from its short-walk one.
+template <int D, typename Mods, bool kPrefix>
+constexpr bool fwd_has_long_walk_kernel() {
+  return fwd_wide_tiles<D, Mods, kPrefix>() || fwd_skips_hidden_tiles<D, Mods, kPrefix>();
+}
 
 // kWindow: the sliding-window kernels, which run plans cut to a window (tile_size.h fwd_block_m).
-template <int D, bool kWide = false, bool kWindow = false>
+// kLongWalks: the build for plans whose KV walks are long (wide KV tiles at D 128, above).
+template <int D, bool kLongWalks = false, bool kWindow = false>
 struct Sm90FwdConfig {
   static constexpr int kBlockM = fwd_block_m(D, TileFamily::kSm90, kWindow);  // query rows per tile (the plan's)
   // Consumer warpgroups, 64 query rows each: 3 at D = 64 without a window (192-row tiles, FA3/FA4's
   // D-64 forward: a 128-key tile's exponentials take as long as its two GEMMs there, so a third
   // warpgroup's softmax keeps the tensor cores busy while two take turns), 2 otherwise.
   static constexpr int kConsumerWGs = kBlockM / 64;
-  static constexpr int kBlockN = sm90_fwd_block_n(D, kWide);  // KV rows per tile
+  static constexpr int kBlockN = sm90_fwd_block_n(D, kLongWalks);  // KV rows per tile
   static constexpr int kStages = 2;
   static constexpr int kBox = 64;                      // columns per TMA box (128 B of 16-bit)
   static constexpr int kBoxes = D / kBox;
@@ -187,12 +208,14 @@ __device__ __forceinline__ void fwd_o_staging_release(const CUtensorMap* to, uin
 // producer loads those tiles through the prefix buffers' tensor maps (one uniform choice per tile)
 // and the consumers mask them as ancestor tiles (never diagonal); instantiated with NoModifiers
 // only. The default instantiation is the kernel as it was before either.
-// kWide: 160-row KV tiles (fwd_wide_tiles says which kernels have them).
-template <typename T, int D, typename Mods = NoModifiers, bool kPrefix = false, bool kWide = false>
+// kLongWalks: the build for plans of long KV walks (fwd_has_long_walk_kernel says which kernels
+// have one: 160-row KV tiles, or every tile computed instead of skipping the hidden ones).
+template <typename T, int D, typename Mods = NoModifiers, bool kPrefix = false, bool kLongWalks = false>
 __global__ void __launch_bounds__(Sm90FwdConfig<D, false, Mods::kWindow>::kThreads, 1)
 fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
-  static_assert(!kWide || fwd_wide_tiles<D, Mods, kPrefix>(), "sm90 forward: no wide KV tiles for this kernel");
-  using C = Sm90FwdConfig<D, kWide, Mods::kWindow>;
+  static_assert(!kLongWalks || fwd_has_long_walk_kernel<D, Mods, kPrefix>(),
+                "sm90 forward: no long-walk build of this kernel");
+  using C = Sm90FwdConfig<D, kLongWalks, Mods::kWindow>;
   constexpr int BN = C::kBlockN, S = C::kStages;
 
   extern __shared__ __align__(1024) uint8_t smem_raw[];
@@ -373,6 +396,19 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
     const int32_t q0 = items[tile * kFwdItemInts + 1];
     const int32_t q1 = items[tile * kFwdItemInts + 2];
     const int32_t qi0 = q0 + row_in_tile;  // query token of rows r = 0 (qi0) and r = 1 (qi0 + 8)
+    // This warpgroup's rows of the item, [wg_first, wg_last]; none (a phantom warpgroup of a ragged
+    // last tile) when wg_first >= q1. A KV tile of an own range that starts after wg_last hides every
+    // key from all of them (a row sees its own range's keys up to itself). The walk ends with its
+    // own ranges in token order, so such tiles are a suffix of it: the warpgroup computes up to
+    // them, then only waits, arrives and takes its ring turns for the rest (drain_walk below), with
+    // no wgmma, so ptxas sees the loop's wgmmas unconditional as before. A hidden tile leaves m, l
+    // and O bit for bit as they were (alpha exactly 1, or the state still empty; P = 0): the
+    // output is the same. Only in the short-walk builds of fwd_skips_hidden_tiles's kernels (why:
+    // above); the others compute every tile.
+    constexpr bool kSkipHidden = fwd_skips_hidden_tiles<D, Mods, kPrefix>() && !kLongWalks;
+    const int32_t wg_first = q0 + cw * 64;
+    const int32_t wg_last = min(q1, wg_first + 64) - 1;
+    const bool live = !kSkipHidden || wg_first < q1;
 
     float o[D / 2];
 #pragma unroll
@@ -392,6 +428,7 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
     } else {
       kv.init(L.offsets, L.parent, seg, q1);
     }
+    auto seen = [&]() { return !kSkipHidden || !(kv.own && kv.pos > wg_last); };  // the walk's current tile
     // The walk's next tile (a prefix tile's `own` is false: it is masked as an ancestor's).
     auto walk_next = [&]() {
       if constexpr (kPrefix) return kv.next(L.offsets, L.parent, L.seg_prefix, L.prefix_offsets);
@@ -494,8 +531,54 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
       }
     };
 
+    // The walk's tiles from the current one on, without computing: per tile, the K stage's wait and
+    // release, the previous tile's V (prev_v: its stage counter, if one is pending) and one ring
+    // turn; then the last tile's V and the final turn (the slot of the last P V). turn_taken: the
+    // current tile's turn was spent on the previous tile's P V already.
+    auto drain_walk = [&](bool turn_taken, bool have_prev_v, uint32_t prev_v) {
+      bool more_tiles = true;
+      for (bool first = true; more_tiles; first = false) {
+        const uint32_t kst = kv_iter % S;
+        mbar_wait(&B.k_full[kst], (kv_iter / S) & 1);
+        if (have_prev_v) mbar_wait(&B.v_full[prev_v % S], (prev_v / S) & 1);
+        if (!(first && turn_taken)) {
+          turn_wait();
+          turn_pass();
+        }
+        __syncwarp();
+        if (lane == 0) mbar_arrive(&B.k_empty[kst]);
+        more_tiles = walk_next();
+        if (!more_tiles) {
+          __syncwarp();
+          if (lane == 0) mbar_arrive(B.q_empty);
+        }
+        if (have_prev_v) {
+          __syncwarp();
+          if (lane == 0) mbar_arrive(&B.kv_empty[prev_v % S]);
+        }
+        have_prev_v = true;
+        prev_v = kv_iter;
+        ++kv_iter;
+      }
+      mbar_wait(&B.v_full[prev_v % S], (prev_v / S) & 1);
+      turn_wait();
+      turn_pass();
+      __syncwarp();
+      if (lane == 0) mbar_arrive(&B.kv_empty[prev_v % S]);
+      // The same in every lane (the walk is), but ptxas cannot tell after this data-dependent loop:
+      // without the shuffle the next item's wgmma descriptors, built from kv_iter's stage, left the
+      // uniform registers (59 more R2UR in the D-128 kernel's SASS).
+      kv_iter = __shfl_sync(0xffffffffu, kv_iter, 0);
+    };
+
     mbar_wait(B.q_full, q_iter & 1);
     ++q_iter;
+    if constexpr (kSkipHidden) {
+      if (!live) {  // every tile hidden (the first tile of a live warpgroup's walk never is)
+        drain_walk(false, false, 0);
+        continue;
+      }
+    }
 
     // First KV tile: S, softmax, P.
     uint32_t st = kv_iter % S;
@@ -524,7 +607,7 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
     uint32_t prev = kv_iter;
     ++kv_iter;
 
-    while (more) {
+    while (more && seen()) {
       kpos = kv.pos; krem = kv.rest(); own = kv.own; kcur = kv.cur;
       st = kv_iter % S;
       mbar_wait(&B.k_full[st], (kv_iter / S) & 1);
@@ -578,6 +661,10 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
       fence_regs(pf);
       __syncwarp();
       if (lane == 0) mbar_arrive(&B.kv_empty[pst]);
+    }
+    // The tiles past this warpgroup's rows; the last P V above took the first one's turn.
+    if constexpr (kSkipHidden) {
+      if (more) drain_walk(true, false, 0);
     }
 
     // Epilogue: normalise, store O (input dtype) and the natural-log LSE.
