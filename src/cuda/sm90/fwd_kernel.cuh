@@ -56,22 +56,24 @@ namespace dualkv::cuda::sm90 {
 //   160 rows instead of 128 (tile_size.h says why 160; FA3 takes 176 for non-causal D 128, without
 //   an O buffer). The modifier, window and external-prefix kernels keep 128: their walks are short
 //   (window) or their registers are tight.
-// - Hidden tiles skipped (fwd_skips_hidden_tiles): the D-64 kernels without softcap or external
-//   prefix, for short walks, stop each warpgroup at the first own KV tile past its rows (the kernel
-//   says how). Measured 2026-12-03 (H200, forward kernel time against computing every tile, 5
-//   rounds): small groups 0.896 (mean walk 0.5K), trees 0.907, N16 P4K R1K 0.952 (4.2K), N64 P1K
-//   R512 0.953 (1.3K), N8 P256 R4K 0.981 (2.4K), tiny responses 0.979, long responses 1.006, but
-//   N8 P2K R8K 1.067 (6.1K) and N8 P16K R2K 1.038 (12.9K): its loop is slower where it skips
-//   nearly nothing, so long walks compute every tile. At D 128
-//   it was 0.968-1.036 (slower on 6 of 9 layouts), at D 256 and in the D-64 softcap kernels ptxas
-//   spilled 56-164 and 40 bytes; external-prefix plans walk their prompts (long).
+// - Hidden tiles skipped (fwd_skips_hidden_tiles): the D-64 kernels without softcap, window or
+//   external prefix, for short walks, stop each warpgroup at the first own KV tile past its rows
+//   (the kernel says how). Measured 2026-12-03 (H200, forward kernel time against computing every
+//   tile, 5 rounds): small groups 0.888-0.896 (mean walk 0.5K), trees 0.907-0.941, N16 P4K R1K
+//   0.952-0.956 (4.2K), N64 P1K R512 0.943-0.953 (1.3K), N8 P256 R4K 0.979-0.981 (2.4K), tiny
+//   responses 0.979-0.981, long responses 0.997-1.006, but N8 P2K R8K 1.067 (6.1K) and N8 P16K R2K
+//   1.038 (12.9K): its loop is slower where it skips nearly nothing, so long walks compute every
+//   tile. With sinks 0.893-0.951 on 4 of those; with a 1,024-key window 0.998-1.053 (slower on 3 of
+//   4), so not there. At D 128 0.968-1.036
+//   (slower on 6 of 9 layouts); at D 256 and in the D-64 softcap kernels ptxas spilled 56-164 and
+//   40 bytes; external-prefix plans walk their prompts (long).
 template <int D, typename Mods, bool kPrefix>
 constexpr bool fwd_wide_tiles() {
   return D == 128 && std::is_same_v<Mods, NoModifiers> && !kPrefix;
 }
 template <int D, typename Mods, bool kPrefix>
 constexpr bool fwd_skips_hidden_tiles() {
-  return D == 64 && !Mods::kSoftcap && !kPrefix;
+  return D == 64 && !Mods::kSoftcap && !Mods::kWindow && !kPrefix;
 }
 // Whether the kernel has a long-walk build that differs from its short-walk one.
 template <int D, typename Mods, bool kPrefix>
