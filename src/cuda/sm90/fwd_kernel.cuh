@@ -346,24 +346,33 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
   setmaxnreg_inc<C::kConsumerRegs>();
   using Mma = Wgmma<T, BN>;
   using MmaO = Wgmma<T, D>;
-  // Consumer warpgroup: rows [64 cw, 64 cw + 64) of the tile. At D 64 / 128 it is made warp-uniform
-  // through a shuffle (wg is the same in every lane but derived from the thread index), so that the
-  // wgmma descriptors built from it live in uniform registers, and each operand's descriptor is
-  // built once and advanced per k16 slice (ptx.cuh desc_advance), as in the backward. D 64:
-  // 0.968-0.982 of the forward kernel's time on 8 GRPO layouts and classes (H200, 2026-12-03). D 128
-  // only with kSoftmaxBeforeWalk (below): alone it measured 0.97-1.03 on GRPO layouts and up to 1.09
-  // on short-walk classes (session 22, docs/decisions.md). D 256 keeps a descriptor per instruction.
-  constexpr bool kUniformDescriptors = D <= 128;
+  // Consumer warpgroup: rows [64 cw, 64 cw + 64) of the tile. It is made warp-uniform through a
+  // shuffle (wg is the same in every lane but derived from the thread index), so that the wgmma
+  // descriptors built from it live in uniform registers, and each operand's descriptor is built
+  // once and advanced per k16 slice (ptx.cuh desc_advance, operand_desc below), as in the backward.
+  // D 64: 0.968-0.982 of the forward kernel's time on 8 GRPO layouts and classes (H200,
+  // 2026-12-03). D 128 and 256 only with kSoftmaxBeforeWalk (below): alone it measured 0.97-1.03 on
+  // GRPO layouts and up to 1.09 on short-walk classes at D 128 (session 22, docs/decisions.md).
   // The softmax of a KV tile before the walk advances (walk_next), where it runs under the previous
   // tile's P V: with walk_next()'s branches between the two waits, ptxas put the P V wait
   // (wait_group 0) at the top of the softmax's block, and none of the exponentials overlapped P V
   // (static SASS, D 128; docs/notes/2026-12-03-fwd-sass-comparison.md). Measured (H200, forward
   // kernel time against main's kernels, 5 rounds, outputs bit for bit equal): D 128 with the uniform
   // descriptors 0.979-0.999 on 9 GRPO layouts and classes in one run, 0.986-0.994 on 5 in another;
-  // alone 0.985-1.118. D 64 1.02-1.035 and D 256 0.979-1.014 (trees): those keep the order after
-  // walk_next.
-  constexpr bool kSoftmaxBeforeWalk = D == 128;
-  const int cw = kUniformDescriptors ? __shfl_sync(0xffffffffu, wg - 1, 0) : wg - 1;
+  // alone 0.985-1.118. D 64 keeps the order after walk_next (1.02-1.035). D 256 with the next one
+  // (alone 0.979-1.014, trees slower).
+  constexpr bool kSoftmaxBeforeWalk = D >= 128;
+  // D 256 (FA3 / FA4's order there, docs/notes/2026-12-03-fa4-d256-forward-comparison.md): O is
+  // rescaled by the previous tile's factors right after this tile's QK^T is issued, under it,
+  // instead of after the P V wait, so a warpgroup's chain from its own P V's end to its next issue
+  // holds only the P conversion (306 SASS instructions after the wait before, 23 after). The same
+  // products in the same order: O bit for bit. With the softmax before the walk and the uniform
+  // descriptors, measured (H200, forward kernel time, 5 rounds, 2026-12-03): 0.958-0.961 on long
+  // responses, trees, tiny responses and the P 4K-16K GRPO layouts, 0.982 N64 P1K R512, 0.999 small
+  // groups, 1.005 N8 P256 R4K. Without the warpgroups' turn-taking (FA3 / FA4 take turns only up to
+  // D 128) 0.952-1.004 and the softcap + sinks kernels spilled 20 bytes: the ring stays.
+  constexpr bool kRescaleBeforePv = D == 256;
+  const int cw = __shfl_sync(0xffffffffu, wg - 1, 0);
   const int tid = threadIdx.x & 127;
   const int warp = tid >> 5, lane = tid & 31;
   const int g = lane >> 2, t4 = lane & 3;
@@ -438,11 +447,8 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
       else return kv.next(L.offsets, L.parent);
     };
 
-    // An operand's descriptor at byte offset `off` from its base: with kUniformDescriptors the base's
-    // descriptor advanced (desc_advance), else one built from the address.
-    auto operand_desc = [&](uint64_t base_desc, uint32_t base, uint32_t off, uint32_t stride) {
-      return kUniformDescriptors ? desc_advance(base_desc, off) : make_desc_sw128(base + off, stride, 1024);
-    };
+    // An operand's descriptor at byte offset `off` from its base: the base's descriptor advanced.
+    auto operand_desc = [&](uint64_t base_desc, uint32_t off) { return desc_advance(base_desc, off); };
     // S = Q K^T for the stage `st` into s.
     auto issue_qk = [&](uint32_t st) {
       const uint32_t kb = k_base + st * C::kKVBytes;
@@ -450,8 +456,8 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
 #pragma unroll
       for (int kk = 0; kk < D / 16; ++kk) {
         const uint32_t box = kk / 4, within = (kk % 4) * 32;
-        Mma::ss(s, operand_desc(dq, q_base, box * C::kQBoxBytes + within, 16),
-                operand_desc(dk, kb, box * C::kKVBoxBytes + within, 16), kk > 0 ? 1 : 0);
+        Mma::ss(s, operand_desc(dq, box * C::kQBoxBytes + within), operand_desc(dk, box * C::kKVBoxBytes + within),
+                kk > 0 ? 1 : 0);
       }
     };
     // O += P V for the stage `st`.
@@ -460,7 +466,7 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
       const uint64_t dv = make_desc_sw128(vb, C::kKVBoxBytes, 1024);
 #pragma unroll
       for (int kk = 0; kk < BN / 16; ++kk)
-        MmaO::rs(o, &pf[4 * kk], operand_desc(dv, vb, kk * 16 * 128, C::kKVBoxBytes), 1);
+        MmaO::rs(o, &pf[4 * kk], operand_desc(dv, kk * 16 * 128), 1);
     };
     // Mask, online softmax of s (in place: s becomes P in fp32); returns the rescale factors.
     // krem: the keys left in the walk's range from kpos on (KvWalk::rest(), SegmentMask's forward
@@ -608,6 +614,17 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
     to_pf();
     uint32_t prev = kv_iter;
     ++kv_iter;
+    // kRescaleBeforePv: the factors O still owes (the first tile's are not needed: O is zero).
+    float alpha_o[2] = {1.f, 1.f};
+    auto rescale_o = [&](const float* f) {
+#pragma unroll
+      for (int j = 0; j < D / 8; ++j) {
+        o[4 * j + 0] *= f[0];
+        o[4 * j + 1] *= f[0];
+        o[4 * j + 2] *= f[1];
+        o[4 * j + 3] *= f[1];
+      }
+    };
 
     while (more && seen()) {
       kpos = kv.pos; krem = kv.rest(); own = kv.own; kcur = kv.cur;
@@ -619,6 +636,11 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
       wgmma_fence();
       issue_qk(st);
       wgmma_commit();
+      if constexpr (kRescaleBeforePv) {
+        fence_regs(o);
+        rescale_o(alpha_o);
+        wgmma_fence();  // O's registers were written since the fence above
+      }
       issue_pv(pst);
       wgmma_commit();
       turn_pass();
@@ -639,12 +661,11 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
       fence_regs(pf);
       __syncwarp();
       if (lane == 0) mbar_arrive(&B.kv_empty[pst]);
-#pragma unroll
-      for (int j = 0; j < D / 8; ++j) {
-        o[4 * j + 0] *= alpha[0];
-        o[4 * j + 1] *= alpha[0];
-        o[4 * j + 2] *= alpha[1];
-        o[4 * j + 3] *= alpha[1];
+      if constexpr (kRescaleBeforePv) {
+        alpha_o[0] = alpha[0];
+        alpha_o[1] = alpha[1];
+      } else {
+        rescale_o(alpha);
       }
       to_pf();
       prev = kv_iter;
@@ -654,6 +675,7 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
       const uint32_t pst = prev % S;
       mbar_wait(&B.v_full[pst], (prev / S) & 1);
       turn_wait();
+      if constexpr (kRescaleBeforePv) rescale_o(alpha_o);
       wgmma_fence();
       issue_pv(pst);
       wgmma_commit();
