@@ -41,7 +41,7 @@ uint64_t key_hash(int head_dim, int fwd_tile_rows, int32_t num_segments, int32_t
 // Split slots recorded in a plan key (they size the backward workspace).
 inline int32_t key_slots(uint64_t key) { return static_cast<int32_t>(key & kPlanSlotMask); }
 // Whether the plan's forward KV walks are long (tile_size.h fwd_long_kv_walks): the kernels with a
-// wide-tile variant run it then.
+// long-walk build run it then (sm90/fwd_kernel.cuh fwd_has_long_walk_kernel).
 inline bool key_long_kv_walks(uint64_t key) { return (key & kPlanLongWalksBit) != 0; }
 
 }  // namespace dualkv::plan

@@ -76,10 +76,10 @@ constexpr int kRedItemInts = 6;
 
 // The plan key (uint64) passed back in the params: bits 63..20 hash (plan version, head dim,
 // tiling, S, T, window, number of external prefixes and of their rows); bit 19 says the forward's
-// KV walks are long (tile_size.h fwd_long_kv_walks; it picks the kernel's KV tile width, which
-// computes the same attention either way, not the same bits: the online softmax's blocks differ;
-// a function of the layout, so not hashed); bits 18..0 are the number of split slots (which sizes
-// the backward workspace).
+// KV walks are long (tile_size.h fwd_long_kv_walks; it picks the forward kernel's build: at D 128
+// its KV tile width, which computes the same attention either way, not the same bits: the online
+// softmax's blocks differ; a function of the layout, so not hashed); bits 18..0 are the number of
+// split slots (which sizes the backward workspace).
 constexpr int kPlanKeyLowBits = 20;  // the bits below the hash
 constexpr uint64_t kPlanLongWalksBit = uint64_t(1) << 19;
 constexpr uint64_t kPlanSlotMask = kPlanLongWalksBit - 1;

@@ -144,7 +144,8 @@ DUALKV_TILE_FN int sm90_fwd_block_n(int head_dim, bool wide = false) {
   return wide && head_dim == 128 ? 160 : head_dim <= 128 ? 128 : 64;
 }
 // Wide tiles pay only where the KV walks are long; elsewhere their ragged last tile of each range
-// (and the diagonal's) costs more than the per-tile saving. The plan says which (its key's long-walk
+// (and the diagonal's) costs more than the per-tile saving (and at D 64 skipping the KV tiles hidden
+// from a warpgroup pays only where they are short: sm90/fwd_kernel.cuh). The plan says which (its key's long-walk
 // bit, plan_format.h): the forward's query rows walk on average (row-weighted over the forward items)
 // at least kFwdLongWalkKeys keys. Measured 2026-12-03 (H200, D 128, forward kernel time of 128-row
 // against 160-row tiles, profiler, 5 rounds; docs/notes/2026-12-03-issue23-kv-width-bwd-order.md):

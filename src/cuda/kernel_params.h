@@ -27,7 +27,7 @@ struct FwdArgs {
   const int32_t* plan;
   int64_t plan_len;
   int32_t fwd_block_m;  // the plan's forward query tile rows (its key names them: dispatch.cu)
-  int32_t long_kv_walks;  // the plan key's long-walk bit: kernels with wide KV tiles run them (tile_size.h)
+  int32_t long_kv_walks;  // the plan key's long-walk bit: kernels with a long-walk build run it (tile_size.h)
   const void* q;
   const void* k;
   const void* v;

@@ -29,14 +29,15 @@ if torch.cuda.is_available():
 ATOL = 1e-5
 
 
-def wide_flags(names):
-    """kWide of every sm90 forward kernel among the profiler's kernel names (its last template
-    argument: fwd_sm90_kernel<T, D, Mods, kPrefix, kWide>)."""
+def long_walk_flags(names):
+    """kLongWalks of every sm90 forward kernel among the profiler's kernel names (its last template
+    argument: fwd_sm90_kernel<T, D, Mods, kPrefix, kLongWalks>)."""
     return {m.group(1) == "true" for n in names if (m := re.search(r"fwd_sm90_kernel<.*, (true|false)>\(", n))}
 
 
-def check(lens, parents, H, Hk, D, dtype, seed, strided=False, wide=None):
-    """`wide`: None, or whether the kernel that ran must be the one with 160-row KV tiles."""
+def check(lens, parents, H, Hk, D, dtype, seed, strided=False, long_build=None):
+    """`long_build`: None, or whether the kernel that ran must be the long-walk build (D 128: 160-row
+    KV tiles; D 64: every KV tile computed, fwd_kernel.cuh fwd_has_long_walk_kernel)."""
     layout_cpu = dualkv.Layout.from_tree(lens, parents)
     layout = layout_cpu.to("cuda")
     T = layout_cpu.num_tokens
@@ -49,8 +50,8 @@ def check(lens, parents, H, Hk, D, dtype, seed, strided=False, wide=None):
     res = {}
     names = cuda_kernels_run(lambda: res.update(got=dualkv.attention(q, k, v, layout, return_lse=True)))
     assert any("fwd_sm90_kernel" in n for n in names), f"sm90 forward kernel not launched: {sorted(names)}"
-    if wide is not None:
-        assert wide_flags(names) == {wide}, sorted(names)
+    if long_build is not None:
+        assert long_walk_flags(names) == {long_build}, sorted(names)
     out, lse = res["got"]
     r64 = attention_ref(q.double(), k.double(), v.double(), layout_cpu)
     rpt = attention_ref(q, k, v, layout_cpu)
@@ -152,31 +153,32 @@ def long_walks(monkeypatch):
     monkeypatch.setenv("DUALKV_CUDA_LONG_WALK_KEYS", "0")
 
 
-def kernel_is_wide(lens, parents, D):
-    """Which KV tile width the sm90 forward ran for a fresh layout (the planner's choice)."""
+def kernel_is_long_build(lens, parents, D):
+    """Whether the sm90 forward ran its long-walk build for a fresh layout (the planner's choice)."""
     layout_cpu = dualkv.Layout.from_tree(lens, parents)
     q, k, v, _ = make_inputs(layout_cpu, 2, 1, D, torch.bfloat16, 41)
     layout = layout_cpu.to("cuda")
-    flags = wide_flags(cuda_kernels_run(lambda: dualkv.attention(q, k, v, layout)))
+    flags = long_walk_flags(cuda_kernels_run(lambda: dualkv.attention(q, k, v, layout)))
     assert len(flags) == 1, flags
     return flags.pop()
 
 
-@needs_d128
-def test_kv_tile_width_follows_the_walks(monkeypatch):
+@pytest.mark.parametrize("D", DIMS)
+def test_long_walk_build_follows_the_walks(D, monkeypatch):
     """Without the override the planner picks: a group reading a 16K prompt walks ~12.9K keys per
-    query row (wide tiles), a group of short responses ~1.3K (128-row tiles); the threshold moved
-    past the long group runs it on 128-row tiles too (the tests above check both widths' results)."""
+    query row (the long-walk build: wide tiles at D 128, every tile computed at D 64), a group of
+    short responses ~1.3K (128-row KV tiles; hidden tiles skipped); the threshold moved past the
+    long group runs it on the short-walk build too (the tests here check both builds' results).
+    D 256 has one build."""
+    has_long = D in (64, 128)
     monkeypatch.delenv("DUALKV_CUDA_LONG_WALK_KEYS", raising=False)
     long_group, short_group = ([16384] + [2048] * 8, [-1] + [0] * 8), ([1024] + [512] * 64, [-1] + [0] * 64)
-    assert kernel_is_wide(*long_group, 128)
-    assert not kernel_is_wide(*short_group, 128)
+    assert kernel_is_long_build(*long_group, D) == has_long
+    assert not kernel_is_long_build(*short_group, D)
     monkeypatch.setenv("DUALKV_CUDA_LONG_WALK_KEYS", "1000000000")
-    assert not kernel_is_wide(*long_group, 128)
+    assert not kernel_is_long_build(*long_group, D)
     monkeypatch.setenv("DUALKV_CUDA_LONG_WALK_KEYS", "0")
-    assert kernel_is_wide(*short_group, 128)
-    if 64 in DIMS:  # no wide tiles at D 64: the plan's bit changes nothing there
-        assert not kernel_is_wide(*long_group, 64)
+    assert kernel_is_long_build(*short_group, D) == has_long
 
 
 @needs_d128
@@ -187,7 +189,7 @@ def test_wide_kv_tile_edges(prompt, dtype, long_walks):
     lengths (their own walk's diagonal tile crossing a 160-row edge), a second root after it."""
     lens = [prompt, 159, 160, 161, 1, 330, 480, prompt]
     parents = [-1, 0, 0, 0, 0, 0, 0, -1]
-    check(lens, parents, 8, 2, 128, dtype, seed=prompt, wide=True)
+    check(lens, parents, 8, 2, 128, dtype, seed=prompt, long_build=True)
 
 
 @needs_d128
@@ -195,7 +197,7 @@ def test_wide_kv_tile_chain(long_walks):
     """A chain (every ancestor a range of the walk) of lengths around 160-row edges, MHA."""
     lens = [161, 159, 320, 1, 481, 160, 77]
     parents = [-1] + list(range(len(lens) - 1))
-    check(lens, parents, 4, 4, 128, torch.bfloat16, seed=23, wide=True)
+    check(lens, parents, 4, 4, 128, torch.bfloat16, seed=23, long_build=True)
 
 
 @needs_d128
@@ -204,4 +206,43 @@ def test_wide_kv_tile_random_forests(case, long_walks):
     rng = random.Random(9100 + case)
     H, Hk = GQA[case % len(GQA)]
     lens, parents = cases.random_forest(rng, seg_len_wide, 2500)
-    check(lens, parents, H, Hk, 128, DTYPES[case % 2], seed=100 + case, wide=True)
+    check(lens, parents, H, Hk, 128, DTYPES[case % 2], seed=100 + case, long_build=True)
+
+
+# ---- hidden KV tiles (issue 23): the D-64 short-walk build ----
+# A consumer warpgroup (64 of a tile's 192 query rows) stops at the first own KV tile (128 rows)
+# past its last row and only takes part in the pipeline for the rest; a ragged last tile's phantom
+# warpgroups (rows past the range) compute nothing. These cases end ranges one row before, at and
+# one row after the 64-row warpgroup edges and the 128-row KV edges, in prompts (ancestor ranges,
+# never skipped), responses and chains, through both builds: skipped (the planner's choice for
+# these short walks) and every tile computed (long_walks).
+HIDDEN_EDGES = [63, 64, 65, 127, 128, 129, 191, 192, 193, 255, 256, 257, 383, 384, 385]
+
+needs_d64 = pytest.mark.skipif(64 not in DIMS, reason="the D-64 forward's builds")
+
+
+def seg_len_hidden(rng):
+    return cases.segment_length(rng, HIDDEN_EDGES, cuts=(0.1, 0.45, 0.6, 0.85), small=64, mid=400, large=900)
+
+
+@needs_d64
+@pytest.mark.parametrize("long_build", [False, True])
+@pytest.mark.parametrize("prompt", [1, 64, 129, 191, 385])
+def test_hidden_tile_edges(prompt, long_build, monkeypatch):
+    monkeypatch.setenv("DUALKV_CUDA_LONG_WALK_KEYS", "0" if long_build else "1000000000")
+    """A group whose responses end around the edges, then a second root with a chain under it."""
+    r = len(HIDDEN_EDGES) + 1  # the second root
+    lens = [prompt] + HIDDEN_EDGES + [prompt, 1, 2, 200]
+    parents = [-1] + [0] * len(HIDDEN_EDGES) + [-1, r, r + 1, r]
+    check(lens, parents, 8, 2, 64, DTYPES[prompt % 2], seed=prompt, long_build=long_build)
+
+
+@needs_d64
+@pytest.mark.parametrize("long_build", [False, True])
+@pytest.mark.parametrize("case", range(8))
+def test_hidden_tile_random_forests(case, long_build, monkeypatch):
+    monkeypatch.setenv("DUALKV_CUDA_LONG_WALK_KEYS", "0" if long_build else "1000000000")
+    rng = random.Random(9300 + case)
+    H, Hk = GQA[case % len(GQA)]
+    lens, parents = cases.random_forest(rng, seg_len_hidden, 2500)
+    check(lens, parents, H, Hk, 64, DTYPES[case % 2], seed=300 + case, long_build=long_build)

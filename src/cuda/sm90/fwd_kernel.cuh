@@ -48,26 +48,49 @@
 
 namespace dualkv::cuda::sm90 {
 
-// ---- Wide KV tiles (issue 23, change #7; docs/notes/2026-12-02-fwd-long-layouts.md) ----
-// The D-128 default kernel (no modifiers, no external prefix) is also built to walk its KV ranges
-// in tiles of sm90_fwd_block_n(D, wide) = 160 rows instead of 128 (tile_size.h says why 160; FA3
-// takes 176 for non-causal D 128, without an O buffer); the launcher runs that one for plans whose
-// KV walks are long (FwdArgs::long_kv_walks, tile_size.h fwd_long_kv_walks). The modifier, window
-// and external-prefix kernels keep 128: their walks are short (window) or their registers are tight.
+// ---- Kernels per walk length (issue 23) ----
+// Some kernels are built twice, and the launcher runs the long-walk one for plans whose KV walks
+// are long (FwdArgs::long_kv_walks, the plan key's bit, tile_size.h fwd_long_kv_walks):
+// - Wide KV tiles (change #7; docs/notes/2026-12-02-fwd-long-layouts.md): the D-128 default kernel
+//   (no modifiers, no external prefix) walks its KV ranges in tiles of sm90_fwd_block_n(D, wide) =
+//   160 rows instead of 128 (tile_size.h says why 160; FA3 takes 176 for non-causal D 128, without
+//   an O buffer). The modifier, window and external-prefix kernels keep 128: their walks are short
+//   (window) or their registers are tight.
+// - Hidden tiles skipped (fwd_skips_hidden_tiles): the D-64 kernels without softcap, window or
+//   external prefix, for short walks, stop each warpgroup at the first own KV tile past its rows
+//   (the kernel says how). Measured 2026-12-03 (H200, forward kernel time against computing every
+//   tile, 5 rounds): small groups 0.888-0.896 (mean walk 0.5K), trees 0.907-0.941, N16 P4K R1K
+//   0.952-0.956 (4.2K), N64 P1K R512 0.943-0.953 (1.3K), N8 P256 R4K 0.979-0.981 (2.4K), tiny
+//   responses 0.979-0.981, long responses 0.997-1.006, but N8 P2K R8K 1.067 (6.1K) and N8 P16K R2K
+//   1.038 (12.9K): its loop is slower where it skips nearly nothing, so long walks compute every
+//   tile. With sinks 0.893-0.951 on 4 of those; with a 1,024-key window 0.998-1.053 (slower on 3 of
+//   4), so not there. At D 128 0.968-1.036
+//   (slower on 6 of 9 layouts); at D 256 and in the D-64 softcap kernels ptxas spilled 56-164 and
+//   40 bytes; external-prefix plans walk their prompts (long).
 template <int D, typename Mods, bool kPrefix>
 constexpr bool fwd_wide_tiles() {
   return D == 128 && std::is_same_v<Mods, NoModifiers> && !kPrefix;
 }
+template <int D, typename Mods, bool kPrefix>
+constexpr bool fwd_skips_hidden_tiles() {
+  return D == 64 && !Mods::kSoftcap && !Mods::kWindow && !kPrefix;
+}
+// Whether the kernel has a long-walk build that differs from its short-walk one.
+template <int D, typename Mods, bool kPrefix>
+constexpr bool fwd_has_long_walk_kernel() {
+  return fwd_wide_tiles<D, Mods, kPrefix>() || fwd_skips_hidden_tiles<D, Mods, kPrefix>();
+}
 
 // kWindow: the sliding-window kernels, which run plans cut to a window (tile_size.h fwd_block_m).
-template <int D, bool kWide = false, bool kWindow = false>
+// kLongWalks: the build for plans whose KV walks are long (wide KV tiles at D 128, above).
+template <int D, bool kLongWalks = false, bool kWindow = false>
 struct Sm90FwdConfig {
   static constexpr int kBlockM = fwd_block_m(D, TileFamily::kSm90, kWindow);  // query rows per tile (the plan's)
   // Consumer warpgroups, 64 query rows each: 3 at D = 64 without a window (192-row tiles, FA3/FA4's
   // D-64 forward: a 128-key tile's exponentials take as long as its two GEMMs there, so a third
   // warpgroup's softmax keeps the tensor cores busy while two take turns), 2 otherwise.
   static constexpr int kConsumerWGs = kBlockM / 64;
-  static constexpr int kBlockN = sm90_fwd_block_n(D, kWide);  // KV rows per tile
+  static constexpr int kBlockN = sm90_fwd_block_n(D, kLongWalks);  // KV rows per tile
   static constexpr int kStages = 2;
   static constexpr int kBox = 64;                      // columns per TMA box (128 B of 16-bit)
   static constexpr int kBoxes = D / kBox;
@@ -187,12 +210,14 @@ __device__ __forceinline__ void fwd_o_staging_release(const CUtensorMap* to, uin
 // producer loads those tiles through the prefix buffers' tensor maps (one uniform choice per tile)
 // and the consumers mask them as ancestor tiles (never diagonal); instantiated with NoModifiers
 // only. The default instantiation is the kernel as it was before either.
-// kWide: 160-row KV tiles (fwd_wide_tiles says which kernels have them).
-template <typename T, int D, typename Mods = NoModifiers, bool kPrefix = false, bool kWide = false>
+// kLongWalks: the build for plans of long KV walks (fwd_has_long_walk_kernel says which kernels
+// have one: 160-row KV tiles, or every tile computed instead of skipping the hidden ones).
+template <typename T, int D, typename Mods = NoModifiers, bool kPrefix = false, bool kLongWalks = false>
 __global__ void __launch_bounds__(Sm90FwdConfig<D, false, Mods::kWindow>::kThreads, 1)
 fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
-  static_assert(!kWide || fwd_wide_tiles<D, Mods, kPrefix>(), "sm90 forward: no wide KV tiles for this kernel");
-  using C = Sm90FwdConfig<D, kWide, Mods::kWindow>;
+  static_assert(!kLongWalks || fwd_has_long_walk_kernel<D, Mods, kPrefix>(),
+                "sm90 forward: no long-walk build of this kernel");
+  using C = Sm90FwdConfig<D, kLongWalks, Mods::kWindow>;
   constexpr int BN = C::kBlockN, S = C::kStages;
 
   extern __shared__ __align__(1024) uint8_t smem_raw[];
@@ -321,24 +346,33 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
   setmaxnreg_inc<C::kConsumerRegs>();
   using Mma = Wgmma<T, BN>;
   using MmaO = Wgmma<T, D>;
-  // Consumer warpgroup: rows [64 cw, 64 cw + 64) of the tile. At D 64 / 128 it is made warp-uniform
-  // through a shuffle (wg is the same in every lane but derived from the thread index), so that the
-  // wgmma descriptors built from it live in uniform registers, and each operand's descriptor is
-  // built once and advanced per k16 slice (ptx.cuh desc_advance), as in the backward. D 64:
-  // 0.968-0.982 of the forward kernel's time on 8 GRPO layouts and classes (H200, 2026-12-03). D 128
-  // only with kSoftmaxBeforeWalk (below): alone it measured 0.97-1.03 on GRPO layouts and up to 1.09
-  // on short-walk classes (session 22, docs/decisions.md). D 256 keeps a descriptor per instruction.
-  constexpr bool kUniformDescriptors = D <= 128;
+  // Consumer warpgroup: rows [64 cw, 64 cw + 64) of the tile. It is made warp-uniform through a
+  // shuffle (wg is the same in every lane but derived from the thread index), so that the wgmma
+  // descriptors built from it live in uniform registers, and each operand's descriptor is built
+  // once and advanced per k16 slice (ptx.cuh desc_advance, operand_desc below), as in the backward.
+  // D 64: 0.968-0.982 of the forward kernel's time on 8 GRPO layouts and classes (H200,
+  // 2026-12-03). D 128 and 256 only with kSoftmaxBeforeWalk (below): alone it measured 0.97-1.03 on
+  // GRPO layouts and up to 1.09 on short-walk classes at D 128 (session 22, docs/decisions.md).
   // The softmax of a KV tile before the walk advances (walk_next), where it runs under the previous
   // tile's P V: with walk_next()'s branches between the two waits, ptxas put the P V wait
   // (wait_group 0) at the top of the softmax's block, and none of the exponentials overlapped P V
   // (static SASS, D 128; docs/notes/2026-12-03-fwd-sass-comparison.md). Measured (H200, forward
   // kernel time against main's kernels, 5 rounds, outputs bit for bit equal): D 128 with the uniform
   // descriptors 0.979-0.999 on 9 GRPO layouts and classes in one run, 0.986-0.994 on 5 in another;
-  // alone 0.985-1.118. D 64 1.02-1.035 and D 256 0.979-1.014 (trees): those keep the order after
-  // walk_next.
-  constexpr bool kSoftmaxBeforeWalk = D == 128;
-  const int cw = kUniformDescriptors ? __shfl_sync(0xffffffffu, wg - 1, 0) : wg - 1;
+  // alone 0.985-1.118. D 64 keeps the order after walk_next (1.02-1.035). D 256 with the next one
+  // (alone 0.979-1.014, trees slower).
+  constexpr bool kSoftmaxBeforeWalk = D >= 128;
+  // D 256 (FA3 / FA4's order there, docs/notes/2026-12-03-fa4-d256-forward-comparison.md): O is
+  // rescaled by the previous tile's factors right after this tile's QK^T is issued, under it,
+  // instead of after the P V wait, so a warpgroup's chain from its own P V's end to its next issue
+  // holds only the P conversion (306 SASS instructions after the wait before, 23 after). The same
+  // products in the same order: O bit for bit. With the softmax before the walk and the uniform
+  // descriptors, measured (H200, forward kernel time, 5 rounds, 2026-12-03): 0.958-0.961 on long
+  // responses, trees, tiny responses and the P 4K-16K GRPO layouts, 0.982 N64 P1K R512, 0.999 small
+  // groups, 1.005 N8 P256 R4K. Without the warpgroups' turn-taking (FA3 / FA4 take turns only up to
+  // D 128) 0.952-1.004 and the softcap + sinks kernels spilled 20 bytes: the ring stays.
+  constexpr bool kRescaleBeforePv = D == 256;
+  const int cw = __shfl_sync(0xffffffffu, wg - 1, 0);
   const int tid = threadIdx.x & 127;
   const int warp = tid >> 5, lane = tid & 31;
   const int g = lane >> 2, t4 = lane & 3;
@@ -373,6 +407,19 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
     const int32_t q0 = items[tile * kFwdItemInts + 1];
     const int32_t q1 = items[tile * kFwdItemInts + 2];
     const int32_t qi0 = q0 + row_in_tile;  // query token of rows r = 0 (qi0) and r = 1 (qi0 + 8)
+    // This warpgroup's rows of the item, [wg_first, wg_last]; none (a phantom warpgroup of a ragged
+    // last tile) when wg_first >= q1. A KV tile of an own range that starts after wg_last hides every
+    // key from all of them (a row sees its own range's keys up to itself). The walk ends with its
+    // own ranges in token order, so such tiles are a suffix of it: the warpgroup computes up to
+    // them, then only waits, arrives and takes its ring turns for the rest (drain_walk below), with
+    // no wgmma, so ptxas sees the loop's wgmmas unconditional as before. A hidden tile leaves m, l
+    // and O bit for bit as they were (alpha exactly 1, or the state still empty; P = 0): the
+    // output is the same. Only in the short-walk builds of fwd_skips_hidden_tiles's kernels (why:
+    // above); the others compute every tile.
+    constexpr bool kSkipHidden = fwd_skips_hidden_tiles<D, Mods, kPrefix>() && !kLongWalks;
+    const int32_t wg_first = q0 + cw * 64;
+    const int32_t wg_last = min(q1, wg_first + 64) - 1;
+    const bool live = !kSkipHidden || wg_first < q1;
 
     float o[D / 2];
 #pragma unroll
@@ -392,6 +439,7 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
     } else {
       kv.init(L.offsets, L.parent, seg, q1);
     }
+    auto seen = [&]() { return !kSkipHidden || !(kv.own && kv.pos > wg_last); };  // the walk's current tile
     // The walk's next tile (a prefix tile's `own` is false: it is masked as an ancestor's).
     auto walk_next = [&]() {
       if constexpr (kPrefix) return kv.next(L.offsets, L.parent, L.seg_prefix, L.prefix_offsets);
@@ -399,11 +447,8 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
       else return kv.next(L.offsets, L.parent);
     };
 
-    // An operand's descriptor at byte offset `off` from its base: with kUniformDescriptors the base's
-    // descriptor advanced (desc_advance), else one built from the address.
-    auto operand_desc = [&](uint64_t base_desc, uint32_t base, uint32_t off, uint32_t stride) {
-      return kUniformDescriptors ? desc_advance(base_desc, off) : make_desc_sw128(base + off, stride, 1024);
-    };
+    // An operand's descriptor at byte offset `off` from its base: the base's descriptor advanced.
+    auto operand_desc = [&](uint64_t base_desc, uint32_t off) { return desc_advance(base_desc, off); };
     // S = Q K^T for the stage `st` into s.
     auto issue_qk = [&](uint32_t st) {
       const uint32_t kb = k_base + st * C::kKVBytes;
@@ -411,8 +456,8 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
 #pragma unroll
       for (int kk = 0; kk < D / 16; ++kk) {
         const uint32_t box = kk / 4, within = (kk % 4) * 32;
-        Mma::ss(s, operand_desc(dq, q_base, box * C::kQBoxBytes + within, 16),
-                operand_desc(dk, kb, box * C::kKVBoxBytes + within, 16), kk > 0 ? 1 : 0);
+        Mma::ss(s, operand_desc(dq, box * C::kQBoxBytes + within), operand_desc(dk, box * C::kKVBoxBytes + within),
+                kk > 0 ? 1 : 0);
       }
     };
     // O += P V for the stage `st`.
@@ -421,7 +466,7 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
       const uint64_t dv = make_desc_sw128(vb, C::kKVBoxBytes, 1024);
 #pragma unroll
       for (int kk = 0; kk < BN / 16; ++kk)
-        MmaO::rs(o, &pf[4 * kk], operand_desc(dv, vb, kk * 16 * 128, C::kKVBoxBytes), 1);
+        MmaO::rs(o, &pf[4 * kk], operand_desc(dv, kk * 16 * 128), 1);
     };
     // Mask, online softmax of s (in place: s becomes P in fp32); returns the rescale factors.
     // krem: the keys left in the walk's range from kpos on (KvWalk::rest(), SegmentMask's forward
@@ -494,8 +539,54 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
       }
     };
 
+    // The walk's tiles from the current one on, without computing: per tile, the K stage's wait and
+    // release, the previous tile's V (prev_v: its stage counter, if one is pending) and one ring
+    // turn; then the last tile's V and the final turn (the slot of the last P V). turn_taken: the
+    // current tile's turn was spent on the previous tile's P V already.
+    auto drain_walk = [&](bool turn_taken, bool have_prev_v, uint32_t prev_v) {
+      bool more_tiles = true;
+      for (bool first = true; more_tiles; first = false) {
+        const uint32_t kst = kv_iter % S;
+        mbar_wait(&B.k_full[kst], (kv_iter / S) & 1);
+        if (have_prev_v) mbar_wait(&B.v_full[prev_v % S], (prev_v / S) & 1);
+        if (!(first && turn_taken)) {
+          turn_wait();
+          turn_pass();
+        }
+        __syncwarp();
+        if (lane == 0) mbar_arrive(&B.k_empty[kst]);
+        more_tiles = walk_next();
+        if (!more_tiles) {
+          __syncwarp();
+          if (lane == 0) mbar_arrive(B.q_empty);
+        }
+        if (have_prev_v) {
+          __syncwarp();
+          if (lane == 0) mbar_arrive(&B.kv_empty[prev_v % S]);
+        }
+        have_prev_v = true;
+        prev_v = kv_iter;
+        ++kv_iter;
+      }
+      mbar_wait(&B.v_full[prev_v % S], (prev_v / S) & 1);
+      turn_wait();
+      turn_pass();
+      __syncwarp();
+      if (lane == 0) mbar_arrive(&B.kv_empty[prev_v % S]);
+      // The same in every lane (the walk is), but ptxas cannot tell after this data-dependent loop:
+      // without the shuffle the next item's wgmma descriptors, built from kv_iter's stage, left the
+      // uniform registers (59 more R2UR in the D-128 kernel's SASS).
+      kv_iter = __shfl_sync(0xffffffffu, kv_iter, 0);
+    };
+
     mbar_wait(B.q_full, q_iter & 1);
     ++q_iter;
+    if constexpr (kSkipHidden) {
+      if (!live) {  // every tile hidden (the first tile of a live warpgroup's walk never is)
+        drain_walk(false, false, 0);
+        continue;
+      }
+    }
 
     // First KV tile: S, softmax, P.
     uint32_t st = kv_iter % S;
@@ -523,8 +614,19 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
     to_pf();
     uint32_t prev = kv_iter;
     ++kv_iter;
+    // kRescaleBeforePv: the factors O still owes (the first tile's are not needed: O is zero).
+    float alpha_o[2] = {1.f, 1.f};
+    auto rescale_o = [&](const float* f) {
+#pragma unroll
+      for (int j = 0; j < D / 8; ++j) {
+        o[4 * j + 0] *= f[0];
+        o[4 * j + 1] *= f[0];
+        o[4 * j + 2] *= f[1];
+        o[4 * j + 3] *= f[1];
+      }
+    };
 
-    while (more) {
+    while (more && seen()) {
       kpos = kv.pos; krem = kv.rest(); own = kv.own; kcur = kv.cur;
       st = kv_iter % S;
       mbar_wait(&B.k_full[st], (kv_iter / S) & 1);
@@ -534,6 +636,11 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
       wgmma_fence();
       issue_qk(st);
       wgmma_commit();
+      if constexpr (kRescaleBeforePv) {
+        fence_regs(o);
+        rescale_o(alpha_o);
+        wgmma_fence();  // O's registers were written since the fence above
+      }
       issue_pv(pst);
       wgmma_commit();
       turn_pass();
@@ -554,12 +661,11 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
       fence_regs(pf);
       __syncwarp();
       if (lane == 0) mbar_arrive(&B.kv_empty[pst]);
-#pragma unroll
-      for (int j = 0; j < D / 8; ++j) {
-        o[4 * j + 0] *= alpha[0];
-        o[4 * j + 1] *= alpha[0];
-        o[4 * j + 2] *= alpha[1];
-        o[4 * j + 3] *= alpha[1];
+      if constexpr (kRescaleBeforePv) {
+        alpha_o[0] = alpha[0];
+        alpha_o[1] = alpha[1];
+      } else {
+        rescale_o(alpha);
       }
       to_pf();
       prev = kv_iter;
@@ -569,6 +675,7 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
       const uint32_t pst = prev % S;
       mbar_wait(&B.v_full[pst], (prev / S) & 1);
       turn_wait();
+      if constexpr (kRescaleBeforePv) rescale_o(alpha_o);
       wgmma_fence();
       issue_pv(pst);
       wgmma_commit();
@@ -578,6 +685,10 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
       fence_regs(pf);
       __syncwarp();
       if (lane == 0) mbar_arrive(&B.kv_empty[pst]);
+    }
+    // The tiles past this warpgroup's rows; the last P V above took the first one's turn.
+    if constexpr (kSkipHidden) {
+      if (more) drain_walk(true, false, 0);
     }
 
     // Epilogue: normalise, store O (input dtype) and the natural-log LSE.

@@ -12,9 +12,9 @@
 namespace dualkv::cuda::sm90 {
 
 // One persistent CTA per SM of `Kernel` (launch.h), its work counter zeroed on `stream` first.
-template <auto Kernel, int D, bool kWide, bool kWindow>
+template <auto Kernel, int D, bool kLongWalks, bool kWindow>
 cudaError_t launch_fwd(const Sm90FwdParams<D>& p, int sms, cudaStream_t stream) {
-  using C = Sm90FwdConfig<D, kWide, kWindow>;
+  using C = Sm90FwdConfig<D, kLongWalks, kWindow>;
   if (cudaError_t err = cudaMemsetAsync(p.a.counter, 0, sizeof(int32_t), stream); err != cudaSuccess) return err;
   return launch_persistent<Kernel>(C::kSmemBytes, C::kThreads, sms, p, stream);
 }
@@ -34,11 +34,11 @@ cudaError_t run_fwd(const FwdArgs& args, int sms, cudaStream_t stream) {
   const FwdItemOrder order = choose_fwd_item_order(H, Hk);
   p.tile_window = order.window;
   p.head_run = order.head_run;
-  // Wide KV tiles (fwd_wide_tiles, issue 23): the kernel without an external prefix walks wider
-  // tiles than C's where the plan's KV walks are long, and its K / V boxes are its tiles.
-  constexpr bool kHasWide = fwd_wide_tiles<D, Mods, false>();
-  const bool wide = kHasWide && args.prefix_k == nullptr && args.long_kv_walks != 0;
-  const int kv_box_rows = wide ? Sm90FwdConfig<D, true, Mods::kWindow>::kBlockN : C::kBlockN;
+  // The long-walk build (fwd_has_long_walk_kernel, issue 23) of the kernel without an external
+  // prefix, where the plan's KV walks are long; its K / V boxes are its tiles (wider at D 128).
+  constexpr bool kHasLong = fwd_has_long_walk_kernel<D, Mods, false>();
+  const bool long_walks = kHasLong && args.prefix_k == nullptr && args.long_kv_walks != 0;
+  const int kv_box_rows = long_walks ? Sm90FwdConfig<D, true, Mods::kWindow>::kBlockN : C::kBlockN;
   if (!make_map(&p.tq, kTmaType<T>, args.q, D, H, T_, args.q_hs, args.q_ts, C::kBlockM) ||
       !make_map(&p.tk, kTmaType<T>, args.k, D, Hk, T_, args.k_hs, args.k_ts, kv_box_rows) ||
       !make_map(&p.tv, kTmaType<T>, args.v, D, Hk, T_, args.v_hs, args.v_ts, kv_box_rows))
@@ -62,8 +62,8 @@ cudaError_t run_fwd(const FwdArgs& args, int sms, cudaStream_t stream) {
       return cudaErrorNotSupported;  // api.cpp refuses a modifier with external prefixes first
     }
   }
-  if constexpr (kHasWide) {
-    if (wide) return launch_fwd<fwd_sm90_kernel<T, D, Mods, false, true>, D, true, Mods::kWindow>(p, sms, stream);
+  if constexpr (kHasLong) {
+    if (long_walks) return launch_fwd<fwd_sm90_kernel<T, D, Mods, false, true>, D, true, Mods::kWindow>(p, sms, stream);
   }
   return launch_fwd<fwd_sm90_kernel<T, D, Mods, false, false>, D, false, Mods::kWindow>(p, sms, stream);
 }
