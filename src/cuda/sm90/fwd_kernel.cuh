@@ -64,9 +64,9 @@ namespace dualkv::cuda::sm90 {
 //   responses 0.979-0.981, long responses 0.997-1.006, but N8 P2K R8K 1.067 (6.1K) and N8 P16K R2K
 //   1.038 (12.9K): its loop is slower where it skips nearly nothing, so long walks compute every
 //   tile. With sinks 0.893-0.951 on 4 of those; with a 1,024-key window 0.998-1.053 (slower on 3 of
-//   4), so not there. At D 128 0.968-1.036
-//   (slower on 6 of 9 layouts); at D 256 and in the D-64 softcap kernels ptxas spilled 56-164 and
-//   40 bytes; external-prefix plans walk their prompts (long).
+//   4), so not there. At D 128 0.968-1.036 (slower on 6 of 9 layouts); at D 256 and in the D-64
+//   softcap kernels ptxas spilled 56-164 and 40 bytes; external-prefix plans walk their prompts
+//   (long).
 template <int D, typename Mods, bool kPrefix>
 constexpr bool fwd_wide_tiles() {
   return D == 128 && std::is_same_v<Mods, NoModifiers> && !kPrefix;
