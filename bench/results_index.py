@@ -249,7 +249,9 @@ BENCHMARKS = {
                                   "256 with every modifier; .sanitize.log / .sanitize_d256.log / .racecheck_reruns.log: "
                                   "compute-sanitizer on 2de06de (memcheck 0 errors; racecheck with bd94955's per-thread-"
                                   "release build: one crash without hazards at D 128, not reproduced in 3 reruns; D 256 "
-                                  "with the plain build: only the documented backward lse / delta hand-off)",
+                                  "with the plain build: only the documented backward lse / delta hand-off); "
+                                  ".d128_rescale.*: O rescaled under the next QK^T at D 128 too (branch fwdrescale, "
+                                  "fccabfa, not merged) against 2de06de's forward, D 128 / 64, 5 rounds, and bit for bit",
     "ab_fwd_d64_descriptors": "bench/attention.py --head-dim 64 --classes all --configs 16,4096,1024;8,16384,2048: "
                               "dualkv with the D-64 forward's descriptors from one base (branch fwddesc64, efb441a, "
                               "merged) against FA4 dense, 3 rounds (issue 23, session 23); .profile.log: "
