@@ -540,11 +540,12 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
     };
 
     // The walk's tiles from the current one on, without computing: per tile, the K stage's wait and
-    // release, the previous tile's V (prev_v: its stage counter, if one is pending) and one ring
-    // turn; then the last tile's V and the final turn (the slot of the last P V). turn_taken: the
-    // current tile's turn was spent on the previous tile's P V already.
-    auto drain_walk = [&](bool turn_taken, bool have_prev_v, uint32_t prev_v) {
-      bool more_tiles = true;
+    // release, the previous tile's V (prev_v: its stage counter, from the second tile on) and one
+    // ring turn; then the last tile's V and the final turn (the slot of the last P V). turn_taken:
+    // the current tile's turn was spent on the previous tile's P V already.
+    auto drain_walk = [&](bool turn_taken) {
+      bool more_tiles = true, have_prev_v = false;
+      uint32_t prev_v = 0;
       for (bool first = true; more_tiles; first = false) {
         const uint32_t kst = kv_iter % S;
         mbar_wait(&B.k_full[kst], (kv_iter / S) & 1);
@@ -583,7 +584,7 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
     ++q_iter;
     if constexpr (kSkipHidden) {
       if (!live) {  // every tile hidden (the first tile of a live warpgroup's walk never is)
-        drain_walk(false, false, 0);
+        drain_walk(false);
         continue;
       }
     }
@@ -688,7 +689,7 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
     }
     // The tiles past this warpgroup's rows; the last P V above took the first one's turn.
     if constexpr (kSkipHidden) {
-      if (more) drain_walk(true, false, 0);
+      if (more) drain_walk(true);
     }
 
     // Epilogue: normalise, store O (input dtype) and the natural-log LSE.
