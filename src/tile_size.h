@@ -145,9 +145,9 @@ DUALKV_TILE_FN int sm90_fwd_block_n(int head_dim, bool wide = false) {
 }
 // Wide tiles pay only where the KV walks are long; elsewhere their ragged last tile of each range
 // (and the diagonal's) costs more than the per-tile saving (and at D 64 skipping the KV tiles hidden
-// from a warpgroup pays only where they are short: sm90/fwd_kernel.cuh). The plan says which (its key's long-walk
-// bit, plan_format.h): the forward's query rows walk on average (row-weighted over the forward items)
-// at least kFwdLongWalkKeys keys. Measured 2026-12-03 (H200, D 128, forward kernel time of 128-row
+// from a warpgroup pays only where they are short: sm90/fwd_kernel.cuh). The plan says which (its
+// key's long-walk bit, plan_format.h): the forward's query rows walk on average (row-weighted over
+// the forward items) at least kFwdLongWalkKeys keys. Measured 2026-12-03 (H200, D 128, forward kernel time of 128-row
 // against 160-row tiles, profiler, 5 rounds; docs/notes/2026-12-03-issue23-kv-width-bwd-order.md):
 // 0.902 / 0.939 / 0.967 / 0.985 / 0.988 / 0.990 / 0.996 at mean walks of 1.3K (N64 P1K R512) /
 // 0.5K (small groups) / 2.4K (N8 P256 R4K) / 2.4K (N16 P4K R48) / the tree / tiny responses / 4.2K

@@ -229,8 +229,8 @@ def seg_len_hidden(rng):
 @pytest.mark.parametrize("long_build", [False, True])
 @pytest.mark.parametrize("prompt", [1, 64, 129, 191, 385])
 def test_hidden_tile_edges(prompt, long_build, monkeypatch):
-    monkeypatch.setenv("DUALKV_CUDA_LONG_WALK_KEYS", "0" if long_build else "1000000000")
     """A group whose responses end around the edges, then a second root with a chain under it."""
+    monkeypatch.setenv("DUALKV_CUDA_LONG_WALK_KEYS", "0" if long_build else "1000000000")
     r = len(HIDDEN_EDGES) + 1  # the second root
     lens = [prompt] + HIDDEN_EDGES + [prompt, 1, 2, 200]
     parents = [-1] + [0] * len(HIDDEN_EDGES) + [-1, r, r + 1, r]
