@@ -193,7 +193,7 @@ dualkv_status build(const dualkv_layout& l, const dualkv_prefixes* prefixes, int
     fwd_rows += it.q1 - it.q0;
     fwd_row_keys += static_cast<int64_t>(it.work) * (it.q1 - it.q0);
   }
-  int64_t long_walk_keys = kFwdLongWalkKeys;
+  int64_t long_walk_keys = fwd_long_walk_keys(head_dim);
   if (const char* env = std::getenv("DUALKV_CUDA_LONG_WALK_KEYS")) {  // a count >= 0, else ignored
     char* end = nullptr;
     const long long v = std::strtoll(env, &end, 10);

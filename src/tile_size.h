@@ -139,9 +139,12 @@ inline constexpr int kSm90SmemOptinBytes = 227 * 1024;
 // two stages of K and V). The D-128 kernel without modifiers or an external prefix walks wide
 // tiles of 160 rows (sm90/fwd_kernel.cuh fwd_wide_tiles): the per-tile fixed cost (row max / sum,
 // O rescale, barriers) is paid once per 160 keys; 160 is the widest whose two K / V stages fit next
-// to Q and the O staging buffer (230,528 of 232,448 bytes).
+// to Q and the O staging buffer (230,528 of 232,448 bytes). The D-256 one walks 80-row tiles the
+// same way (FA3 / FA4's 128 x 80 at D 256; two K / V stages next to Q: 230,528 bytes too;
+// docs/notes/2026-12-03-fa4-d256-forward-comparison.md §5).
 DUALKV_TILE_FN int sm90_fwd_block_n(int head_dim, bool wide = false) {
-  return wide && head_dim == 128 ? 160 : head_dim <= 128 ? 128 : 64;
+  if (head_dim <= 128) return wide && head_dim == 128 ? 160 : 128;
+  return wide && head_dim == 256 ? 80 : 64;
 }
 // Wide tiles pay only where the KV walks are long; elsewhere their ragged last tile of each range
 // (and the diagonal's) costs more than the per-tile saving (and at D 64 skipping the KV tiles hidden
@@ -154,6 +157,13 @@ DUALKV_TILE_FN int sm90_fwd_block_n(int head_dim, bool wide = false) {
 // (N16 P4K R1K), but 1.035 at 6.1K (N8 P2K R8K), 1.000 / 1.008 at 12.9K / 15.4K (P 16K): the
 // threshold sits between 4.2K and 6.1K.
 inline constexpr int64_t kFwdLongWalkKeys = 5120;
+// At D 256 (80-row against 64-row tiles) a guess from session 20's run of 80-row tiles on the
+// kernel of then (docs/benchmarks.md session 20): 0.973 on long responses (mean walk ~3.1K), 1.010 /
+// 1.014 on small groups and trees (short ragged walks).
+inline constexpr int64_t kFwdLongWalkKeysD256 = 2048;
+DUALKV_TILE_FN int64_t fwd_long_walk_keys(int head_dim) {
+  return head_dim == 256 ? kFwdLongWalkKeysD256 : kFwdLongWalkKeys;
+}
 DUALKV_TILE_FN bool fwd_long_kv_walks(int64_t row_keys, int64_t rows, int64_t long_walk_keys = kFwdLongWalkKeys) {
   return rows > 0 && row_keys / rows >= long_walk_keys;  // (= row_keys >= long_walk_keys * rows, no overflow)
 }

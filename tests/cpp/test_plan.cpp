@@ -79,10 +79,10 @@ void check_plan(const dualkv_layout& v, const dualkv_prefixes* px, const Inspect
     for (int32_t q = q0; q < q1; ++q) ++covered[q];
   }
   for (int32_t t = 0; t < l.num_tokens(); ++t) ASSERT_EQ(covered[t], 1) << "token " << t;
-  // The key's long-walk bit: the forward's rows walk at least kFwdLongWalkKeys keys on average.
+  // The key's long-walk bit: the forward's rows walk at least fwd_long_walk_keys(D) keys on average.
   if (std::getenv("DUALKV_CUDA_LONG_WALK_KEYS") == nullptr)
     ASSERT_EQ((info.plan_key & dualkv::kPlanLongWalksBit) != 0,
-              row_keys >= dualkv::kFwdLongWalkKeys * static_cast<int64_t>(l.num_tokens()));
+              row_keys >= dualkv::fwd_long_walk_keys(p[dualkv::kHdrHeadDim]) * static_cast<int64_t>(l.num_tokens()));
 
   // Backward items: per KV tile, the query ranges of its items tile the policy's range exactly;
   // a tile with one item writes dK/dV (slot -1), a split tile's items write consecutive slots that

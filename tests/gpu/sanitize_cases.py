@@ -17,10 +17,10 @@ def main() -> int:
         ([5, 70, 3, 1, 200], [-1, 0, 1, -1, 3]),        # depth 3 + a second tree
         ([1], [-1]),                                    # one token
     ]
-    # D 64's and D 128's forwards have a long-walk build (fwd_kernel.cuh fwd_has_long_walk_kernel,
+    # D 64's, D 128's and D 256's forwards have a long-walk build (fwd_kernel.cuh fwd_has_long_walk_kernel,
     # tile_size.h fwd_long_kv_walks), which these small layouts do not run: the second pass makes
     # every walk long.
-    runs = [(D, long_walks) for D in dims for long_walks in ((False, True) if D in (64, 128) else (False,))]
+    runs = [(D, long_walks) for D in dims for long_walks in ((False, True) if D in (64, 128, 256) else (False,))]
     for D, long_walks in runs:
         if long_walks:
             os.environ["DUALKV_CUDA_LONG_WALK_KEYS"] = "0"

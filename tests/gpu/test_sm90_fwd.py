@@ -169,8 +169,8 @@ def test_long_walk_build_follows_the_walks(D, monkeypatch):
     query row (the long-walk build: wide tiles at D 128, every tile computed at D 64), a group of
     short responses ~1.3K (128-row KV tiles; hidden tiles skipped); the threshold moved past the
     long group runs it on the short-walk build too (the tests here check both builds' results).
-    D 256 has one build."""
-    has_long = D in (64, 128)
+    D 256: 80-row KV tiles for the long walks (its threshold is lower: tile_size.h)."""
+    has_long = D in (64, 128, 256)
     monkeypatch.delenv("DUALKV_CUDA_LONG_WALK_KEYS", raising=False)
     long_group, short_group = ([16384] + [2048] * 8, [-1] + [0] * 8), ([1024] + [512] * 64, [-1] + [0] * 64)
     assert kernel_is_long_build(*long_group, D) == has_long
@@ -246,3 +246,31 @@ def test_hidden_tile_random_forests(case, long_build, monkeypatch):
     H, Hk = GQA[case % len(GQA)]
     lens, parents = cases.random_forest(rng, seg_len_hidden, 2500)
     check(lens, parents, H, Hk, 64, DTYPES[case % 2], seed=300 + case, long_build=long_build)
+
+
+# ---- the D-256 forward's 80-row KV tiles (long walks) ----
+WIDE_EDGES_256 = [79, 80, 81, 159, 160, 161, 239, 240, 241, 64, 65]
+
+needs_d256 = pytest.mark.skipif(256 not in DIMS, reason="the 80-row KV tiles are the D-256 kernel's")
+
+
+def seg_len_wide_256(rng):
+    return cases.segment_length(rng, WIDE_EDGES_256, cuts=(0.1, 0.45, 0.6, 0.85), small=64, mid=300, large=700)
+
+
+@needs_d256
+@pytest.mark.parametrize("prompt", [79, 80, 81, 240, 241, 700])
+def test_wide_kv_tile_edges_d256(prompt, long_walks):
+    """A group whose prompt and responses end at, before and after 80-row edges, a second root."""
+    lens = [prompt, 79, 80, 81, 1, 250, 320, prompt]
+    parents = [-1, 0, 0, 0, 0, 0, 0, -1]
+    check(lens, parents, 8, 2, 256, DTYPES[prompt % 2], seed=prompt, long_build=True)
+
+
+@needs_d256
+@pytest.mark.parametrize("case", range(8))
+def test_wide_kv_tile_random_forests_d256(case, long_walks):
+    rng = random.Random(9500 + case)
+    H, Hk = GQA[case % len(GQA)]
+    lens, parents = cases.random_forest(rng, seg_len_wide_256, 1500)
+    check(lens, parents, H, Hk, 256, DTYPES[case % 2], seed=500 + case, long_build=True)

@@ -54,8 +54,9 @@ namespace dualkv::cuda::sm90 {
 // - Wide KV tiles (change #7; docs/notes/2026-12-02-fwd-long-layouts.md): the D-128 default kernel
 //   (no modifiers, no external prefix) walks its KV ranges in tiles of sm90_fwd_block_n(D, wide) =
 //   160 rows instead of 128 (tile_size.h says why 160; FA3 takes 176 for non-causal D 128, without
-//   an O buffer). The modifier, window and external-prefix kernels keep 128: their walks are short
-//   (window) or their registers are tight.
+//   an O buffer), the D-256 one 80 instead of 64 (FA3 / FA4's width there). The modifier, window and
+//   external-prefix kernels keep 128 / 64: their walks are short (window) or their registers are
+//   tight.
 // - Hidden tiles skipped (fwd_skips_hidden_tiles): the D-64 kernels without softcap, window or
 //   external prefix, for short walks, stop each warpgroup at the first own KV tile past its rows
 //   (the kernel says how). Measured 2026-12-03 (H200, forward kernel time against computing every
@@ -69,7 +70,7 @@ namespace dualkv::cuda::sm90 {
 //   (long).
 template <int D, typename Mods, bool kPrefix>
 constexpr bool fwd_wide_tiles() {
-  return D == 128 && std::is_same_v<Mods, NoModifiers> && !kPrefix;
+  return (D == 128 || D == 256) && std::is_same_v<Mods, NoModifiers> && !kPrefix;
 }
 template <int D, typename Mods, bool kPrefix>
 constexpr bool fwd_skips_hidden_tiles() {
