@@ -157,10 +157,11 @@ DUALKV_TILE_FN int sm90_fwd_block_n(int head_dim, bool wide = false) {
 // (N16 P4K R1K), but 1.035 at 6.1K (N8 P2K R8K), 1.000 / 1.008 at 12.9K / 15.4K (P 16K): the
 // threshold sits between 4.2K and 6.1K.
 inline constexpr int64_t kFwdLongWalkKeys = 5120;
-// At D 256 (80-row against 64-row tiles) a guess from session 20's run of 80-row tiles on the
-// kernel of then (docs/benchmarks.md session 20): 0.973 on long responses (mean walk ~3.1K), 1.010 /
-// 1.014 on small groups and trees (short ragged walks).
-inline constexpr int64_t kFwdLongWalkKeysD256 = 2048;
+// At D 256 (80-row against 64-row tiles) not measured yet: a work model (executed pairs with either
+// width times session 20's 0.945 per executed pair; docs/notes/2026-12-03-d256-wide80-static.md)
+// predicts 80-row wins at mean walks from 1.3K keys (N64 P1K R512 0.985, trees 0.972 at 1.7K) and
+// a loss only on small groups (1.008 at 0.5K).
+inline constexpr int64_t kFwdLongWalkKeysD256 = 1024;
 DUALKV_TILE_FN int64_t fwd_long_walk_keys(int head_dim) {
   return head_dim == 256 ? kFwdLongWalkKeysD256 : kFwdLongWalkKeys;
 }
