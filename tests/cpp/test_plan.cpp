@@ -316,12 +316,12 @@ TEST(Plan, SplitRowsFromTheEnvironment) {
 }
 
 // The key's long-walk bit (tile_size.h fwd_long_kv_walks): set for a group whose responses read a
-// 16K prompt (rows walk ~12.9K keys on average), clear for short groups (~1.3K); the threshold
+// 16K prompt (rows walk ~12.9K keys on average), clear for short groups (~0.8K); the threshold
 // moves with DUALKV_CUDA_LONG_WALK_KEYS; the bit is outside the hash and the slot count.
 TEST(Plan, LongForwardWalksSetTheKeysLongWalkBit) {
-  std::vector<int32_t> long_lens{16384}, short_lens{1024}, long_parents{-1}, short_parents{-1};
+  std::vector<int32_t> long_lens{16384}, short_lens{512}, long_parents{-1}, short_parents{-1};
   for (int i = 0; i < 8; ++i) long_lens.push_back(2048), long_parents.push_back(0);
-  for (int i = 0; i < 64; ++i) short_lens.push_back(512), short_parents.push_back(0);
+  for (int i = 0; i < 64; ++i) short_lens.push_back(256), short_parents.push_back(0);
   HostLayout longer(long_lens, long_parents), shorter(short_lens, short_parents);
   for (int d : {64, 128, 256}) {
     SCOPED_TRACE(d);

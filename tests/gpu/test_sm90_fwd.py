@@ -166,13 +166,13 @@ def kernel_is_long_build(lens, parents, D):
 @pytest.mark.parametrize("D", DIMS)
 def test_long_walk_build_follows_the_walks(D, monkeypatch):
     """Without the override the planner picks: a group reading a 16K prompt walks ~12.9K keys per
-    query row (the long-walk build: wide tiles at D 128, every tile computed at D 64), a group of
-    short responses ~1.3K (128-row KV tiles; hidden tiles skipped); the threshold moved past the
+    query row (the long-walk build: wide tiles at D 128 / 256, every tile computed at D 64), a group
+    of short responses ~0.8K (128 / 64-row KV tiles; hidden tiles skipped); the threshold moved past the
     long group runs it on the short-walk build too (the tests here check both builds' results).
     D 256: 80-row KV tiles for the long walks (its threshold is lower: tile_size.h)."""
     has_long = D in (64, 128, 256)
     monkeypatch.delenv("DUALKV_CUDA_LONG_WALK_KEYS", raising=False)
-    long_group, short_group = ([16384] + [2048] * 8, [-1] + [0] * 8), ([1024] + [512] * 64, [-1] + [0] * 64)
+    long_group, short_group = ([16384] + [2048] * 8, [-1] + [0] * 8), ([512] + [256] * 64, [-1] + [0] * 64)
     assert kernel_is_long_build(*long_group, D) == has_long
     assert not kernel_is_long_build(*short_group, D)
     monkeypatch.setenv("DUALKV_CUDA_LONG_WALK_KEYS", "1000000000")
