@@ -157,10 +157,13 @@ DUALKV_TILE_FN int sm90_fwd_block_n(int head_dim, bool wide = false) {
 // (N16 P4K R1K), but 1.035 at 6.1K (N8 P2K R8K), 1.000 / 1.008 at 12.9K / 15.4K (P 16K): the
 // threshold sits between 4.2K and 6.1K.
 inline constexpr int64_t kFwdLongWalkKeys = 5120;
-// At D 256 (80-row against 64-row tiles) not measured yet: a work model (executed pairs with either
-// width times session 20's 0.945 per executed pair; docs/notes/2026-12-03-d256-wide80-static.md)
-// predicts 80-row wins at mean walks from 1.3K keys (N64 P1K R512 0.985, trees 0.972 at 1.7K) and
-// a loss only on small groups (1.008 at 0.5K).
+// At D 256 (80-row against 64-row tiles) measured 2026-12-04 (H200, forward kernel time, profiler,
+// 5 rounds, every plan wide): 0.934 (N8 P16K R2K, mean walk 12.9K keys) / 0.954 (N8 P2K R8K, 6.1K) /
+// 0.958 (long responses, 3.2K) / 0.965 (tiny responses, 2.3K) / 0.967 (N16 P4K R1K, 4.2K) / 0.975 (the
+// tree, 1.7K) / 0.981 (N8 P256 R4K, 2.4K) / 0.988 (N64 P1K R512, 1.3K), but 1.004 on small groups
+// (0.5K): the ragged last tile of each short range costs more than the per-tile saving there. So
+// 1,024 keys, between 0.5K and 1.3K (the work model of docs/notes/2026-12-03-d256-wide80-static.md
+// had predicted the same order).
 inline constexpr int64_t kFwdLongWalkKeysD256 = 1024;
 DUALKV_TILE_FN int64_t fwd_long_walk_keys(int head_dim) {
   return head_dim == 256 ? kFwdLongWalkKeysD256 : kFwdLongWalkKeys;
