@@ -209,43 +209,47 @@ def test_wide_kv_tile_random_forests(case, long_walks):
     check(lens, parents, H, Hk, 128, DTYPES[case % 2], seed=100 + case, long_build=True)
 
 
-# ---- hidden KV tiles (issue 23): the D-64 short-walk build ----
-# A consumer warpgroup (64 of a tile's 192 query rows) stops at the first own KV tile (128 rows)
-# past its last row and only takes part in the pipeline for the rest; a ragged last tile's phantom
-# warpgroups (rows past the range) compute nothing. These cases end ranges one row before, at and
-# one row after the 64-row warpgroup edges and the 128-row KV edges, in prompts (ancestor ranges,
-# never skipped), responses and chains, through both builds: skipped (the planner's choice for
-# these short walks) and every tile computed (long_walks).
+# ---- hidden KV tiles (issue 23): the D-64 and D-256 short-walk builds ----
+# A consumer warpgroup (64 of a tile's 192 query rows at D 64, 128 at D 256) stops at the first own
+# KV tile (128 rows at D 64, 64 at D 256) past its last row and only takes part in the pipeline for
+# the rest; a ragged last tile's phantom warpgroups (rows past the range) compute nothing. These
+# cases end ranges one row before, at and one row after the 64-row warpgroup edges and the KV edges,
+# in prompts (ancestor ranges, never skipped), responses and chains, through both builds: skipped
+# (the planner's choice for these short walks) and every tile computed (long_walks; 80-row tiles at
+# D 256).
 HIDDEN_EDGES = [63, 64, 65, 127, 128, 129, 191, 192, 193, 255, 256, 257, 383, 384, 385]
+HIDDEN_DIMS = [D for D in (64, 256) if D in DIMS]
 
-needs_d64 = pytest.mark.skipif(64 not in DIMS, reason="the D-64 forward's builds")
+needs_hidden = pytest.mark.skipif(not HIDDEN_DIMS, reason="the D-64 / D-256 forward's builds")
 
 
 def seg_len_hidden(rng):
     return cases.segment_length(rng, HIDDEN_EDGES, cuts=(0.1, 0.45, 0.6, 0.85), small=64, mid=400, large=900)
 
 
-@needs_d64
+@needs_hidden
+@pytest.mark.parametrize("D", HIDDEN_DIMS)
 @pytest.mark.parametrize("long_build", [False, True])
 @pytest.mark.parametrize("prompt", [1, 64, 129, 191, 385])
-def test_hidden_tile_edges(prompt, long_build, monkeypatch):
+def test_hidden_tile_edges(prompt, long_build, D, monkeypatch):
     """A group whose responses end around the edges, then a second root with a chain under it."""
     monkeypatch.setenv("DUALKV_CUDA_LONG_WALK_KEYS", "0" if long_build else "1000000000")
     r = len(HIDDEN_EDGES) + 1  # the second root
     lens = [prompt] + HIDDEN_EDGES + [prompt, 1, 2, 200]
     parents = [-1] + [0] * len(HIDDEN_EDGES) + [-1, r, r + 1, r]
-    check(lens, parents, 8, 2, 64, DTYPES[prompt % 2], seed=prompt, long_build=long_build)
+    check(lens, parents, 8, 2, D, DTYPES[prompt % 2], seed=prompt, long_build=long_build)
 
 
-@needs_d64
+@needs_hidden
+@pytest.mark.parametrize("D", HIDDEN_DIMS)
 @pytest.mark.parametrize("long_build", [False, True])
 @pytest.mark.parametrize("case", range(8))
-def test_hidden_tile_random_forests(case, long_build, monkeypatch):
+def test_hidden_tile_random_forests(case, long_build, D, monkeypatch):
     monkeypatch.setenv("DUALKV_CUDA_LONG_WALK_KEYS", "0" if long_build else "1000000000")
     rng = random.Random(9300 + case)
     H, Hk = GQA[case % len(GQA)]
     lens, parents = cases.random_forest(rng, seg_len_hidden, 2500)
-    check(lens, parents, H, Hk, 64, DTYPES[case % 2], seed=300 + case, long_build=long_build)
+    check(lens, parents, H, Hk, D, DTYPES[case % 2], seed=300 + case, long_build=long_build)
 
 
 # ---- the D-256 forward's 80-row KV tiles (long walks) ----

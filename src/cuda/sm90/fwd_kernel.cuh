@@ -57,24 +57,26 @@ namespace dualkv::cuda::sm90 {
 //   an O buffer), the D-256 one 80 instead of 64 (FA3 / FA4's width there). The modifier, window and
 //   external-prefix kernels keep 128 / 64: their walks are short (window) or their registers are
 //   tight.
-// - Hidden tiles skipped (fwd_skips_hidden_tiles): the D-64 kernels without softcap, window or
-//   external prefix, for short walks, stop each warpgroup at the first own KV tile past its rows
-//   (the kernel says how). Measured 2026-12-03 (H200, forward kernel time against computing every
-//   tile, 5 rounds): small groups 0.888-0.896 (mean walk 0.5K), trees 0.907-0.941, N16 P4K R1K
-//   0.952-0.956 (4.2K), N64 P1K R512 0.943-0.953 (1.3K), N8 P256 R4K 0.979-0.981 (2.4K), tiny
-//   responses 0.979-0.981, long responses 0.997-1.006, but N8 P2K R8K 1.067 (6.1K) and N8 P16K R2K
-//   1.038 (12.9K): its loop is slower where it skips nearly nothing, so long walks compute every
+// - Hidden tiles skipped (fwd_skips_hidden_tiles): the D-64 and D-256 kernels without softcap,
+//   window or external prefix, for short walks, stop each warpgroup at the first own KV tile past
+//   its rows (the kernel says how). Measured 2026-12-03 (H200, D 64, forward kernel time against
+//   computing every tile, 5 rounds): small groups 0.888-0.896 (mean walk 0.5K), trees 0.907-0.941,
+//   N16 P4K R1K 0.952-0.956 (4.2K), N64 P1K R512 0.943-0.953 (1.3K), N8 P256 R4K 0.979-0.981 (2.4K),
+//   tiny responses 0.979-0.981, long responses 0.997-1.006, but N8 P2K R8K 1.067 (6.1K) and N8 P16K
+//   R2K 1.038 (12.9K): its loop is slower where it skips nearly nothing, so long walks compute every
 //   tile. With sinks 0.893-0.951 on 4 of those; with a 1,024-key window 0.998-1.053 (slower on 3 of
-//   4), so not there. At D 128 0.968-1.036 (slower on 6 of 9 layouts); at D 256 and in the D-64
-//   softcap kernels ptxas spilled 56-164 and 40 bytes; external-prefix plans walk their prompts
-//   (long).
+//   4), so not there. At D 256 (2026-12-04, 64-row tiles, two runs) small groups 0.956-0.976, the
+//   tree 1.005-1.006 (1.7K) and 1.036-1.097 on the seven longer walks; with 80-row tiles 1.037-1.086
+//   (ptxas spills 20 bytes there): so only its short-walk build (64-row tiles, walks under 1,024 keys,
+//   tile_size.h). At D 128 0.968-1.036 (slower on 6 of 9 layouts); in the D-64 softcap kernels ptxas
+//   spilled 40 bytes; external-prefix plans walk their prompts (long).
 template <int D, typename Mods, bool kPrefix>
 constexpr bool fwd_wide_tiles() {
   return (D == 128 || D == 256) && std::is_same_v<Mods, NoModifiers> && !kPrefix;
 }
 template <int D, typename Mods, bool kPrefix>
 constexpr bool fwd_skips_hidden_tiles() {
-  return D == 64 && !Mods::kSoftcap && !Mods::kWindow && !kPrefix;
+  return (D == 64 || D == 256) && !Mods::kSoftcap && !Mods::kWindow && !kPrefix;
 }
 // Whether the kernel has a long-walk build that differs from its short-walk one.
 template <int D, typename Mods, bool kPrefix>
