@@ -252,6 +252,18 @@ BENCHMARKS = {
                                   "with the plain build: only the documented backward lse / delta hand-off); "
                                   ".d128_rescale.*: O rescaled under the next QK^T at D 128 too (branch fwdrescale, "
                                   "fccabfa, not merged) against 2de06de's forward, D 128 / 64, 5 rounds, and bit for bit",
+    "ab_fwd_d256_80row_plans": "bench/attention.py --head-dim 256 --classes all --configs 16,4096,1024;8,16384,2048: "
+                          "dualkv (e91c2c5's D-256 kernels: 80-row KV tiles on walks of >= 1,024 keys) against main "
+                          "4e98271's build as dualkv_ab, with FA4 dense and Flex-FA4, 2 rounds (issue 23, session 27; "
+                          "step bench-classes); .profile_all.log / .profile_thr.log: tools/ab_libraries.py, forward "
+                          "kernel time against main on 9 layouts, D 256, every plan on 80-row tiles "
+                          "(DUALKV_CUDA_LONG_WALK_KEYS=0, 5 rounds) and at the 1,024-key threshold (4 rounds); "
+                          ".tests.log: the D-256 GPU tests on that library; .sanitize.log: compute-sanitizer at D 256 "
+                          "(memcheck 0 errors; racecheck only the documented backward lse / delta hand-off); .skip.*: "
+                          "the D-256 forward skipping hidden KV tiles (a12840b): .skip.profile.log both builds skipping "
+                          "against e91c2c5 (5 rounds), .skip.profile_short.log the 64-row build forced on every plan "
+                          "(DUALKV_CUDA_LONG_WALK_KEYS=1e8, 5 rounds), .skip.check.log bit for bit with every modifier, "
+                          ".skip.tests.log / .skip.sanitize.log the merged library's D-256 GPU tests and sanitizers",
     "ab_fwd_d64_descriptors": "bench/attention.py --head-dim 64 --classes all --configs 16,4096,1024;8,16384,2048: "
                               "dualkv with the D-64 forward's descriptors from one base (branch fwddesc64, efb441a, "
                               "merged) against FA4 dense, 3 rounds (issue 23, session 23); .profile.log: "
