@@ -200,13 +200,18 @@ def test_wide_kv_tile_chain(long_walks):
     check(lens, parents, 4, 4, 128, torch.bfloat16, seed=23, long_build=True)
 
 
+def check_random_forest(D, case, seg_len, tokens, rng_seed, seed, long_build):
+    """A random forest of `tokens` tokens with segment lengths from `seg_len`; the GQA shape and the
+    dtype cycle with `case`."""
+    lens, parents = cases.random_forest(random.Random(rng_seed), seg_len, tokens)
+    H, Hk = GQA[case % len(GQA)]
+    check(lens, parents, H, Hk, D, DTYPES[case % 2], seed=seed, long_build=long_build)
+
+
 @needs_d128
 @pytest.mark.parametrize("case", range(16))
 def test_wide_kv_tile_random_forests(case, long_walks):
-    rng = random.Random(9100 + case)
-    H, Hk = GQA[case % len(GQA)]
-    lens, parents = cases.random_forest(rng, seg_len_wide, 2500)
-    check(lens, parents, H, Hk, 128, DTYPES[case % 2], seed=100 + case, long_build=True)
+    check_random_forest(128, case, seg_len_wide, 2500, rng_seed=9100 + case, seed=100 + case, long_build=True)
 
 
 # ---- hidden KV tiles (issue 23): the D-64 and D-256 short-walk builds ----
@@ -246,10 +251,7 @@ def test_hidden_tile_edges(prompt, long_build, D, monkeypatch):
 @pytest.mark.parametrize("case", range(8))
 def test_hidden_tile_random_forests(case, long_build, D, monkeypatch):
     monkeypatch.setenv("DUALKV_CUDA_LONG_WALK_KEYS", "0" if long_build else "1000000000")
-    rng = random.Random(9300 + case)
-    H, Hk = GQA[case % len(GQA)]
-    lens, parents = cases.random_forest(rng, seg_len_hidden, 2500)
-    check(lens, parents, H, Hk, D, DTYPES[case % 2], seed=300 + case, long_build=long_build)
+    check_random_forest(D, case, seg_len_hidden, 2500, rng_seed=9300 + case, seed=300 + case, long_build=long_build)
 
 
 # ---- the D-256 forward's 80-row KV tiles (long walks) ----
@@ -274,7 +276,4 @@ def test_wide_kv_tile_edges_d256(prompt, long_walks):
 @needs_d256
 @pytest.mark.parametrize("case", range(8))
 def test_wide_kv_tile_random_forests_d256(case, long_walks):
-    rng = random.Random(9500 + case)
-    H, Hk = GQA[case % len(GQA)]
-    lens, parents = cases.random_forest(rng, seg_len_wide_256, 1500)
-    check(lens, parents, H, Hk, 256, DTYPES[case % 2], seed=500 + case, long_build=True)
+    check_random_forest(256, case, seg_len_wide_256, 1500, rng_seed=9500 + case, seed=500 + case, long_build=True)
