@@ -19,6 +19,13 @@ range of outputs) and the per-token values are all-gathered, never ``[T, V]`` lo
 rank keeps the gradient of its own outputs (times ``grad_scale``), so with the same loss on every
 rank of the group the ranks' parameter gradients sum to the full gradient.
 
+**The standard path, for comparison.** :func:`ulysses_attention` is the all-to-all pair around any
+attention function, on a packed stream or on B rows (``[*lead, n, H, D]``). :func:`shard_rows`
+cuts unpacked rows (one right-padded row per response) into s contiguous column ranges
+(:class:`RowShard`), and :func:`rows_response_logprobs` computes their log-probs the way
+:func:`response_logprobs` does (per-token values all-gathered). A causal attention never lets a real
+token see the right padding, so the rows are exact too.
+
 **Every rank, or none.** A check whose outcome can differ between ranks (the layout, the token
 count fed to the model) is made collectively with :func:`agree`: if one rank fails, every rank
 raises, instead of the others waiting forever in the next collective. A rank with nothing to do
