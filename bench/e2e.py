@@ -133,6 +133,20 @@ def log(msg: str) -> None:
 # micro-batches
 # ----------------------------------------------------------------------------------------------
 
+def forest_key_end(layout, device) -> torch.Tensor:
+    """FlexAttention's form of the forest rule of a packed ``layout``, in one gather: query q sees key
+    k iff k <= q < key_end[k], key_end[k] the end of the subtree of k's segment (DFS order)."""
+    return layout.seg_offsets.long()[layout.seg_subtree_end.long()][layout.segment_ids()].to(device)
+
+
+def forest_mask_mod(key_end: torch.Tensor):
+    """The mask_mod of forest_key_end's rule (dynamo guards a mask_mod on its code, so a new closure of
+    the same function per micro-batch does not recompile a compiled FlexAttention)."""
+    def forest(b, h, q, kv):
+        return (kv <= q) & (q < key_end[kv])
+    return forest
+
+
 class MicroBatch:
     """Groups of one micro-batch, the inputs of the three methods, and its FLOP counts."""
 
@@ -159,9 +173,8 @@ class MicroBatch:
             torch.tensor([len(rs) for rs in self.responses], device=device))
         self.adv = group_advantages(rewards.to(device), gid)
         self.old = None  # set after a no-grad pass
-        # FlexAttention's mask: the forest rule in one gather, k <= q < key_end[k] (DFS order)
         lay = self.packed.layout
-        self.key_end = lay.seg_offsets.long()[lay.seg_subtree_end.long()][lay.segment_ids()].to(device)
+        self.key_end = forest_key_end(lay, device)
         self._mask_mod = None
         self.shared_pairs = lay.visible_pairs
         #: the layout dualkv runs on: the packed one, with CUDA work plans for the model's sliding
@@ -173,11 +186,7 @@ class MicroBatch:
         """The forest-rule mask_mod (one function object per micro-batch, so that compiled
         FlexAttention sees a stable closure across iterations)."""
         if self._mask_mod is None:
-            key_end = self.key_end
-
-            def forest(b, h, q, kv):
-                return (kv <= q) & (q < key_end[kv])
-            self._mask_mod = forest
+            self._mask_mod = forest_mask_mod(self.key_end)
         return self._mask_mod
 
     def with_window_plans(self, windows):
@@ -256,19 +265,26 @@ def register_peers():
 
 
 def build_block_mask(mb: MicroBatch, device, backend="TRITON", block=None):
-    """The BlockMask of a micro-batch for a Flex backend (block size ``block``, by default the backend's
-    peers.FLEX_BLOCK); on a CPU (no FlexAttention backward there) the dense boolean mask of the same
-    mask_mod, used with SDPA, so the smoke test still checks it."""
+    """The BlockMask of a micro-batch for a Flex backend: block_mask_of its forest-rule mask_mod."""
+    return block_mask_of(mb.mask_mod(), mb.T, device, backend, block)
+
+
+def block_mask_of(mask_mod, num_tokens: int, device, backend="TRITON", block=None):
+    """The [num_tokens, num_tokens] BlockMask of ``mask_mod`` for a Flex backend (block size ``block``,
+    by default the backend's peers.FLEX_BLOCK; compiled build with configure_flex's mask_compile); on
+    a CPU (no FlexAttention backward there) the dense boolean mask of the same mask_mod, used with
+    SDPA, so the smoke tests still check it."""
     from torch.nn.attention.flex_attention import create_block_mask, create_mask
+    T = num_tokens
     if device.type == "cpu":
-        return create_mask(mb.mask_mod(), None, None, mb.T, mb.T, device=device)
+        return create_mask(mask_mod, None, None, T, T, device=device)
     kw = dict(device=device, BLOCK_SIZE=tuple(block or FLEX_BLOCK[backend]))
     if _FLEX.get("mask_compile"):
         try:  # compiled mask build: O(T) memory, fast after its compile (the best case for the baseline)
-            return create_block_mask(mb.mask_mod(), None, None, mb.T, mb.T, _compile=True, **kw)
+            return create_block_mask(mask_mod, None, None, T, T, _compile=True, **kw)
         except TypeError:  # a torch without the private _compile flag
             _FLEX["mask_compile"] = False
-    return create_block_mask(mb.mask_mod(), None, None, mb.T, mb.T, **kw)
+    return create_block_mask(mask_mod, None, None, T, T, **kw)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -19,6 +19,13 @@ range of outputs) and the per-token values are all-gathered, never ``[T, V]`` lo
 rank keeps the gradient of its own outputs (times ``grad_scale``), so with the same loss on every
 rank of the group the ranks' parameter gradients sum to the full gradient.
 
+**The standard path, for comparison.** :func:`ulysses_attention` is the all-to-all pair around any
+attention function, on a packed stream or on B rows (``[*lead, n, H, D]``). :func:`shard_rows`
+cuts unpacked rows (one right-padded row per response) into s contiguous column ranges
+(:class:`RowShard`), and :func:`rows_response_logprobs` computes their log-probs the way
+:func:`response_logprobs` does (per-token values all-gathered). A causal attention never lets a real
+token see the right padding, so the rows are exact too.
+
 **Every rank, or none.** A check whose outcome can differ between ranks (the layout, the token
 count fed to the model) is made collectively with :func:`agree`: if one rank fails, every rank
 raises, instead of the others waiting forever in the next collective. A rank with nothing to do
@@ -31,7 +38,7 @@ from __future__ import annotations
 
 import array
 import hashlib
-from typing import Any, Dict, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -40,11 +47,13 @@ from torch.distributed import _functional_collectives as funcol
 
 from ._native import ArgumentError, LayoutError
 from .layout import Layout
-from .logprobs import _check_common, _check_head, _check_token_ids, _chunk_rows, _fused_values, _index
+from .logprobs import (_check_common, _check_head, _check_token_ids, _chunk_rows, _fused_values, _index,
+                       _IndexPart)
 from .ops import attention as _attention
 from .packing import PackedBatch, pack_groups
 
-__all__ = ["SequenceShard", "agree", "attention", "placeholder_batch", "response_logprobs", "shard"]
+__all__ = ["RowShard", "SequenceShard", "agree", "attention", "placeholder_batch", "response_logprobs",
+           "rows_response_logprobs", "shard", "shard_rows", "ulysses_attention"]
 
 
 def _size_rank(group) -> Tuple[int, int]:
@@ -186,6 +195,63 @@ def _all_to_all(x: Tensor, group) -> Tensor:
     return funcol.all_to_all_single_autograd(x, None, None, group)
 
 
+def _tokens_to_heads(tensors: Sequence[Tensor], group, size: int) -> List[Tensor]:
+    """Ulysses' first all-to-all, one collective for all of ``tensors``: each ``[*lead, n, H_i, D]``
+    (this rank's n tokens of every sequence, all heads; the same ``lead``, n and D) becomes
+    ``[*lead, size * n, H_i / size, D]`` (every token in rank order, heads ``[r H_i/size, (r+1)
+    H_i/size)`` on rank r). ``lead`` is () for a packed stream, (B,) for B rows."""
+    lead, n, D = tensors[0].shape[:-3], tensors[0].shape[-3], tensors[0].shape[-1]
+    heads = [x.shape[-2] // size for x in tensors]
+    # [size, *lead, n, heads of rank j, D]: chunk j (this rank's tokens, rank j's heads) to rank j
+    send = torch.cat([x.reshape(*lead, n, size, h, D).movedim(-3, 0) for x, h in zip(tensors, heads)], dim=-2)
+    recv = _all_to_all(send.flatten(0, 1), group).view(size, *lead, n, sum(heads), D)  # chunk i: rank i's tokens
+    return list(recv.movedim(0, -4).reshape(*lead, size * n, sum(heads), D).split(heads, dim=-2))
+
+
+def _heads_to_tokens(x: Tensor, group, size: int) -> Tensor:
+    """The way back: ``[*lead, size * n, h, D]`` (every token, this rank's heads) becomes
+    ``[*lead, n, size * h, D]`` (this rank's tokens, every head in order)."""
+    lead, h, D = x.shape[:-3], x.shape[-2], x.shape[-1]
+    n = x.shape[-3] // size
+    send = x.reshape(*lead, size, n, h, D).movedim(-4, 0).contiguous()  # chunk j: rank j's tokens
+    back = _all_to_all(send.flatten(0, 1), group).view(size, *lead, n, h, D)  # chunk i: rank i's heads
+    return back.movedim(0, -3).reshape(*lead, n, size * h, D)
+
+
+def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, group, attend: Callable[[Tensor, Tensor, Tensor], Tensor],
+                      what: str = "dualkv.distributed.ulysses_attention") -> Tensor:
+    """Any attention ``attend`` under Ulysses sequence parallelism over ``group`` (size s).
+
+    q ``[*lead, n, H, D]``, k and v ``[*lead, n, Hk, D]``: this rank's n tokens of every sequence
+    (``lead`` () for a packed stream, (B,) for B rows, each split into s contiguous column ranges),
+    all heads. One all-to-all carries q, k and v to ``[*lead, s n, heads / s, D]`` (every token, this
+    rank's heads), ``attend(q, k, v)`` runs there and returns ``[*lead, s n, H / s, D]``, and one
+    all-to-all brings that back as ``[*lead, n, H, D]``. Needs ``H % s == 0`` and ``Hk % s == 0``
+    or ``s % Hk == 0``; when s exceeds Hk each rank gets a copy of the one KV head its query heads
+    read (autograd sums the copies' gradients). ``what`` names the caller in errors. With one rank
+    (``group`` None or of size 1) it is ``attend(q, k, v)``.
+    """
+    s, _ = _size_rank(group)
+    if s == 1:
+        return attend(q, k, v)
+    H, Hk, D = q.shape[-2], k.shape[-2], q.shape[-1]
+    if H % s:
+        raise ArgumentError(f"{what}: {H} query heads are not divisible by the sequence-parallel size {s}")
+    if Hk % s and s % Hk:
+        raise ArgumentError(f"{what}: {Hk} KV heads: the sequence-parallel size {s} must divide them or be a "
+                            "multiple of them")
+    if (k.shape != v.shape or k.shape[-1] != D or k.shape[:-2] != q.shape[:-2]
+            or not (q.dtype == k.dtype == v.dtype)):
+        raise ArgumentError(f"{what}: q {tuple(q.shape)} {q.dtype}, k {tuple(k.shape)} {k.dtype} and v "
+                            f"{tuple(v.shape)} {v.dtype} do not match")
+    if Hk < s:
+        # one KV head per rank: rank r's query heads [r H/s, (r+1) H/s) all read KV head r // (s/Hk)
+        heads = torch.arange(s, device=k.device) // (s // Hk)
+        k, v = k.index_select(-2, heads), v.index_select(-2, heads)
+    qr, kr, vr = _tokens_to_heads([q, k, v], group, s)
+    return _heads_to_tokens(attend(qr, kr, vr), group, s)
+
+
 def attention(q: Tensor, k: Tensor, v: Tensor, shard: SequenceShard, softmax_scale: Optional[float] = None,
               deterministic: bool = False, kv_hook=None) -> Tensor:
     """:func:`dualkv.attention` under Ulysses sequence parallelism.
@@ -193,7 +259,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, shard: SequenceShard, softmax_sca
     q ``[T/s, H, D]``, k and v ``[T/s, Hk, D]``: this rank's tokens, all heads (last dim
     contiguous). Returns ``out [T/s, H, D]``. Needs ``H % s == 0`` and ``Hk % s == 0`` or
     ``s % Hk == 0``; every rank of the group must call it (the shapes are the model's, so equal on
-    every rank when the token counts are, which the transformers guard checks collectively).
+    every rank when the token counts are, which the transformers guard checks collectively). The
+    all-to-alls are :func:`ulysses_attention`'s.
 
     ``kv_hook(k, v) -> (prefix_k, prefix_v)`` sees the keys and values this rank's attention runs
     on (all tokens, its heads) and returns the external prefixes' keys and values for them, or
@@ -208,33 +275,12 @@ def attention(q: Tensor, k: Tensor, v: Tensor, shard: SequenceShard, softmax_sca
         if t.shape[0] != n:
             raise ArgumentError(f"dualkv.distributed.attention: {name} has {t.shape[0]} tokens but rank {shard.rank}'s "
                                 f"shard holds {n} ({shard.num_tokens} over {s} ranks)")
-    if s == 1:
-        prefix_k, prefix_v = kv_hook(k, v) if kv_hook is not None else (None, None)
-        return _attention(q, k, v, shard.layout, softmax_scale, deterministic, prefix_k=prefix_k, prefix_v=prefix_v)
-    H, Hk, D = q.shape[1], k.shape[1], q.shape[2]
-    if H % s:
-        raise ArgumentError(f"dualkv.distributed.attention: {H} query heads are not divisible by the "
-                            f"sequence-parallel size {s}")
-    if Hk % s and s % Hk:
-        raise ArgumentError(f"dualkv.distributed.attention: {Hk} KV heads: the sequence-parallel size {s} must "
-                            "divide them or be a multiple of them")
-    if k.shape != v.shape or k.shape[2] != D or not (q.dtype == k.dtype == v.dtype):
-        raise ArgumentError(f"dualkv.distributed.attention: q {tuple(q.shape)} {q.dtype}, k {tuple(k.shape)} "
-                            f"{k.dtype} and v {tuple(v.shape)} {v.dtype} do not match")
-    if Hk < s:
-        # one KV head per rank: rank r's query heads [r H/s, (r+1) H/s) all read KV head r // (s/Hk)
-        heads = torch.arange(s, device=k.device) // (s // Hk)
-        k, v = k.index_select(1, heads), v.index_select(1, heads)
-    hq, hk = H // s, k.shape[1] // s
-    # one all-to-all for q, k and v: [s, T/s, heads of rank j, D], chunk j to rank j
-    send = torch.cat([x.view(n, s, -1, D).transpose(0, 1) for x in (q, k, v)], dim=2)
-    recv = _all_to_all(send.view(s * n, -1, D), shard.group)  # [T, heads of this rank, D], token order
-    qr, kr, vr = recv.split([hq, hk, hk], dim=1)
-    prefix_k, prefix_v = kv_hook(kr, vr) if kv_hook is not None else (None, None)
-    out = _attention(qr, kr, vr, shard.layout, softmax_scale, deterministic,
-                     prefix_k=prefix_k, prefix_v=prefix_v)  # [T, H/s, D]
-    back = _all_to_all(out.view(s * n, hq, D), shard.group)  # chunk i: rank i's heads of this rank's tokens
-    return back.view(s, n, hq, D).transpose(0, 1).reshape(n, H, D)
+
+    def attend(qr: Tensor, kr: Tensor, vr: Tensor) -> Tensor:  # all T tokens, this rank's heads
+        prefix_k, prefix_v = kv_hook(kr, vr) if kv_hook is not None else (None, None)
+        return _attention(qr, kr, vr, shard.layout, softmax_scale, deterministic, prefix_k=prefix_k, prefix_v=prefix_v)
+
+    return ulysses_attention(q, k, v, shard.group if s > 1 else None, attend, what="dualkv.distributed.attention")
 
 
 class _GatherOutputs(torch.autograd.Function):
@@ -291,6 +337,160 @@ def response_logprobs(hidden: Tensor, lm_head_weight: Tensor, shard: SequenceSha
     if entropy:
         return idx.scatter(logp), idx.scatter(ent)
     return idx.scatter(logp)
+
+
+class RowShard:
+    """One rank's share of unpacked rows under Ulysses sequence parallelism: the standard path's
+    counterpart of :class:`SequenceShard` (the baseline the packed path is measured against).
+
+    ``rows`` is a :class:`dualkv.PackedBatch` with one response per group, i.e. every response with
+    its own copy of its prompt (``pack(prompt copies, [[response] ...])``): row b is ``[prompt_b |
+    response_b]``. Every row is right-padded to ``length`` (the longest row rounded up to a multiple
+    of the group size s) and rank r holds columns ``[start, stop) = [r length/s, (r+1) length/s)``
+    of every row: ``input_ids`` and ``position_ids`` ``[B, length/s]``. Attention must see whole rows
+    (:func:`ulysses_attention` around a causal attention); right padding lies after every real token
+    of its row, so under a causal mask no real token sees it.
+
+    Attributes: ``rows``, ``group``, ``size``, ``rank``, ``length``, ``num_local_tokens``,
+    ``start`` / ``stop``, ``input_ids`` / ``position_ids``, ``prompt_lens`` / ``response_lens``
+    (host ints per row).
+    """
+
+    def __init__(self, rows: PackedBatch, group, size: int, rank: int, length: int, padded_ids: Tensor):
+        self.rows = rows
+        self.group = group
+        self.size = size
+        self.rank = rank
+        self.length = length
+        self.num_local_tokens = length // size
+        self.start = rank * self.num_local_tokens
+        self.stop = self.start + self.num_local_tokens
+        self.prompt_lens = list(rows.group_prompt_lens)
+        self.response_lens = list(rows.row_response_lens)
+        self.padded_ids = padded_ids  # [B, length]: every column, for the labels of the log-probs
+        self.input_ids = padded_ids[:, self.start:self.stop]
+        cols = torch.arange(self.start, self.stop, dtype=torch.int64, device=rows.device)
+        self.position_ids = cols.unsqueeze(0).expand(rows.num_rows, -1).contiguous()
+        self._logprob_index = None
+
+    @property
+    def num_rows(self) -> int:
+        return self.rows.num_rows
+
+    @property
+    def device(self) -> torch.device:
+        return self.rows.device
+
+    def __repr__(self) -> str:
+        return (f"RowShard(rank {self.rank} of {self.size}, columns [{self.start}, {self.stop}) of {self.length} "
+                f"in each of {self.num_rows} rows)")
+
+
+def shard_rows(rows: PackedBatch, group=None, *, pad_token_id: int = 0) -> RowShard:
+    """This rank's :class:`RowShard` of unpacked rows over the sequence-parallel ``group``.
+
+    ``rows``: a :class:`dualkv.PackedBatch` with exactly one response per group (each response with
+    its own prompt copy). Collective over ``group``: every rank must call it with the same rows; ranks
+    whose rows differ all raise :class:`dualkv.LayoutError`. ``group=None``: one rank, rows padded to
+    the longest one only. Padding is ``pad_token_id``.
+    """
+    fn = "dualkv.distributed.shard_rows"
+    if not isinstance(rows, PackedBatch):
+        raise TypeError(f"{fn}: expected a dualkv.PackedBatch of unpacked rows, got {type(rows).__name__}")
+    if any(r != (g,) for g, r in enumerate(rows.group_rows)):
+        raise ArgumentError(f"{fn}: every group must hold exactly one response (row g in group g: each response "
+                            f"with its own prompt copy); got the rows {rows.group_rows[:8]} per group")
+    size, rank = _size_rank(group)
+    lens = [p + r for p, r in zip(rows.group_prompt_lens, rows.row_response_lens)]
+    if size > 1:
+        agree(group, rows.device, None, f"{fn}: the unpacked rows differ between ranks",
+              {"tokens": rows.num_tokens, "rows": rows.num_rows, "fingerprint": _fingerprint(rows.layout)}, LayoutError)
+    length = -(-max(lens) // size) * size
+    # the padded [B, length] ids in one gather from the row-after-row stream
+    dev = rows.device
+    lens_t = torch.tensor(lens, dtype=torch.int64, device=dev)
+    cols = torch.arange(length, dtype=torch.int64, device=dev)
+    src = (torch.cumsum(lens_t, 0) - lens_t).unsqueeze(1) + cols.unsqueeze(0)
+    stream = rows.input_ids.reshape(-1)
+    padded = torch.where(cols.unsqueeze(0) < lens_t.unsqueeze(1), stream[src.clamp_(max=rows.num_tokens - 1)],
+                         torch.full_like(src, pad_token_id, dtype=stream.dtype))
+    return RowShard(rows, group, size, rank, length, padded)
+
+
+class _RowsLogprobIndex:
+    """Where the log-probs of a :class:`RowShard` come from and go to. Column c of row b predicts
+    token c + 1; the response tokens ``[P_b, P_b + R_b)`` are predicted by columns ``[P_b - 1, P_b +
+    R_b - 1)``, output slot ``(b, c - P_b + 1)``. A rank's selected positions (row-major over its
+    columns) form one contiguous range of the outputs gathered in rank order."""
+
+    def __init__(self, shard: RowShard, vocab: int, chunk_rows: int, fn: str):
+        dev, s, n = shard.device, shard.size, shard.num_local_tokens
+        B, R_max = shard.num_rows, shard.rows.max_response_len
+        first = torch.tensor([p - 1 for p in shard.prompt_lens], dtype=torch.int64, device=dev)
+        end = first + torch.tensor(shard.response_lens, dtype=torch.int64, device=dev)
+        cols = torch.arange(shard.length, dtype=torch.int64, device=dev)
+        predicts = (cols.unsqueeze(0) >= first.unsqueeze(1)) & (cols.unsqueeze(0) < end.unsqueeze(1))  # [B, length]
+        # every rank's selected positions, in gather order (rank, row, column)
+        r_all, b_all, c_all = predicts.view(B, s, n).transpose(0, 1).nonzero(as_tuple=True)
+        self.counts = tuple(torch.bincount(r_all, minlength=s).tolist())
+        M = b_all.numel()
+        slots = b_all * R_max + r_all * n + c_all - first[b_all]
+        self.inv = torch.full((B * R_max,), M, dtype=torch.int64, device=dev)
+        self.inv[slots] = torch.arange(M, device=dev)
+        self.shape = (B, R_max)
+        # every rank's labels, so that a bad token id raises on every rank alike (no rank left waiting)
+        labels_all = shard.padded_ids[b_all, r_all * n + c_all + 1].to(torch.int64)
+        if M:
+            lo_id, hi_id = torch.stack([labels_all.min(), labels_all.max()]).tolist()
+            if lo_id < 0 or hi_id >= vocab:
+                raise ArgumentError(f"{fn}: response token ids must lie in [0, {vocab}) (the vocabulary size), found "
+                                    f"ids from {lo_id} to {hi_id}")
+        lo, m = sum(self.counts[:shard.rank]), self.counts[shard.rank]
+        b, c, labels = b_all[lo:lo + m], c_all[lo:lo + m], labels_all[lo:lo + m]
+        # one output per selected position: the chunks cut both at the same places
+        chunks = tuple((s0, min(s0 + chunk_rows, m), s0, min(s0 + chunk_rows, m)) for s0 in range(0, m, chunk_rows))
+        self.part = _IndexPart(b * n + c, labels, torch.arange(m, device=dev), chunks, (lo, lo + m))
+
+    def scatter(self, vals: Tensor) -> Tensor:
+        """Values in gather order [M] -> [B, R_max] (zeros where masked). Differentiable."""
+        return torch.cat([vals, vals.new_zeros(1)])[self.inv.view(self.shape)]
+
+
+def rows_response_logprobs(hidden: Tensor, lm_head_weight: Tensor, shard: RowShard, temperature: float = 1.0,
+                           entropy: bool = False, chunk_size: Optional[int] = None,
+                           grad_scale: float = 1.0) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+    """:func:`dualkv.response_logprobs` of unpacked rows under sequence parallelism: ``hidden``
+    ``[B, length/s, D]`` holds this rank's columns of every row (the last hidden states); returns
+    the rows' ``[B, R_max]`` log-probs (and entropy) on every rank of the group, 0 where masked.
+
+    The same scheme as :func:`response_logprobs`: each rank runs the fused LM head on the positions
+    of its own columns that predict a response token, the per-token values are all-gathered (never
+    ``[B, L, V]`` logits), and in backward a rank keeps the gradient of its own values times
+    ``grad_scale`` (1 when the SP ranks' parameter gradients are summed, s when they are averaged).
+    With one rank it equals :func:`dualkv.response_logprobs` on the rows' real tokens.
+    """
+    fn = "dualkv.distributed.rows_response_logprobs"
+    if not isinstance(shard, RowShard):
+        raise TypeError(f"{fn}: shard must be a RowShard (dualkv.distributed.shard_rows), got {type(shard).__name__}")
+    temperature = _check_common(shard.rows, temperature, fn)
+    if not isinstance(hidden, Tensor) or hidden.dim() != 3 or hidden.shape[:2] != (shard.num_rows,
+                                                                                  shard.num_local_tokens):
+        raise ValueError(f"{fn}: hidden must be [B={shard.num_rows}, {shard.num_local_tokens}, D] (this rank's "
+                         f"columns of every row), got {tuple(getattr(hidden, 'shape', ()))}")
+    flat = _check_head(hidden.reshape(-1, hidden.shape[-1]), lm_head_weight, shard.num_rows * shard.num_local_tokens,
+                       shard.device, fn)
+    key = (lm_head_weight.shape[0], _chunk_rows(lm_head_weight.shape[0], chunk_size, fn))
+    if shard._logprob_index is None or shard._logprob_index[0] != key:  # built once per (vocab, chunk size)
+        shard._logprob_index = (key, _RowsLogprobIndex(shard, *key, fn))
+    index = shard._logprob_index[1]
+    logp, ent = _fused_values(flat, lm_head_weight, index.part, temperature, bool(entropy))
+    if shard.size > 1:
+        local = torch.stack([logp, ent], dim=1) if entropy else logp.unsqueeze(1)
+        every = _GatherOutputs.apply(local, shard.group, index.counts, shard.rank, float(grad_scale))
+        logp, ent = every[:, 0], (every[:, 1] if entropy else None)
+    if entropy:
+        return index.scatter(logp), index.scatter(ent)
+    return index.scatter(logp)
 
 
 def placeholder_batch(device: Union[str, torch.device], token_id: int = 0) -> PackedBatch:

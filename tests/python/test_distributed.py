@@ -1,6 +1,7 @@
 """dualkv.distributed in one process: the token-order log-prob index and its parts, the single-rank
 path (no group), autocast in the fused log-prob path, the forward redirection that FSDP2 needs, the
-placeholder micro-batch. The multi-rank tests (gloo, 2 and 4 processes) are in
+placeholder micro-batch; the standard path's rows (shard_rows, rows_response_logprobs) and the
+Ulysses wrapper without a group. The multi-rank tests (gloo, 2 and 4 processes) are in
 test_distributed_ranks.py."""
 import random
 
@@ -84,6 +85,64 @@ def test_shard_without_group_is_the_single_rank_path():
         bare.model_inputs()
     with pytest.raises(TypeError, match="of a PackedBatch"):
         distributed.response_logprobs(q[:, 0], q[:1, 0], bare)
+
+
+def unpacked_rows(rng: random.Random, groups: int, vocab: int = 50, seed: int = 0):
+    """(rows, prompt + response length of every row): each response of random_packed's groups with its
+    own prompt copy, the standard path's rows."""
+    packed = random_packed(rng, groups, vocab, seed)
+    ids = packed.input_ids[0]
+    prompts, responses = [], []
+    for b in range(packed.num_rows):
+        last, g = int(packed.prompt_last_index[b]), int(packed.row_group[b])
+        prompts.append(ids[last - packed.group_prompt_lens[g] + 1:last + 1])
+        first = int(packed.response_offsets[b])
+        responses.append([ids[first:first + packed.row_response_lens[b]]])
+    rows = pack(prompts, responses)
+    return rows, [p.numel() + r[0].numel() for p, r in zip(prompts, responses)]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_rows_without_group_are_the_single_rank_standard_path(seed):
+    """shard_rows / rows_response_logprobs / ulysses_attention without a group: the rows right-padded
+    to the longest one, log-probs (and entropy, values and gradients) equal response_logprobs on the
+    real tokens, and the attention wrapper is the attention it wraps."""
+    rows, lens = unpacked_rows(random.Random(seed), 4, seed=seed)
+    sh = distributed.shard_rows(rows)
+    L = max(lens)
+    assert (sh.size, sh.rank, sh.length, sh.start, sh.stop) == (1, 0, L, 0, L)
+    valid = torch.arange(L).unsqueeze(0) < torch.tensor(lens).unsqueeze(1)
+    assert torch.equal(sh.input_ids[valid], rows.input_ids[0]) and not sh.input_ids[~valid].any()
+    assert torch.equal(sh.position_ids, torch.arange(L).expand(rows.num_rows, -1))
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(rows.num_rows, L, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(50, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    a, ea = distributed.rows_response_logprobs(h, w, sh, entropy=True, chunk_size=3)
+    b, eb = response_logprobs(h[valid], w, rows, entropy=True)
+    assert (a - b).abs().max() <= 1e-12 and (ea - eb).abs().max() <= 1e-12
+    weights = torch.randn(a.shape, generator=g, dtype=torch.float64)
+    ga = torch.autograd.grad((a * weights).sum() + ea.sum(), [h, w])
+    gb = torch.autograd.grad((b * weights).sum() + eb.sum(), [h, w])
+    assert all((x - y).abs().max() <= 1e-12 for x, y in zip(ga, gb))
+    q = torch.randn(2, 5, 4, 8, generator=g, dtype=torch.float64)
+    assert distributed.ulysses_attention(q, q, q, None, lambda *x: x[0] + 1).equal(q + 1)
+
+
+def test_rows_bad_input():
+    packed = random_packed(random.Random(1), 3)
+    with pytest.raises(dualkv.ArgumentError, match="exactly one response"):
+        distributed.shard_rows(pack([torch.tensor([1, 2])], [[torch.tensor([3]), torch.tensor([4])]]))
+    with pytest.raises(TypeError, match="PackedBatch of unpacked rows"):
+        distributed.shard_rows(packed.layout)
+    rows, lens = unpacked_rows(random.Random(1), 3)
+    sh = distributed.shard_rows(rows)
+    w = torch.randn(50, 8, dtype=torch.float64)
+    with pytest.raises(ValueError, match="hidden must be"):
+        distributed.rows_response_logprobs(torch.randn(rows.num_rows, sh.length + 1, 8, dtype=torch.float64), w, sh)
+    with pytest.raises(dualkv.ArgumentError, match="token ids must lie in"):
+        distributed.rows_response_logprobs(torch.randn(rows.num_rows, sh.length, 8, dtype=torch.float64), w[:3], sh)
+    with pytest.raises(TypeError, match="must be a RowShard"):
+        distributed.rows_response_logprobs(torch.randn(1, 2, 8), w, distributed.shard(packed))
 
 
 @pytest.mark.parametrize("entropy", [False, True])

@@ -36,6 +36,7 @@ import dualkv  # noqa: E402
 from dualkv import distributed  # noqa: E402
 from dualkv.grpo import group_advantages, policy_loss  # noqa: E402
 from dualkv.integrations import transformers as dkt  # noqa: E402
+from dualkv.logprobs import response_logprobs  # noqa: E402
 from dualkv.microbatch import plan_micro_batches  # noqa: E402
 from dualkv.packing import pack  # noqa: E402
 
@@ -206,6 +207,65 @@ def case_attention_sp(rank, world):
                 kt, vt = (x[:, tiled].repeat_interleave(H // world, dim=1) for x in (k, v))
                 wrong = dualkv.attention(q, kt, vt, lay)
                 assert not torch.allclose(local(wrong), out), what
+
+
+def case_rows_sp(rank, world):
+    """The standard path's pieces under Ulysses SP = world, on right-padded unpacked rows split by
+    columns: ulysses_attention around causal SDPA equals SDPA on every whole row (outputs and q, k, v
+    gradients <= 1e-12; the junk in the right padding reaches no real token), and
+    rows_response_logprobs equals response_logprobs on the rows' real tokens (log-probs, entropy, the
+    hidden gradient of this rank's columns, the LM-head gradient summed over the ranks)."""
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    group = dist.group.WORLD
+    g = torch.Generator().manual_seed(0)
+    lens = [13, 6, 9, 1]
+    L = -(-max(lens) // world) * world
+    n = L // world
+    real = torch.arange(L).unsqueeze(0) < torch.tensor(lens).unsqueeze(1)  # [B, L]
+    for H, Hk in [(4, 2), (4, 1), (8, 2), (2 * world, 2 * world)]:
+        q = torch.randn(len(lens), L, H, 16, generator=g, dtype=torch.float64)
+        k, v = (torch.randn(len(lens), L, Hk, 16, generator=g, dtype=torch.float64) for _ in range(2))
+        dout = torch.randn(q.shape, generator=g, dtype=torch.float64) * real[..., None, None]
+        ref_in = [x.clone().requires_grad_() for x in (q, k, v)]
+        per_row = []
+        for b, m in enumerate(lens):  # every row alone, at its own length
+            qb, kb, vb = (x[b:b + 1, :m].transpose(1, 2) for x in ref_in)
+            o = sdpa(qb, kb, vb, is_causal=True, enable_gqa=True).transpose(1, 2)[0]
+            per_row.append(torch.cat([o, o.new_zeros(L - m, H, 16)]))
+        ref = torch.stack(per_row)
+        (ref * dout).sum().backward()
+        mine = [x[:, rank * n:(rank + 1) * n].clone().requires_grad_() for x in (q, k, v)]
+
+        def causal(qr, kr, vr):
+            return sdpa(qr.transpose(1, 2), kr.transpose(1, 2), vr.transpose(1, 2), is_causal=True,
+                        enable_gqa=True).transpose(1, 2)
+        out = distributed.ulysses_attention(*mine, group, causal)
+        (out * dout[:, rank * n:(rank + 1) * n]).sum().backward()
+        what = f"H={H}, Hk={Hk}"
+        mask = real[:, rank * n:(rank + 1) * n, None, None]
+        assert (out - ref[:, rank * n:(rank + 1) * n]).mul(mask).abs().max() <= 1e-12, what
+        for a, b in zip(mine, ref_in):
+            assert (a.grad - b.grad[:, rank * n:(rank + 1) * n]).abs().max() <= 1e-12 * b.grad.abs().max(), what
+    for name, (prompt_lens, response_lens) in ROLLOUTS.items():
+        prompts, responses = rollouts(prompt_lens, response_lens)
+        pairs = [(p, r) for p, rs in zip(prompts, responses) for r in rs]
+        rows = pack([p for p, _ in pairs], [[r] for _, r in pairs])
+        sh = distributed.shard_rows(rows, group)
+        assert sh.length % world == 0 and sh.input_ids.shape == (len(pairs), sh.length // world)
+        lens = [p.numel() + r.numel() for p, r in pairs]
+        valid = torch.arange(sh.length).unsqueeze(0) < torch.tensor(lens).unsqueeze(1)
+        hidden = torch.randn(len(pairs), sh.length, 8, generator=g, dtype=torch.float64, requires_grad=True)
+        w = torch.randn(VOCAB, 8, generator=g, dtype=torch.float64, requires_grad=True)
+        weights = torch.randn(len(pairs), rows.max_response_len, generator=g, dtype=torch.float64)
+        want, want_ent = response_logprobs(hidden[valid], w, rows, entropy=True)
+        ((want * weights).sum() + want_ent.sum()).backward()
+        local = hidden.detach()[:, sh.start:sh.stop].clone().requires_grad_()
+        w_local = w.detach().clone().requires_grad_()
+        got, got_ent = distributed.rows_response_logprobs(local, w_local, sh, entropy=True, chunk_size=5)
+        ((got * weights).sum() + got_ent.sum()).backward()
+        assert rel(got, want) <= 1e-12 and rel(got_ent, want_ent) <= 1e-12, name
+        assert rel(local.grad, hidden.grad[:, sh.start:sh.stop]) <= 1e-12, name
+        assert rel(sum_over(group, {"w": w_local.grad})["w"], w.grad) <= 1e-12, name
 
 
 def case_model_sp(rank, world, checkpointing=False):
@@ -455,9 +515,9 @@ def case_bad_heads(rank, world):
 
 
 CASES = {
-    2: ["attention_sp", "model_sp", "model_sp_checkpointing", "model_sp_compile", "fsdp_dp", "fsdp_sp",
+    2: ["attention_sp", "rows_sp", "model_sp", "model_sp_checkpointing", "model_sp_compile", "fsdp_dp", "fsdp_sp",
         "schedule_sp", "fsdp_dp_schedule", "bad_layouts_differ", "bad_token_count", "bad_heads"],
-    4: ["attention_sp", "model_sp", "fsdp_dp_sp", "schedule_sp", "bad_layouts_differ", "bad_token_count",
+    4: ["attention_sp", "rows_sp", "model_sp", "fsdp_dp_sp", "schedule_sp", "bad_layouts_differ", "bad_token_count",
         "bad_heads"],
 }
 
