@@ -289,6 +289,10 @@ class Batch:
         self.old = [[-math.log(vocab) + 0.05 * torch.randn(r.numel(), generator=g) for r in rs]
                     for rs in self.ro.responses]
         self.adv = group_advantages(self.ro.rewards, self.ro.group_ids).view(args.groups, args.n)
+        if args.check and not bool(self.adv.any()):  # the same batch on every rank: all of them stop here
+            raise SystemExit("--check: every group's rewards are equal, so every advantage, the loss and every "
+                             "gradient are 0 and the check would compare zeros; use more groups, a larger N or "
+                             "another --seed")
         groups = [(p.numel(), [r.numel() for r in rs]) for p, rs in zip(self.ro.prompts, self.ro.responses)]
         self.plan = dualkv.plan_micro_batches(groups, args.max_tokens * args.sp, num_ranks=args.dp)
         self.unpacked_tokens = self.ro.unpacked_tokens

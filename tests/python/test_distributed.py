@@ -208,6 +208,17 @@ def test_packed_logprobs_runs_inside_the_model_forward():
     assert torch.equal(dkt.packed_logprobs(model, sh), got)
 
 
+def test_reference_attention_on_a_one_rank_shard():
+    """"dualkv_reference" (the dense-mask check path) takes the single-rank path's shard, the whole
+    layout, as the plain layout (a one-process --check of a trainer runs it that way)."""
+    model = dkt.enable(tiny_model(), reference=True)
+    packed = random_packed(random.Random(4), 3)
+    expected = dkt.packed_logprobs(model, packed)
+    assert torch.equal(dkt.packed_logprobs(model, distributed.shard(packed)), expected)
+    dkt.disable(model, "dualkv")
+    assert torch.allclose(dkt.packed_logprobs(model, packed), expected, rtol=0, atol=1e-10)
+
+
 def test_placeholder_batch():
     pb = distributed.placeholder_batch("cpu")
     assert pb.num_tokens == 2 and pb.num_rows == 1 and pb.num_groups == 1

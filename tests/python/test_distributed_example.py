@@ -133,6 +133,20 @@ def test_baseline_json_must_be_a_world_of_one_run_of_the_same_batch(tmp_path, ca
         assert text in capsys.readouterr().err
 
 
+def test_check_of_a_batch_without_advantages_stops_clearly():
+    """Two groups of 4 whose rewards are all equal (the default seed's draw at these lengths): every advantage, the loss and every
+    gradient would be 0, so --check would compare zeros and pass whatever the method computed."""
+    example = _example_module()
+    argv = ["--device", "cpu", "--groups", "2", "-N", "4", "-P", "1024", "-R", "256", "--max-tokens", "8192"]
+    args = example.parse_args(argv + ["--check"])
+    args.dp = 1
+    with pytest.raises(SystemExit, match="every group's rewards are equal"):
+        example.Batch(args, 1000)
+    args = example.parse_args(argv)
+    args.dp = 1
+    assert not example.Batch(args, 1000).adv.any()  # without --check the run goes on (a timing run may)
+
+
 def test_overhead_benchmark_smoke(tmp_path):
     """bench/distributed_overhead.py (the 1% check of the single-rank path, run on the GPU) runs on a
     CPU with a tiny model, and both paths give the same log-probs."""

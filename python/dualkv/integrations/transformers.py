@@ -257,7 +257,13 @@ def dense_reference_attention_forward(module: torch.nn.Module, query: torch.Tens
     kernels (and measuring PyTorch's own low-precision noise) on the packed tokens, not for training."""
     q, k, v, layout, scaling = _packed_qkv(module, query, key, value, attention_mask, scaling, dropout, kwargs)
     if isinstance(layout, SequenceShard):
-        raise UnsupportedError("dualkv_reference attention does not run sequence-parallel; use \"dualkv\"")
+        # A shard over one rank (the single-rank path, e.g. a trainer's one-process --check run) holds
+        # every token: no all-to-all, the plain layout's attention. Over more ranks it needs the
+        # all-to-all pair that only "dualkv" runs.
+        if layout.size != 1:
+            raise UnsupportedError("dualkv_reference attention does not run sequence-parallel over more than one "
+                                   "rank; use \"dualkv\"")
+        layout = layout.layout
     if layout.num_prefixes:
         raise UnsupportedError("dualkv_reference attention does not read external prefix segments; use \"dualkv\"")
     modifiers = _mask_modifiers(sliding_window, softcap, kwargs)
