@@ -68,7 +68,7 @@ sys.path.insert(0, str(HERE.parent / "python"))
 
 import e2e  # noqa: E402  (model setup, timing, peers, provenance)
 from live_bytes import LiveTensorBytes  # noqa: E402
-from peers import FLEX_BACKENDS, FLEX_BLOCK, Unavailable, compiled_flex, fa4, kernel_options  # noqa: E402
+from peers import FLEX_BACKENDS, Unavailable, compiled_flex, fa4, kernel_options  # noqa: E402
 
 import dualkv  # noqa: E402
 from dualkv import schedule  # noqa: E402
@@ -136,21 +136,13 @@ _MASKS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 def _block_mask(layout, device, backend):
     """The BlockMask (on a CPU: the dense boolean mask) of the forest rule of ``layout``, built once per
     micro-batch (cached on the layout object, which policy_update makes per micro-batch)."""
-    from torch.nn.attention.flex_attention import create_block_mask, create_mask
     cached = _MASKS.get(layout)
     if cached is not None:
         return cached
     if layout.num_prefixes:
         raise Unavailable("Flex over a layout with external prefixes (the once plan) is not a method here")
-    key_end = layout.seg_offsets.long()[layout.seg_subtree_end.long()][layout.segment_ids()].to(device)
-
-    def forest(b, h, q, kv):
-        return (kv <= q) & (q < key_end[kv])
-    T = layout.num_tokens
-    if device.type == "cpu":
-        mask = create_mask(forest, None, None, T, T, device=device)
-    else:
-        mask = create_block_mask(forest, None, None, T, T, device=device, BLOCK_SIZE=tuple(FLEX_BLOCK[backend]))
+    mask = e2e.block_mask_of(e2e.forest_mask_mod(e2e.forest_key_end(layout, device)), layout.num_tokens, device,
+                             backend)
     _MASKS[layout] = mask
     return mask
 
