@@ -129,7 +129,6 @@ def prompt_state_factor(model, grad_dtype: Optional[torch.dtype] = None, recompu
     hq = int(cfg.num_attention_heads)
     hk = int(getattr(cfg, "num_key_value_heads", None) or hq)
     d = int(getattr(cfg, "head_dim", None) or H // hq)
-    inter = int(getattr(cfg, "intermediate_size", None) or 0)
     if dtype is None:
         param = next(iter(model.parameters()), None) if hasattr(model, "parameters") else None
         dtype = param.dtype if param is not None else torch.float32

@@ -16,7 +16,6 @@ from __future__ import annotations
 import copy
 import datetime
 import json
-import os
 import pathlib
 import time
 import traceback

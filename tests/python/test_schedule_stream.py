@@ -10,7 +10,6 @@ the ones the prefetch schedule plans (none missed under checkpointing), and the 
 splits the state into what is on the device and what is in host memory. On CUDA (``gpu``): bitwise
 the device-resident update, and the allocator peaks of phases B and C drop by the kept state.
 """
-import copy
 
 import pytest
 import torch
