@@ -277,3 +277,89 @@ def test_wide_kv_tile_edges_d256(prompt, long_walks):
 @pytest.mark.parametrize("case", range(8))
 def test_wide_kv_tile_random_forests_d256(case, long_walks):
     check_random_forest(256, case, seg_len_wide_256, 1500, rng_seed=9500 + case, seed=500 + case, long_build=True)
+
+
+# ---- item transitions: many work items per CTA ----
+# The forward is persistent (one CTA per SM taking (query tile, head) items from a counter), and the
+# layouts above have tens to a few hundred items: most CTAs run one item or none, so the hand-over
+# from one item to the next (the item ring, the Q buffer's release and reload; at D 64 two Q buffers
+# used in turn, docs/notes/2026-12-04-d64-fwd-q-double-buffer.md) runs a few times at most. These
+# forests of many independent small groups give every CTA tens of items: walks of one KV tile
+# (prompts of 1..128 tokens), of a few, ragged last tiles (phantom warpgroups at D 64), responses
+# packed into sibling tiles. Each group is checked against the dense reference of that group alone
+# (the reference of the whole forest would be T^2 dense).
+TRANSITION_PROMPTS = [1, 2, 63, 64, 65, 127, 128, 129, 191, 192, 193, 300]
+TRANSITION_RESPONSES = [1, 2, 17, 63, 64, 65, 128, 129, 191, 192, 193, 250]
+TRANSITION_MODS = ["none", "softcap", "sinks", "window"]
+
+
+def many_small_groups(rng, n_groups):
+    """(lens, parents, groups): `n_groups` GRPO groups of a prompt and 1-4 responses, one after the
+    other; groups[i] = (first segment, end segment, first token, end token) of group i."""
+    lens, parents, groups = [], [], []
+    for _ in range(n_groups):
+        root, start = len(lens), sum(lens)
+        lens.append(rng.choice(TRANSITION_PROMPTS))
+        parents.append(-1)
+        for _ in range(rng.randint(1, 4)):
+            lens.append(rng.choice(TRANSITION_RESPONSES))
+            parents.append(root)
+        groups.append((root, len(lens), start, sum(lens)))
+    return lens, parents, groups
+
+
+def has_long_walk_build(D, mods):
+    """fwd_kernel.cuh fwd_has_long_walk_kernel for the kernels these tests run (no external prefix)."""
+    return (D in (64, 256) and mods in ("none", "sinks")) or (D == 128 and mods == "none")
+
+
+@pytest.mark.parametrize("D", DIMS)
+@pytest.mark.parametrize("mods", TRANSITION_MODS)
+@pytest.mark.parametrize("long_build", [False, True])
+def test_many_items_per_cta(D, mods, long_build, monkeypatch):
+    if mods != "none" and D not in cases.modifier_head_dims():
+        pytest.skip(f"no mask-modifier kernels at D {D}")
+    if long_build and not has_long_walk_build(D, mods):
+        pytest.skip("the kernel has one build")
+    monkeypatch.setenv("DUALKV_CUDA_LONG_WALK_KEYS", "0" if long_build else "1000000000")
+    seed = 600 + 10 * TRANSITION_MODS.index(mods) + (1 if long_build else 0) + D
+    rng = random.Random(seed)
+    H, Hk, n_groups = 32, 8, 48
+    # Every group has at least two forward tiles (its prompt's, and its responses', which no other
+    # group's share): at least 2 * n_groups * H items, several per CTA on any device.
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert 2 * n_groups * H >= 8 * sms, "too few items per CTA to test the item transitions"
+    lens, parents, groups = many_small_groups(rng, n_groups)
+    dtype = DTYPES[seed % 2]
+    layout_cpu = dualkv.Layout.from_tree(lens, parents)
+    q, k, v, _ = make_inputs(layout_cpu, H, Hk, D, dtype, seed)
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    kw = {"softcap": 30.0 if mods == "softcap" else None,
+          "sinks": torch.randn(H, device="cuda", generator=g) + 1.0 if mods == "sinks" else None,
+          "window": 100 if mods == "window" else None}
+    layout = layout_cpu.to("cuda")
+    res = {}
+    names = cuda_kernels_run(lambda: res.update(got=dualkv.attention(q, k, v, layout, return_lse=True, **kw)))
+    assert any("fwd_sm90_kernel" in n for n in names), f"sm90 forward kernel not launched: {sorted(names)}"
+    if has_long_walk_build(D, mods):
+        assert long_walk_flags(names) == {long_build}, sorted(names)
+    out, lse = res["got"]
+    for gi, (s0, s1, t0, t1) in enumerate(groups):
+        sub = dualkv.Layout.from_tree(lens[s0:s1], [-1] + [p - s0 for p in parents[s0 + 1:s1]])
+        qs, ks, vs = q[t0:t1], k[t0:t1], v[t0:t1]
+        sinks = kw["sinks"]
+        r64 = attention_ref(qs.double(), ks.double(), vs.double(), sub, softcap=kw["softcap"], window=kw["window"],
+                            sinks=None if sinks is None else sinks.double())
+        rpt = attention_ref(qs, ks, vs, sub, softcap=kw["softcap"], window=kw["window"], sinks=sinks)
+        errs = []
+        for name, got, a, b in (("out", out[t0:t1], r64[0], rpt[0]), ("lse", lse[:, t0:t1], r64[1], rpt[1])):
+            err = (got.double() - a.double()).abs().max().item()
+            bound = 2 * (b.double() - a.double()).abs().max().item() + ATOL
+            errs.append((name, err, bound))
+        msg = ", ".join(f"{n}: err {e:.3e} bound {b:.3e}" for n, e, b in errs)
+        msg += f" (group {gi}: lens={lens[s0:s1]}, H={H}, Hk={Hk}, D={D}, {dtype}, {mods})"
+        assert all(math.isfinite(e) and e <= b for _, e, b in errs), msg
+    # Same inputs again: bit-identical (which CTA runs an item, and after which, differs run to run).
+    out2, lse2 = dualkv.attention(q, k, v, layout, return_lse=True, **kw)
+    torch.cuda.synchronize()
+    assert torch.equal(out, out2) and torch.equal(lse, lse2), "second run differs (race?)"

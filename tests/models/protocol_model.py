@@ -1,15 +1,17 @@
 #!/usr/bin/env python3
 """Randomised model of the sm90 forward's barrier protocol (src/cuda/sm90/fwd_kernel.cuh), on the CPU.
 
-Mirrors, step for step, the producer thread and the two consumer warpgroups: mbarriers with phase
-parity and transaction counts (TMA completion is an event that fires at a random later time),
-the named ping-pong barriers, the item ring, the Q buffer and the K/V stage ring. Random
-interleavings of many items with random KV-tile counts; checks that
+Mirrors, step for step, the producer thread and the two (--wgs 3: three, D 64's) consumer
+warpgroups: mbarriers with phase parity and transaction counts (TMA completion is an event that
+fires at a random later time), the named barriers of the warpgroups' turn-taking ring, the item
+ring, the Q buffers (--q-buffers 2: D 64's double-buffered Q, item n in buffer n % 2) and the K/V
+stage ring. Random interleavings of many items with random KV-tile counts; checks that
   - nobody deadlocks (every run finishes),
   - TMA never overwrites a buffer that a consumer wgmma may still read (a read lasts from its
     issue to the wgmma wait that retires it),
   - consumers only read the version of a buffer they expect (tile j's K, tile j-1's V, the item's Q).
-Run: python3 tests/models/protocol_model.py [--split] [--no-pingpong] [--runs N]
+--mutant NAME plants a bug in the Q protocol; the run must then fail (printed as "mutant NAME caught").
+Run: python3 tests/models/protocol_model.py [--split] [--no-pingpong] [--wgs 3] [--q-buffers 2] [--runs N]
 """
 from __future__ import annotations
 
@@ -23,19 +25,29 @@ def MBar(count):  # every arrival of this model is accounted for: more than `cou
     return _MBar(count, strict=True)
 
 
-def simulate(rng, n_items, tiles_of, S, split, pingpong):
+# Planted bugs in the Q protocol (each must make a run fail):
+#   q_release_early  a consumer warpgroup arrives on q_empty before the wgmma wait that retires its last S
+#   q_parity_iter    the consumers wait on q_full with the item counter's parity, not the buffer use's
+#   q_one_empty      both Q buffers' loads wait on buffer 0's q_empty (the releases go to each buffer's)
+#   q_same_buffer    the producer loads every Q into buffer 0, the consumers read buffer n % 2
+Q_MUTANTS = ("q_release_early", "q_parity_iter", "q_one_empty", "q_same_buffer")
+
+
+def simulate(rng, n_items, tiles_of, S, split, pingpong, W=2, QB=1, mutant=None):
+    warps = 4 * W  # arrivals per consumer-released barrier: one per consumer warp
     k_full = [MBar(1) for _ in range(S)]
     v_full = [MBar(1) for _ in range(S)]
-    kv_empty = [MBar(8) for _ in range(S)]
-    k_empty = [MBar(8) for _ in range(S)]
-    q_full, q_empty = MBar(1), MBar(8)
+    kv_empty = [MBar(warps) for _ in range(S)]
+    k_empty = [MBar(warps) for _ in range(S)]
+    q_full = [MBar(1) for _ in range(QB)]
+    q_empty = [MBar(warps) for _ in range(QB)]
     item_full = [MBar(1) for _ in range(2)]
-    item_empty = [MBar(8) for _ in range(2)]
+    item_empty = [MBar(warps) for _ in range(2)]
     slots = [None, None]
     K = [Buffer(f"K{s}") for s in range(S)]
     V = [Buffer(f"V{s}") for s in range(S)]
-    Q = Buffer("Q")
-    turn = [NamedBar(), NamedBar()]
+    Q = [Buffer(f"Q{b}") for b in range(QB)]
+    turn = [NamedBar() for _ in range(W)]  # bar.sync / bar.arrive of 256 threads: two warpgroups each
     inflight_tma = []  # (barrier, bytes, buffer)
     counter = [0]
 
@@ -68,9 +80,13 @@ def simulate(rng, n_items, tiles_of, S, split, pingpong):
                 k_full[st].arrive_expect_tx(1)
                 tma(k_full[st], K[st], (item, j))
                 if not q_issued:
-                    yield from wait(lambda: q_empty.ready((q_iter & 1) ^ 1))
-                    q_full.arrive_expect_tx(1)
-                    tma(q_full, Q, item)
+                    qb, use = q_iter % QB, q_iter // QB
+                    if mutant == "q_same_buffer":
+                        qb = 0
+                    wb = 0 if mutant == "q_one_empty" else qb
+                    yield from wait(lambda: q_empty[wb].ready((use & 1) ^ 1))
+                    q_full[qb].arrive_expect_tx(1)
+                    tma(q_full[qb], Q[qb], item)
                     q_iter += 1
                     q_issued = True
                 if split:
@@ -92,9 +108,9 @@ def simulate(rng, n_items, tiles_of, S, split, pingpong):
                 turn[cw].arrive(cw)  # bar.sync: counts this warpgroup, then waits for the generation
                 yield from wait(lambda: turn[cw].generation > gen)
 
-        def turn_pass():
+        def turn_pass():  # to the next warpgroup of the ring
             if pingpong:
-                turn[cw ^ 1].arrive(cw)
+                turn[(cw + 1) % W].arrive(cw)
 
         def read(buf, version):
             assert buf.loaded, f"{me} reads {buf.name} before its TMA completed"
@@ -107,7 +123,7 @@ def simulate(rng, n_items, tiles_of, S, split, pingpong):
                 for b in groups.pop(0):
                     b.readers.discard(me)
 
-        if pingpong and cw == 1:
+        if pingpong and cw == W - 1:
             turn[0].arrive(cw)
         n = 0
         while True:
@@ -118,20 +134,25 @@ def simulate(rng, n_items, tiles_of, S, split, pingpong):
             if item >= n_items:
                 return
             T = tiles_of[item]
-            yield from wait(lambda: q_full.ready(q_iter & 1))
+            qb, use = q_iter % QB, q_iter // QB
+            parity = (q_iter if mutant == "q_parity_iter" else use) & 1
+            yield from wait(lambda: q_full[qb].ready(parity))
             q_iter += 1
             st = kv_iter % S
             yield from wait(lambda: k_full[st].ready((kv_iter // S) & 1))
             yield from turn_wait()
-            groups.append({read(Q, item), read(K[st], (item, 0))})
+            groups.append({read(Q[qb], item), read(K[st], (item, 0))})
             turn_pass()
             yield "step"
+            if mutant == "q_release_early" and T == 1:
+                q_empty[qb].arrive(4)
+                yield "step"  # the S still running
             retire(0)
             if split:
                 k_empty[st].arrive(4)
             more = T > 1
-            if not more:
-                q_empty.arrive(4)
+            if not more and mutant != "q_release_early":
+                q_empty[qb].arrive(4)
             prev = kv_iter
             kv_iter += 1
             j = 1
@@ -141,16 +162,19 @@ def simulate(rng, n_items, tiles_of, S, split, pingpong):
                 pst = prev % S
                 yield from wait(lambda: v_full[pst].ready((prev // S) & 1))
                 yield from turn_wait()
-                groups.append({read(Q, item), read(K[st], (item, j))})
+                groups.append({read(Q[qb], item), read(K[st], (item, j))})
                 groups.append({read(V[pst], (item, j - 1))})
                 turn_pass()
                 yield "step"
+                if mutant == "q_release_early" and j + 1 == T:
+                    q_empty[qb].arrive(4)
+                    yield "step"  # the S still running
                 retire(1)
                 if split:
                     k_empty[st].arrive(4)
                 more = j + 1 < T
-                if not more:
-                    q_empty.arrive(4)
+                if not more and mutant != "q_release_early":
+                    q_empty[qb].arrive(4)
                 yield "step"
                 retire(0)
                 kv_empty[pst].arrive(4)
@@ -167,7 +191,7 @@ def simulate(rng, n_items, tiles_of, S, split, pingpong):
             kv_empty[pst].arrive(4)
             n += 1
 
-    procs = {"producer": producer(), "wg0": consumer(0), "wg1": consumer(1)}
+    procs = {"producer": producer(), **{f"wg{c}": consumer(c) for c in range(W)}}
     steps = 0
     stalled = 0
     while procs:
@@ -203,13 +227,27 @@ def main():
     ap.add_argument("--no-pingpong", action="store_true")
     ap.add_argument("--runs", type=int, default=300)
     ap.add_argument("--stages", type=int, default=2)
+    ap.add_argument("--wgs", type=int, default=2, choices=(2, 3), help="consumer warpgroups (3: D 64's 192-row tiles)")
+    ap.add_argument("--q-buffers", type=int, default=1, choices=(1, 2), help="Q buffers (2: D 64)")
+    ap.add_argument("--mutant", choices=Q_MUTANTS, default=None, help="plant a bug; the runs must catch it")
     args = ap.parse_args()
     rng = random.Random(1)
+    desc = (f"split={args.split}, pingpong={not args.no_pingpong}, stages={args.stages}, wgs={args.wgs}, "
+            f"q_buffers={args.q_buffers}")
     for r in range(args.runs):
         n_items = rng.randint(1, 12)
         tiles_of = [rng.choice([1, 1, 2, 3, rng.randint(1, 9)]) for _ in range(n_items)]
-        simulate(rng, n_items, tiles_of, args.stages, args.split, not args.no_pingpong)
-    print(f"ok: {args.runs} random runs (split={args.split}, pingpong={not args.no_pingpong}, stages={args.stages})")
+        try:
+            simulate(rng, n_items, tiles_of, args.stages, args.split, not args.no_pingpong, args.wgs, args.q_buffers,
+                     args.mutant)
+        except AssertionError as e:  # ProtocolError is one too
+            if args.mutant is None:
+                raise
+            print(f"mutant {args.mutant} caught in run {r}: {e}")
+            return
+    if args.mutant is not None:
+        raise SystemExit(f"mutant {args.mutant} NOT caught in {args.runs} runs ({desc})")
+    print(f"ok: {args.runs} random runs ({desc})")
 
 
 if __name__ == "__main__":

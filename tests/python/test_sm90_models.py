@@ -17,10 +17,36 @@ def run_model(script: str, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(MODELS / script), *args], capture_output=True, text=True, timeout=300)
 
 
-@pytest.mark.parametrize("flags", [[], ["--split"], ["--no-pingpong"], ["--split", "--stages", "3"]])
+# The kernel's forms: two stages with the split K / V release; three consumer warpgroups and two Q
+# buffers at D 64 (fwd_kernel.cuh Sm90FwdConfig::kQBuffers).
+FWD_MODES = [[], ["--split"], ["--no-pingpong"], ["--split", "--stages", "3"], ["--split", "--wgs", "3"],
+             ["--split", "--q-buffers", "2"], ["--split", "--wgs", "3", "--q-buffers", "2"],
+             ["--wgs", "3", "--q-buffers", "2"], ["--split", "--wgs", "3", "--q-buffers", "2", "--no-pingpong"],
+             ["--split", "--wgs", "3", "--q-buffers", "2", "--stages", "3"]]
+
+
+@pytest.mark.parametrize("flags", FWD_MODES, ids=lambda f: " ".join(f) or "default")
 def test_forward_protocol(flags):
     res = run_model("protocol_model.py", "--runs", RUNS, *flags)
     assert res.returncode == 0, res.stdout[-1500:] + res.stderr[-1500:]
+
+
+# Planted bugs in the Q protocol (protocol_model.py Q_MUTANTS). An early q_empty release is masked
+# by two K stages with two Q buffers (item n + 2's Q load follows its first K load, whose stage wait
+# already comes after item n's last S retired: docs/notes/2026-12-04-d64-fwd-q-double-buffer.md), so
+# it is planted with one Q buffer, and with two over three stages.
+FWD_MUTANTS = [
+    (["--split"], "q_release_early"),
+    (["--split", "--wgs", "3", "--q-buffers", "2", "--stages", "3"], "q_release_early"),
+] + [
+    (["--split", "--wgs", "3", "--q-buffers", "2"], m) for m in ("q_parity_iter", "q_one_empty", "q_same_buffer")
+]
+
+
+@pytest.mark.parametrize("flags,mutant", FWD_MUTANTS, ids=lambda x: x if isinstance(x, str) else " ".join(x))
+def test_forward_protocol_catches_planted_bug(flags, mutant):
+    res = run_model("protocol_model.py", "--runs", RUNS, *flags, "--mutant", mutant)
+    assert res.returncode == 0 and f"mutant {mutant} caught" in res.stdout, res.stdout[-1500:] + res.stderr[-1500:]
 
 
 def test_forward_protocol_finds_the_one_stage_deadlock():

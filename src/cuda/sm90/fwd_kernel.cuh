@@ -3,9 +3,11 @@
 //
 //   warpgroup 0 (producer, 40 registers): one thread takes (query tile, head) items from the plan
 //     through the atomic counter, hands each to the consumers through a 2-slot ring in smem, and
-//     issues the TMA loads: the 128-row Q tile, then the K and V tiles of the KV ranges the tile
-//     sees (ancestors from the parent to the root, full; then its own segment up to its last
-//     query), into a kStages-deep ring completing on mbarriers.
+//     issues the TMA loads: the item's first K tile, its Q tile (kBlockM rows; at D 64 into the
+//     other of two Q buffers, so it loads while the previous item still runs), then the rest of
+//     the K and V tiles of the KV ranges the tile sees (ancestors from the parent to the root,
+//     full; then its own segment up to its last query), into a kStages-deep ring completing on
+//     mbarriers.
 //   warpgroups 1, 2 [, 3] (consumers, 232 registers; 160 with three): 64 query rows each. Per KV tile j:
 //     S_j = Q K_j^T (wgmma, both operands in smem), issued together with O += P_{j-1} V_{j-1}
 //     (wgmma, P from registers, V in smem read N-major), so that the softmax of tile j overlaps
@@ -17,7 +19,9 @@
 //
 // Barriers (all mbarriers in smem):
 //   item_full[2] / item_empty[2]   work item hand-off (producer -> consumers -> producer)
-//   q_full / q_empty               Q tile loaded / every consumer warp done reading it
+//   q_full[b] / q_empty[b]         Q buffer b loaded / every consumer warp done reading it (one
+//                                  buffer, two at D 64: Sm90FwdConfig::kQBuffers; item n uses
+//                                  buffer n % kQBuffers, its use n / kQBuffers of that buffer)
 //   k_full[S], v_full[S] / kv_empty[S]   KV stage loaded / every consumer warp done with it
 //   k_empty[S]                     every consumer warp done with the K tile of a stage: released
 //                                  once S = Q K^T completes, so the next K load has a whole
@@ -108,8 +112,19 @@ struct Sm90FwdConfig {
   static constexpr uint32_t kKVBytes = kBlockN * D * 2;  // one K (or V) tile
   static constexpr uint32_t kQBoxBytes = kBlockM * 128;
   static constexpr uint32_t kKVBoxBytes = kBlockN * 128;
-  // smem: Q | K[stages] | V[stages] | O (D <= 128) | barriers + item slots. Tiles 1024-byte aligned.
-  static constexpr uint32_t kOffK = kQBytes;
+  // Q buffers: two at D 64, so that the producer loads the next item's Q while this item's last
+  // tiles run (docs/notes/2026-12-04-d64-fwd-q-double-buffer.md). With one, the next item's Q load
+  // could only start once every consumer warp had retired the item's last S = Q K^T (q_empty), and
+  // the next item's first S waited for the load's whole latency at every item transition. The
+  // second buffer costs 24 KiB at D 64 (16 KiB in the window kernels' 128-row tiles): 140,448 B of
+  // shared memory (115,872 B with a window), one CTA per SM as before. Above D 64 one: at D 256 and
+  // in the D-128 kernels of 160-row KV tiles a second Q does not fit (230,528 B of 232,448 already);
+  // the D-128 kernels of 128-row KV tiles would just fit (230,528 B), left single-buffered until the
+  // D-64 change is measured (their code is the same as before: one buffer, phase q_iter & 1).
+  static constexpr int kQBuffers = D == 64 ? 2 : 1;
+  // smem: Q[buffers] | K[stages] | V[stages] | O (D <= 128) | barriers + item slots. Tiles 1024-byte
+  // aligned (every Q buffer is a multiple of 1024 bytes: 64-row boxes of 128 bytes).
+  static constexpr uint32_t kOffK = kQBuffers * kQBytes;
   static constexpr uint32_t kOffV = kOffK + kStages * kKVBytes;
   // The O epilogue through smem and a TMA store (issue 23, FA3's epilogue): a consumer warpgroup
   // stages its 64 normalised rows and hands them to the TMA engine instead of storing from
@@ -123,9 +138,13 @@ struct Sm90FwdConfig {
   static constexpr uint32_t kOBoxBytes = 64 * 128;      // 64 rows x 64 columns, 128B swizzle
   static constexpr uint32_t kOffO = kOffV + kStages * kKVBytes;
   static constexpr uint32_t kOffBar = kOffO + kOBytes;
-  static constexpr uint32_t kBarBytes = 8 * (4 * kStages + 2 + 4) + 16;
+  // k_full, v_full, kv_empty, k_empty per stage; q_full, q_empty; item_full[2], item_empty[2]; the
+  // item slots (16 bytes); with two Q buffers their q_full[2], q_empty[2] after k_empty (Sm90Barriers).
+  static constexpr uint32_t kBarBytes = 8 * (4 * kStages + 2 + 4) + 16 + (kQBuffers == 2 ? 32 : 0);
   static constexpr uint32_t kSmemBytes = kOffBar + kBarBytes + 1024;  // + alignment slack
   static_assert(D % 64 == 0, "head dim must be a multiple of 64");
+  static_assert(kQBuffers == 1 || kQBuffers == 2, "one or two Q buffers");
+  static_assert(kQBytes % 1024 == 0, "every Q buffer starts 1024-byte aligned (128B swizzle)");
   static_assert(kBlockM % 64 == 0 && (kConsumerWGs == 2 || kConsumerWGs == 3), "64 query rows per consumer warpgroup");
   static_assert(kOBarrier + kConsumerWGs <= 16, "named barriers 0..15");
   static_assert(kSmemBytes <= kSm90SmemOptinBytes,
@@ -150,8 +169,8 @@ struct Sm90Barriers {
   uint64_t* v_full;
   uint64_t* kv_empty;
   uint64_t* k_empty;
-  uint64_t* q_full;
-  uint64_t* q_empty;
+  uint64_t* q_full;   // [kQBuffers]: Q buffer b loaded
+  uint64_t* q_empty;  // [kQBuffers]: every consumer warp done reading Q buffer b
   uint64_t* item_full;
   uint64_t* item_empty;
   int32_t* items;
@@ -240,6 +259,12 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
   B.item_empty = bars + 3 * S + 4;
   B.items = reinterpret_cast<int32_t*>(bars + 3 * S + 6);
   B.k_empty = bars + 3 * S + 8;
+  if constexpr (C::kQBuffers == 2) {
+    // Two per array, after k_empty (kBarBytes counts them); the single-buffer slots above stay
+    // unused, so the one-buffer kernels' barrier addresses are as they were.
+    B.q_full = bars + 4 * S + 8;
+    B.q_empty = bars + 4 * S + 10;
+  }
 
   const FwdArgs& a = p.a;
   const LayoutPtrs& L = a.layout;
@@ -260,8 +285,10 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
       mbar_init(&B.kv_empty[i], kConsumerWarps);
       mbar_init(&B.k_empty[i], kConsumerWarps);
     }
-    mbar_init(B.q_full, 1);
-    mbar_init(B.q_empty, kConsumerWarps);
+    for (int b = 0; b < C::kQBuffers; ++b) {
+      mbar_init(&B.q_full[b], 1);
+      mbar_init(&B.q_empty[b], kConsumerWarps);
+    }
     for (int i = 0; i < 2; ++i) {
       mbar_init(&B.item_full[i], 1);
       mbar_init(&B.item_empty[i], kConsumerWarps);
@@ -323,12 +350,37 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
           tma_load_3d(sK + st * C::kKVBytes + b * C::kKVBoxBytes, tk, &B.k_full[st], b * 64, hk, kv.pos);
         if (!q_issued) {
           // Q after the first K tile, so the K load of a new item is not held up by the
-          // consumers still reading the previous Q.
-          mbar_wait(B.q_empty, (q_iter & 1) ^ 1);
-          mbar_arrive_expect_tx(B.q_full, C::kQBytes);
+          // consumers still reading a previous Q.
+          // Item q_iter's Q goes to buffer qb = q_iter % kQBuffers, as use u = q_iter / kQBuffers of
+          // that buffer: q_full[qb] completes its phase u when the load lands (the consumers wait
+          // for parity u & 1), and q_empty[qb] its phase u when all consumer warps have retired
+          // their last S of that item (its 12 or 8 arrivals). Before use u the producer waits for
+          // phase u - 1 of q_empty[qb] (parity (u & 1) ^ 1; for u = 0 the wait for the phase before
+          // a fresh barrier's first returns at once), so a load never overwrites a buffer a
+          // consumer's wgmma may still read: a consumer warp arrives on q_empty only after the
+          // wgmma wait that retires its last S = Q K^T of the item (the S group is committed before
+          // that tile's P V group, so wait_group 1 retires it). The parities are unambiguous: each
+          // waiter is at most one phase behind (its wait for the buffer's previous use saw the phase
+          // before complete) and the barrier cannot run a phase ahead of it (phase u of q_empty[qb]
+          // needs use u's load, issued after this wait; phase u + 1 of q_full[qb], which a consumer
+          // waiting for phase u must not see, needs that consumer's own release of use u).
+          // With two buffers (D 64) the wait is for the item before the previous one, released
+          // long before: where the previous item walks two tiles or more, the K stage waited for
+          // just above held one of its tiles, and every consumer warp arrives on the older item's
+          // q_empty before any k_empty of the previous item (the consumers go in item order);
+          // where it walks one tile, that stage held the older item's last K, and each warp
+          // arrives on q_empty right after its k_empty for it. So this item's Q load starts with
+          // its first K load, while the previous item's last tiles run, instead of after every
+          // consumer warpgroup's last S of the previous item. (With two K stages that first K load
+          // already waits for a K tile that every warp released after retiring the older item's
+          // last S, so q_empty orders nothing more there; it keeps the protocol correct with more
+          // stages or Q loaded first: tests/models/protocol_model.py checks both.)
+          const uint32_t qb = q_iter % C::kQBuffers, q_use = q_iter / C::kQBuffers;
+          mbar_wait(&B.q_empty[qb], (q_use & 1) ^ 1);
+          mbar_arrive_expect_tx(&B.q_full[qb], C::kQBytes);
 #pragma unroll
           for (int b = 0; b < C::kBoxes; ++b)
-            tma_load_3d(sQ + b * C::kQBoxBytes, &p.tq, B.q_full, b * 64, h, q0);
+            tma_load_3d(sQ + qb * C::kQBytes + b * C::kQBoxBytes, &p.tq, &B.q_full[qb], b * 64, h, q0);
           ++q_iter;
           q_issued = true;
         }
@@ -410,6 +462,10 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
     const int32_t q0 = items[tile * kFwdItemInts + 1];
     const int32_t q1 = items[tile * kFwdItemInts + 2];
     const int32_t qi0 = q0 + row_in_tile;  // query token of rows r = 0 (qi0) and r = 1 (qi0 + 8)
+    // The item's Q buffer and its use of it, as the producer counts them (its comment at the Q load
+    // says why this protocol is safe). This warpgroup's 64 rows of it start at q_item.
+    const uint32_t qb = q_iter % C::kQBuffers, q_use = q_iter / C::kQBuffers;
+    const uint32_t q_item = q_base + qb * C::kQBytes;
     // This warpgroup's rows of the item, [wg_first, wg_last]; none (a phantom warpgroup of a ragged
     // last tile) when wg_first >= q1. A KV tile of an own range that starts after wg_last hides every
     // key from all of them (a row sees its own range's keys up to itself). The walk ends with its
@@ -455,7 +511,7 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
     // S = Q K^T for the stage `st` into s.
     auto issue_qk = [&](uint32_t st) {
       const uint32_t kb = k_base + st * C::kKVBytes;
-      const uint64_t dq = make_desc_sw128(q_base, 16, 1024), dk = make_desc_sw128(kb, 16, 1024);
+      const uint64_t dq = make_desc_sw128(q_item, 16, 1024), dk = make_desc_sw128(kb, 16, 1024);
 #pragma unroll
       for (int kk = 0; kk < D / 16; ++kk) {
         const uint32_t box = kk / 4, within = (kk % 4) * 32;
@@ -560,9 +616,9 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
         __syncwarp();
         if (lane == 0) mbar_arrive(&B.k_empty[kst]);
         more_tiles = walk_next();
-        if (!more_tiles) {
+        if (!more_tiles) {  // no S read the Q buffer here: its release keeps the item's count
           __syncwarp();
-          if (lane == 0) mbar_arrive(B.q_empty);
+          if (lane == 0) mbar_arrive(&B.q_empty[qb]);
         }
         if (have_prev_v) {
           __syncwarp();
@@ -583,7 +639,7 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
       kv_iter = __shfl_sync(0xffffffffu, kv_iter, 0);
     };
 
-    mbar_wait(B.q_full, q_iter & 1);
+    mbar_wait(&B.q_full[qb], q_use & 1);
     ++q_iter;
     if constexpr (kSkipHidden) {
       if (!live) {  // every tile hidden (the first tile of a live warpgroup's walk never is)
@@ -607,9 +663,9 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
     int32_t kpos = kv.pos, krem = kv.rest(), kcur = kv.cur;
     bool own = kv.own;
     bool more = walk_next();
-    if (!more) {
+    if (!more) {  // the item's only S retired (wait_group 0 above): its Q buffer may be reloaded
       __syncwarp();
-      if (lane == 0) mbar_arrive(B.q_empty);
+      if (lane == 0) mbar_arrive(&B.q_empty[qb]);
     }
     {
       float alpha[2];
@@ -655,9 +711,9 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
       float alpha[2];  // softmax() reads only what was captured above, not the walk's state
       if constexpr (kSoftmaxBeforeWalk) softmax(kpos, krem, own, kcur, alpha);
       more = walk_next();
-      if (!more) {
+      if (!more) {  // the item's last S retired (wait_group 1 above): its Q buffer may be reloaded
         __syncwarp();
-        if (lane == 0) mbar_arrive(B.q_empty);
+        if (lane == 0) mbar_arrive(&B.q_empty[qb]);
       }
       if constexpr (!kSoftmaxBeforeWalk) softmax(kpos, krem, own, kcur, alpha);
       wgmma_wait<0>();
