@@ -54,6 +54,26 @@ def main() -> int:
                     (out.float().sum() + lse.sum()).backward()
                     torch.cuda.synchronize()
                     print(f"ok {label} D={D} lens={lens} det={det}", flush=True)
+        # Many items per CTA (the forward is persistent; the layouts above give a CTA one item or
+        # none): 8 small groups x 32 query heads, at least 512 forward items, so every CTA hands
+        # items over several times (the Q buffers in turn at D 64, docs/notes/2026-12-04-d64-fwd-q-double-buffer.md).
+        # Forward only: the hand-over is the forward's.
+        lens, parents = [], []
+        for g in range(8):
+            root = len(lens)
+            lens += [1 + 37 * g, 1, 65, 130]
+            parents += [-1, root, root, root]
+        layout = dualkv.Layout.from_tree(lens, parents).to("cuda")
+        T = layout.num_tokens
+        mods_of = [("plain", {})] if D in plain else [("plain", {}), ("softcap", {"softcap": 5.0}),
+                                                       ("window=48", {"window": 48})]
+        for label, mods in mods_of:
+            q = torch.randn(T, 32, D, device="cuda", dtype=torch.bfloat16)
+            k, v = (torch.randn(T, 8, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+            lay = dualkv.Layout.from_tree(lens, parents).to("cuda", windows=(48,)) if "window" in mods else layout
+            dualkv.attention(q, k, v, lay, return_lse=True, **mods)
+            torch.cuda.synchronize()
+            print(f"ok many items {label} D={D} long_walks={long_walks}", flush=True)
         # External prefix segments (issue 17): a group whose 150-row prompt lives in the prefix
         # buffers (prefix 1; prefix 0, 3 rows, is unused), ragged responses, then an ordinary group.
         layout = dualkv.Layout.from_tree([0, 70, 1, 129, 5, 3], [-1, 0, 0, 0, -1, 4], [1, -1, -1, -1, -1, -1],
