@@ -50,7 +50,7 @@
 #include "sm90/wgmma_ops.cuh"
 #include "tile_size.h"
 
-// A re-test switch (candidate, not measured; docs/notes/2026-12-04-d64-fwd-q-double-buffer.md §5):
+// A re-test switch (candidate, not measured; docs/notes/2026-12-04-d64-fwd-q-double-buffer.md §4):
 // the D-64 kernels with the softmax of a KV tile before the walk advances (kSoftmaxBeforeWalk, as
 // at D 128 and 256). Measured 1.02-1.035 of the kernel time at D 64 in session 24, with one Q
 // buffer, where that order also moved each warp's q_empty arrive after the last tile's softmax and
