@@ -337,7 +337,8 @@ def test_many_items_per_cta(D, mods, long_build, monkeypatch):
     kw = {"softcap": 30.0 if mods == "softcap" else None,
           "sinks": torch.randn(H, device="cuda", generator=g) + 1.0 if mods == "sinks" else None,
           "window": 100 if mods == "window" else None}
-    layout = layout_cpu.to("cuda")
+    # A windowed forward needs the plan cut to its window (Layout.to(device, windows=...)).
+    layout = layout_cpu.to("cuda", windows=(kw["window"],)) if kw["window"] else layout_cpu.to("cuda")
     res = {}
     names = cuda_kernels_run(lambda: res.update(got=dualkv.attention(q, k, v, layout, return_lse=True, **kw)))
     assert any("fwd_sm90_kernel" in n for n in names), f"sm90 forward kernel not launched: {sorted(names)}"

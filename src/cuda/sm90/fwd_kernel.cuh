@@ -50,17 +50,6 @@
 #include "sm90/wgmma_ops.cuh"
 #include "tile_size.h"
 
-// A re-test switch (candidate, not measured; docs/notes/2026-12-04-d64-fwd-q-double-buffer.md §4):
-// the D-64 kernels with the softmax of a KV tile before the walk advances (kSoftmaxBeforeWalk, as
-// at D 128 and 256). Measured 1.02-1.035 of the kernel time at D 64 in session 24, with one Q
-// buffer, where that order also moved each warp's q_empty arrive after the last tile's softmax and
-// so delayed the next item's Q load at every item transition; with two Q buffers that arrive only
-// gates the load of the item after next. Off by default: build with
-// -DDUALKV_SM90_FWD64_SOFTMAX_BEFORE_WALK=1 (CMAKE_CUDA_FLAGS) to measure it.
-#ifndef DUALKV_SM90_FWD64_SOFTMAX_BEFORE_WALK
-#define DUALKV_SM90_FWD64_SOFTMAX_BEFORE_WALK 0
-#endif
-
 namespace dualkv::cuda::sm90 {
 
 // ---- Kernels per walk length (issue 23) ----
@@ -425,10 +414,13 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
   // (static SASS, D 128; docs/notes/2026-12-03-fwd-sass-comparison.md). Measured (H200, forward
   // kernel time against main's kernels, 5 rounds, outputs bit for bit equal): D 128 with the uniform
   // descriptors 0.979-0.999 on 9 GRPO layouts and classes in one run, 0.986-0.994 on 5 in another;
-  // alone 0.985-1.118. D 64 keeps the order after walk_next (1.02-1.035, with one Q buffer), unless
-  // built with DUALKV_SM90_FWD64_SOFTMAX_BEFORE_WALK=1 (the re-test with two Q buffers, above). D 256
-  // with the next one (alone 0.979-1.014, trees slower).
-  constexpr bool kSoftmaxBeforeWalk = D >= 128 || (D == 64 && DUALKV_SM90_FWD64_SOFTMAX_BEFORE_WALK != 0);
+  // alone 0.985-1.118. D 256 with the next one (alone 0.979-1.014, trees slower). D 64 with one Q
+  // buffer: 1.02-1.035 on 9 of 9 layouts (session 24; each warp's q_empty arrive then came after the
+  // last tile's softmax and delayed the next item's Q). With two Q buffers (measured 2026-12-04, H200,
+  // 5 rounds, against main's one-buffer kernels; docs/notes/2026-12-04-d64-fwd-q-double-buffer.md):
+  // 0.980-0.991 on the 6 short-walk layouts of mean walks 1.3K-4.2K keys, but 1.013 on small groups
+  // (0.5K) and 1.014 / 1.027 on the long-walk build's layouts (12.9K / 6.1K): the short-walk build only.
+  constexpr bool kSoftmaxBeforeWalk = D >= 128 || (D == 64 && !kLongWalks);
   // D 256 (FA3 / FA4's order there, docs/notes/2026-12-03-fa4-d256-forward-comparison.md): O is
   // rescaled by the previous tile's factors right after this tile's QK^T is issued, under it,
   // instead of after the P V wait, so a warpgroup's chain from its own P V's end to its next issue
