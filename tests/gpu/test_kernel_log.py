@@ -38,6 +38,7 @@ def built(direction: str) -> bool:
     return 128 in [int(d) for d in kernels.get("sm90", {}).get(direction, [])]
 
 
+@pytest.mark.cuda_head_dims(128)
 def test_log_names_the_kernels():
     lines = kernel_log()
     assert any(line.startswith("[dualkv] fwd: ") for line in lines), lines
@@ -51,6 +52,7 @@ def test_log_names_the_kernels():
         assert "device is not sm_90" in fwd or "sm90" not in fwd, fwd
 
 
+@pytest.mark.cuda_head_dims(128)
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() != (9, 0),
                     reason="the Hopper kernels apply to sm_90 only")
 def test_log_gives_the_reason_of_a_fallback():
@@ -101,6 +103,7 @@ def test_log_names_a_plan_cut_for_the_portable_kernels():
     assert bwd.startswith("[dualkv] bwd: sm90 wgmma") or not built("bwd"), bwd
 
 
+@pytest.mark.cuda_head_dims(128)
 def test_no_log_without_the_switch():
     e = {k: v for k, v in os.environ.items() if k != "DUALKV_LOG_KERNELS"}
     e["PYTHONPATH"] = str(ROOT / "python") + os.pathsep + e.get("PYTHONPATH", "")

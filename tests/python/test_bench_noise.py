@@ -93,6 +93,7 @@ def test_noise_main_chunked_truth_equals_sdpa_truth(noise, tmp_path):
 
 
 @pytest.mark.gpu
+@pytest.mark.cuda_head_dims(128)
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_noise_gpu_tiny_reports_phase_peaks(noise, tmp_path):
     """On the GPU (0.6b shape: head dim 128, which every build has): both std backends and dualkv are

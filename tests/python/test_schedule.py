@@ -431,6 +431,7 @@ def test_phase_c_frees_the_phase_b_buffers_while_the_caller_holds_the_last_loss(
 
 
 @pytest.mark.gpu
+@pytest.mark.cuda_head_dims(128)
 def test_cuda_phase_c_peak_with_offloaded_gradients(monkeypatch):
     """On the H200: a bf16 Qwen3 shape (hidden = 4 x KV width, as 8B) at P = 4096, checkpointing on.
     offload_prompt_grads takes phase_c_peak_bound (7/8 of the gradient buffers here) off phase C's
@@ -474,6 +475,7 @@ def test_cuda_phase_c_peak_with_offloaded_gradients(monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.cuda_head_dims(128)
 def test_cuda_offloaded_prompt_activations_bitwise_and_off_the_device(monkeypatch):
     """On the H200, the default prompt phase (recompute_prompt=False, offload_prompt_activations):
     phase A leaves on the device its keys and values and last hidden state only (the checkpointed

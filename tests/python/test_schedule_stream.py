@@ -228,6 +228,7 @@ def test_prompt_state_factor_streamed():
 
 
 @pytest.mark.gpu
+@pytest.mark.cuda_head_dims(128)
 def test_cuda_streamed_prompt_state_bitwise_and_off_the_device():
     """On the H200: bf16 Qwen3 shape (hidden 1024, 16 layers, 2 KV heads of 128), checkpointing on,
     one group of P = 8192 and 8 responses of 256 in 4 response micro-batches (max_tokens 513,
