@@ -264,6 +264,20 @@ BENCHMARKS = {
                           "against e91c2c5 (5 rounds), .skip.profile_short.log the 64-row build forced on every plan "
                           "(DUALKV_CUDA_LONG_WALK_KEYS=1e8, 5 rounds), .skip.check.log bit for bit with every modifier, "
                           ".skip.tests.log / .skip.sanitize.log the merged library's D-256 GPU tests and sanitizers",
+    "ab_fwd_d64_qdb_sbw": "bench/attention.py --head-dim 64 --classes all --configs 16,4096,1024;8,16384,2048: "
+                          "dualkv (b53d53e's D-64 kernels: two Q buffers, the softmax before the walk in the "
+                          "short-walk build) against main a12840b's build as dualkv_ab, with FA4 dense and Flex-FA4, "
+                          "2 rounds (issue 23, session 28; step bench-classes); .gap.log: event against kernel time, one library per process; "
+                          ".profile_qdb_everywhere.log / .profile_short_build*.log / .profile*.log: tools/ab_libraries.py, "
+                          "forward kernel time against main on 9 layouts (and window 128 + sinks, softcap 30 on 4), D 64, "
+                          "5 rounds, for the two buffers alone and with the softmax moved everywhere, in the short-walk "
+                          "build, and in it without the window kernels (merged); .check.log bit for bit with every "
+                          "modifier; .tests.log / .sanitize.log the D-64 GPU tests and sanitizers (the 7 failures: "
+                          "tests of head dim 128 on a D-64-only build, skipped since by the cuda_head_dims marker); "
+                          ".many_items_first.log: the new many-items test's first run (its window case built an "
+                          "uncut plan, fixed)",
+    "ab_fwd_d64_qdb_sbw_swapped": "ab_fwd_d64_qdb_sbw's class run with the libraries swapped (main a12840b as "
+                                  "dualkv, b53d53e's D-64 kernels as dualkv_ab), dualkv only, 3 rounds (session 28)",
     "ab_fwd_d64_descriptors": "bench/attention.py --head-dim 64 --classes all --configs 16,4096,1024;8,16384,2048: "
                               "dualkv with the D-64 forward's descriptors from one base (branch fwddesc64, efb441a, "
                               "merged) against FA4 dense, 3 rounds (issue 23, session 23); .profile.log: "

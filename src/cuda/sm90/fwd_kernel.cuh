@@ -418,7 +418,7 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
   // buffer: 1.02-1.035 on 9 of 9 layouts (session 24; each warp's q_empty arrive then came after the
   // last tile's softmax and delayed the next item's Q). With two Q buffers (measured 2026-12-04, H200,
   // 5 rounds, against main's one-buffer kernels; docs/notes/2026-12-04-d64-fwd-q-double-buffer.md):
-  // 0.980-0.991 on the 6 short-walk layouts of mean walks 1.3K-4.2K keys, but 1.013 on small groups
+  // 0.971-0.991 on the 6 short-walk layouts of mean walks 1.3K-4.2K keys (3 runs), but 1.010-1.013 on small groups
   // (0.5K) and 1.014 / 1.027 on the long-walk build's layouts (12.9K / 6.1K); softcap 0.984-0.995 on 4
   // layouts, but the window kernels (128-row tiles, two warpgroups) 1.013-1.021 with window 128 +
   // sinks: the short-walk build without a window only.
