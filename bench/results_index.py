@@ -129,8 +129,9 @@ BENCHMARKS = {
                    "step bench-classes)",
     "classes_h256": "bench/attention.py --head-dim 256 --classes all, the same library and peers, 2 rounds (issue 23; "
                     "step bench-classes)",
-    "e2e_flex_fa4_1.7b": "bench/e2e.py, Qwen3-1.7B shape, std / dualkv / Flex-FA4 (automatic dynamic shapes), P 8K and "
-                         "16K, 4 micro-batches, 3 updates after 1 warm-up (issue 23's end-to-end bar; step e2e-all)",
+    "e2e_flex_fa4_1.7b": "bench/e2e.py, Qwen3-1.7B shape, dualkv / Flex-FA4 (automatic dynamic shapes; std in the "
+                         "session-19 run, git history), P 8K and 16K, 4 micro-batches, 3 updates after 1 warm-up "
+                         "(issue 23's end-to-end bar; step e2e-all, E2E_METHODS=dualkv,flex_fa4)",
     "ab_plan_families_d128": "bench/attention.py --head-dim 128 --ab-library, Hopper path, main 455fe6e's library (the "
                              "plan-family merge) against 73d685e, every config + varlen, 3 rounds: the no-regression "
                              "check (step ab); .sass.log: tools/sass_compare.py --params, every D-128 / D-256 kernel the "
