@@ -240,7 +240,8 @@ def measure(method, model, data, max_tokens, args, device, base):
                 rec["peak_bytes"] = live.peak
             plan = out["plan"]
             rec.update(status="ok", seconds=statistics.median(samples), samples=samples,
-                       micro_batches=plan.micro_batches_per_rank, prompt_state_factor=plan.prompt_state_factor,
+                       micro_batches=plan.micro_batches_per_rank, packed_tokens=plan.total_tokens,
+                       split_groups=len(plan.split_groups), prompt_state_factor=plan.prompt_state_factor,
                        prompt_phases=len(plan.prompt_phases[0])
                        if plan.prompt_phases else 0, loss=out["loss"],
                        logp0=out["logprobs"][0][0].float().cpu())
