@@ -279,6 +279,11 @@ BENCHMARKS = {
                           "uncut plan, fixed)",
     "ab_fwd_d64_qdb_sbw_swapped": "ab_fwd_d64_qdb_sbw's class run with the libraries swapped (main a12840b as "
                                   "dualkv, b53d53e's D-64 kernels as dualkv_ab), dualkv only, 3 rounds (session 28)",
+    "trainer_budget_e2e_1.7b": "bench/trainer_budget_e2e.py, Qwen3-1.7B shape, 4 groups of N 16 (P <= 8K, R <= 1K, drawn "
+                               "as bench/e2e.py draws them), budgets 16,384 (veRL's default: every group split) and "
+                               "32,768 (whole groups), dualkv with the prompt once against Flex-FA4 on the split plan, "
+                               "1 warm-up + 3 updates (issue 23, session 28; step trainer-budget); .txt regenerated "
+                               "from the JSON after the table's split-plan columns were fixed",
     "ab_fwd_d64_descriptors": "bench/attention.py --head-dim 64 --classes all --configs 16,4096,1024;8,16384,2048: "
                               "dualkv with the D-64 forward's descriptors from one base (branch fwddesc64, efb441a, "
                               "merged) against FA4 dense, 3 rounds (issue 23, session 23); .profile.log: "

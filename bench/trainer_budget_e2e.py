@@ -87,7 +87,7 @@ def compare(records) -> None:
 
 def summary(results) -> str:
     head = (f"{'model':>5} {'P':>6} {'N':>3} {'R':>5} {'G':>2} {'budget':>6} {'split':>5} {'mbs s/o':>7} "
-            f"{'tokens s/o':>10} {'once s':>8} {'split s':>8} {'flex s':>9} {'split/once':>10} "
+            f"{'tokens s/o':>13} {'once s':>8} {'split s':>8} {'flex s':>9} {'split/once':>10} "
             f"{'flex/once':>9} {'bar':>4}")
     lines = [head, "-" * len(head)]
     cellmap: dict = {}
@@ -104,11 +104,14 @@ def summary(results) -> str:
         ratio = once.get("flex_fa4_split_over_once", once.get("flex_split_over_once"))
         fa4_ratio = once.get("flex_fa4_split_over_once")  # the bar is against Flex-FA4 only
         bar = "-" if fa4_ratio is None else ("MET" if fa4_ratio >= BAR else "NOT")
-        split_groups = split.get("split_groups", once.get("split_groups", "-"))
-        tokens = f"{split.get('packed_tokens', '-')}/{once.get('packed_tokens', '-')}"
+        # the split plan's figures from whichever method ran it (split, or Flex on it)
+        plan = next((r for r in (split, m.get("flex_fa4_split"), m.get("flex_split")) if r and r.get("status") == "ok"),
+                    {})
+        split_groups = plan.get("split_groups", once.get("split_groups", "-"))
+        tokens = f"{plan.get('packed_tokens', '-')}/{once.get('packed_tokens', '-')}"
         lines.append(f"{b['model']:>5} {b['P']:>6} {b['N']:>3} {b['R']:>5} {b['G']:>2} {b['max_tokens']:>6} "
-                     f"{split_groups:>5} {split.get('micro_batches', '-')!s:>3}/{once.get('micro_batches', '-')!s:<3} "
-                     f"{tokens:>10} {sec(once):>8} {sec(split):>8} {sec(flex):>9} "
+                     f"{split_groups:>5} {plan.get('micro_batches', '-')!s:>3}/{once.get('micro_batches', '-')!s:<3} "
+                     f"{tokens:>13} {sec(once):>8} {sec(split):>8} {sec(flex):>9} "
                      f"{once.get('split_over_once', float('nan')):>10.3f} "
                      f"{(ratio if ratio is not None else float('nan')):>9.3f} {bar:>4}")
     lines.append(f"split: groups the budget split; tokens s/o: packed tokens of the split plan / of the once plan "
@@ -134,7 +137,8 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=2, help="warm-up updates (compiles; bench/prompt_once_e2e.py's 2)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    ap.add_argument("--tiny", action="store_true", help="tiny model, P 48, R 8, N 4, G 2, B 64 (groups split) and 128 (whole) (CPU smoke test)")
+    ap.add_argument("--tiny", action="store_true",
+                    help="tiny model, P 48, R 8, N 4, G 2, B 64 (groups split) and 128 (whole): CPU smoke test")
     ap.add_argument("--method-timeout", type=float, default=0, help="seconds per method and cell (0: none)")
     ap.add_argument("--allow-dirty", action="store_true")
     ap.add_argument("--seed", type=int, default=0)

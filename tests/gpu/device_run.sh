@@ -2,7 +2,7 @@
 # What one device session runs, step by step; logs and JSON go to $OUT (or ./device-out).
 #   tests/gpu/device_run.sh [fa4-stage] [fa4-install] [tests] [sanitize] [bench-quick|bench] [bench-dims] [bench-classes]
 #                           [bench-portable] [ab] [ab-check] [e2e] [e2e-flex] [e2e-all] [e2e-grid] [noise]
-#                           [wheels] [hybrid-tests] [hybrid] [trl-step] [prompt-once] [bench-mods] [e2e-mods]
+#                           [wheels] [hybrid-tests] [hybrid] [trl-step] [prompt-once] [trainer-budget] [bench-mods] [e2e-mods]
 #                           [ncu-stalls]
 # The library is $DUALKV_LIBRARY (default build-h200/libdualkv.so, a 90a build made on the host and
 # carried: docs/hopper.md "Running it"). Every benchmark refuses a tree that is not a commit (commit
@@ -120,6 +120,12 @@
 #                shape was cut inside Flex-FA4's first block-mask build (after dualkv and fa4_dense of the first
 #                config, ~20 s): give each shape ~170 s, i.e. one shape per call with MODS_SHAPES (e.g. "cap50"), or all three
 #                in a ~9 min call
+#   trainer-budget  issue 23's end-to-end comparison under a trainer's token budget: bench/trainer_budget_e2e.py,
+#                $BUDGET_MODEL (default 1.7b), P $BUDGET_PROMPTS (default 8192), R 1024, N 16, 4 groups drawn as
+#                bench/e2e.py draws them, budgets $BUDGET_TOKENS (default 16384,32768: veRL's default splits
+#                the groups, 32K keeps them whole), methods $BUDGET_METHODS (default once,flex_fa4_split; FA4
+#                via fa4-install first), 1 warm-up + 3 timed updates, cut at $BUDGET_CAP (default 570) s;
+#                measured 2026-12-04 (session 28, 1.7B, both budgets, once and Flex-FA4): 112 s after the install
 #   prompt-once  issue 17's acceptance: bench/prompt_once_e2e.py for ONE model per call, $ONCE_MODEL (default
 #                1.7b: run it first, then 8b), P $ONCE_PROMPTS (default 8192,16384), R $ONCE_RESPONSES (default
 #                1024), k $ONCE_K (default 2,4; max_tokens = P + ceil(16 R / k)), plus the k = 1 control per
@@ -309,6 +315,14 @@ for n in ('fla-core', 'trl', 'datasets', 'accelerate'):
                     --tag "mods_$name" > "$OUT/bench_mods_$name.log" 2>&1
                   echo "bench-mods $name rc=$?"; sed -n '/^case /,$p' "$OUT/bench_mods_$name.log"
                 done ;;
+    trainer-budget) m="${BUDGET_MODEL:-1.7b}"
+                 timeout -k 10 "${BUDGET_CAP:-570}" python3 bench/trainer_budget_e2e.py --models "$m" \
+                   --prompts "${BUDGET_PROMPTS:-8192}" --responses 1024 --n 16 --groups 4 \
+                   --budgets "${BUDGET_TOKENS:-16384,32768}" --methods "${BUDGET_METHODS:-once,flex_fa4_split}" \
+                   --warmup 1 --iters 3 --method-timeout 240 \
+                   --out "$OUT/trainer_budget_e2e_$m.json" > "$OUT/trainer_budget_e2e_$m.log" 2>&1
+                 echo "trainer-budget $m rc=$? (cap ${BUDGET_CAP:-570} s)"
+                 [ -f "$OUT/trainer_budget_e2e_$m.txt" ] && cat "$OUT/trainer_budget_e2e_$m.txt" ;;
     prompt-once) m="${ONCE_MODEL:-1.7b}"
                  timeout -k 10 "${ONCE_CAP:-570}" python3 bench/prompt_once_e2e.py --models "$m" \
                    --prompts "${ONCE_PROMPTS:-8192,16384}" --responses "${ONCE_RESPONSES:-1024}" --k "${ONCE_K:-2,4}" \
