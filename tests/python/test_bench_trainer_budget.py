@@ -64,3 +64,14 @@ def test_batch_draws_as_e2e(rng):
     assert all(len(rs) == 5 and all(10 <= r.numel() <= 20 for r in rs) for rs in responses)
     assert all(o.numel() == r.numel() for os_, rs in zip(old, responses) for o, r in zip(os_, rs))
     assert all(len(a) == 5 for a in adv)
+
+
+def test_device_run_trainer_budget_step():
+    """The device step runs the benchmark into $OUT under its own cap and prints the table, whose name
+    the results index knows."""
+    from test_bench_e2e import _device_run_step
+    step = _device_run_step("trainer-budget")
+    assert "bench/trainer_budget_e2e.py" in step and 'timeout -k 10 "${BUDGET_CAP:-570}"' in step
+    assert '--budgets "${BUDGET_TOKENS:-16384,32768}"' in step
+    assert '--out "$OUT/trainer_budget_e2e_$m.json"' in step and 'cat "$OUT/trainer_budget_e2e_$m.txt"' in step
+    assert "trainer_budget_e2e_1.7b" in _load_bench("results_index").BENCHMARKS
