@@ -350,6 +350,33 @@ def summary(results) -> str:
     return "\n".join(lines)
 
 
+def dualkv_model(size: str, dtype, device, seed: int):
+    """(config, model): the Qwen3-shaped model of ``size`` with random weights (``seed``), in training
+    mode, gradient checkpointing on, attention through dualkv (the protocol of every cell)."""
+    from transformers import AutoModelForCausalLM
+
+    from dualkv.integrations import transformers as dkt
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    cfg = qwen3_config(size)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=dtype)
+    model.train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    dkt.enable(model)
+    return cfg, model
+
+
+def finish(table: str, results, out_path: pathlib.Path) -> int:
+    """Print the table and write it next to the JSON; the exit status: 1 if a method failed."""
+    print()
+    print(table)
+    out_path.with_suffix(".txt").write_text(table + "\n")
+    print(f"\nresults: {out_path}")
+    return 1 if any(r["status"] == "error" for r in results) else 0
+
+
 def parse_ints(text):
     return [int(x) for x in str(text).split(",") if x.strip()]
 
@@ -403,10 +430,6 @@ def main(argv=None):
         HERE / "results" / f"prompt_once_e2e-{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}.json")
     out_path.parent.mkdir(parents=True, exist_ok=True)
     e2e.configure_flex(device.type == "cuda", None, False)
-
-    from transformers import AutoModelForCausalLM
-
-    from dualkv.integrations import transformers as dkt
     env = e2e.environment(device, tree)
     results = []
 
@@ -423,15 +446,7 @@ def main(argv=None):
     for size, P, R, k in cells(args):
         if size != current:
             model = None
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-            cfg = qwen3_config(size)
-            torch.manual_seed(args.seed)
-            with torch.device(device):
-                model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=dtype)
-            model.train()
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            dkt.enable(model)
+            cfg, model = dualkv_model(size, dtype, device, args.seed)
             current = size
         N = args.n
         max_tokens = P + math.ceil(N * R / k)
@@ -452,12 +467,7 @@ def main(argv=None):
         compare(records, P, N, R, k)
         results.extend(records)
         save()
-    table = summary(results)
-    print()
-    print(table)
-    out_path.with_suffix(".txt").write_text(table + "\n")
-    print(f"\nresults: {out_path}")
-    return 1 if any(r["status"] == "error" for r in results) else 0
+    return finish(summary(results), results, out_path)
 
 
 if __name__ == "__main__":

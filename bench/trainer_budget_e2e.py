@@ -41,7 +41,7 @@ sys.path.insert(0, str(HERE.parent / "python"))
 import e2e  # noqa: E402  (model setup, the groups' draw, provenance)
 import prompt_once_e2e as once_bench  # noqa: E402  (the methods and their timing)
 
-from dualkv.demo import MODEL_SIZES, qwen3_config  # noqa: E402
+from dualkv.demo import MODEL_SIZES  # noqa: E402
 
 METHODS = ("once", "split", "flex_fa4_split", "flex_split")
 DEFAULT_METHODS = ("once", "split", "flex_fa4_split")
@@ -170,10 +170,6 @@ def main(argv=None):
         HERE / "results" / f"trainer_budget_e2e-{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}.json")
     out_path.parent.mkdir(parents=True, exist_ok=True)
     e2e.configure_flex(device.type == "cuda", None, False)  # automatic dynamic shapes, as frameworks compile
-
-    from transformers import AutoModelForCausalLM
-
-    from dualkv.integrations import transformers as dkt
     env = e2e.environment(device, tree)
     results = []
 
@@ -184,15 +180,7 @@ def main(argv=None):
     e2e.log(f"trainer-budget benchmark on {env.get('gpu', device)}: models {args.models}, P {args.prompts}, "
             f"R {args.responses}, N {args.n}, G {args.groups}, budgets {args.budgets}, methods {args.methods}")
     for size in args.models:
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        cfg = qwen3_config(size)
-        torch.manual_seed(args.seed)
-        with torch.device(device):
-            model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=dtype)
-        model.train()
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        dkt.enable(model)
+        cfg, model = once_bench.dualkv_model(size, dtype, device, args.seed)
         for P in args.prompts:
             for R in args.responses:
                 data = batch(args.groups, args.n, P, R, cfg.vocab_size, args.seed, device)
@@ -213,12 +201,7 @@ def main(argv=None):
                     results.extend(records)
                     save()
         del model
-    table = summary(results)
-    print()
-    print(table)
-    out_path.with_suffix(".txt").write_text(table + "\n")
-    print(f"\nresults: {out_path}")
-    return 1 if any(r["status"] == "error" for r in results) else 0
+    return once_bench.finish(summary(results), results, out_path)
 
 
 if __name__ == "__main__":
