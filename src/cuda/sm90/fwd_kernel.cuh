@@ -119,8 +119,9 @@ struct Sm90FwdConfig {
   // second buffer costs 24 KiB at D 64 (16 KiB in the window kernels' 128-row tiles): 140,448 B of
   // shared memory (115,872 B with a window), one CTA per SM as before. Above D 64 one: at D 256 and
   // in the D-128 kernels of 160-row KV tiles a second Q does not fit (230,528 B of 232,448 already);
-  // the D-128 kernels of 128-row KV tiles would just fit (230,528 B), left single-buffered until the
-  // D-64 change is measured (their code is the same as before: one buffer, phase q_iter & 1).
+  // the D-128 kernels of 128-row KV tiles would just fit (230,528 B) but stay single-buffered: at
+  // D 64 the two buffers alone measured 0.993-1.000 of the forward kernel's time (2026-12-04); what
+  // they buy there is the softmax before the walk (kSoftmaxBeforeWalk), which D 128 has already.
   static constexpr int kQBuffers = D == 64 ? 2 : 1;
   // smem: Q[buffers] | K[stages] | V[stages] | O (D <= 128) | barriers + item slots. Tiles 1024-byte
   // aligned (every Q buffer is a multiple of 1024 bytes: 64-row boxes of 128 bytes).
