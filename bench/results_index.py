@@ -284,6 +284,16 @@ BENCHMARKS = {
                                "32,768 (whole groups), dualkv with the prompt once against Flex-FA4 on the split plan, "
                                "1 warm-up + 3 updates (issue 23, session 28; step trainer-budget); .txt regenerated "
                                "from the JSON after the table's split-plan columns were fixed",
+    "trainer_budget_e2e_8b": "the same at the Qwen3-8B shape, P <= 8K, budgets 16,384 and 32,768 (issue 23, session 29; "
+                             "step trainer-budget, BUDGET_MODEL=8b; D-128 kernels of a12840b = main's)",
+    "trainer_budget_e2e_8b_p16k": "the same at the Qwen3-8B shape, P <= 16K, budget 24,576 (a prompt and a response "
+                                  "must fit: every group split in two), dualkv once against Flex-FA4 split (issue 23, "
+                                  "session 29; BUDGET_PROMPTS=16384 BUDGET_TOKENS=24576)",
+    "never_lose_d64": "bench/attention.py --head-dim 64 --classes long_responses,tiny_responses --methods "
+                      "dualkv,fa4_dense, ONE library per process (main's D-64 kernels), 3 rounds: issue 23's never-lose "
+                      "bar on long responses without the two-library event-time inflation (session 29; step bench-classes)",
+    "never_lose_d128": "the same at head dim 128 (main's kernels, a12840b's build; session 29)",
+    "never_lose_d256": "the same at head dim 256 (main's kernels, a12840b's build; session 29)",
     "ab_fwd_d64_descriptors": "bench/attention.py --head-dim 64 --classes all --configs 16,4096,1024;8,16384,2048: "
                               "dualkv with the D-64 forward's descriptors from one base (branch fwddesc64, efb441a, "
                               "merged) against FA4 dense, 3 rounds (issue 23, session 23); .profile.log: "

@@ -189,6 +189,7 @@ def test_cpu_bf16_convergence_short():
 # GPU: bf16, a larger config (hidden 512, 4 layers, head dim 64, V 8192, 8 groups x 8, P<=256, R<=128),
 # 30 steps, the same bf16 criteria. Passed on the H200 (session 3, library of f0046e3).
 
+@pytest.mark.cuda_head_dims(64)
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (bf16 dualkv kernels)")
 def test_gpu_bf16_convergence():

@@ -213,6 +213,7 @@ else:
     assert r.stdout.strip() in ("SAME",) or r.stdout.startswith("TYPED"), r.stdout + r.stderr[-2000:]
 
 
+@pytest.mark.cuda_head_dims(64)
 @pytest.mark.gpu
 def test_cuda_outputs_overlapping_inputs_are_rejected():
     """The C ABI's aliasing check holds on CUDA too: out placed on q is refused before any launch."""

@@ -200,6 +200,7 @@ def test_guards():
     torch.testing.assert_close(dk(input_ids=ids).logits, std(input_ids=ids).logits, rtol=0, atol=0)
 
 
+@pytest.mark.cuda_head_dims(64)
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["chunk", "fla"])
 def test_cuda_bf16_tolerance_rule(backend, monkeypatch):

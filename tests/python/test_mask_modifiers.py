@@ -261,6 +261,7 @@ def test_cuda_refuses_modifiers_before_any_work():
         _native.check(_native.lib().dualkv_fwd(ctypes.byref(p)), "attention")
 
 
+@pytest.mark.cuda_head_dims(64)
 @pytest.mark.gpu
 def test_cuda_runs_modifiers_and_head_dim_512_without_them():
     """On a GPU: the window, softcap and sinks run (issue 16; their accuracy:

@@ -243,6 +243,7 @@ def test_bad_prefix_buffers_raise_typed_errors():
         attention(q, k, v, dualkv.Layout.varlen([layout.num_tokens]), prefix_k=pk, prefix_v=pv)
 
 
+@pytest.mark.cuda_head_dims(64)
 @pytest.mark.gpu
 def test_bad_prefix_device_and_cuda_run():
     layout = dualkv.Layout.from_groups([1], [[2, 1]], prompt_prefix=[0], prefix_lens=[4])
