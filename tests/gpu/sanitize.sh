@@ -4,9 +4,10 @@
 # rows, so one pass covers split (partials + reduction) and unsplit items; SAN_SPLITS="0 64"
 # runs both settings.
 #   DUALKV_LIBRARY=build/libdualkv.so PYTHONPATH=python tests/gpu/sanitize.sh
-# On Hopper, racecheck reports hazards on the sm90 backward's lse/delta staging (one lane per warp
-# releases the stage after __syncwarp, an ordering racecheck does not follow); a library built with
-# CMAKE_CUDA_FLAGS=-DDUALKV_SM90_BWD_PER_THREAD_RELEASE=1 (every thread releases) reports 0 hazards
+# On Hopper, racecheck reports hazards where one lane per warp releases a buffer after __syncwarp
+# (an ordering racecheck does not follow): the backward's lse/delta staging, the work-item slots of
+# a CTA that runs three or more items; a library built with
+# CMAKE_CUDA_FLAGS=-DDUALKV_SM90_PER_THREAD_RELEASE=1 (every thread releases) is the one to check
 # (docs/hopper.md, "Sanitizers"). RACECHECK_LIBRARY=<that build's .so> makes the racecheck pass use it.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"

@@ -200,18 +200,13 @@ __device__ __forceinline__ void bwd_st_shared_f32x2(uint32_t addr, float x, floa
 constexpr uint32_t kBwdQdoFullCount = 33;  // lane 0's arrive_expect_tx + 32 lanes after lse/delta
 constexpr uint32_t kBwdConsumerWarps = 8;
 // qdo_empty arrivals: one per consumer warp (lane 0, after __syncwarp, which orders the warp's
-// lse/delta reads before it). DUALKV_SM90_BWD_PER_THREAD_RELEASE=1 makes every consumer thread
-// arrive instead: a diagnostic build for compute-sanitizer racecheck (docs/hopper.md).
-#if defined(DUALKV_SM90_BWD_PER_THREAD_RELEASE)
-constexpr uint32_t kBwdQdoEmptyCount = kBwdConsumerWarps * 32;
-// The diagnostic build also replaces the producer/consumer named-barrier hand-offs between the two
+// lse/delta reads before it); every consumer thread in the racecheck build (ptx.cuh
+// kPerThreadRelease, docs/hopper.md).
+constexpr uint32_t kBwdQdoEmptyCount = kBwdConsumerWarps * kArrivalsPerWarp;
+// The racecheck build also replaces the producer/consumer named-barrier hand-offs between the two
 // consumer warpgroups (bar.arrive on one side, bar.sync on the other: ordered by the PTX memory
 // model, but racecheck does not treat bar.arrive as a release) by bar.sync on both sides.
-constexpr bool kBwdRacecheckBarriers = true;
-#else
-constexpr uint32_t kBwdQdoEmptyCount = kBwdConsumerWarps;
-constexpr bool kBwdRacecheckBarriers = false;
-#endif
+constexpr bool kBwdRacecheckBarriers = kPerThreadRelease;
 constexpr uint32_t kBwdDsBarrier = 1;      // named barrier id (0 is __syncthreads)
 
 // P^T = exp2(S^T scale log2e - lse log2e) in place, masked (if mask) where the KV row is past klen
@@ -333,7 +328,7 @@ bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
   if (threadIdx.x == 0) {
     for (int i = 0; i < 2; ++i) {
       mbar_init(&B.item_full[i], 1);
-      mbar_init(&B.item_empty[i], kBwdConsumerWarps + (kBulk ? 1 : 0));
+      mbar_init(&B.item_empty[i], kBwdConsumerWarps * kArrivalsPerWarp + (kBulk ? 1 : 0));
       mbar_init(&B.qdo_full[i], kBwdQdoFullCount);
       mbar_init(&B.qdo_empty[i], kBwdQdoEmptyCount);
       if constexpr (kBulk) {
@@ -505,7 +500,7 @@ bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
     mbar_wait(&B.item_full[slot], ph);
     const int32_t item = B.items[slot];
     __syncwarp();
-    if (lane == 0) mbar_arrive(&B.item_empty[slot]);
+    if (kPerThreadRelease || lane == 0) mbar_arrive(&B.item_empty[slot]);
     if (item >= n_items) break;
     const int32_t w = item / Hk;
     const int hk = item - w * Hk;

@@ -159,7 +159,7 @@ bwd_sm90_kernel_d256(const __grid_constant__ Sm90BwdParams<256> p) {
   if (threadIdx.x == 0) {
     for (int i = 0; i < 2; ++i) {
       mbar_init(&B.item_full[i], 1);
-      mbar_init(&B.item_empty[i], kBwdConsumerWarps + (kBulk ? 1 : 0));
+      mbar_init(&B.item_empty[i], kBwdConsumerWarps * kArrivalsPerWarp + (kBulk ? 1 : 0));
       mbar_init(&B.qdo_full[i], kBwdQdoFullCount);
       // kBulk: the writer alone releases a stage, once its reduces have read the dQ staged there.
       mbar_init(&B.qdo_empty[i], kBulk ? 1 : kBwdQdoEmptyCount);
@@ -321,7 +321,7 @@ bwd_sm90_kernel_d256(const __grid_constant__ Sm90BwdParams<256> p) {
     mbar_wait(&B.item_full[slot], ph);
     const int32_t item = B.items[slot];
     __syncwarp();
-    if (lane == 0) mbar_arrive(&B.item_empty[slot]);
+    if (kPerThreadRelease || lane == 0) mbar_arrive(&B.item_empty[slot]);
     if (item >= n_items) break;
     const int32_t w = item / Hk;
     const int hk = item - w * Hk;

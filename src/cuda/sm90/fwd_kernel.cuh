@@ -292,7 +292,7 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
     }
     for (int i = 0; i < 2; ++i) {
       mbar_init(&B.item_full[i], 1);
-      mbar_init(&B.item_empty[i], kConsumerWarps);
+      mbar_init(&B.item_empty[i], kConsumerWarps * kArrivalsPerWarp);
     }
     mbar_fence_init();
   }
@@ -460,7 +460,7 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
     mbar_wait(&B.item_full[slot], ph);
     const int32_t item = B.items[slot];
     __syncwarp();
-    if (lane == 0) mbar_arrive(&B.item_empty[slot]);
+    if (kPerThreadRelease || lane == 0) mbar_arrive(&B.item_empty[slot]);
     if (item >= n_items) break;
     int32_t tile;
     int h;

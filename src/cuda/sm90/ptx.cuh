@@ -20,6 +20,20 @@ __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
+// ---- The racecheck build ----
+// A consumer warp hands a shared-memory buffer back with one arrival (lane 0, after __syncwarp,
+// which orders the warp's reads before lane 0's release: the PTX memory model), so the mbarriers
+// consumers release count warps. compute-sanitizer racecheck does not follow that ordering and
+// reports the producer's next write as a race. -DDUALKV_SM90_PER_THREAD_RELEASE=1 builds the
+// diagnostic library in which every consumer thread arrives (and the barriers count threads):
+// racecheck runs on it (docs/hopper.md "Sanitizers"); the default kernels' SASS does not change.
+#if defined(DUALKV_SM90_PER_THREAD_RELEASE)
+constexpr bool kPerThreadRelease = true;
+#else
+constexpr bool kPerThreadRelease = false;
+#endif
+constexpr uint32_t kArrivalsPerWarp = kPerThreadRelease ? 32 : 1;
+
 // ---- mbarrier ----
 __device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count));
