@@ -293,7 +293,10 @@ BENCHMARKS = {
                       "dualkv,fa4_dense, ONE library per process (main's D-64 kernels), 3 rounds: issue 23's never-lose "
                       "bar on long responses without the two-library event-time inflation (session 29; step bench-classes)",
     "never_lose_d128": "the same at head dim 128 (main's kernels, a12840b's build; session 29)",
-    "never_lose_d256": "the same at head dim 256 (main's kernels, a12840b's build; session 29)",
+    "never_lose_d256": "the same at head dim 256 (main's kernels, a12840b's build; session 29); .ncu_stalls_fwd.txt: "
+                       "Nsight Compute SourceCounters + WarpStateStats of both forward kernels on long responses "
+                       "(dualkv against FA4 dense), summarised per instruction (step ncu-stalls, NCU_KERNEL="
+                       "'fwd_sm90|Forward' NCU_DIRECTION=fwd NCU_DIM=256)",
     "ab_fwd_d64_descriptors": "bench/attention.py --head-dim 64 --classes all --configs 16,4096,1024;8,16384,2048: "
                               "dualkv with the D-64 forward's descriptors from one base (branch fwddesc64, efb441a, "
                               "merged) against FA4 dense, 3 rounds (issue 23, session 23); .profile.log: "
