@@ -11,7 +11,10 @@ stage ring. Random interleavings of many items with random KV-tile counts; check
     issue to the wgmma wait that retires it),
   - consumers only read the version of a buffer they expect (tile j's K, tile j-1's V, the item's Q).
 --mutant NAME plants a bug in the Q protocol; the run must then fail (printed as "mutant NAME caught").
-Run: python3 tests/models/protocol_model.py [--split] [--no-pingpong] [--wgs 3] [--q-buffers 2] [--runs N]
+--k-ahead: the producer loads tile j + 1's K before tile j's V (D 256's kKAhead); --late-v: a consumer
+waits for the previous tile's V after issuing its S, inside its turn, just before its P V (kLateVWait).
+Run: python3 tests/models/protocol_model.py [--split] [--no-pingpong] [--wgs 3] [--q-buffers 2] [--k-ahead]
+     [--late-v] [--runs N]
 """
 from __future__ import annotations
 
@@ -31,9 +34,13 @@ def MBar(count):  # every arrival of this model is accounted for: more than `cou
 #   q_one_empty      both Q buffers' loads wait on buffer 0's q_empty (the releases go to each buffer's)
 #   q_same_buffer    the producer loads every Q into buffer 0, the consumers read buffer n % 2
 Q_MUTANTS = ("q_release_early", "q_parity_iter", "q_one_empty", "q_same_buffer")
+# and in the K-ahead producer (--k-ahead):
+#   k_ahead_no_wait  tile j + 1's K load does not wait for its stage's k_empty (K_{j-1} still read)
+#   v_before_empty   tile j's V load waits for k_empty instead of kv_empty (V_{j-2} still read)
+K_MUTANTS = ("k_ahead_no_wait", "v_before_empty")
 
 
-def simulate(rng, n_items, tiles_of, S, split, pingpong, W=2, QB=1, mutant=None):
+def simulate(rng, n_items, tiles_of, S, split, pingpong, W=2, QB=1, mutant=None, k_ahead=False, late_v=False):
     warps = 4 * W  # arrivals per consumer-released barrier: one per consumer warp
     k_full = [MBar(1) for _ in range(S)]
     v_full = [MBar(1) for _ in range(S)]
@@ -70,6 +77,34 @@ def simulate(rng, n_items, tiles_of, S, split, pingpong, W=2, QB=1, mutant=None)
             item_full[slot].arrive()
             if item >= n_items:
                 return
+            if k_ahead:  # K_0, Q, then per tile K_{j+1} before V_j (fwd_kernel.cuh kKAhead)
+                def load_k(it, j):
+                    st, kph = it % S, (it // S) & 1
+                    if not (mutant == "k_ahead_no_wait" and j > 0):
+                        yield from wait(lambda: k_empty[st].ready(kph ^ 1))
+                    k_full[st].arrive_expect_tx(1)
+                    tma(k_full[st], K[st], (item, j))
+                yield from load_k(kv_iter, 0)
+                qb, use = q_iter % QB, q_iter // QB
+                if mutant == "q_same_buffer":
+                    qb = 0
+                wb = 0 if mutant == "q_one_empty" else qb
+                yield from wait(lambda: q_empty[wb].ready((use & 1) ^ 1))
+                q_full[qb].arrive_expect_tx(1)
+                tma(q_full[qb], Q[qb], item)
+                q_iter += 1
+                for j in range(tiles_of[item]):
+                    if j + 1 < tiles_of[item]:
+                        yield from load_k(kv_iter + 1, j + 1)
+                    st, kph = kv_iter % S, (kv_iter // S) & 1
+                    release = k_empty if mutant == "v_before_empty" else kv_empty
+                    yield from wait(lambda: release[st].ready(kph ^ 1))
+                    v_full[st].arrive_expect_tx(1)
+                    tma(v_full[st], V[st], (item, j))
+                    kv_iter += 1
+                    yield "step"
+                n += 1
+                continue
             q_issued = False
             for j in range(tiles_of[item]):
                 st, kph = kv_iter % S, (kv_iter // S) & 1
@@ -160,9 +195,13 @@ def simulate(rng, n_items, tiles_of, S, split, pingpong, W=2, QB=1, mutant=None)
                 st = kv_iter % S
                 yield from wait(lambda: k_full[st].ready((kv_iter // S) & 1))
                 pst = prev % S
-                yield from wait(lambda: v_full[pst].ready((prev // S) & 1))
+                if not late_v:
+                    yield from wait(lambda: v_full[pst].ready((prev // S) & 1))
                 yield from turn_wait()
                 groups.append({read(Q[qb], item), read(K[st], (item, j))})
+                if late_v:  # S issued; the V wait comes before the P V, the turn still held
+                    yield "step"
+                    yield from wait(lambda: v_full[pst].ready((prev // S) & 1))
                 groups.append({read(V[pst], (item, j - 1))})
                 turn_pass()
                 yield "step"
@@ -229,17 +268,23 @@ def main():
     ap.add_argument("--stages", type=int, default=2)
     ap.add_argument("--wgs", type=int, default=2, choices=(2, 3), help="consumer warpgroups (3: D 64's 192-row tiles)")
     ap.add_argument("--q-buffers", type=int, default=1, choices=(1, 2), help="Q buffers (2: D 64)")
-    ap.add_argument("--mutant", choices=Q_MUTANTS, default=None, help="plant a bug; the runs must catch it")
+    ap.add_argument("--k-ahead", action="store_true", help="tile j + 1's K loaded before tile j's V (D 256)")
+    ap.add_argument("--late-v", action="store_true", help="V waited for after the S issue (D 256)")
+    ap.add_argument("--mutant", choices=Q_MUTANTS + K_MUTANTS, default=None, help="plant a bug; the runs must catch it")
     args = ap.parse_args()
+    if args.k_ahead and not args.split:
+        ap.error("--k-ahead needs --split: the kernel's K loads wait for k_empty (K's own release)")
+    if args.mutant in K_MUTANTS and not args.k_ahead:
+        ap.error(f"--mutant {args.mutant} plants a bug in the K-ahead producer: add --k-ahead")
     rng = random.Random(1)
     desc = (f"split={args.split}, pingpong={not args.no_pingpong}, stages={args.stages}, wgs={args.wgs}, "
-            f"q_buffers={args.q_buffers}")
+            f"q_buffers={args.q_buffers}, k_ahead={args.k_ahead}, late_v={args.late_v}")
     for r in range(args.runs):
         n_items = rng.randint(1, 12)
         tiles_of = [rng.choice([1, 1, 2, 3, rng.randint(1, 9)]) for _ in range(n_items)]
         try:
             simulate(rng, n_items, tiles_of, args.stages, args.split, not args.no_pingpong, args.wgs, args.q_buffers,
-                     args.mutant)
+                     args.mutant, args.k_ahead, args.late_v)
         except AssertionError as e:  # ProtocolError is one too
             if args.mutant is None:
                 raise

@@ -22,7 +22,10 @@ def run_model(script: str, *args: str) -> subprocess.CompletedProcess:
 FWD_MODES = [[], ["--split"], ["--no-pingpong"], ["--split", "--stages", "3"], ["--split", "--wgs", "3"],
              ["--split", "--q-buffers", "2"], ["--split", "--wgs", "3", "--q-buffers", "2"],
              ["--wgs", "3", "--q-buffers", "2"], ["--split", "--wgs", "3", "--q-buffers", "2", "--no-pingpong"],
-             ["--split", "--wgs", "3", "--q-buffers", "2", "--stages", "3"]]
+             ["--split", "--wgs", "3", "--q-buffers", "2", "--stages", "3"],
+             # D 256: K one tile ahead of V, the V wait after the S issue (fwd_kernel.cuh kKAhead, kLateVWait)
+             ["--split", "--k-ahead", "--late-v"], ["--split", "--k-ahead", "--late-v", "--stages", "3"],
+             ["--split", "--k-ahead", "--late-v", "--no-pingpong"]]
 
 
 @pytest.mark.parametrize("flags", FWD_MODES, ids=lambda f: " ".join(f) or "default")
@@ -40,6 +43,8 @@ FWD_MUTANTS = [
     (["--split", "--wgs", "3", "--q-buffers", "2", "--stages", "3"], "q_release_early"),
 ] + [
     (["--split", "--wgs", "3", "--q-buffers", "2"], m) for m in ("q_parity_iter", "q_one_empty", "q_same_buffer")
+] + [
+    (["--split", "--k-ahead", "--late-v"], m) for m in ("q_release_early", "k_ahead_no_wait", "v_before_empty")
 ]
 
 

@@ -7,7 +7,7 @@
 //     other of two Q buffers, so it loads while the previous item still runs), then the rest of
 //     the K and V tiles of the KV ranges the tile sees (ancestors from the parent to the root,
 //     full; then its own segment up to its last query), into a kStages-deep ring completing on
-//     mbarriers.
+//     mbarriers: K_j then V_j per tile, at D 256 K_{j+1} before V_j (kKAhead).
 //   warpgroups 1, 2 [, 3] (consumers, 232 registers; 160 with three): 64 query rows each. Per KV tile j:
 //     S_j = Q K_j^T (wgmma, both operands in smem), issued together with O += P_{j-1} V_{j-1}
 //     (wgmma, P from registers, V in smem read N-major), so that the softmax of tile j overlaps
@@ -242,6 +242,14 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
                 "sm90 forward: no long-walk build of this kernel");
   using C = Sm90FwdConfig<D, kLongWalks, Mods::kWindow>;
   constexpr int BN = C::kBlockN, S = C::kStages;
+  // D 256: the producer loads each tile's K before the previous tile's V (FA3 / FA4's producer
+  // order), so that K_{j+1}'s load waits only for K_{j-1}'s release (both warpgroups' S_{j-1}
+  // retired) instead of also for V_{j-2}'s (their P V_{j-2}, a softmax later), and it leaves ahead
+  // of V_j instead of behind it. Nsight Compute on long responses (D 256, 80-row tiles, H200,
+  // 2026-12-04; docs/notes/2026-12-04-d256-fwd-ncu.md): the consumers' wait for K at the loop top
+  // held 7% of all warp samples (89K long-scoreboard samples at one branch, 19.3 samples per
+  // warp and tile with the loop top against FA4's 9.6 for its K and V waits together), V's 0.6%.
+  constexpr bool kKAhead = D == 256;
 
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   const uint32_t pad = (1024u - (smem_u32(smem_raw) & 1023u)) & 1023u;
@@ -337,6 +345,51 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
         kv.init_windowed(L.offsets, L.parent, L.position_offset, seg, q1, first_pos);
       } else {
         kv.init(L.offsets, L.parent, seg, q1);
+      }
+      if constexpr (kKAhead) {
+        // K one tile ahead of V (kKAhead, above): K_0, Q, then per tile j the next tile's K_{j+1}
+        // before this tile's V_j. The stage and barrier arithmetic is the other loop's: tile j's K
+        // and V go to stage j % S; each wait is for the release of the same buffer's previous use.
+        const auto load_k = [&](uint32_t it) {
+          const uint32_t st = it % S, kph = (it / S) & 1;
+          const CUtensorMap* tk = kPrefix && kv.prefix ? &p.tpk : &p.tk;
+          mbar_wait(&B.k_empty[st], kph ^ 1);
+          mbar_arrive_expect_tx(&B.k_full[st], C::kKVBytes);
+#pragma unroll
+          for (int b = 0; b < C::kBoxes; ++b)
+            tma_load_3d(sK + st * C::kKVBytes + b * C::kKVBoxBytes, tk, &B.k_full[st], b * 64, hk, kv.pos);
+        };
+        load_k(kv_iter);
+        {
+          // Q after the first K tile, as in the other loop (whose comment says why its q_empty wait
+          // is safe; with K ahead the argument is the same: this wait still follows the first K
+          // load's stage wait, and the next tile's K load comes after it).
+          const uint32_t qb = q_iter % C::kQBuffers, q_use = q_iter / C::kQBuffers;
+          mbar_wait(&B.q_empty[qb], (q_use & 1) ^ 1);
+          mbar_arrive_expect_tx(&B.q_full[qb], C::kQBytes);
+#pragma unroll
+          for (int b = 0; b < C::kBoxes; ++b)
+            tma_load_3d(sQ + qb * C::kQBytes + b * C::kQBoxBytes, &p.tq, &B.q_full[qb], b * 64, h, q0);
+          ++q_iter;
+        }
+        bool more;
+        do {
+          // This tile's V: its row and tensor map, read before the walk moves on.
+          const int32_t vpos = kv.pos;
+          const CUtensorMap* tv = kPrefix && kv.prefix ? &p.tpv : &p.tv;
+          more = kPrefix          ? kv.next(L.offsets, L.parent, L.seg_prefix, L.prefix_offsets)
+                 : Mods::kWindow ? kv.next_windowed(L.offsets, L.parent, L.position_offset, first_pos)
+                                 : kv.next(L.offsets, L.parent);
+          if (more) load_k(kv_iter + 1);
+          const uint32_t st = kv_iter % S, kph = (kv_iter / S) & 1;
+          mbar_wait(&B.kv_empty[st], kph ^ 1);
+          mbar_arrive_expect_tx(&B.v_full[st], C::kKVBytes);
+#pragma unroll
+          for (int b = 0; b < C::kBoxes; ++b)
+            tma_load_3d(sV + st * C::kKVBytes + b * C::kKVBoxBytes, tv, &B.v_full[st], b * 64, hk, vpos);
+          ++kv_iter;
+        } while (more);
+        continue;
       }
       bool q_issued = false;
       do {
@@ -434,6 +487,12 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
   // groups, 1.005 N8 P256 R4K. Without the warpgroups' turn-taking (FA3 / FA4 take turns only up to
   // D 128) 0.952-1.004 and the softcap + sinks kernels spilled 20 bytes: the ring stays.
   constexpr bool kRescaleBeforePv = D == 256;
+  // D 256 (with kKAhead, FA3 / FA4's consumer order): a tile's wait for the previous tile's V comes
+  // after its QK^T and the O rescale are issued, just before the P V that reads it, instead of at
+  // the loop top with K's: V_j, now the later load of the pair that tile j + 1 needs, gets the
+  // QK^T issue's time as slack, and QK^T no longer waits for it.
+  constexpr bool kLateVWait = kKAhead;
+  static_assert(!kLateVWait || kRescaleBeforePv, "sm90 forward: the late V wait sits after the O rescale");
   const int cw = __shfl_sync(0xffffffffu, wg - 1, 0);
   const int tid = threadIdx.x & 127;
   const int warp = tid >> 5, lane = tid & 31;
@@ -698,7 +757,7 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
       st = kv_iter % S;
       mbar_wait(&B.k_full[st], (kv_iter / S) & 1);
       const uint32_t pst = prev % S;
-      mbar_wait(&B.v_full[pst], (prev / S) & 1);
+      if constexpr (!kLateVWait) mbar_wait(&B.v_full[pst], (prev / S) & 1);
       turn_wait();
       wgmma_fence();
       issue_qk(st);
@@ -706,6 +765,10 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
       if constexpr (kRescaleBeforePv) {
         fence_regs(o);
         rescale_o(alpha_o);
+        if constexpr (kLateVWait) {
+          fence_regs(o);  // the rescale stays under QK^T, ahead of the wait
+          mbar_wait(&B.v_full[pst], (prev / S) & 1);
+        }
         wgmma_fence();  // O's registers were written since the fence above
       }
       issue_pv(pst);
