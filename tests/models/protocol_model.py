@@ -77,6 +77,16 @@ def simulate(rng, n_items, tiles_of, S, split, pingpong, W=2, QB=1, mutant=None,
             item_full[slot].arrive()
             if item >= n_items:
                 return
+
+            def load_q():  # the item's Q into buffer q_iter % QB, after the wait for its previous use
+                qb, use = q_iter % QB, q_iter // QB
+                if mutant == "q_same_buffer":
+                    qb = 0
+                wb = 0 if mutant == "q_one_empty" else qb
+                yield from wait(lambda: q_empty[wb].ready((use & 1) ^ 1))
+                q_full[qb].arrive_expect_tx(1)
+                tma(q_full[qb], Q[qb], item)
+
             if k_ahead:  # K_0, Q, then per tile K_{j+1} before V_j (fwd_kernel.cuh kKAhead)
                 def load_k(it, j):
                     st, kph = it % S, (it // S) & 1
@@ -85,13 +95,7 @@ def simulate(rng, n_items, tiles_of, S, split, pingpong, W=2, QB=1, mutant=None,
                     k_full[st].arrive_expect_tx(1)
                     tma(k_full[st], K[st], (item, j))
                 yield from load_k(kv_iter, 0)
-                qb, use = q_iter % QB, q_iter // QB
-                if mutant == "q_same_buffer":
-                    qb = 0
-                wb = 0 if mutant == "q_one_empty" else qb
-                yield from wait(lambda: q_empty[wb].ready((use & 1) ^ 1))
-                q_full[qb].arrive_expect_tx(1)
-                tma(q_full[qb], Q[qb], item)
+                yield from load_q()
                 q_iter += 1
                 for j in range(tiles_of[item]):
                     if j + 1 < tiles_of[item]:
@@ -115,13 +119,7 @@ def simulate(rng, n_items, tiles_of, S, split, pingpong, W=2, QB=1, mutant=None,
                 k_full[st].arrive_expect_tx(1)
                 tma(k_full[st], K[st], (item, j))
                 if not q_issued:
-                    qb, use = q_iter % QB, q_iter // QB
-                    if mutant == "q_same_buffer":
-                        qb = 0
-                    wb = 0 if mutant == "q_one_empty" else qb
-                    yield from wait(lambda: q_empty[wb].ready((use & 1) ^ 1))
-                    q_full[qb].arrive_expect_tx(1)
-                    tma(q_full[qb], Q[qb], item)
+                    yield from load_q()
                     q_iter += 1
                     q_issued = True
                 if split:

@@ -363,7 +363,9 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
         {
           // Q after the first K tile, as in the other loop (whose comment says why its q_empty wait
           // is safe; with K ahead the argument is the same: this wait still follows the first K
-          // load's stage wait, and the next tile's K load comes after it).
+          // load's stage wait, and the next tile's K load comes after it). Written out in both
+          // loops: shared as a lambda, ptxas reorders register moves in the D-64 / D-128 window
+          // kernels (8 each, same instruction count; tried 2026-12-04), whose SASS stays main's.
           const uint32_t qb = q_iter % C::kQBuffers, q_use = q_iter / C::kQBuffers;
           mbar_wait(&B.q_empty[qb], (q_use & 1) ^ 1);
           mbar_arrive_expect_tx(&B.q_full[qb], C::kQBytes);
