@@ -127,8 +127,9 @@ BENCHMARKS = {
                     "bench-classes); .log: the run's tables",
     "classes_h64": "bench/attention.py --head-dim 64 --classes all, the same library and peers, 2 rounds (issue 23; "
                    "step bench-classes)",
-    "classes_h256": "bench/attention.py --head-dim 256 --classes all, the same library and peers, 2 rounds (issue 23; "
-                    "step bench-classes)",
+    "classes_h256": "bench/attention.py --head-dim 256 --classes all --configs 16,4096,1024;8,16384,2048, main's D-256 "
+                    "kernels (K ahead of V), dualkv / FA4 dense / Flex-FA4 in one process, 3 rounds (issue 23, "
+                    "session 30; step bench-classes)",
     "e2e_flex_fa4_1.7b": "bench/e2e.py, Qwen3-1.7B shape, dualkv / Flex-FA4 (automatic dynamic shapes; std in the "
                          "session-19 run, git history), P 8K and 16K, 4 micro-batches, 3 updates after 1 warm-up "
                          "(issue 23's end-to-end bar; step e2e-all, E2E_METHODS=dualkv,flex_fa4)",
