@@ -160,6 +160,153 @@ def test_update_matches_remove_padding():
     assert max(stock["metrics"]["actor/pg_clipfrac"].values) > 0  # the clipped branch is covered
 
 
+def group_sizes(proto):
+    """{uid: (prompt length, [response lengths])} of a rollout batch."""
+    mask, width = proto.batch["attention_mask"], proto.batch["prompts"].shape[1]
+    sizes = {}
+    for b, u in enumerate(proto.non_tensor_batch["uid"]):
+        sizes.setdefault(u, (int(mask[b, :width].sum()), []))[1].append(int(mask[b, width:].sum()))
+    return sizes
+
+
+def count_forwards(engine):
+    """Spies on the engine: the tokens through the embedding (every forward: phase A, micro-batches,
+    placeholders) and the uids of every micro-batch veRL's forward_step runs."""
+    seen = {"tokens": 0, "micro_batches": []}
+
+    def embedded(module, args):
+        seen["tokens"] += args[0].numel()
+
+    engine.module.model.embed_tokens.register_forward_pre_hook(embedded)
+    forward_step = engine.forward_step
+
+    def spy(micro_batch, **kwargs):
+        seen["micro_batches"].append(set(dkv._uids(micro_batch)))
+        return forward_step(micro_batch, **kwargs)
+
+    engine.forward_step = spy
+    return seen
+
+
+def count_prompt_phases(monkeypatch):
+    """The prompts (as token lists) of every phase A the plug-in runs."""
+    phases = []
+    run_prompt_phase = dkv.schedule.run_prompt_phase
+
+    def spy(model, prompts, *args, **kwargs):
+        phases.append([p.tolist() for p in prompts])
+        return run_prompt_phase(model, prompts, *args, **kwargs)
+
+    monkeypatch.setattr(dkv.schedule, "run_prompt_phase", spy)
+    return phases
+
+
+def prompts_of(proto):
+    """{uid: prompt tokens}."""
+    ids, mask, width = proto.batch["prompts"], proto.batch["attention_mask"], proto.batch["prompts"].shape[1]
+    return {u: ids[b][mask[b, :width].bool()].tolist() for b, u in enumerate(proto.non_tensor_batch["uid"])}
+
+
+def expected_tokens(proto, micro_batches):
+    """Tokens through the model when each micro-batch holding part of a group carries its whole prompt
+    (copies) or only its last token (prompt once: the rest ran once, in a prompt phase)."""
+    sizes = group_sizes(proto)
+    base = sum(p + sum(rs) for p, rs in sizes.values())
+    pieces = {u: sum(u in mb for mb in micro_batches) for u in sizes}
+    once = base + sum(k - 1 for k in pieces.values())
+    copies = base + sum((k - 1) * sizes[u][0] for u, k in pieces.items())
+    return once, copies
+
+
+#: a budget every group of rollout_batch(groups=4, seed=3) exceeds (16-22 packed tokens, prompts of 5-7)
+SPLIT_BUDGET = 14
+
+
+@pytest.mark.parametrize("options", ["", "recompute_prompt=1,prompt_grad_dtype=float32", "0"])
+def test_split_groups_update_matches_remove_padding(options, monkeypatch):
+    """Every group over the budget: the update on dualkv equals the stock one, and each prompt ran once
+    (its last token once more per extra micro-batch); with prompt once off (0), once per piece."""
+    monkeypatch.setenv(dkv.PROMPT_ONCE_ENV, options)
+    proto = rollout_batch(groups=4, seed=3)
+    stock, g_stock, _ = run(make_engine("sdpa"), proto, max_tokens=SPLIT_BUDGET, mode="train")
+    engine = make_engine("dualkv")
+    seen, phases = count_forwards(engine), count_prompt_phases(monkeypatch)
+    packed, g_packed, _ = run(engine, proto, max_tokens=SPLIT_BUDGET, mode="train")
+    assert all(p + sum(rs) > SPLIT_BUDGET for p, rs in group_sizes(proto).values())
+    once, copies = expected_tokens(proto, seen["micro_batches"])
+    if options == "0":  # each piece with its prompt (>= 5 tokens): 2+ pieces per group
+        assert not phases and seen["tokens"] == copies >= once + 4 * 4
+    else:  # each prompt but its last token once, in a phase A (with copies the count would be `copies`);
+        # recompute_prompt runs phase A's forward again in phase C
+        assert sorted(p[:-1] for phase in phases for p in phase) == sorted(p[:-1] for p in prompts_of(proto).values())
+        rerun = sum(p - 1 for p, _ in group_sizes(proto).values()) if "recompute_prompt=1" in options else 0
+        assert seen["tokens"] == once + rerun
+    assert sum(packed["loss"]) == pytest.approx(sum(stock["loss"]), rel=1e-5)
+    for name, g in g_stock.items():
+        assert float((g_packed[name] - g).norm()) <= 1e-5 * float(g.norm()), name
+    for key in ("actor/pg_loss", "actor/entropy_loss", "kl_loss"):
+        assert sum(packed["metrics"][key].values) == pytest.approx(sum(stock["metrics"][key].values), rel=1e-5), key
+
+
+def test_split_groups_log_probs_match_remove_padding(monkeypatch):
+    """Log-probs and entropies (forward only) with every group split, in veRL's row order; each prompt
+    ran once."""
+    proto = rollout_batch(groups=4, seed=3)
+    stock, _, td = run(make_engine("sdpa"), proto, max_tokens=SPLIT_BUDGET, mode="infer")
+    engine = make_engine("dualkv")
+    seen, phases = count_forwards(engine), count_prompt_phases(monkeypatch)
+    packed, _, _ = run(engine, proto, max_tokens=SPLIT_BUDGET, mode="infer")
+    once, _ = expected_tokens(proto, seen["micro_batches"])
+    assert sum(len(phase) for phase in phases) == 4 and seen["tokens"] == once
+    mask = proto.batch["response_mask"].bool()
+    for key in ("log_probs", "entropy"):
+        a = no_padding_2_padding(stock["model_output"][key], td)
+        b = no_padding_2_padding(packed["model_output"][key], td)
+        torch.testing.assert_close(b[mask], a[mask], rtol=0, atol=1e-5)
+
+
+def test_some_groups_split_with_whole_groups_after_the_phases(monkeypatch):
+    """A budget two groups exceed and two fit: prompt phases, then micro-batches of whole groups (the
+    last backward of the schedule is a whole-group micro-batch's); still the stock update."""
+    proto = rollout_batch(groups=4, seed=1)  # 15, 18, 20, 24 packed tokens
+    stock, g_stock, _ = run(make_engine("sdpa"), proto, max_tokens=19, mode="train")
+    engine = make_engine("dualkv")
+    seen, phases = count_forwards(engine), count_prompt_phases(monkeypatch)
+    packed, g_packed, _ = run(engine, proto, max_tokens=19, mode="train")
+    once, _ = expected_tokens(proto, seen["micro_batches"])
+    assert sum(len(phase) for phase in phases) == 2 and seen["tokens"] == once
+    assert seen["micro_batches"][-1] <= {"prompt-0", "prompt-3"}  # whole groups run last
+    assert sum(packed["loss"]) == pytest.approx(sum(stock["loss"]), rel=1e-5)
+    for name, g in g_stock.items():
+        assert float((g_packed[name] - g).norm()) <= 1e-5 * float(g.norm()), name
+
+
+def test_prompt_once_options():
+    options = dkv.PromptOnceOptions.from_env
+    assert options("") == options("1") == dkv.PromptOnceOptions()
+    assert not options("off").enabled
+    got = options("recompute_prompt=1, offload_prompt_grads=1,stream_prompt_state=auto,prompt_grad_dtype=float32,"
+                  "prompt_state_budget=0.5,max_prompt_tokens=4096")
+    assert (got.recompute_prompt, got.offload_prompt_grads, got.stream_prompt_state, got.prompt_grad_dtype,
+            got.prompt_state_budget, got.max_prompt_tokens) == (True, True, None, torch.float32, 0.5, 4096)
+    assert options("prompt_state_budget=1").prompt_state_budget is True
+    for bad, match in [("recompute=1", "is not one of"), ("recompute_prompt=yes", "expected 0 or 1"),
+                       ("prompt_grad_dtype=bf16", "model or float32"), ("max_prompt_tokens=0", "token count"),
+                       ("prompt_state_budget=-1", "factor >= 0"), ("offload_prompt_grads=1", "needs recompute_prompt"),
+                       ("recompute_prompt=1,recompute_prompt=0", "twice")]:
+        with pytest.raises(dualkv.ArgumentError, match=match):
+            options(bad)
+
+
+def test_bad_prompt_once_options_fail_before_any_forward(monkeypatch):
+    monkeypatch.setenv(dkv.PROMPT_ONCE_ENV, "stream_prompt_state=maybe")
+    engine = make_engine("dualkv")
+    seen = count_forwards(engine)
+    with pytest.raises(dualkv.ArgumentError, match="DUALKV_VERL_PROMPT_ONCE"):
+        run(engine, rollout_batch(groups=4, seed=3), max_tokens=SPLIT_BUDGET, mode="train")
+    assert seen["tokens"] == 0
+
+
 def test_micro_batches_keep_groups_whole():
     proto = rollout_batch(groups=5, seed=2)
     td = engine_batch(proto, max_tokens=30, mode="train")
