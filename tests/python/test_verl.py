@@ -9,7 +9,11 @@ CPU. Everything else is veRL's own code: ``DataProto.to_tensordict``, ``left_rig
 unpacked rows on sdpa (packed sequences recognised from the position restarts, which is veRL's
 remove_padding path on CPU); the dualkv engine runs the same rows packed per uid.
 """
+import datetime
+import json
 import pathlib
+import time
+import traceback
 from functools import partial
 
 import numpy as np
@@ -18,6 +22,7 @@ import torch
 
 pytest.importorskip("verl")
 import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
 import transformers  # noqa: E402
 from verl import DataProto  # noqa: E402
 from verl.utils import seqlen_balancing  # noqa: E402
@@ -305,6 +310,117 @@ def test_bad_prompt_once_options_fail_before_any_forward(monkeypatch):
     with pytest.raises(dualkv.ArgumentError, match="DUALKV_VERL_PROMPT_ONCE"):
         run(engine, rollout_batch(groups=4, seed=3), max_tokens=SPLIT_BUDGET, mode="train")
     assert seen["tokens"] == 0
+
+
+# ---- two ranks, FSDP2 (gloo, spawned processes) ----
+
+#: a collective that waits longer fails (gloo), and the two ranks are killed after the deadline, so a
+#: schedule whose ranks fall out of step fails the test instead of hanging CI
+PG_TIMEOUT_S = 60
+WORLD_DEADLINE_S = 300
+#: rank 1's rollouts per round, under SPLIT_BUDGET (rank 0: rollout_batch(groups=4, seed=3), two prompt
+#: phases of 2 and 3 micro-batches, nothing after them). seed 5: one phase of one micro-batch, then a
+#: whole group: rank 1 pads its first phase, runs a placeholder phase of 3 placeholder micro-batches,
+#: and rank 0 a placeholder after its phases (the last backward). seed 2: one phase of 3 micro-batches
+#: (rank 0 pads its first phase of 2): the last backward is the second phase's phase C on both ranks.
+RANK1_SEEDS = (5, 2)
+
+
+def _fsdp2(model, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})  # as veRL
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def _two_rank_case(rank, world):
+    """Per round: the stock engine (sdpa, plain module, its gradients averaged over the ranks by hand)
+    against the dualkv engine under FSDP2 with veRL's deferred gradient sync, prompt once on each
+    rank's own rows; then the log-probs (forward only)."""
+    impl.get_device_id = impl.get_device_name = lambda: "cpu"
+    seqlen_balancing.get_device_name = lambda: "cpu"
+    placeholders = []
+    placeholder_step = dkv._placeholder_step
+
+    def spy(*args):
+        placeholders.append(1)
+        return placeholder_step(*args)
+
+    dkv._placeholder_step = spy
+    engine = make_engine("dualkv")
+    engine.module = _fsdp2(engine.module, world)
+    report = {}
+    for seed in RANK1_SEEDS:
+        proto = rollout_batch(groups=4, seed=3) if rank == 0 else rollout_batch(groups=2, seed=seed)
+        # (the stock engine's own budget: veRL's row micro-batches need as many rows on rank 1 as rank 0 has
+        # micro-batches; it does not change the update)
+        stock, g_stock, _ = run(make_engine("sdpa"), proto, max_tokens=64, mode="train")
+        for g in g_stock.values():
+            dist.all_reduce(g)
+            g /= world  # FSDP averages the ranks' gradients
+        del placeholders[:]
+        packed, g_packed, _ = run(engine, proto, max_tokens=SPLIT_BUDGET, mode="train")
+        report[f"placeholders_{seed}"] = len(placeholders)
+        assert sum(packed["loss"]) == pytest.approx(sum(stock["loss"]), rel=1e-5)
+        for name, g in g_stock.items():
+            got = g_packed[name].full_tensor()
+            assert float((got - g).norm()) <= 1e-5 * float(g.norm()), f"rank 1 seed {seed}: {name}"
+        stock, _, td = run(make_engine("sdpa"), proto, max_tokens=64, mode="infer")
+        packed, _, _ = run(engine, proto, max_tokens=SPLIT_BUDGET, mode="infer")
+        mask = proto.batch["response_mask"].bool()
+        a = no_padding_2_padding(stock["model_output"]["log_probs"], td)
+        b = no_padding_2_padding(packed["model_output"]["log_probs"], td)
+        torch.testing.assert_close(b[mask], a[mask], rtol=0, atol=1e-5)
+    return report
+
+
+def _two_rank_worker(rank, world, init_file, out_dir):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))
+    try:
+        outcome = {"ok": True, "report": _two_rank_case(rank, world)}
+    except BaseException:  # noqa: BLE001 - recorded, read by the test
+        outcome = {"ok": False, "error": traceback.format_exc()}
+    (pathlib.Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(outcome))
+    dist.destroy_process_group()
+
+
+def test_two_ranks_fsdp2_prompt_once(tmp_path):
+    """Two data-parallel ranks with different plans (phases, micro-batches per phase, whole groups
+    after them), FSDP2 with veRL's deferred gradient sync: each rank runs the same steps (placeholders
+    where it has nothing) and the update and the log-probs equal the stock engine's."""
+    if not dist.is_gloo_available():
+        pytest.skip("torch.distributed without gloo")
+    world = 2
+    ctx = mp.start_processes(_two_rank_worker, args=(world, str(tmp_path / "init"), str(tmp_path)), nprocs=world,
+                             join=False, start_method="spawn")
+    deadline = time.monotonic() + WORLD_DEADLINE_S
+    note = ""
+    try:
+        while not ctx.join(timeout=max(1.0, deadline - time.monotonic())):
+            if time.monotonic() >= deadline:
+                note = f"killed after {WORLD_DEADLINE_S} s (deadlock?)"
+                break
+    except Exception as exc:  # a rank died outside the case
+        note = f"{type(exc).__name__}: {exc}"
+    for p in ctx.processes:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    outcomes = []
+    for r in range(world):
+        f = tmp_path / f"rank{r}.json"
+        outcomes.append(json.loads(f.read_text()) if f.exists() else {"ok": False, "error": note or "no result"})
+    assert all(o["ok"] for o in outcomes), "\n".join(f"rank {r}: {o['error']}" for r, o in enumerate(outcomes))
+    # seed 5: rank 0 one placeholder (after its phases); rank 1 one in its first phase, three in the second
+    assert [o["report"]["placeholders_5"] for o in outcomes] == [1, 4]
+    # seed 2: rank 0 one in its first phase (two micro-batches, rank 1's has three); rank 1 a placeholder
+    # phase of three
+    assert [o["report"]["placeholders_2"] for o in outcomes] == [1, 3]
 
 
 def test_micro_batches_keep_groups_whole():
