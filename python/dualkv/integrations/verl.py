@@ -11,11 +11,28 @@ Switched on from the veRL configuration (veRL 0.9.1, see ``requirements-rl.txt``
 Importing this module patches ``FSDPEngineWithLMHead`` (``verl.workers.engine.fsdp.transformer_impl``);
 an engine whose model does not use ``attn_implementation="dualkv"`` is untouched. For a dualkv engine:
 
-* micro-batches (``prepare_micro_batches``, dynamic batch size): the rows are grouped by ``uid``
-  (rows of one uid must share their prompt; checked exactly for the whole mini-batch before any
-  forward), groups are kept whole and balanced by packed tokens (prompt + responses) under
-  ``max_token_len_per_gpu`` (a group larger than that is split into response subsets, each with its
-  own prompt copy), and every data-parallel rank runs the same number of micro-batches;
+* micro-batches (dynamic batch size): the rows are grouped by ``uid`` (rows of one uid must share
+  their prompt; checked exactly for the whole mini-batch before any forward) and groups are kept
+  whole under ``max_token_len_per_gpu`` packed tokens (prompt + responses). A group larger than
+  that is split into response subsets and **runs its prompt once** (:mod:`dualkv.schedule`): the
+  engine's ``forward_backward_batch`` runs :func:`_prompt_once_batch`, its own loop over the plan of
+  :func:`dualkv.plan_micro_batches` (``prompt_once=True``): per prompt phase, phase A (the prompts'
+  forward, keys and values recorded; under ``torch.no_grad()`` for log-probs), the phase's
+  micro-batches through veRL's ``forward_step`` and backward (their split groups carry the last
+  prompt token and read the recorded keys and values), then phase C (one prompt backward with the
+  accumulated gradients; none for log-probs); then the micro-batches of whole groups. Every backward
+  runs in the engine's ``_gradient_sync_context``, the schedule's last one (a micro-batch's or a
+  phase C) as the last micro-batch, so FSDP reduce-scatters once with phase C's gradients in it.
+  Each data-parallel rank plans its own rows; the plans are aligned (the maximum over the ranks of
+  the micro-batches per phase and after the phases), and a rank runs placeholder phases and
+  micro-batches where it has none, so that FSDP's collectives stay in step. veRL's loss
+  normalisation (``batch_num_tokens``, ``dp_size``) is assigned as veRL does, and the outputs come
+  back in veRL's row order. Options: :class:`PromptOnceOptions` (environment variable
+  :data:`PROMPT_ONCE_ENV`; the defaults of :func:`dualkv.grpo.policy_update`). Under FSDP1, with
+  ``DUALKV_VERL_PROMPT_ONCE=0``, or with ``use_dynamic_bsz=False`` (veRL's fixed row chunks, in
+  veRL's loop: exact, groups whole when the micro-batch size is a multiple of ``rollout.n``) each
+  piece of a split group carries its own prompt copy instead (``prepare_micro_batches``:
+  :func:`group_micro_batches`, the same number of micro-batches on every rank);
 * model inputs (``prepare_model_inputs``): ``[prompt | response_1 | ... | response_N]`` per group,
   with the layout's positions and an explicit target map instead of veRL's ``roll(-1)`` labels;
 * model outputs (``prepare_model_outputs``): the fused log-probs (and entropy) of the response tokens,
@@ -27,7 +44,8 @@ Refused with :class:`dualkv.UnsupportedError` when the micro-batch asks for it: 
 ``use_fused_kernels``, ``calculate_sum_pi_squared``, top-K distillation, multimodal inputs,
 ``pad_to_length``, per-sample temperatures, value-head (critic) models, and Ulysses sequence
 parallelism (``ulysses_sequence_parallel_size > 1``) until ``dualkv.distributed`` provides the
-packed all-to-all attention: :func:`_sp_shard` is where it plugs in.
+packed all-to-all attention: :func:`_sp_shard` is where it plugs in. A malformed
+``DUALKV_VERL_PROMPT_ONCE`` raises :class:`dualkv.ArgumentError` before any forward.
 """
 from __future__ import annotations
 
@@ -116,9 +134,11 @@ def _pack(batch) -> PackedBatch:
 
 
 def group_micro_batches(batch, dp_group=None) -> Tuple[list, List[List[int]]]:
-    """``prepare_micro_batches`` for a dualkv engine (dynamic batch size): micro-batches of whole uid
-    groups under ``max_token_len_per_gpu * sp_size`` packed tokens, the same count on every rank of
-    ``dp_group``. Returns (micro-batch TensorDicts, their row indices) like veRL's."""
+    """``prepare_micro_batches`` for a dualkv engine (dynamic batch size) when prompt once does not
+    run (:func:`_runs_prompt_once`): micro-batches of whole uid groups under
+    ``max_token_len_per_gpu * sp_size`` packed tokens (a group over it split into response subsets,
+    each with a copy of its prompt), the same count on every rank of ``dp_group``. Returns
+    (micro-batch TensorDicts, their row indices) like veRL's."""
     sp_size = tu.get_non_tensor_data(data=batch, key="sp_size", default=1)
     max_tokens = int(tu.get_non_tensor_data(data=batch, key="max_token_len_per_gpu", default=None)) * sp_size
     packed = _pack(batch)  # validates every group (same prompt under one uid) before any forward
