@@ -374,6 +374,12 @@ def _two_rank_case(rank, world):
         a = no_padding_2_padding(stock["model_output"]["log_probs"], td)
         b = no_padding_2_padding(packed["model_output"]["log_probs"], td)
         torch.testing.assert_close(b[mask], a[mask], rtol=0, atol=1e-5)
+    # a bad batch on rank 1 only (its uid "b" spans two prompts): both ranks raise, neither waits in a
+    # collective for the other (the deadline would kill them)
+    bad = rollout_batch(groups=4, seed=3) if rank == 0 else rollout_batch(uids=["a"] * N + ["b"] * (2 * N))
+    with pytest.raises((ValueError, dualkv.ArgumentError)) as err:
+        run(engine, bad, max_tokens=SPLIT_BUDGET, mode="train")
+    report["bad_batch"] = f"{type(err.value).__name__}: {err.value}"
     return report
 
 
@@ -421,6 +427,8 @@ def test_two_ranks_fsdp2_prompt_once(tmp_path):
     # seed 2: rank 0 one in its first phase (two micro-batches, rank 1's has three); rank 1 a placeholder
     # phase of three
     assert [o["report"]["placeholders_2"] for o in outcomes] == [1, 3]
+    assert "rank(s) [1]" in outcomes[0]["report"]["bad_batch"], outcomes[0]["report"]["bad_batch"]
+    assert "same uid have different prompt tokens" in outcomes[1]["report"]["bad_batch"]
 
 
 def test_micro_batches_keep_groups_whole():

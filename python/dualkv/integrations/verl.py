@@ -58,7 +58,7 @@ import torch
 
 from .. import schedule
 from .._native import ArgumentError, UnsupportedError
-from ..distributed import placeholder_batch
+from ..distributed import agree, placeholder_batch
 from ..microbatch import MicroBatch, PromptPhase, plan_micro_batches
 from ..packing import PackedBatch, pack_padded
 from ..schedule import _pack as _pack_planned
@@ -481,6 +481,22 @@ def _rank_schedule(plan, dp_group) -> _RankSchedule:
     return out
 
 
+def _agree_or_raise(group, failure: Optional[Exception]) -> None:
+    """Raise on every rank of ``group`` if any rank has a ``failure``: that rank its own exception,
+    the others an :class:`dualkv.ArgumentError` naming it (:func:`dualkv.distributed.agree`)."""
+    if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
+        if failure is not None:
+            raise failure
+        return
+    device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
+    try:
+        agree(group, device, None if failure is None else str(failure), "dualkv veRL plug-in (prompt once)")
+    except ArgumentError:
+        if failure is not None:
+            raise failure from None
+        raise
+
+
 def _placeholder_step(engine, device: torch.device, forward_only: bool) -> None:
     """A micro-batch another rank runs and this one has nothing for: two tokens through the same
     forward (and a zero backward), so that FSDP's all-gathers and reduce-scatters stay in step
@@ -514,7 +530,6 @@ def _prompt_once_batch(engine, data, loss_function, forward_only: bool, options:
     the loss-mask tokens summed over the data-parallel group; ``dp_size``). Forward-only (log-probs):
     under ``torch.no_grad()``, phase A records the keys and values and no phase C runs.
     """
-    _refuse_unservable(engine, data)
     group = engine.get_data_parallel_group()
     tu.assign_non_tensor(data, sp_size=engine.ulysses_sequence_parallel_size)
     num_tokens = data["loss_mask"].sum().to(_impl.get_device_id())
@@ -523,9 +538,18 @@ def _prompt_once_batch(engine, data, loss_function, forward_only: bool, options:
     keep_outputs = forward_only or tu.get_non_tensor_data(data=data, key="return_model_output", default=False)
 
     device = _device()
-    full = _pack(data)  # validates every group (one prompt per uid) before any forward
-    _prepare_engine(engine, device)
-    plan = _prompt_once_plan(engine, data, full, options, forward_only, device)
+    # What this rank's rows can break (a uid over two prompts, a refused flag, a plan the budget cannot
+    # hold) is checked before the first collective of the schedule and agreed on over the group: a
+    # rank that failed raises its own error, every other rank an error naming it, none is left waiting.
+    failure: Optional[Exception] = None
+    try:
+        _refuse_unservable(engine, data)
+        full = _pack(data)  # validates every group (one prompt per uid) before any forward
+        _prepare_engine(engine, device)
+        plan = _prompt_once_plan(engine, data, full, options, forward_only, device)
+    except (ArgumentError, UnsupportedError, ValueError) as exc:
+        failure = exc
+    _agree_or_raise(group, failure)
     ranks = _rank_schedule(plan, group)
     prompts, responses = _group_tokens(full, device)
     model = _hf_model(engine.module)
