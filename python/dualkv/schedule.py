@@ -1079,12 +1079,16 @@ def run_prompt_phase(model, prompts: Sequence[Tensor], deterministic: bool = Fal
     rerun = None
     if recompute_prompt and torch.is_grad_enabled():
         rng = _rng_states(device)
+        # phase A's autocast too: phase C runs outside the caller's forward (e.g. the veRL plug-in's,
+        # which runs phase A under the engine's autocast and backward passes outside it)
+        autocast = (torch.is_autocast_enabled(device.type), torch.get_autocast_dtype(device.type))
 
-        def rerun() -> Tensor:  # phase C's forward: phase A's, with gradients and phase A's random state
+        def rerun() -> Tensor:  # phase C's forward: phase A's, with gradients, phase A's random state and autocast
             after = _rng_states(device)
             _set_rng_states(device, rng)
             try:
-                return run(kv)
+                with torch.autocast(device.type, dtype=autocast[1], enabled=autocast[0]):
+                    return run(kv)
             finally:
                 _set_rng_states(device, after)
 

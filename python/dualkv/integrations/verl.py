@@ -11,11 +11,28 @@ Switched on from the veRL configuration (veRL 0.9.1, see ``requirements-rl.txt``
 Importing this module patches ``FSDPEngineWithLMHead`` (``verl.workers.engine.fsdp.transformer_impl``);
 an engine whose model does not use ``attn_implementation="dualkv"`` is untouched. For a dualkv engine:
 
-* micro-batches (``prepare_micro_batches``, dynamic batch size): the rows are grouped by ``uid``
-  (rows of one uid must share their prompt; checked exactly for the whole mini-batch before any
-  forward), groups are kept whole and balanced by packed tokens (prompt + responses) under
-  ``max_token_len_per_gpu`` (a group larger than that is split into response subsets, each with its
-  own prompt copy), and every data-parallel rank runs the same number of micro-batches;
+* micro-batches (dynamic batch size): the rows are grouped by ``uid`` (rows of one uid must share
+  their prompt; checked exactly for the whole mini-batch before any forward) and groups are kept
+  whole under ``max_token_len_per_gpu`` packed tokens (prompt + responses). A group larger than
+  that is split into response subsets and **runs its prompt once** (:mod:`dualkv.schedule`): the
+  engine's ``forward_backward_batch`` runs :func:`_prompt_once_batch`, its own loop over the plan of
+  :func:`dualkv.plan_micro_batches` (``prompt_once=True``): per prompt phase, phase A (the prompts'
+  forward, keys and values recorded; under ``torch.no_grad()`` for log-probs), the phase's
+  micro-batches through veRL's ``forward_step`` and backward (their split groups carry the last
+  prompt token and read the recorded keys and values), then phase C (one prompt backward with the
+  accumulated gradients; none for log-probs); then the micro-batches of whole groups. Every backward
+  runs in the engine's ``_gradient_sync_context``, the schedule's last one (a micro-batch's or a
+  phase C) as the last micro-batch, so FSDP reduce-scatters once with phase C's gradients in it.
+  Each data-parallel rank plans its own rows; the plans are aligned (the maximum over the ranks of
+  the micro-batches per phase and after the phases), and a rank runs placeholder phases and
+  micro-batches where it has none, so that FSDP's collectives stay in step. veRL's loss
+  normalisation (``batch_num_tokens``, ``dp_size``) is assigned as veRL does, and the outputs come
+  back in veRL's row order. Options: :class:`PromptOnceOptions` (environment variable
+  :data:`PROMPT_ONCE_ENV`; the defaults of :func:`dualkv.grpo.policy_update`). Under FSDP1, with
+  ``DUALKV_VERL_PROMPT_ONCE=0``, or with ``use_dynamic_bsz=False`` (veRL's fixed row chunks, in
+  veRL's loop: exact, groups whole when the micro-batch size is a multiple of ``rollout.n``) each
+  piece of a split group carries its own prompt copy instead (``prepare_micro_batches``:
+  :func:`group_micro_batches`, the same number of micro-batches on every rank);
 * model inputs (``prepare_model_inputs``): ``[prompt | response_1 | ... | response_N]`` per group,
   with the layout's positions and an explicit target map instead of veRL's ``roll(-1)`` labels;
 * model outputs (``prepare_model_outputs``): the fused log-probs (and entropy) of the response tokens,
@@ -27,28 +44,36 @@ Refused with :class:`dualkv.UnsupportedError` when the micro-batch asks for it: 
 ``use_fused_kernels``, ``calculate_sum_pi_squared``, top-K distillation, multimodal inputs,
 ``pad_to_length``, per-sample temperatures, value-head (critic) models, and Ulysses sequence
 parallelism (``ulysses_sequence_parallel_size > 1``) until ``dualkv.distributed`` provides the
-packed all-to-all attention: :func:`_sp_shard` is where it plugs in.
+packed all-to-all attention: :func:`_sp_shard` is where it plugs in. A malformed
+``DUALKV_VERL_PROMPT_ONCE`` raises :class:`dualkv.ArgumentError` before any forward.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Tuple
+import os
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from .._native import UnsupportedError
-from ..microbatch import plan_micro_batches
+from .. import schedule
+from .._native import ArgumentError, UnsupportedError
+from ..distributed import agree, placeholder_batch
+from ..microbatch import MicroBatch, PromptPhase, plan_micro_batches
 from ..packing import PackedBatch, pack_padded
+from ..schedule import _pack as _pack_planned
 from . import transformers as dkt
 from ._packed_forward import check_servable, forward_kwargs, install
 
 try:
     import torch.distributed as dist
     from verl.utils import tensordict_utils as tu
+    from verl.utils.fsdp_utils import fsdp_version
     from verl.workers.engine.fsdp import transformer_impl as _impl
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("dualkv.integrations.verl needs veRL (see requirements-rl.txt)") from exc
 
-__all__ = ["install_plugin", "uses_dualkv", "group_micro_batches"]
+__all__ = ["PROMPT_ONCE_ENV", "PromptOnceOptions", "install_plugin", "uses_dualkv", "group_micro_batches"]
 
 #: non-tensor key that marks a batch of a dualkv engine (read by the micro-batch planner)
 _BATCH_FLAG = "dualkv"
@@ -109,9 +134,11 @@ def _pack(batch) -> PackedBatch:
 
 
 def group_micro_batches(batch, dp_group=None) -> Tuple[list, List[List[int]]]:
-    """``prepare_micro_batches`` for a dualkv engine (dynamic batch size): micro-batches of whole uid
-    groups under ``max_token_len_per_gpu * sp_size`` packed tokens, the same count on every rank of
-    ``dp_group``. Returns (micro-batch TensorDicts, their row indices) like veRL's."""
+    """``prepare_micro_batches`` for a dualkv engine (dynamic batch size) when prompt once does not
+    run (:func:`_runs_prompt_once`): micro-batches of whole uid groups under
+    ``max_token_len_per_gpu * sp_size`` packed tokens (a group over it split into response subsets,
+    each with a copy of its prompt), the same count on every rank of ``dp_group``. Returns
+    (micro-batch TensorDicts, their row indices) like veRL's."""
     sp_size = tu.get_non_tensor_data(data=batch, key="sp_size", default=1)
     max_tokens = int(tu.get_non_tensor_data(data=batch, key="max_token_len_per_gpu", default=None)) * sp_size
     packed = _pack(batch)  # validates every group (same prompt under one uid) before any forward
@@ -169,19 +196,32 @@ def _temperature(micro_batch) -> float:
     return float(t)
 
 
-def _packed_model_inputs(engine, micro_batch) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+def _refuse_unservable(engine, batch) -> None:
+    """UnsupportedError for what a batch (or one of its micro-batches) asks and the packed path cannot
+    serve: checked per micro-batch, and by the prompt-once loop on the whole batch before its first
+    forward (a refusal after phase A would have run a prompt forward for nothing)."""
     get = tu.get_non_tensor_data
-    if not get(data=micro_batch, key="use_remove_padding", default=True):
+    if not get(data=batch, key="use_remove_padding", default=True):
         raise UnsupportedError("dualkv: set actor_rollout_ref.model.use_remove_padding=True (the packed path "
                                "replaces the padded forward)")
     for key, what in _REFUSED_FLAGS:
-        if get(data=micro_batch, key=key, default=False):
+        if get(data=batch, key=key, default=False):
             raise UnsupportedError(f"dualkv: {what} is not supported")
     if engine.pad_to_length:
         raise UnsupportedError("dualkv: pad_to_length is not supported")
-    if "multi_modal_inputs" in micro_batch.keys():
+    if "multi_modal_inputs" in batch.keys():
         raise UnsupportedError("dualkv: multimodal inputs are not supported")
-    packed = _sp_shard(engine, _pack(micro_batch))
+
+
+def _packed_model_inputs(engine, micro_batch) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+    get = tu.get_non_tensor_data
+    _refuse_unservable(engine, micro_batch)
+    step = getattr(engine, _STEP_ATTR, None)
+    if step is not None:  # the prompt-once loop's micro-batch: its rows are step.micro_batch's, entry by entry
+        packed = _pack_planned(step.micro_batch, step.phase, step.prompt_kv, step.prompts, step.responses)
+    else:
+        packed = _pack(micro_batch)
+    packed = _sp_shard(engine, packed)
     _prepare_engine(engine, packed.device)
     inputs = forward_kwargs(packed, _temperature(micro_batch), bool(get(data=micro_batch, key="calculate_entropy",
                                                                         default=False)))
@@ -211,12 +251,371 @@ def _packed_model_outputs(output, packed: PackedBatch, micro_batch) -> Dict[str,
 
 
 # ------------------------------------------------------------------------------------------------
+# prompt once: options
+# ------------------------------------------------------------------------------------------------
+
+#: environment variable with the prompt-once options of the dualkv engines (:class:`PromptOnceOptions`)
+PROMPT_ONCE_ENV = "DUALKV_VERL_PROMPT_ONCE"
+
+_TRUE, _FALSE = ("1", "on", "true"), ("0", "off", "false")
+
+
+def _flag(key: str, value: str) -> bool:
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ArgumentError(f"dualkv: {PROMPT_ONCE_ENV}: {key}={value!r}; expected 0 or 1")
+
+
+def _stream_flag(key: str, value: str) -> Optional[bool]:
+    return None if value == "auto" else _flag(key, value)
+
+
+def _grad_dtype(key: str, value: str) -> Optional[torch.dtype]:
+    if value in ("model", "float32", "fp32"):
+        return None if value == "model" else torch.float32
+    raise ArgumentError(f"dualkv: {PROMPT_ONCE_ENV}: {key}={value!r}; expected model or float32")
+
+
+def _budget(key: str, value: str) -> Union[bool, float]:
+    if value in _TRUE + _FALSE:
+        return _flag(key, value)
+    try:
+        factor = float(value)
+    except ValueError:
+        factor = float("nan")
+    if not (0.0 <= factor < float("inf")):
+        raise ArgumentError(f"dualkv: {PROMPT_ONCE_ENV}: {key}={value!r}; expected 0, 1 or a factor >= 0")
+    return factor
+
+
+def _tokens(key: str, value: str) -> int:
+    if not value.isdigit() or int(value) < 1:
+        raise ArgumentError(f"dualkv: {PROMPT_ONCE_ENV}: {key}={value!r}; expected a token count >= 1")
+    return int(value)
+
+
+_OPTION_PARSERS = {"recompute_prompt": _flag, "offload_prompt_grads": _flag, "offload_prompt_activations": _flag,
+                   "stream_prompt_state": _stream_flag, "prompt_grad_dtype": _grad_dtype,
+                   "prompt_state_budget": _budget, "max_prompt_tokens": _tokens}
+
+
+@dataclass(frozen=True)
+class PromptOnceOptions:
+    """How a dualkv engine runs the prompt of a group over its micro-batch budget: the keywords of
+    :func:`dualkv.grpo.policy_update` with its defaults (:mod:`dualkv.schedule` weighs them).
+
+    Read from the environment variable :data:`PROMPT_ONCE_ENV` at every ``forward_backward_batch``
+    (:meth:`from_env`): veRL hands an engine no free-form setting (its engine config is a fixed
+    dataclass, the batch's non-tensor keys are set by veRL's workers), while every worker inherits
+    the environment (under Ray: ``ray_kwargs.ray_init.runtime_env.env_vars``). Unset, empty or ``1``:
+    prompt once with these defaults; ``0``: off (each piece of a split group carries a copy of its
+    prompt); otherwise comma-separated ``key=value`` pairs, e.g. ``recompute_prompt=1,prompt_state_budget=1``:
+    ``recompute_prompt``, ``offload_prompt_grads``, ``offload_prompt_activations``: 0 or 1;
+    ``stream_prompt_state``: 0, 1 or ``auto`` (on for CUDA); ``prompt_grad_dtype``: ``model`` or
+    ``float32``; ``prompt_state_budget``: 0, 1 (the factor derived from the model,
+    :func:`dualkv.schedule.prompt_state_factor`) or a factor such as ``0.5``; ``max_prompt_tokens``:
+    tokens of one prompt phase (default: the micro-batch budget). Anything else raises
+    :class:`dualkv.ArgumentError`.
+    """
+
+    enabled: bool = True
+    recompute_prompt: bool = False
+    prompt_grad_dtype: Optional[torch.dtype] = None
+    offload_prompt_grads: bool = False
+    offload_prompt_activations: bool = True
+    stream_prompt_state: Optional[bool] = None
+    prompt_state_budget: Union[bool, float] = False
+    max_prompt_tokens: Optional[int] = None
+
+    @classmethod
+    def from_env(cls, value: Optional[str] = None) -> "PromptOnceOptions":
+        """The options in ``value`` (default: the environment variable :data:`PROMPT_ONCE_ENV`)."""
+        text = (os.environ.get(PROMPT_ONCE_ENV, "") if value is None else value).strip().lower()
+        if text in ("",) + _TRUE:
+            return cls()
+        if text in _FALSE:
+            return cls(enabled=False)
+        options: Dict[str, Any] = {}
+        for item in text.split(","):
+            key, sep, raw = (part.strip() for part in item.partition("="))
+            if not sep or key not in _OPTION_PARSERS:
+                raise ArgumentError(f"dualkv: {PROMPT_ONCE_ENV}={text!r}: {item.strip()!r} is not one of "
+                                    f"{', '.join(f'{k}=...' for k in _OPTION_PARSERS)} (or 0 / 1 alone)")
+            if key in options:
+                raise ArgumentError(f"dualkv: {PROMPT_ONCE_ENV}={text!r} sets {key} twice")
+            options[key] = _OPTION_PARSERS[key](key, raw)
+        if options.get("offload_prompt_grads") and not options.get("recompute_prompt"):
+            raise ArgumentError(f"dualkv: {PROMPT_ONCE_ENV}: offload_prompt_grads=1 needs recompute_prompt=1 (without "
+                                "it phase C is one backward that needs every gradient buffer at once)")
+        return cls(**options)
+
+
+# ------------------------------------------------------------------------------------------------
+# prompt once: the micro-batch loop of a dualkv engine
+# ------------------------------------------------------------------------------------------------
+
+#: engine attribute holding the prompt-once loop's current micro-batch while veRL's forward_step runs it
+_STEP_ATTR = "_dualkv_step"
+
+
+@dataclass(frozen=True)
+class _PlannedStep:
+    """What ``prepare_model_inputs`` packs for the micro-batch forward_step is running: the planned
+    micro-batch (its TensorDict holds ``micro_batch.rows`` in that order), the prompt phase whose
+    keys and values its split groups read (or None) and the mini-batch's tokens per group."""
+
+    micro_batch: MicroBatch
+    phase: Optional[PromptPhase]
+    prompt_kv: Optional[schedule.PromptKV]
+    prompts: Sequence[torch.Tensor]
+    responses: Sequence[Sequence[torch.Tensor]]
+
+
+@dataclass
+class _RankSchedule:
+    """This rank's part of a mini-batch: prompt phases, each with the micro-batches run while its
+    keys and values are kept, then the micro-batches of whole groups. None stands for a step that
+    another data-parallel rank runs and this one has nothing for (a placeholder runs instead)."""
+
+    phases: List[Tuple[Optional[PromptPhase], List[Optional[MicroBatch]]]] = field(default_factory=list)
+    trailing: List[Optional[MicroBatch]] = field(default_factory=list)
+
+
+def _runs_prompt_once(engine, data, options: PromptOnceOptions) -> bool:
+    """Whether a dualkv engine's ``forward_backward_batch`` runs :func:`_prompt_once_batch` (the same
+    answer on every rank: the options, the engine and the batch's keys are). Not for
+
+    * fixed-size micro-batches (``use_dynamic_bsz=False``): veRL's row chunks are kept, in veRL's loop;
+    * Ulysses: refused by veRL's loop at the first micro-batch, as before;
+    * FSDP1: phase A runs the prompts through the Hugging Face model inside the root module's own
+      forward call (:func:`dualkv.schedule.run_prompt_phase`), which FSDP2 hooks (it shards the model
+      in place) but FSDP1 wraps: its root forward, which gathers the root's flat parameters, cannot be
+      entered from the inner module. There each piece of a split group keeps its prompt copy.
+    """
+    return (options.enabled and bool(tu.get_non_tensor_data(data=data, key="use_dynamic_bsz", default=True))
+            and not getattr(engine, "use_ulysses_sp", False) and fsdp_version(engine.module) != 1)
+
+
+def _device() -> torch.device:
+    """Where veRL's ``forward_step`` puts a micro-batch (``.to(get_device_id())``)."""
+    dev = _impl.get_device_id()
+    return torch.device(_impl.get_device_name(), dev) if isinstance(dev, int) else torch.device(dev)
+
+
+def _autocast(engine):
+    """The autocast veRL's ``forward_step`` runs the model under (none for fp32): phase A and the
+    placeholders run under the same, so that the prompts' keys and values are those a micro-batch's
+    own forward would compute."""
+    dtype = getattr(engine, "_autocast_dtype", torch.bfloat16)
+    if dtype == torch.float32:
+        return nullcontext()
+    return torch.autocast(device_type=_impl.get_device_name(), dtype=dtype)
+
+
+def _group_tokens(full: PackedBatch, device: torch.device) -> Tuple[List[torch.Tensor], List[List[torch.Tensor]]]:
+    """Per group of the packed mini-batch its prompt and its responses (response i is row
+    ``full.group_rows[g][i]``): views of one copy of the packed tokens on ``device``."""
+    ids = full.input_ids[0].to(device)
+    last, starts, lens = full.prompt_last_index.tolist(), full.response_offsets.tolist(), full.row_response_lens
+    prompts = [ids[last[rows[0]] + 1 - p:last[rows[0]] + 1] for p, rows in zip(full.group_prompt_lens, full.group_rows)]
+    responses = [[ids[starts[r]:starts[r] + lens[r]] for r in rows] for rows in full.group_rows]
+    return prompts, responses
+
+
+def _prompt_once_plan(engine, data, full: PackedBatch, options: PromptOnceOptions, forward_only: bool,
+                      device: torch.device):
+    """This rank's plan: its groups under ``max_token_len_per_gpu`` packed tokens, a group over it
+    split with its prompt in a prompt phase. The prompt state's budget (``prompt_state_budget``) is
+    applied as :func:`dualkv.grpo.policy_update` applies it, in training only: a log-prob forward
+    keeps no activations and no gradient sums, so the split path's peak is not what it has to stay
+    under."""
+    budget = tu.get_non_tensor_data(data=data, key="max_token_len_per_gpu", default=None)
+    if budget is None:
+        raise ArgumentError("dualkv: use_dynamic_bsz needs max_token_len_per_gpu in the batch (veRL's "
+                            "ppo_max_token_len_per_gpu / log_prob_max_token_len_per_gpu)")
+    max_tokens = int(budget) * int(tu.get_non_tensor_data(data=data, key="sp_size", default=1))
+    factor, credit = 0.0, 0.0
+    if options.prompt_state_budget is not False and not forward_only:
+        model = _hf_model(engine.module)
+        dtype = getattr(engine, "_autocast_dtype", None)  # the compute dtype: the keys' and values'
+        credit = schedule.prompt_state_credit(model, dtype=dtype)
+        factor = options.prompt_state_budget
+        if factor is True:
+            factor = schedule.prompt_state_factor(
+                model, options.prompt_grad_dtype, options.recompute_prompt,
+                options.offload_prompt_activations and schedule._offloads(device), dtype=dtype,
+                stream_prompt_state=schedule._streams(options.stream_prompt_state, device))
+    return plan_micro_batches(full.groups(), max_tokens, prompt_once=True, max_prompt_tokens=options.max_prompt_tokens,
+                              prompt_state_factor=factor, prompt_state_credit=credit)
+
+
+def _aligned(phase_sizes: List[int], trailing: int, dp_group) -> Tuple[List[int], int]:
+    """The element-wise maximum over the data-parallel ranks of (micro-batches of each prompt phase,
+    micro-batches after the phases): every rank then runs the same sequence of phase-A forwards,
+    micro-batch forwards and backwards and phase-C backwards, as FSDP's collectives need. Each rank
+    planned its own rows (veRL hands a rank its rows before the engine sees them), so the plans are
+    aligned here rather than by :func:`dualkv.plan_micro_batches`'s ``num_ranks``."""
+    if dp_group is None or not dist.is_initialized() or dist.get_world_size(dp_group) == 1:
+        return phase_sizes, trailing
+    device = "cuda" if dist.get_backend(dp_group) == "nccl" else "cpu"
+    count = torch.tensor([len(phase_sizes)], device=device)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX, group=dp_group)
+    shape = torch.tensor(phase_sizes + [0] * (int(count.item()) - len(phase_sizes)) + [trailing], device=device)
+    dist.all_reduce(shape, op=dist.ReduceOp.MAX, group=dp_group)
+    sizes = [int(n) for n in shape.tolist()]
+    return sizes[:-1], sizes[-1]
+
+
+def _rank_schedule(plan, dp_group) -> _RankSchedule:
+    micro, phases = plan.ranks[0], plan.prompt_phases[0] if plan.prompt_phases else ()
+    own = [(ph, [micro[i] for i in ph.micro_batches if micro[i].entries]) for ph in phases]
+    in_phase = {i for ph in phases for i in ph.micro_batches}
+    trailing = [mb for i, mb in enumerate(micro) if i not in in_phase and mb.entries]
+    sizes, num_trailing = _aligned([len(mbs) for _, mbs in own], len(trailing), dp_group)
+    out = _RankSchedule(trailing=list(trailing) + [None] * (num_trailing - len(trailing)))
+    for j, size in enumerate(sizes):
+        ph, mbs = own[j] if j < len(own) else (None, [])
+        out.phases.append((ph, list(mbs) + [None] * (size - len(mbs))))
+    return out
+
+
+def _agree_or_raise(group, failure: Optional[Exception]) -> None:
+    """Raise on every rank of ``group`` if any rank has a ``failure``: that rank its own exception,
+    the others an :class:`dualkv.ArgumentError` naming it (:func:`dualkv.distributed.agree`)."""
+    if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
+        if failure is not None:
+            raise failure
+        return
+    device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
+    try:
+        agree(group, device, None if failure is None else str(failure), "dualkv veRL plug-in (prompt once)")
+    except ArgumentError:
+        if failure is not None:
+            raise failure from None
+        raise
+
+
+def _placeholder_step(engine, device: torch.device, forward_only: bool) -> None:
+    """A micro-batch another rank runs and this one has nothing for: two tokens through the same
+    forward (and a zero backward), so that FSDP's all-gathers and reduce-scatters stay in step
+    (:func:`dualkv.distributed.placeholder_batch`). Nothing of it reaches veRL's outputs."""
+    inputs = forward_kwargs(placeholder_batch(device))
+    if engine.engine_config.full_determinism:
+        inputs[dkt.DETERMINISTIC_KWARG] = True
+    with _autocast(engine):
+        out = engine.module(**inputs)
+    if not forward_only:
+        (out.log_probs.sum() * 0.0).backward()
+
+
+def _prompt_once_batch(engine, data, loss_function, forward_only: bool, options: PromptOnceOptions) -> Dict[str, Any]:
+    """``forward_backward_batch`` of a dualkv engine with prompt phases: a group over the budget runs
+    its prompt once (:mod:`dualkv.schedule`; phase A before its phase's first micro-batch, phase C
+    after the last one's backward).
+
+    This is a loop of its own rather than a hook into veRL's: phase C is a backward that belongs to
+    no micro-batch, and it has to run after its phase's last backward and inside the gradient-sync
+    context of the step it ends (veRL's loop enters that context per micro-batch, and a backward
+    after the loop would reduce-scatter a second time). The loop calls the engine's own pieces:
+    ``forward_step`` per micro-batch (``prepare_model_inputs`` packs it from the plan,
+    ``prepare_model_outputs``, the loss function, autocast), ``_gradient_sync_context`` around every
+    backward with ``is_last_micro_batch`` on the last backward of the whole schedule (phase C when
+    the last phase ends it: FSDP then reduce-scatters once, phase C's gradients included), the
+    engine's grad scaler (phase C back-propagates gradients of the scaled losses: already scaled),
+    and ``postprocess_batch_func`` with the row indices of the micro-batches, which restores veRL's
+    row order. Before the loop it assigns the batch information veRL's loss functions normalise
+    by, as veRL 0.9.1's ``FSDPEngine.forward_backward_batch`` does (``sp_size``; ``batch_num_tokens``,
+    the loss-mask tokens summed over the data-parallel group; ``dp_size``). Forward-only (log-probs):
+    under ``torch.no_grad()``, phase A records the keys and values and no phase C runs.
+    """
+    group = engine.get_data_parallel_group()
+    tu.assign_non_tensor(data, sp_size=engine.ulysses_sequence_parallel_size)
+    num_tokens = data["loss_mask"].sum().to(_impl.get_device_id())
+    dist.all_reduce(num_tokens, op=dist.ReduceOp.SUM, group=group)
+    tu.assign_non_tensor(data, batch_num_tokens=num_tokens.item(), dp_size=engine.get_data_parallel_size())
+    keep_outputs = forward_only or tu.get_non_tensor_data(data=data, key="return_model_output", default=False)
+
+    device = _device()
+    # What this rank's rows can break (a uid over two prompts, a refused flag, a plan the budget cannot
+    # hold) is checked before the first collective of the schedule and agreed on over the group: a
+    # rank that failed raises its own error, every other rank an error naming it, none is left waiting.
+    failure: Optional[Exception] = None
+    try:
+        _refuse_unservable(engine, data)
+        full = _pack(data)  # validates every group (one prompt per uid) before any forward
+        _prepare_engine(engine, device)
+        plan = _prompt_once_plan(engine, data, full, options, forward_only, device)
+    except (ArgumentError, UnsupportedError, ValueError) as exc:
+        failure = exc
+    _agree_or_raise(group, failure)
+    ranks = _rank_schedule(plan, group)
+    prompts, responses = _group_tokens(full, device)
+    model = _hf_model(engine.module)
+    deterministic = bool(engine.engine_config.full_determinism)
+    scaler = getattr(engine, "scaler", None)
+    # the last backward of the schedule: the last trailing micro-batch, else the last phase's phase C
+    final = ("trailing", len(ranks.trailing) - 1) if ranks.trailing else ("phase", len(ranks.phases) - 1)
+
+    def sync(is_last: bool):
+        return nullcontext() if forward_only else engine._gradient_sync_context(is_last_micro_batch=is_last)
+
+    outputs: List[Dict[str, Any]] = []
+    indices: List[List[int]] = []
+
+    def run_micro_batch(mb: Optional[MicroBatch], phase: Optional[PromptPhase], kv, is_last: bool) -> None:
+        with sync(is_last), torch.profiler.record_function(f"micro_batch{len(outputs)}"):
+            if mb is None:
+                _placeholder_step(engine, device, forward_only)
+                return
+            rows = mb.rows(full.group_rows)
+            setattr(engine, _STEP_ATTR, _PlannedStep(mb, phase, kv, prompts, responses))
+            try:
+                loss, meta = engine.forward_step(tu.index_select_tensor_dict(data, rows),
+                                                 loss_function=loss_function, forward_only=forward_only)
+            finally:
+                setattr(engine, _STEP_ATTR, None)
+            if not forward_only:
+                (scaler.scale(loss) if scaler is not None else loss).backward()
+        if not keep_outputs:  # as veRL: a training step's outputs would keep every micro-batch's logits
+            meta.pop("model_output", None)
+        outputs.append(meta)
+        indices.append(rows)
+
+    with torch.no_grad() if forward_only else nullcontext():
+        for j, (phase, mbs) in enumerate(ranks.phases):
+            # phase A: a forward, outside the gradient-sync context (it only acts in a backward); an
+            # empty phase (other ranks have one here) runs a placeholder prompt of one token
+            phase_prompts = [prompts[g] for g in phase.groups] if phase is not None else \
+                [torch.zeros(2, dtype=torch.int64, device=device)]
+            with torch.profiler.record_function(f"dualkv_prompt_phase{j}"), _autocast(engine):
+                kv = schedule.run_prompt_phase(
+                    model, phase_prompts, deterministic, recompute_prompt=options.recompute_prompt,
+                    prompt_grad_dtype=options.prompt_grad_dtype, offload_prompt_grads=options.offload_prompt_grads,
+                    offload_prompt_activations=options.offload_prompt_activations,
+                    stream_prompt_state=options.stream_prompt_state)
+            for mb in mbs:
+                run_micro_batch(mb, phase, kv, is_last=False)
+            if not forward_only:  # phase C: the prompts' backward with the gradients phase B accumulated
+                with sync(final == ("phase", j)), torch.profiler.record_function(f"dualkv_prompt_backward{j}"):
+                    kv.backward()
+            del kv
+        for i, mb in enumerate(ranks.trailing):
+            run_micro_batch(mb, None, None, is_last=final == ("trailing", i))
+    return _impl.postprocess_batch_func(output_lst=outputs, indices=indices, data=data)
+
+
+# ------------------------------------------------------------------------------------------------
 # the patches
 # ------------------------------------------------------------------------------------------------
 
 def _forward_backward_batch(self, data, loss_function, forward_only=False):
     if uses_dualkv(self):
         tu.assign_non_tensor(data, **{_BATCH_FLAG: True})
+        options = PromptOnceOptions.from_env()
+        if _runs_prompt_once(self, data, options):
+            return _prompt_once_batch(self, data, loss_function, forward_only, options)
     return _ORIGINAL["forward_backward_batch"](self, data, loss_function, forward_only)
 
 
