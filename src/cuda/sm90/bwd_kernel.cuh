@@ -585,26 +585,34 @@ bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
       // The step's work in pieces of k16 steps [kk_lo, kk_hi) (query columns 16 kk_lo .. 16 kk_hi),
       // integral constants:
       // P^T in place in sacc, each case in its own branch (above).
-      auto softmax_p = [&](auto kk_lo, auto kk_hi) {
+      // then...: work run inside each branch after the exponentials (kExpSplit below), so that ptxas may
+      // interleave it with them.
+      auto softmax_p = [&](auto kk_lo, auto kk_hi, auto... then) {
         constexpr int J0 = 2 * decltype(kk_lo)::value, J1 = 2 * decltype(kk_hi)::value;  // n8 blocks
         if constexpr (kPrefix) {
           if (prefix_item) {  // every query of the range sees every row: only a ragged end is masked
-            if (tail)
+            if (tail) {
               bwd_softmax_p<BM / 2, false, false, kLsePreload, J0, J1>(sacc, lse_s, sl2, t4, kv_row0, klen, k0, qt,
                                                                        true, 0, 0, lse_first);
-            else
+              (then(), ...);
+            } else {
               bwd_softmax_p<BM / 2, false, false, kLsePreload, J0, J1>(sacc, lse_s, sl2, t4, kv_row0, klen, k0, qt,
                                                                        false, 0, 0, lse_first);
+              (then(), ...);
+            }
           }
         }
         if (!prefix_item) {
           const bool mask = tail || qt < k0 + cw * 64 + 63 || win;
-          if (mask)
+          if (mask) {
             bwd_softmax_p<BM / 2, true, Mods::kWindow, kLsePreload, J0, J1>(sacc, lse_s, sl2, t4, kv_row0, klen, k0,
                                                                             qt, true, bias, a.window, lse_first);
-          else
+            (then(), ...);
+          } else {
             bwd_softmax_p<BM / 2, true, Mods::kWindow, kLsePreload, J0, J1>(sacc, lse_s, sl2, t4, kv_row0, klen, k0,
                                                                             qt, false, bias, a.window, lse_first);
+            (then(), ...);
+          }
         }
       };
       // dS^T = P^T (dP^T - delta) in place in dpacc.
@@ -663,6 +671,11 @@ bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
       using KKHalf = std::integral_constant<int, BM / 32>;
       using KKAll = std::integral_constant<int, BM / 16>;
       constexpr bool kHalves = C::kSoftmaxHalves && !Mods::kSoftcap;
+      // D 128 (64-row steps), the dQ-computing kernel without a softcap: half of a step's exponentials
+      // under dP^T, the other half after its wait, interleaved with dS^T's arithmetic (FA3 / FA4's
+      // split; ncu had our 32 MUFU.EX2 in one run at 3.2x FA4's samples per MUFU). Same values in the
+      // same registers: outputs bit for bit.
+      constexpr bool kExpSplit = kAtomicDq && D == 128 && !kHalves && !Mods::kSoftcap;
       // dK's k steps [0, kDkIssued) are issued before the dQ wgmma (the rest after it, below).
       //   64-row steps (kDkHead): at D = 128, with all of dK behind dQ, ptxas (13.0) serialises
       //   every wgmma of the kernel ("insufficient register resources", C7512); with one k step of
@@ -708,6 +721,17 @@ bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
           else
             bwd_softcap_p_ds<T, BM / 2, Mods::kWindow>(sacc, dpacc, pf, dsf, lse_s, delta_s, a, t4, kv_row0, klen, k0,
                                                        qt, false, bias);
+        } else if constexpr (kExpSplit) {
+          // FA3 / FA4's placement of the exponentials (2026-12-04, docs/notes/2026-12-04-bwd-ncu.md):
+          // the first half's 16 under the dP^T wgmma, the second half's after its wait, in the same
+          // branch as all of dS^T's arithmetic and packing, which ptxas interleaves with them.
+          softmax_p(KK0{}, KKHalf{});
+          wgmma_wait<0>();
+          fence_regs(dpacc);
+          softmax_p(KKHalf{}, KKAll{}, [&] {
+            ds(KK0{}, KKAll{});
+            pack(KK0{}, KKAll{});
+          });
         } else {
           softmax_p(KK0{}, KKAll{});
           wgmma_wait<0>();
