@@ -249,7 +249,7 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
   // 2026-12-04; docs/notes/2026-12-04-d256-fwd-ncu.md): the consumers' wait for K at the loop top
   // held 7% of all warp samples (89K long-scoreboard samples at one branch, 19.3 samples per
   // warp and tile with the loop top against FA4's 9.6 for its K and V waits together), V's 0.6%.
-  constexpr bool kKAhead = D == 256;
+  constexpr bool kKAhead = true;
 
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   const uint32_t pad = (1024u - (smem_u32(smem_raw) & 1023u)) & 1023u;
@@ -494,7 +494,6 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
   // the loop top with K's: V_j, now the later load of the pair that tile j + 1 needs, gets the
   // QK^T issue's time as slack, and QK^T no longer waits for it.
   constexpr bool kLateVWait = kKAhead;
-  static_assert(!kLateVWait || kRescaleBeforePv, "sm90 forward: the late V wait sits after the O rescale");
   const int cw = __shfl_sync(0xffffffffu, wg - 1, 0);
   const int tid = threadIdx.x & 127;
   const int warp = tid >> 5, lane = tid & 31;
@@ -772,6 +771,8 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
           mbar_wait(&B.v_full[pst], (prev / S) & 1);
         }
         wgmma_fence();  // O's registers were written since the fence above
+      } else if constexpr (kLateVWait) {
+        mbar_wait(&B.v_full[pst], (prev / S) & 1);
       }
       issue_pv(pst);
       wgmma_commit();
