@@ -249,7 +249,7 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
   // 2026-12-04; docs/notes/2026-12-04-d256-fwd-ncu.md): the consumers' wait for K at the loop top
   // held 7% of all warp samples (89K long-scoreboard samples at one branch, 19.3 samples per
   // warp and tile with the loop top against FA4's 9.6 for its K and V waits together), V's 0.6%.
-  constexpr bool kKAhead = true;
+  constexpr bool kKAhead = D == 256 || !kLongWalks;
 
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   const uint32_t pad = (1024u - (smem_u32(smem_raw) & 1023u)) & 1023u;
