@@ -11,7 +11,7 @@ stage ring. Random interleavings of many items with random KV-tile counts; check
     issue to the wgmma wait that retires it),
   - consumers only read the version of a buffer they expect (tile j's K, tile j-1's V, the item's Q).
 --mutant NAME plants a bug in the Q protocol; the run must then fail (printed as "mutant NAME caught").
---k-ahead: the producer loads tile j + 1's K before tile j's V (D 256's kKAhead); --late-v: a consumer
+--k-ahead: the producer loads tile j + 1's K before tile j's V (kKAhead: D 256, the short-walk builds); --late-v: a consumer
 waits for the previous tile's V after issuing its S, inside its turn, just before its P V (kLateVWait).
 Run: python3 tests/models/protocol_model.py [--split] [--no-pingpong] [--wgs 3] [--q-buffers 2] [--k-ahead]
      [--late-v] [--runs N]

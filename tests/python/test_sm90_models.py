@@ -23,8 +23,11 @@ FWD_MODES = [[], ["--split"], ["--no-pingpong"], ["--split", "--stages", "3"], [
              ["--split", "--q-buffers", "2"], ["--split", "--wgs", "3", "--q-buffers", "2"],
              ["--wgs", "3", "--q-buffers", "2"], ["--split", "--wgs", "3", "--q-buffers", "2", "--no-pingpong"],
              ["--split", "--wgs", "3", "--q-buffers", "2", "--stages", "3"],
-             # D 256: K one tile ahead of V, the V wait after the S issue (fwd_kernel.cuh kKAhead, kLateVWait)
-             ["--split", "--k-ahead", "--late-v"], ["--split", "--k-ahead", "--late-v", "--stages", "3"]]
+             # D 256 and D 128's short-walk build: K one tile ahead of V, the V wait after the S issue
+             # (fwd_kernel.cuh kKAhead, kLateVWait); D 64's short-walk build: the same with three
+             # consumer warpgroups and two Q buffers
+             ["--split", "--k-ahead", "--late-v"], ["--split", "--k-ahead", "--late-v", "--stages", "3"],
+             ["--split", "--wgs", "3", "--q-buffers", "2", "--k-ahead", "--late-v"]]
 
 
 @pytest.mark.parametrize("flags", FWD_MODES, ids=lambda f: " ".join(f) or "default")
@@ -44,6 +47,9 @@ FWD_MUTANTS = [
     (["--split", "--wgs", "3", "--q-buffers", "2"], m) for m in ("q_parity_iter", "q_one_empty", "q_same_buffer")
 ] + [
     (["--split", "--k-ahead", "--late-v"], m) for m in ("q_release_early", "k_ahead_no_wait", "v_before_empty")
+] + [
+    (["--split", "--wgs", "3", "--q-buffers", "2", "--k-ahead", "--late-v"], m)
+    for m in ("q_parity_iter", "q_one_empty", "k_ahead_no_wait", "v_before_empty")
 ]
 
 

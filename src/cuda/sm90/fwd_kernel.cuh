@@ -7,7 +7,8 @@
 //     other of two Q buffers, so it loads while the previous item still runs), then the rest of
 //     the K and V tiles of the KV ranges the tile sees (ancestors from the parent to the root,
 //     full; then its own segment up to its last query), into a kStages-deep ring completing on
-//     mbarriers: K_j then V_j per tile, at D 256 K_{j+1} before V_j (kKAhead).
+//     mbarriers: K_j then V_j per tile; at D 256 and in the short-walk builds K_{j+1} before V_j
+//     (kKAhead).
 //   warpgroups 1, 2 [, 3] (consumers, 232 registers; 160 with three): 64 query rows each. Per KV tile j:
 //     S_j = Q K_j^T (wgmma, both operands in smem), issued together with O += P_{j-1} V_{j-1}
 //     (wgmma, P from registers, V in smem read N-major), so that the softmax of tile j overlaps
@@ -242,14 +243,19 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
                 "sm90 forward: no long-walk build of this kernel");
   using C = Sm90FwdConfig<D, kLongWalks, Mods::kWindow>;
   constexpr int BN = C::kBlockN, S = C::kStages;
-  // D 256: the producer loads each tile's K before the previous tile's V (FA3 / FA4's producer
-  // order), so that K_{j+1}'s load waits only for K_{j-1}'s release (both warpgroups' S_{j-1}
-  // retired) instead of also for V_{j-2}'s (their P V_{j-2}, a softmax later), and it leaves ahead
-  // of V_j instead of behind it. Nsight Compute on long responses (D 256, 80-row tiles, H200,
+  // D 256, and the short-walk builds of D 64 / 128: the producer loads each tile's K before the
+  // previous tile's V (FA3 / FA4's producer order), so that K_{j+1}'s load waits only for K_{j-1}'s
+  // release (both warpgroups' S_{j-1} retired) instead of also for V_{j-2}'s (their P V_{j-2}, a
+  // softmax later), and it leaves ahead of V_j instead of behind it. Nsight Compute on long responses (D 256, 80-row tiles, H200,
   // 2026-12-04; docs/notes/2026-12-04-d256-fwd-ncu.md): the consumers' wait for K at the loop top
   // held 7% of all warp samples (89K long-scoreboard samples at one branch, 19.3 samples per
   // warp and tile with the loop top against FA4's 9.6 for its K and V waits together), V's 0.6%.
-  constexpr bool kKAhead = D == 256;
+  // At D 64 / 128 it pays only with the late V wait (kLateVWait, below; K ahead alone: 0.996-1.035),
+  // and only in the short-walk builds: forward kernel time (H200, profiler, 11 rounds, 2026-12-04;
+  // docs/notes/2026-12-04-fwd-k-ahead-d64-d128.md) 0.975-0.985 at D 64 and 0.990-0.997 at D 128 on
+  // seven short-walk layouts; in the long-walk builds (N8 P16K, N8 P2K R8K) 1.000-1.027 over two
+  // runs, within this size's run-to-run spread, so they keep the old order.
+  constexpr bool kKAhead = D == 256 || !kLongWalks;
 
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   const uint32_t pad = (1024u - (smem_u32(smem_raw) & 1023u)) & 1023u;
@@ -489,12 +495,11 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
   // groups, 1.005 N8 P256 R4K. Without the warpgroups' turn-taking (FA3 / FA4 take turns only up to
   // D 128) 0.952-1.004 and the softcap + sinks kernels spilled 20 bytes: the ring stays.
   constexpr bool kRescaleBeforePv = D == 256;
-  // D 256 (with kKAhead, FA3 / FA4's consumer order): a tile's wait for the previous tile's V comes
-  // after its QK^T and the O rescale are issued, just before the P V that reads it, instead of at
-  // the loop top with K's: V_j, now the later load of the pair that tile j + 1 needs, gets the
+  // With kKAhead (FA3 / FA4's consumer order): a tile's wait for the previous tile's V comes after
+  // its QK^T (and, at D 256, the O rescale) is issued, just before the P V that reads it, instead of
+  // at the loop top with K's: V_j, now the later load of the pair that tile j + 1 needs, gets the
   // QK^T issue's time as slack, and QK^T no longer waits for it.
   constexpr bool kLateVWait = kKAhead;
-  static_assert(!kLateVWait || kRescaleBeforePv, "sm90 forward: the late V wait sits after the O rescale");
   const int cw = __shfl_sync(0xffffffffu, wg - 1, 0);
   const int tid = threadIdx.x & 127;
   const int warp = tid >> 5, lane = tid & 31;
@@ -772,6 +777,8 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
           mbar_wait(&B.v_full[pst], (prev / S) & 1);
         }
         wgmma_fence();  // O's registers were written since the fence above
+      } else if constexpr (kLateVWait) {
+        mbar_wait(&B.v_full[pst], (prev / S) & 1);
       }
       issue_pv(pst);
       wgmma_commit();
