@@ -291,9 +291,10 @@ BENCHMARKS = {
                                   "must fit: every group split in two), dualkv once against Flex-FA4 split (issue 23, "
                                   "session 29; BUDGET_PROMPTS=16384 BUDGET_TOKENS=24576)",
     "never_lose_d64": "bench/attention.py --head-dim 64 --classes long_responses,tiny_responses --methods "
-                      "dualkv,fa4_dense, ONE library per process (main's D-64 kernels), 3 rounds: issue 23's never-lose "
-                      "bar on long responses without the two-library event-time inflation (session 29; step bench-classes)",
-    "never_lose_d128": "the same at head dim 128 (main's kernels, a12840b's build; session 29)",
+                      "dualkv,fa4_dense, ONE library per process (main's D-64 / D-128 kernels after session 30's K "
+                      "ahead in the short-walk forward and the D-128 backward's exponential split), 3 rounds: issue "
+                      "23's never-lose bar on long responses (session 30; step bench-classes)",
+    "never_lose_d128": "the same at head dim 128, the same library (session 30)",
     "never_lose_d256": "the same at head dim 256 (main's kernels, a12840b's build; session 29); .ncu_stalls_fwd.txt: "
                        "Nsight Compute SourceCounters + WarpStateStats of both forward kernels on long responses "
                        "(dualkv against FA4 dense), summarised per instruction (step ncu-stalls, NCU_KERNEL="
