@@ -24,7 +24,6 @@ import types
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 transformers = pytest.importorskip("transformers")
 if torch.cuda.is_available():  # device time is scarce: the GPU machine runs the NCCL example instead
@@ -38,6 +37,7 @@ from dualkv.integrations import transformers as dkt  # noqa: E402
 from dualkv.logprobs import response_logprobs  # noqa: E402
 from dualkv.microbatch import plan_micro_batches  # noqa: E402
 from dualkv.packing import pack  # noqa: E402
+from spawned_ranks import spawn_ranks  # noqa: E402  (tests/python)
 
 PG_TIMEOUT_S = 60
 WORLD_DEADLINE_S = 420
@@ -553,26 +553,9 @@ def _results(world: int, tmp_path_factory):
     """Run (once) every case of ``world`` ranks; per case a list of (rank, outcome)."""
     if world not in _WORLDS:
         tmp = tmp_path_factory.mktemp(f"world{world}")
-        ctx = mp.start_processes(_worker, args=(world, str(tmp / "init"), str(tmp), CASES[world]), nprocs=world,
-                                 join=False, start_method="spawn")
-        deadline = time.monotonic() + WORLD_DEADLINE_S
-        note = ""
-        try:
-            while not ctx.join(timeout=max(1.0, deadline - time.monotonic())):
-                if time.monotonic() >= deadline:
-                    note = f"killed after {WORLD_DEADLINE_S} s (deadlock?)"
-                    break
-        except Exception as exc:  # a rank died outside a case
-            note = f"{type(exc).__name__}: {exc}"
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-                p.join()
-        per_rank = []
-        for r in range(world):
-            f = tmp / f"rank{r}.json"
-            per_rank.append(json.loads(f.read_text()) if f.exists() else {})
-        _WORLDS[world] = (per_rank, note)
+        found, note = spawn_ranks(_worker, world, tmp, (world, str(tmp / "init"), str(tmp), CASES[world]),
+                                  WORLD_DEADLINE_S)
+        _WORLDS[world] = ([o if o is not None else {} for o in found], note)
     return _WORLDS[world]
 
 

@@ -12,7 +12,6 @@ remove_padding path on CPU); the dualkv engine runs the same rows packed per uid
 import datetime
 import json
 import pathlib
-import time
 import traceback
 from functools import partial
 
@@ -22,7 +21,6 @@ import torch
 
 pytest.importorskip("verl")
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 import transformers  # noqa: E402
 from verl import DataProto  # noqa: E402
 from verl.utils import seqlen_balancing  # noqa: E402
@@ -35,6 +33,7 @@ from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_pad
 import dualkv  # noqa: E402
 from dualkv.demo import qwen3_config  # noqa: E402
 from dualkv.integrations import verl as dkv  # noqa: E402
+from spawned_ranks import spawn_ranks  # noqa: E402  (tests/python)
 
 VOCAB = 64
 N = 4  # rollout.n
@@ -402,25 +401,9 @@ def test_two_ranks_fsdp2_prompt_once(tmp_path):
     if not dist.is_gloo_available():
         pytest.skip("torch.distributed without gloo")
     world = 2
-    ctx = mp.start_processes(_two_rank_worker, args=(world, str(tmp_path / "init"), str(tmp_path)), nprocs=world,
-                             join=False, start_method="spawn")
-    deadline = time.monotonic() + WORLD_DEADLINE_S
-    note = ""
-    try:
-        while not ctx.join(timeout=max(1.0, deadline - time.monotonic())):
-            if time.monotonic() >= deadline:
-                note = f"killed after {WORLD_DEADLINE_S} s (deadlock?)"
-                break
-    except Exception as exc:  # a rank died outside the case
-        note = f"{type(exc).__name__}: {exc}"
-    for p in ctx.processes:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    outcomes = []
-    for r in range(world):
-        f = tmp_path / f"rank{r}.json"
-        outcomes.append(json.loads(f.read_text()) if f.exists() else {"ok": False, "error": note or "no result"})
+    found, note = spawn_ranks(_two_rank_worker, world, tmp_path, (world, str(tmp_path / "init"), str(tmp_path)),
+                              WORLD_DEADLINE_S)
+    outcomes = [o if o is not None else {"ok": False, "error": note or "no result"} for o in found]
     assert all(o["ok"] for o in outcomes), "\n".join(f"rank {r}: {o['error']}" for r, o in enumerate(outcomes))
     # seed 5: rank 0 one placeholder (after its phases); rank 1 one in its first phase, three in the second
     assert [o["report"]["placeholders_5"] for o in outcomes] == [1, 4]
