@@ -246,10 +246,11 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
   // D 256, and the short-walk builds of D 64 / 128: the producer loads each tile's K before the
   // previous tile's V (FA3 / FA4's producer order), so that K_{j+1}'s load waits only for K_{j-1}'s
   // release (both warpgroups' S_{j-1} retired) instead of also for V_{j-2}'s (their P V_{j-2}, a
-  // softmax later), and it leaves ahead of V_j instead of behind it. Nsight Compute on long responses (D 256, 80-row tiles, H200,
-  // 2026-12-04; docs/notes/2026-12-04-d256-fwd-ncu.md): the consumers' wait for K at the loop top
-  // held 7% of all warp samples (89K long-scoreboard samples at one branch, 19.3 samples per
-  // warp and tile with the loop top against FA4's 9.6 for its K and V waits together), V's 0.6%.
+  // softmax later), and it leaves ahead of V_j instead of behind it. Nsight Compute on long
+  // responses (D 256, 80-row tiles, H200, 2026-12-04; docs/notes/2026-12-04-d256-fwd-ncu.md): the
+  // consumers' wait for K at the loop top held 7% of all warp samples (89K long-scoreboard samples
+  // at one branch, 19.3 samples per warp and tile with the loop top against FA4's 9.6 for its K and
+  // V waits together), V's 0.6%.
   // At D 64 / 128 it pays only with the late V wait (kLateVWait, below; K ahead alone: 0.996-1.035),
   // and only in the short-walk builds: forward kernel time (H200, profiler, 11 rounds, 2026-12-04;
   // docs/notes/2026-12-04-fwd-k-ahead-d64-d128.md) 0.975-0.985 at D 64 and 0.990-0.997 at D 128 on
