@@ -7,10 +7,12 @@
 #
 #   DIR/*.whl         the pinned set (tensordict, ray, peft, hydra-core, omegaconf, antlr4-python3-runtime,
 #                     codetiming, verl), always installed;
-#   DIR/deps/*.whl    what their imports pull in beyond torch / transformers / datasets (attrs, cloudpickle,
-#                     jsonschema and its three, msgpack, orjson, protobuf, psutil, pyvers, colorama; the
-#                     versions this repository's CPU suite runs), installed only where the machine lacks
-#                     the distribution (tests/gpu/device_run.sh's wheels step checks each one).
+#   DIR/deps/*.whl    what their imports pull in beyond torch and transformers (attrs, cloudpickle, jsonschema
+#                     and its three, msgpack, orjson, protobuf, psutil, pyvers, colorama; datasets and its
+#                     dill, multiprocess, xxhash, fsspec: veRL imports datasets, which the image lacks (.whl-trl
+#                     brings it for trl-step); pyarrow, pandas and accelerate are on the image: trl-step ran
+#                     with them), the versions this repository's CPU suite runs, installed only where the
+#                     machine lacks the distribution (tests/gpu/device_run.sh's wheels step checks each one).
 # antlr4-python3-runtime 4.9.3 (omegaconf's pin) has no wheel on PyPI: its sdist is built into a
 # py3-none-any wheel here (pure Python). Everything else is --only-binary.
 #
@@ -28,7 +30,8 @@ SPLIT_MIB="${SPLIT_MIB:-50}"; STAGE_MIB="${STAGE_MIB:-50}"
 PY="${PYTHON:-python3}"
 PINNED="tensordict==0.10.0 ray==2.60.0 peft==0.21.2 hydra-core==1.3.8 omegaconf==2.3.1 codetiming==1.4.0 verl==0.9.1"
 DEPS="attrs==26.1.0 cloudpickle==3.1.3 jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0
-      rpds-py==2026.9.1 msgpack==1.2.4 orjson==3.13.0 protobuf==7.36.2 psutil==7.2.2 pyvers==0.1.0 colorama==0.4.6"
+      rpds-py==2026.9.1 msgpack==1.2.4 orjson==3.13.0 protobuf==7.36.2 psutil==7.2.2 pyvers==0.1.0 colorama==0.4.6
+      datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 xxhash==4.1.0 fsspec==2026.9.0"
 PLAT="--platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64"
 rm -rf "$DIR" && mkdir -p "$DIR/deps"
 get() {  # get DEST SPEC: the cp312 manylinux x86_64 wheel, or the py3 one of a pure-Python package

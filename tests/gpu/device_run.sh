@@ -94,13 +94,14 @@
 #                on the H200 image (Triton 3.6) it refuses to train (Hopper needs Triton >= 3.7.1 or tilelang,
 #                fla #640), so the GDN layers run transformers' PyTorch chunked rule with or without it
 #                .whl-verl (tools/verl-wheels.sh: veRL 0.9.1 --no-deps, tensordict 0.10.0, ray 2.60.0, peft 0.21.2,
-#                hydra-core 1.3.8, omegaconf 2.3.1, antlr4-python3-runtime 4.9.3, codetiming 1.4.0: 80 MiB, ray alone
-#                75.6) is over one call's 64 MiB, so the script splits it as fa4-wheels.sh splits FA4: a tar of the
-#                wheels in .whl-verl/a/part_aa (50 MiB) and .whl-verl/b/part_ab (30 MiB). An entry $d with
-#                $d/b/part_ab joins it with /tmp/whl-verl/part_aa (staged by verl-stage in an earlier call on the
-#                same warm machine) and installs from the joined tar; the wheels of $d/deps (attrs, cloudpickle,
-#                jsonschema + 3, msgpack, orjson, protobuf, psutil, pyvers, colorama: what the engine's import pulls
-#                in beyond torch / transformers / datasets) only where the machine lacks the distribution
+#                hydra-core 1.3.8, omegaconf 2.3.1, antlr4-python3-runtime 4.9.3, codetiming 1.4.0 and the deps below:
+#                82 MiB, ray alone 75.6) is over one call's 64 MiB, so the script splits it as fa4-wheels.sh splits
+#                FA4: a tar of the wheels in .whl-verl/a/part_aa (50 MiB) and .whl-verl/b/part_ab (32 MiB). An entry
+#                $d with $d/b/part_ab joins it with /tmp/whl-verl/part_aa (staged by verl-stage in an earlier call on
+#                the same warm machine) and installs from the joined tar; the wheels of $d/deps (attrs, cloudpickle,
+#                jsonschema + 3, msgpack, orjson, protobuf, psutil, pyvers, colorama, and datasets + dill,
+#                multiprocess, xxhash, fsspec: veRL's engine import needs datasets, which the image lacks) only
+#                where the machine lacks the distribution (checked by importlib.metadata); .whl-trl not needed
 #   verl-stage   first call of two for veRL (carry .whl-verl/a): copies .whl-verl/a/part_aa to /tmp/whl-verl (~1 s)
 #   verl-step    bench/verl_step.py: one veRL policy update (veRL 0.9.1's FSDP engine, FSDP2, world size 1) on
 #                the same rollout batch through the plug-in with prompt once (default), with prompt copies
@@ -118,8 +119,9 @@
 #                  2. carry .whl-verl/b + library:  DUALKV_COMMIT=<hash> WHEEL_DIRS=.whl-verl \
 #                                                   tests/gpu/device_run.sh wheels verl-step
 #                (the second on the machine the first left warm: /tmp/whl-verl/part_aa must still be there;
-#                a later call on it only needs WHEEL_DIRS=.whl-verl wheels again, which re-installs from the
-#                joined tar kept in /tmp/whl-verl, with .whl-verl/b carried or not)
+#                a later call on it needs only WHEEL_DIRS=.whl-verl ... wheels again, .whl-verl/b carried or not:
+#                it finds the joined wheels in /tmp/whl-verl/wheels). If the machine went back between the calls,
+#                the second prints "part_aa is not staged" and verl-step fails at import verl: start over at 1.
 #   hybrid-tests the GDN state fork and the hybrid models: tests/python/test_gdn_state_fork.py,
 #                test_hybrid_transformers.py, test_hybrid_bench.py, their GPU cases included (the chunk backend on
 #                CUDA against the fp64 reference, a bf16 Qwen3.5 under the tolerance rule; fla's cases skipped with
