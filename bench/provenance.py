@@ -2,7 +2,7 @@
 
 ``record()`` gives the exact commit (40 hex digits) and whether the tree was clean, the command
 line, the versions of every package that decides a method's speed (torch, CUDA, cuDNN, triton,
-transformers, FlashAttention-4 and its CuTe DSL, flash-linear-attention's fla-core, TRL), the GPU,
+transformers, FlashAttention-4 and its CuTe DSL, flash-linear-attention's fla-core, TRL, veRL), the GPU,
 the libdualkv build that ran (path, sha256 of the file, its build info) and every environment
 switch that changes behaviour (``DUALKV_DISABLE_SM90``, ``DUALKV_DISABLE_SM90_BWD``,
 ``DUALKV_CUDA_SPLIT_ROWS``, torch / CUDA / triton settings, ...).
@@ -31,7 +31,7 @@ SWITCH_PREFIXES = ("DUALKV_", "CUDA_", "CUBLAS", "CUDNN", "NVIDIA_TF32", "PYTORC
                    "CUTE_DSL", "FLASH_ATTENTION", "OMP_NUM_THREADS", "NCCL_")
 #: distributions whose version decides a method's speed (the pip name; absent ones are left out)
 PACKAGES = ("torch", "triton", "transformers", "flash-attn-4", "nvidia-cutlass-dsl", "nvidia-cutlass-dsl-libs-cu13",
-            "quack-kernels", "numpy", "fla-core", "trl", "accelerate")
+            "quack-kernels", "numpy", "fla-core", "trl", "accelerate", "verl", "tensordict")
 #: untracked files with these suffixes (or names) make a tree dirty: code the run could load
 SOURCE_SUFFIXES = (".py", ".c", ".cc", ".cpp", ".cu", ".cuh", ".h", ".hpp", ".cmake", ".sh", ".toml")
 SOURCE_NAMES = ("CMakeLists.txt", "Makefile")

@@ -3,7 +3,7 @@
 #   tests/gpu/device_run.sh [fa4-stage] [fa4-install] [tests] [sanitize] [bench-quick|bench] [bench-dims] [bench-classes]
 #                           [bench-portable] [ab] [ab-check] [e2e] [e2e-flex] [e2e-all] [e2e-grid] [noise]
 #                           [wheels] [hybrid-tests] [hybrid] [trl-step] [prompt-once] [trainer-budget] [bench-mods] [e2e-mods]
-#                           [ncu-stalls]
+#                           [ncu-stalls] [verl-stage] [verl-step]
 # The library is $DUALKV_LIBRARY (default build-h200/libdualkv.so, a 90a build made on the host and
 # carried: docs/hopper.md "Running it"). Every benchmark refuses a tree that is not a commit (commit
 # first; DUALKV_ALLOW_DIRTY=1 runs anyway and marks the results dirty: bench/provenance.py). The device
@@ -93,6 +93,35 @@
 #                few s); prints the versions. fla-core 0.6.0 (.whl-gdn) is opt-in, WHEEL_DIRS=".whl-gdn .whl-trl":
 #                on the H200 image (Triton 3.6) it refuses to train (Hopper needs Triton >= 3.7.1 or tilelang,
 #                fla #640), so the GDN layers run transformers' PyTorch chunked rule with or without it
+#                .whl-verl (tools/verl-wheels.sh: veRL 0.9.1 --no-deps, tensordict 0.10.0, ray 2.60.0, peft 0.21.2,
+#                hydra-core 1.3.8, omegaconf 2.3.1, antlr4-python3-runtime 4.9.3, codetiming 1.4.0 and the deps below:
+#                82 MiB, ray alone 75.6) is over one call's 64 MiB, so the script splits it as fa4-wheels.sh splits
+#                FA4: a tar of the wheels in .whl-verl/a/part_aa (50 MiB) and .whl-verl/b/part_ab (32 MiB). An entry
+#                $d with $d/b/part_ab joins it with /tmp/whl-verl/part_aa (staged by verl-stage in an earlier call on
+#                the same warm machine) and installs from the joined tar; the wheels of $d/deps (attrs, cloudpickle,
+#                jsonschema + 3, msgpack, orjson, protobuf, psutil, pyvers, colorama, and datasets + dill,
+#                multiprocess, xxhash, fsspec: veRL's engine import needs datasets, which the image lacks) only
+#                where the machine lacks the distribution (checked by importlib.metadata); .whl-trl not needed
+#   verl-stage   first call of two for veRL (carry .whl-verl/a): copies .whl-verl/a/part_aa to /tmp/whl-verl (~1 s)
+#   verl-step    bench/verl_step.py: one veRL policy update (veRL 0.9.1's FSDP engine, FSDP2, world size 1) on
+#                the same rollout batch through the plug-in with prompt once (default), with prompt copies
+#                (DUALKV_VERL_PROMPT_ONCE=0) and veRL's stock engine on sdpa (its remove-padding path); 1.7B, G4 x
+#                N16, P 2K-8K, R 0.5K-2K, budget 16384 (veRL's ppo_max_token_len_per_gpu default), bf16 compute on
+#                fp32 parameters, gradient checkpointing; update (forward_backward_batch + ppo_loss) and the
+#                forward-only log-prob pass, CUDA events, medians of 3 interleaved rounds after an untimed counted
+#                pass; packed tokens and micro-batches per method, peak memory, the first group's log-probs vs
+#                an fp32 truth (trl_step.py's rule). VERL_ARGS adds options (e.g. --methods once,copies), cut at
+#                $VERL_CAP (default 570) s; JSON $OUT/verl_step_<model>.json. Needs the wheels step first, in
+#                the same call. Not run yet; estimate ~5-7 min (stock ~45 s per update: 400K unpadded tokens in
+#                ~25 micro-batches on sdpa's masked kernel; dualkv ~5 s). The two calls (wheels made here by
+#                tools/verl-wheels.sh; the library carried as the other steps carry it):
+#                  1. carry .whl-verl/a:            tests/gpu/device_run.sh verl-stage
+#                  2. carry .whl-verl/b + library:  DUALKV_COMMIT=<hash> WHEEL_DIRS=.whl-verl \
+#                                                   tests/gpu/device_run.sh wheels verl-step
+#                (the second on the machine the first left warm: /tmp/whl-verl/part_aa must still be there;
+#                a later call on it needs only WHEEL_DIRS=.whl-verl ... wheels again, .whl-verl/b carried or not:
+#                it finds the joined wheels in /tmp/whl-verl/wheels). If the machine went back between the calls,
+#                the second prints "part_aa is not staged" and verl-step fails at import verl: start over at 1.
 #   hybrid-tests the GDN state fork and the hybrid models: tests/python/test_gdn_state_fork.py,
 #                test_hybrid_transformers.py, test_hybrid_bench.py, their GPU cases included (the chunk backend on
 #                CUDA against the fp64 reference, a bf16 Qwen3.5 under the tolerance rule; fla's cases skipped with
@@ -286,13 +315,33 @@ print('FA4', m.version('flash-attn-4'), 'CuTe DSL', m.version('nvidia-cutlass-ds
              echo "noise $m rc=$?"; grep -v -i "warn" "$OUT/noise_$m.log" | tail -42
            done ;;
     wheels) for d in ${WHEEL_DIRS:-.whl-trl}; do
-              [ -d "$d" ] || { echo "wheels: $d not carried"; continue; }
-              python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$d"/*.whl \
+              src="$d"
+              if [ -f "$d/b/part_ab" ]; then  # split by tools/verl-wheels.sh: joined with the staged part_aa
+                if [ -f /tmp/whl-verl/part_aa ]; then
+                  rm -rf /tmp/whl-verl/wheels && mkdir -p /tmp/whl-verl/wheels \
+                    && cat /tmp/whl-verl/part_aa "$d/b/part_ab" | tar -xf - -C /tmp/whl-verl/wheels \
+                    || echo "wheels: joining $d FAILED"
+                else
+                  echo "wheels: $d/b carried but /tmp/whl-verl/part_aa is not staged (verl-stage with $d/a first)"
+                fi
+                src=/tmp/whl-verl/wheels
+              elif [ "$d" = .whl-verl ] && [ -d /tmp/whl-verl/wheels ] && ! ls "$d"/*.whl > /dev/null 2>&1; then
+                src=/tmp/whl-verl/wheels  # joined by an earlier call on this machine
+              fi
+              ls "$src"/*.whl > /dev/null 2>&1 || { echo "wheels: $d not carried (split: verl-stage with $d/a first)"; continue; }
+              python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$src"/*.whl \
                 || echo "wheels $d FAILED"
+              for w in "$src"/deps/*.whl; do  # only what the machine lacks
+                [ -f "$w" ] || continue
+                n=$(basename "$w" | cut -d- -f1)
+                python3 -c "import importlib.metadata as m, sys; m.version(sys.argv[1])" "$n" 2>/dev/null && continue
+                echo "wheels: $n (not on the machine)"
+                python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$w" || echo "wheels $w FAILED"
+              done
             done
             export PYTHONPATH="/tmp/site:$PYTHONPATH"
             python3 -c "import importlib.metadata as m
-for n in ('fla-core', 'trl', 'datasets', 'accelerate'):
+for n in ('fla-core', 'trl', 'datasets', 'accelerate', 'verl', 'tensordict', 'ray', 'peft', 'hydra-core'):
     try: print(n, m.version(n))
     except m.PackageNotFoundError: print(n, 'not installed')" ;;
     hybrid-tests) timeout -k 10 240 python3 -m pytest tests/python/test_gdn_state_fork.py tests/python/test_hybrid_transformers.py \
@@ -304,6 +353,10 @@ for n in ('fla-core', 'trl', 'datasets', 'accelerate'):
     trl-step) timeout -k 10 "${TRL_CAP:-570}" python3 bench/trl_step.py ${TRL_ARGS:-} --out "$OUT" \
                 > "$OUT/trl_step.log" 2>&1
               echo "trl-step rc=$?"; grep -v -i "warn" "$OUT/trl_step.log" | tail -10 ;;
+    verl-stage) mkdir -p /tmp/whl-verl && cp .whl-verl/a/part_aa /tmp/whl-verl/ && ls -la /tmp/whl-verl ;;
+    verl-step) timeout -k 10 "${VERL_CAP:-570}" python3 bench/verl_step.py ${VERL_ARGS:-} --out "$OUT" \
+                 > "$OUT/verl_step.log" 2>&1
+               echo "verl-step rc=$? (cap ${VERL_CAP:-570} s)"; grep -v -i "warn" "$OUT/verl_step.log" | tail -16 ;;
     bench-mods) for spec in "gptoss:--heads 64 --kv-heads 8 --head-dim 64 --window 128 --sinks" \
                             "cap50:--heads 32 --kv-heads 8 --head-dim 128 --softcap 50" \
                             "w1024:--heads 32 --kv-heads 8 --head-dim 128 --window 1024"; do

@@ -1,0 +1,528 @@
+"""One veRL policy update through the dualkv plug-in: prompt once, prompt copies, and veRL's stock engine.
+
+One process, world size 1 with a process group (nccl on a GPU, gloo on a CPU), one random-weight
+Qwen3-shaped model, three copies of veRL 0.9.1's ``FSDPEngineWithLMHead`` state, built the way
+tests/python/test_verl.py builds the engine object (veRL's ``initialize`` loads a checkpoint from disk
+and needs a whole worker config) and sharded the way veRL's ``_build_fsdp_module`` shards it for
+``strategy=fsdp2``: parameters in fp32, gradient checkpointing (non-reentrant) enabled before
+sharding, veRL's own ``apply_fsdp2`` (``fully_shard`` per decoder layer, then the root) with
+``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32, cast_forward_inputs=True)`` and the
+engine's autocast in bf16 (``--dtype fp32``: fp32 throughout, the CPU smoke test). The methods:
+
+* once:   the dualkv engine (``attn_implementation="dualkv"``, the plug-in imported), prompt once on
+          (``DUALKV_VERL_PROMPT_ONCE`` unset): a group over the budget runs its prompt once across its
+          micro-batches (dualkv.schedule's phases A/B/C);
+* copies: the same engine with ``DUALKV_VERL_PROMPT_ONCE=0``: each piece of a split group carries its
+          own prompt copy;
+* stock:  veRL's own engine on sdpa: its remove-padding path (the unpadded rows concatenated, the
+          sequences told apart by the position restarts), veRL's dynamic micro-batches of
+          ``max_token_len_per_gpu`` tokens. This is the path the plug-in replaces.
+
+The rollout batch (the same for all three): --groups G prompts x -N responses, prompt lengths uniform in
+--prompt-len, response lengths in --response-len, veRL's layout (left-padded prompts, right-padded
+responses, ``uid`` per group, the rows of the groups shuffled as veRL's balancing leaves them), random
+old / reference log-probs and advantages. It goes through veRL's own ``left_right_2_no_padding`` and the
+non-tensor keys its trainer sets (``use_dynamic_bsz``, ``max_token_len_per_gpu`` = --max-tokens,
+default 16384: veRL's ``ppo_max_token_len_per_gpu`` default). Timed with CUDA events (wall clock on
+a CPU) after an untimed pass of each kind per method (it counts the tokens and micro-batches, and warms
+the kernels, the allocator and the planner; --warmup adds more), in --rounds interleaved rounds (the
+method order rotated each round), medians reported:
+
+* update:   ``forward_backward_batch`` with veRL's ``ppo_loss`` (clip 0.2 / 0.28, KL loss 0.001, no
+            entropy bonus, ``calculate_entropy`` off as veRL's trainer sets it then), gradients dropped after;
+* logprobs: the forward-only pass (``calculate_entropy=True``, ``compute_loss=False``), veRL's old-log-prob
+            pass.
+
+Per method also: the tokens through the model (counted at the embedding: prompt phases, micro-batches)
+and the micro-batches (``forward_step`` calls) of each pass, and the peak memory allocated (GPU).
+Accuracy (the tolerance rule of DESIGN.md section 7, as bench/trl_step.py applies it): the log-probs of
+the first group's rows from each method's forward-only pass against an fp32 truth (the same weights in
+fp32, exact fp32 attention, row by row: bench/logprob_noise.py): max|dualkv - truth| <= 2 max|stock -
+truth| + 1e-3, for once and for copies. JSON (environment, batch, tokens, times, memory, errors,
+verdict) to --out (a directory: verl_step_<model>.json in it; or a path ending in .json); the
+environment is bench/e2e.py's provenance record. A GPU run refuses a tree that is not a commit unless
+--allow-dirty; a copy without .git (the device machine) declares it with DUALKV_COMMIT.
+
+    python bench/verl_step.py                              # 1.7B, G4 x N16, P 2K-8K, R 0.5K-2K, budget 16384
+    python bench/verl_step.py --device cpu --model tiny --groups 3 -N 4 --prompt-len 24,32 \\
+        --response-len 4,12 --max-tokens 48 --dtype fp32 --rounds 1      # smoke test
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import pathlib
+import statistics
+import sys
+import tempfile
+import traceback
+import types
+from functools import partial
+
+import numpy as np
+import torch
+
+HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "python"))
+
+import logprob_noise  # noqa: E402  (exact fp32 truth, row by row)
+import provenance  # noqa: E402
+from e2e import environment  # noqa: E402
+
+from dualkv.demo import _Timer as Clock  # noqa: E402  (CUDA events on a GPU, wall clock otherwise)
+from dualkv.demo import qwen3_config  # noqa: E402
+
+METHODS = ("once", "copies", "stock")
+#: DUALKV_VERL_PROMPT_ONCE per method (None: unset, the plug-in's default)
+PROMPT_ONCE = {"once": None, "copies": "0", "stock": None}
+
+
+def _range(text: str):
+    lo, _, hi = text.partition(",")
+    return int(lo), int(hi or lo)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="1.7b", help="dualkv.demo size (tiny, small, 0.6b, 1.7b, 4b, 8b)")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"],
+                   help="compute dtype (bf16: fp32 parameters, bf16 compute, as veRL's actor)")
+    p.add_argument("--groups", type=int, default=4)
+    p.add_argument("-N", dest="n", type=int, default=16)
+    p.add_argument("--prompt-len", type=_range, default=(2048, 8192))
+    p.add_argument("--response-len", type=_range, default=(512, 2048))
+    p.add_argument("--max-tokens", type=int, default=16384,
+                   help="ppo_max_token_len_per_gpu (veRL's default 16384): packed tokens per micro-batch for dualkv, "
+                        "unpadded tokens for the stock engine")
+    p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--stock-attn", default="sdpa", help="attn_implementation of the stock engine")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=0,
+                   help="untimed update + log-prob passes per method after the (untimed) counting pass")
+    p.add_argument("--no-accuracy", action="store_true", help="skip the fp32-truth check")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--allow-dirty", action="store_true",
+                   help="measure on a GPU from a tree that is not a commit (the result is marked dirty)")
+    p.add_argument("--out", default=str(HERE / "results"))
+    args = p.parse_args(argv)
+    methods = [m for m in args.methods.split(",") if m]
+    if not methods or set(methods) - set(METHODS):
+        p.error(f"--methods takes {', '.join(METHODS)}; got {args.methods!r}")
+    if args.rounds < 1 or args.warmup < 0:
+        p.error("--rounds >= 1, --warmup >= 0")
+    args.methods = methods
+    return args
+
+
+# ------------------------------------------------------------------------------------------------
+# the engines
+# ------------------------------------------------------------------------------------------------
+
+def _verl():
+    """veRL's pieces (imported late: the plug-in patches the engine class on import)."""
+    from verl import DataProto
+    from verl.utils import seqlen_balancing
+    from verl.utils import tensordict_utils as tu
+    from verl.utils.fsdp_utils import MixedPrecisionPolicy, apply_fsdp2
+    from verl.workers.config import FSDPActorConfig, FSDPEngineConfig
+    from verl.workers.engine.fsdp import transformer_impl as impl
+    from verl.workers.utils.losses import ppo_loss
+    from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding
+
+    import dualkv.integrations.verl as plugin  # noqa: F401  (patches FSDPEngineWithLMHead)
+    return types.SimpleNamespace(**locals())
+
+
+def point_verl_at_cpu(v) -> None:
+    """veRL's device lookups answer "cuda"/an index; on a CPU run they name the CPU (as test_verl.py)."""
+    v.impl.get_device_id = v.impl.get_device_name = lambda: "cpu"
+    v.seqlen_balancing.get_device_name = lambda: "cpu"
+
+
+def make_engine(v, model, attn, compute_dtype, device):
+    """An FSDPEngineWithLMHead around ``model`` (fp32 parameters), sharded as veRL's fsdp2 strategy shards it."""
+    from torch.distributed.device_mesh import init_device_mesh
+    model.set_attn_implementation(attn)
+    # as veRL's _build_module: non-reentrant checkpointing, enabled before sharding
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    config = v.FSDPEngineConfig(strategy="fsdp2", use_torch_compile=False)
+    mesh = init_device_mesh(device.type, (1,), mesh_dim_names=("fsdp",))
+    mp = v.MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32, cast_forward_inputs=True)
+    v.apply_fsdp2(model, {"mesh": mesh, "mp_policy": mp, "offload_policy": None, "reshard_after_forward": True}, config)
+    engine = v.impl.FSDPEngineWithLMHead.__new__(v.impl.FSDPEngineWithLMHead)
+    engine.module = model
+    engine.engine_config = config
+    engine.ulysses_sequence_parallel_size = 1
+    engine.use_ulysses_sp = False
+    engine.ulysses_device_mesh = None
+    engine.pad_to_length = False
+    engine._autocast_dtype = compute_dtype
+    engine.scaler = None
+    engine.compute_entropy_from_logits = v.impl.verl_F.entropy_from_logits
+    return engine
+
+
+def actor_config(v, args):
+    """The actor config ppo_loss reads: veRL's GRPO recipe (KL loss, no entropy bonus), clip 0.2 / 0.28."""
+    return v.FSDPActorConfig(strategy="fsdp2", rollout_n=args.n, ppo_mini_batch_size=args.groups, use_dynamic_bsz=True,
+                             ppo_max_token_len_per_gpu=args.max_tokens, clip_ratio_low=0.2, clip_ratio_high=0.28,
+                             entropy_coeff=0.0, use_kl_loss=True, kl_loss_coef=0.001)
+
+
+# ------------------------------------------------------------------------------------------------
+# the rollout batch
+# ------------------------------------------------------------------------------------------------
+
+def rollout_batch(v, args, vocab):
+    """veRL's rollout batch (DataProto): G prompts x N responses, left-padded prompts, right-padded
+    responses, rows shuffled; also the groups as token lists (for the truth and the token counts)."""
+    g = torch.Generator().manual_seed(args.seed)
+
+    def draw(lo, hi):
+        return int(torch.randint(lo, hi + 1, (1,), generator=g))
+
+    prompts = [torch.randint(2, vocab, (draw(*args.prompt_len),), generator=g) for _ in range(args.groups)]
+    responses = [[torch.randint(2, vocab, (draw(*args.response_len),), generator=g) for _ in range(args.n)]
+                 for _ in range(args.groups)]
+    rows = [(k, i) for k in range(args.groups) for i in range(args.n)]
+    rows = [rows[j] for j in torch.randperm(len(rows), generator=g).tolist()]
+    Lp, Lr = max(p.numel() for p in prompts), max(r.numel() for rs in responses for r in rs)
+    B = len(rows)
+    prompt_ids = torch.zeros(B, Lp, dtype=torch.long)
+    response_ids = torch.zeros(B, Lr, dtype=torch.long)
+    mask = torch.zeros(B, Lp + Lr, dtype=torch.long)
+    for b, (k, i) in enumerate(rows):
+        p, r = prompts[k], responses[k][i]
+        prompt_ids[b, Lp - p.numel():] = p
+        response_ids[b, :r.numel()] = r
+        mask[b, Lp - p.numel():Lp + r.numel()] = 1
+    response_mask = mask[:, Lp:].clone()
+    batch = {
+        "prompts": prompt_ids, "responses": response_ids, "input_ids": torch.cat([prompt_ids, response_ids], 1),
+        "attention_mask": mask, "position_ids": (mask.cumsum(1) - 1).clamp(min=0), "response_mask": response_mask,
+        "old_log_probs": (-3.0 - torch.rand(B, Lr, generator=g)) * response_mask,
+        "ref_log_prob": (-3.0 - torch.rand(B, Lr, generator=g)) * response_mask,
+        "advantages": torch.randn(B, 1, generator=g).expand(B, Lr) * response_mask,
+    }
+    uid = np.array([f"group-{k}" for k, _ in rows], dtype=object)
+    # temperature 1: the truth's log-probs are the plain softmax
+    proto = v.DataProto.from_dict(batch, non_tensors={"uid": uid}, meta_info={"temperature": 1.0})
+    return proto, prompts, responses, rows
+
+
+def engine_batch(v, proto, args, train: bool):
+    """What veRL's trainer and worker hand the engine (ray_trainer._update_actor / _compute_old_log_prob)."""
+    td = v.left_right_2_no_padding(proto.to_tensordict())
+    v.tu.assign_non_tensor(td, calculate_entropy=not train, global_batch_size=len(proto), compute_loss=train,
+                           use_remove_padding=True, use_dynamic_bsz=True, max_token_len_per_gpu=args.max_tokens,
+                           micro_batch_size_per_gpu=1, use_fused_kernels=False)
+    return td
+
+
+def token_counts(prompts, responses, max_tokens):
+    """Tokens of the batch: unpadded rows, packed groups (each prompt once), the groups over the budget."""
+    plen = [p.numel() for p in prompts]
+    rlen = [[r.numel() for r in rs] for rs in responses]
+    unpadded = sum(p * len(rs) + sum(rs) for p, rs in zip(plen, rlen))
+    packed = sum(plen) + sum(map(sum, rlen))
+    split = sum(p + sum(rs) > max_tokens for p, rs in zip(plen, rlen))
+    return dict(unpadded=unpadded, packed=packed, rho=unpadded / packed, split_groups=split,
+                groups=len(prompts), prompt_tokens=sum(plen), response_tokens=sum(map(sum, rlen)))
+
+
+# ------------------------------------------------------------------------------------------------
+# one pass
+# ------------------------------------------------------------------------------------------------
+
+class PromptOnceEnv:
+    """DUALKV_VERL_PROMPT_ONCE as a method wants it, restored after."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def __enter__(self):
+        from dualkv.integrations.verl import PROMPT_ONCE_ENV
+        self.key, self.saved = PROMPT_ONCE_ENV, os.environ.get(PROMPT_ONCE_ENV)
+        if self.value is None:
+            os.environ.pop(self.key, None)
+        else:
+            os.environ[self.key] = self.value
+        return self
+
+    def __exit__(self, *exc):
+        if self.saved is None:
+            os.environ.pop(self.key, None)
+        else:
+            os.environ[self.key] = self.saved
+
+
+def run_pass(v, engine, args, proto, train: bool, loss):
+    """One forward_backward_batch: the update (gradients dropped after) or the forward-only log-probs."""
+    td = engine_batch(v, proto, args, train)
+    if train:
+        out = engine.forward_backward_batch(td, loss_function=loss)
+        engine.module.zero_grad(set_to_none=True)
+        return out, td
+    with torch.no_grad():
+        return engine.forward_backward_batch(td, loss_function=None, forward_only=True), td
+
+
+def counted_pass(v, engine, args, proto, train: bool, loss):
+    """run_pass with the tokens through the embedding (every forward: prompt phases, micro-batches) and
+    the micro-batches (forward_step calls) counted; untimed."""
+    seen = {"tokens": 0, "micro_batches": 0}
+    embed = engine.module.model.embed_tokens
+
+    def embedded(module, inputs):
+        seen["tokens"] += inputs[0].numel()
+
+    def spy(micro_batch, **kwargs):
+        seen["micro_batches"] += 1
+        return type(engine).forward_step(engine, micro_batch, **kwargs)
+
+    handle = embed.register_forward_pre_hook(embedded)
+    engine.forward_step = spy
+    try:
+        run_pass(v, engine, args, proto, train, loss)
+    finally:
+        handle.remove()
+        del engine.forward_step
+    return seen
+
+
+def response_logprobs(v, out, td, rows):
+    """The forward-only pass's log-probs of ``rows`` in veRL's padded response layout [rows, R_max], fp32."""
+    lp = v.no_padding_2_padding(out["model_output"]["log_probs"], td)
+    return lp[rows].float()
+
+
+# ------------------------------------------------------------------------------------------------
+# main
+# ------------------------------------------------------------------------------------------------
+
+def init_process_group(device, tmp):
+    import torch.distributed as dist
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"file://{tmp}/pg_store",
+                            rank=0, world_size=1, **({"device_id": device} if device.type == "cuda" else {}))
+    return dist
+
+
+def out_path(args) -> pathlib.Path:
+    out = pathlib.Path(args.out)
+    if out.suffix == ".json":
+        out.parent.mkdir(parents=True, exist_ok=True)
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    return out / f"verl_step_{args.model}.json"
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", 0)
+    tree = provenance.measured_state(device, args.allow_dirty)
+    compute_dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    v = _verl()
+    if device.type == "cpu":
+        point_verl_at_cpu(v)
+    cfg = qwen3_config(args.model)
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(args.seed)
+    with torch.device(device):  # fp32 parameters, as veRL's actor
+        base = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    truth_model = None if args.no_accuracy else copy.deepcopy(base).to("cpu")  # same weights, kept unsharded
+    proto, prompts, responses, rows = rollout_batch(v, args, cfg.vocab_size)
+    report = {"args": {k: (list(x) if isinstance(x, tuple) else x) for k, x in vars(args).items()},
+              "protocol": {"engine": "veRL 0.9.1 FSDPEngineWithLMHead, strategy fsdp2 (apply_fsdp2), world size 1",
+                           "precision": "fp32 parameters, bf16 compute (MixedPrecisionPolicy + autocast)"
+                           if args.dtype == "bf16" else "fp32",
+                           "gradient_checkpointing": "non-reentrant",
+                           "update": "forward_backward_batch, ppo_loss (KL loss 0.001, no entropy), gradients dropped",
+                           "logprobs": "forward_backward_batch forward_only, calculate_entropy=True",
+                           "timing": f"median of {args.rounds} interleaved rounds after the counting pass + "
+                                     f"{args.warmup} warm-up pass(es) per method and kind",
+                           "stock": f"veRL's remove-padding path on {args.stock_attn}"}}
+    report["tokens"] = token_counts(prompts, responses, args.max_tokens)
+    print(f"tokens {report['tokens']}", flush=True)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        dist = init_process_group(device, tmp)
+        try:
+            report["env"] = environment(device, tree)
+            engines = build_engines(v, args, base, cfg, compute_dtype, device)
+            del base
+            loss = partial(v.ppo_loss, config=actor_config(v, args))
+            report["passes"], got = measure(v, engines, args, proto, loss, device)
+            save(report, args)  # the times, should the truth not finish
+            if truth_model is not None and got:
+                try:
+                    report["logprob_error"] = accuracy(truth_model, got, prompts, responses, rows, device)
+                except Exception as exc:  # noqa: BLE001  (the times are kept)
+                    print(traceback.format_exc(), flush=True)
+                    report["logprob_error"] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
+        finally:
+            dist.destroy_process_group()
+
+    report["complete"] = True
+    save(report, args)
+    print(json.dumps(report["verdict"]), flush=True)
+    table(report, args.methods)
+    return 0 if all(x for k, x in report["verdict"].items() if k.endswith("_ok")) else 1
+
+
+def save(report, args) -> None:
+    report.setdefault("complete", False)
+    report["verdict"] = verdict(report, args.methods)
+    path = out_path(args)
+    path.write_text(json.dumps(report, indent=1))
+    print(f"wrote {path}", flush=True)
+
+
+def build_engines(v, args, base, cfg, compute_dtype, device):
+    """{method: engine}; once and copies share the dualkv engine (the plug-in reads the switch per call)."""
+    from dualkv.integrations.transformers import ATTN_IMPLEMENTATION
+    engines = {}
+    if "stock" in args.methods:
+        engines["stock"] = make_engine(v, copy.deepcopy(base), args.stock_attn, compute_dtype, device)
+    if {"once", "copies"} & set(args.methods):
+        dualkv_engine = make_engine(v, base, ATTN_IMPLEMENTATION, compute_dtype, device)
+        engines.update({m: dualkv_engine for m in ("once", "copies") if m in args.methods})
+    return engines
+
+
+def _failed(rec, m, exc, device):
+    """A method that raised (out of memory, a refusal): recorded, left out of the later rounds."""
+    rec[m].update(status="error", error=f"{type(exc).__name__}: {exc}"[:2000])
+    print(f"{m}: FAILED\n{traceback.format_exc()}", flush=True)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def measure(v, engines, args, proto, loss, device):
+    """Counts, warm-up, then rounds of (update, log-probs) per method, the method order rotated per round.
+    A method that raises is recorded with its error and left out after. Returns ({method: record},
+    {method: the last forward-only pass's (output, td)})."""
+    rec = {m: {"status": "ok", "update_s": [], "logprobs_s": []} for m in args.methods}
+    last = {}
+    for m in args.methods:
+        try:
+            with PromptOnceEnv(PROMPT_ONCE[m]):
+                for train, key in ((True, "update"), (False, "logprobs")):
+                    seen = counted_pass(v, engines[m], args, proto, train, loss)
+                    rec[m][f"{key}_tokens"], rec[m][f"{key}_micro_batches"] = seen["tokens"], seen["micro_batches"]
+                for _ in range(args.warmup):
+                    run_pass(v, engines[m], args, proto, True, loss)
+                    run_pass(v, engines[m], args, proto, False, loss)
+        except Exception as exc:  # noqa: BLE001  (recorded; the other methods still run)
+            _failed(rec, m, exc, device)
+            continue
+        print(f"{m}: tokens update {rec[m]['update_tokens']} in {rec[m]['update_micro_batches']} micro-batches, "
+              f"log-probs {rec[m]['logprobs_tokens']} in {rec[m]['logprobs_micro_batches']}", flush=True)
+    cuda = device.type == "cuda"
+    for r in range(args.rounds):
+        methods = [m for m in args.methods if rec[m]["status"] == "ok"]
+        for m in methods[r % max(1, len(methods)):] + methods[:r % max(1, len(methods))]:
+            try:
+                with PromptOnceEnv(PROMPT_ONCE[m]):
+                    for train, key in ((True, "update"), (False, "logprobs")):
+                        if cuda:
+                            torch.cuda.synchronize(device)
+                            torch.cuda.reset_peak_memory_stats(device)
+                            resident = torch.cuda.memory_allocated(device)
+                        with Clock(device) as c:
+                            out = run_pass(v, engines[m], args, proto, train, loss)
+                        rec[m][f"{key}_s"].append(c.seconds)
+                        if cuda:
+                            peak = torch.cuda.max_memory_allocated(device) / 2**30
+                            rec[m][f"{key}_peak_gib"] = max(rec[m].get(f"{key}_peak_gib", 0.0), peak)
+                            rec[m]["resident_gib"] = resident / 2**30
+                        if not train:
+                            last[m] = out
+                        del out
+            except Exception as exc:  # noqa: BLE001
+                _failed(rec, m, exc, device)
+                last.pop(m, None)
+                continue
+            print(f"round {r} {m}: update {rec[m]['update_s'][-1]:.3f} s, log-probs {rec[m]['logprobs_s'][-1]:.3f} s",
+                  flush=True)
+    for m in args.methods:
+        if rec[m]["status"] == "ok":
+            rec[m]["update_median_s"] = statistics.median(rec[m]["update_s"])
+            rec[m]["logprobs_median_s"] = statistics.median(rec[m]["logprobs_s"])
+    return rec, last
+
+
+def accuracy(truth_model, got, prompts, responses, rows, device):
+    """Each method's log-probs of the first group's rows (from its forward-only pass) against the fp32 truth."""
+    v = _verl()
+    first = [b for b, (k, _) in enumerate(rows) if k == 0]
+    order = [rows[b][1] for b in first]  # response index of each of those rows
+    group = [responses[0][i] for i in order]
+    width = max(r.numel() for r in group)
+    mask = torch.zeros(len(group), width, dtype=torch.bool, device=device)
+    for j, r in enumerate(group):
+        mask[j, :r.numel()] = True
+    truth_model = truth_model.to(device)
+    logprob_noise.register_truth()
+    setting = logprob_noise._fp32_ieee()
+    truth_model.set_attn_implementation(logprob_noise.TRUTH_IMPL)
+    mb = types.SimpleNamespace(prompts=[prompts[0].to(device)], responses=[[r.to(device) for r in group]], mask=mask)
+    with torch.no_grad():
+        truth = logprob_noise.truth_rows(truth_model, mb, 1)
+    errors = {"truth": setting, "rows": len(group), "tokens": int(mask.sum())}
+    for m, (out, td) in got.items():
+        lp = response_logprobs(v, out, td, first).to(device)[:, :width]
+        e = (lp - truth).abs()[mask]
+        errors[m] = {"max": float(e.max()), "mean": float(e.mean())}
+    print(json.dumps(errors), flush=True)
+    return errors
+
+
+def verdict(report, methods):
+    out = {}
+    passes = {m: r for m, r in report.get("passes", {}).items() if r["status"] == "ok"}
+    out["methods_ok"] = len(passes) == len(methods)
+    if "stock" in passes:
+        for m in ("once", "copies"):
+            if m in passes:
+                out[f"update_speedup_{m}"] = passes["stock"]["update_median_s"] / passes[m]["update_median_s"]
+                out[f"logprobs_speedup_{m}"] = passes["stock"]["logprobs_median_s"] / passes[m]["logprobs_median_s"]
+    if "once" in passes and "copies" in passes:
+        out["update_copies_over_once"] = passes["copies"]["update_median_s"] / passes["once"]["update_median_s"]
+        out["logprobs_copies_over_once"] = passes["copies"]["logprobs_median_s"] / passes["once"]["logprobs_median_s"]
+    err = report.get("logprob_error")
+    if err and "error" in err:
+        out["logprob_ok"] = False
+    if err and "stock" in err:
+        bound = 2 * err["stock"]["max"] + 1e-3
+        out["logprob_bound"] = bound
+        for m in ("once", "copies"):
+            if m in err:
+                out[f"logprob_{m}_ok"] = err[m]["max"] <= bound
+    return out
+
+
+def table(report, methods):
+    passes = report.get("passes", {})
+    print(f"{'method':8} {'update s':>9} {'logprobs s':>10} {'upd tokens':>10} {'upd mb':>6} {'lp tokens':>10} "
+          f"{'lp mb':>6} {'peak GiB':>8}")
+    for m in methods:
+        r = passes.get(m, {})
+        if r.get("status") != "ok":
+            print(f"{m:8} {r.get('error', 'not run')}")
+            continue
+        print(f"{m:8} {r['update_median_s']:9.3f} {r['logprobs_median_s']:10.3f} {r['update_tokens']:10d} "
+              f"{r['update_micro_batches']:6d} {r['logprobs_tokens']:10d} {r['logprobs_micro_batches']:6d} "
+              f"{r.get('update_peak_gib', float('nan')):8.2f}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,86 @@
+"""bench/verl_step.py on a CPU (tiny model, fp32, gloo, FSDP2, one timed round): the three methods run
+veRL's engine on the same rollout batch; under a budget every group exceeds, prompt once packs fewer
+tokens in fewer micro-batches than prompt copies, the stock engine runs the unpadded rows, and every
+method's log-probs meet the fp32-truth rule. The bench runs in a process of its own (it opens its own
+process group; test_verl.py holds one in this process)."""
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("verl")
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+#: 3 groups of a 24-32 token prompt + 4 responses of 4-12 (seed 0: 191 packed tokens), each over the
+#: budget of 48 (which holds the longest row, 44 tokens: veRL's row micro-batches need that)
+SMOKE = ["--device", "cpu", "--model", "tiny", "--groups", "3", "-N", "4", "--prompt-len", "24,32",
+         "--response-len", "4,12", "--max-tokens", "48", "--dtype", "fp32", "--rounds", "1", "--seed", "0"]
+
+
+def _run(tmp_path, *extra):
+    out = tmp_path / "verl_step_tiny.json"
+    env = {k: v for k, v in os.environ.items() if k != "DUALKV_VERL_PROMPT_ONCE"}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT / "python"), env.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "verl_step.py"), *SMOKE, *extra, "--out", str(out)],
+                          capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(out.read_text()), proc.stdout
+
+
+def test_verl_step_bench_runs_on_cpu(tmp_path):
+    data, stdout = _run(tmp_path)
+    assert {"env", "args", "protocol", "tokens", "passes", "logprob_error", "verdict"} <= set(data)
+    assert data["complete"] is True and data["verdict"]["methods_ok"] is True
+    assert data["env"]["dirty"] in (True, False) and data["env"]["commit"]
+    tokens = data["tokens"]
+    assert tokens["groups"] == 3 and tokens["split_groups"] == 3  # every group over the budget
+    assert tokens["unpadded"] == tokens["packed"] + 3 * tokens["prompt_tokens"]  # 4 rows per group share a prompt
+    passes = data["passes"]
+    assert list(passes) == ["once", "copies", "stock"]
+    for m, r in passes.items():
+        assert r["status"] == "ok", r
+        assert len(r["update_s"]) == len(r["logprobs_s"]) == 1 and r["update_median_s"] > 0, m
+        assert r["logprobs_tokens"] == r["update_tokens"] and r["logprobs_micro_batches"] == r["update_micro_batches"]
+    once, copies, stock = passes["once"], passes["copies"], passes["stock"]
+    # prompt once: every prompt once (phase A: all but its last token; the last token with each response
+    # subset); copies: each piece of a split group with its whole prompt; stock: the unpadded rows
+    assert tokens["packed"] <= once["update_tokens"] < copies["update_tokens"] < stock["update_tokens"]
+    assert copies["update_tokens"] >= tokens["packed"] + 24 * 3  # at least one extra copy (>= 24 tokens) per group
+    assert stock["update_tokens"] == tokens["unpadded"]
+    assert once["update_micro_batches"] < copies["update_micro_batches"] < stock["update_micro_batches"]
+    err = data["logprob_error"]
+    assert err["rows"] == 4 and err["tokens"] > 0
+    for m in ("once", "copies", "stock"):
+        assert 0 <= err[m]["max"] < 1e-4, (m, err[m])  # fp32 against the fp32 truth
+    verdict = data["verdict"]
+    assert verdict["logprob_once_ok"] is True and verdict["logprob_copies_ok"] is True
+    assert verdict["update_speedup_once"] == pytest.approx(stock["update_median_s"] / once["update_median_s"])
+    assert verdict["update_copies_over_once"] == pytest.approx(copies["update_median_s"] / once["update_median_s"])
+    assert "once" in stdout and "peak GiB" in stdout
+
+
+def test_verl_step_refuses_unknown_methods():
+    from test_demo import _load_bench
+    bench = _load_bench("verl_step")
+    assert bench.parse_args([]).methods == ["once", "copies", "stock"]
+    with pytest.raises(SystemExit) as exc:
+        bench.parse_args(["--methods", "once,flex"])
+    assert exc.value.code == 2
+
+
+def test_device_run_verl_steps():
+    """verl-step runs the bench into $OUT under its own cap; verl-stage stages part a of the split wheels,
+    which the wheels step joins with part b."""
+    from test_bench_e2e import _device_run_step
+    step = _device_run_step("verl-step")
+    assert "bench/verl_step.py" in step and 'timeout -k 10 "${VERL_CAP:-570}"' in step and '--out "$OUT"' in step
+    assert "cp .whl-verl/a/part_aa /tmp/whl-verl/" in _device_run_step("verl-stage")
+    wheels = _device_run_step("wheels")
+    assert 'cat /tmp/whl-verl/part_aa "$d/b/part_ab"' in wheels and '"$src"/deps/*.whl' in wheels
+    script = (ROOT / "tools" / "verl-wheels.sh").read_text()
+    assert "verl==0.9.1" in script and "--only-binary=:all:" in script and "--python-version 3.12" in script
+    assert subprocess.run(["bash", "-n", str(ROOT / "tools" / "verl-wheels.sh")]).returncode == 0
+    assert "/.whl-verl/" in (ROOT / ".gitignore").read_text().split()
