@@ -14,18 +14,18 @@ import torch.multiprocessing as mp
 
 
 def spawn_ranks(worker: Callable, world: int, out_dir, args: Sequence = (),
-                deadline_s: float = 300.0) -> Tuple[List[Optional[dict]], str]:
+                deadline_s: float = 300.0) -> Tuple[List[Optional[dict]], str, bool]:
     """Start ``worker(rank, *args)`` on ``world`` spawned processes and wait for them, at most
     ``deadline_s`` seconds; kill what is still running then. Returns per rank the JSON it wrote to
-    ``out_dir/rank<r>.json`` (None where it wrote none) and a note saying why ranks may be missing
-    ("" when every process ended by itself)."""
+    ``out_dir/rank<r>.json`` (None where it wrote none), a note saying why ranks may be missing
+    ("" when every process ended by itself) and whether the deadline killed them."""
     ctx = mp.start_processes(worker, args=tuple(args), nprocs=world, join=False, start_method="spawn")
     deadline = time.monotonic() + deadline_s
-    note = ""
+    note, timed_out = "", False
     try:
         while not ctx.join(timeout=max(1.0, deadline - time.monotonic())):
             if time.monotonic() >= deadline:
-                note = f"killed after {deadline_s:g} s (deadlock?)"
+                note, timed_out = f"killed after {deadline_s:g} s (deadlock?)", True
                 break
     except Exception as exc:  # a rank died outside its own error handling
         note = f"{type(exc).__name__}: {exc}"
@@ -37,4 +37,4 @@ def spawn_ranks(worker: Callable, world: int, out_dir, args: Sequence = (),
     for r in range(world):
         f = pathlib.Path(out_dir) / f"rank{r}.json"
         outcomes.append(json.loads(f.read_text()) if f.exists() else None)
-    return outcomes, note
+    return outcomes, note, timed_out

@@ -553,7 +553,7 @@ def _results(world: int, tmp_path_factory):
     """Run (once) every case of ``world`` ranks; per case a list of (rank, outcome)."""
     if world not in _WORLDS:
         tmp = tmp_path_factory.mktemp(f"world{world}")
-        found, note = spawn_ranks(_worker, world, tmp, (world, str(tmp / "init"), str(tmp), CASES[world]),
+        found, note, _ = spawn_ranks(_worker, world, tmp, (world, str(tmp / "init"), str(tmp), CASES[world]),
                                   WORLD_DEADLINE_S)
         _WORLDS[world] = ([o if o is not None else {} for o in found], note)
     return _WORLDS[world]

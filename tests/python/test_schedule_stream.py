@@ -472,33 +472,18 @@ def test_streamed_under_sequence_parallelism_and_fsdp(tmp_path):
     """The two cases above on 2 gloo ranks (spawned): every rank reports each case passed. The
     verdict is the ranks' result files; a rank that died before it wrote its synced results fails
     the test with its fault log (the Python stacks of a fatal signal)."""
-    import json
-    import time
-
     import torch.distributed as dist
-    import torch.multiprocessing as mp
+    from spawned_ranks import spawn_ranks  # tests/python
     if not dist.is_gloo_available():
         pytest.skip("torch.distributed without gloo")
     cases = ["schedule_sp_streamed", "fsdp_dp_schedule_streamed"]
-    ctx = mp.start_processes(_distributed_worker, args=(2, str(tmp_path / "init"), str(tmp_path), cases), nprocs=2,
-                             join=False, start_method="spawn")
-    deadline, finished, died = time.monotonic() + 300, False, ""
-    try:
-        # join returns once some rank ends (True when all have); raises if one ended with an error
-        while not finished and time.monotonic() < deadline:
-            finished = ctx.join(timeout=max(1.0, deadline - time.monotonic()))
-    except mp.ProcessExitedException as exc:
-        finished, died = True, str(exc)
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-                p.join()
-    assert finished, "the ranks did not finish within 300 s"
+    found, died, timed_out = spawn_ranks(_distributed_worker, 2, tmp_path,
+                                         (2, str(tmp_path / "init"), str(tmp_path), cases), 300)
+    assert not timed_out, "the ranks did not finish within 300 s"
     problems = []
     for r in range(2):
-        path, fault = tmp_path / f"rank{r}.json", tmp_path / f"rank{r}.fault"
-        results = json.loads(path.read_text()) if path.exists() else {}
+        fault = tmp_path / f"rank{r}.fault"
+        results = found[r] or {}
         if not results.get("synced"):
             problems.append(f"rank {r} ended before its synced results; fault log:\n"
                             f"{fault.read_text() if fault.exists() else '(none)'}")

@@ -401,7 +401,7 @@ def test_two_ranks_fsdp2_prompt_once(tmp_path):
     if not dist.is_gloo_available():
         pytest.skip("torch.distributed without gloo")
     world = 2
-    found, note = spawn_ranks(_two_rank_worker, world, tmp_path, (world, str(tmp_path / "init"), str(tmp_path)),
+    found, note, _ = spawn_ranks(_two_rank_worker, world, tmp_path, (world, str(tmp_path / "init"), str(tmp_path)),
                               WORLD_DEADLINE_S)
     outcomes = [o if o is not None else {"ok": False, "error": note or "no result"} for o in found]
     assert all(o["ok"] for o in outcomes), "\n".join(f"rank {r}: {o['error']}" for r, o in enumerate(outcomes))
