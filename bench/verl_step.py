@@ -17,6 +17,11 @@ engine's autocast in bf16 (``--dtype fp32``: fp32 throughout, the CPU smoke test
 * stock:  veRL's own engine on sdpa: its remove-padding path (the unpadded rows concatenated, the
           sequences told apart by the position restarts), veRL's dynamic micro-batches of
           ``max_token_len_per_gpu`` tokens. This is the path the plug-in replaces.
+* stock_fa4: the same engine and path with FlashAttention-4's varlen kernel as the attention
+          (``flash_attn_varlen_func``, causal, cu_seqlens from the position restarts, as transformers'
+          flash_attention_2 path derives them): what a veRL user's ``flash_attention_2`` runs, on the
+          fastest generic kernel of the H200. Not in the default methods (FA4 is installed by
+          tests/gpu/device_run.sh fa4-install); on a CPU it runs an exact per-sequence sdpa stand-in.
 
 The rollout batch (the same for all three): --groups G prompts x -N responses, prompt lengths uniform in
 --prompt-len, response lengths in --response-len, veRL's layout (left-padded prompts, right-padded
@@ -75,9 +80,14 @@ from e2e import environment  # noqa: E402
 from dualkv.demo import _Timer as Clock  # noqa: E402  (CUDA events on a GPU, wall clock otherwise)
 from dualkv.demo import qwen3_config  # noqa: E402
 
-METHODS = ("once", "copies", "stock")
+METHODS = ("once", "copies", "stock", "stock_fa4")
+DEFAULT_METHODS = ("once", "copies", "stock")
+#: the stock engines (veRL's own, without the plug-in), the strongest last
+STOCK = ("stock", "stock_fa4")
 #: DUALKV_VERL_PROMPT_ONCE per method (None: unset, the plug-in's default)
-PROMPT_ONCE = {"once": None, "copies": "0", "stock": None}
+PROMPT_ONCE = {"once": None, "copies": "0", "stock": None, "stock_fa4": None}
+#: the transformers attention implementation of stock_fa4
+FA4_VARLEN_IMPL = "dualkv_bench_fa4_varlen"
 
 
 def _range(text: str):
@@ -98,7 +108,7 @@ def parse_args(argv=None):
     p.add_argument("--max-tokens", type=int, default=16384,
                    help="ppo_max_token_len_per_gpu (veRL's default 16384): packed tokens per micro-batch for dualkv, "
                         "unpadded tokens for the stock engine")
-    p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--methods", default=",".join(DEFAULT_METHODS), help=f"some of {', '.join(METHODS)}")
     p.add_argument("--stock-attn", default="sdpa", help="attn_implementation of the stock engine")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--warmup", type=int, default=0,
@@ -116,6 +126,69 @@ def parse_args(argv=None):
         p.error("--rounds >= 1, --warmup >= 0")
     args.methods = methods
     return args
+
+
+# ------------------------------------------------------------------------------------------------
+# stock_fa4's attention: FA4 varlen over veRL's remove-padding rows
+# ------------------------------------------------------------------------------------------------
+
+def sequence_bounds(position_ids: torch.Tensor):
+    """cu_seqlens (int32, on the rows' device) and the longest sequence of one packed row whose sequences
+    restart their positions at 0 (veRL's remove-padding rows, as transformers' flash_attention_2 reads them)."""
+    pos = position_ids.reshape(-1)
+    starts = torch.nonzero(pos == 0).reshape(-1)
+    if starts.numel() == 0 or int(starts[0]) != 0:
+        raise ValueError("stock_fa4: the packed row must start a sequence (position 0 at its first token)")
+    cu = torch.cat([starts, starts.new_tensor([pos.numel()])]).to(torch.int32)
+    return cu, int((cu[1:] - cu[:-1]).max())  # one host sync per forward, as transformers' FA2 path
+
+
+def per_sequence_sdpa(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal):
+    """The CPU stand-in of flash_attn_varlen_func (FA4 has no CPU kernel): exact causal sdpa per sequence;
+    q [T, H, D], k / v [T, Hk, D]."""
+    out = []
+    for a, b in zip(cu_seqlens_q[:-1].tolist(), cu_seqlens_q[1:].tolist()):
+        o = torch.nn.functional.scaled_dot_product_attention(q[a:b].transpose(0, 1), k[a:b].transpose(0, 1),
+                                                             v[a:b].transpose(0, 1), is_causal=causal,
+                                                             scale=softmax_scale, enable_gqa=True)
+        out.append(o.transpose(0, 1))
+    return torch.cat(out)
+
+
+class VarlenAttention:
+    """A transformers attention function (q / k / v [1, H, T, D], ``position_ids`` in kwargs, no mask:
+    none is registered for it) running ``varlen`` on the sequences of the packed row. The bounds are
+    computed once per forward: the layers see the same position_ids tensor (kept here, so its id is
+    not reused while cached)."""
+
+    def __init__(self, varlen):
+        self.varlen = varlen
+        self._cached = (None, None)
+
+    def __call__(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        pos = kwargs.get("position_ids")
+        if pos is None or query.shape[0] != 1:
+            raise ValueError("stock_fa4 runs veRL's remove-padding rows: one packed row with its position_ids")
+        if self._cached[0] is not pos:
+            self._cached = (pos, sequence_bounds(pos))
+        cu, longest = self._cached[1]
+        out = self.varlen(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
+                          cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest, max_seqlen_k=longest,
+                          softmax_scale=scaling, causal=True)
+        out = out[0] if isinstance(out, tuple) else out  # FA4 returns out or (out, lse) by version
+        return out.unsqueeze(0), None
+
+
+def register_stock_fa4(device) -> None:
+    """FA4_VARLEN_IMPL in transformers' AttentionInterface: FA4's varlen kernel on a GPU (peers.fa4 raises
+    Unavailable without it), the per-sequence sdpa stand-in on a CPU."""
+    from transformers import AttentionInterface
+    if device.type == "cuda":
+        from peers import fa4
+        varlen = fa4()[1]
+    else:
+        varlen = per_sequence_sdpa
+    AttentionInterface.register(FA4_VARLEN_IMPL, VarlenAttention(varlen))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -330,6 +403,8 @@ def main(argv=None) -> int:
         device = torch.device("cuda", 0)
     tree = provenance.measured_state(device, args.allow_dirty)
     compute_dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    if "stock_fa4" in args.methods:  # before the model: without FA4 on a GPU this stops here (peers.Unavailable)
+        register_stock_fa4(device)
     v = _verl()
     if device.type == "cpu":
         point_verl_at_cpu(v)
@@ -349,7 +424,11 @@ def main(argv=None) -> int:
                            "logprobs": "forward_backward_batch forward_only, calculate_entropy=True",
                            "timing": f"median of {args.rounds} interleaved rounds after the counting pass + "
                                      f"{args.warmup} warm-up pass(es) per method and kind",
-                           "stock": f"veRL's remove-padding path on {args.stock_attn}"}}
+                           "stock": f"veRL's remove-padding path on {args.stock_attn}",
+                           "stock_fa4": "veRL's remove-padding path on FlashAttention-4 flash_attn_varlen_func "
+                                        "(causal, cu_seqlens from the position restarts)"
+                           if device.type == "cuda" else "veRL's remove-padding path on per-sequence sdpa "
+                                                         "(the CPU stand-in of FA4 varlen)"}}
     report["tokens"] = token_counts(prompts, responses, args.max_tokens)
     print(f"tokens {report['tokens']}", flush=True)
 
@@ -392,6 +471,8 @@ def build_engines(v, args, base, cfg, compute_dtype, device):
     engines = {}
     if "stock" in args.methods:
         engines["stock"] = make_engine(v, copy.deepcopy(base), args.stock_attn, compute_dtype, device)
+    if "stock_fa4" in args.methods:  # registered in main
+        engines["stock_fa4"] = make_engine(v, copy.deepcopy(base), FA4_VARLEN_IMPL, compute_dtype, device)
     if {"once", "copies"} & set(args.methods):
         dualkv_engine = make_engine(v, base, ATTN_IMPLEMENTATION, compute_dtype, device)
         engines.update({m: dualkv_engine for m in ("once", "copies") if m in args.methods})
@@ -490,19 +571,23 @@ def verdict(report, methods):
     out = {}
     passes = {m: r for m, r in report.get("passes", {}).items() if r["status"] == "ok"}
     out["methods_ok"] = len(passes) == len(methods)
-    if "stock" in passes:
+    for s in STOCK:  # update_speedup_once (over stock), update_speedup_once_fa4 (over stock_fa4), ...
+        if s not in passes:
+            continue
         for m in ("once", "copies"):
             if m in passes:
-                out[f"update_speedup_{m}"] = passes["stock"]["update_median_s"] / passes[m]["update_median_s"]
-                out[f"logprobs_speedup_{m}"] = passes["stock"]["logprobs_median_s"] / passes[m]["logprobs_median_s"]
+                tail = s.replace("stock", "")
+                out[f"update_speedup_{m}{tail}"] = passes[s]["update_median_s"] / passes[m]["update_median_s"]
+                out[f"logprobs_speedup_{m}{tail}"] = passes[s]["logprobs_median_s"] / passes[m]["logprobs_median_s"]
     if "once" in passes and "copies" in passes:
         out["update_copies_over_once"] = passes["copies"]["update_median_s"] / passes["once"]["update_median_s"]
         out["logprobs_copies_over_once"] = passes["copies"]["logprobs_median_s"] / passes["once"]["logprobs_median_s"]
     err = report.get("logprob_error")
     if err and "error" in err:
         out["logprob_ok"] = False
-    if err and "stock" in err:
-        bound = 2 * err["stock"]["max"] + 1e-3
+    stock = [s for s in STOCK if err and s in err]
+    if stock:  # the rule against the stock engine's error (the larger where both ran)
+        bound = 2 * max(err[s]["max"] for s in stock) + 1e-3
         out["logprob_bound"] = bound
         for m in ("once", "copies"):
             if m in err:
@@ -512,14 +597,14 @@ def verdict(report, methods):
 
 def table(report, methods):
     passes = report.get("passes", {})
-    print(f"{'method':8} {'update s':>9} {'logprobs s':>10} {'upd tokens':>10} {'upd mb':>6} {'lp tokens':>10} "
+    print(f"{'method':9} {'update s':>9} {'logprobs s':>10} {'upd tokens':>10} {'upd mb':>6} {'lp tokens':>10} "
           f"{'lp mb':>6} {'peak GiB':>8}")
     for m in methods:
         r = passes.get(m, {})
         if r.get("status") != "ok":
-            print(f"{m:8} {r.get('error', 'not run')}")
+            print(f"{m:9} {r.get('error', 'not run')}")
             continue
-        print(f"{m:8} {r['update_median_s']:9.3f} {r['logprobs_median_s']:10.3f} {r['update_tokens']:10d} "
+        print(f"{m:9} {r['update_median_s']:9.3f} {r['logprobs_median_s']:10.3f} {r['update_tokens']:10d} "
               f"{r['update_micro_batches']:6d} {r['logprobs_tokens']:10d} {r['logprobs_micro_batches']:6d} "
               f"{r.get('update_peak_gib', float('nan')):8.2f}")
 

@@ -39,7 +39,7 @@ get() {  # get DEST SPEC: the cp312 manylinux x86_64 wheel, or the py3 one of a 
 }
 for p in $PINNED; do get "$DIR" "$p"; done
 for p in $DEPS; do get "$DIR/deps" "$p"; done
-"$PY" -m pip wheel -q --no-deps --no-build-isolation -w "$DIR" antlr4-python3-runtime==4.9.3
+"$PY" -m pip wheel -q --no-deps -w "$DIR" antlr4-python3-runtime==4.9.3  # build isolation: the sdist needs setuptools + wheel, which a bare interpreter may lack
 ls -la "$DIR"/*.whl "$DIR"/deps/*.whl | awk '{printf "%8.1f MiB  %s\n", $5 / 1048576, $NF}'
 total=$(du -cb "$DIR"/*.whl "$DIR"/deps/*.whl | tail -1 | cut -f1)
 echo "total $(( total / 1048576 )) MiB"

@@ -1,5 +1,5 @@
-"""bench/verl_step.py on a CPU (tiny model, fp32, gloo, FSDP2, one timed round): the three methods run
-veRL's engine on the same rollout batch; under a budget every group exceeds, prompt once packs fewer
+"""bench/verl_step.py on a CPU (tiny model, fp32, gloo, FSDP2, one timed round): the four methods run
+veRL's engine on the same rollout batch (stock_fa4 on its per-sequence sdpa stand-in); under a budget every group exceeds, prompt once packs fewer
 tokens in fewer micro-batches than prompt copies, the stock engine runs the unpadded rows, and every
 method's log-probs meet the fp32-truth rule. The bench runs in a process of its own (it opens its own
 process group; test_verl.py holds one in this process)."""
@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 pytest.importorskip("verl")
 
@@ -31,7 +32,7 @@ def _run(tmp_path, *extra):
 
 
 def test_verl_step_bench_runs_on_cpu(tmp_path):
-    data, stdout = _run(tmp_path)
+    data, stdout = _run(tmp_path, "--methods", "once,copies,stock,stock_fa4")
     assert {"env", "args", "protocol", "tokens", "passes", "logprob_error", "verdict"} <= set(data)
     assert data["complete"] is True and data["verdict"]["methods_ok"] is True
     assert data["env"]["dirty"] in (True, False) and data["env"]["commit"]
@@ -39,7 +40,7 @@ def test_verl_step_bench_runs_on_cpu(tmp_path):
     assert tokens["groups"] == 3 and tokens["split_groups"] == 3  # every group over the budget
     assert tokens["unpadded"] == tokens["packed"] + 3 * tokens["prompt_tokens"]  # 4 rows per group share a prompt
     passes = data["passes"]
-    assert list(passes) == ["once", "copies", "stock"]
+    assert list(passes) == ["once", "copies", "stock", "stock_fa4"]
     for m, r in passes.items():
         assert r["status"] == "ok", r
         assert len(r["update_s"]) == len(r["logprobs_s"]) == 1 and r["update_median_s"] > 0, m
@@ -49,15 +50,18 @@ def test_verl_step_bench_runs_on_cpu(tmp_path):
     # subset); copies: each piece of a split group with its whole prompt; stock: the unpadded rows
     assert tokens["packed"] <= once["update_tokens"] < copies["update_tokens"] < stock["update_tokens"]
     assert copies["update_tokens"] >= tokens["packed"] + 24 * 3  # at least one extra copy (>= 24 tokens) per group
-    assert stock["update_tokens"] == tokens["unpadded"]
+    assert stock["update_tokens"] == passes["stock_fa4"]["update_tokens"] == tokens["unpadded"]
+    assert passes["stock_fa4"]["update_micro_batches"] == stock["update_micro_batches"]
     assert once["update_micro_batches"] < copies["update_micro_batches"] < stock["update_micro_batches"]
     err = data["logprob_error"]
     assert err["rows"] == 4 and err["tokens"] > 0
-    for m in ("once", "copies", "stock"):
+    for m in ("once", "copies", "stock", "stock_fa4"):
         assert 0 <= err[m]["max"] < 1e-4, (m, err[m])  # fp32 against the fp32 truth
     verdict = data["verdict"]
     assert verdict["logprob_once_ok"] is True and verdict["logprob_copies_ok"] is True
     assert verdict["update_speedup_once"] == pytest.approx(stock["update_median_s"] / once["update_median_s"])
+    assert verdict["update_speedup_once_fa4"] == pytest.approx(
+        passes["stock_fa4"]["update_median_s"] / once["update_median_s"])
     assert verdict["update_copies_over_once"] == pytest.approx(copies["update_median_s"] / once["update_median_s"])
     assert "once" in stdout and "peak GiB" in stdout
 
@@ -68,7 +72,34 @@ def test_verl_step_refuses_unknown_methods():
     assert bench.parse_args([]).methods == ["once", "copies", "stock"]
     with pytest.raises(SystemExit) as exc:
         bench.parse_args(["--methods", "once,flex"])
+    assert bench.parse_args(["--methods", "once,stock_fa4"]).methods == ["once", "stock_fa4"]
     assert exc.value.code == 2
+
+
+def test_stock_fa4_attention_runs_each_sequence_causally():
+    """stock_fa4's attention function: cu_seqlens from the position restarts of one packed row, each
+    sequence causal on its own (against sdpa on the sequences one by one), GQA; a row that does not
+    start a sequence, or a padded batch, is refused."""
+    from test_demo import _load_bench
+    bench = _load_bench("verl_step")
+    lens = [5, 1, 7, 3]
+    pos = torch.cat([torch.arange(n) for n in lens]).unsqueeze(0)
+    cu, longest = bench.sequence_bounds(pos)
+    assert cu.tolist() == [0, 5, 6, 13, 16] and cu.dtype == torch.int32 and longest == 7
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, 16, 8, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(1, 2, 16, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    out, weights = bench.VarlenAttention(bench.per_sequence_sdpa)(None, q, k, v, None, scaling=0.3, position_ids=pos)
+    assert weights is None and out.shape == (1, 16, 4, 8)
+    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        want = torch.nn.functional.scaled_dot_product_attention(
+            q[:, :, a:b], k[:, :, a:b].repeat_interleave(2, 1), v[:, :, a:b].repeat_interleave(2, 1),
+            is_causal=True, scale=0.3)
+        torch.testing.assert_close(out[:, a:b], want.transpose(1, 2))
+    with pytest.raises(ValueError, match="must start a sequence"):
+        bench.sequence_bounds(pos[:, 1:])
+    with pytest.raises(ValueError, match="one packed row"):
+        bench.VarlenAttention(bench.per_sequence_sdpa)(None, q.expand(2, -1, -1, -1), k, v, None, position_ids=pos)
 
 
 def test_device_run_verl_steps():
