@@ -439,7 +439,8 @@ def main(argv=None) -> int:
             engines = build_engines(v, args, base, cfg, compute_dtype, device)
             del base
             loss = partial(v.ppo_loss, config=actor_config(v, args))
-            report["passes"], got = measure(v, engines, args, proto, loss, device)
+            report["passes"], got = measure(v, engines, args, proto, loss, device,
+                                            after_round=lambda rec: save(dict(report, passes=rec), args))
             save(report, args)  # the times, should the truth not finish
             if truth_model is not None and got:
                 try:
@@ -487,10 +488,11 @@ def _failed(rec, m, exc, device):
         torch.cuda.empty_cache()
 
 
-def measure(v, engines, args, proto, loss, device):
+def measure(v, engines, args, proto, loss, device, after_round=None):
     """Counts, warm-up, then rounds of (update, log-probs) per method, the method order rotated per round.
-    A method that raises is recorded with its error and left out after. Returns ({method: record},
-    {method: the last forward-only pass's (output, td)})."""
+    A method that raises is recorded with its error and left out after. ``after_round(records)`` after
+    each round (main saves the times so far: a run cut by its cap keeps its rounds). Returns ({method:
+    record}, {method: the last forward-only pass's (output, td)})."""
     rec = {m: {"status": "ok", "update_s": [], "logprobs_s": []} for m in args.methods}
     last = {}
     for m in args.methods:
@@ -534,6 +536,8 @@ def measure(v, engines, args, proto, loss, device):
                 continue
             print(f"round {r} {m}: update {rec[m]['update_s'][-1]:.3f} s, log-probs {rec[m]['logprobs_s'][-1]:.3f} s",
                   flush=True)
+        if after_round is not None:
+            after_round(rec)
     for m in args.methods:
         if rec[m]["status"] == "ok":
             rec[m]["update_median_s"] = statistics.median(rec[m]["update_s"])
@@ -569,7 +573,8 @@ def accuracy(truth_model, got, prompts, responses, rows, device):
 
 def verdict(report, methods):
     out = {}
-    passes = {m: r for m, r in report.get("passes", {}).items() if r["status"] == "ok"}
+    # (a save after a round, before the medians: no ratios yet)
+    passes = {m: r for m, r in report.get("passes", {}).items() if r["status"] == "ok" and "update_median_s" in r}
     out["methods_ok"] = len(passes) == len(methods)
     for s in STOCK:  # update_speedup_once (over stock), update_speedup_once_fa4 (over stock_fa4), ...
         if s not in passes:
