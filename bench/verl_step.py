@@ -16,7 +16,9 @@ engine's autocast in bf16 (``--dtype fp32``: fp32 throughout, the CPU smoke test
           own prompt copy;
 * stock:  veRL's own engine on sdpa: its remove-padding path (the unpadded rows concatenated, the
           sequences told apart by the position restarts), veRL's dynamic micro-batches of
-          ``max_token_len_per_gpu`` tokens. This is the path the plug-in replaces.
+          ``max_token_len_per_gpu`` tokens. This is the path the plug-in replaces. Its log-probs: veRL's
+          own where flash-attn is installed, else chunked_logprobs (veRL's fallback without flash-attn
+          is a Python loop over the rows, which no GPU user of veRL runs; see there).
 * stock_fa4: the same engine and path with FlashAttention-4's varlen kernel as the attention
           (``flash_attn_varlen_func``, causal, cu_seqlens from the position restarts, as transformers'
           flash_attention_2 path derives them): what a veRL user's ``flash_attention_2`` runs, on the
@@ -177,6 +179,32 @@ class VarlenAttention:
                           softmax_scale=scaling, causal=True)
         out = out[0] if isinstance(out, tuple) else out  # FA4 returns out or (out, lse) by version
         return out.unsqueeze(0), None
+
+
+def chunked_logprobs(logits, labels, inplace_backward=True, rows=4096):
+    """log softmax(logits)[label] in fp32, ``rows`` rows per launch: the stock engines' log-probs where
+    flash-attn is not installed. veRL computes them with flash-attn's Triton cross-entropy; without it
+    (this H200 image has FA4, not flash-attn 2) it falls back to ``logprobs_from_logits_v2``, a Python
+    loop over the rows (measured on the H200: ~3 s of a stock micro-batch of 14.5K tokens, 85 s of an
+    85-s update), a cost no GPU user of veRL pays. Same values (fp32 logsumexp), a few launches."""
+    shape = labels.shape
+    logits, labels = logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)
+    out = []
+    for a in range(0, logits.shape[0], rows):
+        z = logits[a:a + rows].float()
+        out.append(z.gather(-1, labels[a:a + rows, None]).squeeze(-1) - torch.logsumexp(z, -1))
+    return torch.cat(out).reshape(shape)
+
+
+def stock_logprobs(v) -> str:
+    """The stock engines' log-probs: veRL's own with flash-attn's kernel where it is installed, otherwise
+    chunked_logprobs in place of the row loop (the name the engine module calls). Returns what ran."""
+    from verl.utils import torch_functional
+    if torch_functional.FLAH_ATTN_CROSS_ENTROPY_LOSS_AVAILABLE:  # (veRL's spelling)
+        return "veRL's logprobs_from_logits on flash-attn's Triton cross-entropy"
+    v.impl.logprobs_from_logits = chunked_logprobs
+    return ("chunked fp32 log_softmax + gather (flash-attn not installed: stands in for its cross-entropy kernel; "
+            "veRL's fallback loops over the rows)")
 
 
 def register_stock_fa4(device) -> None:
@@ -436,6 +464,8 @@ def main(argv=None) -> int:
         dist = init_process_group(device, tmp)
         try:
             report["env"] = environment(device, tree)
+            if set(STOCK) & set(args.methods):
+                report["protocol"]["stock_logprobs"] = stock_logprobs(v)
             engines = build_engines(v, args, base, cfg, compute_dtype, device)
             del base
             loss = partial(v.ppo_loss, config=actor_config(v, args))

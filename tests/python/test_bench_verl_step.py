@@ -64,6 +64,7 @@ def test_verl_step_bench_runs_on_cpu(tmp_path):
         passes["stock_fa4"]["update_median_s"] / once["update_median_s"])
     assert verdict["update_copies_over_once"] == pytest.approx(copies["update_median_s"] / once["update_median_s"])
     assert "once" in stdout and "peak GiB" in stdout
+    assert data["protocol"]["stock_logprobs"].startswith(("chunked", "veRL's"))
 
 
 def test_verl_step_refuses_unknown_methods():
@@ -100,6 +101,27 @@ def test_stock_fa4_attention_runs_each_sequence_causally():
         bench.sequence_bounds(pos[:, 1:])
     with pytest.raises(ValueError, match="one packed row"):
         bench.VarlenAttention(bench.per_sequence_sdpa)(None, q.expand(2, -1, -1, -1), k, v, None, position_ids=pos)
+
+
+def test_chunked_logprobs_match_log_softmax():
+    """The stock engines' log-probs without flash-attn: chunks of rows, any leading shape, bf16 logits in
+    fp32, gradients through the logits as log_softmax's."""
+    from test_demo import _load_bench
+    bench = _load_bench("verl_step")
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(2, 7, 11, generator=g, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(0, 11, (2, 7), generator=g)
+    got = bench.chunked_logprobs(logits.float(), labels, rows=3)
+    want = torch.log_softmax(logits, -1).gather(-1, labels[..., None]).squeeze(-1)
+    assert got.shape == (2, 7) and got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-6)
+    (g1,) = torch.autograd.grad(bench.chunked_logprobs(logits, labels, rows=4).sum(), logits)
+    (g2,) = torch.autograd.grad(want.sum(), logits)
+    torch.testing.assert_close(g1, g2, rtol=1e-6, atol=1e-6)
+    half = bench.chunked_logprobs(logits.detach().bfloat16(), labels, rows=5)
+    assert half.dtype == torch.float32
+    torch.testing.assert_close(half.double(), torch.log_softmax(logits.detach().bfloat16().double(), -1)
+                               .gather(-1, labels[..., None]).squeeze(-1), rtol=1e-5, atol=1e-5)
 
 
 def test_device_run_verl_steps():
