@@ -56,6 +56,11 @@ BENCHMARKS = {
     "pipeline": "bench/pipeline.py, pack() and response_logprobs() on the GPU",
     "distributed_overhead": "bench/distributed_overhead.py, 1.7B N16 P4096 R1024, the single-rank path of "
                             "dualkv.distributed vs the plain path, 10 interleaved rounds (issue 18)",
+    "verl_step_1.7b": "bench/verl_step.py --methods once,copies,stock_fa4: one veRL 0.9.1 policy update (FSDP2 engine, "
+                      "world size 1) of a Qwen3-1.7B shape, G4 x N16, P 2K-8K, R 0.5K-2K, budget 16,384, through the "
+                      "dualkv plug-in with prompt once and with prompt copies against veRL's stock remove-padding "
+                      "path on FA4 varlen (stock log-probs chunked: no flash-attn on the image), 3 rounds (issues 24 / "
+                      "19's one-GPU dry run, session 31; steps verl-stage, wheels verl-step); .log: its output",
     "trl_step_1.7b": "bench/trl_step.py, one TRL GRPO update stock vs DualKVGRPOTrainer, 1.7B (issue 20; "
                      "step trl-step); .g8_cut.log: the G8 run, cut at its cap after both updates",
     "trl_step_1.7b_g8_accuracy": "bench/trl_step.py --parts accuracy, the G8 x N16 step's log-probs (first group) "
@@ -291,10 +296,10 @@ BENCHMARKS = {
                                   "must fit: every group split in two), dualkv once against Flex-FA4 split (issue 23, "
                                   "session 29; BUDGET_PROMPTS=16384 BUDGET_TOKENS=24576)",
     "never_lose_d64": "bench/attention.py --head-dim 64 --classes long_responses,tiny_responses --methods "
-                      "dualkv,fa4_dense, ONE library per process (main's D-64 / D-128 kernels after session 30's K "
-                      "ahead in the short-walk forward and the D-128 backward's exponential split), 3 rounds: issue "
-                      "23's never-lose bar on long responses (session 30; step bench-classes)",
-    "never_lose_d128": "the same at head dim 128, the same library (session 30)",
+                      "dualkv,fa4_dense, ONE library per process (main's D-64 / D-128 kernels of 1b19fae, after "
+                      "session 30's K ahead and the D-128 backward's exponential split), 9 rounds: issue 23's "
+                      "never-lose bar on long responses (session 31; step bench-classes, CLASSES_ROUNDS=9)",
+    "never_lose_d128": "the same at head dim 128, the same library (session 31)",
     "never_lose_d256": "the same at head dim 256 (main's kernels, a12840b's build; session 29); .ncu_stalls_fwd.txt: "
                        "Nsight Compute SourceCounters + WarpStateStats of both forward kernels on long responses "
                        "(dualkv against FA4 dense), summarised per instruction (step ncu-stalls, NCU_KERNEL="
