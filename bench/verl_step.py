@@ -43,14 +43,23 @@ method order rotated each round), medians reported:
 Per method also: the tokens through the model (counted at the embedding: prompt phases, micro-batches)
 and the micro-batches (``forward_step`` calls) of each pass, and the peak memory allocated (GPU).
 Accuracy (the tolerance rule of DESIGN.md section 7, as bench/trl_step.py applies it): the log-probs of
-the first group's rows from each method's forward-only pass against an fp32 truth (the same weights in
+the rows of one group (the first row's) from each method's forward-only pass against an fp32 truth (the same weights in
 fp32, exact fp32 attention, row by row: bench/logprob_noise.py): max|dualkv - truth| <= 2 max|stock -
 truth| + 1e-3, for once and for copies. JSON (environment, batch, tokens, times, memory, errors,
 verdict) to --out (a directory: verl_step_<model>.json in it; or a path ending in .json); the
 environment is bench/e2e.py's provenance record. A GPU run refuses a tree that is not a commit unless
 --allow-dirty; a copy without .git (the device machine) declares it with DUALKV_COMMIT.
 
+Under torchrun (WORLD_SIZE > 1) the ranks are veRL's data-parallel workers: FSDP2 over all of them,
+each rank the contiguous share of the (shuffled) rollout rows that veRL's ``DataProto.chunk`` dispatch
+gives it (G x N must divide by the world size), ``global_batch_size`` the whole batch. A pass's time is
+the slowest rank's, tokens are summed over the ranks, micro-batches and peak memory the largest rank's;
+the accuracy check runs on rank 0 (its first row's group, the rows of it that rank 0 holds); rank 0
+writes the JSON. A rank that raises ends the run (torchrun stops the others) instead of skipping the
+method, which would leave the other ranks in a collective.
+
     python bench/verl_step.py                              # 1.7B, G4 x N16, P 2K-8K, R 0.5K-2K, budget 16384
+    torchrun --standalone --nproc_per_node 8 bench/verl_step.py --model 8b --groups 8 -N 32 ...   # data parallel
     python bench/verl_step.py --device cpu --model tiny --groups 3 -N 4 --prompt-len 24,32 \\
         --response-len 4,12 --max-tokens 48 --dtype fp32 --rounds 1      # smoke test
 """
@@ -252,7 +261,7 @@ def make_engine(v, model, attn, compute_dtype, device):
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     config = v.FSDPEngineConfig(strategy="fsdp2", use_torch_compile=False)
-    mesh = init_device_mesh(device.type, (1,), mesh_dim_names=("fsdp",))
+    mesh = init_device_mesh(device.type, (args_world(),), mesh_dim_names=("fsdp",))
     mp = v.MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32, cast_forward_inputs=True)
     v.apply_fsdp2(model, {"mesh": mesh, "mp_policy": mp, "offload_policy": None, "reshard_after_forward": True}, config)
     engine = v.impl.FSDPEngineWithLMHead.__new__(v.impl.FSDPEngineWithLMHead)
@@ -317,9 +326,10 @@ def rollout_batch(v, args, vocab):
 
 
 def engine_batch(v, proto, args, train: bool):
-    """What veRL's trainer and worker hand the engine (ray_trainer._update_actor / _compute_old_log_prob)."""
+    """What veRL's trainer and worker hand the engine (ray_trainer._update_actor / _compute_old_log_prob):
+    this rank's rows, the global batch size of all ranks."""
     td = v.left_right_2_no_padding(proto.to_tensordict())
-    v.tu.assign_non_tensor(td, calculate_entropy=not train, global_batch_size=len(proto), compute_loss=train,
+    v.tu.assign_non_tensor(td, calculate_entropy=not train, global_batch_size=args.groups * args.n, compute_loss=train,
                            use_remove_padding=True, use_dynamic_bsz=True, max_token_len_per_gpu=args.max_tokens,
                            micro_batch_size_per_gpu=1, use_fused_kernels=False)
     return td
@@ -406,13 +416,49 @@ def response_logprobs(v, out, td, rows):
 # main
 # ------------------------------------------------------------------------------------------------
 
+def args_world() -> int:
+    """The data-parallel world: torchrun's WORLD_SIZE, 1 without it."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def run_device(args) -> torch.device:
+    """--device, on a GPU this rank's (torchrun's LOCAL_RANK)."""
+    device = torch.device(args.device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return device
+
+
 def init_process_group(device, tmp):
+    """The process group: torchrun's (env://) under it, else a world of one through a file store."""
     import torch.distributed as dist
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"file://{tmp}/pg_store",
-                            rank=0, world_size=1, **({"device_id": device} if device.type == "cuda" else {}))
+    kw = {"device_id": device} if device.type == "cuda" else {}
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if args_world() > 1:
+        dist.init_process_group(backend, **kw)
+    else:
+        dist.init_process_group(backend, init_method=f"file://{tmp}/pg_store", rank=0, world_size=1, **kw)
     return dist
+
+
+def reduced(value: float, op: str, device) -> float:
+    """``value`` reduced over the ranks (op "max" or "sum"); itself in a world of one."""
+    import torch.distributed as dist
+    if dist.get_world_size() == 1:
+        return value
+    t = torch.tensor([float(value)], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
+    return float(t.item())
+
+
+def rank_share(proto, rows, world: int, rank: int):
+    """This rank's rows as veRL's trainer dispatches them (DataProto.chunk: contiguous equal shares)."""
+    if len(proto) % world:
+        raise ValueError(f"verl_step: {len(proto)} rows (groups x N) do not divide among {world} ranks")
+    share = len(proto) // world
+    return proto.chunk(world)[rank], rows[rank * share:(rank + 1) * share]
 
 
 def out_path(args) -> pathlib.Path:
@@ -426,9 +472,10 @@ def out_path(args) -> pathlib.Path:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    device = torch.device(args.device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", 0)
+    device = run_device(args)
+    rank, world = int(os.environ.get("RANK", "0")), args_world()
+    if rank:  # rank 0 prints (the other ranks' errors still reach stderr)
+        sys.stdout = open(os.devnull, "w")
     tree = provenance.measured_state(device, args.allow_dirty)
     compute_dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     if "stock_fa4" in args.methods:  # before the model: without FA4 on a GPU this stops here (peers.Unavailable)
@@ -441,10 +488,13 @@ def main(argv=None) -> int:
     torch.manual_seed(args.seed)
     with torch.device(device):  # fp32 parameters, as veRL's actor
         base = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    truth_model = None if args.no_accuracy else copy.deepcopy(base).to("cpu")  # same weights, kept unsharded
+    # same weights, kept unsharded (rank 0 checks)
+    truth_model = None if args.no_accuracy or rank else copy.deepcopy(base).to("cpu")
     proto, prompts, responses, rows = rollout_batch(v, args, cfg.vocab_size)
+    proto, local_rows = rank_share(proto, rows, world, rank)
     report = {"args": {k: (list(x) if isinstance(x, tuple) else x) for k, x in vars(args).items()},
-              "protocol": {"engine": "veRL 0.9.1 FSDPEngineWithLMHead, strategy fsdp2 (apply_fsdp2), world size 1",
+              "protocol": {"engine": f"veRL 0.9.1 FSDPEngineWithLMHead, strategy fsdp2 (apply_fsdp2), world size "
+                                     f"{world} (data parallel)",
                            "precision": "fp32 parameters, bf16 compute (MixedPrecisionPolicy + autocast)"
                            if args.dtype == "bf16" else "fp32",
                            "gradient_checkpointing": "non-reentrant",
@@ -458,7 +508,9 @@ def main(argv=None) -> int:
                            if device.type == "cuda" else "veRL's remove-padding path on per-sequence sdpa "
                                                          "(the CPU stand-in of FA4 varlen)"}}
     report["tokens"] = token_counts(prompts, responses, args.max_tokens)
-    print(f"tokens {report['tokens']}", flush=True)
+    if rank == 0:
+        print(f"tokens {report['tokens']}", flush=True)
+    keep = (lambda rep: save(rep, args)) if rank == 0 else (lambda rep: None)  # rank 0 writes
 
     with tempfile.TemporaryDirectory() as tmp:
         dist = init_process_group(device, tmp)
@@ -470,11 +522,11 @@ def main(argv=None) -> int:
             del base
             loss = partial(v.ppo_loss, config=actor_config(v, args))
             report["passes"], got = measure(v, engines, args, proto, loss, device,
-                                            after_round=lambda rec: save(dict(report, passes=rec), args))
-            save(report, args)  # the times, should the truth not finish
+                                            after_round=lambda rec: keep(dict(report, passes=rec)))
+            keep(report)  # the times, should the truth not finish
             if truth_model is not None and got:
                 try:
-                    report["logprob_error"] = accuracy(truth_model, got, prompts, responses, rows, device)
+                    report["logprob_error"] = accuracy(truth_model, got, prompts, responses, local_rows, device)
                 except Exception as exc:  # noqa: BLE001  (the times are kept)
                     print(traceback.format_exc(), flush=True)
                     report["logprob_error"] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
@@ -482,6 +534,8 @@ def main(argv=None) -> int:
             dist.destroy_process_group()
 
     report["complete"] = True
+    if rank:
+        return 0
     save(report, args)
     print(json.dumps(report["verdict"]), flush=True)
     table(report, args.methods)
@@ -511,7 +565,10 @@ def build_engines(v, args, base, cfg, compute_dtype, device):
 
 
 def _failed(rec, m, exc, device):
-    """A method that raised (out of memory, a refusal): recorded, left out of the later rounds."""
+    """A method that raised (out of memory, a refusal): recorded, left out of the later rounds. With
+    several ranks the run ends instead (the other ranks would wait in a collective)."""
+    if args_world() > 1:
+        raise exc
     rec[m].update(status="error", error=f"{type(exc).__name__}: {exc}"[:2000])
     print(f"{m}: FAILED\n{traceback.format_exc()}", flush=True)
     if device.type == "cuda":
@@ -530,7 +587,8 @@ def measure(v, engines, args, proto, loss, device, after_round=None):
             with PromptOnceEnv(PROMPT_ONCE[m]):
                 for train, key in ((True, "update"), (False, "logprobs")):
                     seen = counted_pass(v, engines[m], args, proto, train, loss)
-                    rec[m][f"{key}_tokens"], rec[m][f"{key}_micro_batches"] = seen["tokens"], seen["micro_batches"]
+                    rec[m][f"{key}_tokens"] = int(reduced(seen["tokens"], "sum", device))
+                    rec[m][f"{key}_micro_batches"] = int(reduced(seen["micro_batches"], "max", device))
                 for _ in range(args.warmup):
                     run_pass(v, engines[m], args, proto, True, loss)
                     run_pass(v, engines[m], args, proto, False, loss)
@@ -552,9 +610,9 @@ def measure(v, engines, args, proto, loss, device, after_round=None):
                             resident = torch.cuda.memory_allocated(device)
                         with Clock(device) as c:
                             out = run_pass(v, engines[m], args, proto, train, loss)
-                        rec[m][f"{key}_s"].append(c.seconds)
+                        rec[m][f"{key}_s"].append(reduced(c.seconds, "max", device))  # the slowest rank
                         if cuda:
-                            peak = torch.cuda.max_memory_allocated(device) / 2**30
+                            peak = reduced(torch.cuda.max_memory_allocated(device) / 2**30, "max", device)
                             rec[m][f"{key}_peak_gib"] = max(rec[m].get(f"{key}_peak_gib", 0.0), peak)
                             rec[m]["resident_gib"] = resident / 2**30
                         if not train:
@@ -576,11 +634,13 @@ def measure(v, engines, args, proto, loss, device, after_round=None):
 
 
 def accuracy(truth_model, got, prompts, responses, rows, device):
-    """Each method's log-probs of the first group's rows (from its forward-only pass) against the fp32 truth."""
+    """Each method's log-probs of one group's rows (the group of ``rows[0]``, the rows of it in ``rows``:
+    this rank's; from each method's forward-only pass) against the fp32 truth."""
     v = _verl()
-    first = [b for b, (k, _) in enumerate(rows) if k == 0]
+    k0 = rows[0][0]  # the group of this rank's first row, the rows of it this rank holds
+    first = [b for b, (k, _) in enumerate(rows) if k == k0]
     order = [rows[b][1] for b in first]  # response index of each of those rows
-    group = [responses[0][i] for i in order]
+    group = [responses[k0][i] for i in order]
     width = max(r.numel() for r in group)
     mask = torch.zeros(len(group), width, dtype=torch.bool, device=device)
     for j, r in enumerate(group):
@@ -589,7 +649,7 @@ def accuracy(truth_model, got, prompts, responses, rows, device):
     logprob_noise.register_truth()
     setting = logprob_noise._fp32_ieee()
     truth_model.set_attn_implementation(logprob_noise.TRUTH_IMPL)
-    mb = types.SimpleNamespace(prompts=[prompts[0].to(device)], responses=[[r.to(device) for r in group]], mask=mask)
+    mb = types.SimpleNamespace(prompts=[prompts[k0].to(device)], responses=[[r.to(device) for r in group]], mask=mask)
     with torch.no_grad():
         truth = logprob_noise.truth_rows(truth_model, mb, 1)
     errors = {"truth": setting, "rows": len(group), "tokens": int(mask.sum())}

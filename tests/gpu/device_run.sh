@@ -111,7 +111,8 @@
 #                forward-only log-prob pass, CUDA events, medians of 3 interleaved rounds after an untimed counted
 #                pass; packed tokens and micro-batches per method, peak memory, the first group's log-probs vs
 #                an fp32 truth (trl_step.py's rule). VERL_ARGS adds options (e.g. --methods once,copies), cut at
-#                $VERL_CAP (default 570) s; JSON $OUT/verl_step_<model>.json. Needs the wheels step first, in
+#                $VERL_CAP (default 570) s; JSON $OUT/verl_step_<model>.json; VERL_NPROC=n runs n data-parallel ranks
+#                under torchrun (one per GPU: issue 24's launch, e.g. VERL_NPROC=8 VERL_ARGS="--model 8b ..."). Needs the wheels step first, in
 #                the same call. Measured (session 31, 1.7B, --methods once,copies,stock_fa4 after fa4-install
 #                in the same call): 246 s in all (once 5.2 s, copies 5.7 s, stock_fa4 17.4 s per update);
 #                stock (sdpa) not re-timed since the log-prob fix (before it: 102 s per update, most of it veRL's
@@ -358,7 +359,8 @@ for n in ('fla-core', 'trl', 'datasets', 'accelerate', 'verl', 'tensordict', 'ra
                 > "$OUT/trl_step.log" 2>&1
               echo "trl-step rc=$?"; grep -v -i "warn" "$OUT/trl_step.log" | tail -10 ;;
     verl-stage) mkdir -p /tmp/whl-verl && cp .whl-verl/a/part_aa /tmp/whl-verl/ && ls -la /tmp/whl-verl ;;
-    verl-step) timeout -k 10 "${VERL_CAP:-570}" python3 bench/verl_step.py ${VERL_ARGS:-} --out "$OUT" \
+    verl-step) launch=(python3); [ "${VERL_NPROC:-1}" -gt 1 ] && launch=(torchrun --standalone --nproc_per_node "$VERL_NPROC")
+               timeout -k 10 "${VERL_CAP:-570}" "${launch[@]}" bench/verl_step.py ${VERL_ARGS:-} --out "$OUT" \
                  > "$OUT/verl_step.log" 2>&1
                echo "verl-step rc=$? (cap ${VERL_CAP:-570} s)"; grep -v -i "warn" "$OUT/verl_step.log" | tail -16 ;;
     bench-mods) for spec in "gptoss:--heads 64 --kv-heads 8 --head-dim 64 --window 128 --sinks" \

@@ -67,6 +67,45 @@ def test_verl_step_bench_runs_on_cpu(tmp_path):
     assert data["protocol"]["stock_logprobs"].startswith(("chunked", "veRL's"))
 
 
+def test_verl_step_bench_runs_on_two_ranks(tmp_path):
+    """Under torchrun (gloo, world 2) the ranks are veRL's data-parallel workers: each its contiguous share of
+    the shuffled rows, FSDP2 over both; tokens summed over the ranks (the stock engines': every unpadded row
+    once), rank 0 writes the JSON and checks the log-probs of its first row's group."""
+    out = tmp_path / "verl_step_tiny.json"
+    env = {k: v for k, v in os.environ.items() if k != "DUALKV_VERL_PROMPT_ONCE"}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT / "python"), env.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           str(ROOT / "bench" / "verl_step.py"), *SMOKE, "--methods", "once,copies,stock_fa4",
+                           "--out", str(out)], capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["complete"] is True and data["verdict"]["methods_ok"] is True
+    assert "world size 2" in data["protocol"]["engine"]
+    tokens, passes = data["tokens"], data["passes"]
+    once, copies, stock = passes["once"], passes["copies"], passes["stock_fa4"]
+    assert stock["update_tokens"] == tokens["unpadded"]  # 6 rows per rank, all of them
+    # groups spread over the two ranks: each rank runs its part of a group with the prompt (once each)
+    assert tokens["packed"] < once["update_tokens"] < copies["update_tokens"] < stock["update_tokens"]
+    assert once["update_micro_batches"] <= copies["update_micro_batches"] <= stock["update_micro_batches"]
+    err = data["logprob_error"]
+    assert 1 <= err["rows"] <= 4 and all(err[m]["max"] < 1e-4 for m in ("once", "copies", "stock_fa4"))
+    assert proc.stdout.count("tokens {") == 1  # rank 0 prints, rank 1 is silent
+
+
+def test_rank_share_is_veRLs_dispatch():
+    """DataProto.chunk's contiguous equal shares; a batch that does not divide among the ranks is refused."""
+    from test_demo import _load_bench
+    bench = _load_bench("verl_step")
+    v = bench._verl()
+    args = bench.parse_args(["--groups", "3", "-N", "4", "--prompt-len", "5,8", "--response-len", "2,4"])
+    proto, _, _, rows = bench.rollout_batch(v, args, 100)
+    share, local = bench.rank_share(proto, rows, 2, 1)
+    assert len(share) == 6 and local == rows[6:]
+    assert torch.equal(share.batch["input_ids"], proto.batch["input_ids"][6:])
+    with pytest.raises(ValueError, match="do not divide among 5 ranks"):
+        bench.rank_share(proto, rows, 5, 0)
+
+
 def test_verl_step_refuses_unknown_methods():
     from test_demo import _load_bench
     bench = _load_bench("verl_step")
