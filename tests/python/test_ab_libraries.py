@@ -1,7 +1,8 @@
 """tools/ab_libraries.py, the A/B of two libdualkv builds in one process, in its CPU smoke mode: with
 the test suite's library as base and as candidate every check passes and it exits 0; with one output
 of the candidate perturbed (the tool's test-only --self-test-perturb) it reports DIFF and exits 1,
-for an output under the bitwise rule (lse) and one under the reduce-noise rule (dq). The profile's
+for an output under the bitwise rule (lse) and one under the reduce-noise rule (dq); --fwd-rule
+reference judges a forward by the float64 reference instead of bits. The profile's
 bookkeeping (rotating rounds, medians, a kernel no library ran) with fixed times in place of the
 profiler, which needs a GPU."""
 import importlib.util
@@ -57,6 +58,22 @@ def test_perturbed_candidate_fails_the_bitwise_rule(library):
     assert r.returncode == 1, out
     assert "DIFF  fwd cand | tiny T D64" in out and "lse differs on 1 tokens" in out, out
     assert out.rstrip().splitlines()[-1].endswith("FAILED"), out
+
+
+def test_fwd_rule_reference(library):
+    """--fwd-rule reference (a forward that is not bitwise by design): the same library passes with its
+    ref64 line; a perturbed out fails both the distance to the base and the reference's bound."""
+    r = run_tool(library, "--check", "fwd", "--fwd-rule", "reference", "--cases", "tiny T")
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out
+    assert "ok    fwd cand | tiny T D64" in out and "run to run bitwise x2" in out, out
+    assert "ok    ref64 fwd cand | tiny T D64" in out, out
+    r = run_tool(library, "--check", "fwd", "--fwd-rule", "reference", "--cases", "tiny T",
+                 "--self-test-perturb", "out")
+    out = r.stdout + r.stderr
+    assert r.returncode == 1, out
+    assert "DIFF  fwd cand | tiny T D64" in out and "above max |base| / 64" in out, out
+    assert "DIFF  ref64 fwd cand | tiny T D64" in out and "ABOVE THE BOUND" in out, out
 
 
 def load_tool(monkeypatch):
