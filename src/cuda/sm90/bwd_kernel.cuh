@@ -209,6 +209,13 @@ constexpr uint32_t kBwdQdoEmptyCount = kBwdConsumerWarps * kArrivalsPerWarp;
 constexpr bool kBwdRacecheckBarriers = kPerThreadRelease;
 constexpr uint32_t kBwdDsBarrier = 1;      // named barrier id (0 is __syncthreads)
 
+// D 128 dQ-computing kernel: where the dS stores and their proxy fence go (bits, see the consumer
+// step): 0 = stores and fence after the dV issue, before dK's first k step (main before
+// 2026-12-04); 1 = stores before dV (FA4's order); 2 = fence after dK's first k step; 3 = both.
+#ifndef DUALKV_SM90_BWD128_DS_ORDER
+#define DUALKV_SM90_BWD128_DS_ORDER 3
+#endif
+
 // P^T = exp2(S^T scale log2e - lse log2e) in place, masked (if mask) where the KV row is past klen
 // or after the query. Accumulator fragment of m64 (kv) x n(2N) (q): element 4j + e is row
 // kv_row0 + 8 (e >> 1), column 8j + 2 t4 + (e & 1). A constant mask (the softmax-overlap step calls
@@ -684,6 +691,19 @@ bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
       //   128-row steps, in halves: the first half's.
       constexpr int kDkHead = D == 128 ? 1 : 0;
       constexpr int kDkIssued = !kAtomicDq ? BM / 16 : kHalves ? BM / 32 : kDkHead;
+      // D 128 (64-row steps), the dQ-computing kernel: the place of the dS stores and of their proxy
+      // fence (DUALKV_SM90_BWD128_DS_ORDER, bits; docs/notes/2026-12-04-d128-bwd-ds-order.md):
+      //   bit 0 (kDsEarly, FA4's order): the 4 STSM of dS in the branch of dS^T's arithmetic, right
+      //     after its packing (ptxas may interleave them with it), before the dV issue; else after it.
+      //   bit 1 (kFenceLate): fence.proxy.async after dK's first k step is issued; else before it.
+      // Either way each thread's fence follows its own dS stores and precedes barrier 1, after which
+      // the dQ wgmmas of both warpgroups read dS through the async proxy; the wgmmas between the
+      // stores and the fence (dV, dK's first k step) read registers and Q / dO, never the dS buffer.
+      // Only the places of stores and fence move: the same wgmmas on the same accumulators in the
+      // same order, outputs bit for bit.
+      constexpr bool kDsOrderKernel = kAtomicDq && D == 128 && !kHalves && kDkIssued == 1;
+      constexpr bool kDsEarly = kDsOrderKernel && (DUALKV_SM90_BWD128_DS_ORDER & 1) != 0;
+      constexpr bool kFenceLate = kDsOrderKernel && (DUALKV_SM90_BWD128_DS_ORDER & 2) != 0;
       if constexpr (kHalves) {
         // In two halves of the step's query columns (C::kSoftmaxHalves): the first half's P^T under
         // the dP^T wgmma; then its dS^T, and dV and dK on that half issued before the second half's
@@ -721,6 +741,7 @@ bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
           else
             bwd_softcap_p_ds<T, BM / 2, Mods::kWindow>(sacc, dpacc, pf, dsf, lse_s, delta_s, a, t4, kv_row0, klen, k0,
                                                        qt, false, bias);
+          if constexpr (kDsEarly) store_ds(KK0{}, KKAll{});
         } else if constexpr (kExpSplit) {
           // FA3 / FA4's placement of the exponentials (2026-12-04, docs/notes/2026-12-04-bwd-ncu.md):
           // the first half's 16 under the dP^T wgmma, the second half's after its wait, in the same
@@ -731,6 +752,7 @@ bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
           softmax_p(KKHalf{}, KKAll{}, [&] {
             ds(KK0{}, KKAll{});
             pack(KK0{}, KKAll{});
+            if constexpr (kDsEarly) store_ds(KK0{}, KKAll{});  // in the branch: under the arithmetic
           });
         } else {
           softmax_p(KK0{}, KKAll{});
@@ -741,10 +763,11 @@ bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
         }
         issue_dv(KK0{}, KKAll{});
         if constexpr (kAtomicDq) {
-          store_ds(KK0{}, KKAll{});
-          bwd_fence_proxy_async();
+          if constexpr (!kDsEarly) store_ds(KK0{}, KKAll{});
+          if constexpr (!kFenceLate) bwd_fence_proxy_async();  // dS stores before the dQ wgmmas' reads
         }
         if constexpr (kDkIssued > 0) issue_dk(KK0{}, std::integral_constant<int, kDkIssued>{});
+        if constexpr (kFenceLate) bwd_fence_proxy_async();  // dS stores before the dQ wgmmas' reads
       }
 
       if constexpr (kAtomicDq) {
