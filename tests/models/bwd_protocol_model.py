@@ -11,10 +11,9 @@ barrier 1 (256 threads) syncs the two consumer warpgroups after their dS halves 
 A wgmma group reads its smem operands from its issue until the wgmma.wait_group that retires it.
 Consumer step (dQ-computing kernel; the order since 2026-12-02, FA3/FA4's): S^T, dP^T, wait_group 1,
 wait_group 0, dV, dS stored (or dS stored, then dV: the 128-row steps' kDvAfterDsStore since
-2026-12-03, D 128's DUALKV_SM90_BWD128_DS_ORDER bit 0; half the runs model it), the proxy fence,
-[dK's first k step: D 128, a group of its own; half the runs model it] (or the fence after it: D 128's
-bit 1; half the runs model it; the stores and the fence are separate events, the new dS is visible
-to the dQ wgmmas only after the fence), barrier 1, dQ, dK (the rest), wait_group 1 (dV, the dK head and dQ retired; checked before dQ is
+2026-12-03, D 128's kDsEarly since 2026-12-04; half the runs model it), the proxy fence (the stores
+and the fence are separate events: the new dS is visible to the dQ wgmmas only after the fence),
+[dK's first k step: D 128, a group of its own; half the runs model it], barrier 1, dQ, dK (the rest), wait_group 1 (dV, the dK head and dQ retired; checked before dQ is
 read), dQ staged (--bulk) or added while dK runs, wait_group 0, qdo_empty. Deterministic kernel:
 S^T, dP^T, waits, dV, dK, wait_group 0, qdo_empty.
 Checked, over random interleavings of random work (items with 1-6 query steps):
@@ -107,7 +106,7 @@ def wgmma_reads(me):
 
 
 def simulate(rng, steps_of, deterministic=False, mutant=None, bulk=False, d256=False, stagger=True, dk_head=False,
-             dv_after_ds=False, dq_stages=2, fence_late=False):
+             dv_after_ds=False, dq_stages=2):
     n_items = len(steps_of)
     stages = 2
     writer_on = bulk and not deterministic  # the deterministic kernel has no writer in a bulk build
@@ -245,16 +244,14 @@ def simulate(rng, steps_of, deterministic=False, mutant=None, bulk=False, d256=F
                       f"{me} stores dS {buf[cw].name} while read by {sorted(buf[cw].readers)}")
                 if rng.random() < 0.5:
                     yield "step"                                          # wgmmas between them
-                if mutant != "ds_fence_after_bar" and not fence_late:
-                    buf[cw].write((item, s), loaded=True)                 # fence.proxy.async
                 if dv_after_ds:                                           # dV after the dS stores
-                    groups.append({read(dO[st], (item, s))})              # (128-row steps; D 128 bit 0)
+                    groups.append({read(dO[st], (item, s))})              # (128-row steps; D 128)
+                    if rng.random() < 0.5:
+                        yield "step"
+                if mutant != "ds_fence_after_bar":
+                    buf[cw].write((item, s), loaded=True)                 # fence.proxy.async
                 if mutant == "dk_first" or dk_head:                       # dK's first k step (D 128),
                     groups.append({read(Q[st], (item, s))})               # or all of dK (the mutant)
-                if mutant != "ds_fence_after_bar" and fence_late:         # D 128 bit 1: the fence
-                    if rng.random() < 0.5:                                # after dK's first k step
-                        yield "step"
-                    buf[cw].write((item, s), loaded=True)                 # fence.proxy.async
                 yield "step"
                 if mutant != "no_ds_bar":
                     gen = ds_bar.generation
@@ -529,7 +526,7 @@ def run_many(runs, seed, deterministic, mutant, bulk=False, d256=False, stagger=
         n_items = rng.randint(1, 10)
         steps_of = [rng.choice([1, 1, 2, 3, rng.randint(1, 6)]) for _ in range(n_items)]
         simulate(rng, steps_of, deterministic, mutant, bulk, d256, stagger, dk_head=rng.random() < 0.5,
-                 dv_after_ds=rng.random() < 0.5, dq_stages=dq_stages, fence_late=rng.random() < 0.5)
+                 dv_after_ds=rng.random() < 0.5, dq_stages=dq_stages)
 
 
 def main():

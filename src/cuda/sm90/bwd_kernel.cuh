@@ -209,13 +209,6 @@ constexpr uint32_t kBwdQdoEmptyCount = kBwdConsumerWarps * kArrivalsPerWarp;
 constexpr bool kBwdRacecheckBarriers = kPerThreadRelease;
 constexpr uint32_t kBwdDsBarrier = 1;      // named barrier id (0 is __syncthreads)
 
-// D 128 dQ-computing kernel: where the dS stores and their proxy fence go (bits, see the consumer
-// step): 0 = stores and fence after the dV issue, before dK's first k step (main before
-// 2026-12-04); 1 = stores before dV (FA4's order); 2 = fence after dK's first k step; 3 = both.
-#ifndef DUALKV_SM90_BWD128_DS_ORDER
-#define DUALKV_SM90_BWD128_DS_ORDER 3
-#endif
-
 // P^T = exp2(S^T scale log2e - lse log2e) in place, masked (if mask) where the KV row is past klen
 // or after the query. Accumulator fragment of m64 (kv) x n(2N) (q): element 4j + e is row
 // kv_row0 + 8 (e >> 1), column 8j + 2 t4 + (e & 1). A constant mask (the softmax-overlap step calls
@@ -691,19 +684,16 @@ bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
       //   128-row steps, in halves: the first half's.
       constexpr int kDkHead = D == 128 ? 1 : 0;
       constexpr int kDkIssued = !kAtomicDq ? BM / 16 : kHalves ? BM / 32 : kDkHead;
-      // D 128 (64-row steps), the dQ-computing kernel: the place of the dS stores and of their proxy
-      // fence (DUALKV_SM90_BWD128_DS_ORDER, bits; docs/notes/2026-12-04-d128-bwd-ds-order.md):
-      //   bit 0 (kDsEarly, FA4's order): the 4 STSM of dS in the branch of dS^T's arithmetic, right
-      //     after its packing (ptxas may interleave them with it), before the dV issue; else after it.
-      //   bit 1 (kFenceLate): fence.proxy.async after dK's first k step is issued; else before it.
-      // Either way each thread's fence follows its own dS stores and precedes barrier 1, after which
-      // the dQ wgmmas of both warpgroups read dS through the async proxy; the wgmmas between the
-      // stores and the fence (dV, dK's first k step) read registers and Q / dO, never the dS buffer.
-      // Only the places of stores and fence move: the same wgmmas on the same accumulators in the
-      // same order, outputs bit for bit.
-      constexpr bool kDsOrderKernel = kAtomicDq && D == 128 && !kHalves && kDkIssued == 1;
-      constexpr bool kDsEarly = kDsOrderKernel && (DUALKV_SM90_BWD128_DS_ORDER & 1) != 0;
-      constexpr bool kFenceLate = kDsOrderKernel && (DUALKV_SM90_BWD128_DS_ORDER & 2) != 0;
+      // D 128 (64-row steps), the dQ-computing kernel (kDsEarly, FA4's order; 2026-12-04,
+      // docs/notes/2026-12-04-d128-bwd-ds-order.md: 0.957-0.995 of the backward kernel's time): the 4
+      // STSM of dS in the branch of dS^T's arithmetic, right after its packing (ptxas interleaves them
+      // with it), before the dV issue. The proxy fence stays after the dV issue: each thread's fence
+      // follows its own dS stores and precedes barrier 1, after which the dQ wgmmas of both
+      // warpgroups read dS through the async proxy; dV, issued between the stores and the fence,
+      // reads registers and dO, never the dS buffer. The same wgmmas on the same accumulators in the
+      // same order: outputs bit for bit. (The fence after dK's first k step as well measured
+      // 0.979-1.021, alone 0.991-1.010: not taken.)
+      constexpr bool kDsEarly = kAtomicDq && D == 128 && !kHalves && kDkIssued == 1;
       if constexpr (kHalves) {
         // In two halves of the step's query columns (C::kSoftmaxHalves): the first half's P^T under
         // the dP^T wgmma; then its dS^T, and dV and dK on that half issued before the second half's
@@ -764,10 +754,9 @@ bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
         issue_dv(KK0{}, KKAll{});
         if constexpr (kAtomicDq) {
           if constexpr (!kDsEarly) store_ds(KK0{}, KKAll{});
-          if constexpr (!kFenceLate) bwd_fence_proxy_async();  // dS stores before the dQ wgmmas' reads
+          bwd_fence_proxy_async();  // dS stores before the dQ wgmmas' reads
         }
         if constexpr (kDkIssued > 0) issue_dk(KK0{}, std::integral_constant<int, kDkIssued>{});
-        if constexpr (kFenceLate) bwd_fence_proxy_async();  // dS stores before the dQ wgmmas' reads
       }
 
       if constexpr (kAtomicDq) {
