@@ -11,8 +11,9 @@ barrier 1 (256 threads) syncs the two consumer warpgroups after their dS halves 
 A wgmma group reads its smem operands from its issue until the wgmma.wait_group that retires it.
 Consumer step (dQ-computing kernel; the order since 2026-12-02, FA3/FA4's): S^T, dP^T, wait_group 1,
 wait_group 0, dV, dS stored (or dS stored, then dV: the 128-row steps' kDvAfterDsStore since
-2026-12-03; half the runs model it), [dK's first k step: D 128, a group of its own; half the runs model it],
-barrier 1, dQ, dK (the rest), wait_group 1 (dV, the dK head and dQ retired; checked before dQ is
+2026-12-03, D 128's kDsEarly since 2026-12-04; half the runs model it), the proxy fence (the stores
+and the fence are separate events: the new dS is visible to the dQ wgmmas only after the fence),
+[dK's first k step: D 128, a group of its own; half the runs model it], barrier 1, dQ, dK (the rest), wait_group 1 (dV, the dK head and dQ retired; checked before dQ is
 read), dQ staged (--bulk) or added while dK runs, wait_group 0, qdo_empty. Deterministic kernel:
 S^T, dP^T, waits, dV, dK, wait_group 0, qdo_empty.
 Checked, over random interleavings of random work (items with 1-6 query steps):
@@ -41,7 +42,8 @@ Mutant dq_stage_parity (--wide only): the one buffer waited with the two-buffer 
   early_kv (kv_empty released before the item's last step), no_ds_bar (no named barrier before dQ),
   early_qdo (qdo_empty arrived before the dK / dQ wgmmas retire), dk_first (dK issued before dQ, as
   before 2026-12-02, with the new wait_group 1 before reading dQ), qdo_at_wait1 (qdo_empty arrived
-  at wait_group 1, while dK still reads Q); with --bulk also:
+  at wait_group 1, while dK still reads Q), ds_fence_after_bar (the dS proxy fence after barrier 1:
+  the other warpgroup's dQ may read the old dS); with --bulk also:
   dq_no_wait_read (dq_empty arrived right after the reduces' commit, before wait_group.read),
   dq_no_empty_wait (consumers store into the staging buffer without waiting dq_empty),
   dq_full4 (dq_full initialised to 4 arrivals: one warpgroup's), dq_missing_arrive (warpgroup 1
@@ -235,9 +237,19 @@ def simulate(rng, steps_of, deterministic=False, mutant=None, bulk=False, d256=F
                     continue
                 # dQ-computing kernel: dS stored, barrier, dQ issued before dK; wait_group 1 retires
                 # dV and dQ, the dQ staging runs under dK, wait_group 0, then qdo_empty.
-                buf[cw].write((item, s), loaded=True)                     # stmatrix + proxy fence
-                if dv_after_ds:                                           # 128-row steps: dV after
-                    groups.append({read(dO[st], (item, s))})              # the dS stores
+                # The dS stores (stmatrix, generic proxy) and the proxy fence are two events: the
+                # stores must not hit a half a dQ wgmma still reads (checked at the stores); the
+                # async proxy (the dQ wgmmas) sees the new version only after the fence.
+                check(not buf[cw].readers,
+                      f"{me} stores dS {buf[cw].name} while read by {sorted(buf[cw].readers)}")
+                if rng.random() < 0.5:
+                    yield "step"                                          # wgmmas between them
+                if dv_after_ds:                                           # dV after the dS stores
+                    groups.append({read(dO[st], (item, s))})              # (128-row steps; D 128)
+                    if rng.random() < 0.5:
+                        yield "step"
+                if mutant != "ds_fence_after_bar":
+                    buf[cw].write((item, s), loaded=True)                 # fence.proxy.async
                 if mutant == "dk_first" or dk_head:                       # dK's first k step (D 128),
                     groups.append({read(Q[st], (item, s))})               # or all of dK (the mutant)
                 yield "step"
@@ -245,6 +257,9 @@ def simulate(rng, steps_of, deterministic=False, mutant=None, bulk=False, d256=F
                     gen = ds_bar.generation
                     ds_bar.arrive(me)
                     yield from wait(lambda: ds_bar.generation > gen)
+                if mutant == "ds_fence_after_bar":                        # the bug: fence after the
+                    yield "step"                                          # barrier, the other
+                    buf[cw].write((item, s), loaded=True)                 # warpgroup may read first
                 dq_group = {read(buf[0], (item, s)), read(buf[1], (item, s)), read(K, item)}
                 groups.append(dq_group)                                   # dQ = dS K
                 if mutant != "dk_first":
@@ -524,7 +539,7 @@ def main():
                                          "item_empty8", "p_no_bar", "det_no_end_bar", "p_arrive_early",
                                          "d256_early_qdo", "d256_no_ds_bar", "d256_consumer_release",
                                          "d256_qdo_empty8", "d256_stage_no_bar", "dk_first", "qdo_at_wait1",
-                                         "dq_stage_parity"])
+                                         "dq_stage_parity", "ds_fence_after_bar"])
     ap.add_argument("--wide", action="store_true",
                     help="the 128-row-step kernel (D 64 without softcap): one dQ staging buffer")
     ap.add_argument("--d256", action="store_true", help="the head-dim-256 kernel (src/cuda/sm90/bwd_kernel_d256.cuh)")

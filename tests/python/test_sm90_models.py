@@ -76,10 +76,11 @@ def test_backward_protocol(flags):
 
 
 BWD_MUTANTS = [
-    ([], m) for m in ("single_ds", "count32", "early_kv", "no_ds_bar", "early_qdo", "dk_first", "qdo_at_wait1")
+    ([], m) for m in ("single_ds", "count32", "early_kv", "no_ds_bar", "early_qdo", "dk_first", "qdo_at_wait1",
+                      "ds_fence_after_bar")
 ] + [
     (["--bulk"], m) for m in ("single_ds", "early_qdo", "dq_no_wait_read", "dq_no_empty_wait", "dq_full4",
-                              "dq_missing_arrive", "item_empty8", "dk_first", "qdo_at_wait1")
+                              "dq_missing_arrive", "item_empty8", "dk_first", "qdo_at_wait1", "ds_fence_after_bar")
 ] + [
     (["--bulk", "--wide"], m) for m in ("dq_stage_parity", "dq_no_wait_read", "dq_no_empty_wait", "dq_full4",
                                         "dq_missing_arrive", "single_ds", "qdo_at_wait1")

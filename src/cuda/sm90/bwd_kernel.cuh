@@ -684,6 +684,16 @@ bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
       //   128-row steps, in halves: the first half's.
       constexpr int kDkHead = D == 128 ? 1 : 0;
       constexpr int kDkIssued = !kAtomicDq ? BM / 16 : kHalves ? BM / 32 : kDkHead;
+      // D 128 (64-row steps), the dQ-computing kernel (kDsEarly, FA4's order; 2026-12-04,
+      // docs/notes/2026-12-04-d128-bwd-ds-order.md: 0.957-0.995 of the backward kernel's time): the 4
+      // STSM of dS in the branch of dS^T's arithmetic, right after its packing (ptxas interleaves them
+      // with it), before the dV issue. The proxy fence stays after the dV issue: each thread's fence
+      // follows its own dS stores and precedes barrier 1, after which the dQ wgmmas of both
+      // warpgroups read dS through the async proxy; dV, issued between the stores and the fence,
+      // reads registers and dO, never the dS buffer. The same wgmmas on the same accumulators in the
+      // same order: outputs bit for bit. (The fence after dK's first k step as well measured
+      // 0.979-1.021, alone 0.991-1.010: not taken.)
+      constexpr bool kDsEarly = kAtomicDq && D == 128 && !kHalves && kDkIssued == 1;
       if constexpr (kHalves) {
         // In two halves of the step's query columns (C::kSoftmaxHalves): the first half's P^T under
         // the dP^T wgmma; then its dS^T, and dV and dK on that half issued before the second half's
@@ -721,6 +731,7 @@ bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
           else
             bwd_softcap_p_ds<T, BM / 2, Mods::kWindow>(sacc, dpacc, pf, dsf, lse_s, delta_s, a, t4, kv_row0, klen, k0,
                                                        qt, false, bias);
+          if constexpr (kDsEarly) store_ds(KK0{}, KKAll{});
         } else if constexpr (kExpSplit) {
           // FA3 / FA4's placement of the exponentials (2026-12-04, docs/notes/2026-12-04-bwd-ncu.md):
           // the first half's 16 under the dP^T wgmma, the second half's after its wait, in the same
@@ -731,6 +742,7 @@ bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
           softmax_p(KKHalf{}, KKAll{}, [&] {
             ds(KK0{}, KKAll{});
             pack(KK0{}, KKAll{});
+            if constexpr (kDsEarly) store_ds(KK0{}, KKAll{});  // in the branch: under the arithmetic
           });
         } else {
           softmax_p(KK0{}, KKAll{});
@@ -741,8 +753,8 @@ bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
         }
         issue_dv(KK0{}, KKAll{});
         if constexpr (kAtomicDq) {
-          store_ds(KK0{}, KKAll{});
-          bwd_fence_proxy_async();
+          if constexpr (!kDsEarly) store_ds(KK0{}, KKAll{});
+          bwd_fence_proxy_async();  // dS stores before the dQ wgmmas' reads
         }
         if constexpr (kDkIssued > 0) issue_dk(KK0{}, std::integral_constant<int, kDkIssued>{});
       }
