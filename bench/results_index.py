@@ -295,6 +295,9 @@ BENCHMARKS = {
     "trainer_budget_e2e_8b_p16k": "the same at the Qwen3-8B shape, P <= 16K, budget 24,576 (a prompt and a response "
                                   "must fit: every group split in two), dualkv once against Flex-FA4 split (issue 23, "
                                   "session 29; BUDGET_PROMPTS=16384 BUDGET_TOKENS=24576)",
+    "attention_rates_d128": "bench/attention.py --configs 8,16384,2048;16,8192,2048;8,8192,4096 --no-varlen --methods "
+                            "dualkv --rounds 5, D 128: issue 23's rate bar on long GRPO layouts (P >= 8K, N >= 8) with "
+                            "main's kernels after the early dS stores (session 31, library of 47bba37)",
     "never_lose_d64": "bench/attention.py --head-dim 64 --classes long_responses,tiny_responses --methods "
                       "dualkv,fa4_dense, ONE library per process (main's D-64 / D-128 kernels of 1b19fae, after "
                       "session 30's K ahead and the D-128 backward's exponential split), 9 rounds: issue 23's "
