@@ -285,6 +285,41 @@ def test_some_groups_split_with_whole_groups_after_the_phases(monkeypatch):
         assert float((g_packed[name] - g).norm()) <= 1e-5 * float(g.norm()), name
 
 
+def test_untied_head_in_its_own_fsdp2_unit():
+    """veRL's apply_fsdp2 wraps lm_head as a unit of its own when the embeddings are untied (Qwen3-8B):
+    the plug-in's log-probs run inside the head's own forward call, so that unit's hooks gather its
+    weight and reduce its gradient (reading the weight outside it gave the sharded DTensor, and torch
+    2.11's final backward callback then failed on the unit that never ran). Update and log-probs equal
+    the stock engine's, split groups included."""
+    from verl.utils.fsdp_utils import MixedPrecisionPolicy, apply_fsdp2
+    from torch.distributed.device_mesh import init_device_mesh
+    engine = make_engine("dualkv")
+    assert not engine.module.config.tie_word_embeddings
+    engine.module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    mp = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32, cast_forward_inputs=True)
+    apply_fsdp2(engine.module, {"mesh": init_device_mesh("cpu", (1,)), "mp_policy": mp, "offload_policy": None,
+                                "reshard_after_forward": True}, engine.engine_config)
+    head = engine.module.lm_head
+    assert type(head).__name__.startswith("FSDP")  # a unit of its own
+    calls = []
+    head.register_forward_pre_hook(lambda *a: calls.append(1))
+    proto = rollout_batch(groups=4, seed=3)
+    stock, g_stock, _ = run(make_engine("sdpa"), proto, max_tokens=64, mode="train")
+    packed, g_packed, _ = run(engine, proto, max_tokens=SPLIT_BUDGET, mode="train")
+    assert calls, "the LM head's own forward (its FSDP2 gather) never ran"
+    assert sum(packed["loss"]) == pytest.approx(sum(stock["loss"]), rel=1e-5)
+    for name, g in g_stock.items():
+        got = g_packed[name]
+        got = got.full_tensor() if hasattr(got, "full_tensor") else got
+        assert float((got - g).norm()) <= 1e-5 * float(g.norm()), name
+    stock, _, td = run(make_engine("sdpa"), proto, max_tokens=64, mode="infer")
+    packed, _, _ = run(engine, proto, max_tokens=SPLIT_BUDGET, mode="infer")
+    mask = proto.batch["response_mask"].bool()
+    a = no_padding_2_padding(stock["model_output"]["log_probs"], td)
+    b = no_padding_2_padding(packed["model_output"]["log_probs"], td)
+    torch.testing.assert_close(b[mask], a[mask], rtol=0, atol=1e-5)
+
+
 def test_prompt_once_options():
     options = dkv.PromptOnceOptions.from_env
     assert options("") == options("1") == dkv.PromptOnceOptions()

@@ -27,11 +27,6 @@ from ..logprobs import response_logprobs
 from ..packing import PackedBatch
 from . import transformers as dkt
 
-try:  # FSDP2 keeps parameters that are not unsharded by a hook as DTensors
-    from torch.distributed.tensor import DTensor
-except ImportError:  # pragma: no cover - torch without torch.distributed.tensor
-    DTensor = ()
-
 __all__ = ["PACKED_KWARG", "PackedLogprobs", "check_servable", "forward_kwargs", "install"]
 
 #: forward keyword carrying the :class:`dualkv.PackedBatch`
@@ -158,13 +153,14 @@ def _packed_logprobs(model, packed: PackedBatch, temperature: float, entropy: bo
                             "own (pass **forward_kwargs(packed))")
     out = model.base_model(**kwargs)
     hidden = out.last_hidden_state
-    weight = model.get_output_embeddings().weight
-    if isinstance(weight, DTensor):  # not unsharded by a root hook (e.g. a head outside the root group)
-        weight = weight.full_tensor()
-    # autocast off: the LM head's GEMMs run in the dtypes of hidden and weight (the fp32 master
-    # weight under mixed precision) rather than in the autocast dtype response_logprobs would take.
-    with torch.autocast(hidden.device.type, enabled=False):
-        result = response_logprobs(hidden, weight, packed, temperature=temperature, entropy=entropy)
+
+    def head(weight):
+        # autocast off: the LM head's GEMMs run in the dtypes of hidden and weight (FSDP2's gathered
+        # weight: its param dtype under mixed precision) rather than in the autocast dtype.
+        with torch.autocast(hidden.device.type, enabled=False):
+            return response_logprobs(hidden, weight, packed, temperature=temperature, entropy=entropy)
+
+    result = dkt.call_with_head_weight(model, head)  # the head's own FSDP2 unit gathers it (untied heads)
     logp, ent = result if entropy else (result, None)
     # response_logprobs returns new tensors, not views, so FSDP2 can hook them for its pre-backward gather
     return PackedLogprobs(log_probs=logp, entropy=ent)

@@ -595,6 +595,19 @@ def _call_as_forward(model, fn, **kwargs):
             model.forward = own
 
 
+def call_with_head_weight(model, fn):
+    """``fn(weight)`` inside the LM head's own forward call, with the head's weight as that call sees it.
+
+    Under FSDP2 a head wrapped as a unit of its own (veRL's ``apply_fsdp2`` wraps ``lm_head`` apart
+    when the embeddings are untied: Qwen3-8B) is gathered only by its own forward's hooks, which also
+    gather it again for the backward and reduce-scatter its gradient; ``fn``'s outputs get those
+    hooks as a ``Linear``'s output would. Reading the weight outside that call gives the sharded
+    DTensor instead (torch 2.11 then fails in FSDP's final backward callback: the unit never ran).
+    A head in the root's group (tied embeddings) or without FSDP: the call adds nothing."""
+    head = model.get_output_embeddings()
+    return _call_as_forward(head, lambda: fn(head.weight))
+
+
 def packed_logprobs(model, packed, temperature: float = 1.0, entropy: bool = False,
                     chunk_size: Optional[int] = None, grad_scale: float = 1.0, **forward_kwargs):
     """Response log-probs ``[B, R_max]`` (fp32; and entropy if asked) of a packed batch in one call:
@@ -627,13 +640,15 @@ def packed_logprobs(model, packed, temperature: float = 1.0, entropy: bool = Fal
                                "response_logprobs; use response_logprobs_from_logits on model(...).logits")
     base = model.get_decoder() if hasattr(model, "get_decoder") else model.base_model
 
-    def forward(**kwargs):
-        hidden = base(**kwargs).last_hidden_state
-        weight = model.get_output_embeddings().weight  # read here: the gathered one under FSDP2
+    def head(hidden, weight):
         if isinstance(packed, SequenceShard):
             return _dist.response_logprobs(hidden, weight, packed, temperature=temperature, entropy=entropy,
                                            chunk_size=chunk_size, grad_scale=grad_scale)
         return response_logprobs(hidden, weight, packed, temperature=temperature, entropy=entropy,
                                  chunk_size=chunk_size)
+
+    def forward(**kwargs):
+        hidden = base(**kwargs).last_hidden_state
+        return call_with_head_weight(model, lambda weight: head(hidden, weight))  # gathered under FSDP2
 
     return _call_as_forward(model, forward, **model_inputs(packed), **forward_kwargs)
