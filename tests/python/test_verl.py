@@ -285,6 +285,16 @@ def test_some_groups_split_with_whole_groups_after_the_phases(monkeypatch):
         assert float((g_packed[name] - g).norm()) <= 1e-5 * float(g.norm()), name
 
 
+def assert_log_probs_match_stock(engine, proto):
+    """The forward-only log-probs of ``engine`` (split budget) equal the stock engine's on ``proto``."""
+    stock, _, td = run(make_engine("sdpa"), proto, max_tokens=64, mode="infer")
+    packed, _, _ = run(engine, proto, max_tokens=SPLIT_BUDGET, mode="infer")
+    mask = proto.batch["response_mask"].bool()
+    a = no_padding_2_padding(stock["model_output"]["log_probs"], td)
+    b = no_padding_2_padding(packed["model_output"]["log_probs"], td)
+    torch.testing.assert_close(b[mask], a[mask], rtol=0, atol=1e-5)
+
+
 def test_untied_head_in_its_own_fsdp2_unit():
     """veRL's apply_fsdp2 wraps lm_head as a unit of its own when the embeddings are untied (Qwen3-8B):
     the plug-in's log-probs run inside the head's own forward call, so that unit's hooks gather its
@@ -312,12 +322,7 @@ def test_untied_head_in_its_own_fsdp2_unit():
         got = g_packed[name]
         got = got.full_tensor() if hasattr(got, "full_tensor") else got
         assert float((got - g).norm()) <= 1e-5 * float(g.norm()), name
-    stock, _, td = run(make_engine("sdpa"), proto, max_tokens=64, mode="infer")
-    packed, _, _ = run(engine, proto, max_tokens=SPLIT_BUDGET, mode="infer")
-    mask = proto.batch["response_mask"].bool()
-    a = no_padding_2_padding(stock["model_output"]["log_probs"], td)
-    b = no_padding_2_padding(packed["model_output"]["log_probs"], td)
-    torch.testing.assert_close(b[mask], a[mask], rtol=0, atol=1e-5)
+    assert_log_probs_match_stock(engine, proto)
 
 
 def test_prompt_once_options():
@@ -402,12 +407,7 @@ def _two_rank_case(rank, world):
         for name, g in g_stock.items():
             got = g_packed[name].full_tensor()
             assert float((got - g).norm()) <= 1e-5 * float(g.norm()), f"rank 1 seed {seed}: {name}"
-        stock, _, td = run(make_engine("sdpa"), proto, max_tokens=64, mode="infer")
-        packed, _, _ = run(engine, proto, max_tokens=SPLIT_BUDGET, mode="infer")
-        mask = proto.batch["response_mask"].bool()
-        a = no_padding_2_padding(stock["model_output"]["log_probs"], td)
-        b = no_padding_2_padding(packed["model_output"]["log_probs"], td)
-        torch.testing.assert_close(b[mask], a[mask], rtol=0, atol=1e-5)
+        assert_log_probs_match_stock(engine, proto)
     # a bad batch on rank 1 only (its uid "b" spans two prompts): both ranks raise, neither waits in a
     # collective for the other (the deadline would kill them)
     bad = rollout_batch(groups=4, seed=3) if rank == 0 else rollout_batch(uids=["a"] * N + ["b"] * (2 * N))
