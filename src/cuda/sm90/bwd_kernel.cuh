@@ -685,9 +685,9 @@ bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
       constexpr int kDkHead = D == 128 ? 1 : 0;
       constexpr int kDkIssued = !kAtomicDq ? BM / 16 : kHalves ? BM / 32 : kDkHead;
       // D 128 (64-row steps), the dQ-computing kernel (kDsEarly, FA4's order; 2026-12-04,
-      // docs/notes/2026-12-04-d128-bwd-ds-order.md: 0.957-0.995 of the backward kernel's time): the 4
-      // STSM of dS in the branch of dS^T's arithmetic, right after its packing (ptxas interleaves them
-      // with it), before the dV issue. The proxy fence stays after the dV issue: each thread's fence
+      // docs/notes/2026-12-04-d128-bwd-ds-order.md: 0.96-1.00 of the backward kernel's time over two
+      // runs, 0.98-0.99 on long layouts): the 4 STSM of dS in the branch of dS^T's arithmetic, right
+      // after its packing (ptxas interleaves them with it), before the dV issue. The proxy fence stays after the dV issue: each thread's fence
       // follows its own dS stores and precedes barrier 1, after which the dQ wgmmas of both
       // warpgroups read dS through the async proxy; dV, issued between the stores and the fence,
       // reads registers and dO, never the dS buffer. The same wgmmas on the same accumulators in the
