@@ -295,24 +295,45 @@ def assert_log_probs_match_stock(engine, proto):
     torch.testing.assert_close(b[mask], a[mask], rtol=0, atol=1e-5)
 
 
+def _veRL_fsdp2_engine(param_dtype):
+    """The dualkv engine around the tiny model (untied embeddings) sharded by veRL's own apply_fsdp2
+    (world of one): the decoder layers, embed_tokens and lm_head each a unit of their own, then the root."""
+    from verl.utils.fsdp_utils import MixedPrecisionPolicy, apply_fsdp2
+    from torch.distributed.device_mesh import init_device_mesh
+    engine = make_engine("dualkv")
+    assert not engine.module.config.tie_word_embeddings
+    engine.module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=True)
+    apply_fsdp2(engine.module, {"mesh": init_device_mesh("cpu", (1,)), "mp_policy": mp, "offload_policy": None,
+                                "reshard_after_forward": True}, engine.engine_config)
+    assert type(engine.module.lm_head).__name__.startswith("FSDP")  # a unit of its own
+    return engine
+
+
+def test_untied_head_in_its_own_fsdp2_unit_bf16():
+    """The H200 failure (session 31, torch 2.11): with bf16 parameters and fp32 gradient reduction,
+    FSDP's final backward callback reads every unit's gathered parameter, and the head's unit had never
+    gathered ('FSDPParam' object has no attribute '_unsharded_param'; torch 2.15 skips that unit, so
+    the hook count is what fails there). A split-group update runs, through the head's own forward."""
+    engine = _veRL_fsdp2_engine(torch.bfloat16)
+    engine._autocast_dtype = torch.bfloat16
+    calls = []
+    engine.module.lm_head.register_forward_pre_hook(lambda *a: calls.append(1))
+    packed, grads, _ = run(engine, rollout_batch(groups=4, seed=3), max_tokens=SPLIT_BUDGET, mode="train")
+    assert calls and all(torch.isfinite(torch.as_tensor(x)) for x in packed["loss"])
+    g = grads["lm_head.weight"]
+    assert float((g.full_tensor() if hasattr(g, "full_tensor") else g).norm()) > 0
+
+
 def test_untied_head_in_its_own_fsdp2_unit():
     """veRL's apply_fsdp2 wraps lm_head as a unit of its own when the embeddings are untied (Qwen3-8B):
     the plug-in's log-probs run inside the head's own forward call, so that unit's hooks gather its
     weight and reduce its gradient (reading the weight outside it gave the sharded DTensor, and torch
     2.11's final backward callback then failed on the unit that never ran). Update and log-probs equal
     the stock engine's, split groups included."""
-    from verl.utils.fsdp_utils import MixedPrecisionPolicy, apply_fsdp2
-    from torch.distributed.device_mesh import init_device_mesh
-    engine = make_engine("dualkv")
-    assert not engine.module.config.tie_word_embeddings
-    engine.module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    mp = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32, cast_forward_inputs=True)
-    apply_fsdp2(engine.module, {"mesh": init_device_mesh("cpu", (1,)), "mp_policy": mp, "offload_policy": None,
-                                "reshard_after_forward": True}, engine.engine_config)
-    head = engine.module.lm_head
-    assert type(head).__name__.startswith("FSDP")  # a unit of its own
+    engine = _veRL_fsdp2_engine(torch.float32)
     calls = []
-    head.register_forward_pre_hook(lambda *a: calls.append(1))
+    engine.module.lm_head.register_forward_pre_hook(lambda *a: calls.append(1))
     proto = rollout_batch(groups=4, seed=3)
     stock, g_stock, _ = run(make_engine("sdpa"), proto, max_tokens=64, mode="train")
     packed, g_packed, _ = run(engine, proto, max_tokens=SPLIT_BUDGET, mode="train")
