@@ -1476,6 +1476,12 @@ def summary(results, models=None):
     return "\n".join(lines)
 
 
+def int_range(text: str):
+    """``LO,HI`` (or ``N`` for N,N) as an argparse type: a length range of the trainer benches."""
+    lo, _, hi = text.partition(",")
+    return int(lo), int(hi or lo)
+
+
 def parse_configs(text):
     out = []
     for part in text.split(";"):

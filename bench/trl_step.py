@@ -43,7 +43,7 @@ sys.path.insert(0, str(HERE.parent / "examples"))
 
 import logprob_noise  # noqa: E402  (exact fp32 truth, row by row)
 import provenance  # noqa: E402
-from e2e import environment  # noqa: E402
+from e2e import environment, int_range  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 from trl.trainer.utils import shuffle_sequence_dict, split_tensor_dict  # noqa: E402
 from trl_grpo import length_reward, random_prompts, synthetic_rollout, word_tokenizer  # noqa: E402
@@ -53,11 +53,6 @@ from dualkv.demo import qwen3_config  # noqa: E402
 from dualkv.integrations.trl import DualKVGRPOConfig, DualKVGRPOTrainer, group_slices  # noqa: E402
 
 
-def _range(text: str):
-    lo, _, hi = text.partition(",")
-    return int(lo), int(hi or lo)
-
-
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="1.7b", help="dualkv.demo size (tiny, 0.6b, 1.7b, 4b, 8b)")
@@ -65,8 +60,8 @@ def parse_args(argv=None):
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     p.add_argument("--groups", type=int, default=8)
     p.add_argument("-N", dest="n", type=int, default=16)
-    p.add_argument("--prompt-len", type=_range, default=(2048, 8192))
-    p.add_argument("--completion-len", type=_range, default=(512, 2048))
+    p.add_argument("--prompt-len", type=int_range, default=(2048, 8192))
+    p.add_argument("--completion-len", type=int_range, default=(512, 2048))
     p.add_argument("--slices", type=int, default=8, help="gradient-accumulation slices (steps_per_generation)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--parts", default="timing,accuracy",

@@ -86,7 +86,7 @@ sys.path.insert(0, str(HERE.parent / "python"))
 
 import logprob_noise  # noqa: E402  (exact fp32 truth, row by row)
 import provenance  # noqa: E402
-from e2e import environment  # noqa: E402
+from e2e import environment, int_range  # noqa: E402
 
 from dualkv.demo import _Timer as Clock  # noqa: E402  (CUDA events on a GPU, wall clock otherwise)
 from dualkv.demo import qwen3_config  # noqa: E402
@@ -101,11 +101,6 @@ PROMPT_ONCE = {"once": None, "copies": "0", "stock": None, "stock_fa4": None}
 FA4_VARLEN_IMPL = "dualkv_bench_fa4_varlen"
 
 
-def _range(text: str):
-    lo, _, hi = text.partition(",")
-    return int(lo), int(hi or lo)
-
-
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="1.7b", help="dualkv.demo size (tiny, small, 0.6b, 1.7b, 4b, 8b)")
@@ -114,8 +109,8 @@ def parse_args(argv=None):
                    help="compute dtype (bf16: fp32 parameters, bf16 compute, as veRL's actor)")
     p.add_argument("--groups", type=int, default=4)
     p.add_argument("-N", dest="n", type=int, default=16)
-    p.add_argument("--prompt-len", type=_range, default=(2048, 8192))
-    p.add_argument("--response-len", type=_range, default=(512, 2048))
+    p.add_argument("--prompt-len", type=int_range, default=(2048, 8192))
+    p.add_argument("--response-len", type=int_range, default=(512, 2048))
     p.add_argument("--max-tokens", type=int, default=16384,
                    help="ppo_max_token_len_per_gpu (veRL's default 16384): packed tokens per micro-batch for dualkv, "
                         "unpadded tokens for the stock engine")
