@@ -21,11 +21,14 @@ SMOKE = ["--device", "cpu", "--model", "tiny", "--groups", "3", "-N", "4", "--pr
          "--response-len", "4,12", "--max-tokens", "48", "--dtype", "fp32", "--rounds", "1", "--seed", "0"]
 
 
-def _run(tmp_path, *extra):
+def _run(tmp_path, *extra, ranks=1):
+    """The smoke run in a process of its own (under torchrun with ``ranks`` > 1): (JSON, stdout)."""
     out = tmp_path / "verl_step_tiny.json"
     env = {k: v for k, v in os.environ.items() if k != "DUALKV_VERL_PROMPT_ONCE"}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT / "python"), env.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "verl_step.py"), *SMOKE, *extra, "--out", str(out)],
+    launch = [sys.executable] + (["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks)]
+                                 if ranks > 1 else [])
+    proc = subprocess.run([*launch, str(ROOT / "bench" / "verl_step.py"), *SMOKE, *extra, "--out", str(out)],
                           capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(out.read_text()), proc.stdout
@@ -71,14 +74,7 @@ def test_verl_step_bench_runs_on_two_ranks(tmp_path):
     """Under torchrun (gloo, world 2) the ranks are veRL's data-parallel workers: each its contiguous share of
     the shuffled rows, FSDP2 over both; tokens summed over the ranks (the stock engines': every unpadded row
     once), rank 0 writes the JSON and checks the log-probs of its first row's group."""
-    out = tmp_path / "verl_step_tiny.json"
-    env = {k: v for k, v in os.environ.items() if k != "DUALKV_VERL_PROMPT_ONCE"}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT / "python"), env.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           str(ROOT / "bench" / "verl_step.py"), *SMOKE, "--methods", "once,copies,stock_fa4",
-                           "--out", str(out)], capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    data = json.loads(out.read_text())
+    data, stdout = _run(tmp_path, "--methods", "once,copies,stock_fa4", ranks=2)
     assert data["complete"] is True and data["verdict"]["methods_ok"] is True
     assert "world size 2" in data["protocol"]["engine"]
     tokens, passes = data["tokens"], data["passes"]
@@ -89,7 +85,7 @@ def test_verl_step_bench_runs_on_two_ranks(tmp_path):
     assert once["update_micro_batches"] <= copies["update_micro_batches"] <= stock["update_micro_batches"]
     err = data["logprob_error"]
     assert 1 <= err["rows"] <= 4 and all(err[m]["max"] < 1e-4 for m in ("once", "copies", "stock_fa4"))
-    assert proc.stdout.count("tokens {") == 1  # rank 0 prints, rank 1 is silent
+    assert stdout.count("tokens {") == 1  # rank 0 prints, rank 1 is silent
 
 
 def test_rank_share_is_veRLs_dispatch():
