@@ -256,7 +256,7 @@ def make_engine(v, model, attn, compute_dtype, device):
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     config = v.FSDPEngineConfig(strategy="fsdp2", use_torch_compile=False)
-    mesh = init_device_mesh(device.type, (args_world(),), mesh_dim_names=("fsdp",))
+    mesh = init_device_mesh(device.type, (world_size(),), mesh_dim_names=("fsdp",))
     mp = v.MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32, cast_forward_inputs=True)
     v.apply_fsdp2(model, {"mesh": mesh, "mp_policy": mp, "offload_policy": None, "reshard_after_forward": True}, config)
     engine = v.impl.FSDPEngineWithLMHead.__new__(v.impl.FSDPEngineWithLMHead)
@@ -411,7 +411,7 @@ def response_logprobs(v, out, td, rows):
 # main
 # ------------------------------------------------------------------------------------------------
 
-def args_world() -> int:
+def world_size() -> int:
     """The data-parallel world: torchrun's WORLD_SIZE, 1 without it."""
     return int(os.environ.get("WORLD_SIZE", "1"))
 
@@ -431,7 +431,7 @@ def init_process_group(device, tmp):
         torch.cuda.set_device(device)
     kw = {"device_id": device} if device.type == "cuda" else {}
     backend = "nccl" if device.type == "cuda" else "gloo"
-    if args_world() > 1:
+    if world_size() > 1:
         dist.init_process_group(backend, **kw)
     else:
         dist.init_process_group(backend, init_method=f"file://{tmp}/pg_store", rank=0, world_size=1, **kw)
@@ -468,7 +468,7 @@ def out_path(args) -> pathlib.Path:
 def main(argv=None) -> int:
     args = parse_args(argv)
     device = run_device(args)
-    rank, world = int(os.environ.get("RANK", "0")), args_world()
+    rank, world = int(os.environ.get("RANK", "0")), world_size()
     if rank:  # rank 0 prints (the other ranks' errors still reach stderr)
         sys.stdout = open(os.devnull, "w")
     tree = provenance.measured_state(device, args.allow_dirty)
@@ -503,8 +503,7 @@ def main(argv=None) -> int:
                            if device.type == "cuda" else "veRL's remove-padding path on per-sequence sdpa "
                                                          "(the CPU stand-in of FA4 varlen)"}}
     report["tokens"] = token_counts(prompts, responses, args.max_tokens)
-    if rank == 0:
-        print(f"tokens {report['tokens']}", flush=True)
+    print(f"tokens {report['tokens']}", flush=True)
     keep = (lambda rep: save(rep, args)) if rank == 0 else (lambda rep: None)  # rank 0 writes
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -562,7 +561,7 @@ def build_engines(v, args, base, cfg, compute_dtype, device):
 def _failed(rec, m, exc, device):
     """A method that raised (out of memory, a refusal): recorded, left out of the later rounds. With
     several ranks the run ends instead (the other ranks would wait in a collective)."""
-    if args_world() > 1:
+    if world_size() > 1:
         raise exc
     rec[m].update(status="error", error=f"{type(exc).__name__}: {exc}"[:2000])
     print(f"{m}: FAILED\n{traceback.format_exc()}", flush=True)
