@@ -61,6 +61,10 @@ BENCHMARKS = {
                       "dualkv plug-in with prompt once and with prompt copies against veRL's stock remove-padding "
                       "path on FA4 varlen (stock log-probs chunked: no flash-attn on the image), 3 rounds (issues 24 / "
                       "19's one-GPU dry run, session 31; steps verl-stage, wheels verl-step); .log: its output",
+    "verl_step_8b": "bench/verl_step.py --model 8b --groups 1 -N 32 --methods once,copies,stock_fa4: one veRL 0.9.1 "
+                    "policy update (FSDP2 engine, world size 1) of a Qwen3-8B shape (untied head), P 4K-6K, R 1K-2K, "
+                    "budget 16,384, 2 rounds, no accuracy pass (issue 24's world-of-one dry run after the untied-head "
+                    "fix, session 32; steps verl-stage, fa4-stage, fa4-install wheels verl-step); .log: its output",
     "trl_step_1.7b": "bench/trl_step.py, one TRL GRPO update stock vs DualKVGRPOTrainer, 1.7B (issue 20; "
                      "step trl-step); .g8_cut.log: the G8 run, cut at its cap after both updates",
     "trl_step_1.7b_g8_accuracy": "bench/trl_step.py --parts accuracy, the G8 x N16 step's log-probs (first group) "
