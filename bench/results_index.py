@@ -303,10 +303,10 @@ BENCHMARKS = {
                             "dualkv --rounds 5, D 128: issue 23's rate bar on long GRPO layouts (P >= 8K, N >= 8) with "
                             "main's kernels after the early dS stores (session 31, library of 47bba37)",
     "never_lose_d64": "bench/attention.py --head-dim 64 --classes long_responses,tiny_responses --methods "
-                      "dualkv,fa4_dense, ONE library per process (main's D-64 / D-128 kernels of 1b19fae, after "
-                      "session 30's K ahead and the D-128 backward's exponential split), 9 rounds: issue 23's "
-                      "never-lose bar on long responses (session 31; step bench-classes, CLASSES_ROUNDS=9)",
-    "never_lose_d128": "the same at head dim 128, the same library (session 31)",
+                      "dualkv,fa4_dense, ONE library per process (main's D-64 / D-128 kernels, the c606169 build, "
+                      "after the D-128 backward's early dS stores), 9 rounds: issue 23's never-lose bar on long "
+                      "responses (session 32; step bench-classes, CLASSES_ROUNDS=9)",
+    "never_lose_d128": "the same at head dim 128, the same library (session 32)",
     "never_lose_d256": "the same at head dim 256 (main's kernels, a12840b's build; session 29); .ncu_stalls_fwd.txt: "
                        "Nsight Compute SourceCounters + WarpStateStats of both forward kernels on long responses "
                        "(dualkv against FA4 dense), summarised per instruction (step ncu-stalls, NCU_KERNEL="
