@@ -301,11 +301,16 @@ BENCHMARKS = {
                                   "session 29; BUDGET_PROMPTS=16384 BUDGET_TOKENS=24576)",
     "attention_rates_d128": "bench/attention.py --configs 8,16384,2048;16,8192,2048;8,8192,4096 --no-varlen --methods "
                             "dualkv --rounds 5, D 128: issue 23's rate bar on long GRPO layouts (P >= 8K, N >= 8) with "
-                            "main's kernels after the early dS stores (session 31, library of 47bba37)",
+                            "main's kernels after the early dS stores (session 31, library of 47bba37); .ncu_stalls_fwd.txt: the "
+                            "forward kernels' stalls per instruction on N8 P16K R2K, dualkv packed against FA4 dense "
+                            "unpacked (step ncu-stalls, NCU_DIM=128 NCU_CASE=8,16384,2048; session 32)",
     "never_lose_d64": "bench/attention.py --head-dim 64 --classes long_responses,tiny_responses --methods "
                       "dualkv,fa4_dense, ONE library per process (main's D-64 / D-128 kernels, the c606169 build, "
                       "after the D-128 backward's early dS stores), 9 rounds: issue 23's never-lose bar on long "
-                      "responses (session 32; step bench-classes, CLASSES_ROUNDS=9)",
+                      "responses (session 32; step bench-classes, CLASSES_ROUNDS=9); .ncu_stalls_fwd.txt: Nsight Compute "
+                      "SourceCounters + WarpStateStats of both forward kernels on long responses (dualkv against FA4 "
+                      "dense), summarised per instruction (step ncu-stalls, NCU_KERNEL='fwd_sm90|Forward' "
+                      "NCU_DIRECTION=fwd NCU_DIM=64; session 32)",
     "never_lose_d128": "the same at head dim 128, the same library (session 32)",
     "never_lose_d256": "the same at head dim 256 (main's kernels, a12840b's build; session 29); .ncu_stalls_fwd.txt: "
                        "Nsight Compute SourceCounters + WarpStateStats of both forward kernels on long responses "
