@@ -1,7 +1,10 @@
 """One veRL policy update through the dualkv plug-in: prompt once, prompt copies, and veRL's stock engine.
 
 One process, world size 1 with a process group (nccl on a GPU, gloo on a CPU), one random-weight
-Qwen3-shaped model, three copies of veRL 0.9.1's ``FSDPEngineWithLMHead`` state, built the way
+Qwen3-shaped model (--model: a dense shape of ``dualkv.demo.MODEL_SIZES`` or a Qwen3-MoE shape of
+``dualkv.demo.MOE_SIZES``, ``30b-a3b`` being Qwen3-30B-A3B's; --layers K cuts it to K decoder layers),
+an engine per method of veRL 0.9.1's ``FSDPEngineWithLMHead`` state, each around its own copy of the
+weights (built again from the seed on the device: the same weights, one unsharded model at a time), built the way
 tests/python/test_verl.py builds the engine object (veRL's ``initialize`` loads a checkpoint from disk
 and needs a whole worker config) and sharded the way veRL's ``_build_fsdp_module`` shards it for
 ``strategy=fsdp2``: parameters in fp32, gradient checkpointing (non-reentrant) enabled before
@@ -61,7 +64,16 @@ method, which would leave the other ranks in a collective.
     python bench/verl_step.py                              # 1.7B, G4 x N16, P 2K-8K, R 0.5K-2K, budget 16384
     torchrun --standalone --nproc_per_node 8 bench/verl_step.py --model 8b --groups 8 -N 32 ...   # data parallel
     python bench/verl_step.py --device cpu --model tiny --groups 3 -N 4 --prompt-len 24,32 \\
-        --response-len 4,12 --max-tokens 48 --dtype fp32 --rounds 1      # smoke test
+        --response-len 4,12 --max-tokens 48 --dtype fp32 --rounds 1      # smoke test (tiny-moe: the MoE one)
+
+The MoE shape (issue 24 item 2: Qwen3-30B-A3B, the paper's 3.82x). veRL's FSDP engine has no expert
+parallelism (``FSDPEngineConfig`` has no expert-parallel setting; expert parallelism is its Megatron,
+VeOmni, TorchTitan and Automodel engines'): ``apply_fsdp2`` wraps each ``Qwen3MoeDecoderLayer`` (the
+model's ``_no_split_modules``) as one FSDP2 unit, the experts' fused weights sharded over the ranks like
+every other weight and gathered with their layer; the units are recorded (protocol ``fsdp2_units``). The
+experts run transformers' default experts implementation (``grouped_mm`` where it dispatches; recorded
+in ``model``); the router's auxiliary loss is off (``dualkv.demo.qwen3_config``: veRL passes no labels
+and never asks for the router logits). The whole 30B does not fit one GPU: see --layers.
 """
 from __future__ import annotations
 
@@ -89,7 +101,7 @@ import provenance  # noqa: E402
 from e2e import environment, int_range  # noqa: E402
 
 from dualkv.demo import _Timer as Clock  # noqa: E402  (CUDA events on a GPU, wall clock otherwise)
-from dualkv.demo import qwen3_config  # noqa: E402
+from dualkv.demo import MODEL_SIZES, MOE_SIZES, qwen3_config  # noqa: E402
 
 METHODS = ("once", "copies", "stock", "stock_fa4")
 DEFAULT_METHODS = ("once", "copies", "stock")
@@ -99,11 +111,28 @@ STOCK = ("stock", "stock_fa4")
 PROMPT_ONCE = {"once": None, "copies": "0", "stock": None, "stock_fa4": None}
 #: the transformers attention implementation of stock_fa4
 FA4_VARLEN_IMPL = "dualkv_bench_fa4_varlen"
+#: --model: the dense shapes, then the MoE ones
+MODELS = sorted(MODEL_SIZES) + sorted(MOE_SIZES)
+
+LAYERS_HELP = (
+    "cut the model to K decoder layers (default: the shape's own; 1 <= K <= it). A world of one holds every "
+    "engine's fp32 parameters unsharded (4 B a parameter per engine: once and copies share one, stock and "
+    "stock_fa4 one each), the gradients of one update (4 B a parameter) and the activations (the 8B run, "
+    "8.19 B parameters, once,copies,stock_fa4: resident 61.1 GiB, update peak 113.7 GiB, so ~22 GiB of "
+    "activations under a 16,384 budget). 30b-a3b has 0.622 B parameters outside its layers (embedding "
+    "and untied head) and 0.623 B per layer (128 experts of 3 x 2048 x 768: 0.604 B, attention 0.019 B): "
+    "30.53 B at 48 layers (fp32 parameters + gradients 244 GB: no single 141 GB GPU). With two engines "
+    "(once,copies,stock_fa4) the peak is ~12 B x params + ~22 GiB: K 12 is 8.10 B parameters (90.5 GiB + "
+    "activations, the 8B run's size), K 14 ~126 GiB, K 16 ~140 GiB (too much); with one engine (--methods "
+    "once) ~8 B x params + ~22 GiB: K <= 20. Recommended world-of-one dry run: --layers 12.")
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="1.7b", help="dualkv.demo size (tiny, small, 0.6b, 1.7b, 4b, 8b)")
+    p.add_argument("--model", default="1.7b", choices=MODELS, metavar="MODEL",
+                   help=f"dualkv.demo shape: dense {', '.join(sorted(MODEL_SIZES))}; MoE (Qwen3MoeConfig) "
+                        f"{', '.join(sorted(MOE_SIZES))}")
+    p.add_argument("--layers", type=int, default=None, metavar="K", help=LAYERS_HELP)
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"],
                    help="compute dtype (bf16: fp32 parameters, bf16 compute, as veRL's actor)")
@@ -130,6 +159,11 @@ def parse_args(argv=None):
         p.error(f"--methods takes {', '.join(METHODS)}; got {args.methods!r}")
     if args.rounds < 1 or args.warmup < 0:
         p.error("--rounds >= 1, --warmup >= 0")
+    if args.layers is not None:
+        full = {**MODEL_SIZES, **MOE_SIZES}[args.model]["num_hidden_layers"]
+        if not 1 <= args.layers <= full:
+            p.error(f"--layers cuts {args.model} to K of its {full} decoder layers: 1 <= K <= {full}; "
+                    f"got {args.layers}")
     args.methods = methods
     return args
 
@@ -246,6 +280,52 @@ def point_verl_at_cpu(v) -> None:
     """veRL's device lookups answer "cuda"/an index; on a CPU run they name the CPU (as test_verl.py)."""
     v.impl.get_device_id = v.impl.get_device_name = lambda: "cpu"
     v.seqlen_balancing.get_device_name = lambda: "cpu"
+
+
+def model_config(args):
+    """The config of --model (dualkv.demo.qwen3_config: Qwen3Config or Qwen3MoeConfig), cut to --layers."""
+    return qwen3_config(args.model, **({} if args.layers is None else {"num_hidden_layers": args.layers}))
+
+
+def is_moe(cfg) -> bool:
+    return getattr(cfg, "num_experts", None) is not None
+
+
+def build_model(cfg, device, seed):
+    """The random-weight causal LM in fp32 parameters (as veRL's actor), initialised on ``device`` from
+    ``seed``: the same weights at every call on one device. Each model gets its own copy of ``cfg``
+    (``set_attn_implementation`` writes the attention of the engine into its model's config)."""
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(seed)
+    with torch.device(device):
+        return AutoModelForCausalLM.from_config(copy.deepcopy(cfg), dtype=torch.float32)
+
+
+def model_record(args, cfg) -> dict:
+    """The shape the run measured (the JSON's ``model``)."""
+    full = {**MODEL_SIZES, **MOE_SIZES}[args.model]["num_hidden_layers"]
+    rec = {"name": args.model, "model_type": cfg.model_type, "layers": cfg.num_hidden_layers, "layers_of_shape": full,
+           "hidden_size": cfg.hidden_size, "num_attention_heads": cfg.num_attention_heads,
+           "num_key_value_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim, "vocab_size": cfg.vocab_size,
+           "tie_word_embeddings": cfg.tie_word_embeddings}
+    if is_moe(cfg):
+        rec.update({k: getattr(cfg, k) for k in ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                                                 "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers",
+                                                 "output_router_logits", "router_aux_loss_coef")})
+    else:
+        rec["intermediate_size"] = cfg.intermediate_size
+    return rec
+
+
+def fsdp2_units(model) -> dict:
+    """{class name: count} of the modules fully_shard wrapped (FSDP2 gives each a class FSDP<its class>)."""
+    from torch.distributed.fsdp import FSDPModule
+    units = {}
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            name = next(b for b in type(m).__bases__ if b is not FSDPModule).__name__
+            units[name] = units.get(name, 0) + 1
+    return units
 
 
 def make_engine(v, model, attn, compute_dtype, device):
@@ -462,7 +542,8 @@ def out_path(args) -> pathlib.Path:
         out.parent.mkdir(parents=True, exist_ok=True)
         return out
     out.mkdir(parents=True, exist_ok=True)
-    return out / f"verl_step_{args.model}.json"
+    cut = f"_l{args.layers}" if args.layers is not None else ""
+    return out / f"verl_step_{args.model}{cut}.json"
 
 
 def main(argv=None) -> int:
@@ -478,16 +559,14 @@ def main(argv=None) -> int:
     v = _verl()
     if device.type == "cpu":
         point_verl_at_cpu(v)
-    cfg = qwen3_config(args.model)
-    from transformers import AutoModelForCausalLM
-    torch.manual_seed(args.seed)
-    with torch.device(device):  # fp32 parameters, as veRL's actor
-        base = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    # same weights, kept unsharded (rank 0 checks)
-    truth_model = None if args.no_accuracy or rank else copy.deepcopy(base).to("cpu")
+    cfg = model_config(args)
+    build = partial(build_model, cfg, device, args.seed)  # the same weights at every call
+    # the same weights, kept unsharded on the host (rank 0 checks)
+    truth_model = None if args.no_accuracy or rank else build().to("cpu")
     proto, prompts, responses, rows = rollout_batch(v, args, cfg.vocab_size)
     proto, local_rows = rank_share(proto, rows, world, rank)
     report = {"args": {k: (list(x) if isinstance(x, tuple) else x) for k, x in vars(args).items()},
+              "model": model_record(args, cfg),
               "protocol": {"engine": f"veRL 0.9.1 FSDPEngineWithLMHead, strategy fsdp2 (apply_fsdp2), world size "
                                      f"{world} (data parallel)",
                            "precision": "fp32 parameters, bf16 compute (MixedPrecisionPolicy + autocast)"
@@ -502,6 +581,11 @@ def main(argv=None) -> int:
                                         "(causal, cu_seqlens from the position restarts)"
                            if device.type == "cuda" else "veRL's remove-padding path on per-sequence sdpa "
                                                          "(the CPU stand-in of FA4 varlen)"}}
+    if is_moe(cfg):
+        report["protocol"]["experts"] = (
+            "no expert parallelism (veRL's FSDP engine has none): the experts sharded by FSDP2 with their "
+            f"decoder layer over the {world} rank(s), {cfg.num_experts} experts, {cfg.num_experts_per_tok} per "
+            "token, router aux loss off (output_router_logits false, coefficient 0)")
     report["tokens"] = token_counts(prompts, responses, args.max_tokens)
     print(f"tokens {report['tokens']}", flush=True)
     keep = (lambda rep: save(rep, args)) if rank == 0 else (lambda rep: None)  # rank 0 writes
@@ -512,8 +596,12 @@ def main(argv=None) -> int:
             report["env"] = environment(device, tree)
             if set(STOCK) & set(args.methods):
                 report["protocol"]["stock_logprobs"] = stock_logprobs(v)
-            engines = build_engines(v, args, base, cfg, compute_dtype, device)
-            del base
+            engines = build_engines(v, args, build, compute_dtype, device)
+            first = next(iter(engines.values())).module
+            report["protocol"]["fsdp2_units"] = fsdp2_units(first)
+            report["model"]["parameters"] = sum(p.numel() for p in first.parameters())
+            if is_moe(cfg):
+                report["model"]["experts_implementation"] = first.config._experts_implementation
             loss = partial(v.ppo_loss, config=actor_config(v, args))
             report["passes"], got = measure(v, engines, args, proto, loss, device,
                                             after_round=lambda rec: keep(dict(report, passes=rec)))
@@ -544,16 +632,18 @@ def save(report, args) -> None:
     print(f"wrote {path}", flush=True)
 
 
-def build_engines(v, args, base, cfg, compute_dtype, device):
-    """{method: engine}; once and copies share the dualkv engine (the plug-in reads the switch per call)."""
+def build_engines(v, args, build, compute_dtype, device):
+    """{method: engine}; once and copies share the dualkv engine (the plug-in reads the switch per call).
+    ``build()`` gives each engine its own copy of the same weights, one unsharded model on the device at a
+    time (sharded before the next is built: under torchrun a full 30B fits one GPU, two do not)."""
     from dualkv.integrations.transformers import ATTN_IMPLEMENTATION
     engines = {}
     if "stock" in args.methods:
-        engines["stock"] = make_engine(v, copy.deepcopy(base), args.stock_attn, compute_dtype, device)
+        engines["stock"] = make_engine(v, build(), args.stock_attn, compute_dtype, device)
     if "stock_fa4" in args.methods:  # registered in main
-        engines["stock_fa4"] = make_engine(v, copy.deepcopy(base), FA4_VARLEN_IMPL, compute_dtype, device)
+        engines["stock_fa4"] = make_engine(v, build(), FA4_VARLEN_IMPL, compute_dtype, device)
     if {"once", "copies"} & set(args.methods):
-        dualkv_engine = make_engine(v, base, ATTN_IMPLEMENTATION, compute_dtype, device)
+        dualkv_engine = make_engine(v, build(), ATTN_IMPLEMENTATION, compute_dtype, device)
         engines.update({m: dualkv_engine for m in ("once", "copies") if m in args.methods})
     return engines
 

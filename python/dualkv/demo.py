@@ -35,7 +35,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["MODEL_SIZES", "TOLERANCES", "Rollouts", "qwen3_config", "make_rollouts", "build_model",
+__all__ = ["MODEL_SIZES", "MOE_SIZES", "TOLERANCES", "Rollouts", "qwen3_config", "make_rollouts", "build_model",
            "padded_batch", "standard_logprobs", "dualkv_logprobs", "grad_vector", "run_demo", "main"]
 
 #: Qwen3-shaped configurations (random weights). ``tiny`` runs on a CPU in seconds (the tests);
@@ -55,6 +55,31 @@ MODEL_SIZES: Dict[str, Dict] = {
     "8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
                num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=False),
 }
+
+#: Qwen3-MoE-shaped configurations (``Qwen3MoeConfig``, model_type "qwen3_moe"; random weights): the
+#: keys of :data:`MODEL_SIZES` plus the experts. Kept apart from :data:`MODEL_SIZES`, whose names the
+#: dense benches and examples offer as choices; :func:`qwen3_config` takes both. ``30b-a3b`` is the shape of
+#: Qwen3-30B-A3B's published config.json (hidden 2048, 48 layers, 32 query / 4 KV heads, head_dim 128,
+#: 128 experts, 8 per token, moe_intermediate_size 768, norm_topk_prob true, vocab 151936, untied
+#: embeddings, rope theta 1e6, rms_norm_eps 1e-6, every layer MoE). The Hub file itself was not
+#: reachable here; the values were checked (2026-12-04, the search tool) against the Megatron arguments
+#: of that checkpoint in github.com/zyzshishui/slime scripts/models/qwen3-30B-A3B.sh (hidden 2048,
+#: 48 layers, 32 heads, 4 query groups, kv-channels 128, moe-ffn-hidden-size 768, 128 experts, top-k 8,
+#: vocab 151936, untied, rotary base 1e6), copies of the config.json in public test fixtures (the same
+#: values, norm_topk_prob true) and transformers' Qwen3MoeConfig defaults (documented against
+#: Qwen/Qwen3-30B-A3B-Base: the same but 24 layers and norm_topk_prob false). ``tiny-moe`` is ``tiny``
+#: with 8 experts of width 32, 2 per token (the CPU tests).
+MOE_SIZES: Dict[str, Dict] = {
+    "tiny-moe": dict(MODEL_SIZES["tiny"], num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                     norm_topk_prob=True),
+    "30b-a3b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=48, num_attention_heads=32,
+                    num_key_value_heads=4, head_dim=128, vocab_size=151936, tie_word_embeddings=False,
+                    num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True),
+}
+
+#: Config keys that only a Qwen3-MoE config reads (refused as overrides of a dense shape).
+_MOE_KEYS = frozenset({"num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+                       "decoder_sparse_step", "mlp_only_layers", "output_router_logits", "router_aux_loss_coef"})
 
 #: Equivalence bounds of the demo's self-check, per compute dtype:
 #: (max |Δ log-prob|, |Δ loss| / max(1, |loss|), ||Δ grad|| / ||grad||).
@@ -77,14 +102,37 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bf
 
 
 def qwen3_config(size: str = "tiny", **overrides):
-    """A ``Qwen3Config`` of one of :data:`MODEL_SIZES` (plus ``overrides``)."""
-    from transformers import Qwen3Config
-    if size not in MODEL_SIZES:
-        raise ValueError(f"unknown model size {size!r}; one of {sorted(MODEL_SIZES)}")
-    kw = dict(MODEL_SIZES[size], rope_theta=1e6, rms_norm_eps=1e-6, max_position_embeddings=65536,
+    """The config of one shape (plus ``overrides``): a ``Qwen3Config`` for :data:`MODEL_SIZES`, a
+    ``Qwen3MoeConfig`` for :data:`MOE_SIZES` (``qwen3_config("30b-a3b", num_hidden_layers=12)``: the
+    MoE shape cut to 12 layers). MoE keys on a dense shape are refused (``ValueError``), as is an
+    unknown size.
+
+    The MoE router's auxiliary (load-balancing) loss is off: ``output_router_logits=False`` (the
+    published config's value) and ``router_aux_loss_coef=0.0`` (the published one is 0.001). transformers
+    adds the term only when ``output_router_logits`` is on and labels are passed; veRL's engine passes
+    no labels and never turns it on (its GRPO loss is ``ppo_loss`` over the log-probs), so neither the
+    stock nor the dualkv update has it. The coefficient is zeroed as well so that a caller who turns
+    the router logits on still gets the same loss packed and unpacked: on a packed batch the term would
+    count each prompt token once instead of N times (the TRL plug-in refuses a nonzero coefficient
+    for that reason)."""
+    from transformers import Qwen3Config, Qwen3MoeConfig
+    if size in MODEL_SIZES:
+        cls, shape = Qwen3Config, MODEL_SIZES[size]
+        moe = sorted(_MOE_KEYS & set(overrides))
+        if moe:
+            raise ValueError(f"model size {size!r} is dense (Qwen3Config); MoE keys {moe} need one of "
+                             f"{sorted(MOE_SIZES)}")
+    elif size in MOE_SIZES:
+        cls, shape = Qwen3MoeConfig, MOE_SIZES[size]
+    else:
+        raise ValueError(f"unknown model size {size!r}; one of {sorted(MODEL_SIZES)} (dense) or "
+                         f"{sorted(MOE_SIZES)} (MoE)")
+    kw = dict(shape, rope_theta=1e6, rms_norm_eps=1e-6, max_position_embeddings=65536,
               attention_dropout=0.0, use_cache=False)
+    if cls is Qwen3MoeConfig:  # the router's aux loss off (see above)
+        kw.update(output_router_logits=False, router_aux_loss_coef=0.0)
     kw.update(overrides)
-    cfg = Qwen3Config(**kw)
+    cfg = cls(**kw)
     if getattr(cfg, "rope_parameters", None) is not None and "rope_theta" in kw:
         cfg.rope_parameters["rope_theta"] = kw["rope_theta"]
     return cfg

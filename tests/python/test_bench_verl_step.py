@@ -88,6 +88,53 @@ def test_verl_step_bench_runs_on_two_ranks(tmp_path):
     assert stdout.count("tokens {") == 1  # rank 0 prints, rank 1 is silent
 
 
+def test_verl_step_bench_runs_the_moe_shape_on_cpu(tmp_path):
+    """--model tiny-moe (Qwen3MoeForCausalLM, the class of issue 24 item 2's 30b-a3b) through the script:
+    prompt once against stock, every group over the budget. veRL's apply_fsdp2 makes each
+    Qwen3MoeDecoderLayer a unit (recorded); the model's config is in the JSON; the tokens are the dense
+    run's (the same batch); the log-probs meet the fp32-truth rule as the dense run's."""
+    data, _ = _run(tmp_path, "--model", "tiny-moe", "--methods", "once,stock")
+    assert data["complete"] is True and data["verdict"]["methods_ok"] is True
+    model = data["model"]
+    assert model["name"] == "tiny-moe" and model["model_type"] == "qwen3_moe"
+    assert (model["layers"], model["layers_of_shape"]) == (2, 2)
+    assert (model["num_experts"], model["num_experts_per_tok"]) == (8, 2)
+    assert model["router_aux_loss_coef"] == 0.0 and model["output_router_logits"] is False
+    assert model["parameters"] > 0 and model["experts_implementation"]
+    assert data["args"]["model"] == "tiny-moe" and data["args"]["layers"] is None
+    assert data["protocol"]["fsdp2_units"] == {"Qwen3MoeForCausalLM": 1, "Qwen3MoeDecoderLayer": 2, "Embedding": 1,
+                                               "Linear": 1}
+    assert "no expert parallelism" in data["protocol"]["experts"]
+    tokens, once, stock = data["tokens"], data["passes"]["once"], data["passes"]["stock"]
+    assert tokens["split_groups"] == 3 and once["status"] == stock["status"] == "ok"
+    assert tokens["packed"] <= once["update_tokens"] < stock["update_tokens"] == tokens["unpadded"]
+    assert once["update_micro_batches"] < stock["update_micro_batches"]
+    err = data["logprob_error"]
+    assert err["rows"] == 4 and all(0 <= err[m]["max"] < 1e-4 for m in ("once", "stock")), err
+    assert data["verdict"]["logprob_once_ok"] is True
+
+
+def test_verl_step_model_and_layers_arguments(tmp_path):
+    """--model takes the dense and the MoE shapes; --layers K cuts the shape to 1 <= K <= its layers (the
+    result file names the cut); an unknown model and a K outside that range are refused by the parser."""
+    from test_demo import _load_bench
+    bench = _load_bench("verl_step")
+    args = bench.parse_args(["--model", "30b-a3b", "--layers", "12", "--out", str(tmp_path)])
+    cfg = bench.model_config(args)
+    assert cfg.model_type == "qwen3_moe" and cfg.num_hidden_layers == 12 and cfg.num_experts == 128
+    assert bench.model_record(args, cfg)["layers_of_shape"] == 48
+    assert bench.out_path(args).name == "verl_step_30b-a3b_l12.json"
+    dense = bench.parse_args(["--model", "8b", "--layers", "36", "--out", str(tmp_path)])
+    assert bench.model_config(dense).num_hidden_layers == 36 and bench.out_path(dense).name == "verl_step_8b_l36.json"
+    assert bench.out_path(bench.parse_args(["--model", "tiny-moe", "--out", str(tmp_path)])).name == \
+        "verl_step_tiny-moe.json"
+    for bad in (["--model", "30b"], ["--model", "30b-a3b", "--layers", "0"], ["--model", "30b-a3b", "--layers", "49"],
+                ["--model", "tiny-moe", "--layers", "3"], ["--layers", "-1"]):
+        with pytest.raises(SystemExit) as exc:
+            bench.parse_args(bad)
+        assert exc.value.code == 2, bad
+
+
 def test_rank_share_is_veRLs_dispatch():
     """DataProto.chunk's contiguous equal shares; a batch that does not divide among the ranks is refused."""
     from test_demo import _load_bench

@@ -47,6 +47,49 @@ def test_demo_cpu_default_is_the_packing_regime():
     assert gpu.dtype == "bfloat16" and gpu.gradient_checkpointing
 
 
+def test_qwen3_config_moe_shapes():
+    """dualkv.demo.qwen3_config picks the config class by shape: Qwen3Config for MODEL_SIZES, Qwen3MoeConfig
+    (model_type qwen3_moe, which the transformers integration lists as tested) for MOE_SIZES; 30b-a3b is
+    Qwen3-30B-A3B's published shape (30.53 B parameters, 48 layers of 0.623 B), cut by num_hidden_layers;
+    the router's aux loss is off; build_model builds tiny-moe and it runs; MoE keys on a dense shape and
+    unknown sizes are refused."""
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3MoeConfig
+
+    from dualkv.demo import MODEL_SIZES, MOE_SIZES, build_model, qwen3_config
+    from dualkv.integrations.transformers import TESTED_MODEL_TYPES
+    assert not set(MODEL_SIZES) & set(MOE_SIZES)
+    assert type(qwen3_config("8b")) is Qwen3Config
+    cfg = qwen3_config("30b-a3b")
+    assert type(cfg) is Qwen3MoeConfig and cfg.model_type == "qwen3_moe" and cfg.model_type in TESTED_MODEL_TYPES
+    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+            cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.vocab_size) == (
+        2048, 48, 32, 4, 128, 128, 8, 768, 151936)
+    assert cfg.norm_topk_prob is True and cfg.tie_word_embeddings is False and cfg.mlp_only_layers == []
+    assert cfg.decoder_sparse_step == 1 and cfg.rope_parameters["rope_theta"] == 1e6 and cfg.rms_norm_eps == 1e-6
+    assert cfg.output_router_logits is False and cfg.router_aux_loss_coef == 0.0
+    counts = {}
+    for k in (1, 2):
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(qwen3_config("30b-a3b", num_hidden_layers=k))
+        counts[k] = sum(p.numel() for p in model.parameters())
+    per_layer, outside = counts[2] - counts[1], 2 * counts[1] - counts[2]
+    assert per_layer == 128 * 3 * 2048 * 768 + 2048 * (4096 + 2 * 512) + 4096 * 2048 + 128 * 2048 + 2 * 2048 + 2 * 128
+    assert outside == 2 * 151936 * 2048 + 2048  # embedding, untied head, final norm
+    assert outside + 48 * per_layer == 30_532_122_624
+    tiny = qwen3_config("tiny-moe")
+    assert (tiny.num_experts, tiny.num_experts_per_tok, tiny.hidden_size) == (8, 2, MODEL_SIZES["tiny"]["hidden_size"])
+    model = build_model(tiny, "cpu", torch.float32)
+    assert type(model).__name__ == "Qwen3MoeForCausalLM" and model.config.num_hidden_layers == 2
+    with torch.no_grad():
+        out = model(input_ids=torch.randint(0, tiny.vocab_size, (1, 9)))
+    assert out.logits.shape == (1, 9, tiny.vocab_size) and getattr(out, "aux_loss", None) is None
+    with pytest.raises(ValueError, match="is dense"):
+        qwen3_config("8b", num_experts=8)
+    with pytest.raises(ValueError, match="unknown model size '30b'.*30b-a3b"):
+        qwen3_config("30b")
+
+
 def test_demo_detects_a_wrong_attention(monkeypatch):
     """The self-check is not vacuous: with a layout that hides the prompt from responses it fails."""
     import argparse
