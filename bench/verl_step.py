@@ -49,7 +49,8 @@ Accuracy (the tolerance rule of DESIGN.md section 7, as bench/trl_step.py applie
 the rows of one group (the first row's) from each method's forward-only pass against an fp32 truth (the same weights in
 fp32, exact fp32 attention, row by row: bench/logprob_noise.py): max|dualkv - truth| <= 2 max|stock -
 truth| + 1e-3, for once and for copies. JSON (environment, batch, tokens, times, memory, errors,
-verdict) to --out (a directory: verl_step_<model>.json in it; or a path ending in .json); the
+verdict) to --out (a directory: verl_step_<model>.json in it, verl_step_<model>_l<K>.json with --layers;
+or a path ending in .json); the
 environment is bench/e2e.py's provenance record. A GPU run refuses a tree that is not a commit unless
 --allow-dirty; a copy without .git (the device machine) declares it with DUALKV_COMMIT.
 
@@ -124,7 +125,9 @@ LAYERS_HELP = (
     "30.53 B at 48 layers (fp32 parameters + gradients 244 GB: no single 141 GB GPU). With two engines "
     "(once,copies,stock_fa4) the peak is ~12 B x params + ~22 GiB: K 12 is 8.10 B parameters (90.5 GiB + "
     "activations, the 8B run's size), K 14 ~126 GiB, K 16 ~140 GiB (too much); with one engine (--methods "
-    "once) ~8 B x params + ~22 GiB: K <= 20. Recommended world-of-one dry run: --layers 12.")
+    "once) ~8 B x params + ~22 GiB: K <= 20; with three (stock too) ~16 B x params + ~22 GiB: K <= 10. The "
+    "accuracy check's fp32 truth adds 4 B a parameter at the end (the engines resident, no gradients: within "
+    "the update's peak; --no-accuracy drops it). Recommended world-of-one dry run: --layers 12.")
 
 
 def parse_args(argv=None):
