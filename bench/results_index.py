@@ -65,6 +65,11 @@ BENCHMARKS = {
                     "policy update (FSDP2 engine, world size 1) of a Qwen3-8B shape (untied head), P 4K-6K, R 1K-2K, "
                     "budget 16,384, 2 rounds, no accuracy pass (issue 24's world-of-one dry run after the untied-head "
                     "fix, session 32; steps verl-stage, fa4-stage, fa4-install wheels verl-step); .log: its output",
+    "verl_step_30b-a3b_l12": "bench/verl_step.py --model 30b-a3b --layers 12 --groups 1 -N 32 --methods "
+                             "once,copies,stock_fa4 --rounds 1 --no-accuracy: one veRL 0.9.1 policy update (FSDP2, "
+                             "world size 1, no expert parallelism) of Qwen3-30B-A3B's shape cut to 12 of its 48 "
+                             "layers (8.1 B parameters, 128 experts, top 8), P 4K-6K, R 1K-2K, budget 16,384 (issue "
+                             "24 item 2's world-of-one dry run, session 32); .log: its output",
     "trl_step_1.7b": "bench/trl_step.py, one TRL GRPO update stock vs DualKVGRPOTrainer, 1.7B (issue 20; "
                      "step trl-step); .g8_cut.log: the G8 run, cut at its cap after both updates",
     "trl_step_1.7b_g8_accuracy": "bench/trl_step.py --parts accuracy, the G8 x N16 step's log-probs (first group) "
