@@ -501,6 +501,17 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
   // at the loop top with K's: V_j, now the later load of the pair that tile j + 1 needs, gets the
   // QK^T issue's time as slack, and QK^T no longer waits for it.
   constexpr bool kLateVWait = kKAhead;
+  // D 64 with the softmax before the walk: the steady tile's control flow after walk_next() without
+  // branches on its path. Nsight Compute (long responses, H200, against FA4 dense; docs/notes/
+  // 2026-12-04-d64-fwd-ncu.md) had two of them among the loop's costs: the branch around the
+  // q_empty arrive (taken on every tile but an item's last: a fetch bubble after it), and the
+  // loop's test at the bottom, after O's rescale and P's conversion, which ptxas rebuilt there from
+  // uniform registers (wg_last: VIADDMNMX, ISETP and the back branch waiting on them, ~2% of the
+  // loop's samples). FA4's steady loop has one branch, at its end, on a ready predicate. So the
+  // arrive is predicated (every warp's __syncwarp() on every tile, lane 0 arriving on the last) and
+  // the test is taken right after walk_next(), under P V. Control only: the same arithmetic in the
+  // same order (O and lse bit for bit), the same arrivals after the same waits.
+  constexpr bool kEarlyLoopTest = D == 64 && kSoftmaxBeforeWalk;
   const int cw = __shfl_sync(0xffffffffu, wg - 1, 0);
   const int tid = threadIdx.x & 127;
   const int warp = tid >> 5, lane = tid & 31;
@@ -760,7 +771,8 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
       }
     };
 
-    while (more && seen()) {
+    bool go = more && seen();  // kEarlyLoopTest's form of the loop's test
+    while (kEarlyLoopTest ? go : more && seen()) {
       kpos = kv.pos; krem = kv.rest(); own = kv.own; kcur = kv.cur;
       st = kv_iter % S;
       mbar_wait(&B.k_full[st], (kv_iter / S) & 1);
@@ -791,7 +803,12 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
       float alpha[2];  // softmax() reads only what was captured above, not the walk's state
       if constexpr (kSoftmaxBeforeWalk) softmax(kpos, krem, own, kcur, alpha);
       more = walk_next();
-      if (!more) {  // the item's last S retired (wait_group 1 above): its Q buffer may be reloaded
+      // !more: the item's last S retired (wait_group 1 above): its Q buffer may be reloaded.
+      if constexpr (kEarlyLoopTest) {
+        __syncwarp();
+        if (lane == 0 && !more) mbar_arrive(&B.q_empty[qb]);
+        go = more && seen();  // the walk's state is final for this tile
+      } else if (!more) {
         __syncwarp();
         if (lane == 0) mbar_arrive(&B.q_empty[qb]);
       }
