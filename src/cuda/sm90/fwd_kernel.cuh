@@ -512,6 +512,14 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
   // the test is taken right after walk_next(), under P V. Control only: the same arithmetic in the
   // same order (O and lse bit for bit), the same arrivals after the same waits.
   constexpr bool kEarlyLoopTest = D == 64 && kSoftmaxBeforeWalk;
+  // D 128's long-walk build (FA4's D-128 order; docs/notes/2026-12-04-d128-fwd-order.md): in the
+  // steady loop the P V wait comes after the mask, the row max and the factors (and K's release),
+  // and the exponentials come after it, each pair packed into P's fragment right after it, with the
+  // row sums and the O rescale in one block. ncu had main's order (all exponentials under P V, then
+  // 64 rescale FMULs and 40 conversions in one run after the wait) 7.9% per key behind FA4's loop,
+  // the conversions at 0.32 stall units each against FA4's 0.09
+  // (docs/notes/2026-12-04-d128-fwd-ncu.md). Same products, sums and packs: bit for bit.
+  constexpr bool kExpAfterPvWait = D == 128 && kLongWalks;
   const int cw = __shfl_sync(0xffffffffu, wg - 1, 0);
   const int tid = threadIdx.x & 127;
   const int warp = tid >> 5, lane = tid & 31;
@@ -612,10 +620,10 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
       for (int kk = 0; kk < BN / 16; ++kk)
         MmaO::rs(o, &pf[4 * kk], operand_desc(dv, kk * 16 * 128), 1);
     };
-    // Mask, online softmax of s (in place: s becomes P in fp32); returns the rescale factors.
-    // krem: the keys left in the walk's range from kpos on (KvWalk::rest(), SegmentMask's forward
-    // part); kcur: the segment of the tile's keys (the walk's cur; the window's shift, issue 16).
-    auto softmax = [&](int32_t kpos, int32_t krem, bool own, int32_t kcur, float* alpha) {
+    // Mask (and softcap) of s; krem: the keys left in the walk's range from kpos on
+    // (KvWalk::rest(), SegmentMask's forward part); kcur: the segment of the tile's keys (the walk's
+    // cur; the window's shift, issue 16).
+    auto mask_scores = [&](int32_t kpos, int32_t krem, bool own, int32_t kcur) {
       if constexpr (Mods::kSoftcap) softcap_scores(s, a);  // mask modifiers (issue 16): before the mask
       // Ragged or diagonal (SegmentMask::fwd_tile_kind, against the tile's first row q0 and last
       // q1 - 1). In a tile of siblings every own range starts at or after q0, so the diagonal test
@@ -648,6 +656,10 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
           }
         }
       }
+    };
+    // Mask, online softmax of s (in place: s becomes P in fp32); returns the rescale factors.
+    auto softmax = [&](int32_t kpos, int32_t krem, bool own, int32_t kcur, float* alpha) {
+      mask_scores(kpos, krem, own, kcur);
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         float mx = m[r];
@@ -668,6 +680,39 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
           const float p1 = fast_exp2(fmaf(s[4 * j + 2 * r + 1], sl2, -ms));
           s[4 * j + 2 * r] = p0;
           s[4 * j + 2 * r + 1] = p1;
+          sum += p0 + p1;
+        }
+        l[r] = l[r] * alpha[r] + sum;
+      }
+    };
+    // kExpAfterPvWait's softmax in two parts (the same arithmetic as softmax(), split at the P V
+    // wait): the mask and both rows' max and factors; returns each row's max in the exponent's
+    // scale in ms.
+    auto softmax_max = [&](int32_t kpos, int32_t krem, bool own, int32_t kcur, float* alpha, float* ms) {
+      mask_scores(kpos, krem, own, kcur);
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        float mx = m[r];
+#pragma unroll
+        for (int j = 0; j < BN / 8; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * r], s[4 * j + 2 * r + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        ms[r] = mx == -CUDART_INF_F ? 0.f : mx * sl2;
+        alpha[r] = fast_exp2((m[r] - (mx == -CUDART_INF_F ? 0.f : mx)) * sl2);  // as in softmax()
+        m[r] = mx;
+      }
+    };
+    // ... and the exponentials, each pair packed into its P fragment right after it (pf[2 j + r]
+    // is to_pf()'s pack of s[4 j + 2 r], s[4 j + 2 r + 1]; s is not written), and the row sums.
+    auto exp_pack = [&](const float* ms, const float* alpha) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        float sum = 0.f;
+#pragma unroll
+        for (int j = 0; j < BN / 8; ++j) {
+          const float p0 = fast_exp2(fmaf(s[4 * j + 2 * r], sl2, -ms[r]));
+          const float p1 = fast_exp2(fmaf(s[4 * j + 2 * r + 1], sl2, -ms[r]));
+          pf[2 * j + r] = Convert<T>::pack(p0, p1);
           sum += p0 + p1;
         }
         l[r] = l[r] * alpha[r] + sum;
@@ -771,6 +816,9 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
       }
     };
 
+    // kExpAfterPvWait's pins (pinned_after); ptxas 13.0 sees through it (RZ in the SASS) but keeps
+    // the LOP3s and their reads, which is all the pins need.
+    const uint32_t pin_zero = kExpAfterPvWait ? opaque_zero() : 0u;
     bool go = more && seen();  // kEarlyLoopTest's form of the loop's test
     while (kEarlyLoopTest ? go : more && seen()) {
       kpos = kv.pos; krem = kv.rest(); own = kv.own; kcur = kv.cur;
@@ -798,33 +846,59 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
       turn_pass();
       wgmma_wait<1>();  // S of this tile is ready; P V of the previous one may still run
       fence_regs(s);
-      __syncwarp();
-      if (lane == 0) mbar_arrive(&B.k_empty[st]);
-      float alpha[2];  // softmax() reads only what was captured above, not the walk's state
-      if constexpr (kSoftmaxBeforeWalk) softmax(kpos, krem, own, kcur, alpha);
-      more = walk_next();
-      // !more: the item's last S retired (wait_group 1 above): its Q buffer may be reloaded.
-      if constexpr (kEarlyLoopTest) {
+      if constexpr (kExpAfterPvWait) {
+        float alpha[2], ms[2];  // only what was captured above, not the walk's state
+        softmax_max(kpos, krem, own, kcur, alpha, ms);
+        // K's release after the max (in the long-walk build K_{j+2} waits for V_{j+1}'s slot, which
+        // is released just below, earlier than before). ptxas keeps the P V wait below this arrive
+        // but hoisted the arrive itself above row 1's max: its address reads row 1's max.
         __syncwarp();
-        if (lane == 0 && !more) mbar_arrive(&B.q_empty[qb]);
-        go = more && seen();  // the walk's state is final for this tile
-      } else if (!more) {
+        if (lane == 0) mbar_arrive_at(pinned_after(smem_u32(&B.k_empty[st]), __float_as_uint(m[1]), pin_zero));
+        wgmma_wait<0>();
+        fence_regs(o);
+        fence_regs(pf);
         __syncwarp();
-        if (lane == 0) mbar_arrive(&B.q_empty[qb]);
-      }
-      if constexpr (!kSoftmaxBeforeWalk) softmax(kpos, krem, own, kcur, alpha);
-      wgmma_wait<0>();
-      fence_regs(o);
-      fence_regs(pf);
-      __syncwarp();
-      if (lane == 0) mbar_arrive(&B.kv_empty[pst]);
-      if constexpr (kRescaleBeforePv) {
-        alpha_o[0] = alpha[0];
-        alpha_o[1] = alpha[1];
-      } else {
+        if (lane == 0) mbar_arrive(&B.kv_empty[pst]);
+        // Without the pin ptxas issued all 82 exponentials above the wait again, and the 40
+        // conversions in one run after it (main's SASS): the exponents read O's first register.
+#pragma unroll
+        for (int r = 0; r < 2; ++r) ms[r] = pinned_after(ms[r], o[0], pin_zero);
+        exp_pack(ms, alpha);
         rescale_o(alpha);
+        more = walk_next();
+        if (!more) {  // the item's last S retired (wait_group 1 above): its Q buffer may be reloaded
+          __syncwarp();
+          if (lane == 0) mbar_arrive(&B.q_empty[qb]);
+        }
+      } else {
+        __syncwarp();
+        if (lane == 0) mbar_arrive(&B.k_empty[st]);
+        float alpha[2];  // softmax() reads only what was captured above, not the walk's state
+        if constexpr (kSoftmaxBeforeWalk) softmax(kpos, krem, own, kcur, alpha);
+        more = walk_next();
+        // !more: the item's last S retired (wait_group 1 above): its Q buffer may be reloaded.
+        if constexpr (kEarlyLoopTest) {
+          __syncwarp();
+          if (lane == 0 && !more) mbar_arrive(&B.q_empty[qb]);
+          go = more && seen();  // the walk's state is final for this tile
+        } else if (!more) {
+          __syncwarp();
+          if (lane == 0) mbar_arrive(&B.q_empty[qb]);
+        }
+        if constexpr (!kSoftmaxBeforeWalk) softmax(kpos, krem, own, kcur, alpha);
+        wgmma_wait<0>();
+        fence_regs(o);
+        fence_regs(pf);
+        __syncwarp();
+        if (lane == 0) mbar_arrive(&B.kv_empty[pst]);
+        if constexpr (kRescaleBeforePv) {
+          alpha_o[0] = alpha[0];
+          alpha_o[1] = alpha[1];
+        } else {
+          rescale_o(alpha);
+        }
+        to_pf();
       }
-      to_pf();
       prev = kv_iter;
       ++kv_iter;
     }

@@ -45,6 +45,10 @@ __device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
   asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(smem_u32(bar))
                : "memory");
 }
+// The same at a shared-window address.
+__device__ __forceinline__ void mbar_arrive_at(uint32_t bar) {
+  asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(bar) : "memory");
+}
 __device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
   asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n}\n" ::"r"(
                    smem_u32(bar)),
@@ -106,6 +110,24 @@ __device__ __forceinline__ uint32_t thread_index_x() {
   uint32_t t;
   asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(t));
   return t;
+}
+// A zero (%laneid < 32) that NVVM cannot fold, for pinned_after.
+__device__ __forceinline__ uint32_t opaque_zero() {
+  uint32_t l;
+  asm volatile("mov.u32 %0, %%laneid;\n" : "=r"(l));
+  return l >> 5;
+}
+// x, bit for bit, but computed from `dep` as well (x | (dep & zero), zero from opaque_zero()).
+// ptxas schedules a block by data dependences and moves independent work across
+// wgmma.wait_group and mbarrier arrives in either direction; what uses the result stays below
+// whatever produced `dep` (with `dep` a register of an in-flight wgmma: below its wait).
+__device__ __forceinline__ uint32_t pinned_after(uint32_t x, uint32_t dep, uint32_t zero) {
+  uint32_t r;
+  asm("lop3.b32 %0, %1, %2, %3, 0xF8;\n" : "=r"(r) : "r"(x), "r"(dep), "r"(zero));
+  return r;
+}
+__device__ __forceinline__ float pinned_after(float x, float dep, uint32_t zero) {
+  return __uint_as_float(pinned_after(__float_as_uint(x), __float_as_uint(dep), zero));
 }
 // Makes this thread's generic-proxy writes to smem visible to the async proxy (a TMA store that reads
 // them after a barrier).
