@@ -657,22 +657,28 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
         }
       }
     };
+    // Row r's new max after the mask (m[r] updated) and its rescale factor alpha[r]; returns the
+    // max in the exponent's scale (0 for a row the tile hides whole).
+    auto row_max = [&](int r, float* alpha) {
+      float mx = m[r];
+#pragma unroll
+      for (int j = 0; j < BN / 8; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * r], s[4 * j + 2 * r + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float ms = mx == -CUDART_INF_F ? 0.f : mx * sl2;
+      // (old max - new max) * sl2: exactly 0, so alpha exactly 1, when the max stays (the
+      // contracted m * sl2 - ms need not be 0): a tile that hides the whole row (a later
+      // sibling's range) then leaves the row to the same bits.
+      alpha[r] = fast_exp2((m[r] - (mx == -CUDART_INF_F ? 0.f : mx)) * sl2);
+      m[r] = mx;
+      return ms;
+    };
     // Mask, online softmax of s (in place: s becomes P in fp32); returns the rescale factors.
     auto softmax = [&](int32_t kpos, int32_t krem, bool own, int32_t kcur, float* alpha) {
       mask_scores(kpos, krem, own, kcur);
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        float mx = m[r];
-#pragma unroll
-        for (int j = 0; j < BN / 8; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * r], s[4 * j + 2 * r + 1]));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        const float ms = mx == -CUDART_INF_F ? 0.f : mx * sl2;
-        // (old max - new max) * sl2: exactly 0, so alpha exactly 1, when the max stays (the
-        // contracted m * sl2 - ms need not be 0): a tile that hides the whole row (a later
-        // sibling's range) then leaves the row to the same bits.
-        alpha[r] = fast_exp2((m[r] - (mx == -CUDART_INF_F ? 0.f : mx)) * sl2);
-        m[r] = mx;
+        const float ms = row_max(r, alpha);
         float sum = 0.f;
 #pragma unroll
         for (int j = 0; j < BN / 8; ++j) {
@@ -691,16 +697,7 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
     auto softmax_max = [&](int32_t kpos, int32_t krem, bool own, int32_t kcur, float* alpha, float* ms) {
       mask_scores(kpos, krem, own, kcur);
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        float mx = m[r];
-#pragma unroll
-        for (int j = 0; j < BN / 8; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * r], s[4 * j + 2 * r + 1]));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        ms[r] = mx == -CUDART_INF_F ? 0.f : mx * sl2;
-        alpha[r] = fast_exp2((m[r] - (mx == -CUDART_INF_F ? 0.f : mx)) * sl2);  // as in softmax()
-        m[r] = mx;
-      }
+      for (int r = 0; r < 2; ++r) ms[r] = row_max(r, alpha);
     };
     // ... and the exponentials, each pair packed into its P fragment right after it (pf[2 j + r]
     // is to_pf()'s pack of s[4 j + 2 r], s[4 j + 2 r + 1]; s is not written), and the row sums.
