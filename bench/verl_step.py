@@ -102,6 +102,7 @@ import provenance  # noqa: E402
 from e2e import environment, int_range  # noqa: E402
 
 from dualkv.demo import _Timer as Clock  # noqa: E402  (CUDA events on a GPU, wall clock otherwise)
+from dualkv import demo  # noqa: E402
 from dualkv.demo import MODEL_SIZES, MOE_SIZES, qwen3_config  # noqa: E402
 
 METHODS = ("once", "copies", "stock", "stock_fa4")
@@ -296,12 +297,10 @@ def is_moe(cfg) -> bool:
 
 def build_model(cfg, device, seed):
     """The random-weight causal LM in fp32 parameters (as veRL's actor), initialised on ``device`` from
-    ``seed``: the same weights at every call on one device. Each model gets its own copy of ``cfg``
-    (``set_attn_implementation`` writes the attention of the engine into its model's config)."""
-    from transformers import AutoModelForCausalLM
-    torch.manual_seed(seed)
-    with torch.device(device):
-        return AutoModelForCausalLM.from_config(copy.deepcopy(cfg), dtype=torch.float32)
+    ``seed`` (``dualkv.demo.build_model``): the same weights at every call on one device. Each model gets
+    its own copy of ``cfg`` (``set_attn_implementation`` writes the attention of the engine into its
+    model's config)."""
+    return demo.build_model(copy.deepcopy(cfg), device, torch.float32, seed)
 
 
 def model_record(args, cfg) -> dict:
