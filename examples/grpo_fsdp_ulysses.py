@@ -349,8 +349,7 @@ def register_attention():
 def flex_block_mask(packed, device, backend):
     """The BlockMask of the forest rule of a packed micro-batch for a Flex backend (bench/e2e.py's
     build: eager create_block_mask; on a CPU the dense boolean mask)."""
-    return e2e.block_mask_of(e2e.forest_mask_mod(e2e.forest_key_end(packed.layout, device)), packed.num_tokens,
-                             device, backend)
+    return e2e.forest_block_mask(packed.layout, device, backend)
 
 
 def std_logprobs(model, shard):
