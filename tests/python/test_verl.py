@@ -110,11 +110,11 @@ def rollout_batch(groups=3, seed=0, uids=None):
     return DataProto.from_dict(batch, non_tensors={"uid": uid}, meta_info={"temperature": 0.7})
 
 
-def engine_batch(proto, max_tokens, mode):
+def engine_batch(proto, max_tokens, mode, use_dynamic_bsz=True):
     """What veRL's trainer and worker hand to the engine (ray_trainer._update_actor / train_batch)."""
     td = left_right_2_no_padding(proto.to_tensordict())
     tu.assign_non_tensor(td, calculate_entropy=True, global_batch_size=len(proto), compute_loss=mode == "train",
-                         use_remove_padding=True, use_dynamic_bsz=True, max_token_len_per_gpu=max_tokens,
+                         use_remove_padding=True, use_dynamic_bsz=use_dynamic_bsz, max_token_len_per_gpu=max_tokens,
                          micro_batch_size_per_gpu=2, use_fused_kernels=False)
     return td
 
@@ -126,8 +126,8 @@ def actor_config():
     return config
 
 
-def run(engine, proto, max_tokens, mode):
-    td = engine_batch(proto, max_tokens, mode)
+def run(engine, proto, max_tokens, mode, use_dynamic_bsz=True):
+    td = engine_batch(proto, max_tokens, mode, use_dynamic_bsz)
     engine.module.zero_grad()
     if mode == "train":
         out = engine.forward_backward_batch(td, loss_function=partial(ppo_loss, config=actor_config()))

@@ -138,12 +138,12 @@ class Ranks:
         dist.all_reduce(x, group=self.dp_group)
         return x
 
-    def check_update(self, per_gpu: int, what: str) -> None:
+    def check_update(self, per_gpu: int, what: str, use_dynamic_bsz: bool = True) -> None:
         """One training step on the SP engine against the one-rank engine on each dp rank's rows: the
         global token mean of veRL's loss is sum_d (loss_d x tokens_d) / sum_d tokens_d, and so is its
         gradient (what FSDP's average of the SP engine's gradients must be)."""
         want, g_want, _ = run(self.reference, self.proto, max_tokens=per_gpu * SP, mode="train")
-        got, g_got, _ = run(self.engine, self.proto, max_tokens=per_gpu, mode="train")
+        got, g_got, _ = run(self.engine, self.proto, max_tokens=per_gpu, mode="train", use_dynamic_bsz=use_dynamic_bsz)
         total = self.dp_sum(torch.tensor(self.tokens, dtype=torch.float64))
         want_loss = self.dp_sum(torch.tensor(sum(want["loss"]) * self.tokens, dtype=torch.float64)) / total
         got_loss = self.dp_sum(torch.tensor(sum(got["loss"]), dtype=torch.float64)) / self.dp  # each x dp_size
@@ -221,13 +221,15 @@ def case_prompt_once(ranks: Ranks):
 
 
 def case_prompt_copies(ranks: Ranks):
-    """DUALKV_VERL_PROMPT_ONCE=0: veRL's loop over group_micro_batches, split groups with a prompt copy."""
+    """DUALKV_VERL_PROMPT_ONCE=0: veRL's loop over group_micro_batches, split groups with a prompt copy;
+    and use_dynamic_bsz=False: veRL's row chunks (2 rows: groups cut, each piece with its prompt)."""
     os.environ[dkv.PROMPT_ONCE_ENV] = "0"
     try:
         ranks.check_update(SPLIT_PER_GPU, "prompt copies")
         ranks.check_log_probs(SPLIT_PER_GPU, "prompt copies, log-probs")
     finally:
         del os.environ[dkv.PROMPT_ONCE_ENV]
+    ranks.check_update(SPLIT_PER_GPU, "fixed-size micro-batches", use_dynamic_bsz=False)
     return {}
 
 
