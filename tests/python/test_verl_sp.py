@@ -18,12 +18,7 @@ Each world is one launch (importing torch, transformers and veRL dominates: ~10 
 collective that hangs times out after PG_TIMEOUT_S and the world is killed after WORLD_DEADLINE_S.
 """
 import contextlib
-import datetime
-import json
 import os
-import pathlib
-import time
-import traceback
 
 import pytest
 import torch
@@ -40,7 +35,7 @@ from verl.workers.utils.padding import no_padding_2_padding  # noqa: E402
 import dualkv  # noqa: E402
 from dualkv.demo import TOLERANCES, qwen3_config  # noqa: E402
 from dualkv.integrations import verl as dkv  # noqa: E402
-from spawned_ranks import spawn_ranks  # noqa: E402  (tests/python)
+from spawned_ranks import CaseWorlds, run_cases  # noqa: E402  (tests/python)
 from test_verl import SPLIT_BUDGET, VOCAB, _veRL_fsdp2_engine, make_engine, rollout_batch, run  # noqa: E402
 
 SP = 2
@@ -305,54 +300,19 @@ def _worker(rank, world, init_file, out_dir, cases):
     torch.set_num_threads(1)
     impl.get_device_id = impl.get_device_name = lambda: "cpu"
     seqlen_balancing.get_device_name = lambda: "cpu"
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))
-    results = {}
-    path = pathlib.Path(out_dir) / f"rank{rank}.json"
-    try:
-        ranks = Ranks(rank, world)
-    except BaseException:  # noqa: BLE001 - recorded, read by the test
-        results = {name: {"ok": False, "error": traceback.format_exc()} for name in cases}
-        path.write_text(json.dumps(results))
-        return
-    for name in cases:
-        t0 = time.monotonic()
-        try:
-            report = globals()[f"case_{name}"](ranks)
-            results[name] = {"ok": True, "seconds": round(time.monotonic() - t0, 1), "report": report}
-        except BaseException:  # noqa: BLE001 - recorded, read by the test
-            results[name] = {"ok": False, "error": traceback.format_exc()}
-        path.write_text(json.dumps(results))
-        failed = torch.tensor([0 if results[name]["ok"] else 1])
-        dist.all_reduce(failed)
-        if int(failed):  # the ranks may be out of step now: skip the remaining cases
-            break
-    dist.destroy_process_group()
+    built = {}
+
+    def run_case(name):
+        if "ranks" not in built:  # after the process group (its first case fails if this does)
+            built["ranks"] = Ranks(rank, world)
+        return globals()[f"case_{name}"](built["ranks"])
+
+    run_cases(rank, world, init_file, out_dir, cases, run_case, PG_TIMEOUT_S)
 
 
-_WORLDS: dict = {}
+WORLDS = CaseWorlds(_worker, CASES, WORLD_DEADLINE_S, "verl_sp_world")
 
 
-def _results(world: int, tmp_path_factory):
-    """Run (once) every case of ``world`` ranks; per rank its outcomes and why ranks may be missing."""
-    if world not in _WORLDS:
-        tmp = tmp_path_factory.mktemp(f"verl_sp_world{world}")
-        found, note, _ = spawn_ranks(_worker, world, tmp, (world, str(tmp / "init"), str(tmp), CASES[world]),
-                                     WORLD_DEADLINE_S)
-        _WORLDS[world] = ([o if o is not None else {} for o in found], note)
-    return _WORLDS[world]
-
-
-@pytest.mark.parametrize("world,case", [(w, c) for w, cs in CASES.items() for c in cs])
+@pytest.mark.parametrize("world,case", WORLDS.params())
 def test_verl_ulysses(world, case, tmp_path_factory):
-    if not dist.is_gloo_available():
-        pytest.skip("torch.distributed without gloo")
-    per_rank, note = _results(world, tmp_path_factory)
-    problems = []
-    for r, res in enumerate(per_rank):
-        outcome = res.get(case)
-        if outcome is None:
-            problems.append(f"rank {r}: did not run or finish ({note or 'an earlier case failed'})")
-        elif not outcome["ok"]:
-            problems.append(f"rank {r}:\n{outcome['error']}")
-    assert not problems, "\n".join(problems)
+    WORLDS.check(world, case, tmp_path_factory)
