@@ -86,13 +86,19 @@ the slowest rank's, tokens are summed over the ranks, micro-batches and peak mem
 the accuracy check runs on rank 0 (its first row's group, the rows of it that rank 0 holds); rank 0
 writes the JSON. A rank that raises ends the run (torchrun stops the others) instead of skipping the
 method, which would leave the other ranks in a collective. flex_fa4 runs there as the others do (each rank
-its own micro-batches and masks, mask builds the slowest rank's): data parallel only, as every method here
-(the plug-in refuses Ulysses; Flex has no sequence-parallel wrapper in this project). What flex_fa4 does not
-compare: prompt once across micro-batches (Flex has no prompt phase, so it is measured against copies'
-packing, and once's gain over copies is dualkv's alone) and sequence parallelism.
+its own micro-batches and masks, mask builds the slowest rank's): data parallel only (Flex has no
+sequence-parallel wrapper in this project). What flex_fa4 does not compare: prompt once across
+micro-batches (Flex has no prompt phase, so it is measured against copies' packing, and once's gain over
+copies is dualkv's alone) and sequence parallelism. ``--sp S`` runs once and copies under veRL's Ulysses
+(issue 24 item 3): the ranks form (world / S) data-parallel x S sequence-parallel ranks, the S ranks of an
+SP group hold the same share of the rows, and each micro-batch (``--max-tokens x S`` packed tokens, veRL's
+budget) is sharded over them by the plug-in; tokens summed over the ranks are then each micro-batch's
+once (each SP rank embeds its share).
 
     python bench/verl_step.py                              # 1.7B, G4 x N16, P 2K-8K, R 0.5K-2K, budget 16384
     torchrun --standalone --nproc_per_node 8 bench/verl_step.py --model 8b --groups 8 -N 32 ...   # data parallel
+    torchrun --standalone --nproc_per_node 8 bench/verl_step.py --model 8b --sp 8 --groups 1 -N 8 \
+        --prompt-len 131072 --response-len 2048 --max-tokens 20480 --methods once --no-accuracy  # Ulysses
     python bench/verl_step.py --device cpu --model tiny --groups 3 -N 4 --prompt-len 24,32 \\
         --response-len 4,12 --max-tokens 48 --dtype fp32 --rounds 1      # smoke test (tiny-moe: the MoE one)
 
@@ -193,7 +199,8 @@ def parse_args(argv=None):
                    help="Ulysses sequence parallelism (veRL's ulysses_sequence_parallel_size): the ranks form "
                         "(world / S) x S, the S ranks of an SP group hold the same rows and each micro-batch "
                         "(--max-tokens x S packed tokens, veRL's budget) is sharded over them; once and copies only "
-                        "(veRL's stock path shards attention only through its patched flash_attention_2)")
+                        "(veRL's stock path shards attention only through its patched flash_attention_2, Flex has "
+                        "no Ulysses wrapper here)")
     p.add_argument("--stock-attn", default="sdpa", help="attn_implementation of the stock engine")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--warmup", type=int, default=0,
