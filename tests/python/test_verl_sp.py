@@ -9,10 +9,11 @@ its train and eval mode contexts do. The ranks of an SP group hold the same rows
 the dp ranks hold different ones (different plans: placeholders). Against the same engine at sp 1 on
 one rank (a one-rank data-parallel group, no FSDP) on each dp rank's rows, combined as veRL's global
 token mean combines them: the summed loss, every parameter gradient (``full_tensor()``), the
-log-probs and the entropy within ``dualkv.demo.TOLERANCES[float32]``, for whole groups, for split
-groups with prompt once (phase A sharded over the SP group) and with prompt copies, and for the
-forward-only log-prob pass. The refusals reach every rank: heads the SP size does not fit, and
-``prompt_state_budget`` under SP.
+log-probs and the entropy within ``dualkv.demo.TOLERANCES[float32]``, for whole groups (each SP rank
+embedding its half of every micro-batch, every attention layer through ``distributed.attention``), for
+split groups with prompt once (phase A sharded over the SP group), with prompt copies and with veRL's
+fixed-size micro-batches, for tiny-moe with prompt once, and for the forward-only log-prob pass. The
+refusals reach every rank: heads the SP size does not fit, and ``prompt_state_budget`` under SP.
 
 Each world is one launch (importing torch, transformers and veRL dominates: ~10 s a process); a
 collective that hangs times out after PG_TIMEOUT_S and the world is killed after WORLD_DEADLINE_S.
