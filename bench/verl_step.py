@@ -192,8 +192,8 @@ def parse_args(argv=None):
     p.add_argument("--prompt-len", type=int_range, default=(2048, 8192))
     p.add_argument("--response-len", type=int_range, default=(512, 2048))
     p.add_argument("--max-tokens", type=int, default=16384,
-                   help="ppo_max_token_len_per_gpu (veRL's default 16384): packed tokens per micro-batch for dualkv (x S with --sp S: per GPU), "
-                        "unpadded tokens for the stock engine")
+                   help="ppo_max_token_len_per_gpu (veRL's default 16384): packed tokens per micro-batch for dualkv "
+                        "(per GPU: x S per micro-batch with --sp S), unpadded tokens for the stock engine")
     p.add_argument("--methods", default=",".join(DEFAULT_METHODS), help=f"some of {', '.join(METHODS)}")
     p.add_argument("--sp", type=int, default=1, metavar="S",
                    help="Ulysses sequence parallelism (veRL's ulysses_sequence_parallel_size): the ranks form "
