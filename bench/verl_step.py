@@ -86,13 +86,19 @@ the slowest rank's, tokens are summed over the ranks, micro-batches and peak mem
 the accuracy check runs on rank 0 (its first row's group, the rows of it that rank 0 holds); rank 0
 writes the JSON. A rank that raises ends the run (torchrun stops the others) instead of skipping the
 method, which would leave the other ranks in a collective. flex_fa4 runs there as the others do (each rank
-its own micro-batches and masks, mask builds the slowest rank's): data parallel only, as every method here
-(the plug-in refuses Ulysses; Flex has no sequence-parallel wrapper in this project). What flex_fa4 does not
-compare: prompt once across micro-batches (Flex has no prompt phase, so it is measured against copies'
-packing, and once's gain over copies is dualkv's alone) and sequence parallelism.
+its own micro-batches and masks, mask builds the slowest rank's): data parallel only (Flex has no
+sequence-parallel wrapper in this project). What flex_fa4 does not compare: prompt once across
+micro-batches (Flex has no prompt phase, so it is measured against copies' packing, and once's gain over
+copies is dualkv's alone) and sequence parallelism. ``--sp S`` runs once and copies under veRL's Ulysses
+(issue 24 item 3): the ranks form (world / S) data-parallel x S sequence-parallel ranks, the S ranks of an
+SP group hold the same share of the rows, and each micro-batch (``--max-tokens x S`` packed tokens, veRL's
+budget) is sharded over them by the plug-in; tokens summed over the ranks are then each micro-batch's
+once (each SP rank embeds its share).
 
     python bench/verl_step.py                              # 1.7B, G4 x N16, P 2K-8K, R 0.5K-2K, budget 16384
     torchrun --standalone --nproc_per_node 8 bench/verl_step.py --model 8b --groups 8 -N 32 ...   # data parallel
+    torchrun --standalone --nproc_per_node 8 bench/verl_step.py --model 8b --sp 8 --groups 1 -N 8 \
+        --prompt-len 131072 --response-len 2048 --max-tokens 20480 --methods once --no-accuracy  # Ulysses
     python bench/verl_step.py --device cpu --model tiny --groups 3 -N 4 --prompt-len 24,32 \\
         --response-len 4,12 --max-tokens 48 --dtype fp32 --rounds 1      # smoke test (tiny-moe: the MoE one)
 
@@ -186,9 +192,15 @@ def parse_args(argv=None):
     p.add_argument("--prompt-len", type=int_range, default=(2048, 8192))
     p.add_argument("--response-len", type=int_range, default=(512, 2048))
     p.add_argument("--max-tokens", type=int, default=16384,
-                   help="ppo_max_token_len_per_gpu (veRL's default 16384): packed tokens per micro-batch for dualkv, "
-                        "unpadded tokens for the stock engine")
+                   help="ppo_max_token_len_per_gpu (veRL's default 16384): packed tokens per micro-batch for dualkv "
+                        "(per GPU: x S per micro-batch with --sp S), unpadded tokens for the stock engine")
     p.add_argument("--methods", default=",".join(DEFAULT_METHODS), help=f"some of {', '.join(METHODS)}")
+    p.add_argument("--sp", type=int, default=1, metavar="S",
+                   help="Ulysses sequence parallelism (veRL's ulysses_sequence_parallel_size): the ranks form "
+                        "(world / S) x S, the S ranks of an SP group hold the same rows and each micro-batch "
+                        "(--max-tokens x S packed tokens, veRL's budget) is sharded over them; once and copies only "
+                        "(veRL's stock path shards attention only through its patched flash_attention_2, Flex has "
+                        "no Ulysses wrapper here)")
     p.add_argument("--stock-attn", default="sdpa", help="attn_implementation of the stock engine")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--warmup", type=int, default=0,
@@ -204,6 +216,10 @@ def parse_args(argv=None):
         p.error(f"--methods takes {', '.join(METHODS)}; got {args.methods!r}")
     if args.rounds < 1 or args.warmup < 0:
         p.error("--rounds >= 1, --warmup >= 0")
+    if args.sp < 1 or world_size() % args.sp:
+        p.error(f"--sp must divide the world size {world_size()}; got {args.sp}")
+    if args.sp > 1 and set(methods) - {"once", "copies"}:
+        p.error(f"--sp {args.sp} runs the dualkv methods (once, copies) only; got --methods {args.methods}")
     if args.layers is not None:
         full = {**MODEL_SIZES, **MOE_SIZES}[args.model]["num_hidden_layers"]
         if not 1 <= args.layers <= full:
@@ -494,6 +510,16 @@ def make_engine(v, model, attn, compute_dtype, device):
     return engine
 
 
+def use_ulysses(engine, sp: int, device) -> None:
+    """What veRL's ``_init_device_mesh`` sets for ``ulysses_sequence_parallel_size = sp``: the (dp, sp)
+    device mesh over all ranks and its SP group (FSDP2 keeps sharding over all of them)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh(device.type, (world_size() // sp, sp), mesh_dim_names=("dp", "sp"))
+    engine.engine_config.ulysses_sequence_parallel_size = sp
+    engine.ulysses_sequence_parallel_size, engine.use_ulysses_sp = sp, True
+    engine.ulysses_device_mesh, engine.ulysses_parallel_group = mesh, mesh["sp"].get_group()
+
+
 def actor_config(v, args):
     """The actor config ppo_loss reads: veRL's GRPO recipe (KL loss, no entropy bonus), clip 0.2 / 0.28."""
     return v.FSDPActorConfig(strategy="fsdp2", rollout_n=args.n, ppo_mini_batch_size=args.groups, use_dynamic_bsz=True,
@@ -637,7 +663,7 @@ def response_logprobs(v, out, td, rows):
 # ------------------------------------------------------------------------------------------------
 
 def world_size() -> int:
-    """The data-parallel world: torchrun's WORLD_SIZE, 1 without it."""
+    """All ranks (data parallel x Ulysses, --sp): torchrun's WORLD_SIZE, 1 without it."""
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
@@ -711,11 +737,11 @@ def main(argv=None) -> int:
     # the same weights, kept unsharded on the host (rank 0 checks)
     truth_model = None if args.no_accuracy or rank else build().to("cpu")
     proto, prompts, responses, rows = rollout_batch(v, args, cfg.vocab_size)
-    proto, local_rows = rank_share(proto, rows, world, rank)
+    proto, local_rows = rank_share(proto, rows, world // args.sp, rank // args.sp)  # an SP group: one share
     report = {"args": {k: (list(x) if isinstance(x, tuple) else x) for k, x in vars(args).items()},
               "model": model_record(args, cfg),
               "protocol": {"engine": f"veRL 0.9.1 FSDPEngineWithLMHead, strategy fsdp2 (apply_fsdp2), world size "
-                                     f"{world} (data parallel)",
+                                     f"{world} ({world // args.sp} data parallel x {args.sp} Ulysses)",
                            "precision": "fp32 parameters, bf16 compute (MixedPrecisionPolicy + autocast)"
                            if args.dtype == "bf16" else "fp32",
                            "gradient_checkpointing": "non-reentrant",
@@ -743,7 +769,7 @@ def main(argv=None) -> int:
             "no expert parallelism (veRL's FSDP engine has none): the experts sharded by FSDP2 with their "
             f"decoder layer over the {world} rank(s), {cfg.num_experts} experts, {cfg.num_experts_per_tok} per "
             "token, router aux loss off (output_router_logits false, coefficient 0)")
-    report["tokens"] = token_counts(prompts, responses, args.max_tokens)
+    report["tokens"] = token_counts(prompts, responses, args.max_tokens * args.sp)  # veRL's micro-batch budget
     print(f"tokens {report['tokens']}", flush=True)
     keep = (lambda rep: save(rep, args)) if rank == 0 else (lambda rep: None)  # rank 0 writes
 
@@ -754,6 +780,9 @@ def main(argv=None) -> int:
             if set(STOCK) & set(args.methods):
                 report["protocol"]["stock_logprobs"] = stock_logprobs(v)
             engines = build_engines(v, args, build, compute_dtype, device)
+            if args.sp > 1:
+                for engine in {id(e): e for e in engines.values()}.values():  # once and copies share one
+                    use_ulysses(engine, args.sp, device)
             first = next(iter(engines.values())).module
             report["protocol"]["fsdp2_units"] = fsdp2_units(first)
             report["model"]["parameters"] = sum(p.numel() for p in first.parameters())

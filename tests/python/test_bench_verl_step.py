@@ -119,6 +119,22 @@ def test_verl_step_bench_runs_on_two_ranks(tmp_path):
     assert stdout.count("tokens {") == 1  # rank 0 prints, rank 1 is silent
 
 
+def test_verl_step_bench_runs_ulysses_on_two_ranks(tmp_path):
+    """--sp 2 on two ranks (gloo): one SP group holding all rows, each micro-batch (--max-tokens x 2 = the
+    smoke run's 48 packed tokens) sharded over both; the tokens through the embeddings, summed over the
+    ranks, are each micro-batch once (plus its pad), and the log-probs meet the fp32 truth."""
+    data, _ = _run(tmp_path, "--methods", "once,copies", "--sp", "2", "--max-tokens", "24", ranks=2)
+    assert data["complete"] is True and data["verdict"]["methods_ok"] is True
+    assert "1 data parallel x 2 Ulysses" in data["protocol"]["engine"]
+    tokens, once, copies = data["tokens"], data["passes"]["once"], data["passes"]["copies"]
+    assert tokens["split_groups"] == 3  # the budget of the whole micro-batch: 24 x sp
+    # every rank embeds its half of a micro-batch (a micro-batch's pad: at most one token)
+    assert tokens["packed"] <= once["update_tokens"] <= tokens["packed"] + 2 * once["update_micro_batches"] + 3 * 2
+    assert once["update_tokens"] < copies["update_tokens"]
+    err = data["logprob_error"]
+    assert err["rows"] == 4 and all(err[m]["max"] < 1e-4 for m in ("once", "copies"))
+
+
 def test_verl_step_bench_runs_the_moe_shape_on_cpu(tmp_path):
     """--model tiny-moe (Qwen3MoeForCausalLM, the class of issue 24 item 2's 30b-a3b) through the script:
     prompt once against stock, every group over the budget. veRL's apply_fsdp2 makes each
@@ -222,6 +238,20 @@ def test_flex_fa4_attention_builds_one_mask_per_layout():
         attn(None, q, k, v, None, dualkv_layout=layouts[0], dualkv_prompt_kv=object())
     with pytest.raises(dualkv.UnsupportedError, match="sliding_window"):
         attn(None, q, k, v, None, dualkv_layout=layouts[0], sliding_window=4)
+
+
+def test_verl_step_sp_argument(monkeypatch, capsys):
+    """--sp divides the world size and runs the dualkv methods only (veRL's stock path shards attention
+    only through its patched flash_attention_2, which the stock methods here do not use)."""
+    from test_demo import _load_bench
+    bench = _load_bench("verl_step")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert bench.parse_args(["--sp", "2", "--methods", "once,copies"]).sp == 2
+    for argv, message in ((["--sp", "3", "--methods", "once"], "must divide the world size 4"),
+                          (["--sp", "2"], "runs the dualkv methods (once, copies) only")):
+        with pytest.raises(SystemExit):
+            bench.parse_args(argv)
+        assert message in capsys.readouterr().err
 
 
 def test_stock_fa4_attention_runs_each_sequence_causally():
