@@ -31,7 +31,7 @@ from verl.workers.utils.losses import ppo_loss  # noqa: E402
 from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding  # noqa: E402
 
 import dualkv  # noqa: E402
-from dualkv.demo import MOE_SIZES, qwen3_config  # noqa: E402
+from dualkv.demo import MOE_SIZES, build_model, qwen3_config  # noqa: E402
 from dualkv.integrations import verl as dkv  # noqa: E402
 from spawned_ranks import spawn_ranks  # noqa: E402  (tests/python)
 
@@ -574,3 +574,26 @@ def test_example_config_is_valid_verl():
     assert cfg.actor_rollout_ref.model.override_config.attn_implementation == "dualkv"
     import_external_libs(cfg.actor_rollout_ref.model.external_lib)  # what HFModelConfig does in every worker
     assert impl.prepare_micro_batches is dkv._prepare_micro_batches
+
+
+def test_engine_model_build_names_the_trl_conflict():
+    """veRL's engine builds its model through ``apply_monkey_patch``, which imports TRL's
+    AutoModelForCausalLMWithValueHead whenever TRL is installed; TRL removed the class (the TRL
+    plug-in's pin, 1.16, has none), and the plug-in turns veRL's bare ImportError into one that says
+    what to do. With a TRL that still has the class (veRL's own pin) the patch runs as before."""
+    assert impl.apply_monkey_patch is dkv._apply_monkey_patch  # what the engine's _build_module calls
+    model = build_model(qwen3_config("tiny"), torch.device("cpu"), torch.float32)
+    try:
+        from trl.experimental.ppo import AutoModelForCausalLMWithValueHead  # noqa: F401
+        has_value_head = True
+    except ImportError:
+        try:
+            from trl import AutoModelForCausalLMWithValueHead  # noqa: F401,F811
+            has_value_head = True
+        except ImportError:
+            has_value_head = False
+    if has_value_head:
+        impl.apply_monkey_patch(model=model, use_remove_padding=True, ulysses_sp_size=1)
+    else:
+        with pytest.raises(ImportError, match=r"run veRL in an environment without TRL or with veRL's own pin"):
+            impl.apply_monkey_patch(model=model, use_remove_padding=True, ulysses_sp_size=1)

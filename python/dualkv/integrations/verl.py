@@ -719,6 +719,27 @@ def _prepare_model_outputs(self, output, output_args, micro_batch, logits_proces
     return _ORIGINAL["prepare_model_outputs"](self, output, output_args, micro_batch, logits_processor_func)
 
 
+def _apply_monkey_patch(*args, **kwargs):
+    """veRL's ``apply_monkey_patch`` (its engine's model build, every engine), with a clear error for
+    one known conflict. veRL 0.9.1 imports TRL's ``AutoModelForCausalLMWithValueHead`` there whenever
+    TRL is installed (to patch its ``state_dict``), from ``trl.experimental.ppo`` or ``trl``; TRL moved
+    the class to ``trl.experimental.ppo`` and then removed it with PPO (huggingface/trl#7020, 2026-09),
+    so with this project's TRL pin (1.16, the TRL plug-in's) veRL's model build fails with a bare
+    ImportError before any dualkv code runs. veRL pins ``trl<=0.9.6``: run veRL in an environment of its
+    own. Nothing else changes (any other error, and the call itself, are veRL's)."""
+    try:
+        return _ORIGINAL["apply_monkey_patch"](*args, **kwargs)
+    except ImportError as exc:
+        if "AutoModelForCausalLMWithValueHead" not in str(exc):
+            raise
+        from importlib.metadata import version
+        raise ImportError(
+            f"veRL 0.9.1's apply_monkey_patch imports TRL's AutoModelForCausalLMWithValueHead whenever TRL is "
+            f"installed, and TRL {version('trl')} no longer has it (removed with PPO, huggingface/trl#7020): "
+            "run veRL in an environment without TRL or with veRL's own pin (trl<=0.9.6). The dualkv TRL "
+            "plug-in's pin (requirements-rl.txt: trl==1.16.0) belongs in another environment.") from exc
+
+
 def install_plugin() -> None:
     """Patch veRL's FSDP engine (idempotent; done on import)."""
     if _ORIGINAL:
@@ -727,11 +748,13 @@ def install_plugin() -> None:
     _ORIGINAL.update(forward_backward_batch=engine.forward_backward_batch,
                      prepare_model_inputs=engine.prepare_model_inputs,
                      prepare_model_outputs=engine.prepare_model_outputs,
-                     prepare_micro_batches=_impl.prepare_micro_batches)
+                     prepare_micro_batches=_impl.prepare_micro_batches,
+                     apply_monkey_patch=_impl.apply_monkey_patch)
     engine.forward_backward_batch = _forward_backward_batch
     engine.prepare_model_inputs = _prepare_model_inputs
     engine.prepare_model_outputs = _prepare_model_outputs
     _impl.prepare_micro_batches = _prepare_micro_batches
+    _impl.apply_monkey_patch = _apply_monkey_patch
 
 
 install_plugin()
