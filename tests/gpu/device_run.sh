@@ -112,8 +112,9 @@
 #                forward-only log-prob pass, CUDA events, medians of 3 interleaved rounds after an untimed counted
 #                pass; packed tokens and micro-batches per method, peak memory, the first group's log-probs vs
 #                an fp32 truth (trl_step.py's rule). VERL_ARGS adds options (e.g. --methods once,copies), cut at
-#                $VERL_CAP (default 570) s; JSON $OUT/verl_step_<model>.json; VERL_NPROC=n runs n data-parallel ranks
-#                under torchrun (one per GPU: issue 24's launch, e.g. VERL_NPROC=8 VERL_ARGS="--model 8b ..."). Needs the wheels step first, in
+#                $VERL_CAP (default 570) s; JSON $OUT/verl_step_<model>.json; VERL_NPROC=n runs n ranks
+#                under torchrun (one per GPU: issue 24's launch, e.g. VERL_NPROC=8 VERL_ARGS="--model 8b ..."), data
+#                parallel, or n / S data-parallel ranks of S-way Ulysses with --sp S in VERL_ARGS. Needs the wheels step first, in
 #                the same call. Measured (session 31, 1.7B, --methods once,copies,stock_fa4 after fa4-install
 #                in the same call): 246 s in all (once 5.2 s, copies 5.7 s, stock_fa4 17.4 s per update);
 #                stock (sdpa) not re-timed since the log-prob fix (before it: 102 s per update, most of it veRL's
