@@ -276,6 +276,32 @@ def forest_block_mask(layout, device, backend="TRITON"):
     return block_mask_of(forest_mask_mod(forest_key_end(layout, device)), layout.num_tokens, device, backend)
 
 
+def forest_mask_build_seconds(layouts, device, backend="TRITON", reps: int = 3) -> float:
+    """Median over ``reps`` of the wall time of building the forest BlockMask of every layout of
+    ``layouts`` once (forest_block_mask): one update's mask builds timed alone, as a Flex trainer pays
+    them per micro-batch (examples/grpo_fsdp_ulysses.py, bench/verl_step.py)."""
+    samples = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        for layout in layouts:
+            forest_block_mask(layout, device, backend)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples)
+
+
+def flex_settings(device) -> dict:
+    """How a packed Flex method runs, for its JSON: on a GPU compiled with torch's automatic dynamic
+    shapes and eager create_block_mask builds (configure_flex(compiled=True, dynamic=None,
+    mask_compile=False)); on a CPU the dense-mask SDPA stand-in."""
+    cuda = device.type == "cuda"
+    return {"flex_compile": cuda, "flex_dynamic": "automatic" if cuda else None,
+            "flex_mask_build": "eager create_block_mask" if cuda else "dense mask (CPU stand-in)"}
+
+
 def block_mask_of(mask_mod, num_tokens: int, device, backend="TRITON", block=None):
     """The [num_tokens, num_tokens] BlockMask of ``mask_mod`` for a Flex backend (block size ``block``,
     by default the backend's peers.FLEX_BLOCK; compiled build with configure_flex's mask_compile); on

@@ -67,7 +67,7 @@ pass's time (``*_first_s``) and the update's loss (``update_loss``: veRL's micro
 same batch loss for every method). flex_fa4 also, per pass kind (``update`` / ``logprobs``), beside its
 steady state (the medians): ``compile_s`` (the counted, first pass's time minus the median: its
 compiles), ``mask_builds`` (BlockMask builds in that pass: one per micro-batch) and ``mask_build_s`` (those
-builds timed alone, per micro-batch the median of 3, summed; inside the medians) with ``excl_mask_s``
+builds timed alone, the median of 3: e2e.forest_mask_build_seconds; inside the medians) with ``excl_mask_s``
 (the median less them); and ``flex_fa4_vs_copies``, the max |Δ log-prob| against copies over every
 response token (the same packed stream: only the attention differs).
 Accuracy (the tolerance rule of DESIGN.md section 7, as bench/trl_step.py applies it): the log-probs of
@@ -136,7 +136,8 @@ sys.path.insert(0, str(HERE.parent / "python"))
 
 import logprob_noise  # noqa: E402  (exact fp32 truth, row by row)
 import provenance  # noqa: E402
-from e2e import configure_flex, environment, flex_attention_forward, forest_block_mask, int_range  # noqa: E402
+from e2e import (configure_flex, environment, flex_attention_forward, flex_settings, forest_block_mask,  # noqa: E402
+                 forest_mask_build_seconds, int_range)
 from peers import FLEX_BACKENDS, FLEX_BLOCK  # noqa: E402
 
 from dualkv.demo import _Timer as Clock  # noqa: E402  (CUDA events on a GPU, wall clock otherwise)
@@ -363,20 +364,6 @@ def recorded_mask_builds(method):
         yield built
     finally:
         FLEX_FA4_ATTENTION.recorded = None
-
-
-def mask_build_seconds(layouts, device, reps: int = 3) -> float:
-    """flex_fa4's BlockMask builds of one pass timed alone: per micro-batch (its layout) the median of
-    ``reps`` builds, summed."""
-    total = 0.0
-    for layout in layouts:
-        times = []
-        for _ in range(reps):
-            with Clock(device) as c:
-                forest_block_mask(layout, device, FLEX_FA4_ATTENTION.backend)
-            times.append(c.seconds)
-        total += statistics.median(times)
-    return total
 
 
 def chunked_logprobs(logits, labels, inplace_backward=True, rows=4096):
@@ -886,7 +873,7 @@ def measure(v, engines, args, proto, loss, device, after_round=None):
                         rec[m]["update_loss"] = reduced(seen["loss"], "sum", device)
                     if m == "flex_fa4":  # the builds of this pass (one per micro-batch), then timed alone
                         rec[m].setdefault("mask_builds", {})[key] = int(reduced(len(built), "max", device))
-                        rec[m].setdefault("mask_build_s", {})[key] = reduced(mask_build_seconds(built, device),
+                        rec[m].setdefault("mask_build_s", {})[key] = reduced(forest_mask_build_seconds(built, device, FLEX_FA4_ATTENTION.backend),
                                                                              "max", device)
                     del built
                 for _ in range(args.warmup):
@@ -949,8 +936,7 @@ def flex_costs(r, device) -> dict:
             "ran": f"compiled FlexAttention, kernel_options BACKEND={backend} (FlashAttention-4), BlockMask block "
                    f"{FLEX_BLOCK[backend][0]} x {FLEX_BLOCK[backend][1]}" if cuda else
                    "the CPU stand-in: the dense boolean mask of the forest rule (create_mask) through SDPA",
-            "flex_compile": cuda, "flex_dynamic": "automatic" if cuda else None,
-            "flex_mask_build": "eager create_block_mask" if cuda else "dense mask (CPU stand-in)"}
+            **flex_settings(device)}
 
 
 def same_stream_agreement(v, got, proto, device) -> dict:

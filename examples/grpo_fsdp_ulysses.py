@@ -633,19 +633,11 @@ def main(argv=None) -> int:
     return 0 if ok else 1
 
 
-def mask_build_seconds(units, batch, device, backend, reps=3) -> float:
-    """Median wall time of building this rank's BlockMasks of one update, timed alone (the forest
-    rule's gather and create_block_mask per micro-batch; packing excluded), as bench/e2e.py does."""
-    packed = [packed_micro_batch(u.entries, batch, device) for u in units]
-    samples = []
-    for _ in range(reps):
-        _sync(device)
-        t0 = time.perf_counter()
-        for pk in packed:
-            flex_block_mask(pk, device, backend)
-        _sync(device)
-        samples.append(time.perf_counter() - t0)
-    return statistics.median(samples)
+def mask_build_seconds(units, batch, device, backend) -> float:
+    """This rank's BlockMask builds of one update timed alone (packing excluded): bench/e2e.py's
+    forest_mask_build_seconds over its micro-batches' layouts."""
+    layouts = [packed_micro_batch(u.entries, batch, device).layout for u in units]
+    return e2e.forest_mask_build_seconds(layouts, device, backend)
 
 
 def flex_costs(result, units, batch, device, backend):
@@ -653,9 +645,7 @@ def flex_costs(result, units, batch, device, backend):
     median of the timed ones) and the mask builds of one update on the slowest rank."""
     own = torch.tensor([mask_build_seconds(units, batch, device, backend)], dtype=torch.float64, device=device)
     dist.all_reduce(own, op=dist.ReduceOp.MAX)
-    out = {"mask_build_s": float(own), "flex_compile": device.type == "cuda",
-           "flex_dynamic": "automatic" if device.type == "cuda" else None,
-           "flex_mask_build": "eager create_block_mask" if device.type == "cuda" else "dense mask (CPU stand-in)"}
+    out = {"mask_build_s": float(own), **e2e.flex_settings(device)}
     if "median_seconds_fwd_bwd" in result:
         sec = result["median_seconds_fwd_bwd"]
         out.update(compile_s=max(0.0, result["updates"][0]["seconds_fwd_bwd"] - sec),
