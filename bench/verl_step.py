@@ -340,6 +340,17 @@ class ForestFlexAttention:
 FLEX_FA4_ATTENTION = ForestFlexAttention(FLEX_BACKENDS["flex_fa4"])
 
 
+def flex_fa4_attention(device) -> str:
+    """What flex_fa4's attention runs on ``device`` (the JSON's protocol and the method's ``ran``)."""
+    if device.type != "cuda":
+        return ("the CPU stand-in of Flex: the dense boolean mask of the forest rule (create_mask) through SDPA, "
+                "built per micro-batch inside the pass")
+    backend = FLEX_FA4_ATTENTION.backend
+    return (f"compiled FlexAttention (automatic dynamic shapes) with kernel_options BACKEND={backend} "
+            f"(FlashAttention-4), the forest rule's BlockMask built per micro-batch inside the pass (eager "
+            f"create_block_mask, block {FLEX_BLOCK[backend][0]} x {FLEX_BLOCK[backend][1]})")
+
+
 def register_flex_fa4(device) -> None:
     """FLEX_FA4_IMPL as a layout attention: compiled FlexAttention on FA4 (``BACKEND=FLASH``) on a GPU
     (peers.fa4 raises Unavailable without FA4), compiled as users compile it (torch's automatic dynamic
@@ -744,13 +755,7 @@ def main(argv=None) -> int:
                            "flex_fa4": "the plug-in's packed micro-batches (whole groups; a group over the budget "
                                        "split with prompt copies, as copies: Flex cannot read a prompt phase's keys "
                                        "and values) on the engine of once and copies, attention by "
-                                       + (f"compiled FlexAttention (automatic dynamic shapes) with kernel_options "
-                                          f"BACKEND=FLASH (FlashAttention-4), the forest rule's BlockMask built per "
-                                          f"micro-batch inside the pass (eager create_block_mask, block "
-                                          f"{FLEX_BLOCK['FLASH'][0]} x {FLEX_BLOCK['FLASH'][1]})"
-                                          if device.type == "cuda" else
-                                          "the CPU stand-in of Flex: the dense boolean mask of the forest rule "
-                                          "(create_mask) through SDPA, built per micro-batch inside the pass")}}
+                                       + flex_fa4_attention(device)}}
     if is_moe(cfg):
         report["protocol"]["experts"] = (
             "no expert parallelism (veRL's FSDP engine has none): the experts sharded by FSDP2 with their "
@@ -873,8 +878,8 @@ def measure(v, engines, args, proto, loss, device, after_round=None):
                         rec[m]["update_loss"] = reduced(seen["loss"], "sum", device)
                     if m == "flex_fa4":  # the builds of this pass (one per micro-batch), then timed alone
                         rec[m].setdefault("mask_builds", {})[key] = int(reduced(len(built), "max", device))
-                        rec[m].setdefault("mask_build_s", {})[key] = reduced(forest_mask_build_seconds(built, device, FLEX_FA4_ATTENTION.backend),
-                                                                             "max", device)
+                        own = forest_mask_build_seconds(built, device, FLEX_FA4_ATTENTION.backend)
+                        rec[m].setdefault("mask_build_s", {})[key] = reduced(own, "max", device)
                     del built
                 for _ in range(args.warmup):
                     run_pass(v, engines[m], args, proto, True, loss)
@@ -929,14 +934,9 @@ def flex_costs(r, device) -> dict:
     ``mask_build_s`` (one pass's BlockMask builds timed alone, slowest rank: inside the median, the update
     pays them as a trainer does); ``ran``: compiled Flex on FA4, or the CPU stand-in."""
     kinds = ("update", "logprobs")
-    cuda = device.type == "cuda"
-    backend = FLEX_FA4_ATTENTION.backend
     return {"compile_s": {k: max(0.0, r[f"{k}_first_s"] - r[f"{k}_median_s"]) for k in kinds},
             "excl_mask_s": {k: r[f"{k}_median_s"] - r["mask_build_s"][k] for k in kinds},
-            "ran": f"compiled FlexAttention, kernel_options BACKEND={backend} (FlashAttention-4), BlockMask block "
-                   f"{FLEX_BLOCK[backend][0]} x {FLEX_BLOCK[backend][1]}" if cuda else
-                   "the CPU stand-in: the dense boolean mask of the forest rule (create_mask) through SDPA",
-            **flex_settings(device)}
+            "ran": flex_fa4_attention(device), **flex_settings(device)}
 
 
 def same_stream_agreement(v, got, proto, device) -> dict:
