@@ -276,21 +276,29 @@ def forest_block_mask(layout, device, backend="TRITON"):
     return block_mask_of(forest_mask_mod(forest_key_end(layout, device)), layout.num_tokens, device, backend)
 
 
-def forest_mask_build_seconds(layouts, device, backend="TRITON", reps: int = 3) -> float:
-    """Median over ``reps`` of the wall time of building the forest BlockMask of every layout of
-    ``layouts`` once (forest_block_mask): one update's mask builds timed alone, as a Flex trainer pays
-    them per micro-batch (examples/grpo_fsdp_ulysses.py, bench/verl_step.py)."""
+def median_wall_seconds(work, device, reps: int = 3) -> float:
+    """Median over ``reps`` of the wall time of ``work()``, the device synchronised around it (the mask
+    builds timed alone: what a Flex update pays for them)."""
     samples = []
     for _ in range(reps):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         t0 = time.perf_counter()
-        for layout in layouts:
-            forest_block_mask(layout, device, backend)
+        work()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         samples.append(time.perf_counter() - t0)
     return statistics.median(samples)
+
+
+def forest_mask_build_seconds(layouts, device, backend="TRITON", reps: int = 3) -> float:
+    """median_wall_seconds of building the forest BlockMask of every layout of ``layouts`` once
+    (forest_block_mask): one update's mask builds, as a Flex trainer pays them per micro-batch
+    (examples/grpo_fsdp_ulysses.py, bench/verl_step.py)."""
+    def build():
+        for layout in layouts:
+            forest_block_mask(layout, device, backend)
+    return median_wall_seconds(build, device, reps)
 
 
 def flex_settings(device) -> dict:
@@ -1036,22 +1044,16 @@ def _std_logprobs_nograd(model, mbs, args, device):
 
 def _mask_build_seconds(mbs, device, backend, reps: int = 3, method=None, args=None) -> float:
     """Median wall time of building every micro-batch's BlockMask once (what one Flex update pays;
-    for a model with several layer kinds, the masks of every kind)."""
+    for a model with several layer kinds, the masks of every kind): median_wall_seconds."""
     spec = getattr(args, "spec", None)
-    samples = []
-    for _ in range(reps):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
+
+    def build():
         for mb in mbs:
             if spec is not None and spec.mods:
                 build_layer_masks(mb, device, spec, method, args.flex_flash_block)
             else:
                 build_block_mask(mb, device, backend)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        samples.append(time.perf_counter() - t0)
-    return statistics.median(samples)
+    return median_wall_seconds(build, device, reps)
 
 
 #: kernel-name patterns of the GPU time breakdown (first match wins; lower-case names)
