@@ -52,8 +52,8 @@ from .logprobs import (_check_common, _check_head, _check_token_ids, _chunk_rows
 from .ops import attention as _attention
 from .packing import PackedBatch, pack_groups
 
-__all__ = ["RowShard", "SequenceShard", "agree", "attention", "placeholder_batch", "response_logprobs",
-           "rows_response_logprobs", "shard", "shard_rows", "ulysses_attention"]
+__all__ = ["RowShard", "SequenceShard", "agree", "attention", "check_head_split", "placeholder_batch",
+           "response_logprobs", "rows_response_logprobs", "shard", "shard_rows", "ulysses_attention"]
 
 
 def _size_rank(group) -> Tuple[int, int]:
@@ -218,6 +218,18 @@ def _heads_to_tokens(x: Tensor, group, size: int) -> Tensor:
     return back.movedim(0, -3).reshape(*lead, n, size * h, D)
 
 
+def check_head_split(num_heads: int, num_kv_heads: int, sp: int, what: str) -> None:
+    """Raises :class:`ArgumentError` unless Ulysses can split the heads over ``sp`` ranks: the query
+    heads divisible by sp, the KV heads divisible by sp or dividing it (then each rank gets a copy of
+    the one KV head its query heads read). ``what`` names the caller in the message. A check of the
+    model's config alone, so that a trainer can refuse a model on every rank before any forward."""
+    if num_heads % sp:
+        raise ArgumentError(f"{what}: {num_heads} query heads are not divisible by the sequence-parallel size {sp}")
+    if num_kv_heads % sp and sp % num_kv_heads:
+        raise ArgumentError(f"{what}: {num_kv_heads} KV heads: the sequence-parallel size {sp} must divide them or "
+                            "be a multiple of them")
+
+
 def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, group, attend: Callable[[Tensor, Tensor, Tensor], Tensor],
                       what: str = "dualkv.distributed.ulysses_attention") -> Tensor:
     """Any attention ``attend`` under Ulysses sequence parallelism over ``group`` (size s).
@@ -235,11 +247,7 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, group, attend: Callable[[
     if s == 1:
         return attend(q, k, v)
     H, Hk, D = q.shape[-2], k.shape[-2], q.shape[-1]
-    if H % s:
-        raise ArgumentError(f"{what}: {H} query heads are not divisible by the sequence-parallel size {s}")
-    if Hk % s and s % Hk:
-        raise ArgumentError(f"{what}: {Hk} KV heads: the sequence-parallel size {s} must divide them or be a "
-                            "multiple of them")
+    check_head_split(H, Hk, s, what)
     if (k.shape != v.shape or k.shape[-1] != D or k.shape[:-2] != q.shape[:-2]
             or not (q.dtype == k.dtype == v.dtype)):
         raise ArgumentError(f"{what}: q {tuple(q.shape)} {q.dtype}, k {tuple(k.shape)} {k.dtype} and v "

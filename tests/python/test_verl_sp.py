@@ -239,7 +239,7 @@ def case_refusals(ranks: Ranks):
     for option in ("", "0"):
         os.environ[dkv.PROMPT_ONCE_ENV] = option
         engine = sp_engine("tiny", ranks.world, model=model.train())
-        with pytest.raises(dualkv.ArgumentError, match="ulysses_sequence_parallel_size=2 does not fit 3 query"):
+        with pytest.raises(dualkv.ArgumentError, match="ulysses_sequence_parallel_size=2: 3 query heads are not divisible"):
             run(engine, ranks.proto, max_tokens=SPLIT_PER_GPU, mode="train")
     os.environ[dkv.PROMPT_ONCE_ENV] = "prompt_state_budget=1"
     try:
@@ -269,9 +269,9 @@ CASES = {2: ["whole_groups", "prompt_once", "prompt_copies", "refusals", "moe_pr
 # ----------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("overrides,sp,error,message", [
-    (dict(num_attention_heads=3, num_key_value_heads=1), 2, dualkv.ArgumentError, "does not fit 3 query / 1 KV"),
-    (dict(num_attention_heads=8, num_key_value_heads=3), 2, dualkv.ArgumentError, "does not fit 8 query / 3 KV"),
-    (dict(num_attention_heads=4, num_key_value_heads=2), 8, dualkv.ArgumentError, "=8 does not fit 4 query"),
+    (dict(num_attention_heads=3, num_key_value_heads=1), 2, dualkv.ArgumentError, "=2: 3 query heads are not divisible by the sequence-parallel size 2"),
+    (dict(num_attention_heads=8, num_key_value_heads=3), 2, dualkv.ArgumentError, "=2: 3 KV heads: the sequence-parallel size 2 must divide them"),
+    (dict(num_attention_heads=4, num_key_value_heads=2), 8, dualkv.ArgumentError, "=8: 4 query heads are not divisible"),
     (dict(use_sliding_window=True, sliding_window=4, layer_types=["sliding_attention", "full_attention"]), 2,
      dualkv.UnsupportedError, r"mask modifiers \(window\)"),
 ])

@@ -85,7 +85,7 @@ import torch
 
 from .. import schedule
 from .._native import ArgumentError, UnsupportedError
-from ..distributed import SequenceShard, agree, placeholder_batch, shard
+from ..distributed import SequenceShard, agree, check_head_split, placeholder_batch, shard
 from ..microbatch import MicroBatch, PromptPhase, plan_micro_batches
 from ..packing import PackedBatch, pack_padded
 from ..schedule import _pack as _pack_planned
@@ -166,10 +166,7 @@ def _check_sequence_parallel(engine, model) -> None:
     text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     heads = int(text.num_attention_heads)
     kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
-    if heads % sp or (kv_heads % sp and sp % kv_heads):
-        raise ArgumentError(f"dualkv: ulysses_sequence_parallel_size={sp} does not fit {heads} query / {kv_heads} KV "
-                            f"heads: the query heads must be divisible by it and the KV heads divisible by it or "
-                            f"a divisor of it")
+    check_head_split(heads, kv_heads, sp, f"dualkv: ulysses_sequence_parallel_size={sp}")
     used = sorted(dkt.config_modifiers(model.config))
     if used:
         raise UnsupportedError(f"dualkv: ulysses_sequence_parallel_size={sp} with the mask modifiers "
