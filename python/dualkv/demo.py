@@ -127,7 +127,10 @@ def qwen3_config(size: str = "tiny", **overrides):
     else:
         raise ValueError(f"unknown model size {size!r}; one of {sorted(MODEL_SIZES)} (dense) or "
                          f"{sorted(MOE_SIZES)} (MoE)")
-    kw = dict(shape, rope_theta=1e6, rms_norm_eps=1e-6, max_position_embeddings=65536,
+    # 262144 (Qwen3-2507's context): the example's 128K-prompt group at SP 8 (docs/distributed.md)
+    # reads positions up to 133,120; the rotary embedding computes any position, but the config should
+    # cover the context it runs.
+    kw = dict(shape, rope_theta=1e6, rms_norm_eps=1e-6, max_position_embeddings=262144,
               attention_dropout=0.0, use_cache=False)
     if cls is Qwen3MoeConfig:  # the router's aux loss off (see above)
         kw.update(output_router_logits=False, router_aux_loss_coef=0.0)
