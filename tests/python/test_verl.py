@@ -312,6 +312,43 @@ def _veRL_fsdp2_engine(param_dtype, size="tiny", world=1):
     return engine
 
 
+def _veRL_fsdp1_engine(param_dtype, size="tiny", world=1):
+    """The dualkv engine around the tiny model wrapped by veRL's own FSDP1 strategy over ``world``
+    ranks: ``FSDPEngine._build_fsdp_module`` with ``strategy="fsdp"`` (torch's FullyShardedDataParallel
+    with veRL's wrap policy, each decoder layer a unit (the model's _no_split_modules) and the rest in
+    the root's; FULL_SHARD over veRL's 1-D "fsdp" mesh of all ranks (``fsdp_size=-1``);
+    ``MixedPrecision(param_dtype, fp32 reduction, fp32 buffers)``; ``use_orig_params=False``: one
+    FlatParameter per unit; ``sync_module_states=True``), after gradient checkpointing as veRL's model
+    build enables it; ``_autocast_dtype`` is the one the build sets (``param_dtype``).
+
+    One guard of torch's is lifted for the build: with ``sync_module_states=True`` FSDP1 refuses CPU
+    parameters before it broadcasts rank 0's (torch 2.15, ``torch/distributed/fsdp/_init_utils.py``,
+    ``_check_module_states_for_sync_module_states``: "The module has CPU parameters or buffers when
+    `sync_module_states=True`, which requires them to be on GPU"); gloo broadcasts CPU tensors, so
+    with the check lifted the broadcast itself runs. Nothing else of FSDP1 refuses the CPU."""
+    from types import SimpleNamespace
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import _init_utils as fsdp_init
+    names = {torch.float32: "fp32", torch.bfloat16: "bf16"}
+    engine = make_engine("dualkv", size)
+    engine.engine_config = FSDPEngineConfig(strategy="fsdp", use_torch_compile=False, mixed_precision=dict(
+        param_dtype=names[param_dtype], reduce_dtype="fp32", buffer_dtype="fp32"))
+    engine.model_config = SimpleNamespace(lora_rank=0, enable_activation_offload=False)  # what the build reads
+    engine.device_mesh = init_device_mesh("cpu", (world,), mesh_dim_names=["fsdp"])  # veRL's create_device_mesh
+    engine.module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})  # as veRL
+    cpu_guard = fsdp_init._check_module_states_for_sync_module_states
+    fsdp_init._check_module_states_for_sync_module_states = lambda module_states: None
+    try:
+        engine.module = engine._build_fsdp_module(engine.module)
+    finally:
+        fsdp_init._check_module_states_for_sync_module_states = cpu_guard
+    units = [m for m in engine.module.modules() if isinstance(m, FSDP)]
+    assert units[0] is engine.module and len(units) == 1 + len(engine.module.model.layers), units
+    assert engine._autocast_dtype == param_dtype
+    return engine
+
+
 def test_untied_head_in_its_own_fsdp2_unit_bf16():
     """The H200 failure (session 31, torch 2.11): with bf16 parameters and fp32 gradient reduction,
     FSDP's final backward callback reads every unit's gathered parameter, and the head's unit had never

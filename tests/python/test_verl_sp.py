@@ -8,12 +8,15 @@ attributes veRL's ``_init_device_mesh`` sets for Ulysses (the ``(dp, sp)`` mesh,
 its train and eval mode contexts do. The ranks of an SP group hold the same rows (veRL's dispatch);
 the dp ranks hold different ones (different plans: placeholders). Against the same engine at sp 1 on
 one rank (a one-rank data-parallel group, no FSDP) on each dp rank's rows, combined as veRL's global
-token mean combines them: the summed loss, every parameter gradient (``full_tensor()``), the
+token mean combines them: the summed loss, every parameter gradient (whole: :func:`full_grads`), the
 log-probs and the entropy within ``dualkv.demo.TOLERANCES[float32]``, for whole groups (each SP rank
 embedding its half of every micro-batch, every attention layer through ``distributed.attention``), for
 split groups with prompt once (phase A sharded over the SP group), with prompt copies and with veRL's
 fixed-size micro-batches, for tiny-moe with prompt once, and for the forward-only log-prob pass. The
-refusals reach every rank: heads the SP size does not fit, and ``prompt_state_budget`` under SP.
+same for veRL's FSDP1 strategy (``strategy="fsdp"``: torch's FullyShardedDataParallel as veRL's
+``_build_fsdp_module`` wraps the model), split groups with a prompt copy per piece (the plug-in runs
+no prompt phase under FSDP1), in both worlds. The refusals reach every rank: heads the SP size does
+not fit, and ``prompt_state_budget`` under SP.
 
 Each world is one launch (importing torch, transformers and veRL dominates: ~10 s a process); a
 collective that hangs times out after PG_TIMEOUT_S and the world is killed after WORLD_DEADLINE_S.
@@ -37,7 +40,8 @@ import dualkv  # noqa: E402
 from dualkv.demo import TOLERANCES, qwen3_config  # noqa: E402
 from dualkv.integrations import verl as dkv  # noqa: E402
 from spawned_ranks import CaseWorlds, run_cases  # noqa: E402  (tests/python)
-from test_verl import SPLIT_BUDGET, VOCAB, _veRL_fsdp2_engine, make_engine, rollout_batch, run  # noqa: E402
+from test_verl import (SPLIT_BUDGET, VOCAB, _veRL_fsdp1_engine, _veRL_fsdp2_engine, make_engine,  # noqa: E402
+                       rollout_batch, run)
 
 SP = 2
 PG_TIMEOUT_S = 60
@@ -58,24 +62,28 @@ def rel(a, b) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
-def sp_engine(size, world, model=None):
-    """The dualkv engine as veRL builds it for Ulysses on ``world`` ranks: FSDP2 over all of them,
-    the ``(dp, sp)`` mesh and SP group of ``_init_device_mesh``, veRL's Ulysses monkey patch applied.
-    With ``model``: that model, unsharded and unpatched (one the plug-in refuses before any forward;
-    veRL's monkey patch asserts on the same heads)."""
+def sp_engine(size, world, model=None, strategy="fsdp2"):
+    """The dualkv engine as veRL builds it for Ulysses on ``world`` ranks: sharded over all of them by
+    veRL's ``strategy`` ("fsdp2": ``apply_fsdp2``; "fsdp": its FSDP1 wrap, test_verl._veRL_fsdp1_engine),
+    the ``(dp, sp)`` mesh and SP group of ``_init_device_mesh``, veRL's Ulysses monkey patch applied
+    (to the Hugging Face model: it patches the model's classes and module, the same before or after
+    wrapping). With ``model``: that model, unsharded and unpatched (one the plug-in refuses before
+    any forward; veRL's monkey patch asserts on the same heads)."""
     from torch.distributed.device_mesh import init_device_mesh
     from verl.models.transformers import monkey_patch
     if model is None:
-        engine = _veRL_fsdp2_engine(torch.float32, size, world)
+        build = {"fsdp2": _veRL_fsdp2_engine, "fsdp": _veRL_fsdp1_engine}[strategy]
+        engine = build(torch.float32, size, world)
         # veRL 0.9.1's patch imports TRL's value-head model when TRL is installed (to patch its
         # state_dict), which TRL 1.16 no longer has: that step concerns value heads only, so it is skipped
         monkey_patch.is_trl_available = lambda: False
-        monkey_patch.apply_monkey_patch(model=engine.module, ulysses_sp_size=SP, use_remove_padding=True)
+        monkey_patch.apply_monkey_patch(model=dkv._hf_model(engine.module), ulysses_sp_size=SP,
+                                        use_remove_padding=True)
     else:
         engine = make_engine("dualkv", size)
         engine.module = model
     mesh = init_device_mesh("cpu", (world // SP, SP), mesh_dim_names=["dp", "sp"])
-    engine.engine_config = FSDPEngineConfig(strategy="fsdp2", use_torch_compile=False,
+    engine.engine_config = FSDPEngineConfig(strategy=strategy, use_torch_compile=False,
                                             ulysses_sequence_parallel_size=SP)
     engine.ulysses_sequence_parallel_size, engine.use_ulysses_sp = SP, True
     engine.ulysses_device_mesh, engine.ulysses_parallel_group = mesh, mesh["sp"].get_group()
@@ -111,14 +119,35 @@ def spy_prompt_phases():
         dkv.schedule.run_prompt_phase = run_prompt_phase
 
 
-def full(grads):
-    return {n: (g.full_tensor() if hasattr(g, "full_tensor") else g) for n, g in grads.items()}
+def full_grads(engine, grads):
+    """Every parameter's whole gradient by its Hugging Face name, from ``grads`` (test_verl.run's
+    ``named_parameters`` gradients of ``engine``). FSDP2: the DTensor gradients gathered. FSDP1 with
+    ``use_orig_params=False`` (veRL's default): a unit's one FlatParameter holds its parameters
+    flattened and concatenated (``_fqns``, ``_shapes``, ``_numels_with_padding``; names relative to
+    the unit) and padded to a multiple of the world, and its gradient is this rank's equal share of
+    that; the shares are all-gathered over the FSDP mesh (all ranks) and cut back into the
+    parameters (torch's ``summon_full_params(with_grads=True)`` refuses ``use_orig_params=False``)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    if not isinstance(engine.module, FSDP):
+        return {n: (g.full_tensor() if hasattr(g, "full_tensor") else g) for n, g in grads.items()}
+    flat_params = dict(engine.module.named_parameters())
+    out = {}
+    for name, shard in grads.items():
+        flat = flat_params[name]
+        whole = shard.new_empty(shard.numel() * dist.get_world_size())
+        dist.all_gather_into_tensor(whole, shard.contiguous())
+        unit = name.removesuffix("_flat_param").replace("_fsdp_wrapped_module.", "")
+        pieces = whole[:sum(flat._numels_with_padding)].split(flat._numels_with_padding)
+        params = [p for p, padding in zip(pieces, flat._is_padding_mask) if not padding]
+        for fqn, shape, p in zip(flat._fqns, flat._shapes, params, strict=True):
+            out[unit + fqn] = p.view(shape)
+    return out
 
 
 class Ranks:
     """This rank's place on the (dp, sp) grid, its dp rank's rows and the one-rank reference engine."""
 
-    def __init__(self, rank, world, size="tiny"):
+    def __init__(self, rank, world, size="tiny", strategy="fsdp2"):
         self.rank, self.world, self.size = rank, world, size
         self.dp_rank, self.dp = rank // SP, world // SP
         solo = [dist.new_group([r]) for r in range(world)][rank]  # every rank creates every group
@@ -126,7 +155,7 @@ class Ranks:
         self.proto = rollout_batch(groups=groups, seed=seed)
         self.tokens = float(self.proto.batch["response_mask"].sum())  # this dp rank's share of veRL's token mean
         self.reference = one_rank_engine(size, solo)
-        self.engine = sp_engine(size, world)
+        self.engine = sp_engine(size, world, strategy=strategy)
         self.dp_group = self.engine.get_data_parallel_group()
 
     def dp_sum(self, x: torch.Tensor) -> torch.Tensor:
@@ -145,7 +174,8 @@ class Ranks:
         got_loss = self.dp_sum(torch.tensor(sum(got["loss"]), dtype=torch.float64)) / self.dp  # each x dp_size
         assert abs(float(got_loss - want_loss)) <= LOSS_TOL * max(1.0, abs(float(want_loss))), \
             f"{what}: loss {float(got_loss)} vs {float(want_loss)}"
-        g_got = full(g_got)
+        g_got = full_grads(self.engine, g_got)
+        assert set(g_got) == set(g_want), (what, sorted(set(g_got) ^ set(g_want)))
         for name, g in g_want.items():
             g = self.dp_sum(g * self.tokens) / total
             assert rel(g_got[name], g) <= GRAD_TOL, f"{what}: gradient of {name}: {rel(g_got[name], g):.2e}"
@@ -261,7 +291,36 @@ def case_moe_prompt_once(ranks: Ranks):
     return {}
 
 
-CASES = {2: ["whole_groups", "prompt_once", "prompt_copies", "refusals", "moe_prompt_once"], 4: ["prompt_once"]}
+def case_fsdp1(ranks: Ranks):
+    """veRL's FSDP1 strategy (``strategy="fsdp"``: torch's FullyShardedDataParallel as veRL's
+    ``_build_fsdp_module`` wraps the model, test_verl._veRL_fsdp1_engine) under SP: the plug-in runs
+    no prompt phase there (phase A cannot enter FSDP1's root forward, ``_runs_prompt_once``), so every
+    group over the budget is split with a prompt copy per piece in veRL's own loop (FSDP1's
+    ``no_sync`` on all but the last micro-batch), each micro-batch sharded over the SP group. Update
+    (every gradient: the FlatParameters' shards cut back into the parameters) and log-probs against
+    the one-rank engine, which runs the same rows with prompt once."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from verl.utils.fsdp_utils import fsdp_version
+    fsdp1 = Ranks(ranks.rank, ranks.world, strategy="fsdp")
+    assert isinstance(fsdp1.engine.module, FSDP) and fsdp_version(fsdp1.engine.module) == 1
+    sharded_calls = []
+    attention = dualkv.distributed.attention
+    dualkv.distributed.attention = lambda *a, **k: sharded_calls.append(1) or attention(*a, **k)
+    try:
+        with spy_prompt_phases() as phases:
+            fsdp1.check_update(SPLIT_PER_GPU, "FSDP1, prompt copies")
+            fsdp1.check_log_probs(SPLIT_PER_GPU, "FSDP1, prompt copies, log-probs")
+    finally:
+        dualkv.distributed.attention = attention
+    # the phases are the one-rank engine's (prompt once, no SP group); the FSDP1 engine ran none, and
+    # its attention layers ran dualkv's all-to-all path
+    assert phases and phases.count(None) == len(phases), phases
+    assert sharded_calls
+    return {"one_rank_phases": len(phases), "sharded_attention_calls": len(sharded_calls)}
+
+
+CASES = {2: ["whole_groups", "prompt_once", "prompt_copies", "refusals", "moe_prompt_once", "fsdp1"],
+         4: ["prompt_once", "fsdp1"]}
 
 
 # ----------------------------------------------------------------------------------------------
