@@ -74,6 +74,10 @@ candidate (+ the float64 reference); the profile, rounds x libraries x layouts x
         --profile "16,4096,1024;8,16384,2048" --kernels bwd_sm90_kernel,bwd_dq_convert
 
 More candidates: --cand LABEL=PATH, repeated (each compared with the base; the profile rotates all).
+--aa adds the A/A control: a copy of the base's file loaded as candidate ``aa`` (a second library in
+the process like any candidate; the same file twice would be one library). Its ratios are what an
+unchanged kernel reads in this run: a candidate's change inside the A/A's quartiles is not settled
+(docs/benchmarks.md, Timing).
 --base-env / --cand-env KEY=VALUE set an environment switch around one side's calls (e.g.
 DUALKV_DISABLE_SM90=1 for the portable kernels). --profile-mods window=W,softcap=C,sinks profiles
 with modifiers.
@@ -89,11 +93,14 @@ import argparse
 import contextlib
 import dataclasses
 import importlib.util
+import atexit
 import os
 import pathlib
 import random
+import shutil
 import statistics
 import sys
+import tempfile
 import traceback
 import zlib
 from typing import Optional
@@ -771,11 +778,21 @@ def parse_env(items) -> dict:
     return env
 
 
+def base_copy(path: str) -> str:
+    """A copy of the library at ``path`` in a temporary directory removed at exit: loaded beside the
+    original it is a second library (dlopen of the same file returns the same one)."""
+    folder = tempfile.mkdtemp(prefix="ab_libraries_aa_")
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return shutil.copy(path, os.path.join(folder, "aa_" + os.path.basename(path)))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--base", required=True, help="the base libdualkv (e.g. main's build)")
     ap.add_argument("--cand", action="append", required=True,
                     help="a candidate libdualkv: PATH or LABEL=PATH (repeatable: each is compared with the base)")
+    ap.add_argument("--aa", action="store_true",
+                    help="the A/A control: a copy of the base's file as one more candidate, labelled aa")
     ap.add_argument("--check", choices=("fwd", "bwd", "both"), required=True,
                     help="fwd: out/lse bitwise; bwd: out/lse/dK/dV bitwise, dQ within the noise; both")
     ap.add_argument("--dims", default="64,128,256", help="head dims (those a library lacks are skipped)")
@@ -834,6 +851,10 @@ def main(argv=None) -> int:
         if not sep:
             label, path = ("cand" if len(args.cand) == 1 else f"cand{i + 1}"), item
         cand_specs.append((label, path))
+    if args.aa:
+        if any(label == "aa" for label, _ in cand_specs):
+            ap.error("--aa: a candidate is already labelled aa")
+        cand_specs.append(("aa", base_copy(args.base)))
     # The package must have a library of its own C ABI loaded to switch from (_native.using).
     os.environ.setdefault("DUALKV_LIBRARY", str(pathlib.Path(cand_specs[0][1]).resolve()))
 

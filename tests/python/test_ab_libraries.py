@@ -52,6 +52,20 @@ def test_same_library_passes_every_check(library):
     assert out.rstrip().splitlines()[-1].endswith("all ok"), out
 
 
+def test_aa_control_is_a_second_library(library):
+    """--aa loads a copy of the base's file as candidate aa: a library of its own (another path,
+    not the self-comparison note), checked like any candidate; a label aa given twice is refused."""
+    r = run_tool(library, "--check", "fwd", "--cases", "tiny T", "--aa")
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out
+    assert "ok    fwd cand | tiny T D64" in out and "ok    fwd aa | tiny T D64" in out, out
+    assert "note: aa is the base's file" not in out and "ab_libraries_aa_" in out, out
+    r = subprocess.run([sys.executable, str(TOOL), "--base", str(library), "--cand", f"aa={library}", "--aa",
+                        "--check", "fwd", "--device", "cpu"], capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, DUALKV_LIBRARY=str(library)), cwd=ROOT, check=False)
+    assert r.returncode == 2 and "--aa: a candidate is already labelled aa" in r.stderr, r.stderr
+
+
 def test_perturbed_candidate_fails_the_bitwise_rule(library):
     r = run_tool(library, "--check", "fwd", "--cases", "tiny T", "--self-test-perturb", "lse")
     out = r.stdout + r.stderr
