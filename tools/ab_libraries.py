@@ -90,10 +90,10 @@ output NAME of every candidate run, so a correct tool must report DIFF and exit 
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import dataclasses
 import importlib.util
-import atexit
 import os
 import pathlib
 import random
