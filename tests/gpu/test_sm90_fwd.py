@@ -132,8 +132,8 @@ def test_epilogue_box_edges(D, tail):
 
 def fwd_into(q, k, v, layout, out, lse):
     """The C API's forward into the caller's out and lse as they are (their pointers and strides):
-    dualkv.attention always allocates a fresh contiguous out, so only this reaches the kernels'
-    stores for an out that is not 16-byte aligned."""
+    dualkv.attention always allocates a fresh contiguous out, so only this reaches the dispatcher
+    with an out of other strides."""
     import ctypes
     from dualkv import _native
     from dualkv.ops import _fill_params, _workspace
@@ -148,34 +148,37 @@ def fwd_into(q, k, v, layout, out, lse):
 
 
 @pytest.mark.parametrize("D", DIMS)
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("where", ["base", "token_stride", "head_stride"])
-def test_out_not_16_byte_aligned(D, dtype, where):
-    """An out the 16-byte stores cannot take (base 4 bytes past a 16-byte boundary, or a token or
-    head stride of an even number of elements that is not a multiple of 8) but element pairs can:
-    the sm90 forward still runs and stores each row per thread (the TMA store at D 64 / 128, the
-    16-byte stores at D 256 need 16-byte base and strides: fwd_launch.cuh). The values are the
-    16-byte path's bit for bit (the same kernel and arithmetic; only the stores differ), and no
-    element of the buffer outside the view is written (a pair or vector store one column, row or
-    head off would overwrite the NaN canaries)."""
-    lens = [301, 1, 17, 130, 129, 64, 300, 5, 1, 200]  # rows ending inside and at the 64-row boxes
+@pytest.mark.parametrize("where", ["none", "base", "token_stride", "head_stride"])
+def test_out_rows_must_be_16_byte_aligned(D, where):
+    """The CUDA forward stores O in 16-byte pieces (the TMA store at D 64 / 128, 16-byte stores at
+    D 256), so the dispatcher refuses, with an UnsupportedError naming out, an out whose rows are not
+    16-byte aligned (base 4 bytes past a 16-byte boundary, or a token or head stride that is even but
+    not a multiple of 8 elements), before any launch: the buffer keeps its NaNs. With aligned rows of
+    a strided out ("none": head stride D + 8) the values are dualkv.attention's bit for bit and no
+    element outside the view is written."""
+    lens = [301, 1, 17, 130, 129, 64, 300, 5, 1, 200]
     parents = [-1, 0, 0, 0, 0, 0, -1, 6, 6, 6]
-    H, Hk = 8, 2
+    H, Hk, dtype = 8, 2, torch.bfloat16
     layout_cpu = dualkv.Layout.from_tree(lens, parents)
     layout = layout_cpu.to("cuda")
     T = layout_cpu.num_tokens
     q, k, v, _ = make_inputs(layout_cpu, H, Hk, D, dtype, seed=D + len(where))
-    want, want_lse = dualkv.attention(q, k, v, layout, return_lse=True)  # a fresh out: the 16-byte path
-    shape, pad = {"base": ((H * D, D), 2), "token_stride": ((H * D + 2, D), 0),
-                  "head_stride": ((H * (D + 2), D + 2), 0)}[where]
-    buf = torch.full((pad + T * shape[0] + 8,), float("nan"), device="cuda", dtype=dtype)
+    want, want_lse = dualkv.attention(q, k, v, layout, return_lse=True)
+    (ts, hs), pad = {"none": ((H * (D + 8), D + 8), 0), "base": ((H * D, D), 2),
+                     "token_stride": ((H * D + 2, D), 0), "head_stride": ((H * (D + 2), D + 2), 0)}[where]
+    buf = torch.full((pad + T * ts + 8,), float("nan"), device="cuda", dtype=dtype)
     assert buf.data_ptr() % 16 == 0
-    out = buf.as_strided((T, H, D), (shape[0], shape[1], 1), pad)
+    out = buf.as_strided((T, H, D), (ts, hs, 1), pad)
     lse = torch.empty_like(want_lse)
+    if where != "none":
+        with pytest.raises(dualkv.UnsupportedError, match="out needs 16-byte aligned rows on CUDA"):
+            fwd_into(q, k, v, layout, out, lse)
+        torch.cuda.synchronize()
+        assert buf.isnan().all()
+        return
     names = cuda_kernels_run(lambda: fwd_into(q, k, v, layout, out, lse))
     assert any("fwd_sm90_kernel" in n for n in names), f"sm90 forward kernel not launched: {sorted(names)}"
-    assert torch.equal(out, want), (out.float() - want.float()).abs().max().item()
-    assert torch.equal(lse, want_lse)
+    assert torch.equal(out, want) and torch.equal(lse, want_lse)
     written = torch.zeros(buf.numel(), dtype=torch.bool, device="cuda")
     written.as_strided((T, H, D), out.stride(), pad).fill_(True)
     assert buf[~written].isnan().all(), f"{int((~buf[~written].isnan()).sum())} elements outside out written"
