@@ -520,6 +520,16 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
   // the conversions at 0.32 stall units each against FA4's 0.09
   // (docs/notes/2026-12-04-d128-fwd-ncu.md). Same products, sums and packs: bit for bit.
   constexpr bool kExpAfterPvWait = D == 128 && kLongWalks;
+  // kExpAfterPvWait's steady loop (candidate C2 of docs/notes/2026-12-04-d128-fwd-ncu.md; docs/notes/
+  // 2026-12-04-d128-fwd-steady-loop.md): the tiles of a range that are full, unmasked and not its
+  // last run in an inner loop without the mask test, the walk's range test and the q_empty test.
+  // ncu had these tests and their taken branches at 6.2 of the loop's 139.7 stall units per 128 keys
+  // against FA4, whose steady loop has none. The kExpAfterPvWait kernels are the only ones: they run
+  // no modifiers and no external prefix (fwd_wide_tiles), so the walk is the plain next(), which
+  // inside a range only steps by pos += BN, as the inner loop does.
+  constexpr bool kSteadyLoop = kExpAfterPvWait;
+  static_assert(!kSteadyLoop || (std::is_same_v<Mods, NoModifiers> && !kPrefix),
+                "the steady loop steps the plain walk and skips the plain mask only");
   const int cw = __shfl_sync(0xffffffffu, wg - 1, 0);
   const int tid = threadIdx.x & 127;
   const int warp = tid >> 5, lane = tid & 31;
@@ -691,15 +701,8 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
         l[r] = l[r] * alpha[r] + sum;
       }
     };
-    // kExpAfterPvWait's softmax in two parts (the same arithmetic as softmax(), split at the P V
-    // wait): the mask and both rows' max and factors; returns each row's max in the exponent's
-    // scale in ms.
-    auto softmax_max = [&](int32_t kpos, int32_t krem, bool own, int32_t kcur, float* alpha, float* ms) {
-      mask_scores(kpos, krem, own, kcur);
-#pragma unroll
-      for (int r = 0; r < 2; ++r) ms[r] = row_max(r, alpha);
-    };
-    // ... and the exponentials, each pair packed into its P fragment right after it (pf[2 j + r]
+    // kExpAfterPvWait's exponentials after the P V wait (exp_after_pv_tile; the mask and the rows'
+    // max before it, with row_max): each pair packed into its P fragment right after it (pf[2 j + r]
     // is to_pf()'s pack of s[4 j + 2 r], s[4 j + 2 r + 1]; s is not written), and the row sums.
     auto exp_pack = [&](const float* ms, const float* alpha) {
 #pragma unroll
@@ -817,7 +820,79 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
     // the LOP3s and their reads, which is all the pins need.
     const uint32_t pin_zero = kExpAfterPvWait ? opaque_zero() : 0u;
     bool go = more && seen();  // kEarlyLoopTest's form of the loop's test
-    while (kEarlyLoopTest ? go : more && seen()) {
+    // kExpAfterPvWait's tile after the first. kSteady (kSteadyLoop's inner loop): the tile is full,
+    // unmasked and not its range's last, so there is no mask test, the walk only steps (pos += BN:
+    // what next() does inside a range) and more stays true (no q_empty test: the item's last tile is
+    // a range's last). The arithmetic is the general tile's: on such a tile mask_scores changes
+    // nothing, and row_max keeps its -inf guards, so O and lse are the same bits.
+    auto exp_after_pv_tile = [&](auto steady) {
+      constexpr bool kSteady = decltype(steady)::value;
+      static_assert(!kSteadyLoop || (!kLateVWait && !kRescaleBeforePv), "the long-walk D-128 order: V waited for at the top");
+      const int32_t tkpos = kv.pos, tkrem = kv.rest(), tkcur = kv.cur;
+      const bool town = kv.own;
+      const uint32_t tst = kv_iter % S;
+      mbar_wait(&B.k_full[tst], (kv_iter / S) & 1);
+      const uint32_t pst = prev % S;
+      mbar_wait(&B.v_full[pst], (prev / S) & 1);
+      turn_wait();
+      wgmma_fence();
+      issue_qk(tst);
+      wgmma_commit();
+      issue_pv(pst);
+      wgmma_commit();
+      turn_pass();
+      wgmma_wait<1>();  // S of this tile is ready; P V of the previous one may still run
+      fence_regs(s);
+      float alpha[2], ms[2];
+      if constexpr (!kSteady) mask_scores(tkpos, tkrem, town, tkcur);
+#pragma unroll
+      for (int r = 0; r < 2; ++r) ms[r] = row_max(r, alpha);
+      // K's release after the max (in the long-walk build K_{j+2} waits for V_{j+1}'s slot, which
+      // is released just below, earlier than before). ptxas keeps the P V wait below this arrive
+      // but hoisted the arrive itself above row 1's max: its address reads row 1's max.
+      __syncwarp();
+      if (lane == 0) mbar_arrive_at(pinned_after(smem_u32(&B.k_empty[tst]), __float_as_uint(m[1]), pin_zero));
+      wgmma_wait<0>();
+      fence_regs(o);
+      fence_regs(pf);
+      __syncwarp();
+      if (lane == 0) mbar_arrive(&B.kv_empty[pst]);
+      // Without the pin ptxas issued all 82 exponentials above the wait again, and the 40
+      // conversions in one run after it (main's SASS): the exponents read O's first register.
+#pragma unroll
+      for (int r = 0; r < 2; ++r) ms[r] = pinned_after(ms[r], o[0], pin_zero);
+      exp_pack(ms, alpha);
+      rescale_o(alpha);
+      if constexpr (kSteady) {
+        kv.pos += BN;
+      } else {
+        more = walk_next();
+        if (!more) {  // the item's last S retired (wait_group 1 above): its Q buffer may be reloaded
+          __syncwarp();
+          if (lane == 0) mbar_arrive(&B.q_empty[qb]);
+        }
+      }
+      prev = kv_iter;
+      ++kv_iter;
+    };
+    if constexpr (kSteadyLoop) {
+      while (more) {
+        // The steady tiles from the current one on: those that end before the range does (so the
+        // walk stays in it) and, in an own range, end at or before the tile's first row q0 (no
+        // causal mask for any row: mask_scores' diagonal test). Both bounds only shrink along a
+        // range, so they are a prefix of the rest of it; the tile after them runs the general
+        // body, which may mask, change range or end the item. The shuffle says the count is
+        // warp-uniform (the walk is the same in every lane), as drain_walk's does for kv_iter; in
+        // ptxas 13.0's SASS it is gone: the walk already sits in uniform registers, and so does the
+        // count (no R2UR in the inner loop, its back branch on a uniform predicate).
+        int32_t steady = (kv.rest() - 1) / BN;
+        if (kv.own) steady = min(steady, max(q0 + 1 - kv.pos, 0) / BN);
+        steady = __shfl_sync(0xffffffffu, steady, 0);
+        for (; steady > 0; --steady) exp_after_pv_tile(std::true_type{});
+        exp_after_pv_tile(std::false_type{});
+      }
+    }
+    while (!kSteadyLoop && (kEarlyLoopTest ? go : more && seen())) {
       kpos = kv.pos; krem = kv.rest(); own = kv.own; kcur = kv.cur;
       st = kv_iter % S;
       mbar_wait(&B.k_full[st], (kv_iter / S) & 1);
@@ -843,59 +918,33 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
       turn_pass();
       wgmma_wait<1>();  // S of this tile is ready; P V of the previous one may still run
       fence_regs(s);
-      if constexpr (kExpAfterPvWait) {
-        float alpha[2], ms[2];  // only what was captured above, not the walk's state
-        softmax_max(kpos, krem, own, kcur, alpha, ms);
-        // K's release after the max (in the long-walk build K_{j+2} waits for V_{j+1}'s slot, which
-        // is released just below, earlier than before). ptxas keeps the P V wait below this arrive
-        // but hoisted the arrive itself above row 1's max: its address reads row 1's max.
+      __syncwarp();
+      if (lane == 0) mbar_arrive(&B.k_empty[st]);
+      float alpha[2];  // softmax() reads only what was captured above, not the walk's state
+      if constexpr (kSoftmaxBeforeWalk) softmax(kpos, krem, own, kcur, alpha);
+      more = walk_next();
+      // !more: the item's last S retired (wait_group 1 above): its Q buffer may be reloaded.
+      if constexpr (kEarlyLoopTest) {
         __syncwarp();
-        if (lane == 0) mbar_arrive_at(pinned_after(smem_u32(&B.k_empty[st]), __float_as_uint(m[1]), pin_zero));
-        wgmma_wait<0>();
-        fence_regs(o);
-        fence_regs(pf);
+        if (lane == 0 && !more) mbar_arrive(&B.q_empty[qb]);
+        go = more && seen();  // the walk's state is final for this tile
+      } else if (!more) {
         __syncwarp();
-        if (lane == 0) mbar_arrive(&B.kv_empty[pst]);
-        // Without the pin ptxas issued all 82 exponentials above the wait again, and the 40
-        // conversions in one run after it (main's SASS): the exponents read O's first register.
-#pragma unroll
-        for (int r = 0; r < 2; ++r) ms[r] = pinned_after(ms[r], o[0], pin_zero);
-        exp_pack(ms, alpha);
-        rescale_o(alpha);
-        more = walk_next();
-        if (!more) {  // the item's last S retired (wait_group 1 above): its Q buffer may be reloaded
-          __syncwarp();
-          if (lane == 0) mbar_arrive(&B.q_empty[qb]);
-        }
-      } else {
-        __syncwarp();
-        if (lane == 0) mbar_arrive(&B.k_empty[st]);
-        float alpha[2];  // softmax() reads only what was captured above, not the walk's state
-        if constexpr (kSoftmaxBeforeWalk) softmax(kpos, krem, own, kcur, alpha);
-        more = walk_next();
-        // !more: the item's last S retired (wait_group 1 above): its Q buffer may be reloaded.
-        if constexpr (kEarlyLoopTest) {
-          __syncwarp();
-          if (lane == 0 && !more) mbar_arrive(&B.q_empty[qb]);
-          go = more && seen();  // the walk's state is final for this tile
-        } else if (!more) {
-          __syncwarp();
-          if (lane == 0) mbar_arrive(&B.q_empty[qb]);
-        }
-        if constexpr (!kSoftmaxBeforeWalk) softmax(kpos, krem, own, kcur, alpha);
-        wgmma_wait<0>();
-        fence_regs(o);
-        fence_regs(pf);
-        __syncwarp();
-        if (lane == 0) mbar_arrive(&B.kv_empty[pst]);
-        if constexpr (kRescaleBeforePv) {
-          alpha_o[0] = alpha[0];
-          alpha_o[1] = alpha[1];
-        } else {
-          rescale_o(alpha);
-        }
-        to_pf();
+        if (lane == 0) mbar_arrive(&B.q_empty[qb]);
       }
+      if constexpr (!kSoftmaxBeforeWalk) softmax(kpos, krem, own, kcur, alpha);
+      wgmma_wait<0>();
+      fence_regs(o);
+      fence_regs(pf);
+      __syncwarp();
+      if (lane == 0) mbar_arrive(&B.kv_empty[pst]);
+      if constexpr (kRescaleBeforePv) {
+        alpha_o[0] = alpha[0];
+        alpha_o[1] = alpha[1];
+      } else {
+        rescale_o(alpha);
+      }
+      to_pf();
       prev = kv_iter;
       ++kv_iter;
     }

@@ -123,8 +123,14 @@ __device__ __forceinline__ uint32_t pinned_after(uint32_t x, uint32_t dep, uint3
   asm("lop3.b32 %0, %1, %2, %3, 0xF8;\n" : "=r"(r) : "r"(x), "r"(dep), "r"(zero));
   return r;
 }
+// The float form reads its operands as f32 registers (PTX's .b32 takes any 32-bit register): with
+// __float_as_uint on `dep`, a wgmma accumulator, NVVM carried that accumulator as an integer
+// through two loops that both pin to it (the D-128 steady loop, fwd_kernel.cuh kSteadyLoop) and
+// moved it back before each P V wgmma, where ptxas then serialised the wgmmas (C7511).
 __device__ __forceinline__ float pinned_after(float x, float dep, uint32_t zero) {
-  return __uint_as_float(pinned_after(__float_as_uint(x), __float_as_uint(dep), zero));
+  float r;
+  asm("lop3.b32 %0, %1, %2, %3, 0xF8;\n" : "=f"(r) : "f"(x), "f"(dep), "r"(zero));
+  return r;
 }
 // Makes this thread's generic-proxy writes to smem visible to the async proxy (a TMA store that reads
 // them after a barrier).
