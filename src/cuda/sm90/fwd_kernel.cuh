@@ -227,6 +227,22 @@ __device__ __forceinline__ void fwd_o_staging_release(const CUtensorMap* to, uin
   }
 }
 
+// The steady loop's count (fwd_sm90_kernel, kSteadyLoop): the tiles from the walk's current one on
+// that are full, unmasked and not their range's last. Those that end before the range does (so the
+// walk stays in it: next() only steps pos += BN) and, in an own range, end at or before the tile's
+// first row q0 (no causal mask for any row: mask_scores' diagonal test; a tile of siblings has none,
+// its own ranges start at or after q0). Both bounds only shrink along a range, so the steady tiles
+// are a prefix of the rest of it, and the tile after them is a range's last, the diagonal's first,
+// or (count 0) any other. The shuffle says the count is warp-uniform (the walk is the same in every
+// lane), as drain_walk's does for kv_iter; in ptxas 13.0's SASS it is gone: the walk sits in
+// uniform registers, and so does the count.
+template <int BN>
+__device__ __forceinline__ int32_t fwd_steady_tiles(const KvWalk<BN>& kv, int32_t q0) {
+  int32_t steady = (kv.rest() - 1) / BN;
+  if (kv.own) steady = min(steady, max(q0 + 1 - kv.pos, 0) / BN);
+  return __shfl_sync(0xffffffffu, steady, 0);
+}
+
 // Ping-pong: the two consumer warpgroups take turns issuing their wgmma batches (named barriers 1
 // and 2), so that one's softmax runs while the other's matrix products occupy the tensor cores.
 // Mods: the mask modifiers compiled in (modifiers.cuh); NoModifiers is the default kernel.
@@ -520,16 +536,17 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
   // the conversions at 0.32 stall units each against FA4's 0.09
   // (docs/notes/2026-12-04-d128-fwd-ncu.md). Same products, sums and packs: bit for bit.
   constexpr bool kExpAfterPvWait = D == 128 && kLongWalks;
-  // kExpAfterPvWait's steady loop (candidate C2 of docs/notes/2026-12-04-d128-fwd-ncu.md; docs/notes/
-  // 2026-12-04-d128-fwd-steady-loop.md): the tiles of a range that are full, unmasked and not its
-  // last run in an inner loop without the mask test, the walk's range test and the q_empty test.
-  // ncu had these tests and their taken branches at 6.2 of the loop's 139.7 stall units per 128 keys
-  // against FA4, whose steady loop has none. The kExpAfterPvWait kernels are the only ones: they run
-  // no modifiers and no external prefix (fwd_wide_tiles), so the walk is the plain next(), which
-  // inside a range only steps by pos += BN, as the inner loop does.
-  constexpr bool kSteadyLoop = kExpAfterPvWait;
-  static_assert(!kSteadyLoop || (std::is_same_v<Mods, NoModifiers> && !kPrefix),
-                "the steady loop steps the plain walk and skips the plain mask only");
+  // The steady loop (docs/notes/2026-12-04-d128-fwd-steady-loop.md for D 128's long-walk build,
+  // docs/notes/2026-12-04-fwd-steady-loop-all.md for the others): the tiles of a range that are
+  // full, unmasked and not its last run in an inner loop without the mask test, the walk's range
+  // test and the q_empty test (and, with kEarlyLoopTest or kSkipHidden, the loop's test). ncu had
+  // these tests and their taken branches at 6.2 of 139.7 stall units per 128 keys at D 128
+  // (docs/notes/2026-12-04-d128-fwd-ncu.md), ~4.5 of ~100 per tile at D 64 and 7.2 of 155 at D 256
+  // (docs/notes/2026-12-04-d64-fwd-ncu.md, 2026-12-04-d256-fwd-ncu.md), against FA4, whose steady
+  // loop has none. Every kernel without modifiers and external prefix: its walk is the plain
+  // next(), which inside a range only steps by pos += BN, as the inner loop does, and its mask is
+  // mask_scores' ragged / diagonal test alone.
+  constexpr bool kSteadyLoop = std::is_same_v<Mods, NoModifiers> && !kPrefix;
   const int cw = __shfl_sync(0xffffffffu, wg - 1, 0);
   const int tid = threadIdx.x & 127;
   const int warp = tid >> 5, lane = tid & 31;
@@ -683,9 +700,8 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
       m[r] = mx;
       return ms;
     };
-    // Mask, online softmax of s (in place: s becomes P in fp32); returns the rescale factors.
-    auto softmax = [&](int32_t kpos, int32_t krem, bool own, int32_t kcur, float* alpha) {
-      mask_scores(kpos, krem, own, kcur);
+    // Online softmax of the masked s (in place: s becomes P in fp32); returns the rescale factors.
+    auto softmax_rows = [&](float* alpha) {
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         const float ms = row_max(r, alpha);
@@ -700,6 +716,11 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
         }
         l[r] = l[r] * alpha[r] + sum;
       }
+    };
+    // Mask, online softmax of s; returns the rescale factors.
+    auto softmax = [&](int32_t kpos, int32_t krem, bool own, int32_t kcur, float* alpha) {
+      mask_scores(kpos, krem, own, kcur);
+      softmax_rows(alpha);
     };
     // kExpAfterPvWait's exponentials after the P V wait (exp_after_pv_tile; the mask and the rows'
     // max before it, with row_max): each pair packed into its P fragment right after it (pf[2 j + r]
@@ -827,7 +848,7 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
     // nothing, and row_max keeps its -inf guards, so O and lse are the same bits.
     auto exp_after_pv_tile = [&](auto steady) {
       constexpr bool kSteady = decltype(steady)::value;
-      static_assert(!kSteadyLoop || (!kLateVWait && !kRescaleBeforePv), "the long-walk D-128 order: V waited for at the top");
+      static_assert(!kExpAfterPvWait || (!kLateVWait && !kRescaleBeforePv), "the long-walk D-128 order: V waited for at the top");
       const int32_t tkpos = kv.pos, tkrem = kv.rest(), tkcur = kv.cur;
       const bool town = kv.own;
       const uint32_t tst = kv_iter % S;
@@ -875,21 +896,102 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
       prev = kv_iter;
       ++kv_iter;
     };
-    if constexpr (kSteadyLoop) {
+    if constexpr (kExpAfterPvWait) {
       while (more) {
-        // The steady tiles from the current one on: those that end before the range does (so the
-        // walk stays in it) and, in an own range, end at or before the tile's first row q0 (no
-        // causal mask for any row: mask_scores' diagonal test). Both bounds only shrink along a
-        // range, so they are a prefix of the rest of it; the tile after them runs the general
-        // body, which may mask, change range or end the item. The shuffle says the count is
-        // warp-uniform (the walk is the same in every lane), as drain_walk's does for kv_iter; in
-        // ptxas 13.0's SASS it is gone: the walk already sits in uniform registers, and so does the
-        // count (no R2UR in the inner loop, its back branch on a uniform predicate).
-        int32_t steady = (kv.rest() - 1) / BN;
-        if (kv.own) steady = min(steady, max(q0 + 1 - kv.pos, 0) / BN);
-        steady = __shfl_sync(0xffffffffu, steady, 0);
-        for (; steady > 0; --steady) exp_after_pv_tile(std::true_type{});
+        for (int32_t steady = fwd_steady_tiles(kv, q0); steady > 0; --steady) exp_after_pv_tile(std::true_type{});
         exp_after_pv_tile(std::false_type{});
+      }
+    } else if constexpr (kSteadyLoop) {
+      // Every other kernel's tile after the first: the statements of the loop below (which the
+      // other kernels run), in the same order. kSteady (the inner loop), as in exp_after_pv_tile: no
+      // mask test (softmax_rows without mask_scores), the walk only steps, and more (and
+      // kEarlyLoopTest's go) stays true, so neither the q_empty arrive's test nor the loop's test
+      // runs. Defined here, in the steady kernels only: as an unused closure next to the other
+      // lambdas it changed the other kernels' SASS (register moves, a branch in the epilogue).
+      auto plain_tile = [&](auto steady) {
+        constexpr bool kSteady = decltype(steady)::value;
+        if constexpr (!kSteady) {
+          kpos = kv.pos; krem = kv.rest(); own = kv.own; kcur = kv.cur;
+        }
+        st = kv_iter % S;
+        mbar_wait(&B.k_full[st], (kv_iter / S) & 1);
+        const uint32_t pst = prev % S;
+        if constexpr (!kLateVWait) mbar_wait(&B.v_full[pst], (prev / S) & 1);
+        turn_wait();
+        wgmma_fence();
+        issue_qk(st);
+        wgmma_commit();
+        if constexpr (kRescaleBeforePv) {
+          fence_regs(o);
+          rescale_o(alpha_o);
+          if constexpr (kLateVWait) {
+            fence_regs(o);  // the rescale stays under QK^T, ahead of the wait
+            mbar_wait(&B.v_full[pst], (prev / S) & 1);
+          }
+          wgmma_fence();  // O's registers were written since the fence above
+        } else if constexpr (kLateVWait) {
+          mbar_wait(&B.v_full[pst], (prev / S) & 1);
+        }
+        issue_pv(pst);
+        wgmma_commit();
+        turn_pass();
+        wgmma_wait<1>();  // S of this tile is ready; P V of the previous one may still run
+        fence_regs(s);
+        __syncwarp();
+        if (lane == 0) mbar_arrive(&B.k_empty[st]);
+        // A steady tile has no branch after K's release (the general tile has the mask test's), and
+        // ptxas sank the arrive 90-140 instructions into the softmax: the boundary keeps it here (an
+        // item has rows: q1 > q0).
+        if constexpr (kSteady) schedule_boundary(q1 <= q0);
+        float alpha[2];  // softmax() reads only what was captured above, not the walk's state
+        if constexpr (kSoftmaxBeforeWalk) {
+          if constexpr (kSteady) softmax_rows(alpha);
+          else softmax(kpos, krem, own, kcur, alpha);
+        }
+        if constexpr (kSteady) {
+          kv.pos += BN;
+        } else {
+          more = walk_next();
+          // !more: the item's last S retired (wait_group 1 above): its Q buffer may be reloaded.
+          if constexpr (kEarlyLoopTest) {
+            __syncwarp();
+            if (lane == 0 && !more) mbar_arrive(&B.q_empty[qb]);
+            go = more && seen();  // the walk's state is final for this tile
+          } else if (!more) {
+            __syncwarp();
+            if (lane == 0) mbar_arrive(&B.q_empty[qb]);
+          }
+        }
+        if constexpr (!kSoftmaxBeforeWalk) {
+          if constexpr (kSteady) softmax_rows(alpha);
+          else softmax(kpos, krem, own, kcur, alpha);
+        }
+        // Nor is there a branch (the general tile has the walk's) between the softmax and the P V
+        // wait, and ptxas hoisted the wait above a third to two thirds of the exponentials (at D
+        // 256 they would then lengthen the chain from P V's end to the next issue that
+        // kRescaleBeforePv shortened). The boundary holds the row sums, so every exponential,
+        // above it (a tile's first row is a token: q0 >= 0).
+        if constexpr (kSteady) schedule_boundary(q0 < 0, l[0] + l[1]);
+        wgmma_wait<0>();
+        fence_regs(o);
+        fence_regs(pf);
+        __syncwarp();
+        if (lane == 0) mbar_arrive(&B.kv_empty[pst]);
+        if constexpr (kRescaleBeforePv) {
+          alpha_o[0] = alpha[0];
+          alpha_o[1] = alpha[1];
+        } else {
+          rescale_o(alpha);
+        }
+        to_pf();
+        prev = kv_iter;
+        ++kv_iter;
+      };
+      while (kEarlyLoopTest ? go : more && seen()) {
+        // Every steady tile is seen() (kSkipHidden): it ends at or before q0 <= wg_last, and the
+        // tile after it starts at or before q0 + 1 and inside the range, so at or before wg_last.
+        for (int32_t steady = fwd_steady_tiles(kv, q0); steady > 0; --steady) plain_tile(std::true_type{});
+        plain_tile(std::false_type{});
       }
     }
     while (!kSteadyLoop && (kEarlyLoopTest ? go : more && seen())) {
