@@ -970,8 +970,10 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
         // wait, and ptxas hoisted the wait above a third to two thirds of the exponentials (at D
         // 256 they would then lengthen the chain from P V's end to the next issue that
         // kRescaleBeforePv shortened). The boundary holds the row sums, so every exponential,
-        // above it (a tile's first row is a token: q0 >= 0).
-        if constexpr (kSteady) schedule_boundary(q0 < 0, l[0] + l[1]);
+        // above it (a tile's first row is a token: q0 >= 0). Without kSoftmaxBeforeWalk (D 64's
+        // long-walk build) main's general tile waits first and runs the whole softmax after the
+        // wait (kSoftmaxBeforeWalk's comment), and so does the steady tile without this boundary.
+        if constexpr (kSteady && kSoftmaxBeforeWalk) schedule_boundary(q0 < 0, l[0] + l[1]);
         wgmma_wait<0>();
         fence_regs(o);
         fence_regs(pf);
