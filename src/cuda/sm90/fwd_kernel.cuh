@@ -233,9 +233,12 @@ __device__ __forceinline__ void fwd_o_staging_release(const CUtensorMap* to, uin
 // first row q0 (no causal mask for any row: mask_scores' diagonal test; a tile of siblings has none,
 // its own ranges start at or after q0). Both bounds only shrink along a range, so the steady tiles
 // are a prefix of the rest of it, and the tile after them is a range's last, the diagonal's first,
-// or (count 0) any other. The shuffle says the count is warp-uniform (the walk is the same in every
-// lane), as drain_walk's does for kv_iter; in ptxas 13.0's SASS it is gone: the walk sits in
-// uniform registers, and so does the count.
+// or (count 0) any other. The count is at most (rest - 1) / BN, so before the k-th of c steady tiles
+// (k from 0) the range holds rest >= (c - k) BN + 1 > BN keys, and after its step >= 1: the steady
+// tile's schedule boundaries test exactly that, false whatever the plan and the offsets hold.
+// The shuffle says the count is warp-uniform (the walk is the same in every lane), as drain_walk's
+// does for kv_iter; in ptxas 13.0's SASS it is gone: the walk sits in uniform registers, and so does
+// the count.
 template <int BN>
 __device__ __forceinline__ int32_t fwd_steady_tiles(const KvWalk<BN>& kv, int32_t q0) {
   int32_t steady = (kv.rest() - 1) / BN;
@@ -940,9 +943,10 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
         __syncwarp();
         if (lane == 0) mbar_arrive(&B.k_empty[st]);
         // A steady tile has no branch after K's release (the general tile has the mask test's), and
-        // ptxas sank the arrive 90-140 instructions into the softmax: the boundary keeps it here (an
-        // item has rows: q1 > q0).
-        if constexpr (kSteady) schedule_boundary(q1 <= q0);
+        // ptxas sank the arrive 90-140 instructions into the softmax: the boundary keeps it here.
+        // Its condition is false on every steady tile whatever the plan holds: the count
+        // (fwd_steady_tiles) leaves more than BN keys in the range before each steady tile.
+        if constexpr (kSteady) schedule_boundary(kv.rest() <= BN);
         float alpha[2];  // softmax() reads only what was captured above, not the walk's state
         if constexpr (kSoftmaxBeforeWalk) {
           if constexpr (kSteady) softmax_rows(alpha);
@@ -970,10 +974,11 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
         // wait, and ptxas hoisted the wait above a third to two thirds of the exponentials (at D
         // 256 they would then lengthen the chain from P V's end to the next issue that
         // kRescaleBeforePv shortened). The boundary holds the row sums, so every exponential,
-        // above it (a tile's first row is a token: q0 >= 0). Without kSoftmaxBeforeWalk (D 64's
+        // above it; its condition is false for the same reason as the first's (a steady tile
+        // leaves keys in the range after it). Without kSoftmaxBeforeWalk (D 64's
         // long-walk build) main's general tile waits first and runs the whole softmax after the
         // wait (kSoftmaxBeforeWalk's comment), and so does the steady tile without this boundary.
-        if constexpr (kSteady && kSoftmaxBeforeWalk) schedule_boundary(q0 < 0, l[0] + l[1]);
+        if constexpr (kSteady && kSoftmaxBeforeWalk) schedule_boundary(kv.rest() <= 0, l[0] + l[1]);
         wgmma_wait<0>();
         fence_regs(o);
         fence_regs(pf);

@@ -132,13 +132,14 @@ __device__ __forceinline__ float pinned_after(float x, float dep, uint32_t zero)
   asm("lop3.b32 %0, %1, %2, %3, 0xF8;\n" : "=f"(r) : "f"(x), "f"(dep), "r"(zero));
   return r;
 }
-// A branch ptxas never takes and cannot remove: to a cold spin on `never`, an impossible value of
-// the kernel's data (one that neither NVVM nor ptxas can fold). ptxas moves independent work across
+// A branch ptxas never takes and cannot remove: to a cold spin on `never`, a warp-uniform condition
+// the kernel's own arithmetic makes false whatever its inputs (so that no plan or layout reaches the
+// spin) and that neither NVVM nor ptxas can fold. ptxas moves independent work across
 // such a branch both ways, but not a side effect issued before it (an mbarrier arrive stays
 // before it), nor what `held` is computed from (the spin reads `held`, so it is computed before the
 // branch). Two boundaries need two different `never` conditions: NVVM drops a branch on a condition
 // an earlier one already tested. A trap in place of the spin made ptxas serialise the D-256
-// forward's wgmmas (C7512).
+// forward's wgmmas (C7512), a per-thread condition the D-64 / 128 ones (C7520).
 __device__ __forceinline__ void schedule_boundary(bool never, float held = 0.f) {
   if (never) {
     for (;;) asm volatile("nanosleep.u32 %0;\n" ::"r"(__float_as_uint(held)) : "memory");
