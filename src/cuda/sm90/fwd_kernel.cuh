@@ -269,7 +269,7 @@ __device__ __forceinline__ void st_global_v4_if(void* p, const uint32_t (&v)[4],
 template <typename T, int D>
 __device__ __forceinline__ void fwd_o_row_stg128(T* orow, const float (&o)[D / 2], int r, float inv, uint32_t t4,
                                                  bool store) {
-  T* const chunk0 = orow + t4 * 8;  // this lane's chunk for k = 0; for k, 32 k elements (64 k B) on
+  T* const chunk0 = orow + t4 * 8;  // this lane's chunk for k = 0; for k it lies 32 k elements (64 k B) on
 #pragma unroll
   for (int k = 0; k < D / 32; ++k) {
     uint32_t v[4];
