@@ -269,6 +269,13 @@ def build_block_mask(mb: MicroBatch, device, backend="TRITON", block=None):
     return block_mask_of(mb.mask_mod(), mb.T, device, backend, block)
 
 
+def forest_block_mask(layout, device, backend="TRITON"):
+    """The BlockMask of a packed ``layout``'s forest rule for a Flex backend, built now (the gather of
+    forest_key_end and block_mask_of its mask_mod; on a CPU the dense boolean mask): what a Flex
+    trainer builds per micro-batch (examples/grpo_fsdp_ulysses.py, bench/verl_step.py's flex_fa4)."""
+    return block_mask_of(forest_mask_mod(forest_key_end(layout, device)), layout.num_tokens, device, backend)
+
+
 def block_mask_of(mask_mod, num_tokens: int, device, backend="TRITON", block=None):
     """The [num_tokens, num_tokens] BlockMask of ``mask_mod`` for a Flex backend (block size ``block``,
     by default the backend's peers.FLEX_BLOCK; compiled build with configure_flex's mask_compile); on

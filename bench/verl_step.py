@@ -1,10 +1,11 @@
-"""One veRL policy update through the dualkv plug-in: prompt once, prompt copies, and veRL's stock engine.
+"""One veRL policy update through the dualkv plug-in: prompt once, prompt copies, veRL's stock engine, Flex-FA4.
 
 One process, world size 1 with a process group (nccl on a GPU, gloo on a CPU), one random-weight
 Qwen3-shaped model (--model: a dense shape of ``dualkv.demo.MODEL_SIZES`` or a Qwen3-MoE shape of
 ``dualkv.demo.MOE_SIZES``, ``30b-a3b`` being Qwen3-30B-A3B's; --layers K cuts it to K decoder layers),
-an engine per method of veRL 0.9.1's ``FSDPEngineWithLMHead`` state, each around its own copy of the
-weights (built again from the seed on the device: the same weights, one unsharded model at a time), built the way
+an engine per method of veRL 0.9.1's ``FSDPEngineWithLMHead`` state (once, copies and flex_fa4 share
+one), each around its own copy of the weights (built again from the seed on the device: the same weights,
+one unsharded model at a time), built the way
 tests/python/test_verl.py builds the engine object (veRL's ``initialize`` loads a checkpoint from disk
 and needs a whole worker config) and sharded the way veRL's ``_build_fsdp_module`` shards it for
 ``strategy=fsdp2``: parameters in fp32, gradient checkpointing (non-reentrant) enabled before
@@ -27,8 +28,25 @@ engine's autocast in bf16 (``--dtype fp32``: fp32 throughout, the CPU smoke test
           flash_attention_2 path derives them): what a veRL user's ``flash_attention_2`` runs, on the
           fastest generic kernel of the H200. Not in the default methods (FA4 is installed by
           tests/gpu/device_run.sh fa4-install); on a CPU it runs an exact per-sequence sdpa stand-in.
+* flex_fa4: Flex-FA4 packing, the strongest peer for packed shared-prompt training: the plug-in's packed
+          stream as copies runs it (whole groups per micro-batch, a group over the budget split with a
+          prompt copy per piece; ``DUALKV_VERL_PROMPT_ONCE=0``: FlexAttention cannot run dualkv's prompt-once
+          phases, whose response micro-batches read the prompt's keys and values as an external prefix),
+          on the same engine as once and copies (one copy of the weights: the method switches the model's
+          attention implementation), the same fused log-probs; only the attention differs: compiled
+          FlexAttention (torch's automatic dynamic shapes, as users compile it) with
+          ``kernel_options={"BACKEND": "FLASH"}`` (FlashAttention-4 under Flex), the BlockMask of the forest
+          rule built per micro-batch inside the pass (the update pays for it, as a trainer does: eager
+          ``create_block_mask``, block 256 x 128; bench/e2e.py's ``forest_key_end`` / ``forest_mask_mod`` /
+          ``flex_attention_forward``). The attention is a layout attention
+          (``dualkv.integrations.transformers.register_layout_attention``): the plug-in packs for it and
+          passes each layer the micro-batch's layout, and ForestFlexAttention builds the mask once per
+          micro-batch (cached per layout: not per layer, not again in the checkpointed recompute; the
+          builds are counted). Not in the default methods (FA4 on a GPU, as stock_fa4); on a CPU it runs
+          the project's Flex stand-in (the dense boolean mask of the same rule through SDPA: FlexAttention
+          has no CPU backward), which the JSON records (``ran``).
 
-The rollout batch (the same for all three): --groups G prompts x -N responses, prompt lengths uniform in
+The rollout batch (the same for every method): --groups G prompts x -N responses, prompt lengths uniform in
 --prompt-len, response lengths in --response-len, veRL's layout (left-padded prompts, right-padded
 responses, ``uid`` per group, the rows of the groups shuffled as veRL's balancing leaves them), random
 old / reference log-probs and advantages. It goes through veRL's own ``left_right_2_no_padding`` and the
@@ -44,11 +62,18 @@ method order rotated each round), medians reported:
             pass.
 
 Per method also: the tokens through the model (counted at the embedding: prompt phases, micro-batches)
-and the micro-batches (``forward_step`` calls) of each pass, and the peak memory allocated (GPU).
+and the micro-batches (``forward_step`` calls) of each pass, the peak memory allocated (GPU), the counted
+pass's time (``*_first_s``) and the update's loss (``update_loss``: veRL's micro-batch losses summed, the
+same batch loss for every method). flex_fa4 also, per pass kind (``update`` / ``logprobs``), beside its
+steady state (the medians): ``compile_s`` (the counted, first pass's time minus the median: its
+compiles), ``mask_builds`` (BlockMask builds in that pass: one per micro-batch) and ``mask_build_s`` (those
+builds timed alone, per micro-batch the median of 3, summed; inside the medians) with ``excl_mask_s``
+(the median less them); and ``flex_fa4_vs_copies``, the max |Δ log-prob| against copies over every
+response token (the same packed stream: only the attention differs).
 Accuracy (the tolerance rule of DESIGN.md section 7, as bench/trl_step.py applies it): the log-probs of
 the rows of one group (the first row's) from each method's forward-only pass against an fp32 truth (the same weights in
 fp32, exact fp32 attention, row by row: bench/logprob_noise.py): max|dualkv - truth| <= 2 max|stock -
-truth| + 1e-3, for once and for copies. JSON (environment, batch, tokens, times, memory, errors,
+truth| + 1e-3, for once, copies and flex_fa4. JSON (environment, batch, tokens, times, memory, errors,
 verdict) to --out (a directory: verl_step_<model>.json in it, verl_step_<model>_l<K>.json with --layers;
 or a path ending in .json); the
 environment is bench/e2e.py's provenance record. A GPU run refuses a tree that is not a commit unless
@@ -60,10 +85,20 @@ gives it (G x N must divide by the world size), ``global_batch_size`` the whole 
 the slowest rank's, tokens are summed over the ranks, micro-batches and peak memory the largest rank's;
 the accuracy check runs on rank 0 (its first row's group, the rows of it that rank 0 holds); rank 0
 writes the JSON. A rank that raises ends the run (torchrun stops the others) instead of skipping the
-method, which would leave the other ranks in a collective.
+method, which would leave the other ranks in a collective. flex_fa4 runs there as the others do (each rank
+its own micro-batches and masks, mask builds the slowest rank's): data parallel only (Flex has no
+sequence-parallel wrapper in this project). What flex_fa4 does not compare: prompt once across
+micro-batches (Flex has no prompt phase, so it is measured against copies' packing, and once's gain over
+copies is dualkv's alone) and sequence parallelism. ``--sp S`` runs once and copies under veRL's Ulysses
+(issue 24 item 3): the ranks form (world / S) data-parallel x S sequence-parallel ranks, the S ranks of an
+SP group hold the same share of the rows, and each micro-batch (``--max-tokens x S`` packed tokens, veRL's
+budget) is sharded over them by the plug-in; tokens summed over the ranks are then each micro-batch's
+once (each SP rank embeds its share).
 
     python bench/verl_step.py                              # 1.7B, G4 x N16, P 2K-8K, R 0.5K-2K, budget 16384
     torchrun --standalone --nproc_per_node 8 bench/verl_step.py --model 8b --groups 8 -N 32 ...   # data parallel
+    torchrun --standalone --nproc_per_node 8 bench/verl_step.py --model 8b --sp 8 --groups 1 -N 8 \
+        --prompt-len 131072 --response-len 2048 --max-tokens 20480 --methods once --no-accuracy  # Ulysses
     python bench/verl_step.py --device cpu --model tiny --groups 3 -N 4 --prompt-len 24,32 \\
         --response-len 4,12 --max-tokens 48 --dtype fp32 --rounds 1      # smoke test (tiny-moe: the MoE one)
 
@@ -88,6 +123,8 @@ import sys
 import tempfile
 import traceback
 import types
+import weakref
+from contextlib import contextmanager
 from functools import partial
 
 import numpy as np
@@ -99,26 +136,37 @@ sys.path.insert(0, str(HERE.parent / "python"))
 
 import logprob_noise  # noqa: E402  (exact fp32 truth, row by row)
 import provenance  # noqa: E402
-from e2e import environment, int_range  # noqa: E402
+from e2e import configure_flex, environment, flex_attention_forward, forest_block_mask, int_range  # noqa: E402
+from peers import FLEX_BACKENDS, FLEX_BLOCK  # noqa: E402
 
 from dualkv.demo import _Timer as Clock  # noqa: E402  (CUDA events on a GPU, wall clock otherwise)
+from dualkv import demo  # noqa: E402
 from dualkv.demo import MODEL_SIZES, MOE_SIZES, qwen3_config  # noqa: E402
+from dualkv import Layout, UnsupportedError  # noqa: E402
+from dualkv.integrations import transformers as dkt  # noqa: E402
 
-METHODS = ("once", "copies", "stock", "stock_fa4")
+METHODS = ("once", "copies", "stock", "stock_fa4", "flex_fa4")
 DEFAULT_METHODS = ("once", "copies", "stock")
 #: the stock engines (veRL's own, without the plug-in), the strongest last
 STOCK = ("stock", "stock_fa4")
-#: DUALKV_VERL_PROMPT_ONCE per method (None: unset, the plug-in's default)
-PROMPT_ONCE = {"once": None, "copies": "0", "stock": None, "stock_fa4": None}
+#: the methods on the plug-in's packed stream: one engine (one copy of the weights), its attention per method
+PACKED = ("once", "copies", "flex_fa4")
+#: the peers the packed methods are timed against, and the suffix of their verdict keys
+PEERS = {"stock": "", "stock_fa4": "_fa4", "flex_fa4": "_flex_fa4"}
+#: DUALKV_VERL_PROMPT_ONCE per method (None: unset, the plug-in's default; flex_fa4 cannot read a prompt
+#: phase's keys and values, so its split groups carry prompt copies as copies' do)
+PROMPT_ONCE = {"once": None, "copies": "0", "stock": None, "stock_fa4": None, "flex_fa4": "0"}
 #: the transformers attention implementation of stock_fa4
 FA4_VARLEN_IMPL = "dualkv_bench_fa4_varlen"
+#: the transformers attention implementation of flex_fa4 (a layout attention: the plug-in packs for it)
+FLEX_FA4_IMPL = "dualkv_bench_forest_flex_fa4"
 #: --model: the dense shapes, then the MoE ones
 MODELS = sorted(MODEL_SIZES) + sorted(MOE_SIZES)
 
 LAYERS_HELP = (
     "cut the model to K decoder layers (default: the shape's own; 1 <= K <= it). A world of one holds every "
-    "engine's fp32 parameters unsharded (4 B a parameter per engine: once and copies share one, stock and "
-    "stock_fa4 one each), the gradients of one update (4 B a parameter) and the activations (the 8B run, "
+    "engine's fp32 parameters unsharded (4 B a parameter per engine: once, copies and flex_fa4 share one, "
+    "stock and stock_fa4 one each), the gradients of one update (4 B a parameter) and the activations (the 8B run, "
     "8.19 B parameters, once,copies,stock_fa4: resident 61.1 GiB, update peak 113.7 GiB, so ~22 GiB of "
     "activations under a 16,384 budget). 30b-a3b has 0.622 B parameters outside its layers (embedding "
     "and untied head) and 0.623 B per layer (128 experts of 3 x 2048 x 768: 0.604 B, attention 0.019 B): "
@@ -144,9 +192,15 @@ def parse_args(argv=None):
     p.add_argument("--prompt-len", type=int_range, default=(2048, 8192))
     p.add_argument("--response-len", type=int_range, default=(512, 2048))
     p.add_argument("--max-tokens", type=int, default=16384,
-                   help="ppo_max_token_len_per_gpu (veRL's default 16384): packed tokens per micro-batch for dualkv, "
-                        "unpadded tokens for the stock engine")
+                   help="ppo_max_token_len_per_gpu (veRL's default 16384): packed tokens per micro-batch for dualkv "
+                        "(per GPU: x S per micro-batch with --sp S), unpadded tokens for the stock engine")
     p.add_argument("--methods", default=",".join(DEFAULT_METHODS), help=f"some of {', '.join(METHODS)}")
+    p.add_argument("--sp", type=int, default=1, metavar="S",
+                   help="Ulysses sequence parallelism (veRL's ulysses_sequence_parallel_size): the ranks form "
+                        "(world / S) x S, the S ranks of an SP group hold the same rows and each micro-batch "
+                        "(--max-tokens x S packed tokens, veRL's budget) is sharded over them; once and copies only "
+                        "(veRL's stock path shards attention only through its patched flash_attention_2, Flex has "
+                        "no Ulysses wrapper here)")
     p.add_argument("--stock-attn", default="sdpa", help="attn_implementation of the stock engine")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--warmup", type=int, default=0,
@@ -162,6 +216,10 @@ def parse_args(argv=None):
         p.error(f"--methods takes {', '.join(METHODS)}; got {args.methods!r}")
     if args.rounds < 1 or args.warmup < 0:
         p.error("--rounds >= 1, --warmup >= 0")
+    if args.sp < 1 or world_size() % args.sp:
+        p.error(f"--sp must divide the world size {world_size()}; got {args.sp}")
+    if args.sp > 1 and set(methods) - {"once", "copies"}:
+        p.error(f"--sp {args.sp} runs the dualkv methods (once, copies) only; got --methods {args.methods}")
     if args.layers is not None:
         full = {**MODEL_SIZES, **MOE_SIZES}[args.model]["num_hidden_layers"]
         if not 1 <= args.layers <= full:
@@ -220,6 +278,105 @@ class VarlenAttention:
                           softmax_scale=scaling, causal=True)
         out = out[0] if isinstance(out, tuple) else out  # FA4 returns out or (out, lse) by version
         return out.unsqueeze(0), None
+
+
+# ------------------------------------------------------------------------------------------------
+# flex_fa4's attention: compiled FlexAttention on FA4 over the plug-in's packed micro-batches
+# ------------------------------------------------------------------------------------------------
+
+class ForestFlexAttention:
+    """flex_fa4's attention function, registered as a layout attention
+    (``dkt.register_layout_attention``): the plug-in packs the engine's micro-batches for it as for
+    "dualkv" and passes every layer the micro-batch's ``dualkv_layout``; it runs bench/e2e.py's
+    flex_attention_forward (compiled FlexAttention, ``kernel_options`` of ``backend``) with the BlockMask
+    of the layout's forest rule (e2e.forest_block_mask: eager create_block_mask; on a CPU the dense
+    boolean mask of the same rule, which flex_attention_forward runs through SDPA).
+
+    One build per micro-batch: the mask is cached per Layout object, weakly (it goes with its
+    micro-batch). Every layer of a micro-batch's forward gets the same Layout object, and the
+    non-reentrant activation checkpointing's recompute in the backward gets the same keywords, so
+    neither rebuilds it. ``recorded``, while a list, collects the layouts whose masks were built (the
+    bench counts the builds and times them alone)."""
+
+    def __init__(self, backend: str):
+        self.backend = backend
+        self.recorded = None
+        self._masks = weakref.WeakKeyDictionary()
+
+    def block_mask(self, layout, device):
+        mask = self._masks.get(layout)
+        if mask is None:
+            mask = self._masks[layout] = forest_block_mask(layout, device, self.backend)
+            if self.recorded is not None:
+                self.recorded.append(layout)
+        return mask
+
+    def __call__(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None,
+                 softcap=None, **kwargs):
+        layout = kwargs.get(dkt.LAYOUT_KWARG)
+        if not isinstance(layout, Layout):
+            raise dkt.MissingLayoutError(f"flex_fa4 attention runs the plug-in's packed micro-batches: expected "
+                                         f"{dkt.LAYOUT_KWARG}=<dualkv.Layout>, got {type(layout).__name__} (a "
+                                         "sequence shard is not served: FlexAttention has no Ulysses wrapper here)")
+        if layout.num_prefixes or kwargs.get(dkt.PROMPT_KV_KWARG) is not None:
+            raise UnsupportedError("flex_fa4: FlexAttention cannot read a prompt phase's keys and values "
+                                   "(dualkv's prompt once); run it with DUALKV_VERL_PROMPT_ONCE=0")
+        modifiers = [n for n, x in (("attention_mask", attention_mask), ("sliding_window", sliding_window),
+                                    ("softcap", softcap), ("s_aux", kwargs.get("s_aux"))) if x is not None]
+        if modifiers or (dropout and module.training):
+            raise UnsupportedError(f"flex_fa4: FlexAttention here applies the forest rule alone; the layer asks "
+                                   f"for {', '.join(modifiers) or f'attention dropout {dropout}'} as well")
+        block_mask = self.block_mask(layout, query.device)
+        # veRL's forward_step runs the model under autocast; q / k / v arrive in its dtype already and the
+        # attention has nothing for autocast to cast, so Flex runs outside it (compiled Flex's backward
+        # under autocast is a known failure, pytorch/pytorch#176025)
+        with torch.autocast(query.device.type, enabled=False):
+            return flex_attention_forward(module, query, key.to(query.dtype), value.to(query.dtype), None, scaling,
+                                          flex_block_mask=block_mask, flex_backend=self.backend)
+
+
+#: flex_fa4's attention (registered by register_flex_fa4)
+FLEX_FA4_ATTENTION = ForestFlexAttention(FLEX_BACKENDS["flex_fa4"])
+
+
+def register_flex_fa4(device) -> None:
+    """FLEX_FA4_IMPL as a layout attention: compiled FlexAttention on FA4 (``BACKEND=FLASH``) on a GPU
+    (peers.fa4 raises Unavailable without FA4), compiled as users compile it (torch's automatic dynamic
+    shapes, eager mask builds: e2e.configure_flex); on a CPU the dense-mask SDPA stand-in."""
+    if device.type == "cuda":
+        from peers import fa4
+        fa4()
+    configure_flex(compiled=device.type == "cuda", dynamic=None, mask_compile=False)
+    dkt.register_layout_attention(FLEX_FA4_IMPL, FLEX_FA4_ATTENTION)
+
+
+@contextmanager
+def recorded_mask_builds(method):
+    """The layouts whose BlockMasks ``method``'s passes build inside the block (a list; empty for a method
+    without Flex)."""
+    built = []
+    if method != "flex_fa4":
+        yield built
+        return
+    FLEX_FA4_ATTENTION.recorded = built
+    try:
+        yield built
+    finally:
+        FLEX_FA4_ATTENTION.recorded = None
+
+
+def mask_build_seconds(layouts, device, reps: int = 3) -> float:
+    """flex_fa4's BlockMask builds of one pass timed alone: per micro-batch (its layout) the median of
+    ``reps`` builds, summed."""
+    total = 0.0
+    for layout in layouts:
+        times = []
+        for _ in range(reps):
+            with Clock(device) as c:
+                forest_block_mask(layout, device, FLEX_FA4_ATTENTION.backend)
+            times.append(c.seconds)
+        total += statistics.median(times)
+    return total
 
 
 def chunked_logprobs(logits, labels, inplace_backward=True, rows=4096):
@@ -296,12 +453,10 @@ def is_moe(cfg) -> bool:
 
 def build_model(cfg, device, seed):
     """The random-weight causal LM in fp32 parameters (as veRL's actor), initialised on ``device`` from
-    ``seed``: the same weights at every call on one device. Each model gets its own copy of ``cfg``
-    (``set_attn_implementation`` writes the attention of the engine into its model's config)."""
-    from transformers import AutoModelForCausalLM
-    torch.manual_seed(seed)
-    with torch.device(device):
-        return AutoModelForCausalLM.from_config(copy.deepcopy(cfg), dtype=torch.float32)
+    ``seed`` (``dualkv.demo.build_model``): the same weights at every call on one device. Each model gets
+    its own copy of ``cfg`` (``set_attn_implementation`` writes the attention of the engine into its
+    model's config)."""
+    return demo.build_model(copy.deepcopy(cfg), device, torch.float32, seed)
 
 
 def model_record(args, cfg) -> dict:
@@ -353,6 +508,16 @@ def make_engine(v, model, attn, compute_dtype, device):
     engine.scaler = None
     engine.compute_entropy_from_logits = v.impl.verl_F.entropy_from_logits
     return engine
+
+
+def use_ulysses(engine, sp: int, device) -> None:
+    """What veRL's ``_init_device_mesh`` sets for ``ulysses_sequence_parallel_size = sp``: the (dp, sp)
+    device mesh over all ranks and its SP group (FSDP2 keeps sharding over all of them)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh(device.type, (world_size() // sp, sp), mesh_dim_names=("dp", "sp"))
+    engine.engine_config.ulysses_sequence_parallel_size = sp
+    engine.ulysses_sequence_parallel_size, engine.use_ulysses_sp = sp, True
+    engine.ulysses_device_mesh, engine.ulysses_parallel_group = mesh, mesh["sp"].get_group()
 
 
 def actor_config(v, args):
@@ -463,8 +628,9 @@ def run_pass(v, engine, args, proto, train: bool, loss):
 
 def counted_pass(v, engine, args, proto, train: bool, loss):
     """run_pass with the tokens through the embedding (every forward: prompt phases, micro-batches) and
-    the micro-batches (forward_step calls) counted; untimed."""
-    seen = {"tokens": 0, "micro_batches": 0}
+    the micro-batches (forward_step calls) counted, and the update's loss (veRL's micro-batch losses,
+    summed)."""
+    seen = {"tokens": 0, "micro_batches": 0, "loss": 0.0}
     embed = engine.module.model.embed_tokens
 
     def embedded(module, inputs):
@@ -477,7 +643,9 @@ def counted_pass(v, engine, args, proto, train: bool, loss):
     handle = embed.register_forward_pre_hook(embedded)
     engine.forward_step = spy
     try:
-        run_pass(v, engine, args, proto, train, loss)
+        out, _ = run_pass(v, engine, args, proto, train, loss)
+        if train:
+            seen["loss"] = float(sum(out["loss"]))
     finally:
         handle.remove()
         del engine.forward_step
@@ -495,7 +663,7 @@ def response_logprobs(v, out, td, rows):
 # ------------------------------------------------------------------------------------------------
 
 def world_size() -> int:
-    """The data-parallel world: torchrun's WORLD_SIZE, 1 without it."""
+    """All ranks (data parallel x Ulysses, --sp): torchrun's WORLD_SIZE, 1 without it."""
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
@@ -559,6 +727,8 @@ def main(argv=None) -> int:
     compute_dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     if "stock_fa4" in args.methods:  # before the model: without FA4 on a GPU this stops here (peers.Unavailable)
         register_stock_fa4(device)
+    if "flex_fa4" in args.methods:  # the same
+        register_flex_fa4(device)
     v = _verl()
     if device.type == "cpu":
         point_verl_at_cpu(v)
@@ -567,11 +737,11 @@ def main(argv=None) -> int:
     # the same weights, kept unsharded on the host (rank 0 checks)
     truth_model = None if args.no_accuracy or rank else build().to("cpu")
     proto, prompts, responses, rows = rollout_batch(v, args, cfg.vocab_size)
-    proto, local_rows = rank_share(proto, rows, world, rank)
+    proto, local_rows = rank_share(proto, rows, world // args.sp, rank // args.sp)  # an SP group: one share
     report = {"args": {k: (list(x) if isinstance(x, tuple) else x) for k, x in vars(args).items()},
               "model": model_record(args, cfg),
               "protocol": {"engine": f"veRL 0.9.1 FSDPEngineWithLMHead, strategy fsdp2 (apply_fsdp2), world size "
-                                     f"{world} (data parallel)",
+                                     f"{world} ({world // args.sp} data parallel x {args.sp} Ulysses)",
                            "precision": "fp32 parameters, bf16 compute (MixedPrecisionPolicy + autocast)"
                            if args.dtype == "bf16" else "fp32",
                            "gradient_checkpointing": "non-reentrant",
@@ -583,13 +753,23 @@ def main(argv=None) -> int:
                            "stock_fa4": "veRL's remove-padding path on FlashAttention-4 flash_attn_varlen_func "
                                         "(causal, cu_seqlens from the position restarts)"
                            if device.type == "cuda" else "veRL's remove-padding path on per-sequence sdpa "
-                                                         "(the CPU stand-in of FA4 varlen)"}}
+                                                         "(the CPU stand-in of FA4 varlen)",
+                           "flex_fa4": "the plug-in's packed micro-batches (whole groups; a group over the budget "
+                                       "split with prompt copies, as copies: Flex cannot read a prompt phase's keys "
+                                       "and values) on the engine of once and copies, attention by "
+                                       + (f"compiled FlexAttention (automatic dynamic shapes) with kernel_options "
+                                          f"BACKEND=FLASH (FlashAttention-4), the forest rule's BlockMask built per "
+                                          f"micro-batch inside the pass (eager create_block_mask, block "
+                                          f"{FLEX_BLOCK['FLASH'][0]} x {FLEX_BLOCK['FLASH'][1]})"
+                                          if device.type == "cuda" else
+                                          "the CPU stand-in of Flex: the dense boolean mask of the forest rule "
+                                          "(create_mask) through SDPA, built per micro-batch inside the pass")}}
     if is_moe(cfg):
         report["protocol"]["experts"] = (
             "no expert parallelism (veRL's FSDP engine has none): the experts sharded by FSDP2 with their "
             f"decoder layer over the {world} rank(s), {cfg.num_experts} experts, {cfg.num_experts_per_tok} per "
             "token, router aux loss off (output_router_logits false, coefficient 0)")
-    report["tokens"] = token_counts(prompts, responses, args.max_tokens)
+    report["tokens"] = token_counts(prompts, responses, args.max_tokens * args.sp)  # veRL's micro-batch budget
     print(f"tokens {report['tokens']}", flush=True)
     keep = (lambda rep: save(rep, args)) if rank == 0 else (lambda rep: None)  # rank 0 writes
 
@@ -600,6 +780,9 @@ def main(argv=None) -> int:
             if set(STOCK) & set(args.methods):
                 report["protocol"]["stock_logprobs"] = stock_logprobs(v)
             engines = build_engines(v, args, build, compute_dtype, device)
+            if args.sp > 1:
+                for engine in {id(e): e for e in engines.values()}.values():  # once and copies share one
+                    use_ulysses(engine, args.sp, device)
             first = next(iter(engines.values())).module
             report["protocol"]["fsdp2_units"] = fsdp2_units(first)
             report["model"]["parameters"] = sum(p.numel() for p in first.parameters())
@@ -608,6 +791,8 @@ def main(argv=None) -> int:
             loss = partial(v.ppo_loss, config=actor_config(v, args))
             report["passes"], got = measure(v, engines, args, proto, loss, device,
                                             after_round=lambda rec: keep(dict(report, passes=rec)))
+            if "flex_fa4" in got and "copies" in got:
+                report["flex_fa4_vs_copies"] = same_stream_agreement(v, got, proto, device)
             keep(report)  # the times, should the truth not finish
             if truth_model is not None and got:
                 try:
@@ -636,19 +821,35 @@ def save(report, args) -> None:
 
 
 def build_engines(v, args, build, compute_dtype, device):
-    """{method: engine}; once and copies share the dualkv engine (the plug-in reads the switch per call).
-    ``build()`` gives each engine its own copy of the same weights, one unsharded model on the device at a
-    time (sharded before the next is built: under torchrun a full 30B fits one GPU, two do not)."""
-    from dualkv.integrations.transformers import ATTN_IMPLEMENTATION
+    """{method: engine}; once, copies and flex_fa4 share the dualkv engine, one copy of the weights (the
+    plug-in reads the prompt-once switch and the model's attention implementation per call: method_setting
+    sets them). ``build()`` gives each engine its own copy of the same weights, one unsharded model on the
+    device at a time (sharded before the next is built: under torchrun a full 30B fits one GPU, two do not)."""
     engines = {}
     if "stock" in args.methods:
         engines["stock"] = make_engine(v, build(), args.stock_attn, compute_dtype, device)
     if "stock_fa4" in args.methods:  # registered in main
         engines["stock_fa4"] = make_engine(v, build(), FA4_VARLEN_IMPL, compute_dtype, device)
-    if {"once", "copies"} & set(args.methods):
-        dualkv_engine = make_engine(v, build(), ATTN_IMPLEMENTATION, compute_dtype, device)
-        engines.update({m: dualkv_engine for m in ("once", "copies") if m in args.methods})
+    if set(PACKED) & set(args.methods):
+        packed_engine = make_engine(v, build(), dkt.ATTN_IMPLEMENTATION, compute_dtype, device)
+        engines.update({m: packed_engine for m in PACKED if m in args.methods})
     return engines
+
+
+@contextmanager
+def method_setting(engine, method):
+    """What ``method`` sets for its passes: DUALKV_VERL_PROMPT_ONCE (PromptOnceEnv, restored after) and, on
+    the engine the packed methods share, its attention implementation (flex_fa4's FLEX_FA4_IMPL, "dualkv"
+    for once and copies; each of them sets its own)."""
+    if method in PACKED:
+        want = FLEX_FA4_IMPL if method == "flex_fa4" else dkt.ATTN_IMPLEMENTATION
+        if engine.module.config._attn_implementation != want:
+            engine.module.set_attn_implementation(want)
+        if engine.module.config._attn_implementation != want:  # transformers only warns where it cannot switch
+            raise RuntimeError(f"verl_step: {method} needs attn_implementation {want!r} on its engine's model; "
+                               f"set_attn_implementation left {engine.module.config._attn_implementation!r}")
+    with PromptOnceEnv(PROMPT_ONCE[method]):
+        yield
 
 
 def _failed(rec, m, exc, device):
@@ -665,17 +866,29 @@ def _failed(rec, m, exc, device):
 def measure(v, engines, args, proto, loss, device, after_round=None):
     """Counts, warm-up, then rounds of (update, log-probs) per method, the method order rotated per round.
     A method that raises is recorded with its error and left out after. ``after_round(records)`` after
-    each round (main saves the times so far: a run cut by its cap keeps its rounds). Returns ({method:
-    record}, {method: the last forward-only pass's (output, td)})."""
+    each round (main saves the times so far: a run cut by its cap keeps its rounds). The counted pass is
+    timed too (``*_first_s``: flex_fa4's compiles happen in it) and records the update's loss (veRL's
+    micro-batch losses summed over the micro-batches and the ranks: the same batch loss for every method);
+    flex_fa4's BlockMask builds of each counted pass are counted and then timed alone (flex_costs).
+    Returns ({method: record}, {method: the last forward-only pass's (output, td)})."""
     rec = {m: {"status": "ok", "update_s": [], "logprobs_s": []} for m in args.methods}
     last = {}
     for m in args.methods:
         try:
-            with PromptOnceEnv(PROMPT_ONCE[m]):
+            with method_setting(engines[m], m):
                 for train, key in ((True, "update"), (False, "logprobs")):
-                    seen = counted_pass(v, engines[m], args, proto, train, loss)
+                    with recorded_mask_builds(m) as built, Clock(device) as c:
+                        seen = counted_pass(v, engines[m], args, proto, train, loss)
+                    rec[m][f"{key}_first_s"] = reduced(c.seconds, "max", device)
                     rec[m][f"{key}_tokens"] = int(reduced(seen["tokens"], "sum", device))
                     rec[m][f"{key}_micro_batches"] = int(reduced(seen["micro_batches"], "max", device))
+                    if train:
+                        rec[m]["update_loss"] = reduced(seen["loss"], "sum", device)
+                    if m == "flex_fa4":  # the builds of this pass (one per micro-batch), then timed alone
+                        rec[m].setdefault("mask_builds", {})[key] = int(reduced(len(built), "max", device))
+                        rec[m].setdefault("mask_build_s", {})[key] = reduced(mask_build_seconds(built, device),
+                                                                             "max", device)
+                    del built
                 for _ in range(args.warmup):
                     run_pass(v, engines[m], args, proto, True, loss)
                     run_pass(v, engines[m], args, proto, False, loss)
@@ -689,7 +902,7 @@ def measure(v, engines, args, proto, loss, device, after_round=None):
         methods = [m for m in args.methods if rec[m]["status"] == "ok"]
         for m in methods[r % max(1, len(methods)):] + methods[:r % max(1, len(methods))]:
             try:
-                with PromptOnceEnv(PROMPT_ONCE[m]):
+                with method_setting(engines[m], m):
                     for train, key in ((True, "update"), (False, "logprobs")):
                         if cuda:
                             torch.cuda.synchronize(device)
@@ -717,7 +930,37 @@ def measure(v, engines, args, proto, loss, device, after_round=None):
         if rec[m]["status"] == "ok":
             rec[m]["update_median_s"] = statistics.median(rec[m]["update_s"])
             rec[m]["logprobs_median_s"] = statistics.median(rec[m]["logprobs_s"])
+            if m == "flex_fa4":
+                rec[m].update(flex_costs(rec[m], device))
     return rec, last
+
+
+def flex_costs(r, device) -> dict:
+    """flex_fa4's costs beside its steady state (the medians), per pass kind: ``compile_s``, the counted
+    (first, untimed) pass's time over the median (its compiles: automatic dynamic shapes compile a static
+    graph for the first packed length and a dynamic one for the next); ``excl_mask_s``, the median less
+    ``mask_build_s`` (one pass's BlockMask builds timed alone, slowest rank: inside the median, the update
+    pays them as a trainer does); ``ran``: compiled Flex on FA4, or the CPU stand-in."""
+    kinds = ("update", "logprobs")
+    cuda = device.type == "cuda"
+    backend = FLEX_FA4_ATTENTION.backend
+    return {"compile_s": {k: max(0.0, r[f"{k}_first_s"] - r[f"{k}_median_s"]) for k in kinds},
+            "excl_mask_s": {k: r[f"{k}_median_s"] - r["mask_build_s"][k] for k in kinds},
+            "ran": f"compiled FlexAttention, kernel_options BACKEND={backend} (FlashAttention-4), BlockMask block "
+                   f"{FLEX_BLOCK[backend][0]} x {FLEX_BLOCK[backend][1]}" if cuda else
+                   "the CPU stand-in: the dense boolean mask of the forest rule (create_mask) through SDPA",
+            "flex_compile": cuda, "flex_dynamic": "automatic" if cuda else None,
+            "flex_mask_build": "eager create_block_mask" if cuda else "dense mask (CPU stand-in)"}
+
+
+def same_stream_agreement(v, got, proto, device) -> dict:
+    """flex_fa4 against copies on the same packed micro-batches (only the attention differs): the max |Δ
+    log-prob| over every response token of their forward-only passes, all ranks' rows (collective)."""
+    rows = list(range(len(proto)))
+    a, b = (response_logprobs(v, *got[m], rows).to(device) for m in ("flex_fa4", "copies"))  # [rows, longest]
+    mask = proto.batch["response_mask"][:, :a.shape[1]].bool().to(device)
+    return {"logprobs_max_abs": reduced(float((a - b).abs()[mask].max()), "max", device),
+            "tokens": int(reduced(int(mask.sum()), "sum", device))}
 
 
 def accuracy(truth_model, got, prompts, responses, rows, device):
@@ -753,12 +996,13 @@ def verdict(report, methods):
     # (a save after a round, before the medians: no ratios yet)
     passes = {m: r for m, r in report.get("passes", {}).items() if r["status"] == "ok" and "update_median_s" in r}
     out["methods_ok"] = len(passes) == len(methods)
-    for s in STOCK:  # update_speedup_once (over stock), update_speedup_once_fa4 (over stock_fa4), ...
+    # update_speedup_once (over stock), update_speedup_once_fa4 (over stock_fa4), update_speedup_once_flex_fa4
+    # (over flex_fa4), ...
+    for s, tail in PEERS.items():
         if s not in passes:
             continue
         for m in ("once", "copies"):
             if m in passes:
-                tail = s.replace("stock", "")
                 out[f"update_speedup_{m}{tail}"] = passes[s]["update_median_s"] / passes[m]["update_median_s"]
                 out[f"logprobs_speedup_{m}{tail}"] = passes[s]["logprobs_median_s"] / passes[m]["logprobs_median_s"]
     if "once" in passes and "copies" in passes:
@@ -771,7 +1015,7 @@ def verdict(report, methods):
     if stock:  # the rule against the stock engine's error (the larger where both ran)
         bound = 2 * max(err[s]["max"] for s in stock) + 1e-3
         out["logprob_bound"] = bound
-        for m in ("once", "copies"):
+        for m in PACKED:
             if m in err:
                 out[f"logprob_{m}_ok"] = err[m]["max"] <= bound
     return out
@@ -789,6 +1033,10 @@ def table(report, methods):
         print(f"{m:9} {r['update_median_s']:9.3f} {r['logprobs_median_s']:10.3f} {r['update_tokens']:10d} "
               f"{r['update_micro_batches']:6d} {r['logprobs_tokens']:10d} {r['logprobs_micro_batches']:6d} "
               f"{r.get('update_peak_gib', float('nan')):8.2f}")
+        if "compile_s" in r:  # flex_fa4: its costs beside the steady state
+            print(f"{'':9} {r['ran']}; first pass compiles: update {r['compile_s']['update']:.2f} s, log-probs "
+                  f"{r['compile_s']['logprobs']:.2f} s; mask builds (inside the times): update "
+                  f"{r['mask_build_s']['update']:.4f} s, log-probs {r['mask_build_s']['logprobs']:.4f} s")
 
 
 if __name__ == "__main__":

@@ -84,7 +84,7 @@ sys.path.insert(0, str(ROOT / "bench"))  # bench/e2e.py: std's SDPA backend choi
 import dualkv  # noqa: E402
 import e2e  # noqa: E402
 from dualkv import distributed  # noqa: E402
-from dualkv.demo import MODEL_SIZES, TOLERANCES, build_model, make_rollouts, qwen3_config  # noqa: E402
+from dualkv.demo import MODEL_SIZES, MOE_SIZES, TOLERANCES, build_model, make_rollouts, qwen3_config  # noqa: E402
 from dualkv.grpo import group_advantages, policy_loss  # noqa: E402
 from dualkv.integrations import transformers as dkt  # noqa: E402
 from dualkv.logprobs import response_logprobs  # noqa: E402
@@ -114,7 +114,9 @@ def parse_args(argv=None):
     p.add_argument("--sp", type=int, default=1, help="sequence-parallel (Ulysses) size")
     p.add_argument("--dp", type=int, default=None, help="data-parallel size (default: world size / sp)")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--model-size", choices=sorted(MODEL_SIZES), default=None, help="default: tiny on cpu, 0.6b on cuda")
+    p.add_argument("--model-size", choices=sorted(MODEL_SIZES) + sorted(MOE_SIZES), default=None,
+                   help="a dense Qwen3 shape or a Qwen3-MoE one (dualkv.demo.MOE_SIZES: tiny-moe, 30b-a3b; each "
+                        "decoder layer, experts included, is one FSDP2 unit); default: tiny on cpu, 0.6b on cuda")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: float32 on cpu, bfloat16 on cuda")
     p.add_argument("--groups", type=int, default=None, help="groups in the batch, all dp ranks together")
     p.add_argument("-N", "--n", type=int, default=None, help="responses per group")
@@ -347,8 +349,7 @@ def register_attention():
 def flex_block_mask(packed, device, backend):
     """The BlockMask of the forest rule of a packed micro-batch for a Flex backend (bench/e2e.py's
     build: eager create_block_mask; on a CPU the dense boolean mask)."""
-    return e2e.block_mask_of(e2e.forest_mask_mod(e2e.forest_key_end(packed.layout, device)), packed.num_tokens,
-                             device, backend)
+    return e2e.forest_block_mask(packed.layout, device, backend)
 
 
 def std_logprobs(model, shard):

@@ -53,7 +53,8 @@ long_responses, tree), --heads/--kv-heads, each head dim of --dims unless D is g
 library in rotating order, each --profile-calls calls (fwd for --check fwd, else fwd+bwd) under
 torch.profiler after one warm-up call: the median device ms per call of the kernels whose name
 contains each --kernels substring (summed), and of all kernels of the step, per library, and
-cand/base. A substring that matches no kernel of any library is an ERROR (that path did not run);
+cand/base: the ratio of the medians and, with 3 or more rounds, the median and quartiles of the
+per-round ratios (how far one run settles a change). A substring that matches no kernel of any library is an ERROR (that path did not run);
 one that only some libraries run (a kernel added or removed) is printed with its zeros.
 --profile-only skips the checks (--check then only says fwd or fwd+bwd): the exit status is 0 when
 the profile ran without an ERROR.
@@ -690,6 +691,18 @@ def kernel_ms(build, case, T, D, dtype, backward, calls, kernels) -> tuple:
     return {k: v / 1e3 / calls for k, v in us.items()}, seen
 
 
+def paired_ratio(cand: list, base: list, kernel: str) -> str:
+    """The per-round ratios cand/base of one kernel (each round runs both libraries back to back):
+    their median and quartiles, printed after the ratio of the medians. Long KV walks vary by 3-6%
+    from one call to the next (docs/notes/2026-12-04-d128-fwd-order.md); a 1% change whose quartiles
+    straddle 1.0 is not settled by that run (more --rounds or --profile-calls narrow them)."""
+    rs = sorted(c[kernel] / b[kernel] for c, b in zip(cand, base) if b[kernel] and c[kernel])
+    if len(rs) < 3:
+        return ""
+    q1, med, q3 = statistics.quantiles(rs, n=4, method="inclusive")
+    return f" (per round: median {med:.3f}, quartiles {q1:.3f}-{q3:.3f})"
+
+
 def run_profile(args, tally, builds, dims, dtype):
     if args.device != "cuda":
         tally.line("skip", "profile: needs --device cuda")
@@ -716,9 +729,10 @@ def run_profile(args, tally, builds, dims, dtype):
                     continue
                 parts = [f"{label} {med[label]:.3f} ({' '.join(f'{t[k]:.3f}' for t in times[label])})"
                          for label in times]
-                ratios = [f"{label}/{base_label} " + (f"{med[label] / med[base_label]:.3f}" if med[base_label]
-                                                      else "n/a (none in base)")
-                          for label in times if label != base_label]
+                ratios = [f"{label}/{base_label} "
+                          + (f"{med[label] / med[base_label]:.3f}{paired_ratio(ts, times[base_label], k)}"
+                             if med[base_label] else "n/a (none in base)")
+                          for label, ts in times.items() if label != base_label]
                 print(f"{title} '{k}' ms/call: " + ", ".join(parts) + "; " + ", ".join(ratios), flush=True)
         except Exception as e:  # noqa: BLE001  (reported: the run fails)
             tally.line("ERROR", f"{title}: {type(e).__name__}: {e}")

@@ -301,7 +301,8 @@ class _Timer:
 #: Rollout shape (groups, N, max prompt, max response) when not given, per model size; every
 #: other size gets the GPU shape. ``small`` (the CPU default) has long prompts and many responses,
 #: the regime GRPO/DAPO runs in and where packing pays.
-ROLLOUT_DEFAULTS: Dict[str, Tuple[int, int, int, int]] = {"tiny": (3, 4, 48, 24), "small": (2, 8, 512, 64)}
+ROLLOUT_DEFAULTS: Dict[str, Tuple[int, int, int, int]] = {"tiny": (3, 4, 48, 24), "tiny-moe": (3, 4, 48, 24),
+                                                          "small": (2, 8, 512, 64)}
 _GPU_ROLLOUT = (2, 16, 2048, 512)
 
 
@@ -503,8 +504,9 @@ def policy_update_plan(rollouts: Rollouts, max_tokens: int, prompt_once: bool = 
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model-size", choices=sorted(MODEL_SIZES), default=None,
-                        help="Qwen3-shaped config with random weights (default: small on cpu, 0.6b on cuda)")
+    parser.add_argument("--model-size", choices=sorted(MODEL_SIZES) + sorted(MOE_SIZES), default=None,
+                        help="Qwen3-shaped config with random weights, dense or MoE (MOE_SIZES; default: small "
+                             "on cpu, 0.6b on cuda)")
     parser.add_argument("--groups", type=int, default=None, help="prompt groups (default 2)")
     parser.add_argument("-N", "--n", type=int, default=None, help="responses per group (default 8 small / 16 gpu)")
     parser.add_argument("-P", "--prompt-len", type=int, default=None,

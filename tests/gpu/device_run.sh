@@ -105,18 +105,20 @@
 #   verl-stage   first call of two for veRL (carry .whl-verl/a): copies .whl-verl/a/part_aa to /tmp/whl-verl (~1 s)
 #   verl-step    bench/verl_step.py: one veRL policy update (veRL 0.9.1's FSDP engine, FSDP2, world size 1) on
 #                the same rollout batch through the plug-in with prompt once (default), with prompt copies
-#                (DUALKV_VERL_PROMPT_ONCE=0) and veRL's stock engine (remove padding) on sdpa or FA4 varlen; 1.7B, G4 x
+#                (DUALKV_VERL_PROMPT_ONCE=0), veRL's stock engine (remove padding) on sdpa or FA4 varlen, and Flex-FA4
+#                packing (flex_fa4: the plug-in's packed stream on compiled FlexAttention BACKEND=FLASH); 1.7B, G4 x
 #                N16, P 2K-8K, R 0.5K-2K, budget 16384 (veRL's ppo_max_token_len_per_gpu default), bf16 compute on
 #                fp32 parameters, gradient checkpointing; update (forward_backward_batch + ppo_loss) and the
 #                forward-only log-prob pass, CUDA events, medians of 3 interleaved rounds after an untimed counted
 #                pass; packed tokens and micro-batches per method, peak memory, the first group's log-probs vs
 #                an fp32 truth (trl_step.py's rule). VERL_ARGS adds options (e.g. --methods once,copies), cut at
-#                $VERL_CAP (default 570) s; JSON $OUT/verl_step_<model>.json; VERL_NPROC=n runs n data-parallel ranks
-#                under torchrun (one per GPU: issue 24's launch, e.g. VERL_NPROC=8 VERL_ARGS="--model 8b ..."). Needs the wheels step first, in
+#                $VERL_CAP (default 570) s; JSON $OUT/verl_step_<model>.json; VERL_NPROC=n runs n ranks
+#                under torchrun (one per GPU: issue 24's launch, e.g. VERL_NPROC=8 VERL_ARGS="--model 8b ..."), data
+#                parallel, or n / S data-parallel ranks of S-way Ulysses with --sp S in VERL_ARGS. Needs the wheels step first, in
 #                the same call. Measured (session 31, 1.7B, --methods once,copies,stock_fa4 after fa4-install
 #                in the same call): 246 s in all (once 5.2 s, copies 5.7 s, stock_fa4 17.4 s per update);
 #                stock (sdpa) not re-timed since the log-prob fix (before it: 102 s per update, most of it veRL's
-#                row loop): give it a call of its own. stock_fa4 needs FA4: fa4-stage (carry .fa4/a), fa4-install
+#                row loop): give it a call of its own. stock_fa4 and flex_fa4 need FA4: fa4-stage (carry .fa4/a), fa4-install
 #                (carry .fa4/b: with .whl-verl/b it is over 64 MiB), then the two calls below with fa4-install
 #                before wheels in the second. The calls (wheels made here by
 #                tools/verl-wheels.sh; the library carried as the other steps carry it):

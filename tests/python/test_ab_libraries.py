@@ -120,8 +120,22 @@ def test_profile_rounds_and_a_kernel_no_library_ran(library, monkeypatch, capsys
     assert [c[0] for c in calls[:6]] == ["base", "cand", "cand", "base", "base", "cand"], calls
     assert {(c[2], c[3]) for c in calls} == {(384, 64), (160, 128)} and all(c[4] for c in calls), calls
     assert "profile N2 P256 R64 D64 window 64 fwd+bwd 'main' ms/call: base 2.000 (2.000 2.000 2.000), " \
-           "cand 1.500 (1.500 1.500 1.500); cand/base 0.750" in out, out
+           "cand 1.500 (1.500 1.500 1.500); cand/base 0.750 (per round: median 0.750, quartiles 0.750-0.750)" \
+           in out, out
     assert tally.error == 2 and "no kernel matching 'gone' ran in any library" in out, out
+
+
+def test_paired_ratio_reads_each_round_on_its_own(monkeypatch):
+    """The per-round ratios of a long-walk run (session 32, N8 P16K R2K at D 128, the first 5 of its
+    11 rounds): the ratio of the medians says 0.990, the rounds themselves 0.927-1.069, so the
+    quartiles show that the run does not settle a 1% change. Fewer than 3 rounds: nothing printed."""
+    tool = load_tool(monkeypatch)
+    base = [{"k": t} for t in (9.712, 10.527, 10.300, 10.060, 10.645)]
+    cand = [{"k": t} for t in (10.379, 10.221, 10.195, 10.421, 9.864)]
+    # ratios 1.069, 0.971, 0.990, 1.036, 0.927
+    assert tool.paired_ratio(cand, base, "k") == " (per round: median 0.990, quartiles 0.971-1.036)"
+    assert tool.paired_ratio(cand[:2], base[:2], "k") == ""
+    assert tool.paired_ratio([{"k": 1.0}] * 3, [{"k": 0.0}] * 3, "k") == ""  # a kernel the base did not run
 
 
 def test_profile_takes_layout_classes_and_grpo_groups(monkeypatch):

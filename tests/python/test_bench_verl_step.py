@@ -1,8 +1,9 @@
-"""bench/verl_step.py on a CPU (tiny model, fp32, gloo, FSDP2, one timed round): the four methods run
-veRL's engine on the same rollout batch (stock_fa4 on its per-sequence sdpa stand-in); under a budget every group exceeds, prompt once packs fewer
-tokens in fewer micro-batches than prompt copies, the stock engine runs the unpadded rows, and every
-method's log-probs meet the fp32-truth rule. The bench runs in a process of its own (it opens its own
-process group; test_verl.py holds one in this process)."""
+"""bench/verl_step.py on a CPU (tiny model, fp32, gloo, FSDP2, one timed round): the five methods run
+veRL's engine on the same rollout batch (stock_fa4 on its per-sequence sdpa stand-in, flex_fa4 on the
+dense-mask stand-in of Flex); under a budget every group exceeds, prompt once packs fewer
+tokens in fewer micro-batches than prompt copies, flex_fa4 runs copies' packed stream, the stock engine
+runs the unpadded rows, and every method's log-probs meet the fp32-truth rule. The bench runs in a process
+of its own (it opens its own process group; test_verl.py holds one in this process)."""
 import json
 import os
 import pathlib
@@ -35,19 +36,23 @@ def _run(tmp_path, *extra, ranks=1):
 
 
 def test_verl_step_bench_runs_on_cpu(tmp_path):
-    data, stdout = _run(tmp_path, "--methods", "once,copies,stock,stock_fa4")
-    assert {"env", "args", "protocol", "tokens", "passes", "logprob_error", "verdict"} <= set(data)
+    data, stdout = _run(tmp_path, "--methods", "once,copies,stock,stock_fa4,flex_fa4")
+    assert {"env", "args", "protocol", "tokens", "passes", "logprob_error", "verdict",
+            "flex_fa4_vs_copies"} <= set(data)
     assert data["complete"] is True and data["verdict"]["methods_ok"] is True
     assert data["env"]["dirty"] in (True, False) and data["env"]["commit"]
     tokens = data["tokens"]
     assert tokens["groups"] == 3 and tokens["split_groups"] == 3  # every group over the budget
     assert tokens["unpadded"] == tokens["packed"] + 3 * tokens["prompt_tokens"]  # 4 rows per group share a prompt
     passes = data["passes"]
-    assert list(passes) == ["once", "copies", "stock", "stock_fa4"]
+    assert list(passes) == ["once", "copies", "stock", "stock_fa4", "flex_fa4"]
     for m, r in passes.items():
         assert r["status"] == "ok", r
         assert len(r["update_s"]) == len(r["logprobs_s"]) == 1 and r["update_median_s"] > 0, m
         assert r["logprobs_tokens"] == r["update_tokens"] and r["logprobs_micro_batches"] == r["update_micro_batches"]
+        assert r["update_first_s"] > 0 and r["logprobs_first_s"] > 0, m
+        # every method optimises the same batch loss (fp32: the micro-batch losses summed agree)
+        assert r["update_loss"] == pytest.approx(passes["stock"]["update_loss"], rel=1e-5, abs=1e-6), m
     once, copies, stock = passes["once"], passes["copies"], passes["stock"]
     # prompt once: every prompt once (phase A: all but its last token; the last token with each response
     # subset); copies: each piece of a split group with its whole prompt; stock: the unpadded rows
@@ -56,25 +61,50 @@ def test_verl_step_bench_runs_on_cpu(tmp_path):
     assert stock["update_tokens"] == passes["stock_fa4"]["update_tokens"] == tokens["unpadded"]
     assert passes["stock_fa4"]["update_micro_batches"] == stock["update_micro_batches"]
     assert once["update_micro_batches"] < copies["update_micro_batches"] < stock["update_micro_batches"]
+    _check_flex_fa4(data, "dense boolean mask")
     err = data["logprob_error"]
     assert err["rows"] == 4 and err["tokens"] > 0
-    for m in ("once", "copies", "stock", "stock_fa4"):
+    for m in ("once", "copies", "stock", "stock_fa4", "flex_fa4"):
         assert 0 <= err[m]["max"] < 1e-4, (m, err[m])  # fp32 against the fp32 truth
     verdict = data["verdict"]
     assert verdict["logprob_once_ok"] is True and verdict["logprob_copies_ok"] is True
+    assert verdict["logprob_flex_fa4_ok"] is True
+    assert verdict["update_speedup_once_flex_fa4"] == pytest.approx(
+        passes["flex_fa4"]["update_median_s"] / once["update_median_s"])
+    assert verdict["logprobs_speedup_copies_flex_fa4"] == pytest.approx(
+        passes["flex_fa4"]["logprobs_median_s"] / copies["logprobs_median_s"])
     assert verdict["update_speedup_once"] == pytest.approx(stock["update_median_s"] / once["update_median_s"])
     assert verdict["update_speedup_once_fa4"] == pytest.approx(
         passes["stock_fa4"]["update_median_s"] / once["update_median_s"])
     assert verdict["update_copies_over_once"] == pytest.approx(copies["update_median_s"] / once["update_median_s"])
-    assert "once" in stdout and "peak GiB" in stdout
+    assert "once" in stdout and "peak GiB" in stdout and "first pass compiles" in stdout
     assert data["protocol"]["stock_logprobs"].startswith(("chunked", "veRL's"))
+
+
+def _check_flex_fa4(data, ran):
+    """flex_fa4 runs copies' packed stream (the same tokens and micro-batches, log-probs within fp32 noise of
+    copies' over every response token), builds one BlockMask per micro-batch (not per layer, not again in
+    the checkpointed recompute) and reports its costs beside the steady state; ``ran``: what it ran."""
+    flex, copies = data["passes"]["flex_fa4"], data["passes"]["copies"]
+    for key in ("update", "logprobs"):
+        assert flex[f"{key}_tokens"] == copies[f"{key}_tokens"]
+        assert flex[f"{key}_micro_batches"] == copies[f"{key}_micro_batches"]
+        assert flex["mask_builds"][key] == flex[f"{key}_micro_batches"]
+        assert flex["mask_build_s"][key] > 0 and flex["compile_s"][key] >= 0
+        assert flex["excl_mask_s"][key] == pytest.approx(flex[f"{key}_median_s"] - flex["mask_build_s"][key])
+    assert ran in flex["ran"] and ran in data["protocol"]["flex_fa4"]
+    assert flex["flex_compile"] is False  # a CPU: the stand-in, no compile
+    agree = data["flex_fa4_vs_copies"]
+    assert agree["tokens"] == data["tokens"]["response_tokens"] and 0 <= agree["logprobs_max_abs"] < 1e-5, agree
 
 
 def test_verl_step_bench_runs_on_two_ranks(tmp_path):
     """Under torchrun (gloo, world 2) the ranks are veRL's data-parallel workers: each its contiguous share of
     the shuffled rows, FSDP2 over both; tokens summed over the ranks (the stock engines': every unpadded row
-    once), rank 0 writes the JSON and checks the log-probs of its first row's group."""
-    data, stdout = _run(tmp_path, "--methods", "once,copies,stock_fa4", ranks=2)
+    once), rank 0 writes the JSON and checks the log-probs of its first row's group; flex_fa4 runs there as
+    copies does, a mask per micro-batch on each rank."""
+    # flex_fa4 first: once and copies after it switch the engine they share with it back to dualkv
+    data, stdout = _run(tmp_path, "--methods", "flex_fa4,once,copies,stock_fa4", ranks=2)
     assert data["complete"] is True and data["verdict"]["methods_ok"] is True
     assert "world size 2" in data["protocol"]["engine"]
     tokens, passes = data["tokens"], data["passes"]
@@ -83,9 +113,26 @@ def test_verl_step_bench_runs_on_two_ranks(tmp_path):
     # groups spread over the two ranks: each rank runs its part of a group with the prompt (once each)
     assert tokens["packed"] < once["update_tokens"] < copies["update_tokens"] < stock["update_tokens"]
     assert once["update_micro_batches"] <= copies["update_micro_batches"] <= stock["update_micro_batches"]
+    _check_flex_fa4(data, "dense boolean mask")
     err = data["logprob_error"]
-    assert 1 <= err["rows"] <= 4 and all(err[m]["max"] < 1e-4 for m in ("once", "copies", "stock_fa4"))
+    assert 1 <= err["rows"] <= 4 and all(err[m]["max"] < 1e-4 for m in ("once", "copies", "stock_fa4", "flex_fa4"))
     assert stdout.count("tokens {") == 1  # rank 0 prints, rank 1 is silent
+
+
+def test_verl_step_bench_runs_ulysses_on_two_ranks(tmp_path):
+    """--sp 2 on two ranks (gloo): one SP group holding all rows, each micro-batch (--max-tokens x 2 = the
+    smoke run's 48 packed tokens) sharded over both; the tokens through the embeddings, summed over the
+    ranks, are each micro-batch once (plus its pad), and the log-probs meet the fp32 truth."""
+    data, _ = _run(tmp_path, "--methods", "once,copies", "--sp", "2", "--max-tokens", "24", ranks=2)
+    assert data["complete"] is True and data["verdict"]["methods_ok"] is True
+    assert "1 data parallel x 2 Ulysses" in data["protocol"]["engine"]
+    tokens, once, copies = data["tokens"], data["passes"]["once"], data["passes"]["copies"]
+    assert tokens["split_groups"] == 3  # the budget of the whole micro-batch: 24 x sp
+    # every rank embeds its half of a micro-batch (a micro-batch's pad: at most one token)
+    assert tokens["packed"] <= once["update_tokens"] <= tokens["packed"] + 2 * once["update_micro_batches"] + 3 * 2
+    assert once["update_tokens"] < copies["update_tokens"]
+    err = data["logprob_error"]
+    assert err["rows"] == 4 and all(err[m]["max"] < 1e-4 for m in ("once", "copies"))
 
 
 def test_verl_step_bench_runs_the_moe_shape_on_cpu(tmp_path):
@@ -156,7 +203,55 @@ def test_verl_step_refuses_unknown_methods():
     with pytest.raises(SystemExit) as exc:
         bench.parse_args(["--methods", "once,flex"])
     assert bench.parse_args(["--methods", "once,stock_fa4"]).methods == ["once", "stock_fa4"]
+    assert bench.parse_args(["--methods", "copies,flex_fa4"]).methods == ["copies", "flex_fa4"]
     assert exc.value.code == 2
+
+
+def test_flex_fa4_attention_builds_one_mask_per_layout():
+    """flex_fa4's attention on a CPU (the dense-mask stand-in): the forest rule of a packed layout equals
+    dualkv's visibility (against dualkv_reference, GQA); the BlockMask is built once per layout however
+    many calls (layers, recompute) read it, again for a new layout; a missing layout, a prompt phase's
+    keys and values and a mask modifier are refused."""
+    from test_demo import _load_bench
+
+    import dualkv
+    from dualkv.integrations import transformers as dkt
+    bench = _load_bench("verl_step")
+    g = torch.Generator().manual_seed(2)
+    layouts = [dualkv.pack([torch.arange(5), torch.arange(3)], [[torch.arange(2), torch.arange(4)], [torch.arange(3)]])
+               .layout for _ in range(2)]
+    attn = bench.ForestFlexAttention("FLASH")
+    attn.recorded = []
+    for layout in (layouts[0], layouts[0], layouts[1], layouts[0]):
+        T = layout.num_tokens
+        q = torch.randn(1, 4, T, 8, generator=g, dtype=torch.float64)
+        k, v = (torch.randn(1, 2, T, 8, generator=g, dtype=torch.float64) for _ in range(2))
+        out, weights = attn(None, q, k, v, None, scaling=0.3, dualkv_layout=layout)
+        want, _ = dkt.dense_reference_attention_forward(torch.nn.Module(), q, k, v, None, scaling=0.3,
+                                                        dualkv_layout=layout)
+        assert weights is None and out.shape == (1, T, 4, 8)
+        torch.testing.assert_close(out, want)
+    assert attn.recorded == layouts  # one build per layout, in order
+    with pytest.raises(dkt.MissingLayoutError, match="dualkv_layout"):
+        attn(None, q, k, v, None)
+    with pytest.raises(dualkv.UnsupportedError, match="DUALKV_VERL_PROMPT_ONCE=0"):
+        attn(None, q, k, v, None, dualkv_layout=layouts[0], dualkv_prompt_kv=object())
+    with pytest.raises(dualkv.UnsupportedError, match="sliding_window"):
+        attn(None, q, k, v, None, dualkv_layout=layouts[0], sliding_window=4)
+
+
+def test_verl_step_sp_argument(monkeypatch, capsys):
+    """--sp divides the world size and runs the dualkv methods only (veRL's stock path shards attention
+    only through its patched flash_attention_2, which the stock methods here do not use)."""
+    from test_demo import _load_bench
+    bench = _load_bench("verl_step")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert bench.parse_args(["--sp", "2", "--methods", "once,copies"]).sp == 2
+    for argv, message in ((["--sp", "3", "--methods", "once"], "must divide the world size 4"),
+                          (["--sp", "2"], "runs the dualkv methods (once, copies) only")):
+        with pytest.raises(SystemExit):
+            bench.parse_args(argv)
+        assert message in capsys.readouterr().err
 
 
 def test_stock_fa4_attention_runs_each_sequence_causally():

@@ -17,11 +17,14 @@ def _env():
     return env
 
 
-def test_demo_cli_cpu_tiny():
-    proc = subprocess.run([sys.executable, "-m", "dualkv", "demo", "--model-size", "tiny", "--device", "cpu",
+@pytest.mark.parametrize("size", ["tiny", "tiny-moe"])
+def test_demo_cli_cpu_tiny(size):
+    """The demo's equivalence check, dense and MoE (MOE_SIZES are choices of --model-size too)."""
+    proc = subprocess.run([sys.executable, "-m", "dualkv", "demo", "--model-size", size, "--device", "cpu",
                            "--steps", "1"], capture_output=True, text=True, env=_env(), timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
+    assert f"Qwen3-shaped {size} " in out, out
     for what in ("rho", "max |delta log-prob|", "|delta loss|", "grad diff norm", "speedup",
                  "where the gain comes from", "equivalence check: PASSED"):
         assert what in out, out

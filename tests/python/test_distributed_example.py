@@ -53,6 +53,19 @@ def test_example_runs_and_checks_under_torchrun(tmp_path):
     assert result["method"] == "dualkv" and result["samples_tokens_per_s"] > 0 and result["packed_tokens_per_s"] > 0
 
 
+def test_moe_shape_checks_under_sp(tmp_path):
+    """A Qwen3-MoE shape (tiny-moe: 8 experts, 2 per token) at SP=2: each rank routes its own half of
+    the packed tokens through the experts; loss, log-probs and every gradient (experts and routers
+    included) equal the one-process run's, and the attention is bit-equal per head shard."""
+    out = tmp_path / "moe.json"
+    log = run_example(2, ["--model-size", "tiny-moe", "--sp", "2", "--groups", "3", "--steps", "1", "--check",
+                          "--deterministic", "--json", str(out)])
+    assert "Qwen3-shaped tiny-moe" in log and "check: PASSED" in log, log[-6000:]
+    assert "attention outputs bit-equal per head shard (deterministic): True" in log
+    result = json.loads(out.read_text())
+    assert result["args"]["model_size"] == "tiny-moe" and result["check"]["ok"] and result["world"] == 2
+
+
 def test_std_method_checks_under_torchrun(tmp_path):
     """--method std, DP=2 x SP=2: every row split over the two SP ranks with Ulysses all-to-alls around
     SDPA, three rows per pass (a DP rank with fewer rows, or with the empty micro-batch, runs

@@ -14,11 +14,6 @@ WORLD_DEADLINE_S, so a deadlock fails the tests instead of hanging CI.
 from __future__ import annotations
 
 import copy
-import datetime
-import json
-import pathlib
-import time
-import traceback
 import types
 
 import pytest
@@ -37,7 +32,7 @@ from dualkv.integrations import transformers as dkt  # noqa: E402
 from dualkv.logprobs import response_logprobs  # noqa: E402
 from dualkv.microbatch import plan_micro_batches  # noqa: E402
 from dualkv.packing import pack  # noqa: E402
-from spawned_ranks import spawn_ranks  # noqa: E402  (tests/python)
+from spawned_ranks import CaseWorlds, run_cases  # noqa: E402  (tests/python)
 
 PG_TIMEOUT_S = 60
 WORLD_DEADLINE_S = 420
@@ -527,48 +522,12 @@ CASES = {
 
 def _worker(rank, world, init_file, out_dir, cases):
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))
-    results = {}
-    path = pathlib.Path(out_dir) / f"rank{rank}.json"
-    for name in cases:
-        t0 = time.monotonic()
-        try:
-            globals()[f"case_{name}"](rank, world)
-            results[name] = {"ok": True, "seconds": round(time.monotonic() - t0, 1)}
-        except BaseException:  # noqa: BLE001 - recorded, read by the test
-            results[name] = {"ok": False, "error": traceback.format_exc()}
-        path.write_text(json.dumps(results))
-        failed = torch.tensor([0 if results[name]["ok"] else 1])
-        dist.all_reduce(failed)
-        if int(failed):  # the ranks may be out of step now: skip the remaining cases
-            break
-    dist.destroy_process_group()
+    run_cases(rank, world, init_file, out_dir, cases, lambda name: globals()[f"case_{name}"](rank, world), PG_TIMEOUT_S)
 
 
-_WORLDS: dict = {}
+WORLDS = CaseWorlds(_worker, CASES, WORLD_DEADLINE_S, "world")
 
 
-def _results(world: int, tmp_path_factory):
-    """Run (once) every case of ``world`` ranks; per case a list of (rank, outcome)."""
-    if world not in _WORLDS:
-        tmp = tmp_path_factory.mktemp(f"world{world}")
-        found, note, _ = spawn_ranks(_worker, world, tmp, (world, str(tmp / "init"), str(tmp), CASES[world]),
-                                  WORLD_DEADLINE_S)
-        _WORLDS[world] = ([o if o is not None else {} for o in found], note)
-    return _WORLDS[world]
-
-
-@pytest.mark.parametrize("world,case", [(w, c) for w, cs in CASES.items() for c in cs])
+@pytest.mark.parametrize("world,case", WORLDS.params())
 def test_distributed(world, case, tmp_path_factory):
-    if not dist.is_gloo_available():
-        pytest.skip("torch.distributed without gloo")
-    per_rank, note = _results(world, tmp_path_factory)
-    problems = []
-    for r, res in enumerate(per_rank):
-        outcome = res.get(case)
-        if outcome is None:
-            problems.append(f"rank {r}: did not run or finish ({note or 'an earlier case failed'})")
-        elif not outcome["ok"]:
-            problems.append(f"rank {r}:\n{outcome['error']}")
-    assert not problems, "\n".join(problems)
+    WORLDS.check(world, case, tmp_path_factory)

@@ -315,6 +315,38 @@ def test_guard_layout_on_stock_attention():
         dkt.check_model(dk, {"dualkv_layout": packed.layout})
 
 
+def test_register_layout_attention():
+    """register_layout_attention: a model set to the registered name counts as enabled, so the guard lets the
+    layout through (it refuses it for stock attention) and packed_logprobs packs for it; every layer's call
+    gets the packed layout; dualkv's and transformers' own names and a non-callable are refused."""
+    seen = []
+
+    def dense_counting(module, query, key, value, attention_mask, **kwargs):
+        seen.append(kwargs[dkt.LAYOUT_KWARG])
+        return dkt.dense_reference_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+    dkt.register_layout_attention("test_layout_attention", dense_counting)
+    dk = dkt.enable(make_model("qwen3"))
+    other = dkt.guard(make_model("qwen3", "sdpa"))
+    packed = pack(*rollouts())
+    with pytest.raises(dkt.WrongAttentionError):
+        other(**dkt.model_inputs(packed))
+    other.set_attn_implementation("test_layout_attention")
+    assert dkt.is_enabled(other) and not dkt.is_enabled(make_model("qwen3", "sdpa"))
+    torch.testing.assert_close(other(**dkt.model_inputs(packed)).logits, dk(**dkt.model_inputs(packed)).logits,
+                               rtol=1e-5, atol=1e-5)
+    del seen[:]
+    torch.testing.assert_close(dkt.packed_logprobs(other, packed), dkt.packed_logprobs(dk, packed),
+                               rtol=1e-5, atol=1e-5)
+    assert len(seen) == other.config.num_hidden_layers and all(x is packed.layout for x in seen)
+    dkt.register_layout_attention("test_layout_attention", dkt.dense_reference_attention_forward)  # replaced
+    for bad in (dkt.ATTN_IMPLEMENTATION, dkt.REFERENCE_IMPLEMENTATION, "eager", "sdpa", "flash_attention_2", ""):
+        with pytest.raises(dualkv.ArgumentError, match="register_layout_attention"):
+            dkt.register_layout_attention(bad, dense_counting)
+    with pytest.raises(dualkv.ArgumentError, match="callable"):
+        dkt.register_layout_attention("test_layout_attention_2", None)
+
+
 def test_guard_bad_batches():
     dk = dkt.enable(make_model("qwen3"))
     prompts, responses = rollouts()

@@ -31,7 +31,7 @@ from verl.workers.utils.losses import ppo_loss  # noqa: E402
 from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding  # noqa: E402
 
 import dualkv  # noqa: E402
-from dualkv.demo import MOE_SIZES, qwen3_config  # noqa: E402
+from dualkv.demo import MOE_SIZES, build_model, qwen3_config  # noqa: E402
 from dualkv.integrations import verl as dkv  # noqa: E402
 from spawned_ranks import spawn_ranks  # noqa: E402  (tests/python)
 
@@ -110,11 +110,11 @@ def rollout_batch(groups=3, seed=0, uids=None):
     return DataProto.from_dict(batch, non_tensors={"uid": uid}, meta_info={"temperature": 0.7})
 
 
-def engine_batch(proto, max_tokens, mode):
+def engine_batch(proto, max_tokens, mode, use_dynamic_bsz=True):
     """What veRL's trainer and worker hand to the engine (ray_trainer._update_actor / train_batch)."""
     td = left_right_2_no_padding(proto.to_tensordict())
     tu.assign_non_tensor(td, calculate_entropy=True, global_batch_size=len(proto), compute_loss=mode == "train",
-                         use_remove_padding=True, use_dynamic_bsz=True, max_token_len_per_gpu=max_tokens,
+                         use_remove_padding=True, use_dynamic_bsz=use_dynamic_bsz, max_token_len_per_gpu=max_tokens,
                          micro_batch_size_per_gpu=2, use_fused_kernels=False)
     return td
 
@@ -126,8 +126,8 @@ def actor_config():
     return config
 
 
-def run(engine, proto, max_tokens, mode):
-    td = engine_batch(proto, max_tokens, mode)
+def run(engine, proto, max_tokens, mode, use_dynamic_bsz=True):
+    td = engine_batch(proto, max_tokens, mode, use_dynamic_bsz)
     engine.module.zero_grad()
     if mode == "train":
         out = engine.forward_backward_batch(td, loss_function=partial(ppo_loss, config=actor_config()))
@@ -296,16 +296,17 @@ def assert_log_probs_match_stock(engine, proto):
     torch.testing.assert_close(b[mask], a[mask], rtol=0, atol=1e-5)
 
 
-def _veRL_fsdp2_engine(param_dtype, size="tiny"):
+def _veRL_fsdp2_engine(param_dtype, size="tiny", world=1):
     """The dualkv engine around the tiny model (untied embeddings) sharded by veRL's own apply_fsdp2
-    (world of one): the decoder layers, embed_tokens and lm_head each a unit of their own, then the root."""
+    over ``world`` ranks (veRL's engine mesh: all of them): the decoder layers, embed_tokens and lm_head
+    each a unit of their own, then the root."""
     from verl.utils.fsdp_utils import MixedPrecisionPolicy, apply_fsdp2
     from torch.distributed.device_mesh import init_device_mesh
     engine = make_engine("dualkv", size)
     assert not engine.module.config.tie_word_embeddings
     engine.module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=True)
-    apply_fsdp2(engine.module, {"mesh": init_device_mesh("cpu", (1,)), "mp_policy": mp, "offload_policy": None,
+    apply_fsdp2(engine.module, {"mesh": init_device_mesh("cpu", (world,)), "mp_policy": mp, "offload_policy": None,
                                 "reshard_after_forward": True}, engine.engine_config)
     assert type(engine.module.lm_head).__name__.startswith("FSDP")  # a unit of its own
     return engine
@@ -535,9 +536,6 @@ def test_bad_input_is_refused():
     tu.assign_non_tensor(td, use_remove_padding=False)
     with pytest.raises(dualkv.UnsupportedError, match="use_remove_padding=True"):
         engine.prepare_model_inputs(td)
-    engine.use_ulysses_sp = True
-    with pytest.raises(dualkv.UnsupportedError, match="Ulysses"):
-        engine.prepare_model_inputs(engine_batch(rollout_batch(), 64, "infer"))
 
 
 def test_example_config_is_valid_verl():
@@ -576,3 +574,26 @@ def test_example_config_is_valid_verl():
     assert cfg.actor_rollout_ref.model.override_config.attn_implementation == "dualkv"
     import_external_libs(cfg.actor_rollout_ref.model.external_lib)  # what HFModelConfig does in every worker
     assert impl.prepare_micro_batches is dkv._prepare_micro_batches
+
+
+def test_engine_model_build_names_the_trl_conflict():
+    """veRL's engine builds its model through ``apply_monkey_patch``, which imports TRL's
+    AutoModelForCausalLMWithValueHead whenever TRL is installed; TRL removed the class (the TRL
+    plug-in's pin, 1.16, has none), and the plug-in turns veRL's bare ImportError into one that says
+    what to do. With a TRL that still has the class (veRL's own pin) the patch runs as before."""
+    assert impl.apply_monkey_patch is dkv._apply_monkey_patch  # what the engine's _build_module calls
+    model = build_model(qwen3_config("tiny"), torch.device("cpu"), torch.float32)
+    try:
+        from trl.experimental.ppo import AutoModelForCausalLMWithValueHead  # noqa: F401
+        has_value_head = True
+    except ImportError:
+        try:
+            from trl import AutoModelForCausalLMWithValueHead  # noqa: F401,F811
+            has_value_head = True
+        except ImportError:
+            has_value_head = False
+    if has_value_head:
+        impl.apply_monkey_patch(model=model, use_remove_padding=True, ulysses_sp_size=1)
+    else:
+        with pytest.raises(ImportError, match=r"run veRL in an environment without TRL or with veRL's own pin"):
+            impl.apply_monkey_patch(model=model, use_remove_padding=True, ulysses_sp_size=1)

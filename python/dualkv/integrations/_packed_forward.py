@@ -10,6 +10,11 @@ Without ``dualkv_packed`` the model's previous forward runs unchanged (generatio
 The call carries the usual packed inputs too (``input_ids``, ``position_ids``, ``dualkv_layout``),
 so the position-ids guard of :mod:`dualkv.integrations.transformers` sees a consistent batch.
 
+Under Ulysses sequence parallelism the packed batch is a :class:`dualkv.distributed.SequenceShard`:
+the decoder runs this rank's tokens (attention through the group's all-to-alls) and
+:func:`dualkv.distributed.response_logprobs` returns the log-probs of every row on every rank of the
+group, a rank keeping the gradient of its own values times ``grad_scale`` in backward.
+
 :func:`check_servable` refuses, before any work, what this path cannot compute exactly.
 """
 from __future__ import annotations
@@ -17,20 +22,24 @@ from __future__ import annotations
 import functools
 import types
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Union
 
 import torch
 from transformers.utils import ModelOutput
 
+from .. import distributed
 from .._native import ArgumentError, UnsupportedError, build_info
+from ..distributed import SequenceShard
 from ..logprobs import response_logprobs
 from ..packing import PackedBatch
 from . import transformers as dkt
 
 __all__ = ["PACKED_KWARG", "PackedLogprobs", "check_servable", "forward_kwargs", "install"]
 
-#: forward keyword carrying the :class:`dualkv.PackedBatch`
+#: forward keyword carrying the :class:`dualkv.PackedBatch` (or a SequenceShard of one)
 PACKED_KWARG = "dualkv_packed"
+#: forward keyword of a sharded call: the factor on a rank's own log-prob gradients
+GRAD_SCALE_KWARG = "dualkv_grad_scale"
 _PREVIOUS_ATTR = "_dualkv_previous_forward"  #: the forward that install() wrapped
 #: inputs a packed call must not carry: the packed batch defines the tokens and the visibility
 _FOREIGN_INPUTS = ("inputs_embeds", "attention_mask", "labels")
@@ -108,11 +117,22 @@ def check_servable(model, device: Optional[torch.device] = None) -> None:
                                    f"{info['cpu']['max_head_dim']}")
 
 
-def forward_kwargs(packed: PackedBatch, temperature: float = 1.0, entropy: bool = False) -> Dict[str, Any]:
+def forward_kwargs(packed: Union[PackedBatch, SequenceShard], temperature: float = 1.0, entropy: bool = False,
+                   grad_scale: float = 1.0) -> Dict[str, Any]:
     """Keywords of a packed log-prob call: ``model(**forward_kwargs(packed), ...)`` on a model prepared
-    with :func:`install` returns :class:`PackedLogprobs`."""
-    return dict(dkt.model_inputs(packed), dualkv_packed=packed, dualkv_temperature=temperature,
-                dualkv_entropy=entropy)
+    with :func:`install` returns :class:`PackedLogprobs`.
+
+    ``packed``: a :class:`dualkv.PackedBatch`, or this rank's :class:`dualkv.distributed.SequenceShard`
+    of one (Ulysses; ``grad_scale`` as in :func:`dualkv.distributed.response_logprobs`: 1 when the
+    sequence-parallel ranks' gradients are summed, the group size when they are averaged)."""
+    kwargs = dict(dkt.model_inputs(packed), dualkv_packed=packed, dualkv_temperature=temperature,
+                  dualkv_entropy=entropy)
+    if isinstance(packed, SequenceShard):
+        kwargs[GRAD_SCALE_KWARG] = float(grad_scale)
+    elif grad_scale != 1.0:
+        raise ArgumentError(f"forward_kwargs: grad_scale={grad_scale} applies to a SequenceShard only (the "
+                            "gradient of a rank's own log-probs under sequence parallelism)")
+    return kwargs
 
 
 def install(model):
@@ -130,25 +150,31 @@ def install(model):
     previous = model.forward
 
     @functools.wraps(previous)
-    def forward(self, *args, dualkv_packed: Optional[PackedBatch] = None, dualkv_temperature: float = 1.0,
-                dualkv_entropy: bool = False, **kwargs):
+    def forward(self, *args, dualkv_packed: Union[PackedBatch, SequenceShard, None] = None,
+                dualkv_temperature: float = 1.0, dualkv_entropy: bool = False, dualkv_grad_scale: float = 1.0,
+                **kwargs):
         if dualkv_packed is None:
             return getattr(self, _PREVIOUS_ATTR)(*args, **kwargs)
-        return _packed_logprobs(self, dualkv_packed, dualkv_temperature, dualkv_entropy, args, kwargs)
+        return _packed_logprobs(self, dualkv_packed, dualkv_temperature, dualkv_entropy, dualkv_grad_scale, args,
+                                kwargs)
 
     object.__setattr__(model, _PREVIOUS_ATTR, previous)
     model.forward = types.MethodType(forward, model)
     return model
 
 
-def _packed_logprobs(model, packed: PackedBatch, temperature: float, entropy: bool, args, kwargs) -> PackedLogprobs:
-    if not isinstance(packed, PackedBatch):
-        raise TypeError(f"{PACKED_KWARG} must be a dualkv.PackedBatch, got {type(packed).__name__}")
+def _packed_logprobs(model, packed: Union[PackedBatch, SequenceShard], temperature: float, entropy: bool,
+                     grad_scale: float, args, kwargs) -> PackedLogprobs:
+    sharded = isinstance(packed, SequenceShard) and packed.packed is not None
+    if not (sharded or isinstance(packed, PackedBatch)):
+        raise TypeError(f"{PACKED_KWARG} must be a dualkv.PackedBatch or a SequenceShard of one, got {packed!r}")
     foreign = [k for k in _FOREIGN_INPUTS if kwargs.get(k) is not None]
     if args or foreign:
         raise ArgumentError(f"model({PACKED_KWARG}=...) takes its inputs from forward_kwargs(packed); got "
                             f"{'positional arguments' if args else ', '.join(foreign)} as well")
-    if kwargs.get(dkt.LAYOUT_KWARG) is not packed.layout or kwargs.get("input_ids") is not packed.input_ids:
+    # a shard is its own layout argument (model_inputs); a packed batch passes its layout
+    layout = packed if sharded else packed.layout
+    if kwargs.get(dkt.LAYOUT_KWARG) is not layout or kwargs.get("input_ids") is not packed.input_ids:
         raise ArgumentError(f"model({PACKED_KWARG}=...): input_ids and {dkt.LAYOUT_KWARG} must be the packed batch's "
                             "own (pass **forward_kwargs(packed))")
     out = model.base_model(**kwargs)
@@ -158,6 +184,9 @@ def _packed_logprobs(model, packed: PackedBatch, temperature: float, entropy: bo
         # autocast off: the LM head's GEMMs run in the dtypes of hidden and weight (FSDP2's gathered
         # weight: its param dtype under mixed precision) rather than in the autocast dtype.
         with torch.autocast(hidden.device.type, enabled=False):
+            if sharded:
+                return distributed.response_logprobs(hidden, weight, packed, temperature=temperature,
+                                                     entropy=entropy, grad_scale=grad_scale)
             return response_logprobs(hidden, weight, packed, temperature=temperature, entropy=entropy)
 
     result = dkt.call_with_head_weight(model, head)  # the head's own FSDP2 unit gathers it (untied heads)

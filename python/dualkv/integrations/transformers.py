@@ -47,6 +47,13 @@ Distributed (docs/distributed.md): ``dualkv_layout=`` may be a
 :class:`dualkv.distributed.SequenceShard` (Ulysses sequence parallelism: the model gets this rank's
 tokens, attention does an all-to-all around :func:`dualkv.attention`), and :func:`packed_logprobs`
 runs inside the model's own forward call, so FSDP2 gathers the sharded LM head.
+
+Another kernel over the same packed stream (:func:`register_layout_attention`): an attention function
+registered as a *layout attention* receives ``dualkv_layout=`` like "dualkv" does, and a model set to
+it counts as enabled (:func:`is_enabled`), so the guard, :func:`packed_logprobs` and the TRL and veRL
+plug-ins pack its batches exactly as they pack a dualkv model's (bench/verl_step.py's ``flex_fa4``:
+FlexAttention with the layout's mask inside veRL's engine). The default behaviour is unchanged: only
+"dualkv" and "dualkv_reference" are layout attentions until one is registered.
 """
 from __future__ import annotations
 
@@ -76,14 +83,16 @@ __all__ = [
     "MissingLayoutError", "WrongAttentionError",
     "register", "dualkv_attention_forward", "dense_reference_attention_forward", "dense_visibility_mask",
     "check_config", "check_backend", "check_model", "config_modifiers", "enable", "disable", "guard", "is_enabled",
-    "model_inputs", "packed_logprobs",
+    "model_inputs", "packed_logprobs", "register_layout_attention",
 ]
 
 #: the name to pass as ``attn_implementation``
 ATTN_IMPLEMENTATION = "dualkv"
 #: dense-mask SDPA over the same layout (a checking aid: O(T^2) memory)
 REFERENCE_IMPLEMENTATION = "dualkv_reference"
-_LAYOUT_IMPLEMENTATIONS = (ATTN_IMPLEMENTATION, REFERENCE_IMPLEMENTATION)
+#: the attention implementations that take the packed layout (is_enabled): dualkv's two, and those
+#: registered by register_layout_attention
+_LAYOUT_IMPLEMENTATIONS = {ATTN_IMPLEMENTATION, REFERENCE_IMPLEMENTATION}
 #: the forward keyword that carries the :class:`dualkv.Layout`
 LAYOUT_KWARG = "dualkv_layout"
 #: optional forward keyword: ``True`` makes attention's backward bit-reproducible
@@ -296,6 +305,32 @@ def register() -> None:
 register()
 
 
+def register_layout_attention(name: str, function) -> None:
+    """Register ``function`` in transformers' ``AttentionInterface`` as ``name``, an attention
+    implementation that runs on dualkv's packed batches. A model set to it
+    (``model.set_attn_implementation(name)``) counts as enabled (:func:`is_enabled`): the guard lets
+    the layout through, :func:`packed_logprobs` and the TRL and veRL plug-ins pack its batches, and
+    every layer's call gets ``dualkv_layout=`` (a :class:`dualkv.Layout`; a
+    :class:`dualkv.distributed.SequenceShard` under Ulysses) as "dualkv"'s does. ``function`` has the
+    contract of :func:`dualkv_attention_forward` and must refuse what it does not compute: a layout
+    with external prefixes (``layout.num_prefixes``, :mod:`dualkv.schedule`'s prompt once, which
+    also passes ``dualkv_prompt_kv=``), a sequence shard, mask modifiers. For another kernel over the
+    same packed stream (bench/verl_step.py's ``flex_fa4``: FlexAttention with the layout's mask, in
+    veRL's engine through the plug-in). Registering a layout attention again replaces its function;
+    dualkv's own names, "eager" and any name registered otherwise (transformers' own: sdpa, flash
+    ...) raise :class:`dualkv.ArgumentError`."""
+    if not isinstance(name, str) or not name:
+        raise ArgumentError(f"register_layout_attention: name must be a non-empty string, got {name!r}")
+    if not callable(function):
+        raise ArgumentError(f"register_layout_attention: function must be callable, got {type(function).__name__}")
+    if name in (ATTN_IMPLEMENTATION, REFERENCE_IMPLEMENTATION, "eager") or \
+            (name in _AttentionInterface._global_mapping and name not in _LAYOUT_IMPLEMENTATIONS):
+        raise ArgumentError(f"register_layout_attention: {name!r} is already an attention implementation of "
+                            "transformers or dualkv; register the layout attention under a name of its own")
+    _AttentionInterface.register(name, function)
+    _LAYOUT_IMPLEMENTATIONS.add(name)
+
+
 # ----------------------------------------------------------------------------------------------
 # configuration checks
 # ----------------------------------------------------------------------------------------------
@@ -374,7 +409,8 @@ def check_backend(model) -> None:
 
 
 def is_enabled(model) -> bool:
-    """True if the model's attention implementation is dualkv (or its dense reference)."""
+    """True if the model's attention implementation is dualkv, its dense reference, or a layout attention
+    registered by :func:`register_layout_attention`."""
     return _attn_impl(model.config) in _LAYOUT_IMPLEMENTATIONS
 
 

@@ -6,14 +6,17 @@ Switched on from the veRL configuration (veRL 0.9.1, see ``requirements-rl.txt``
     +actor_rollout_ref.model.override_config.attn_implementation=dualkv  # the model is built with it
     actor_rollout_ref.model.use_remove_padding=True
     actor_rollout_ref.actor.use_dynamic_bsz=True
-    actor_rollout_ref.actor.ppo_max_token_len_per_gpu=32768              # now PACKED tokens per micro-batch
+    actor_rollout_ref.actor.ppo_max_token_len_per_gpu=32768              # now PACKED tokens per GPU
+    actor_rollout_ref.actor.ulysses_sequence_parallel_size=1             # or sp > 1: Ulysses, see below
 
 Importing this module patches ``FSDPEngineWithLMHead`` (``verl.workers.engine.fsdp.transformer_impl``);
 an engine whose model does not use ``attn_implementation="dualkv"`` is untouched. For a dualkv engine:
 
 * micro-batches (dynamic batch size): the rows are grouped by ``uid`` (rows of one uid must share
   their prompt; checked exactly for the whole mini-batch before any forward) and groups are kept
-  whole under ``max_token_len_per_gpu`` packed tokens (prompt + responses). A group larger than
+  whole under ``max_token_len_per_gpu * sp`` packed tokens (prompt + responses; sp the Ulysses size,
+  1 without it: veRL's budget, a micro-batch spread over the sp GPUs of its SP group, so
+  ``max_token_len_per_gpu`` packed tokens per GPU, plus at most sp - 1 pad tokens). A group larger than
   that is split into response subsets and **runs its prompt once** (:mod:`dualkv.schedule`): the
   engine's ``forward_backward_batch`` runs :func:`_prompt_once_batch`, its own loop over the plan of
   :func:`dualkv.plan_micro_batches` (``prompt_once=True``): per prompt phase, phase A (the prompts'
@@ -40,11 +43,35 @@ an engine whose model does not use ``attn_implementation="dualkv"`` is untouched
   layout (the value for response token t of row b sits at position ``P_b - 1 + t``, where veRL's
   loss and ``no_padding_2_padding`` read it; all other positions are 0).
 
+Ulysses sequence parallelism (``ulysses_sequence_parallel_size = sp > 1``; veRL requires
+``use_remove_padding`` for it): veRL gives every rank of an SP group the same rows, so the ranks of a
+group plan the same micro-batches (and prompt phases). The SP group is the engine's own (the "sp"
+dimension of its ``(dp, sp)`` device mesh, :func:`_sp_group`). ``prepare_model_inputs`` shards each
+packed micro-batch with :func:`dualkv.distributed.shard` (this rank's ``T / sp`` tokens of the
+stream padded to a multiple of sp, the global layout's positions); the decoder runs them, and every
+dualkv attention layer runs :func:`dualkv.distributed.attention` (one all-to-all to all tokens and
+``H / sp`` heads, :func:`dualkv.attention` on the global layout, one back). The log-probs and
+entropy of all rows come back on every SP rank (:func:`dualkv.distributed.response_logprobs`: the
+fused LM head on this rank's tokens, per-token values all-gathered), so veRL's loss runs unchanged
+on every rank. Gradients follow veRL's convention (:func:`_sp_grad_scale`): a rank keeps the
+gradient of its own values times sp, as veRL's ``Gather`` does, because veRL scales the loss by the
+data-parallel size only and FSDP averages over all dp x sp ranks; the update is exactly the one
+of a single rank running the whole mini-batch. veRL's own Ulysses monkey patch
+(``apply_monkey_patch``) replaces transformers' ``_flash_attention_forward`` only, which the
+``"dualkv"`` attention function never calls, so it leaves dualkv's attention alone. Prompt once
+runs unchanged: phase A runs sharded over the SP group (each rank records the keys and values of
+its heads for every prompt token, :func:`dualkv.schedule.run_prompt_phase` with ``sp_group``), a
+split group's micro-batch is sharded like any other and reads its heads' recorded keys and values
+inside the same all-to-all attention, and phase C back-propagates through phase A's all-to-alls;
+placeholders are sharded too. Requires query heads divisible by sp and KV heads divisible by sp or
+dividing it (:class:`dualkv.ArgumentError`, on every rank alike: it is the model's config, checked
+before any forward; veRL's own engine asserts the same when it builds the model), and no mask
+modifiers (sliding windows, softcap, sinks: :class:`dualkv.UnsupportedError`). ``prompt_state_budget``
+is refused under SP (its factor and credit are those of one GPU holding every head).
+
 Refused with :class:`dualkv.UnsupportedError` when the micro-batch asks for it: ``use_remove_padding=False``,
 ``use_fused_kernels``, ``calculate_sum_pi_squared``, top-K distillation, multimodal inputs,
-``pad_to_length``, per-sample temperatures, value-head (critic) models, and Ulysses sequence
-parallelism (``ulysses_sequence_parallel_size > 1``) until ``dualkv.distributed`` provides the
-packed all-to-all attention: :func:`_sp_shard` is where it plugs in. A malformed
+``pad_to_length``, per-sample temperatures and value-head (critic) models. A malformed
 ``DUALKV_VERL_PROMPT_ONCE`` raises :class:`dualkv.ArgumentError` before any forward.
 """
 from __future__ import annotations
@@ -58,7 +85,7 @@ import torch
 
 from .. import schedule
 from .._native import ArgumentError, UnsupportedError
-from ..distributed import agree, placeholder_batch
+from ..distributed import SequenceShard, agree, placeholder_batch, shard
 from ..microbatch import MicroBatch, PromptPhase, plan_micro_batches
 from ..packing import PackedBatch, pack_padded
 from ..schedule import _pack as _pack_planned
@@ -102,9 +129,52 @@ def _prepare_engine(engine, device: torch.device) -> None:
                                "another attn_implementation")
     model = _hf_model(engine.module)
     check_servable(model, device)
+    _check_sequence_parallel(engine, model)
     dkt.guard(model)
     install(model)
     engine._dualkv_ready = True
+
+
+def _sp_group(engine):
+    """The engine's Ulysses group (the "sp" dimension of its ``(dp, sp)`` device mesh: the group veRL's
+    train and eval mode contexts install as ``get_ulysses_sequence_parallel_group()``), or None without
+    sequence parallelism. Read from the engine, not from veRL's global, so that a forward outside
+    those contexts (phase A, the placeholders) shards over the same group."""
+    if not getattr(engine, "use_ulysses_sp", False):
+        return None
+    group = getattr(engine, "ulysses_parallel_group", None)
+    return group if group is not None else engine.ulysses_device_mesh["sp"].get_group()
+
+
+def _sp_grad_scale(engine) -> float:
+    """``grad_scale`` of the sharded log-probs: veRL's convention. Its losses are scaled by the
+    data-parallel size only (``agg_loss``: ``/ batch_num_tokens * dp_size``), every rank of an SP group
+    computes the same loss, and FSDP averages the gradients over all dp x sp ranks; each SP rank keeps
+    the gradient of its own tokens' values, times sp (what veRL's ``Gather`` backward does), so the
+    average over the sp ranks of a data-parallel rank is their sum: its full gradient."""
+    return float(engine.ulysses_sequence_parallel_size) if getattr(engine, "use_ulysses_sp", False) else 1.0
+
+
+def _check_sequence_parallel(engine, model) -> None:
+    """Refuse, before any forward, a model the Ulysses path cannot shard over the engine's SP size:
+    ``dualkv.distributed`` splits the heads over the group (query heads divisible by sp; KV heads
+    divisible by sp or dividing it) and does not apply mask modifiers (sliding windows, softcap, sinks)
+    under sequence parallelism. The model's config is the same on every rank, so every rank raises."""
+    sp = int(getattr(engine, "ulysses_sequence_parallel_size", 1) or 1)
+    if sp == 1:
+        return
+    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    heads = int(text.num_attention_heads)
+    kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
+    if heads % sp or (kv_heads % sp and sp % kv_heads):
+        raise ArgumentError(f"dualkv: ulysses_sequence_parallel_size={sp} does not fit {heads} query / {kv_heads} KV "
+                            f"heads: the query heads must be divisible by it and the KV heads divisible by it or "
+                            f"a divisor of it")
+    used = sorted(dkt.config_modifiers(model.config))
+    if used:
+        raise UnsupportedError(f"dualkv: ulysses_sequence_parallel_size={sp} with the mask modifiers "
+                               f"({', '.join(used)}) of {getattr(text, 'model_type', 'the model')} is not supported: "
+                               "dualkv.distributed's attention does not apply them yet")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -177,13 +247,12 @@ _REFUSED_FLAGS = (
 )
 
 
-def _sp_shard(engine, packed: PackedBatch):
-    """Ulysses hook: the rank's slice of a packed micro-batch. Sequence parallelism arrives with
-    ``dualkv.distributed`` (issue 18); until then it is refused here, before any forward."""
-    if getattr(engine, "use_ulysses_sp", False):
-        raise UnsupportedError("dualkv: Ulysses sequence parallelism (ulysses_sequence_parallel_size > 1) is not "
-                               "supported by the veRL plug-in yet; set ulysses_sequence_parallel_size=1")
-    return packed
+def _sp_shard(engine, packed: PackedBatch) -> Union[PackedBatch, SequenceShard]:
+    """What the model runs of a packed micro-batch: under Ulysses this rank's share of it
+    (:func:`dualkv.distributed.shard` over the engine's SP group: collective, the group's ranks hold
+    the same micro-batch and raise :class:`dualkv.LayoutError` together if they do not), else the batch."""
+    group = _sp_group(engine)
+    return packed if group is None else shard(packed, group)
 
 
 def _temperature(micro_batch) -> float:
@@ -221,10 +290,10 @@ def _packed_model_inputs(engine, micro_batch) -> Tuple[Dict[str, Any], Dict[str,
         packed = _pack_planned(step.micro_batch, step.phase, step.prompt_kv, step.prompts, step.responses)
     else:
         packed = _pack(micro_batch)
-    packed = _sp_shard(engine, packed)
     _prepare_engine(engine, packed.device)
-    inputs = forward_kwargs(packed, _temperature(micro_batch), bool(get(data=micro_batch, key="calculate_entropy",
-                                                                        default=False)))
+    inputs = forward_kwargs(_sp_shard(engine, packed), _temperature(micro_batch),
+                            bool(get(data=micro_batch, key="calculate_entropy", default=False)),
+                            grad_scale=_sp_grad_scale(engine))
     del inputs["use_cache"]  # forward_step passes use_cache=False itself
     if engine.engine_config.full_determinism:
         inputs[dkt.DETERMINISTIC_KWARG] = True
@@ -315,8 +384,10 @@ class PromptOnceOptions:
     ``recompute_prompt``, ``offload_prompt_grads``, ``offload_prompt_activations``: 0 or 1;
     ``stream_prompt_state``: 0, 1 or ``auto`` (on for CUDA); ``prompt_grad_dtype``: ``model`` or
     ``float32``; ``prompt_state_budget``: 0, 1 (the factor derived from the model,
-    :func:`dualkv.schedule.prompt_state_factor`) or a factor such as ``0.5``; ``max_prompt_tokens``:
-    tokens of one prompt phase (default: the micro-batch budget). Anything else raises
+    :func:`dualkv.schedule.prompt_state_factor`) or a factor such as ``0.5`` (not under Ulysses:
+    :class:`dualkv.UnsupportedError`); ``max_prompt_tokens``:
+    tokens of one prompt phase (default: the micro-batch budget; under Ulysses both count the tokens
+    of the whole SP group, ``max_token_len_per_gpu * sp``). Anything else raises
     :class:`dualkv.ArgumentError`.
     """
 
@@ -388,14 +459,13 @@ def _runs_prompt_once(engine, data, options: PromptOnceOptions) -> bool:
     answer on every rank: the options, the engine and the batch's keys are). Not for
 
     * fixed-size micro-batches (``use_dynamic_bsz=False``): veRL's row chunks are kept, in veRL's loop;
-    * Ulysses: refused by veRL's loop at the first micro-batch, as before;
     * FSDP1: phase A runs the prompts through the Hugging Face model inside the root module's own
       forward call (:func:`dualkv.schedule.run_prompt_phase`), which FSDP2 hooks (it shards the model
       in place) but FSDP1 wraps: its root forward, which gathers the root's flat parameters, cannot be
       entered from the inner module. There each piece of a split group keeps its prompt copy.
     """
     return (options.enabled and bool(tu.get_non_tensor_data(data=data, key="use_dynamic_bsz", default=True))
-            and not getattr(engine, "use_ulysses_sp", False) and fsdp_version(engine.module) != 1)
+            and fsdp_version(engine.module) != 1)
 
 
 def _device() -> torch.device:
@@ -437,6 +507,12 @@ def _prompt_once_plan(engine, data, full: PackedBatch, options: PromptOnceOption
                             "ppo_max_token_len_per_gpu / log_prob_max_token_len_per_gpu)")
     max_tokens = int(budget) * int(tu.get_non_tensor_data(data=data, key="sp_size", default=1))
     factor, credit = 0.0, 0.0
+    if options.prompt_state_budget is not False and getattr(engine, "use_ulysses_sp", False):
+        # the factor and the credit are one GPU's that holds every head of the kept keys and values and
+        # its own parameter shard (which can differ between the SP ranks, whose plans must be equal)
+        raise UnsupportedError(f"dualkv: {PROMPT_ONCE_ENV} prompt_state_budget is not supported with "
+                               f"ulysses_sequence_parallel_size={engine.ulysses_sequence_parallel_size}; leave "
+                               "prompt_state_budget off (max_prompt_tokens bounds a prompt phase instead)")
     if options.prompt_state_budget is not False and not forward_only:
         model = _hf_model(engine.module)
         dtype = getattr(engine, "_autocast_dtype", None)  # the compute dtype: the keys' and values'
@@ -501,7 +577,7 @@ def _placeholder_step(engine, device: torch.device, forward_only: bool) -> None:
     """A micro-batch another rank runs and this one has nothing for: two tokens through the same
     forward (and a zero backward), so that FSDP's all-gathers and reduce-scatters stay in step
     (:func:`dualkv.distributed.placeholder_batch`). Nothing of it reaches veRL's outputs."""
-    inputs = forward_kwargs(placeholder_batch(device))
+    inputs = forward_kwargs(_sp_shard(engine, placeholder_batch(device)), grad_scale=_sp_grad_scale(engine))
     if engine.engine_config.full_determinism:
         inputs[dkt.DETERMINISTIC_KWARG] = True
     with _autocast(engine):
@@ -528,7 +604,9 @@ def _prompt_once_batch(engine, data, loss_function, forward_only: bool, options:
     row order. Before the loop it assigns the batch information veRL's loss functions normalise
     by, as veRL 0.9.1's ``FSDPEngine.forward_backward_batch`` does (``sp_size``; ``batch_num_tokens``,
     the loss-mask tokens summed over the data-parallel group; ``dp_size``). Forward-only (log-probs):
-    under ``torch.no_grad()``, phase A records the keys and values and no phase C runs.
+    under ``torch.no_grad()``, phase A records the keys and values and no phase C runs. Under Ulysses
+    the ranks of an SP group hold the same rows and run the same schedule: phase A sharded over the
+    group, every micro-batch and placeholder sharded by ``prepare_model_inputs`` / the placeholder step.
     """
     group = engine.get_data_parallel_group()
     tu.assign_non_tensor(data, sp_size=engine.ulysses_sequence_parallel_size)
@@ -553,6 +631,7 @@ def _prompt_once_batch(engine, data, loss_function, forward_only: bool, options:
     ranks = _rank_schedule(plan, group)
     prompts, responses = _group_tokens(full, device)
     model = _hf_model(engine.module)
+    sp_group = _sp_group(engine)
     deterministic = bool(engine.engine_config.full_determinism)
     scaler = getattr(engine, "scaler", None)
     # the last backward of the schedule: the last trailing micro-batch, else the last phase's phase C
@@ -591,7 +670,7 @@ def _prompt_once_batch(engine, data, loss_function, forward_only: bool, options:
                 [torch.zeros(2, dtype=torch.int64, device=device)]
             with torch.profiler.record_function(f"dualkv_prompt_phase{j}"), _autocast(engine):
                 kv = schedule.run_prompt_phase(
-                    model, phase_prompts, deterministic, recompute_prompt=options.recompute_prompt,
+                    model, phase_prompts, deterministic, sp_group=sp_group, recompute_prompt=options.recompute_prompt,
                     prompt_grad_dtype=options.prompt_grad_dtype, offload_prompt_grads=options.offload_prompt_grads,
                     offload_prompt_activations=options.offload_prompt_activations,
                     stream_prompt_state=options.stream_prompt_state)
@@ -640,6 +719,27 @@ def _prepare_model_outputs(self, output, output_args, micro_batch, logits_proces
     return _ORIGINAL["prepare_model_outputs"](self, output, output_args, micro_batch, logits_processor_func)
 
 
+def _apply_monkey_patch(*args, **kwargs):
+    """veRL's ``apply_monkey_patch`` (its engine's model build, every engine), with a clear error for
+    one known conflict. veRL 0.9.1 imports TRL's ``AutoModelForCausalLMWithValueHead`` there whenever
+    TRL is installed (to patch its ``state_dict``), from ``trl.experimental.ppo`` or ``trl``; TRL moved
+    the class to ``trl.experimental.ppo`` and then removed it with PPO (huggingface/trl#7020, 2026-09),
+    so with this project's TRL pin (1.16, the TRL plug-in's) veRL's model build fails with a bare
+    ImportError before any dualkv code runs. veRL pins ``trl<=0.9.6``: run veRL in an environment of its
+    own. Nothing else changes (any other error, and the call itself, are veRL's)."""
+    try:
+        return _ORIGINAL["apply_monkey_patch"](*args, **kwargs)
+    except ImportError as exc:
+        if "AutoModelForCausalLMWithValueHead" not in str(exc):
+            raise
+        from importlib.metadata import version
+        raise ImportError(
+            f"veRL 0.9.1's apply_monkey_patch imports TRL's AutoModelForCausalLMWithValueHead whenever TRL is "
+            f"installed, and TRL {version('trl')} no longer has it (removed with PPO, huggingface/trl#7020): "
+            "run veRL in an environment without TRL or with veRL's own pin (trl<=0.9.6). The dualkv TRL "
+            "plug-in's pin (requirements-rl.txt: trl==1.16.0) belongs in another environment.") from exc
+
+
 def install_plugin() -> None:
     """Patch veRL's FSDP engine (idempotent; done on import)."""
     if _ORIGINAL:
@@ -648,11 +748,13 @@ def install_plugin() -> None:
     _ORIGINAL.update(forward_backward_batch=engine.forward_backward_batch,
                      prepare_model_inputs=engine.prepare_model_inputs,
                      prepare_model_outputs=engine.prepare_model_outputs,
-                     prepare_micro_batches=_impl.prepare_micro_batches)
+                     prepare_micro_batches=_impl.prepare_micro_batches,
+                     apply_monkey_patch=_impl.apply_monkey_patch)
     engine.forward_backward_batch = _forward_backward_batch
     engine.prepare_model_inputs = _prepare_model_inputs
     engine.prepare_model_outputs = _prepare_model_outputs
     _impl.prepare_micro_batches = _prepare_micro_batches
+    _impl.apply_monkey_patch = _apply_monkey_patch
 
 
 install_plugin()

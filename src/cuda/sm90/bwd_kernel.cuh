@@ -693,7 +693,7 @@ bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
       // reads registers and dO, never the dS buffer. The same wgmmas on the same accumulators in the
       // same order: outputs bit for bit. (The fence after dK's first k step as well measured
       // 0.979-1.021, alone 0.991-1.010: not taken.)
-      constexpr bool kDsEarly = kAtomicDq && D == 128 && !kHalves && kDkIssued == 1;
+      constexpr bool kDsEarly = kAtomicDq && D == 128 && !kHalves;  // kDkIssued is kDkHead = 1 there
       if constexpr (kHalves) {
         // In two halves of the step's query columns (C::kSoftmaxHalves): the first half's P^T under
         // the dP^T wgmma; then its dS^T, and dV and dK on that half issued before the second half's

@@ -164,6 +164,9 @@ struct Sm90FwdParams {
   // whether it could be made (o_tma = 0: out is not TMA-aligned, every tile stores per thread).
   CUtensorMap to;
   int32_t o_tma;
+  // The per-thread O epilogue's 16-byte stores (kernels without kOStaged, D 256; fwd_o_row_stg128):
+  // whether out's base and strides are 16-byte aligned (otherwise the 4-byte pair stores).
+  int32_t o_vec16;
 };
 
 struct Sm90Barriers {
@@ -244,6 +247,62 @@ __device__ __forceinline__ int32_t fwd_steady_tiles(const KvWalk<BN>& kv, int32_
   int32_t steady = (kv.rest() - 1) / BN;
   if (kv.own) steady = min(steady, max(q0 + 1 - kv.pos, 0) / BN);
   return __shfl_sync(0xffffffffu, steady, 0);
+}
+
+// ---- The per-thread O epilogue in 16-byte stores (kernels without kOStaged: D 256) ----
+// The accumulator fragment gives lane (g, t4) of a warp the pair of columns 8 j + 2 t4 of its rows g
+// and g + 8, for every 8-column chunk j: stored as they are, each STG.32 of a warp covers 8 rows x
+// 16 B (half a sector per row), 64 of them per thread at D 256 (note 2026-12-04-d256-fwd-ncu §2.6).
+// Here the quad of lanes sharing a row trades its pairs so that lane t4 holds the whole chunk
+// 4 k + t4 (its four pairs, from lanes 0..3 in column order): one STG.128 per chunk, 16 per thread,
+// each warp store 8 rows x 64 B (two full sectors per row). The values are the same packed pairs
+// (same products, same conversion), only moved between lanes: O is bit for bit the same.
+//
+// A 4 x 4 transpose of 32-bit words across the quad, in three SHFLs: v[x] (after the first
+// permutation) = a[x ^ t4] goes to lane t4 ^ x, which receives a_{t4 ^ x}[t4], the pair lane t4 ^ x
+// holds of the chunk lane t4 is to store; the second permutation puts it at word t4 ^ x. A register
+// array cannot be indexed by the lane, so each permutation by t4 is two conditional swap steps
+// (bit 0, then bit 1 of t4: eight selects).
+__device__ __forceinline__ void quad_xor_permute(uint32_t (&v)[4], uint32_t t4) {
+  uint32_t w[4];
+#pragma unroll
+  for (int x = 0; x < 4; ++x) w[x] = (t4 & 1) ? v[x ^ 1] : v[x];
+#pragma unroll
+  for (int x = 0; x < 4; ++x) v[x] = (t4 & 2) ? w[x ^ 2] : w[x];
+}
+
+// One 16-byte global store, if `store`. In PTX with the predicate inside: NVVM splits a plain
+// uint4 store of the first chunk (offset t4 * 16 from the row) into four 4-byte stores,
+// __builtin_assume_aligned or not, and a C++ `if` around an asm store became a branch per chunk.
+// Volatile keeps it in order with the other asm; no "memory" clobber: nothing in the kernel reads
+// O back.
+__device__ __forceinline__ void st_global_v4_if(void* p, const uint32_t (&v)[4], bool store) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %5, 0;\n@p st.global.v4.b32 [%0], {%1, %2, %3, %4};\n}\n" ::"l"(p),
+               "r"(v[0]), "r"(v[1]), "r"(v[2]), "r"(v[3]), "r"(static_cast<uint32_t>(store)));
+}
+
+// Row r (0: row g, 1: row g + 8) of the accumulator fragment, times inv, in 16 B stores to `orow`
+// (the row's first element, 16-byte aligned). The SHFLs run on every lane (full mask: the caller
+// calls this outside any per-lane branch); `store` (row inside the item, the same for the quad's
+// four lanes) masks only the stores, so a ragged tile's rows past the item's end stay unwritten.
+template <typename T, int D>
+__device__ __forceinline__ void fwd_o_row_stg128(T* orow, const float (&o)[D / 2], int r, float inv, uint32_t t4,
+                                                 bool store) {
+  T* const chunk0 = orow + t4 * 8;  // this lane's chunk for k = 0; for k it lies 32 k elements (64 k B) on
+#pragma unroll
+  for (int k = 0; k < D / 32; ++k) {
+    uint32_t v[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int j = 4 * k + i;  // chunk j: columns 8 j + 2 t4, 8 j + 2 t4 + 1 (as the STG.32 path)
+      v[i] = Convert<T>::pack(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
+    }
+    quad_xor_permute(v, t4);  // v[x] = a[x ^ t4]: the word for lane t4 ^ x
+#pragma unroll
+    for (int x = 1; x < 4; ++x) v[x] = __shfl_xor_sync(0xffffffffu, v[x], x);  // v[x] = a_{t4 ^ x}[t4]
+    quad_xor_permute(v, t4);  // v[s] = a_s[t4]: chunk 4 k + t4's pairs in column order
+    st_global_v4_if(chunk0 + k * 32, v, store);
+  }
 }
 
 // Ping-pong: the two consumer warpgroups take turns issuing their wgmma batches (named barriers 1
@@ -1096,6 +1155,9 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
     // This warpgroup's O box, from an address the loop keeps live (K's).
     const uint32_t o_box = k_base - C::kOffK + C::kOffO + ocw * C::kOWgBytes;
     if (o_staged) fwd_o_staging_acquire(C::kOBarrier + ocw);
+    // Without the staged epilogue (D 256): 16-byte stores (fwd_o_row_stg128) where out is 16-byte
+    // aligned (the launcher's o_vec16, one value for the grid), else the element pairs below.
+    const bool o_vec16 = !C::kOStaged && p.o_vec16 != 0;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       float tot = l[r];
@@ -1109,9 +1171,15 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
         if (o_staged) fwd_o_stage_row<T, D>(o_box, o, r, inv, o_thread);
       }
       const int32_t qi = qi0 + r * 8;
+      if constexpr (!C::kOStaged) {
+        // The quad's SHFLs need all 32 lanes: outside the row test, which masks the stores only.
+        if (o_vec16)
+          fwd_o_row_stg128<T, D>(og + static_cast<int64_t>(qi) * a.o_ts + static_cast<int64_t>(h) * a.o_hs, o, r,
+                                 inv, static_cast<uint32_t>(t4), qi < q1);
+      }
       if (qi < q1) {
         T* orow = og + static_cast<int64_t>(qi) * a.o_ts + static_cast<int64_t>(h) * a.o_hs;
-        if (!o_staged) {
+        if (!o_staged && !o_vec16) {
 #pragma unroll
           for (int j = 0; j < D / 8; ++j)
             *reinterpret_cast<uint32_t*>(orow + j * 8 + 2 * t4) =
