@@ -607,8 +607,11 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
   // (docs/notes/2026-12-04-d64-fwd-ncu.md, 2026-12-04-d256-fwd-ncu.md), against FA4, whose steady
   // loop has none. Every kernel without modifiers and external prefix: its walk is the plain
   // next(), which inside a range only steps by pos += BN, as the inner loop does, and its mask is
-  // mask_scores' ragged / diagonal test alone.
-  constexpr bool kSteadyLoop = std::is_same_v<Mods, NoModifiers> && !kPrefix;
+  // mask_scores' ragged / diagonal test alone. Not D 64's long-walk build: there it measured
+  // 1.011-1.034 of the general loop's time on the three long layouts (session 34, H200, 9 rounds,
+  // A/A 0.994-1.010; its general tile waits for P V before the softmax, so the steady tile had no
+  // softmax boundary and ptxas scheduled it on its own), against 0.988-0.997 for the short-walk build.
+  constexpr bool kSteadyLoop = std::is_same_v<Mods, NoModifiers> && !kPrefix && !(D == 64 && kLongWalks);
   const int cw = __shfl_sync(0xffffffffu, wg - 1, 0);
   const int tid = threadIdx.x & 127;
   const int warp = tid >> 5, lane = tid & 31;
