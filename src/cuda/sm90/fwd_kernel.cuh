@@ -164,6 +164,9 @@ struct Sm90FwdParams {
   // whether it could be made (o_tma = 0: out is not TMA-aligned, every tile stores per thread).
   CUtensorMap to;
   int32_t o_tma;
+  // The per-thread O epilogue's 16-byte stores (kernels without kOStaged, D 256; fwd_o_row_stg128):
+  // whether out's base and strides are 16-byte aligned (otherwise the 4-byte pair stores).
+  int32_t o_vec16;
 };
 
 struct Sm90Barriers {
@@ -224,6 +227,81 @@ __device__ __forceinline__ void fwd_o_staging_release(const CUtensorMap* to, uin
 #pragma unroll
     for (int b = 0; b < D / 64; ++b) tma_store_3d(to, sOw + b * (64 * 128), b * 64, h, row0);
     bulk_commit_group();
+  }
+}
+
+// The steady loop's count (fwd_sm90_kernel, kSteadyLoop): the tiles from the walk's current one on
+// that are full, unmasked and not their range's last. Those that end before the range does (so the
+// walk stays in it: next() only steps pos += BN) and, in an own range, end at or before the tile's
+// first row q0 (no causal mask for any row: mask_scores' diagonal test; a tile of siblings has none,
+// its own ranges start at or after q0). Both bounds only shrink along a range, so the steady tiles
+// are a prefix of the rest of it, and the tile after them is a range's last, the diagonal's first,
+// or (count 0) any other. The count is at most (rest - 1) / BN, so before the k-th of c steady tiles
+// (k from 0) the range holds rest >= (c - k) BN + 1 > BN keys, and after its step >= 1: the steady
+// tile's schedule boundaries test exactly that, false whatever the plan and the offsets hold.
+// The shuffle says the count is warp-uniform (the walk is the same in every lane), as drain_walk's
+// does for kv_iter; in ptxas 13.0's SASS it is gone: the walk sits in uniform registers, and so does
+// the count.
+template <int BN>
+__device__ __forceinline__ int32_t fwd_steady_tiles(const KvWalk<BN>& kv, int32_t q0) {
+  int32_t steady = (kv.rest() - 1) / BN;
+  if (kv.own) steady = min(steady, max(q0 + 1 - kv.pos, 0) / BN);
+  return __shfl_sync(0xffffffffu, steady, 0);
+}
+
+// ---- The per-thread O epilogue in 16-byte stores (kernels without kOStaged: D 256) ----
+// The accumulator fragment gives lane (g, t4) of a warp the pair of columns 8 j + 2 t4 of its rows g
+// and g + 8, for every 8-column chunk j: stored as they are, each STG.32 of a warp covers 8 rows x
+// 16 B (half a sector per row), 64 of them per thread at D 256 (note 2026-12-04-d256-fwd-ncu §2.6).
+// Here the quad of lanes sharing a row trades its pairs so that lane t4 holds the whole chunk
+// 4 k + t4 (its four pairs, from lanes 0..3 in column order): one STG.128 per chunk, 16 per thread,
+// each warp store 8 rows x 64 B (two full sectors per row). The values are the same packed pairs
+// (same products, same conversion), only moved between lanes: O is bit for bit the same.
+//
+// A 4 x 4 transpose of 32-bit words across the quad, in three SHFLs: v[x] (after the first
+// permutation) = a[x ^ t4] goes to lane t4 ^ x, which receives a_{t4 ^ x}[t4], the pair lane t4 ^ x
+// holds of the chunk lane t4 is to store; the second permutation puts it at word t4 ^ x. A register
+// array cannot be indexed by the lane, so each permutation by t4 is two conditional swap steps
+// (bit 0, then bit 1 of t4: eight selects).
+__device__ __forceinline__ void quad_xor_permute(uint32_t (&v)[4], uint32_t t4) {
+  uint32_t w[4];
+#pragma unroll
+  for (int x = 0; x < 4; ++x) w[x] = (t4 & 1) ? v[x ^ 1] : v[x];
+#pragma unroll
+  for (int x = 0; x < 4; ++x) v[x] = (t4 & 2) ? w[x ^ 2] : w[x];
+}
+
+// One 16-byte global store, if `store`. In PTX with the predicate inside: NVVM splits a plain
+// uint4 store of the first chunk (offset t4 * 16 from the row) into four 4-byte stores,
+// __builtin_assume_aligned or not, and a C++ `if` around an asm store became a branch per chunk.
+// Volatile keeps it in order with the other asm; no "memory" clobber: nothing in the kernel reads
+// O back.
+__device__ __forceinline__ void st_global_v4_if(void* p, const uint32_t (&v)[4], bool store) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %5, 0;\n@p st.global.v4.b32 [%0], {%1, %2, %3, %4};\n}\n" ::"l"(p),
+               "r"(v[0]), "r"(v[1]), "r"(v[2]), "r"(v[3]), "r"(static_cast<uint32_t>(store)));
+}
+
+// Row r (0: row g, 1: row g + 8) of the accumulator fragment, times inv, in 16 B stores to `orow`
+// (the row's first element, 16-byte aligned). The SHFLs run on every lane (full mask: the caller
+// calls this outside any per-lane branch); `store` (row inside the item, the same for the quad's
+// four lanes) masks only the stores, so a ragged tile's rows past the item's end stay unwritten.
+template <typename T, int D>
+__device__ __forceinline__ void fwd_o_row_stg128(T* orow, const float (&o)[D / 2], int r, float inv, uint32_t t4,
+                                                 bool store) {
+  T* const chunk0 = orow + t4 * 8;  // this lane's chunk for k = 0; for k it lies 32 k elements (64 k B) on
+#pragma unroll
+  for (int k = 0; k < D / 32; ++k) {
+    uint32_t v[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int j = 4 * k + i;  // chunk j: columns 8 j + 2 t4, 8 j + 2 t4 + 1 (as the STG.32 path)
+      v[i] = Convert<T>::pack(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
+    }
+    quad_xor_permute(v, t4);  // v[x] = a[x ^ t4]: the word for lane t4 ^ x
+#pragma unroll
+    for (int x = 1; x < 4; ++x) v[x] = __shfl_xor_sync(0xffffffffu, v[x], x);  // v[x] = a_{t4 ^ x}[t4]
+    quad_xor_permute(v, t4);  // v[s] = a_s[t4]: chunk 4 k + t4's pairs in column order
+    st_global_v4_if(chunk0 + k * 32, v, store);
   }
 }
 
@@ -520,6 +598,20 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
   // the conversions at 0.32 stall units each against FA4's 0.09
   // (docs/notes/2026-12-04-d128-fwd-ncu.md). Same products, sums and packs: bit for bit.
   constexpr bool kExpAfterPvWait = D == 128 && kLongWalks;
+  // The steady loop (docs/notes/2026-12-04-d128-fwd-steady-loop.md for D 128's long-walk build,
+  // docs/notes/2026-12-04-fwd-steady-loop-all.md for the others): the tiles of a range that are
+  // full, unmasked and not its last run in an inner loop without the mask test, the walk's range
+  // test and the q_empty test (and, with kEarlyLoopTest or kSkipHidden, the loop's test). ncu had
+  // these tests and their taken branches at 6.2 of 139.7 stall units per 128 keys at D 128
+  // (docs/notes/2026-12-04-d128-fwd-ncu.md), ~4.5 of ~100 per tile at D 64 and 7.2 of 155 at D 256
+  // (docs/notes/2026-12-04-d64-fwd-ncu.md, 2026-12-04-d256-fwd-ncu.md), against FA4, whose steady
+  // loop has none. Every kernel without modifiers and external prefix: its walk is the plain
+  // next(), which inside a range only steps by pos += BN, as the inner loop does, and its mask is
+  // mask_scores' ragged / diagonal test alone. Not D 64's long-walk build: there it measured
+  // 1.011-1.034 of the general loop's time on the three long layouts (session 34, H200, 9 rounds,
+  // A/A 0.994-1.010; its general tile waits for P V before the softmax, so the steady tile had no
+  // softmax boundary and ptxas scheduled it on its own), against 0.988-0.997 for the short-walk build.
+  constexpr bool kSteadyLoop = std::is_same_v<Mods, NoModifiers> && !kPrefix && !(D == 64 && kLongWalks);
   const int cw = __shfl_sync(0xffffffffu, wg - 1, 0);
   const int tid = threadIdx.x & 127;
   const int warp = tid >> 5, lane = tid & 31;
@@ -673,9 +765,8 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
       m[r] = mx;
       return ms;
     };
-    // Mask, online softmax of s (in place: s becomes P in fp32); returns the rescale factors.
-    auto softmax = [&](int32_t kpos, int32_t krem, bool own, int32_t kcur, float* alpha) {
-      mask_scores(kpos, krem, own, kcur);
+    // Online softmax of the masked s (in place: s becomes P in fp32); returns the rescale factors.
+    auto softmax_rows = [&](float* alpha) {
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         const float ms = row_max(r, alpha);
@@ -691,15 +782,13 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
         l[r] = l[r] * alpha[r] + sum;
       }
     };
-    // kExpAfterPvWait's softmax in two parts (the same arithmetic as softmax(), split at the P V
-    // wait): the mask and both rows' max and factors; returns each row's max in the exponent's
-    // scale in ms.
-    auto softmax_max = [&](int32_t kpos, int32_t krem, bool own, int32_t kcur, float* alpha, float* ms) {
+    // Mask, online softmax of s; returns the rescale factors.
+    auto softmax = [&](int32_t kpos, int32_t krem, bool own, int32_t kcur, float* alpha) {
       mask_scores(kpos, krem, own, kcur);
-#pragma unroll
-      for (int r = 0; r < 2; ++r) ms[r] = row_max(r, alpha);
+      softmax_rows(alpha);
     };
-    // ... and the exponentials, each pair packed into its P fragment right after it (pf[2 j + r]
+    // kExpAfterPvWait's exponentials after the P V wait (exp_after_pv_tile; the mask and the rows'
+    // max before it, with row_max): each pair packed into its P fragment right after it (pf[2 j + r]
     // is to_pf()'s pack of s[4 j + 2 r], s[4 j + 2 r + 1]; s is not written), and the row sums.
     auto exp_pack = [&](const float* ms, const float* alpha) {
 #pragma unroll
@@ -817,7 +906,164 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
     // the LOP3s and their reads, which is all the pins need.
     const uint32_t pin_zero = kExpAfterPvWait ? opaque_zero() : 0u;
     bool go = more && seen();  // kEarlyLoopTest's form of the loop's test
-    while (kEarlyLoopTest ? go : more && seen()) {
+    // kExpAfterPvWait's tile after the first. kSteady (kSteadyLoop's inner loop): the tile is full,
+    // unmasked and not its range's last, so there is no mask test, the walk only steps (pos += BN:
+    // what next() does inside a range) and more stays true (no q_empty test: the item's last tile is
+    // a range's last). The arithmetic is the general tile's: on such a tile mask_scores changes
+    // nothing, and row_max keeps its -inf guards, so O and lse are the same bits.
+    auto exp_after_pv_tile = [&](auto steady) {
+      constexpr bool kSteady = decltype(steady)::value;
+      static_assert(!kExpAfterPvWait || (!kLateVWait && !kRescaleBeforePv), "the long-walk D-128 order: V waited for at the top");
+      const int32_t tkpos = kv.pos, tkrem = kv.rest(), tkcur = kv.cur;
+      const bool town = kv.own;
+      const uint32_t tst = kv_iter % S;
+      mbar_wait(&B.k_full[tst], (kv_iter / S) & 1);
+      const uint32_t pst = prev % S;
+      mbar_wait(&B.v_full[pst], (prev / S) & 1);
+      turn_wait();
+      wgmma_fence();
+      issue_qk(tst);
+      wgmma_commit();
+      issue_pv(pst);
+      wgmma_commit();
+      turn_pass();
+      wgmma_wait<1>();  // S of this tile is ready; P V of the previous one may still run
+      fence_regs(s);
+      float alpha[2], ms[2];
+      if constexpr (!kSteady) mask_scores(tkpos, tkrem, town, tkcur);
+#pragma unroll
+      for (int r = 0; r < 2; ++r) ms[r] = row_max(r, alpha);
+      // K's release after the max (in the long-walk build K_{j+2} waits for V_{j+1}'s slot, which
+      // is released just below, earlier than before). ptxas keeps the P V wait below this arrive
+      // but hoisted the arrive itself above row 1's max: its address reads row 1's max.
+      __syncwarp();
+      if (lane == 0) mbar_arrive_at(pinned_after(smem_u32(&B.k_empty[tst]), __float_as_uint(m[1]), pin_zero));
+      wgmma_wait<0>();
+      fence_regs(o);
+      fence_regs(pf);
+      __syncwarp();
+      if (lane == 0) mbar_arrive(&B.kv_empty[pst]);
+      // Without the pin ptxas issued all 82 exponentials above the wait again, and the 40
+      // conversions in one run after it (main's SASS): the exponents read O's first register.
+#pragma unroll
+      for (int r = 0; r < 2; ++r) ms[r] = pinned_after(ms[r], o[0], pin_zero);
+      exp_pack(ms, alpha);
+      rescale_o(alpha);
+      if constexpr (kSteady) {
+        kv.pos += BN;
+      } else {
+        more = walk_next();
+        if (!more) {  // the item's last S retired (wait_group 1 above): its Q buffer may be reloaded
+          __syncwarp();
+          if (lane == 0) mbar_arrive(&B.q_empty[qb]);
+        }
+      }
+      prev = kv_iter;
+      ++kv_iter;
+    };
+    if constexpr (kExpAfterPvWait) {
+      while (more) {
+        for (int32_t steady = fwd_steady_tiles(kv, q0); steady > 0; --steady) exp_after_pv_tile(std::true_type{});
+        exp_after_pv_tile(std::false_type{});
+      }
+    } else if constexpr (kSteadyLoop) {
+      // Every other kernel's tile after the first: the statements of the loop below (which the
+      // other kernels run), in the same order. kSteady (the inner loop), as in exp_after_pv_tile: no
+      // mask test (softmax_rows without mask_scores), the walk only steps, and more (and
+      // kEarlyLoopTest's go) stays true, so neither the q_empty arrive's test nor the loop's test
+      // runs. Defined here, in the steady kernels only: as an unused closure next to the other
+      // lambdas it changed the other kernels' SASS (register moves, a branch in the epilogue).
+      auto plain_tile = [&](auto steady) {
+        constexpr bool kSteady = decltype(steady)::value;
+        if constexpr (!kSteady) {
+          kpos = kv.pos; krem = kv.rest(); own = kv.own; kcur = kv.cur;
+        }
+        st = kv_iter % S;
+        mbar_wait(&B.k_full[st], (kv_iter / S) & 1);
+        const uint32_t pst = prev % S;
+        if constexpr (!kLateVWait) mbar_wait(&B.v_full[pst], (prev / S) & 1);
+        turn_wait();
+        wgmma_fence();
+        issue_qk(st);
+        wgmma_commit();
+        if constexpr (kRescaleBeforePv) {
+          fence_regs(o);
+          rescale_o(alpha_o);
+          if constexpr (kLateVWait) {
+            fence_regs(o);  // the rescale stays under QK^T, ahead of the wait
+            mbar_wait(&B.v_full[pst], (prev / S) & 1);
+          }
+          wgmma_fence();  // O's registers were written since the fence above
+        } else if constexpr (kLateVWait) {
+          mbar_wait(&B.v_full[pst], (prev / S) & 1);
+        }
+        issue_pv(pst);
+        wgmma_commit();
+        turn_pass();
+        wgmma_wait<1>();  // S of this tile is ready; P V of the previous one may still run
+        fence_regs(s);
+        __syncwarp();
+        if (lane == 0) mbar_arrive(&B.k_empty[st]);
+        // A steady tile has no branch after K's release (the general tile has the mask test's), and
+        // ptxas sank the arrive 90-140 instructions into the softmax: the boundary keeps it here.
+        // Its condition is false on every steady tile whatever the plan holds: the count
+        // (fwd_steady_tiles) leaves more than BN keys in the range before each steady tile.
+        if constexpr (kSteady) schedule_boundary(kv.rest() <= BN);
+        float alpha[2];  // softmax() reads only what was captured above, not the walk's state
+        if constexpr (kSoftmaxBeforeWalk) {
+          if constexpr (kSteady) softmax_rows(alpha);
+          else softmax(kpos, krem, own, kcur, alpha);
+        }
+        if constexpr (kSteady) {
+          kv.pos += BN;
+        } else {
+          more = walk_next();
+          // !more: the item's last S retired (wait_group 1 above): its Q buffer may be reloaded.
+          if constexpr (kEarlyLoopTest) {
+            __syncwarp();
+            if (lane == 0 && !more) mbar_arrive(&B.q_empty[qb]);
+            go = more && seen();  // the walk's state is final for this tile
+          } else if (!more) {
+            __syncwarp();
+            if (lane == 0) mbar_arrive(&B.q_empty[qb]);
+          }
+        }
+        if constexpr (!kSoftmaxBeforeWalk) {
+          if constexpr (kSteady) softmax_rows(alpha);
+          else softmax(kpos, krem, own, kcur, alpha);
+        }
+        // Nor is there a branch (the general tile has the walk's) between the softmax and the P V
+        // wait, and ptxas hoisted the wait above a third to two thirds of the exponentials (at D
+        // 256 they would then lengthen the chain from P V's end to the next issue that
+        // kRescaleBeforePv shortened). The boundary holds the row sums, so every exponential,
+        // above it; its condition is false for the same reason as the first's (a steady tile
+        // leaves keys in the range after it). Without kSoftmaxBeforeWalk (D 64's
+        // long-walk build) main's general tile waits first and runs the whole softmax after the
+        // wait (kSoftmaxBeforeWalk's comment), and so does the steady tile without this boundary.
+        if constexpr (kSteady && kSoftmaxBeforeWalk) schedule_boundary(kv.rest() <= 0, l[0] + l[1]);
+        wgmma_wait<0>();
+        fence_regs(o);
+        fence_regs(pf);
+        __syncwarp();
+        if (lane == 0) mbar_arrive(&B.kv_empty[pst]);
+        if constexpr (kRescaleBeforePv) {
+          alpha_o[0] = alpha[0];
+          alpha_o[1] = alpha[1];
+        } else {
+          rescale_o(alpha);
+        }
+        to_pf();
+        prev = kv_iter;
+        ++kv_iter;
+      };
+      while (kEarlyLoopTest ? go : more && seen()) {
+        // Every steady tile is seen() (kSkipHidden): it ends at or before q0 <= wg_last, and the
+        // tile after it starts at or before q0 + 1 and inside the range, so at or before wg_last.
+        for (int32_t steady = fwd_steady_tiles(kv, q0); steady > 0; --steady) plain_tile(std::true_type{});
+        plain_tile(std::false_type{});
+      }
+    }
+    while (!kSteadyLoop && (kEarlyLoopTest ? go : more && seen())) {
       kpos = kv.pos; krem = kv.rest(); own = kv.own; kcur = kv.cur;
       st = kv_iter % S;
       mbar_wait(&B.k_full[st], (kv_iter / S) & 1);
@@ -843,59 +1089,33 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
       turn_pass();
       wgmma_wait<1>();  // S of this tile is ready; P V of the previous one may still run
       fence_regs(s);
-      if constexpr (kExpAfterPvWait) {
-        float alpha[2], ms[2];  // only what was captured above, not the walk's state
-        softmax_max(kpos, krem, own, kcur, alpha, ms);
-        // K's release after the max (in the long-walk build K_{j+2} waits for V_{j+1}'s slot, which
-        // is released just below, earlier than before). ptxas keeps the P V wait below this arrive
-        // but hoisted the arrive itself above row 1's max: its address reads row 1's max.
+      __syncwarp();
+      if (lane == 0) mbar_arrive(&B.k_empty[st]);
+      float alpha[2];  // softmax() reads only what was captured above, not the walk's state
+      if constexpr (kSoftmaxBeforeWalk) softmax(kpos, krem, own, kcur, alpha);
+      more = walk_next();
+      // !more: the item's last S retired (wait_group 1 above): its Q buffer may be reloaded.
+      if constexpr (kEarlyLoopTest) {
         __syncwarp();
-        if (lane == 0) mbar_arrive_at(pinned_after(smem_u32(&B.k_empty[st]), __float_as_uint(m[1]), pin_zero));
-        wgmma_wait<0>();
-        fence_regs(o);
-        fence_regs(pf);
+        if (lane == 0 && !more) mbar_arrive(&B.q_empty[qb]);
+        go = more && seen();  // the walk's state is final for this tile
+      } else if (!more) {
         __syncwarp();
-        if (lane == 0) mbar_arrive(&B.kv_empty[pst]);
-        // Without the pin ptxas issued all 82 exponentials above the wait again, and the 40
-        // conversions in one run after it (main's SASS): the exponents read O's first register.
-#pragma unroll
-        for (int r = 0; r < 2; ++r) ms[r] = pinned_after(ms[r], o[0], pin_zero);
-        exp_pack(ms, alpha);
-        rescale_o(alpha);
-        more = walk_next();
-        if (!more) {  // the item's last S retired (wait_group 1 above): its Q buffer may be reloaded
-          __syncwarp();
-          if (lane == 0) mbar_arrive(&B.q_empty[qb]);
-        }
-      } else {
-        __syncwarp();
-        if (lane == 0) mbar_arrive(&B.k_empty[st]);
-        float alpha[2];  // softmax() reads only what was captured above, not the walk's state
-        if constexpr (kSoftmaxBeforeWalk) softmax(kpos, krem, own, kcur, alpha);
-        more = walk_next();
-        // !more: the item's last S retired (wait_group 1 above): its Q buffer may be reloaded.
-        if constexpr (kEarlyLoopTest) {
-          __syncwarp();
-          if (lane == 0 && !more) mbar_arrive(&B.q_empty[qb]);
-          go = more && seen();  // the walk's state is final for this tile
-        } else if (!more) {
-          __syncwarp();
-          if (lane == 0) mbar_arrive(&B.q_empty[qb]);
-        }
-        if constexpr (!kSoftmaxBeforeWalk) softmax(kpos, krem, own, kcur, alpha);
-        wgmma_wait<0>();
-        fence_regs(o);
-        fence_regs(pf);
-        __syncwarp();
-        if (lane == 0) mbar_arrive(&B.kv_empty[pst]);
-        if constexpr (kRescaleBeforePv) {
-          alpha_o[0] = alpha[0];
-          alpha_o[1] = alpha[1];
-        } else {
-          rescale_o(alpha);
-        }
-        to_pf();
+        if (lane == 0) mbar_arrive(&B.q_empty[qb]);
       }
+      if constexpr (!kSoftmaxBeforeWalk) softmax(kpos, krem, own, kcur, alpha);
+      wgmma_wait<0>();
+      fence_regs(o);
+      fence_regs(pf);
+      __syncwarp();
+      if (lane == 0) mbar_arrive(&B.kv_empty[pst]);
+      if constexpr (kRescaleBeforePv) {
+        alpha_o[0] = alpha[0];
+        alpha_o[1] = alpha[1];
+      } else {
+        rescale_o(alpha);
+      }
+      to_pf();
       prev = kv_iter;
       ++kv_iter;
     }
@@ -938,6 +1158,9 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
     // This warpgroup's O box, from an address the loop keeps live (K's).
     const uint32_t o_box = k_base - C::kOffK + C::kOffO + ocw * C::kOWgBytes;
     if (o_staged) fwd_o_staging_acquire(C::kOBarrier + ocw);
+    // Without the staged epilogue (D 256): 16-byte stores (fwd_o_row_stg128) where out is 16-byte
+    // aligned (the launcher's o_vec16, one value for the grid), else the element pairs below.
+    const bool o_vec16 = !C::kOStaged && p.o_vec16 != 0;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       float tot = l[r];
@@ -951,9 +1174,15 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
         if (o_staged) fwd_o_stage_row<T, D>(o_box, o, r, inv, o_thread);
       }
       const int32_t qi = qi0 + r * 8;
+      if constexpr (!C::kOStaged) {
+        // The quad's SHFLs need all 32 lanes: outside the row test, which masks the stores only.
+        if (o_vec16)
+          fwd_o_row_stg128<T, D>(og + static_cast<int64_t>(qi) * a.o_ts + static_cast<int64_t>(h) * a.o_hs, o, r,
+                                 inv, static_cast<uint32_t>(t4), qi < q1);
+      }
       if (qi < q1) {
         T* orow = og + static_cast<int64_t>(qi) * a.o_ts + static_cast<int64_t>(h) * a.o_hs;
-        if (!o_staged) {
+        if (!o_staged && !o_vec16) {
 #pragma unroll
           for (int j = 0; j < D / 8; ++j)
             *reinterpret_cast<uint32_t*>(orow + j * 8 + 2 * t4) =

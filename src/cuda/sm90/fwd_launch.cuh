@@ -46,6 +46,17 @@ cudaError_t run_fwd(const FwdArgs& args, int sms, cudaStream_t stream) {
   // The O epilogue's TMA store (Sm90FwdConfig::kOStaged): only where out is TMA-aligned (16-byte
   // base and strides); otherwise the kernel stores every tile per thread (fwd_args_ok asks pairs only).
   p.o_tma = 0;
+  // Without kOStaged (D 256) the per-thread epilogue stores 16 bytes where out's base and strides
+  // allow them (fwd_o_row_stg128), else element pairs. Calls through the C API always allow them
+  // (dispatch.cu's check_rows refuses an out without 16-byte rows, tests/gpu/test_sm90_fwd.py), as
+  // they always allow the TMA store above; the pair stores keep run_fwd correct without that check.
+  p.o_vec16 = 0;
+  if constexpr (!C::kOStaged) {
+    p.o_vec16 = reinterpret_cast<uintptr_t>(args.out) % 16 == 0 && args.o_ts % 8 == 0 &&
+                        (H == 1 || args.o_hs % 8 == 0)
+                    ? 1
+                    : 0;
+  }
   if constexpr (C::kOStaged) {
     const bool aligned = reinterpret_cast<uintptr_t>(args.out) % 16 == 0 && args.o_ts > 0 && (args.o_ts * 2) % 16 == 0 &&
                          (H == 1 || (args.o_hs > 0 && (args.o_hs * 2) % 16 == 0));

@@ -123,8 +123,27 @@ __device__ __forceinline__ uint32_t pinned_after(uint32_t x, uint32_t dep, uint3
   asm("lop3.b32 %0, %1, %2, %3, 0xF8;\n" : "=r"(r) : "r"(x), "r"(dep), "r"(zero));
   return r;
 }
+// The float form reads its operands as f32 registers (PTX's .b32 takes any 32-bit register): with
+// __float_as_uint on `dep`, a wgmma accumulator, NVVM carried that accumulator as an integer
+// through two loops that both pin to it (the D-128 steady loop, fwd_kernel.cuh kSteadyLoop) and
+// moved it back before each P V wgmma, where ptxas then serialised the wgmmas (C7511).
 __device__ __forceinline__ float pinned_after(float x, float dep, uint32_t zero) {
-  return __uint_as_float(pinned_after(__float_as_uint(x), __float_as_uint(dep), zero));
+  float r;
+  asm("lop3.b32 %0, %1, %2, %3, 0xF8;\n" : "=f"(r) : "f"(x), "f"(dep), "r"(zero));
+  return r;
+}
+// A branch ptxas never takes and cannot remove: to a cold spin on `never`, a warp-uniform condition
+// the kernel's own arithmetic makes false whatever its inputs (so that no plan or layout reaches the
+// spin) and that neither NVVM nor ptxas can fold. ptxas moves independent work across
+// such a branch both ways, but not a side effect issued before it (an mbarrier arrive stays
+// before it), nor what `held` is computed from (the spin reads `held`, so it is computed before the
+// branch). Two boundaries need two different `never` conditions: NVVM drops a branch on a condition
+// an earlier one already tested. A trap in place of the spin made ptxas serialise the D-256
+// forward's wgmmas (C7512), a per-thread condition the D-64 / 128 ones (C7520).
+__device__ __forceinline__ void schedule_boundary(bool never, float held = 0.f) {
+  if (never) {
+    for (;;) asm volatile("nanosleep.u32 %0;\n" ::"r"(__float_as_uint(held)) : "memory");
+  }
 }
 // Makes this thread's generic-proxy writes to smem visible to the async proxy (a TMA store that reads
 // them after a barrier).
