@@ -315,12 +315,19 @@ BENCHMARKS = {
                       "responses (session 32; step bench-classes, CLASSES_ROUNDS=9); .ncu_stalls_fwd.txt: Nsight Compute "
                       "SourceCounters + WarpStateStats of both forward kernels on long responses (dualkv against FA4 "
                       "dense), summarised per instruction (step ncu-stalls, NCU_KERNEL='fwd_sm90|Forward' "
-                      "NCU_DIRECTION=fwd NCU_DIM=64; session 32)",
-    "never_lose_d128": "the same at head dim 128, the same library (session 32)",
+                      "NCU_DIRECTION=fwd NCU_DIM=64; session 32); .ab_steady.profile.log: tools/ab_libraries.py "
+                      "--profile --aa, the forward kernel's time of the steady inner loop (branch fwdsteady b610a32) "
+                      "against main a5926ca on 10 layouts, 9 rounds (session 34)",
+    "never_lose_d128": "the same at head dim 128, the same library (session 32); .ab_steady_c2.profile.log: "
+                       "tools/ab_libraries.py --profile --aa, the forward kernel's time of the steady loop with C2 "
+                       "(steady128) and C2 alone (d128fwdc2) against main a5926ca, 10 layouts, 9 rounds (session 34)",
     "never_lose_d256": "the same at head dim 256 (main's kernels, a12840b's build; session 29); .ncu_stalls_fwd.txt: "
                        "Nsight Compute SourceCounters + WarpStateStats of both forward kernels on long responses "
                        "(dualkv against FA4 dense), summarised per instruction (step ncu-stalls, NCU_KERNEL="
-                       "'fwd_sm90|Forward' NCU_DIRECTION=fwd NCU_DIM=256)",
+                       "'fwd_sm90|Forward' NCU_DIRECTION=fwd NCU_DIM=256); .ab_steady_epi.*: tools/ab_libraries.py "
+                       "--profile --aa, the forward kernel's time of the steady loop, the 16-byte O stores "
+                       "(d256epi) and both (fwdboth 3f14310) against main a5926ca, 9 layouts, 7 rounds, and both's "
+                       "bitwise check with every modifier and compute-sanitizer (session 34)",
     "ab_fwd_d64_descriptors": "bench/attention.py --head-dim 64 --classes all --configs 16,4096,1024;8,16384,2048: "
                               "dualkv with the D-64 forward's descriptors from one base (branch fwddesc64, efb441a, "
                               "merged) against FA4 dense, 3 rounds (issue 23, session 23); .profile.log: "
