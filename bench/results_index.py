@@ -65,6 +65,12 @@ BENCHMARKS = {
                     "policy update (FSDP2 engine, world size 1) of a Qwen3-8B shape (untied head), P 4K-6K, R 1K-2K, "
                     "budget 16,384, 2 rounds, no accuracy pass (issue 24's world-of-one dry run after the untied-head "
                     "fix, session 32; steps verl-stage, fa4-stage, fa4-install wheels verl-step); .log: its output",
+    "verl_step_flex_fa4_1.7b": "bench/verl_step.py --methods once,flex_fa4 --rounds 2: one veRL 0.9.1 policy update "
+                               "(FSDP2 engine, world size 1), Qwen3-1.7B shape, G4 x N16, P 2K-8K, R 0.5K-2K, budget "
+                               "16,384: the plug-in with prompt once against Flex-FA4 packing in the same engine "
+                               "(compile and mask builds reported apart; issue 24 item 4's first GPU run, session 35, "
+                               "main's all-head-dims library of 6df2a4c); .log: its output",
+    "verl_step_flex_fa4_8b": "the same at the Qwen3-8B shape (--model 8b, G4 x N16, P 2K-8K) (session 35)",
     "verl_step_30b-a3b_l12": "bench/verl_step.py --model 30b-a3b --layers 12 --groups 1 -N 32 --methods "
                              "once,copies,stock_fa4 --rounds 1 --no-accuracy: one veRL 0.9.1 policy update (FSDP2, "
                              "world size 1, no expert parallelism) of Qwen3-30B-A3B's shape cut to 12 of its 48 "
@@ -137,10 +143,12 @@ BENCHMARKS = {
                     "path, D 128: the segment-grouped backward item order (73d685e build) against the "
                     "sibling-tiles build (55a0280), with cuDNN, 2 rounds (issue 23); .log: the run's tables",
     "classes_h128": "bench/attention.py --classes all --configs 16,4096,1024;8,16384,2048, Hopper path, D 128: main's "
-                    "kernels (73d685e build, tree c7b1d38) with FA4 dense and Flex-FA4, 2 rounds (issue 23; step "
-                    "bench-classes); .log: the run's tables",
-    "classes_h64": "bench/attention.py --head-dim 64 --classes all, the same library and peers, 2 rounds (issue 23; "
-                   "step bench-classes)",
+                    "kernels (6df2a4c declared; the library is the steady128 build of fwdboth, whose D-128 kernels "
+                    "are main's SASS) with FA4 dense and Flex-FA4 in one process, 3 rounds (issue 23, session 35; "
+                    "step bench-classes); .log: the run's tables",
+    "classes_h64": "bench/attention.py --head-dim 64 --classes all --configs 16,4096,1024;8,16384,2048, main's D-64 "
+                   "kernels (6df2a4c declared; the steady64s build of aa9ca69, main's SASS), FA4 dense and Flex-FA4, "
+                   "3 rounds (issue 23, session 35; step bench-classes); .log: the run's tables",
     "classes_h256": "bench/attention.py --head-dim 256 --classes all --configs 16,4096,1024;8,16384,2048, main's D-256 "
                     "kernels (K ahead of V), dualkv / FA4 dense / Flex-FA4 in one process, 3 rounds (issue 23, "
                     "session 30; step bench-classes)",
@@ -306,9 +314,10 @@ BENCHMARKS = {
                                   "session 29; BUDGET_PROMPTS=16384 BUDGET_TOKENS=24576)",
     "attention_rates_d128": "bench/attention.py --configs 8,16384,2048;16,8192,2048;8,8192,4096 --no-varlen --methods "
                             "dualkv --rounds 5, D 128: issue 23's rate bar on long GRPO layouts (P >= 8K, N >= 8) with "
-                            "main's kernels after the early dS stores (session 31, library of 47bba37); .ncu_stalls_fwd.txt: the "
-                            "forward kernels' stalls per instruction on N8 P16K R2K, dualkv packed against FA4 dense "
-                            "unpacked (step ncu-stalls, NCU_DIM=128 NCU_CASE=8,16384,2048; session 32)",
+                            "main's kernels after the steady forward loop (session 35, 6df2a4c declared, the steady128 "
+                            "build); .ncu_stalls_fwd.txt: the forward kernels' stalls per instruction on N8 P16K "
+                            "R2K, dualkv packed against FA4 dense unpacked (step ncu-stalls, NCU_DIM=128 "
+                            "NCU_CASE=8,16384,2048; session 32, earlier kernels)",
     "never_lose_d64": "bench/attention.py --head-dim 64 --classes long_responses,tiny_responses --methods "
                       "dualkv,fa4_dense, ONE library per process (main a8332bb's D-64 kernels: the steady loop in "
                       "the short-walk forward, the steady64s build), 5 rounds: issue 23's never-lose bar on long "
