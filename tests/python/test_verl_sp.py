@@ -298,7 +298,8 @@ def case_fsdp1(ranks: Ranks):
     group over the budget is split with a prompt copy per piece in veRL's own loop (FSDP1's
     ``no_sync`` on all but the last micro-batch), each micro-batch sharded over the SP group. Update
     (every gradient: the FlatParameters' shards cut back into the parameters) and log-probs against
-    the one-rank engine, which runs the same rows with prompt once."""
+    the one-rank engine, which runs the same rows with prompt once; at dp 1 the update again with
+    veRL's fixed-size micro-batches (use_dynamic_bsz=False: its row chunks)."""
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from verl.utils.fsdp_utils import fsdp_version
     fsdp1 = Ranks(ranks.rank, ranks.world, strategy="fsdp")
@@ -310,6 +311,11 @@ def case_fsdp1(ranks: Ranks):
         with spy_prompt_phases() as phases:
             fsdp1.check_update(SPLIT_PER_GPU, "FSDP1, prompt copies")
             fsdp1.check_log_probs(SPLIT_PER_GPU, "FSDP1, prompt copies, log-probs")
+            if fsdp1.dp == 1:
+                # veRL's row chunks assume every dp rank holds as many rows (its DataProto.chunk), and
+                # ROLLOUTS gives the two dp ranks of world 4 unequal ones (for the dynamic batch sizes'
+                # balancing): their FSDP collectives would then differ in number, stock veRL's as well
+                fsdp1.check_update(SPLIT_PER_GPU, "FSDP1, fixed-size micro-batches", use_dynamic_bsz=False)
     finally:
         dualkv.distributed.attention = attention
     # the phases are the one-rank engine's (prompt once, no SP group); the FSDP1 engine ran none, and
