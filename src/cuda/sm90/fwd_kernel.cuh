@@ -975,6 +975,8 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
       // lambdas it changed the other kernels' SASS (register moves, a branch in the epilogue).
       auto plain_tile = [&](auto steady) {
         constexpr bool kSteady = decltype(steady)::value;
+        // kSteadyLoop leaves out D 64's long-walk build, the one unmodified kernel without it.
+        static_assert(kSoftmaxBeforeWalk, "the steady tile runs the softmax before the walk");
         if constexpr (!kSteady) {
           kpos = kv.pos; krem = kv.rest(); own = kv.own; kcur = kv.cur;
         }
@@ -1010,10 +1012,8 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
         // (fwd_steady_tiles) leaves more than BN keys in the range before each steady tile.
         if constexpr (kSteady) schedule_boundary(kv.rest() <= BN);
         float alpha[2];  // softmax() reads only what was captured above, not the walk's state
-        if constexpr (kSoftmaxBeforeWalk) {
-          if constexpr (kSteady) softmax_rows(alpha);
-          else softmax(kpos, krem, own, kcur, alpha);
-        }
+        if constexpr (kSteady) softmax_rows(alpha);
+        else softmax(kpos, krem, own, kcur, alpha);
         if constexpr (kSteady) {
           kv.pos += BN;
         } else {
@@ -1028,19 +1028,13 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
             if (lane == 0) mbar_arrive(&B.q_empty[qb]);
           }
         }
-        if constexpr (!kSoftmaxBeforeWalk) {
-          if constexpr (kSteady) softmax_rows(alpha);
-          else softmax(kpos, krem, own, kcur, alpha);
-        }
         // Nor is there a branch (the general tile has the walk's) between the softmax and the P V
         // wait, and ptxas hoisted the wait above a third to two thirds of the exponentials (at D
         // 256 they would then lengthen the chain from P V's end to the next issue that
         // kRescaleBeforePv shortened). The boundary holds the row sums, so every exponential,
         // above it; its condition is false for the same reason as the first's (a steady tile
-        // leaves keys in the range after it). Without kSoftmaxBeforeWalk (D 64's
-        // long-walk build) main's general tile waits first and runs the whole softmax after the
-        // wait (kSoftmaxBeforeWalk's comment), and so does the steady tile without this boundary.
-        if constexpr (kSteady && kSoftmaxBeforeWalk) schedule_boundary(kv.rest() <= 0, l[0] + l[1]);
+        // leaves keys in the range after it).
+        if constexpr (kSteady) schedule_boundary(kv.rest() <= 0, l[0] + l[1]);
         wgmma_wait<0>();
         fence_regs(o);
         fence_regs(pf);
