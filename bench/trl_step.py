@@ -1,4 +1,5 @@
-"""One TRL GRPO policy update: stock ``GRPOTrainer`` vs ``DualKVGRPOTrainer`` (issue 20's GPU acceptance).
+"""One TRL GRPO policy update: stock ``GRPOTrainer`` vs ``DualKVGRPOTrainer`` (issue 20's GPU acceptance),
+and against Flex-FA4 packing in the same process (``--methods stock,dualkv,flex_fa4``).
 
 One process, one random-weight Qwen3-shaped model (bf16, gradient checkpointing) copied into both
 trainers, the same generation batch fed to both (the rollout function of examples/trl_grpo.py stands in
@@ -11,6 +12,16 @@ and splits it the way its ``_prepare_inputs`` does (stock: shuffled rows; dualkv
 * logprobs: the no-grad log-prob pass over the whole batch (old / reference log-probs), in
   micro-batches of ``per_device_train_batch_size`` rows (stock) or the same padded-token budget (dualkv).
 
+``flex_fa4`` (not in the default methods; FlashAttention-4 on a GPU: tests/gpu/device_run.sh fa4-install):
+the strongest peer on the same packed stream. A third trainer, ``DualKVGRPOTrainer`` on a copy of the same
+weights with the same slices, whose attention is bench/layout_flex.py's layout attention: compiled
+FlexAttention with ``BACKEND=FLASH`` and the forest rule's BlockMask built per micro-batch inside the pass.
+Only the attention differs from dualkv's (the TRL plug-in has no prompt phase: groups whole under its
+budget, a larger group's pieces with a prompt copy each, so both run one packed stream). Its first update
+and log-prob pass are counted apart (compiles: ``compile_s``), then timed as the others; its BlockMask
+builds of the timed update are counted and timed alone (``mask_builds``, ``mask_build_s``, inside
+``update_s``). On a CPU the project's Flex stand-in (a dense boolean mask through SDPA).
+
 Accuracy (the tolerance rule of DESIGN.md section 7, as bench/logprob_noise.py applies it): on the rows
 of the first group, each trainer's bf16 log-probs against an fp32 truth (the same weights upcast, exact
 fp32 attention, row by row): max|dualkv - truth| <= 2 max|stock - truth| + 1e-3.
@@ -21,6 +32,7 @@ TRL, switches, the library). A GPU run refuses a tree that is not a commit unles
 copy without .git (the device machine) declares it with DUALKV_COMMIT.
 
     python bench/trl_step.py                       # G8 x N16, P 2K-8K, C 0.5K-2K, 1.7B, on the GPU
+    python bench/trl_step.py --methods stock,dualkv,flex_fa4 --groups 4   # with Flex-FA4 (after fa4-install)
     python bench/trl_step.py --device cpu --model tiny --groups 2 -N 4 --prompt-len 8,16 \\
         --completion-len 2,8 --slices 2 --dtype fp32          # smoke test
 """
@@ -43,7 +55,9 @@ sys.path.insert(0, str(HERE.parent / "examples"))
 
 import logprob_noise  # noqa: E402  (exact fp32 truth, row by row)
 import provenance  # noqa: E402
-from e2e import environment, int_range  # noqa: E402
+from e2e import environment, flex_settings, forest_mask_build_seconds, int_range  # noqa: E402
+from layout_flex import (FLEX_FA4_ATTENTION, FLEX_FA4_IMPL, flex_fa4_attention, recorded_mask_builds,  # noqa: E402
+                         register_flex_fa4)
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 from trl.trainer.utils import shuffle_sequence_dict, split_tensor_dict  # noqa: E402
 from trl_grpo import length_reward, random_prompts, synthetic_rollout, word_tokenizer  # noqa: E402
@@ -51,6 +65,10 @@ from trl_grpo import length_reward, random_prompts, synthetic_rollout, word_toke
 from dualkv.demo import _Timer as Clock  # noqa: E402  (CUDA events on a GPU, wall clock otherwise)
 from dualkv.demo import qwen3_config  # noqa: E402
 from dualkv.integrations.trl import DualKVGRPOConfig, DualKVGRPOTrainer, group_slices  # noqa: E402
+
+
+#: the trainers: TRL's own, the dualkv plug-in, and the plug-in's packed stream on Flex-FA4
+METHODS = ("stock", "dualkv", "flex_fa4")
 
 
 def parse_args(argv=None):
@@ -64,6 +82,8 @@ def parse_args(argv=None):
     p.add_argument("--completion-len", type=int_range, default=(512, 2048))
     p.add_argument("--slices", type=int, default=8, help="gradient-accumulation slices (steps_per_generation)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--methods", default="stock,dualkv",
+                   help="stock and dualkv (always), and flex_fa4: Flex-FA4 packing on the same packed stream")
     p.add_argument("--parts", default="timing,accuracy",
                    help="what to run: timing (the timed updates and log-prob passes), accuracy (first group's log-probs "
                         "against the fp32 truth), or both; a G8 step's stock update takes ~150 s on the H200, so the two "
@@ -74,6 +94,10 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if set(args.parts.split(",")) - {"timing", "accuracy"}:
         p.error(f"--parts takes timing and/or accuracy, got {args.parts!r}")
+    methods = args.methods.split(",")
+    if set(methods) - set(METHODS) or not {"stock", "dualkv"} <= set(methods) or len(set(methods)) != len(methods):
+        p.error(f"--methods takes stock and dualkv, and optionally flex_fa4, each once; got {args.methods!r}")
+    args.methods = [m for m in METHODS if m in methods]
     return args
 
 
@@ -135,17 +159,27 @@ def main(argv=None) -> int:
     from datasets import Dataset
     dataset = Dataset.from_dict({"prompt": prompts})
     report = {"env": environment(device, tree), "args": vars(args)}  # env["date"]: when it ran
-    trainers = {"stock": make_trainer(GRPOTrainer, GRPOConfig, copy.deepcopy(base), args, cfg.vocab_size, dataset, {}),
-                "dualkv": make_trainer(DualKVGRPOTrainer, DualKVGRPOConfig, base, args, cfg.vocab_size, dataset,
-                                       {"use_dualkv": True})}
+    if "flex_fa4" in args.methods:
+        register_flex_fa4(device)  # FA4 missing on a GPU: peers.Unavailable, before any model is built
+    packed = {"use_dualkv": True}
+    trainers = {"stock": make_trainer(GRPOTrainer, GRPOConfig, copy.deepcopy(base), args, cfg.vocab_size, dataset, {})}
+    if "flex_fa4" in args.methods:
+        trainers["flex_fa4"] = make_trainer(DualKVGRPOTrainer, DualKVGRPOConfig, copy.deepcopy(base), args,
+                                            cfg.vocab_size, dataset, packed)
+    trainers["dualkv"] = make_trainer(DualKVGRPOTrainer, DualKVGRPOConfig, base, args, cfg.vocab_size, dataset, packed)
+    trainers = {m: trainers[m] for m in args.methods}
     inputs = [{"prompt": p} for p in prompts for _ in range(args.n)]  # RepeatSampler's order
     batches, slices = {}, {}
     for name, trainer in trainers.items():
         batches[name] = trainer._generate_and_score_completions(inputs)
         torch.manual_seed(args.seed)  # both draw the same row permutation
-        slices[name] = (group_slices(batches[name], args.slices) if name == "dualkv"
+        slices[name] = (group_slices(batches[name], args.slices) if name != "stock"
                         else split_tensor_dict(shuffle_sequence_dict(batches[name]), args.slices))
-    assert torch.equal(batches["stock"]["completion_ids"], batches["dualkv"]["completion_ids"])
+        assert torch.equal(batches["stock"]["completion_ids"], batches[name]["completion_ids"])
+    if "flex_fa4" in trainers:  # after the rollouts: only the attention of its packed forwards changes
+        for model in trainers["flex_fa4"]._hf_models():
+            model.set_attn_implementation(FLEX_FA4_IMPL)
+        report["flex_fa4"] = {"ran": flex_fa4_attention(device), **flex_settings(device)}
     report["tokens"] = tokens(batches["stock"], args.n)
     print(f"tokens {report['tokens']}", flush=True)
 
@@ -158,10 +192,16 @@ def main(argv=None) -> int:
         target = 0.85 * report["tokens"]["rho"]
         report["verdict"].update(update_speedup=speedup, logprobs_speedup=times["stock"]["logprobs_s"] /
                                  times["dualkv"]["logprobs_s"], target_speedup=target, speed_ok=speedup >= target)
+        if "flex_fa4" in times:  # Flex-FA4's steady state over dualkv's (above 1: dualkv faster)
+            report["verdict"].update(
+                update_speedup_flex_fa4=times["flex_fa4"]["update_s"] / times["dualkv"]["update_s"],
+                logprobs_speedup_flex_fa4=times["flex_fa4"]["logprobs_s"] / times["dualkv"]["logprobs_s"])
     if "accuracy" in parts:
         report["logprob_error"] = accuracy(trainers, batches, args.n)
         bound = 2 * report["logprob_error"]["stock"]["max"] + 1e-3
         report["verdict"].update(logprob_bound=bound, logprob_ok=report["logprob_error"]["dualkv"]["max"] <= bound)
+        if "flex_fa4" in report["logprob_error"]:
+            report["verdict"]["logprob_flex_fa4_ok"] = report["logprob_error"]["flex_fa4"]["max"] <= bound
         print(json.dumps(report["logprob_error"]), flush=True)
     print(json.dumps(report["verdict"]), flush=True)
     out = pathlib.Path(args.out)
@@ -173,18 +213,34 @@ def main(argv=None) -> int:
 
 
 def timing(trainers, batches, slices, device):
-    """One warm-up slice, then the timed update over every slice and a log-prob pass, per trainer."""
+    """One warm-up slice, then the timed update over every slice and a log-prob pass, per trainer.
+    flex_fa4 first runs a whole counted update and log-prob pass (its compiles: one graph per pass kind
+    for the first packed length, a dynamic one for the next), so that its timed passes are its steady
+    state as well; its mask builds are recorded in the timed update and timed alone after it."""
     times = {}
     for name, trainer in trainers.items():
-        update(trainer, slices[name][:1])  # warm-up: kernels, allocator, planner
+        first = {}
+        if name == "flex_fa4":
+            with Clock(device) as c:
+                update(trainer, slices[name])
+            with Clock(device) as lp:
+                logprob_pass(trainer, batches[name])
+            first = {"update_first_s": c.seconds, "logprobs_first_s": lp.seconds}
+        else:
+            update(trainer, slices[name][:1])  # warm-up: kernels, allocator, planner
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        with Clock(device) as c:
+        with recorded_mask_builds(name) as built, Clock(device) as c:
             update(trainer, slices[name])
         with Clock(device) as lp:
             logprob_pass(trainer, batches[name])
         times[name] = {"update_s": c.seconds, "logprobs_s": lp.seconds,
-                       "gradient_checkpointing": bool(trainer.model.is_gradient_checkpointing)}
+                       "gradient_checkpointing": bool(trainer.model.is_gradient_checkpointing), **first}
+        if first:
+            mask_s = forest_mask_build_seconds(built, device, FLEX_FA4_ATTENTION.backend)
+            times[name].update(compile_s={k: max(0.0, first[f"{k}_first_s"] - times[name][f"{k}_s"])
+                                          for k in ("update", "logprobs")},
+                               mask_builds=len(built), mask_build_s=mask_s, excl_mask_update_s=c.seconds - mask_s)
         if device.type == "cuda":
             times[name]["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
         print(f"{name}: {times[name]}", flush=True)

@@ -147,7 +147,9 @@
 #                options), cut at $TRL_CAP (default 570) s; needs wheels (trl, datasets). The G8 step's stock
 #                update alone takes 147 s (measured at a6c0820): the timed part and the log-prob check do not
 #                fit one call together; TRL_ARGS="--parts timing" in one call, "--parts accuracy" in the next
-#                (same seed and config: the same rollouts). Estimate: timing ~9 min, accuracy ~3 min
+#                (same seed and config: the same rollouts). Estimate: timing ~9 min, accuracy ~3 min. Against
+#                Flex-FA4 packing in the same process (fa4-install first, in the same invocation):
+#                TRL_ARGS="--methods stock,dualkv,flex_fa4 --groups 4 --parts timing" (not run yet)
 #   bench-mods   issue 16's peers with mask modifiers: bench/attention.py, GRPO configs $MODS_CONFIGS (default
 #                "16,4096,1024;8,16384,2048", no varlen), methods $MODS_METHODS (default dualkv,fa4_dense,flex_fa4),
 #                three shapes, each process cut at $MODS_TIMEOUT (default 170) s: gpt-oss (H 64, Hk 8, D 64,
