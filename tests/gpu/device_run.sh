@@ -89,7 +89,9 @@
 #                8b ~60 s (fp32 truth ~1.2 PFLOP at ~45 TFLOP/s); peak ~34 GiB allocated at 8b (fp32
 #                weights 30.5 GiB + one row's activations and a 1 GiB score chunk); limits 120 / 200 s
 #   wheels       pip-installs the carried wheel folders $WHEEL_DIRS (default ".whl-trl": trl 1.16.0, datasets 5.2.0,
-#                dill 0.4.1, multiprocess 0.70.19) into /tmp/site and exports PYTHONPATH for the steps after it (a
+#                dill 0.4.1, multiprocess 0.70.19, 1.8 MiB; made on the host with `python3 -m pip download -q --no-deps
+#                --only-binary=:all: --python-version 3.12 --implementation cp -d .whl-trl trl==1.16.0 datasets==5.2.0
+#                dill==0.4.1 multiprocess==0.70.19`) into /tmp/site and exports PYTHONPATH for the steps after it (a
 #                few s); prints the versions. fla-core 0.6.0 (.whl-gdn) is opt-in, WHEEL_DIRS=".whl-gdn .whl-trl":
 #                on the H200 image (Triton 3.6) it refuses to train (Hopper needs Triton >= 3.7.1 or tilelang,
 #                fla #640), so the GDN layers run transformers' PyTorch chunked rule with or without it
