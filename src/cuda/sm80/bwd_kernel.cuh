@@ -561,49 +561,8 @@ bwd_kv_kernel(const BwdArgs args) {
       if constexpr (kAtomicDq) {
         const int32_t qb = load_shared_volatile(si.qb);
         // Phase 4: dQ[q rows qrow0.., d cols dcol0..] += dS K, accumulated into fp32 by atomics.
-        if constexpr (C::kDqPasses == 1) {
-        float dq[MQ][kQB][4];
-#pragma unroll
-        for (int mi = 0; mi < MQ; ++mi)
-#pragma unroll
-          for (int j = 0; j < kQB; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) dq[mi][j][e] = 0.f;
-#pragma unroll
-        for (int kk = 0; kk < BN / 16; ++kk) {
-          uint32_t a[MQ][4];
-#pragma unroll
-          for (int mi = 0; mi < MQ; ++mi)
-            ldsm_x4_trans(a[mi], s_ds + ((kk * 16 + lb_r) * PS + qrow0 + mi * 16 + lb_c) * E);
-#pragma unroll
-          for (int nd = 0; nd < kQB / 2; ++nd) {
-            uint32_t b[4];
-            ldsm_x4_trans(b, s_k + Tile::at(b_dq, kk * 16, nd * 2));
-#pragma unroll
-            for (int mi = 0; mi < MQ; ++mi) {
-              Ops::mma(dq[mi][2 * nd], a[mi], b[0], b[1]);
-              Ops::mma(dq[mi][2 * nd + 1], a[mi], b[2], b[3]);
-            }
-          }
-          if (kk == kIssueKK) issue_do_next();
-        }
-#pragma unroll
-        for (int mi = 0; mi < MQ; ++mi)
-#pragma unroll
-          for (int hr = 0; hr < 2; ++hr) {
-            const int32_t qi = qt + qrow0 + mi * 16 + g + hr * 8;
-            if (qi < qb) {
-              float* dst = args.dq_accum + (static_cast<int64_t>(qi) * H + h) * D + dcol0 + 4 * t4;
-#pragma unroll
-              for (int j = 0; j < kQB; j += 2)
-                atomic_add_quad(dst + j * 8, dq[mi][j][2 * hr], dq[mi][j][2 * hr + 1], dq[mi][j + 1][2 * hr],
-                                dq[mi][j + 1][2 * hr + 1]);
-            }
-          }
-        } else {
-        // D = 512: kDqPasses passes of kDqCols columns, so that a pass's dQ block fits the registers
-        // next to dK and dV (its own copy of the product above: the one-pass kernels keep their
-        // machine code).
+        // In kDqPasses passes of kDqCols columns (one pass below D = 512; at D = 512 several, so that a
+        // pass's dQ block fits the registers next to dK and dV).
 #pragma unroll
         for (int pass = 0; pass < C::kDqPasses; ++pass) {
           const int dcol = dcol0 + pass * C::kDqCols;
@@ -645,7 +604,6 @@ bwd_kv_kernel(const BwdArgs args) {
                                   dq[mi][j + 1][2 * hr + 1]);
               }
             }
-        }
         }
       }
 
