@@ -15,7 +15,7 @@ from contextlib import contextmanager
 
 import torch
 
-from e2e import configure_flex, flex_attention_forward, forest_block_mask
+from e2e import configure_flex, flex_attention_forward, flex_settings, forest_block_mask, forest_mask_build_seconds
 from peers import FLEX_BACKENDS, FLEX_BLOCK
 
 from dualkv import Layout, UnsupportedError
@@ -51,6 +51,10 @@ class ForestFlexAttention:
             if self.recorded is not None:
                 self.recorded.append(layout)
         return mask
+
+    def build_seconds(self, layouts, device) -> float:
+        """The BlockMask builds of ``layouts`` (as ``recorded`` collects them) timed alone."""
+        return forest_mask_build_seconds(layouts, device, self.backend)
 
     def __call__(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None,
                  softcap=None, **kwargs):
@@ -90,6 +94,12 @@ def flex_fa4_attention(device) -> str:
     return (f"compiled FlexAttention (automatic dynamic shapes) with kernel_options BACKEND={backend} "
             f"(FlashAttention-4), the forest rule's BlockMask built per micro-batch inside the pass (eager "
             f"create_block_mask, block {FLEX_BLOCK[backend][0]} x {FLEX_BLOCK[backend][1]})")
+
+
+def flex_fa4_protocol(device) -> dict:
+    """The JSONs' record of flex_fa4 beside its costs: what it ran (``ran``) and how Flex was set up
+    (e2e.flex_settings)."""
+    return {"ran": flex_fa4_attention(device), **flex_settings(device)}
 
 
 def register_flex_fa4(device) -> None:

@@ -55,8 +55,8 @@ sys.path.insert(0, str(HERE.parent / "examples"))
 
 import logprob_noise  # noqa: E402  (exact fp32 truth, row by row)
 import provenance  # noqa: E402
-from e2e import environment, flex_settings, forest_mask_build_seconds, int_range  # noqa: E402
-from layout_flex import (FLEX_FA4_ATTENTION, FLEX_FA4_IMPL, flex_fa4_attention, recorded_mask_builds,  # noqa: E402
+from e2e import environment, int_range  # noqa: E402
+from layout_flex import (FLEX_FA4_ATTENTION, FLEX_FA4_IMPL, flex_fa4_protocol, recorded_mask_builds,  # noqa: E402
                          register_flex_fa4)
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 from trl.trainer.utils import shuffle_sequence_dict, split_tensor_dict  # noqa: E402
@@ -179,7 +179,7 @@ def main(argv=None) -> int:
     if "flex_fa4" in trainers:  # after the rollouts: only the attention of its packed forwards changes
         for model in trainers["flex_fa4"]._hf_models():
             model.set_attn_implementation(FLEX_FA4_IMPL)
-        report["flex_fa4"] = {"ran": flex_fa4_attention(device), **flex_settings(device)}
+        report["flex_fa4"] = flex_fa4_protocol(device)
     report["tokens"] = tokens(batches["stock"], args.n)
     print(f"tokens {report['tokens']}", flush=True)
 
@@ -237,7 +237,7 @@ def timing(trainers, batches, slices, device):
         times[name] = {"update_s": c.seconds, "logprobs_s": lp.seconds,
                        "gradient_checkpointing": bool(trainer.model.is_gradient_checkpointing), **first}
         if first:
-            mask_s = forest_mask_build_seconds(built, device, FLEX_FA4_ATTENTION.backend)
+            mask_s = FLEX_FA4_ATTENTION.build_seconds(built, device)
             times[name].update(compile_s={k: max(0.0, first[f"{k}_first_s"] - times[name][f"{k}_s"])
                                           for k in ("update", "logprobs")},
                                mask_builds=len(built), mask_build_s=mask_s, excl_mask_update_s=c.seconds - mask_s)

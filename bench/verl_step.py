@@ -135,9 +135,9 @@ sys.path.insert(0, str(HERE.parent / "python"))
 
 import logprob_noise  # noqa: E402  (exact fp32 truth, row by row)
 import provenance  # noqa: E402
-from e2e import environment, flex_settings, forest_mask_build_seconds, int_range  # noqa: E402
-from layout_flex import (FLEX_FA4_ATTENTION, FLEX_FA4_IMPL, flex_fa4_attention, recorded_mask_builds,  # noqa: E402
-                         register_flex_fa4)
+from e2e import environment, int_range  # noqa: E402
+from layout_flex import (FLEX_FA4_ATTENTION, FLEX_FA4_IMPL, flex_fa4_attention, flex_fa4_protocol,  # noqa: E402
+                         recorded_mask_builds, register_flex_fa4)
 
 from dualkv.demo import _Timer as Clock  # noqa: E402  (CUDA events on a GPU, wall clock otherwise)
 from dualkv import demo  # noqa: E402
@@ -778,7 +778,7 @@ def measure(v, engines, args, proto, loss, device, after_round=None):
                         rec[m]["update_loss"] = reduced(seen["loss"], "sum", device)
                     if m == "flex_fa4":  # the builds of this pass (one per micro-batch), then timed alone
                         rec[m].setdefault("mask_builds", {})[key] = int(reduced(len(built), "max", device))
-                        own = forest_mask_build_seconds(built, device, FLEX_FA4_ATTENTION.backend)
+                        own = FLEX_FA4_ATTENTION.build_seconds(built, device)
                         rec[m].setdefault("mask_build_s", {})[key] = reduced(own, "max", device)
                     del built
                 for _ in range(args.warmup):
@@ -836,7 +836,7 @@ def flex_costs(r, device) -> dict:
     kinds = ("update", "logprobs")
     return {"compile_s": {k: max(0.0, r[f"{k}_first_s"] - r[f"{k}_median_s"]) for k in kinds},
             "excl_mask_s": {k: r[f"{k}_median_s"] - r["mask_build_s"][k] for k in kinds},
-            "ran": flex_fa4_attention(device), **flex_settings(device)}
+            **flex_fa4_protocol(device)}
 
 
 def same_stream_agreement(v, got, proto, device) -> dict:
