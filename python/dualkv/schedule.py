@@ -60,6 +60,15 @@ Where the prompt state lives through phase B (``stream_prompt_state``; default
 * device-resident (False): the keys and values and their gradient buffers stay on the device
   through phase B (autograd leaves, the gradients accumulated into ``leaf.grad``).
 
+Phase C inside a micro-batch (:meth:`PromptKV.closing`): a trainer that syncs gradients inside the
+backward of its last micro-batch (DDP's ``no_sync`` on the others; TRL) cannot run phase C as a
+backward of its own after it. There phase A runs without gradients (only the keys and values are
+kept) and a prompt's *last* micro-batch runs the prompt itself with gradients (the group packed
+whole, with that micro-batch's responses): its layers hand the accumulated gradients of the earlier
+micro-batches to the prompt's live keys and values, through zero-valued probes the caller adds to
+its loss, so one backward carries them. The prompt runs one forward without gradients and one
+micro-batch's forward and backward with them, instead of one per micro-batch.
+
 Every way is exact. :func:`prompt_state_factor` and :func:`prompt_state_credit` give the planner
 (:func:`dualkv.plan_micro_batches`) what a phase keeps, in micro-batch tokens, so that a phase and
 its micro-batches stay within the split path's peak.
@@ -73,6 +82,7 @@ reports it.
 """
 from __future__ import annotations
 
+import contextlib
 import weakref
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -224,6 +234,8 @@ class PromptKV:
         self._probes: List[Tensor] = []  # phase C of a rerun: one _PromptGrad output per layer
         self._probed: List[int] = []
         self._slots: Dict[int, List[Optional[Tensor]]] = {}  # phase A with gradients: a probe's gradients
+        self._probe_ranges: Optional[List[Tuple[int, int]]] = None  # closing(): the live prompts' rows
+        self._closed: set = set()  # closing(): the prefixes whose gradients went to their live prompts
         self.device_bytes: Optional[int] = None  # phase A's whole kept state on CUDA (set by run_prompt_phase)
         self.host_bytes = 0  # phase A's saved activations in pinned host memory (offload_prompt_activations)
         #: phase A's last hidden state (recompute_prompt=False): a root of phase C's backward, zero gradient
@@ -237,8 +249,9 @@ class PromptKV:
     def record(self, module, k: Tensor, v: Tensor) -> None:
         """Keep layer ``module.layer_idx``'s keys and values ``[T, Hk, D]`` of the prompts (the
         first ``num_rows`` rows: a sequence-parallel pad follows them), during phase A; in phase C's
-        forward of a rerun, attach the accumulated gradients to them instead. Other calls (phase C's
-        checkpoint recompute of the layer) are ignored."""
+        forward of a rerun or a :meth:`closing` micro-batch's forward, attach the accumulated
+        gradients to them instead. Other calls (phase B's micro-batches, the checkpoint recompute of a
+        layer) are ignored."""
         if self._probing:
             self._probe(module, k, v)
             return
@@ -302,6 +315,9 @@ class PromptKV:
                 raise ArgumentError(f"dualkv.schedule: attention layer {idx} recorded nothing in the prompt phase")
             return _StreamedRead.apply(self._streamed.anchor, self._streamed, idx)
         if idx not in self._leaves:
+            if self._closed and len(self._closed) == len(self.prefix_lens):
+                raise ArgumentError("dualkv.schedule: a micro-batch read the prompt phase after closing() closed all "
+                                    "of its prefixes")
             raise ArgumentError(f"dualkv.schedule: attention layer {idx} recorded nothing in the prompt phase")
         return self._leaves[idx]
 
@@ -327,12 +343,17 @@ class PromptKV:
         for idx, leaves in self._leaves.items():
             sums = self._sums.get(idx, (None, None))
             out[idx] = [(total.to(leaf.dtype) if total is not None else leaf.grad) for leaf, total in zip(leaves, sums)]
+        self._drop_state()
+        return out
+
+    def _drop_state(self) -> None:
+        """Release the leaves (:meth:`_gradients` says why they may outlive this) and the fp32 sums."""
+        for leaves in self._leaves.values():
             for leaf in leaves:
                 _release_leaf(leaf)
         for hook in self._hooks:  # each holds its fp32 sum, and a kept leaf would keep the hook
             hook.remove()
         self._keys, self._values, self._leaves, self._sums, self._hooks = {}, {}, {}, {}, []
-        return out
 
     def backward(self) -> None:
         """The prompts' backward with the gradients the micro-batches accumulated (zeros for a layer
@@ -375,6 +396,70 @@ class PromptKV:
             probes = _streamed_root_order(probes) if self.stream else probes
             _backward_with_output(probes, [None] * len(probes), output)
 
+    @contextlib.contextmanager
+    def closing(self, prefixes: Sequence[int], starts: Sequence[int]) -> Iterator[List[Tensor]]:
+        """Phase C of prefixes ``prefixes`` inside the forward the ``with`` block runs (the module
+        docstring says when): the micro-batch packs each of those prompts whole (live, with
+        gradients), and ``starts[i]`` is the position in its packed token stream of prompt
+        ``prefixes[i]``'s first token (its ``prefix_lens[e]`` rows follow). Each
+        attention layer of the forward hands those rows the gradients that the earlier micro-batches
+        accumulated for the prefixes (zeros where none), through a zero scalar; the list yielded holds
+        them after the block, and the caller adds their sum to what it back-propagates (its loss), so
+        that the micro-batch's own backward carries them. The micro-batch may read other, still open
+        prefixes of this phase as external prefixes. A closed prefix is done: reading it again is an
+        error; once every prefix is closed the phase's state is freed.
+
+        Needs phase A without gradients and the device-resident state (``stream_prompt_state=False``);
+        no sequence parallelism (``starts`` index one rank's whole stream)."""
+        if self.recording:
+            raise ArgumentError("dualkv.schedule: closing() before the prompt phase finished")
+        if self._rerun is not None or self._slots or self._grad_enabled:
+            raise ArgumentError("dualkv.schedule: closing() needs a prompt phase run without gradients (phase A "
+                                "under torch.no_grad()); this one is closed by PromptKV.backward()")
+        if self.stream:
+            raise UnsupportedError("dualkv.schedule: closing() needs the prompt state on the device "
+                                   "(stream_prompt_state=False)")
+        prefixes = [int(e) for e in prefixes]
+        E = len(self.prefix_lens)
+        bad = [e for e in prefixes if not 0 <= e < E or e in self._closed]
+        if bad or len(set(prefixes)) != len(prefixes) or not prefixes:
+            raise ArgumentError(f"dualkv.schedule: closing() takes distinct open prefixes of the {E} of this phase "
+                                f"(closed: {sorted(self._closed)}); got {prefixes}")
+        starts = [int(a) for a in starts]
+        if len(starts) != len(prefixes) or any(a < 0 for a in starts):
+            raise ArgumentError(f"dualkv.schedule: closing() needs one stream position >= 0 per prefix; got {starts} "
+                                f"for prefixes {prefixes}")
+        ranges = [(a, a + self.prefix_lens[e]) for a, e in zip(starts, prefixes)]
+        offsets = [0]
+        for n in self.prefix_lens:
+            offsets.append(offsets[-1] + n)
+
+        def take(total: Optional[Tensor], leaf: Tensor) -> Optional[Tensor]:
+            # a copy of the prefixes' rows: later micro-batches keep adding into the buffer
+            if total is None:
+                return None
+            return torch.cat([total[offsets[e]:offsets[e + 1]] for e in prefixes]).to(leaf.dtype)
+
+        pending = {}
+        for idx, leaves in self._leaves.items():
+            sums = self._sums.get(idx, (None, None))
+            pending[idx] = [take(total if total is not None else leaf.grad, leaf) for leaf, total in zip(leaves, sums)]
+        self._pending, self._probe_ranges, self._probing = pending, ranges, True
+        probes: List[Tensor] = []
+        try:
+            yield probes
+        finally:
+            self._probing, self._probe_ranges = False, None
+            missing, self._pending = sorted(self._pending), {}
+            probes.extend(self._probes)
+            self._probes, self._probed = [], []
+        if missing:
+            raise ArgumentError(f"dualkv.schedule: the closing micro-batch's forward did not run attention layer(s) "
+                                f"{missing} of the prompt phase")
+        self._closed.update(prefixes)
+        if len(self._closed) == E:
+            self._drop_state()
+
     def _probe(self, module, k: Tensor, v: Tensor) -> None:
         idx = _layer_index(module)
         if not torch.is_grad_enabled():
@@ -387,7 +472,14 @@ class PromptKV:
                                 "phase A's, or ran twice")
         grads = self._pending.pop(idx)
         self._probed.append(idx)
-        self._probes.append(_PromptGrad.apply(k[:self.num_rows], v[:self.num_rows], grads, self.offload_grads))
+        if self._probe_ranges is not None:  # closing(): the live prompts' rows of a micro-batch
+            # slices and a concatenation save no tensor for the backward: a checkpoint recompute of the
+            # layer (which attaches no probe) must save what the forward saved
+            rows = [(k[a:b], v[a:b]) for a, b in self._probe_ranges]
+            k, v = (torch.cat(t) if len(t) > 1 else t[0] for t in zip(*rows))
+        else:
+            k, v = k[:self.num_rows], v[:self.num_rows]
+        self._probes.append(_PromptGrad.apply(k, v, grads, self.offload_grads))
 
     @property
     def memory(self) -> Dict[str, Optional[int]]:
@@ -1018,7 +1110,7 @@ def _set_rng_states(device: torch.device, states) -> None:
 def run_prompt_phase(model, prompts: Sequence[Tensor], deterministic: bool = False, sp_group=None,
                      recompute_prompt: bool = False, prompt_grad_dtype: Optional[torch.dtype] = None,
                      offload_prompt_grads: bool = False, offload_prompt_activations: bool = True,
-                     stream_prompt_state: Optional[bool] = None) -> PromptKV:
+                     stream_prompt_state: Optional[bool] = None, call: Optional[Callable[..., object]] = None) -> PromptKV:
     """Phase A: run the prompts (1-D token tensors, at least 2 tokens each) without their last
     token through ``model`` (a transformers causal LM with dualkv attention, in training mode) and
     return their recorded keys and values. Runs inside the model's own forward call, so wrappers
@@ -1035,7 +1127,14 @@ def run_prompt_phase(model, prompts: Sequence[Tensor], deterministic: bool = Fal
     buffers (one copy to the host and one back per update: ~0.1-0.2 s for 4.8 GB over PCIe).
     ``stream_prompt_state``: the recorded keys and values and their gradient sums live in host
     memory through phase B and come to the device a layer at a time (the module docstring has the
-    trade-off); None: :data:`STREAM_PROMPT_STATE` on CUDA, off elsewhere."""
+    trade-off); None: :data:`STREAM_PROMPT_STATE` on CUDA, off elsewhere.
+
+    ``call`` (without gradients only): run the forward as ``call(**decoder_keywords)`` instead of
+    through ``model``'s own forward, for a model behind a wrapper whose forward must run (DDP's buffer
+    broadcast, FSDP1's root gather): e.g. ``lambda **kw: wrapper(**kw, dualkv_decoder_only=True)``
+    for a model prepared with :func:`dualkv.integrations._packed_forward.install`. The keywords are
+    ``input_ids``, ``position_ids``, ``dualkv_layout``, ``dualkv_prompt_kv``,
+    ``dualkv_deterministic`` and ``use_cache``; what it returns is not used."""
     from .integrations import transformers as dkt
     if not prompts:
         raise ArgumentError("dualkv.schedule.run_prompt_phase: no prompts")
@@ -1046,6 +1145,9 @@ def run_prompt_phase(model, prompts: Sequence[Tensor], deterministic: bool = Fal
     if not dkt.is_enabled(model):
         raise dkt.WrongAttentionError("dualkv.schedule: the model's attention implementation is not dualkv; call "
                                       "dualkv.integrations.transformers.enable(model)")
+    if call is not None and torch.is_grad_enabled():
+        raise ArgumentError("dualkv.schedule.run_prompt_phase: call= runs phase A without gradients only (run it "
+                            "under torch.no_grad()); with gradients phase A's last hidden state is a root of phase C")
     if offload_prompt_grads and not recompute_prompt:
         raise ArgumentError("dualkv.schedule: offload_prompt_grads needs recompute_prompt=True (without it phase C "
                             "is one backward that needs every gradient buffer at once)")
@@ -1071,10 +1173,12 @@ def run_prompt_phase(model, prompts: Sequence[Tensor], deterministic: bool = Fal
         """The prompts' forward; returns the last hidden state, a root of phase C's backward (with a
         zero gradient) so that the backward enters every layer through its output, where wrappers
         such as FSDP2 hook their pre-backward (the parameters' all-gather before the recompute)."""
-        return dkt._call_as_forward(model, forward, input_ids=ids, position_ids=positions,
-                                    **{dkt.LAYOUT_KWARG: layout, dkt.PROMPT_KV_KWARG: kv,
-                                       dkt.DETERMINISTIC_KWARG: deterministic},
-                                    use_cache=False)
+        inputs = {"input_ids": ids, "position_ids": positions, dkt.LAYOUT_KWARG: layout, dkt.PROMPT_KV_KWARG: kv,
+                  dkt.DETERMINISTIC_KWARG: deterministic, "use_cache": False}
+        if call is not None:
+            call(**inputs)
+            return None
+        return dkt._call_as_forward(model, forward, **inputs)
 
     rerun = None
     if recompute_prompt and torch.is_grad_enabled():

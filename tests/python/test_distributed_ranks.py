@@ -474,6 +474,81 @@ def case_fsdp_dp_schedule(rank, world):
                                                        f"{name}: {rel(got[name] * world, g):.2e}"
 
 
+def case_prompt_once_closing(rank, world):
+    """Prompt once with phase C inside the synced backward (PromptKV.closing: the TRL plug-in's schedule),
+    under DDP and FSDP2, gradient checkpointing: each rank's group (its own prompt and five responses) runs in
+    three micro-batches: phase A without gradients through the wrapper's forward, two micro-batches reading the
+    recorded keys and values with the gradient sync off (DDP's no_sync; FSDP2's requires_gradient_sync), the
+    third packing the prompt live and closing it, synced. The gradients equal the mean over the ranks of each
+    group run whole in one process (what DDP and FSDP average)."""
+    from contextlib import contextmanager, nullcontext
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.nn.parallel import DistributedDataParallel
+
+    from dualkv import schedule
+    from dualkv.integrations._packed_forward import DECODER_ONLY_KWARG, forward_kwargs, install
+    from dualkv.packing import pack_groups
+
+    g = torch.Generator().manual_seed(7)
+    lens = (3, 5, 2, 4, 1)
+    groups = [(torch.randint(0, VOCAB, (9 + 2 * r,), generator=g),
+               [torch.randint(0, VOCAB, (n,), generator=g) for n in lens],
+               [torch.randn(n, generator=g, dtype=torch.float64) for n in lens]) for r in range(world)]
+    pieces = [(0, 1), (2,), (3, 4)]  # the responses of each micro-batch
+
+    def loss_of(logp, weights, rows):
+        return sum((logp[k, :weights[i].numel()] * weights[i]).sum() for k, i in enumerate(rows))
+
+    want = None
+    for prompt, responses, weights in groups:
+        plain = install(qwen3())
+        out = plain(**forward_kwargs(pack_groups([prompt], [responses])))
+        loss_of(out.log_probs, weights, range(len(lens))).backward()
+        gs = grads(plain)
+        want = gs if want is None else {n: want[n] + gs[n] for n in gs}
+    want = {n: v / world for n, v in want.items()}
+
+    prompt, responses, weights = groups[rank]
+    for wrapper in ("ddp", "fsdp2"):
+        inner = install(qwen3())
+        inner.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if wrapper == "ddp":
+            model = DistributedDataParallel(inner)
+            sync_off = model.no_sync
+        else:
+            model = fsdp_model(inner, init_device_mesh("cpu", (world,)))
+
+            @contextmanager
+            def sync_off():
+                model.set_requires_gradient_sync(False)
+                try:
+                    yield
+                finally:
+                    model.set_requires_gradient_sync(True)
+        with torch.no_grad():
+            kv = schedule.run_prompt_phase(inner, [prompt], stream_prompt_state=False,
+                                           call=lambda **kw: model(**kw, **{DECODER_ONLY_KWARG: True}))
+        for j, rows in enumerate(pieces):
+            last = j == len(pieces) - 1
+            with nullcontext() if last else sync_off():
+                resp = [[responses[i] for i in rows]]
+                if last:
+                    packed = pack_groups([prompt], resp, prompt_kv=kv)
+                    with kv.closing([0], [0]) as probes:
+                        out = model(**forward_kwargs(packed))
+                    loss = loss_of(out.log_probs, weights, rows) + torch.stack(probes).sum()
+                else:
+                    packed = pack_groups([prompt[-1:]], resp, prompt_prefix=[0], prefix_lens=list(kv.prefix_lens),
+                                         prompt_kv=kv)
+                    loss = loss_of(model(**forward_kwargs(packed)).log_probs, weights, rows)
+                loss.backward()
+        assert kv.memory["kv"] == 0 and kv.memory["grad"] == 0  # closed: the state is freed
+        got = grads(inner)
+        for name, w in want.items():
+            assert rel(got[name], w) <= 1e-10, f"{wrapper}: gradient of {name} {rel(got[name], w):.2e}"
+
+
 def case_bad_layouts_differ(rank, world):
     lens = ROLLOUTS["odd"]
     responses = [list(rs) for rs in lens[1]]
@@ -510,7 +585,7 @@ def case_bad_heads(rank, world):
 
 CASES = {
     2: ["attention_sp", "rows_sp", "model_sp", "model_sp_checkpointing", "model_sp_compile", "fsdp_dp", "fsdp_sp",
-        "schedule_sp", "fsdp_dp_schedule", "bad_layouts_differ", "bad_token_count", "bad_heads"],
+        "schedule_sp", "fsdp_dp_schedule", "prompt_once_closing", "bad_layouts_differ", "bad_token_count", "bad_heads"],
     4: ["attention_sp", "rows_sp", "model_sp", "fsdp_dp_sp", "schedule_sp", "bad_layouts_differ", "bad_token_count",
         "bad_heads"],
 }

@@ -577,6 +577,52 @@ def test_schedule_errors():
         dkt.packed_logprobs(model, packed)
 
 
+def test_closing_errors():
+    """PromptKV.closing (phase C inside a micro-batch) refuses what it cannot close exactly, and frees the
+    phase once every prefix is closed."""
+    prompts, responses, old, adv = rollouts([9, 6], [[3, 4], [2, 5]], torch.float32)
+    from dualkv.integrations._packed_forward import forward_kwargs as fwd, install
+    model = install(dkt.enable(make_model("qwen3", torch.float32)))
+    with pytest.raises(dualkv.ArgumentError, match="without gradients only"):
+        schedule.run_prompt_phase(model, prompts, call=model)
+    with pytest.raises(dualkv.ArgumentError, match="run without gradients"):
+        with schedule.run_prompt_phase(model, prompts).closing([0], [0]):
+            pass
+    with torch.no_grad():
+        streamed = schedule.run_prompt_phase(model, prompts, stream_prompt_state=True)
+        kv = schedule.run_prompt_phase(model, prompts, stream_prompt_state=False,
+                                       call=lambda **kw: model(**kw, dualkv_decoder_only=True))
+    with pytest.raises(dualkv.UnsupportedError, match="stream_prompt_state=False"):
+        with streamed.closing([0], [0]):
+            pass
+    for prefixes, starts, message in (([2], [0], "distinct open prefixes"), ([0, 0], [0, 9], "distinct open"),
+                                      ([], [], "distinct open"), ([0], [0, 3], "one stream position")):
+        with pytest.raises(dualkv.ArgumentError, match=message):
+            with kv.closing(prefixes, starts):
+                pass
+    # group 0 closes (live, first in the stream) while group 1 reads its prefix; then group 1 closes
+    mixed = dualkv.pack_groups([prompts[0], prompts[1][-1:]], [responses[0][:1], responses[1][:1]],
+                               prompt_prefix=[-1, 1], prefix_lens=list(kv.prefix_lens), prompt_kv=kv)
+    with kv.closing([0], [0]) as probes:
+        loss = model(**fwd(mixed)).log_probs.sum()
+    assert len(probes) == model.config.num_hidden_layers and float(torch.stack(probes).sum()) == 0.0
+    (loss + torch.stack(probes).sum()).backward()
+    with pytest.raises(dualkv.ArgumentError, match="closed: \\[0\\]"):
+        with kv.closing([0], [0]):
+            pass
+    with pytest.raises(dualkv.ArgumentError, match="did not run attention layer"):
+        with kv.closing([1], [0]):
+            pass  # no forward: the layers never probed
+    assert kv.memory["kv"] > 0  # prefix 1 still open (the failed close left it open)
+    last = dualkv.pack_groups([prompts[1]], [responses[1][1:]], prompt_kv=kv)
+    with kv.closing([1], [0]) as probes:
+        loss = model(**fwd(last)).log_probs.sum()
+    (loss + torch.stack(probes).sum()).backward()
+    assert kv.memory["kv"] == 0 and kv.memory["grad"] == 0
+    with pytest.raises(dualkv.ArgumentError, match="after closing\\(\\) closed all"):
+        kv.prefix(model.model.layers[0].self_attn)
+
+
 # ---- the planner ----
 
 def skewed_groups(seed, G=96):

@@ -127,6 +127,83 @@ def test_group_slices_match_stock_dapo(checkpoint, tmp_path):
         assert torch.equal(ids, ids[:1].expand_as(ids))
 
 
+class CountingTrainer(DualKVGRPOTrainer):
+    """Counts the tokens the policy's embedding sees with and without gradients, and keeps every generation
+    batch's slices."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.tokens = {True: 0, False: 0}
+        self.generations = []
+        self.model.model.embed_tokens.register_forward_hook(self._count)
+
+    def _count(self, module, inputs, output):
+        self.tokens[torch.is_grad_enabled()] += inputs[0].numel()
+
+    def _prepare_inputs(self, generation_batch):
+        out = super()._prepare_inputs(generation_batch)
+        if not self.generations or self.generations[-1] is not self._buffered_inputs:
+            self.generations.append(self._buffered_inputs)
+        return out
+
+
+def split_prompt_tokens(trainer):
+    """(prompt tokens the forwards with gradients skip, prompt tokens phase A runs) over the run: a group whose
+    rows sit in k > 1 slices of one accumulation window, with a prompt of P > 1 tokens, runs P - 1 tokens in
+    phase A and packs one prompt token instead of P in k - 1 of its slices."""
+    steps, saved, phase_a = trainer.args.gradient_accumulation_steps, 0, 0
+    for slices in trainer.generations:
+        for w in range(0, len(slices), steps):
+            where = {}
+            for i, piece in enumerate(slices[w:w + steps]):
+                for b in range(piece["prompt_ids"].shape[0]):
+                    if piece["completion_mask"][b].sum() > 0:
+                        sig = tuple(piece["prompt_ids"][b][piece["prompt_mask"][b].bool()].tolist())
+                        where.setdefault(sig, set()).add(i)
+            for sig, used in where.items():
+                if len(used) > 1 and len(sig) > 1:
+                    saved += (len(sig) - 1) * (len(used) - 1)
+                    phase_a += len(sig) - 1
+    return saved, phase_a
+
+
+@pytest.mark.parametrize("generations, rows, steps, iterations, checkpointing", [
+    (4, 2, 4, 1, False),  # two groups, each in two slices
+    (6, 2, 6, 1, True),  # two groups, each in three slices (two read the recorded prompt, one closes it)
+    (3, 2, 3, 1, False),  # the middle slice closes one group and reads the next
+    (4, 2, 2, 2, True),  # two windows per generation batch (steps_per_generation 4), two PPO iterations
+])
+def test_prompt_once_across_slices_matches_stock(checkpoint, tmp_path, generations, rows, steps, iterations,
+                                                 checkpointing):
+    # slices smaller than a group: a group's prompt runs once per optimizer step (phase A without gradients,
+    # the prompt live in the group's last slice), and the update is the one of a copy of the prompt per slice
+    # (and stock TRL's where an optimizer step sees the whole generation batch: then the partition into
+    # slices does not change dapo's update)
+    per_generation = 4 if iterations > 1 else steps
+    overrides = dict(loss_type="dapo", num_generations=generations, per_device_train_batch_size=rows,
+                     steps_per_generation=per_generation, gradient_accumulation_steps=steps,
+                     num_iterations=iterations, max_steps=2, gradient_checkpointing=checkpointing)
+    runs = {}
+    for once in (False, True):
+        torch.manual_seed(0)
+        args = make_trainer(checkpoint, tmp_path, True, **overrides).args
+        args.dualkv_prompt_once = once
+        trainer = CountingTrainer(model=checkpoint, reward_funcs=reward, args=args, processing_class=make_tokenizer(),
+                                  train_dataset=datasets.Dataset.from_dict({"prompt": PROMPTS}), rollout_func=rollout)
+        trainer.train()
+        runs[once] = trainer
+    assert_same_run(runs[False], runs[True], checkpoint, keys=("loss", "grad_norm", "reward"))
+    if per_generation == steps:
+        torch.manual_seed(0)
+        stock = make_trainer(checkpoint, tmp_path, False, **overrides)
+        stock.train()
+        assert_same_run(stock, runs[True], checkpoint, keys=("loss", "grad_norm", "reward"))
+    saved, phase_a = split_prompt_tokens(runs[True])
+    assert saved > 0 and phase_a > 0
+    assert runs[False].tokens[True] - runs[True].tokens[True] == saved
+    assert runs[True].tokens[False] - runs[False].tokens[False] == phase_a
+
+
 def test_logprobs_and_gradients_match_stock(checkpoint, tmp_path):
     stock = make_trainer(checkpoint, tmp_path, False)
     packed = make_trainer(checkpoint, tmp_path, True)

@@ -34,12 +34,15 @@ from ..logprobs import response_logprobs
 from ..packing import PackedBatch
 from . import transformers as dkt
 
-__all__ = ["PACKED_KWARG", "PackedLogprobs", "check_servable", "forward_kwargs", "install"]
+__all__ = ["DECODER_ONLY_KWARG", "PACKED_KWARG", "PackedLogprobs", "check_servable", "forward_kwargs", "install"]
 
 #: forward keyword carrying the :class:`dualkv.PackedBatch` (or a SequenceShard of one)
 PACKED_KWARG = "dualkv_packed"
 #: forward keyword of a sharded call: the factor on a rank's own log-prob gradients
 GRAD_SCALE_KWARG = "dualkv_grad_scale"
+#: forward keyword: run the decoder alone on the keywords given and return its output (no LM head);
+#: a prompt phase through a wrapper's forward (:func:`dualkv.schedule.run_prompt_phase`'s ``call``)
+DECODER_ONLY_KWARG = "dualkv_decoder_only"
 _PREVIOUS_ATTR = "_dualkv_previous_forward"  #: the forward that install() wrapped
 #: inputs a packed call must not carry: the packed batch defines the tokens and the visibility
 _FOREIGN_INPUTS = ("inputs_embeds", "attention_mask", "labels")
@@ -137,7 +140,8 @@ def forward_kwargs(packed: Union[PackedBatch, SequenceShard], temperature: float
 
 def install(model):
     """Let ``model(**forward_kwargs(packed, temperature, entropy), **kw)`` return :class:`PackedLogprobs`
-    computed inside ``model.forward`` (idempotent; returns the model).
+    computed inside ``model.forward`` (idempotent; returns the model), and ``model(**decoder_kwargs,
+    dualkv_decoder_only=True)`` return the decoder's output alone (a prompt phase's forward).
 
     ``model`` is the Hugging Face causal LM itself (under PEFT: ``get_base_model()``), with dualkv
     attention enabled. Other keywords (``dualkv_deterministic``, ``output_router_logits``) reach the
@@ -152,7 +156,12 @@ def install(model):
     @functools.wraps(previous)
     def forward(self, *args, dualkv_packed: Union[PackedBatch, SequenceShard, None] = None,
                 dualkv_temperature: float = 1.0, dualkv_entropy: bool = False, dualkv_grad_scale: float = 1.0,
-                **kwargs):
+                dualkv_decoder_only: bool = False, **kwargs):
+        if dualkv_decoder_only:
+            if dualkv_packed is not None or args:
+                raise ArgumentError(f"model({DECODER_ONLY_KWARG}=True) takes the decoder's keywords only, not "
+                                    f"{PACKED_KWARG} or positional arguments")
+            return self.base_model(**kwargs)
         if dualkv_packed is None:
             return getattr(self, _PREVIOUS_ATTR)(*args, **kwargs)
         return _packed_logprobs(self, dualkv_packed, dualkv_temperature, dualkv_entropy, dualkv_grad_scale, args,

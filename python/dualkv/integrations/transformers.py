@@ -207,12 +207,13 @@ def dualkv_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     forest = layout.layout if isinstance(layout, SequenceShard) else layout
 
     def kv_hook(keys, values):
-        """dualkv.schedule: a response micro-batch reads a prompt phase's keys and values (this rank's
-        heads under Ulysses); the prompt phase itself records them (a no-op when its backward
-        recomputes the layer)."""
+        """dualkv.schedule: the prompt phase records the layer's keys and values, a phase-C forward
+        (a rerun's, or a closing micro-batch's live prompts) attaches their gradients (a no-op
+        otherwise, e.g. when a backward recomputes the layer); a response micro-batch reads the
+        phase's keys and values (this rank's heads under Ulysses)."""
+        prompt_kv.record(module, keys, values)
         if forest.num_prefixes:
             return prompt_kv.prefix(module)
-        prompt_kv.record(module, keys, values)
         return None, None
 
     hook = kv_hook if prompt_kv is not None else None

@@ -21,6 +21,18 @@ What changes against the stock trainer (TRL 1.16.0, see ``requirements-rl.txt``)
 * ``_prepare_inputs``: the generation batch is shuffled and cut into ``steps_per_generation``
   slices of whole groups (equal row counts, balanced by packed tokens) instead of by rows, so each
   slice packs every prompt once. It draws the same random permutation as TRL's row shuffle.
+* Prompt once across slices (``dualkv_prompt_once``, on by default): where a slice holds fewer rows
+  than a group (``per_device_train_batch_size < num_generations``), a group spans several slices of
+  one gradient-accumulation window (the slices of one optimizer step). Its prompt then runs once
+  per window instead of once per slice (:meth:`dualkv.schedule.PromptKV.closing`): at the window's
+  first training forward one forward without gradients records the keys and values of every split
+  group's prompt (all processes run it, a placeholder where a process has none); each slice but a
+  group's last packs that group's responses behind its prompt's last token, reading the recorded
+  keys and values, whose gradients accumulate across the slices; the group's last slice packs the
+  group whole and its attention layers hand the accumulated gradients to the live prompt, inside
+  that slice's own backward. So DDP's and FSDP's gradient sync at the window's last backward sees
+  every gradient, and no backward is added. The recorded keys and values and their gradient sums
+  stay on the device through the window (2 x layers x prompt tokens x kv heads x head dim, twice).
 * Generation with transformers (``use_vllm=False``) runs on the model's original attention.
 
 Refused before any work (:class:`dualkv.UnsupportedError`): vision-language models, Liger kernels,
@@ -37,11 +49,12 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
+from .. import schedule
 from .._native import UnsupportedError
 from ..microbatch import plan_micro_batches
 from ..packing import pack_groups, pack_padded
 from . import transformers as dkt
-from ._packed_forward import check_servable, forward_kwargs, install
+from ._packed_forward import DECODER_ONLY_KWARG, check_servable, forward_kwargs, install
 
 try:
     from accelerate.utils import is_peft_model
@@ -64,6 +77,10 @@ class DualKVGRPOConfig(GRPOConfig):
                 "tokens of one stock chunk (batch_size padded rows)."})
     dualkv_deterministic: bool = field(default=False, metadata={
         "help": "Bit-reproducible attention backward."})
+    dualkv_prompt_once: bool = field(default=True, metadata={
+        "help": "A group split across the gradient-accumulation slices of one optimizer step runs its prompt once "
+                "(a forward without gradients, then the prompt's forward and backward in its last slice) instead of "
+                "once per slice."})
 
 
 class DualKVGRPOTrainer(GRPOTrainer):
@@ -79,6 +96,9 @@ class DualKVGRPOTrainer(GRPOTrainer):
             return
         self._max_tokens = getattr(self.args, "dualkv_max_tokens", None)
         self._deterministic = bool(getattr(self.args, "dualkv_deterministic", False))
+        self._prompt_once = bool(getattr(self.args, "dualkv_prompt_once", True))
+        self._window: Optional[_Window] = None  # the current gradient-accumulation window's prompt once
+        self._slice_call: Optional[_SliceCall] = None  # this training step's part of it (set by _prepare_inputs)
         models = self._hf_models()
         for model in models:
             check_servable(model, self.accelerator.device)
@@ -172,7 +192,33 @@ class DualKVGRPOTrainer(GRPOTrainer):
         if self._step % generate_every == 0 or self._buffered_inputs is None:
             batch = self._generate_and_score_completions(generation_batch)
             self._buffered_inputs = group_slices(batch, self.args.steps_per_generation)
+        if self._prompt_once:
+            self._slice_call = self._next_slice_call(generate_every)
         return self._buffered_inputs[self._step % self.args.steps_per_generation]
+
+    def _next_slice_call(self, generate_every: int) -> Optional["_SliceCall"]:
+        """This training step's place in its gradient-accumulation window; a window's first step plans the
+        window (which groups span several of its slices) and agrees with the other processes on whether a
+        prompt phase runs."""
+        window = self._window
+        if window is None or window.pos == window.steps:
+            if window is not None and window.kv is not None and not window.placeholder:
+                window.check_closed()
+            steps = int(self.current_gradient_accumulation_steps)
+            # the window's slices, as long as they come from this generation batch (a regeneration inside a
+            # window, when steps_per_generation is no multiple of the accumulation steps, ends the plan there)
+            slices = []
+            for i in range(steps):
+                if i and (self._step + i) % generate_every == 0:
+                    break
+                slices.append(self._buffered_inputs[(self._step + i) % self.args.steps_per_generation])
+            window = self._window = _Window.plan(slices, steps, self.accelerator.device)
+            if self.accelerator.num_processes > 1:
+                flag = torch.tensor([int(window.phase_a)], device=self.accelerator.device)
+                window.phase_a = bool(int(self.accelerator.gather(flag).max()))
+        call = window.calls[window.pos] if window.pos < len(window.calls) else None
+        window.pos += 1
+        return call
 
     # -- the log-prob forwards ------------------------------------------------------------------------
 
@@ -186,6 +232,9 @@ class DualKVGRPOTrainer(GRPOTrainer):
         if given or compute_aux_loss:
             raise UnsupportedError(f"DualKVGRPOTrainer: {', '.join(given) or 'the router auxiliary loss'} cannot be "
                                    "computed on a packed batch")
+        call, self._slice_call = self._slice_call, None
+        if call is not None and batch_size is None and torch.is_grad_enabled() and self._window.phase_a:
+            return self._window_forward(model, call, input_ids, int(logits_to_keep), compute_entropy)
         B, L = input_ids.shape
         C = int(logits_to_keep)
         lens = attention_mask[:, L - C:].sum(1).tolist()  # the one host read of this call
@@ -217,6 +266,72 @@ class DualKVGRPOTrainer(GRPOTrainer):
         ent = _scatter_rows(ents, done, B, C, input_ids.device) if compute_entropy else None
         return logp, ent, None
 
+    def _window_forward(self, model, call: "_SliceCall", input_ids: torch.Tensor, C: int, compute_entropy: bool):
+        """The training forward of a slice in a window with a prompt phase (see the module docstring)."""
+        window = self._window
+        B, L = input_ids.shape
+        if B != len(call.keys):
+            raise RuntimeError(f"DualKVGRPOTrainer: the training forward got {B} rows, its slice has "
+                               f"{len(call.keys)}; prompt once needs TRL's training step to score its own slice")
+        extra = {dkt.DETERMINISTIC_KWARG: True} if self._deterministic else {}
+        if window.kv is None:  # phase A, the window's first training forward: every process runs it
+            hf_model = self._hf_models()[0]
+            prompts = window.prompts or [torch.zeros(2, dtype=torch.long, device=input_ids.device)]
+
+            def call_model(**kw):
+                return model(**kw, **{DECODER_ONLY_KWARG: True})
+
+            with torch.no_grad(), self.accelerator.autocast():
+                window.kv = schedule.run_prompt_phase(hf_model, prompts, self._deterministic,
+                                                      stream_prompt_state=False, call=call_model)
+        kv = window.kv
+        Lp = L - C
+        members: Dict[int, List[int]] = {}
+        for b, key in enumerate(call.keys):
+            if key is not None:
+                members.setdefault(key, []).append(b)
+        prompts, responses, prefix, order, closing = [], [], [], [], []
+        start = 0  # stream position of the group
+        for key, rows in members.items():
+            P, role = window.prompt_lens[key], call.roles.get(key)
+            prompt = input_ids[rows[0], Lp - P:Lp]
+            if role is not None and role[0] == _READ:
+                prompt, e = prompt[-1:], role[1]
+            else:
+                e = -1
+                if role is not None:
+                    closing.append((role[1], start))
+            prompts.append(prompt)
+            prefix.append(e)
+            responses.append([input_ids[b, Lp:Lp + call.lens[b]] for b in rows])
+            order.extend(rows)
+            start += prompt.numel() + sum(call.lens[b] for b in rows)
+        if not prompts:  # nothing to score: a one-token forward keeps the collectives in step (as _plan's)
+            tok = input_ids[:1, -1]
+            prompts, responses, prefix = [tok], [[tok]], [-1]
+        reads = any(e >= 0 for e in prefix)
+        packed = pack_groups(prompts, responses, prompt_prefix=prefix if reads else None,
+                             prefix_lens=list(kv.prefix_lens) if reads else None,
+                             prompt_kv=kv if reads or closing else None)
+        probes: List[torch.Tensor] = []
+        with self.accelerator.autocast():
+            if closing:
+                with kv.closing([e for e, _ in closing], [s0 for _, s0 in closing]) as probes:
+                    out = model(**forward_kwargs(packed, self.temperature, compute_entropy), **extra)
+            else:
+                out = model(**forward_kwargs(packed, self.temperature, compute_entropy), **extra)
+        if not order:
+            anchor = out.log_probs.sum() * 0.0
+            return torch.zeros(B, C, dtype=torch.float32, device=input_ids.device) + anchor, (
+                torch.zeros(B, C, dtype=torch.float32, device=input_ids.device) if compute_entropy else None), None
+        width = C - out.log_probs.shape[1]
+        logp = _scatter_rows([torch.nn.functional.pad(out.log_probs, (0, width))], order, B, C, input_ids.device)
+        if probes:  # zeros whose backward hands the closed prompts the earlier slices' gradients
+            logp = logp + torch.stack(probes).sum()
+        ent = (_scatter_rows([torch.nn.functional.pad(out.entropy, (0, width))], order, B, C, input_ids.device)
+               if compute_entropy else None)
+        return logp, ent, None
+
     def _plan(self, input_ids, attention_mask, rows: List[int], C: int, batch_size: Optional[int]) -> List[List[int]]:
         """Row lists of the forwards to run: one for the training forward, whole groups under the token budget
         otherwise, padded with empty lists to the largest count over the processes."""
@@ -235,6 +350,77 @@ class DualKVGRPOTrainer(GRPOTrainer):
             most = int(self.accelerator.gather(count).max())
             micro += [[] for _ in range(most - len(micro))]
         return micro or [[]]
+
+
+_READ, _CLOSE = "read", "close"
+
+
+@dataclass
+class _SliceCall:
+    """One training step of a window: per row its group key (None: nothing to score), its completion length,
+    and per split group key its role: (_READ, prefix) before the group's last slice, (_CLOSE, prefix) in it."""
+
+    keys: List[Optional[int]]
+    lens: List[int]
+    roles: Dict[int, Any]
+
+
+@dataclass
+class _Window:
+    """The prompt once of one gradient-accumulation window: the split groups' prompts (prefix e), each
+    step's rows, whether a prompt phase runs (on any process) and, once run, its keys and values."""
+
+    steps: int  #: training steps of the window (the plan covers the first len(calls) of them)
+    calls: List[_SliceCall]
+    prompts: List[torch.Tensor]
+    prompt_lens: Dict[int, int]
+    phase_a: bool
+    placeholder: bool
+    kv: Optional[schedule.PromptKV] = None
+    pos: int = 0
+
+    @classmethod
+    def plan(cls, slices: Sequence[Dict[str, Any]], steps: int, device) -> "_Window":
+        """Groups (rows with identical prompt tokens and a completion to score) that appear in two or more
+        of ``slices`` (the window's steps in order) and have prompts of at least 2 tokens run their prompt once.
+        One host read of each slice's prompt ids."""
+        key_of: Dict[tuple, int] = {}
+        where: List[List[int]] = []  # per key, the steps it appears in
+        prompt_lens: Dict[int, int] = {}
+        calls = []
+        for i, piece in enumerate(slices):
+            mask = piece["prompt_mask"].bool()
+            ids = piece["prompt_ids"].tolist()
+            keep = mask.tolist()
+            lens = piece["completion_mask"].sum(1).tolist()
+            keys: List[Optional[int]] = []
+            for b, n in enumerate(lens):
+                if n <= 0:
+                    keys.append(None)
+                    continue
+                sig = tuple(t for t, m in zip(ids[b], keep[b]) if m)
+                key = key_of.setdefault(sig, len(key_of))
+                if key == len(where):
+                    where.append([])
+                    prompt_lens[key] = len(sig)
+                if not where[key] or where[key][-1] != i:
+                    where[key].append(i)
+                keys.append(key)
+            calls.append(_SliceCall(keys, [int(n) for n in lens], {}))
+        sigs = {key: sig for sig, key in key_of.items()}
+        split = [key for key in range(len(where)) if len(where[key]) > 1 and prompt_lens[key] > 1]
+        for e, key in enumerate(split):
+            for i in where[key]:
+                calls[i].roles[key] = (_CLOSE if i == where[key][-1] else _READ, e)
+        prompts = [torch.tensor(sigs[key], dtype=torch.long, device=device) for key in split]
+        return cls(steps, calls, prompts, prompt_lens, phase_a=bool(split), placeholder=not split)
+
+    def check_closed(self) -> None:
+        """Every split group's last slice ran (else its prompt would have missed the gradients of the others)."""
+        open_ = len(self.prompts) - len(self.kv._closed)
+        if open_:
+            raise RuntimeError(f"DualKVGRPOTrainer: a gradient-accumulation window ended with {open_} split group(s) "
+                               "whose last slice did not run; their prompts missed the other slices' gradients")
 
 
 def _scatter_rows(pieces: List[torch.Tensor], rows: List[int], num_rows: int, width: int, device) -> torch.Tensor:
