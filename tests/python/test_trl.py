@@ -319,18 +319,21 @@ def test_bench_smoke(tmp_path):
 
 
 def test_bench_flex_fa4(tmp_path):
-    """--methods stock,dualkv,flex_fa4: a third trainer on the dualkv trainer's packed stream whose attention
-    is Flex's (on a CPU the dense-mask stand-in): the same log-probs as dualkv's within fp32 noise, one mask
-    build per slice of the timed update (each slice one packed forward), its compiles and mask builds
-    reported beside its steady state, and its ratio to dualkv in the verdict."""
+    """--methods stock,dualkv,flex_fa4: a third trainer packing as the dualkv trainer does but with a prompt copy
+    per slice (slices of 2 rows split the groups of 4: dualkv runs each prompt once), whose attention is Flex's
+    (on a CPU the dense-mask stand-in): the same log-probs as dualkv's within fp32 noise, one mask build per
+    slice of the timed update (each slice one packed forward), its compiles and mask builds reported beside
+    its steady state, and its ratio to dualkv in the verdict."""
     bench = _load(REPO / "bench" / "trl_step.py")
     bench.main(["--device", "cpu", "--model", "tiny", "--dtype", "fp32", "--groups", "2", "-N", "4", "--prompt-len",
-                "8,16", "--completion-len", "2,8", "--slices", "2", "--methods", "flex_fa4,dualkv,stock",
+                "8,16", "--completion-len", "2,8", "--slices", "4", "--methods", "flex_fa4,dualkv,stock",
                 "--out", str(tmp_path)])
     report = json.loads(next(tmp_path.glob("trl_step-*.json")).read_text())
     assert list(report["times"]) == ["stock", "dualkv", "flex_fa4"]
+    tok = report["tokens"]
+    assert tok["packed"] < tok["packed_slices"] < tok["unpadded"] and report["args"]["prompt_once"] is True
     flex = report["times"]["flex_fa4"]
-    assert flex["mask_builds"] == 2 and flex["mask_build_s"] > 0 and set(flex["compile_s"]) == {"update", "logprobs"}
+    assert flex["mask_builds"] == 4 and flex["mask_build_s"] > 0 and set(flex["compile_s"]) == {"update", "logprobs"}
     assert flex["excl_mask_update_s"] == pytest.approx(flex["update_s"] - flex["mask_build_s"])
     assert "dense boolean mask" in report["flex_fa4"]["ran"] and report["flex_fa4"]["flex_compile"] is False
     errors = report["logprob_error"]
