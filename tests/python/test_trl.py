@@ -204,6 +204,38 @@ def test_prompt_once_across_slices_matches_stock(checkpoint, tmp_path, generatio
     assert runs[True].tokens[False] - runs[False].tokens[False] == phase_a
 
 
+def test_prompt_once_window_plan():
+    """The window plan: a group in several slices reads its recorded prompt in all but its last slice and closes
+    it there; one-token prompts, empty completions and groups within one slice are packed as before."""
+    from dualkv.integrations.trl import _Window
+
+    def piece(prompts, completion_lens):
+        Lp, Lc = max(len(p) for p in prompts), max(completion_lens) + 1
+        pm = torch.tensor([[0] * (Lp - len(p)) + [1] * len(p) for p in prompts])
+        ids = torch.tensor([[0] * (Lp - len(p)) + list(p) for p in prompts])
+        cm = torch.tensor([[1] * n + [0] * (Lc - n) for n in completion_lens])
+        return {"prompt_ids": ids, "prompt_mask": pm, "completion_mask": cm}
+
+    a, b, c, d = (5, 6, 7), (8, 9), (4,), (3, 3)
+    slices = [piece([a, a, b], [2, 3, 1]), piece([a, b, c], [1, 2, 2]), piece([b, c, c], [4, 1, 2]),
+              piece([b, d, d], [0, 2, 2])]
+    w = _Window.plan(slices, 5, "cpu")
+    assert w.steps == 5 and len(w.calls) == 4 and w.phase_a and not w.placeholder
+    assert [p.tolist() for p in w.prompts] == [list(a), list(b)]  # c: one token; d: one slice
+    ka, kb = w.calls[0].keys[0], w.calls[0].keys[2]
+    assert w.calls[0].roles == {ka: ("read", 0), kb: ("read", 1)}
+    assert w.calls[1].roles == {ka: ("close", 0), kb: ("read", 1)}
+    assert w.calls[2].roles == {kb: ("close", 1)}  # b's row in slice 3 has no completion: not packed
+    assert w.calls[3].keys[0] is None and w.calls[3].roles == {}
+    assert w.calls[2].lens == [4, 1, 2]
+    single = _Window.plan(slices[:1], 2, "cpu")
+    assert not single.phase_a and single.placeholder and single.prompts == []
+    holes = piece([a, a], [2, 2])
+    holes["completion_mask"][0, 0] = 0
+    with pytest.raises(ValueError, match="right-padded"):
+        _Window.plan([holes, slices[1]], 2, "cpu")
+
+
 def test_logprobs_and_gradients_match_stock(checkpoint, tmp_path):
     stock = make_trainer(checkpoint, tmp_path, False)
     packed = make_trainer(checkpoint, tmp_path, True)

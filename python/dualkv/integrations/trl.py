@@ -389,10 +389,15 @@ class _Window:
         prompt_lens: Dict[int, int] = {}
         calls = []
         for i, piece in enumerate(slices):
-            mask = piece["prompt_mask"].bool()
+            mask, done = piece["prompt_mask"].bool(), piece["completion_mask"].bool()
+            # the packing below reads each prompt as the last P prompt columns and each completion as its first
+            # C columns (what pack_padded checks on the other path)
+            if bool((mask[:, :-1] & ~mask[:, 1:]).any()) or bool((~done[:, :-1] & done[:, 1:]).any()):
+                raise ValueError("DualKVGRPOTrainer: prompt masks must be left-padded and completion masks right-padded "
+                                 "(no holes) for prompt once across slices")
             ids = piece["prompt_ids"].tolist()
             keep = mask.tolist()
-            lens = piece["completion_mask"].sum(1).tolist()
+            lens = done.sum(1).tolist()
             keys: List[Optional[int]] = []
             for b, n in enumerate(lens):
                 if n <= 0:
