@@ -97,7 +97,7 @@ def main(argv=None) -> int:
     group = dist.group.WORLD
     cfg = qwen3_config(size)
     model = build_model(cfg, device, dtype, seed=args.seed, attn_implementation="dualkv").train()
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    dkt.enable_checkpointing(model)
     dkt.guard(model)
     mbs = make_micro_batches(n, P, R, args.micro_batches, args.groups_per_mb, cfg.vocab_size, args.seed, device)
     g = torch.Generator().manual_seed(args.seed + 1)

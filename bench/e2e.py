@@ -1650,7 +1650,7 @@ def main(argv=None):
                                                      dtype=dtype, **extra)
         model.train()
         if not args.no_grad_ckpt:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            dualkv.integrations.transformers.enable_checkpointing(model)
         args.spec = None if mod is None else ModelSpec(size, model, mod["stock"], mod["published_layers"],
                                                        args.flex_fa4_max_head_dim)
         args.sdpa_backend = sdpa_backend or ("cudnn" if mod is None else "default")

@@ -80,6 +80,7 @@ from peers import FLEX_BLOCK, Unavailable, accepted_block_size, fa4  # noqa: E40
 from dualkv.demo import _Timer as Timer  # noqa: E402  (CUDA events on a GPU, wall clock otherwise)
 from dualkv.grpo import policy_loss  # noqa: E402
 from dualkv.integrations import gated_deltanet as gdn  # noqa: E402
+from dualkv.integrations import transformers as dkt  # noqa: E402  (registers "dualkv")
 from dualkv.logprobs import response_logprobs  # noqa: E402
 from dualkv.packing import pack  # noqa: E402
 from dualkv.reference import unpacked_groups  # noqa: E402
@@ -144,7 +145,6 @@ def prepare_model(model):
     """Fork the GDN layers for dualkv (and mark the model), then route them through bench_gdn_forward."""
     import types
 
-    import dualkv.integrations.transformers  # noqa: F401  (registers "dualkv")
     e2e.register_peers()
     gdn.install(model)
     for m in model.modules():
@@ -447,7 +447,7 @@ def main(argv=None):
     model.train()
     prepare_model(model)
     if not args.no_grad_ckpt:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        dkt.enable_checkpointing(model)
     log(f"hybrid e2e on {env.get('gpu', device)}: Qwen3.5 {shape} dims, {layers} layers "
         f"({cfg.layer_types.count('linear_attention')} GDN), {sum(p.numel() for p in model.parameters()) / 1e9:.2f} B "
         f"params, {dtype}, flex backend {args.flex_backend}; configs {configs}")

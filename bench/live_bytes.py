@@ -129,7 +129,7 @@ def main(argv=None) -> int:
                                intermediate_size=full["intermediate_size"] // s, vocab_size=full["vocab_size"] // s)
             torch.manual_seed(0)
             model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=torch.bfloat16).train()
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            dkt.enable_checkpointing(model)
             dkt.enable(model)
             for P in (int(x) // args.token_scale for x in args.prompts.split(",")):
                 R = args.response // args.token_scale

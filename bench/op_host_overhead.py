@@ -113,7 +113,7 @@ def _tiny_qwen3(device, dtype, layers: int, H: int, Hk: int, D: int):
     dkt.enable(model.train())
     with warnings.catch_warnings():  # transformers 5 renames it (activation_checkpointing_enable)
         warnings.simplefilter("ignore", FutureWarning)
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        dkt.enable_checkpointing(model)
     return model
 
 

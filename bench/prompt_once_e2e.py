@@ -363,7 +363,7 @@ def dualkv_model(size: str, dtype, device, seed: int):
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=dtype)
     model.train()
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    dkt.enable_checkpointing(model)
     dkt.enable(model)
     return cfg, model
 

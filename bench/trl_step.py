@@ -68,6 +68,7 @@ from trl_grpo import length_reward, random_prompts, synthetic_rollout, word_toke
 
 from dualkv.demo import _Timer as Clock  # noqa: E402  (CUDA events on a GPU, wall clock otherwise)
 from dualkv.demo import qwen3_config  # noqa: E402
+from dualkv.integrations import transformers as dkt  # noqa: E402
 from dualkv.integrations.trl import DualKVGRPOConfig, DualKVGRPOTrainer, group_slices  # noqa: E402
 
 
@@ -119,7 +120,7 @@ def make_trainer(cls, config_cls, model, args, vocab, dataset, extra):
     trainer.model.train()
     # both are set up by Trainer.train(), which this benchmark does not run: checkpointing (non-reentrant, TRL's
     # default) and the accumulation count that compute_loss reads
-    trainer.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    dkt.enable_checkpointing(trainer.model)
     trainer.current_gradient_accumulation_steps = args.slices
     return trainer
 
@@ -258,7 +259,7 @@ def timing(trainers, batches, slices, device):
         with Clock(device) as lp:
             logprob_pass(trainer, batches[name])
         times[name] = {"update_s": c.seconds, "logprobs_s": lp.seconds,
-                       "gradient_checkpointing": bool(trainer.model.is_gradient_checkpointing), **first}
+                       "gradient_checkpointing": dkt.is_checkpointing(trainer.model), **first}
         if first:
             mask_s = FLEX_FA4_ATTENTION.build_seconds(built, device)
             times[name].update(compile_s={k: max(0.0, first[f"{k}_first_s"] - times[name][f"{k}_s"])

@@ -389,7 +389,7 @@ def make_engine(v, model, attn, compute_dtype, device):
     from torch.distributed.device_mesh import init_device_mesh
     model.set_attn_implementation(attn)
     # as veRL's _build_module: non-reentrant checkpointing, enabled before sharding
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    dkt.enable_checkpointing(model)
     model.train()
     config = v.FSDPEngineConfig(strategy="fsdp2", use_torch_compile=False)
     mesh = init_device_mesh(device.type, (world_size(),), mesh_dim_names=("fsdp",))

@@ -241,7 +241,7 @@ def make_model(args, device, fsdp_mesh=None, sp=1, reference=False):
     if args.method == "dualkv":  # the guard catches a packed batch reaching a stock attention
         dkt.guard(model)
     if not args.no_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        dkt.enable_checkpointing(model)
     if args.compile:
         for layer in model.model.layers:
             layer.compile()

@@ -339,7 +339,7 @@ def run_demo(args) -> Dict:
     model = build_model(cfg, device, dtype, seed=args.seed, attn_implementation="sdpa")
     model.train()
     if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        dkt.enable_checkpointing(model)
     dkt.guard(model)
     n_params = sum(p.numel() for p in model.parameters())
 

@@ -262,7 +262,7 @@ class PromptKV:
             raise UnsupportedError(
                 "dualkv.schedule: gradients are off inside the layer of a prompt phase that runs with gradients "
                 "(reentrant gradient checkpointing?); the recorded keys and values would not reach the parameters. "
-                "Use model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})")
+                "Checkpoint with use_reentrant=False: dualkv.integrations.transformers.enable_checkpointing(model)")
         if idx in self._keys or (self._streamed is not None and idx in self._streamed.kv_host):
             raise ArgumentError(f"dualkv.schedule: attention layer {idx} ran twice in one prompt phase")
         k, v = _own_rows(k[:self.num_rows]), _own_rows(v[:self.num_rows])
@@ -466,7 +466,7 @@ class PromptKV:
             raise UnsupportedError(
                 "dualkv.schedule: gradients are off inside the layer of the prompts' phase-C forward "
                 "(reentrant gradient checkpointing?); the gradients would not reach the parameters. "
-                "Use model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})")
+                "Checkpoint with use_reentrant=False: dualkv.integrations.transformers.enable_checkpointing(model)")
         if idx not in self._pending:
             raise ArgumentError(f"dualkv.schedule: attention layer {idx} ran in phase C's prompt forward but not in "
                                 "phase A's, or ran twice")

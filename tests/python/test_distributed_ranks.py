@@ -275,7 +275,7 @@ def case_model_sp(rank, world, checkpointing=False):
         std = unpacked_update(model, prompts, responses, packed, old, adv, mask)
         assert_update_close(want, std, 1e-10, f"{name}: SP=1 vs unpacked")
         if checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            dkt.enable_checkpointing(model)
         sh = distributed.shard(packed, dist.group.WORLD)
         got = packed_update(model, sh, old, adv, mask)
         got = got[:3] + (sum_over(dist.group.WORLD, got[3]),)
@@ -399,7 +399,7 @@ def case_fsdp_sp(rank, world):
     old, adv, mask = loss_inputs(packed)
     want = packed_update(qwen3(), packed, old, adv, mask)
     model = qwen3()
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    dkt.enable_checkpointing(model)
     model = fsdp_model(model, init_device_mesh("cpu", (world,)))
     got = packed_update(model, distributed.shard(packed, dist.group.WORLD), old, adv, mask, scale=world)
     assert_update_close(got, want, 1e-10, "FSDP2 SP=2 vs one process")
@@ -431,7 +431,7 @@ def case_schedule_sp(rank, world):
     assert plan.split_groups == (0,) and len(plan.prompt_phases[0]) == 1, plan.summary()
     want = _single_process_update(qwen3(), prompts, responses, old, adv)
     model = qwen3()
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    dkt.enable_checkpointing(model)
     model.zero_grad(set_to_none=True)
     for mb, packed in schedule.micro_batches(model, plan, 0, prompts, responses, sp_group=group):
         o, a, mask = _mb_loss_inputs(mb.entries, old, adv, packed)
@@ -461,7 +461,7 @@ def case_fsdp_dp_schedule(rank, world):
     policy_update(want_model, prompts, responses, old, adv, 1000, clip_high=0.28)
     want = grads(want_model)
     model = qwen3()
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    dkt.enable_checkpointing(model)
     model = fsdp_model(model, init_device_mesh("cpu", (world,)))
     for recompute, offload in ((True, False), (True, True), (False, False)):
         model.zero_grad(set_to_none=True)
@@ -512,7 +512,7 @@ def case_prompt_once_closing(rank, world):
     prompt, responses, weights = groups[rank]
     for wrapper in ("ddp", "fsdp2"):
         inner = install(qwen3())
-        inner.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        dkt.enable_checkpointing(inner)
         if wrapper == "ddp":
             model = DistributedDataParallel(inner)
             sync_off = model.no_sync

@@ -147,7 +147,7 @@ def test_gradient_checkpointing_and_reference_attention():
     dk = dkt.enable(make_model("qwen3_next"))
     ref = dkt.enable(copy.deepcopy(dk), reference=True)
     ckpt = copy.deepcopy(dk)
-    ckpt.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    dkt.enable_checkpointing(ckpt)
     packed = pack(*rollouts(seed=2))
     outs = [m(**dkt.model_inputs(packed)).logits for m in (dk, ref, ckpt)]
     for o in outs[1:]:

@@ -139,7 +139,7 @@ def test_prompt_once_equals_one_micro_batch_and_unpacked(kind, dtype, phase_c, f
     std = make_model(kind, dtype)
     one = dkt.enable(copy.deepcopy(std))
     split = dkt.enable(copy.deepcopy(std))
-    split.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    dkt.enable_checkpointing(split)
     prompts, responses, old, adv = rollouts(PROMPT_LENS, RESPONSE_LENS, dtype)
     tol = 1e-10 if dtype == torch.float64 else 1e-5
 
@@ -166,7 +166,7 @@ def test_prompt_once_with_mask_modifiers(kind):
     std = make_mask_model(kind, "eager")
     one = dkt.enable(copy.deepcopy(std))
     split = dkt.enable(copy.deepcopy(std))
-    split.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    dkt.enable_checkpointing(split)
     prompts, responses, old, adv = rollouts(PROMPT_LENS, RESPONSE_LENS, torch.float32)
     loss_std, lp_std = unpacked_update(std, prompts, responses, old, adv, torch.float32)
     *whole, _ = dualkv_update(one, prompts, responses, old, adv, max_tokens=1000)
@@ -214,7 +214,7 @@ def test_two_ranks_sum_to_the_whole_update(fp64_exact):
 
 def test_deterministic_bitwise_run_to_run():
     model = dkt.enable(make_model("qwen3_moe", torch.float32))
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    dkt.enable_checkpointing(model)
     prompts, responses, old, adv = rollouts(PROMPT_LENS, RESPONSE_LENS, torch.float32)
     runs = [dualkv_update(model, prompts, responses, old, adv, 12, deterministic=True) for _ in range(2)]
     assert runs[0][0] == runs[1][0]
@@ -278,7 +278,7 @@ def test_recompute_prompt_keeps_no_prompt_activations_through_phase_b():
                                    use_cache=False)
     torch.manual_seed(0)
     model = dkt.enable(transformers.AutoModelForCausalLM.from_config(cfg).float().train())
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    dkt.enable_checkpointing(model)
     P, N, R = 256, 8, 32
     prompts, responses, old, adv = rollouts([P], [[R] * N], torch.float32)
     layer_inputs = cfg.num_hidden_layers * (P - 1) * cfg.hidden_size * 4
@@ -323,7 +323,7 @@ def checkpointed_qwen3(device="cpu", **config):
     cfg = transformers.Qwen3Config(use_cache=False, **config)
     torch.manual_seed(0)
     model = dkt.enable(transformers.AutoModelForCausalLM.from_config(cfg).to(device, torch.bfloat16).train())
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    dkt.enable_checkpointing(model)
     return model
 
 
@@ -555,13 +555,13 @@ def test_schedule_errors():
         schedule.run_prompt_phase(model, prompts, recompute_prompt=False, offload_prompt_grads=True)
     # reentrant checkpointing would cut the recorded keys and values off the graph: phase A says so
     # when it runs with gradients, phase C's forward when phase A ran without (recompute_prompt)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    dkt.enable_checkpointing(model, use_reentrant=True)
     with pytest.raises(dualkv.UnsupportedError, match="use_reentrant"):
         schedule.run_prompt_phase(model, prompts, recompute_prompt=False)
     kv = schedule.run_prompt_phase(model, prompts, recompute_prompt=True)
     with pytest.raises(dualkv.UnsupportedError, match="use_reentrant"):
         kv.backward()
-    model.gradient_checkpointing_disable()
+    dkt.disable_checkpointing(model)
     kv = schedule.run_prompt_phase(model, prompts)
     packed = dualkv.pack_groups([prompts[0][-1:]], [responses[0]], prompt_prefix=[0], prefix_lens=[8], prompt_kv=kv)
     with pytest.raises(dualkv.UnsupportedError, match="external prefix"):  # the dense reference reads no prefixes
@@ -775,7 +775,7 @@ def test_offloaded_prompt_activations_are_exact_and_leave_the_device(fp64_exact)
     from live_bytes import LiveTensorBytes, emulate_offload
     dtype = torch.float64
     std = make_model("qwen3", dtype)
-    std.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    dkt.enable_checkpointing(std)
     plain, moved = dkt.enable(copy.deepcopy(std)), dkt.enable(copy.deepcopy(std))
     prompts, responses, old, adv = rollouts(PROMPT_LENS, RESPONSE_LENS, dtype)
     kv = schedule.run_prompt_phase(plain, prompts[:1])
@@ -812,7 +812,7 @@ def test_offloaded_prompt_activations_free_their_host_copies_with_phase_c():
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "bench"))
     from live_bytes import emulate_offload
     model = dkt.enable(make_model("qwen3", torch.float32))
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    dkt.enable_checkpointing(model)
     prompts = [torch.randint(0, VOCAB, (n,)) for n in (9, 6)]
     undo = emulate_offload()
     emulated = schedule._host_copy

@@ -100,7 +100,7 @@ def test_streamed_equals_device_resident_bitwise(kind, checkpointing, phase_c, g
     misses, one each per micro-batch after the first."""
     model = dkt.enable(deep_model(kind, 4))
     if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        dkt.enable_checkpointing(model)
     prompts, responses, old, adv = rollouts(PROMPT_LENS, RESPONSE_LENS, torch.bfloat16)
     kw = dict(recompute_prompt=phase_c == "recompute", prompt_grad_dtype=grad_dtype)
     resident = dualkv_update(model, prompts, responses, old, adv, 12, stream_prompt_state=False, **kw)
@@ -136,7 +136,7 @@ def test_one_response_per_micro_batch_streamed(monkeypatch):
     for checkpointing in (True, False):
         model = dkt.enable(make_model("qwen3", torch.bfloat16, seed=3))
         if checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            dkt.enable_checkpointing(model)
         prompts, responses, old, adv = rollouts([10], [[5, 4, 5, 3]], torch.bfloat16)
         kw = dict(max_prompt_tokens=9, deterministic=True)
         resident = dualkv_update(model, prompts, responses, old, adv, 6, stream_prompt_state=False, **kw)
@@ -152,7 +152,7 @@ def test_streamed_phase_without_micro_batches_and_under_no_grad():
     device-resident path does; log-probs under no_grad read the streamed keys and values and leave
     no sums."""
     model = dkt.enable(make_model("llama", torch.bfloat16))
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    dkt.enable_checkpointing(model)
     prompts, responses, _, _ = rollouts([12, 4], [[5, 6, 3], [2, 2]], torch.bfloat16)
     got = {}
     for stream in (False, True):
@@ -391,7 +391,7 @@ def case_schedule_sp_streamed(rank, world):
                                      prompt_once=True)
     assert plan.split_groups == (0,) and len(plan.prompt_phases[0]) == 1
     model = qwen3()
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    dkt.enable_checkpointing(model)
     got = {}
     for stream in (False, True):
         model.zero_grad(set_to_none=True)
@@ -416,7 +416,7 @@ def case_fsdp_dp_schedule_streamed(rank, world):
     prompts, responses, _, old, adv = _plan_and_losses(DP_GROUPS, 40, world)  # the data (its plan: unused)
     adv = [[float(a) for a in xs] for xs in adv]
     model = qwen3()
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    dkt.enable_checkpointing(model)
     model = fsdp_model(model, init_device_mesh("cpu", (world,)))
     for recompute in (True, False):
         got = {}

@@ -384,7 +384,7 @@ def test_unsupported_configs():
 def test_gradient_checkpointing(reentrant):
     base = dkt.enable(make_model("qwen3"))
     ckpt = copy.deepcopy(base)
-    ckpt.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    dkt.enable_checkpointing(ckpt, use_reentrant=reentrant)
     dkt.guard(ckpt)
     prompts, responses = rollouts()
     packed = pack(prompts, responses)

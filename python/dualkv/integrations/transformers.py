@@ -84,6 +84,7 @@ __all__ = [
     "register", "dualkv_attention_forward", "dense_reference_attention_forward", "dense_visibility_mask",
     "check_config", "check_backend", "check_model", "config_modifiers", "enable", "disable", "guard", "is_enabled",
     "model_inputs", "packed_logprobs", "register_layout_attention",
+    "enable_checkpointing", "disable_checkpointing", "is_checkpointing",
 ]
 
 #: the name to pass as ``attn_implementation``
@@ -407,6 +408,33 @@ def check_backend(model) -> None:
     if used and param is not None and param.device.type != "meta":
         text = getattr(model.config, "text_config", None) or model.config
         check_modifiers_supported(param.device.type, used, what=f"dualkv: {getattr(text, 'model_type', 'model')}")
+
+
+def enable_checkpointing(model, use_reentrant: bool = False) -> None:
+    """Checkpoint every decoder layer's activations (non-reentrant by default: prompt phases and the
+    packed backward need the layers' gradients on) under the name this transformers has:
+    ``activation_checkpointing_enable`` from 5.24 on, where ``gradient_checkpointing_enable`` is a
+    deprecated alias (removed in v6); ``gradient_checkpointing_enable`` before (the GPU image's 5.17)."""
+    kwargs = {"use_reentrant": bool(use_reentrant)}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def disable_checkpointing(model) -> None:
+    """Undo :func:`enable_checkpointing` (either transformers name)."""
+    if hasattr(model, "activation_checkpointing_disable"):
+        model.activation_checkpointing_disable()
+    else:
+        model.gradient_checkpointing_disable()
+
+
+def is_checkpointing(model) -> bool:
+    """Whether the model checkpoints its layers (either transformers name)."""
+    if hasattr(type(model), "is_activation_checkpointing"):
+        return bool(model.is_activation_checkpointing)
+    return bool(model.is_gradient_checkpointing)
 
 
 def is_enabled(model) -> bool:
