@@ -334,8 +334,9 @@ def test_unservable_models_are_refused(tmp_path, config, message):
         make_trainer(str(path), tmp_path, True)
 
 
-def test_example_runs_and_matches_stock():
-    argv = ["--steps", "2", "--groups", "2"]
+@pytest.mark.parametrize("slices", ["2", "4"])  # 4: slices of 2 rows split the groups of 4 (prompt once across them)
+def test_example_runs_and_matches_stock(slices):
+    argv = ["--steps", "2", "--groups", "2", "--slices", slices]
     stock, packed = example.main(argv + ["--stock"]), example.main(argv)
     assert [h["loss"] for h in packed] == pytest.approx([h["loss"] for h in stock], rel=1e-5, abs=1e-7)
 
