@@ -204,6 +204,82 @@ def test_prompt_once_across_slices_matches_stock(checkpoint, tmp_path, generatio
     assert runs[True].tokens[False] - runs[False].tokens[False] == phase_a
 
 
+def _ddp_worker(rank, world, port, checkpoint, out_dir):
+    """A rank of the two-process run (gloo, accelerate's MULTI_CPU): stock TRL, then dualkv with prompt once
+    across slices, then with a prompt copy per slice, on the same rollouts. Rank 1's rollouts keep only the
+    last prompt token, so it has no split group and runs a placeholder prompt phase beside rank 0's."""
+    import os
+    import traceback
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    path = pathlib.Path(out_dir) / f"rank{rank}.json"
+    try:
+        from dualkv import schedule
+
+        def rollout_of_rank(prompts, trainer):
+            out = rollout(prompts, trainer)
+            if trainer.accelerator.process_index == 1:
+                out["prompt_ids"] = [p[-1:] for p in out["prompt_ids"]]
+            return out
+
+        phases = []
+        run_prompt_phase = schedule.run_prompt_phase
+
+        def counted(model, prompts, *args, **kwargs):
+            phases.append([int(p.numel()) for p in prompts])
+            return run_prompt_phase(model, prompts, *args, **kwargs)
+
+        schedule.run_prompt_phase = counted
+        report = {}
+        for name, on, once in (("stock", False, None), ("once", True, True), ("copies", True, False)):
+            torch.manual_seed(0)
+            trainer = make_trainer(checkpoint, pathlib.Path(out_dir) / name, on, rollout_func=rollout_of_rank,
+                                   loss_type="dapo", num_generations=4, per_device_train_batch_size=2,
+                                   steps_per_generation=4, gradient_accumulation_steps=4, max_steps=2,
+                                   **({"dualkv_prompt_once": once} if on else {}))
+            phases.clear()
+            trainer.train()
+            report[name] = {"loss": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+                            "params": torch.cat([p.detach().double().flatten() for p in trainer.model.parameters()]
+                                                ).tolist(),
+                            "phases": list(phases), "distributed": str(trainer.accelerator.distributed_type)}
+        path.write_text(json.dumps({"ok": True, "report": report}))
+    except BaseException:  # noqa: BLE001 - read by the test
+        path.write_text(json.dumps({"ok": False, "error": traceback.format_exc()}))
+
+
+def test_prompt_once_across_slices_two_processes(checkpoint, tmp_path):
+    """Two processes (DDP over gloo): the gradient sync inside each window's last backward carries the prompt
+    gradients that closing slices handed over (phase C inside the slice), rank 1 runs placeholder prompt
+    phases in step with rank 0's, and the update equals stock TRL's and the per-slice-copy run's."""
+    import socket
+
+    from spawned_ranks import spawn_ranks
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    found, note, _ = spawn_ranks(_ddp_worker, 2, tmp_path, (2, port, checkpoint, str(tmp_path)), deadline_s=240)
+    for r, res in enumerate(found):
+        assert res is not None and res["ok"], f"rank {r}: {res['error'] if res else note}"
+    reports = [res["report"] for res in found]
+    for report in reports:
+        assert report["once"]["distributed"] == "DistributedType.MULTI_CPU"
+        stock = torch.tensor(report["stock"]["params"])
+        start = torch.cat([p.detach().double().flatten() for p in
+                           transformers.Qwen3ForCausalLM.from_pretrained(checkpoint).parameters()])
+        for name in ("once", "copies"):
+            assert report[name]["loss"] == pytest.approx(report["stock"]["loss"], rel=1e-5, abs=1e-6), name
+            got = torch.tensor(report[name]["params"])
+            assert float((got - stock).norm() / (stock - start).norm()) <= 1e-5, name
+        assert report["copies"]["phases"] == []
+    assert reports[0]["once"]["params"] == reports[1]["once"]["params"]  # DDP: one update on both ranks
+    rank0, rank1 = reports[0]["once"]["phases"], reports[1]["once"]["phases"]
+    assert len(rank0) == len(rank1) == 2  # one prompt phase per window (= optimizer step) on both ranks
+    assert all(len(p) > 0 and min(p) > 1 for p in rank0) and rank1 == [[2], [2]]  # rank 1: placeholders
+
+
 def test_prompt_once_window_plan():
     """The window plan: a group in several slices reads its recorded prompt in all but its last slice and closes
     it there; one-token prompts, empty completions and groups within one slice are packed as before."""

@@ -212,10 +212,23 @@ class DualKVGRPOTrainer(GRPOTrainer):
                 if i and (self._step + i) % generate_every == 0:
                     break
                 slices.append(self._buffered_inputs[(self._step + i) % self.args.steps_per_generation])
-            window = self._window = _Window.plan(slices, steps, self.accelerator.device)
+            failure = None
+            try:
+                window = _Window.plan(slices, steps, self.accelerator.device)
+            except ValueError as exc:  # raised on every process below, none left waiting in the gather
+                window, failure = None, exc
             if self.accelerator.num_processes > 1:
-                flag = torch.tensor([int(window.phase_a)], device=self.accelerator.device)
-                window.phase_a = bool(int(self.accelerator.gather(flag).max()))
+                flags = torch.tensor([int(window is not None and window.phase_a), int(failure is not None)],
+                                     device=self.accelerator.device)
+                phase_a, failed = (bool(int(v)) for v in self.accelerator.gather(flags).view(-1, 2).max(0).values)
+                if failed and failure is None:
+                    raise ValueError("DualKVGRPOTrainer: another process refused its slices for prompt once across "
+                                     "slices (its error says why)")
+                if window is not None:
+                    window.phase_a = phase_a
+            if failure is not None:
+                raise failure
+            self._window = window
         call = window.calls[window.pos] if window.pos < len(window.calls) else None
         window.pos += 1
         return call
