@@ -409,16 +409,15 @@ class PromptKV:
         prefixes of this phase as external prefixes. A closed prefix is done: reading it again is an
         error; once every prefix is closed the phase's state is freed.
 
-        Needs phase A without gradients and the device-resident state (``stream_prompt_state=False``);
-        no sequence parallelism (``starts`` index one rank's whole stream)."""
+        Needs phase A without gradients; no sequence parallelism (``starts`` index one rank's whole
+        stream). With the streamed state each layer's sums come to the device when the backward
+        reaches the layer's probe (the layer below prefetched), and the rows of the closed prefixes
+        are taken from them."""
         if self.recording:
             raise ArgumentError("dualkv.schedule: closing() before the prompt phase finished")
         if self._rerun is not None or self._slots or self._grad_enabled:
             raise ArgumentError("dualkv.schedule: closing() needs a prompt phase run without gradients (phase A "
                                 "under torch.no_grad()); this one is closed by PromptKV.backward()")
-        if self.stream:
-            raise UnsupportedError("dualkv.schedule: closing() needs the prompt state on the device "
-                                   "(stream_prompt_state=False)")
         prefixes = [int(e) for e in prefixes]
         E = len(self.prefix_lens)
         bad = [e for e in prefixes if not 0 <= e < E or e in self._closed]
@@ -434,16 +433,17 @@ class PromptKV:
         for n in self.prefix_lens:
             offsets.append(offsets[-1] + n)
 
-        def take(total: Optional[Tensor], leaf: Tensor) -> Optional[Tensor]:
-            # a copy of the prefixes' rows: later micro-batches keep adding into the buffer
-            if total is None:
-                return None
-            return torch.cat([total[offsets[e]:offsets[e + 1]] for e in prefixes]).to(leaf.dtype)
-
+        rows = [(offsets[e], offsets[e + 1]) for e in prefixes]
         pending = {}
+        if self._streamed is not None:
+            streamed = self._streamed
+            for idx in streamed.order:
+                pending[idx] = [streamed.rows_fetcher(idx, rows)]
         for idx, leaves in self._leaves.items():
             sums = self._sums.get(idx, (None, None))
-            pending[idx] = [take(total if total is not None else leaf.grad, leaf) for leaf, total in zip(leaves, sums)]
+            # a copy of the prefixes' rows: later micro-batches keep adding into the buffer
+            pending[idx] = [_rows_of(total if total is not None else leaf.grad, rows, leaf.dtype)
+                            for leaf, total in zip(leaves, sums)]
         self._pending, self._probe_ranges, self._probing = pending, ranges, True
         probes: List[Tensor] = []
         try:
@@ -459,6 +459,9 @@ class PromptKV:
         self._closed.update(prefixes)
         if len(self._closed) == E:
             self._drop_state()
+            if self._streamed is not None:  # the probes' fetchers keep what the backward still reads
+                self._streamed.kv_cache, self._streamed.kv_host, self._streamed._kv_saved = {}, {}, {}
+                self._streamed = None
 
     def _probe(self, module, k: Tensor, v: Tensor) -> None:
         idx = _layer_index(module)
@@ -500,6 +503,13 @@ class PromptKV:
         if self.stream:  # phase C has taken the streamed state
             out.update(kv_host=0, grad_host=0)
         return out
+
+
+def _rows_of(total: Optional[Tensor], rows: Sequence[Tuple[int, int]], dtype: torch.dtype) -> Optional[Tensor]:
+    """A new tensor of ``total``'s row ranges, in ``dtype`` (None stays None)."""
+    if total is None:
+        return None
+    return torch.cat([total[a:b] for a, b in rows]).to(dtype)
 
 
 class _PromptGrad(torch.autograd.Function):
@@ -867,6 +877,18 @@ class _StreamedPromptState:
                 return [s.to(self._dtype) if s is not None else None for s in sums.views()]
             return fetch
         return {idx: [fetcher(idx)] for idx in self.order}
+
+    def rows_fetcher(self, idx: int, rows: Sequence[Tuple[int, int]]):
+        """For :meth:`PromptKV.closing`: a callable for :class:`_PromptGrad` that brings layer ``idx``'s
+        sums to the device and returns their row ranges ``rows`` in the keys' dtype (prefetching the
+        layer below, as phase C's fetch does). The sums stay in host memory for the prefixes still open."""
+        def fetch() -> List[Optional[Tensor]]:
+            sums = self._take_grad(idx)
+            self._prefetch_below(idx)
+            if sums is None:
+                return [None, None]
+            return [_rows_of(s, rows, self._dtype) for s in sums.views()]
+        return fetch
 
     def memory(self) -> Dict[str, int]:
         def nbytes(ts):

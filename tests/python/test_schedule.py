@@ -589,12 +589,8 @@ def test_closing_errors():
         with schedule.run_prompt_phase(model, prompts).closing([0], [0]):
             pass
     with torch.no_grad():
-        streamed = schedule.run_prompt_phase(model, prompts, stream_prompt_state=True)
         kv = schedule.run_prompt_phase(model, prompts, stream_prompt_state=False,
                                        call=lambda **kw: model(**kw, dualkv_decoder_only=True))
-    with pytest.raises(dualkv.UnsupportedError, match="stream_prompt_state=False"):
-        with streamed.closing([0], [0]):
-            pass
     for prefixes, starts, message in (([2], [0], "distinct open prefixes"), ([0, 0], [0, 9], "distinct open"),
                                       ([], [], "distinct open"), ([0], [0, 3], "one stream position")):
         with pytest.raises(dualkv.ArgumentError, match=message):

@@ -130,6 +130,87 @@ def test_streamed_equals_device_resident_bitwise(kind, checkpointing, phase_c, g
         assert memory["kv"] <= 2 * layer_kv and memory["grad"] <= layer_grad, memory
 
 
+def closing_run(model, prompts, responses, stream, device="cpu"):
+    """Phase A without gradients, then three micro-batches (the TRL plug-in's schedule): the first reads both
+    prompts, the second closes prompt 0 (live) and reads prompt 1, the third closes prompt 1. Returns the
+    log-probs, every gradient and the phase's final memory report."""
+    from dualkv.integrations._packed_forward import forward_kwargs, install
+    install(model)
+    model.zero_grad(set_to_none=True)
+    det = {dkt.DETERMINISTIC_KWARG: True}  # bitwise comparable on CUDA too (no atomics in the backward)
+    with torch.no_grad():
+        kv = schedule.run_prompt_phase(model, prompts, deterministic=True, stream_prompt_state=stream)
+    lens = list(kv.prefix_lens)
+    steps = [  # per micro-batch: (prompt 0's role, prompt 1's role) as (tokens, prefix or -1), responses
+        ([(prompts[0][-1:], 0), (prompts[1][-1:], 1)], [responses[0][:2], responses[1][:1]], []),
+        ([(prompts[0], -1), (prompts[1][-1:], 1)], [responses[0][2:], responses[1][1:2]], [0]),
+        ([(prompts[1], -1)], [responses[1][2:]], [1]),
+    ]
+    logps = []
+    for entries, resp, closes in steps:
+        reads = any(e >= 0 for _, e in entries)
+        packed = dualkv.pack_groups([t for t, _ in entries], resp,
+                                    prompt_prefix=[e for _, e in entries] if reads else None,
+                                    prefix_lens=lens if reads else None, prompt_kv=kv)
+        if closes:
+            with kv.closing(closes, [0]) as probes:  # the closed prompt leads the stream
+                out = model(**forward_kwargs(packed), **det)
+            root = torch.stack(probes).sum()
+        else:
+            out, root = model(**forward_kwargs(packed), **det), 0.0
+        w = torch.linspace(-1, 1, out.log_probs.numel(), device=device).view_as(out.log_probs)
+        ((out.log_probs * w).sum() + root).backward()
+        logps.append(out.log_probs.detach())
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return logps, grads, dict(kv.memory)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_closing_streamed_equals_device_resident_bitwise(checkpointing):
+    """PromptKV.closing with the prompt state in host memory: the probes fetch each layer's sums when the
+    backward reaches them and take the closed prompt's rows; the gradients and log-probs are bitwise the
+    device-resident run's (bf16), and once both prompts are closed nothing of the state is left."""
+    prompts, responses, _, _ = rollouts([9, 6], [[3, 4, 2], [2, 5, 1, 3]], torch.bfloat16)
+    runs = []
+    for stream in (False, True):
+        model = dkt.enable(make_model("qwen3", torch.bfloat16))
+        if checkpointing:
+            dkt.enable_checkpointing(model)
+        runs.append(closing_run(model, prompts, responses, stream))
+    (lp_a, g_a, mem_a), (lp_b, g_b, mem_b) = runs
+    for x, y in zip(lp_a, lp_b):
+        assert torch.equal(x, y)
+    assert g_a.keys() == g_b.keys() and len(g_b) >= 10
+    for name in g_a:
+        assert torch.equal(g_a[name], g_b[name]), name
+    assert mem_a["kv"] == mem_a["grad"] == 0
+    assert mem_b["kv"] == mem_b["grad"] == mem_b["kv_host"] == mem_b["grad_host"] == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.cuda_head_dims(128)
+def test_cuda_closing_streamed_equals_device_resident_bitwise():
+    """On CUDA (bf16 Qwen3 shape, hidden 1024, 4 layers, 2 KV heads of 128, checkpointing, deterministic
+    attention): PromptKV.closing with the state streamed through pinned host memory on the copy streams is
+    bitwise the device-resident run (the TRL plug-in's dualkv_stream_prompt_state)."""
+    if not _cuda_reads_external_prefixes():
+        pytest.skip("this build's CUDA backend does not run external prefix segments")
+    prompts, responses, _, _ = rollouts([700, 390], [[64, 128, 32], [96, 16, 200, 48]], torch.bfloat16)
+    prompts, responses = [p.cuda() for p in prompts], [[r.cuda() for r in rs] for rs in responses]
+    runs = []
+    for stream in (False, True):
+        model = checkpointed_qwen3("cuda", hidden_size=1024, intermediate_size=3072, num_hidden_layers=4,
+                                   num_attention_heads=8, num_key_value_heads=2, head_dim=128, vocab_size=4096,
+                                   max_position_embeddings=2048)
+        runs.append(closing_run(model, prompts, responses, stream, device="cuda"))
+    (lp_a, g_a, _), (lp_b, g_b, mem_b) = runs
+    for x, y in zip(lp_a, lp_b):
+        assert torch.equal(x, y)
+    for name in g_a:
+        assert torch.equal(g_a[name], g_b[name]), name
+    assert mem_b["kv_host"] == mem_b["grad_host"] == 0
+
+
 def test_one_response_per_micro_batch_streamed(monkeypatch):
     """Every response alone with the last prompt token (4 micro-batches, uneven lengths), with and
     without checkpointing: bitwise the device-resident update; deterministic mode bitwise run to run."""

@@ -167,14 +167,14 @@ def split_prompt_tokens(trainer):
     return saved, phase_a
 
 
-@pytest.mark.parametrize("generations, rows, steps, iterations, checkpointing", [
-    (4, 2, 4, 1, False),  # two groups, each in two slices
-    (6, 2, 6, 1, True),  # two groups, each in three slices (two read the recorded prompt, one closes it)
-    (3, 2, 3, 1, False),  # the middle slice closes one group and reads the next
-    (4, 2, 2, 2, True),  # two windows per generation batch (steps_per_generation 4), two PPO iterations
+@pytest.mark.parametrize("generations, rows, steps, iterations, checkpointing, stream", [
+    (4, 2, 4, 1, False, False),  # two groups, each in two slices
+    (6, 2, 6, 1, True, True),  # two groups, each in three slices (two read the recorded prompt, one closes it)
+    (3, 2, 3, 1, False, True),  # the middle slice closes one group and reads the next
+    (4, 2, 2, 2, True, False),  # two windows per generation batch (steps_per_generation 4), two PPO iterations
 ])
 def test_prompt_once_across_slices_matches_stock(checkpoint, tmp_path, generations, rows, steps, iterations,
-                                                 checkpointing):
+                                                 checkpointing, stream):
     # slices smaller than a group: a group's prompt runs once per optimizer step (phase A without gradients,
     # the prompt live in the group's last slice), and the update is the one of a copy of the prompt per slice
     # (and stock TRL's where an optimizer step sees the whole generation batch: then the partition into
@@ -187,7 +187,7 @@ def test_prompt_once_across_slices_matches_stock(checkpoint, tmp_path, generatio
     for once in (False, True):
         torch.manual_seed(0)
         args = make_trainer(checkpoint, tmp_path, True, **overrides).args
-        args.dualkv_prompt_once = once
+        args.dualkv_prompt_once, args.dualkv_stream_prompt_state = once, stream  # (the state in host memory)
         trainer = CountingTrainer(model=checkpoint, reward_funcs=reward, args=args, processing_class=make_tokenizer(),
                                   train_dataset=datasets.Dataset.from_dict({"prompt": PROMPTS}), rollout_func=rollout)
         trainer.train()

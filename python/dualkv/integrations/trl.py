@@ -32,7 +32,8 @@ What changes against the stock trainer (TRL 1.16.0, see ``requirements-rl.txt``)
   group whole and its attention layers hand the accumulated gradients to the live prompt, inside
   that slice's own backward. So DDP's and FSDP's gradient sync at the window's last backward sees
   every gradient, and no backward is added. The recorded keys and values and their gradient sums
-  stay on the device through the window (2 x layers x prompt tokens x kv heads x head dim, twice).
+  stay on the device through the window (2 x layers x prompt tokens x kv heads x head dim, twice), or
+  with ``dualkv_stream_prompt_state`` in pinned host memory, a layer or two at a time on the device.
 * Generation with transformers (``use_vllm=False``) runs on the model's original attention.
 
 Refused before any work (:class:`dualkv.UnsupportedError`): vision-language models, Liger kernels,
@@ -81,6 +82,10 @@ class DualKVGRPOConfig(GRPOConfig):
         "help": "A group split across the gradient-accumulation slices of one optimizer step runs its prompt once "
                 "(a forward without gradients, then the prompt's forward and backward in its last slice) instead of "
                 "once per slice."})
+    dualkv_stream_prompt_state: bool = field(default=False, metadata={
+        "help": "Prompt once across slices: keep the recorded prompt keys and values and their gradient sums in "
+                "pinned host memory, a layer or two at a time on the device (PCIe traffic per slice), instead of on "
+                "the device through the window."})
 
 
 class DualKVGRPOTrainer(GRPOTrainer):
@@ -97,6 +102,7 @@ class DualKVGRPOTrainer(GRPOTrainer):
         self._max_tokens = getattr(self.args, "dualkv_max_tokens", None)
         self._deterministic = bool(getattr(self.args, "dualkv_deterministic", False))
         self._prompt_once = bool(getattr(self.args, "dualkv_prompt_once", True))
+        self._stream_prompt_state = bool(getattr(self.args, "dualkv_stream_prompt_state", False))
         self._window: Optional[_Window] = None  # the current gradient-accumulation window's prompt once
         self._slice_call: Optional[_SliceCall] = None  # this training step's part of it (set by _prepare_inputs)
         models = self._hf_models()
@@ -296,7 +302,7 @@ class DualKVGRPOTrainer(GRPOTrainer):
 
             with torch.no_grad(), self.accelerator.autocast():
                 window.kv = schedule.run_prompt_phase(hf_model, prompts, self._deterministic,
-                                                      stream_prompt_state=False, call=call_model)
+                                                      stream_prompt_state=self._stream_prompt_state, call=call_model)
         kv = window.kv
         Lp = L - C
         members: Dict[int, List[int]] = {}
