@@ -463,6 +463,11 @@ class PromptKV:
                 self._streamed.kv_cache, self._streamed.kv_host, self._streamed._kv_saved = {}, {}, {}
                 self._streamed = None
 
+    @property
+    def open_prefixes(self) -> List[int]:
+        """The prefixes :meth:`closing` has not closed yet."""
+        return [e for e in range(len(self.prefix_lens)) if e not in self._closed]
+
     def _probe(self, module, k: Tensor, v: Tensor) -> None:
         idx = _layer_index(module)
         if not torch.is_grad_enabled():

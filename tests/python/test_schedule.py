@@ -609,12 +609,12 @@ def test_closing_errors():
     with pytest.raises(dualkv.ArgumentError, match="did not run attention layer"):
         with kv.closing([1], [0]):
             pass  # no forward: the layers never probed
-    assert kv.memory["kv"] > 0  # prefix 1 still open (the failed close left it open)
+    assert kv.memory["kv"] > 0 and kv.open_prefixes == [1]  # the failed close left prefix 1 open
     last = dualkv.pack_groups([prompts[1]], [responses[1][1:]], prompt_kv=kv)
     with kv.closing([1], [0]) as probes:
         loss = model(**fwd(last)).log_probs.sum()
     (loss + torch.stack(probes).sum()).backward()
-    assert kv.memory["kv"] == 0 and kv.memory["grad"] == 0
+    assert kv.memory["kv"] == 0 and kv.memory["grad"] == 0 and kv.open_prefixes == []
     with pytest.raises(dualkv.ArgumentError, match="after closing\\(\\) closed all"):
         kv.prefix(model.model.layers[0].self_attn)
 

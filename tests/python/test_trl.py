@@ -312,6 +312,27 @@ def test_prompt_once_window_plan():
         _Window.plan([holes, slices[1]], 2, "cpu")
 
 
+def test_prompt_once_window_left_open_stops_the_run(checkpoint, tmp_path, monkeypatch):
+    """A window whose plan never closes a split group stops at its last step's forward, before the backward
+    and the optimizer step (the group's prompt would miss the other slices' gradients)."""
+    from dualkv.integrations import trl as dtrl
+    plan = dtrl._Window.plan.__func__
+
+    def plan_without_closes(cls, *args, **kwargs):
+        window = plan(cls, *args, **kwargs)
+        for call in window.calls:
+            call.roles = {k: r for k, r in call.roles.items() if r[0] == "read"}
+        return window
+
+    monkeypatch.setattr(dtrl._Window, "plan", classmethod(plan_without_closes))
+    trainer = make_trainer(checkpoint, tmp_path, True, loss_type="dapo", per_device_train_batch_size=2,
+                           steps_per_generation=4, gradient_accumulation_steps=4, max_steps=1)
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    with pytest.raises(RuntimeError, match="not closed"):
+        trainer.train()
+    assert all(torch.equal(p, before[n]) for n, p in trainer.model.named_parameters())
+
+
 def test_logprobs_and_gradients_match_stock(checkpoint, tmp_path):
     stock = make_trainer(checkpoint, tmp_path, False)
     packed = make_trainer(checkpoint, tmp_path, True)

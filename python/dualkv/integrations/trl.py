@@ -208,8 +208,6 @@ class DualKVGRPOTrainer(GRPOTrainer):
         prompt phase runs."""
         window = self._window
         if window is None or window.pos == window.steps:
-            if window is not None and window.kv is not None and not window.placeholder:
-                window.check_closed()
             steps = int(self.current_gradient_accumulation_steps)
             # the window's slices, as long as they come from this generation batch (a regeneration inside a
             # window, when steps_per_generation is no multiple of the accumulation steps, ends the plan there)
@@ -339,6 +337,11 @@ class DualKVGRPOTrainer(GRPOTrainer):
                     out = model(**forward_kwargs(packed, self.temperature, compute_entropy), **extra)
             else:
                 out = model(**forward_kwargs(packed, self.temperature, compute_entropy), **extra)
+        if window.pos == len(window.calls) and not window.placeholder and kv.open_prefixes:
+            # the window's last planned step: every split group's last slice has run (before its backward, and
+            # so before the optimizer step, a plan that missed one stops the run)
+            raise RuntimeError(f"DualKVGRPOTrainer: a gradient-accumulation window ends with split group(s) "
+                               f"{kv.open_prefixes} not closed; their prompts would miss the other slices' gradients")
         if not order:
             anchor = out.log_probs.sum() * 0.0
             return torch.zeros(B, C, dtype=torch.float32, device=input_ids.device) + anchor, (
@@ -438,13 +441,6 @@ class _Window:
                 calls[i].roles[key] = (_CLOSE if i == where[key][-1] else _READ, e)
         prompts = [torch.tensor(sigs[key], dtype=torch.long, device=device) for key in split]
         return cls(steps, calls, prompts, prompt_lens, phase_a=bool(split), placeholder=not split)
-
-    def check_closed(self) -> None:
-        """Every split group's last slice ran (else its prompt would have missed the gradients of the others)."""
-        open_ = len(self.prompts) - len(self.kv._closed)
-        if open_:
-            raise RuntimeError(f"DualKVGRPOTrainer: a gradient-accumulation window ended with {open_} split group(s) "
-                               "whose last slice did not run; their prompts missed the other slices' gradients")
 
 
 def _scatter_rows(pieces: List[torch.Tensor], rows: List[int], num_rows: int, width: int, device) -> torch.Tensor:
