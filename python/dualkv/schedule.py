@@ -235,6 +235,7 @@ class PromptKV:
         self._probed: List[int] = []
         self._slots: Dict[int, List[Optional[Tensor]]] = {}  # phase A with gradients: a probe's gradients
         self._probe_ranges: Optional[List[Tuple[int, int]]] = None  # closing(): the live prompts' rows
+        self._closing: Optional[List[int]] = None  # begin_closing(): the prefixes being closed
         self._closed: set = set()  # closing(): the prefixes whose gradients went to their live prompts
         self.device_bytes: Optional[int] = None  # phase A's whole kept state on CUDA (set by run_prompt_phase)
         self.host_bytes = 0  # phase A's saved activations in pinned host memory (offload_prompt_activations)
@@ -412,12 +413,26 @@ class PromptKV:
         Needs phase A without gradients; no sequence parallelism (``starts`` index one rank's whole
         stream). With the streamed state each layer's sums come to the device when the backward
         reaches the layer's probe (the layer below prefetched), and the rows of the closed prefixes
-        are taken from them."""
+        are taken from them. :meth:`begin_closing` / :meth:`end_closing` are the two halves, for a
+        caller whose forward runs between two hooks (the veRL plug-in's)."""
+        self.begin_closing(prefixes, starts)
+        probes: List[Tensor] = []
+        try:
+            yield probes
+        except BaseException:
+            self._abort_closing()
+            raise
+        probes.extend(self.end_closing())
+
+    def begin_closing(self, prefixes: Sequence[int], starts: Sequence[int]) -> None:
+        """The first half of :meth:`closing`: the next forward's attention layers attach the probes."""
         if self.recording:
             raise ArgumentError("dualkv.schedule: closing() before the prompt phase finished")
         if self._rerun is not None or self._slots or self._grad_enabled:
             raise ArgumentError("dualkv.schedule: closing() needs a prompt phase run without gradients (phase A "
                                 "under torch.no_grad()); this one is closed by PromptKV.backward()")
+        if self._probing:
+            raise ArgumentError("dualkv.schedule: closing() while an earlier closing has not ended")
         prefixes = [int(e) for e in prefixes]
         E = len(self.prefix_lens)
         bad = [e for e in prefixes if not 0 <= e < E or e in self._closed]
@@ -445,23 +460,33 @@ class PromptKV:
             pending[idx] = [_rows_of(total if total is not None else leaf.grad, rows, leaf.dtype)
                             for leaf, total in zip(leaves, sums)]
         self._pending, self._probe_ranges, self._probing = pending, ranges, True
-        probes: List[Tensor] = []
-        try:
-            yield probes
-        finally:
-            self._probing, self._probe_ranges = False, None
-            missing, self._pending = sorted(self._pending), {}
-            probes.extend(self._probes)
-            self._probes, self._probed = [], []
+        self._closing = prefixes
+
+    def end_closing(self) -> List[Tensor]:
+        """The second half of :meth:`closing`, after the forward: its probes (zero scalars to add to the
+        loss); the prefixes are closed."""
+        if not self._probing or self._closing is None:
+            raise ArgumentError("dualkv.schedule: end_closing() without begin_closing()")
+        prefixes = self._closing
+        missing = sorted(self._pending)
+        probes = self._abort_closing()
         if missing:
             raise ArgumentError(f"dualkv.schedule: the closing micro-batch's forward did not run attention layer(s) "
                                 f"{missing} of the prompt phase")
         self._closed.update(prefixes)
-        if len(self._closed) == E:
+        if len(self._closed) == len(self.prefix_lens):
             self._drop_state()
             if self._streamed is not None:  # the probes' fetchers keep what the backward still reads
                 self._streamed.kv_cache, self._streamed.kv_host, self._streamed._kv_saved = {}, {}, {}
                 self._streamed = None
+        return probes
+
+    def _abort_closing(self) -> List[Tensor]:
+        """Leave the probing state (the prefixes stay open); returns the probes attached so far."""
+        probes, self._probes = self._probes, []
+        self._probing, self._probe_ranges, self._closing = False, None, None
+        self._pending, self._probed = {}, []
+        return probes
 
     @property
     def open_prefixes(self) -> List[int]:
