@@ -94,8 +94,12 @@ from .layout import Layout
 from .microbatch import MicroBatch, MicroBatchPlan, PromptPhase
 from .packing import PackedBatch, pack_groups
 
-__all__ = ["PromptKV", "STREAM_PROMPT_STATE", "micro_batches", "prompt_state_credit", "prompt_state_factor",
-           "run_prompt_phase"]
+__all__ = ["PromptKV", "READ", "CLOSE", "STREAM_PROMPT_STATE", "micro_batches", "pack_padded_rows",
+           "prompt_state_credit", "prompt_state_factor", "run_prompt_phase"]
+
+#: a group's role in a micro-batch of a phase closed inside micro-batches (:meth:`PromptKV.closing`):
+#: its responses read the recorded prompt (READ), or it is packed whole and closes it (CLOSE)
+READ, CLOSE = "read", "close"
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -1264,6 +1268,41 @@ def run_prompt_phase(model, prompts: Sequence[Tensor], deterministic: bool = Fal
     if cuda:
         kv.device_bytes = torch.cuda.memory_allocated(device) - before
     return kv
+
+
+def pack_padded_rows(ids: Tensor, prompt_cols: int, groups: Sequence[Sequence[int]], prompt_lens: Sequence[int],
+                     response_lens: Sequence[int], roles: Sequence[Optional[Tuple[str, int]]],
+                     kv: Optional[PromptKV]) -> Tuple[PackedBatch, List[int], List[Tuple[int, int]]]:
+    """Pack a micro-batch of padded rows whose split groups run their prompt once, closed inside
+    micro-batches (:meth:`PromptKV.closing`; the TRL and veRL plug-ins' loops).
+
+    ``ids [B, prompt_cols + C]``: left-padded prompts in the first ``prompt_cols`` columns, right-padded
+    responses after them; ``groups``: the rows of each group (identical prompts), packed in this order;
+    ``prompt_lens[b]`` / ``response_lens[b]``: row b's tokens (rows of no group are left out);
+    ``roles[g]``: None (the group packed whole), ``(READ, e)`` (its responses behind its prompt's last
+    token, children of ``kv``'s prefix e) or ``(CLOSE, e)`` (packed whole: the caller closes prefix e).
+    Returns the packed batch (``prompt_kv=kv`` where a group reads or closes), the rows in packed row
+    order and, per closing group, ``(e, stream position of its prompt)`` for :meth:`PromptKV.closing`."""
+    prompts, responses, prefix, order, closing = [], [], [], [], []
+    start = 0  # stream position of the group
+    for rows, role in zip(groups, roles):
+        P = int(prompt_lens[rows[0]])
+        prompt = ids[rows[0], prompt_cols - P:prompt_cols]
+        e = -1
+        if role is not None and role[0] == READ:
+            prompt, e = prompt[-1:], role[1]
+        elif role is not None:
+            closing.append((role[1], start))
+        prompts.append(prompt)
+        prefix.append(e)
+        responses.append([ids[b, prompt_cols:prompt_cols + int(response_lens[b])] for b in rows])
+        order.extend(rows)
+        start += prompt.numel() + sum(int(response_lens[b]) for b in rows)
+    reads = any(e >= 0 for e in prefix)
+    packed = pack_groups(prompts, responses, prompt_prefix=prefix if reads else None,
+                         prefix_lens=list(kv.prefix_lens) if reads else None,
+                         prompt_kv=kv if reads or closing else None)
+    return packed, order, closing
 
 
 def _pack(mb: MicroBatch, phase: Optional[PromptPhase], kv: Optional[PromptKV], prompts, responses) -> PackedBatch:

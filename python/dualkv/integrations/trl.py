@@ -302,34 +302,17 @@ class DualKVGRPOTrainer(GRPOTrainer):
                 window.kv = schedule.run_prompt_phase(hf_model, prompts, self._deterministic,
                                                       stream_prompt_state=self._stream_prompt_state, call=call_model)
         kv = window.kv
-        Lp = L - C
         members: Dict[int, List[int]] = {}
         for b, key in enumerate(call.keys):
             if key is not None:
                 members.setdefault(key, []).append(b)
-        prompts, responses, prefix, order, closing = [], [], [], [], []
-        start = 0  # stream position of the group
-        for key, rows in members.items():
-            P, role = window.prompt_lens[key], call.roles.get(key)
-            prompt = input_ids[rows[0], Lp - P:Lp]
-            if role is not None and role[0] == _READ:
-                prompt, e = prompt[-1:], role[1]
-            else:
-                e = -1
-                if role is not None:
-                    closing.append((role[1], start))
-            prompts.append(prompt)
-            prefix.append(e)
-            responses.append([input_ids[b, Lp:Lp + call.lens[b]] for b in rows])
-            order.extend(rows)
-            start += prompt.numel() + sum(call.lens[b] for b in rows)
-        if not prompts:  # nothing to score: a one-token forward keeps the collectives in step (as _plan's)
+        if members:
+            prompt_lens = [window.prompt_lens[key] if key is not None else 0 for key in call.keys]
+            packed, order, closing = schedule.pack_padded_rows(input_ids, L - C, list(members.values()), prompt_lens,
+                                                               call.lens, [call.roles.get(k) for k in members], kv)
+        else:  # nothing to score: a one-token forward keeps the collectives in step (as _plan's)
             tok = input_ids[:1, -1]
-            prompts, responses, prefix = [tok], [[tok]], [-1]
-        reads = any(e >= 0 for e in prefix)
-        packed = pack_groups(prompts, responses, prompt_prefix=prefix if reads else None,
-                             prefix_lens=list(kv.prefix_lens) if reads else None,
-                             prompt_kv=kv if reads or closing else None)
+            packed, order, closing = pack_groups([tok], [[tok]]), [], []
         probes: List[torch.Tensor] = []
         with self.accelerator.autocast():
             if closing:
@@ -374,13 +357,11 @@ class DualKVGRPOTrainer(GRPOTrainer):
         return micro or [[]]
 
 
-_READ, _CLOSE = "read", "close"
-
-
 @dataclass
 class _SliceCall:
     """One training step of a window: per row its group key (None: nothing to score), its completion length,
-    and per split group key its role: (_READ, prefix) before the group's last slice, (_CLOSE, prefix) in it."""
+    and per split group key its role: (READ, prefix) before the group's last slice, (CLOSE, prefix) in it
+    (dualkv.schedule's roles)."""
 
     keys: List[Optional[int]]
     lens: List[int]
@@ -438,7 +419,7 @@ class _Window:
         split = [key for key in range(len(where)) if len(where[key]) > 1 and prompt_lens[key] > 1]
         for e, key in enumerate(split):
             for i in where[key]:
-                calls[i].roles[key] = (_CLOSE if i == where[key][-1] else _READ, e)
+                calls[i].roles[key] = (schedule.CLOSE if i == where[key][-1] else schedule.READ, e)
         prompts = [torch.tensor(sigs[key], dtype=torch.long, device=device) for key in split]
         return cls(steps, calls, prompts, prompt_lens, phase_a=bool(split), placeholder=not split)
 
