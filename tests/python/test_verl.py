@@ -286,6 +286,84 @@ def test_some_groups_split_with_whole_groups_after_the_phases(monkeypatch):
         assert float((g_packed[name] - g).norm()) <= 1e-5 * float(g.norm()), name
 
 
+@pytest.mark.parametrize("mode", ["train", "infer"])
+@pytest.mark.parametrize("options", ["", "stream_prompt_state=1,prompt_grad_dtype=float32", "0"])
+def test_fixed_size_micro_batches_run_the_prompt_once(mode, options, monkeypatch):
+    """use_dynamic_bsz=False: veRL's own loop over its 2-row chunks, which cut every group (rows interleaved).
+    A group in several chunks runs its prompt once, closed inside veRL's loop: phase A (without gradients)
+    at the first chunk, each chunk but the group's last reads the recorded prompt, the last packs it whole
+    (training) and hands it the earlier chunks' gradients; log-probs read it everywhere. The update and
+    log-probs equal the stock engine's on the same chunks; with prompt once off (0) each chunk packs a copy."""
+    monkeypatch.setenv(dkv.PROMPT_ONCE_ENV, options)
+    proto = rollout_batch(groups=4, seed=3)
+    stock, g_stock, td = run(make_engine("sdpa"), proto, max_tokens=SPLIT_BUDGET, mode=mode, use_dynamic_bsz=False)
+    engine = make_engine("dualkv")
+    seen, phases = count_forwards(engine), count_prompt_phases(monkeypatch)
+    packed, g_packed, _ = run(engine, proto, max_tokens=SPLIT_BUDGET, mode=mode, use_dynamic_bsz=False)
+    assert all(len(mb) <= 2 for mb in seen["micro_batches"]) and len(seen["micro_batches"]) == len(proto) // 2
+    once, copies = expected_tokens(proto, seen["micro_batches"])
+    if options == "0":
+        assert not phases and seen["tokens"] == copies
+    else:  # phase A runs each prompt but its last token; a training step's closing chunk runs it again, whole
+        split = [u for u in group_sizes(proto) if sum(u in mb for mb in seen["micro_batches"]) > 1]
+        assert len(phases) == 1 and len(phases[0]) == len(split) == 4
+        closing = sum(group_sizes(proto)[u][0] - 1 for u in split) if mode == "train" else 0
+        assert seen["tokens"] == once + closing < copies
+    mask = proto.batch["response_mask"].bool()
+    if mode == "infer":
+        for key in ("log_probs", "entropy"):
+            a = no_padding_2_padding(stock["model_output"][key], td)
+            b = no_padding_2_padding(packed["model_output"][key], td)
+            torch.testing.assert_close(b[mask], a[mask], rtol=0, atol=1e-5)
+    else:
+        assert sum(packed["loss"]) == pytest.approx(sum(stock["loss"]), rel=1e-5)
+        for name, g in g_stock.items():
+            assert float((g_packed[name] - g).norm()) <= 1e-5 * float(g.norm()), name
+
+
+def test_fsdp1_runs_the_prompt_once_in_verls_loop(monkeypatch):
+    """veRL's FSDP1 strategy (its root forward wraps the model, so the plug-in's own prompt-once loop cannot
+    run phase A inside it): with dynamic batch size its micro-batches cut each group over the budget, and the
+    cut groups run their prompt once, closed inside veRL's loop (phase A through FSDP1's root forward). The
+    update equals the stock engine's."""
+    proto = rollout_batch(groups=4, seed=3)
+    stock, g_stock, _ = run(make_engine("sdpa"), proto, max_tokens=SPLIT_BUDGET, mode="train")
+    engine = _veRL_fsdp1_engine(torch.float32)
+    phases = count_prompt_phases(monkeypatch)
+    packed, g_packed, _ = run(engine, proto, max_tokens=SPLIT_BUDGET, mode="train")
+    g_packed = full_grads(engine, g_packed)
+    assert len(phases) == 1 and len(phases[0]) == 4
+    assert sum(packed["loss"]) == pytest.approx(sum(stock["loss"]), rel=1e-5)
+    assert set(g_packed) == set(g_stock)
+    for name, g in g_stock.items():
+        assert float((g_packed[name] - g).norm()) <= 1e-5 * float(g.norm()), name
+
+
+def full_grads(engine, grads):
+    """Every parameter's whole gradient by its Hugging Face name, from ``grads`` (test_verl.run's
+    ``named_parameters`` gradients of ``engine``). FSDP2: the DTensor gradients gathered. FSDP1 with
+    ``use_orig_params=False`` (veRL's default): a unit's one FlatParameter holds its parameters
+    flattened and concatenated (``_fqns``, ``_shapes``, ``_numels_with_padding``; names relative to
+    the unit) and padded to a multiple of the world, and its gradient is this rank's equal share of
+    that; the shares are all-gathered over the FSDP mesh (all ranks) and cut back into the
+    parameters (torch's ``summon_full_params(with_grads=True)`` refuses ``use_orig_params=False``)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    if not isinstance(engine.module, FSDP):
+        return {n: (g.full_tensor() if hasattr(g, "full_tensor") else g) for n, g in grads.items()}
+    flat_params = dict(engine.module.named_parameters())
+    out = {}
+    for name, shard in grads.items():
+        flat = flat_params[name]
+        whole = shard.new_empty(shard.numel() * dist.get_world_size())
+        dist.all_gather_into_tensor(whole, shard.contiguous())
+        unit = name.removesuffix("_flat_param").replace("_fsdp_wrapped_module.", "")
+        pieces = whole[:sum(flat._numels_with_padding)].split(flat._numels_with_padding)
+        params = [p for p, padding in zip(pieces, flat._is_padding_mask) if not padding]
+        for fqn, shape, p in zip(flat._fqns, flat._shapes, params, strict=True):
+            out[unit + fqn] = p.view(shape)
+    return out
+
+
 def assert_log_probs_match_stock(engine, proto):
     """The forward-only log-probs of ``engine`` (split budget) equal the stock engine's on ``proto``."""
     stock, _, td = run(make_engine("sdpa"), proto, max_tokens=64, mode="infer")
@@ -499,12 +577,25 @@ def _two_rank_case(rank, world):
             got = g_packed[name].full_tensor()
             assert float((got - g).norm()) <= 1e-5 * float(g.norm()), f"rank 1 seed {seed}: {name}"
         assert_log_probs_match_stock(engine, proto)
+    # veRL's own loop over fixed-size chunks (2 rows: every group cut): prompt once closed inside the loop,
+    # phase A on both ranks, FSDP2's sync deferred to the last chunk
+    proto = rollout_batch(groups=4, seed=3 if rank == 0 else 4)
+    stock, g_stock, _ = run(make_engine("sdpa"), proto, max_tokens=64, mode="train", use_dynamic_bsz=False)
+    for g in g_stock.values():
+        dist.all_reduce(g)
+        g /= world
+    packed, g_packed, _ = run(engine, proto, max_tokens=SPLIT_BUDGET, mode="train", use_dynamic_bsz=False)
+    assert sum(packed["loss"]) == pytest.approx(sum(stock["loss"]), rel=1e-5)
+    for name, g in g_stock.items():
+        got = g_packed[name].full_tensor()
+        assert float((got - g).norm()) <= 1e-5 * float(g.norm()), f"fixed-size chunks: {name}"
     # a bad batch on rank 1 only (its uid "b" spans two prompts): both ranks raise, neither waits in a
-    # collective for the other (the deadline would kill them)
+    # collective for the other (the deadline would kill them); in the plug-in's loop and in veRL's
     bad = rollout_batch(groups=4, seed=3) if rank == 0 else rollout_batch(uids=["a"] * N + ["b"] * (2 * N))
-    with pytest.raises((ValueError, dualkv.ArgumentError)) as err:
-        run(engine, bad, max_tokens=SPLIT_BUDGET, mode="train")
-    report["bad_batch"] = f"{type(err.value).__name__}: {err.value}"
+    for dynamic in (True, False):
+        with pytest.raises((ValueError, dualkv.ArgumentError)) as err:
+            run(engine, bad, max_tokens=SPLIT_BUDGET, mode="train", use_dynamic_bsz=dynamic)
+        report[f"bad_batch_{'dynamic' if dynamic else 'fixed'}"] = f"{type(err.value).__name__}: {err.value}"
     return report
 
 
@@ -523,7 +614,8 @@ def _two_rank_worker(rank, world, init_file, out_dir):
 def test_two_ranks_fsdp2_prompt_once(tmp_path):
     """Two data-parallel ranks with different plans (phases, micro-batches per phase, whole groups
     after them), FSDP2 with veRL's deferred gradient sync: each rank runs the same steps (placeholders
-    where it has nothing) and the update and the log-probs equal the stock engine's."""
+    where it has nothing) and the update and the log-probs equal the stock engine's; the same for veRL's
+    own loop over fixed-size chunks (prompt once closed inside it); a bad batch on one rank raises on both."""
     if not dist.is_gloo_available():
         pytest.skip("torch.distributed without gloo")
     world = 2
@@ -536,8 +628,9 @@ def test_two_ranks_fsdp2_prompt_once(tmp_path):
     # seed 2: rank 0 one in its first phase (two micro-batches, rank 1's has three); rank 1 a placeholder
     # phase of three
     assert [o["report"]["placeholders_2"] for o in outcomes] == [1, 3]
-    assert "rank(s) [1]" in outcomes[0]["report"]["bad_batch"], outcomes[0]["report"]["bad_batch"]
-    assert "same uid have different prompt tokens" in outcomes[1]["report"]["bad_batch"]
+    for kind in ("dynamic", "fixed"):
+        assert "rank(s) [1]" in outcomes[0]["report"][f"bad_batch_{kind}"], outcomes[0]["report"]
+        assert "same uid have different prompt tokens" in outcomes[1]["report"][f"bad_batch_{kind}"]
 
 
 def test_micro_batches_keep_groups_whole():

@@ -8,7 +8,7 @@ attributes veRL's ``_init_device_mesh`` sets for Ulysses (the ``(dp, sp)`` mesh,
 its train and eval mode contexts do. The ranks of an SP group hold the same rows (veRL's dispatch);
 the dp ranks hold different ones (different plans: placeholders). Against the same engine at sp 1 on
 one rank (a one-rank data-parallel group, no FSDP) on each dp rank's rows, combined as veRL's global
-token mean combines them: the summed loss, every parameter gradient (whole: :func:`full_grads`), the
+token mean combines them: the summed loss, every parameter gradient (whole: test_verl.full_grads), the
 log-probs and the entropy within ``dualkv.demo.TOLERANCES[float32]``, for whole groups (each SP rank
 embedding its half of every micro-batch, every attention layer through ``distributed.attention``), for
 split groups with prompt once (phase A sharded over the SP group), with prompt copies and with veRL's
@@ -40,7 +40,7 @@ import dualkv  # noqa: E402
 from dualkv.demo import TOLERANCES, qwen3_config  # noqa: E402
 from dualkv.integrations import verl as dkv  # noqa: E402
 from spawned_ranks import CaseWorlds, run_cases  # noqa: E402  (tests/python)
-from test_verl import (SPLIT_BUDGET, VOCAB, _veRL_fsdp1_engine, _veRL_fsdp2_engine, make_engine,  # noqa: E402
+from test_verl import (SPLIT_BUDGET, VOCAB, _veRL_fsdp1_engine, _veRL_fsdp2_engine, full_grads, make_engine,  # noqa: E402
                        rollout_batch, run)
 
 SP = 2
@@ -117,31 +117,6 @@ def spy_prompt_phases():
         yield phases
     finally:
         dkv.schedule.run_prompt_phase = run_prompt_phase
-
-
-def full_grads(engine, grads):
-    """Every parameter's whole gradient by its Hugging Face name, from ``grads`` (test_verl.run's
-    ``named_parameters`` gradients of ``engine``). FSDP2: the DTensor gradients gathered. FSDP1 with
-    ``use_orig_params=False`` (veRL's default): a unit's one FlatParameter holds its parameters
-    flattened and concatenated (``_fqns``, ``_shapes``, ``_numels_with_padding``; names relative to
-    the unit) and padded to a multiple of the world, and its gradient is this rank's equal share of
-    that; the shares are all-gathered over the FSDP mesh (all ranks) and cut back into the
-    parameters (torch's ``summon_full_params(with_grads=True)`` refuses ``use_orig_params=False``)."""
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-    if not isinstance(engine.module, FSDP):
-        return {n: (g.full_tensor() if hasattr(g, "full_tensor") else g) for n, g in grads.items()}
-    flat_params = dict(engine.module.named_parameters())
-    out = {}
-    for name, shard in grads.items():
-        flat = flat_params[name]
-        whole = shard.new_empty(shard.numel() * dist.get_world_size())
-        dist.all_gather_into_tensor(whole, shard.contiguous())
-        unit = name.removesuffix("_flat_param").replace("_fsdp_wrapped_module.", "")
-        pieces = whole[:sum(flat._numels_with_padding)].split(flat._numels_with_padding)
-        params = [p for p, padding in zip(pieces, flat._is_padding_mask) if not padding]
-        for fqn, shape, p in zip(flat._fqns, flat._shapes, params, strict=True):
-            out[unit + fqn] = p.view(shape)
-    return out
 
 
 class Ranks:

@@ -31,11 +31,13 @@ an engine whose model does not use ``attn_implementation="dualkv"`` is untouched
   micro-batches where it has none, so that FSDP's collectives stay in step. veRL's loss
   normalisation (``batch_num_tokens``, ``dp_size``) is assigned as veRL does, and the outputs come
   back in veRL's row order. Options: :class:`PromptOnceOptions` (environment variable
-  :data:`PROMPT_ONCE_ENV`; the defaults of :func:`dualkv.grpo.policy_update`). Under FSDP1, with
-  ``DUALKV_VERL_PROMPT_ONCE=0``, or with ``use_dynamic_bsz=False`` (veRL's fixed row chunks, in
-  veRL's loop: exact, groups whole when the micro-batch size is a multiple of ``rollout.n``) each
-  piece of a split group carries its own prompt copy instead (``prepare_micro_batches``:
-  :func:`group_micro_batches`, the same number of micro-batches on every rank);
+  :data:`PROMPT_ONCE_ENV`; the defaults of :func:`dualkv.grpo.policy_update`). Under FSDP1 (whose
+  root forward wraps the model: the loop above cannot run phase A inside it) and with
+  ``use_dynamic_bsz=False`` (veRL's fixed row chunks: exact, groups whole when the micro-batch size
+  is a multiple of ``rollout.n``) veRL's own loop runs the micro-batches (FSDP1's:
+  :func:`group_micro_batches`, the same number on every rank) and a group in several of them runs its
+  prompt once with phase C inside its last micro-batch (:class:`_LoopPromptOnce`); with
+  ``DUALKV_VERL_PROMPT_ONCE=0`` or under Ulysses there each piece carries its own prompt copy;
 * model inputs (``prepare_model_inputs``): ``[prompt | response_1 | ... | response_N]`` per group,
   with the layout's positions and an explicit target map instead of veRL's ``roll(-1)`` labels;
 * model outputs (``prepare_model_outputs``): the fused log-probs (and entropy) of the response tokens,
@@ -76,6 +78,7 @@ Refused with :class:`dualkv.UnsupportedError` when the micro-batch asks for it: 
 """
 from __future__ import annotations
 
+import contextvars
 import os
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -90,7 +93,7 @@ from ..microbatch import MicroBatch, PromptPhase, plan_micro_batches
 from ..packing import PackedBatch, pack_padded
 from ..schedule import _pack as _pack_planned
 from . import transformers as dkt
-from ._packed_forward import check_servable, forward_kwargs, install
+from ._packed_forward import DECODER_ONLY_KWARG, check_servable, forward_kwargs, install
 
 try:
     import torch.distributed as dist
@@ -106,6 +109,9 @@ __all__ = ["PROMPT_ONCE_ENV", "PromptOnceOptions", "install_plugin", "uses_dualk
 _BATCH_FLAG = "dualkv"
 #: output_args key carrying the micro-batch's PackedBatch from inputs to outputs
 _PACKED_ARG = "dualkv_packed"
+#: output_args keys of veRL's loop with prompt once: the PromptKV a micro-batch closes prompts of (its probes
+#: are collected after the forward), and the packed row of each micro-batch row
+_CLOSING_ARG, _ROWS_ARG = "dualkv_closing", "dualkv_rows"
 _ORIGINAL: Dict[str, Any] = {}
 
 
@@ -208,7 +214,12 @@ def group_micro_batches(batch, dp_group=None) -> Tuple[list, List[List[int]]]:
     (micro-batch TensorDicts, their row indices) like veRL's."""
     sp_size = tu.get_non_tensor_data(data=batch, key="sp_size", default=1)
     max_tokens = int(tu.get_non_tensor_data(data=batch, key="max_token_len_per_gpu", default=None)) * sp_size
-    packed = _pack(batch)  # validates every group (same prompt under one uid) before any forward
+    failure: Optional[Exception] = None
+    try:
+        packed = _pack(batch)  # validates every group (same prompt under one uid) before any forward
+    except (ArgumentError, UnsupportedError, ValueError) as exc:
+        failure = exc
+    _agree_or_raise(dp_group, failure)  # a rank's bad rows raise on every rank, none left in the count's all-reduce
     plan = plan_micro_batches(packed.groups(), max_tokens=max_tokens)
     micro = [mb.rows(packed.group_rows) for mb in plan.ranks[0] if mb.entries]
     if dist.is_initialized() and dp_group is not None:
@@ -283,8 +294,13 @@ def _packed_model_inputs(engine, micro_batch) -> Tuple[Dict[str, Any], Dict[str,
     get = tu.get_non_tensor_data
     _refuse_unservable(engine, micro_batch)
     step = getattr(engine, _STEP_ATTR, None)
+    loop = _LOOP.get()
+    extra: Dict[str, Any] = {}
     if step is not None:  # the prompt-once loop's micro-batch: its rows are step.micro_batch's, entry by entry
         packed = _pack_planned(step.micro_batch, step.phase, step.prompt_kv, step.prompts, step.responses)
+    elif loop is not None and loop.phase_a:  # veRL's loop with prompt once closed inside micro-batches
+        _prepare_engine(engine, micro_batch["attention_mask"].device)
+        packed, extra = loop.pack(micro_batch)
     else:
         packed = _pack(micro_batch)
     _prepare_engine(engine, packed.device)
@@ -294,25 +310,34 @@ def _packed_model_inputs(engine, micro_batch) -> Tuple[Dict[str, Any], Dict[str,
     del inputs["use_cache"]  # forward_step passes use_cache=False itself
     if engine.engine_config.full_determinism:
         inputs[dkt.DETERMINISTIC_KWARG] = True
-    return inputs, {_PACKED_ARG: packed}
+    return inputs, {_PACKED_ARG: packed, **extra}
 
 
-def _to_nested(values: torch.Tensor, packed: PackedBatch, micro_batch) -> torch.Tensor:
-    """``[B, R_max]`` response values -> veRL's nested ``(B, P_b + R_b)``: row b, column ``P_b - 1 + t``."""
+def _to_nested(values: torch.Tensor, mask: torch.Tensor, micro_batch) -> torch.Tensor:
+    """``[B, R_max]`` response values (``mask``: their response positions) in the micro-batch's row order
+    -> veRL's nested ``(B, P_b + R_b)``: row b, column ``P_b - 1 + t``."""
     cu = micro_batch["input_ids"].offsets().to(values.device)
     lp = micro_batch["prompts"].shape[1]
     prompt_lens = micro_batch["attention_mask"][:, :lp].sum(1).to(values.device)
-    mask = packed.response_mask()
     where = (cu[:-1] + prompt_lens - 1).unsqueeze(1) + torch.arange(values.shape[1], device=values.device)
     flat = values.new_zeros(int(micro_batch["input_ids"].values().shape[0]))
     flat = flat.index_copy(0, where[mask], values[mask])
     return torch.nested.nested_tensor_from_jagged(flat, cu)
 
 
-def _packed_model_outputs(output, packed: PackedBatch, micro_batch) -> Dict[str, torch.Tensor]:
-    result = {"log_probs": _to_nested(output.log_probs, packed, micro_batch)}
-    if output.entropy is not None:
-        result["entropy"] = _to_nested(output.entropy, packed, micro_batch)
+def _packed_model_outputs(output, output_args: Dict[str, Any], micro_batch) -> Dict[str, torch.Tensor]:
+    packed = output_args[_PACKED_ARG]
+    log_probs, entropy, mask = output.log_probs, output.entropy, packed.response_mask()
+    kv = output_args.get(_CLOSING_ARG)
+    if kv is not None:  # zeros whose backward hands the closed prompts the earlier micro-batches' gradients
+        log_probs = log_probs + torch.stack(kv.end_closing()).sum()
+    back = output_args.get(_ROWS_ARG)
+    if back is not None:  # packed group by group: back to the micro-batch's row order
+        log_probs, mask = log_probs.index_select(0, back), mask.index_select(0, back)
+        entropy = entropy.index_select(0, back) if entropy is not None else None
+    result = {"log_probs": _to_nested(log_probs, mask, micro_batch)}
+    if entropy is not None:
+        result["entropy"] = _to_nested(entropy, mask, micro_batch)
     return result
 
 
@@ -459,7 +484,8 @@ def _runs_prompt_once(engine, data, options: PromptOnceOptions) -> bool:
     * FSDP1: phase A runs the prompts through the Hugging Face model inside the root module's own
       forward call (:func:`dualkv.schedule.run_prompt_phase`), which FSDP2 hooks (it shards the model
       in place) but FSDP1 wraps: its root forward, which gathers the root's flat parameters, cannot be
-      entered from the inner module. There each piece of a split group keeps its prompt copy.
+      entered from the inner module with gradients.
+    Both run veRL's own loop with prompt once closed inside it (:class:`_LoopPromptOnce`).
     """
     return (options.enabled and bool(tu.get_non_tensor_data(data=data, key="use_dynamic_bsz", default=True))
             and fsdp_version(engine.module) != 1)
@@ -683,6 +709,105 @@ def _prompt_once_batch(engine, data, loss_function, forward_only: bool, options:
 
 
 # ------------------------------------------------------------------------------------------------
+# prompt once inside veRL's own loop (FSDP1, fixed-size micro-batches)
+# ------------------------------------------------------------------------------------------------
+
+#: set for the duration of a dualkv engine's forward_backward_batch that runs veRL's own micro-batch loop
+#: with prompt once (:class:`_LoopPromptOnce`)
+_LOOP: contextvars.ContextVar = contextvars.ContextVar("dualkv_verl_loop", default=None)
+
+
+class _LoopPromptOnce:
+    """Prompt once for the micro-batches veRL's own loop runs (FSDP1 with dynamic batch size: the
+    planner's micro-batches of whole groups, a group over the budget cut into pieces; fixed-size
+    micro-batches: veRL's row chunks, which cut any group they straddle): a group in two or more
+    micro-batches runs its prompt once (:meth:`dualkv.schedule.PromptKV.closing`). At the first
+    micro-batch's ``prepare_model_inputs``, one forward without gradients through the engine's module
+    (FSDP1's root forward included) records every such prompt; each of the group's micro-batches but
+    its last packs its responses behind the prompt's last token, reading the recorded keys and values;
+    in training its last packs the group whole and closes the prompt (the probes enter the
+    micro-batch's log-probs in ``prepare_model_outputs``, so the micro-batch's own backward carries the
+    earlier ones' gradients into the prompt, inside veRL's gradient-sync context). Log-prob forwards
+    read it in every piece. A micro-batch keeps veRL's rows, so the memory of the closing micro-batch is
+    the one of its prompt copy. Every data-parallel rank runs phase A when any has such a group (a
+    placeholder prompt where it has none). Not under Ulysses (the prompt copies run there)."""
+
+    def __init__(self, engine, forward_only: bool, options: PromptOnceOptions):
+        self.engine, self.forward_only, self.options = engine, forward_only, options
+        self.roles: List[Dict[Any, Tuple[str, int]]] = []  # per micro-batch: uid -> (READ or CLOSE, prefix)
+        self.prompts: List[torch.Tensor] = []  # per prefix: the whole prompt
+        self.phase_a = False
+        self.kv: Optional[schedule.PromptKV] = None
+        self.pos = 0
+
+    def plan(self, data, micro_rows: Sequence[Sequence[int]], dp_group) -> None:
+        """Which uid group each micro-batch (``micro_rows``: its rows of ``data``, in veRL's order) reads or
+        closes; agreed over ``dp_group`` whether a prompt phase runs."""
+        failure: Optional[Exception] = None
+        try:
+            uids = _uids(data)
+            full = _pack(data)  # validates every group (one prompt per uid) before any forward
+        except (ArgumentError, UnsupportedError, ValueError) as exc:
+            failure = exc
+        _agree_or_raise(dp_group, failure)  # a rank's bad rows raise on every rank, none left in a collective
+        device = _device()
+        prompts, _ = _group_tokens(full, device)
+        group_of = {uids[rows[0]]: g for g, rows in enumerate(full.group_rows)}
+        where: Dict[Any, List[int]] = {}
+        for i, rows in enumerate(micro_rows):
+            for b in rows:
+                seen = where.setdefault(uids[b], [])
+                if not seen or seen[-1] != i:
+                    seen.append(i)
+        split = [u for u, seen in where.items() if len(seen) > 1 and full.group_prompt_lens[group_of[u]] > 1]
+        self.roles = [{} for _ in micro_rows]
+        for e, u in enumerate(split):
+            for i in where[u]:
+                closes = i == where[u][-1] and not self.forward_only
+                self.roles[i][u] = (schedule.CLOSE if closes else schedule.READ, e)
+        self.prompts = [prompts[group_of[u]] for u in split]
+        flag = torch.tensor([int(bool(split))], device="cuda" if device.type == "cuda" else "cpu")
+        if dp_group is not None and dist.is_initialized() and dist.get_world_size(dp_group) > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=dp_group)
+        self.phase_a = bool(int(flag.item()))
+
+    def pack(self, micro_batch) -> Tuple[PackedBatch, Dict[str, Any]]:
+        """The next micro-batch of the loop, packed with its roles (phase A first, at the first one);
+        returns it and the output_args entries ``prepare_model_outputs`` needs."""
+        engine, i = self.engine, self.pos
+        self.pos += 1
+        if self.kv is None:
+            prompts = self.prompts or [torch.zeros(2, dtype=torch.int64, device=_device())]
+
+            def call(**kw):
+                return engine.module(**kw, **{DECODER_ONLY_KWARG: True})
+
+            with torch.no_grad(), _autocast(engine):
+                self.kv = schedule.run_prompt_phase(
+                    _hf_model(engine.module), prompts, bool(engine.engine_config.full_determinism),
+                    prompt_grad_dtype=self.options.prompt_grad_dtype,
+                    stream_prompt_state=self.options.stream_prompt_state, call=call)
+        ids, mask, width = _padded(micro_batch)
+        prompt_cols = ids.shape[1] - width
+        lens = torch.stack([mask[:, :prompt_cols].sum(1), mask[:, prompt_cols:].sum(1)]).tolist()
+        members: Dict[Any, List[int]] = {}
+        for b, u in enumerate(_uids(micro_batch)):
+            members.setdefault(u, []).append(b)
+        roles = self.roles[i] if i < len(self.roles) else {}
+        packed, order, closing = schedule.pack_padded_rows(ids, prompt_cols, list(members.values()), lens[0], lens[1],
+                                                           [roles.get(u) for u in members], self.kv)
+        extra: Dict[str, Any] = {}
+        if order != list(range(len(order))):
+            back = torch.empty(len(order), dtype=torch.int64)
+            back[torch.tensor(order)] = torch.arange(len(order))
+            extra[_ROWS_ARG] = back.to(ids.device)
+        if closing:
+            self.kv.begin_closing([e for e, _ in closing], [start for _, start in closing])
+            extra[_CLOSING_ARG] = self.kv
+        return packed, extra
+
+
+# ------------------------------------------------------------------------------------------------
 # the patches
 # ------------------------------------------------------------------------------------------------
 
@@ -692,16 +817,34 @@ def _forward_backward_batch(self, data, loss_function, forward_only=False):
         options = PromptOnceOptions.from_env()
         if _runs_prompt_once(self, data, options):
             return _prompt_once_batch(self, data, loss_function, forward_only, options)
+        if options.enabled and not getattr(self, "use_ulysses_sp", False):
+            token = _LOOP.set(_LoopPromptOnce(self, forward_only, options))
+            try:
+                return _ORIGINAL["forward_backward_batch"](self, data, loss_function, forward_only)
+            finally:
+                _LOOP.reset(token)
     return _ORIGINAL["forward_backward_batch"](self, data, loss_function, forward_only)
 
 
 def _prepare_micro_batches(data, dp_group=None, *args, **kwargs):
     if tu.get_non_tensor_data(data=data, key=_BATCH_FLAG, default=False) and \
             tu.get_non_tensor_data(data=data, key="use_dynamic_bsz", default=True):
-        return group_micro_batches(data, dp_group)
+        micro, rows = group_micro_batches(data, dp_group)
+        loop = _LOOP.get()
+        if loop is not None:
+            loop.plan(data, rows, dp_group)
+        return micro, rows
     # fixed-size micro-batches: veRL's row chunks (groups stay whole when the size is a multiple of rollout.n;
-    # a cut group is packed twice, still exactly)
-    return _ORIGINAL["prepare_micro_batches"](data, dp_group, *args, **kwargs)
+    # a cut group runs its prompt once, closed in veRL's loop, or with prompt once off is packed per piece)
+    micro, indices = _ORIGINAL["prepare_micro_batches"](data, dp_group, *args, **kwargs)
+    loop = _LOOP.get()
+    if loop is not None and tu.get_non_tensor_data(data=data, key=_BATCH_FLAG, default=False):
+        rows, start = [], 0
+        for mb in micro:  # veRL's chunks: consecutive rows
+            rows.append(list(range(start, start + len(mb))))
+            start += len(mb)
+        loop.plan(data, rows, dp_group)
+    return micro, indices
 
 
 def _prepare_model_inputs(self, micro_batch):
@@ -712,7 +855,7 @@ def _prepare_model_inputs(self, micro_batch):
 
 def _prepare_model_outputs(self, output, output_args, micro_batch, logits_processor_func):
     if _PACKED_ARG in output_args:
-        return _packed_model_outputs(output, output_args[_PACKED_ARG], micro_batch)
+        return _packed_model_outputs(output, output_args, micro_batch)
     return _ORIGINAL["prepare_model_outputs"](self, output, output_args, micro_batch, logits_processor_func)
 
 
