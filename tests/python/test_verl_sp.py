@@ -223,15 +223,19 @@ def case_prompt_once(ranks: Ranks):
 
 def case_prompt_copies(ranks: Ranks):
     """DUALKV_VERL_PROMPT_ONCE=0: veRL's loop over group_micro_batches, split groups with a prompt copy;
-    and use_dynamic_bsz=False: veRL's row chunks (2 rows: groups cut, each piece with its prompt)."""
+    then (prompt once on again) use_dynamic_bsz=False: veRL's row chunks (2 rows: groups cut), each cut
+    group's prompt run once, closed inside veRL's loop, sharded over the SP group."""
     os.environ[dkv.PROMPT_ONCE_ENV] = "0"
     try:
         ranks.check_update(SPLIT_PER_GPU, "prompt copies")
         ranks.check_log_probs(SPLIT_PER_GPU, "prompt copies, log-probs")
     finally:
         del os.environ[dkv.PROMPT_ONCE_ENV]
-    ranks.check_update(SPLIT_PER_GPU, "fixed-size micro-batches", use_dynamic_bsz=False)
-    return {}
+    with spy_prompt_phases() as phases:
+        ranks.check_update(SPLIT_PER_GPU, "fixed-size micro-batches", use_dynamic_bsz=False)
+    sharded = [g for g in phases if g is not None]  # the one-rank reference's phases have no SP group
+    assert sharded, phases
+    return {"fixed_size_sharded_phases": len(sharded)}
 
 
 def case_refusals(ranks: Ranks):
@@ -268,13 +272,16 @@ def case_moe_prompt_once(ranks: Ranks):
 
 def case_fsdp1(ranks: Ranks):
     """veRL's FSDP1 strategy (``strategy="fsdp"``: torch's FullyShardedDataParallel as veRL's
-    ``_build_fsdp_module`` wraps the model, test_verl._veRL_fsdp1_engine) under SP: the plug-in runs
-    no prompt phase there (phase A cannot enter FSDP1's root forward, ``_runs_prompt_once``), so every
-    group over the budget is split with a prompt copy per piece in veRL's own loop (FSDP1's
-    ``no_sync`` on all but the last micro-batch), each micro-batch sharded over the SP group. Update
-    (every gradient: the FlatParameters' shards cut back into the parameters) and log-probs against
-    the one-rank engine, which runs the same rows with prompt once; at dp 1 the update again with
-    veRL's fixed-size micro-batches (use_dynamic_bsz=False: its row chunks)."""
+    ``_build_fsdp_module`` wraps the model, test_verl._veRL_fsdp1_engine) under SP: the plug-in's own
+    prompt-once loop cannot run there (its phase A would enter FSDP1's root forward from inside,
+    ``_runs_prompt_once``), so veRL's own loop runs the micro-batches (FSDP1's ``no_sync`` on all but
+    the last), every group over the budget split into pieces, each micro-batch sharded over the SP
+    group, and a split group runs its prompt once closed inside the loop (phase A without gradients
+    through FSDP1's root forward, sharded over the SP group; the group's last piece closes it:
+    verl._LoopPromptOnce). Update (every gradient: the FlatParameters' shards cut back into the
+    parameters) and log-probs against the one-rank engine, which runs the same rows with the plug-in's
+    own prompt-once loop; at dp 1 the update again with veRL's fixed-size micro-batches
+    (use_dynamic_bsz=False: its row chunks)."""
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from verl.utils.fsdp_utils import fsdp_version
     fsdp1 = Ranks(ranks.rank, ranks.world, strategy="fsdp")
@@ -293,11 +300,13 @@ def case_fsdp1(ranks: Ranks):
                 fsdp1.check_update(SPLIT_PER_GPU, "FSDP1, fixed-size micro-batches", use_dynamic_bsz=False)
     finally:
         dualkv.distributed.attention = attention
-    # the phases are the one-rank engine's (prompt once, no SP group); the FSDP1 engine ran none, and
-    # its attention layers ran dualkv's all-to-all path
-    assert phases and phases.count(None) == len(phases), phases
+    # the one-rank engine's phases (no SP group) and the FSDP1 engine's, sharded over its SP group; its
+    # attention layers ran dualkv's all-to-all path
+    sharded_phases = [g for g in phases if g is not None]
+    assert phases.count(None) and sharded_phases and all(g is sharded_phases[0] for g in sharded_phases), phases
     assert sharded_calls
-    return {"one_rank_phases": len(phases), "sharded_attention_calls": len(sharded_calls)}
+    return {"one_rank_phases": phases.count(None), "sharded_phases": len(sharded_phases),
+            "sharded_attention_calls": len(sharded_calls)}
 
 
 CASES = {2: ["whole_groups", "prompt_once", "prompt_copies", "refusals", "moe_prompt_once", "fsdp1"],

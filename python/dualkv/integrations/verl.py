@@ -36,8 +36,9 @@ an engine whose model does not use ``attn_implementation="dualkv"`` is untouched
   ``use_dynamic_bsz=False`` (veRL's fixed row chunks: exact, groups whole when the micro-batch size
   is a multiple of ``rollout.n``) veRL's own loop runs the micro-batches (FSDP1's:
   :func:`group_micro_batches`, the same number on every rank) and a group in several of them runs its
-  prompt once with phase C inside its last micro-batch (:class:`_LoopPromptOnce`); with
-  ``DUALKV_VERL_PROMPT_ONCE=0`` or under Ulysses there each piece carries its own prompt copy;
+  prompt once with phase C inside its last micro-batch (:class:`_LoopPromptOnce`; under Ulysses too,
+  phase A sharded over the SP group); with ``DUALKV_VERL_PROMPT_ONCE=0`` each piece carries its own
+  prompt copy;
 * model inputs (``prepare_model_inputs``): ``[prompt | response_1 | ... | response_N]`` per group,
   with the layout's positions and an explicit target map instead of veRL's ``roll(-1)`` labels;
 * model outputs (``prepare_model_outputs``): the fused log-probs (and entropy) of the response tokens,
@@ -730,7 +731,9 @@ class _LoopPromptOnce:
     earlier ones' gradients into the prompt, inside veRL's gradient-sync context). Log-prob forwards
     read it in every piece. A micro-batch keeps veRL's rows, so the memory of the closing micro-batch is
     the one of its prompt copy. Every data-parallel rank runs phase A when any has such a group (a
-    placeholder prompt where it has none). Not under Ulysses (the prompt copies run there)."""
+    placeholder prompt where it has none). Under Ulysses phase A runs sharded over the SP group (each
+    rank records its heads' keys and values of every prompt token) and the closing micro-batch's probes
+    take the prompt's rows of the whole stream inside the all-to-all attention."""
 
     def __init__(self, engine, forward_only: bool, options: PromptOnceOptions):
         self.engine, self.forward_only, self.options = engine, forward_only, options
@@ -785,7 +788,7 @@ class _LoopPromptOnce:
             with torch.no_grad(), _autocast(engine):
                 self.kv = schedule.run_prompt_phase(
                     _hf_model(engine.module), prompts, bool(engine.engine_config.full_determinism),
-                    prompt_grad_dtype=self.options.prompt_grad_dtype,
+                    sp_group=_sp_group(engine), prompt_grad_dtype=self.options.prompt_grad_dtype,
                     stream_prompt_state=self.options.stream_prompt_state, call=call)
         ids, mask, width = _padded(micro_batch)
         prompt_cols = ids.shape[1] - width
@@ -817,7 +820,7 @@ def _forward_backward_batch(self, data, loss_function, forward_only=False):
         options = PromptOnceOptions.from_env()
         if _runs_prompt_once(self, data, options):
             return _prompt_once_batch(self, data, loss_function, forward_only, options)
-        if options.enabled and not getattr(self, "use_ulysses_sp", False):
+        if options.enabled:
             token = _LOOP.set(_LoopPromptOnce(self, forward_only, options))
             try:
                 return _ORIGINAL["forward_backward_batch"](self, data, loss_function, forward_only)
