@@ -414,8 +414,9 @@ class PromptKV:
         prefixes of this phase as external prefixes. A closed prefix is done: reading it again is an
         error; once every prefix is closed the phase's state is freed.
 
-        Needs phase A without gradients; no sequence parallelism (``starts`` index one rank's whole
-        stream). With the streamed state each layer's sums come to the device when the backward
+        Needs phase A without gradients. ``starts`` index the micro-batch's whole packed stream, under
+        Ulysses sequence parallelism too (the attention layers see every token of the rank's heads
+        there). With the streamed state each layer's sums come to the device when the backward
         reaches the layer's probe (the layer below prefetched), and the rows of the closed prefixes
         are taken from them. :meth:`begin_closing` / :meth:`end_closing` are the two halves, for a
         caller whose forward runs between two hooks (the veRL plug-in's)."""
