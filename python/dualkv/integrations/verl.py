@@ -769,10 +769,11 @@ class _LoopPromptOnce:
                 closes = i == where[u][-1] and not self.forward_only
                 self.roles[i][u] = (schedule.CLOSE if closes else schedule.READ, e)
         self.prompts = [prompts[group_of[u]] for u in split]
-        flag = torch.tensor([int(bool(split))], device="cuda" if device.type == "cuda" else "cpu")
+        self.phase_a = bool(split)
         if dp_group is not None and dist.is_initialized() and dist.get_world_size(dp_group) > 1:
+            flag = torch.tensor([int(self.phase_a)], device="cuda" if dist.get_backend(dp_group) == "nccl" else "cpu")
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=dp_group)
-        self.phase_a = bool(int(flag.item()))
+            self.phase_a = bool(int(flag.item()))
 
     def pack(self, micro_batch) -> Tuple[PackedBatch, Dict[str, Any]]:
         """The next micro-batch of the loop, packed with its roles (phase A first, at the first one);
