@@ -51,7 +51,8 @@ The rollout batch (the same for every method): --groups G prompts x -N responses
 responses, ``uid`` per group, the rows of the groups shuffled as veRL's balancing leaves them), random
 old / reference log-probs and advantages. It goes through veRL's own ``left_right_2_no_padding`` and the
 non-tensor keys its trainer sets (``use_dynamic_bsz``, ``max_token_len_per_gpu`` = --max-tokens,
-default 16384: veRL's ``ppo_max_token_len_per_gpu`` default). Timed with CUDA events (wall clock on
+default 16384: veRL's ``ppo_max_token_len_per_gpu`` default; with --micro-batch-rows R veRL's fixed-size
+micro-batches instead: ``use_dynamic_bsz=False``, R-row chunks, run by veRL's own loop for every method). Timed with CUDA events (wall clock on
 a CPU) after an untimed pass of each kind per method (it counts the tokens and micro-batches, and warms
 the kernels, the allocator and the planner; --warmup adds more), in --rounds interleaved rounds (the
 method order rotated each round), medians reported:
@@ -191,6 +192,11 @@ def parse_args(argv=None):
     p.add_argument("--max-tokens", type=int, default=16384,
                    help="ppo_max_token_len_per_gpu (veRL's default 16384): packed tokens per micro-batch for dualkv "
                         "(per GPU: x S per micro-batch with --sp S), unpadded tokens for the stock engine")
+    p.add_argument("--micro-batch-rows", type=int, default=None, metavar="R",
+                   help="veRL's fixed-size micro-batches (use_dynamic_bsz=False, ppo_micro_batch_size_per_gpu R) "
+                        "instead of the token budget: veRL's own loop over its R-row chunks for every method; a group "
+                        "the chunks cut runs its prompt once (once: closed inside veRL's loop) or a copy per chunk "
+                        "(copies, flex_fa4)")
     p.add_argument("--methods", default=",".join(DEFAULT_METHODS), help=f"some of {', '.join(METHODS)}")
     p.add_argument("--sp", type=int, default=1, metavar="S",
                    help="Ulysses sequence parallelism (veRL's ulysses_sequence_parallel_size): the ranks form "
@@ -215,6 +221,10 @@ def parse_args(argv=None):
         p.error("--rounds >= 1, --warmup >= 0")
     if args.sp < 1 or world_size() % args.sp:
         p.error(f"--sp must divide the world size {world_size()}; got {args.sp}")
+    if args.micro_batch_rows is not None and (args.micro_batch_rows < 1 or
+                                              (args.groups * args.n) % (args.micro_batch_rows * world_size())):
+        p.error(f"--micro-batch-rows must divide each rank's {args.groups} x {args.n} / {world_size()} rows; "
+                f"got {args.micro_batch_rows}")
     if args.sp > 1 and set(methods) - {"once", "copies"}:
         p.error(f"--sp {args.sp} runs the dualkv methods (once, copies) only; got --methods {args.methods}")
     if args.layers is not None:
@@ -420,7 +430,9 @@ def use_ulysses(engine, sp: int, device) -> None:
 
 def actor_config(v, args):
     """The actor config ppo_loss reads: veRL's GRPO recipe (KL loss, no entropy bonus), clip 0.2 / 0.28."""
-    return v.FSDPActorConfig(strategy="fsdp2", rollout_n=args.n, ppo_mini_batch_size=args.groups, use_dynamic_bsz=True,
+    fixed = args.micro_batch_rows is not None
+    return v.FSDPActorConfig(strategy="fsdp2", rollout_n=args.n, ppo_mini_batch_size=args.groups,
+                             use_dynamic_bsz=not fixed, ppo_micro_batch_size_per_gpu=args.micro_batch_rows if fixed else None,
                              ppo_max_token_len_per_gpu=args.max_tokens, clip_ratio_low=0.2, clip_ratio_high=0.28,
                              entropy_coeff=0.0, use_kl_loss=True, kl_loss_coef=0.001)
 
@@ -471,8 +483,9 @@ def engine_batch(v, proto, args, train: bool):
     this rank's rows, the global batch size of all ranks."""
     td = v.left_right_2_no_padding(proto.to_tensordict())
     v.tu.assign_non_tensor(td, calculate_entropy=not train, global_batch_size=args.groups * args.n, compute_loss=train,
-                           use_remove_padding=True, use_dynamic_bsz=True, max_token_len_per_gpu=args.max_tokens,
-                           micro_batch_size_per_gpu=1, use_fused_kernels=False)
+                           use_remove_padding=True, use_dynamic_bsz=args.micro_batch_rows is None,
+                           max_token_len_per_gpu=args.max_tokens, micro_batch_size_per_gpu=args.micro_batch_rows or 1,
+                           use_fused_kernels=False)
     return td
 
 

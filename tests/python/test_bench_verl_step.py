@@ -81,6 +81,22 @@ def test_verl_step_bench_runs_on_cpu(tmp_path):
     assert data["protocol"]["stock_logprobs"].startswith(("chunked", "veRL's"))
 
 
+def test_verl_step_bench_fixed_size_micro_batches(tmp_path):
+    """--micro-batch-rows 2: veRL's own loop over 2-row chunks for every method (the groups' rows shuffled, so
+    the chunks cut every group): once runs each cut prompt once (phase A, then the prompt's last token per
+    further chunk and the whole prompt in its closing chunk), copies a prompt per chunk; the same losses."""
+    data, _ = _run(tmp_path, "--methods", "once,copies,stock", "--micro-batch-rows", "2", "--no-accuracy")
+    assert data["args"]["micro_batch_rows"] == 2
+    passes, tokens = data["passes"], data["tokens"]
+    for m in ("once", "copies", "stock"):
+        assert passes[m]["status"] == "ok" and passes[m]["update_micro_batches"] == 6, (m, passes[m])
+        assert passes[m]["update_loss"] == pytest.approx(passes["stock"]["update_loss"], rel=1e-5, abs=1e-6), m
+    once, copies = passes["once"], passes["copies"]
+    assert tokens["packed"] < once["update_tokens"] < copies["update_tokens"] <= passes["stock"]["update_tokens"]
+    # log-probs read the recorded prompt in every chunk: no closing chunk carries a whole prompt
+    assert once["logprobs_tokens"] < once["update_tokens"]
+
+
 def _check_flex_fa4(data, ran):
     """flex_fa4 runs copies' packed stream (the same tokens and micro-batches, log-probs within fp32 noise of
     copies' over every response token), builds one BlockMask per micro-batch (not per layer, not again in
