@@ -80,6 +80,10 @@ BENCHMARKS = {
                      "step trl-step); .g8_cut.log: the G8 run, cut at its cap after both updates",
     "trl_step_1.7b_g8_accuracy": "bench/trl_step.py --parts accuracy, the G8 x N16 step's log-probs (first group) "
                                  "against the fp32 truth, stock and dualkv (issue 20; TRL_ARGS='--parts accuracy')",
+    "trl_step_flex_fa4_1.7b_slices16": "bench/trl_step.py --methods stock,dualkv,flex_fa4 --groups 4 --slices 16 "
+                                       "--parts timing: one TRL update, 4-row slices (each group of 16 in 4 of them): "
+                                       "dualkv's prompt once across slices against Flex-FA4 packing with a prompt "
+                                       "copy per slice and stock TRL, one H100 (session 37); .log: its output",
     "ab_house": "tests/gpu/ab_bench.py, the kernel house (342699f) against 72977b9 in one process, Hopper path, "
                 "3 rounds (issue 15); .portable.log: the portable path with FA2 alongside (house_run.sh ab-portable)",
     "ab_house_sm90_d256": "bench/attention.py --ab-library, main (69a9e7a) against 72977b9, Hopper path, head dim 256, "
