@@ -456,10 +456,13 @@ def test_bench_flex_fa4(tmp_path):
     its steady state, and its ratio to dualkv in the verdict."""
     bench = _load(REPO / "bench" / "trl_step.py")
     bench.main(["--device", "cpu", "--model", "tiny", "--dtype", "fp32", "--groups", "2", "-N", "4", "--prompt-len",
-                "8,16", "--completion-len", "2,8", "--slices", "4", "--methods", "flex_fa4,dualkv,stock",
+                "8,16", "--completion-len", "2,8", "--slices", "4", "--methods", "flex_fa4,dualkv,stock,dualkv_copies",
                 "--out", str(tmp_path)])
     report = json.loads(next(tmp_path.glob("trl_step-*.json")).read_text())
-    assert list(report["times"]) == ["stock", "dualkv", "flex_fa4"]
+    assert list(report["times"]) == ["stock", "dualkv", "dualkv_copies", "flex_fa4"]
+    assert report["verdict"]["update_speedup_dualkv_copies"] == pytest.approx(
+        report["times"]["dualkv_copies"]["update_s"] / report["times"]["dualkv"]["update_s"])
+    assert report["logprob_error"]["dualkv_copies"]["max"] < 1e-5
     tok = report["tokens"]
     assert tok["packed"] < tok["packed_slices"] < tok["unpadded"] and report["args"]["prompt_once"] is True
     flex = report["times"]["flex_fa4"]
@@ -471,7 +474,7 @@ def test_bench_flex_fa4(tmp_path):
     verdict = report["verdict"]
     assert verdict["logprob_flex_fa4_ok"] is True
     assert verdict["update_speedup_flex_fa4"] == pytest.approx(flex["update_s"] / report["times"]["dualkv"]["update_s"])
-    for bad in ("stock,flex_fa4", "stock,dualkv,dualkv", "stock,dualkv,flex"):
+    for bad in ("stock,flex_fa4", "stock,dualkv,dualkv", "stock,dualkv,flex", "stock,dualkv_copies"):
         with pytest.raises(SystemExit):
             bench.parse_args(["--methods", bad])
 
