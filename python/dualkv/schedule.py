@@ -320,7 +320,7 @@ class PromptKV:
                 raise ArgumentError(f"dualkv.schedule: attention layer {idx} recorded nothing in the prompt phase")
             return _StreamedRead.apply(self._streamed.anchor, self._streamed, idx)
         if idx not in self._leaves:
-            if self._closed and len(self._closed) == len(self.prefix_lens):
+            if self._closed and not self.open_prefixes:
                 raise ArgumentError("dualkv.schedule: a micro-batch read the prompt phase after closing() closed all "
                                     "of its prefixes")
             raise ArgumentError(f"dualkv.schedule: attention layer {idx} recorded nothing in the prompt phase")
@@ -479,7 +479,7 @@ class PromptKV:
             raise ArgumentError(f"dualkv.schedule: the closing micro-batch's forward did not run attention layer(s) "
                                 f"{missing} of the prompt phase")
         self._closed.update(prefixes)
-        if len(self._closed) == len(self.prefix_lens):
+        if not self.open_prefixes:
             self._drop_state()
             if self._streamed is not None:  # the probes' fetchers keep what the backward still reads
                 self._streamed.kv_cache, self._streamed.kv_host, self._streamed._kv_saved = {}, {}, {}

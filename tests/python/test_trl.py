@@ -296,7 +296,7 @@ def test_prompt_once_window_plan():
     slices = [piece([a, a, b], [2, 3, 1]), piece([a, b, c], [1, 2, 2]), piece([b, c, c], [4, 1, 2]),
               piece([b, d, d], [0, 2, 2])]
     w = _Window.plan(slices, 5, "cpu")
-    assert w.steps == 5 and len(w.calls) == 4 and w.phase_a and not w.placeholder
+    assert w.steps == 5 and len(w.calls) == 4 and w.phase_a
     assert [p.tolist() for p in w.prompts] == [list(a), list(b)]  # c: one token; d: one slice
     ka, kb = w.calls[0].keys[0], w.calls[0].keys[2]
     assert w.calls[0].roles == {ka: ("read", 0), kb: ("read", 1)}
@@ -305,7 +305,7 @@ def test_prompt_once_window_plan():
     assert w.calls[3].keys[0] is None and w.calls[3].roles == {}
     assert w.calls[2].lens == [4, 1, 2]
     single = _Window.plan(slices[:1], 2, "cpu")
-    assert not single.phase_a and single.placeholder and single.prompts == []
+    assert not single.phase_a and single.prompts == []
     holes = piece([a, a], [2, 2])
     holes["completion_mask"][0, 0] = 0
     with pytest.raises(ValueError, match="right-padded"):

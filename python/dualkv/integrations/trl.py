@@ -320,7 +320,7 @@ class DualKVGRPOTrainer(GRPOTrainer):
                     out = model(**forward_kwargs(packed, self.temperature, compute_entropy), **extra)
             else:
                 out = model(**forward_kwargs(packed, self.temperature, compute_entropy), **extra)
-        if window.pos == len(window.calls) and not window.placeholder and kv.open_prefixes:
+        if window.pos == len(window.calls) and window.prompts and kv.open_prefixes:  # (a placeholder stays open)
             # the window's last planned step: every split group's last slice has run (before its backward, and
             # so before the optimizer step, a plan that missed one stops the run)
             raise RuntimeError(f"DualKVGRPOTrainer: a gradient-accumulation window ends with split group(s) "
@@ -378,7 +378,6 @@ class _Window:
     prompts: List[torch.Tensor]
     prompt_lens: Dict[int, int]
     phase_a: bool
-    placeholder: bool
     kv: Optional[schedule.PromptKV] = None
     pos: int = 0
 
@@ -421,7 +420,7 @@ class _Window:
             for i in where[key]:
                 calls[i].roles[key] = (schedule.CLOSE if i == where[key][-1] else schedule.READ, e)
         prompts = [torch.tensor(sigs[key], dtype=torch.long, device=device) for key in split]
-        return cls(steps, calls, prompts, prompt_lens, phase_a=bool(split), placeholder=not split)
+        return cls(steps, calls, prompts, prompt_lens, phase_a=bool(split))
 
 
 def _scatter_rows(pieces: List[torch.Tensor], rows: List[int], num_rows: int, width: int, device) -> torch.Tensor:

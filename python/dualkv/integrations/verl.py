@@ -294,17 +294,16 @@ def _refuse_unservable(engine, batch) -> None:
 def _packed_model_inputs(engine, micro_batch) -> Tuple[Dict[str, Any], Dict[str, Any]]:
     get = tu.get_non_tensor_data
     _refuse_unservable(engine, micro_batch)
+    _prepare_engine(engine, micro_batch["attention_mask"].device)
     step = getattr(engine, _STEP_ATTR, None)
     loop = _LOOP.get()
     extra: Dict[str, Any] = {}
     if step is not None:  # the prompt-once loop's micro-batch: its rows are step.micro_batch's, entry by entry
         packed = _pack_planned(step.micro_batch, step.phase, step.prompt_kv, step.prompts, step.responses)
     elif loop is not None and loop.phase_a:  # veRL's loop with prompt once closed inside micro-batches
-        _prepare_engine(engine, micro_batch["attention_mask"].device)
         packed, extra = loop.pack(micro_batch)
     else:
         packed = _pack(micro_batch)
-    _prepare_engine(engine, packed.device)
     inputs = forward_kwargs(_sp_shard(engine, packed), _temperature(micro_batch),
                             bool(get(data=micro_batch, key="calculate_entropy", default=False)),
                             grad_scale=_sp_grad_scale(engine))
@@ -801,10 +800,8 @@ class _LoopPromptOnce:
         packed, order, closing = schedule.pack_padded_rows(ids, prompt_cols, list(members.values()), lens[0], lens[1],
                                                            [roles.get(u) for u in members], self.kv)
         extra: Dict[str, Any] = {}
-        if order != list(range(len(order))):
-            back = torch.empty(len(order), dtype=torch.int64)
-            back[torch.tensor(order)] = torch.arange(len(order))
-            extra[_ROWS_ARG] = back.to(ids.device)
+        if order != list(range(len(order))):  # the packed row of each micro-batch row
+            extra[_ROWS_ARG] = torch.argsort(torch.tensor(order)).to(ids.device)
         if closing:
             self.kv.begin_closing([e for e, _ in closing], [start for _, start in closing])
             extra[_CLOSING_ARG] = self.kv
