@@ -84,7 +84,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -95,7 +95,7 @@ from .microbatch import MicroBatch, MicroBatchPlan, PromptPhase
 from .packing import PackedBatch, pack_groups
 
 __all__ = ["PromptKV", "READ", "CLOSE", "STREAM_PROMPT_STATE", "micro_batches", "pack_padded_rows",
-           "prompt_state_credit", "prompt_state_factor", "run_prompt_phase"]
+           "placeholder_prompt", "prompt_state_credit", "prompt_state_factor", "run_prompt_phase"]
 
 #: a group's role in a micro-batch of a phase closed inside micro-batches (:meth:`PromptKV.closing`):
 #: its responses read the recorded prompt (READ), or it is packed whole and closes it (CLOSE)
@@ -1164,6 +1164,14 @@ def _set_rng_states(device: torch.device, states) -> None:
         torch.cuda.set_rng_state(states[1], device)
 
 
+def placeholder_prompt(device: Union[str, torch.device]) -> Tensor:
+    """The prompt a rank (or process) runs phase A with when it has none of its own while its peers
+    run theirs: two tokens, the shortest prompt :func:`run_prompt_phase` takes. Running it keeps the
+    ranks' collectives (FSDP's all-gathers, Ulysses' all-to-alls) in step; nothing of it reaches an
+    output."""
+    return torch.zeros(2, dtype=torch.int64, device=device)
+
+
 def run_prompt_phase(model, prompts: Sequence[Tensor], deterministic: bool = False, sp_group=None,
                      recompute_prompt: bool = False, prompt_grad_dtype: Optional[torch.dtype] = None,
                      offload_prompt_grads: bool = False, offload_prompt_activations: bool = True,
@@ -1362,7 +1370,7 @@ def micro_batches(model, plan: MicroBatchPlan, rank: int, prompts: Sequence[Tens
             if j >= 0:
                 phase_prompts = [prompts[g] for g in phases[j].groups]
                 if not phase_prompts:  # padding: a placeholder prompt keeps the ranks' collectives in step
-                    phase_prompts = [torch.zeros(2, dtype=torch.int64, device=model.device)]
+                    phase_prompts = [placeholder_prompt(model.device)]
                 kv = run_prompt_phase(model, phase_prompts, deterministic, sp_group, recompute_prompt,
                                       prompt_grad_dtype, offload_prompt_grads, offload_prompt_activations,
                                       stream_prompt_state)

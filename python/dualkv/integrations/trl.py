@@ -293,7 +293,7 @@ class DualKVGRPOTrainer(GRPOTrainer):
         extra = {dkt.DETERMINISTIC_KWARG: True} if self._deterministic else {}
         if window.kv is None:  # phase A, the window's first training forward: every process runs it
             hf_model = self._hf_models()[0]
-            prompts = window.prompts or [torch.zeros(2, dtype=torch.long, device=input_ids.device)]
+            prompts = window.prompts or [schedule.placeholder_prompt(input_ids.device)]
 
             def call_model(**kw):
                 return model(**kw, **{DECODER_ONLY_KWARG: True})

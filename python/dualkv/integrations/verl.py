@@ -690,7 +690,7 @@ def _prompt_once_batch(engine, data, loss_function, forward_only: bool, options:
             # phase A: a forward, outside the gradient-sync context (it only acts in a backward); an
             # empty phase (other ranks have one here) runs a placeholder prompt of one token
             phase_prompts = [prompts[g] for g in phase.groups] if phase is not None else \
-                [torch.zeros(2, dtype=torch.int64, device=device)]
+                [schedule.placeholder_prompt(device)]
             with torch.profiler.record_function(f"dualkv_prompt_phase{j}"), _autocast(engine):
                 kv = schedule.run_prompt_phase(
                     model, phase_prompts, deterministic, sp_group=sp_group, recompute_prompt=options.recompute_prompt,
@@ -780,7 +780,7 @@ class _LoopPromptOnce:
         engine, i = self.engine, self.pos
         self.pos += 1
         if self.kv is None:
-            prompts = self.prompts or [torch.zeros(2, dtype=torch.int64, device=_device())]
+            prompts = self.prompts or [schedule.placeholder_prompt(_device())]
 
             def call(**kw):
                 return engine.module(**kw, **{DECODER_ONLY_KWARG: True})
