@@ -134,15 +134,10 @@ def make_trainer(cls, config_cls, model, args, vocab, dataset, extra):
 def update(trainer, slices):
     """compute_loss + backward over every slice (one optimizer step's worth), gradients dropped after. The
     slices are one accumulation window, as Trainer.train() would run them: a dualkv trainer's prompt once
-    across slices plans it at its first slice (what its _prepare_inputs does per training step)."""
-    once = getattr(trainer, "_prompt_once", False)
-    if once:
-        trainer._buffered_inputs, trainer._window = slices, None
-        trainer.current_gradient_accumulation_steps = len(slices)
-    for i, piece in enumerate(slices):
-        if once:
-            trainer._step = i
-            trainer._slice_call = trainer._next_slice_call(len(slices))
+    across slices plans it at its first slice (DualKVGRPOTrainer.window_slice, what its _prepare_inputs does per
+    training step)."""
+    for i in range(len(slices)):
+        piece = trainer.window_slice(slices, i) if hasattr(trainer, "window_slice") else slices[i]
         with trainer.compute_loss_context_manager():
             loss = trainer.compute_loss(trainer.model, piece)
         trainer.accelerator.backward(loss)

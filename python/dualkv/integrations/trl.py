@@ -202,6 +202,21 @@ class DualKVGRPOTrainer(GRPOTrainer):
             self._slice_call = self._next_slice_call(generate_every)
         return self._buffered_inputs[self._step % self.args.steps_per_generation]
 
+    def window_slice(self, slices: Sequence[Dict[str, Any]], index: int) -> Dict[str, Any]:
+        """For a loop that calls ``compute_loss`` and the backward itself instead of ``Trainer.train()``
+        (benchmarks, custom loops): slice ``index`` of one gradient-accumulation window made of ``slices``
+        (one optimizer step's worth, in order), prepared as ``_prepare_inputs`` prepares a training step, so
+        that prompt once across slices plans the window at its first slice. Call it for every index in
+        order, 0 first; returns the slice to pass to ``compute_loss``."""
+        if not (self._dualkv and self._prompt_once):
+            return slices[index]
+        if index == 0:
+            self._buffered_inputs, self._window = list(slices), None
+            self.current_gradient_accumulation_steps = len(slices)
+        self._step = index
+        self._slice_call = self._next_slice_call(len(slices))
+        return self._buffered_inputs[index]
+
     def _next_slice_call(self, generate_every: int) -> Optional["_SliceCall"]:
         """This training step's place in its gradient-accumulation window; a window's first step plans the
         window (which groups span several of its slices) and agrees with the other processes on whether a
