@@ -6,7 +6,19 @@ samples, main opcodes, dominant stall reasons) and the --top instructions with t
 Runs anywhere (no GPU): tests/gpu/bwd_ncu_device_run.sh calls it on the device with NCU_SOURCE=1,
 and a CSV brought back can be read again here.
 
+--regions "name:lo-hi;..." prints instead a table of named SASS line ranges (0-based data rows, both
+ends included; the ranges of a kernel's step loop, read off --lines): per region its units, warp
+instructions executed per step and main stall reasons. Units: the region's share of all the regions'
+samples times --scale, so that two kernels whose sampling intervals differ (ncu picks one per kernel)
+compare when --scale is each loop's time per step relative to the other's (e.g. 100 for the peer, 108
+for a kernel 8% slower per step). Steps: --steps N, or --steps @LINE for the executed count of that
+line (a loop branch's). --lines lo-hi lists the lines of a range with their share, instructions per
+step and top reasons. (docs/notes/2026-12-05-bwd-ncu-per-step.md is read this way.)
+
     python3 tests/gpu/ncu_source_summary.py ncu_dualkv_sass.csv [--top 40] [--block 40]
+    python3 tests/gpu/ncu_source_summary.py ncu_dualkv_sass.csv --steps @1056 --lines 275-1056
+    python3 tests/gpu/ncu_source_summary.py ncu_dualkv_sass.csv --steps @1056 --scale 108 \
+        --regions "top:275-295;S and dP issue:296-367;..."
 """
 import argparse
 import collections
@@ -34,6 +46,10 @@ def main(argv=None):
     ap.add_argument("--top", type=int, default=40)
     ap.add_argument("--block", type=int, default=40)
     ap.add_argument("--min-block-share", type=float, default=0.4, help="hide blocks below this %% of samples")
+    ap.add_argument("--regions", default="", help='"name:lo-hi;..." named line ranges (see above)')
+    ap.add_argument("--lines", default="", help="lo-hi: list these lines")
+    ap.add_argument("--steps", default="", help="loop steps (warp-steps): a number, or @LINE for its executed count")
+    ap.add_argument("--scale", type=float, default=100.0, help="the regions' units in all (the loop's relative time)")
     a = ap.parse_args(argv)
 
     rows = list(csv.reader(open(a.csv, newline="")))
@@ -51,6 +67,8 @@ def main(argv=None):
     samples = [num(r[ix["Warp Stall Sampling (All Samples)"]]) for r in data]
     executed = [num(r[ix.get("Instructions Executed", 0)]) for r in data]
     reasons = [c for c in cols if c.startswith("stall_") and "Not Issued" not in c]
+    if a.regions or a.lines:
+        return regions_view(a, data, ix, samples, executed, reasons)
     total = sum(samples) or 1.0
     total_exec = sum(executed) or 1.0
     print(f"kernel: {kernel[:110]}")
@@ -90,6 +108,48 @@ def main(argv=None):
         top = sorted(((num(data[i][ix[c]]), c) for c in reasons), reverse=True)[:2]
         print(f"  {i:5d} {100 * samples[i] / total:5.2f}%  {data[i][ix['Source']].strip()[:58]:58s}  " +
               ", ".join(f"{c[6:]} {v:.0f}" for v, c in top if v > 0))
+    return 0
+
+
+def line_range(text, n):
+    lo, hi = (int(v) for v in text.split("-"))
+    if not 0 <= lo <= hi < n:
+        raise SystemExit(f"line range {text} is outside the page's {n} SASS lines")
+    return lo, hi
+
+
+def regions_view(a, data, ix, samples, executed, reasons):
+    n = len(data)
+    if a.steps.startswith("@"):
+        steps = executed[line_range(f"{a.steps[1:]}-{a.steps[1:]}", n)[0]]
+    else:
+        steps = num(a.steps) if a.steps else 1.0
+    steps = steps or 1.0
+
+    def top_reasons(lines, unit):
+        st = collections.Counter()
+        for i in lines:
+            for c in reasons:
+                st[c] += num(data[i][ix[c]])
+        return " ".join(f"{c[6:]} {unit * v:.1f}" for c, v in st.most_common(3) if v > 0)
+
+    if a.lines:
+        lo, hi = line_range(a.lines, n)
+        span = sum(samples[lo:hi + 1]) or 1.0
+        print(f"lines {lo}-{hi}: {span:.0f} samples; per line: % of them, instructions per step, top reasons (%)")
+        for i in range(lo, hi + 1):
+            print(f"  {i:5d} {100 * samples[i] / span:6.2f} {executed[i] / steps:6.2f}  "
+                  f"{data[i][ix['Source']].strip()[:64]:64s}  {top_reasons([i], 100 / span)}")
+    if a.regions:
+        spec = [part.rsplit(":", 1) for part in a.regions.split(";") if part.strip()]
+        ranges = [(name.strip(), line_range(r, n)) for name, r in spec]
+        total = sum(sum(samples[lo:hi + 1]) for _, (lo, hi) in ranges) or 1.0
+        unit = a.scale / total
+        print(f"regions ({a.scale:g} units in all; {steps:.0f} steps): units, instructions per step, top reasons (units)")
+        for name, (lo, hi) in ranges:
+            lines = range(lo, hi + 1)
+            print(f"  {name[:34]:34s} {lo:5d}-{hi:<5d} {unit * sum(samples[i] for i in lines):6.1f} "
+                  f"{sum(executed[i] for i in lines) / steps:7.1f}  {top_reasons(lines, unit)}")
     return 0
 
 

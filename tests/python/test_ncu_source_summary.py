@@ -50,3 +50,31 @@ def test_not_a_source_page(tmp_path):
     page.write_text('"a","b"\n"1","2"\n')
     res = run(page)
     assert res.returncode == 1 and "no header row" in res.stdout
+
+
+def test_regions_and_lines(tmp_path):
+    """Units are each region's share of the regions' samples times --scale; instructions per step divide the
+    executed counts by the executed count of the --steps @LINE line."""
+    page = tmp_path / "page.csv"
+    write_page(page, [
+        ["0x10", "      HGMMA.64x64x16.F32.BF16 R1, gdesc[UR4], R1", "30", "20", "40", "0", "30", "0", "0"],
+        ["0x20", "      WARPGROUP.DEPBAR.LE gsb0, 0x0", "50", "50", "20", "0", "0", "50", "0"],
+        ["0x30", "@!P0  BRA 0x10", "20", "10", "20", "20", "0", "0", "10"],
+    ])
+    res = run(page, "--steps", "@2", "--scale", "108", "--regions", "issue:0-0;wait and branch:1-2", "--lines", "1-2")
+    assert res.returncode == 0, res.stderr
+    out = res.stdout
+    assert "regions (108 units in all; 20 steps)" in out
+    issue = next(line for line in out.splitlines() if line.strip().startswith("issue"))
+    assert " 32.4 " in issue and " 2.0 " in issue and "wait 32.4" in issue  # 30 of 100 samples x 108; 40 / 20
+    rest = next(line for line in out.splitlines() if line.strip().startswith("wait and branch"))
+    assert " 75.6 " in rest and "barrier 54.0" in rest and "short_sb 21.6" in rest
+    listing = out.split("per line:")[1].splitlines()[1:3]
+    assert "71.43" in listing[0] and "DEPBAR" in listing[0] and "28.57" in listing[1]
+
+
+def test_regions_outside_the_page(tmp_path):
+    page = tmp_path / "page.csv"
+    write_page(page, [["0x10", "      NOP", "1", "1", "1", "1", "0", "0", "0"]])
+    res = run(page, "--regions", "a:0-5")
+    assert res.returncode != 0 and "outside the page's 1 SASS lines" in (res.stdout + res.stderr)
