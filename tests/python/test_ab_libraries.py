@@ -206,3 +206,23 @@ def test_profile_only_skips_the_checks_and_exits_by_the_profile(library, monkeyp
 def test_profile_only_needs_a_profile_on_cuda(library):
     r = run_tool(library, "--check", "fwd", "--profile-only")
     assert r.returncode == 2 and "--profile-only needs --profile and --device cuda" in r.stderr, r.stderr
+
+
+def test_a_candidate_lacking_a_case_is_skipped_alone(library, monkeypatch, capsys):
+    """Candidates built with different head dims: each case compares the candidates that have it and
+    skips the others by name (before, one lacking candidate skipped the case for all of them)."""
+    tool = load_tool(monkeypatch)
+    monkeypatch.setenv("DUALKV_LIBRARY", str(library))
+    lacks = tool.Build.lacks
+
+    def partial_lacks(self, device, head_dim, case):
+        return "head dim 64 not built (test)" if self.label == "narrow" else lacks(self, device, head_dim, case)
+
+    monkeypatch.setattr(tool.Build, "lacks", partial_lacks)
+    argv = ["--base", str(library), "--cand", f"wide={library}", "--cand", f"narrow={library}", "--device", "cpu",
+            "--check", "fwd", "--dims", "64", "--cases", "tiny T", "--runs", "1"]
+    assert tool.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "ok    fwd wide | tiny T D64" in out, out
+    assert "skip  tiny T D64: narrow: head dim 64 not built (test)" in out, out
+    assert "fwd narrow |" not in out, out
