@@ -586,10 +586,11 @@ def run_checks(args, tally, base, cands, cases, dims, dtype):
                     tally.line("skip", f"{title}: {base.label}: {why}")
                     continue
                 # a candidate that lacks the case (e.g. a build with other head dims) is skipped alone
-                lacking = [c for c in cands if c.lacks(args.device, D, case)]
-                for c in lacking:
-                    tally.line("skip", f"{title}: {c.label}: {c.lacks(args.device, D, case)}")
-                active = [c for c in cands if c not in lacking]
+                lacking = {c.label: c.lacks(args.device, D, case) for c in cands}
+                for label, why in lacking.items():
+                    if why:
+                        tally.line("skip", f"{title}: {label}: {why}")
+                active = [c for c in cands if not lacking[c.label]]
                 if not active:
                     continue
                 with base.active():

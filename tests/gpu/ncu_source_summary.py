@@ -96,10 +96,7 @@ def main(argv=None):
         if 100 * s / total < a.min_block_share:
             continue
         ops = collections.Counter(opcode(data[i][ix["Source"]]) for i in blk)
-        st = collections.Counter()
-        for i in blk:
-            for c in reasons:
-                st[c] += num(data[i][ix[c]])
+        st = reason_sums(data, ix, reasons, blk)
         print(f"  {b:5d} {100 * s / total:5.1f}%  " + " ".join(f"{o}:{n}" for o, n in ops.most_common(4)) +
               "  | " + ", ".join(f"{c[6:]} {100 * v / (s or 1):.0f}%" for c, v in st.most_common(3)))
 
@@ -109,6 +106,15 @@ def main(argv=None):
         print(f"  {i:5d} {100 * samples[i] / total:5.2f}%  {data[i][ix['Source']].strip()[:58]:58s}  " +
               ", ".join(f"{c[6:]} {v:.0f}" for v, c in top if v > 0))
     return 0
+
+
+def reason_sums(data, ix, reasons, lines):
+    """Stall samples per reason over the given SASS lines."""
+    st = collections.Counter()
+    for i in lines:
+        for c in reasons:
+            st[c] += num(data[i][ix[c]])
+    return st
 
 
 def line_range(text, n):
@@ -121,16 +127,13 @@ def line_range(text, n):
 def regions_view(a, data, ix, samples, executed, reasons):
     n = len(data)
     if a.steps.startswith("@"):
-        steps = executed[line_range(f"{a.steps[1:]}-{a.steps[1:]}", n)[0]]
+        steps = executed[line_range(f"{a.steps[1:]}-{a.steps[1:]}", n)[0]]  # a one-line range: checked like one
     else:
         steps = num(a.steps) if a.steps else 1.0
     steps = steps or 1.0
 
     def top_reasons(lines, unit):
-        st = collections.Counter()
-        for i in lines:
-            for c in reasons:
-                st[c] += num(data[i][ix[c]])
+        st = reason_sums(data, ix, reasons, lines)
         return " ".join(f"{c[6:]} {unit * v:.1f}" for c, v in st.most_common(3) if v > 0)
 
     if a.lines:
