@@ -270,6 +270,8 @@ bwd_sm90_kernel_d256(const __grid_constant__ Sm90BwdParams<256> p) {
         const int h = hk * group + s / tiles;
         const int32_t qt = qa + (s % tiles) * BM;
         const uint32_t st = step & 1;
+        BwdLseDeltaRows<BM> rows;
+        rows.load(a, T_, h, qt, qb, lane);
         mbar_wait(&B.qdo_empty[st], ((step >> 1) & 1) ^ 1);
         if (lane == 0) {
           mbar_arrive_expect_tx(&B.qdo_full[st], 2 * C::kQBytes);
@@ -281,13 +283,7 @@ bwd_sm90_kernel_d256(const __grid_constant__ Sm90BwdParams<256> p) {
                         h, qt);
           }
         }
-#pragma unroll
-        for (int i = lane; i < BM; i += 32) {
-          const int32_t qi = qt + i;
-          const bool valid = qi < qb;
-          s_lse[st * BM + i] = valid ? a.lse[h * a.lse_hs + qi] * kLog2e : CUDART_INF_F;
-          s_delta[st * BM + i] = valid ? a.delta[h * T_ + qi] : 0.f;
-        }
+        rows.store(s_lse + st * BM, s_delta + st * BM, qt, qb, lane);
         mbar_arrive(&B.qdo_full[st]);
       }
     }
