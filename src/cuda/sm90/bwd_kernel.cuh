@@ -197,43 +197,37 @@ __device__ __forceinline__ void bwd_st_shared_f32x2(uint32_t addr, float x, floa
   asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(x), "f"(y) : "memory");
 }
 
-// One step's lse / delta rows, staged into the Q/dO stage by the producer warp (BM / 32 rows per lane).
-// The rows do not depend on the stage, so they are loaded before its wait and all at once: staged in
-// one loop with the shared stores (which the compiler must assume may alias a.lse / a.delta), each
-// row group's loads waited behind the previous group's stores, BM / 32 load latencies in a row per
-// step (docs/notes/2026-12-05-bwd-ncu-per-step.md). The raw values are fenced in registers and
-// scaled only after the wait: a multiply before it would wait there for the loads and hold back
-// the free stage's Q / dO loads by one load latency (session 38's first form, SASS).
+// One step's lse / delta rows staged into the Q/dO stage by the producer warp, BM / 32 rows per lane
+// (rows qt + lane + 32 j of head h; rows >= qb, a tile's tail, read nothing): lse in log2 units
+// (+inf past qb: its P is 0), delta as read. Called after the stage's wait and its Q / dO loads.
+// All of the rows' global loads go first, fenced ahead of the shared stores: written as one loop
+// (`for i = lane; i < BM; i += 32`, a trip count the compiler cannot bound), each row group's loads
+// waited behind the previous group's stores, BM / 32 load latencies in a row before the stage's
+// qdo_full arrivals (4 at D 64; docs/notes/2026-12-05-bwd-ncu-per-step.md). Loading them before the
+// stage's wait instead (session 38's form) measured the D-128 / D-256 kernels 1.03-1.80x slower on
+// some layouts (docs/decisions.md).
 template <int BM>
-struct BwdLseDeltaRows {
-  static constexpr int kPerLane = BM / 32;
-  static_assert(BM % 32 == 0, "BwdLseDeltaRows: whole row groups per lane");
+__device__ __forceinline__ void bwd_stage_lse_delta(const BwdArgs& a, int64_t num_tokens, int h, int32_t qt,
+                                                    int32_t qb, int lane, float* s_lse, float* s_delta) {
+  static_assert(BM % 32 == 0, "bwd_stage_lse_delta: whole row groups per lane");
+  constexpr int kPerLane = BM / 32;
   float lse[kPerLane], delta[kPerLane];
-
-  // Rows qt + lane + 32 j of head h; rows >= qb (the tile's tail) read nothing.
-  __device__ __forceinline__ void load(const BwdArgs& a, int64_t num_tokens, int h, int32_t qt, int32_t qb,
-                                       int lane) {
 #pragma unroll
-    for (int j = 0; j < kPerLane; ++j) {
-      const int32_t qi = qt + lane + 32 * j;
-      const bool valid = qi < qb;
-      lse[j] = valid ? a.lse[h * a.lse_hs + qi] : 0.f;
-      delta[j] = valid ? a.delta[h * num_tokens + qi] : 0.f;
-    }
-    fence_regs(lse);
-    fence_regs(delta);
+  for (int j = 0; j < kPerLane; ++j) {
+    const int32_t qi = qt + lane + 32 * j;
+    const bool valid = qi < qb;
+    lse[j] = valid ? a.lse[h * a.lse_hs + qi] : 0.f;
+    delta[j] = valid ? a.delta[h * num_tokens + qi] : 0.f;
   }
-
-  // After the stage's wait: lse in log2 units (+inf past qb: its P is 0), delta as read.
-  __device__ __forceinline__ void store(float* s_lse, float* s_delta, int32_t qt, int32_t qb, int lane) const {
+  fence_regs(lse);
+  fence_regs(delta);
 #pragma unroll
-    for (int j = 0; j < kPerLane; ++j) {
-      const int i = lane + 32 * j;
-      s_lse[i] = qt + i < qb ? lse[j] * kLog2e : CUDART_INF_F;
-      s_delta[i] = delta[j];
-    }
+  for (int j = 0; j < kPerLane; ++j) {
+    const int i = lane + 32 * j;
+    s_lse[i] = qt + i < qb ? lse[j] * kLog2e : CUDART_INF_F;
+    s_delta[i] = delta[j];
   }
-};
+}
 
 constexpr uint32_t kBwdQdoFullCount = 33;  // lane 0's arrive_expect_tx + 32 lanes after lse/delta
 constexpr uint32_t kBwdConsumerWarps = 8;
@@ -482,8 +476,6 @@ bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
         const int h = hk * group + s / tiles;
         const int32_t qt = qa + (s % tiles) * BM;
         const uint32_t st = step & 1;
-        BwdLseDeltaRows<BM> rows;
-        rows.load(a, T_, h, qt, qb, lane);
         mbar_wait(&B.qdo_empty[st], ((step >> 1) & 1) ^ 1);
         if (lane == 0) {
           mbar_arrive_expect_tx(&B.qdo_full[st], 2 * C::kQBytes);
@@ -495,7 +487,7 @@ bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
                         h, qt);
           }
         }
-        rows.store(s_lse + st * BM, s_delta + st * BM, qt, qb, lane);
+        bwd_stage_lse_delta<BM>(a, T_, h, qt, qb, lane, s_lse + st * BM, s_delta + st * BM);
         mbar_arrive(&B.qdo_full[st]);
       }
     }

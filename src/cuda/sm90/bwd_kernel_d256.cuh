@@ -270,8 +270,6 @@ bwd_sm90_kernel_d256(const __grid_constant__ Sm90BwdParams<256> p) {
         const int h = hk * group + s / tiles;
         const int32_t qt = qa + (s % tiles) * BM;
         const uint32_t st = step & 1;
-        BwdLseDeltaRows<BM> rows;
-        rows.load(a, T_, h, qt, qb, lane);
         mbar_wait(&B.qdo_empty[st], ((step >> 1) & 1) ^ 1);
         if (lane == 0) {
           mbar_arrive_expect_tx(&B.qdo_full[st], 2 * C::kQBytes);
@@ -283,7 +281,7 @@ bwd_sm90_kernel_d256(const __grid_constant__ Sm90BwdParams<256> p) {
                         h, qt);
           }
         }
-        rows.store(s_lse + st * BM, s_delta + st * BM, qt, qb, lane);
+        bwd_stage_lse_delta<BM>(a, T_, h, qt, qb, lane, s_lse + st * BM, s_delta + st * BM);
         mbar_arrive(&B.qdo_full[st]);
       }
     }
