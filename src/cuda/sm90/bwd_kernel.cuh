@@ -197,6 +197,49 @@ __device__ __forceinline__ void bwd_st_shared_f32x2(uint32_t addr, float x, floa
   asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(x), "f"(y) : "memory");
 }
 
+// One step's lse / delta rows staged into the Q/dO stage by the producer warp, after the stage's wait
+// and its Q / dO loads: rows qt + lane + 32 j of head h (BM / 32 per lane; rows >= qb, a tile's tail,
+// read nothing), lse in log2 units (+inf past qb: its P is 0), delta as read.
+// 128-row steps (D 64) load all of a lane's rows first, fenced ahead of the shared stores: as one loop
+// of `i = lane; i < BM; i += 32` (a trip count the compiler cannot bound) each row group's loads
+// waited behind the previous group's stores, four load latencies in a row before the stage's
+// qdo_full arrivals (docs/notes/2026-12-05-bwd-ncu-per-step.md). Measured (H100, three runs): the
+// D-64 backward kernel 0.85-0.99 of the loop's time on nine layouts. The 64-row steps (D 128 / 256)
+// keep the loop: loads first measured them 1.03-1.36x (D 128, five of nine layouts) and up to 2x
+// (D 256, N8 P16K R2K) slower, loaded before or after the wait alike (docs/decisions.md).
+template <int BM>
+__device__ __forceinline__ void bwd_stage_lse_delta(const BwdArgs& a, int64_t num_tokens, int h, int32_t qt,
+                                                    int32_t qb, int lane, float* s_lse, float* s_delta) {
+  static_assert(BM % 32 == 0, "bwd_stage_lse_delta: whole row groups per lane");
+  if constexpr (BM == 128) {
+    constexpr int kPerLane = BM / 32;
+    float lse[kPerLane], delta[kPerLane];
+#pragma unroll
+    for (int j = 0; j < kPerLane; ++j) {
+      const int32_t qi = qt + lane + 32 * j;
+      const bool valid = qi < qb;
+      lse[j] = valid ? a.lse[h * a.lse_hs + qi] : 0.f;
+      delta[j] = valid ? a.delta[h * num_tokens + qi] : 0.f;
+    }
+    fence_regs(lse);
+    fence_regs(delta);
+#pragma unroll
+    for (int j = 0; j < kPerLane; ++j) {
+      const int i = lane + 32 * j;
+      s_lse[i] = qt + i < qb ? lse[j] * kLog2e : CUDART_INF_F;
+      s_delta[i] = delta[j];
+    }
+  } else {
+#pragma unroll
+    for (int i = lane; i < BM; i += 32) {
+      const int32_t qi = qt + i;
+      const bool valid = qi < qb;
+      s_lse[i] = valid ? a.lse[h * a.lse_hs + qi] * kLog2e : CUDART_INF_F;
+      s_delta[i] = valid ? a.delta[h * num_tokens + qi] : 0.f;
+    }
+  }
+}
+
 constexpr uint32_t kBwdQdoFullCount = 33;  // lane 0's arrive_expect_tx + 32 lanes after lse/delta
 constexpr uint32_t kBwdConsumerWarps = 8;
 // qdo_empty arrivals: one per consumer warp (lane 0, after __syncwarp, which orders the warp's
@@ -455,13 +498,7 @@ bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
                         h, qt);
           }
         }
-#pragma unroll
-        for (int i = lane; i < BM; i += 32) {
-          const int32_t qi = qt + i;
-          const bool valid = qi < qb;
-          s_lse[st * BM + i] = valid ? a.lse[h * a.lse_hs + qi] * kLog2e : CUDART_INF_F;
-          s_delta[st * BM + i] = valid ? a.delta[h * T_ + qi] : 0.f;
-        }
+        bwd_stage_lse_delta<BM>(a, T_, h, qt, qb, lane, s_lse + st * BM, s_delta + st * BM);
         mbar_arrive(&B.qdo_full[st]);
       }
     }

@@ -281,13 +281,7 @@ bwd_sm90_kernel_d256(const __grid_constant__ Sm90BwdParams<256> p) {
                         h, qt);
           }
         }
-#pragma unroll
-        for (int i = lane; i < BM; i += 32) {
-          const int32_t qi = qt + i;
-          const bool valid = qi < qb;
-          s_lse[st * BM + i] = valid ? a.lse[h * a.lse_hs + qi] * kLog2e : CUDART_INF_F;
-          s_delta[st * BM + i] = valid ? a.delta[h * T_ + qi] : 0.f;
-        }
+        bwd_stage_lse_delta<BM>(a, T_, h, qt, qb, lane, s_lse + st * BM, s_delta + st * BM);
         mbar_arrive(&B.qdo_full[st]);
       }
     }
