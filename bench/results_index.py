@@ -156,6 +156,12 @@ BENCHMARKS = {
     "classes_h256": "bench/attention.py --head-dim 256 --classes all --configs 16,4096,1024;8,16384,2048, main's D-256 "
                     "kernels (K ahead of V), dualkv / FA4 dense / Flex-FA4 in one process, 3 rounds (issue 23, "
                     "session 30; step bench-classes)",
+    "classes_h64_h100": "bench/attention.py --head-dim 64 --classes all on an H100: main 5c1c1e7 (the D-64 backward's "
+                        "lse / delta loads at once) with dualkv_ab = the library before it (1c84b51's kernels), FA4 "
+                        "dense and Flex-FA4, 3 rounds (issue 23, session 39; step bench-classes); .log: the run's tables",
+    "classes_h256_h100": "bench/attention.py --head-dim 256 --classes all --configs 16,4096,1024;8,16384,2048 on an "
+                         "H100: main 5c1c1e7's D-256 kernels (session 34's), FA4 dense and Flex-FA4, 3 rounds (issue "
+                         "23, session 39; device queue item 5); .log: the run's tables",
     "e2e_flex_fa4_1.7b": "bench/e2e.py, Qwen3-1.7B shape, dualkv / Flex-FA4 (automatic dynamic shapes; std in the "
                          "session-19 run, git history), P 8K and 16K, 4 micro-batches, 3 updates after 1 warm-up "
                          "(issue 23's end-to-end bar; step e2e-all, E2E_METHODS=dualkv,flex_fa4)",

@@ -205,8 +205,9 @@ __device__ __forceinline__ void bwd_st_shared_f32x2(uint32_t addr, float x, floa
 // waited behind the previous group's stores, four load latencies in a row before the stage's
 // qdo_full arrivals (docs/notes/2026-12-05-bwd-ncu-per-step.md). Measured (H100, three runs): the
 // D-64 backward kernel 0.85-0.99 of the loop's time on nine layouts. The 64-row steps (D 128 / 256)
-// keep the loop: loads first measured them 1.03-1.36x (D 128, five of nine layouts) and up to 2x
-// (D 256, N8 P16K R2K) slower, loaded before or after the wait alike (docs/decisions.md).
+// keep the loop: loads first measured them 1.03-1.37x slower on six of nine layouts at D 128 and up
+// to 2x at D 256 (N8 P16K R2K), loaded before or after the wait alike; why is not known
+// (docs/benchmarks.md, session 39).
 template <int BM>
 __device__ __forceinline__ void bwd_stage_lse_delta(const BwdArgs& a, int64_t num_tokens, int h, int32_t qt,
                                                     int32_t qb, int lane, float* s_lse, float* s_delta) {
