@@ -1,11 +1,14 @@
 #!/usr/bin/env python3
-"""Host-side numbers of the backward work plan for one GRPO group (prompt P, N responses of R), to
-compare layouts and head dims without a GPU (docs/hopper.md, "Head dim 256").
+"""Host-side numbers of the backward work plan for one GRPO group (prompt P, N responses of R) or a layout
+class of bench/layout_classes.py (--classes), to compare layouts and head dims without a GPU
+(docs/hopper.md, "Head dim 256").
 
 The plan is the library's own (dualkv_plan_inspect: the planner of src/plan.cpp for a device of
 --sms multiprocessors; a CPU-only build of libdualkv is enough). Printed per layout:
-work entries, items, split tiles and their fp32 partial bytes, and dQ bytes per useful FLOP (one
-64-row query step of one item = 5 GEMMs of 2 x 64 x BN x D FLOP; its dQ is 64 x D fp32).
+work entries, items, split tiles and their fp32 partial bytes, query steps per item (mean and the
+share of items of at most 2 steps: an item's K/V load and dK/dV epilogue are paid per item), and dQ
+bytes per useful FLOP (one 64-row query step of one item = 5 GEMMs of 2 x 64 x BN x D FLOP; its dQ is
+64 x D fp32).
 --schedule adds a model of the persistent kernel: 132 CTAs take items in plan order, each step
 costs 1 and each item `overhead` more; printed: the mean CTA load over the makespan (balance),
 an LRU model of L2 (the step's (head, 64-row query tile): Q + dO + dQ = 64 x D x 8 bytes, --l2-mb
@@ -19,6 +22,7 @@ diagonal or holds a pair the window hides): the share of masked warpgroup-steps,
 pairs per computed pair (visible pairs under the window / 64 x 64 per warpgroup-step).
 (--masking prints them without a window too.)
 Run: PYTHONPATH=python DUALKV_LIBRARY=build/libdualkv.so python3 tools/plan_stats.py [--schedule] [--window W]
+         [--configs "N,P,R;..."] [--classes tree,small_groups]
 """
 from __future__ import annotations
 
@@ -26,11 +30,16 @@ import argparse
 import bisect
 import collections
 import heapq
+import pathlib
+import sys
 
 import numpy as np
 
 import dualkv
 from dualkv import _native
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "bench"))
+import layout_classes  # noqa: E402
 
 BM = 64
 
@@ -39,10 +48,11 @@ BM = 64
 HDR_BWD_OFFSET, HDR_BWD_BIAS_OFFSET, BWD_ITEM_INTS = 9, 14, 6
 
 
-def build_plan(P, N, R, D, sms, window=0):
-    """The library's plan for one group (prompt P, N responses of R), cut to a sliding window of
-    `window` positions (0: none), through dualkv_plan_inspect_ex."""
-    layout = dualkv.Layout.from_groups([P], [[R] * N])
+def build_plan(P, N, R, D, sms, window=0, layout=None):
+    """The library's plan for one group (prompt P, N responses of R), or for `layout` when given, cut
+    to a sliding window of `window` positions (0: none), through dualkv_plan_inspect_ex."""
+    if layout is None:
+        layout = dualkv.Layout.from_groups([P], [[R] * N])
     info, buf = _native.inspect_plan(layout, D, sms, window)
     first = buf[HDR_BWD_OFFSET]
     bwd = [tuple(buf[first + i * BWD_ITEM_INTS + j] for j in range(BWD_ITEM_INTS)) for i in range(info.num_bwd_items)]
@@ -150,7 +160,9 @@ def main():
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--sms", type=int, default=132)
-    ap.add_argument("--configs", default="16,4096,1024;8,16384,2048;32,8192,1024")
+    ap.add_argument("--configs", default="16,4096,1024;8,16384,2048;32,8192,1024",
+                    help="GRPO groups N,P,R separated by ';' ('' for none)")
+    ap.add_argument("--classes", default="", help="layout classes of bench/layout_classes.py, comma-separated")
     ap.add_argument("--head-dims", default="256,128")
     ap.add_argument("--schedule", action="store_true", help="persistent-scheduler, L2 and contention model (~1 min)")
     ap.add_argument("--overhead", type=float, default=2.0, help="per-item cost in steps (K/V load, epilogue)")
@@ -160,16 +172,23 @@ def main():
     args = ap.parse_args()
     H, Hk = args.heads, args.kv_heads
     for D in (int(x) for x in args.head_dims.split(",")):
-        for cfg in args.configs.split(";"):
-            N, P, R = (int(x) for x in cfg.split(","))
-            plan = build_plan(P, N, R, D, args.sms, args.window)
-            steps = sum((b[4] - b[3] + BM - 1) // BM for b in plan["bwd"]) * H
+        cases = [(f"N{N} P{P} R{R}", dualkv.Layout.from_groups([P], [[R] * N]))
+                 for N, P, R in (map(int, c.split(",")) for c in args.configs.split(";") if c)]
+        cases += [(name, dualkv.Layout.from_tree(*layout_classes.layout_class(name)))
+                  for name in args.classes.split(",") if name]
+        for name, layout in cases:
+            plan = build_plan(0, 0, 0, D, args.sms, args.window, layout)
+            item_steps = [(b[4] - b[3] + BM - 1) // BM for b in plan["bwd"]]
+            steps = sum(item_steps) * H
             flop_step = 5 * 2 * BM * plan["bn"] * D
             fan_in = sum(1 for (_, k0, _, qend) in plan["kv"] if k0 <= plan["T"] - 1 < qend)
             partial_mib = plan["n_slots"] * Hk * 2 * plan["bn"] * D * 4 / 2**20
-            line = (f"D={D} N{N} P{P} R{R}: T {plan['T']}, split {plan['split']} rows, {len(plan['kv'])} KV tiles, "
+            short = sum(n <= 2 for n in item_steps) / len(item_steps)
+            line = (f"D={D} {name}: T {plan['T']}, split {plan['split']} rows, {len(plan['kv'])} KV tiles, "
                     f"{len(plan['bwd'])} work entries = {len(plan['bwd']) * Hk} items, {plan['n_split']} split tiles "
-                    f"({plan['n_slots']} slots, partials {partial_mib:.0f} MiB), {steps} steps "
+                    f"({plan['n_slots']} slots, partials {partial_mib:.0f} MiB), "
+                    f"{sum(item_steps) / len(item_steps) * H / Hk:.1f} steps per item ({short:.0%} of 2 or fewer "
+                    f"query tiles), {steps} steps "
                     f"({steps / args.sms:.0f} per SM), dQ {BM * D * 4 / flop_step * 1e3:.2f} B/kFLOP, "
                     f"dQ fan-in of the last row {fan_in} KV tiles")
             if args.window > 0 or args.masking:

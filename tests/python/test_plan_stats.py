@@ -1,9 +1,11 @@
 """tools/plan_stats.py reads the library's plan on any machine: with a window (--window) its count of
 the visible pairs the Hopper backward's steps hold (read through the plan's items and distance
-biases) equals the reference mask's, and the scheduler model places every step of every item."""
+biases) equals the reference mask's, also on a layout class's forest (--classes), and the scheduler
+model places every step of every item."""
 from __future__ import annotations
 
 import pathlib
+import random
 import sys
 
 import pytest
@@ -34,3 +36,21 @@ def test_schedule_places_every_step():
     steps = sum(tiles for _, _, _, tiles, _ in starts) * (H // Hk)
     assert mean * 16 == pytest.approx(steps + 2.0 * len(starts))
     assert mean <= makespan
+
+
+def test_a_layout_class_plan_holds_its_visible_pairs():
+    """--classes: a forest of bench/layout_classes.py is planned as given (a tree's visible pairs, read
+    through the plan's items, are the reference mask's)."""
+    lens, parents = plan_stats.layout_classes._tree(300, (2, 2), ((50, 120), (1, 70)), random.Random(3))
+    layout = dualkv.Layout.from_tree(lens, parents)
+    plan = plan_stats.build_plan(0, 0, 0, 128, 132, 0, layout)
+    _, _, pairs, _ = plan_stats.masking(plan)
+    assert plan["T"] == layout.num_tokens
+    assert pairs == int(visibility_mask(layout, None).sum())
+
+
+def test_main_prints_a_line_per_class(capsys, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["plan_stats.py", "--configs", "", "--classes", "tree", "--head-dims", "128"])
+    plan_stats.main()
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 1 and out[0].startswith("D=128 tree: T ") and "steps per item" in out[0]
