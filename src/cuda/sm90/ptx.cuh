@@ -53,13 +53,17 @@ __device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t by
                : "memory");
 }
 // Blocks until the phase of parity `parity` has completed.
+// The suspend-time hint (ns) lets a waiting thread sleep until the phase completes instead of
+// returning after the system's default limit and polling again (CUTLASS's ClusterBarrier::wait uses
+// the same 10 ms).
+constexpr uint32_t kMbarSuspendHintNs = 10000000;
 __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
   asm volatile(
       "{\n.reg .pred done;\n"
       "WAIT_%=:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1, %2;\n"
       "@!done bra WAIT_%=;\n}\n" ::"r"(smem_u32(bar)),
-      "r"(parity)
+      "r"(parity), "r"(kMbarSuspendHintNs)
       : "memory");
 }
 
