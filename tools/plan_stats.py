@@ -5,8 +5,8 @@ class of bench/layout_classes.py (--classes), to compare layouts and head dims w
 
 The plan is the library's own (dualkv_plan_inspect: the planner of src/plan.cpp for a device of
 --sms multiprocessors; a CPU-only build of libdualkv is enough). Printed per layout:
-work entries, items, split tiles and their fp32 partial bytes, query steps per item (mean and the
-share of items of at most 2 steps: an item's K/V load and dK/dV epilogue are paid per item), and dQ
+work entries, items, split tiles and their fp32 partial bytes, query steps per item (the mean, and the
+share of items of at most 2 query tiles: an item's K/V load and dK/dV epilogue are paid per item), and dQ
 bytes per useful FLOP (one 64-row query step of one item = 5 GEMMs of 2 x 64 x BN x D FLOP; its dQ is
 64 x D fp32).
 --schedule adds a model of the persistent kernel: 132 CTAs take items in plan order, each step
@@ -48,11 +48,9 @@ BM = 64
 HDR_BWD_OFFSET, HDR_BWD_BIAS_OFFSET, BWD_ITEM_INTS = 9, 14, 6
 
 
-def build_plan(P, N, R, D, sms, window=0, layout=None):
-    """The library's plan for one group (prompt P, N responses of R), or for `layout` when given, cut
-    to a sliding window of `window` positions (0: none), through dualkv_plan_inspect_ex."""
-    if layout is None:
-        layout = dualkv.Layout.from_groups([P], [[R] * N])
+def build_plan(layout, D, sms, window=0):
+    """The library's plan for `layout`, cut to a sliding window of `window` positions (0: none),
+    through dualkv_plan_inspect_ex."""
     info, buf = _native.inspect_plan(layout, D, sms, window)
     first = buf[HDR_BWD_OFFSET]
     bwd = [tuple(buf[first + i * BWD_ITEM_INTS + j] for j in range(BWD_ITEM_INTS)) for i in range(info.num_bwd_items)]
@@ -177,7 +175,7 @@ def main():
         cases += [(name, dualkv.Layout.from_tree(*layout_classes.layout_class(name)))
                   for name in args.classes.split(",") if name]
         for name, layout in cases:
-            plan = build_plan(0, 0, 0, D, args.sms, args.window, layout)
+            plan = build_plan(layout, D, args.sms, args.window)
             item_steps = [(b[4] - b[3] + BM - 1) // BM for b in plan["bwd"]]
             steps = sum(item_steps) * H
             flop_step = 5 * 2 * BM * plan["bn"] * D

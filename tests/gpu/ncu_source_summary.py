@@ -118,7 +118,9 @@ def reason_sums(data, ix, reasons, lines):
 
 
 def line_range(text, n):
-    lo, hi = (int(v) for v in text.split("-"))
+    """"lo-hi" (or one line "i") as (lo, hi), both inside the page's n SASS lines."""
+    lo, _, hi = text.partition("-")
+    lo, hi = int(lo), int(hi or lo)
     if not 0 <= lo <= hi < n:
         raise SystemExit(f"line range {text} is outside the page's {n} SASS lines")
     return lo, hi
@@ -127,7 +129,7 @@ def line_range(text, n):
 def regions_view(a, data, ix, samples, executed, reasons):
     n = len(data)
     if a.steps.startswith("@"):
-        steps = executed[line_range(f"{a.steps[1:]}-{a.steps[1:]}", n)[0]]  # a one-line range: checked like one
+        steps = executed[line_range(a.steps[1:], n)[0]]
     else:
         steps = num(a.steps) if a.steps else 1.0
     steps = steps or 1.0

@@ -21,15 +21,15 @@ import plan_stats  # noqa: E402
 @pytest.mark.parametrize("head_dim", [128, 256])
 def test_visible_pairs_of_the_plan_match_the_reference_mask(window, head_dim):
     P, N, R = 300, 3, 200
-    plan = plan_stats.build_plan(P, N, R, head_dim, 132, window)
-    _, masked, pairs, per_item = plan_stats.masking(plan)
     layout = dualkv.Layout.from_groups([P], [[R] * N])
+    plan = plan_stats.build_plan(layout, head_dim, 132, window)
+    _, masked, pairs, per_item = plan_stats.masking(plan)
     assert pairs == int(visibility_mask(layout, window or None).sum())
     assert len(per_item) == len(plan["bwd"]) and sum(per_item) == masked > 0
 
 
 def test_schedule_places_every_step():
-    plan = plan_stats.build_plan(1024, 4, 512, 128, 132, 256)
+    plan = plan_stats.build_plan(dualkv.Layout.from_groups([1024], [[512] * 4]), 128, 132, 256)
     H, Hk = 8, 2
     starts, makespan, mean = plan_stats.schedule(plan, H, Hk, 16, 2.0)
     assert len(starts) == len(plan["bwd"]) * Hk
@@ -43,7 +43,7 @@ def test_a_layout_class_plan_holds_its_visible_pairs():
     through the plan's items, are the reference mask's)."""
     lens, parents = plan_stats.layout_classes._tree(300, (2, 2), ((50, 120), (1, 70)), random.Random(3))
     layout = dualkv.Layout.from_tree(lens, parents)
-    plan = plan_stats.build_plan(0, 0, 0, 128, 132, 0, layout)
+    plan = plan_stats.build_plan(layout, 128, 132)
     _, _, pairs, _ = plan_stats.masking(plan)
     assert plan["T"] == layout.num_tokens
     assert pairs == int(visibility_mask(layout, None).sum())
