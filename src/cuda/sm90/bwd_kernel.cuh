@@ -169,7 +169,34 @@ struct Sm90BwdParams {
   int32_t* counter;  // work-item counter, zeroed before the launch
   CUtensorMap tdq;  // dq_accum [T, H, D] fp32, box 32 columns x 1 head x 64 rows, 128B swizzle
   CUtensorMap tpk, tpv;  // external prefix (issue 17): the prefix K / V buffers (prefix kernels only)
+  // Diagnostic timeline (branch tl only): [grid][cap][2] u64, null when off.
+  uint64_t* timeline;
+  int32_t timeline_cap;
 };
+
+// Diagnostic (branch tl): the dQ writer stamps each step as its dQ is ready: globaltimer, and
+// clock64's low word << 32 | qt << 8 | h. Entry cap - 1 holds the CTA's end time and step count.
+template <class P>
+__device__ __forceinline__ void bwd_timeline_stamp(const P& p, uint32_t step, int32_t qt, int h) {
+  if (p.timeline != nullptr && step + 1 < uint32_t(p.timeline_cap)) {
+    uint64_t t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    const uint32_t c = uint32_t(clock64());
+    uint64_t* e = p.timeline + 2 * (uint64_t(blockIdx.x) * p.timeline_cap + step);
+    e[0] = t;
+    e[1] = (uint64_t(c) << 32) | (uint64_t(uint32_t(qt)) << 8) | uint32_t(h);
+  }
+}
+template <class P>
+__device__ __forceinline__ void bwd_timeline_end(const P& p, uint32_t steps) {
+  if (p.timeline != nullptr) {
+    uint64_t t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    uint64_t* e = p.timeline + 2 * (uint64_t(blockIdx.x) * p.timeline_cap + p.timeline_cap - 1);
+    e[0] = t;
+    e[1] = steps;
+  }
+}
 
 struct Sm90BwdBarriers {
   uint64_t* item_full;
@@ -418,6 +445,7 @@ bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
             const uint32_t st = C::kDqStages == 2 ? step & 1 : 0;
             const uint32_t dq_ph = C::kDqStages == 2 ? (step >> 1) & 1 : step & 1;
             mbar_wait(&B.dq_full[st], dq_ph);
+            bwd_timeline_stamp(p, step, qt, h);
             const uint8_t* stage = smem + C::kOffDQ + st * C::kDqStageBytes;
             // One reduce per 64-row block and 32-column box; a block wholly past qb (the second of
             // a ragged 128-row step) was staged as zeros: not added.
@@ -436,6 +464,7 @@ bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
         }
         // The smem sources are read already; wait for the adds themselves before the CTA retires.
         bulk_wait_group<0>();
+        bwd_timeline_end(p, step);
         return;
       }
     }

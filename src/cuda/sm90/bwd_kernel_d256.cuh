@@ -203,6 +203,7 @@ bwd_sm90_kernel_d256(const __grid_constant__ Sm90BwdParams<256> p) {
             for (int32_t qt = qa; qt < qb; qt += BM, ++step) {
               const uint32_t st = step & 1;
               mbar_wait(&B.dq_full[st], (step >> 1) & 1);
+              bwd_timeline_stamp(p, step, qt, h);
               const uint8_t* q_stage = smem + C::kOffQ + st * C::kQBytes;    // columns 0..127
               const uint8_t* do_stage = smem + C::kOffDO + st * C::kQBytes;  // columns 128..255
 #pragma unroll
@@ -218,6 +219,7 @@ bwd_sm90_kernel_d256(const __grid_constant__ Sm90BwdParams<256> p) {
         }
         // The smem sources are read already; wait for the adds themselves before the CTA retires.
         bulk_wait_group<0>();
+        bwd_timeline_end(p, step);
         return;
       }
     }

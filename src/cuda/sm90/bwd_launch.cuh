@@ -6,6 +6,8 @@
 #include <cuda.h>
 #include <cuda_runtime.h>
 
+#include <cstdlib>
+
 #include "bwd_prepost.cuh"
 #include "launch.h"
 #include "sm80/bwd_dq_kernel.cuh"
@@ -28,6 +30,15 @@ cudaError_t prepare_bwd_params(const BwdArgs& args, Sm90BwdParams<HeadDim>* p) {
   const int H = args.num_heads, Hk = args.num_kv_heads;
   p->a = args;
   p->counter = args.counters + 2;
+  // Diagnostic timeline (branch tl): a device buffer of [grid][cap][2] u64 given by the caller.
+  p->timeline = nullptr;
+  p->timeline_cap = 0;
+  if (const char* tl = std::getenv("DUALKV_TIMELINE_PTR")) {
+    const char* cap = std::getenv("DUALKV_TIMELINE_CAP");
+    p->timeline = reinterpret_cast<uint64_t*>(std::strtoull(tl, nullptr, 0));
+    p->timeline_cap = cap ? std::atoi(cap) : 0;
+    if (p->timeline_cap < 2) p->timeline = nullptr;
+  }
   if (!make_map(&p->tq, dt, args.q, HeadDim, H, T, args.q_hs, args.q_ts, BlockM) ||
       !make_map(&p->tdo, dt, args.dout, HeadDim, H, T, args.do_hs, args.do_ts, BlockM) ||
       !make_map(&p->tk, dt, args.k, HeadDim, Hk, T, args.k_hs, args.k_ts, BlockN) ||
