@@ -61,6 +61,11 @@ BENCHMARKS = {
                       "dualkv plug-in with prompt once and with prompt copies against veRL's stock remove-padding "
                       "path on FA4 varlen (stock log-probs chunked: no flash-attn on the image), 3 rounds (issues 24 / "
                       "19's one-GPU dry run, session 31; steps verl-stage, wheels verl-step); .log: its output",
+    "verl_step_1.7b_rows4": "bench/verl_step.py --micro-batch-rows 4 --methods once,copies,stock_fa4 on an H100: veRL's "
+                            "fixed-size micro-batches (use_dynamic_bsz off, 4-row chunks of the shuffled rows), the "
+                            "1.7B shape of verl_step_1.7b, prompt once (a cut group's prompt once inside veRL's loop) "
+                            "against prompt copies; stock_fa4 ran out of memory in veRL's entropy on the 80 GB card "
+                            "(session 40, device queue item 4); .log: its output",
     "verl_step_8b": "bench/verl_step.py --model 8b --groups 1 -N 32 --methods once,copies,stock_fa4: one veRL 0.9.1 "
                     "policy update (FSDP2 engine, world size 1) of a Qwen3-8B shape (untied head), P 4K-6K, R 1K-2K, "
                     "budget 16,384, 2 rounds, no accuracy pass (issue 24's world-of-one dry run after the untied-head "
@@ -146,16 +151,26 @@ BENCHMARKS = {
     "ab_bwd_order": "bench/attention.py --classes all --configs 16,4096,1024;8,16384,2048 --ab-library, Hopper "
                     "path, D 128: the segment-grouped backward item order (73d685e build) against the "
                     "sibling-tiles build (55a0280), with cuDNN, 2 rounds (issue 23); .log: the run's tables",
-    "classes_h128": "bench/attention.py --classes all --configs 16,4096,1024;8,16384,2048, Hopper path, D 128: main's "
-                    "kernels (6df2a4c declared; the library is the steady128 build of fwdboth, whose D-128 kernels "
-                    "are main's SASS) with FA4 dense and Flex-FA4 in one process, 3 rounds (issue 23, session 35; "
-                    "step bench-classes); .log: the run's tables",
-    "classes_h64": "bench/attention.py --head-dim 64 --classes all --configs 16,4096,1024;8,16384,2048, main's D-64 "
-                   "kernels (6df2a4c declared; the steady64s build of aa9ca69, main's SASS), FA4 dense and Flex-FA4, "
-                   "3 rounds (issue 23, session 35; step bench-classes); .log: the run's tables",
-    "classes_h256": "bench/attention.py --head-dim 256 --classes all --configs 16,4096,1024;8,16384,2048, main's D-256 "
-                    "kernels (K ahead of V), dualkv / FA4 dense / Flex-FA4 in one process, 3 rounds (issue 23, "
-                    "session 30; step bench-classes)",
+    "classes_h128": "bench/attention.py --classes all, Hopper path, D 128, on the H200: main's kernels (377bcd6 declared; "
+                    "the library built from 5c1c1e7, whose sources differ from it in comments only) with FA4 dense and "
+                    "Flex-FA4 in one process, 3 rounds (issue 23, session 40; step bench-classes); .log: the run's "
+                    "tables. The two GRPO configs: configs_h128",
+    "classes_h64": "bench/attention.py --head-dim 64 --classes all on the H200: main's D-64 kernels (377bcd6 declared, "
+                   "the library of 5c1c1e7: the lse / delta loads at once), FA4 dense and Flex-FA4, 3 rounds (issue "
+                   "23, session 40; step bench-classes); .log: the run's tables. The two GRPO configs: configs_h64",
+    "classes_h256": "bench/attention.py --head-dim 256 --classes all on the H200: main's D-256 kernels (session 34's; "
+                    "377bcd6 declared, the library of 5c1c1e7), dualkv / FA4 dense / Flex-FA4 in one process, 3 rounds "
+                    "(issue 23, session 40; step bench-classes); .log: the run's tables (the two GRPO configs at D 256: "
+                    "this file's session-30 version, db1ca85, in git history)",
+    "configs_h64": "bench/attention.py --head-dim 64 --configs 16,4096,1024;8,16384,2048 --no-varlen, dualkv / FA4 "
+                   "dense / Flex-FA4 in one process, 3 rounds, on the H200 (main's kernels, 377bcd6 declared, the "
+                   "library of 5c1c1e7; issue 23, session 40); .log: the run's tables",
+    "configs_h128": "the same at head dim 128 (issue 23, session 40)",
+    "bwd_timeline_h200": "the diagnostic branch tl's tools/bwd_timeline.py on the H200: per-step stamps of the Hopper "
+                         "backward's dQ writer (main's kernels and the loads-first staging at 64-row steps, interleaved, "
+                         "6 rounds; D 128 N64 P1K R512, D 256 and D 128 N8 P16K R2K): span, step durations, CTAs on "
+                         "the same (head, query tile) at once (session 40, docs/notes/2026-12-05-bwd-timeline.md); "
+                         ".log: the run's lines",
     "classes_h64_h100": "bench/attention.py --head-dim 64 --classes all on an H100: main 5c1c1e7 (the D-64 backward's "
                         "lse / delta loads at once) with dualkv_ab = the library before it (1c84b51's kernels), FA4 "
                         "dense and Flex-FA4, 3 rounds (issue 23, session 39; step bench-classes); .log: the run's tables",
