@@ -1,7 +1,7 @@
 // Backward pre- and post-processing, the same for every arch's main kernel (FA3's
 // flash_bwd_preprocess / flash_bwd_postprocess, CUTLASS 88's sum_OdO / convert):
 //   preprocess:   zero the work counters (and the fp32 dQ accumulator unless deterministic), then
-//                 delta[h, t] = sum_d dO * O - dlse (one warp per row);
+//                 delta[h, t] = sum_d dO * O - dlse (16-byte loads, D / 8 lanes a row);
 //   postprocess:  dQ = scale * the fp32 accumulator (unless deterministic: the main kernel's arch
 //                 computes dQ itself then), and the fixed-order sum of the split items' fp32 dK/dV
 //                 partials (only when the plan has splits);
@@ -10,6 +10,8 @@
 #pragma once
 
 #include <cuda_runtime.h>
+
+#include <stdint.h>
 
 #include <algorithm>
 
@@ -21,60 +23,107 @@
 
 namespace dualkv::cuda {
 
+// Row r = t * H + h of a [T, H] walk: its token and head. 32-bit division where T * H fits (`small`,
+// uniform across the grid): a 64-bit division is a long instruction sequence per row.
+__device__ __forceinline__ void bwd_token_head(int64_t r, int H, bool small, int32_t* t, int* h) {
+  if (small) {
+    const uint32_t u = static_cast<uint32_t>(r), tt = u / static_cast<uint32_t>(H);
+    *t = static_cast<int32_t>(tt);
+    *h = static_cast<int>(u - tt * static_cast<uint32_t>(H));
+  } else {
+    *t = static_cast<int32_t>(r / H);
+    *h = static_cast<int>(r % H);
+  }
+}
+
+// The sum of the products of two 16-byte chunks (8 elements each), as a pairwise tree: 3
+// roundings deep (the products of two 8- or 11-bit significands are exact in fp32).
+template <typename T>
+__device__ __forceinline__ float bwd_dot8(const uint4& a, const uint4& b) {
+  using Ops = Convert<T>;
+  const float2 a0 = Ops::unpack(a.x), a1 = Ops::unpack(a.y), a2 = Ops::unpack(a.z), a3 = Ops::unpack(a.w);
+  const float2 b0 = Ops::unpack(b.x), b1 = Ops::unpack(b.y), b2 = Ops::unpack(b.z), b3 = Ops::unpack(b.w);
+  return ((a0.x * b0.x + a0.y * b0.y) + (a1.x * b1.x + a1.y * b1.y)) +
+         ((a2.x * b2.x + a2.y * b2.y) + (a3.x * b3.x + a3.y * b3.y));
+}
+
+// delta[h, t] = sum_d dO * O - dlse with 16-byte loads: a row's D elements over D / 8 lanes, so a
+// warp takes 32 / (D / 8) rows at a time up to D = 256 (above, one row in D / 256 chunks a lane).
+// Every row of O and dO starts on 16 bytes (dispatch.cu check_rows). Before 2026-12-05 one warp took
+// a row with 4-byte loads: 0.41 / 0.50 ms for D 64 / 128 on the long-responses class (H200; 1.7 /
+// 2.8 TB/s of O and dO). A row's sum takes at most D / 32 + 6 roundings in sequence (a 3-deep tree
+// per chunk, the shuffles, dlse; tests/gpu/cases.py dsinks_rounding_bound).
 template <int D, typename T>
 __global__ void bwd_preprocess_kernel(const BwdArgs args) {
-  using Ops = Convert<T>;
+  constexpr int kRowLanes = D / 8 < 32 ? D / 8 : 32;
+  constexpr int kRowsPerWarp = 32 / kRowLanes;
   const int lane = threadIdx.x & 31;
+  const int sub = lane / kRowLanes, rl = lane % kRowLanes;
   const int64_t warps_total = static_cast<int64_t>(gridDim.x) * (blockDim.x / 32);
-  const int64_t rows = static_cast<int64_t>(args.layout.num_tokens) * args.num_heads;
+  const int H = args.num_heads;
+  const int64_t rows = static_cast<int64_t>(args.layout.num_tokens) * H;
+  const bool small = rows <= static_cast<int64_t>(UINT32_MAX);
   const T* og = static_cast<const T*>(args.out);
   const T* dog = static_cast<const T*>(args.dout);
-  for (int64_t r = blockIdx.x * (blockDim.x / 32) + (threadIdx.x >> 5); r < rows; r += warps_total) {
-    const int32_t t = static_cast<int32_t>(r / args.num_heads);
-    const int h = static_cast<int>(r % args.num_heads);
-    const T* orow = og + t * args.o_ts + h * args.o_hs;
-    const T* dorow = dog + t * args.do_ts + h * args.do_hs;
+  for (int64_t r0 = (blockIdx.x * static_cast<int64_t>(blockDim.x / 32) + (threadIdx.x >> 5)) * kRowsPerWarp;
+       r0 < rows; r0 += warps_total * kRowsPerWarp) {
+    const int64_t r = r0 + sub;
+    int32_t t = 0;
+    int h = 0;
     float sum = 0.f;
-    for (int d = lane * 2; d < D; d += 64) {
-      const float2 o = Ops::unpack(*reinterpret_cast<const uint32_t*>(orow + d));
-      const float2 dd = Ops::unpack(*reinterpret_cast<const uint32_t*>(dorow + d));
-      sum += o.x * dd.x + o.y * dd.y;
+    if (r < rows) {
+      bwd_token_head(r, H, small, &t, &h);
+      const T* orow = og + t * args.o_ts + h * args.o_hs;
+      const T* dorow = dog + t * args.do_ts + h * args.do_hs;
+#pragma unroll
+      for (int c = rl * 8; c < D; c += kRowLanes * 8)
+        sum += bwd_dot8<T>(*reinterpret_cast<const uint4*>(orow + c), *reinterpret_cast<const uint4*>(dorow + c));
     }
 #pragma unroll
-    for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
-    if (lane == 0) {
+    for (int off = kRowLanes / 2; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+    if (r < rows && rl == 0) {
       if (args.dlse != nullptr) sum -= args.dlse[h * args.dlse_hs + t];
       args.delta[static_cast<int64_t>(h) * args.layout.num_tokens + t] = sum;
     }
   }
 }
 
-// Where column d of a row of the fp32 dQ accumulator is stored. kQuadOrder (the portable backward):
-// each 16-column group in mma.sync fragment quads, column 8b + 2t + e at 4t + 2b + e, so that a
-// lane's four values of an accumulator row (columns 2t, 2t + 1 of both n8 blocks) are one 16-byte
-// atomic (sm80/ptx.cuh atomic_add_quad). Otherwise in column order (the Hopper kernels). Column
-// pairs (e = 0, 1) stay adjacent either way.
-template <bool kQuadOrder>
-__device__ __forceinline__ int dq_accum_column(int d) {
-  if constexpr (kQuadOrder)
-    return (d & ~15) | ((d & 6) << 1) | ((d & 8) >> 2) | (d & 1);
-  else
-    return d;
-}
+// The fp32 dQ accumulator's column order. The quad order (the portable backward): each 16-column
+// group in mma.sync fragment quads, column 8b + 2t + e at 4t + 2b + e, so that a lane's four values
+// of an accumulator row (columns 2t, 2t + 1 of both n8 blocks) are one 16-byte atomic (sm80/ptx.cuh
+// atomic_add_quad). Otherwise column order (the Hopper kernels). Column pairs (e = 0, 1) stay
+// adjacent either way.
 
+// dQ = scale * the fp32 accumulator, 4 accumulator columns a thread: one 16-byte load and one 8-byte
+// store, or in quad order two 4-byte stores (physical columns 16g + 4t' .. + 3 hold the pairs of
+// logical columns 16g + 2t' and 16g + 8 + 2t'). dq's rows start on 16 bytes (dispatch.cu
+// check_rows). Before 2026-12-05: 2 columns a thread and a 64-bit division by H per pair, 0.64 ms
+// for D 128 on the long-responses class (H200).
 template <int D, typename T, bool kDqQuadOrder>
 __global__ void bwd_dq_convert_kernel(const BwdArgs args) {
   using Ops = Convert<T>;
-  const int64_t H = args.num_heads;
-  const int64_t pairs = static_cast<int64_t>(args.layout.num_tokens) * H * (D / 2);
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < pairs;
+  const int H = args.num_heads;
+  const int64_t rows = static_cast<int64_t>(args.layout.num_tokens) * H;
+  const bool small = rows <= static_cast<int64_t>(UINT32_MAX);
+  const int64_t n = rows * (D / 4);
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t row = i / (D / 2);
-    const int d = static_cast<int>(i % (D / 2)) * 2;
-    const int64_t t = row / H, h = row % H;
-    const float2 v = *reinterpret_cast<const float2*>(args.dq_accum + row * D + dq_accum_column<kDqQuadOrder>(d));
-    *reinterpret_cast<uint32_t*>(static_cast<T*>(args.dq) + t * args.dq_ts + h * args.dq_hs + d) =
-        Ops::pack(v.x * args.scale, v.y * args.scale);
+    const int64_t row = i / (D / 4);
+    const int d = static_cast<int>(i % (D / 4)) * 4;  // physical column of the accumulator
+    int32_t t;
+    int h;
+    bwd_token_head(row, H, small, &t, &h);
+    T* out = static_cast<T*>(args.dq) + t * args.dq_ts + h * args.dq_hs;
+    const float4 v = *reinterpret_cast<const float4*>(args.dq_accum + row * D + d);
+    const uint32_t lo = Ops::pack(v.x * args.scale, v.y * args.scale);
+    const uint32_t hi = Ops::pack(v.z * args.scale, v.w * args.scale);
+    if constexpr (kDqQuadOrder) {
+      const int g = d & ~15, tq = (d & 15) >> 2;
+      *reinterpret_cast<uint32_t*>(out + g + 2 * tq) = lo;
+      *reinterpret_cast<uint32_t*>(out + g + 8 + 2 * tq) = hi;
+    } else {
+      *reinterpret_cast<uint2*>(out + d) = make_uint2(lo, hi);
+    }
   }
 }
 
@@ -193,7 +242,9 @@ cudaError_t launch_bwd_preprocess(const BwdArgs& args, int sms, cudaStream_t str
   if ((err = zero_counters_and_dq_accum(args, sizeof(float) * T_ * args.num_heads * D, stream)) != cudaSuccess)
     return err;
   const int64_t rows = T_ * args.num_heads;
-  const int blocks = static_cast<int>(std::min<int64_t>((rows + 7) / 8, static_cast<int64_t>(sms) * 16));
+  constexpr int64_t kRowsPerBlock = 8 * (D / 8 < 32 ? 32 / (D / 8) : 1);  // 8 warps
+  const int blocks = static_cast<int>(
+      std::min<int64_t>((rows + kRowsPerBlock - 1) / kRowsPerBlock, static_cast<int64_t>(sms) * 16));
   bwd_preprocess_kernel<D, T><<<blocks, 256, 0, stream>>>(args);
   if (args.sinks != nullptr) {  // mask modifiers (issue 16): from delta, just computed
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
@@ -204,13 +255,13 @@ cudaError_t launch_bwd_preprocess(const BwdArgs& args, int sms, cudaStream_t str
 
 // kWindowedPlan: the plan is cut to a sliding window (the kernels' Mods::kWindow): its split tiles
 // are reduced in row chunks (bwd_reduce_rows_kernel). kDqQuadOrder: the main kernel accumulated dQ
-// in quad order (dq_accum_column).
+// in quad order (the accumulator's column order above).
 template <int D, typename T, bool kWindowedPlan, bool kDqQuadOrder>
 cudaError_t launch_bwd_postprocess(const BwdArgs& args, int sms, cudaStream_t stream) {
   cudaError_t err;
   if (!args.deterministic) {
-    const int64_t pairs = static_cast<int64_t>(args.layout.num_tokens) * args.num_heads * (D / 2);
-    const int blocks = static_cast<int>(std::min<int64_t>((pairs + 255) / 256, static_cast<int64_t>(sms) * 32));
+    const int64_t quads = static_cast<int64_t>(args.layout.num_tokens) * args.num_heads * (D / 4);
+    const int blocks = static_cast<int>(std::min<int64_t>((quads + 255) / 256, static_cast<int64_t>(sms) * 32));
     bwd_dq_convert_kernel<D, T, kDqQuadOrder><<<blocks, 256, 0, stream>>>(args);
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
   }

@@ -83,7 +83,7 @@ struct BwdArgs {
   int32_t* counters;   // [4] at the start of a kBwdCounterBytes block, zeroed before the launches
   float* delta;        // [H, T]: rowsum(dO * O) - dlse
   float* dq_accum;     // [T, H, D] fp32 (atomic mode only; the portable kernels' columns in quad order:
-                       // bwd_prepost.cuh dq_accum_column)
+                       // bwd_prepost.cuh, the accumulator's column order)
   float* partials;     // [n_slots, Hk, 2, BlockN, D] fp32 split partial dK / dV
   // external prefix (issue 17): the prefix key/value buffers and their gradients [rows, Hk, D],
   // which the prefix rows' dK / dV are ADDED into (null without external prefixes)

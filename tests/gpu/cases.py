@@ -182,9 +182,11 @@ def dsinks_rounding_bound(out, lse, dout, sinks, dlse=None, threads: int = 256):
     src/cuda/bwd_prepost.cuh, bounded term by term (u = 2^-24, gamma_n = n u / (1 - n u): the
     bound on a sum of n roundings in sequence, relative to the sum of the magnitudes):
 
-    * delta[h, t] = sum_d dO * O - dlse (bwd_preprocess_kernel): a lane adds D / 32 products in
-      sequence (exact in fp32: two 8- or 11-bit significands), then 5 shuffle levels, then the dlse
-      subtraction: n_dot = D / 32 + 6 roundings on every path, |err| <= gamma(n_dot) (sum_d |dO O| + |dlse|).
+    * delta[h, t] = sum_d dO * O - dlse (bwd_preprocess_kernel): a lane sums its 16-byte chunks of 8
+      products (exact in fp32: two 8- or 11-bit significands) as 3-deep trees, added in sequence (D / 256
+      chunks above D = 256), then log2(lanes a row) shuffle levels, then the dlse subtraction: 7 / 8 / 9 /
+      10 roundings on any path at D 64 / 128 / 256 / 512, within the n_dot = D / 32 + 6 taken here
+      (the bound of the one-warp-a-row kernel before it), |err| <= gamma(n_dot) (sum_d |dO O| + |dlse|).
     * p = exp(sink - lse) (sink_probability): the subtraction is rounded (relative error of p up
       to |x| u, x = sink - lse); the CUDA sources build with --use_fast_math, so exp is __expf,
       within 2 + 1.173 |x| ulp (the CUDA programming guide's intrinsic table; an ulp is at most 2 u

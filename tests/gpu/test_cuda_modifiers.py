@@ -88,8 +88,8 @@ def run_ref(q, k, v, dout, dlse, layout_cpu, mods, dtype):
 def delta_rounding_bounds(got, ref64, q, k, v, dout, dlse, layout_cpu, mods):
     """float64 (dq, dk) terms for what the kernels' delta adds to their dq / dk error and the PyTorch
     rule does not see. The kernels (as FlashAttention) take a row's delta = sum_d dO O - dlse from
-    their own O (as returned, in the input dtype) in fp32 (bwd_preprocess_kernel: D / 32 + 6
-    roundings on every path, cases.dsinks_rounding_bound), where the reference subtracts
+    their own O (as returned, in the input dtype) in fp32 (bwd_preprocess_kernel: at most D / 32 + 6
+    roundings on any path, cases.dsinks_rounding_bound), where the reference subtracts
     sum_j P dP, which equals sum_d dO O exactly in exact arithmetic. Where P is one-hot (a window of 1,
     a first token) PyTorch's dS = P (dP - sum_j P dP) cancels to exactly 0 in any dtype, so the rule
     bounds the kernels' dq / dk by ATOL alone, while theirs carries the delta's rounding and their

@@ -198,8 +198,8 @@ __device__ __forceinline__ void load_tile_async(T* smem, const T* gmem, int64_t 
 
 // dst[0..3] += v in fp32 global memory (dst 16-byte aligned): the portable backward's dQ accumulation,
 // a lane's four values of one accumulator row in a 16-column group (columns 2t, 2t + 1, 8 + 2t,
-// 9 + 2t of the two n8 blocks), contiguous in the accumulator's quad order (bwd_prepost.cuh
-// dq_accum_column). sm_90+: one 16-byte vector atomic (red.global.add.v4.f32) read straight from the
+// 9 + 2t of the two n8 blocks), contiguous in the accumulator's quad order (bwd_prepost.cuh).
+// sm_90+: one 16-byte vector atomic (red.global.add.v4.f32) read straight from the
 // accumulator registers, half the instructions of the 8-byte pairs it replaced (those had replaced
 // 16-byte atomics fed by a lane-pair shuffle, a serial register chain that was 21% of the stall
 // samples; docs/cuda.md "dQ atomics"). Earlier archs: four scalar atomics.
