@@ -496,7 +496,7 @@ def check_backward(args, tally, base, cands, case, title, x, deterministic):
     mode = "deterministic" if deterministic else "default"
     b1 = run_case(base, case, x, args.device, True, deterministic)
     b2 = run_case(base, case, x, args.device, True, deterministic)
-    noise = ("dq",) + (KV_GRAD_OUTPUTS if args.dkdv == "noise" else ())
+    noise = ("dq",) + (KV_GRAD_OUTPUTS + ("dsinks",) if args.dkdv == "noise" else ())
     bitwise = [n for n in b1 if n not in noise]
     firsts = {}
     for cand in cands:
@@ -810,7 +810,9 @@ def main(argv=None) -> int:
                          "e.g. an emulated exp2) run to run bitwise, within max |base| / 64 of the base and "
                          "judged by the ref64 lines (the tests' rule against the float64 reference)")
     ap.add_argument("--dkdv", choices=("bitwise", "noise"), default="bitwise",
-                    help="bwd: dK/dV bitwise equal to base (default), or within the noise rule of dQ")
+                    help="bwd: dK/dV (and the prefix gradients and dsinks) bitwise equal to base (default), or "
+                         "within the noise rule of dQ (a backward whose rounding changes by design: a new delta "
+                         "moves dsinks too)")
     ap.add_argument("--runs", type=int, default=3, help="candidate runs per case (races show in some runs)")
     ap.add_argument("--layouts", default="", help="N,P,R;... more GRPO cases to check (--heads, --kv-heads)")
     ap.add_argument("--cases", default="", help="only the cases whose name contains one of these comma-separated texts")

@@ -111,6 +111,22 @@ def test_perturbed_candidate_fails_the_noise_rule(library, monkeypatch, capsys):
     assert "DIFF  bwd default cand | tiny T D64" in out and "OUTSIDE THE NOISE" in out, out
 
 
+def test_dkdv_noise_judges_dsinks_by_the_noise_rule(library, monkeypatch, capsys):
+    """--dkdv noise: dsinks (moved by any change to delta's rounding) is judged as dK / dV are, by the
+    noise rule, not bit for bit; a perturbed dsinks still fails it."""
+    tool = load_tool(monkeypatch)
+    monkeypatch.setenv("DUALKV_LIBRARY", str(library))
+    common = ["--base", str(library), "--cand", str(library), "--device", "cpu", "--dims", "64", "--runs", "2",
+              "--check", "bwd", "--mods", "sinks", "--cases", "sinks ragged", "--dkdv", "noise"]
+    assert tool.main(common) == 0, capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "dsinks |c-b| 0 " in out, out
+    status = tool.main(common + ["--self-test-perturb", "dsinks"])
+    out = capsys.readouterr().out
+    assert status == 1, out
+    assert "dsinks |c-b|" in out and "OUTSIDE THE NOISE" in out, out
+
+
 def test_profile_rounds_and_a_kernel_no_library_ran(library, monkeypatch, capsys):
     """The profile's bookkeeping without a GPU: kernel_ms replaced by fixed device times. Libraries in
     rotating order, medians per library, cand/base; a substring no library ran is an ERROR."""
