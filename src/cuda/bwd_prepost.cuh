@@ -47,6 +47,11 @@ __device__ __forceinline__ float bwd_dot8(const uint4& a, const uint4& b) {
          ((a2.x * b2.x + a2.y * b2.y) + (a3.x * b3.x + a3.y * b3.y));
 }
 
+// The preprocess's lanes a row (16-byte chunks, at most a warp) and rows a warp: the kernel's split
+// and its launch's grid.
+constexpr int bwd_preprocess_row_lanes(int head_dim) { return head_dim / 8 < 32 ? head_dim / 8 : 32; }
+constexpr int bwd_preprocess_rows_per_warp(int head_dim) { return 32 / bwd_preprocess_row_lanes(head_dim); }
+
 // delta[h, t] = sum_d dO * O - dlse with 16-byte loads: a row's D elements over D / 8 lanes, so a
 // warp takes 32 / (D / 8) rows at a time up to D = 256 (above, one row in D / 256 chunks a lane).
 // Every row of O and dO starts on 16 bytes (dispatch.cu check_rows). Before 2026-12-05 one warp took
@@ -55,8 +60,8 @@ __device__ __forceinline__ float bwd_dot8(const uint4& a, const uint4& b) {
 // per chunk, the shuffles, dlse; tests/gpu/cases.py dsinks_rounding_bound).
 template <int D, typename T>
 __global__ void bwd_preprocess_kernel(const BwdArgs args) {
-  constexpr int kRowLanes = D / 8 < 32 ? D / 8 : 32;
-  constexpr int kRowsPerWarp = 32 / kRowLanes;
+  constexpr int kRowLanes = bwd_preprocess_row_lanes(D);
+  constexpr int kRowsPerWarp = bwd_preprocess_rows_per_warp(D);
   const int lane = threadIdx.x & 31;
   const int sub = lane / kRowLanes, rl = lane % kRowLanes;
   const int64_t warps_total = static_cast<int64_t>(gridDim.x) * (blockDim.x / 32);
@@ -242,7 +247,7 @@ cudaError_t launch_bwd_preprocess(const BwdArgs& args, int sms, cudaStream_t str
   if ((err = zero_counters_and_dq_accum(args, sizeof(float) * T_ * args.num_heads * D, stream)) != cudaSuccess)
     return err;
   const int64_t rows = T_ * args.num_heads;
-  constexpr int64_t kRowsPerBlock = 8 * (D / 8 < 32 ? 32 / (D / 8) : 1);  // 8 warps
+  constexpr int64_t kRowsPerBlock = 8 * bwd_preprocess_rows_per_warp(D);  // 8 warps
   const int blocks = static_cast<int>(
       std::min<int64_t>((rows + kRowsPerBlock - 1) / kRowsPerBlock, static_cast<int64_t>(sms) * 16));
   bwd_preprocess_kernel<D, T><<<blocks, 256, 0, stream>>>(args);
