@@ -166,6 +166,9 @@ BENCHMARKS = {
                    "dense / Flex-FA4 in one process, 3 rounds, on the H200 (main's kernels, 377bcd6 declared, the "
                    "library of 5c1c1e7; issue 23, session 40); .log: the run's tables",
     "configs_h128": "the same at head dim 128 (issue 23, session 40)",
+    "configs_h256_h100": "bench/attention.py --head-dim 256 --configs 16,4096,1024;8,16384,2048 --no-varlen, dualkv / "
+                         "FA4 dense / Flex-FA4 in one process, 3 rounds, on an H100 (main 5ba06a3's kernels; the "
+                         "H200 run of session 40 hit its 175 s cap; issue 23, session 41); .log: the run's tables",
     "bwd_timeline_h200": "the diagnostic branch tl's tools/bwd_timeline.py on the H200: per-step stamps of the Hopper "
                          "backward's dQ writer (main's kernels and the loads-first staging at 64-row steps, interleaved, "
                          "6 rounds; D 128 N64 P1K R512, D 256 and D 128 N8 P16K R2K): span, step durations, CTAs on "
