@@ -578,6 +578,99 @@ bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
       const uint64_t dDOt = make_desc_sw128(dob_s, C::kQBoxBytes, 1024);
       const uint64_t dQt = make_desc_sw128(qb_s, C::kQBoxBytes, 1024);
       const uint64_t dKt = make_desc_sw128(k_dq, C::kKVBoxBytes, 1024);
+      using KK0 = std::integral_constant<int, 0>;
+      using KKHalf = std::integral_constant<int, BM / 32>;
+      using KKAll = std::integral_constant<int, BM / 16>;
+
+      // dS^T fragments (kv x q) -> dS [q][kv] for the dQ wgmma, 128B-swizzled boxes of 64 kv columns
+      // (the dQ-computing kernel only).
+      auto store_ds_frags = [&](const auto& f, auto kk_lo, auto kk_hi) {
+        const uint32_t ds_buf = ds_smem + st * C::kDSBytes;
+        const int m = lane >> 3;
+        const int kvl = cw * 64 + warp * 16 + (m & 1) * 8;
+        const uint32_t chunk = static_cast<uint32_t>((kvl % 64) / 8);
+        const uint32_t box_base = ds_buf + (kvl / 64) * C::kDSBoxBytes;
+#pragma unroll
+        for (int kk = decltype(kk_lo)::value; kk < decltype(kk_hi)::value; ++kk) {
+          const uint32_t q = kk * 16 + (m >> 1) * 8 + (lane & 7);
+          bwd_stmatrix_x4_trans(box_base + q * 128 + ((chunk ^ (q & 7)) << 4), f[4 * kk + 0], f[4 * kk + 1],
+                                f[4 * kk + 2], f[4 * kk + 3]);
+        }
+      };
+      // The step's dQ (this warpgroup's part) = dS K over the tile's 128 KV rows, one wgmma group.
+      auto issue_dq = [&](float(&dq)[C::kDqN / 2]) {
+        const uint64_t dDS0 = make_desc_sw128(ds_smem + st * C::kDSBytes + ds_rows, 16, 1024);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk) {
+          const uint32_t box = kk / 4, within = (kk % 4) * 32;
+          MmaQ::ss(dq, desc_advance(dDS0, box * C::kDSBoxBytes + within), desc_advance(dKt, kk * 16 * 128),
+                   kk > 0 ? 1 : 0);
+        }
+        wgmma_commit();
+      };
+      // Stage this warpgroup's dQ part for the writer (its dQ wgmma retired): rows r0 = 16 warp + g
+      // and r0 + 8 (both with r % 8 == g), columns 8j + 2t4 of the half, in box (column / 32) at
+      // 16-byte chunk (column % 32) / 4 XOR g. Rows >= qb as 0: the reduce box always covers 64 rows.
+      // 128-row steps: rows 64 cw + r0 (+ 8), boxes of the warpgroup's 64-row block; one buffer.
+      auto stage_dq = [&](const float(&dq)[C::kDqN / 2]) {
+        const uint32_t dst = C::kDqStages == 2 ? st : 0;
+        mbar_wait(&B.dq_empty[dst], (C::kDqStages == 2 ? (step >> 1) & 1 : step & 1) ^ 1);
+        const int r0 = warp * 16 + g;
+        const int q_r0 = C::kDqByRows ? cw * 64 + r0 : r0;  // step-local query row
+        const bool v0 = qt + q_r0 < qb, v1 = qt + q_r0 + 8 < qb;
+        const uint32_t row_base = smem_u32(smem + C::kOffDQ) + dst * C::kDqStageBytes + r0 * 128 + (t4 & 1) * 8;
+        // A full query tile stores without the row selects.
+        auto stage = [&](bool select_rows) {
+#pragma unroll
+          for (int j = 0; j < C::kDqN / 8; ++j) {
+            const uint32_t box = (C::kDqByRows ? cw * C::kDqBoxes : (cw * C::kDqN) / 32) + j / 4;
+            const uint32_t chunk = static_cast<uint32_t>((2 * (j % 4) + (t4 >> 1)) ^ g);
+            const uint32_t addr = row_base + box * C::kDqBoxBytes + (chunk << 4);
+            const bool w0 = !select_rows || v0, w1 = !select_rows || v1;
+            bwd_st_shared_f32x2(addr, w0 ? dq[4 * j + 0] : 0.f, w0 ? dq[4 * j + 1] : 0.f);
+            bwd_st_shared_f32x2(addr + 8 * 128, w1 ? dq[4 * j + 2] : 0.f, w1 ? dq[4 * j + 3] : 0.f);
+          }
+        };
+        if (qt + (C::kDqByRows ? cw * 64 + 64 : BM) <= qb)
+          stage(false);
+        else
+          stage(true);
+        // Generic-proxy stores before the writer's async-proxy (TMA) reads.
+        bwd_fence_proxy_async();
+        __syncwarp();
+        if (kBwdDqFullCount != kBwdConsumerWarps || lane == 0) mbar_arrive(&B.dq_full[dst]);
+      };
+
+      // A dead warpgroup: no query of the step sees its 64 KV rows (all past the tile's end, or,
+      // under the causal mask, all after the step's last query: warpgroup 1 on a tile's first
+      // 64-row step, and on every step of a tile of at most 64 rows, as a short leaf's last tile).
+      // Its P^T and dS^T are zero, so its S^T, dP^T, softmax, dV and dK are skipped (they would add
+      // zeros); the dQ-computing kernel still stores its dS rows as zeros for both warpgroups' dQ
+      // wgmmas and computes and stages its dQ part, so the step's barriers and arrivals are those of
+      // a live step (tests/models/bwd_protocol_model.py holds unchanged). The same mask's outputs bit
+      // for bit. Warpgroup-uniform (k0, klen, qt and cw are). Not in the D-128 softcap kernels: with
+      // the branch ptxas 13.0 spills 4-8 bytes there.
+      constexpr bool kSkipDead = !(Mods::kSoftcap && D == 128);
+      const bool dead = kSkipDead && (cw * 64 >= klen || (!prefix_item && k0 + cw * 64 > qt + BM - 1));
+      if (dead) {
+        if constexpr (kAtomicDq) {
+          uint32_t zero[BM / 4];
+#pragma unroll
+          for (int i = 0; i < BM / 4; ++i) zero[i] = 0u;
+          store_ds_frags(zero, KK0{}, KKAll{});
+          bwd_fence_proxy_async();  // dS stores before the dQ wgmmas' reads
+          named_bar_sync(kBwdDsBarrier, 256);
+          float dq[C::kDqN / 2];
+          issue_dq(dq);
+          wgmma_wait<0>();
+          fence_regs(dq);
+          stage_dq(dq);
+        }
+        __syncwarp();
+        if (kBwdQdoEmptyCount != kBwdConsumerWarps || lane == 0) mbar_arrive(&B.qdo_empty[st]);
+        continue;
+      }
 
       float sacc[BM / 2], dpacc[BM / 2];
       wgmma_fence();
@@ -690,24 +783,8 @@ bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
           MmaKV::rs(dk, &dsf[4 * kk], desc_advance(dQt, kk * 16 * 128), 1);
         wgmma_commit();
       };
-      // dS^T (kv x q fragments) -> dS [q][kv] for the dQ wgmma, 128B-swizzled boxes of 64 kv columns
-      // (the dQ-computing kernel only).
-      auto store_ds = [&](auto kk_lo, auto kk_hi) {
-        const uint32_t ds_buf = ds_smem + st * C::kDSBytes;
-        const int m = lane >> 3;
-        const int kvl = cw * 64 + warp * 16 + (m & 1) * 8;
-        const uint32_t chunk = static_cast<uint32_t>((kvl % 64) / 8);
-        const uint32_t box_base = ds_buf + (kvl / 64) * C::kDSBoxBytes;
-#pragma unroll
-        for (int kk = decltype(kk_lo)::value; kk < decltype(kk_hi)::value; ++kk) {
-          const uint32_t q = kk * 16 + (m >> 1) * 8 + (lane & 7);
-          bwd_stmatrix_x4_trans(box_base + q * 128 + ((chunk ^ (q & 7)) << 4), dsf[4 * kk + 0], dsf[4 * kk + 1],
-                                dsf[4 * kk + 2], dsf[4 * kk + 3]);
-        }
-      };
-      using KK0 = std::integral_constant<int, 0>;
-      using KKHalf = std::integral_constant<int, BM / 32>;
-      using KKAll = std::integral_constant<int, BM / 16>;
+      // dS^T -> smem (store_ds_frags above).
+      auto store_ds = [&](auto kk_lo, auto kk_hi) { store_ds_frags(dsf, kk_lo, kk_hi); };
       constexpr bool kHalves = C::kSoftmaxHalves && !Mods::kSoftcap;
       // D 128 (64-row steps), the dQ-computing kernel without a softcap: half of a step's exponentials
       // under dP^T, the other half after its wait, interleaved with dS^T's arithmetic (FA3 / FA4's
@@ -799,16 +876,8 @@ bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
 
       if constexpr (kAtomicDq) {
         named_bar_sync(kBwdDsBarrier, 256);  // both halves of dS written
-        const uint64_t dDS0 = make_desc_sw128(ds_smem + st * C::kDSBytes + ds_rows, 16, 1024);
         float dq[C::kDqN / 2];
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < BN / 16; ++kk) {
-          const uint32_t box = kk / 4, within = (kk % 4) * 32;
-          MmaQ::ss(dq, desc_advance(dDS0, box * C::kDSBoxBytes + within),
-                   desc_advance(dKt, kk * 16 * 128), kk > 0 ? 1 : 0);
-        }
-        wgmma_commit();
+        issue_dq(dq);
         // dQ first, (the rest of) dK behind it (FA3/FA4's order): wait_group 1 retires dV and dQ
         // while dK still runs, so the dQ staging below (dq_empty wait, stores, fence, dq_full)
         // overlaps dK on the tensor pipe instead of following all three with nothing in flight.
@@ -821,36 +890,7 @@ bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
         fence_regs(dq);
         fence_regs(dv);
         fence_regs(pf);  // dV's A fragments: free for the staging's registers
-        // Stage this warpgroup's dQ half for the writer: rows r0 = 16 warp + g and r0 + 8 (both
-        // with r % 8 == g), columns 8j + 2t4 of the half, in box (column / 32) at 16-byte chunk
-        // (column % 32) / 4 XOR g. Rows >= qb as 0: the reduce box always covers 64 rows.
-        // 128-row steps: rows 64 cw + r0 (+ 8), boxes of the warpgroup's 64-row block; one buffer.
-        const uint32_t dst = C::kDqStages == 2 ? st : 0;
-        mbar_wait(&B.dq_empty[dst], (C::kDqStages == 2 ? (step >> 1) & 1 : step & 1) ^ 1);
-        const int r0 = warp * 16 + g;
-        const int q_r0 = C::kDqByRows ? cw * 64 + r0 : r0;  // step-local query row
-        const bool v0 = qt + q_r0 < qb, v1 = qt + q_r0 + 8 < qb;
-        const uint32_t row_base = smem_u32(smem + C::kOffDQ) + dst * C::kDqStageBytes + r0 * 128 + (t4 & 1) * 8;
-        // A full query tile stores without the row selects.
-        auto stage = [&](bool select_rows) {
-#pragma unroll
-          for (int j = 0; j < C::kDqN / 8; ++j) {
-            const uint32_t box = (C::kDqByRows ? cw * C::kDqBoxes : (cw * C::kDqN) / 32) + j / 4;
-            const uint32_t chunk = static_cast<uint32_t>((2 * (j % 4) + (t4 >> 1)) ^ g);
-            const uint32_t addr = row_base + box * C::kDqBoxBytes + (chunk << 4);
-            const bool w0 = !select_rows || v0, w1 = !select_rows || v1;
-            bwd_st_shared_f32x2(addr, w0 ? dq[4 * j + 0] : 0.f, w0 ? dq[4 * j + 1] : 0.f);
-            bwd_st_shared_f32x2(addr + 8 * 128, w1 ? dq[4 * j + 2] : 0.f, w1 ? dq[4 * j + 3] : 0.f);
-          }
-        };
-        if (qt + (C::kDqByRows ? cw * 64 + 64 : BM) <= qb)
-          stage(false);
-        else
-          stage(true);
-        // Generic-proxy stores before the writer's async-proxy (TMA) reads.
-        bwd_fence_proxy_async();
-        __syncwarp();
-        if (kBwdDqFullCount != kBwdConsumerWarps || lane == 0) mbar_arrive(&B.dq_full[dst]);
+        stage_dq(dq);
         wgmma_wait<0>();  // dK retired: Q, dO (dV retired already) and lse/delta are free
         fence_regs(dk);
         fence_regs(dsf);
