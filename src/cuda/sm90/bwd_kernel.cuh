@@ -252,6 +252,7 @@ constexpr uint32_t kBwdQdoEmptyCount = kBwdConsumerWarps * kArrivalsPerWarp;
 // model, but racecheck does not treat bar.arrive as a release) by bar.sync on both sides.
 constexpr bool kBwdRacecheckBarriers = kPerThreadRelease;
 constexpr uint32_t kBwdDsBarrier = 1;      // named barrier id (0 is __syncthreads)
+constexpr uint32_t kBwdIssueBarrier = 2;   // warpgroup 0's S^T / dP^T issued (the dQ-computing kernel)
 
 // P^T = exp2(S^T scale log2e - lse log2e) in place, masked (if mask) where the KV row is past klen
 // or after the query. Accumulator fragment of m64 (kv) x n(2N) (q): element 4j + e is row
@@ -579,6 +580,16 @@ bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
       const uint64_t dQt = make_desc_sw128(qb_s, C::kQBoxBytes, 1024);
       const uint64_t dKt = make_desc_sw128(k_dq, C::kKVBoxBytes, 1024);
 
+      // Staggered issue (the dQ-computing kernel): warpgroup 1 issues its S^T and dP^T only after
+      // warpgroup 0 has issued both, so the tensor pipe runs S^T_0, dP^T_0, S^T_1, dP^T_1 instead of
+      // the two warpgroups' wgmmas interleaved: warpgroup 0's scores come back after its own 16
+      // wgmmas instead of both warpgroups' S^T, and its exponentials and dS^T arithmetic after the
+      // dP^T wait (the tensor pipe idle in lockstep) run under warpgroup 1's wgmmas, whose own run
+      // under warpgroup 0's dV and dK. Barrier 1 (dS) brings them back in step every step, so
+      // warpgroup 0 arrives here at most once ahead of warpgroup 1's sync. The same wgmmas on the
+      // same operands: outputs bit for bit.
+      constexpr bool kStaggerIssue = kAtomicDq;
+      if (kStaggerIssue && cw == 1) named_bar_sync(kBwdIssueBarrier, 256);
       float sacc[BM / 2], dpacc[BM / 2];
       wgmma_fence();
 #pragma unroll
@@ -595,6 +606,12 @@ bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
                  desc_advance(dDO0, box * C::kQBoxBytes + within), kk > 0 ? 1 : 0);
       }
       wgmma_commit();
+      if (kStaggerIssue && cw == 0) {
+        if constexpr (kBwdRacecheckBarriers)
+          named_bar_sync(kBwdIssueBarrier, 256);
+        else
+          named_bar_arrive(kBwdIssueBarrier, 256);
+      }
 
       // P^T (in place in sacc) once S^T is ready; dP^T may still be running.
       const float* lse_s = s_lse + st * BM;
