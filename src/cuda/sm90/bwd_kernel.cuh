@@ -333,6 +333,10 @@ __device__ __forceinline__ void bwd_softcap_p_ds(const float (&sacc)[N], const f
 // lanes' chunk 2 (k % 4) XOR (g ^ 1) in the same half-warp: a two-way bank conflict on every store
 // (ncu on an H100, D 128 N8 P16K R2K: 433 M conflicted store wavefronts, 33 per warp and step, against
 // FA4's 1.4). With k ^ 2 the two halves of a half-warp write the two different groups of four chunks.
+// Measured (H100, backward main kernel, 7 rounds): 0.971-0.980 at D 128 on N8 P16K R2K, N16 P4K R1K and
+// long responses, 0.977-0.981 at D 64 (docs/notes/2026-12-05-bwd-dq-staging-conflicts.md). The D-256
+// kernel keeps its own loop with j = k in every lane: this form measured 1.025 of its time on long
+// responses (same H100 run).
 // w0 / w1: rows r / r + 8 stored (else 0: the reduce box always covers 64 rows).
 template <int N>
 __device__ __forceinline__ void bwd_stage_dq_fragment(uint32_t row_base, uint32_t box_bytes, const float (&dq)[N],

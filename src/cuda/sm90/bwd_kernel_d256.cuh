@@ -468,15 +468,23 @@ bwd_sm90_kernel_d256(const __grid_constant__ Sm90BwdParams<256> p) {
         wgmma_commit();
         wgmma_wait<0>();
         fence_regs(dq);
-        // Stage this warpgroup's dQ half in the step's Q (P role) or dO (dS role) stage
-        // (bwd_stage_dq_fragment): rows r0 = 16 warp + g and r0 + 8, the half's columns in boxes of
-        // 32. Both warpgroups passed
+        // Stage this warpgroup's dQ half in the step's Q (P role) or dO (dS role) stage: rows
+        // r0 = 16 warp + g and r0 + 8 (both with r % 8 == g), half-columns 8j + 2t4 in box j / 4 at
+        // 16-byte chunk (2 (j % 4) + t4 / 2) XOR g, word pair t4 & 1. Both warpgroups passed
         // barrier 1 after retiring dV and dK, so no wgmma reads either buffer any more. Rows >= qb
-        // as 0: the reduce box always covers 64 rows.
+        // as 0: the reduce box always covers 64 rows. Two-way bank conflicted per half-warp (the lanes
+        // t4 >= 2 meet the lanes t4 < 2 of row g ^ 1); the D <= 128 kernels' cure
+        // (bwd_stage_dq_fragment) measured 1.025 of this kernel's time on long responses (H100).
         const int r0 = warp * 16 + g;
         const bool v0 = qt + r0 < qb, v1 = qt + r0 + 8 < qb;
         const uint32_t row_base = (p_role ? qb_s : dob_s) + r0 * 128 + (t4 & 1) * 8;
-        bwd_stage_dq_fragment(row_base, C::kDqBoxBytes, dq, g, t4, v0, v1);
+#pragma unroll
+        for (int j = 0; j < C::kDqN / 8; ++j) {
+          const uint32_t chunk = static_cast<uint32_t>((2 * (j % 4) + (t4 >> 1)) ^ g);
+          const uint32_t addr = row_base + (j / 4) * C::kDqBoxBytes + (chunk << 4);
+          bwd_st_shared_f32x2(addr, v0 ? dq[4 * j + 0] : 0.f, v0 ? dq[4 * j + 1] : 0.f);
+          bwd_st_shared_f32x2(addr + 8 * 128, v1 ? dq[4 * j + 2] : 0.f, v1 ? dq[4 * j + 3] : 0.f);
+        }
         // Generic-proxy stores before the writer's async-proxy (TMA) reads.
         bwd_fence_proxy_async();
         __syncwarp();
