@@ -166,6 +166,11 @@ BENCHMARKS = {
                    "dense / Flex-FA4 in one process, 3 rounds, on the H200 (main's kernels, 377bcd6 declared, the "
                    "library of 5c1c1e7; issue 23, session 40); .log: the run's tables",
     "configs_h128": "the same at head dim 128 (issue 23, session 40)",
+    "never_lose_d128_h100": "bench/attention.py --head-dim 128 --classes long_responses --methods dualkv,fa4_dense "
+                            "--ab-library <main 5ba06a3's library> --rounds 5 on an H100, with the conflict-free dQ "
+                            "staging (dqstage 7c64d89; issue 23, session 41); .log: the run's tables",
+    "never_lose_d64_h100": "the same at head dim 64 (the card throttled: forward rounds 0.93-1.15 of main's with the "
+                           "same forward kernels)",
     "configs_h256_h100": "bench/attention.py --head-dim 256 --configs 16,4096,1024;8,16384,2048 --no-varlen, dualkv / "
                          "FA4 dense / Flex-FA4 in one process, 3 rounds, on an H100 (main 5ba06a3's kernels; the "
                          "H200 run of session 40 hit its 175 s cap; issue 23, session 41); .log: the run's tables",

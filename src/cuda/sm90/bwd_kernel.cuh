@@ -323,6 +323,38 @@ __device__ __forceinline__ void bwd_softcap_p_ds(const float (&sacc)[N], const f
   }
 }
 
+// One thread's dQ accumulator fragment (rows r and r + 8 with r % 8 == g, columns 8j + 2 t4 + {0, 1} of
+// j = 0 .. N / 4 - 1) into the fp32 staging boxes the dQ writer reduces: 64 rows x 32 columns per box
+// (`box_bytes`), 128-byte rows with TMA's 128B swizzle, so column c of row r sits at 16-byte chunk
+// (c % 32) / 4 XOR r % 8, word pair (c / 2) % 2 (= t4 & 1: the caller's row_base holds it and row r).
+// Store k of a lane with t4 < 2 writes block j = k; a lane with t4 >= 2 writes block k ^ 2 (its own
+// columns of the same box, chosen by a select): 64-bit stores are served in half-warps (g 0..3 and
+// 4..7), and with j = k in all lanes the t4 >= 2 lanes' chunk 2 (k % 4) + 1 XOR g met the t4 < 2
+// lanes' chunk 2 (k % 4) XOR (g ^ 1) in the same half-warp: a two-way bank conflict on every store
+// (ncu on an H100, D 128 N8 P16K R2K: 433 M conflicted store wavefronts, 33 per warp and step, against
+// FA4's 1.4). With k ^ 2 the two halves of a half-warp write the two different groups of four chunks.
+// Measured (H100, backward main kernel, 7 rounds): 0.971-0.980 at D 128 on N8 P16K R2K, N16 P4K R1K and
+// long responses, 0.977-0.981 at D 64 (docs/notes/2026-12-05-bwd-dq-staging-conflicts.md). The D-256
+// kernel keeps its own loop with j = k in every lane: this form measured 1.025 of its time on long
+// responses (same H100 run).
+// w0 / w1: rows r / r + 8 stored (else 0: the reduce box always covers 64 rows).
+template <int N>
+__device__ __forceinline__ void bwd_stage_dq_fragment(uint32_t row_base, uint32_t box_bytes, const float (&dq)[N],
+                                                      int g, int t4, bool w0, bool w1) {
+  static_assert(N % 16 == 0, "bwd_stage_dq_fragment: whole boxes of four 8-column blocks");
+  const bool hi = t4 >= 2;
+  const uint32_t x = static_cast<uint32_t>((hi ? 5 : 0) ^ g);  // chunk of block k: 2 (k % 4) XOR x
+#pragma unroll
+  for (int k = 0; k < N / 4; ++k) {
+    const int j = k ^ 2;
+    const uint32_t addr = row_base + (k / 4) * box_bytes + (((2u * (k % 4)) ^ x) << 4);
+    const float a0 = hi ? dq[4 * j + 0] : dq[4 * k + 0], a1 = hi ? dq[4 * j + 1] : dq[4 * k + 1];
+    const float a2 = hi ? dq[4 * j + 2] : dq[4 * k + 2], a3 = hi ? dq[4 * j + 3] : dq[4 * k + 3];
+    bwd_st_shared_f32x2(addr, w0 ? a0 : 0.f, w0 ? a1 : 0.f);
+    bwd_st_shared_f32x2(addr + 8 * 128, w1 ? a2 : 0.f, w1 ? a3 : 0.f);
+  }
+}
+
 // dq_full arrivals: as qdo_empty, one per consumer warp (every thread in the
 // per-thread-release diagnostic build).
 constexpr uint32_t kBwdDqFullCount = kBwdQdoEmptyCount;
@@ -821,27 +853,20 @@ bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
         fence_regs(dq);
         fence_regs(dv);
         fence_regs(pf);  // dV's A fragments: free for the staging's registers
-        // Stage this warpgroup's dQ half for the writer: rows r0 = 16 warp + g and r0 + 8 (both
-        // with r % 8 == g), columns 8j + 2t4 of the half, in box (column / 32) at 16-byte chunk
-        // (column % 32) / 4 XOR g. Rows >= qb as 0: the reduce box always covers 64 rows.
+        // Stage this warpgroup's dQ half for the writer (bwd_stage_dq_fragment): rows r0 = 16 warp + g
+        // and r0 + 8, the half's columns in its boxes. Rows >= qb as 0.
         // 128-row steps: rows 64 cw + r0 (+ 8), boxes of the warpgroup's 64-row block; one buffer.
         const uint32_t dst = C::kDqStages == 2 ? st : 0;
         mbar_wait(&B.dq_empty[dst], (C::kDqStages == 2 ? (step >> 1) & 1 : step & 1) ^ 1);
         const int r0 = warp * 16 + g;
         const int q_r0 = C::kDqByRows ? cw * 64 + r0 : r0;  // step-local query row
         const bool v0 = qt + q_r0 < qb, v1 = qt + q_r0 + 8 < qb;
-        const uint32_t row_base = smem_u32(smem + C::kOffDQ) + dst * C::kDqStageBytes + r0 * 128 + (t4 & 1) * 8;
+        const uint32_t box0 = C::kDqByRows ? cw * C::kDqBoxes : (cw * C::kDqN) / 32;
+        const uint32_t row_base = smem_u32(smem + C::kOffDQ) + dst * C::kDqStageBytes + box0 * C::kDqBoxBytes +
+                                  r0 * 128 + (t4 & 1) * 8;
         // A full query tile stores without the row selects.
         auto stage = [&](bool select_rows) {
-#pragma unroll
-          for (int j = 0; j < C::kDqN / 8; ++j) {
-            const uint32_t box = (C::kDqByRows ? cw * C::kDqBoxes : (cw * C::kDqN) / 32) + j / 4;
-            const uint32_t chunk = static_cast<uint32_t>((2 * (j % 4) + (t4 >> 1)) ^ g);
-            const uint32_t addr = row_base + box * C::kDqBoxBytes + (chunk << 4);
-            const bool w0 = !select_rows || v0, w1 = !select_rows || v1;
-            bwd_st_shared_f32x2(addr, w0 ? dq[4 * j + 0] : 0.f, w0 ? dq[4 * j + 1] : 0.f);
-            bwd_st_shared_f32x2(addr + 8 * 128, w1 ? dq[4 * j + 2] : 0.f, w1 ? dq[4 * j + 3] : 0.f);
-          }
+          bwd_stage_dq_fragment(row_base, C::kDqBoxBytes, dq, g, t4, !select_rows || v0, !select_rows || v1);
         };
         if (qt + (C::kDqByRows ? cw * 64 + 64 : BM) <= qb)
           stage(false);

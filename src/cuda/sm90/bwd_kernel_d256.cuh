@@ -472,7 +472,9 @@ bwd_sm90_kernel_d256(const __grid_constant__ Sm90BwdParams<256> p) {
         // r0 = 16 warp + g and r0 + 8 (both with r % 8 == g), half-columns 8j + 2t4 in box j / 4 at
         // 16-byte chunk (2 (j % 4) + t4 / 2) XOR g, word pair t4 & 1. Both warpgroups passed
         // barrier 1 after retiring dV and dK, so no wgmma reads either buffer any more. Rows >= qb
-        // as 0: the reduce box always covers 64 rows.
+        // as 0: the reduce box always covers 64 rows. Two-way bank conflicted per half-warp (the lanes
+        // t4 >= 2 meet the lanes t4 < 2 of row g ^ 1); the D <= 128 kernels' cure
+        // (bwd_stage_dq_fragment) measured 1.025 of this kernel's time on long responses (H100).
         const int r0 = warp * 16 + g;
         const bool v0 = qt + r0 < qb, v1 = qt + r0 + 8 < qb;
         const uint32_t row_base = (p_role ? qb_s : dob_s) + r0 * 128 + (t4 & 1) * 8;
