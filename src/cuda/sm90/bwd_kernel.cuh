@@ -130,8 +130,8 @@ struct Sm90BwdConfig {
   // steps issue dV first (dS first measured 0.990-1.010x there, slower on 3 of 4 layouts).
   static constexpr bool kSoftmaxHalves = kBlockM == 128;
   // dQ staging (kDqStage): kBlockM rows x D fp32 per buffer, as (kBlockM / 64) x (D / 32) boxes of
-  // 64 rows x 32 columns (128-byte rows, 128B swizzle: the float2 stores of an accumulator fragment
-  // then hit every bank once), row block major.
+  // 64 rows x 32 columns (128-byte rows, 128B swizzle; bwd_stage_dq_fragment orders a fragment's
+  // float2 stores so that each half-warp hits every bank once), row block major.
   static constexpr int kDqBoxes = D / 32;  // boxes per 64-row block
   static constexpr uint32_t kDqBoxBytes = 64 * 128;
   static constexpr uint32_t kDqStageBytes = kDqStage ? kBlockM * D * 4 : 0;
