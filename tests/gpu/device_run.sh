@@ -3,7 +3,7 @@
 #   tests/gpu/device_run.sh [fa4-stage] [fa4-install] [tests] [sanitize] [bench-quick|bench] [bench-dims] [bench-classes]
 #                           [bench-portable] [ab] [ab-check] [e2e] [e2e-flex] [e2e-all] [e2e-grid] [noise]
 #                           [wheels] [hybrid-tests] [hybrid] [trl-step] [prompt-once] [trainer-budget] [bench-mods] [e2e-mods]
-#                           [ncu-stalls] [verl-stage] [verl-step]
+#                           [ncu-stalls] [ncu-units] [verl-stage] [verl-step]
 # The library is $DUALKV_LIBRARY (default build-h200/libdualkv.so, a 90a build made on the host and
 # carried: docs/hopper.md "Running it"). Every benchmark refuses a tree that is not a commit (commit
 # first; DUALKV_ALLOW_DIRTY=1 runs anyway and marks the results dirty: bench/provenance.py). The device
@@ -212,6 +212,12 @@
 #                (ncu_stalls_<method>_sass.csv, ~1 MB) and its summary by tests/gpu/ncu_source_summary.py
 #                (stall reasons per instruction block). Estimate ~1-2 min per method (session 23: the
 #                WarpStateStats pass of both backward kernels took ~40 s).
+#   ncu-units    what a kernel keeps busy, dualkv against a peer: the same methods, kernels and call as
+#                ncu-stalls, with SpeedOfLight, ComputeWorkloadAnalysis, MemoryWorkloadAnalysis(+_Tables),
+#                InstructionStats and WarpStateStats; every collected metric comes back as ncu_units_<method>.csv
+#                (the raw page: shared-memory wavefronts and bank conflicts, pipe utilisations; divide by the
+#                kernels' warp-steps to compare). Measured ~30 s for both methods at D 128 N8 P16K R2K
+#                (session 41, where it found the dQ staging's bank conflicts).
 # More than 8 files in $OUT at the end are packed into $OUT/device-out.tgz (a device call returns 8 files).
 # Long-running python writes to a log file, not into a pipe: a compiler child left behind by a cut
 # process (ptxas) would otherwise hold the pipe open and stall the step.
@@ -274,6 +280,18 @@ print('FA4', m.version('flash-attn-4'), 'CuTe DSL', m.version('nvidia-cutlass-ds
                     2>> "$OUT/ncu_stalls_$m.log"
                   python3 tests/gpu/ncu_source_summary.py "$OUT/ncu_stalls_${m}_sass.csv" --top 25
                 done ;;
+    ncu-units) NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
+               [ -n "$NCU" ] || { echo "ncu-units: no ncu"; continue; }
+               for m in $(echo "${NCU_METHODS:-dualkv,fa4_dense}" | tr , ' '); do
+                 rep="/tmp/ncu_units_$m"
+                 timeout -k 10 240 "$NCU" --profile-from-start off --clock-control none -k "regex:${NCU_KERNEL:-bwd_sm90}" -c 1 \
+                   --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
+                   --section MemoryWorkloadAnalysis_Tables --section InstructionStats --section WarpStateStats -f -o "$rep" \
+                   python3 tools/kernel_counters.py --case "${NCU_CASE:-long_responses}" --methods "$m" \
+                   --direction "${NCU_DIRECTION:-fwdbwd}" --head-dim "${NCU_DIM:-128}" > "$OUT/ncu_units_$m.log" 2>&1
+                 echo "ncu-units $m rc=$?"
+                 "$NCU" -i "$rep.ncu-rep" --page raw --csv > "$OUT/ncu_units_$m.csv" 2>> "$OUT/ncu_units_$m.log"
+               done ;;
     ab) [ -f "${AB_LIBRARY:-}" ] || { echo "ab: set AB_LIBRARY to the second build's libdualkv.so"; continue; }
         for path in ${AB_PATHS:-sm90 portable}; do
           case $path in portable) sw="${PORTABLE_SWITCHES[*]}" ;; *) sw="" ;; esac
