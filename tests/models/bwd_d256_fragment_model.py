@@ -19,7 +19,9 @@ emulated thread by thread, with the kernel's formulas:
     columns x 64 rows, read back the way the dq_accum tensor map's reduce reads a box (byte o: row
     o / 128, 16-byte chunk ((o / 16) % 8) ^ (row % 8), word (o / 4) % 4); every byte of both
     32 KiB stages written once, rows >= qb staged as 0 whatever the registers hold, each store
-    instruction of a warp at most 2 wavefronts (bank-conflict free for 256 B).
+    instruction of a warp at most 2 accesses per bank over the whole warp (the hardware serves 64-bit
+    stores per half-warp, where this order is two-way conflicted: tests/models/dq_staging_model.py,
+    whose order the D-256 kernel does not take, docs/notes/2026-12-05-bwd-dq-staging-conflicts.md).
 Compared with float64 dense math on random data for items with a tail (klen < 64), a diagonal tile
 and query rows past qb. Exit status 0 when every check passes.
 --mutant NAME plants an index bug in the staging and expects a check to fail (exit status 0 when
