@@ -864,14 +864,11 @@ bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
         const uint32_t box0 = C::kDqByRows ? cw * C::kDqBoxes : (cw * C::kDqN) / 32;
         const uint32_t row_base = smem_u32(smem + C::kOffDQ) + dst * C::kDqStageBytes + box0 * C::kDqBoxBytes +
                                   r0 * 128 + (t4 & 1) * 8;
-        // A full query tile stores without the row selects.
-        auto stage = [&](bool select_rows) {
-          bwd_stage_dq_fragment(row_base, C::kDqBoxBytes, dq, g, t4, !select_rows || v0, !select_rows || v1);
-        };
+        // A full query tile stores without the row selects (each call compiles its own stores).
         if (qt + (C::kDqByRows ? cw * 64 + 64 : BM) <= qb)
-          stage(false);
+          bwd_stage_dq_fragment(row_base, C::kDqBoxBytes, dq, g, t4, true, true);
         else
-          stage(true);
+          bwd_stage_dq_fragment(row_base, C::kDqBoxBytes, dq, g, t4, v0, v1);
         // Generic-proxy stores before the writer's async-proxy (TMA) reads.
         bwd_fence_proxy_async();
         __syncwarp();
