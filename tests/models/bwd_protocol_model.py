@@ -479,47 +479,6 @@ def simulate(rng, steps_of, deterministic=False, mutant=None, bulk=False, d256=F
     return steps
 
 
-def check_dq_staging_layout():
-    """The consumers' dQ staging addresses (src/cuda/sm90/bwd_kernel.cuh, kBwdDqBulk) against the layout the
-    dq_accum tensor map reads (box 32 fp32 columns x 64 rows, 128B swizzle: byte offset o of a box
-    holds element (row o // 128, 16-byte chunk ((o // 16) % 8) ^ (row % 8), word (o // 4) % 4)),
-    for D = 64 and 128: every (row, column) written once, at its place; each 8-byte store
-    instruction of a warp touches every bank at most twice (2 wavefronts for 256 B, the minimum).
-    Wide (128-row steps, D 64): warpgroup cw stages rows [64 cw, 64 cw + 64) with all D columns into
-    the boxes of its 64-row block (row block major, D/32 boxes each), which the writer reduces at
-    query row qt + 64 cw."""
-    for D, wide in ((64, False), (128, False), (64, True)):
-        dq_n, box_bytes = (D if wide else D // 2), 64 * 128
-        written = {}
-        for cw in range(2):
-            for warp in range(4):
-                for j in range(dq_n // 8):
-                    for half in range(2):                   # the two stores of iteration j
-                        banks = {}
-                        for lane in range(32):
-                            g, t4 = lane >> 2, lane & 3
-                            r0 = warp * 16 + g
-                            box = (cw * (D // 32) if wide else (cw * dq_n) // 32) + j // 4
-                            chunk = (2 * (j % 4) + (t4 >> 1)) ^ g
-                            addr = r0 * 128 + (t4 & 1) * 8 + box * box_bytes + (chunk << 4) + half * 8 * 128
-                            row = (64 * cw if wide else 0) + r0 + 8 * half       # fragment's element
-                            col = (0 if wide else cw * dq_n) + 8 * j + 2 * t4
-                            for e in range(2):
-                                a = addr + 4 * e
-                                b, o = divmod(a, box_bytes)
-                                trow = o // 128
-                                if wide:                    # box b: row block b // (D/32), columns 32 (b % (D/32))
-                                    trow += 64 * (b // (D // 32))
-                                    b %= D // 32
-                                tcol = b * 32 + (((o // 16) % 8) ^ (trow % 8)) * 4 + (o // 4) % 4
-                                check((trow, tcol) == (row, col + e), f"D={D}: ({row},{col + e}) at {a}")
-                                check(a not in written, f"D={D}: address {a} written twice")
-                                written[a] = (row, col + e)
-                                banks.setdefault((a // 4) % 32, set()).add(a // 4)
-                        check(max(len(v) for v in banks.values()) <= 2, f"D={D}: bank conflict in store {j}")
-        check(len(written) == (128 if wide else 64) * D, f"D={D}: {len(written)} elements written")
-
-
 def run_many(runs, seed, deterministic, mutant, bulk=False, d256=False, stagger=True, dq_stages=2):
     rng = random.Random(seed)
     for _ in range(runs):
@@ -547,9 +506,6 @@ def main():
                     help="--d256 built with DUALKV_SM90_BWD_D256_STAGGER=0 (no named barrier 3)")
     args = ap.parse_args()
     if args.mutant is None:
-        if args.bulk and not args.d256:
-            check_dq_staging_layout()
-            print("ok: dQ staging addresses = the tensor map's 128B-swizzled boxes, no bank conflicts")
         run_many(args.runs, 1, args.deterministic, None, args.bulk, args.d256, not args.no_stagger,
                  1 if args.wide else 2)
         print(f"ok: {args.runs} random runs (deterministic={args.deterministic}, bulk={args.bulk}, "
