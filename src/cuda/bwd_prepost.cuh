@@ -244,7 +244,8 @@ template <int D, typename T>
 cudaError_t launch_bwd_preprocess(const BwdArgs& args, int sms, cudaStream_t stream) {
   cudaError_t err;
   const int64_t T_ = args.layout.num_tokens;
-  if ((err = zero_counters_and_dq_accum(args, sizeof(float) * T_ * args.num_heads * D, stream)) != cudaSuccess)
+  const size_t dq_rows = static_cast<size_t>(T_) + kDqAccumPadRows;  // the padding too (kernel_params.h)
+  if ((err = zero_counters_and_dq_accum(args, sizeof(float) * dq_rows * args.num_heads * D, stream)) != cudaSuccess)
     return err;
   const int64_t rows = T_ * args.num_heads;
   constexpr int64_t kRowsPerBlock = 8 * bwd_preprocess_rows_per_warp(D);  // 8 warps

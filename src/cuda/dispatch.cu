@@ -471,7 +471,8 @@ size_t cuda_bwd_workspace_bytes(const dualkv_bwd_params& p) {
   const size_t T = static_cast<size_t>(p.layout.num_tokens), H = static_cast<size_t>(p.num_heads);
   size_t bytes = kBwdCounterBytes;                      // counters
   if (!(p.flags & DUALKV_FLAG_DETERMINISTIC))
-    bytes += align_workspace(T * H * p.head_dim * sizeof(float));  // dq accumulator (after the counters)
+    // the dQ accumulator (after the counters) and its padding rows
+    bytes += align_workspace((T + kDqAccumPadRows) * H * p.head_dim * sizeof(float));
   bytes += align_workspace(H * T * sizeof(float));      // delta
   bytes += align_workspace(bwd_partials_bytes(p));
   return bytes;
@@ -564,7 +565,7 @@ dualkv_status cuda_bwd(const dualkv_bwd_params& p) {
   ws += kBwdCounterBytes;
   if (!a.deterministic) {
     a.dq_accum = reinterpret_cast<float*>(ws);
-    ws += align_workspace(T * H * p.head_dim * sizeof(float));
+    ws += align_workspace((T + kDqAccumPadRows) * H * p.head_dim * sizeof(float));
   }
   a.delta = reinterpret_cast<float*>(ws);
   ws += align_workspace(H * T * sizeof(float));

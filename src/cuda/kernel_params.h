@@ -57,6 +57,11 @@ struct FwdArgs {
 // fp32 dQ accumulator follows it, so one memset zeroes both: bwd_prepost.cuh).
 constexpr size_t kBwdCounterBytes = 256;
 
+// Rows of padding after the fp32 dQ accumulator's T rows: the Hopper backward's reduce boxes bound
+// their rows by parts (sm90/tma.h, make_dq_accum_map), so a box that starts below T may add its
+// staged zeros up to 60 rows past it. Zeroed with the accumulator, never read.
+constexpr size_t kDqAccumPadRows = 64;
+
 struct BwdArgs {
   LayoutPtrs layout;
   const int32_t* plan;
@@ -82,8 +87,8 @@ struct BwdArgs {
   // workspace pieces
   int32_t* counters;   // [4] at the start of a kBwdCounterBytes block, zeroed before the launches
   float* delta;        // [H, T]: rowsum(dO * O) - dlse
-  float* dq_accum;     // [T, H, D] fp32 (atomic mode only; the portable kernels' columns in quad order:
-                       // bwd_prepost.cuh, the accumulator's column order)
+  float* dq_accum;     // [T + kDqAccumPadRows, H, D] fp32 (atomic mode only; the portable kernels' columns in
+                       // quad order: bwd_prepost.cuh, the accumulator's column order)
   float* partials;     // [n_slots, Hk, 2, BlockN, D] fp32 split partial dK / dV
   // external prefix (issue 17): the prefix key/value buffers and their gradients [rows, Hk, D],
   // which the prefix rows' dK / dV are ADDED into (null without external prefixes)

@@ -14,18 +14,18 @@ emulated thread by thread, with the kernel's formulas:
   - the stmatrix.trans addresses of dS into the 128B-swizzled [q][kv] box, read back the way TMA /
     wgmma see that layout (byte o of the box: row o / 128, 16-byte chunk ((o / 16) % 8) ^ (row % 8)),
   - the dQ atomics' (row, column) after the lane-pair shuffle, and the epilogue's (row, column),
-  - the bulk-dQ kernel's staging (DUALKV_SM90_BWD_D256_DQ_BULK): each warpgroup's fp32 dQ half stored
-    by float2 into the step's Q (P role) or dO (dS role) stage as four 128B-swizzled boxes of 32
-    columns x 64 rows, read back the way the dq_accum tensor map's reduce reads a box (byte o: row
-    o / 128, 16-byte chunk ((o / 16) % 8) ^ (row % 8), word (o / 4) % 4); every byte of both
-    32 KiB stages written once, rows >= qb staged as 0 whatever the registers hold, each store
-    instruction of a warp at most 2 accesses per bank over the whole warp (the hardware serves 64-bit
-    stores per half-warp, where this order is two-way conflicted: tests/models/dq_staging_model.py,
-    whose order the D-256 kernel does not take, docs/notes/2026-12-05-bwd-dq-staging-conflicts.md).
+  - the bulk-dQ kernel's staging (bwd_stage_dq_fragment): each warpgroup's fp32 dQ half stored by
+    float2 into the step's Q (P role) or dO (dS role) stage as four 128B-swizzled boxes of 32 columns
+    x 64 rows, box row i at smem row dq_stage_row(i), read back the way the dq_accum tensor map's
+    reduce reads a box (byte o: smem row p = o / 128, 16-byte chunk ((o / 16) % 8) ^ (p % 8), word
+    (o / 4) % 4; smem row p holds box row ((p >> 1) & 3) + 4 (p & 1) + 8 (p >> 3)); every byte of
+    both 32 KiB stages written once, rows >= qb staged as 0 whatever the registers hold, no bank
+    conflict within a half-warp (64-bit stores are served per half-warp; the order's reasons:
+    src/cuda/sm90/tma.h, tests/models/dq_staging_model.py).
 Compared with float64 dense math on random data for items with a tail (klen < 64), a diagonal tile
 and query rows past qb. Exit status 0 when every check passes.
 --mutant NAME plants an index bug in the staging and expects a check to fail (exit status 0 when
-it does): stage_no_xor (chunk without the XOR g swizzle), stage_row8 (the row + 8 store at + 8 x 64
+it does): stage_no_xor (chunk without the XOR dq_stage_row(g) swizzle), stage_row8 (the row + 8 store at + 8 x 64
 bytes), stage_box (box j / 2 instead of j / 4), stage_no_zero (rows >= qb staged from registers),
 stage_same_buf (both warpgroups stage into the Q stage).
 """
@@ -50,6 +50,11 @@ def bf16(x):
 MUTANT = None
 
 
+def dq_stage_row(i):
+    """src/cuda/sm90/tma.h: the smem row of a dQ staging box's row i."""
+    return ((i >> 2) & 1) | ((i & 3) << 1) | (i & ~7)
+
+
 def stage_dq(dq_full, qt, qb):
     """The bulk-dQ kernel's staging of dQ (kernel formulas), read back as the TMA reduce reads it."""
     box_bytes = 64 * 128
@@ -62,15 +67,15 @@ def stage_dq(dq_full, qt, qb):
         for warp in range(4):
             for j in range(16):
                 for second in range(2):              # the two st.shared.v2 of iteration j
-                    banks = {}
+                    banks = [{}, {}]                 # per half-warp
                     for lane in range(32):
                         g, t4 = lane >> 2, lane & 3
                         r0 = warp * 16 + g
                         valid = qt + r0 + 8 * second < qb
                         if MUTANT == "stage_no_zero":
                             valid = True
-                        row_base = r0 * 128 + (t4 & 1) * 8
-                        chunk = (2 * (j % 4) + (t4 >> 1)) ^ (0 if MUTANT == "stage_no_xor" else g)
+                        row_base = dq_stage_row(r0) * 128 + (t4 & 1) * 8
+                        chunk = (2 * (j % 4) + (t4 >> 1)) ^ (0 if MUTANT == "stage_no_xor" else dq_stage_row(g))
                         box = j // 2 if MUTANT == "stage_box" else j // 4
                         addr = row_base + box * box_bytes + (chunk << 4)
                         addr += (8 * 64 if MUTANT == "stage_row8" else 8 * 128) * second
@@ -80,16 +85,17 @@ def stage_dq(dq_full, qt, qb):
                             assert 0 <= a < stage_bytes, f"staging store outside the stage at {a}"
                             assert (buf, a) not in smem, f"staging byte {a} of buffer {buf} written twice"
                             smem[(buf, a)] = half[r, c + e] if valid else 0.0
-                            banks.setdefault((a // 4) % 32, set()).add(a // 4)
-                    assert max(len(v) for v in banks.values()) <= 2, f"bank conflict in store {j}.{second}"
+                            banks[lane // 16].setdefault((a // 4) % 32, set()).add(a // 4)
+                    assert max(len(v) for hw in banks for v in hw.values()) == 1, f"bank conflict in store {j}.{second}"
     assert len(smem) == 2 * stage_bytes // 4, f"{len(smem)} of {2 * stage_bytes // 4} staging words written"
     # The writer's 8 reduces: box b of buffer cw at byte b * 8 KiB adds to columns 128 cw + 32 b.
     added = np.full((BM, D), np.nan)
     for cw in range(2):
         for b in range(4):
             for o in range(0, box_bytes, 4):
-                row = o // 128
-                col = 128 * cw + 32 * b + (((o // 16) % 8) ^ (row % 8)) * 4 + (o // 4) % 4
+                p = o // 128
+                row = ((p >> 1) & 3) + 4 * (p & 1) + 8 * (p >> 3)
+                col = 128 * cw + 32 * b + (((o // 16) % 8) ^ (p % 8)) * 4 + (o // 4) % 4
                 added[row, col] = smem[(cw, b * box_bytes + o)]
     return added
 

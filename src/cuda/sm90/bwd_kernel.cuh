@@ -80,6 +80,7 @@
 #include "modifiers.cuh"
 #include "plan_reader.cuh"
 #include "sm90/ptx.cuh"
+#include "sm90/tma.h"
 #include "sm90/wgmma_ops.cuh"
 #include "tile_size.h"
 
@@ -130,8 +131,8 @@ struct Sm90BwdConfig {
   // steps issue dV first (dS first measured 0.990-1.010x there, slower on 3 of 4 layouts).
   static constexpr bool kSoftmaxHalves = kBlockM == 128;
   // dQ staging (kDqStage): kBlockM rows x D fp32 per buffer, as (kBlockM / 64) x (D / 32) boxes of
-  // 64 rows x 32 columns (128-byte rows, 128B swizzle; bwd_stage_dq_fragment orders a fragment's
-  // float2 stores so that each half-warp hits every bank once), row block major.
+  // 64 rows x 32 columns (128-byte rows, 128B swizzle, rows in dq_stage_row order: each half-warp's
+  // float2 stores hit every bank once), row block major.
   static constexpr int kDqBoxes = D / 32;  // boxes per 64-row block
   static constexpr uint32_t kDqBoxBytes = 64 * 128;
   static constexpr uint32_t kDqStageBytes = kDqStage ? kBlockM * D * 4 : 0;
@@ -167,7 +168,7 @@ struct Sm90BwdParams {
   BwdArgs a;
   CUtensorMap tq, tk, tv, tdo;
   int32_t* counter;  // work-item counter, zeroed before the launch
-  CUtensorMap tdq;  // dq_accum [T, H, D] fp32, box 32 columns x 1 head x 64 rows, 128B swizzle
+  CUtensorMap tdq;  // dq_accum fp32, box 32 columns of one head x 64 rows, 128B swizzle (tma.h)
   CUtensorMap tpk, tpv;  // external prefix (issue 17): the prefix K / V buffers (prefix kernels only)
 };
 
@@ -323,35 +324,25 @@ __device__ __forceinline__ void bwd_softcap_p_ds(const float (&sacc)[N], const f
   }
 }
 
-// One thread's dQ accumulator fragment (rows r and r + 8 with r % 8 == g, columns 8j + 2 t4 + {0, 1} of
-// j = 0 .. N / 4 - 1) into the fp32 staging boxes the dQ writer reduces: 64 rows x 32 columns per box
-// (`box_bytes`), 128-byte rows with TMA's 128B swizzle, so column c of row r sits at 16-byte chunk
-// (c % 32) / 4 XOR r % 8, word pair (c / 2) % 2 (= t4 & 1: the caller's row_base holds it and row r).
-// Store k of a lane with t4 < 2 writes block j = k; a lane with t4 >= 2 writes block k ^ 2 (its own
-// columns of the same box, chosen by a select): 64-bit stores are served in half-warps (g 0..3 and
-// 4..7), and with j = k in all lanes the t4 >= 2 lanes' chunk 2 (k % 4) + 1 XOR g met the t4 < 2
-// lanes' chunk 2 (k % 4) XOR (g ^ 1) in the same half-warp: a two-way bank conflict on every store
-// (ncu on an H100, D 128 N8 P16K R2K: 433 M conflicted store wavefronts, 33 per warp and step, against
-// FA4's 1.4). With k ^ 2 the two halves of a half-warp write the two different groups of four chunks.
-// Measured (H100, backward main kernel, 7 rounds): 0.971-0.980 at D 128 on N8 P16K R2K, N16 P4K R1K and
-// long responses, 0.977-0.981 at D 64 (docs/notes/2026-12-05-bwd-dq-staging-conflicts.md). The D-256
-// kernel keeps its own loop with j = k in every lane: this form measured 1.025 of its time on long
-// responses (same H100 run).
-// w0 / w1: rows r / r + 8 stored (else 0: the reduce box always covers 64 rows).
+// One thread's dQ accumulator fragment (box rows i and i + 8 with i % 8 == g, columns 8j + 2 t4 + {0, 1}
+// of j = 0 .. N / 4 - 1) into the fp32 staging boxes the dQ writer reduces: 64 rows x 32 columns per
+// box (`box_bytes`), 128-byte rows with TMA's 128B swizzle, box row i at smem row dq_stage_row(i)
+// (sm90/tma.h: why that order). Column c of box row i sits at 16-byte chunk (c % 32) / 4 XOR
+// dq_stage_row(i) % 8 (= dq_stage_row(g), for rows i and i + 8 alike), word pair (c / 2) % 2 (= t4 & 1).
+// row_base: the box block's smem address + dq_stage_row(i) x 128 + (t4 & 1) x 8. Every lane stores
+// block k at store k, conflict-free per half-warp and without selects.
+// w0 / w1: rows i / i + 8 stored (else 0: the reduce box always covers 64 rows).
 template <int N>
 __device__ __forceinline__ void bwd_stage_dq_fragment(uint32_t row_base, uint32_t box_bytes, const float (&dq)[N],
                                                       int g, int t4, bool w0, bool w1) {
   static_assert(N % 16 == 0, "bwd_stage_dq_fragment: whole boxes of four 8-column blocks");
-  const bool hi = t4 >= 2;
-  const uint32_t x = static_cast<uint32_t>((hi ? 5 : 0) ^ g);  // chunk of block k: 2 (k % 4) XOR x
+  const uint32_t x = static_cast<uint32_t>(dq_stage_row(g));  // the rows' swizzle phase
+  const uint32_t half = static_cast<uint32_t>(t4 >> 1);        // chunk 2 (k % 4) + half of block k
 #pragma unroll
   for (int k = 0; k < N / 4; ++k) {
-    const int j = k ^ 2;
-    const uint32_t addr = row_base + (k / 4) * box_bytes + (((2u * (k % 4)) ^ x) << 4);
-    const float a0 = hi ? dq[4 * j + 0] : dq[4 * k + 0], a1 = hi ? dq[4 * j + 1] : dq[4 * k + 1];
-    const float a2 = hi ? dq[4 * j + 2] : dq[4 * k + 2], a3 = hi ? dq[4 * j + 3] : dq[4 * k + 3];
-    bwd_st_shared_f32x2(addr, w0 ? a0 : 0.f, w0 ? a1 : 0.f);
-    bwd_st_shared_f32x2(addr + 8 * 128, w1 ? a2 : 0.f, w1 ? a3 : 0.f);
+    const uint32_t addr = row_base + (k / 4) * box_bytes + (((2u * (k % 4) + half) ^ x) << 4);
+    bwd_st_shared_f32x2(addr, w0 ? dq[4 * k + 0] : 0.f, w0 ? dq[4 * k + 1] : 0.f);
+    bwd_st_shared_f32x2(addr + 8 * 128, w1 ? dq[4 * k + 2] : 0.f, w1 ? dq[4 * k + 3] : 0.f);
   }
 }
 
@@ -427,7 +418,7 @@ bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
         // ---------------------------------------------------------------- dQ writer (warp 1)
         // Follows the consumers' items and steps; per step, once both warpgroups staged their dQ
         // halves (dq_full), adds the 64 x D tile to dq_accum[qt.., h, :] with one TMA reduce per
-        // 32-column box (rows past T are clipped by TMA; rows in [qb, qt + 64) were staged as 0).
+        // 32-column box (rows in [qb, qt + 64) were staged as 0; past T they land in the padding).
         // The buffer is handed back once the reduces have read it; their global adds complete
         // asynchronously (waited for only before exit).
         tma_prefetch_desc(&p.tdq);
@@ -458,7 +449,8 @@ bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
               if (rb == 0 || qt + rb * 64 < qb) {
 #pragma unroll
                 for (int b = 0; b < C::kDqBoxes; ++b)
-                  tma_reduce_add_3d(&p.tdq, stage + (rb * C::kDqBoxes + b) * C::kDqBoxBytes, b * 32, h, qt + rb * 64);
+                  tma_reduce_add_4d(&p.tdq, stage + (rb * C::kDqBoxes + b) * C::kDqBoxBytes, h * D + b * 32, 0,
+                                    qt + rb * 64, 0);
               }
             }
             bulk_commit_group();
@@ -853,7 +845,7 @@ bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
         fence_regs(dq);
         fence_regs(dv);
         fence_regs(pf);  // dV's A fragments: free for the staging's registers
-        // Stage this warpgroup's dQ half for the writer (bwd_stage_dq_fragment): rows r0 = 16 warp + g
+        // Stage this warpgroup's dQ half for the writer (bwd_stage_dq_fragment): box rows r0 = 16 warp + g
         // and r0 + 8, the half's columns in its boxes. Rows >= qb as 0.
         // 128-row steps: rows 64 cw + r0 (+ 8), boxes of the warpgroup's 64-row block; one buffer.
         const uint32_t dst = C::kDqStages == 2 ? st : 0;
@@ -863,7 +855,7 @@ bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
         const bool v0 = qt + q_r0 < qb, v1 = qt + q_r0 + 8 < qb;
         const uint32_t box0 = C::kDqByRows ? cw * C::kDqBoxes : (cw * C::kDqN) / 32;
         const uint32_t row_base = smem_u32(smem + C::kOffDQ) + dst * C::kDqStageBytes + box0 * C::kDqBoxBytes +
-                                  r0 * 128 + (t4 & 1) * 8;
+                                  dq_stage_row(r0) * 128 + (t4 & 1) * 8;
         // A full query tile stores without the row selects (each call compiles its own stores).
         if (qt + (C::kDqByRows ? cw * 64 + 64 : BM) <= qb)
           bwd_stage_dq_fragment(row_base, C::kDqBoxBytes, dq, g, t4, true, true);

@@ -180,9 +180,10 @@ bwd_sm90_kernel_d256(const __grid_constant__ Sm90BwdParams<256> p) {
         // ---------------------------------------------------------------- dQ writer (warp 1)
         // Follows the consumers' items and steps; per step, once both warpgroups staged their dQ
         // halves in the step's Q/dO stage (dq_full), adds the 64 x 256 tile to dq_accum[qt.., h, :]
-        // with one TMA reduce per 32-column box (rows past T clipped by TMA; rows in [qb, qt + 64)
-        // were staged as 0), waits until the reduces have read smem and releases the stage to the
-        // producer (qdo_empty). The global adds complete asynchronously (waited for before exit).
+        // with one TMA reduce per 32-column box (rows in [qb, qt + 64) were staged as 0; past T they
+        // land in the accumulator's padding), waits until the reduces have read smem and releases
+        // the stage to the producer (qdo_empty). The global adds complete asynchronously (waited for
+        // before exit).
         tma_prefetch_desc(&p.tdq);
         uint32_t step = 0;
         for (uint32_t n = 0;; ++n) {
@@ -207,8 +208,8 @@ bwd_sm90_kernel_d256(const __grid_constant__ Sm90BwdParams<256> p) {
               const uint8_t* do_stage = smem + C::kOffDO + st * C::kQBytes;  // columns 128..255
 #pragma unroll
               for (int b = 0; b < C::kDqBoxes / 2; ++b) {
-                tma_reduce_add_3d(&p.tdq, q_stage + b * C::kDqBoxBytes, b * 32, h, qt);
-                tma_reduce_add_3d(&p.tdq, do_stage + b * C::kDqBoxBytes, D / 2 + b * 32, h, qt);
+                tma_reduce_add_4d(&p.tdq, q_stage + b * C::kDqBoxBytes, h * D + b * 32, 0, qt, 0);
+                tma_reduce_add_4d(&p.tdq, do_stage + b * C::kDqBoxBytes, h * D + D / 2 + b * 32, 0, qt, 0);
               }
               bulk_commit_group();
               bulk_wait_group_read<0>();
@@ -468,23 +469,15 @@ bwd_sm90_kernel_d256(const __grid_constant__ Sm90BwdParams<256> p) {
         wgmma_commit();
         wgmma_wait<0>();
         fence_regs(dq);
-        // Stage this warpgroup's dQ half in the step's Q (P role) or dO (dS role) stage: rows
-        // r0 = 16 warp + g and r0 + 8 (both with r % 8 == g), half-columns 8j + 2t4 in box j / 4 at
-        // 16-byte chunk (2 (j % 4) + t4 / 2) XOR g, word pair t4 & 1. Both warpgroups passed
-        // barrier 1 after retiring dV and dK, so no wgmma reads either buffer any more. Rows >= qb
-        // as 0: the reduce box always covers 64 rows. Two-way bank conflicted per half-warp (the lanes
-        // t4 >= 2 meet the lanes t4 < 2 of row g ^ 1); the D <= 128 kernels' cure
-        // (bwd_stage_dq_fragment) measured 1.025 of this kernel's time on long responses (H100).
+        // Stage this warpgroup's dQ half in the step's Q (P role) or dO (dS role) stage: box rows
+        // r0 = 16 warp + g and r0 + 8, its 128 columns in four boxes (bwd_stage_dq_fragment: the rows
+        // in dq_stage_row order, conflict-free per half-warp). Both warpgroups passed barrier 1 after
+        // retiring dV and dK, so no wgmma reads either buffer any more. Rows >= qb as 0: the reduce
+        // box always covers 64 rows.
         const int r0 = warp * 16 + g;
         const bool v0 = qt + r0 < qb, v1 = qt + r0 + 8 < qb;
-        const uint32_t row_base = (p_role ? qb_s : dob_s) + r0 * 128 + (t4 & 1) * 8;
-#pragma unroll
-        for (int j = 0; j < C::kDqN / 8; ++j) {
-          const uint32_t chunk = static_cast<uint32_t>((2 * (j % 4) + (t4 >> 1)) ^ g);
-          const uint32_t addr = row_base + (j / 4) * C::kDqBoxBytes + (chunk << 4);
-          bwd_st_shared_f32x2(addr, v0 ? dq[4 * j + 0] : 0.f, v0 ? dq[4 * j + 1] : 0.f);
-          bwd_st_shared_f32x2(addr + 8 * 128, v1 ? dq[4 * j + 2] : 0.f, v1 ? dq[4 * j + 3] : 0.f);
-        }
+        const uint32_t row_base = (p_role ? qb_s : dob_s) + dq_stage_row(r0) * 128 + (t4 & 1) * 8;
+        bwd_stage_dq_fragment(row_base, C::kDqBoxBytes, dq, g, t4, v0, v1);
         // Generic-proxy stores before the writer's async-proxy (TMA) reads.
         bwd_fence_proxy_async();
         __syncwarp();
