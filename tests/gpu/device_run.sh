@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What one device session runs, step by step; logs and JSON go to $OUT (or ./device-out).
-#   tests/gpu/device_run.sh [fa4-stage] [fa4-install] [tests] [sanitize] [bench-quick|bench] [bench-dims] [bench-classes]
+#   tests/gpu/device_run.sh [fa4-stage] [fa4-install] [tests] [tests-k] [sanitize] [bench-quick|bench] [bench-dims] [bench-classes]
 #                           [bench-portable] [ab] [ab-check] [e2e] [e2e-flex] [e2e-all] [e2e-grid] [noise]
 #                           [wheels] [hybrid-tests] [hybrid] [trl-step] [prompt-once] [trainer-budget] [bench-mods] [e2e-mods]
 #                           [ncu-stalls] [ncu-units] [verl-stage] [verl-step]
@@ -19,6 +19,7 @@
 #                Without it the FA4 methods (fa4_dense, flex_fa4) are recorded as skipped.
 #   tests        tests/gpu + the GPU cases of tests/python (-m gpu: the CPU cases of tests/python are CI's; with
 #                them the step ran past 230 s on 2026-12-03): 847 passed in 90-98 s at 6bc6c89's kernels
+#   tests-k      tests/gpu filtered by pytest's -k "$TEST_K" (e.g. the backward's files by module name)
 #   sanitize     compute-sanitizer memcheck + racecheck on small layouts (~40 s); racecheck uses
 #                $RACECHECK_LIBRARY when set (the per-thread-release diagnostic build, docs/hopper.md)
 #   bench        bench/attention.py, every config and method (dualkv, sdpa_flash, sdpa_cudnn, fa4_dense, flex,
@@ -55,9 +56,14 @@
 #                --check $AB_CHECK (default bwd) --deterministic, with --mods $AB_MODS (default
 #                window,softcap,sinks,prefix), at $AB_DIMS for each path of $AB_PATHS, and the main kernels'
 #                profile ($AB_PROFILE, default "16,4096,1024;8,16384,2048;28,16384,2048"; $AB_KERNELS, default
-#                bwd_kv_kernel on the portable path, bwd_sm90_kernel on sm90), 3 rounds. Prints every line but
-#                the ok ones; exit status in "ab-check <path> d<dim> rc=". Measured 50-100 s per (path, dim) with
-#                --runs 2 (2026-12-02).
+#                bwd_kv_kernel on the portable path, bwd_sm90_kernel on sm90, a substring: it times the D-256
+#                kernel too), $AB_ROUNDS interleaved rounds (default 3; 7 for a 1-3% change), with an A/A copy
+#                of the base beside when AB_AA=1. Prints every line but the ok ones; exit status in
+#                "ab-check <path> d<dim> rc=". Measured 50-100 s per (path, dim) with --runs 2 (2026-12-02).
+#                A backward candidate in one call (~6-7 min): AB_PATHS=sm90 AB_DIMS="128 64 256" AB_ROUNDS=7
+#                AB_AA=1 AB_PROFILE="small_groups;tree;tiny_responses;long_responses;16,4096,1024;8,16384,2048"
+#                TEST_K="test_sm90_bwd or test_cuda_modifiers or test_prefix_cuda" SAN_DIMS=64,128,256
+#                tests/gpu/device_run.sh ab-check tests-k sanitize (the candidate as $DUALKV_LIBRARY).
 #   e2e          bench/e2e.py std + dualkv, 1.7b and 8b, both default configs, 2 timed updates (~6 min; a quick
 #                check, not an acceptance run); E2E_ARGS="--breakdown --probe-max-mb" adds the GPU time by
 #                kernel category and the largest micro-batch that fits per method (bisected; a few more minutes)
@@ -313,7 +319,7 @@ print('FA4', m.version('flash-attn-4'), 'CuTe DSL', m.version('nvidia-cutlass-ds
             timeout -k 10 "${AB_TIMEOUT:-200}" python3 tools/ab_libraries.py --base "$AB_LIBRARY" --cand "$DUALKV_LIBRARY" \
               --check "${AB_CHECK:-bwd}" --deterministic --mods "${AB_MODS:-window,softcap,sinks,prefix}" --dims $d $envs \
               --runs 2 --profile "${AB_PROFILE:-16,4096,1024;8,16384,2048;28,16384,2048}" --kernels "${AB_KERNELS:-$kern}" \
-              --rounds 3 > "$OUT/ab_check_${path}_d$d.log" 2>&1
+              --rounds "${AB_ROUNDS:-3}" ${AB_AA:+--aa} > "$OUT/ab_check_${path}_d$d.log" 2>&1
             echo "ab-check $path d$d rc=$?"; grep -v "^ok" "$OUT/ab_check_${path}_d$d.log" | grep -iv warn | tail -12
           done
         done ;;

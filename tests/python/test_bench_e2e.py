@@ -223,6 +223,7 @@ def test_device_run_ab_check_step():
     assert "$envs" in step
     assert "kern=bwd_kv_kernel" in step and "kern=bwd_sm90_kernel" in step
     assert '> "$OUT/ab_check_${path}_d$d.log"' in step and 'timeout -k 10 "${AB_TIMEOUT:-200}"' in step
+    assert '--rounds "${AB_ROUNDS:-3}" ${AB_AA:+--aa}' in step  # a 1-3% change: 7 rounds beside an A/A copy
 
 
 def test_gpu_sampler_parses_nvidia_smi(tmp_path, monkeypatch):
