@@ -51,7 +51,7 @@ def _groups(prompts, responses):
     return layout.segment_lens, layout.parents
 
 
-def _tree(root, fanouts, level_lens, rng):
+def random_tree(root, fanouts, level_lens, rng):
     """One tree in DFS order: a root of ``root`` tokens; level i has fanouts[i] children per node,
     each of a length drawn from level_lens[i] = (lo, hi)."""
     lens, parents = [root], [-1]
@@ -81,7 +81,7 @@ def layout_class(name: str, seed: int = 0):
     if name == "tree":  # 4 trees of 1 + 4 + 16 segments: ~39K packed tokens, 64 paths of ~2K
         lens, parents = [], []
         for _ in range(4):
-            t_lens, t_parents = _tree(rng.randint(768, 1280), (4, 4), ((384, 896), (192, 576)), rng)
+            t_lens, t_parents = random_tree(rng.randint(768, 1280), (4, 4), ((384, 896), (192, 576)), rng)
             parents += [p + len(lens) if p >= 0 else -1 for p in t_parents]
             lens += t_lens
         return lens, parents

@@ -41,7 +41,7 @@ def test_schedule_places_every_step():
 def test_a_layout_class_plan_holds_its_visible_pairs():
     """--classes: a forest of bench/layout_classes.py is planned as given (a tree's visible pairs, read
     through the plan's items, are the reference mask's)."""
-    lens, parents = plan_stats.layout_classes._tree(300, (2, 2), ((50, 120), (1, 70)), random.Random(3))
+    lens, parents = plan_stats.layout_classes.random_tree(300, (2, 2), ((50, 120), (1, 70)), random.Random(3))
     layout = dualkv.Layout.from_tree(lens, parents)
     plan = plan_stats.build_plan(layout, 128, 132)
     _, _, pairs, _ = plan_stats.masking(plan)
