@@ -93,17 +93,16 @@ __global__ void bwd_preprocess_kernel(const BwdArgs args) {
   }
 }
 
-// The fp32 dQ accumulator's column order. The quad order (the portable backward): each 16-column
-// group in mma.sync fragment quads, column 8b + 2t + e at 4t + 2b + e, so that a lane's four values
-// of an accumulator row (columns 2t, 2t + 1 of both n8 blocks) are one 16-byte atomic (sm80/ptx.cuh
-// atomic_add_quad). Otherwise column order (the Hopper kernels). Column pairs (e = 0, 1) stay
-// adjacent either way.
-
 // dQ = scale * the fp32 accumulator, 4 accumulator columns a thread: one 16-byte load and one 8-byte
 // store, or in quad order two 4-byte stores (physical columns 16g + 4t' .. + 3 hold the pairs of
 // logical columns 16g + 2t' and 16g + 8 + 2t'). dq's rows start on 16 bytes (dispatch.cu
 // check_rows). Before 2026-12-05: 2 columns a thread and a 64-bit division by H per pair, 0.64 ms
 // for D 128 on the long-responses class (H200).
+// The accumulator's column order: kDqQuadOrder (the portable backward) keeps each 16-column group in
+// mma.sync fragment quads, column 8b + 2t + e at 4t + 2b + e, so that a lane's four values of an
+// accumulator row (columns 2t, 2t + 1 of both n8 blocks) are one 16-byte atomic (sm80/ptx.cuh
+// atomic_add_quad); the Hopper kernels' is column order. Column pairs (e = 0, 1) stay adjacent
+// either way.
 template <int D, typename T, bool kDqQuadOrder>
 __global__ void bwd_dq_convert_kernel(const BwdArgs args) {
   using Ops = Convert<T>;
@@ -260,7 +259,7 @@ cudaError_t launch_bwd_preprocess(const BwdArgs& args, int sms, cudaStream_t str
 
 // kWindowedPlan: the plan is cut to a sliding window (the kernels' Mods::kWindow): its split tiles
 // are reduced in row chunks (bwd_reduce_rows_kernel). kDqQuadOrder: the main kernel accumulated dQ
-// in quad order (the accumulator's column order above).
+// in quad order (bwd_dq_convert_kernel's comment: the accumulator's column order).
 template <int D, typename T, bool kWindowedPlan, bool kDqQuadOrder>
 cudaError_t launch_bwd_postprocess(const BwdArgs& args, int sms, cudaStream_t stream) {
   cudaError_t err;
