@@ -236,6 +236,19 @@ PORTABLE_SWITCHES=(DUALKV_DISABLE_SM90=1 DUALKV_DISABLE_SM90_BWD=1)
 PT="--timeout 120"; python3 -c "import pytest_timeout" 2>/dev/null || PT=""
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu --format=csv,noheader
 python3 -c "import dualkv; print(dualkv._native.build_info())" 2>&1 | tee "$OUT/info.txt"
+# Nsight Compute: the machine's, else the first install under /opt/nvidia.
+ncu_path() { command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1; }
+# ncu_profile NAME METHOD NCU-ARGS...: one warmed-up call of METHOD on $NCU_CASE (tools/kernel_counters.py
+# brackets it: --profile-from-start off) under $NCU with the clocks left alone, the kernels matching
+# $NCU_KERNEL, NCU-ARGS (sections, -c); the report stays in /tmp/ncu_NAME_METHOD.ncu-rep (its size), the
+# log goes to $OUT/ncu_NAME_METHOD.log; cut at 240 s.
+ncu_profile() {
+  local name=$1 m=$2; shift 2
+  timeout -k 10 240 "$NCU" --profile-from-start off --clock-control none -k "regex:${NCU_KERNEL:-bwd_sm90}" "$@" \
+    -f -o "/tmp/ncu_${name}_$m" python3 tools/kernel_counters.py --case "${NCU_CASE:-long_responses}" --methods "$m" \
+    --direction "${NCU_DIRECTION:-fwdbwd}" --head-dim "${NCU_DIM:-128}" > "$OUT/ncu_${name}_$m.log" 2>&1
+  echo "ncu-$name $m rc=$?"
+}
 t0=$(date +%s)
 for step in "$@"; do
   echo "== $step (t=$(( $(date +%s) - t0 )) s)"
@@ -273,30 +286,19 @@ print('FA4', m.version('flash-attn-4'), 'CuTe DSL', m.version('nvidia-cutlass-ds
                        --iters 6 --warmup 2 --out "$OUT" --tag "classes_d$d" ${BENCH_ARGS:-} > "$OUT/classes_d$d.log" 2>&1
                      echo "bench-classes d$d rc=$?"; sed -n '/^case /,$p' "$OUT/classes_d$d.log"
                    done ;;
-    ncu-stalls) NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
-                [ -n "$NCU" ] || { echo "ncu-stalls: no ncu"; continue; }
+    ncu-stalls) NCU=$(ncu_path); [ -n "$NCU" ] || { echo "ncu-stalls: no ncu"; continue; }
                 for m in $(echo "${NCU_METHODS:-dualkv,fa4_dense}" | tr , ' '); do
-                  rep="/tmp/ncu_stalls_$m"  # the report stays here (size); its source page comes back
-                  timeout -k 10 240 "$NCU" --profile-from-start off --clock-control none -k "regex:${NCU_KERNEL:-bwd_sm90}" \
-                    --section SourceCounters --section WarpStateStats --import-source yes -f -o "$rep" \
-                    python3 tools/kernel_counters.py --case "${NCU_CASE:-long_responses}" --methods "$m" \
-                    --direction "${NCU_DIRECTION:-fwdbwd}" --head-dim "${NCU_DIM:-128}" > "$OUT/ncu_stalls_$m.log" 2>&1
-                  echo "ncu-stalls $m rc=$?"
-                  "$NCU" -i "$rep.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu_stalls_${m}_sass.csv" \
-                    2>> "$OUT/ncu_stalls_$m.log"
+                  ncu_profile stalls "$m" --section SourceCounters --section WarpStateStats --import-source yes
+                  "$NCU" -i "/tmp/ncu_stalls_$m.ncu-rep" --page source --csv --print-source sass \
+                    > "$OUT/ncu_stalls_${m}_sass.csv" 2>> "$OUT/ncu_stalls_$m.log"
                   python3 tests/gpu/ncu_source_summary.py "$OUT/ncu_stalls_${m}_sass.csv" --top 25
                 done ;;
-    ncu-units) NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
-               [ -n "$NCU" ] || { echo "ncu-units: no ncu"; continue; }
+    ncu-units) NCU=$(ncu_path); [ -n "$NCU" ] || { echo "ncu-units: no ncu"; continue; }
                for m in $(echo "${NCU_METHODS:-dualkv,fa4_dense}" | tr , ' '); do
-                 rep="/tmp/ncu_units_$m"
-                 timeout -k 10 240 "$NCU" --profile-from-start off --clock-control none -k "regex:${NCU_KERNEL:-bwd_sm90}" -c 1 \
-                   --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
-                   --section MemoryWorkloadAnalysis_Tables --section InstructionStats --section WarpStateStats -f -o "$rep" \
-                   python3 tools/kernel_counters.py --case "${NCU_CASE:-long_responses}" --methods "$m" \
-                   --direction "${NCU_DIRECTION:-fwdbwd}" --head-dim "${NCU_DIM:-128}" > "$OUT/ncu_units_$m.log" 2>&1
-                 echo "ncu-units $m rc=$?"
-                 "$NCU" -i "$rep.ncu-rep" --page raw --csv > "$OUT/ncu_units_$m.csv" 2>> "$OUT/ncu_units_$m.log"
+                 ncu_profile units "$m" -c 1 --section SpeedOfLight --section ComputeWorkloadAnalysis \
+                   --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables --section InstructionStats \
+                   --section WarpStateStats
+                 "$NCU" -i "/tmp/ncu_units_$m.ncu-rep" --page raw --csv > "$OUT/ncu_units_$m.csv" 2>> "$OUT/ncu_units_$m.log"
                done ;;
     ab) [ -f "${AB_LIBRARY:-}" ] || { echo "ab: set AB_LIBRARY to the second build's libdualkv.so"; continue; }
         for path in ${AB_PATHS:-sm90 portable}; do
