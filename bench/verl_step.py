@@ -197,6 +197,11 @@ def parse_args(argv=None):
                         "instead of the token budget: veRL's own loop over its R-row chunks for every method; a group "
                         "the chunks cut runs its prompt once (once: closed inside veRL's loop) or a copy per chunk "
                         "(copies, flex_fa4)")
+    p.add_argument("--entropy-chunking", action="store_true",
+                   help="veRL's entropy_from_logits_with_chunking (engine config; chunks of "
+                        "entropy_from_logits_chunk_size rows) for every method: the old-log-prob pass's entropy "
+                        "without full-vocabulary fp32 temporaries (at --micro-batch-rows 4 the stock path's ran "
+                        "out of an H100's 80 GB, session 40)")
     p.add_argument("--methods", default=",".join(DEFAULT_METHODS), help=f"some of {', '.join(METHODS)}")
     p.add_argument("--sp", type=int, default=1, metavar="S",
                    help="Ulysses sequence parallelism (veRL's ulysses_sequence_parallel_size): the ranks form "
@@ -394,14 +399,16 @@ def fsdp2_units(model) -> dict:
     return units
 
 
-def make_engine(v, model, attn, compute_dtype, device):
-    """An FSDPEngineWithLMHead around ``model`` (fp32 parameters), sharded as veRL's fsdp2 strategy shards it."""
+def make_engine(v, model, attn, compute_dtype, device, entropy_chunking=False):
+    """An FSDPEngineWithLMHead around ``model`` (fp32 parameters), sharded as veRL's fsdp2 strategy shards it;
+    its entropy function as veRL's engine picks it from the config (torch.compile off)."""
     from torch.distributed.device_mesh import init_device_mesh
     model.set_attn_implementation(attn)
     # as veRL's _build_module: non-reentrant checkpointing, enabled before sharding
     dkt.enable_checkpointing(model)
     model.train()
-    config = v.FSDPEngineConfig(strategy="fsdp2", use_torch_compile=False)
+    config = v.FSDPEngineConfig(strategy="fsdp2", use_torch_compile=False,
+                                entropy_from_logits_with_chunking=entropy_chunking)
     mesh = init_device_mesh(device.type, (world_size(),), mesh_dim_names=("fsdp",))
     mp = v.MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32, cast_forward_inputs=True)
     v.apply_fsdp2(model, {"mesh": mesh, "mp_policy": mp, "offload_policy": None, "reshard_after_forward": True}, config)
@@ -414,7 +421,8 @@ def make_engine(v, model, attn, compute_dtype, device):
     engine.pad_to_length = False
     engine._autocast_dtype = compute_dtype
     engine.scaler = None
-    engine.compute_entropy_from_logits = v.impl.verl_F.entropy_from_logits
+    engine.compute_entropy_from_logits = (v.impl.verl_F.entropy_from_logits_with_chunking if entropy_chunking
+                                          else v.impl.verl_F.entropy_from_logits)
     return engine
 
 
@@ -689,6 +697,8 @@ def main(argv=None) -> int:
                 for engine in {id(e): e for e in engines.values()}.values():  # once and copies share one
                     use_ulysses(engine, args.sp, device)
             first = next(iter(engines.values())).module
+            # what veRL's engine computes the log-prob pass's entropy with (--entropy-chunking: chunked rows)
+            report["protocol"]["entropy"] = sorted({e.compute_entropy_from_logits.__name__ for e in engines.values()})
             report["protocol"]["fsdp2_units"] = fsdp2_units(first)
             report["model"]["parameters"] = sum(p.numel() for p in first.parameters())
             if is_moe(cfg):
@@ -731,12 +741,14 @@ def build_engines(v, args, build, compute_dtype, device):
     sets them). ``build()`` gives each engine its own copy of the same weights, one unsharded model on the
     device at a time (sharded before the next is built: under torchrun a full 30B fits one GPU, two do not)."""
     engines = {}
+    new_engine = partial(make_engine, v, compute_dtype=compute_dtype, device=device,
+                         entropy_chunking=args.entropy_chunking)
     if "stock" in args.methods:
-        engines["stock"] = make_engine(v, build(), args.stock_attn, compute_dtype, device)
+        engines["stock"] = new_engine(build(), args.stock_attn)
     if "stock_fa4" in args.methods:  # registered in main
-        engines["stock_fa4"] = make_engine(v, build(), FA4_VARLEN_IMPL, compute_dtype, device)
+        engines["stock_fa4"] = new_engine(build(), FA4_VARLEN_IMPL)
     if set(PACKED) & set(args.methods):
-        packed_engine = make_engine(v, build(), dkt.ATTN_IMPLEMENTATION, compute_dtype, device)
+        packed_engine = new_engine(build(), dkt.ATTN_IMPLEMENTATION)
         engines.update({m: packed_engine for m in PACKED if m in args.methods})
     return engines
 

@@ -87,6 +87,7 @@ def test_verl_step_bench_fixed_size_micro_batches(tmp_path):
     further chunk and the whole prompt in its closing chunk), copies a prompt per chunk; the same losses."""
     data, _ = _run(tmp_path, "--methods", "once,copies,stock", "--micro-batch-rows", "2", "--no-accuracy")
     assert data["args"]["micro_batch_rows"] == 2
+    assert data["protocol"]["entropy"] == ["entropy_from_logits"]  # veRL's default (--entropy-chunking: chunked)
     passes, tokens = data["passes"], data["tokens"]
     for m in ("once", "copies", "stock"):
         assert passes[m]["status"] == "ok" and passes[m]["update_micro_batches"] == 6, (m, passes[m])
@@ -95,6 +96,18 @@ def test_verl_step_bench_fixed_size_micro_batches(tmp_path):
     assert tokens["packed"] < once["update_tokens"] < copies["update_tokens"] <= passes["stock"]["update_tokens"]
     # log-probs read the recorded prompt in every chunk: no closing chunk carries a whole prompt
     assert once["logprobs_tokens"] < once["update_tokens"]
+
+
+def test_verl_step_bench_entropy_chunking(tmp_path):
+    """--entropy-chunking: every engine computes the log-prob pass's entropy with veRL's chunked function
+    (called, as veRL's engine calls it with that config, with its chunk size), the same losses as without."""
+    data, _ = _run(tmp_path, "--methods", "once,stock", "--micro-batch-rows", "2", "--no-accuracy", "--entropy-chunking")
+    assert data["args"]["entropy_chunking"] is True
+    assert data["protocol"]["entropy"] == ["entropy_from_logits_with_chunking"]
+    passes = data["passes"]
+    for m in ("once", "stock"):
+        assert passes[m]["status"] == "ok" and passes[m]["logprobs_micro_batches"] == 6, (m, passes[m])
+    assert passes["once"]["update_loss"] == pytest.approx(passes["stock"]["update_loss"], rel=1e-5, abs=1e-6)
 
 
 def _check_flex_fa4(data, ran):
