@@ -242,13 +242,16 @@ ncu_path() { command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null |
 # brackets it: --profile-from-start off) under $NCU with the clocks left alone, the kernels matching
 # $NCU_KERNEL, NCU-ARGS (sections, -c); the report stays in /tmp/ncu_NAME_METHOD.ncu-rep (its size), the
 # log goes to $OUT/ncu_NAME_METHOD.log; cut at 240 s.
+ncu_report() { echo "/tmp/ncu_$1_$2"; }  # the report's path, less ncu's .ncu-rep suffix
 ncu_profile() {
   local name=$1 m=$2; shift 2
   timeout -k 10 240 "$NCU" --profile-from-start off --clock-control none -k "regex:${NCU_KERNEL:-bwd_sm90}" "$@" \
-    -f -o "/tmp/ncu_${name}_$m" python3 tools/kernel_counters.py --case "${NCU_CASE:-long_responses}" --methods "$m" \
+    -f -o "$(ncu_report "$name" "$m")" python3 tools/kernel_counters.py --case "${NCU_CASE:-long_responses}" --methods "$m" \
     --direction "${NCU_DIRECTION:-fwdbwd}" --head-dim "${NCU_DIM:-128}" > "$OUT/ncu_${name}_$m.log" 2>&1
   echo "ncu-$name $m rc=$?"
 }
+# ncu_import NAME METHOD NCU-ARGS...: reads ncu_profile's report back (page, format) to stdout, errors to its log.
+ncu_import() { local name=$1 m=$2; shift 2; "$NCU" -i "$(ncu_report "$name" "$m").ncu-rep" "$@" 2>> "$OUT/ncu_${name}_$m.log"; }
 t0=$(date +%s)
 for step in "$@"; do
   echo "== $step (t=$(( $(date +%s) - t0 )) s)"
@@ -289,8 +292,7 @@ print('FA4', m.version('flash-attn-4'), 'CuTe DSL', m.version('nvidia-cutlass-ds
     ncu-stalls) NCU=$(ncu_path); [ -n "$NCU" ] || { echo "ncu-stalls: no ncu"; continue; }
                 for m in $(echo "${NCU_METHODS:-dualkv,fa4_dense}" | tr , ' '); do
                   ncu_profile stalls "$m" --section SourceCounters --section WarpStateStats --import-source yes
-                  "$NCU" -i "/tmp/ncu_stalls_$m.ncu-rep" --page source --csv --print-source sass \
-                    > "$OUT/ncu_stalls_${m}_sass.csv" 2>> "$OUT/ncu_stalls_$m.log"
+                  ncu_import stalls "$m" --page source --csv --print-source sass > "$OUT/ncu_stalls_${m}_sass.csv"
                   python3 tests/gpu/ncu_source_summary.py "$OUT/ncu_stalls_${m}_sass.csv" --top 25
                 done ;;
     ncu-units) NCU=$(ncu_path); [ -n "$NCU" ] || { echo "ncu-units: no ncu"; continue; }
@@ -298,7 +300,7 @@ print('FA4', m.version('flash-attn-4'), 'CuTe DSL', m.version('nvidia-cutlass-ds
                  ncu_profile units "$m" -c 1 --section SpeedOfLight --section ComputeWorkloadAnalysis \
                    --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables --section InstructionStats \
                    --section WarpStateStats
-                 "$NCU" -i "/tmp/ncu_units_$m.ncu-rep" --page raw --csv > "$OUT/ncu_units_$m.csv" 2>> "$OUT/ncu_units_$m.log"
+                 ncu_import units "$m" --page raw --csv > "$OUT/ncu_units_$m.csv"
                done ;;
     ab) [ -f "${AB_LIBRARY:-}" ] || { echo "ab: set AB_LIBRARY to the second build's libdualkv.so"; continue; }
         for path in ${AB_PATHS:-sm90 portable}; do
