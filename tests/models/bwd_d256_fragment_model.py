@@ -14,19 +14,18 @@ emulated thread by thread, with the kernel's formulas:
   - the stmatrix.trans addresses of dS into the 128B-swizzled [q][kv] box, read back the way TMA /
     wgmma see that layout (byte o of the box: row o / 128, 16-byte chunk ((o / 16) % 8) ^ (row % 8)),
   - the dQ atomics' (row, column) after the lane-pair shuffle, and the epilogue's (row, column),
-  - the bulk-dQ kernel's staging (DUALKV_SM90_BWD_D256_DQ_BULK): each warpgroup's fp32 dQ half stored
-    by float2 into the step's Q (P role) or dO (dS role) stage as four 128B-swizzled boxes of 32
-    columns x 64 rows, read back the way the dq_accum tensor map's reduce reads a box (byte o: row
-    o / 128, 16-byte chunk ((o / 16) % 8) ^ (row % 8), word (o / 4) % 4); every byte of both
-    32 KiB stages written once, rows >= qb staged as 0 whatever the registers hold, each store
-    instruction of a warp at most 2 accesses per bank over the whole warp (the hardware serves 64-bit
-    stores per half-warp, where this order is two-way conflicted: tests/models/dq_staging_model.py,
-    whose order the D-256 kernel does not take, docs/notes/2026-12-05-bwd-dq-staging-conflicts.md).
+  - the bulk-dQ kernel's staging (bwd_stage_dq_fragment): each warpgroup's fp32 dQ half stored by
+    float2 into the step's Q (P role) or dO (dS role) stage as four 128B-swizzled boxes of 32 rows x
+    64 columns (row block major), read back the way the dq_accum tensor map's reduce reads a box (byte
+    o: smem row p = o / 128 = row p / 2's 32-column block p % 2, 16-byte chunk ((o / 16) % 8) ^ (p % 8),
+    word (o / 4) % 4); every byte of both 32 KiB stages written once, rows >= qb staged as 0 whatever
+    the registers hold, no bank conflict within a half-warp (64-bit stores are served per half-warp;
+    the layout's reasons: bwd_stage_dq_fragment, tests/models/dq_staging_model.py).
 Compared with float64 dense math on random data for items with a tail (klen < 64), a diagonal tile
 and query rows past qb. Exit status 0 when every check passes.
 --mutant NAME plants an index bug in the staging and expects a check to fail (exit status 0 when
-it does): stage_no_xor (chunk without the XOR g swizzle), stage_row8 (the row + 8 store at + 8 x 64
-bytes), stage_box (box j / 2 instead of j / 4), stage_no_zero (rows >= qb staged from registers),
+it does): stage_no_xor (chunk without the XOR swizzle phase), stage_row8 (the row + 8 store at + 8 x 128
+bytes, the layout before), stage_box (box j / 4 instead of j / 8), stage_no_zero (rows >= qb staged from registers),
 stage_same_buf (both warpgroups stage into the Q stage).
 """
 from __future__ import annotations
@@ -52,7 +51,7 @@ MUTANT = None
 
 def stage_dq(dq_full, qt, qb):
     """The bulk-dQ kernel's staging of dQ (kernel formulas), read back as the TMA reduce reads it."""
-    box_bytes = 64 * 128
+    box_bytes = 32 * 2 * 128                         # 32 rows x 64 fp32 columns
     stage_bytes = 4 * box_bytes                      # 32 KiB: one Q (or dO) stage
     smem = {}                                        # (buffer, byte) -> fp32 value
     for cw in range(2):
@@ -62,35 +61,39 @@ def stage_dq(dq_full, qt, qb):
         for warp in range(4):
             for j in range(16):
                 for second in range(2):              # the two st.shared.v2 of iteration j
-                    banks = {}
+                    banks = [{}, {}]                 # per half-warp
                     for lane in range(32):
                         g, t4 = lane >> 2, lane & 3
                         r0 = warp * 16 + g
                         valid = qt + r0 + 8 * second < qb
                         if MUTANT == "stage_no_zero":
                             valid = True
-                        row_base = r0 * 128 + (t4 & 1) * 8
-                        chunk = (2 * (j % 4) + (t4 >> 1)) ^ (0 if MUTANT == "stage_no_xor" else g)
-                        box = j // 2 if MUTANT == "stage_box" else j // 4
-                        addr = row_base + box * box_bytes + (chunk << 4)
-                        addr += (8 * 64 if MUTANT == "stage_row8" else 8 * 128) * second
+                        row_base = (r0 // 32) * 2 * box_bytes + 2 * (r0 % 32) * 128 + (t4 & 1) * 8
+                        b = (j // 4) % 2
+                        phase = 0 if MUTANT == "stage_no_xor" else ((g & 3) << 1) ^ b
+                        chunk = (2 * (j % 4) + (t4 >> 1)) ^ phase
+                        box = j // 4 if MUTANT == "stage_box" else j // 8
+                        addr = row_base + box * box_bytes + b * 128 + (chunk << 4)
+                        addr += (8 * 128 if MUTANT == "stage_row8" else 16 * 128) * second
                         r, c = r0 + 8 * second, 8 * j + 2 * t4
                         for e in range(2):
                             a = addr + 4 * e
                             assert 0 <= a < stage_bytes, f"staging store outside the stage at {a}"
                             assert (buf, a) not in smem, f"staging byte {a} of buffer {buf} written twice"
                             smem[(buf, a)] = half[r, c + e] if valid else 0.0
-                            banks.setdefault((a // 4) % 32, set()).add(a // 4)
-                    assert max(len(v) for v in banks.values()) <= 2, f"bank conflict in store {j}.{second}"
+                            banks[lane // 16].setdefault((a // 4) % 32, set()).add(a // 4)
+                    assert max(len(v) for hw in banks for v in hw.values()) == 1, f"bank conflict in store {j}.{second}"
     assert len(smem) == 2 * stage_bytes // 4, f"{len(smem)} of {2 * stage_bytes // 4} staging words written"
-    # The writer's 8 reduces: box b of buffer cw at byte b * 8 KiB adds to columns 128 cw + 32 b.
+    # The writer's 8 reduces: box 2 rb + cp of buffer cw adds to rows 32 rb.., columns 128 cw + 64 cp...
     added = np.full((BM, D), np.nan)
     for cw in range(2):
-        for b in range(4):
-            for o in range(0, box_bytes, 4):
-                row = o // 128
-                col = 128 * cw + 32 * b + (((o // 16) % 8) ^ (row % 8)) * 4 + (o // 4) % 4
-                added[row, col] = smem[(cw, b * box_bytes + o)]
+        for rb in range(2):
+            for cp in range(2):
+                for o in range(0, box_bytes, 4):
+                    p = o // 128
+                    row = 32 * rb + p // 2
+                    col = 128 * cw + 64 * cp + 32 * (p % 2) + (((o // 16) % 8) ^ (p % 8)) * 4 + (o // 4) % 4
+                    added[row, col] = smem[(cw, (2 * rb + cp) * box_bytes + o)]
     return added
 
 

@@ -1,75 +1,91 @@
 #!/usr/bin/env python3
-"""CPU model of the D <= 128 Hopper backward's dQ staging stores (src/cuda/sm90/bwd_kernel.cuh,
-bwd_stage_dq_fragment and its caller), per thread, with the kernel's formulas:
+"""CPU model of the Hopper backward's dQ staging (src/cuda/sm90: bwd_stage_dq_fragment and its callers in
+bwd_kernel.cuh / bwd_kernel_d256.cuh, make_dq_accum_map in tma.h), per thread, with the kernels' formulas:
 
   - a thread (warp w, lane: g = lane / 4, t4 = lane % 4) holds the dQ accumulator fragment of rows
-    r0 = 16 w + g and r0 + 8, element 4 j + e at column 8 j + 2 t4 + (e & 1) (+8 rows for e >= 2);
-  - store k of a lane writes block j = k (t4 < 2) or j = k ^ 2 (t4 >= 2) at
-    row_base + (k / 4) box_bytes + ((2 (k % 4)) XOR x) * 16 (+ 8 x 128 for row r0 + 8), with
-    row_base = box0 * box_bytes + r0 * 128 + (t4 & 1) * 8 and x = (t4 >= 2 ? 5 : 0) XOR g.
+    r = row0 + 16 w + g and r + 8, element 4 k + e at column col0 + 8 k + 2 t4 + (e & 1) (+8 rows for e >= 2);
+  - a box is 32 rows x 64 columns (8 KiB), row block major (box = (r / 32) n_cp + column / 64); its smem row
+    p = 2 (r % 32) + b holds row r's 32-column block b;
+  - row_base = box(r, col0) * 8192 + (2 (r % 32) + b0) * 128 + (t4 & 1) * 8 with b0 = (col0 / 32) % 2, and
+    x = b0 | ((g & 3) << 1); store k writes block k at row_base + (k / 8) * 8192 + b * 128
+    + ((2 (k % 4) + t4 / 2) XOR (x XOR b)) * 16 with b = (k / 4) % 2, row r + 8 at + 16 * 128.
 
-Checked against the layout the dQ writer's TMA reduce reads (a box of 64 rows x 32 fp32 columns,
-128-byte rows, 128B swizzle: byte o holds row o / 128, 16-byte chunk ((o / 16) % 8) XOR (row % 8),
-word (o / 4) % 4), for the three staging shapes (D 128: each warpgroup's 64 columns of a 64-row step;
-D 64: all 64 columns of its 64-row block of a 128-row step; D 64 with a softcap: 32 columns of a 64-row
-step): every element lands where the reduce reads it, every staged byte is written once, and each
-64-bit store is bank-conflict free within each half-warp (lanes 0-15 and 16-31 are served apart: two
-lanes of a half-warp on one bank at different addresses cost a wavefront more).
---mutant column_order (every lane writes block k, the order before session 41: two-way conflicted per
-half-warp) and --mutant no_xor (x without g) must each fail a check; exit status 0 when they do.
+Checked against what the dQ writer's TMA reduce reads through the 4-d tensor map (columns within a
+32-column block, the block, head, token; box 32 x 2 x 1 x 32, 128B swizzle: byte o of a box holds smem
+row p = o / 128, i.e. row p / 2 and column block p % 2, 16-byte chunk ((o / 16) % 8) XOR (p % 8), word
+(o / 4) % 4), for the four staging shapes (D 128: a warpgroup's 64 columns of a 64-row step; D 64: all
+64 columns of a warpgroup's 64 rows of a 128-row step; D 64 with a softcap: a warpgroup's 32 columns;
+D 256: a warpgroup's 128 columns in its own stage): every element lands where the reduce reads it,
+every staged byte is written once, and each 64-bit store is bank-conflict free within each half-warp
+(lanes 0-15 and 16-31 are served apart: two lanes of a half-warp on one bank at different addresses
+cost a wavefront more).
+Mutants, each of which must fail a check (exit status 0 when caught): rows_in_place (the layout before:
+64-row boxes of one 32-column block, smem row = row, x = g, in the stores and in the reduce: placed right
+but two-way conflicted per half-warp), no_xor (x = 0), no_block_phase (the box's second column block
+stored with the first block's phase), no_b0 (b0 taken as 0: the softcap shape's second warpgroup).
 """
 from __future__ import annotations
 
 import argparse
 import sys
 
-BOX_BYTES = 64 * 128
+BOX_BYTES = 32 * 2 * 128
 
 
-def store_plan(n_cols: int, box0: int, mutant: str = ""):
-    """Per warp and store instruction (k, row half): [(lane, byte address, (row, column) of its
-    first word)], the kernel's formulas for one warp (rows 0..15 of the warp: the row offset 16 w
-    moves every address by a multiple of 128 bytes, which changes neither the box nor the bank)."""
-    n_blocks = n_cols // 8  # 8-column blocks j (the fragment's N / 4)
+def store_plan(n_cols: int, col0: int, row0: int, n_cp: int, mutant: str = ""):
+    """Per warp and store instruction (warp, k, row half): [(lane, byte address, (row, column) of its first
+    word)], the kernels' formulas (rows and columns of the step's staging region)."""
     plan = {}
-    for lane in range(32):
-        g, t4 = lane // 4, lane % 4
-        if mutant == "column_order":  # block k in every lane: chunk (2 (k % 4) + t4 / 2) XOR g
-            hi, x = False, (t4 >> 1) ^ g
-        else:
-            hi = t4 >= 2
-            x = (5 if hi else 0) ^ (0 if mutant == "no_xor" else g)
-        row_base = box0 * BOX_BYTES + g * 128 + (t4 & 1) * 8
-        for k in range(n_blocks):
-            j = k ^ 2 if hi else k
-            addr = row_base + (k // 4) * BOX_BYTES + (((2 * (k % 4)) ^ x) << 4)
-            col = 8 * j + 2 * t4
-            plan.setdefault((k, 0), []).append((lane, addr, (g, col)))
-            plan.setdefault((k, 1), []).append((lane, addr + 8 * 128, (g + 8, col)))
+    for warp in range(4):
+        for lane in range(32):
+            g, t4 = lane // 4, lane % 4
+            r = row0 + 16 * warp + g
+            if mutant == "rows_in_place":  # 64-row boxes of 32 columns, box = (r / 64) (cols / 32) + col / 32
+                row_base = ((r // 64) * (n_cp * 2) + col0 // 32) * BOX_BYTES + (r % 64) * 128 + (t4 & 1) * 8
+                for k in range(n_cols // 8):
+                    addr = row_base + (k // 4) * BOX_BYTES + (((2 * (k % 4) + (t4 >> 1)) ^ g) << 4)
+                    plan.setdefault((warp, k, 0), []).append((lane, addr, (r, col0 + 8 * k + 2 * t4)))
+                    plan.setdefault((warp, k, 1), []).append((lane, addr + 8 * 128, (r + 8, col0 + 8 * k + 2 * t4)))
+                continue
+            b0 = 0 if mutant == "no_b0" else (col0 // 32) % 2
+            box = (r // 32) * n_cp + col0 // 64
+            row_base = box * BOX_BYTES + (2 * (r % 32) + b0) * 128 + (t4 & 1) * 8
+            x = 0 if mutant == "no_xor" else b0 | ((g & 3) << 1)
+            for k in range(n_cols // 8):
+                b = (k // 4) % 2
+                phase = x if mutant == "no_block_phase" else x ^ b
+                addr = row_base + (k // 8) * BOX_BYTES + b * 128 + (((2 * (k % 4) + (t4 >> 1)) ^ phase) << 4)
+                col = col0 + 8 * k + 2 * t4
+                plan.setdefault((warp, k, 0), []).append((lane, addr, (r, col)))
+                plan.setdefault((warp, k, 1), []).append((lane, addr + 16 * 128, (r + 8, col)))
     return plan
 
 
-def reduce_reads(addr: int, box0: int):
-    """(row, column) the TMA reduce takes from byte `addr` of the staging (4-byte word)."""
+def reduce_reads(addr: int, n_cp: int, mutant: str = ""):
+    """(row, column) of the staging region the TMA reduce takes from byte `addr` (4-byte word)."""
     box, o = divmod(addr, BOX_BYTES)
-    row = o // 128
-    chunk = ((o // 16) % 8) ^ (row % 8)
+    p = o // 128
+    chunk = ((o // 16) % 8) ^ (p % 8)
     word = (o // 4) % 4
-    return row, (box - box0) * 32 + chunk * 4 + word
+    if mutant == "rows_in_place":  # the 3-d map before: 64-row boxes of one 32-column block
+        rb, cb = divmod(box, n_cp * 2)
+        return 64 * rb + p, 32 * cb + 4 * chunk + word
+    rb, cp = divmod(box, n_cp)
+    return 32 * rb + p // 2, 64 * cp + 32 * (p % 2) + 4 * chunk + word
 
 
-def check(n_cols: int, box0: int, mutant: str = "") -> list[str]:
+def check(name: str, n_cols: int, col0: int, row0: int, n_cp: int, mutant: str = "") -> list[str]:
     errors = []
     written = {}
-    for (k, half), stores in store_plan(n_cols, box0, mutant).items():
+    for (warp, k, half), stores in store_plan(n_cols, col0, row0, n_cp, mutant).items():
         for lane, addr, (row, col) in stores:
             for w in range(2):  # the two fp32 words of the float2
-                got = reduce_reads(addr + 4 * w, box0)
+                got = reduce_reads(addr + 4 * w, n_cp, mutant)
                 if got != (row, col + w):
-                    errors.append(f"cols {n_cols}: store {k}.{half} lane {lane} word {w}: wrote ({row}, {col + w}) "
-                                  f"where the reduce reads {got}")
+                    errors.append(f"{name}: warp {warp} store {k}.{half} lane {lane} word {w}: wrote "
+                                  f"({row}, {col + w}) where the reduce reads {got}")
                 if addr + 4 * w in written:
-                    errors.append(f"cols {n_cols}: byte {addr + 4 * w} written twice")
+                    errors.append(f"{name}: byte {addr + 4 * w} written twice")
                 written[addr + 4 * w] = (row, col + w)
         for part in (range(16), range(16, 32)):  # 64-bit stores: each half-warp apart
             banks = {}
@@ -78,23 +94,22 @@ def check(n_cols: int, box0: int, mutant: str = "") -> list[str]:
                     banks.setdefault(((addr + 4 * w) // 4) % 32, set()).add(addr + 4 * w)
             worst = max(len(a) for a in banks.values())
             if worst > 1:
-                errors.append(f"cols {n_cols}: store {k}.{half} lanes {part.start}-{part.stop - 1}: "
+                errors.append(f"{name}: warp {warp} store {k}.{half} lanes {part.start}-{part.stop - 1}: "
                               f"{worst}-way bank conflict")
-    expected = {(r, c) for r in range(16) for c in range(n_cols)}
+    expected = {(r, c) for r in range(row0, row0 + 64) for c in range(col0, col0 + n_cols)}
     if set(written.values()) != expected:
-        errors.append(f"cols {n_cols}: {len(expected - set(written.values()))} elements not staged")
+        errors.append(f"{name}: {len(expected - set(written.values()))} elements not staged")
     return errors
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--mutant", choices=["column_order", "no_xor"], default="")
+    ap.add_argument("--mutant", choices=["rows_in_place", "no_xor", "no_block_phase", "no_b0"], default="")
     args = ap.parse_args()
-    # (columns a warpgroup stages, its first box): D 128 warpgroup 1 (columns 64..127 of a 64-row step:
-    # boxes 2, 3), D 64's 128-row steps (warpgroup 1: its block's boxes 2..3 of 4), D 64 softcap
-    # (warpgroup 1: columns 32..63, box 1)
-    shapes = [(64, 2), (64, 0), (32, 1)]
-    errors = [e for n, b in shapes for e in check(n, b, args.mutant)]
+    # (name, columns a warpgroup stages, its first column, its first row, 64-column boxes per 32-row block)
+    shapes = [("D 128, warpgroup 1", 64, 64, 0, 2), ("D 64 by rows, warpgroup 1", 64, 0, 64, 1),
+              ("D 64 softcap, warpgroup 1", 32, 32, 0, 1), ("D 256, a warpgroup's stage", 128, 0, 0, 2)]
+    errors = [e for shape in shapes for e in check(*shape, args.mutant)]
     if args.mutant:
         if errors:
             print(f"mutant {args.mutant} caught: {errors[0]}")

@@ -112,13 +112,14 @@ def test_d256_fragment_index_model_catches_planted_bug(mutant):
 
 
 def test_dq_staging_model():
-    """The D <= 128 backward's dQ staging stores (bwd_stage_dq_fragment): every element where the dQ
-    writer's TMA reduce reads it, and no bank conflict within a half-warp."""
+    """The Hopper backward's dQ staging stores (bwd_stage_dq_fragment, every head dim): every element
+    where the dQ writer's TMA reduce reads it through its 32 x 64 boxes, and no bank conflict within a
+    half-warp."""
     res = run_model("dq_staging_model.py")
     assert res.returncode == 0 and res.stdout.strip().splitlines()[-1].startswith("ok:"), res.stdout[-1500:]
 
 
-@pytest.mark.parametrize("mutant", ["column_order", "no_xor"])
+@pytest.mark.parametrize("mutant", ["rows_in_place", "no_xor", "no_block_phase", "no_b0"])
 def test_dq_staging_model_catches_planted_bug(mutant):
     res = run_model("dq_staging_model.py", "--mutant", mutant)
     assert res.returncode == 0 and f"mutant {mutant} caught" in res.stdout, res.stdout[-1500:]

@@ -97,6 +97,10 @@ namespace dualkv::cuda::sm90 {
 // The plan's split granularity stays 64 rows (plan_tiles): a piece of an odd number of 64-row
 // blocks ends in a step whose second half is past qb (lse = +inf there, P = 0, as any ragged end).
 // kStepRows: sm90_bwd_block_m (tile_size.h).
+// The dQ staging box (sm90/tma.h make_dq_accum_map): 32 rows x 64 fp32 columns, smem row 2 r + b holding
+// row r's 32-column block b (128 bytes, 128B swizzle).
+constexpr uint32_t kBwdDqBoxBytes = 32 * 2 * 128;
+
 template <int D, bool kDqStage = false, int kStepRows = 64>
 struct Sm90BwdConfig {
   static constexpr int kBlockM = kStepRows;  // query rows per step
@@ -129,11 +133,11 @@ struct Sm90BwdConfig {
   // place sooner; measured 0.989-0.998x with 128-row steps before the halves, 2026-12-03). 64-row
   // steps issue dV first (dS first measured 0.990-1.010x there, slower on 3 of 4 layouts).
   static constexpr bool kSoftmaxHalves = kBlockM == 128;
-  // dQ staging (kDqStage): kBlockM rows x D fp32 per buffer, as (kBlockM / 64) x (D / 32) boxes of
-  // 64 rows x 32 columns (128-byte rows, 128B swizzle; bwd_stage_dq_fragment orders a fragment's
-  // float2 stores so that each half-warp hits every bank once), row block major.
-  static constexpr int kDqBoxes = D / 32;  // boxes per 64-row block
-  static constexpr uint32_t kDqBoxBytes = 64 * 128;
+  // dQ staging (kDqStage): kBlockM rows x D fp32 per buffer, as (kBlockM / 32) x (D / 64) boxes of
+  // 32 rows x 64 columns (kBwdDqBoxBytes; each half-warp's float2 stores hit every bank once:
+  // bwd_stage_dq_fragment), row block major.
+  static constexpr int kDqBoxCols = D / 64;  // boxes per 32-row block
+  static constexpr uint32_t kDqBoxBytes = kBwdDqBoxBytes;
   static constexpr uint32_t kDqStageBytes = kDqStage ? kBlockM * D * 4 : 0;
   // Staging buffers: 2 (by step parity) at 64 rows; 1 at 128 rows, where two of 32 KiB do not fit
   // next to the 2 x 32 KiB of dS (232,576 B of 232,448). One buffer costs no wait in practice: the
@@ -167,7 +171,7 @@ struct Sm90BwdParams {
   BwdArgs a;
   CUtensorMap tq, tk, tv, tdo;
   int32_t* counter;  // work-item counter, zeroed before the launch
-  CUtensorMap tdq;  // dq_accum [T, H, D] fp32, box 32 columns x 1 head x 64 rows, 128B swizzle
+  CUtensorMap tdq;  // dq_accum [T, H, D] fp32, boxes of 32 rows x 64 columns of one head (tma.h)
   CUtensorMap tpk, tpv;  // external prefix (issue 17): the prefix K / V buffers (prefix kernels only)
 };
 
@@ -323,35 +327,32 @@ __device__ __forceinline__ void bwd_softcap_p_ds(const float (&sacc)[N], const f
   }
 }
 
-// One thread's dQ accumulator fragment (rows r and r + 8 with r % 8 == g, columns 8j + 2 t4 + {0, 1} of
-// j = 0 .. N / 4 - 1) into the fp32 staging boxes the dQ writer reduces: 64 rows x 32 columns per box
-// (`box_bytes`), 128-byte rows with TMA's 128B swizzle, so column c of row r sits at 16-byte chunk
-// (c % 32) / 4 XOR r % 8, word pair (c / 2) % 2 (= t4 & 1: the caller's row_base holds it and row r).
-// Store k of a lane with t4 < 2 writes block j = k; a lane with t4 >= 2 writes block k ^ 2 (its own
-// columns of the same box, chosen by a select): 64-bit stores are served in half-warps (g 0..3 and
-// 4..7), and with j = k in all lanes the t4 >= 2 lanes' chunk 2 (k % 4) + 1 XOR g met the t4 < 2
-// lanes' chunk 2 (k % 4) XOR (g ^ 1) in the same half-warp: a two-way bank conflict on every store
-// (ncu on an H100, D 128 N8 P16K R2K: 433 M conflicted store wavefronts, 33 per warp and step, against
-// FA4's 1.4). With k ^ 2 the two halves of a half-warp write the two different groups of four chunks.
-// Measured (H100, backward main kernel, 7 rounds): 0.971-0.980 at D 128 on N8 P16K R2K, N16 P4K R1K and
-// long responses, 0.977-0.981 at D 64 (docs/notes/2026-12-05-bwd-dq-staging-conflicts.md). The D-256
-// kernel keeps its own loop with j = k in every lane: this form measured 1.025 of its time on long
-// responses (same H100 run).
-// w0 / w1: rows r / r + 8 stored (else 0: the reduce box always covers 64 rows).
+// One thread's dQ accumulator fragment (rows r and r + 8 of a 32-row block with r % 8 == g; columns
+// 32 b0 + 8k + 2 t4 + {0, 1} of k = 0 .. N / 4 - 1 from its first box) into the fp32 staging boxes the dQ
+// writer reduces (kBwdDqBoxBytes: 32 rows x 64 columns, smem row p = 2 r + b holding row r's 32-column
+// block b, 128B swizzle: column c at 16-byte chunk (c % 32) / 4 XOR p % 8, word pair (c / 2) % 2 = t4 & 1).
+// row_base: the first box + (2 r + b0) x 128 + (t4 & 1) x 8; block k sits in box k / 8, column block
+// b0 + (k / 4) % 2 (b0 = 1 only for a fragment of one 32-column block, N = 16), row r + 8 at smem row
+// p + 16 (the same phase). Why this box shape: 64-bit stores are served per half-warp, whose lanes hold
+// rows r % 4 = g % 4 at chunks 2 (k % 4) + t4 / 2. With 64-row boxes of one 32-column block (smem row =
+// row, session 41 and before) the phase r % 8 moved only chunk bits 0-1, as t4 / 2 does: the 16 lanes met
+// on 4 chunks, a two-way conflict on every store (ncu, H100, D 128 N8 P16K R2K: 33 conflicted wavefronts
+// per warp and step against FA4's 1.4). With p = 2 r + b the phase 2 (g % 4) + b moves bits 1-2: 8 chunks
+// x 2 word pairs, conflict-free, every lane storing block k at store k (session 41's cure by columns cost
+// four selects per store pair; 1.025 of the D-256 kernel's time).
+// w0 / w1: rows r / r + 8 stored (else 0: the reduce box always covers 32 rows).
 template <int N>
-__device__ __forceinline__ void bwd_stage_dq_fragment(uint32_t row_base, uint32_t box_bytes, const float (&dq)[N],
-                                                      int g, int t4, bool w0, bool w1) {
-  static_assert(N % 16 == 0, "bwd_stage_dq_fragment: whole boxes of four 8-column blocks");
-  const bool hi = t4 >= 2;
-  const uint32_t x = static_cast<uint32_t>((hi ? 5 : 0) ^ g);  // chunk of block k: 2 (k % 4) XOR x
+__device__ __forceinline__ void bwd_stage_dq_fragment(uint32_t row_base, const float (&dq)[N], int g, int t4, int b0,
+                                                      bool w0, bool w1) {
+  static_assert(N % 16 == 0, "bwd_stage_dq_fragment: whole 32-column blocks");
+  const uint32_t x = static_cast<uint32_t>(b0 | ((g & 3) << 1));  // the swizzle phase of block k < 4
+  const uint32_t half = static_cast<uint32_t>(t4 >> 1);            // chunk 2 (k % 4) + half of block k
 #pragma unroll
   for (int k = 0; k < N / 4; ++k) {
-    const int j = k ^ 2;
-    const uint32_t addr = row_base + (k / 4) * box_bytes + (((2u * (k % 4)) ^ x) << 4);
-    const float a0 = hi ? dq[4 * j + 0] : dq[4 * k + 0], a1 = hi ? dq[4 * j + 1] : dq[4 * k + 1];
-    const float a2 = hi ? dq[4 * j + 2] : dq[4 * k + 2], a3 = hi ? dq[4 * j + 3] : dq[4 * k + 3];
-    bwd_st_shared_f32x2(addr, w0 ? a0 : 0.f, w0 ? a1 : 0.f);
-    bwd_st_shared_f32x2(addr + 8 * 128, w1 ? a2 : 0.f, w1 ? a3 : 0.f);
+    const uint32_t b = (k / 4) % 2;  // the box's second column block: smem row + 1, phase + 1
+    const uint32_t addr = row_base + (k / 8) * kBwdDqBoxBytes + b * 128 + (((2u * (k % 4) + half) ^ (x ^ b)) << 4);
+    bwd_st_shared_f32x2(addr, w0 ? dq[4 * k + 0] : 0.f, w0 ? dq[4 * k + 1] : 0.f);
+    bwd_st_shared_f32x2(addr + 16 * 128, w1 ? dq[4 * k + 2] : 0.f, w1 ? dq[4 * k + 3] : 0.f);
   }
 }
 
@@ -426,8 +427,8 @@ bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
       if (threadIdx.x == 32) {
         // ---------------------------------------------------------------- dQ writer (warp 1)
         // Follows the consumers' items and steps; per step, once both warpgroups staged their dQ
-        // halves (dq_full), adds the 64 x D tile to dq_accum[qt.., h, :] with one TMA reduce per
-        // 32-column box (rows past T are clipped by TMA; rows in [qb, qt + 64) were staged as 0).
+        // halves (dq_full), adds the step's tile to dq_accum[qt.., h, :] with one TMA reduce per
+        // 32 x 64 box (rows past T are clipped by TMA; rows in [qb, qt + BM) were staged as 0).
         // The buffer is handed back once the reduces have read it; their global adds complete
         // asynchronously (waited for only before exit).
         tma_prefetch_desc(&p.tdq);
@@ -451,14 +452,14 @@ bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
             const uint32_t dq_ph = C::kDqStages == 2 ? (step >> 1) & 1 : step & 1;
             mbar_wait(&B.dq_full[st], dq_ph);
             const uint8_t* stage = smem + C::kOffDQ + st * C::kDqStageBytes;
-            // One reduce per 64-row block and 32-column box; a block wholly past qb (the second of
-            // a ragged 128-row step) was staged as zeros: not added.
+            // One reduce per 32-row block and 64-column box; a block wholly past qb (the end of a
+            // ragged step) was staged as zeros: not added.
 #pragma unroll
-            for (int rb = 0; rb < BM / 64; ++rb) {
-              if (rb == 0 || qt + rb * 64 < qb) {
+            for (int rb = 0; rb < BM / 32; ++rb) {
+              if (rb == 0 || qt + rb * 32 < qb) {
 #pragma unroll
-                for (int b = 0; b < C::kDqBoxes; ++b)
-                  tma_reduce_add_3d(&p.tdq, stage + (rb * C::kDqBoxes + b) * C::kDqBoxBytes, b * 32, h, qt + rb * 64);
+                for (int b = 0; b < C::kDqBoxCols; ++b)
+                  tma_reduce_add_4d(&p.tdq, stage + (rb * C::kDqBoxCols + b) * C::kDqBoxBytes, 0, 2 * b, h, qt + rb * 32);
               }
             }
             bulk_commit_group();
@@ -854,21 +855,22 @@ bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
         fence_regs(dv);
         fence_regs(pf);  // dV's A fragments: free for the staging's registers
         // Stage this warpgroup's dQ half for the writer (bwd_stage_dq_fragment): rows r0 = 16 warp + g
-        // and r0 + 8, the half's columns in its boxes. Rows >= qb as 0.
-        // 128-row steps: rows 64 cw + r0 (+ 8), boxes of the warpgroup's 64-row block; one buffer.
+        // and r0 + 8 (one 32-row block), the half's columns (from col0) in its boxes. Rows >= qb as 0.
+        // 128-row steps: rows 64 cw + r0 (+ 8), all D columns; one buffer.
         const uint32_t dst = C::kDqStages == 2 ? st : 0;
         mbar_wait(&B.dq_empty[dst], (C::kDqStages == 2 ? (step >> 1) & 1 : step & 1) ^ 1);
         const int r0 = warp * 16 + g;
         const int q_r0 = C::kDqByRows ? cw * 64 + r0 : r0;  // step-local query row
         const bool v0 = qt + q_r0 < qb, v1 = qt + q_r0 + 8 < qb;
-        const uint32_t box0 = C::kDqByRows ? cw * C::kDqBoxes : (cw * C::kDqN) / 32;
-        const uint32_t row_base = smem_u32(smem + C::kOffDQ) + dst * C::kDqStageBytes + box0 * C::kDqBoxBytes +
-                                  r0 * 128 + (t4 & 1) * 8;
+        const int col0 = C::kDqByRows ? 0 : cw * C::kDqN;  // the warpgroup's first column
+        const uint32_t box = (q_r0 / 32) * C::kDqBoxCols + col0 / 64;
+        const uint32_t row_base = smem_u32(smem + C::kOffDQ) + dst * C::kDqStageBytes + box * C::kDqBoxBytes +
+                                  (2 * (q_r0 % 32) + (col0 / 32) % 2) * 128 + (t4 & 1) * 8;
         // A full query tile stores without the row selects (each call compiles its own stores).
         if (qt + (C::kDqByRows ? cw * 64 + 64 : BM) <= qb)
-          bwd_stage_dq_fragment(row_base, C::kDqBoxBytes, dq, g, t4, true, true);
+          bwd_stage_dq_fragment(row_base, dq, g, t4, (col0 / 32) % 2, true, true);
         else
-          bwd_stage_dq_fragment(row_base, C::kDqBoxBytes, dq, g, t4, v0, v1);
+          bwd_stage_dq_fragment(row_base, dq, g, t4, (col0 / 32) % 2, v0, v1);
         // Generic-proxy stores before the writer's async-proxy (TMA) reads.
         bwd_fence_proxy_async();
         __syncwarp();

@@ -48,7 +48,7 @@
 // kept 16-byte atomics are gone): there is no room for
 // the D <= 128 kernel's separate 2 x 64 KiB staging buffers, but after barrier 1 the step's Q and dO
 // stage (2 x 32 KiB) is dead: S^T, dP^T, dV and dK, its only readers, have retired in both
-// warpgroups. So each warpgroup stages its fp32 dQ half (64 x 128 = four 32-column boxes of
+// warpgroups. So each warpgroup stages its fp32 dQ half (64 x 128 = four 32 x 64 boxes of
 // 8 KiB, 128B swizzle) into that stage, the P warpgroup into the Q buffer, the dS warpgroup into the
 // dO buffer (rows >= qb as 0), fences the stores for the async proxy and arrives on dq_full[stage]
 // (one arrival per warp); the dQ writer (thread 32, idle before) follows the items and steps, waits
@@ -90,11 +90,11 @@ struct Sm90BwdConfigD256 {
   static constexpr uint32_t kOffBar = kOffDelta + 2 * kBlockM * 4;
   // 10 mbarriers + 2 item slots, then dq_full[2] (used by the dQ-computing kernel only).
   static constexpr uint32_t kBarBytes = 8 * 10 + 16 + 8 * 2;
-  // dQ staging boxes of the bulk-dQ kernel: 32 fp32 columns x 64 rows (128-byte rows), four per
-  // warpgroup half, in the step's Q (columns 0..127) or dO (128..255) stage.
-  static constexpr int kDqBoxes = D / 32;
-  static constexpr uint32_t kDqBoxBytes = kBlockM * 128;
-  static_assert(kDqBoxes / 2 * kDqBoxBytes == kQBytes, "a dQ half fills one Q (or dO) stage exactly");
+  // dQ staging boxes of the bulk-dQ kernel (kBwdDqBoxBytes: 32 rows x 64 fp32 columns), 2 x 2 per
+  // warpgroup half (row block major), in the step's Q (columns 0..127) or dO (128..255) stage.
+  static constexpr int kDqBoxCols = D / 2 / 64;  // boxes per 32-row block of a half
+  static constexpr uint32_t kDqBoxBytes = kBwdDqBoxBytes;
+  static_assert(kBlockM / 32 * kDqBoxCols * kDqBoxBytes == kQBytes, "a dQ half fills one Q (or dO) stage exactly");
   static constexpr uint32_t kSmemBytes = kOffBar + kBarBytes + 1024;  // + alignment slack
   // 221,184 (K, V, 2 x Q, 2 x dO: 192 KiB; P^T 16 KiB; dS 8 KiB) + 1,024 (lse/delta) + 96 (barriers,
   // item slots) + 1,024 (alignment slack) = 223,328 of 232,448 B.
@@ -180,7 +180,7 @@ bwd_sm90_kernel_d256(const __grid_constant__ Sm90BwdParams<256> p) {
         // ---------------------------------------------------------------- dQ writer (warp 1)
         // Follows the consumers' items and steps; per step, once both warpgroups staged their dQ
         // halves in the step's Q/dO stage (dq_full), adds the 64 x 256 tile to dq_accum[qt.., h, :]
-        // with one TMA reduce per 32-column box (rows past T clipped by TMA; rows in [qb, qt + 64)
+        // with one TMA reduce per 32 x 64 box (rows past T clipped by TMA; rows in [qb, qt + 64)
         // were staged as 0), waits until the reduces have read smem and releases the stage to the
         // producer (qdo_empty). The global adds complete asynchronously (waited for before exit).
         tma_prefetch_desc(&p.tdq);
@@ -206,9 +206,15 @@ bwd_sm90_kernel_d256(const __grid_constant__ Sm90BwdParams<256> p) {
               const uint8_t* q_stage = smem + C::kOffQ + st * C::kQBytes;    // columns 0..127
               const uint8_t* do_stage = smem + C::kOffDO + st * C::kQBytes;  // columns 128..255
 #pragma unroll
-              for (int b = 0; b < C::kDqBoxes / 2; ++b) {
-                tma_reduce_add_3d(&p.tdq, q_stage + b * C::kDqBoxBytes, b * 32, h, qt);
-                tma_reduce_add_3d(&p.tdq, do_stage + b * C::kDqBoxBytes, D / 2 + b * 32, h, qt);
+              for (int rb = 0; rb < BM / 32; ++rb) {
+                if (rb == 0 || qt + rb * 32 < qb) {  // a block wholly past qb was staged as zeros
+#pragma unroll
+                  for (int b = 0; b < C::kDqBoxCols; ++b) {
+                    const uint32_t off = (rb * C::kDqBoxCols + b) * C::kDqBoxBytes;
+                    tma_reduce_add_4d(&p.tdq, q_stage + off, 0, 2 * b, h, qt + rb * 32);
+                    tma_reduce_add_4d(&p.tdq, do_stage + off, 0, D / 2 / 32 + 2 * b, h, qt + rb * 32);
+                  }
+                }
               }
               bulk_commit_group();
               bulk_wait_group_read<0>();
@@ -469,22 +475,15 @@ bwd_sm90_kernel_d256(const __grid_constant__ Sm90BwdParams<256> p) {
         wgmma_wait<0>();
         fence_regs(dq);
         // Stage this warpgroup's dQ half in the step's Q (P role) or dO (dS role) stage: rows
-        // r0 = 16 warp + g and r0 + 8 (both with r % 8 == g), half-columns 8j + 2t4 in box j / 4 at
-        // 16-byte chunk (2 (j % 4) + t4 / 2) XOR g, word pair t4 & 1. Both warpgroups passed
-        // barrier 1 after retiring dV and dK, so no wgmma reads either buffer any more. Rows >= qb
-        // as 0: the reduce box always covers 64 rows. Two-way bank conflicted per half-warp (the lanes
-        // t4 >= 2 meet the lanes t4 < 2 of row g ^ 1); the D <= 128 kernels' cure
-        // (bwd_stage_dq_fragment) measured 1.025 of this kernel's time on long responses (H100).
+        // r0 = 16 warp + g and r0 + 8 (one 32-row block), its 128 columns in two boxes
+        // (bwd_stage_dq_fragment: conflict-free per half-warp). Both warpgroups passed barrier 1 after
+        // retiring dV and dK, so no wgmma reads either buffer any more. Rows >= qb as 0: the reduce
+        // box always covers 32 rows.
         const int r0 = warp * 16 + g;
         const bool v0 = qt + r0 < qb, v1 = qt + r0 + 8 < qb;
-        const uint32_t row_base = (p_role ? qb_s : dob_s) + r0 * 128 + (t4 & 1) * 8;
-#pragma unroll
-        for (int j = 0; j < C::kDqN / 8; ++j) {
-          const uint32_t chunk = static_cast<uint32_t>((2 * (j % 4) + (t4 >> 1)) ^ g);
-          const uint32_t addr = row_base + (j / 4) * C::kDqBoxBytes + (chunk << 4);
-          bwd_st_shared_f32x2(addr, v0 ? dq[4 * j + 0] : 0.f, v0 ? dq[4 * j + 1] : 0.f);
-          bwd_st_shared_f32x2(addr + 8 * 128, v1 ? dq[4 * j + 2] : 0.f, v1 ? dq[4 * j + 3] : 0.f);
-        }
+        const uint32_t row_base = (p_role ? qb_s : dob_s) + (r0 / 32) * C::kDqBoxCols * C::kDqBoxBytes +
+                                  2 * (r0 % 32) * 128 + (t4 & 1) * 8;
+        bwd_stage_dq_fragment(row_base, dq, g, t4, 0, v0, v1);
         // Generic-proxy stores before the writer's async-proxy (TMA) reads.
         bwd_fence_proxy_async();
         __syncwarp();

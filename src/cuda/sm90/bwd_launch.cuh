@@ -33,9 +33,9 @@ cudaError_t prepare_bwd_params(const BwdArgs& args, Sm90BwdParams<HeadDim>* p) {
       !make_map(&p->tk, dt, args.k, HeadDim, Hk, T, args.k_hs, args.k_ts, BlockN) ||
       !make_map(&p->tv, dt, args.v, HeadDim, Hk, T, args.v_hs, args.v_ts, BlockN))
     return cudaErrorNotSupported;
-  // dQ reduce boxes of at most 64 rows (a 128-row step, D = 64, reduces two of them per column box).
-  constexpr int kDqBoxRows = BlockM < 64 ? BlockM : 64;
-  if (!args.deterministic && !make_dq_accum_map(&p->tdq, args.dq_accum, HeadDim, H, T, kDqBoxRows))
+  // dQ reduce boxes of 32 rows x 64 columns (tma.h): a step reduces BlockM / 32 x HeadDim / 64 of them.
+  static_assert(BlockM % 32 == 0 && HeadDim % 64 == 0, "sm90 backward: steps of whole dQ boxes");
+  if (!args.deterministic && !make_dq_accum_map(&p->tdq, args.dq_accum, HeadDim, H, T))
     return cudaErrorNotSupported;
   // external prefix (issue 17): the prefix buffers' tensor maps (rows: the prefix buffers').
   if (args.prefix_k != nullptr &&

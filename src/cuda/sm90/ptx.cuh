@@ -77,20 +77,20 @@ __device__ __forceinline__ void tma_load_3d(void* smem_dst, const CUtensorMap* m
       : "memory");
 }
 
-// 3-d tiled reduce-add of a smem box into global (smem source read by the async proxy; element type
-// and swizzle from the map; out-of-bounds box elements are skipped). Completes in a bulk group of the
-// issuing thread: cp.async.bulk.commit_group, then wait_group.read before the source is rewritten.
-__device__ __forceinline__ void tma_reduce_add_3d(const CUtensorMap* map, const void* smem_src, int32_t c0,
-                                                  int32_t c1, int32_t c2) {
+// 4-d tiled reduce-add of a smem box into global (smem source read by the async proxy; element type,
+// dims and swizzle from the map; out-of-bounds box elements are skipped). Completes in a bulk group of
+// the issuing thread: cp.async.bulk.commit_group, then wait_group.read before the source is rewritten.
+__device__ __forceinline__ void tma_reduce_add_4d(const CUtensorMap* map, const void* smem_src, int32_t c0,
+                                                  int32_t c1, int32_t c2, int32_t c3) {
   asm volatile(
-      "cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.tile.bulk_group [%0, {%2, %3, %4}], [%1];\n" ::"l"(
+      "cp.reduce.async.bulk.tensor.4d.global.shared::cta.add.tile.bulk_group [%0, {%2, %3, %4, %5}], [%1];\n" ::"l"(
           reinterpret_cast<uint64_t>(map)),
-      "r"(smem_u32(smem_src)), "r"(c0), "r"(c1), "r"(c2)
+      "r"(smem_u32(smem_src)), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
       : "memory");
 }
 // 3-d tiled store of a smem box to global (the forward's O epilogue): element type and swizzle from
 // the map; box elements past the tensor's bounds are skipped (clipped at the tensor, nothing finer).
-// Completes in a bulk group of the issuing thread, like tma_reduce_add_3d.
+// Completes in a bulk group of the issuing thread, like tma_reduce_add_4d.
 __device__ __forceinline__ void tma_store_3d(const CUtensorMap* map, uint32_t smem_src, int32_t c0, int32_t c1,
                                              int32_t c2) {
   asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.tile.bulk_group [%0, {%2, %3, %4}], [%1];\n" ::"l"(

@@ -45,17 +45,22 @@ inline bool make_map(CUtensorMap* map, CUtensorMapDataType dt, const void* base,
             CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
-// Tensor map over the fp32 dQ accumulator [T, heads, D] (contiguous): box = 32 columns (128 B) x 1
-// head x `rows` rows, 128-byte swizzle, the layout of the backward's dQ staging boxes. Used only to
-// reduce-add into it; TMA skips the box's rows past T.
-inline bool make_dq_accum_map(CUtensorMap* map, float* base, int D, int heads, int T, int rows) {
+// Tensor map over the fp32 dQ accumulator [T, heads, D] (contiguous), used only to reduce-add the
+// backward's dQ staging boxes into it. Four dims, innermost first, the accumulator's own packed layout
+// with D cut in 32-column blocks: columns within a block (32), the block (D / 32, stride 128 B), head,
+// token. A box is 32 columns x 2 blocks x 1 head x 32 tokens (8 KiB), 128-byte swizzle: its smem row
+// p = 2 r + b holds row r's columns 32 b .. 32 b + 31 of the box's 64, so the swizzle phase p % 8 of
+// a half-warp's row groups (rows r % 4 = g % 4) moves chunk bits 1-2 while the lanes' t4 / 2 moves bit
+// 0: the staging stores are bank-conflict free (bwd_stage_dq_fragment). TMA skips the box's rows past T.
+inline bool make_dq_accum_map(CUtensorMap* map, float* base, int D, int heads, int T) {
   EncodeTiledFn fn = encode_fn();
   if (fn == nullptr) return false;
-  cuuint64_t dims[3] = {static_cast<cuuint64_t>(D), static_cast<cuuint64_t>(heads), static_cast<cuuint64_t>(T)};
-  cuuint64_t strides[2] = {static_cast<cuuint64_t>(D) * 4, static_cast<cuuint64_t>(heads) * D * 4};
-  cuuint32_t box[3] = {32, 1, static_cast<cuuint32_t>(rows)};
-  cuuint32_t estr[3] = {1, 1, 1};
-  return fn(map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 3, base, dims, strides, box, estr, CU_TENSOR_MAP_INTERLEAVE_NONE,
+  cuuint64_t dims[4] = {32, static_cast<cuuint64_t>(D / 32), static_cast<cuuint64_t>(heads),
+                        static_cast<cuuint64_t>(T)};
+  cuuint64_t strides[3] = {128, static_cast<cuuint64_t>(D) * 4, static_cast<cuuint64_t>(heads) * D * 4};
+  cuuint32_t box[4] = {32, 2, 1, 32};
+  cuuint32_t estr[4] = {1, 1, 1, 1};
+  return fn(map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, base, dims, strides, box, estr, CU_TENSOR_MAP_INTERLEAVE_NONE,
             CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_NONE,
             CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
