@@ -18,7 +18,7 @@ emulated thread by thread, with the kernel's formulas:
     float2 into the step's Q (P role) or dO (dS role) stage as four 128B-swizzled boxes of 32 rows x
     64 columns (row block major), read back the way the dq_accum tensor map's reduce reads a box (byte
     o: smem row p = o / 128 = row p / 2's 32-column block p % 2, 16-byte chunk ((o / 16) % 8) ^ (p % 8),
-    word (o / 4) % 4); every byte of both 32 KiB stages written once, rows >= qb staged as 0 whatever
+    word (o / 4) % 4: dq_staging_model.reduce_reads); every byte of both 32 KiB stages written once, rows >= qb staged as 0 whatever
     the registers hold, no bank conflict within a half-warp (64-bit stores are served per half-warp;
     the layout's reasons: bwd_stage_dq_fragment, tests/models/dq_staging_model.py).
 Compared with float64 dense math on random data for items with a tail (klen < 64), a diagonal tile
@@ -33,6 +33,8 @@ from __future__ import annotations
 import sys
 
 import numpy as np
+
+from dq_staging_model import BOX_BYTES, reduce_reads
 
 BM = BN = 64
 D = 256
@@ -51,7 +53,7 @@ MUTANT = None
 
 def stage_dq(dq_full, qt, qb):
     """The bulk-dQ kernel's staging of dQ (kernel formulas), read back as the TMA reduce reads it."""
-    box_bytes = 32 * 2 * 128                         # 32 rows x 64 fp32 columns
+    box_bytes = BOX_BYTES                            # 32 rows x 64 fp32 columns
     stage_bytes = 4 * box_bytes                      # 32 KiB: one Q (or dO) stage
     smem = {}                                        # (buffer, byte) -> fp32 value
     for cw in range(2):
@@ -84,16 +86,12 @@ def stage_dq(dq_full, qt, qb):
                             banks[lane // 16].setdefault((a // 4) % 32, set()).add(a // 4)
                     assert max(len(v) for hw in banks for v in hw.values()) == 1, f"bank conflict in store {j}.{second}"
     assert len(smem) == 2 * stage_bytes // 4, f"{len(smem)} of {2 * stage_bytes // 4} staging words written"
-    # The writer's 8 reduces: box 2 rb + cp of buffer cw adds to rows 32 rb.., columns 128 cw + 64 cp...
+    # The writer's 8 reduces: buffer cw's four boxes (two 64-column boxes per 32-row block) add to
+    # columns 128 cw.. where the dq_accum map's reduce reads each word.
     added = np.full((BM, D), np.nan)
-    for cw in range(2):
-        for rb in range(2):
-            for cp in range(2):
-                for o in range(0, box_bytes, 4):
-                    p = o // 128
-                    row = 32 * rb + p // 2
-                    col = 128 * cw + 64 * cp + 32 * (p % 2) + (((o // 16) % 8) ^ (p % 8)) * 4 + (o // 4) % 4
-                    added[row, col] = smem[(cw, (2 * rb + cp) * box_bytes + o)]
+    for (cw, a), value in smem.items():
+        row, col = reduce_reads(a, 2)
+        added[row, 128 * cw + col] = value
     return added
 
 
