@@ -20,8 +20,8 @@
 #   tests        tests/gpu + the GPU cases of tests/python (-m gpu: the CPU cases of tests/python are CI's; with
 #                them the step ran past 230 s on 2026-12-03): 847 passed in 90-98 s at 6bc6c89's kernels
 #   tests-k      tests/gpu filtered by pytest's -k "$TEST_K" (e.g. the backward's files by module name)
-#   sanitize     compute-sanitizer memcheck + racecheck on small layouts (~40 s); racecheck uses
-#                $RACECHECK_LIBRARY when set (the per-thread-release diagnostic build, docs/hopper.md)
+#   sanitize     compute-sanitizer memcheck + racecheck ($SAN_TOOLS) on small layouts (~40 s a head dim);
+#                racecheck uses $RACECHECK_LIBRARY when set (the per-thread-release diagnostic build, docs/hopper.md)
 #   bench        bench/attention.py, every config and method (dualkv, sdpa_flash, sdpa_cudnn, fa4_dense, flex,
 #                flex_fa4, pgrouper), hdim 128: ~2 min without FA4 (measured before the FA4 peers); with them
 #                ~4-6 min estimated (flex_fa4 compiles forward and forward+backward per config, ~8 s the first
@@ -60,10 +60,12 @@
 #                kernel too), $AB_ROUNDS interleaved rounds (default 3; 7 for a 1-3% change), with an A/A copy
 #                of the base beside when AB_AA=1. Prints every line but the ok ones; exit status in
 #                "ab-check <path> d<dim> rc=". Measured 50-100 s per (path, dim) with --runs 2 (2026-12-02).
-#                A backward candidate in one call (~6-7 min): AB_PATHS=sm90 AB_DIMS="128 64 256" AB_ROUNDS=7
-#                AB_AA=1 AB_PROFILE="small_groups;tree;tiny_responses;long_responses;16,4096,1024;8,16384,2048"
+#                A backward candidate in one call (~3.5 min on the H200, session 43): AB_PATHS=sm90
+#                AB_DIMS="128 64 256" AB_ROUNDS=7 AB_AA=1
+#                AB_PROFILE="small_groups;tree;tiny_responses;long_responses;16,4096,1024;8,16384,2048"
 #                TEST_K="test_sm90_bwd or test_cuda_modifiers or test_prefix_cuda" SAN_DIMS=64,128,256
-#                tests/gpu/device_run.sh ab-check tests-k sanitize (the candidate as $DUALKV_LIBRARY).
+#                tests/gpu/device_run.sh ab-check tests-k sanitize (the candidate as $DUALKV_LIBRARY; its
+#                per-thread-release build as $RACECHECK_LIBRARY, else racecheck reports the known hazards).
 #   e2e          bench/e2e.py std + dualkv, 1.7b and 8b, both default configs, 2 timed updates (~6 min; a quick
 #                check, not an acceptance run); E2E_ARGS="--breakdown --probe-max-mb" adds the GPU time by
 #                kernel category and the largest micro-batch that fits per method (bisected; a few more minutes)

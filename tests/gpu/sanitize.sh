@@ -9,12 +9,13 @@
 # a CTA that runs three or more items; a library built with
 # CMAKE_CUDA_FLAGS=-DDUALKV_SM90_PER_THREAD_RELEASE=1 (every thread releases) is the one to check
 # (docs/hopper.md, "Sanitizers"). RACECHECK_LIBRARY=<that build's .so> makes the racecheck pass use it.
+# SAN_TOOLS="racecheck" runs one tool (default: both).
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 cs="${COMPUTE_SANITIZER:-compute-sanitizer}"
 command -v "$cs" >/dev/null || cs=/usr/local/cuda/bin/compute-sanitizer
 status=0
-for tool in memcheck racecheck; do
+for tool in ${SAN_TOOLS:-memcheck racecheck}; do
   for split in ${SAN_SPLITS:-64}; do
     echo "== $tool (DUALKV_CUDA_SPLIT_ROWS=${split:-default})"
     lib="$DUALKV_LIBRARY"
