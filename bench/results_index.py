@@ -61,11 +61,12 @@ BENCHMARKS = {
                       "dualkv plug-in with prompt once and with prompt copies against veRL's stock remove-padding "
                       "path on FA4 varlen (stock log-probs chunked: no flash-attn on the image), 3 rounds (issues 24 / "
                       "19's one-GPU dry run, session 31; steps verl-stage, wheels verl-step); .log: its output",
-    "verl_step_1.7b_rows4": "bench/verl_step.py --micro-batch-rows 4 --methods once,copies,stock_fa4 on an H100: veRL's "
+    "verl_step_1.7b_rows4": "bench/verl_step.py --micro-batch-rows 4 --methods once,copies,stock_fa4 on the H200: veRL's "
                             "fixed-size micro-batches (use_dynamic_bsz off, 4-row chunks of the shuffled rows), the "
                             "1.7B shape of verl_step_1.7b, prompt once (a cut group's prompt once inside veRL's loop) "
-                            "against prompt copies; stock_fa4 ran out of memory in veRL's entropy on the 80 GB card "
-                            "(session 40, device queue item 4); .log: its output",
+                            "and prompt copies against veRL's stock path on FA4 varlen, veRL's default (unchunked) "
+                            "entropy, 3 rounds (session 43, dqbox 3593a07's library; session 40's H100 run, whose "
+                            "stock path ran out of memory in that entropy: git history); .log: its output",
     "verl_step_8b": "bench/verl_step.py --model 8b --groups 1 -N 32 --methods once,copies,stock_fa4: one veRL 0.9.1 "
                     "policy update (FSDP2 engine, world size 1) of a Qwen3-8B shape (untied head), P 4K-6K, R 1K-2K, "
                     "budget 16,384, 2 rounds, no accuracy pass (issue 24's world-of-one dry run after the untied-head "
@@ -165,7 +166,10 @@ BENCHMARKS = {
     "configs_h64": "bench/attention.py --head-dim 64 --configs 16,4096,1024;8,16384,2048 --no-varlen, dualkv / FA4 "
                    "dense / Flex-FA4 in one process, 3 rounds, on the H200 (main's kernels, 377bcd6 declared, the "
                    "library of 5c1c1e7; issue 23, session 40); .log: the run's tables",
-    "configs_h128": "the same at head dim 128 (issue 23, session 40)",
+    "configs_h128": "the same at head dim 128 on the H200 with the dQ staging in 32 x 64 boxes (dqbox 3593a07's "
+                    "library = faf0a45's kernels, 6465d89 declared; issue 23, session 43)",
+    "configs_h256": "the same at head dim 256 on the H200 (dqbox 3593a07's library = faf0a45's kernels, 6465d89 "
+                    "declared; issue 23, session 43; the H100 run: configs_h256_h100)",
     "never_lose_d128_h100": "bench/attention.py --head-dim 128 --classes long_responses --methods dualkv,fa4_dense "
                             "--ab-library <main 5ba06a3's library> --rounds 5 on an H100, with the conflict-free dQ "
                             "staging (dqstage 7c64d89; issue 23, session 41); .log: the run's tables",
@@ -352,9 +356,10 @@ BENCHMARKS = {
                             "R2K, dualkv packed against FA4 dense unpacked (step ncu-stalls, NCU_DIM=128 "
                             "NCU_CASE=8,16384,2048; session 32, earlier kernels)",
     "never_lose_d64": "bench/attention.py --head-dim 64 --classes long_responses --methods dualkv,fa4_dense, 5 "
-                      "rounds, on the H200: issue 23's never-lose bar on long responses with main 2112492 (the "
-                      "16-byte backward pre / post kernels; session 40); the run before it: git history (session "
-                      "34, a8332bb's kernels, with tiny responses); .ncu_stalls_fwd.txt: Nsight "
+                      "rounds, on the H200: issue 23's never-lose bar on long responses with the dQ staging in 32 x 64 "
+                      "boxes (dqbox 3593a07's library = faf0a45's kernels, 6465d89 declared; session 43); the "
+                      "runs before it: git history (session 40, main 2112492; session 34, a8332bb's kernels, with "
+                      "tiny responses); .ncu_stalls_fwd.txt: Nsight "
                       "Compute SourceCounters + WarpStateStats of both forward kernels on long responses (dualkv "
                       "against FA4 dense) before these kernels, summarised per instruction (step ncu-stalls, "
                       "NCU_KERNEL='fwd_sm90|Forward' NCU_DIRECTION=fwd NCU_DIM=64; session 32); "
@@ -362,7 +367,7 @@ BENCHMARKS = {
                       "steady loop in both builds (fwdsteady b610a32) against main a5926ca, 10 layouts, 9 rounds; "
                       ".ab_steady_short.*: the same with the short-walk build only (aa9ca69, as merged), 8 layouts, "
                       "7 rounds, its bitwise check and compute-sanitizer (session 34)",
-    "never_lose_d128": "the same at head dim 128 (main 2112492, session 40); .ab_steady_c2.*: tools/ab_libraries.py --profile --aa, the forward "
+    "never_lose_d128": "the same at head dim 128 (session 43; before it session 40's, main 2112492); .ab_steady_c2.*: tools/ab_libraries.py --profile --aa, the forward "
                        "kernel's time of steady128 and of C2 alone (d128fwdc2) against main a5926ca, 10 layouts, "
                        "9 rounds, steady128's bitwise check and compute-sanitizer (session 34)",
     "never_lose_d256": "bench/attention.py --head-dim 256 --classes long_responses,tiny_responses --methods "
