@@ -633,11 +633,15 @@ def test_device_run_ncu_stalls_step():
     text = (ROOT / "tests" / "gpu" / "device_run.sh").read_text()
     profile = text[text.index("\nncu_profile() {"):text.index("\n}\n", text.index("\nncu_profile() {"))]
     assert "--profile-from-start off --clock-control none" in profile and "timeout -k 10 240" in profile
-    assert "python3 tools/kernel_counters.py --case" in profile and '-f -o "/tmp/ncu_${name}_$m"' in profile
+    assert "python3 tools/kernel_counters.py --case" in profile and '-f -o "$(ncu_report "$name" "$m")"' in profile
+    # The report's path is spelled once (ncu_report) and read back through it (ncu_import).
+    assert 'ncu_report() { echo "/tmp/ncu_$1_$2"; }' in text
+    assert '"$NCU" -i "$(ncu_report "$name" "$m").ncu-rep" "$@"' in text
     assert 'ncu_profile stalls "$m" --section SourceCounters --section WarpStateStats' in step
-    assert "${NCU_METHODS:-dualkv,fa4_dense}" in step and '"/tmp/ncu_stalls_$m.ncu-rep"' in step
-    assert "--page source --csv --print-source sass" in step
+    assert "${NCU_METHODS:-dualkv,fa4_dense}" in step
+    assert 'ncu_import stalls "$m" --page source --csv --print-source sass' in step
     assert "tests/gpu/ncu_source_summary.py" in step
-    assert 'ncu_profile units "$m" -c 1 --section SpeedOfLight' in _device_run_step("ncu-units")
+    units = _device_run_step("ncu-units")
+    assert 'ncu_profile units "$m" -c 1 --section SpeedOfLight' in units and 'ncu_import units "$m" --page raw' in units
     assert "#   ncu-stalls " in text and "[ncu-stalls]" in text
     assert (ROOT / "tools" / "kernel_counters.py").exists() and (ROOT / "tests" / "gpu" / "ncu_source_summary.py").exists()
