@@ -137,7 +137,6 @@ struct Sm90BwdConfig {
   // 32 rows x 64 columns (kBwdDqBoxBytes; each half-warp's float2 stores hit every bank once:
   // bwd_stage_dq_fragment), row block major.
   static constexpr int kDqBoxCols = D / 64;  // boxes per 32-row block
-  static constexpr uint32_t kDqBoxBytes = kBwdDqBoxBytes;
   static constexpr uint32_t kDqStageBytes = kDqStage ? kBlockM * D * 4 : 0;
   // Staging buffers: 2 (by step parity) at 64 rows; 1 at 128 rows, where two of 32 KiB do not fit
   // next to the 2 x 32 KiB of dS (232,576 B of 232,448). One buffer costs no wait in practice: the
@@ -356,6 +355,34 @@ __device__ __forceinline__ void bwd_stage_dq_fragment(uint32_t row_base, const f
   }
 }
 
+// bwd_stage_dq_fragment's row_base for the thread's query row q_r of the step (r % 8 == g) and its
+// first column col0, in a stage of box_cols 64-column boxes per 32-row block (row block major).
+__device__ __forceinline__ uint32_t bwd_dq_row_base(uint32_t stage, int box_cols, int q_r, int col0, int t4) {
+  return stage + static_cast<uint32_t>(((q_r / 32) * box_cols + col0 / 64) * kBwdDqBoxBytes) +
+         static_cast<uint32_t>((2 * (q_r % 32) + (col0 / 32) % 2) * 128 + (t4 & 1) * 8);
+}
+
+// The dQ writer's reduces of one staged step of BM rows: per 32-row block (one wholly past qb, staged
+// as zeros, skipped) and 64-column box, one TMA reduce-add into dq_accum[qt + 32 rb.., h, :]. Each of
+// the kHalves stages holds kBoxCols boxes per block, half i from column 64 kBoxCols i on (the D-256
+// kernel's Q and dO stages; one stage for the D <= 128 kernels).
+template <int BM, int kBoxCols, int kHalves>
+__device__ __forceinline__ void bwd_reduce_dq_stage(const CUtensorMap* map, const uint8_t* const (&stages)[kHalves],
+                                                    int h, int32_t qt, int32_t qb) {
+#pragma unroll
+  for (int rb = 0; rb < BM / 32; ++rb) {
+    if (rb == 0 || qt + rb * 32 < qb) {
+#pragma unroll
+      for (int b = 0; b < kBoxCols; ++b) {
+#pragma unroll
+        for (int i = 0; i < kHalves; ++i)
+          tma_reduce_add_4d(map, stages[i] + (rb * kBoxCols + b) * kBwdDqBoxBytes, 0, 2 * (kBoxCols * i + b), h,
+                            qt + rb * 32);
+      }
+    }
+  }
+}
+
 // dq_full arrivals: as qdo_empty, one per consumer warp (every thread in the
 // per-thread-release diagnostic build).
 constexpr uint32_t kBwdDqFullCount = kBwdQdoEmptyCount;
@@ -451,17 +478,8 @@ bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
             const uint32_t st = C::kDqStages == 2 ? step & 1 : 0;
             const uint32_t dq_ph = C::kDqStages == 2 ? (step >> 1) & 1 : step & 1;
             mbar_wait(&B.dq_full[st], dq_ph);
-            const uint8_t* stage = smem + C::kOffDQ + st * C::kDqStageBytes;
-            // One reduce per 32-row block and 64-column box; a block wholly past qb (the end of a
-            // ragged step) was staged as zeros: not added.
-#pragma unroll
-            for (int rb = 0; rb < BM / 32; ++rb) {
-              if (rb == 0 || qt + rb * 32 < qb) {
-#pragma unroll
-                for (int b = 0; b < C::kDqBoxCols; ++b)
-                  tma_reduce_add_4d(&p.tdq, stage + (rb * C::kDqBoxCols + b) * C::kDqBoxBytes, 0, 2 * b, h, qt + rb * 32);
-              }
-            }
+            const uint8_t* const stage[1] = {smem + C::kOffDQ + st * C::kDqStageBytes};
+            bwd_reduce_dq_stage<BM, C::kDqBoxCols>(&p.tdq, stage, h, qt, qb);
             bulk_commit_group();
             bulk_wait_group_read<0>();
             mbar_arrive(&B.dq_empty[st]);
@@ -863,9 +881,8 @@ bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
         const int q_r0 = C::kDqByRows ? cw * 64 + r0 : r0;  // step-local query row
         const bool v0 = qt + q_r0 < qb, v1 = qt + q_r0 + 8 < qb;
         const int col0 = C::kDqByRows ? 0 : cw * C::kDqN;  // the warpgroup's first column
-        const uint32_t box = (q_r0 / 32) * C::kDqBoxCols + col0 / 64;
-        const uint32_t row_base = smem_u32(smem + C::kOffDQ) + dst * C::kDqStageBytes + box * C::kDqBoxBytes +
-                                  (2 * (q_r0 % 32) + (col0 / 32) % 2) * 128 + (t4 & 1) * 8;
+        const uint32_t row_base = bwd_dq_row_base(smem_u32(smem + C::kOffDQ) + dst * C::kDqStageBytes, C::kDqBoxCols,
+                                                  q_r0, col0, t4);
         // A full query tile stores without the row selects (each call compiles its own stores).
         if (qt + (C::kDqByRows ? cw * 64 + 64 : BM) <= qb)
           bwd_stage_dq_fragment(row_base, dq, g, t4, (col0 / 32) % 2, true, true);

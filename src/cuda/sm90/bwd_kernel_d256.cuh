@@ -93,8 +93,7 @@ struct Sm90BwdConfigD256 {
   // dQ staging boxes of the bulk-dQ kernel (kBwdDqBoxBytes: 32 rows x 64 fp32 columns), 2 x 2 per
   // warpgroup half (row block major), in the step's Q (columns 0..127) or dO (128..255) stage.
   static constexpr int kDqBoxCols = D / 2 / 64;  // boxes per 32-row block of a half
-  static constexpr uint32_t kDqBoxBytes = kBwdDqBoxBytes;
-  static_assert(kBlockM / 32 * kDqBoxCols * kDqBoxBytes == kQBytes, "a dQ half fills one Q (or dO) stage exactly");
+  static_assert(kBlockM / 32 * kDqBoxCols * kBwdDqBoxBytes == kQBytes, "a dQ half fills one Q (or dO) stage exactly");
   static constexpr uint32_t kSmemBytes = kOffBar + kBarBytes + 1024;  // + alignment slack
   // 221,184 (K, V, 2 x Q, 2 x dO: 192 KiB; P^T 16 KiB; dS 8 KiB) + 1,024 (lse/delta) + 96 (barriers,
   // item slots) + 1,024 (alignment slack) = 223,328 of 232,448 B.
@@ -203,19 +202,9 @@ bwd_sm90_kernel_d256(const __grid_constant__ Sm90BwdParams<256> p) {
             for (int32_t qt = qa; qt < qb; qt += BM, ++step) {
               const uint32_t st = step & 1;
               mbar_wait(&B.dq_full[st], (step >> 1) & 1);
-              const uint8_t* q_stage = smem + C::kOffQ + st * C::kQBytes;    // columns 0..127
-              const uint8_t* do_stage = smem + C::kOffDO + st * C::kQBytes;  // columns 128..255
-#pragma unroll
-              for (int rb = 0; rb < BM / 32; ++rb) {
-                if (rb == 0 || qt + rb * 32 < qb) {  // a block wholly past qb was staged as zeros
-#pragma unroll
-                  for (int b = 0; b < C::kDqBoxCols; ++b) {
-                    const uint32_t off = (rb * C::kDqBoxCols + b) * C::kDqBoxBytes;
-                    tma_reduce_add_4d(&p.tdq, q_stage + off, 0, 2 * b, h, qt + rb * 32);
-                    tma_reduce_add_4d(&p.tdq, do_stage + off, 0, D / 2 / 32 + 2 * b, h, qt + rb * 32);
-                  }
-                }
-              }
+              // The Q stage holds columns 0..127, the dO stage 128..255.
+              const uint8_t* const stages[2] = {smem + C::kOffQ + st * C::kQBytes, smem + C::kOffDO + st * C::kQBytes};
+              bwd_reduce_dq_stage<BM, C::kDqBoxCols>(&p.tdq, stages, h, qt, qb);
               bulk_commit_group();
               bulk_wait_group_read<0>();
               mbar_arrive(&B.qdo_empty[st]);
@@ -481,8 +470,7 @@ bwd_sm90_kernel_d256(const __grid_constant__ Sm90BwdParams<256> p) {
         // box always covers 32 rows.
         const int r0 = warp * 16 + g;
         const bool v0 = qt + r0 < qb, v1 = qt + r0 + 8 < qb;
-        const uint32_t row_base = (p_role ? qb_s : dob_s) + (r0 / 32) * C::kDqBoxCols * C::kDqBoxBytes +
-                                  2 * (r0 % 32) * 128 + (t4 & 1) * 8;
+        const uint32_t row_base = bwd_dq_row_base(p_role ? qb_s : dob_s, C::kDqBoxCols, r0, 0, t4);
         bwd_stage_dq_fragment(row_base, dq, g, t4, 0, v0, v1);
         // Generic-proxy stores before the writer's async-proxy (TMA) reads.
         bwd_fence_proxy_async();
