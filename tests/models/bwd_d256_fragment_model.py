@@ -24,7 +24,7 @@ emulated thread by thread, with the kernel's formulas:
 Compared with float64 dense math on random data for items with a tail (klen < 64), a diagonal tile
 and query rows past qb. Exit status 0 when every check passes.
 --mutant NAME plants an index bug in the staging and expects a check to fail (exit status 0 when
-it does): stage_no_xor (chunk without the XOR swizzle phase), stage_row8 (the row + 8 store at + 8 x 128
+it does): stage_no_xor (chunk without the rows' XOR phase), stage_row8 (the row + 8 store at + 8 x 128
 bytes, the layout before), stage_box (box j / 4 instead of j / 8), stage_no_zero (rows >= qb staged from registers),
 stage_same_buf (both warpgroups stage into the Q stage).
 """
@@ -34,7 +34,7 @@ import sys
 
 import numpy as np
 
-from dq_staging_model import BOX_BYTES, reduce_reads
+from dq_staging_model import BOX_BYTES, reduce_reads, store_addr
 
 BM = BN = 64
 D = 256
@@ -65,19 +65,16 @@ def stage_dq(dq_full, qt, qb):
                 for second in range(2):              # the two st.shared.v2 of iteration j
                     banks = [{}, {}]                 # per half-warp
                     for lane in range(32):
-                        g, t4 = lane >> 2, lane & 3
-                        r0 = warp * 16 + g
+                        r0 = warp * 16 + (lane >> 2)
                         valid = qt + r0 + 8 * second < qb
                         if MUTANT == "stage_no_zero":
                             valid = True
-                        row_base = (r0 // 32) * 2 * box_bytes + 2 * (r0 % 32) * 128 + (t4 & 1) * 8
-                        b = (j // 4) % 2
-                        phase = 0 if MUTANT == "stage_no_xor" else ((g & 3) << 1) ^ b
-                        chunk = (2 * (j % 4) + (t4 >> 1)) ^ phase
-                        box = j // 4 if MUTANT == "stage_box" else j // 8
-                        addr = row_base + box * box_bytes + b * 128 + (chunk << 4)
-                        addr += (8 * 128 if MUTANT == "stage_row8" else 16 * 128) * second
-                        r, c = r0 + 8 * second, 8 * j + 2 * t4
+                        # A warpgroup's 128 columns are a whole stage: two 64-column boxes per 32-row block.
+                        if MUTANT == "stage_row8":  # the row + 8 eight smem rows down, the layout before
+                            addr = store_addr(r0, lane, j, 0, 2) + 8 * 128 * second
+                        else:
+                            addr = store_addr(r0 + 8 * second, lane, j, 0, 2, SHARED_MUTANTS.get(MUTANT, ""))
+                        r, c = r0 + 8 * second, 8 * j + 2 * (lane & 3)
                         for e in range(2):
                             a = addr + 4 * e
                             assert 0 <= a < stage_bytes, f"staging store outside the stage at {a}"
@@ -270,6 +267,7 @@ def emulate(k0, klen, qt, qb, rng):
 
 
 MUTANTS = ("stage_no_xor", "stage_row8", "stage_box", "stage_no_zero", "stage_same_buf")
+SHARED_MUTANTS = {"stage_no_xor": "no_xor", "stage_box": "box_per_block"}  # planted in dq_staging_model.store_addr
 
 
 def main():

@@ -22,7 +22,9 @@ cost a wavefront more).
 Mutants, each of which must fail a check (exit status 0 when caught): rows_in_place (the layout before:
 64-row boxes of one 32-column block, smem row = row, x = g, in the stores and in the reduce: placed right
 but two-way conflicted per half-warp), no_xor (x = 0), no_block_phase (the box's second column block
-stored with the first block's phase), no_b0 (b0 taken as 0: the softcap shape's second warpgroup).
+stored with the first block's phase), no_b0 (b0 taken as 0: the softcap shape's second warpgroup),
+box_per_block (the next box every 32 columns instead of every 64). store_addr is also the D-256 model's
+(tests/models/bwd_d256_fragment_model.py) staging formula.
 """
 from __future__ import annotations
 
@@ -32,32 +34,37 @@ import sys
 BOX_BYTES = 32 * 2 * 128
 
 
+def store_addr(r: int, lane: int, k: int, col0: int, n_cp: int, mutant: str = "") -> int:
+    """Byte address (in the staging region) of the float2 that `lane` stores for fragment row r (its row
+    or its row + 8) in store k, the kernels' formula. The row + 8 lands 16 smem rows (2 KiB) below the
+    row without a separate formula: the fragment's rows sit at r % 32 < 24."""
+    g, t4 = lane // 4, lane % 4
+    chunk = 2 * (k % 4) + (t4 >> 1)
+    if mutant == "rows_in_place":  # 64-row boxes of 32 columns, box = (r / 64) (cols / 32) + col / 32
+        row_base = ((r // 64) * (n_cp * 2) + col0 // 32) * BOX_BYTES + (r % 64) * 128 + (t4 & 1) * 8
+        return row_base + (k // 4) * BOX_BYTES + ((chunk ^ g) << 4)
+    b0 = 0 if mutant == "no_b0" else (col0 // 32) % 2
+    box = (r // 32) * n_cp + col0 // 64
+    row_base = box * BOX_BYTES + (2 * (r % 32) + b0) * 128 + (t4 & 1) * 8
+    x = 0 if mutant == "no_xor" else b0 | ((g & 3) << 1)
+    b = (k // 4) % 2
+    phase = x if mutant == "no_block_phase" else x ^ b
+    box_step = k // 4 if mutant == "box_per_block" else k // 8
+    return row_base + box_step * BOX_BYTES + b * 128 + ((chunk ^ phase) << 4)
+
+
 def store_plan(n_cols: int, col0: int, row0: int, n_cp: int, mutant: str = ""):
     """Per warp and store instruction (warp, k, row half): [(lane, byte address, (row, column) of its first
     word)], the kernels' formulas (rows and columns of the step's staging region)."""
     plan = {}
     for warp in range(4):
         for lane in range(32):
-            g, t4 = lane // 4, lane % 4
-            r = row0 + 16 * warp + g
-            if mutant == "rows_in_place":  # 64-row boxes of 32 columns, box = (r / 64) (cols / 32) + col / 32
-                row_base = ((r // 64) * (n_cp * 2) + col0 // 32) * BOX_BYTES + (r % 64) * 128 + (t4 & 1) * 8
-                for k in range(n_cols // 8):
-                    addr = row_base + (k // 4) * BOX_BYTES + (((2 * (k % 4) + (t4 >> 1)) ^ g) << 4)
-                    plan.setdefault((warp, k, 0), []).append((lane, addr, (r, col0 + 8 * k + 2 * t4)))
-                    plan.setdefault((warp, k, 1), []).append((lane, addr + 8 * 128, (r + 8, col0 + 8 * k + 2 * t4)))
-                continue
-            b0 = 0 if mutant == "no_b0" else (col0 // 32) % 2
-            box = (r // 32) * n_cp + col0 // 64
-            row_base = box * BOX_BYTES + (2 * (r % 32) + b0) * 128 + (t4 & 1) * 8
-            x = 0 if mutant == "no_xor" else b0 | ((g & 3) << 1)
+            r = row0 + 16 * warp + lane // 4
             for k in range(n_cols // 8):
-                b = (k // 4) % 2
-                phase = x if mutant == "no_block_phase" else x ^ b
-                addr = row_base + (k // 8) * BOX_BYTES + b * 128 + (((2 * (k % 4) + (t4 >> 1)) ^ phase) << 4)
-                col = col0 + 8 * k + 2 * t4
-                plan.setdefault((warp, k, 0), []).append((lane, addr, (r, col)))
-                plan.setdefault((warp, k, 1), []).append((lane, addr + 16 * 128, (r + 8, col)))
+                col = col0 + 8 * k + 2 * (lane % 4)
+                for half in range(2):
+                    addr = store_addr(r + 8 * half, lane, k, col0, n_cp, mutant)
+                    plan.setdefault((warp, k, half), []).append((lane, addr, (r + 8 * half, col)))
     return plan
 
 
@@ -104,7 +111,7 @@ def check(name: str, n_cols: int, col0: int, row0: int, n_cp: int, mutant: str =
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--mutant", choices=["rows_in_place", "no_xor", "no_block_phase", "no_b0"], default="")
+    ap.add_argument("--mutant", choices=["rows_in_place", "no_xor", "no_block_phase", "no_b0", "box_per_block"], default="")
     args = ap.parse_args()
     # (name, columns a warpgroup stages, its first column, its first row, 64-column boxes per 32-row block)
     shapes = [("D 128, warpgroup 1", 64, 64, 0, 2), ("D 64 by rows, warpgroup 1", 64, 0, 64, 1),

@@ -119,7 +119,7 @@ def test_dq_staging_model():
     assert res.returncode == 0 and res.stdout.strip().splitlines()[-1].startswith("ok:"), res.stdout[-1500:]
 
 
-@pytest.mark.parametrize("mutant", ["rows_in_place", "no_xor", "no_block_phase", "no_b0"])
+@pytest.mark.parametrize("mutant", ["rows_in_place", "no_xor", "no_block_phase", "no_b0", "box_per_block"])
 def test_dq_staging_model_catches_planted_bug(mutant):
     res = run_model("dq_staging_model.py", "--mutant", mutant)
     assert res.returncode == 0 and f"mutant {mutant} caught" in res.stdout, res.stdout[-1500:]
