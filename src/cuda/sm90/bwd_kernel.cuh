@@ -326,9 +326,12 @@ __device__ __forceinline__ void bwd_softcap_p_ds(const float (&sacc)[N], const f
   }
 }
 
+// The dQ staging box's column block (0 or 1) holding a fragment's first column col0.
+__device__ __forceinline__ int bwd_dq_block0(int col0) { return (col0 / 32) % 2; }
+
 // One thread's dQ accumulator fragment (rows r and r + 8 of a 32-row block with r % 8 == g; columns
-// 32 b0 + 8k + 2 t4 + {0, 1} of k = 0 .. N / 4 - 1 from its first box) into the fp32 staging boxes the dQ
-// writer reduces (kBwdDqBoxBytes: 32 rows x 64 columns, smem row p = 2 r + b holding row r's 32-column
+// col0 + 8k + 2 t4 + {0, 1} of k = 0 .. N / 4 - 1, b0 = bwd_dq_block0(col0)) into the fp32 staging
+// boxes the dQ writer reduces (kBwdDqBoxBytes: 32 rows x 64 columns, smem row p = 2 r + b holding row r's 32-column
 // block b, 128B swizzle: column c at 16-byte chunk (c % 32) / 4 XOR p % 8, word pair (c / 2) % 2 = t4 & 1).
 // row_base: the first box + (2 r + b0) x 128 + (t4 & 1) x 8; block k sits in box k / 8, column block
 // b0 + (k / 4) % 2 (b0 = 1 only for a fragment of one 32-column block, N = 16), row r + 8 at smem row
@@ -341,10 +344,10 @@ __device__ __forceinline__ void bwd_softcap_p_ds(const float (&sacc)[N], const f
 // four selects per store pair; 1.025 of the D-256 kernel's time).
 // w0 / w1: rows r / r + 8 stored (else 0: the reduce box always covers 32 rows).
 template <int N>
-__device__ __forceinline__ void bwd_stage_dq_fragment(uint32_t row_base, const float (&dq)[N], int g, int t4, int b0,
+__device__ __forceinline__ void bwd_stage_dq_fragment(uint32_t row_base, const float (&dq)[N], int g, int t4, int col0,
                                                       bool w0, bool w1) {
   static_assert(N % 16 == 0, "bwd_stage_dq_fragment: whole 32-column blocks");
-  const uint32_t x = static_cast<uint32_t>(b0 | ((g & 3) << 1));  // the swizzle phase of block k < 4
+  const uint32_t x = static_cast<uint32_t>(bwd_dq_block0(col0) | ((g & 3) << 1));  // the swizzle phase of block k < 4
   const uint32_t half = static_cast<uint32_t>(t4 >> 1);            // chunk 2 (k % 4) + half of block k
 #pragma unroll
   for (int k = 0; k < N / 4; ++k) {
@@ -359,7 +362,7 @@ __device__ __forceinline__ void bwd_stage_dq_fragment(uint32_t row_base, const f
 // first column col0, in a stage of box_cols 64-column boxes per 32-row block (row block major).
 __device__ __forceinline__ uint32_t bwd_dq_row_base(uint32_t stage, int box_cols, int q_r, int col0, int t4) {
   return stage + static_cast<uint32_t>(((q_r / 32) * box_cols + col0 / 64) * kBwdDqBoxBytes) +
-         static_cast<uint32_t>((2 * (q_r % 32) + (col0 / 32) % 2) * 128 + (t4 & 1) * 8);
+         static_cast<uint32_t>((2 * (q_r % 32) + bwd_dq_block0(col0)) * 128 + (t4 & 1) * 8);
 }
 
 // The dQ writer's reduces of one staged step of BM rows: per 32-row block (one wholly past qb, staged
@@ -885,9 +888,9 @@ bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
                                                   q_r0, col0, t4);
         // A full query tile stores without the row selects (each call compiles its own stores).
         if (qt + (C::kDqByRows ? cw * 64 + 64 : BM) <= qb)
-          bwd_stage_dq_fragment(row_base, dq, g, t4, (col0 / 32) % 2, true, true);
+          bwd_stage_dq_fragment(row_base, dq, g, t4, col0, true, true);
         else
-          bwd_stage_dq_fragment(row_base, dq, g, t4, (col0 / 32) % 2, v0, v1);
+          bwd_stage_dq_fragment(row_base, dq, g, t4, col0, v0, v1);
         // Generic-proxy stores before the writer's async-proxy (TMA) reads.
         bwd_fence_proxy_async();
         __syncwarp();

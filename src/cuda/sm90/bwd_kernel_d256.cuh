@@ -471,7 +471,7 @@ bwd_sm90_kernel_d256(const __grid_constant__ Sm90BwdParams<256> p) {
         const int r0 = warp * 16 + g;
         const bool v0 = qt + r0 < qb, v1 = qt + r0 + 8 < qb;
         const uint32_t row_base = bwd_dq_row_base(p_role ? qb_s : dob_s, C::kDqBoxCols, r0, 0, t4);
-        bwd_stage_dq_fragment(row_base, dq, g, t4, 0, v0, v1);
+        bwd_stage_dq_fragment(row_base, dq, g, t4, /*col0=*/0, v0, v1);
         // Generic-proxy stores before the writer's async-proxy (TMA) reads.
         bwd_fence_proxy_async();
         __syncwarp();
