@@ -7,7 +7,8 @@ over four 64-column boxes as in the D = 256 forward, SS m64n128 with B N-major a
 emulated thread by thread, with the kernel's formulas:
   - the accumulator fragment layout of S^T / dP^T (warp w, lane g = lane / 4, t4 = lane % 4:
     element 4 j + e at kv row 16 w + g + 8 (e >= 2), q column 8 j + 2 t4 + (e & 1)),
-  - the mask (kv row >= klen, k0 + row > q), lse / delta indexing,
+  - the mask (kv row >= klen, k0 + row > q), lse / delta indexing (staged at bwd_row_stat_slot, read by
+    one 16-byte load per k16 step),
   - the P^T hand-over through smem (thread-linear float4 at tid * 16 + i * 2048),
   - dS^T = P^T (dP^T - delta), the 16-bit packing into A fragments frag[4 kk + i] and the A-operand
     layout they must form (a0: row g, cols 2 t4..; a1: row g + 8; a2: cols + 8; a3: both),
@@ -26,7 +27,8 @@ and query rows past qb. Exit status 0 when every check passes.
 --mutant NAME plants an index bug in the staging and expects a check to fail (exit status 0 when
 it does): stage_no_xor (chunk without the rows' XOR phase), stage_row8 (the row + 8 store at + 8 x 128
 bytes, the layout before), stage_box (box j / 4 instead of j / 8), stage_no_zero (rows >= qb staged from registers),
-stage_same_buf (both warpgroups stage into the Q stage).
+stage_same_buf (both warpgroups stage into the Q stage), rowstat_rowmajor (lse / delta staged row-major, read
+as the kernel's 16-byte loads read them).
 """
 from __future__ import annotations
 
@@ -49,6 +51,18 @@ def bf16(x):
 
 
 MUTANT = None
+
+
+def row_stat_slot(i):
+    """bwd_row_stat_slot: query row i of a step's lse / delta at 16 kk + 4 t4 + 2 h + e."""
+    if MUTANT == "rowstat_rowmajor":
+        return i
+    return (i & ~15) | ((i & 6) << 1) | ((i >> 2) & 2) | (i & 1)
+
+
+def row_stats_k16(smem, kk, t4):
+    """bwd_row_stats_k16: the 16-byte load of k16 step kk's two pairs for t4."""
+    return smem[16 * kk + 4 * t4:16 * kk + 4 * t4 + 4]
 
 
 def stage_dq(dq_full, qt, qb):
@@ -103,6 +117,12 @@ def emulate(k0, klen, qt, qb, rng):
     log2e = 1.0 / np.log(2.0)
     s_lse = np.where(qt + np.arange(BM) < qb, lse * log2e, np.inf)
     s_delta = np.where(qt + np.arange(BM) < qb, delta, 0.0)
+    # The producer's staging (bwd_stage_lse_delta): row i at bwd_row_stat_slot(i), a permutation inside
+    # each 16-row group (so each 32-lane store of 32 rows stays conflict-free).
+    slots = [row_stat_slot(i) for i in range(BM)]
+    assert all(sorted(slots[b:b + 16]) == list(range(b, b + 16)) for b in range(0, BM, 16)), "slot not a 16-row permutation"
+    smem_lse, smem_delta = np.full(BM, np.nan), np.full(BM, np.nan)
+    smem_lse[slots], smem_delta[slots] = s_lse, s_delta
 
     # Reference (float64, with the kernel's roundings of P and dS to 16 bits before the products).
     S = K @ Q.T  # [kv][q]
@@ -140,8 +160,9 @@ def emulate(k0, klen, qt, qb, rng):
         kv_row0 = w * 16 + g
         for j in range(8):
             c = j * 8 + 2 * t4
+            l4 = row_stats_k16(smem_lse, j // 2, t4)
             for e in range(4):
-                lv = s_lse[c + (e & 1)]
+                lv = l4[2 * (j % 2) + (e & 1)]
                 pv = np.exp2(sacc_s[tid, 4 * j + e] * scale * log2e - lv)
                 if mask:
                     r = kv_row0 + (e >> 1) * 8
@@ -158,8 +179,9 @@ def emulate(k0, klen, qt, qb, rng):
         for j in range(8):
             base = (tid * 16 + j * 2048) // 4
             pv = p_smem[base:base + 4]
+            d4 = row_stats_k16(smem_delta, j // 2, t4)
             for e in range(4):
-                d = s_delta[j * 8 + 2 * t4 + (e & 1)]
+                d = d4[2 * (j % 2) + (e & 1)]
                 ds_acc[tid, 4 * j + e] = pv[e] * (sacc_dp[tid, 4 * j + e] - d)
 
     def a_matrix(acc):
@@ -266,7 +288,7 @@ def emulate(k0, klen, qt, qb, rng):
     return True
 
 
-MUTANTS = ("stage_no_xor", "stage_row8", "stage_box", "stage_no_zero", "stage_same_buf")
+MUTANTS = ("stage_no_xor", "stage_row8", "stage_box", "stage_no_zero", "stage_same_buf", "rowstat_rowmajor")
 SHARED_MUTANTS = {"stage_no_xor": "no_xor", "stage_box": "box_per_block"}  # planted in dq_staging_model.store_addr
 
 

@@ -104,7 +104,8 @@ def test_d256_fragment_index_model():
     assert res.returncode == 0 and res.stdout.strip().splitlines()[-1].startswith("ok:"), res.stdout[-1500:]
 
 
-@pytest.mark.parametrize("mutant", ["stage_no_xor", "stage_row8", "stage_box", "stage_no_zero", "stage_same_buf"])
+@pytest.mark.parametrize("mutant", ["stage_no_xor", "stage_row8", "stage_box", "stage_no_zero", "stage_same_buf",
+                                    "rowstat_rowmajor"])
 def test_d256_fragment_index_model_catches_planted_bug(mutant):
     pytest.importorskip("numpy")
     res = run_model("bwd_d256_fragment_model.py", "--mutant", mutant)

@@ -200,9 +200,28 @@ __device__ __forceinline__ void bwd_st_shared_f32x2(uint32_t addr, float x, floa
   asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(x), "f"(y) : "memory");
 }
 
+// A step's lse / delta rows in smem are permuted so that a consumer thread's two n8 blocks of one k16
+// step (query columns 16 kk + 8 h + 2 t4 + {0, 1}, h = 0, 1) are one 16-byte load at 16 kk + 4 t4:
+// column i sits at bwd_row_stat_slot(i). Half the shared loads of the row-major order (one LDS.64 per
+// n8 block for lse and one for delta); a warp's load still reads 64 contiguous bytes (4 addresses,
+// broadcast within each t4), and the permutation stays inside each 16-row group, so the producer's
+// 32-lane stores of 32 consecutive rows stay conflict-free.
+__device__ __forceinline__ int bwd_row_stat_slot(int i) {
+  return (i & ~15) | ((i & 6) << 1) | ((i >> 2) & 2) | (i & 1);
+}
+// Both n8 blocks' pairs of k16 step kk for the thread's t4.
+__device__ __forceinline__ float4 bwd_row_stats_k16(const float* s, int kk, int t4) {
+  return *reinterpret_cast<const float4*>(s + 16 * kk + 4 * t4);
+}
+// n8 block j's pair (columns 8 j + 2 t4, + 1) out of its k16 step's load.
+__device__ __forceinline__ float2 bwd_row_stat_pair(const float4& v, int j) {
+  return (j & 1) ? make_float2(v.z, v.w) : make_float2(v.x, v.y);
+}
+
 // One step's lse / delta rows staged into the Q/dO stage by the producer warp, after the stage's wait
 // and its Q / dO loads: rows qt + lane + 32 j of head h (BM / 32 per lane; rows >= qb, a tile's tail,
-// read nothing), lse in log2 units (+inf past qb: its P is 0), delta as read.
+// read nothing), lse in log2 units (+inf past qb: its P is 0), delta as read; row i at
+// bwd_row_stat_slot(i) (above).
 // 128-row steps (D 64) load all of a lane's rows first, fenced ahead of the shared stores: as one loop
 // of `i = lane; i < BM; i += 32` (a trip count the compiler cannot bound) each row group's loads
 // waited behind the previous group's stores, four load latencies in a row before the stage's
@@ -230,16 +249,16 @@ __device__ __forceinline__ void bwd_stage_lse_delta(const BwdArgs& a, int64_t nu
 #pragma unroll
     for (int j = 0; j < kPerLane; ++j) {
       const int i = lane + 32 * j;
-      s_lse[i] = qt + i < qb ? lse[j] * kLog2e : CUDART_INF_F;
-      s_delta[i] = delta[j];
+      s_lse[bwd_row_stat_slot(i)] = qt + i < qb ? lse[j] * kLog2e : CUDART_INF_F;
+      s_delta[bwd_row_stat_slot(i)] = delta[j];
     }
   } else {
 #pragma unroll
     for (int i = lane; i < BM; i += 32) {
       const int32_t qi = qt + i;
       const bool valid = qi < qb;
-      s_lse[i] = valid ? a.lse[h * a.lse_hs + qi] * kLog2e : CUDART_INF_F;
-      s_delta[i] = valid ? a.delta[h * num_tokens + qi] : 0.f;
+      s_lse[bwd_row_stat_slot(i)] = valid ? a.lse[h * a.lse_hs + qi] * kLog2e : CUDART_INF_F;
+      s_delta[bwd_row_stat_slot(i)] = valid ? a.delta[h * num_tokens + qi] : 0.f;
     }
   }
 }
@@ -263,17 +282,21 @@ constexpr uint32_t kBwdDsBarrier = 1;      // named barrier id (0 is __syncthrea
 // (a prefix item's rows, external prefix issue 17): only the rows past klen are masked.
 // kWindow (mask modifiers, issue 16): the masked form also hides the pairs of the sliding window
 // `window` (SegmentMask::window_hidden with the item's distance bias `bias`). lse_first: the lse
-// pairs of the first kPreloaded n8 blocks, read by the caller before its wait for S^T.
-// [kJ0, kJ1): the n8 blocks (query columns 8 kJ0 .. 8 kJ1) computed, all by default.
+// of the first kPreloaded n8 blocks (one bwd_row_stats_k16 per two), read by the caller before its
+// wait for S^T. [kJ0, kJ1): the n8 blocks (query columns 8 kJ0 .. 8 kJ1) computed, all by default;
+// whole k16 steps.
 template <int N, bool kCausal = true, bool kWindow = false, int kPreloaded = 0, int kJ0 = 0, int kJ1 = N / 4>
 __device__ __forceinline__ void bwd_softmax_p(float (&sacc)[N], const float* lse_s, float sl2, int t4,
                                               int kv_row0, int klen, int32_t k0, int32_t qt, bool mask,
                                               int32_t bias = 0, int32_t window = 0,
-                                              const float2* lse_first = nullptr) {
+                                              const float4* lse_first = nullptr) {
+  static_assert(kJ0 % 2 == 0 && kJ1 % 2 == 0 && kPreloaded % 2 == 0, "bwd_softmax_p: whole k16 steps");
+  float4 l4;
 #pragma unroll
   for (int j = kJ0; j < kJ1; ++j) {
     const int c = j * 8 + 2 * t4;
-    const float2 l2 = j < kPreloaded ? lse_first[j] : *reinterpret_cast<const float2*>(lse_s + c);
+    if (j % 2 == 0) l4 = j < kPreloaded ? lse_first[j / 2] : bwd_row_stats_k16(lse_s, j / 2, t4);
+    const float2 l2 = bwd_row_stat_pair(l4, j);
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const float lv = (e & 1) ? l2.y : l2.x;
@@ -300,11 +323,15 @@ __device__ __forceinline__ void bwd_softcap_p_ds(const float (&sacc)[N], const f
                                                  uint32_t (&pf)[N / 2], uint32_t (&dsf)[N / 2], const float* lse_s,
                                                  const float* delta_s, const BwdArgs& a, int t4, int kv_row0,
                                                  int klen, int32_t k0, int32_t qt, bool mask, int32_t bias = 0) {
+  float4 l4, d4;
 #pragma unroll
   for (int j = 0; j < N / 4; ++j) {
     const int c = j * 8 + 2 * t4;
-    const float2 l2 = *reinterpret_cast<const float2*>(lse_s + c);
-    const float2 d2 = *reinterpret_cast<const float2*>(delta_s + c);
+    if (j % 2 == 0) {
+      l4 = bwd_row_stats_k16(lse_s, j / 2, t4);
+      d4 = bwd_row_stats_k16(delta_s, j / 2, t4);
+    }
+    const float2 l2 = bwd_row_stat_pair(l4, j), d2 = bwd_row_stat_pair(d4, j);
     float pv[4], ds[4];
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
@@ -659,9 +686,9 @@ bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
       // backward kernel against the build without it, 4 rounds): D 64 0.985-0.997 on 9 GRPO layouts
       // and classes; D 128 0.970-1.031 and D 256 0.984-1.007 (docs/decisions.md), so D 64 only.
       constexpr int kLsePreload = D == 64 ? 2 : 0;
-      float2 lse_first[kLsePreload > 0 ? kLsePreload : 1];
+      float4 lse_first[kLsePreload > 0 ? kLsePreload / 2 : 1];
 #pragma unroll
-      for (int j = 0; j < kLsePreload; ++j) lse_first[j] = *reinterpret_cast<const float2*>(lse_s + j * 8 + 2 * t4);
+      for (int kk = 0; kk < kLsePreload / 2; ++kk) lse_first[kk] = bwd_row_stats_k16(lse_s, kk, t4);
       wgmma_wait<1>();
       fence_regs(sacc);
       // Softmax under the dP^T wgmma (H200 A/B at 274e72f: main kernel 4-6% faster than computing
@@ -709,9 +736,11 @@ bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
       };
       // dS^T = P^T (dP^T - delta) in place in dpacc.
       auto ds = [&](auto kk_lo, auto kk_hi) {
+        float4 d4;
 #pragma unroll
         for (int j = 2 * decltype(kk_lo)::value; j < 2 * decltype(kk_hi)::value; ++j) {
-          const float2 d2 = *reinterpret_cast<const float2*>(delta_s + j * 8 + 2 * t4);
+          if (j % 2 == 0) d4 = bwd_row_stats_k16(delta_s, j / 2, t4);
+          const float2 d2 = bwd_row_stat_pair(d4, j);
 #pragma unroll
           for (int e = 0; e < 4; ++e)
             dpacc[4 * j + e] = sacc[4 * j + e] * (dpacc[4 * j + e] - ((e & 1) ? d2.y : d2.x));

@@ -368,10 +368,12 @@ bwd_sm90_kernel_d256(const __grid_constant__ Sm90BwdParams<256> p) {
           // times the cap's derivative (dS^T = that (dP^T - delta)), stored as each 4 are known,
           // and this role keeps P^T in sacc for dV (A fragments below).
           const bool mask = tail || qt < k0 + BN - 1 || win;
+          float4 l4;
 #pragma unroll
           for (int j = 0; j < BM / 8; ++j) {
             const int c = j * 8 + 2 * t4;
-            const float2 l2 = *reinterpret_cast<const float2*>(lse_s + c);
+            if (j % 2 == 0) l4 = bwd_row_stats_k16(lse_s, j / 2, t4);
+            const float2 l2 = bwd_row_stat_pair(l4, j);
             float pg[4];
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
@@ -408,12 +410,14 @@ bwd_sm90_kernel_d256(const __grid_constant__ Sm90BwdParams<256> p) {
       } else {
         named_bar_sync(kBwdPBarrier, 256);
         const float* delta_s = s_delta + st * BM;
+        float4 d4;
 #pragma unroll
         for (int j = 0; j < BM / 8; ++j) {
           const uint4 pq = bwd_ld_shared_v4(p_thread + j * 2048);
           const float pv[4] = {__uint_as_float(pq.x), __uint_as_float(pq.y), __uint_as_float(pq.z),
                                __uint_as_float(pq.w)};
-          const float2 d2 = *reinterpret_cast<const float2*>(delta_s + j * 8 + 2 * t4);
+          if (j % 2 == 0) d4 = bwd_row_stats_k16(delta_s, j / 2, t4);
+          const float2 d2 = bwd_row_stat_pair(d4, j);
 #pragma unroll
           for (int e = 0; e < 4; ++e) sacc[4 * j + e] = pv[e] * (sacc[4 * j + e] - ((e & 1) ? d2.y : d2.x));
         }
