@@ -765,21 +765,26 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
       m[r] = mx;
       return ms;
     };
+    // A row's sum over the tile in two chains (n8 blocks j even / odd), half as long as one: under
+    // ncu (D 64, long responses, docs/notes/2026-12-04-d64-fwd-ncu.md) the single chain's dependent
+    // FADDs waited 3.9 units of a tile's 100 where FA4's independent accumulators did not. Not the
+    // single chain's bits: l (so O and lse) changes at rounding level.
+    auto row_sum_add = [&](float (&sum)[2], int j, float p0, float p1) { sum[j & 1] += p0 + p1; };
     // Online softmax of the masked s (in place: s becomes P in fp32); returns the rescale factors.
     auto softmax_rows = [&](float* alpha) {
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         const float ms = row_max(r, alpha);
-        float sum = 0.f;
+        float sum[2] = {0.f, 0.f};
 #pragma unroll
         for (int j = 0; j < BN / 8; ++j) {
           const float p0 = fast_exp2(fmaf(s[4 * j + 2 * r], sl2, -ms));
           const float p1 = fast_exp2(fmaf(s[4 * j + 2 * r + 1], sl2, -ms));
           s[4 * j + 2 * r] = p0;
           s[4 * j + 2 * r + 1] = p1;
-          sum += p0 + p1;
+          row_sum_add(sum, j, p0, p1);
         }
-        l[r] = l[r] * alpha[r] + sum;
+        l[r] = l[r] * alpha[r] + (sum[0] + sum[1]);
       }
     };
     // Mask, online softmax of s; returns the rescale factors.
@@ -793,15 +798,15 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
     auto exp_pack = [&](const float* ms, const float* alpha) {
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        float sum = 0.f;
+        float sum[2] = {0.f, 0.f};
 #pragma unroll
         for (int j = 0; j < BN / 8; ++j) {
           const float p0 = fast_exp2(fmaf(s[4 * j + 2 * r], sl2, -ms[r]));
           const float p1 = fast_exp2(fmaf(s[4 * j + 2 * r + 1], sl2, -ms[r]));
           pf[2 * j + r] = Convert<T>::pack(p0, p1);
-          sum += p0 + p1;
+          row_sum_add(sum, j, p0, p1);
         }
-        l[r] = l[r] * alpha[r] + sum;
+        l[r] = l[r] * alpha[r] + (sum[0] + sum[1]);
       }
     };
     auto to_pf = [&]() {
