@@ -330,9 +330,10 @@ __device__ __forceinline__ void bwd_softcap_p_ds(const float (&sacc)[N], const f
 __device__ __forceinline__ int bwd_dq_block0(int col0) { return (col0 / 32) % 2; }
 
 // One thread's dQ accumulator fragment (rows r and r + 8 of a 32-row block with r % 8 == g; columns
-// col0 + 8k + 2 t4 + {0, 1} of k = 0 .. N / 4 - 1, b0 = bwd_dq_block0(col0)) into the fp32 staging
-// boxes the dQ writer reduces (kBwdDqBoxBytes: 32 rows x 64 columns, smem row p = 2 r + b holding row r's 32-column
-// block b, 128B swizzle: column c at 16-byte chunk (c % 32) / 4 XOR p % 8, word pair (c / 2) % 2 = t4 & 1).
+// col0 + 8k + 2 t4 + {0, 1} of k = 0 .. N / 4 - 1, b0 = bwd_dq_block0(col0)) into the fp32 staging boxes
+// the dQ writer reduces (kBwdDqBoxBytes: 32 rows x 64 columns, smem row p = 2 r + b holding row r's
+// 32-column block b, 128B swizzle: column c at 16-byte chunk (c % 32) / 4 XOR p % 8, word pair
+// (c / 2) % 2 = t4 & 1).
 // row_base: the first box + (2 r + b0) x 128 + (t4 & 1) x 8; block k sits in box k / 8, column block
 // b0 + (k / 4) % 2 (b0 = 1 only for a fragment of one 32-column block, N = 16), row r + 8 at smem row
 // p + 16 (the same phase). Why this box shape: 64-bit stores are served per half-warp, whose lanes hold
@@ -347,8 +348,9 @@ template <int N>
 __device__ __forceinline__ void bwd_stage_dq_fragment(uint32_t row_base, const float (&dq)[N], int g, int t4, int col0,
                                                       bool w0, bool w1) {
   static_assert(N % 16 == 0, "bwd_stage_dq_fragment: whole 32-column blocks");
-  const uint32_t x = static_cast<uint32_t>(bwd_dq_block0(col0) | ((g & 3) << 1));  // the swizzle phase of block k < 4
-  const uint32_t half = static_cast<uint32_t>(t4 >> 1);            // chunk 2 (k % 4) + half of block k
+  // The swizzle phase of block k < 4, and chunk 2 (k % 4) + half of block k.
+  const uint32_t x = static_cast<uint32_t>(bwd_dq_block0(col0) | ((g & 3) << 1));
+  const uint32_t half = static_cast<uint32_t>(t4 >> 1);
 #pragma unroll
   for (int k = 0; k < N / 4; ++k) {
     const uint32_t b = (k / 4) % 2;  // the box's second column block: smem row + 1, phase + 1
@@ -779,12 +781,12 @@ bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
       // D 128 (64-row steps), the dQ-computing kernel (kDsEarly, FA4's order; 2026-12-04,
       // docs/notes/2026-12-04-d128-bwd-ds-order.md: 0.96-1.00 of the backward kernel's time over two
       // runs, 0.98-0.99 on long layouts): the 4 STSM of dS in the branch of dS^T's arithmetic, right
-      // after its packing (ptxas interleaves them with it), before the dV issue. The proxy fence stays after the dV issue: each thread's fence
-      // follows its own dS stores and precedes barrier 1, after which the dQ wgmmas of both
-      // warpgroups read dS through the async proxy; dV, issued between the stores and the fence,
-      // reads registers and dO, never the dS buffer. The same wgmmas on the same accumulators in the
-      // same order: outputs bit for bit. (The fence after dK's first k step as well measured
-      // 0.979-1.021, alone 0.991-1.010: not taken.)
+      // after its packing (ptxas interleaves them with it), before the dV issue. The proxy fence stays
+      // after the dV issue: each thread's fence follows its own dS stores and precedes barrier 1, after
+      // which the dQ wgmmas of both warpgroups read dS through the async proxy; dV, issued between the
+      // stores and the fence, reads registers and dO, never the dS buffer. The same wgmmas on the same
+      // accumulators in the same order: outputs bit for bit. (The fence after dK's first k step as well
+      // measured 0.979-1.021, alone 0.991-1.010: not taken.)
       constexpr bool kDsEarly = kAtomicDq && D == 128 && !kHalves;  // kDkIssued is kDkHead = 1 there
       if constexpr (kHalves) {
         // In two halves of the step's query columns (C::kSoftmaxHalves): the first half's P^T under
