@@ -175,6 +175,11 @@ BENCHMARKS = {
                             "staging (dqstage 7c64d89; issue 23, session 41); .log: the run's tables",
     "never_lose_d64_h100": "the same at head dim 64 (the card throttled: forward rounds 0.93-1.15 of main's with the "
                            "same forward kernels)",
+    "never_lose_d256_h100": "bench/attention.py --head-dim 256 --classes long_responses --methods dualkv,fa4_dense "
+                            "--rounds 5 on an H100 (main 2871e36's library: the dQ staging in 32 x 64 boxes; issue 23, "
+                            "session 45); .log: the run's tables; .ncu_stalls_fwd.txt: both forward kernels' stalls per "
+                            "instruction on the same layout (step ncu-stalls, NCU_DIM=256 NCU_KERNEL=fwd_sm90 "
+                            "NCU_DIRECTION=fwd)",
     "configs_h256_h100": "bench/attention.py --head-dim 256 --configs 16,4096,1024;8,16384,2048 --no-varlen, dualkv / "
                          "FA4 dense / Flex-FA4 in one process, 3 rounds, on an H100 (main 5ba06a3's kernels; the "
                          "H200 run of session 40 hit its 175 s cap; issue 23, session 41); .log: the run's tables",
@@ -354,7 +359,9 @@ BENCHMARKS = {
                             "main's kernels after the steady forward loop (session 35, 6df2a4c declared, the steady128 "
                             "build); .ncu_stalls_fwd.txt: the forward kernels' stalls per instruction on N8 P16K "
                             "R2K, dualkv packed against FA4 dense unpacked (step ncu-stalls, NCU_DIM=128 "
-                            "NCU_CASE=8,16384,2048; session 32, earlier kernels)",
+                            "NCU_CASE=8,16384,2048; session 32, earlier kernels); .ncu_units_h100.txt: the backward main kernels' "
+                            "units per warp-step on N8 P16K R2K, dualkv against FA4 dense (step ncu-units, one H100, "
+                            "main 2871e36; session 45)",
     "never_lose_d64": "bench/attention.py --head-dim 64 --classes long_responses --methods dualkv,fa4_dense, 5 "
                       "rounds, on the H200: issue 23's never-lose bar on long responses with the dQ staging in 32 x 64 "
                       "boxes (dqbox 3593a07's library = faf0a45's kernels, 6465d89 declared; session 43); the "
