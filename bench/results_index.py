@@ -361,7 +361,8 @@ BENCHMARKS = {
                             "R2K, dualkv packed against FA4 dense unpacked (step ncu-stalls, NCU_DIM=128 "
                             "NCU_CASE=8,16384,2048; session 32, earlier kernels); .ncu_units_h100.txt: the backward main kernels' "
                             "units per warp-step on N8 P16K R2K, dualkv against FA4 dense (step ncu-units, one H100, "
-                            "main 2871e36; session 45)",
+                            "main 2871e36; session 45); .ncu_stalls_bwd_h100.txt: ours alone per instruction on the same layout "
+                            "(step ncu-stalls; every shared access at its ideal wavefronts)",
     "never_lose_d64": "bench/attention.py --head-dim 64 --classes long_responses --methods dualkv,fa4_dense, 5 "
                       "rounds, on the H200: issue 23's never-lose bar on long responses with the dQ staging in 32 x 64 "
                       "boxes (dqbox 3593a07's library = faf0a45's kernels, 6465d89 declared; session 43); the "
