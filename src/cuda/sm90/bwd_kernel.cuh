@@ -252,7 +252,8 @@ constexpr uint32_t kBwdConsumerWarps = 8;
 constexpr uint32_t kBwdQdoEmptyCount = kBwdConsumerWarps * kArrivalsPerWarp;
 // The racecheck build also replaces the producer/consumer named-barrier hand-offs between the two
 // consumer warpgroups (bar.arrive on one side, bar.sync on the other: ordered by the PTX memory
-// model, but racecheck does not treat bar.arrive as a release) by bar.sync on both sides.
+// model, but racecheck does not treat bar.arrive as a release) by bar.sync on both sides, and the
+// D-256 kernel's S^T-retired signal too (it carries no data; bwd_kernel_d256.cuh says why).
 constexpr bool kBwdRacecheckBarriers = kPerThreadRelease;
 constexpr uint32_t kBwdDsBarrier = 1;      // named barrier id (0 is __syncthreads)
 

@@ -353,7 +353,16 @@ bwd_sm90_kernel_d256(const __grid_constant__ Sm90BwdParams<256> p) {
       wgmma_commit();
       wgmma_wait<0>();
       fence_regs(sacc);
-      if (p_role) named_bar_arrive(kBwdSBarrier, 256);
+      // The racecheck build syncs here too. With bar.arrive here, racecheck reported WAR hazards on P^T
+      // (the dS role's read of step s against the P role's write of step s + 1, which barrier 1 orders) in 3
+      // of 6 runs, softcap kernels in deterministic mode (session 45, one H100): whether this arrive is what
+      // misleads it is the next racecheck run's question (docs/notes/2026-12-06-d256-bwd-racecheck.md).
+      if (p_role) {
+        if (kBwdRacecheckBarriers)
+          named_bar_sync(kBwdSBarrier, 256);
+        else
+          named_bar_arrive(kBwdSBarrier, 256);
+      }
 
       // A fragments (m = kv, k = q) of P^T (P role) or dS^T (dS role).
       uint32_t frag[BM / 4];
