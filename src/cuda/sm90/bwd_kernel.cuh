@@ -255,6 +255,14 @@ constexpr uint32_t kBwdQdoEmptyCount = kBwdConsumerWarps * kArrivalsPerWarp;
 // model, but racecheck does not treat bar.arrive as a release) by bar.sync on both sides, and the
 // D-256 kernel's S^T-retired signal too (it carries no data; bwd_kernel_d256.cuh says why).
 constexpr bool kBwdRacecheckBarriers = kPerThreadRelease;
+// One side of such a hand-off: bar.arrive where it only signals (signal), else bar.sync; bar.sync on both
+// sides in the racecheck build.
+__device__ __forceinline__ void bwd_handoff(uint32_t id, uint32_t threads, bool signal) {
+  if (signal && !kBwdRacecheckBarriers)
+    named_bar_arrive(id, threads);
+  else
+    named_bar_sync(id, threads);
+}
 constexpr uint32_t kBwdDsBarrier = 1;      // named barrier id (0 is __syncthreads)
 
 // P^T = exp2(S^T scale log2e - lse log2e) in place, masked (if mask) where the KV row is past klen

@@ -357,12 +357,7 @@ bwd_sm90_kernel_d256(const __grid_constant__ Sm90BwdParams<256> p) {
       // (the dS role's read of step s against the P role's write of step s + 1, which barrier 1 orders) in 3
       // of 6 runs, softcap kernels in deterministic mode (session 45, one H100): whether this arrive is what
       // misleads it is the next racecheck run's question (docs/notes/2026-12-06-d256-bwd-racecheck.md).
-      if (p_role) {
-        if (kBwdRacecheckBarriers)
-          named_bar_sync(kBwdSBarrier, 256);
-        else
-          named_bar_arrive(kBwdSBarrier, 256);
-      }
+      if (p_role) bwd_handoff(kBwdSBarrier, 256, /*signal=*/true);
 
       // A fragments (m = kv, k = q) of P^T (P role) or dS^T (dS role).
       uint32_t frag[BM / 4];
@@ -410,10 +405,7 @@ bwd_sm90_kernel_d256(const __grid_constant__ Sm90BwdParams<256> p) {
           bwd_st_shared_v4(p_thread + i * 2048, __float_as_uint(sacc[4 * i]), __float_as_uint(sacc[4 * i + 1]),
                            __float_as_uint(sacc[4 * i + 2]), __float_as_uint(sacc[4 * i + 3]));
         }
-        if (kBwdRacecheckBarriers)
-          named_bar_sync(kBwdPBarrier, 256);
-        else
-          named_bar_arrive(kBwdPBarrier, 256);
+        bwd_handoff(kBwdPBarrier, 256, /*signal=*/true);
       } else {
         named_bar_sync(kBwdPBarrier, 256);
         const float* delta_s = s_delta + st * BM;
@@ -492,10 +484,7 @@ bwd_sm90_kernel_d256(const __grid_constant__ Sm90BwdParams<256> p) {
         __syncwarp();
         if (kBwdQdoEmptyCount != kBwdConsumerWarps || lane == 0) mbar_arrive(&B.qdo_empty[st]);
         // The dS warpgroup has loaded P^T of this step; the P warpgroup may rewrite it next step.
-        if (p_role || kBwdRacecheckBarriers)
-          named_bar_sync(kBwdDsBarrier, 256);
-        else
-          named_bar_arrive(kBwdDsBarrier, 256);
+        bwd_handoff(kBwdDsBarrier, 256, /*signal=*/!p_role);
       }
     }
     // K and V are free: the producer may load the next item's tile during the epilogue.
