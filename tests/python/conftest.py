@@ -3,6 +3,7 @@ import pathlib
 import random
 import shutil
 import subprocess
+import time
 
 import pytest
 import torch
@@ -27,6 +28,20 @@ def random_forest(rng: random.Random, roots=2, max_depth=2, max_children=4, max_
     for _ in range(roots):
         emit(-1, 0)
     return lens, parents
+
+
+def cpu_time_growth(run, small, large, rounds=3):
+    """How many times longer run(large) takes than run(small), in CPU seconds of this process: the
+    best of `rounds` interleaved calls each. Both sides are measured in one process at one moment,
+    so a slow or busy machine (CI's two shared cores ran a 0.2 s plan in 1.1 s) scales them alike,
+    where a bound in seconds fails. Returns (ratio, best small seconds, best large seconds)."""
+    best = {id(small): float("inf"), id(large): float("inf")}
+    for _ in range(rounds):
+        for arg in (small, large):
+            t0 = time.process_time()
+            run(arg)
+            best[id(arg)] = min(best[id(arg)], time.process_time() - t0)
+    return best[id(large)] / max(best[id(small)], 1e-6), best[id(small)], best[id(large)]
 
 
 @pytest.fixture
