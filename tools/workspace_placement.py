@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Does the backward's time depend on where its workspace (the fp32 dQ accumulator) lies in memory?
 
-    python3 tools/workspace_placement.py --case long_responses --head-dim 256 [--buffers 6]
+    python3 tools/workspace_placement.py --case 8,16384,2048 --head-dim 256 [--buffers 6]
         [--offsets 0,4096,65536,1048576] [--rounds 5] [--out DIR]
 
 The library asks for a backward workspace per call (the dQ accumulator [T, H, D] fp32 after the
@@ -15,9 +15,10 @@ Each call is timed by CUDA events. If a workspace keeps its time across rounds w
 differ (the medians spread far more than each one's rounds), the time depends on the placement; if
 every workspace wanders between the same modes, it does not.
 
-Why: on an H100 the D-256 backward main kernel runs in modes ~2.3x apart (78 against 184 ms on long
-responses, docs/notes/2026-12-04-device-queue.md §0 item 6), the same kernel on the same inputs, and
-its dQ tiles are 64 rows x 1 KiB at a 32 KiB stride in the accumulator (FA4's are contiguous).
+Why: on an H100 the D-256 backward main kernel ran in modes 1 : 1.33 : 2.0 on the same inputs
+(session 39, N8 P16K R2K, the call's other kernels unchanged), and its dQ tiles are 64 rows x 1 KiB
+at a 32 KiB stride in the accumulator (FA4's are contiguous): docs/notes/2026-12-04-device-queue.md
+§0 item 6.
 """
 from __future__ import annotations
 
@@ -54,7 +55,7 @@ def summarize(times: dict[str, list[float]]) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--case", default="long_responses", help="a layout class name or N,P,R")
+    ap.add_argument("--case", default="8,16384,2048", help="a layout class name or N,P,R")
     ap.add_argument("--head-dim", type=int, default=256)
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--kv-heads", type=int, default=8)
