@@ -35,13 +35,13 @@ def cpu_time_growth(run, small, large, rounds=3):
     best of `rounds` interleaved calls each. Both sides are measured in one process at one moment,
     so a slow or busy machine (CI's two shared cores ran a 0.2 s plan in 1.1 s) scales them alike,
     where a bound in seconds fails. Returns (ratio, best small seconds, best large seconds)."""
-    best = {id(small): float("inf"), id(large): float("inf")}
+    best = [float("inf"), float("inf")]
     for _ in range(rounds):
-        for arg in (small, large):
+        for i, arg in enumerate((small, large)):
             t0 = time.process_time()
             run(arg)
-            best[id(arg)] = min(best[id(arg)], time.process_time() - t0)
-    return best[id(large)] / max(best[id(small)], 1e-6), best[id(small)], best[id(large)]
+            best[i] = min(best[i], time.process_time() - t0)
+    return best[1] / max(best[0], 1e-6), best[0], best[1]
 
 
 @pytest.fixture
