@@ -53,6 +53,28 @@ def summarize(times: dict[str, list[float]]) -> dict:
             "within": max(p["max_ms"] / p["min_ms"] for p in per.values())}
 
 
+class Placement:
+    """dualkv.ops._workspace's stand-in: dualkv.ops asks the library for the backward's workspace size
+    and allocates it (``library_workspace``); unless ``chosen`` is "fresh", the library then gets a
+    view of the placement ``pool[chosen]`` of that size instead. ``size``: the last fresh request."""
+
+    def __init__(self, library_workspace):
+        self.library_workspace, self.size, self.chosen, self.pool = library_workspace, None, "fresh", {}
+
+    def __call__(self, query, params, device):
+        ws = self.library_workspace(query, params, device)
+        if ws is None or getattr(query, "__name__", "") != "dualkv_bwd_workspace_size":
+            return ws
+        if self.chosen == "fresh":
+            self.size = ws.numel()
+            return ws
+        view = self.pool[self.chosen][:ws.numel()]
+        if view.numel() != ws.numel():
+            raise RuntimeError(f"the backward's workspace grew from {self.size} to {ws.numel()} bytes")
+        params.workspace = view.data_ptr()
+        return view
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--case", default="8,16384,2048", help="a layout class name or N,P,R")
@@ -76,48 +98,32 @@ def main(argv=None) -> int:
     _bench, _case, _name, setup, _fwd, fwdbwd = next(built_methods(spec))
     x = setup(17)
 
-    # dualkv.ops asks the library for the backward's workspace size and allocates it; the tool then
-    # hands the library a view of the placement `chosen` instead (the same size).
     library_workspace = dualkv.ops._workspace
-    state = {"size": None, "chosen": "fresh", "pool": {}}
-
-    def placed_workspace(query, params, device):
-        ws = library_workspace(query, params, device)
-        if ws is None or getattr(query, "__name__", "") != "dualkv_bwd_workspace_size":
-            return ws
-        if state["chosen"] == "fresh":
-            state["size"] = ws.numel()
-            return ws
-        view = state["pool"][state["chosen"]][:ws.numel()]
-        if view.numel() != ws.numel():
-            raise RuntimeError(f"the backward's workspace grew from {state['size']} to {ws.numel()} bytes")
-        params.workspace = view.data_ptr()
-        return view
-
-    dualkv.ops._workspace = placed_workspace
+    placement = Placement(library_workspace)
+    dualkv.ops._workspace = placement
     try:
         fwdbwd(x)  # warm-up: plans, caches; learns the workspace size
         torch.cuda.synchronize()
-        if state["size"] is None:
+        if placement.size is None:
             ap.error("the backward asked for no workspace (deterministic mode, or not the CUDA path)")
-        size = state["size"]
+        size = placement.size
         for i in range(args.buffers):
-            state["pool"][f"buf{i}"] = torch.empty(size, dtype=torch.uint8, device="cuda")
+            placement.pool[f"buf{i}"] = torch.empty(size, dtype=torch.uint8, device="cuda")
         if offsets:
             shared = torch.empty(size + max(offsets), dtype=torch.uint8, device="cuda")
             for o in offsets:
-                state["pool"][f"off{o}"] = shared[o:]
-        names = list(state["pool"]) + ["fresh"]
-        addresses = {n: state["pool"][n].data_ptr() for n in state["pool"]}
+                placement.pool[f"off{o}"] = shared[o:]
+        names = list(placement.pool) + ["fresh"]
+        addresses = {n: placement.pool[n].data_ptr() for n in placement.pool}
         times = {n: [] for n in names}
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         for n in names:  # one untimed call per placement
-            state["chosen"] = n
+            placement.chosen = n
             fwdbwd(x)
         torch.cuda.synchronize()
         for r in range(args.rounds):
             for n in names[r % len(names):] + names[:r % len(names)]:  # rotating order
-                state["chosen"] = n
+                placement.chosen = n
                 start.record()
                 fwdbwd(x)
                 end.record()
