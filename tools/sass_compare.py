@@ -52,33 +52,44 @@ REGISTER = re.compile(r"\bU?R[0-9]+\b|\bU?P[0-9]\b")
 PARAM = re.compile(r"c\[0x0\]\[0x[0-9a-f]+\]")
 
 
+def functions(sass: str):
+    """(arch, mangled name, lines) of each kernel copy in cuobjdump -sass text, in listing order: the
+    lines between its "Function :" header and the next header or arch."""
+    arch, name, body = None, None, []
+    for line in sass.splitlines():
+        if line.startswith("arch = ") or "Function : " in line:
+            if name is not None:
+                yield arch, name, body
+            if line.startswith("arch = "):
+                arch, name = line.split("=", 1)[1].strip(), None
+            else:
+                name = line.split("Function : ", 1)[1].strip()
+            body = []
+        elif name is not None:
+            body.append(line)
+    if name is not None:
+        yield arch, name, body
+
+
 def kernels(lib: str, ignore_regs: bool, renames, ignore_params: bool = False):
     """{(arch, kernel name): [listing, ...]} with one listing (a tuple of instructions) per copy."""
     text = subprocess.run([cuobjdump(), "-sass", lib], check=True, capture_output=True, text=True).stdout
     out = collections.defaultdict(list)
-    arch, name, body = None, None, []
-
-    def close():
-        if name is not None:
-            out[(arch, name)].append(tuple(body))
-
-    for line in text.splitlines():
-        if line.startswith("arch = "):
-            close()
-            arch, name, body = line.split("=", 1)[1].strip(), None, []
-        elif "Function : " in line:
-            close()
-            name, body = ANON_NAMESPACE.sub("_GLOBAL__N__", line.split("Function : ", 1)[1].strip()), []
-            for old, new in renames:
-                name = re.sub(old, new, name)
-        elif name is not None and ADDRESS.search(line):  # an instruction (not a header or label)
+    for arch, name, lines in functions(text):
+        name = ANON_NAMESPACE.sub("_GLOBAL__N__", name)
+        for old, new in renames:
+            name = re.sub(old, new, name)
+        body = []
+        for line in lines:
+            if not ADDRESS.search(line):  # a header or label, not an instruction
+                continue
             ins = ENCODING.sub("", ADDRESS.sub("", line)).strip()
             if ignore_regs:
                 ins = " ".join(REGISTER.sub("R", ins).split())
             if ignore_params:
                 ins = PARAM.sub("c[0x0][P]", ins)
             body.append(ins)
-    close()
+        out[(arch, name)].append(tuple(body))
     return out
 
 

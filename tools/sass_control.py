@@ -30,7 +30,7 @@ import sys
 from dataclasses import dataclass
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from sass_compare import cuobjdump  # noqa: E402  (tools/)
+from sass_compare import cuobjdump, functions  # noqa: E402  (tools/)
 
 INSTRUCTION = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s*(.*?)\s*;?\s*/\* (0x[0-9a-f]{16}) \*/\s*$")
 SECOND_WORD = re.compile(r"^\s*/\* (0x[0-9a-f]{16}) \*/\s*$")
@@ -62,30 +62,23 @@ def control(second_word: int) -> Control:
 
 def listing(sass: str, kernel: str, arch: str):
     """[(address, Control, instruction)] of the one kernel of `arch` whose name contains `kernel`."""
-    found, arch_now, name, body, pending = {}, None, None, None, None
-    for line in sass.splitlines():
-        if line.startswith("arch = "):
-            arch_now, name = line.split("=", 1)[1].strip(), None
-        elif "Function : " in line:
-            name = line.split("Function : ", 1)[1].strip()
-            # A kernel instantiated in several translation units is listed once per unit: the first copy.
-            fresh = kernel in name and arch_now == arch and (arch_now, name) not in found
-            body = found.setdefault((arch_now, name), []) if fresh else None
-            pending = None
-        elif body is not None:
+    found = {}
+    for arch_of, name, lines in functions(sass):
+        # A kernel instantiated in several translation units is listed once per unit: the first copy.
+        if arch_of != arch or kernel not in name or name in found:
+            continue
+        body, pending = found.setdefault(name, []), None
+        for line in lines:
             m = INSTRUCTION.match(line)
             if m:
                 pending = (m.group(1), m.group(2))
-                continue
-            m = SECOND_WORD.match(line)
-            if m and pending:
+            elif pending and (m := SECOND_WORD.match(line)):
                 body.append((pending[0], control(int(m.group(1), 16)), pending[1]))
                 pending = None
-    names = sorted({n for _, n in found})
-    if len(names) != 1:
-        raise SystemExit(f"sass_control: {len(names)} kernels of {arch} contain {kernel!r}"
-                         + (": " + ", ".join(names) if names else ""))
-    return found[(arch, names[0])]
+    if len(found) != 1:
+        raise SystemExit(f"sass_control: {len(found)} kernels of {arch} contain {kernel!r}"
+                         + (": " + ", ".join(sorted(found)) if found else ""))
+    return next(iter(found.values()))
 
 
 def main():
