@@ -141,6 +141,29 @@ def test_deterministic_bitwise(D):
             assert torch.equal(a, b), f"{name}: deterministic mode not bit-identical run to run"
 
 
+@pytest.mark.parametrize("case", range(12))
+def test_deterministic_dq_kernel(case):
+    # The deterministic mode's Hopper dQ kernel (sm90/bwd_dq_kernel.cuh: D 256, no softcap / window,
+    # no external prefix): launched instead of the portable one, and within the bound on random
+    # forests, both dtypes and every GQA group, with and without dlse; bit-identical run to run.
+    if 256 not in DIMS:
+        pytest.skip("no D-256 sm90 backward in this build")
+    rng = random.Random(9300 + case)
+    dtype = DTYPES[case % 2]
+    H, Hk = GQA[case % len(GQA)]
+    lens, parents = forest(rng, budget=900)
+    if case == 0:  # one prompt, long responses: walks of many 48-row KV tiles
+        lens, parents = [700] + [300] * 3, [-1, 0, 0, 0]
+    res = {}
+    names = cuda_kernels_run(lambda: res.update(
+        first=run(lens, parents, H, Hk, 256, dtype, seed=case, deterministic=True, with_dlse=(case % 3 == 0))))
+    assert any("bwd_dq_sm90_kernel" in n for n in names), f"Hopper dQ kernel not launched: {sorted(names)}"
+    assert not any("bwd_dq_kernel" in n for n in names), f"portable dQ kernel also ran: {sorted(names)}"
+    _, again = run(lens, parents, H, Hk, 256, dtype, seed=case, deterministic=True, with_dlse=(case % 3 == 0))
+    for name, a, b in zip(NAMES, res["first"][1], again):
+        assert torch.equal(a, b), f"{name}: deterministic mode not bit-identical run to run"
+
+
 def test_strided_inputs():
     # q, k, v as views of one fused qkv tensor: head and token strides differ from H*D (TMA maps).
     D = DIMS[0]

@@ -1,6 +1,7 @@
 // Host side of the Hopper backward: TMA descriptors, shared-memory opt-in, one persistent CTA per
 // SM for the main kernel, between the arch-neutral preprocess and postprocess (bwd_prepost.cuh);
-// in deterministic mode dQ comes from the portable query-outer kernel (sm80/bwd_dq_kernel.cuh).
+// in deterministic mode dQ comes from a query-outer kernel: the Hopper one where it is built
+// (sm90/bwd_dq_kernel.cuh), else the portable one (sm80/bwd_dq_kernel.cuh).
 #pragma once
 
 #include <cuda.h>
@@ -10,6 +11,7 @@
 #include "launch.h"
 #include "sm80/bwd_dq_kernel.cuh"
 #include "sm90/arch.h"
+#include "sm90/bwd_dq_kernel.cuh"
 #include "sm90/bwd_kernel.cuh"
 #include "sm90/bwd_kernel_d256.cuh"
 #include "sm90/tma.h"
@@ -107,12 +109,47 @@ cudaError_t run_bwd_main(const BwdArgs& args, int sms, cudaStream_t stream) {
   }
 }
 
+// The deterministic mode's dQ by the Hopper query-outer kernel (bwd_dq_kernel.cuh), where it is built
+// and the plan's forward tiles are its (a plan cut for the portable forward is not) and there is no
+// external prefix; cudaErrorNotSupported (nothing launched) otherwise, and the portable kernel runs.
+// Its work counter is counters[1], zeroed by the preprocess as for the portable kernel.
+template <int D, typename T, typename Mods>
+cudaError_t run_bwd_dq(const BwdArgs& args, int sms, cudaStream_t stream) {
+  if constexpr (!bwd_dq_sm90_built<D, Mods>()) {
+    return cudaErrorNotSupported;
+  } else {
+    using C = Sm90DqConfig<D>;
+    if (args.prefix_k != nullptr || args.fwd_block_m != C::kBlockM) return cudaErrorNotSupported;
+    const int T_ = args.layout.num_tokens;
+    const int H = args.num_heads, Hk = args.num_kv_heads;
+    constexpr CUtensorMapDataType dt = kTmaType<T>;
+    Sm90DqParams<D> p;
+    p.a = args;
+    const FwdItemOrder order = choose_fwd_item_order(H, Hk);
+    p.tile_window = order.window;
+    p.head_run = order.head_run;
+    if (!make_map(&p.tq, dt, args.q, D, H, T_, args.q_hs, args.q_ts, C::kBlockM) ||
+        !make_map(&p.tdo, dt, args.dout, D, H, T_, args.do_hs, args.do_ts, C::kBlockM) ||
+        !make_map(&p.tk, dt, args.k, D, Hk, T_, args.k_hs, args.k_ts, C::kBlockN) ||
+        !make_map(&p.tv, dt, args.v, D, Hk, T_, args.v_hs, args.v_ts, C::kBlockN))
+      return cudaErrorNotSupported;
+    p.dq_vec16 = reinterpret_cast<uintptr_t>(args.dq) % 16 == 0 && args.dq_ts % 8 == 0 && (H == 1 || args.dq_hs % 8 == 0)
+                     ? 1
+                     : 0;
+    return launch_persistent<bwd_dq_sm90_kernel<T, D, Mods>>(C::kSmemBytes, C::kThreads, sms, p, stream);
+  }
+}
+
 template <int D, typename T, typename Mods>
 cudaError_t run_bwd(const BwdArgs& args, int sms, cudaStream_t stream) {
   cudaError_t err;
   if ((err = launch_bwd_preprocess<D, T>(args, sms, stream)) != cudaSuccess) return err;
   if ((err = run_bwd_main<T, D, Mods>(args, sms, stream)) != cudaSuccess) return err;
-  if (args.deterministic && (err = sm80::launch_bwd_dq<D, T, Mods>(args, sms, stream)) != cudaSuccess) return err;
+  if (args.deterministic) {
+    err = run_bwd_dq<D, T, Mods>(args, sms, stream);
+    if (err == cudaErrorNotSupported) err = sm80::launch_bwd_dq<D, T, Mods>(args, sms, stream);
+    if (err != cudaSuccess) return err;
+  }
   return launch_bwd_postprocess<D, T, Mods::kWindow, false>(args, sms, stream);
 }
 
