@@ -247,6 +247,11 @@ bwd_dq_sm90_kernel(const __grid_constant__ Sm90DqParams<D> p) {
 
   float s[BN / 2], dp[BN / 2];
   uint32_t pf[BN / 4];
+  // The first k16 step of S and dP overwrites the accumulator (scale-d 0) from a zero ptxas cannot
+  // see: with a literal 0 it knows their registers dead from the last read of S and dP to the next
+  // issue, and gave dS's fragments (pf) S's or dP's registers, which the next tile's S and dP then
+  // write while this tile's dQ still reads pf: it serialized every wgmma (C7515).
+  const uint32_t scale_zero = opaque_zero();
   // S = Q K^T of K stage st into s; dP = dO V^T of V stage vst into dp (both operands K-major).
   const auto issue_s = [&](uint32_t st) {
     const uint64_t dq = make_desc_sw128(q_wg, 16, 1024);
@@ -255,7 +260,7 @@ bwd_dq_sm90_kernel(const __grid_constant__ Sm90DqParams<D> p) {
     for (int kk = 0; kk < D / 16; ++kk) {
       const uint32_t box = kk / 4, within = (kk % 4) * 32;
       Mma::ss(s, desc_advance(dq, box * C::kQBoxBytes + within), desc_advance(dk, box * C::kKVBoxBytes + within),
-              kk > 0 ? 1 : 0);
+              kk > 0 ? 1 : scale_zero);
     }
   };
   const auto issue_dp = [&](uint32_t vst) {
@@ -265,7 +270,7 @@ bwd_dq_sm90_kernel(const __grid_constant__ Sm90DqParams<D> p) {
     for (int kk = 0; kk < D / 16; ++kk) {
       const uint32_t box = kk / 4, within = (kk % 4) * 32;
       Mma::ss(dp, desc_advance(ddo, box * C::kQBoxBytes + within), desc_advance(dv, box * C::kKVBoxBytes + within),
-              kk > 0 ? 1 : 0);
+              kk > 0 ? 1 : scale_zero);
     }
   };
 
@@ -296,6 +301,10 @@ bwd_dq_sm90_kernel(const __grid_constant__ Sm90DqParams<D> p) {
     float dq[D / 2];
 #pragma unroll
     for (int i = 0; i < D / 2; ++i) dq[i] = 0.f;
+    // Zeroed before the item's first wgmma: NVVM sank the zeros below the first dP and S issue, into
+    // the wgmma pipeline that then never drains until the item's end, and ptxas serialized every
+    // wgmma for it (C7515: non-wgmma instructions defining accumulator registers in the pipeline).
+    fence_regs(dq);
 
     KvWalk<BN> kv;
     kv.init(L.offsets, L.parent, seg, q1);
@@ -325,31 +334,24 @@ bwd_dq_sm90_kernel(const __grid_constant__ Sm90DqParams<D> p) {
       const bool more = __shfl_sync(0xffffffffu, kv.next(L.offsets, L.parent), 0);
       if (!more) release(q_empty);  // the item's last S and dP have retired
       // The forward's mask (fwd_sm90_kernel mask_scores): columns past the range's end, and the
-      // causal diagonal of an own range.
+      // causal diagonal of an own range; a hidden element's P is 0. Then dS = P (dP - delta), packed
+      // straight into the A fragments of dQ += dS K (the forward's P layout). s and dp are only read:
+      // written here, they would be accumulators that ordinary instructions define while the dQ
+      // wgmma is in flight across the loop's edge, and ptxas serializes every wgmma then (C7515).
+      int32_t cols[2] = {BN, BN};
       if (krem < BN || (own && kpos + BN - 1 > q0)) {
-        const int32_t cols[2] = {SegmentMask::fwd_visible_cols(kpos, krem, own, qi0),
-                                 SegmentMask::fwd_visible_cols(kpos, krem, own, qi0 + 8)};
-#pragma unroll
-        for (int j = 0; j < BN / 8; ++j)
-#pragma unroll
-          for (int e = 0; e < 4; ++e)
-            if (j * 8 + 2 * t4 + (e & 1) >= cols[e >> 1]) s[4 * j + e] = -CUDART_INF_F;
+        cols[0] = SegmentMask::fwd_visible_cols(kpos, krem, own, qi0);
+        cols[1] = SegmentMask::fwd_visible_cols(kpos, krem, own, qi0 + 8);
       }
-      // dS = P (dP - delta), packed into the A fragments of dQ += dS K (the forward's P layout).
+      const auto ds = [&](int j, int e) {
+        const int r = e >> 1;
+        const float pe = j * 8 + 2 * t4 + (e & 1) < cols[r] ? fast_exp2(fmaf(s[4 * j + e], sl2, -lse2[r])) : 0.f;
+        return pe * (dp[4 * j + e] - dl[r]);
+      };
 #pragma unroll
-      for (int j = 0; j < BN / 8; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int r = e >> 1;
-          const float pe = fast_exp2(fmaf(s[4 * j + e], sl2, -lse2[r]));
-          s[4 * j + e] = pe * (dp[4 * j + e] - dl[r]);
-        }
-#pragma unroll
-      for (int kk = 0; kk < BN / 16; ++kk) {
-        pf[4 * kk + 0] = Convert<T>::pack(s[8 * kk + 0], s[8 * kk + 1]);
-        pf[4 * kk + 1] = Convert<T>::pack(s[8 * kk + 2], s[8 * kk + 3]);
-        pf[4 * kk + 2] = Convert<T>::pack(s[8 * kk + 4], s[8 * kk + 5]);
-        pf[4 * kk + 3] = Convert<T>::pack(s[8 * kk + 6], s[8 * kk + 7]);
+      for (int j = 0; j < BN / 8; ++j) {
+        pf[2 * j + 0] = Convert<T>::pack(ds(j, 0), ds(j, 1));
+        pf[2 * j + 1] = Convert<T>::pack(ds(j, 2), ds(j, 3));
       }
       wgmma_fence();
       {
@@ -358,9 +360,6 @@ bwd_dq_sm90_kernel(const __grid_constant__ Sm90DqParams<D> p) {
         for (int kk = 0; kk < BN / 16; ++kk) MmaQ::rs(dq, &pf[4 * kk], desc_advance(dk, kk * 16 * 128), 1);
       }
       wgmma_commit();
-      wgmma_wait<0>();
-      fence_regs(dq);
-      fence_regs(pf);
       have_prev = true;
       prev_kst = kst;
       ++kv_iter;
