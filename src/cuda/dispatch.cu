@@ -415,6 +415,29 @@ TileFamily plan_family(int32_t tiles, const DeviceInfo& info, int32_t dtype, int
   return TileFamily::kPortable;
 }
 
+// Whether the backward computes dQ query-outer: by a dQ kernel after a main kernel that computes
+// none, so that the workspace holds no fp32 dQ accumulator and dQ is bit-identical run to run. In
+// deterministic mode always; otherwise on Hopper at head dim 256 without softcap, window or external
+// prefixes, where the Hopper dQ kernel takes it (sm90/bwd_dq_kernel.cuh): there the dQ-free main
+// kernel and that kernel (7 GEMMs) took 0.73-0.91x the time of the dQ-accumulating main kernel (5
+// GEMMs) on the four layout classes (H100, 2026-12-06; docs/decisions.md). The workspace size and
+// the call both ask here, so they agree. A call the sm90 launcher then declines (strides TMA cannot
+// take) runs the portable kernels in their deterministic form.
+bool bwd_dq_query_outer(const dualkv_bwd_params& p) {
+  if (p.flags & DUALKV_FLAG_DETERMINISTIC) return true;
+  if (p.head_dim != 256 || p.softcap > 0.0 || p.window > 0 || p.prefixes.num_prefixes > 0) return false;
+  const DeviceInfo* info;
+  if (query_device(p.device_index, &info) != DUALKV_OK) return false;
+  const bool bf16 = p.dtype == DUALKV_DTYPE_BFLOAT16;
+  for (const Arch& arch : kArchs) {
+    if (std::strcmp(arch.name, "sm90") != 0) continue;
+    return arch.runs_on(info->major, info->minor) &&
+           find_launcher<BwdArgs>(arch.name, p.head_dim, bf16, ModifierVariant{false, false, false}) != nullptr &&
+           !(arch.bwd_disable_env != nullptr && std::getenv(arch.bwd_disable_env) != nullptr);
+  }
+  return false;
+}
+
 }  // namespace
 
 dualkv_status cuda_check_supported(int32_t device_index, int32_t dtype, int32_t head_dim) {
@@ -470,7 +493,7 @@ size_t cuda_fwd_workspace_bytes(const dualkv_fwd_params& p) {
 size_t cuda_bwd_workspace_bytes(const dualkv_bwd_params& p) {
   const size_t T = static_cast<size_t>(p.layout.num_tokens), H = static_cast<size_t>(p.num_heads);
   size_t bytes = kBwdCounterBytes;                      // counters
-  if (!(p.flags & DUALKV_FLAG_DETERMINISTIC))
+  if (!bwd_dq_query_outer(p))
     bytes += align_workspace(T * H * p.head_dim * sizeof(float));  // dq accumulator (after the counters)
   bytes += align_workspace(H * T * sizeof(float));      // delta
   bytes += align_workspace(bwd_partials_bytes(p));
@@ -554,7 +577,7 @@ dualkv_status cuda_bwd(const dualkv_bwd_params& p) {
   a.num_heads = p.num_heads; a.num_kv_heads = p.num_kv_heads;
   a.scale = static_cast<float>(p.softmax_scale);
   a.scale_log2 = static_cast<float>(p.softmax_scale * 1.4426950408889634);
-  a.deterministic = (p.flags & DUALKV_FLAG_DETERMINISTIC) != 0;
+  a.deterministic = bwd_dq_query_outer(p);  // dQ query-outer (its comment says when)
   a.n_slots = plan::key_slots(p.plan_key);
 
   const size_t T = static_cast<size_t>(p.layout.num_tokens), H = static_cast<size_t>(p.num_heads);

@@ -77,7 +77,7 @@ struct BwdArgs {
   int64_t dq_ts, dq_hs, dk_ts, dk_hs, dv_ts, dv_hs;
   int32_t num_heads, num_kv_heads;
   float scale, scale_log2;
-  bool deterministic;
+  bool deterministic;  // dQ query-outer, no accumulator (dispatch.cu bwd_dq_query_outer: also at D 256 on Hopper)
   int32_t n_slots;     // split-partial slots in the plan (from the plan key)
   // workspace pieces
   int32_t* counters;   // [4] at the start of a kBwdCounterBytes block, zeroed before the launches

@@ -1,14 +1,17 @@
-// Hopper dQ kernel of the deterministic backward (sm_90a): query-tile-outer, the forward's walk over
-// the visible KV tiles (the plan's forward items), P and dP recomputed, dQ accumulated in registers
-// and stored once: no atomics, so dQ is bit-identical run to run. It replaces the portable
-// query-outer kernel (sm80/bwd_dq_kernel.cuh) on Hopper where it is built (bwd_dq_sm90_built).
+// Hopper dQ kernel of the backward that computes dQ query-outer (sm_90a; BwdArgs::deterministic: in
+// deterministic mode, and at D 256 in every mode, dispatch.cu bwd_dq_query_outer): query-tile-outer,
+// the forward's walk over the visible KV tiles (the plan's forward items), P and dP recomputed, dQ
+// accumulated in registers and stored once: no atomics, so dQ is bit-identical run to run. It
+// replaces the portable query-outer kernel (sm80/bwd_dq_kernel.cuh) on Hopper where it is built
+// (bwd_dq_sm90_built).
 //
 // Why (docs/notes/2026-12-04-device-queue.md §0 item 5, measured 2026-12-06 on an H100, D 256, long
 // responses): the deterministic main kernel, which computes S, dP, dV and dK but no dQ (4 of the
 // backward's 5 GEMMs), took 33.4 ms, 0.43x the dQ-computing main kernel's 78.1 ms; its dQ path
 // (dS staged, reduce-added into an fp32 accumulator) costs 44.7 ms for a fifth of the FLOPs. This
 // kernel redoes S and dP (3 GEMMs per tile instead of 1) with the forward's machinery, so the
-// backward is 7 GEMMs with no reduce traffic.
+// backward is 7 GEMMs with no reduce traffic: on the same H100, the backward at D 256 then took
+// 0.73-0.91x the dQ-accumulating one's time on the four layout classes (docs/decisions.md).
 //
 //   warpgroup 0 (producer, 24 registers): one thread takes (query tile, head) items from the plan
 //     through the atomic counter (counters[1], zeroed by the preprocess), hands them to the
@@ -18,9 +21,8 @@
 //   warpgroups 1, 2 (consumers, 240 registers): 64 query rows each. Per KV tile j:
 //     dP_j = dO V_j^T and S_j = Q K_j^T (SS wgmma, m64 nBN, k D), issued together;
 //     P_j = exp2(S_j scale log2e - lse log2e), masked as the forward masks; dS_j = P_j (dP_j - delta);
-//     dQ += dS_j K_j (RS wgmma, dS from registers, K read N-major, m64 nD, k BN),
-//   with dQ_j issued before the next tile's dP and S, so the tensor cores run dQ_j while this
-//   warpgroup waits for the next tile's loads and the other warpgroup computes its exponentials.
+//     dQ += dS_j K_j (RS wgmma, dS from registers, K read N-major, m64 nD, k BN), retired before
+//   the next tile's dP and S: the two warpgroups' GEMMs and exponentials interleave on their own.
 //   Epilogue: dQ times the softmax scale, per-thread 16-byte stores (fwd_o_row_stg128).
 //
 // Barriers (mbarriers in smem; consumer releases are one arrival per warp after __syncwarp(), every
@@ -203,10 +205,8 @@ bwd_dq_sm90_kernel(const __grid_constant__ Sm90DqParams<D> p) {
         tma_load_3d(smem + b * C::kQBoxBytes, &p.tq, q_full, b * 64, h, q0);
         tma_load_3d(smem + C::kOffDo + b * C::kQBoxBytes, &p.tdo, q_full, b * 64, h, q0);
       }
-      // Then per tile j: V_j, then K_{j+1}. K_{j+1}'s stage is K_{j-1}'s, released when tile j's
-      // dP and the previous dQ retire (the consumers' loop top); V_j waits for V_{j-1}'s release, at
-      // tile j - 1's top. (K_{j+1} before V_j would deadlock here: the consumers release K_{j-1} only
-      // after waiting for V_j.)
+      // Then per tile j: V_j, then K_{j+1}. K_{j+1}'s stage is K_{j-1}'s, released when tile j - 1's
+      // dQ retires; V_j waits for V_{j-1}'s release, after tile j - 1's dP.
       bool more;
       do {
         const uint32_t vst = kv_iter % VS;
@@ -247,11 +247,6 @@ bwd_dq_sm90_kernel(const __grid_constant__ Sm90DqParams<D> p) {
 
   float s[BN / 2], dp[BN / 2];
   uint32_t pf[BN / 4];
-  // The first k16 step of S and dP overwrites the accumulator (scale-d 0) from a zero ptxas cannot
-  // see: with a literal 0 it knows their registers dead from the last read of S and dP to the next
-  // issue, and gave dS's fragments (pf) S's or dP's registers, which the next tile's S and dP then
-  // write while this tile's dQ still reads pf: it serialized every wgmma (C7515).
-  const uint32_t scale_zero = opaque_zero();
   // S = Q K^T of K stage st into s; dP = dO V^T of V stage vst into dp (both operands K-major).
   const auto issue_s = [&](uint32_t st) {
     const uint64_t dq = make_desc_sw128(q_wg, 16, 1024);
@@ -260,7 +255,7 @@ bwd_dq_sm90_kernel(const __grid_constant__ Sm90DqParams<D> p) {
     for (int kk = 0; kk < D / 16; ++kk) {
       const uint32_t box = kk / 4, within = (kk % 4) * 32;
       Mma::ss(s, desc_advance(dq, box * C::kQBoxBytes + within), desc_advance(dk, box * C::kKVBoxBytes + within),
-              kk > 0 ? 1 : scale_zero);
+              kk > 0 ? 1 : 0);
     }
   };
   const auto issue_dp = [&](uint32_t vst) {
@@ -270,7 +265,7 @@ bwd_dq_sm90_kernel(const __grid_constant__ Sm90DqParams<D> p) {
     for (int kk = 0; kk < D / 16; ++kk) {
       const uint32_t box = kk / 4, within = (kk % 4) * 32;
       Mma::ss(dp, desc_advance(ddo, box * C::kQBoxBytes + within), desc_advance(dv, box * C::kKVBoxBytes + within),
-              kk > 0 ? 1 : scale_zero);
+              kk > 0 ? 1 : 0);
     }
   };
 
@@ -301,10 +296,6 @@ bwd_dq_sm90_kernel(const __grid_constant__ Sm90DqParams<D> p) {
     float dq[D / 2];
 #pragma unroll
     for (int i = 0; i < D / 2; ++i) dq[i] = 0.f;
-    // Zeroed before the item's first wgmma: NVVM sank the zeros below the first dP and S issue, into
-    // the wgmma pipeline that then never drains until the item's end, and ptxas serialized every
-    // wgmma for it (C7515: non-wgmma instructions defining accumulator registers in the pipeline).
-    fence_regs(dq);
 
     KvWalk<BN> kv;
     kv.init(L.offsets, L.parent, seg, q1);
@@ -317,41 +308,44 @@ bwd_dq_sm90_kernel(const __grid_constant__ Sm90DqParams<D> p) {
     wgmma_commit();
     issue_s(kst);
     wgmma_commit();
-    bool have_prev = false;  // a previous tile's dQ (and its K stage) is in flight
-    uint32_t prev_kst = 0;
     while (true) {
       const int32_t kpos = kv.pos, krem = kv.rest();
       const bool own = kv.own;
-      wgmma_wait<1>();  // the previous tile's dQ and this tile's dP have retired
+      wgmma_wait<1>();  // dP
       fence_regs(dp);
       release(&v_empty[vst]);
-      if (have_prev) release(&k_empty[prev_kst]);
       wgmma_wait<0>();  // S
       fence_regs(s);
-      // Warp-uniform for ptxas (the walk is the same in every lane): the loop's edges carry wgmmas
-      // in flight (this tile's dQ, the next tile's dP and S), and on a path it must take for
-      // divergent it waits for them (C7520).
+      // Warp-uniform for ptxas (the walk is the same in every lane): on a path it must take for
+      // divergent it waits for the wgmmas in flight around it (C7520).
       const bool more = __shfl_sync(0xffffffffu, kv.next(L.offsets, L.parent), 0);
       if (!more) release(q_empty);  // the item's last S and dP have retired
       // The forward's mask (fwd_sm90_kernel mask_scores): columns past the range's end, and the
-      // causal diagonal of an own range; a hidden element's P is 0. Then dS = P (dP - delta), packed
-      // straight into the A fragments of dQ += dS K (the forward's P layout). s and dp are only read:
-      // written here, they would be accumulators that ordinary instructions define while the dQ
-      // wgmma is in flight across the loop's edge, and ptxas serializes every wgmma then (C7515).
-      int32_t cols[2] = {BN, BN};
+      // causal diagonal of an own range.
       if (krem < BN || (own && kpos + BN - 1 > q0)) {
-        cols[0] = SegmentMask::fwd_visible_cols(kpos, krem, own, qi0);
-        cols[1] = SegmentMask::fwd_visible_cols(kpos, krem, own, qi0 + 8);
-      }
-      const auto ds = [&](int j, int e) {
-        const int r = e >> 1;
-        const float pe = j * 8 + 2 * t4 + (e & 1) < cols[r] ? fast_exp2(fmaf(s[4 * j + e], sl2, -lse2[r])) : 0.f;
-        return pe * (dp[4 * j + e] - dl[r]);
-      };
+        const int32_t cols[2] = {SegmentMask::fwd_visible_cols(kpos, krem, own, qi0),
+                                 SegmentMask::fwd_visible_cols(kpos, krem, own, qi0 + 8)};
 #pragma unroll
-      for (int j = 0; j < BN / 8; ++j) {
-        pf[2 * j + 0] = Convert<T>::pack(ds(j, 0), ds(j, 1));
-        pf[2 * j + 1] = Convert<T>::pack(ds(j, 2), ds(j, 3));
+        for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            if (j * 8 + 2 * t4 + (e & 1) >= cols[e >> 1]) s[4 * j + e] = -CUDART_INF_F;
+      }
+      // dS = P (dP - delta), packed into the A fragments of dQ += dS K (the forward's P layout).
+#pragma unroll
+      for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int r = e >> 1;
+          const float pe = fast_exp2(fmaf(s[4 * j + e], sl2, -lse2[r]));
+          s[4 * j + e] = pe * (dp[4 * j + e] - dl[r]);
+        }
+#pragma unroll
+      for (int kk = 0; kk < BN / 16; ++kk) {
+        pf[4 * kk + 0] = Convert<T>::pack(s[8 * kk + 0], s[8 * kk + 1]);
+        pf[4 * kk + 1] = Convert<T>::pack(s[8 * kk + 2], s[8 * kk + 3]);
+        pf[4 * kk + 2] = Convert<T>::pack(s[8 * kk + 4], s[8 * kk + 5]);
+        pf[4 * kk + 3] = Convert<T>::pack(s[8 * kk + 6], s[8 * kk + 7]);
       }
       wgmma_fence();
       {
@@ -360,8 +354,13 @@ bwd_dq_sm90_kernel(const __grid_constant__ Sm90DqParams<D> p) {
         for (int kk = 0; kk < BN / 16; ++kk) MmaQ::rs(dq, &pf[4 * kk], desc_advance(dk, kk * 16 * 128), 1);
       }
       wgmma_commit();
-      have_prev = true;
-      prev_kst = kst;
+      // dQ retired before the next tile's dP and S are issued: with dQ_j running under them (dS's
+      // fragments, S and dP all live across the loop's edge) the kernel measured 1.000-1.018x this
+      // one's time on the four layout classes (H100, 2026-12-06, docs/decisions.md).
+      wgmma_wait<0>();
+      fence_regs(dq);
+      fence_regs(pf);
+      release(&k_empty[kst]);
       ++kv_iter;
       if (!more) break;
       kst = kv_iter % KS;
@@ -374,10 +373,6 @@ bwd_dq_sm90_kernel(const __grid_constant__ Sm90DqParams<D> p) {
       issue_s(kst);
       wgmma_commit();
     }
-    wgmma_wait<0>();  // the item's last dQ
-    fence_regs(dq);
-    fence_regs(pf);
-    release(&k_empty[prev_kst]);
     // The same in every lane (the walk is); without the shuffle the next item's descriptors, built
     // from kv_iter's stage, leave the uniform registers (the forward's drain_walk says so).
     kv_iter = __shfl_sync(0xffffffffu, kv_iter, 0);

@@ -1,7 +1,8 @@
 // Host side of the Hopper backward: TMA descriptors, shared-memory opt-in, one persistent CTA per
 // SM for the main kernel, between the arch-neutral preprocess and postprocess (bwd_prepost.cuh);
-// in deterministic mode dQ comes from a query-outer kernel: the Hopper one where it is built
-// (sm90/bwd_dq_kernel.cuh), else the portable one (sm80/bwd_dq_kernel.cuh).
+// where dQ is computed query-outer (args.deterministic: deterministic mode, and D 256 always) it comes
+// from a dQ kernel after the main kernel: the Hopper one where it is built (sm90/bwd_dq_kernel.cuh),
+// else the portable one (sm80/bwd_dq_kernel.cuh).
 #pragma once
 
 #include <cuda.h>
@@ -109,7 +110,7 @@ cudaError_t run_bwd_main(const BwdArgs& args, int sms, cudaStream_t stream) {
   }
 }
 
-// The deterministic mode's dQ by the Hopper query-outer kernel (bwd_dq_kernel.cuh), where it is built
+// The query-outer dQ by the Hopper kernel (bwd_dq_kernel.cuh), where it is built
 // and the plan's forward tiles are its (a plan cut for the portable forward is not) and there is no
 // external prefix; cudaErrorNotSupported (nothing launched) otherwise, and the portable kernel runs.
 // Its work counter is counters[1], zeroed by the preprocess as for the portable kernel.
