@@ -175,11 +175,19 @@ BENCHMARKS = {
                             "staging (dqstage 7c64d89; issue 23, session 41); .log: the run's tables",
     "never_lose_d64_h100": "the same at head dim 64 (the card throttled: forward rounds 0.93-1.15 of main's with the "
                            "same forward kernels)",
-    "never_lose_d256_h100": "bench/attention.py --head-dim 256 --classes long_responses --methods dualkv,fa4_dense "
-                            "--rounds 5 on an H100 (main 2871e36's library: the dQ staging in 32 x 64 boxes; issue 23, "
-                            "session 45); .log: the run's tables; .ncu_stalls_fwd.txt: both forward kernels' stalls per "
-                            "instruction on the same layout (step ncu-stalls, NCU_DIM=256 NCU_KERNEL=fwd_sm90 "
-                            "NCU_DIRECTION=fwd)",
+    "never_lose_d256_h100": "bench/attention.py --head-dim 256 --classes long_responses --methods "
+                            "dualkv,dualkv_det,fa4_dense --rounds 5 --profile --sustain 4 on an H100 (main cd65162's "
+                            "D-256 library; issue 23, session 47; session 45's run without dualkv_det: git history); "
+                            ".log: the run's tables, per-kernel profiles of both dQ modes and sustained rates with "
+                            "clocks; .ncu_units_bwd.txt: both backward main kernels' units per useful FLOP on the same "
+                            "layout (step ncu-units, NCU_DIM=256 NCU_CASE=long_responses; session 47); "
+                            ".ncu_stalls_fwd.txt: both forward kernels' stalls per instruction on the same layout "
+                            "(step ncu-stalls, NCU_DIM=256 NCU_KERNEL=fwd_sm90 NCU_DIRECTION=fwd; session 45, main "
+                            "2871e36)",
+    "workspace_placement_d256_h100": "tools/workspace_placement.py --case 8,16384,2048 --head-dim 256 --rounds 5 on an "
+                                     "H100: fwd+bwd with six separate workspaces, four offsets in one more and the "
+                                     "library's own per-call allocation, rotated (device queue item 6; main cd65162's "
+                                     "D-256 library, session 47); .log: its output",
     "configs_h256_h100": "bench/attention.py --head-dim 256 --configs 16,4096,1024;8,16384,2048 --no-varlen, dualkv / "
                          "FA4 dense / Flex-FA4 in one process, 3 rounds, on an H100 (main 5ba06a3's kernels; the "
                          "H200 run of session 40 hit its 175 s cap; issue 23, session 41); .log: the run's tables",
@@ -361,8 +369,10 @@ BENCHMARKS = {
                             "R2K, dualkv packed against FA4 dense unpacked (step ncu-stalls, NCU_DIM=128 "
                             "NCU_CASE=8,16384,2048; session 32, earlier kernels); .ncu_units_h100.txt: the backward main kernels' "
                             "units per warp-step on N8 P16K R2K, dualkv against FA4 dense (step ncu-units, one H100, "
-                            "main 2871e36; session 45); .ncu_stalls_bwd_h100.txt: ours alone per instruction on the same layout "
-                            "(step ncu-stalls; every shared access at its ideal wavefronts)",
+                            "main 2871e36; session 45); .ncu_stalls_bwd_h100.txt: the backward main kernels' stalls per "
+                            "instruction on the same layout, dualkv against FA4 dense (step ncu-stalls, one H100, main "
+                            "cd65162's D-128 library; session 47; session 45's run of ours alone: git history; every "
+                            "shared access at its ideal wavefronts in both)",
     "never_lose_d64": "bench/attention.py --head-dim 64 --classes long_responses --methods dualkv,fa4_dense, 5 "
                       "rounds, on the H200: issue 23's never-lose bar on long responses with the dQ staging in 32 x 64 "
                       "boxes (dqbox 3593a07's library = faf0a45's kernels, 6465d89 declared; session 43); the "

@@ -167,6 +167,32 @@ def test_deterministic_dq_kernel(case):
         assert torch.equal(a, b), f"{name}: deterministic mode not bit-identical run to run"
 
 
+def test_d256_default_mode_computes_dq_query_outer():
+    # At D 256 without softcap / window / external prefix the default mode runs what the
+    # deterministic mode runs (dispatch.cu bwd_dq_query_outer): the dQ-free main kernel, then the
+    # Hopper dQ kernel; no fp32 accumulator, so no dQ conversion; the same bits as deterministic mode;
+    # and the workspace without the accumulator. A softcap keeps the accumulating main kernel.
+    if 256 not in DIMS:
+        pytest.skip("no D-256 sm90 backward in this build")
+    lens, parents = [700, 300, 257, 1], [-1, 0, 0, 0]
+    layout_cpu = dualkv.Layout.from_tree(lens, parents)
+    layout = layout_cpu.to("cuda")
+    q, k, v, dout = make_inputs(layout_cpu, 8, 2, 256, torch.bfloat16, seed=41)
+    res = {}
+    names = cuda_kernels_run(lambda: res.update(default=kernel_grads(q, k, v, dout, layout, deterministic=False)))
+    assert any("bwd_dq_sm90_kernel" in n for n in names), f"Hopper dQ kernel not launched: {sorted(names)}"
+    assert not any("bwd_dq_convert_kernel" in n for n in names), f"dQ accumulator converted: {sorted(names)}"
+    det = kernel_grads(q, k, v, dout, layout, deterministic=True)
+    for name, a, b in zip(NAMES, res["default"], det):
+        assert torch.equal(a, b), f"{name}: default and deterministic modes differ at D 256"
+    check(res["default"], ref_grads(q, k, v, dout, layout_cpu, torch.float64),
+          ref_grads(q, k, v, dout, layout_cpu, torch.bfloat16), "(D 256 default mode)")
+    qq, kk, vv = (t.clone().requires_grad_(True) for t in (q, k, v))
+    capped = cuda_kernels_run(lambda: dualkv.attention(qq, kk, vv, layout, softcap=30.0).backward(dout))
+    assert any("bwd_dq_convert_kernel" in n for n in capped), f"softcap: no dQ accumulator: {sorted(capped)}"
+    assert not any("bwd_dq_sm90_kernel" in n for n in capped), f"softcap ran the Hopper dQ kernel: {sorted(capped)}"
+
+
 def test_strided_inputs():
     # q, k, v as views of one fused qkv tensor: head and token strides differ from H*D (TMA maps).
     D = DIMS[0]
