@@ -184,6 +184,16 @@ BENCHMARKS = {
                             ".ncu_stalls_fwd.txt: both forward kernels' stalls per instruction on the same layout "
                             "(step ncu-stalls, NCU_DIM=256 NCU_KERNEL=fwd_sm90 NCU_DIRECTION=fwd; session 45, main "
                             "2871e36)",
+    "dq_query_outer_d256_h100": "bench/attention.py --head-dim 256 --classes all --methods dualkv,dualkv_det,fa4_dense "
+                                "--ab-library <main cd65162's D-256 build> --rounds 5 on an H100 (issue 23, session 47): "
+                                "0ca3c63, whose D-256 backward computes dQ query-outer in both modes (the Hopper dQ "
+                                "kernel), against the dQ-accumulating kernels of cd65162 (dualkv_ab, dualkv_ab_det) and "
+                                "FA4 dense in one process; .log adds the per-kernel profile of long responses",
+    "dq_kernel_d256_h100": "bench/attention.py --head-dim 256 --classes all --methods dualkv,dualkv_det,fa4_dense "
+                           "--ab-library <88134f8's D-256 build> --rounds 5 on an H100 (issue 23, session 47): the "
+                           "Hopper dQ kernel's two forms in deterministic mode, dQ_j under the next tile's dP and S "
+                           "(dualkv_det, 50b2978) and after it (dualkv_ab_det, 88134f8), with the dQ-accumulating "
+                           "default of the time and FA4 dense in one process",
     "workspace_placement_d256_h100": "tools/workspace_placement.py --case 8,16384,2048 --head-dim 256 --rounds 5 on an "
                                      "H100: fwd+bwd with six separate workspaces, four offsets in one more and the "
                                      "library's own per-call allocation, rotated (device queue item 6; main cd65162's "

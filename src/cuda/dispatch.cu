@@ -419,8 +419,8 @@ TileFamily plan_family(int32_t tiles, const DeviceInfo& info, int32_t dtype, int
 // none, so that the workspace holds no fp32 dQ accumulator and dQ is bit-identical run to run. In
 // deterministic mode always; otherwise on Hopper at head dim 256 without softcap, window or external
 // prefixes, where the Hopper dQ kernel takes it (sm90/bwd_dq_kernel.cuh): there the dQ-free main
-// kernel and that kernel (7 GEMMs) took 0.73-0.91x the time of the dQ-accumulating main kernel (5
-// GEMMs) on the four layout classes (H100, 2026-12-06; docs/decisions.md). The workspace size and
+// kernel and that kernel (7 GEMMs) took 0.68-0.85x the fwd+bwd time of the dQ-accumulating main
+// kernel (5 GEMMs) on the four layout classes (H100, 2026-12-06; docs/decisions.md). The workspace size and
 // the call both ask here, so they agree. A call the sm90 launcher then declines (strides TMA cannot
 // take) runs the portable kernels in their deterministic form.
 bool bwd_dq_query_outer(const dualkv_bwd_params& p) {

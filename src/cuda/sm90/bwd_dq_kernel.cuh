@@ -10,8 +10,9 @@
 // backward's 5 GEMMs), took 33.4 ms, 0.43x the dQ-computing main kernel's 78.1 ms; its dQ path
 // (dS staged, reduce-added into an fp32 accumulator) costs 44.7 ms for a fifth of the FLOPs. This
 // kernel redoes S and dP (3 GEMMs per tile instead of 1) with the forward's machinery, so the
-// backward is 7 GEMMs with no reduce traffic: on the same H100, the backward at D 256 then took
-// 0.73-0.91x the dQ-accumulating one's time on the four layout classes (docs/decisions.md).
+// backward is 7 GEMMs with no reduce traffic: on the same H100 fwd+bwd at D 256 then took 0.68-0.85x
+// the dQ-accumulating backward's time on the four layout classes, this kernel 22.0 ms (~595 useful
+// TFLOP/s) on long responses (docs/decisions.md).
 //
 //   warpgroup 0 (producer, 24 registers): one thread takes (query tile, head) items from the plan
 //     through the atomic counter (counters[1], zeroed by the preprocess), hands them to the
