@@ -248,27 +248,19 @@ bwd_dq_sm90_kernel(const __grid_constant__ Sm90DqParams<D> p) {
 
   float s[BN / 2], dp[BN / 2];
   uint32_t pf[BN / 4];
-  // S = Q K^T of K stage st into s; dP = dO V^T of V stage vst into dp (both operands K-major).
-  const auto issue_s = [&](uint32_t st) {
-    const uint64_t dq = make_desc_sw128(q_wg, 16, 1024);
-    const uint64_t dk = make_desc_sw128(k_base + st * C::kKVBytes, 16, 1024);
+  // acc = A B^T over D, both operands K-major in smem: A this warpgroup's 64 rows of a 128-row tile
+  // (Q or dO), B a KV tile (K or V): S = Q K^T, dP = dO V^T.
+  const auto issue_abt = [&](float (&acc)[BN / 2], uint32_t a_rows, uint32_t b_tile) {
+    const uint64_t da = make_desc_sw128(a_rows, 16, 1024), db = make_desc_sw128(b_tile, 16, 1024);
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
       const uint32_t box = kk / 4, within = (kk % 4) * 32;
-      Mma::ss(s, desc_advance(dq, box * C::kQBoxBytes + within), desc_advance(dk, box * C::kKVBoxBytes + within),
+      Mma::ss(acc, desc_advance(da, box * C::kQBoxBytes + within), desc_advance(db, box * C::kKVBoxBytes + within),
               kk > 0 ? 1 : 0);
     }
   };
-  const auto issue_dp = [&](uint32_t vst) {
-    const uint64_t ddo = make_desc_sw128(do_wg, 16, 1024);
-    const uint64_t dv = make_desc_sw128(v_base + vst * C::kKVBytes, 16, 1024);
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      const uint32_t box = kk / 4, within = (kk % 4) * 32;
-      Mma::ss(dp, desc_advance(ddo, box * C::kQBoxBytes + within), desc_advance(dv, box * C::kKVBoxBytes + within),
-              kk > 0 ? 1 : 0);
-    }
-  };
+  const auto issue_s = [&](uint32_t st) { issue_abt(s, q_wg, k_base + st * C::kKVBytes); };
+  const auto issue_dp = [&](uint32_t vst) { issue_abt(dp, do_wg, v_base + vst * C::kKVBytes); };
 
   uint32_t kv_iter = 0;
   for (uint32_t n = 0;; ++n) {
