@@ -293,14 +293,20 @@ bwd_dq_sm90_kernel(const __grid_constant__ Sm90DqParams<D> p) {
     KvWalk<BN> kv;
     kv.init(L.offsets, L.parent, seg, q1);
     mbar_wait(q_full, n & 1);  // item n's Q and dO (the producer's n-th use of the buffers)
-    uint32_t kst = kv_iter % KS, vst = kv_iter % VS;
-    mbar_wait(&k_full[kst], (kv_iter / KS) & 1);
-    mbar_wait(&v_full[vst], (kv_iter / VS) & 1);
-    wgmma_fence();
-    issue_dp(vst);
-    wgmma_commit();
-    issue_s(kst);
-    wgmma_commit();
+    // Tile kv_iter: its K and V stages, their loads waited for, its dP and S issued (two groups).
+    uint32_t kst, vst;
+    const auto issue_tile = [&]() {
+      kst = kv_iter % KS;
+      vst = kv_iter % VS;
+      mbar_wait(&k_full[kst], (kv_iter / KS) & 1);
+      mbar_wait(&v_full[vst], (kv_iter / VS) & 1);
+      wgmma_fence();
+      issue_dp(vst);
+      wgmma_commit();
+      issue_s(kst);
+      wgmma_commit();
+    };
+    issue_tile();
     while (true) {
       const int32_t kpos = kv.pos, krem = kv.rest();
       const bool own = kv.own;
@@ -356,15 +362,7 @@ bwd_dq_sm90_kernel(const __grid_constant__ Sm90DqParams<D> p) {
       release(&k_empty[kst]);
       ++kv_iter;
       if (!more) break;
-      kst = kv_iter % KS;
-      vst = kv_iter % VS;
-      mbar_wait(&k_full[kst], (kv_iter / KS) & 1);
-      mbar_wait(&v_full[vst], (kv_iter / VS) & 1);
-      wgmma_fence();
-      issue_dp(vst);
-      wgmma_commit();
-      issue_s(kst);
-      wgmma_commit();
+      issue_tile();
     }
     // The same in every lane (the walk is); without the shuffle the next item's descriptors, built
     // from kv_iter's stage, leave the uniform registers (the forward's drain_walk says so).
