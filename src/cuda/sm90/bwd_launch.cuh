@@ -134,9 +134,8 @@ cudaError_t run_bwd_dq(const BwdArgs& args, int sms, cudaStream_t stream) {
         !make_map(&p.tk, dt, args.k, D, Hk, T_, args.k_hs, args.k_ts, C::kBlockN) ||
         !make_map(&p.tv, dt, args.v, D, Hk, T_, args.v_hs, args.v_ts, C::kBlockN))
       return cudaErrorNotSupported;
-    p.dq_vec16 = reinterpret_cast<uintptr_t>(args.dq) % 16 == 0 && args.dq_ts % 8 == 0 && (H == 1 || args.dq_hs % 8 == 0)
-                     ? 1
-                     : 0;
+    const bool dq_rows16 = reinterpret_cast<uintptr_t>(args.dq) % 16 == 0 && args.dq_ts % 8 == 0;
+    p.dq_vec16 = dq_rows16 && (H == 1 || args.dq_hs % 8 == 0) ? 1 : 0;
     return launch_persistent<bwd_dq_sm90_kernel<T, D, Mods>>(C::kSmemBytes, C::kThreads, sms, p, stream);
   }
 }
