@@ -244,11 +244,14 @@ struct Arch {
   bool (*bwd_args_ok)(const BwdArgs&, int head_dim);
   TileFamily tiles;  // the plan family its forward is cut for (what a DEVICE plan request builds)
   bool (*fwd_tiles_ok)(int head_dim, bool windowed, int fwd_block_m);  // its forward runs plans of these tiles
+  // its backward computes dQ query-outer outside deterministic mode too (head dim, softcap, window, prefixes)
+  bool (*bwd_dq_query_outer)(int head_dim, bool softcap, bool window, bool prefixed);
 };
 
 #define DKV_ARCH(ARCH)                                                                                       \
   Arch{#ARCH, ARCH::kKernelName, &ARCH::runs_on, ARCH::kDeviceMismatch, ARCH::kArgsMismatch, ARCH::kFwdDisableEnv, \
-       ARCH::kBwdDisableEnv, &ARCH::fwd_args_ok, &ARCH::bwd_args_ok, ARCH::kTiles, &ARCH::fwd_tiles_ok},
+       ARCH::kBwdDisableEnv, &ARCH::fwd_args_ok, &ARCH::bwd_args_ok, ARCH::kTiles, &ARCH::fwd_tiles_ok,        \
+       &ARCH::bwd_dq_query_outer},
 const Arch kArchs[] = {DUALKV_ARCHS(DKV_ARCH)};
 #undef DKV_ARCH
 
@@ -397,6 +400,22 @@ void set_modifiers(const Params& p, Args* a) {
   a->sinks = static_cast<const float*>(p.sinks);
 }
 
+// The first arch whose `Args` direction (without modifiers) the dispatcher would run on this device
+// now, as run_on_first_arch tries them before the call's arguments are known; null if none.
+template <typename Args>
+const Arch* first_arch(const DeviceInfo& info, int32_t dtype, int32_t head_dim) {
+  constexpr bool kFwd = std::is_same_v<Args, FwdArgs>;
+  const bool bf16 = dtype == DUALKV_DTYPE_BFLOAT16;
+  for (const Arch& arch : kArchs) {
+    const char* env = kFwd ? arch.fwd_disable_env : arch.bwd_disable_env;
+    if (arch.runs_on(info.major, info.minor) &&
+        find_launcher<Args>(arch.name, head_dim, bf16, ModifierVariant{false, false, false}) != nullptr &&
+        !(env != nullptr && std::getenv(env) != nullptr))
+      return &arch;
+  }
+  return nullptr;
+}
+
 // The plan family a DEVICE request builds: that of the first arch whose forward the dispatcher
 // would run on this device now (as run_on_first_arch tries them, before the call's arguments are
 // known: a call whose pointers or strides the arch declines falls back to the portable kernels,
@@ -404,38 +423,23 @@ void set_modifiers(const Params& p, Args* a) {
 TileFamily plan_family(int32_t tiles, const DeviceInfo& info, int32_t dtype, int32_t head_dim) {
   if (tiles == DUALKV_PLAN_TILES_PORTABLE) return TileFamily::kPortable;
   if (tiles == DUALKV_PLAN_TILES_SM90) return TileFamily::kSm90;
-  const bool bf16 = dtype == DUALKV_DTYPE_BFLOAT16;
-  for (const Arch& arch : kArchs) {
-    if (!arch.runs_on(info.major, info.minor) ||
-        find_launcher<FwdArgs>(arch.name, head_dim, bf16, ModifierVariant{false, false, false}) == nullptr ||
-        (arch.fwd_disable_env != nullptr && std::getenv(arch.fwd_disable_env) != nullptr))
-      continue;
-    return arch.tiles;
-  }
-  return TileFamily::kPortable;
+  const Arch* arch = first_arch<FwdArgs>(info, dtype, head_dim);
+  return arch != nullptr ? arch->tiles : TileFamily::kPortable;
 }
 
 // Whether the backward computes dQ query-outer: by a dQ kernel after a main kernel that computes
 // none, so that the workspace holds no fp32 dQ accumulator and dQ is bit-identical run to run. In
-// deterministic mode always; otherwise on Hopper at head dim 256 without softcap, window or external
-// prefixes, where the Hopper dQ kernel takes it (sm90/bwd_dq_kernel.cuh): there the dQ-free main
-// kernel and that kernel (7 GEMMs) took 0.68-0.85x the fwd+bwd time of the dQ-accumulating main
-// kernel (5 GEMMs) on the four layout classes (H100, 2026-12-06; docs/decisions.md). The workspace size and
-// the call both ask here, so they agree. A call the sm90 launcher then declines (strides TMA cannot
-// take) runs the portable kernels in their deterministic form.
+// deterministic mode always; otherwise where the backward's first arch says so (its
+// bwd_dq_query_outer: Hopper at head dim 256 without softcap, window or external prefixes). The
+// workspace size and the call both ask here, so they agree. A call that arch's launcher then declines
+// (strides TMA cannot take) runs the portable kernels in their deterministic form.
 bool bwd_dq_query_outer(const dualkv_bwd_params& p) {
   if (p.flags & DUALKV_FLAG_DETERMINISTIC) return true;
-  if (p.head_dim != 256 || p.softcap > 0.0 || p.window > 0 || p.prefixes.num_prefixes > 0) return false;
   const DeviceInfo* info;
   if (query_device(p.device_index, &info) != DUALKV_OK) return false;
-  const bool bf16 = p.dtype == DUALKV_DTYPE_BFLOAT16;
-  for (const Arch& arch : kArchs) {
-    if (std::strcmp(arch.name, "sm90") != 0) continue;
-    return arch.runs_on(info->major, info->minor) &&
-           find_launcher<BwdArgs>(arch.name, p.head_dim, bf16, ModifierVariant{false, false, false}) != nullptr &&
-           !(arch.bwd_disable_env != nullptr && std::getenv(arch.bwd_disable_env) != nullptr);
-  }
-  return false;
+  const Arch* arch = first_arch<BwdArgs>(*info, p.dtype, p.head_dim);
+  return arch != nullptr &&
+         arch->bwd_dq_query_outer(p.head_dim, p.softcap > 0.0, p.window > 0, p.prefixes.num_prefixes > 0);
 }
 
 }  // namespace

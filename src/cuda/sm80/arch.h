@@ -25,6 +25,11 @@ inline bool fwd_tiles_ok(int head_dim, bool windowed, int fwd_block_m) {
   return fwd_block_m == dualkv::fwd_block_m(head_dim, TileFamily::kPortable, windowed) ||
          fwd_block_m == dualkv::fwd_block_m(head_dim, TileFamily::kSm90, windowed);
 }
+// The backward computes dQ query-outer (the deterministic dQ kernel) only in deterministic mode: the
+// main kernel's atomic dQ is the faster one here.
+inline bool bwd_dq_query_outer(int /*head_dim*/, bool /*softcap*/, bool /*window*/, bool /*prefixed*/) {
+  return false;
+}
 
 // `sms`: the device's multiprocessor count (persistent grids).
 // Mods: the mask modifiers compiled in (modifiers.cuh: Modifiers<softcap, sinks>; the backward's

@@ -30,6 +30,16 @@ constexpr TileFamily kTiles = TileFamily::kSm90;
 inline bool fwd_tiles_ok(int head_dim, bool windowed, int fwd_block_m) {
   return fwd_block_m == dualkv::fwd_block_m(head_dim, TileFamily::kSm90, windowed);
 }
+// The Hopper dQ kernel (bwd_dq_kernel.cuh: query-outer, after a main kernel that computes no dQ) is
+// built for these; where it is, the backward computes dQ that way in every mode, not only in
+// deterministic mode (dispatch.cu bwd_dq_query_outer): at D 256 the two kernels took 0.68-0.85x the
+// fwd+bwd time of the dQ-accumulating main kernel (H100, 2026-12-06; docs/decisions.md).
+constexpr bool bwd_dq_kernel_built(int head_dim, bool softcap, bool window) {
+  return head_dim == 256 && !softcap && !window;
+}
+inline bool bwd_dq_query_outer(int head_dim, bool softcap, bool window, bool prefixed) {
+  return bwd_dq_kernel_built(head_dim, softcap, window) && !prefixed;
+}
 
 // `sms`: the device's multiprocessor count (one persistent CTA per SM). cudaErrorNotSupported:
 // nothing was launched (a TMA descriptor could not be made); the dispatcher falls back.

@@ -3,7 +3,7 @@
 // the forward's walk over the visible KV tiles (the plan's forward items), P and dP recomputed, dQ
 // accumulated in registers and stored once: no atomics, so dQ is bit-identical run to run. It
 // replaces the portable query-outer kernel (sm80/bwd_dq_kernel.cuh) on Hopper where it is built
-// (bwd_dq_sm90_built).
+// (arch.h bwd_dq_kernel_built).
 //
 // Why (docs/notes/2026-12-04-device-queue.md §0 item 5, measured 2026-12-06 on an H100, D 256, long
 // responses): the deterministic main kernel, which computes S, dP, dV and dK but no dQ (4 of the
@@ -37,8 +37,8 @@
 // consumers alike; each wait is for the release of that buffer's previous use (parity of its use
 // count), as in the forward.
 //
-// Built for D 256 without softcap, window or external prefix (bwd_dq_sm90_built): the others keep
-// the portable kernel.
+// Built for D 256 without softcap or window (arch.h bwd_dq_kernel_built), and run without external
+// prefixes: the others keep the portable kernel.
 #pragma once
 
 #include <cuda.h>
@@ -54,18 +54,13 @@
 #include "kernel_params.h"
 #include "modifiers.cuh"
 #include "plan_reader.cuh"
+#include "sm90/arch.h"
 #include "sm90/fwd_kernel.cuh"  // fwd_o_row_stg128: the D-256 forward's 16-byte row stores
 #include "sm90/ptx.cuh"
 #include "sm90/wgmma_ops.cuh"
 #include "tile_size.h"
 
 namespace dualkv::cuda::sm90 {
-
-// Whether the Hopper dQ kernel is built for this head dim and these modifiers (else the portable one).
-template <int D, typename Mods>
-constexpr bool bwd_dq_sm90_built() {
-  return D == 256 && !Mods::kSoftcap && !Mods::kWindow;
-}
 
 template <int D>
 struct Sm90DqConfig {
@@ -113,7 +108,7 @@ struct Sm90DqParams {
 template <typename T, int D, typename Mods>
 __global__ void __launch_bounds__(Sm90DqConfig<D>::kThreads, 1)
 bwd_dq_sm90_kernel(const __grid_constant__ Sm90DqParams<D> p) {
-  static_assert(bwd_dq_sm90_built<D, Mods>(), "sm90 dQ: not built for these modifiers");
+  static_assert(bwd_dq_kernel_built(D, Mods::kSoftcap, Mods::kWindow), "sm90 dQ: not built for these modifiers");
   using C = Sm90DqConfig<D>;
   constexpr int BN = C::kBlockN, KS = C::kKStages, VS = C::kVStages;
 
