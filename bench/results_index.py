@@ -209,9 +209,17 @@ BENCHMARKS = {
     "classes_h64_h100": "bench/attention.py --head-dim 64 --classes all on an H100: main 5c1c1e7 (the D-64 backward's "
                         "lse / delta loads at once) with dualkv_ab = the library before it (1c84b51's kernels), FA4 "
                         "dense and Flex-FA4, 3 rounds (issue 23, session 39; step bench-classes); .log: the run's tables",
-    "classes_h256_h100": "bench/attention.py --head-dim 256 --classes all --configs 16,4096,1024;8,16384,2048 on an "
-                         "H100: main 5c1c1e7's D-256 kernels (session 34's), FA4 dense and Flex-FA4, 3 rounds (issue "
-                         "23, session 39; device queue item 5); .log: the run's tables",
+    "classes_h256_h100": "bench/attention.py --head-dim 256 --classes all --methods dualkv,dualkv_det,fa4_dense,"
+                         "flex_fa4,sdpa_cudnn --rounds 5 on an H100: main 84327e1's library (the D-256 backward "
+                         "computes dQ query-outer in both modes), every peer in one process (issue 23, session 48; "
+                         "step bench-classes); .log: the run's tables. Session 39's run with the two GRPO configs: "
+                         "git history",
+    "dq_kernel_d128_h100": "bench/attention.py --head-dim 128 --classes all --methods dualkv,dualkv_det --ab-library "
+                           "<main 84327e1's library> --rounds 5 --profile on an H100 (issue 23, session 48): the dq128 "
+                           "candidate ee0d2d2 (the Hopper dQ kernel at D 128 in deterministic mode) against main's "
+                           "portable dQ (dualkv_ab_det) and against the default mode of both; .log: the run's tables, "
+                           "per-kernel profiles and the candidate's GPU test",
+    "dq_kernel_d128_configs_h100": "the same on the configs 16,4096,1024;8,16384,2048 --no-varlen",
     "e2e_flex_fa4_1.7b": "bench/e2e.py, Qwen3-1.7B shape, dualkv / Flex-FA4 (automatic dynamic shapes; std in the "
                          "session-19 run, git history), P 8K and 16K, 4 micro-batches, 3 updates after 1 warm-up "
                          "(issue 23's end-to-end bar; step e2e-all, E2E_METHODS=dualkv,flex_fa4)",
