@@ -312,6 +312,37 @@ def test_windowed_grpo_group(D, dtype, path, monkeypatch):
                  with_dlse=True, window=window, deterministic=bool(i % 2))
 
 
+def sm90_dq_dims():
+    """Head dims of the Hopper dQ kernel (sm90/arch.h bwd_dq_kernel_built) with modifier kernels built,
+    where the device runs the Hopper backward."""
+    hopper = cases.arch_head_dims("sm90", "bwd")
+    return [d for d in (128, 256) if d in hopper and d in modifier_head_dims()]
+
+
+@pytest.mark.parametrize("D", sm90_dq_dims() or [pytest.param(0, marks=pytest.mark.skip(reason="no Hopper dQ kernel"))])
+@pytest.mark.parametrize("softcap, window", [(30.0, None), (None, 100), (5.0, 7), (2.0, 1000)])
+def test_sm90_dq_kernel_modifiers(D, softcap, window):
+    """The Hopper dQ kernel with a softcap, a window or both (sm90/bwd_dq_kernel.cuh): launched instead of
+    the portable dQ kernel in deterministic mode (at D 256 in both modes: dispatch.cu bwd_dq_query_outer),
+    within the bound against the fp64 reference, and bit-identical run to run."""
+    lens = [700, 300, 1, 129, 250, 64, 300, 65]
+    parents = [-1, 0, 0, 0, 0, -1, 5, 6]
+    for det in ([True] if D != 256 else [True, False]):
+        names = cases.cuda_kernels_run(lambda: run_case(lens, parents, 8, 2, D, torch.bfloat16, seed=D + int(det),
+                                                        softcap=softcap, with_sinks=window is not None,
+                                                        deterministic=det, with_dlse=True, window=window))
+        assert any("bwd_dq_sm90_kernel" in n for n in names), f"Hopper dQ kernel not launched: {sorted(names)}"
+        assert not any("bwd_dq_kernel" in n for n in names), f"portable dQ kernel also ran: {sorted(names)}"
+    layout_cpu = dualkv.Layout.from_tree(lens, parents)
+    layout = layout_cpu.to("cuda", windows=(window,))
+    q, k, v, dout = make_inputs(layout_cpu, 8, 2, D, torch.float16, seed=3)
+    mods = modifier_inputs(8, softcap, False, seed=3, window=window)
+    first = run_kernel(q, k, v, dout, None, layout, mods, deterministic=True)
+    again = run_kernel(q, k, v, dout, None, layout, mods, deterministic=True)
+    for name, a, b in zip(["out", "lse", "dq", "dk", "dv"], first, again):
+        assert torch.equal(a, b), f"{name}: deterministic mode is not bit-identical run to run"
+
+
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_windowed_split_query_ranges(deterministic, path, monkeypatch):

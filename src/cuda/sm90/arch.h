@@ -31,15 +31,15 @@ inline bool fwd_tiles_ok(int head_dim, bool windowed, int fwd_block_m) {
   return fwd_block_m == dualkv::fwd_block_m(head_dim, TileFamily::kSm90, windowed);
 }
 // The Hopper dQ kernel (bwd_dq_kernel.cuh: query-outer, after a main kernel that computes no dQ) is
-// built for these; where it is, the backward computes dQ that way in every mode, not only in
-// deterministic mode (dispatch.cu bwd_dq_query_outer): at D 256 the two kernels took 0.68-0.85x the
-// fwd+bwd time of the dQ-accumulating main kernel (H100, 2026-12-06; docs/decisions.md).
-// Candidate: also built at D 128, where only the deterministic mode runs it (not measured yet).
-constexpr bool bwd_dq_kernel_built(int head_dim, bool softcap, bool window) {
-  return (head_dim == 256 || head_dim == 128) && !softcap && !window;
-}
-inline bool bwd_dq_query_outer(int head_dim, bool softcap, bool window, bool prefixed) {
-  return head_dim == 256 && bwd_dq_kernel_built(head_dim, softcap, window) && !prefixed;
+// built for these head dims, with every mask modifier, and the deterministic mode runs it there.
+// Where bwd_dq_query_outer says so the backward computes dQ that way in every mode (dispatch.cu): at
+// D 256 the two kernels took 0.68-0.85x the fwd+bwd time of the dQ-accumulating main kernel; at
+// D 128 1.10-1.17x (its dQ-free main kernel 0.75x the accumulating one's, where the split pays only
+// below ~0.55x), so D 128's default keeps the accumulating kernel and only its deterministic mode
+// gains (0.73-0.77x the portable dQ's fwd+bwd time). H100, 2026-12-06 (docs/decisions.md).
+constexpr bool bwd_dq_kernel_built(int head_dim) { return head_dim == 128 || head_dim == 256; }
+inline bool bwd_dq_query_outer(int head_dim, bool /*softcap*/, bool /*window*/, bool prefixed) {
+  return head_dim == 256 && !prefixed;
 }
 
 // `sms`: the device's multiprocessor count (one persistent CTA per SM). cudaErrorNotSupported:

@@ -37,8 +37,12 @@
 // consumers alike; each wait is for the release of that buffer's previous use (parity of its use
 // count), as in the forward.
 //
-// Built for D 256 without softcap or window (arch.h bwd_dq_kernel_built), and run without external
-// prefixes: the others keep the portable kernel.
+// Mask modifiers (modifiers.cuh): the softcap caps S before the mask, as the forward does, and
+// multiplies dS by the cap's derivative 1 - t^2 (t = capped score / c); the sliding window walks
+// KvWalk's windowed walk from the item's first position and hides what the forward hides
+// (dq_walk_init / dq_walk_next, the forward's mask_scores). Sinks change nothing here.
+// Built for D 128 and 256 (arch.h bwd_dq_kernel_built), and run without external prefixes: the
+// others keep the portable kernel. At D 128 only the deterministic mode runs it (arch.h says why).
 #pragma once
 
 #include <cuda.h>
@@ -105,10 +109,30 @@ struct Sm90DqParams {
   int32_t dq_vec16;  // dQ's base and strides allow 16-byte stores (fwd_o_row_stg128), else pairs
 };
 
+// The walk over a forward item's visible KV tiles, the same in producer and consumers: with a
+// sliding window from the item's first position on (returned, for dq_walk_next).
+template <typename Mods, int BN>
+__device__ __forceinline__ int32_t dq_walk_init(KvWalk<BN>& kv, const LayoutPtrs& L, int32_t window, int32_t seg,
+                                                int32_t q0, int32_t q1) {
+  if constexpr (Mods::kWindow) {
+    const int32_t first_pos = SegmentMask::window_first_position(L.offsets, L.position_offset, seg, q0, window);
+    kv.init_windowed(L.offsets, L.parent, L.position_offset, seg, q1, first_pos);
+    return first_pos;
+  } else {
+    kv.init(L.offsets, L.parent, seg, q1);
+    return 0;
+  }
+}
+template <typename Mods, int BN>
+__device__ __forceinline__ bool dq_walk_next(KvWalk<BN>& kv, const LayoutPtrs& L, int32_t first_pos) {
+  if constexpr (Mods::kWindow) return kv.next_windowed(L.offsets, L.parent, L.position_offset, first_pos);
+  else return kv.next(L.offsets, L.parent);
+}
+
 template <typename T, int D, typename Mods>
 __global__ void __launch_bounds__(Sm90DqConfig<D>::kThreads, 1)
 bwd_dq_sm90_kernel(const __grid_constant__ Sm90DqParams<D> p) {
-  static_assert(bwd_dq_kernel_built(D, Mods::kSoftcap, Mods::kWindow), "sm90 dQ: not built for these modifiers");
+  static_assert(bwd_dq_kernel_built(D), "sm90 dQ: not built for this head dim");
   using C = Sm90DqConfig<D>;
   constexpr int BN = C::kBlockN, KS = C::kKStages, VS = C::kVStages;
 
@@ -182,7 +206,7 @@ bwd_dq_sm90_kernel(const __grid_constant__ Sm90DqParams<D> p) {
       const int32_t q0 = items[tile * kFwdItemInts + 1];
       const int32_t q1 = items[tile * kFwdItemInts + 2];
       KvWalk<BN> kv;
-      kv.init(L.offsets, L.parent, seg, q1);
+      const int32_t first_pos = dq_walk_init<Mods>(kv, L, a.window, seg, q0, q1);
       const auto load_k = [&](uint32_t it) {
         const uint32_t st = it % KS;
         mbar_wait(&k_empty[st], ((it / KS) & 1) ^ 1);
@@ -212,7 +236,7 @@ bwd_dq_sm90_kernel(const __grid_constant__ Sm90DqParams<D> p) {
         for (int b = 0; b < C::kBoxes; ++b)
           tma_load_3d(smem + C::kOffV + vst * C::kKVBytes + b * C::kKVBoxBytes, &p.tv, &v_full[vst], b * 64, hk,
                       kv.pos);
-        more = kv.next(L.offsets, L.parent);
+        more = dq_walk_next<Mods>(kv, L, first_pos);
         if (more) load_k(kv_iter + 1);
         ++kv_iter;
       } while (more);
@@ -232,6 +256,7 @@ bwd_dq_sm90_kernel(const __grid_constant__ Sm90DqParams<D> p) {
   const int g = lane >> 2, t4 = lane & 3;
   const int row_in_tile = cw * 64 + warp * 16 + g;  // rows row_in_tile and row_in_tile + 8
   const float sl2 = Mods::score_log2(a);
+  const float inv_cap = Mods::kSoftcap ? 1.f / a.softcap : 0.f;
   const uint32_t q_wg = smem_u32(smem) + cw * 64 * 128;  // this warpgroup's rows of every Q box
   const uint32_t do_wg = q_wg + C::kOffDo;
   const uint32_t k_base = smem_u32(smem) + C::kOffK;
@@ -286,7 +311,7 @@ bwd_dq_sm90_kernel(const __grid_constant__ Sm90DqParams<D> p) {
     for (int i = 0; i < D / 2; ++i) dq[i] = 0.f;
 
     KvWalk<BN> kv;
-    kv.init(L.offsets, L.parent, seg, q1);
+    const int32_t first_pos = dq_walk_init<Mods>(kv, L, a.window, seg, q0, q1);
     mbar_wait(q_full, n & 1);  // item n's Q and dO (the producer's n-th use of the buffers)
     // Tile kv_iter: its K and V stages, their loads waited for, its dP and S issued (two groups).
     uint32_t kst, vst;
@@ -303,7 +328,7 @@ bwd_dq_sm90_kernel(const __grid_constant__ Sm90DqParams<D> p) {
     };
     issue_tile();
     while (true) {
-      const int32_t kpos = kv.pos, krem = kv.rest();
+      const int32_t kpos = kv.pos, krem = kv.rest(), kcur = kv.cur;
       const bool own = kv.own;
       wgmma_wait<1>();  // dP
       fence_regs(dp);
@@ -312,10 +337,11 @@ bwd_dq_sm90_kernel(const __grid_constant__ Sm90DqParams<D> p) {
       fence_regs(s);
       // Warp-uniform for ptxas (the walk is the same in every lane): on a path it must take for
       // divergent it waits for the wgmmas in flight around it (C7520).
-      const bool more = __shfl_sync(0xffffffffu, kv.next(L.offsets, L.parent), 0);
+      const bool more = __shfl_sync(0xffffffffu, dq_walk_next<Mods>(kv, L, first_pos), 0);
       if (!more) release(q_empty);  // the item's last S and dP have retired
-      // The forward's mask (fwd_sm90_kernel mask_scores): columns past the range's end, and the
-      // causal diagonal of an own range.
+      // The forward's mask (fwd_sm90_kernel mask_scores): the softcap first, then columns past the
+      // range's end, the causal diagonal of an own range and the window.
+      if constexpr (Mods::kSoftcap) softcap_scores(s, a);
       if (krem < BN || (own && kpos + BN - 1 > q0)) {
         const int32_t cols[2] = {SegmentMask::fwd_visible_cols(kpos, krem, own, qi0),
                                  SegmentMask::fwd_visible_cols(kpos, krem, own, qi0 + 8)};
@@ -325,6 +351,18 @@ bwd_dq_sm90_kernel(const __grid_constant__ Sm90DqParams<D> p) {
           for (int e = 0; e < 4; ++e)
             if (j * 8 + 2 * t4 + (e & 1) >= cols[e >> 1]) s[4 * j + e] = -CUDART_INF_F;
       }
+      if constexpr (Mods::kWindow) {
+        // pos(q) - pos(k) = (q - k) + shift for the walk's range (the forward's test, per warpgroup).
+        const int32_t shift = SegmentMask::window_shift(L.offsets, L.position_offset, seg, kcur);
+        if (SegmentMask::window_tile(q0 + cw * 64 + 63, kpos, shift, a.window)) {
+#pragma unroll
+          for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+              if (SegmentMask::window_hidden(kpos + j * 8 + 2 * t4 + (e & 1), qi0 + (e >> 1) * 8, shift, a.window))
+                s[4 * j + e] = -CUDART_INF_F;
+        }
+      }
       // dS = P (dP - delta), packed into the A fragments of dQ += dS K (the forward's P layout).
 #pragma unroll
       for (int j = 0; j < BN / 8; ++j)
@@ -332,7 +370,14 @@ bwd_dq_sm90_kernel(const __grid_constant__ Sm90DqParams<D> p) {
         for (int e = 0; e < 4; ++e) {
           const int r = e >> 1;
           const float pe = fast_exp2(fmaf(s[4 * j + e], sl2, -lse2[r]));
-          s[4 * j + e] = pe * (dp[4 * j + e] - dl[r]);
+          float ds = pe * (dp[4 * j + e] - dl[r]);
+          if constexpr (Mods::kSoftcap) {
+            // The cap's derivative 1 - t^2 from the capped score c t; min(., 1) makes a hidden
+            // score's (-inf) factor 0 rather than -inf, so that its dS is 0, not 0 * inf.
+            const float t = s[4 * j + e] * inv_cap;
+            ds *= 1.f - fminf(t * t, 1.f);
+          }
+          s[4 * j + e] = ds;
         }
 #pragma unroll
       for (int kk = 0; kk < BN / 16; ++kk) {

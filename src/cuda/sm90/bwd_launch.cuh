@@ -116,7 +116,7 @@ cudaError_t run_bwd_main(const BwdArgs& args, int sms, cudaStream_t stream) {
 // Its work counter is counters[1], zeroed by the preprocess as for the portable kernel.
 template <int D, typename T, typename Mods>
 cudaError_t run_bwd_dq(const BwdArgs& args, int sms, cudaStream_t stream) {
-  if constexpr (!bwd_dq_kernel_built(D, Mods::kSoftcap, Mods::kWindow)) {
+  if constexpr (!bwd_dq_kernel_built(D)) {
     return cudaErrorNotSupported;
   } else {
     using C = Sm90DqConfig<D>;
