@@ -220,6 +220,14 @@ BENCHMARKS = {
                            "portable dQ (dualkv_ab_det) and against the default mode of both; .log: the run's tables, "
                            "per-kernel profiles and the candidate's GPU test",
     "dq_kernel_d128_configs_h100": "the same on the configs 16,4096,1024;8,16384,2048 --no-varlen",
+    "dq_kernel_mods_w1024_d256_h100": "bench/attention.py --head-dim 256 --window 1024 --configs 16,4096,1024;8,16384,2048 "
+                                      "--no-varlen --methods dualkv,dualkv_det --ab-library <main 84327e1's library> "
+                                      "--rounds 3 --profile on an H100 (issue 23, session 48): the candidate 5caa06b (the "
+                                      "Hopper dQ kernel with softcap and window; D 256's default runs it with every "
+                                      "modifier) against main's dQ-accumulating window kernels; .log: tables, profiles; "
+                                      ".tests.log: the candidate's GPU suite on its D 128 / 256 build; .sanitize.log: "
+                                      "memcheck and racecheck (its per-thread-release build) at SAN_DIMS=128,256",
+    "dq_kernel_mods_cap50_d256_h100": "the same with --softcap 50 instead of the window",
     "e2e_flex_fa4_1.7b": "bench/e2e.py, Qwen3-1.7B shape, dualkv / Flex-FA4 (automatic dynamic shapes; std in the "
                          "session-19 run, git history), P 8K and 16K, 4 micro-batches, 3 updates after 1 warm-up "
                          "(issue 23's end-to-end bar; step e2e-all, E2E_METHODS=dualkv,flex_fa4)",

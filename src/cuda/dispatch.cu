@@ -244,8 +244,8 @@ struct Arch {
   bool (*bwd_args_ok)(const BwdArgs&, int head_dim);
   TileFamily tiles;  // the plan family its forward is cut for (what a DEVICE plan request builds)
   bool (*fwd_tiles_ok)(int head_dim, bool windowed, int fwd_block_m);  // its forward runs plans of these tiles
-  // its backward computes dQ query-outer outside deterministic mode too (head dim, softcap, window, prefixes)
-  bool (*bwd_dq_query_outer)(int head_dim, bool softcap, bool window, bool prefixed);
+  // its backward computes dQ query-outer outside deterministic mode too (head dim, external prefixes)
+  bool (*bwd_dq_query_outer)(int head_dim, bool prefixed);
 };
 
 #define DKV_ARCH(ARCH)                                                                                       \
@@ -439,7 +439,7 @@ bool bwd_dq_query_outer(const dualkv_bwd_params& p) {
   if (query_device(p.device_index, &info) != DUALKV_OK) return false;
   const Arch* arch = first_arch<BwdArgs>(*info, p.dtype, p.head_dim);
   return arch != nullptr &&
-         arch->bwd_dq_query_outer(p.head_dim, p.softcap > 0.0, p.window > 0, p.prefixes.num_prefixes > 0);
+         arch->bwd_dq_query_outer(p.head_dim, p.prefixes.num_prefixes > 0);
 }
 
 }  // namespace

@@ -27,7 +27,7 @@ inline bool fwd_tiles_ok(int head_dim, bool windowed, int fwd_block_m) {
 }
 // The backward computes dQ query-outer (the deterministic dQ kernel) only in deterministic mode: the
 // main kernel's atomic dQ is the faster one here.
-inline bool bwd_dq_query_outer(int /*head_dim*/, bool /*softcap*/, bool /*window*/, bool /*prefixed*/) {
+inline bool bwd_dq_query_outer(int /*head_dim*/, bool /*prefixed*/) {
   return false;
 }
 

@@ -38,7 +38,7 @@ inline bool fwd_tiles_ok(int head_dim, bool windowed, int fwd_block_m) {
 // below ~0.55x), so D 128's default keeps the accumulating kernel and only its deterministic mode
 // gains (0.73-0.77x the portable dQ's fwd+bwd time). H100, 2026-12-06 (docs/decisions.md).
 constexpr bool bwd_dq_kernel_built(int head_dim) { return head_dim == 128 || head_dim == 256; }
-inline bool bwd_dq_query_outer(int head_dim, bool /*softcap*/, bool /*window*/, bool prefixed) {
+inline bool bwd_dq_query_outer(int head_dim, bool prefixed) {
   return head_dim == 256 && !prefixed;
 }
 
