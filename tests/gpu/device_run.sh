@@ -27,7 +27,8 @@
 #                ~4-6 min estimated (flex_fa4 compiles forward and forward+backward per config, ~8 s the first
 #                time, a few s after; cut at $BENCH_TIMEOUT, default 560 s). bench-quick: 2 configs (~1.5 min)
 #   bench-dims   dualkv, cuDNN, fa4_dense and flex_fa4 at hdim 64 and 256 (H 32, Hk 8), three configs each (~2-3 min estimated with FA4; flex_fa4 at 256 searches a block size its kernels
-#                accept: up to 4 compiles, each recorded)
+#                accept: up to 4 compiles, each recorded), each head dim cut at $DIMS_TIMEOUT s (default 400: on an
+#                H100 in session 48 Flex-FA4's first D-256 block mask of a process compiled past 200 s)
 #   bench-classes issue 23's layout classes (bench/layout_classes.py: small groups, tiny responses, long
 #                responses, multi-turn trees) per head dim in $CLASSES_DIMS (default 128), methods
 #                $CLASSES_METHODS (default dualkv,fa4_dense,flex_fa4,sdpa_cudnn; with $AB_LIBRARY also
@@ -280,7 +281,7 @@ print('FA4', m.version('flash-attn-4'), 'CuTe DSL', m.version('nvidia-cutlass-ds
     bench-portable) env "${PORTABLE_SWITCHES[@]}" timeout "${BENCH_TIMEOUT:-360}" python3 bench/attention.py --methods dualkv,sdpa_flash \
                       --iters 6 --warmup 2 --out "$OUT" --tag portable ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_portable.log" | tail -24 ;;
     bench-dims) for d in 64 256; do
-                  timeout 240 python3 bench/attention.py --head-dim $d --configs "16,4096,1024;8,16384,2048;32,8192,1024" \
+                  timeout -k 10 "${DIMS_TIMEOUT:-400}" python3 bench/attention.py --head-dim $d --configs "16,4096,1024;8,16384,2048;32,8192,1024" \
                     --no-varlen --methods dualkv,sdpa_cudnn,fa4_dense,flex_fa4 --iters 6 --warmup 2 --out "$OUT" --tag d$d \
                     > "$OUT/bench_d$d.log" 2>&1; echo "bench-dims d$d rc=$?"; sed -n '/^case /,$p' "$OUT/bench_d$d.log"
                 done ;;
