@@ -430,9 +430,9 @@ TileFamily plan_family(int32_t tiles, const DeviceInfo& info, int32_t dtype, int
 // Whether the backward computes dQ query-outer: by a dQ kernel after a main kernel that computes
 // none, so that the workspace holds no fp32 dQ accumulator and dQ is bit-identical run to run. In
 // deterministic mode always; otherwise where the backward's first arch says so (its
-// bwd_dq_query_outer: Hopper at head dim 256 without external prefixes). The
-// workspace size and the call both ask here, so they agree. A call that arch's launcher then declines
-// (strides TMA cannot take) runs the portable kernels in their deterministic form.
+// bwd_dq_query_outer: Hopper at head dim 256 without external prefixes). The workspace size and the
+// call both ask here, so they agree. A call that arch's launcher then declines (strides TMA cannot
+// take) runs the portable kernels in their deterministic form.
 bool bwd_dq_query_outer(const dualkv_bwd_params& p) {
   if (p.flags & DUALKV_FLAG_DETERMINISTIC) return true;
   const DeviceInfo* info;

@@ -352,16 +352,8 @@ bwd_dq_sm90_kernel(const __grid_constant__ Sm90DqParams<D> p) {
             if (j * 8 + 2 * t4 + (e & 1) >= cols[e >> 1]) s[4 * j + e] = -CUDART_INF_F;
       }
       if constexpr (Mods::kWindow) {
-        // pos(q) - pos(k) = (q - k) + shift for the walk's range (the forward's test, per warpgroup).
         const int32_t shift = SegmentMask::window_shift(L.offsets, L.position_offset, seg, kcur);
-        if (SegmentMask::window_tile(q0 + cw * 64 + 63, kpos, shift, a.window)) {
-#pragma unroll
-          for (int j = 0; j < BN / 8; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e)
-              if (SegmentMask::window_hidden(kpos + j * 8 + 2 * t4 + (e & 1), qi0 + (e >> 1) * 8, shift, a.window))
-                s[4 * j + e] = -CUDART_INF_F;
-        }
+        fwd_window_mask(s, kpos, q0 + cw * 64 + 63, qi0, t4, shift, a.window);
       }
       // dS = P (dP - delta), packed into the A fragments of dQ += dS K (the forward's P layout).
 #pragma unroll

@@ -1,8 +1,8 @@
 // Host side of the Hopper backward: TMA descriptors, shared-memory opt-in, one persistent CTA per
 // SM for the main kernel, between the arch-neutral preprocess and postprocess (bwd_prepost.cuh);
-// where dQ is computed query-outer (args.deterministic: deterministic mode, and D 256 always) it comes
-// from a dQ kernel after the main kernel: the Hopper one where it is built (sm90/bwd_dq_kernel.cuh),
-// else the portable one (sm80/bwd_dq_kernel.cuh).
+// where dQ is computed query-outer (args.deterministic: deterministic mode, and D 256 without external
+// prefixes: dispatch.cu bwd_dq_query_outer) it comes from a dQ kernel after the main kernel: the Hopper
+// one where it is built (sm90/bwd_dq_kernel.cuh), else the portable one (sm80/bwd_dq_kernel.cuh).
 #pragma once
 
 #include <cuda.h>
@@ -134,8 +134,7 @@ cudaError_t run_bwd_dq(const BwdArgs& args, int sms, cudaStream_t stream) {
         !make_map(&p.tk, dt, args.k, D, Hk, T_, args.k_hs, args.k_ts, C::kBlockN) ||
         !make_map(&p.tv, dt, args.v, D, Hk, T_, args.v_hs, args.v_ts, C::kBlockN))
       return cudaErrorNotSupported;
-    const bool dq_rows16 = reinterpret_cast<uintptr_t>(args.dq) % 16 == 0 && args.dq_ts % 8 == 0;
-    p.dq_vec16 = dq_rows16 && (H == 1 || args.dq_hs % 8 == 0) ? 1 : 0;
+    p.dq_vec16 = rows_allow_stg128(args.dq, args.dq_ts, args.dq_hs, H) ? 1 : 0;
     return launch_persistent<bwd_dq_sm90_kernel<T, D, Mods>>(C::kSmemBytes, C::kThreads, sms, p, stream);
   }
 }

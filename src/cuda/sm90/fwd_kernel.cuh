@@ -281,6 +281,24 @@ __device__ __forceinline__ void st_global_v4_if(void* p, const uint32_t (&v)[4],
                "r"(v[0]), "r"(v[1]), "r"(v[2]), "r"(v[3]), "r"(static_cast<uint32_t>(store)));
 }
 
+// The sliding window (issue 16) on a warpgroup's S fragment (n8 blocks, rows qi0 and qi0 + 8 of the
+// thread, columns from kpos), on the tiles whose farthest pair (the warpgroup's last row q_last) it
+// hides: pos(q) - pos(k) = (q - k) + shift for the walk's range. The forward's mask_scores and the dQ
+// kernel's.
+template <int N>
+__device__ __forceinline__ void fwd_window_mask(float (&s)[N], int32_t kpos, int32_t q_last, int32_t qi0, int32_t t4,
+                                                int32_t shift, int32_t window) {
+  if (!SegmentMask::window_tile(q_last, kpos, shift, window)) return;
+#pragma unroll
+  for (int j = 0; j < N / 4; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int32_t qi = qi0 + (e >> 1) * 8;
+      if (SegmentMask::window_hidden(kpos + j * 8 + 2 * t4 + (e & 1), qi, shift, window)) s[4 * j + e] = -CUDART_INF_F;
+    }
+  }
+}
+
 // Row r (0: row g, 1: row g + 8) of the accumulator fragment, times inv, in 16 B stores to `orow`
 // (the row's first element, 16-byte aligned). The SHFLs run on every lane (full mask: the caller
 // calls this outside any per-lane branch); `store` (row inside the item, the same for the quad's
@@ -303,6 +321,12 @@ __device__ __forceinline__ void fwd_o_row_stg128(T* orow, const float (&o)[D / 2
     quad_xor_permute(v, t4);  // v[s] = a_s[t4]: chunk 4 k + t4's pairs in column order
     st_global_v4_if(chunk0 + k * 32, v, store);
   }
+}
+
+// Whether a [T, H, D] output (16-bit elements, strides in elements) allows fwd_o_row_stg128's 16-byte
+// row stores: base, token stride and head stride 16-byte aligned. The forward's out, the dQ kernel's dq.
+inline bool rows_allow_stg128(const void* base, int64_t token_stride, int64_t head_stride, int H) {
+  return reinterpret_cast<uintptr_t>(base) % 16 == 0 && token_stride % 8 == 0 && (H == 1 || head_stride % 8 == 0);
 }
 
 // Ping-pong: the two consumer warpgroups take turns issuing their wgmma batches (named barriers 1
@@ -733,20 +757,8 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
         }
       }
       if constexpr (Mods::kWindow) {
-        // The sliding window (issue 16), on the tiles whose farthest pair of this warpgroup's rows it
-        // hides: pos(q) - pos(k) = (q - k) + shift for the walk's range.
         const int32_t shift = SegmentMask::window_shift(L.offsets, L.position_offset, seg, kcur);
-        if (SegmentMask::window_tile(q0 + cw * 64 + 63, kpos, shift, a.window)) {
-#pragma unroll
-          for (int j = 0; j < BN / 8; ++j) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              const int32_t qi = qi0 + (e >> 1) * 8;
-              if (SegmentMask::window_hidden(kpos + j * 8 + 2 * t4 + (e & 1), qi, shift, a.window))
-                s[4 * j + e] = -CUDART_INF_F;
-            }
-          }
-        }
+        fwd_window_mask(s, kpos, q0 + cw * 64 + 63, qi0, t4, shift, a.window);
       }
     };
     // Row r's new max after the mask (m[r] updated) and its rescale factor alpha[r]; returns the

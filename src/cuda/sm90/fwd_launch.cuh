@@ -52,10 +52,7 @@ cudaError_t run_fwd(const FwdArgs& args, int sms, cudaStream_t stream) {
   // they always allow the TMA store above; the pair stores keep run_fwd correct without that check.
   p.o_vec16 = 0;
   if constexpr (!C::kOStaged) {
-    p.o_vec16 = reinterpret_cast<uintptr_t>(args.out) % 16 == 0 && args.o_ts % 8 == 0 &&
-                        (H == 1 || args.o_hs % 8 == 0)
-                    ? 1
-                    : 0;
+    p.o_vec16 = rows_allow_stg128(args.out, args.o_ts, args.o_hs, H) ? 1 : 0;
   }
   if constexpr (C::kOStaged) {
     const bool aligned = reinterpret_cast<uintptr_t>(args.out) % 16 == 0 && args.o_ts > 0 && (args.o_ts * 2) % 16 == 0 &&
