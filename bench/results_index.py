@@ -182,8 +182,9 @@ BENCHMARKS = {
                             "clocks; .ncu_units_bwd.txt: both backward main kernels' units per useful FLOP on the same "
                             "layout (step ncu-units, NCU_DIM=256 NCU_CASE=long_responses; session 47); "
                             ".ncu_stalls_fwd.txt: both forward kernels' stalls per instruction on the same layout "
-                            "(step ncu-stalls, NCU_DIM=256 NCU_KERNEL=fwd_sm90 NCU_DIRECTION=fwd; session 45, main "
-                            "2871e36)",
+                            "(step ncu-stalls, NCU_DIM=256 NCU_KERNEL='fwd_sm90|Forward' NCU_DIRECTION=fwd; session 49, "
+                            "main 39d49a2; session 45's: git history), the per-line CSVs of both beside it "
+                            "(.ncu_stalls_fwd.dualkv.csv.xz, .ncu_stalls_fwd.fa4_dense.csv.xz)",
     "dq_query_outer_d256_h100": "bench/attention.py --head-dim 256 --classes all --methods dualkv,dualkv_det,fa4_dense "
                                 "--ab-library <main cd65162's D-256 build> --rounds 5 on an H100 (issue 23, session 47): "
                                 "0ca3c63, whose D-256 backward computes dQ query-outer in both modes (the Hopper dQ "
@@ -198,9 +199,13 @@ BENCHMARKS = {
                                      "H100: fwd+bwd with six separate workspaces, four offsets in one more and the "
                                      "library's own per-call allocation, rotated (device queue item 6; main cd65162's "
                                      "D-256 library, session 47); .log: its output",
-    "configs_h256_h100": "bench/attention.py --head-dim 256 --configs 16,4096,1024;8,16384,2048 --no-varlen, dualkv / "
-                         "FA4 dense / Flex-FA4 in one process, 3 rounds, on an H100 (main 5ba06a3's kernels; the "
-                         "H200 run of session 40 hit its 175 s cap; issue 23, session 41); .log: the run's tables",
+    "configs_h256_h100": "bench/attention.py --head-dim 256 --configs 16,4096,1024;8,16384,2048;32,8192,1024 "
+                         "--no-varlen --methods dualkv,sdpa_cudnn,fa4_dense,flex_fa4 --rounds 3 on an H100 (main "
+                         "39d49a2; issue 23, session 49; session 41's run: git history); .log: the run's tables",
+    "mods_w1024_d256_h100": "bench/attention.py --head-dim 256 --window 1024 --configs 16,4096,1024;8,16384,2048 "
+                            "--no-varlen --methods dualkv,dualkv_det,fa4_dense,flex_fa4 --rounds 3 on an H100 (main "
+                            "39d49a2: the Hopper dQ kernel with the window; issue 23, session 49); .log: the tables",
+    "mods_cap50_d256_h100": "the same with --softcap 50 instead of the window",
     "bwd_timeline_h200": "the diagnostic branch tl's tools/bwd_timeline.py on the H200: per-step stamps of the Hopper "
                          "backward's dQ writer (main's kernels and the loads-first staging at 64-row steps, interleaved, "
                          "6 rounds; D 128 N64 P1K R512, D 256 and D 128 N8 P16K R2K): span, step durations, CTAs on "

@@ -1,0 +1,40 @@
+"""tools/tile_area_model.py counts tiles and useful pairs as the walks it restates: its useful pairs
+equal the reference mask's on a forest, the packed and dense counts agree where nothing is shared
+and no segment edge is ragged, and each ragged prompt edge costs one KV tile per response query tile."""
+from __future__ import annotations
+
+import pathlib
+import sys
+
+import dualkv
+from dualkv.reference import visibility_mask
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "tools"))
+import tile_area_model as tam  # noqa: E402
+
+
+def test_useful_pairs_match_the_reference_mask():
+    layout = dualkv.Layout.from_groups([300, 77], [[200, 5, 129], [64]])
+    lens, parents = layout.segment_lens, layout.parents
+    _, pairs = tam.packed_tiles(lens, parents, 128, 80)
+    assert pairs == int(visibility_mask(layout).sum())
+    _, dense_pairs = tam.dense_tiles([300 + 200, 300 + 5, 300 + 129, 77 + 64], 128, 80)
+    assert dense_pairs == sum(n * (n + 1) // 2 for n in (500, 305, 429, 141))
+
+
+def test_aligned_prompt_costs_what_the_dense_tiling_costs():
+    # one response under a prompt that is a whole number of KV tiles: the same tiles as the
+    # contiguous sequence, since the response's query tiles start where the dense ones do
+    lens, parents = [256, 256], [-1, 0]
+    assert tam.packed_tiles(lens, parents, 128, 64) == tam.dense_tiles([512], 128, 64)
+
+
+def test_ragged_prompt_costs_one_tile_per_response_query_tile():
+    lens, parents = [256, 512], [-1, 0]  # 256 = 3 x 80 + 16
+    packed, pairs = tam.packed_tiles(lens, parents, 128, 80)
+    dense, dense_pairs = tam.dense_tiles([768], 128, 80)
+    assert pairs == dense_pairs
+    # prompt rows: 2 + 4 tiles either way; the response's 4 query tiles walk 4 prompt tiles plus
+    # ceil(q1 / 80) own ones (2, 4, 5, 7) packed, ceil((256 + q1) / 80) (5, 7, 8, 10) dense
+    assert packed == 6 + 4 * 4 + (2 + 4 + 5 + 7)
+    assert dense == 6 + (5 + 7 + 8 + 10)

@@ -1,0 +1,89 @@
+"""Computed tile area per useful (q, k) pair: dualkv's segment walks against a dense kernel's tiling
+of the unpacked rows, on the layout classes (bench/layout_classes.py). No library or GPU needed.
+
+    python3 tools/tile_area_model.py [--classes long_responses,tree] [--bm 128] [--bn 64,80,128,160]
+
+- dualkv (the plan's rule, restated): query tiles of --bm rows from each segment's start; a tile
+  walks every ancestor segment whole in --bn-key tiles from the ancestor's start, then its own
+  segment up to its last row. Each ancestor's last tile is ragged unless its length is a multiple
+  of --bn. Not modelled: the forward's tiles of sibling leaves (several short leaves in one query
+  tile), which matter for tiny responses only.
+- dense (FA4 / cuDNN on the unpacked copies): each root-to-leaf row is one contiguous sequence,
+  query tiles of --bm rows from its start, --bn-key tiles from its start up to the tile's last row:
+  one ragged tile per query tile, at the diagonal.
+- Printed per class and --bn: tiles, computed area / useful pairs for both, and their ratio
+  (dualkv's area per useful pair over dense's: above 1, dualkv computes more masked area per
+  useful FLOP than the dense kernel; a per-tile rate equal to dense's then loses that much).
+
+Session 49 (docs/benchmarks.md): at D 256 (128 x 80 tiles) long responses read 1.018: the prompts'
+ragged last KV tile (256 = 3 x 80 + 16), walked by every response tile, is most of the D-256
+forward's 3% never-lose gap; at 128 x 128 (D 128) and 192 x 128 (D 64) 0.999 / 1.006.
+"""
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "python"))  # layout_classes builds its GRPO groups with dualkv.Layout
+sys.path.insert(0, str(ROOT / "bench"))
+
+from layout_classes import CLASSES, layout_class, root_paths
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def tile_pairs(q0: int, q1: int) -> int:
+    """Causal pairs of query rows q0..q1-1 over keys 0..q (positions within one sequence)."""
+    return (q1 * (q1 + 1) - q0 * (q0 + 1)) // 2
+
+
+def packed_tiles(lens, parents, bm: int, bn: int):
+    """(KV tiles, useful pairs) of dualkv's walks over the forest (lens, parents)."""
+    tiles = pairs = 0
+    for s, length in enumerate(lens):
+        ancestors, p = [], parents[s]
+        while p >= 0:
+            ancestors.append(lens[p])
+            p = parents[p]
+        prefix_tiles = sum(ceil_div(a, bn) for a in ancestors)
+        for q0 in range(0, length, bm):
+            q1 = min(q0 + bm, length)
+            tiles += prefix_tiles + ceil_div(q1, bn)
+            pairs += (q1 - q0) * sum(ancestors) + tile_pairs(q0, q1)
+    return tiles, pairs
+
+
+def dense_tiles(rows, bm: int, bn: int):
+    """(KV tiles, useful pairs) of a dense causal kernel over the unpacked rows."""
+    tiles = pairs = 0
+    for length in rows:
+        for q0 in range(0, length, bm):
+            q1 = min(q0 + bm, length)
+            tiles += ceil_div(q1, bn)
+            pairs += tile_pairs(q0, q1)
+    return tiles, pairs
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--classes", default=",".join(CLASSES))
+    ap.add_argument("--bm", type=int, default=128, help="query rows per tile (D 64's Hopper forward: 192)")
+    ap.add_argument("--bn", default="64,80,128,160", help="KV rows per tile, comma-separated")
+    args = ap.parse_args()
+    for name in args.classes.split(","):
+        lens, parents = layout_class(name)
+        rows = root_paths(lens, parents)
+        for bn in (int(b) for b in args.bn.split(",")):
+            t, p = packed_tiles(lens, parents, args.bm, bn)
+            td, pd = dense_tiles(rows, args.bm, bn)
+            area, area_dense = t * args.bm * bn / p, td * args.bm * bn / pd
+            print(f"{name:15s} {args.bm} x {bn:3d}: dualkv {t:7d} tiles, area/useful {area:.3f} | dense {td:7d} "
+                  f"tiles, {area_dense:.3f} | dualkv / dense {area / area_dense:.3f}")
+
+
+if __name__ == "__main__":
+    main()
