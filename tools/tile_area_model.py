@@ -15,9 +15,11 @@ of the unpacked rows, on the layout classes (bench/layout_classes.py). No librar
   (dualkv's area per useful pair over dense's: above 1, dualkv computes more masked area per
   useful FLOP than the dense kernel; a per-tile rate equal to dense's then loses that much).
 
-Session 49 (docs/benchmarks.md): at D 256 (128 x 80 tiles) long responses read 1.018: the prompts'
-ragged last KV tile (256 = 3 x 80 + 16), walked by every response tile, is most of the D-256
-forward's 3% never-lose gap; at 128 x 128 (D 128) and 192 x 128 (D 64) 0.999 / 1.006.
+Session 49 (docs/benchmarks.md): at D 256 (128 x 80 tiles) long responses read 1.018, from the
+prompts' ragged last KV tile (256 = 3 x 80 + 16) walked by every response tile, beside the D-256
+forward's 3% never-lose gap and +3% executed instructions against FA4's (branch junction removes it:
+docs/notes/2026-12-06-d256-fwd-junction-tile.md); at 128 x 128 (D 128) and 192 x 128 (D 64) 0.999 /
+1.006.
 """
 from __future__ import annotations
 
