@@ -27,8 +27,8 @@
 #                ~4-6 min estimated (flex_fa4 compiles forward and forward+backward per config, ~8 s the first
 #                time, a few s after; cut at $BENCH_TIMEOUT, default 560 s). bench-quick: 2 configs (~1.5 min)
 #   bench-dims   dualkv, cuDNN, fa4_dense and flex_fa4 at hdim 64 and 256 (H 32, Hk 8), three configs each (~2-3 min estimated with FA4; flex_fa4 at 256 searches a block size its kernels
-#                accept: up to 4 compiles, each recorded), each head dim cut at $DIMS_TIMEOUT s (default 400: on an
-#                H100 in session 48 Flex-FA4's first D-256 block mask of a process compiled past 200 s)
+#                accept: up to 4 compiles, each recorded), each head dim cut at $DIMS_TIMEOUT s (default 400: the
+#                D-256 process took 257 s on an H100 in session 49, FA4 dense and cuDNN on the unpacked batches included)
 #   bench-classes issue 23's layout classes (bench/layout_classes.py: small groups, tiny responses, long
 #                responses, multi-turn trees) per head dim in $CLASSES_DIMS (default 128), methods
 #                $CLASSES_METHODS (default dualkv,fa4_dense,flex_fa4,sdpa_cudnn; with $AB_LIBRARY also

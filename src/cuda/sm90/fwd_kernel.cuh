@@ -324,7 +324,8 @@ __device__ __forceinline__ void fwd_o_row_stg128(T* orow, const float (&o)[D / 2
 }
 
 // Whether a [T, H, D] output (16-bit elements, strides in elements) allows fwd_o_row_stg128's 16-byte
-// row stores: base, token stride and head stride 16-byte aligned. The forward's out, the dQ kernel's dq.
+// row stores: base, token stride and head stride 16-byte aligned. The forward's out (and, with
+// positive strides, its TMA store), the dQ kernel's dq.
 inline bool rows_allow_stg128(const void* base, int64_t token_stride, int64_t head_stride, int H) {
   return reinterpret_cast<uintptr_t>(base) % 16 == 0 && token_stride % 8 == 0 && (H == 1 || head_stride % 8 == 0);
 }

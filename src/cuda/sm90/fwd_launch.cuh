@@ -55,8 +55,8 @@ cudaError_t run_fwd(const FwdArgs& args, int sms, cudaStream_t stream) {
     p.o_vec16 = rows_allow_stg128(args.out, args.o_ts, args.o_hs, H) ? 1 : 0;
   }
   if constexpr (C::kOStaged) {
-    const bool aligned = reinterpret_cast<uintptr_t>(args.out) % 16 == 0 && args.o_ts > 0 && (args.o_ts * 2) % 16 == 0 &&
-                         (H == 1 || (args.o_hs > 0 && (args.o_hs * 2) % 16 == 0));
+    const bool aligned =
+        rows_allow_stg128(args.out, args.o_ts, args.o_hs, H) && args.o_ts > 0 && (H == 1 || args.o_hs > 0);
     p.o_tma = aligned && make_map(&p.to, kTmaType<T>, args.out, D, H, T_, args.o_hs, args.o_ts, 64) ? 1 : 0;
   }
   if (args.prefix_k != nullptr) {  // external prefix (issue 17): instantiated without modifiers only
