@@ -293,6 +293,18 @@ struct SegmentMask {
   DUALKV_HOST_DEVICE static bool fwd_hidden(int32_t kpos, int32_t krem, bool own, int32_t col, int32_t q) {
     return col >= fwd_visible_cols(kpos, krem, own, q);
   }
+  // A junction tile of the walk (KvJoinWalk, below): the root's last krem keys from column 0, then,
+  // from column fwd_junction_gap(krem) (krem rounded up to the 8-row boxes it is loaded in), `join`
+  // keys of the own range from its first token own0. Query q of the own segment sees columns
+  // [0, krem) and [gap, fwd_junction_end(...)): its own keys up to itself.
+  DUALKV_HOST_DEVICE static int32_t fwd_junction_gap(int32_t krem) { return (krem + 7) & ~7; }
+  DUALKV_HOST_DEVICE static int32_t fwd_junction_end(int32_t krem, int32_t join, int32_t own0, int32_t q) {
+    const int32_t own_cols = q - own0 + 1;
+    return fwd_junction_gap(krem) + (join < own_cols ? join : own_cols);
+  }
+  DUALKV_HOST_DEVICE static bool fwd_junction_hidden(int32_t krem, int32_t join, int32_t own0, int32_t col, int32_t q) {
+    return (col >= krem && col < fwd_junction_gap(krem)) || col >= fwd_junction_end(krem, join, own0, q);
+  }
 
   // 3./4. Backward: KV rows up to k_last of a tile against the query tile from q_first on (queries
   // of the tile's bwd_query_range). Ragged: some of the rows lie past the KV tile's end (a kernel
@@ -397,6 +409,56 @@ struct SegmentMask {
     TokenRange r{b.keys.begin, b.own && q + 1 < b.keys.end ? q + 1 : b.keys.end};
     if (r.end < r.begin) r.end = r.begin;  // a row before the block's first key sees none of it
     return w.cut(r, b.k_pos, q_pos);
+  }
+};
+
+// The plain walk with a junction tile (the Hopper D-256 forward's long-walk build,
+// sm90/fwd_kernel.cuh kJunctionTile): where the root's last KV tile is ragged and the own range
+// follows it, that tile also holds the own range's first keys, as a dense kernel's tile of the
+// unpacked row would (its columns: SegmentMask::fwd_junction_hidden). The own range's later tiles
+// then start `join` keys into it. Not for a tile of siblings (may_join false there: the plain
+// walk). Host and device.
+template <int BN>
+struct KvJoinWalk : KvWalk<BN> {
+  using Base = KvWalk<BN>;
+  // The base's other walks stay callable (a kernel names them in branches its build never takes).
+  using Base::next;
+  int32_t join;   // keys of the own range the current tile holds after the root's (0: not a junction)
+  int32_t own0;   // first token of the query segment (its own range's start)
+  bool may_join;  // the tile holds one segment's rows (not a tile of siblings)
+
+  DUALKV_HOST_DEVICE void init(const int32_t* offsets, const int32_t* parent, int32_t s, int32_t q1) {
+    Base::init(offsets, parent, s, q1);
+    own0 = offsets[s];
+    may_join = q1 <= offsets[s + 1];
+    join = 0;
+    check_join(parent);
+  }
+  DUALKV_HOST_DEVICE bool next(const int32_t* offsets, const int32_t* parent) {
+    if (join > 0) {  // after a junction: the own range from its join-th key, if any are left
+      this->cur = this->seg;
+      this->pos = own0 + join;
+      this->end = this->own_end;
+      this->own = true;
+      join = 0;
+      return this->pos < this->end;
+    }
+    const bool more = Base::next(offsets, parent);
+    if (more) check_join(parent);
+    return more;
+  }
+  // The column where the junction's own keys start (SegmentMask::fwd_junction_gap).
+  DUALKV_HOST_DEVICE int32_t junction_gap() const { return SegmentMask::fwd_junction_gap(this->rest()); }
+  // Keys of the current tile (root and own together at a junction).
+  DUALKV_HOST_DEVICE int32_t len() const { return join > 0 ? this->rest() + join : Base::len(); }
+
+ private:
+  // The current tile is a junction when it is the root's ragged last one, the own range comes
+  // next, and the 8-row rounding leaves room for own keys.
+  DUALKV_HOST_DEVICE void check_join(const int32_t* parent) {
+    if (!may_join || this->own || parent[this->cur] >= 0 || this->rest() >= BN) return;
+    const int32_t room = BN - junction_gap(), own_keys = this->own_end - own0;
+    join = room < own_keys ? room : own_keys;
   }
 };
 

@@ -371,3 +371,91 @@ TEST(Mask, ForwardWalkWithKvTilesWiderThanQueryTiles) {
 }
 
 }  // namespace
+
+namespace {
+
+// The walk with junction tiles (KvJoinWalk, the sm90 D-256 long-walk forward): for each query tile,
+// its tiles with SegmentMask::fwd_junction_hidden at a junction (fwd_hidden elsewhere) see exactly
+// the visible keys, each once; a junction tile is the root's ragged last one, holds at most BN keys
+// and both its parts; a tile of siblings walks as the plain walk. On the GRPO groups of the
+// layout-class benchmark's long responses (P 256 = 3 x 80 + 16), a response's query tile walks
+// ceil((P + q1 - own0) / 80) tiles when the root's tail is a multiple of 8: its unpacked row's count.
+template <int BM, int BN>
+void check_join_forward(const HostLayout& l) {
+  const dualkv_layout v = l.view();
+  const dualkv::ForestView f = dualkv::make_forest_view(v);
+  const int32_t* off = l.offsets.data();
+  const int32_t* par = l.parent.data();
+  for (int32_t s = 0; s < l.num_segments(); ++s) {
+    for (int32_t q0 = off[s]; q0 < off[s + 1]; q0 += BM) {
+      const int32_t q1 = std::min(q0 + BM, off[s + 1]);
+      SCOPED_TRACE("segment " + std::to_string(s) + " q0 " + std::to_string(q0));
+      std::vector<std::vector<char>> seen(q1 - q0, std::vector<char>(l.num_tokens(), 0));
+      dualkv::KvJoinWalk<BN> walk;
+      walk.init(off, par, s, q1);
+      do {
+        if (walk.join > 0) {
+          ASSERT_FALSE(walk.own);
+          ASSERT_LT(par[walk.cur], 0) << "a junction is the root's last tile";
+          ASSERT_LT(walk.rest(), BN);
+          const int32_t gap = SegmentMask::fwd_junction_gap(walk.rest());
+          ASSERT_LE(gap + walk.join, BN);
+          ASSERT_EQ(walk.len(), walk.rest() + walk.join);
+          for (int32_t q = q0; q < q1; ++q)
+            for (int32_t col = 0; col < BN; ++col) {
+              if (SegmentMask::fwd_junction_hidden(walk.rest(), walk.join, walk.own0, col, q)) continue;
+              const int32_t k = col < gap ? walk.pos + col : walk.own0 + col - gap;
+              ++seen[q - q0][k];
+            }
+        } else {
+          for (int32_t q = q0; q < q1; ++q)
+            for (int32_t col = 0; col < BN; ++col)
+              if (!SegmentMask::fwd_hidden(walk.pos, walk.rest(), walk.own, col, q)) ++seen[q - q0][walk.pos + col];
+        }
+      } while (walk.next(off, par));
+      for (int32_t q = q0; q < q1; ++q) {
+        const int32_t qs = f.segment_of(q);
+        for (int32_t k = 0; k < l.num_tokens(); ++k)
+          ASSERT_EQ(seen[q - q0][k], SegmentMask::visible(f, qs, q, f.segment_of(k), k) ? 1 : 0) << "q " << q << " k " << k;
+      }
+    }
+  }
+}
+
+TEST(Mask, JunctionWalkSeesExactlyTheVisibleKeys) {
+  std::mt19937 rng(2560);
+  for (int trial = 0; trial < 40; ++trial) {
+    std::vector<int32_t> lens, parents;
+    random_forest(rng, 1 + trial % 3, 1 + trial % 4, 3, 60, &lens, &parents);
+    HostLayout l(lens, parents);
+    SCOPED_TRACE(trial);
+    check_join_forward<16, 24>(l);
+    check_join_forward<128, 80>(l);
+  }
+  // Tails of 1..80 keys under roots around the kernel's 80-row tiles; responses shorter and longer
+  // than a junction's room.
+  for (int32_t root : {1, 7, 8, 9, 16, 72, 73, 79, 80, 81, 256, 300}) {
+    HostLayout l({root, 3, 70, 200, 64}, {-1, 0, 0, 0, 0});
+    SCOPED_TRACE("root " + std::to_string(root));
+    check_join_forward<128, 80>(l);
+  }
+}
+
+TEST(Mask, JunctionWalkTilesTheUnpackedRow) {
+  const int32_t P = 256, R = 700;
+  HostLayout l({P, R, R}, {-1, 0, 0});
+  const int32_t* off = l.offsets.data();
+  for (int32_t s = 1; s <= 2; ++s) {
+    for (int32_t q0 = off[s]; q0 < off[s + 1]; q0 += 128) {
+      const int32_t q1 = std::min(q0 + 128, off[s + 1]);
+      dualkv::KvJoinWalk<80> walk;
+      walk.init(off, l.parent.data(), s, q1);
+      int tiles = 0;
+      do ++tiles;
+      while (walk.next(off, l.parent.data()));
+      EXPECT_EQ(tiles, (P + q1 - off[s] + 79) / 80) << "segment " << s << " q0 " << q0;
+    }
+  }
+}
+
+}  // namespace

@@ -333,6 +333,26 @@ def test_wide_kv_tile_random_forests_d256(case, long_walks):
     check_random_forest(256, case, seg_len_wide_256, 1500, rng_seed=9500 + case, seed=500 + case, long_build=True)
 
 
+# The D-256 long-walk kernel's junction tiles (mask.h KvJoinWalk): a root whose last 80-row KV tile is
+# ragged shares it with the own range's first keys, loaded in 8-row boxes: root tails below, at and
+# above multiples of 8 (72 leaves room for 8 own keys, 73-79 none), responses shorter and longer than
+# the junction's room and than a 128-row query tile, and a chain (the root's junction after the
+# parents' tiles).
+@needs_d256
+@pytest.mark.parametrize("prompt", [1, 9, 16, 63, 70, 72, 73, 79, 170, 256])
+def test_junction_tiles_d256(prompt, long_walks):
+    lens = [prompt, 1, 7, 8, 9, 60, 64, 65, 130, 300]
+    parents = [-1] + [0] * (len(lens) - 1)
+    check(lens, parents, 8, 2, 256, DTYPES[prompt % 2], seed=700 + prompt, long_build=True)
+
+
+@needs_d256
+def test_junction_tiles_d256_chain(long_walks):
+    lens = [100, 37, 250, 81, 5]
+    parents = [-1, 0, 1, 2, 0]
+    check(lens, parents, 4, 2, 256, torch.bfloat16, seed=77, long_build=True)
+
+
 # ---- item transitions: many work items per CTA ----
 # The forward is persistent (one CTA per SM taking (query tile, head) items from a counter), and the
 # layouts above have tens to a few hundred items: most CTAs run one item or none, so the hand-over

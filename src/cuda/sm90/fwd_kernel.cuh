@@ -83,6 +83,12 @@ template <int D, typename Mods, bool kPrefix>
 constexpr bool fwd_skips_hidden_tiles() {
   return (D == 64 || D == 256) && !Mods::kSoftcap && !Mods::kWindow && !kPrefix;
 }
+// The long-walk build's junction tiles (mask.h KvJoinWalk; the kernel's kJunctionTile says why): the
+// D-256 wide-tile kernel. Its launcher makes the 8-row K / V maps (Sm90FwdParams::tk8 / tv8).
+template <int D, typename Mods, bool kPrefix>
+constexpr bool fwd_junction_tiles() {
+  return D == 256 && fwd_wide_tiles<D, Mods, kPrefix>();
+}
 // Whether the kernel has a long-walk build that differs from its short-walk one.
 template <int D, typename Mods, bool kPrefix>
 constexpr bool fwd_has_long_walk_kernel() {
@@ -167,7 +173,28 @@ struct Sm90FwdParams {
   // The per-thread O epilogue's 16-byte stores (kernels without kOStaged, D 256; fwd_o_row_stg128):
   // whether out's base and strides are 16-byte aligned (otherwise the 4-byte pair stores).
   int32_t o_vec16;
+  // The junction tile's K / V maps (fwd_sm90_kernel's kJunctionTile): boxes of 8 rows, made only for
+  // the kernels that read them. Last, so the other fields keep their offsets.
+  CUtensorMap tk8, tv8;
 };
+
+// A junction tile's K or V stage (mask.h KvJoinWalk) from 8-row boxes: rows below `gap` from the
+// root's rows at root_pos (those at or past the root's end are hidden by the mask), the rest from
+// the own range's start own0. An 8-row box of a 128-byte-swizzled tile is one swizzle atom (1 KiB),
+// so each lands in the rows and swizzle the tile's one box would give it; the bytes are the stage's
+// (kKVBytes), as the barrier expects.
+template <typename C>
+__device__ __forceinline__ void tma_load_junction(uint8_t* dst, const CUtensorMap* map8, uint64_t* bar, int hk,
+                                                  int32_t root_pos, int32_t gap, int32_t own0) {
+#pragma unroll
+  for (int b = 0; b < C::kBoxes; ++b) {
+#pragma unroll
+    for (int c = 0; c < C::kBlockN / 8; ++c) {
+      const int32_t row = 8 * c < gap ? root_pos + 8 * c : own0 + 8 * c - gap;
+      tma_load_3d(dst + b * C::kKVBoxBytes + c * 1024, map8, bar, b * 64, hk, row);
+    }
+  }
+}
 
 struct Sm90Barriers {
   uint64_t* k_full;
@@ -359,6 +386,14 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
   // seven short-walk layouts; in the long-walk builds (N8 P16K, N8 P2K R8K) 1.000-1.027 over two
   // runs, within this size's run-to-run spread, so they keep the old order.
   constexpr bool kKAhead = D == 256 || !kLongWalks;
+  // The junction tile (mask.h KvJoinWalk): the root's ragged last KV tile also holds the own range's
+  // first keys, loaded in 8-row TMA boxes (tk8 / tv8), so a response's query tile walks prompt and
+  // own keys in the tiles of its unpacked row. tools/tile_area_model.py: long responses (P 256 = 3 x
+  // 80 + 16) computed 1.075 tile area per useful pair against 1.056 for FA4 dense's tiling of the
+  // unpacked rows; the junction tile makes it the dense figure. The D-256 long-walk build without
+  // modifiers or external prefix only (its steady loop; 80-row tiles, where a ragged tile costs most).
+  constexpr bool kJunctionTile = kLongWalks && fwd_junction_tiles<D, Mods, kPrefix>();
+  using Walk = std::conditional_t<kJunctionTile, KvJoinWalk<BN>, KvWalk<BN>>;
 
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   const uint32_t pad = (1024u - (smem_u32(smem_raw) & 1023u)) & 1023u;
@@ -443,7 +478,7 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
       const int32_t q0 = items[tile * kFwdItemInts + 1];
       const int32_t q1 = items[tile * kFwdItemInts + 2];
 
-      KvWalk<BN> kv;
+      Walk kv;
       // The sliding window (mask modifiers, issue 16): the walk from the tile's first position on,
       // as the consumers walk it.
       int32_t first_pos = 0;
@@ -464,6 +499,12 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
           const CUtensorMap* tk = kPrefix && kv.prefix ? &p.tpk : &p.tk;
           mbar_wait(&B.k_empty[st], kph ^ 1);
           mbar_arrive_expect_tx(&B.k_full[st], C::kKVBytes);
+          if constexpr (kJunctionTile) {
+            if (kv.join > 0) {
+              tma_load_junction<C>(sK + st * C::kKVBytes, &p.tk8, &B.k_full[st], hk, kv.pos, kv.junction_gap(), kv.own0);
+              return;
+            }
+          }
 #pragma unroll
           for (int b = 0; b < C::kBoxes; ++b)
             tma_load_3d(sK + st * C::kKVBytes + b * C::kKVBoxBytes, tk, &B.k_full[st], b * 64, hk, kv.pos);
@@ -488,6 +529,11 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
           // This tile's V: its row and tensor map, read before the walk moves on.
           const int32_t vpos = kv.pos;
           const CUtensorMap* tv = kPrefix && kv.prefix ? &p.tpv : &p.tv;
+          int32_t vjoin = 0, vgap = 0;  // kJunctionTile: the tile's junction (its own keys, their column)
+          if constexpr (kJunctionTile) {
+            vjoin = kv.join;
+            vgap = kv.junction_gap();
+          }
           more = kPrefix          ? kv.next(L.offsets, L.parent, L.seg_prefix, L.prefix_offsets)
                  : Mods::kWindow ? kv.next_windowed(L.offsets, L.parent, L.position_offset, first_pos)
                                  : kv.next(L.offsets, L.parent);
@@ -495,9 +541,18 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
           const uint32_t st = kv_iter % S, kph = (kv_iter / S) & 1;
           mbar_wait(&B.kv_empty[st], kph ^ 1);
           mbar_arrive_expect_tx(&B.v_full[st], C::kKVBytes);
+          bool v_loaded = false;
+          if constexpr (kJunctionTile) {
+            if (vjoin > 0) {
+              tma_load_junction<C>(sV + st * C::kKVBytes, &p.tv8, &B.v_full[st], hk, vpos, vgap, kv.own0);
+              v_loaded = true;
+            }
+          }
+          if (!v_loaded) {
 #pragma unroll
-          for (int b = 0; b < C::kBoxes; ++b)
-            tma_load_3d(sV + st * C::kKVBytes + b * C::kKVBoxBytes, tv, &B.v_full[st], b * 64, hk, vpos);
+            for (int b = 0; b < C::kBoxes; ++b)
+              tma_load_3d(sV + st * C::kKVBytes + b * C::kKVBoxBytes, tv, &B.v_full[st], b * 64, hk, vpos);
+          }
           ++kv_iter;
         } while (more);
         continue;
@@ -697,7 +752,7 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
     float s[BN / 2];
     uint32_t pf[BN / 4];
 
-    KvWalk<BN> kv;
+    Walk kv;
     int32_t first_pos = 0;  // the sliding window (issue 16): as the producer's walk
     if constexpr (kPrefix) {
       kv.init(L.offsets, L.parent, L.seg_prefix, L.prefix_offsets, seg, q1);
@@ -739,8 +794,28 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
     // Mask (and softcap) of s; krem: the keys left in the walk's range from kpos on
     // (KvWalk::rest(), SegmentMask's forward part); kcur: the segment of the tile's keys (the walk's
     // cur; the window's shift, issue 16).
+    int32_t kjoin = 0;  // kJunctionTile: the masked tile's own keys after the root's (KvJoinWalk::join)
     auto mask_scores = [&](int32_t kpos, int32_t krem, bool own, int32_t kcur) {
       if constexpr (Mods::kSoftcap) softcap_scores(s, a);  // mask modifiers (issue 16): before the mask
+      if constexpr (kJunctionTile) {
+        if (kjoin > 0) {
+          // A junction tile (SegmentMask::fwd_junction_hidden, its bounds once per row): the root's
+          // krem keys, nothing up to the gap (its 8-row box's other rows), then the own range's
+          // kjoin keys, row q seeing those up to itself.
+          const int32_t gap = SegmentMask::fwd_junction_gap(krem), own0 = L.offsets[seg];
+          const int32_t hi[2] = {SegmentMask::fwd_junction_end(krem, kjoin, own0, qi0),
+                                 SegmentMask::fwd_junction_end(krem, kjoin, own0, qi0 + 8)};
+#pragma unroll
+          for (int j = 0; j < BN / 8; ++j) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const int32_t c = j * 8 + 2 * t4 + (e & 1);
+              if ((c >= krem && c < gap) || c >= hi[e >> 1]) s[4 * j + e] = -CUDART_INF_F;
+            }
+          }
+          return;
+        }
+      }
       // Ragged or diagonal (SegmentMask::fwd_tile_kind, against the tile's first row q0 and last
       // q1 - 1). In a tile of siblings every own range starts at or after q0, so the diagonal test
       // holds for it without fwd_diagonal's q_last >= kpos + krem term (which a tile of one segment
@@ -890,6 +965,7 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
     if (lane == 0) mbar_arrive(&B.k_empty[st]);
     int32_t kpos = kv.pos, krem = kv.rest(), kcur = kv.cur;
     bool own = kv.own;
+    if constexpr (kJunctionTile) kjoin = kv.join;
     bool more = walk_next();
     if (!more) {  // the item's only S retired (wait_group 0 above): its Q buffer may be reloaded
       __syncwarp();
@@ -991,6 +1067,7 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
         static_assert(kSoftmaxBeforeWalk, "the steady tile runs the softmax before the walk");
         if constexpr (!kSteady) {
           kpos = kv.pos; krem = kv.rest(); own = kv.own; kcur = kv.cur;
+          if constexpr (kJunctionTile) kjoin = kv.join;
         }
         st = kv_iter % S;
         mbar_wait(&B.k_full[st], (kv_iter / S) & 1);

@@ -43,6 +43,11 @@ cudaError_t run_fwd(const FwdArgs& args, int sms, cudaStream_t stream) {
       !make_map(&p.tk, kTmaType<T>, args.k, D, Hk, T_, args.k_hs, args.k_ts, kv_box_rows) ||
       !make_map(&p.tv, kTmaType<T>, args.v, D, Hk, T_, args.v_hs, args.v_ts, kv_box_rows))
     return cudaErrorNotSupported;
+  if constexpr (fwd_junction_tiles<D, Mods, false>()) {
+    if (long_walks && (!make_map(&p.tk8, kTmaType<T>, args.k, D, Hk, T_, args.k_hs, args.k_ts, 8) ||
+                       !make_map(&p.tv8, kTmaType<T>, args.v, D, Hk, T_, args.v_hs, args.v_ts, 8)))
+      return cudaErrorNotSupported;
+  }
   // The O epilogue's TMA store (Sm90FwdConfig::kOStaged): only where out is TMA-aligned (16-byte
   // base and strides); otherwise the kernel stores every tile per thread (fwd_args_ok asks pairs only).
   p.o_tma = 0;
