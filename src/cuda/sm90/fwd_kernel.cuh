@@ -394,6 +394,7 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
   // modifiers or external prefix only (its steady loop; 80-row tiles, where a ragged tile costs most).
   constexpr bool kJunctionTile = kLongWalks && fwd_junction_tiles<D, Mods, kPrefix>();
   using Walk = std::conditional_t<kJunctionTile, KvJoinWalk<BN>, KvWalk<BN>>;
+  static_assert(!kJunctionTile || kKAhead, "the junction tile's loads are in the K-ahead producer loop only");
 
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   const uint32_t pad = (1024u - (smem_u32(smem_raw) & 1023u)) & 1023u;
