@@ -451,6 +451,10 @@ struct KvJoinWalk : KvWalk<BN> {
   DUALKV_HOST_DEVICE int32_t junction_gap() const { return SegmentMask::fwd_junction_gap(this->rest()); }
   // Keys of the current tile (root and own together at a junction).
   DUALKV_HOST_DEVICE int32_t len() const { return join > 0 ? this->rest() + join : Base::len(); }
+  // After steps inside a range that bypass next() (a kernel's steady loop: pos += BN over tiles
+  // that are not their range's last, fwd_steady_tiles): whether the tile reached is a junction.
+  // Idempotent, so it may follow next() too.
+  DUALKV_HOST_DEVICE void rejoin(const int32_t* parent) { check_join(parent); }
 
  private:
   // The current tile is a junction when it is the root's ragged last one, the own range comes

@@ -5,6 +5,8 @@
 // reproduce the windowed rule, written here from positions alone.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <array>
 #include <cmath>
 #include <random>
 #include <string>
@@ -438,6 +440,48 @@ TEST(Mask, JunctionWalkSeesExactlyTheVisibleKeys) {
     HostLayout l({root, 3, 70, 200, 64}, {-1, 0, 0, 0, 0});
     SCOPED_TRACE("root " + std::to_string(root));
     check_join_forward<128, 80>(l);
+  }
+}
+
+// The consumers' order of the same walk: steady steps inside a range (pos += BN over the tiles
+// sm90/fwd_kernel.cuh fwd_steady_tiles counts: not the range's last, and in an own range not past
+// q0) and rejoin() after them, next() on the others, meet the producer's tiles (next() on every
+// tile): the same positions, ranges and junctions, in the same order.
+template <int BN>
+void check_join_steady_order(const HostLayout& l, int32_t s, int32_t q0, int32_t q1) {
+  const int32_t* off = l.offsets.data();
+  const int32_t* par = l.parent.data();
+  std::vector<std::array<int32_t, 4>> producer, consumer;
+  dualkv::KvJoinWalk<BN> p, c;
+  p.init(off, par, s, q1);
+  do producer.push_back({p.pos, p.rest(), p.join, p.own ? 1 : 0});
+  while (p.next(off, par));
+  c.init(off, par, s, q1);
+  bool more = true;
+  while (more) {
+    int32_t steady = (c.rest() - 1) / BN;
+    if (c.own) steady = std::min(steady, std::max(q0 + 1 - c.pos, 0) / BN);
+    for (; steady > 0; --steady) {
+      consumer.push_back({c.pos, c.rest(), c.join, c.own ? 1 : 0});
+      c.pos += BN;
+    }
+    c.rejoin(par);
+    consumer.push_back({c.pos, c.rest(), c.join, c.own ? 1 : 0});
+    more = c.next(off, par);
+  }
+  ASSERT_EQ(consumer, producer);
+}
+
+TEST(Mask, JunctionWalkInTheConsumersSteadyOrder) {
+  std::mt19937 rng(2561);
+  for (int trial = 0; trial < 40; ++trial) {
+    std::vector<int32_t> lens, parents;
+    random_forest(rng, 1 + trial % 3, 1 + trial % 4, 3, 400, &lens, &parents);
+    HostLayout l(lens, parents);
+    SCOPED_TRACE(trial);
+    for (int32_t s = 0; s < l.num_segments(); ++s)
+      for (int32_t q0 = l.offsets[s]; q0 < l.offsets[s + 1]; q0 += 128)
+        check_join_steady_order<80>(l, s, q0, std::min(q0 + 128, l.offsets[s + 1]));
   }
 }
 

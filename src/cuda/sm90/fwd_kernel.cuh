@@ -1144,6 +1144,9 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
         // Every steady tile is seen() (kSkipHidden): it ends at or before q0 <= wg_last, and the
         // tile after it starts at or before q0 + 1 and inside the range, so at or before wg_last.
         for (int32_t steady = fwd_steady_tiles(kv, q0); steady > 0; --steady) plain_tile(std::true_type{});
+        // The steady tiles stepped pos without next(): the tile they reach may be a junction, as
+        // the producer's walk (next() on every tile) has it.
+        if constexpr (kJunctionTile) kv.rejoin(L.parent);
         plain_tile(std::false_type{});
       }
     }
