@@ -141,26 +141,28 @@ def test_deterministic_bitwise(D):
             assert torch.equal(a, b), f"{name}: deterministic mode not bit-identical run to run"
 
 
+DQ_DIMS = [d for d in (128, 256) if d in DIMS]  # sm90/bwd_dq_kernel.cuh bwd_dq_sm90_built
+
+
+@pytest.mark.parametrize("D", DQ_DIMS)
 @pytest.mark.parametrize("case", range(12))
-def test_deterministic_dq_kernel(case):
-    # The deterministic mode's Hopper dQ kernel (sm90/bwd_dq_kernel.cuh: D 256, no softcap / window,
-    # no external prefix): launched instead of the portable one, and within the bound on random
+def test_deterministic_dq_kernel(case, D):
+    # The deterministic mode's Hopper dQ kernel (sm90/bwd_dq_kernel.cuh: D 128 / 256, no softcap /
+    # window, no external prefix): launched instead of the portable one, and within the bound on random
     # forests, both dtypes and every GQA group, with and without dlse; bit-identical run to run.
-    if 256 not in DIMS:
-        pytest.skip("no D-256 sm90 backward in this build")
     rng = random.Random(9300 + case)
     dtype = DTYPES[case % 2]
     H, Hk = GQA[case % len(GQA)]
     lens, parents = forest(rng, budget=900)
     if case == 0:  # one prompt, long responses: walks of many 48-row KV tiles
         lens, parents = [700] + [300] * 3, [-1, 0, 0, 0]
-    names = cuda_kernels_run(lambda: run(lens, parents, H, Hk, 256, dtype, seed=case, deterministic=True,
+    names = cuda_kernels_run(lambda: run(lens, parents, H, Hk, D, dtype, seed=case, deterministic=True,
                                          with_dlse=(case % 3 == 0)))
     assert any("bwd_dq_sm90_kernel" in n for n in names), f"Hopper dQ kernel not launched: {sorted(names)}"
     assert not any("bwd_dq_kernel" in n for n in names), f"portable dQ kernel also ran: {sorted(names)}"
     layout_cpu = dualkv.Layout.from_tree(lens, parents)
     layout = layout_cpu.to("cuda")
-    q, k, v, dout = make_inputs(layout_cpu, H, Hk, 256, dtype, seed=case)
+    q, k, v, dout = make_inputs(layout_cpu, H, Hk, D, dtype, seed=case)
     first = kernel_grads(q, k, v, dout, layout, deterministic=True)
     again = kernel_grads(q, k, v, dout, layout, deterministic=True)
     for name, a, b in zip(NAMES, first, again):

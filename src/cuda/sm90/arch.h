@@ -34,11 +34,12 @@ inline bool fwd_tiles_ok(int head_dim, bool windowed, int fwd_block_m) {
 // built for these; where it is, the backward computes dQ that way in every mode, not only in
 // deterministic mode (dispatch.cu bwd_dq_query_outer): at D 256 the two kernels took 0.68-0.85x the
 // fwd+bwd time of the dQ-accumulating main kernel (H100, 2026-12-06; docs/decisions.md).
+// Candidate: also built at D 128, where only the deterministic mode runs it (not measured yet).
 constexpr bool bwd_dq_kernel_built(int head_dim, bool softcap, bool window) {
-  return head_dim == 256 && !softcap && !window;
+  return (head_dim == 256 || head_dim == 128) && !softcap && !window;
 }
 inline bool bwd_dq_query_outer(int head_dim, bool softcap, bool window, bool prefixed) {
-  return bwd_dq_kernel_built(head_dim, softcap, window) && !prefixed;
+  return head_dim == 256 && bwd_dq_kernel_built(head_dim, softcap, window) && !prefixed;
 }
 
 // `sms`: the device's multiprocessor count (one persistent CTA per SM). cudaErrorNotSupported:
