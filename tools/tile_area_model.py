@@ -17,9 +17,9 @@ of the unpacked rows, on the layout classes (bench/layout_classes.py). No librar
 
 Session 49 (docs/benchmarks.md): at D 256 (128 x 80 tiles) long responses read 1.018, from the
 prompts' ragged last KV tile (256 = 3 x 80 + 16) walked by every response tile, beside the D-256
-forward's 3% never-lose gap and +3% executed instructions against FA4's (branch junction removes it:
-docs/notes/2026-12-06-d256-fwd-junction-tile.md); at 128 x 128 (D 128) and 192 x 128 (D 64) 0.999 /
-1.006.
+forward's 3% never-lose gap and +3% executed instructions against FA4's; at 128 x 128 (D 128) and
+192 x 128 (D 64) 0.999 / 1.006. A junction tile that brings it to dense's area measured 1.02-1.04x the
+forward's time (session 50, docs/decisions.md): the kernel's added instructions outweighed the area.
 """
 from __future__ import annotations
 
