@@ -196,7 +196,8 @@ BENCHMARKS = {
                            "(dualkv_det, 50b2978) and after it (dualkv_ab_det, 88134f8), with the dQ-accumulating "
                            "default of the time and FA4 dense in one process; .ncu_stalls.txt / .dualkv.csv.xz: "
                            "the dQ kernel's stalls per SASS line on long responses (step ncu-stalls, NCU_METHODS=dualkv "
-                           "NCU_DIM=256 NCU_KERNEL=bwd_dq_sm90, main 39d49a2's library; session 50)",
+                           "NCU_DIM=256 NCU_KERNEL=bwd_dq_sm90, main 39d49a2's library; session 50); .ncu_units.txt / "
+                           ".dualkv.csv.xz: its units on the same layout (step ncu-units, the same variables)",
     "workspace_placement_d256_h100": "tools/workspace_placement.py --case 8,16384,2048 --head-dim 256 --rounds 5 on an "
                                      "H100: fwd+bwd with six separate workspaces, four offsets in one more and the "
                                      "library's own per-call allocation, rotated (device queue item 6; main cd65162's "
