@@ -401,6 +401,83 @@ __device__ __forceinline__ void bwd_reduce_dq_stage(const CUtensorMap* map, cons
 // per-thread-release diagnostic build).
 constexpr uint32_t kBwdDqFullCount = kBwdQdoEmptyCount;
 
+// The producer warp (warp 0) of both Hopper backward kernels (bwd_sm90_kernel below,
+// bwd_sm90_kernel_d256): lane 0 takes work items (one KV tile of the plan x one KV head) through the
+// atomic counter and hands them out through the 2-slot ring (item_full / item_empty), then loads the
+// item's K and V tile (the prefix buffers' maps for a prefix item, kPrefix); per step (a query head of
+// the KV head's group x a BM-row query tile, head-major) it loads Q and dO into the step's stage while
+// the whole warp stages the rows' lse and delta (bwd_stage_lse_delta). C: the kernel's config (smem
+// offsets, box and stage bytes).
+template <typename C, int BM, bool kPrefix, int D>
+__device__ __forceinline__ void bwd_producer_warp(const Sm90BwdParams<D>& p, const Sm90BwdBarriers& B, uint8_t* smem,
+                                                  float* s_lse, float* s_delta, const int32_t* witems,
+                                                  int32_t n_items, int Hk, int group) {
+  const BwdArgs& a = p.a;
+  const LayoutPtrs& L = a.layout;
+  const int lane = threadIdx.x;
+  if (lane == 0) {
+    tma_prefetch_desc(&p.tq);
+    tma_prefetch_desc(&p.tk);
+    tma_prefetch_desc(&p.tv);
+    tma_prefetch_desc(&p.tdo);
+    if constexpr (kPrefix) {
+      tma_prefetch_desc(&p.tpk);
+      tma_prefetch_desc(&p.tpv);
+    }
+  }
+  const int64_t T_ = L.num_tokens;
+  uint32_t kv_iter = 0, step = 0;
+  for (uint32_t n = 0;; ++n) {
+    const uint32_t slot = n & 1, ph = (n >> 1) & 1;
+    mbar_wait(&B.item_empty[slot], ph ^ 1);
+    int32_t item = 0;
+    if (lane == 0) {
+      item = atomicAdd(p.counter, 1);
+      B.items[slot] = item;
+      mbar_arrive(&B.item_full[slot]);
+    }
+    item = __shfl_sync(0xffffffffu, item, 0);
+    if (item >= n_items) break;
+    const int32_t w = item / Hk;
+    const int hk = item - w * Hk;
+    const int32_t* wi = witems + w * kBwdItemInts;
+    const int32_t k0 = wi[1], qa = wi[3], qb = wi[4];
+    if (lane == 0) {
+      // The item's tensor maps: the layout's K / V, or the prefix buffers' for a prefix item.
+      const bool pre = kPrefix && is_prefix_item(L, wi[0]);
+      const CUtensorMap* tk = pre ? &p.tpk : &p.tk;
+      const CUtensorMap* tv = pre ? &p.tpv : &p.tv;
+      mbar_wait(B.kv_empty, (kv_iter & 1) ^ 1);
+      mbar_arrive_expect_tx(B.kv_full, 2 * C::kKVBytes);
+#pragma unroll
+      for (int b = 0; b < C::kBoxes; ++b) {
+        tma_load_3d(smem + C::kOffK + b * C::kKVBoxBytes, tk, B.kv_full, b * 64, hk, k0);
+        tma_load_3d(smem + C::kOffV + b * C::kKVBoxBytes, tv, B.kv_full, b * 64, hk, k0);
+      }
+    }
+    ++kv_iter;
+    const int32_t tiles = (qb - qa + BM - 1) / BM;
+    const int32_t n_steps = tiles * group;
+    for (int32_t s = 0; s < n_steps; ++s, ++step) {
+      const int h = hk * group + s / tiles;
+      const int32_t qt = qa + (s % tiles) * BM;
+      const uint32_t st = step & 1;
+      mbar_wait(&B.qdo_empty[st], ((step >> 1) & 1) ^ 1);
+      if (lane == 0) {
+        mbar_arrive_expect_tx(&B.qdo_full[st], 2 * C::kQBytes);
+#pragma unroll
+        for (int b = 0; b < C::kBoxes; ++b) {
+          tma_load_3d(smem + C::kOffQ + st * C::kQBytes + b * C::kQBoxBytes, &p.tq, &B.qdo_full[st], b * 64, h, qt);
+          tma_load_3d(smem + C::kOffDO + st * C::kQBytes + b * C::kQBoxBytes, &p.tdo, &B.qdo_full[st], b * 64, h,
+                      qt);
+        }
+      }
+      bwd_stage_lse_delta<BM>(a, T_, h, qt, qb, lane, s_lse + st * BM, s_delta + st * BM);
+      mbar_arrive(&B.qdo_full[st]);
+    }
+  }
+}
+
 // Mods: the mask modifiers compiled in (modifiers.cuh: only kSoftcap changes this kernel).
 // kPrefix (external prefix, issue 17): the plan may hold prefix items: the producer loads their K/V
 // tile through the prefix buffers' tensor maps, no step of theirs is diagonal (only the rows past
@@ -505,69 +582,7 @@ bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
       }
     }
     if (threadIdx.x >= 32) return;
-    const int lane = threadIdx.x;
-    if (lane == 0) {
-      tma_prefetch_desc(&p.tq);
-      tma_prefetch_desc(&p.tk);
-      tma_prefetch_desc(&p.tv);
-      tma_prefetch_desc(&p.tdo);
-      if constexpr (kPrefix) {
-        tma_prefetch_desc(&p.tpk);
-        tma_prefetch_desc(&p.tpv);
-      }
-    }
-    const int64_t T_ = L.num_tokens;
-    uint32_t kv_iter = 0, step = 0;
-    for (uint32_t n = 0;; ++n) {
-      const uint32_t slot = n & 1, ph = (n >> 1) & 1;
-      mbar_wait(&B.item_empty[slot], ph ^ 1);
-      int32_t item = 0;
-      if (lane == 0) {
-        item = atomicAdd(p.counter, 1);
-        B.items[slot] = item;
-        mbar_arrive(&B.item_full[slot]);
-      }
-      item = __shfl_sync(0xffffffffu, item, 0);
-      if (item >= n_items) break;
-      const int32_t w = item / Hk;
-      const int hk = item - w * Hk;
-      const int32_t* wi = witems + w * kBwdItemInts;
-      const int32_t k0 = wi[1], qa = wi[3], qb = wi[4];
-      if (lane == 0) {
-        // The item's tensor maps: the layout's K / V, or the prefix buffers' for a prefix item.
-        const bool pre = kPrefix && is_prefix_item(L, wi[0]);
-        const CUtensorMap* tk = pre ? &p.tpk : &p.tk;
-        const CUtensorMap* tv = pre ? &p.tpv : &p.tv;
-        mbar_wait(B.kv_empty, (kv_iter & 1) ^ 1);
-        mbar_arrive_expect_tx(B.kv_full, 2 * C::kKVBytes);
-#pragma unroll
-        for (int b = 0; b < C::kBoxes; ++b) {
-          tma_load_3d(smem + C::kOffK + b * C::kKVBoxBytes, tk, B.kv_full, b * 64, hk, k0);
-          tma_load_3d(smem + C::kOffV + b * C::kKVBoxBytes, tv, B.kv_full, b * 64, hk, k0);
-        }
-      }
-      ++kv_iter;
-      const int32_t tiles = (qb - qa + BM - 1) / BM;
-      const int32_t n_steps = tiles * group;
-      for (int32_t s = 0; s < n_steps; ++s, ++step) {
-        const int h = hk * group + s / tiles;
-        const int32_t qt = qa + (s % tiles) * BM;
-        const uint32_t st = step & 1;
-        mbar_wait(&B.qdo_empty[st], ((step >> 1) & 1) ^ 1);
-        if (lane == 0) {
-          mbar_arrive_expect_tx(&B.qdo_full[st], 2 * C::kQBytes);
-#pragma unroll
-          for (int b = 0; b < C::kBoxes; ++b) {
-            tma_load_3d(smem + C::kOffQ + st * C::kQBytes + b * C::kQBoxBytes, &p.tq, &B.qdo_full[st], b * 64, h,
-                        qt);
-            tma_load_3d(smem + C::kOffDO + st * C::kQBytes + b * C::kQBoxBytes, &p.tdo, &B.qdo_full[st], b * 64,
-                        h, qt);
-          }
-        }
-        bwd_stage_lse_delta<BM>(a, T_, h, qt, qb, lane, s_lse + st * BM, s_delta + st * BM);
-        mbar_arrive(&B.qdo_full[st]);
-      }
-    }
+    bwd_producer_warp<C, BM, kPrefix>(p, B, smem, s_lse, s_delta, witems, n_items, Hk, group);
     return;
   }
 
