@@ -118,11 +118,21 @@ class WrongAttentionError(DualKVError, ValueError):
     Gated DeltaNet layers run the stock recurrence)."""
 
 
-def _unforked_hybrid_error() -> WrongAttentionError:
-    return WrongAttentionError(
-        "a packed dualkv batch reached a hybrid model whose Gated DeltaNet layers run the stock recurrence, which "
-        "would let each response continue from the previous response's state; call "
-        "dualkv.integrations.transformers.enable(model), which forks the recurrent state at segment boundaries")
+def _check_layout(layout, owner, missing: str) -> None:
+    """What the attention call and the model call both check: a layout of the right type, and no
+    hybrid model (`owner`: the model or an attention module of it) whose Gated DeltaNet layers run
+    the stock recurrence. `missing` is the message without a layout: the two calls name different
+    fixes."""
+    if layout is None:
+        raise MissingLayoutError(missing)
+    if not isinstance(layout, (Layout, SequenceShard)):
+        raise TypeError(f"{LAYOUT_KWARG} must be a dualkv.Layout or a dualkv.distributed.SequenceShard, got "
+                        f"{type(layout).__name__}")
+    if _gdn.unforked_hybrid(owner):
+        raise WrongAttentionError(
+            "a packed dualkv batch reached a hybrid model whose Gated DeltaNet layers run the stock recurrence, "
+            "which would let each response continue from the previous response's state; call "
+            "dualkv.integrations.transformers.enable(model), which forks the recurrent state at segment boundaries")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -132,17 +142,11 @@ def _unforked_hybrid_error() -> WrongAttentionError:
 def _packed_qkv(module, query, key, value, attention_mask, scaling, dropout, kwargs):
     """Validate one attention call and return (q, k, v as [T, heads, D], layout, scaling)."""
     layout = kwargs.get(LAYOUT_KWARG)
-    if layout is None:
-        raise MissingLayoutError(
-            f"dualkv attention needs the packed layout: call the model with {LAYOUT_KWARG}=<dualkv.Layout> "
-            "and the layout's position_ids (see dualkv.integrations.transformers.model_inputs). Without it the "
-            "shared-prompt structure is unknown; to run ordinary batches, switch the model back with "
-            "model.set_attn_implementation('sdpa').")
-    if not isinstance(layout, (Layout, SequenceShard)):
-        raise TypeError(f"dualkv attention: {LAYOUT_KWARG} must be a dualkv.Layout or a "
-                        f"dualkv.distributed.SequenceShard, got {type(layout).__name__}")
-    if _gdn.unforked_hybrid(module):
-        raise _unforked_hybrid_error()
+    _check_layout(layout, module,
+                  f"dualkv attention needs the packed layout: call the model with {LAYOUT_KWARG}=<dualkv.Layout> "
+                  "and the layout's position_ids (see dualkv.integrations.transformers.model_inputs). Without it "
+                  "the shared-prompt structure is unknown; to run ordinary batches, switch the model back with "
+                  "model.set_attn_implementation('sdpa').")
     if dropout and module.training:
         raise UnsupportedError(f"dualkv attention: attention dropout ({dropout}) is not supported; set "
                                "config.attention_dropout = 0.0")
@@ -494,16 +498,10 @@ def check_model(model, kwargs: Optional[Dict[str, Any]] = None, *, check_positio
             "ignores the layout and would let responses see each other or lose their prompt. Call "
             "dualkv.integrations.transformers.enable(model) first.")
     if enabled:
-        if layout is None:
-            raise MissingLayoutError(
-                f"the model uses dualkv attention but was called without {LAYOUT_KWARG}=; pass the packed batch's "
-                "layout (dualkv.integrations.transformers.model_inputs(packed)), or switch back with "
-                "dualkv.integrations.transformers.disable(model) for ordinary batches")
-        if not isinstance(layout, (Layout, SequenceShard)):
-            raise TypeError(f"{LAYOUT_KWARG} must be a dualkv.Layout or a dualkv.distributed.SequenceShard, got "
-                            f"{type(layout).__name__}")
-        if _gdn.unforked_hybrid(model):
-            raise _unforked_hybrid_error()
+        _check_layout(layout, model,
+                      f"the model uses dualkv attention but was called without {LAYOUT_KWARG}=; pass the packed "
+                      "batch's layout (dualkv.integrations.transformers.model_inputs(packed)), or switch back with "
+                      "dualkv.integrations.transformers.disable(model) for ordinary batches")
         check_backend(model)
         ids = kwargs.get("input_ids")
         if ids is None:
