@@ -18,7 +18,6 @@ calls sharing the prompt's prefix against one call, and which kernels ran.
 """
 from __future__ import annotations
 
-import math
 import random
 import re
 
@@ -28,6 +27,7 @@ import torch
 import cases  # tests/gpu/cases.py
 from cases import PATHS, built_head_dims, use_path
 from cases import tile_edge_length as seg_len
+from tolerance import assert_low_precision_rule
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -36,7 +36,6 @@ if torch.cuda.is_available():
     import dualkv
     from dualkv import _native
 
-ATOL = 1e-5
 DTYPES = [torch.bfloat16, torch.float16]
 
 
@@ -123,13 +122,6 @@ def prefixed_grads(case: Case, layout, q, k, v, pk, pv, dout, deterministic=Fals
     return [out, lse, qq.grad, kk.grad, vv.grad, ppk.grad, ppv.grad]
 
 
-def check(name: str, got: torch.Tensor, ref64: torch.Tensor, refpt: torch.Tensor, extra: str, slack: float = 0.0):
-    err = (got.double() - ref64).abs().max().item() if got.numel() else 0.0
-    bound = 2 * ((refpt - ref64).abs().max().item() if got.numel() else 0.0) + ATOL + slack
-    assert math.isfinite(err), f"{name}: non-finite output {extra}"
-    assert err <= bound, f"{name}: max err {err:.3e} > bound {bound:.3e} {extra}"
-
-
 def check_case(case: Case, got, flat_got, ref64, refpt, extra: str, slack: float = 0.0):
     """The prefixed call's outputs (and the flat dualkv call's, if given) against the flat references,
     mapped to the prefixed call: local tokens, prefix rows; the unused prefix untouched."""
@@ -143,10 +135,10 @@ def check_case(case: Case, got, flat_got, ref64, refpt, extra: str, slack: float
     names = ("out", "lse", "dq", "dk", "dv", "prefix_dk", "prefix_dv")
     mine = list(got[:5]) + [got[5][used], got[6][used]]
     for name, x, a, b in zip(names, mine, r64, rpt):
-        check(name, x, a, b, extra, slack if name.startswith("prefix") else 0.0)
+        assert_low_precision_rule(x, a, b, f"{name} {extra}", slack if name.startswith("prefix") else 0.0)
     if flat_got is not None:
         for name, x, a, b in zip(names, pick(flat_got), r64, rpt):
-            check("flat " + name, x, a, b, extra)
+            assert_low_precision_rule(x, a, b, f"flat {name} {extra}")
 
 
 def references(case: Case, q, k, v, dout, dtype):
@@ -290,9 +282,9 @@ def test_responses_split_over_three_calls_equal_one_call(D, path, monkeypatch):
     ref64 = cases.ref_grads(fq.double(), fk.double(), fv.double(), fd.double(), flat, torch.float64)
     refpt = cases.ref_grads(fq, fk, fv, fd, flat, dtype)
     for name, got in (("prefix_dk one call", dpk1), ("prefix_dk three calls", dpk3)):
-        check(name, got, ref64[3][:P], refpt[3][:P], f"({path})")
+        assert_low_precision_rule(got, ref64[3][:P], refpt[3][:P], f"{name} ({path})")
     for name, got in (("prefix_dv one call", dpv1), ("prefix_dv three calls", dpv3)):
-        check(name, got, ref64[4][:P], refpt[4][:P], f"({path})")
+        assert_low_precision_rule(got, ref64[4][:P], refpt[4][:P], f"{name} ({path})")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),

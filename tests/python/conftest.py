@@ -44,19 +44,6 @@ def cpu_time_growth(run, small, large, rounds=3):
     return best[1] / max(best[0], 1e-6), best[0], best[1]
 
 
-def assert_low_precision_rule(mine, exact, low, what=""):
-    """FlashAttention's tolerance rule for a low-precision kernel: its max error against the fp64
-    result `exact` is at most 2x that of PyTorch's own computation in the same dtype (`low`), plus
-    one rounding of `exact` to the dtype `mine` comes in (the least error any kernel returning that
-    dtype can have) and 1e-5. Without the rounding term the rule compares two maxima of a few
-    roundings each: CI once read 2.09x on a case where this machine read at most 1.76x in 340 draws
-    of dout (AMX bf16; 1.21x with the term)."""
-    err = (mine.double() - exact).abs().max().item()
-    pt_err = (low.double() - exact).abs().max().item()
-    rounding = (exact.to(mine.dtype).double() - exact).abs().max().item()
-    assert err <= 2 * pt_err + rounding + 1e-5, (what, err, pt_err, rounding)
-
-
 @pytest.fixture(autouse=True)
 def _seeded_torch():
     """Every test starts from the same torch generator state, so what it draws without a generator

@@ -8,7 +8,8 @@ import torch.nn.functional as F
 
 import dualkv
 from dualkv.reference import attention_ref, position_ids_ref, unpacked_groups, visibility_mask
-from conftest import assert_low_precision_rule, random_forest
+from conftest import random_forest
+from tolerance import assert_low_precision_rule
 
 
 def rel(a, b):
@@ -128,7 +129,7 @@ def test_equivalence_with_unpacked_causal_attention(seed):
 @pytest.mark.parametrize("dtype,seed,D", [(torch.float16, 7, 64)] +
                          [(torch.bfloat16, seed, D) for seed, D in enumerate([64, 128, 64, 128, 80, 24])])
 def test_low_precision_tolerance_rule(dtype, seed, D):
-    """Kernel error vs fp64 within the low-precision rule (conftest.assert_low_precision_rule), on
+    """Kernel error vs fp64 within the low-precision rule (tests/tolerance.py), on
     inputs from seeded generators. bf16 runs the AMX tile kernels where the processor has them: short
     segments and ones longer than a key block (128) and a query tile (256)."""
     rng = random.Random(seed)

@@ -14,7 +14,8 @@ import dualkv
 from dualkv import _native
 from dualkv.ops import check_modifiers_supported
 from dualkv.reference import attention_ref, unpacked_groups, visibility_mask
-from conftest import assert_low_precision_rule, random_forest
+from conftest import random_forest
+from tolerance import assert_low_precision_rule
 
 # (window, softcap, with sinks): each alone and the combinations the models use.
 COMBOS = [(5, None, False), (None, 2.5, False), (None, None, True), (3, None, True), (7, 4.0, False),
