@@ -124,6 +124,39 @@ def ref_grads(q, k, v, dout, layout_cpu, dtype, dlse=None):
     return [t.detach().double() for t in (out, lse, qq.grad, kk.grad, vv.grad)]
 
 
+OUTPUT_NAMES = ("out", "lse", "dq", "dk", "dv")
+
+
+def check_outputs(got, ref64, refpt, what, record=None):
+    """Each output of got ([out, lse, dq, dk, dv] or its first ones; None: not computed) against the
+    fp64 reference under tests/tolerance.py's rule; record(name, err, bound), if given, sees each
+    before its assertion. Returns {name: (err, bound)}."""
+    from tolerance import assert_within, low_precision_bound  # tests/ (tools import this module too)
+    report = {}
+    for name, x, r64, rpt in zip(OUTPUT_NAMES, got, ref64, refpt):
+        if x is None:
+            continue
+        err, bound = report[name] = low_precision_bound(x, r64, rpt)
+        if record is not None:
+            record(name, err, bound)
+        assert_within(err, bound, f"{name} {what}")
+    return report
+
+
+def check_grads_case(lens, parents, H, Hk, D, dtype, seed, deterministic=False, with_dlse=False, record=None):
+    """One case through dualkv.attention's forward and backward on CUDA (inputs from make_inputs,
+    dlse standard normal where asked), checked by check_outputs. Returns (report, got)."""
+    import dualkv
+    layout_cpu = dualkv.Layout.from_tree(lens, parents)
+    q, k, v, dout = make_inputs(layout_cpu, H, Hk, D, dtype, seed)
+    dlse = torch.randn(H, layout_cpu.num_tokens, device="cuda") if with_dlse else None
+    got = kernel_grads(q, k, v, dout, layout_cpu.to("cuda"), deterministic, dlse)
+    ref64 = ref_grads(q, k, v, dout, layout_cpu, torch.float64, dlse)
+    refpt = ref_grads(q, k, v, dout, layout_cpu, dtype, dlse)
+    what = f"(lens={lens}, parents={parents}, H={H}, Hk={Hk}, D={D}, {dtype}, det={deterministic})"
+    return check_outputs(got, ref64, refpt, what, record), got
+
+
 def kernel_grads(q, k, v, dout, layout, deterministic=False, dlse=None):
     """[out, lse, dq, dk, dv] of dualkv.attention for the loss sum(out * dout) (+ sum(lse * dlse))."""
     import dualkv

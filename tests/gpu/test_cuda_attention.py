@@ -17,7 +17,6 @@ import torch
 import cases  # tests/gpu/cases.py (pytest puts this directory on sys.path)
 from cases import built_head_dims, kernel_grads, make_inputs, ref_grads
 from cases import tile_edge_length as seg_len
-from tolerance import assert_within, low_precision_bound
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -56,27 +55,16 @@ import atexit  # noqa: E402
 atexit.register(_write_report)
 
 
-def check_against_ref(name_vals, ref64, refpt, extra=""):
-    report = {}
-    for name, got, r64, rpt in zip(("out", "lse", "dq", "dk", "dv"), name_vals, ref64, refpt):
-        if got is None:
-            continue
-        err, bound = report[name] = low_precision_bound(got, r64, rpt)
-        _REPORT.append((os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0], name, err, bound))
-        assert_within(err, bound, f"{name} {extra}")
-    return report
+def _record(name, err, bound):
+    _REPORT.append((os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0], name, err, bound))
+
+
+def check_against_ref(got, ref64, refpt, what=""):
+    return cases.check_outputs(got, ref64, refpt, what, _record)
 
 
 def run_case(lens, parents, H, Hk, D, dtype, seed, deterministic=False, with_dlse=False):
-    layout_cpu = dualkv.Layout.from_tree(lens, parents)
-    layout = layout_cpu.to("cuda")
-    q, k, v, dout = make_inputs(layout_cpu, H, Hk, D, dtype, seed)
-    dlse = torch.randn(H, layout_cpu.num_tokens, device="cuda") if with_dlse else None
-    got = kernel_grads(q, k, v, dout, layout, deterministic, dlse)
-    ref64 = ref_grads(q, k, v, dout, layout_cpu, torch.float64, dlse)
-    refpt = ref_grads(q, k, v, dout, layout_cpu, dtype, dlse)
-    extra = f"(lens={lens}, parents={parents}, H={H}, Hk={Hk}, D={D}, {dtype}, det={deterministic})"
-    return check_against_ref(got, ref64, refpt, extra)
+    return cases.check_grads_case(lens, parents, H, Hk, D, dtype, seed, deterministic, with_dlse, _record)[0]
 
 
 N_RANDOM = 120

@@ -19,7 +19,7 @@ import torch
 
 import cases  # tests/gpu/cases.py (pytest puts this directory on sys.path)
 from cases import cuda_kernels_run, kernel_grads, make_inputs, ref_grads
-from tolerance import assert_low_precision_rule, assert_within, low_precision_bound
+from tolerance import assert_low_precision_rule
 
 pytestmark, DIMS = cases.arch_test_marks("sm90", "bwd")
 
@@ -30,7 +30,7 @@ if torch.cuda.is_available():
 DTYPES = [torch.bfloat16, torch.float16]
 GQA = [(4, 4), (8, 2), (8, 1), (16, 4)]  # group sizes 1, 4, 8, 4
 N_RANDOM = int(os.environ.get("DUALKV_SM90_BWD_TEST_N", "48"))
-NAMES = ("out", "lse", "dq", "dk", "dv")
+NAMES = cases.OUTPUT_NAMES
 
 
 def pick_len(rng: random.Random) -> int:
@@ -43,26 +43,17 @@ def forest(rng: random.Random, budget: int = 1500):
     return cases.random_forest(rng, pick_len, budget, max_responses=7, max_tree=12)
 
 
+def _verbose(name, err, bound):
+    if os.environ.get("DUALKV_SM90_BWD_TEST_VERBOSE"):
+        print(f"{name}: err {err:.3e} bound {bound:.3e}")
+
+
 def check(got, ref64, refpt, what):
-    worst = {}
-    for name, x, r64, rpt in zip(NAMES, got, ref64, refpt):
-        err, bound = worst[name] = low_precision_bound(x, r64, rpt)
-        if os.environ.get("DUALKV_SM90_BWD_TEST_VERBOSE"):
-            print(f"{what} {name}: err {err:.3e} bound {bound:.3e}")
-        assert_within(err, bound, f"{name} {what}")
-    return worst
+    return cases.check_outputs(got, ref64, refpt, what, _verbose)
 
 
 def run(lens, parents, H, Hk, D, dtype, seed, deterministic=False, with_dlse=False):
-    layout_cpu = dualkv.Layout.from_tree(lens, parents)
-    layout = layout_cpu.to("cuda")
-    q, k, v, dout = make_inputs(layout_cpu, H, Hk, D, dtype, seed)
-    dlse = torch.randn(H, layout_cpu.num_tokens, device="cuda") if with_dlse else None
-    got = kernel_grads(q, k, v, dout, layout, deterministic, dlse)
-    ref64 = ref_grads(q, k, v, dout, layout_cpu, torch.float64, dlse)
-    refpt = ref_grads(q, k, v, dout, layout_cpu, dtype, dlse)
-    what = f"(lens={lens}, parents={parents}, H={H}, Hk={Hk}, D={D}, {dtype}, det={deterministic})"
-    return check(got, ref64, refpt, what), got
+    return cases.check_grads_case(lens, parents, H, Hk, D, dtype, seed, deterministic, with_dlse, _verbose)
 
 
 @pytest.mark.parametrize("case", range(N_RANDOM))
