@@ -597,6 +597,10 @@ bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
   const uint32_t ds_smem = smem_u32(smem + C::kOffDS);
   const int kv_row0 = cw * 64 + warp * 16 + g;  // tile-local KV row of accumulator rows (+8 for e >= 2)
 
+  // kSAhead: the D-128 dQ-computing kernels without a softcap (64-row steps) issue a step's S^T at the
+  // end of the previous step of the item, after its dQ retired and before its dQ staging.
+  constexpr bool kSAhead = kAtomicDq && D == 128 && !C::kSoftmaxHalves && !Mods::kSoftcap;
+
   uint32_t kv_iter = 0, step = 0;
   for (uint32_t n = 0;; ++n) {
     const uint32_t slot = n & 1, ph = (n >> 1) & 1;
@@ -621,6 +625,21 @@ bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
     const bool tail = cw * 64 + 63 >= klen;
 
     float dk[D / 2], dv[D / 2];
+    // S^T of the step: with kSAhead issued before the step (by the item's previous step, or before the
+    // item's first), else at the step's start.
+    float sacc[BM / 2];
+    // S^T = K Q^T into sacc from Q stage qs, one wgmma group (the caller fences).
+    auto issue_s = [&](uint32_t qs) {
+      const uint64_t dK0 = make_desc_sw128(k_rows, 16, 1024), dQ0 = make_desc_sw128(q_smem + qs * C::kQBytes, 16, 1024);
+      const uint32_t zero = kSAhead ? opaque_zero() : 0u;
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) {
+        const uint32_t box = kk / 4, within = (kk % 4) * 32;
+        MmaS::ss(sacc, desc_advance(dK0, box * C::kKVBoxBytes + within),
+                 desc_advance(dQ0, box * C::kQBoxBytes + within), kk > 0 ? 1 : zero);
+      }
+      wgmma_commit();
+    };
 #pragma unroll
     for (int i = 0; i < D / 2; ++i) dk[i] = dv[i] = 0.f;
 
@@ -628,31 +647,34 @@ bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
     ++kv_iter;
 
     int32_t tile_i = 0;  // s % tiles, kept by counting (the producer loads the step's head)
-    for (int32_t s = 0; s < n_steps; ++s, ++step) {
+    // One step; ahead (kSAhead kernels): the item's next step's S^T is issued during it. Called with
+    // ahead for every step but the item's last, so that S^T is issued in one place per instantiation
+    // (a conditional issue merges two definitions of sacc: ptxas then serialised the wgmmas, C7515).
+    auto run_step = [&](auto ahead) {
       // No integer division in front of the step's first wgmma.
       const int32_t qt = qa + tile_i * BM;
       if (++tile_i == tiles) tile_i = 0;
       const uint32_t st = step & 1;
       const uint32_t qb_s = q_smem + st * C::kQBytes;
       const uint32_t dob_s = do_smem + st * C::kQBytes;
-      mbar_wait(&B.qdo_full[st], (step >> 1) & 1);
+      if constexpr (!kSAhead) mbar_wait(&B.qdo_full[st], (step >> 1) & 1);  // kSAhead: waited before its S^T
       // The step's operand descriptors, once: an operand's k16 slice is its base's descriptor
       // advanced by the slice's byte offset (ptx.cuh desc_advance).
-      const uint64_t dK0 = make_desc_sw128(k_rows, 16, 1024), dV0 = make_desc_sw128(v_rows, 16, 1024);
-      const uint64_t dQ0 = make_desc_sw128(qb_s, 16, 1024), dDO0 = make_desc_sw128(dob_s, 16, 1024);
+      const uint64_t dV0 = make_desc_sw128(v_rows, 16, 1024), dDO0 = make_desc_sw128(dob_s, 16, 1024);
       const uint64_t dDOt = make_desc_sw128(dob_s, C::kQBoxBytes, 1024);
       const uint64_t dQt = make_desc_sw128(qb_s, C::kQBoxBytes, 1024);
       const uint64_t dKt = make_desc_sw128(k_dq, C::kKVBoxBytes, 1024);
 
-      float sacc[BM / 2], dpacc[BM / 2];
-      wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk) {
-        const uint32_t box = kk / 4, within = (kk % 4) * 32;
-        MmaS::ss(sacc, desc_advance(dK0, box * C::kKVBoxBytes + within),
-                 desc_advance(dQ0, box * C::kQBoxBytes + within), kk > 0 ? 1 : 0);
+      float dpacc[BM / 2];
+      if constexpr (kSAhead) {
+        // The step's S^T, issued before it, retired before dP^T is: ptxas cannot tell which of the
+        // two S^T issues (before the item's first step, or in its previous step) a later wait_group 1
+        // retires, and read of sacc after it serialised every wgmma (C7514).
+        wgmma_wait<0>();
+        fence_regs(sacc);
       }
-      wgmma_commit();
+      wgmma_fence();
+      if constexpr (!kSAhead) issue_s(st);
 #pragma unroll
       for (int kk = 0; kk < D / 16; ++kk) {
         const uint32_t box = kk / 4, within = (kk % 4) * 32;
@@ -906,9 +928,21 @@ bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
         bwd_fence_proxy_async();
         __syncwarp();
         if (kBwdDqFullCount != kBwdConsumerWarps || lane == 0) mbar_arrive(&B.dq_full[dst]);
-        wgmma_wait<0>();  // dK retired: Q, dO (dV retired already) and lse/delta are free
+        // dK retired: Q, dO (dV retired already) and lse/delta are free (the next step's S^T may still run).
+        wgmma_wait<0>();
         fence_regs(dk);
         fence_regs(dsf);
+        if constexpr (kSAhead) {
+          // The item's next step's S^T (its Q stage loaded: the producer is a step ahead), queued
+          // behind dK's last k steps once the staging is done, so that the tensor pipe does not idle
+          // from dK's retirement to the next step's first wgmma (docs/notes/2026-12-04-d128-bwd-dv-tail.md
+          // §2). Issued before the staging it spilled (sacc live next to dQ's fragment: C7514).
+          if constexpr (decltype(ahead)::value) {
+            mbar_wait(&B.qdo_full[(step + 1) & 1], ((step + 1) >> 1) & 1);
+            wgmma_fence();
+            issue_s((step + 1) & 1);
+          }
+        }
         __syncwarp();
         if (kBwdQdoEmptyCount != kBwdConsumerWarps || lane == 0) mbar_arrive(&B.qdo_empty[st]);
       } else {
@@ -920,6 +954,22 @@ bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
         __syncwarp();
         if (kBwdQdoEmptyCount != kBwdConsumerWarps || lane == 0) mbar_arrive(&B.qdo_empty[st]);
       }
+    };
+    if constexpr (kSAhead) {
+      if (n_steps > 0) {
+        // dK and dV zeroed before the first S^T is in flight: sunk past its issue, the zeroing moves
+        // read registers of a wgmma pipeline stage and ptxas serialised every wgmma (C7514).
+        fence_regs(dk);
+        fence_regs(dv);
+        mbar_wait(&B.qdo_full[step & 1], (step >> 1) & 1);
+        wgmma_fence();
+        issue_s(step & 1);
+        for (int32_t s = 1; s < n_steps; ++s, ++step) run_step(std::true_type{});
+        run_step(std::false_type{});
+        ++step;
+      }
+    } else {
+      for (int32_t s = 0; s < n_steps; ++s, ++step) run_step(std::false_type{});
     }
     // K and V are free: the producer may load the next item's tile during the epilogue.
     __syncwarp();
