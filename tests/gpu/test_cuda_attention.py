@@ -55,7 +55,7 @@ import atexit  # noqa: E402
 atexit.register(_write_report)
 
 
-def _record(name, err, bound):
+def _record(name, err, bound, what):
     _REPORT.append((os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0], name, err, bound))
 
 

@@ -43,9 +43,9 @@ def forest(rng: random.Random, budget: int = 1500):
     return cases.random_forest(rng, pick_len, budget, max_responses=7, max_tree=12)
 
 
-def _verbose(name, err, bound):
+def _verbose(name, err, bound, what):
     if os.environ.get("DUALKV_SM90_BWD_TEST_VERBOSE"):
-        print(f"{name}: err {err:.3e} bound {bound:.3e}")
+        print(f"{what} {name}: err {err:.3e} bound {bound:.3e}")
 
 
 def check(got, ref64, refpt, what):

@@ -293,8 +293,8 @@ def test_cuda_runs_modifiers_and_head_dim_512_without_them():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_low_precision_tolerance_rule(dtype):
     """bf16 / fp16 inputs with window + softcap + sinks, from seeded generators: every output and
-    gradient's error against fp64 is within the low-precision rule (conftest) of PyTorch's own (the
-    dense reference in the same dtype)."""
+    gradient's error against fp64 is within the low-precision rule (tests/tolerance.py) of PyTorch's
+    own (the dense reference in the same dtype)."""
     rng = random.Random(7)
     lens, parents = random_forest(rng, roots=3, max_depth=3, max_len=16)
     layout = dualkv.Layout.from_tree(lens, parents)
