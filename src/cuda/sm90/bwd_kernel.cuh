@@ -76,6 +76,7 @@
 #include <type_traits>
 
 #include "convert.cuh"
+#include "fwd_item_order.h"
 #include "kernel_params.h"
 #include "modifiers.cuh"
 #include "plan_reader.cuh"
@@ -170,6 +171,8 @@ struct Sm90BwdParams {
   BwdArgs a;
   CUtensorMap tq, tk, tv, tdo;
   int32_t* counter;  // work-item counter, zeroed before the launch
+  int32_t item_window;    // decode_fwd_item over (work items, KV heads): work items per window
+  int32_t item_head_run;  // decode_fwd_item: KV heads per run, divides Hk
   CUtensorMap tdq;  // dq_accum [T, H, D] fp32, boxes of 32 rows x 64 columns of one head (tma.h)
   CUtensorMap tpk, tpv;  // external prefix (issue 17): the prefix K / V buffers (prefix kernels only)
 };
@@ -442,6 +445,7 @@ bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
   const int H = a.num_heads, Hk = a.num_kv_heads;
   const int group = H / Hk;
   const int32_t n_items = n_work * Hk;
+  const int32_t window = clamp_fwd_window(p.item_window, n_work);
 
   if (threadIdx.x == 0) {
     for (int i = 0; i < 2; ++i) {
@@ -480,8 +484,8 @@ bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
           const int32_t item = B.items[slot];
           mbar_arrive(&B.item_empty[slot]);
           if (item >= n_items) break;
-          const int32_t w = item / Hk;
-          const int hk = item - w * Hk;
+          int32_t w, hk;
+          decode_fwd_item(item, n_work, Hk, window, p.item_head_run, w, hk);
           const int32_t* wi = witems + w * kBwdItemInts;
           const int32_t qa = wi[3], qb = wi[4];
           const int32_t tiles = (qb - qa + BM - 1) / BM;
@@ -529,8 +533,8 @@ bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
       }
       item = __shfl_sync(0xffffffffu, item, 0);
       if (item >= n_items) break;
-      const int32_t w = item / Hk;
-      const int hk = item - w * Hk;
+      int32_t w, hk;
+      decode_fwd_item(item, n_work, Hk, window, p.item_head_run, w, hk);
       const int32_t* wi = witems + w * kBwdItemInts;
       const int32_t k0 = wi[1], qa = wi[3], qb = wi[4];
       if (lane == 0) {
@@ -605,8 +609,8 @@ bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
     __syncwarp();
     if (kPerThreadRelease || lane == 0) mbar_arrive(&B.item_empty[slot]);
     if (item >= n_items) break;
-    const int32_t w = item / Hk;
-    const int hk = item - w * Hk;
+    int32_t w, hk;
+    decode_fwd_item(item, n_work, Hk, window, p.item_head_run, w, hk);
     const int32_t* wi = witems + w * kBwdItemInts;
     const int32_t k0 = wi[1], k1 = wi[2], qa = wi[3], qb = wi[4], pslot = wi[5];
     const int klen = k1 - k0;

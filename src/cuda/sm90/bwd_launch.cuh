@@ -8,6 +8,11 @@
 #include <cuda.h>
 #include <cuda_runtime.h>
 
+#include <climits>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+
 #include "bwd_prepost.cuh"
 #include "launch.h"
 #include "sm80/bwd_dq_kernel.cuh"
@@ -31,6 +36,17 @@ cudaError_t prepare_bwd_params(const BwdArgs& args, Sm90BwdParams<HeadDim>* p) {
   const int H = args.num_heads, Hk = args.num_kv_heads;
   p->a = args;
   p->counter = args.counters + 2;
+  // The item order: main's (each work item's KV heads one after another) unless the A/B switch
+  // DUALKV_CUDA_BWD_ORDER=window,head_run (window 0: the whole plan) asks for another.
+  p->item_window = 1;
+  p->item_head_run = Hk;
+  if (const char* env = std::getenv("DUALKV_CUDA_BWD_ORDER")) {
+    int win = 0, run = 0;
+    if (std::sscanf(env, "%d,%d", &win, &run) == 2 && run > 0 && Hk % run == 0) {
+      p->item_window = win > 0 ? win : INT32_MAX;
+      p->item_head_run = run;
+    }
+  }
   if (!make_map(&p->tq, dt, args.q, HeadDim, H, T, args.q_hs, args.q_ts, BlockM) ||
       !make_map(&p->tdo, dt, args.dout, HeadDim, H, T, args.do_hs, args.do_ts, BlockM) ||
       !make_map(&p->tk, dt, args.k, HeadDim, Hk, T, args.k_hs, args.k_ts, BlockN) ||
