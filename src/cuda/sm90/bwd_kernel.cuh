@@ -171,8 +171,8 @@ struct Sm90BwdParams {
   BwdArgs a;
   CUtensorMap tq, tk, tv, tdo;
   int32_t* counter;  // work-item counter, zeroed before the launch
-  int32_t item_window;    // decode_fwd_item over (work items, KV heads): work items per window
-  int32_t item_head_run;  // decode_fwd_item: KV heads per run, divides Hk
+  int32_t item_window;    // the claim order (producer only): work items per window, decode_fwd_item
+  int32_t item_head_run;  // KV heads per run, divides Hk
   CUtensorMap tdq;  // dq_accum [T, H, D] fp32, boxes of 32 rows x 64 columns of one head (tma.h)
   CUtensorMap tpk, tpv;  // external prefix (issue 17): the prefix K / V buffers (prefix kernels only)
 };
@@ -445,7 +445,6 @@ bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
   const int H = a.num_heads, Hk = a.num_kv_heads;
   const int group = H / Hk;
   const int32_t n_items = n_work * Hk;
-  const int32_t window = clamp_fwd_window(p.item_window, n_work);
 
   if (threadIdx.x == 0) {
     for (int i = 0; i < 2; ++i) {
@@ -484,8 +483,8 @@ bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
           const int32_t item = B.items[slot];
           mbar_arrive(&B.item_empty[slot]);
           if (item >= n_items) break;
-          int32_t w, hk;
-          decode_fwd_item(item, n_work, Hk, window, p.item_head_run, w, hk);
+          const int32_t w = item / Hk;
+          const int hk = item - w * Hk;
           const int32_t* wi = witems + w * kBwdItemInts;
           const int32_t qa = wi[3], qb = wi[4];
           const int32_t tiles = (qb - qa + BM - 1) / BM;
@@ -528,13 +527,18 @@ bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
       int32_t item = 0;
       if (lane == 0) {
         item = atomicAdd(p.counter, 1);
+        if (item < n_items) {  // the claim order -> the item it names (w * Hk + hk), read by every role
+          int32_t w, hk;
+          decode_fwd_item(item, n_work, Hk, clamp_fwd_window(p.item_window, n_work), p.item_head_run, w, hk);
+          item = w * Hk + hk;
+        }
         B.items[slot] = item;
         mbar_arrive(&B.item_full[slot]);
       }
       item = __shfl_sync(0xffffffffu, item, 0);
       if (item >= n_items) break;
-      int32_t w, hk;
-      decode_fwd_item(item, n_work, Hk, window, p.item_head_run, w, hk);
+      const int32_t w = item / Hk;
+      const int hk = item - w * Hk;
       const int32_t* wi = witems + w * kBwdItemInts;
       const int32_t k0 = wi[1], qa = wi[3], qb = wi[4];
       if (lane == 0) {
@@ -609,8 +613,8 @@ bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
     __syncwarp();
     if (kPerThreadRelease || lane == 0) mbar_arrive(&B.item_empty[slot]);
     if (item >= n_items) break;
-    int32_t w, hk;
-    decode_fwd_item(item, n_work, Hk, window, p.item_head_run, w, hk);
+    const int32_t w = item / Hk;
+    const int hk = item - w * Hk;
     const int32_t* wi = witems + w * kBwdItemInts;
     const int32_t k0 = wi[1], k1 = wi[2], qa = wi[3], qb = wi[4], pslot = wi[5];
     const int klen = k1 - k0;
