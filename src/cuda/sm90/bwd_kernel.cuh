@@ -214,6 +214,18 @@ __device__ __forceinline__ void bwd_st_shared_f32x2(uint32_t addr, float x, floa
 // keep the loop: loads first measured them 1.03-1.37x slower on six of nine layouts at D 128 and up
 // to 2x at D 256 (N8 P16K R2K), loaded before or after the wait alike; why is not known
 // (docs/benchmarks.md, session 39).
+// The producer's next item: the launch's claim order (the counter's value through decode_fwd_item over
+// (work items, KV heads), p.item_window / p.item_head_run) as the index w * Hk + hk that the consumers
+// and the dQ writer read from the item slot; n_work * Hk or more ends the walk.
+template <int D>
+__device__ __forceinline__ int32_t bwd_claim_item(const Sm90BwdParams<D>& p, int32_t n_work, int32_t Hk) {
+  const int32_t claim = atomicAdd(p.counter, 1);
+  if (claim >= n_work * Hk) return claim;
+  int32_t w, hk;
+  decode_fwd_item(claim, n_work, Hk, clamp_fwd_window(p.item_window, n_work), p.item_head_run, w, hk);
+  return w * Hk + hk;
+}
+
 template <int BM>
 __device__ __forceinline__ void bwd_stage_lse_delta(const BwdArgs& a, int64_t num_tokens, int h, int32_t qt,
                                                     int32_t qb, int lane, float* s_lse, float* s_delta) {
@@ -526,12 +538,7 @@ bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
       mbar_wait(&B.item_empty[slot], ph ^ 1);
       int32_t item = 0;
       if (lane == 0) {
-        item = atomicAdd(p.counter, 1);
-        if (item < n_items) {  // the claim order -> the item it names (w * Hk + hk), read by every role
-          int32_t w, hk;
-          decode_fwd_item(item, n_work, Hk, clamp_fwd_window(p.item_window, n_work), p.item_head_run, w, hk);
-          item = w * Hk + hk;
-        }
+        item = bwd_claim_item(p, n_work, Hk);
         B.items[slot] = item;
         mbar_arrive(&B.item_full[slot]);
       }
