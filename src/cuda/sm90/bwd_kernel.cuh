@@ -203,17 +203,6 @@ __device__ __forceinline__ void bwd_st_shared_f32x2(uint32_t addr, float x, floa
   asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(x), "f"(y) : "memory");
 }
 
-// One step's lse / delta rows staged into the Q/dO stage by the producer warp, after the stage's wait
-// and its Q / dO loads: rows qt + lane + 32 j of head h (BM / 32 per lane; rows >= qb, a tile's tail,
-// read nothing), lse in log2 units (+inf past qb: its P is 0), delta as read.
-// 128-row steps (D 64) load all of a lane's rows first, fenced ahead of the shared stores: as one loop
-// of `i = lane; i < BM; i += 32` (a trip count the compiler cannot bound) each row group's loads
-// waited behind the previous group's stores, four load latencies in a row before the stage's
-// qdo_full arrivals (docs/notes/2026-12-05-bwd-ncu-per-step.md). Measured (H100, three runs): the
-// D-64 backward kernel 0.85-0.99 of the loop's time on nine layouts. The 64-row steps (D 128 / 256)
-// keep the loop: loads first measured them 1.03-1.37x slower on six of nine layouts at D 128 and up
-// to 2x at D 256 (N8 P16K R2K), loaded before or after the wait alike; why is not known
-// (docs/benchmarks.md, session 39).
 // The producer's next item: the launch's claim order (the counter's value through decode_fwd_item over
 // (work items, KV heads), p.item_window / p.item_head_run) as the index w * Hk + hk that the consumers
 // and the dQ writer read from the item slot; n_work * Hk or more ends the walk.
@@ -226,6 +215,17 @@ __device__ __forceinline__ int32_t bwd_claim_item(const Sm90BwdParams<D>& p, int
   return w * Hk + hk;
 }
 
+// One step's lse / delta rows staged into the Q/dO stage by the producer warp, after the stage's wait
+// and its Q / dO loads: rows qt + lane + 32 j of head h (BM / 32 per lane; rows >= qb, a tile's tail,
+// read nothing), lse in log2 units (+inf past qb: its P is 0), delta as read.
+// 128-row steps (D 64) load all of a lane's rows first, fenced ahead of the shared stores: as one loop
+// of `i = lane; i < BM; i += 32` (a trip count the compiler cannot bound) each row group's loads
+// waited behind the previous group's stores, four load latencies in a row before the stage's
+// qdo_full arrivals (docs/notes/2026-12-05-bwd-ncu-per-step.md). Measured (H100, three runs): the
+// D-64 backward kernel 0.85-0.99 of the loop's time on nine layouts. The 64-row steps (D 128 / 256)
+// keep the loop: loads first measured them 1.03-1.37x slower on six of nine layouts at D 128 and up
+// to 2x at D 256 (N8 P16K R2K), loaded before or after the wait alike; why is not known
+// (docs/benchmarks.md, session 39).
 template <int BM>
 __device__ __forceinline__ void bwd_stage_lse_delta(const BwdArgs& a, int64_t num_tokens, int h, int32_t qt,
                                                     int32_t qb, int lane, float* s_lse, float* s_delta) {
