@@ -8,11 +8,6 @@
 #include <cuda.h>
 #include <cuda_runtime.h>
 
-#include <climits>
-#include <cstdint>
-#include <cstdio>
-#include <cstdlib>
-
 #include "bwd_prepost.cuh"
 #include "launch.h"
 #include "sm80/bwd_dq_kernel.cuh"
@@ -36,18 +31,10 @@ cudaError_t prepare_bwd_params(const BwdArgs& args, int sms, Sm90BwdParams<HeadD
   const int H = args.num_heads, Hk = args.num_kv_heads;
   p->a = args;
   p->counter = args.counters + 2;
-  // The order the producer claims the items in (fwd_item_order.h choose_bwd_item_order); the A/B switch
-  // DUALKV_CUDA_BWD_ORDER=window,head_run (window 0: the whole plan) asks for another.
+  // The order the producer claims the items in (fwd_item_order.h choose_bwd_item_order).
   const FwdItemOrder order = choose_bwd_item_order(sms, Hk);
   p->item_window = order.window;
   p->item_head_run = order.head_run;
-  if (const char* env = std::getenv("DUALKV_CUDA_BWD_ORDER")) {
-    int win = 0, run = 0;
-    if (std::sscanf(env, "%d,%d", &win, &run) == 2 && run > 0 && Hk % run == 0) {
-      p->item_window = win > 0 ? win : INT32_MAX;
-      p->item_head_run = run;
-    }
-  }
   if (!make_map(&p->tq, dt, args.q, HeadDim, H, T, args.q_hs, args.q_ts, BlockM) ||
       !make_map(&p->tdo, dt, args.dout, HeadDim, H, T, args.do_hs, args.do_ts, BlockM) ||
       !make_map(&p->tk, dt, args.k, HeadDim, Hk, T, args.k_hs, args.k_ts, BlockN) ||
