@@ -31,7 +31,7 @@ cudaError_t prepare_bwd_params(const BwdArgs& args, int sms, Sm90BwdParams<HeadD
   const int H = args.num_heads, Hk = args.num_kv_heads;
   p->a = args;
   p->counter = args.counters + 2;
-  // The order the producer claims the items in (fwd_item_order.h choose_bwd_item_order).
+  // The order the producer claims the items in where bwd_claim_ordered(HeadDim) (bwd_kernel.cuh).
   const FwdItemOrder order = choose_bwd_item_order(sms, Hk);
   p->item_window = order.window;
   p->item_head_run = order.head_run;
