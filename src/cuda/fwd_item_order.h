@@ -74,4 +74,18 @@ inline FwdItemOrder choose_fwd_item_order(int32_t H, int32_t Hk) {
   return o;
 }
 
+// The order the Hopper backward main kernel's producer claims its items in at the head dims of
+// sm90/bwd_kernel.cuh bwd_claim_ordered (D 64): decode_fwd_item over (plan work items, KV heads),
+// windows of SMs / 2 work items (the plan's longest first) and inside a window runs of 2 KV heads.
+// The CTAs running at once then hold about SMs / 2 work items of two KV heads instead of SMs / Hk
+// work items of every KV head, so the KV tiles of one prompt, which walk the same response rows, run
+// together (their shared Q / dO reads and dQ reductions in L2 is the hypothesis, not a measured
+// counter: docs/notes/2026-12-06-bwd-claim-order.md). An odd Hk keeps each work item's KV heads
+// together (head_run = Hk: the plan's order).
+inline FwdItemOrder choose_bwd_item_order(int32_t sms, int32_t Hk) {
+  const int32_t run = Hk <= 0 ? 1 : Hk % 2 == 0 ? 2 : Hk;
+  const int32_t window = sms / 2;
+  return FwdItemOrder{window > 1 ? window : 1, run};
+}
+
 }  // namespace dualkv::cuda

@@ -13,6 +13,7 @@
 
 namespace {
 
+using dualkv::cuda::choose_bwd_item_order;
 using dualkv::cuda::choose_fwd_item_order;
 using dualkv::cuda::clamp_fwd_window;
 using dualkv::cuda::decode_fwd_item;
@@ -117,6 +118,34 @@ TEST(FwdItemOrder, DefaultIsKvHeadRunsOverTheWholePlan) {
   EXPECT_EQ(clamp_fwd_window(16, 256), 16);
   EXPECT_EQ(clamp_fwd_window(0, 256), 1);
   EXPECT_EQ(clamp_fwd_window(16, 0), 1);
+}
+
+// The backward's claim order over (work items, KV heads): windows of SMs / 2 work items with runs of
+// two KV heads, so the first SMs claims (one wave of persistent CTAs) are SMs / 2 work items of two KV
+// heads; an odd KV head count keeps a work item's heads together, which is the order before.
+TEST(BwdItemOrder, RunsOfTwoKvHeadsOverHalfAWaveOfWorkItems) {
+  const FwdItemOrder o = choose_bwd_item_order(132, 8);
+  EXPECT_EQ(o.window, 66);
+  EXPECT_EQ(o.head_run, 2);
+  const int32_t n_work = 500, Hk = 8;
+  const std::vector<Decoded> got = decode_all(n_work, Hk, o.window, o.head_run);
+  for (int32_t i = 0; i < 132; ++i) {
+    ASSERT_EQ(got[i].tile, i / 2) << "claim " << i;
+    ASSERT_EQ(got[i].h, i % 2) << "claim " << i;
+  }
+  EXPECT_EQ(got[132].tile, 0);  // the window's next run: KV heads 2 and 3 of the same work items
+  EXPECT_EQ(got[132].h, 2);
+  for (int32_t Hk_odd : {1, 3, 5}) {
+    const FwdItemOrder odd = choose_bwd_item_order(132, Hk_odd);
+    EXPECT_EQ(odd.head_run, Hk_odd);
+    const std::vector<Decoded> same = decode_all(40, Hk_odd, odd.window, odd.head_run);
+    for (int32_t i = 0; i < 40 * Hk_odd; ++i) {
+      ASSERT_EQ(same[i].tile, i / Hk_odd) << "Hk " << Hk_odd << " claim " << i;
+      ASSERT_EQ(same[i].h, i % Hk_odd) << "Hk " << Hk_odd << " claim " << i;
+    }
+  }
+  EXPECT_EQ(choose_bwd_item_order(1, 8).window, 1);
+  EXPECT_EQ(choose_bwd_item_order(132, 0).head_run, 1);
 }
 
 }  // namespace

@@ -76,6 +76,7 @@
 #include <type_traits>
 
 #include "convert.cuh"
+#include "fwd_item_order.h"
 #include "kernel_params.h"
 #include "modifiers.cuh"
 #include "plan_reader.cuh"
@@ -170,6 +171,8 @@ struct Sm90BwdParams {
   BwdArgs a;
   CUtensorMap tq, tk, tv, tdo;
   int32_t* counter;  // work-item counter, zeroed before the launch
+  int32_t item_window;    // the claim order (producer only, bwd_claim_ordered): work items per window
+  int32_t item_head_run;  // KV heads per run, divides Hk
   CUtensorMap tdq;  // dq_accum [T, H, D] fp32, boxes of 32 rows x 64 columns of one head (tma.h)
   CUtensorMap tpk, tpv;  // external prefix (issue 17): the prefix K / V buffers (prefix kernels only)
 };
@@ -198,6 +201,31 @@ __device__ __forceinline__ void bwd_fence_proxy_async() {
 }
 __device__ __forceinline__ void bwd_st_shared_f32x2(uint32_t addr, float x, float y) {
   asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(x), "f"(y) : "memory");
+}
+
+// Whether the backward main kernel of head dim D claims its items in choose_bwd_item_order's order
+// (fwd_item_order.h) or in the plan's (work item claim / Hk, KV head claim % Hk, every KV head of a
+// work item together). Measured on one H100 (2026-12-07, the kernel's time against the plan's order,
+// 7 rounds, A/A beside; docs/notes/2026-12-06-bwd-claim-order.md §5): D 64 0.94 on long responses,
+// 0.93 on N64 P1K R512 and 0.98 on the tree, within 2 % elsewhere; D 128 0.95 on N64 P1K R512 but
+// 1.02-1.04 on small groups and N8 P256 R4K with no gain on long responses; D 256 no gain anywhere.
+constexpr bool bwd_claim_ordered(int D) { return D == 64; }
+
+// The producer's next item as the index w * Hk + hk that the consumers and the dQ writer read from
+// the item slot: the counter's value itself, or where bwd_claim_ordered(D) that value through
+// decode_fwd_item over (work items, KV heads) with p.item_window / p.item_head_run; n_work * Hk or
+// more ends the walk.
+template <int D>
+__device__ __forceinline__ int32_t bwd_claim_item(const Sm90BwdParams<D>& p, int32_t n_work, int32_t Hk) {
+  const int32_t claim = atomicAdd(p.counter, 1);
+  if constexpr (!bwd_claim_ordered(D)) {
+    return claim;
+  } else {
+    if (claim >= n_work * Hk) return claim;
+    int32_t w, hk;
+    decode_fwd_item(claim, n_work, Hk, clamp_fwd_window(p.item_window, n_work), p.item_head_run, w, hk);
+    return w * Hk + hk;
+  }
 }
 
 // One step's lse / delta rows staged into the Q/dO stage by the producer warp, after the stage's wait
@@ -523,7 +551,7 @@ bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams<D> p) {
       mbar_wait(&B.item_empty[slot], ph ^ 1);
       int32_t item = 0;
       if (lane == 0) {
-        item = atomicAdd(p.counter, 1);
+        item = bwd_claim_item(p, n_work, Hk);
         B.items[slot] = item;
         mbar_arrive(&B.item_full[slot]);
       }

@@ -235,7 +235,7 @@ bwd_sm90_kernel_d256(const __grid_constant__ Sm90BwdParams<256> p) {
       mbar_wait(&B.item_empty[slot], ph ^ 1);
       int32_t item = 0;
       if (lane == 0) {
-        item = atomicAdd(p.counter, 1);
+        item = bwd_claim_item(p, n_work, Hk);
         B.items[slot] = item;
         mbar_arrive(&B.item_full[slot]);
       }

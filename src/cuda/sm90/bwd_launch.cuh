@@ -25,12 +25,16 @@ namespace dualkv::cuda::sm90 {
 // counters[0..3] on `stream` before (run_bwd), and nothing between reads or writes it.
 // cudaErrorNotSupported: nothing was launched (the caller falls back to the sm80 kernel).
 template <typename Element, int HeadDim, int BlockM, int BlockN>
-cudaError_t prepare_bwd_params(const BwdArgs& args, Sm90BwdParams<HeadDim>* p) {
+cudaError_t prepare_bwd_params(const BwdArgs& args, int sms, Sm90BwdParams<HeadDim>* p) {
   constexpr CUtensorMapDataType dt = kTmaType<Element>;
   const int T = args.layout.num_tokens;
   const int H = args.num_heads, Hk = args.num_kv_heads;
   p->a = args;
   p->counter = args.counters + 2;
+  // The order the producer claims the items in where bwd_claim_ordered(HeadDim) (bwd_kernel.cuh).
+  const FwdItemOrder order = choose_bwd_item_order(sms, Hk);
+  p->item_window = order.window;
+  p->item_head_run = order.head_run;
   if (!make_map(&p->tq, dt, args.q, HeadDim, H, T, args.q_hs, args.q_ts, BlockM) ||
       !make_map(&p->tdo, dt, args.dout, HeadDim, H, T, args.do_hs, args.do_ts, BlockM) ||
       !make_map(&p->tk, dt, args.k, HeadDim, Hk, T, args.k_hs, args.k_ts, BlockN) ||
@@ -56,7 +60,7 @@ cudaError_t run_bwd_main_d256(const BwdArgs& args, int sms, cudaStream_t stream)
   static_assert(plan_tiles(256).bwd_block_n == C::kBlockN, "sm90 backward d256: plan KV tiles must be kBlockN rows");
   static_assert(plan_tiles(256).bwd_block_m == C::kBlockM, "sm90 backward d256: plan splits are multiples of kBlockM");
   Sm90BwdParams<256> p;
-  cudaError_t err = prepare_bwd_params<Element, 256, C::kBlockM, C::kBlockN>(args, &p);
+  cudaError_t err = prepare_bwd_params<Element, 256, C::kBlockM, C::kBlockN>(args, sms, &p);
   if (err != cudaSuccess) return err;
   if constexpr (std::is_same_v<Mods, NoModifiers>) {
     if (args.prefix_k != nullptr) {  // external prefix (issue 17): instantiated without modifiers only
@@ -90,7 +94,7 @@ cudaError_t run_bwd_main(const BwdArgs& args, int sms, cudaStream_t stream) {
     static_assert(C::kBlockM % plan_tiles(HeadDim).bwd_block_m == 0,
                   "sm90 backward: kernel steps must be whole multiples of the plan's split granularity");
     Sm90BwdParams<HeadDim> p;
-    cudaError_t err = prepare_bwd_params<Element, HeadDim, C::kBlockM, C::kBlockN>(args, &p);
+    cudaError_t err = prepare_bwd_params<Element, HeadDim, C::kBlockM, C::kBlockN>(args, sms, &p);
     if (err != cudaSuccess) return err;
     if constexpr (std::is_same_v<Mods, NoModifiers>) {
       if (args.prefix_k != nullptr) {  // external prefix (issue 17): instantiated without modifiers only
