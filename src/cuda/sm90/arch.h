@@ -36,8 +36,10 @@ inline bool fwd_tiles_ok(int head_dim, bool windowed, int fwd_block_m) {
 // D 256 the two kernels took 0.68-0.85x the fwd+bwd time of the dQ-accumulating main kernel; at
 // D 128 1.10-1.17x (its dQ-free main kernel 0.75x the accumulating one's, where the split pays only
 // below ~0.55x), so D 128's default keeps the accumulating kernel and only its deterministic mode
-// gains (0.73-0.77x the portable dQ's fwd+bwd time). H100, 2026-12-06 (docs/decisions.md).
-constexpr bool bwd_dq_kernel_built(int head_dim) { return head_dim == 128 || head_dim == 256; }
+// gains (0.73-0.77x the portable dQ's fwd+bwd time). H100, 2026-12-06 (docs/decisions.md). At D 64
+// (three consumer warpgroups on the forward's 192-row tiles, two on the windowed plan's 128) it
+// serves the deterministic mode as at D 128.
+constexpr bool bwd_dq_kernel_built(int head_dim) { return head_dim == 64 || head_dim == 128 || head_dim == 256; }
 inline bool bwd_dq_query_outer(int head_dim, bool prefixed) {
   return head_dim == 256 && !prefixed;
 }

@@ -19,7 +19,8 @@
 //     consumers through a 2-slot ring, and issues the TMA loads: the item's first K tile, its Q and
 //     dO tiles (one barrier), then per KV tile j of the walk V_j and K_{j+1}, K into kKStages
 //     buffers, V into kVStages.
-//   warpgroups 1, 2 (consumers, 240 registers): 64 query rows each. Per KV tile j:
+//   warpgroups 1 .. kConsumerWGs (consumers, 240 registers; 160 with three): 64 query rows each (the
+//   plan's forward tile: two warpgroups, three at D 64 without a window). Per KV tile j:
 //     dP_j = dO V_j^T and S_j = Q K_j^T (SS wgmma, m64 nBN, k D), issued together;
 //     P_j = exp2(S_j scale log2e - lse log2e), masked as the forward masks; dS_j = P_j (dP_j - delta);
 //     dQ += dS_j K_j (RS wgmma, dS from registers, K read N-major, m64 nD, k BN), retired before
@@ -41,8 +42,8 @@
 // multiplies dS by the cap's derivative 1 - t^2 (t = capped score / c); the sliding window walks
 // KvWalk's windowed walk from the item's first position and hides what the forward hides
 // (dq_walk_init / dq_walk_next, the forward's mask_scores). Sinks change nothing here.
-// Built for D 128 and 256 (arch.h bwd_dq_kernel_built), and run without external prefixes: the
-// others keep the portable kernel. At D 128 only the deterministic mode runs it (arch.h says why).
+// Built for D 64, 128 and 256 (arch.h bwd_dq_kernel_built), and run without external prefixes: the
+// others keep the portable kernel. At D 64 and 128 only the deterministic mode runs it (arch.h says why).
 #pragma once
 
 #include <cuda.h>
@@ -66,18 +67,20 @@
 
 namespace dualkv::cuda::sm90 {
 
-template <int D>
+template <int D, bool Windowed>
 struct Sm90DqConfig {
-  static constexpr int kBlockM = fwd_block_m(D, TileFamily::kSm90, false);  // the plan's forward tile
+  static constexpr int kBlockM = fwd_block_m(D, TileFamily::kSm90, Windowed);  // the plan's forward tile
   static constexpr int kConsumerWGs = kBlockM / 64;
   // KV rows per tile: 48 at D 256 (FA4's backward tile there). The consumers hold dQ (64 x D fp32:
   // 128 registers at D 256), S and dP (BN / 2 each) and dS's fragments (BN / 4) while dQ_j runs
   // under the next tile's S and dP: with 64-row tiles ptxas spilled 134 bytes at 240 registers.
   static constexpr int kBlockN = D == 256 ? 48 : 64;
   static constexpr int kThreads = 128 * (1 + kConsumerWGs);
-  static constexpr int kConsumerRegs = 240;
+  // Three consumer warpgroups (D 64's 192-row tiles) hold dQ, S and dP of 64 x 64 (32 registers each)
+  // and dS's fragments (16) in 160 registers, as the forward's three warpgroups do.
+  static constexpr int kConsumerRegs = kConsumerWGs == 3 ? 160 : 240;
   static constexpr int kProducerRegs = 24;
-  static_assert(kConsumerWGs == 2, "sm90 dQ: two consumer warpgroups of 64 rows");
+  static_assert(kConsumerWGs == 2 || kConsumerWGs == 3, "sm90 dQ: two or three consumer warpgroups of 64 rows");
   static_assert(setmaxnreg_split_fits(kThreads, kProducerRegs, kConsumerRegs),
                 "sm90 dQ: the consumers' setmaxnreg.inc would wait for registers the producer never returns");
   static constexpr uint32_t kQBytes = kBlockM * D * 2;   // Q (and dO) of one tile
@@ -130,10 +133,10 @@ __device__ __forceinline__ bool dq_walk_next(KvWalk<BN>& kv, const LayoutPtrs& L
 }
 
 template <typename T, int D, typename Mods>
-__global__ void __launch_bounds__(Sm90DqConfig<D>::kThreads, 1)
+__global__ void __launch_bounds__(Sm90DqConfig<D, Mods::kWindow>::kThreads, 1)
 bwd_dq_sm90_kernel(const __grid_constant__ Sm90DqParams<D> p) {
   static_assert(bwd_dq_kernel_built(D), "sm90 dQ: not built for this head dim");
-  using C = Sm90DqConfig<D>;
+  using C = Sm90DqConfig<D, Mods::kWindow>;
   constexpr int BN = C::kBlockN, KS = C::kKStages, VS = C::kVStages;
 
   extern __shared__ __align__(1024) uint8_t smem_raw[];
@@ -268,7 +271,7 @@ bwd_dq_sm90_kernel(const __grid_constant__ Sm90DqParams<D> p) {
 
   float s[BN / 2], dp[BN / 2];
   uint32_t pf[BN / 4];
-  // acc = A B^T over D, both operands K-major in smem: A this warpgroup's 64 rows of a 128-row tile
+  // acc = A B^T over D, both operands K-major in smem: A this warpgroup's 64 rows of a kBlockM-row tile
   // (Q or dO), B a KV tile (K or V): S = Q K^T, dP = dO V^T.
   const auto issue_abt = [&](float (&acc)[BN / 2], uint32_t a_rows, uint32_t b_tile) {
     const uint64_t da = make_desc_sw128(a_rows, 16, 1024), db = make_desc_sw128(b_tile, 16, 1024);

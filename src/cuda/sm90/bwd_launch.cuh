@@ -123,7 +123,7 @@ cudaError_t run_bwd_dq(const BwdArgs& args, int sms, cudaStream_t stream) {
   if constexpr (!bwd_dq_kernel_built(D)) {
     return cudaErrorNotSupported;
   } else {
-    using C = Sm90DqConfig<D>;
+    using C = Sm90DqConfig<D, Mods::kWindow>;
     if (args.prefix_k != nullptr || args.fwd_block_m != C::kBlockM) return cudaErrorNotSupported;
     const int T_ = args.layout.num_tokens;
     const int H = args.num_heads, Hk = args.num_kv_heads;
