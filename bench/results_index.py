@@ -228,6 +228,12 @@ BENCHMARKS = {
                            "portable dQ (dualkv_ab_det) and against the default mode of both; .log: the run's tables, "
                            "per-kernel profiles and the candidate's GPU test",
     "dq_kernel_d128_configs_h100": "the same on the configs 16,4096,1024;8,16384,2048 --no-varlen",
+    "dq_kernel_d64_h100": "bench/attention.py --head-dim 64 --classes all --methods dualkv,dualkv_det,dualkv_ab_det "
+                          "--ab-library <main 293025d's library> --rounds 3 on an H100 (issue 23, session 54): the "
+                          "dq64det candidate b07cd63 (the Hopper dQ kernel at D 64 in deterministic mode) against main's "
+                          "portable dQ (dualkv_ab_det) and the default mode of both; .log: the run's tables; .check.log: "
+                          "tools/ab_libraries.py --check bwd --deterministic --dims 64 --mods window,softcap; .tests.log: "
+                          "the dQ-kernel tests and the GPU suite on the candidate's D-64 build",
     "dq_kernel_mods_w1024_d256_h100": "bench/attention.py --head-dim 256 --window 1024 --configs 16,4096,1024;8,16384,2048 "
                                       "--no-varlen --methods dualkv,dualkv_det --ab-library <main 84327e1's library> "
                                       "--rounds 3 --profile on an H100 (issue 23, session 48): the candidate 5caa06b (the "
