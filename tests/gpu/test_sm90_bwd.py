@@ -135,7 +135,7 @@ DQ_DIMS = [d for d in (64, 128, 256) if d in DIMS]  # sm90/arch.h bwd_dq_kernel_
 @pytest.mark.parametrize("D", DQ_DIMS)
 @pytest.mark.parametrize("case", range(12))
 def test_deterministic_dq_kernel(case, D):
-    # The deterministic mode's Hopper dQ kernel (sm90/bwd_dq_kernel.cuh: D 128 / 256, no external
+    # The deterministic mode's Hopper dQ kernel (sm90/bwd_dq_kernel.cuh: D 64 / 128 / 256, no external
     # prefix; with softcap / window: test_cuda_modifiers.py): launched instead of the portable one,
     # and within the bound on random forests, both dtypes and every GQA group, with and without dlse;
     # bit-identical run to run.
