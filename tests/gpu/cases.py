@@ -185,6 +185,11 @@ def cuda_kernels_run(fn) -> set:
 ARCH_CAPABILITY = {"sm90": (9, 0)}
 
 
+# Head dims the Hopper dQ kernel is built for (sm90/arch.h bwd_dq_kernel_built): the tests of that kernel
+# filter the library's Hopper backward head dims by it.
+SM90_DQ_KERNEL_DIMS = (64, 128, 256)
+
+
 def arch_head_dims(arch: str, direction: str) -> List[int]:
     """Head dims the library has `arch`'s `direction` kernels for (build info "kernels"), or [] when
     there is no GPU of that arch here (then arch_test_marks skips the module)."""

@@ -309,7 +309,7 @@ def sm90_dq_dims():
     """Head dims of the Hopper dQ kernel (sm90/arch.h bwd_dq_kernel_built) with modifier kernels built,
     where the device runs the Hopper backward."""
     hopper = cases.arch_head_dims("sm90", "bwd")
-    return [d for d in (64, 128, 256) if d in hopper and d in modifier_head_dims()]
+    return [d for d in cases.SM90_DQ_KERNEL_DIMS if d in hopper and d in modifier_head_dims()]
 
 
 @pytest.mark.parametrize("D", sm90_dq_dims() or [pytest.param(0, marks=pytest.mark.skip(reason="no Hopper dQ kernel"))])

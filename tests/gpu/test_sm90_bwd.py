@@ -129,7 +129,7 @@ def test_deterministic_bitwise(D):
             assert torch.equal(a, b), f"{name}: deterministic mode not bit-identical run to run"
 
 
-DQ_DIMS = [d for d in (64, 128, 256) if d in DIMS]  # sm90/arch.h bwd_dq_kernel_built
+DQ_DIMS = [d for d in cases.SM90_DQ_KERNEL_DIMS if d in DIMS]
 
 
 @pytest.mark.parametrize("D", DQ_DIMS)
