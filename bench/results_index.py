@@ -464,13 +464,6 @@ BENCHMARKS = {
                   "(issue 21; step hybrid)",
     "hybrid_e2e_p8k": "bench/hybrid_e2e.py at N16 P8192 R1024 with Flex on Triton (FA4 refuses head dim 256 "
                       "training: hybrid_e2e.log) (issue 21; HYBRID_ARGS='--flex-backend TRITON')",
-    "ab_bwd_dq_convert_in_kernel": "tools/ab_libraries.py --check bwd --deterministic --mods window,softcap,sinks,prefix "
-                                   "--aa --rounds 7 (device_run.sh ab-check): the D <= 128 Hopper backward converting "
-                                   "dQ in its main kernel (session 56's dqconv, not merged: docs/decisions.md) against "
-                                   "main cfcd18c, one H100; .d128/.d64.profile7.log, .tests.log, .sanitize.log",
-    "ab_bwd_dq_convert_in_kernel_prefetch": "the same with a block's accumulator lines prefetched into L2 before its "
-                                            "conversion (dqconv e02c7db, not merged), one H100; .d128/.d64.profile7.log, "
-                                            ".tests.log",
 }
 
 HEADER = """# bench/results: the latest result of each benchmark
