@@ -1181,8 +1181,9 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
     const uint32_t o_thread_x = thread_index_x();
     const int ocw = static_cast<int>(o_thread_x / 128) - 1;
     const uint32_t o_thread = o_thread_x % 128;
-    // This warpgroup's first token (its 64 rows: 64 >> pack_shift tokens of G heads each).
-    const int32_t o_row0 = q0 + ((ocw * 64) >> p.pack_shift);
+    // This warpgroup's first token (its 64 rows: 64 >> pack_shift tokens of G heads each), from the
+    // thread's first row token qi0 (q0 is not kept live through the KV loop; G divides 64).
+    const int32_t o_row0 = qi0 - static_cast<int32_t>(((o_thread / 32) * 16 + (o_thread % 32) / 4) >> p.pack_shift);
     // The same for the whole warpgroup; the vote tells the compiler so (as a per-thread branch
     // around the named barriers it cost the all-modifier kernels 16 bytes of spills).
     const bool o_staged =
@@ -1194,9 +1195,11 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
     // Without the staged epilogue (D 256): 16-byte stores (fwd_o_row_stg128) where out is 16-byte
     // aligned (the launcher's o_vec16, one value for the grid), else the element pairs below.
     const bool o_vec16 = !C::kOStaged && p.o_vec16 != 0;
-    // The query head of fragment row g (packed heads: the row's place among its token's G rows; the
-    // warp's first row is a multiple of 16 >= G).
-    const int hg = rows.head0 + static_cast<int>(((o_thread % 32) / 4) & ((1u << p.pack_shift) - 1));
+    // The query head of fragment row g (packed heads: the item's first head h - j, j = h % G, plus
+    // the row's place among its token's G rows; the warp's first row is a multiple of 16 >= G).
+    const int head_mask = (1 << p.pack_shift) - 1;
+    const int head0 = h - (h & head_mask);
+    const int hg = head0 + (static_cast<int>((o_thread % 32) / 4) & head_mask);
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       float tot = l[r];
@@ -1231,7 +1234,7 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
       }
     }
     if constexpr (C::kOStaged) {
-      if (o_staged) fwd_o_staging_release<D>(&p.to, o_box, C::kOBarrier + ocw, rows.head0, o_row0);
+      if (o_staged) fwd_o_staging_release<D>(&p.to, o_box, C::kOBarrier + ocw, head0, o_row0);
     }
   }
   // The last TMA stores of O still read smem: the issuing thread waits for them before the CTA ends.
