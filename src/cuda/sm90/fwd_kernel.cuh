@@ -174,10 +174,14 @@ struct Sm90FwdParams {
 };
 
 // Tokens between a thread's two fragment rows g and g + 8 (8 rows): 8 >> pack_shift with packed
-// query heads (G = 2^pack_shift <= 16 divides 8 rows, or at 16 both rows are one token's).
+// query heads (G = 2^pack_shift <= 16 divides 8 rows, or at 16 both rows are one token's). Computed
+// where it is used, from the parameter (volatile: hoisted out of the KV loop, the second row's
+// token took a register there, and the D-256 kernels spilled 20 bytes).
 template <int D>
 __device__ __forceinline__ int32_t fwd_row_step(const Sm90FwdParams<D>& p) {
-  return 8 >> p.pack_shift;
+  int32_t step;
+  asm volatile("shr.s32 %0, 8, %1;\n" : "=r"(step) : "r"(p.pack_shift));
+  return step;
 }
 // Query heads between them: none when G divides 8, else (G = 16) 8.
 template <int D>
