@@ -79,9 +79,12 @@ DUALKV_ORDER_FN FwdItemRows fwd_item_rows(int32_t seg, int32_t q0, int32_t q1, c
   FwdItemRows r{seg, q0 + j * b, 0, q0, h - j};
   r.q1 = r.q0 + b < q1 ? r.q0 + b : q1;
   if (j == 0 || r.q0 >= q1) return r;
-  const bool siblings = q1 > offsets[seg + 1];
-  if (!siblings) r.q_diag = r.q0;
-  while (siblings && r.seg + 1 < seg + block_m && offsets[r.seg + 1] <= r.q0) ++r.seg;
+  if (q1 <= offsets[seg + 1]) {  // one segment's tile
+    r.q_diag = r.q0;
+    return r;
+  }
+  // Siblings are consecutive segments that end at q1 > r.q0 at the latest: the scan stops there.
+  while (offsets[r.seg + 1] <= r.q0) ++r.seg;
   return r;
 }
 
