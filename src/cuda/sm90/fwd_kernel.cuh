@@ -460,13 +460,13 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
       int32_t tile;
       int h;
       decode_fwd_item(item, n_tiles, H, window, p.head_run, tile, h);
-      const int hk = h / group;
       // The item's rows (packed query heads: a sub-range of the tile's tokens for G heads), as the
       // consumers take them; an empty sub-range (past a ragged tile's end) is no work for anyone.
       const FwdItemRows rows = fwd_item_rows(items[tile * kFwdItemInts + 0], items[tile * kFwdItemInts + 1],
                                              items[tile * kFwdItemInts + 2], L.offsets, h, p.pack_shift, C::kBlockM);
       if (rows.q0 >= rows.q1) continue;
       const int32_t seg = rows.seg, q0 = rows.q0, q1 = rows.q1, qh = rows.head0;
+      const int hk = qh / group;  // (the item's heads are one KV head's)
 
       KvWalk<BN> kv;
       // The sliding window (mask modifiers, issue 16): the walk from the tile's first position on,
