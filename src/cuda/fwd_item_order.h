@@ -74,6 +74,7 @@ struct FwdItemRows {
 };
 DUALKV_ORDER_FN FwdItemRows fwd_item_rows(int32_t seg, int32_t q0, int32_t q1, const int32_t* offsets, int32_t h,
                                           int32_t pack_shift, int32_t block_m) {
+  if (pack_shift == 0) return FwdItemRows{seg, q0, q1, q0, h};
   const int32_t j = h & ((1 << pack_shift) - 1);
   const int32_t b = block_m >> pack_shift;
   FwdItemRows r{seg, q0 + j * b, 0, q0, h - j};

@@ -173,12 +173,28 @@ struct Sm90FwdParams {
   int32_t o_vec16;
 };
 
+// Which kernels pack query heads (Sm90FwdParams::pack_shift; the launcher sets 0 for the others, and
+// they fold it away as a constant): D 64 and 128. Measured 2026-12-07 (one H100, forward kernel time
+// against main, 7 rounds, A/A beside; docs/notes/2026-12-07-fwd-packed-query-heads.md): D 128
+// 0.862-0.998 and D 64 0.858-0.975 on six layouts, but D 256 1.036-1.111 on four of them (its
+// kernels spilled 20 bytes with it).
+template <int D>
+constexpr bool fwd_packs_query_heads() {
+  return D <= 128;
+}
+template <int D>
+__device__ __forceinline__ int32_t fwd_pack_shift(const Sm90FwdParams<D>& p) {
+  if constexpr (fwd_packs_query_heads<D>()) return p.pack_shift;
+  return 0;
+}
+
 // Tokens between a thread's two fragment rows g and g + 8 (8 rows): 8 >> pack_shift with packed
 // query heads (G = 2^pack_shift <= 16 divides 8 rows, or at 16 both rows are one token's). Computed
 // where it is used, from the parameter (volatile: hoisted out of the KV loop, the second row's
 // token took a register there, and the D-256 kernels spilled 20 bytes).
 template <int D>
 __device__ __forceinline__ int32_t fwd_row_step(const Sm90FwdParams<D>& p) {
+  if constexpr (!fwd_packs_query_heads<D>()) return 8;
   int32_t step;
   asm volatile("shr.s32 %0, 8, %1;\n" : "=r"(step) : "r"(p.pack_shift));
   return step;
@@ -186,7 +202,7 @@ __device__ __forceinline__ int32_t fwd_row_step(const Sm90FwdParams<D>& p) {
 // Query heads between them: none when G divides 8, else (G = 16) 8.
 template <int D>
 __device__ __forceinline__ int32_t fwd_row_head_step(const Sm90FwdParams<D>& p) {
-  return 8 & ((1 << p.pack_shift) - 1);
+  return 8 & ((1 << fwd_pack_shift(p)) - 1);
 }
 
 struct Sm90Barriers {
@@ -463,8 +479,8 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
       // The item's rows (packed query heads: a sub-range of the tile's tokens for G heads), as the
       // consumers take them; an empty sub-range (past a ragged tile's end) is no work for anyone.
       const FwdItemRows rows = fwd_item_rows(items[tile * kFwdItemInts + 0], items[tile * kFwdItemInts + 1],
-                                             items[tile * kFwdItemInts + 2], L.offsets, h, p.pack_shift, C::kBlockM);
-      if (rows.q0 >= rows.q1) continue;
+                                             items[tile * kFwdItemInts + 2], L.offsets, h, fwd_pack_shift(p), C::kBlockM);
+      if (fwd_packs_query_heads<D>() && rows.q0 >= rows.q1) continue;
       const int32_t seg = rows.seg, q0 = rows.q0, q1 = rows.q1, qh = rows.head0;
       const int hk = qh / group;  // (the item's heads are one KV head's)
 
@@ -692,14 +708,14 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
     int32_t tile;
     int h;
     decode_fwd_item(item, n_tiles, H, window, p.head_run, tile, h);
-    // The item's rows (fwd_item_rows: with packed query heads (p.pack_shift) a sub-range of the
+    // The item's rows (fwd_item_rows: with packed query heads (fwd_pack_shift(p)) a sub-range of the
     // tile's tokens, row t G + i of it token q0 + t and head head0 + i; else the tile of head h).
     const FwdItemRows rows = fwd_item_rows(items[tile * kFwdItemInts + 0], items[tile * kFwdItemInts + 1],
-                                           items[tile * kFwdItemInts + 2], L.offsets, h, p.pack_shift, C::kBlockM);
-    if (rows.q0 >= rows.q1) continue;  // the producer skips it too
+                                           items[tile * kFwdItemInts + 2], L.offsets, h, fwd_pack_shift(p), C::kBlockM);
+    if (fwd_packs_query_heads<D>() && rows.q0 >= rows.q1) continue;  // the producer skips it too
     const int32_t seg = rows.seg, q0 = rows.q0, q1 = rows.q1, q_diag = rows.q_diag;
     // Query token of rows r = 0 (qi0) and r = 1 (qi0 + fwd_row_step(p)): fragment rows g and g + 8.
-    const int32_t qi0 = q0 + (row_in_tile >> p.pack_shift);
+    const int32_t qi0 = q0 + (row_in_tile >> fwd_pack_shift(p));
     // The item's Q buffer and its use of it, as the producer counts them (its comment at the Q load
     // says why this protocol is safe). This warpgroup's 64 rows of it start at q_item.
     const uint32_t qb = q_iter % C::kQBuffers, q_use = q_iter / C::kQBuffers;
@@ -714,8 +730,8 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
     // output is the same. Only in the short-walk builds of fwd_skips_hidden_tiles's kernels (why:
     // above); the others compute every tile.
     constexpr bool kSkipHidden = fwd_skips_hidden_tiles<D, Mods, kPrefix>() && !kLongWalks;
-    const int32_t wg_first = q0 + ((cw * 64) >> p.pack_shift);
-    const int32_t wg_last = min(q1, wg_first + (64 >> p.pack_shift)) - 1;
+    const int32_t wg_first = q0 + ((cw * 64) >> fwd_pack_shift(p));
+    const int32_t wg_last = min(q1, wg_first + (64 >> fwd_pack_shift(p))) - 1;
     const bool live = !kSkipHidden || wg_first < q1;
 
     float o[D / 2];
@@ -787,7 +803,7 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
       }
       if constexpr (Mods::kWindow) {
         const int32_t shift = SegmentMask::window_shift(L.offsets, L.position_offset, seg, kcur);
-        fwd_window_mask(s, kpos, q0 + ((cw * 64 + 63) >> p.pack_shift), qi0, fwd_row_step(p), t4, shift, a.window);
+        fwd_window_mask(s, kpos, q0 + ((cw * 64 + 63) >> fwd_pack_shift(p)), qi0, fwd_row_step(p), t4, shift, a.window);
       }
     };
     // Row r's new max after the mask (m[r] updated) and its rescale factor alpha[r]; returns the
@@ -1187,12 +1203,12 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
     const uint32_t o_thread = o_thread_x % 128;
     // This warpgroup's first token (its 64 rows: 64 >> pack_shift tokens of G heads each), from the
     // thread's first row token qi0 (q0 is not kept live through the KV loop; G divides 64).
-    const int32_t o_row0 = qi0 - static_cast<int32_t>(((o_thread / 32) * 16 + (o_thread % 32) / 4) >> p.pack_shift);
+    const int32_t o_row0 = qi0 - static_cast<int32_t>(((o_thread / 32) * 16 + (o_thread % 32) / 4) >> fwd_pack_shift(p));
     // The same for the whole warpgroup; the vote tells the compiler so (as a per-thread branch
     // around the named barriers it cost the all-modifier kernels 16 bytes of spills).
     const bool o_staged =
         C::kOStaged && p.o_tma != 0 &&
-        __all_sync(0xffffffffu, o_row0 + (64 >> p.pack_shift) <= q1 || (q1 >= L.num_tokens && o_row0 < q1));
+        __all_sync(0xffffffffu, o_row0 + (64 >> fwd_pack_shift(p)) <= q1 || (q1 >= L.num_tokens && o_row0 < q1));
     // This warpgroup's O box, from an address the loop keeps live (K's).
     const uint32_t o_box = k_base - C::kOffK + C::kOffO + ocw * C::kOWgBytes;
     if (o_staged) fwd_o_staging_acquire(C::kOBarrier + ocw);
@@ -1201,7 +1217,7 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
     const bool o_vec16 = !C::kOStaged && p.o_vec16 != 0;
     // The query head of fragment row g (packed heads: the item's first head h - j, j = h % G, plus
     // the row's place among its token's G rows; the warp's first row is a multiple of 16 >= G).
-    const int head_mask = (1 << p.pack_shift) - 1;
+    const int head_mask = (1 << fwd_pack_shift(p)) - 1;
     const int head0 = h - (h & head_mask);
     const int hg = head0 + (static_cast<int>((o_thread % 32) / 4) & head_mask);
 #pragma unroll

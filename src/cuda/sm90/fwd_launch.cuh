@@ -35,7 +35,7 @@ cudaError_t run_fwd(const FwdArgs& args, int sms, cudaStream_t stream) {
   p.tile_window = order.window;
   p.head_run = order.head_run;
   // Packed query heads (fwd_item_order.h fwd_item_rows): a KV head's G heads share an item's rows.
-  p.pack_shift = choose_fwd_pack_shift(H, Hk);
+  p.pack_shift = fwd_packs_query_heads<D>() ? choose_fwd_pack_shift(H, Hk) : 0;
   const int box_heads = 1 << p.pack_shift;
   // The long-walk build (fwd_has_long_walk_kernel, issue 23) of the kernel without an external
   // prefix, where the plan's KV walks are long; its K / V boxes are its tiles (wider at D 128).
