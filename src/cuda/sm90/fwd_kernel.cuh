@@ -2,7 +2,9 @@
 // warpgroups (three at D = 64 without a window: Sm90FwdConfig::kConsumerWGs).
 //
 //   warpgroup 0 (producer, 40 registers): one thread takes (query tile, head) items from the plan
-//     through the atomic counter, hands each to the consumers through a 2-slot ring in smem, and
+//     through the atomic counter (at D 64 / 128 with grouped-query attention an item is a sub-range
+//     of the tile's tokens for all query heads of one KV head: fwd_item_order.h fwd_item_rows, the
+//     params' pack_shift), hands each to the consumers through a 2-slot ring in smem, and
 //     issues the TMA loads: the item's first K tile, its Q tile (kBlockM rows; at D 64 into the
 //     other of two Q buffers, so it loads while the previous item still runs), then the rest of
 //     the K and V tiles of the KV ranges the tile sees (ancestors from the parent to the root,
