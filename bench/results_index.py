@@ -171,20 +171,16 @@ BENCHMARKS = {
     "configs_h256": "the same at head dim 256 on the H200 (dqbox 3593a07's library = faf0a45's kernels, 6465d89 "
                     "declared; issue 23, session 43; the H100 run: configs_h256_h100)",
     "never_lose_d128_h100": "bench/attention.py --head-dim 128 --classes long_responses --methods dualkv,fa4_dense "
-                            "--ab-library <main 5ba06a3's library> --rounds 5 on an H100, with the conflict-free dQ "
-                            "staging (dqstage 7c64d89; issue 23, session 41); .log: the run's tables",
-    "never_lose_d64_h100": "the same at head dim 64 (the card throttled: forward rounds 0.93-1.15 of main's with the "
-                           "same forward kernels)",
-    "never_lose_d256_h100": "bench/attention.py --head-dim 256 --classes long_responses --methods "
-                            "dualkv,dualkv_det,fa4_dense --rounds 5 --profile --sustain 4 on an H100 (main cd65162's "
-                            "D-256 library; issue 23, session 47; session 45's run without dualkv_det: git history); "
-                            ".log: the run's tables, per-kernel profiles of both dQ modes and sustained rates with "
-                            "clocks; .ncu_units_bwd.txt: both backward main kernels' units per useful FLOP on the same "
-                            "layout (step ncu-units, NCU_DIM=256 NCU_CASE=long_responses; session 47); "
-                            ".ncu_stalls_fwd.txt: both forward kernels' stalls per instruction on the same layout "
-                            "(step ncu-stalls, NCU_DIM=256 NCU_KERNEL='fwd_sm90|Forward' NCU_DIRECTION=fwd; session 49, "
-                            "main 39d49a2; session 45's: git history), the per-line CSVs of both beside it "
-                            "(.ncu_stalls_fwd.dualkv.csv.xz, .ncu_stalls_fwd.fa4_dense.csv.xz)",
+                            "--rounds 9 on an H100, main b961b4f's kernels (the library of cfcd18c), FA4 4.0.0b36 "
+                            "(issue 23, session 57); .log: its tables",
+    "never_lose_d64_h100": "the same at head dim 64 (session 57)",
+    "never_lose_d256_h100": "the same at head dim 256 (session 57). Beside it from earlier runs: .session47.log, session 47's run "
+                            "(--methods dualkv,dualkv_det,fa4_dense --rounds 5 --profile --sustain 4, main cd65162's "
+                            "D-256 library: per-kernel profiles of both dQ modes and sustained rates with clocks); "
+                            ".ncu_units_bwd.txt: both backward main kernels' units per useful FLOP on the same layout "
+                            "(step ncu-units, session 47); .ncu_stalls_fwd.*: both forward kernels' stalls and executed "
+                            "instructions per SASS line (step ncu-stalls, NCU_DIM=256 NCU_KERNEL='fwd_sm90|Forward' "
+                            "NCU_DIRECTION=fwd, session 49; their wgmma counts: docs/notes/2026-12-07-fwd-packed-query-heads.md)",
     "dq_query_outer_d256_h100": "bench/attention.py --head-dim 256 --classes all --methods dualkv,dualkv_det,fa4_dense "
                                 "--ab-library <main cd65162's D-256 build> --rounds 5 on an H100 (issue 23, session 47): "
                                 "0ca3c63, whose D-256 backward computes dQ query-outer in both modes (the Hopper dQ "
@@ -218,10 +214,9 @@ BENCHMARKS = {
                         "lse / delta loads at once) with dualkv_ab = the library before it (1c84b51's kernels), FA4 "
                         "dense and Flex-FA4, 3 rounds (issue 23, session 39; step bench-classes); .log: the run's tables",
     "classes_h256_h100": "bench/attention.py --head-dim 256 --classes all --methods dualkv,dualkv_det,fa4_dense,"
-                         "flex_fa4,sdpa_cudnn --rounds 5 on an H100: main 84327e1's library (the D-256 backward "
-                         "computes dQ query-outer in both modes), every peer in one process (issue 23, session 48; "
-                         "step bench-classes); .log: the run's tables. Session 39's run with the two GRPO configs: "
-                         "git history",
+                         "flex_fa4 --rounds 3 on an H100: main b961b4f's kernels (the library of cfcd18c), every peer "
+                         "in one process (issue 23, session 57; step bench-classes; FA4 dense ran out of memory on tiny "
+                         "responses); .log: its tables; .session48.log: session 48's run (main 84327e1, 5 rounds, with sdpa_cudnn)",
     "dq_kernel_d128_h100": "bench/attention.py --head-dim 128 --classes all --methods dualkv,dualkv_det --ab-library "
                            "<main 84327e1's library> --rounds 5 --profile on an H100 (issue 23, session 48): the dq128 "
                            "candidate ee0d2d2 (the Hopper dQ kernel at D 128 in deterministic mode) against main's "
@@ -378,6 +373,20 @@ BENCHMARKS = {
                           "against e91c2c5 (5 rounds), .skip.profile_short.log the 64-row build forced on every plan "
                           "(DUALKV_CUDA_LONG_WALK_KEYS=1e8, 5 rounds), .skip.check.log bit for bit with every modifier, "
                           ".skip.tests.log / .skip.sanitize.log the merged library's D-256 GPU tests and sanitizers",
+    "ab_fwd_packed_heads_classes_d128": "bench/attention.py --head-dim 128 --classes all --methods dualkv,fa4_dense,"
+                                        "flex_fa4 --ab-library <main b961b4f's kernels> --rounds 3 on an H100: the Hopper "
+                                        "forward with packed query heads (branch pack, f7941d9's library; issue 23, "
+                                        "session 57) against main as dualkv_ab. Beside it (ab_fwd_packed_heads.*): "
+                                        ".d{64,128,256}.check_profile7.log: tools/ab_libraries.py --check fwd, every "
+                                        "modifier, and the forward kernel's time on six layouts, 7 rounds, A/A (the "
+                                        "merged form); .d*_first.*: the first build (6385509, packing at D 256 too); "
+                                        ".tests_fwd.log / .tests_all.log: the forward GPU tests and the whole GPU "
+                                        "suite on the merged form; .memcheck.log: compute-sanitizer memcheck at D 64 / 128",
+    "ab_fwd_packed_heads_classes_d64": "the same at head dim 64",
+    "ab_fwd_packed_heads_never_lose_d128": "bench/attention.py --head-dim 128 --classes long_responses --methods "
+                                           "dualkv,dualkv_ab,fa4_dense --rounds 9 on an H100: packed query heads "
+                                           "against main and FA4 dense (session 57)",
+    "ab_fwd_packed_heads_never_lose_d64": "the same at head dim 64",
     "ab_fwd_d64_qdb_sbw": "bench/attention.py --head-dim 64 --classes all --configs 16,4096,1024;8,16384,2048: "
                           "dualkv (b53d53e's D-64 kernels: two Q buffers, the softmax before the walk in the "
                           "short-walk build) against main a12840b's build as dualkv_ab, with FA4 dense and Flex-FA4, "

@@ -11,6 +11,9 @@ of the unpacked rows, on the layout classes (bench/layout_classes.py). No librar
 - dense (FA4 / cuDNN on the unpacked copies): each root-to-leaf row is one contiguous sequence,
   query tiles of --bm rows from its start, --bn-key tiles from its start up to the tile's last row:
   one ragged tile per query tile, at the diagonal.
+- Packed query heads (--pack G for dualkv, --dense-pack G for the dense kernel; FA4's forward packs
+  its heads by default: pack_gqa, G = H / Hk): a --bm-row tile holds --bm / G tokens of the G query
+  heads of one KV head, so the walks above run per --bm / G tokens.
 - Printed per class and --bn: tiles, computed area / useful pairs for both, and their ratio
   (dualkv's area per useful pair over dense's: above 1, dualkv computes more masked area per
   useful FLOP than the dense kernel; a per-tile rate equal to dense's then loses that much).
@@ -32,6 +35,11 @@ sys.path.insert(0, str(ROOT / "python"))  # layout_classes builds its GRPO group
 sys.path.insert(0, str(ROOT / "bench"))
 
 from layout_classes import CLASSES, layout_class, root_paths
+
+# Session 57 (docs/notes/2026-12-07-fwd-packed-query-heads.md): with --dense-pack 4 this model gives
+# FA4 dense's D-256 forward on long responses (H 32 / Hk 8) exactly the wgmmas ncu counted (1,701,952
+# warpgroup-tiles), and dualkv's unpacked walks exactly ours (1,789,568): 5.1% more; packing ours
+# (--pack 4) leaves the prompts' ragged tiles (1.7%).
 
 
 def ceil_div(a: int, b: int) -> int:
@@ -75,14 +83,17 @@ def main():
     ap.add_argument("--classes", default=",".join(CLASSES))
     ap.add_argument("--bm", type=int, default=128, help="query rows per tile (D 64's Hopper forward: 192)")
     ap.add_argument("--bn", default="64,80,128,160", help="KV rows per tile, comma-separated")
+    ap.add_argument("--pack", type=int, default=1, help="dualkv's query heads per tile (G; --bm / G tokens)")
+    ap.add_argument("--dense-pack", type=int, default=1, help="the dense kernel's query heads per tile (FA4: H / Hk)")
     args = ap.parse_args()
+    tq, tqd = args.bm // args.pack, args.bm // args.dense_pack  # tokens per tile
     for name in args.classes.split(","):
         lens, parents = layout_class(name)
         rows = root_paths(lens, parents)
         for bn in (int(b) for b in args.bn.split(",")):
-            t, p = packed_tiles(lens, parents, args.bm, bn)
-            td, pd = dense_tiles(rows, args.bm, bn)
-            area, area_dense = t * args.bm * bn / p, td * args.bm * bn / pd
+            t, p = packed_tiles(lens, parents, tq, bn)
+            td, pd = dense_tiles(rows, tqd, bn)
+            area, area_dense = t * tq * bn / p, td * tqd * bn / pd
             print(f"{name:15s} {args.bm} x {bn:3d}: dualkv {t:7d} tiles, area/useful {area:.3f} | dense {td:7d} "
                   f"tiles, {area_dense:.3f} | dualkv / dense {area / area_dense:.3f}")
 

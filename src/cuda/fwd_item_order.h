@@ -52,6 +52,43 @@ DUALKV_ORDER_FN int32_t clamp_fwd_window(int32_t window, int32_t n_tiles) {
   return w > 1 ? w : 1;
 }
 
+// ---- Packed query heads (the Hopper forward; FA4's pack_gqa) ----
+// With pack_shift s > 0 the G = 2^s query heads of a KV head share a forward item's block_m tile
+// rows: item (tile, h) of KV head hk = h / G covers the tile's tokens [q0 + j B, q0 + (j + 1) B),
+// j = h % G, B = block_m / G, for all G heads of hk at once, tile row t G + i being token
+// q0 + j B + t, head hk G + i (the layout of a TMA box of G heads by B tokens). The items are the
+// same n_tiles * H, each covering block_m (token, head) rows as before, but a row's walk now ends
+// within B tokens of its own (not block_m): the causal diagonal and a segment's ragged end cost
+// tiles of B tokens. Measured before building it (docs/notes/2026-12-07-fwd-packed-query-heads.md):
+// FA4 dense's Hopper forward packs its heads so and issues exactly the wgmmas of this tiling, 5.1%
+// fewer than ours on long responses at D 256.
+//
+// The rows of one item: the first segment of the tile whose tokens reach q0 (a tile of siblings
+// holds several; the earlier ones are hidden from every row of the item, so its walk starts at this
+// one: siblings share their ancestors), the token range [q0, q1) (empty when the tile's last sub-
+// range lies past its end), the first query head of its rows, and q_diag: the first row token to
+// test the causal diagonal against (a tile of siblings keeps the tile's first token, where each of
+// its own ranges starts: the kernels' diagonal test relies on it).
+struct FwdItemRows {
+  int32_t seg, q0, q1, q_diag, head0;
+};
+DUALKV_ORDER_FN FwdItemRows fwd_item_rows(int32_t seg, int32_t q0, int32_t q1, const int32_t* offsets, int32_t h,
+                                          int32_t pack_shift, int32_t block_m) {
+  if (pack_shift == 0) return FwdItemRows{seg, q0, q1, q0, h};
+  const int32_t j = h & ((1 << pack_shift) - 1);
+  const int32_t b = block_m >> pack_shift;
+  FwdItemRows r{seg, q0 + j * b, 0, q0, h - j};
+  r.q1 = r.q0 + b < q1 ? r.q0 + b : q1;
+  if (j == 0 || r.q0 >= q1) return r;
+  if (q1 <= offsets[seg + 1]) {  // one segment's tile
+    r.q_diag = r.q0;
+    return r;
+  }
+  // Siblings are consecutive segments that end at q1 > r.q0 at the latest: the scan stops there.
+  while (offsets[r.seg + 1] <= r.q0) ++r.seg;
+  return r;
+}
+
 // ---- host: the order a launch uses (declared in nvcc's device pass too, where the launchers'
 // host code is parsed; never called from device code) ----
 
@@ -72,6 +109,15 @@ inline FwdItemOrder choose_fwd_item_order(int32_t H, int32_t Hk) {
   constexpr int32_t kWholePlan = INT32_MAX;  // the kernel clamps the window to the plan's tiles
   FwdItemOrder o{kWholePlan, (Hk > 0 && H % Hk == 0) ? H / Hk : 1};
   return o;
+}
+
+// The pack_shift a Hopper forward launch with H query heads and Hk KV heads uses: log2 of the
+// group H / Hk when it is 2, 4, 8 or 16 (so that a warpgroup's 64 rows hold whole tokens and the
+// fragment rows g and g + 8 of a warp are 8 >> s tokens apart), else 0 (one head per item).
+inline int32_t choose_fwd_pack_shift(int32_t H, int32_t Hk) {
+  if (Hk <= 0 || H % Hk != 0) return 0;
+  const int32_t g = H / Hk;
+  return g == 2 ? 1 : g == 4 ? 2 : g == 8 ? 3 : g == 16 ? 4 : 0;
 }
 
 // The order the Hopper backward main kernel's producer claims its items in at the head dims of

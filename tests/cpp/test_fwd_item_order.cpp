@@ -10,6 +10,11 @@
 #include <vector>
 
 #include "cuda/fwd_item_order.h"
+#include "dualkv/mask.h"
+#include "forest_testing.h"
+#include "plan_format.h"
+#include "plan_testing.h"
+#include "tile_size.h"
 
 namespace {
 
@@ -18,6 +23,9 @@ using dualkv::cuda::choose_fwd_item_order;
 using dualkv::cuda::clamp_fwd_window;
 using dualkv::cuda::decode_fwd_item;
 using dualkv::cuda::FwdItemOrder;
+using dualkv::cuda::FwdItemRows;
+using dualkv::cuda::choose_fwd_pack_shift;
+using dualkv::cuda::fwd_item_rows;
 
 struct Decoded {
   int32_t tile, h;
@@ -146,6 +154,86 @@ TEST(BwdItemOrder, RunsOfTwoKvHeadsOverHalfAWaveOfWorkItems) {
   }
   EXPECT_EQ(choose_bwd_item_order(1, 8).window, 1);
   EXPECT_EQ(choose_bwd_item_order(132, 0).head_run, 1);
+}
+
+// Packed query heads (fwd_item_rows): on the Hopper family's plans of random forests (short-leaf
+// sibling tiles among them) at every head dim and group, the items of each tile cover each (token,
+// head) of the tile once; an item's rows lie in its walk's first segment or the siblings after it;
+// and every own KV tile the walk takes unmasked (the kernel's fast path: a full tile ending at or
+// before q_diag) is wholly visible to every row of the item, which is what lets the kernels skip
+// its mask. Shift 0 is the unpacked item: the tile of head h.
+TEST(FwdItemRows, PackedItemsCoverTheTileOnceAndKeepTheUnmaskedTilesVisible) {
+  std::mt19937 rng(23);
+  for (int trial = 0; trial < 40; ++trial) {
+    std::vector<int32_t> lens, parents;
+    dualkv::testing::random_forest(rng, 1 + trial % 3, 1 + trial % 3, 6, trial % 2 ? 90 : 400, &lens, &parents);
+    const dualkv::testing::HostLayout l(lens, parents);
+    const std::vector<int32_t>& off = l.offsets;
+    for (int D : {64, 128, 256}) {
+      const dualkv::testing::Inspected r = dualkv::testing::inspect_request(
+          l.view(), dualkv::testing::cuda_request(D, 0, nullptr, DUALKV_PLAN_TILES_SM90), 132);
+      const int32_t* fwd = r.plan.data() + r.plan[dualkv::kHdrFwdOffset];
+      const int32_t bm = r.info.fwd_block_m;
+      for (int32_t shift = 0; shift <= 4; ++shift) {
+        const int32_t G = 1 << shift;
+        for (int t = 0; t < r.info.num_fwd_tiles; ++t) {
+          const int32_t seg = fwd[t * dualkv::kFwdItemInts], q0 = fwd[t * dualkv::kFwdItemInts + 1],
+                        q1 = fwd[t * dualkv::kFwdItemInts + 2];
+          const std::string at = "trial " + std::to_string(trial) + " D " + std::to_string(D) + " shift " +
+                                 std::to_string(shift) + " tile " + std::to_string(t);
+          std::vector<int> covered(static_cast<size_t>(q1 - q0) * G, 0);
+          for (int32_t h = 0; h < G; ++h) {
+            const FwdItemRows it = fwd_item_rows(seg, q0, q1, off.data(), h, shift, bm);
+            if (shift == 0) {
+              ASSERT_TRUE(it.seg == seg && it.q0 == q0 && it.q1 == q1 && it.q_diag == q0 && it.head0 == h) << at;
+            }
+            if (it.q0 >= it.q1) {
+              ASSERT_GE(it.q0, q1) << at << ": an empty item inside the tile";
+              continue;
+            }
+            ASSERT_LE(it.q1 - it.q0, bm >> shift) << at;
+            ASSERT_TRUE(it.q0 >= q0 && it.q1 <= q1) << at;
+            ASSERT_TRUE(off[it.seg] <= it.q0 && it.q0 < off[it.seg + 1]) << at << ": item seg " << it.seg;
+            ASSERT_EQ(it.head0, shift == 0 ? h : 0) << at;
+            const bool one_segment = q1 <= off[seg + 1];
+            ASSERT_EQ(it.q_diag, one_segment ? it.q0 : q0) << at;
+            for (int32_t q = it.q0; q < it.q1; ++q)
+              for (int32_t i = 0; i < G; ++i) ++covered[static_cast<size_t>(q - q0) * G + i];
+            // The walk the kernels take for the item, and the tiles of it they leave unmasked.
+            auto check_walk = [&](auto bn_tag) {
+              constexpr int BN = decltype(bn_tag)::value;
+              dualkv::KvWalk<BN> kv;
+              kv.init(off.data(), l.parent.data(), it.seg, it.q1);
+              do {
+                if (kv.own && kv.rest() >= BN && kv.pos + BN - 1 <= it.q_diag)
+                  for (int32_t q = it.q0; q < it.q1; ++q)
+                    ASSERT_GE(dualkv::SegmentMask::fwd_visible_cols(kv.pos, kv.rest(), true, q), BN)
+                        << at << ": row " << q << " of an unmasked own tile at " << kv.pos;
+              } while (kv.next(off.data(), l.parent.data()));
+            };
+            check_walk(std::integral_constant<int, 64>{});
+            check_walk(std::integral_constant<int, 80>{});
+            check_walk(std::integral_constant<int, 128>{});
+            check_walk(std::integral_constant<int, 160>{});
+          }
+          for (size_t k = 0; k < covered.size(); ++k)
+            ASSERT_EQ(covered[k], 1) << at << ": token " << q0 + int32_t(k / G) << " head " << k % G;
+        }
+      }
+    }
+  }
+}
+
+TEST(FwdItemRows, PackShiftTakesGroupsOfTwoToSixteen) {
+  EXPECT_EQ(choose_fwd_pack_shift(32, 8), 2);
+  EXPECT_EQ(choose_fwd_pack_shift(16, 8), 1);
+  EXPECT_EQ(choose_fwd_pack_shift(64, 8), 3);
+  EXPECT_EQ(choose_fwd_pack_shift(32, 2), 4);
+  EXPECT_EQ(choose_fwd_pack_shift(64, 2), 0);  // 32 heads per KV head: one head per item
+  EXPECT_EQ(choose_fwd_pack_shift(8, 8), 0);
+  EXPECT_EQ(choose_fwd_pack_shift(12, 4), 0);  // a group of 3
+  EXPECT_EQ(choose_fwd_pack_shift(12, 5), 0);
+  EXPECT_EQ(choose_fwd_pack_shift(12, 0), 0);
 }
 
 }  // namespace

@@ -31,7 +31,10 @@ if torch.cuda.is_available():
     from dualkv import _native
     from dualkv.reference import attention_ref, sinks_grad_ref
 
-GQA = [(4, 4), (4, 1), (8, 2), (8, 1)]
+# (H, Hk): groups 1, 4, 4, 8, 2, 16, 2: every query-head packing of the Hopper forward
+# (src/cuda/fwd_item_order.h choose_fwd_pack_shift); 7 shapes, prime to the head dims' and the
+# dtypes' cycles.
+GQA = [(4, 4), (4, 1), (8, 2), (8, 1), (2, 1), (16, 1), (6, 3)]
 DTYPES = [torch.bfloat16, torch.float16]
 # (softcap, with sinks): each alone and both (Gemma-2's caps are 50 / 30; small caps saturate)
 MODS = [(5.0, False), (None, True), (30.0, True), (2.0, False), (None, True), (5.0, True)]

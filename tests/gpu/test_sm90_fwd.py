@@ -75,7 +75,10 @@ def seg_len(rng):
                                 small=64, mid=300, large=700)
 
 
-GQA = [(4, 4), (4, 1), (8, 2), (8, 1)]
+# (H, Hk): groups 1, 4, 4, 8, 2, 16, 2: every query-head packing of the Hopper forward
+# (src/cuda/fwd_item_order.h choose_fwd_pack_shift); 7 shapes, prime to the head dims' and the
+# dtypes' cycles.
+GQA = [(4, 4), (4, 1), (8, 2), (8, 1), (2, 1), (16, 1), (6, 3)]
 DTYPES = [torch.bfloat16, torch.float16]
 N_RANDOM = int(os.environ.get("DUALKV_SM90_TEST_N", "48"))
 

@@ -356,7 +356,7 @@ bwd_dq_sm90_kernel(const __grid_constant__ Sm90DqParams<D> p) {
       }
       if constexpr (Mods::kWindow) {
         const int32_t shift = SegmentMask::window_shift(L.offsets, L.position_offset, seg, kcur);
-        fwd_window_mask(s, kpos, q0 + cw * 64 + 63, qi0, t4, shift, a.window);
+        fwd_window_mask(s, kpos, q0 + cw * 64 + 63, qi0, 8, t4, shift, a.window);
       }
       // dS = P (dP - delta), packed into the A fragments of dQ += dS K (the forward's P layout).
 #pragma unroll

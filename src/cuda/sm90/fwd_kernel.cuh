@@ -2,7 +2,9 @@
 // warpgroups (three at D = 64 without a window: Sm90FwdConfig::kConsumerWGs).
 //
 //   warpgroup 0 (producer, 40 registers): one thread takes (query tile, head) items from the plan
-//     through the atomic counter, hands each to the consumers through a 2-slot ring in smem, and
+//     through the atomic counter (at D 64 / 128 with grouped-query attention an item is a sub-range
+//     of the tile's tokens for all query heads of one KV head: fwd_item_order.h fwd_item_rows, the
+//     params' pack_shift), hands each to the consumers through a 2-slot ring in smem, and
 //     issues the TMA loads: the item's first K tile, its Q tile (kBlockM rows; at D 64 into the
 //     other of two Q buffers, so it loads while the previous item still runs), then the rest of
 //     the K and V tiles of the KV ranges the tile sees (ancestors from the parent to the root,
@@ -159,6 +161,10 @@ struct Sm90FwdParams {
   CUtensorMap tq, tk, tv;
   int32_t tile_window;  // decode_fwd_item (fwd_item_order.h): tiles per window, clamped to the plan's
   int32_t head_run;     // decode_fwd_item: query heads per run, divides H (the launcher checks)
+  // fwd_item_rows (fwd_item_order.h): log2 of the query heads packed into one item's tile rows (0:
+  // one head per item); tq's box is then 2^pack_shift heads by kBlockM >> pack_shift tokens, to's
+  // 2^pack_shift heads by 64 >> pack_shift tokens.
+  int32_t pack_shift;
   CUtensorMap tpk, tpv;  // external prefix (issue 17): the prefix K / V buffers (prefix kernels only)
   // The O epilogue's TMA store (Sm90FwdConfig::kOStaged): the output's map, boxes of 64 rows, and
   // whether it could be made (o_tma = 0: out is not TMA-aligned, every tile stores per thread).
@@ -168,6 +174,38 @@ struct Sm90FwdParams {
   // whether out's base and strides are 16-byte aligned (otherwise the 4-byte pair stores).
   int32_t o_vec16;
 };
+
+// Which kernels pack query heads (Sm90FwdParams::pack_shift; the launcher sets 0 for the others, and
+// they fold it away as a constant): D 64 and 128. Measured 2026-12-07 (one H100, forward kernel time
+// against main, 7 rounds, A/A beside; docs/notes/2026-12-07-fwd-packed-query-heads.md): D 128
+// 0.862-0.998 and D 64 0.858-0.975 on six layouts, but D 256 1.036-1.111 on four of them (its
+// kernels spilled 20 bytes with it).
+template <int D>
+constexpr bool fwd_packs_query_heads() {
+  return D <= 128;
+}
+template <int D>
+__device__ __forceinline__ int32_t fwd_pack_shift(const Sm90FwdParams<D>& p) {
+  if constexpr (fwd_packs_query_heads<D>()) return p.pack_shift;
+  return 0;
+}
+
+// Tokens between a thread's two fragment rows g and g + 8 (8 rows): 8 >> pack_shift with packed
+// query heads (G = 2^pack_shift <= 16 divides 8 rows, or at 16 both rows are one token's). Computed
+// where it is used, from the parameter (volatile: hoisted out of the KV loop, the second row's
+// token took a register there, and the D-256 kernels spilled 20 bytes).
+template <int D>
+__device__ __forceinline__ int32_t fwd_row_step(const Sm90FwdParams<D>& p) {
+  if constexpr (!fwd_packs_query_heads<D>()) return 8;
+  int32_t step;
+  asm volatile("shr.s32 %0, 8, %1;\n" : "=r"(step) : "r"(p.pack_shift));
+  return step;
+}
+// Query heads between them: none when G divides 8, else (G = 16) 8.
+template <int D>
+__device__ __forceinline__ int32_t fwd_row_head_step(const Sm90FwdParams<D>& p) {
+  return 8 & ((1 << fwd_pack_shift(p)) - 1);
+}
 
 struct Sm90Barriers {
   uint64_t* k_full;
@@ -281,19 +319,20 @@ __device__ __forceinline__ void st_global_v4_if(void* p, const uint32_t (&v)[4],
                "r"(v[0]), "r"(v[1]), "r"(v[2]), "r"(v[3]), "r"(static_cast<uint32_t>(store)));
 }
 
-// The sliding window (issue 16) on a warpgroup's S fragment (n8 blocks, rows qi0 and qi0 + 8 of the
-// thread, columns from kpos), on the tiles whose farthest pair (the warpgroup's last row q_last) it
+// The sliding window (issue 16) on a warpgroup's S fragment (n8 blocks, rows of tokens qi0 and
+// qi0 + qstep of the thread (fragment rows g and g + 8: qstep 8, or fwd_row_step with packed query
+// heads), columns from kpos), on the tiles whose farthest pair (the warpgroup's last token q_last) it
 // hides: pos(q) - pos(k) = (q - k) + shift for the walk's range. The forward's mask_scores and the dQ
 // kernel's.
 template <int N>
-__device__ __forceinline__ void fwd_window_mask(float (&s)[N], int32_t kpos, int32_t q_last, int32_t qi0, int32_t t4,
-                                                int32_t shift, int32_t window) {
+__device__ __forceinline__ void fwd_window_mask(float (&s)[N], int32_t kpos, int32_t q_last, int32_t qi0, int32_t qstep,
+                                                int32_t t4, int32_t shift, int32_t window) {
   if (!SegmentMask::window_tile(q_last, kpos, shift, window)) return;
 #pragma unroll
   for (int j = 0; j < N / 4; ++j) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const int32_t qi = qi0 + (e >> 1) * 8;
+      const int32_t qi = qi0 + (e >> 1) * qstep;
       if (SegmentMask::window_hidden(kpos + j * 8 + 2 * t4 + (e & 1), qi, shift, window)) s[4 * j + e] = -CUDART_INF_F;
     }
   }
@@ -439,10 +478,13 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
       int32_t tile;
       int h;
       decode_fwd_item(item, n_tiles, H, window, p.head_run, tile, h);
-      const int hk = h / group;
-      const int32_t seg = items[tile * kFwdItemInts + 0];
-      const int32_t q0 = items[tile * kFwdItemInts + 1];
-      const int32_t q1 = items[tile * kFwdItemInts + 2];
+      // The item's rows (packed query heads: a sub-range of the tile's tokens for G heads), as the
+      // consumers take them; an empty sub-range (past a ragged tile's end) is no work for anyone.
+      const FwdItemRows rows = fwd_item_rows(items[tile * kFwdItemInts + 0], items[tile * kFwdItemInts + 1],
+                                             items[tile * kFwdItemInts + 2], L.offsets, h, fwd_pack_shift(p), C::kBlockM);
+      if (fwd_packs_query_heads<D>() && rows.q0 >= rows.q1) continue;
+      const int32_t seg = rows.seg, q0 = rows.q0, q1 = rows.q1, qh = rows.head0;
+      const int hk = qh / group;  // (the item's heads are one KV head's)
 
       KvWalk<BN> kv;
       // The sliding window (mask modifiers, issue 16): the walk from the tile's first position on,
@@ -481,7 +523,7 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
           mbar_arrive_expect_tx(&B.q_full[qb], C::kQBytes);
 #pragma unroll
           for (int b = 0; b < C::kBoxes; ++b)
-            tma_load_3d(sQ + qb * C::kQBytes + b * C::kQBoxBytes, &p.tq, &B.q_full[qb], b * 64, h, q0);
+            tma_load_3d(sQ + qb * C::kQBytes + b * C::kQBoxBytes, &p.tq, &B.q_full[qb], b * 64, qh, q0);
           ++q_iter;
         }
         bool more;
@@ -546,7 +588,7 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
           mbar_arrive_expect_tx(&B.q_full[qb], C::kQBytes);
 #pragma unroll
           for (int b = 0; b < C::kBoxes; ++b)
-            tma_load_3d(sQ + qb * C::kQBytes + b * C::kQBoxBytes, &p.tq, &B.q_full[qb], b * 64, h, q0);
+            tma_load_3d(sQ + qb * C::kQBytes + b * C::kQBoxBytes, &p.tq, &B.q_full[qb], b * 64, qh, q0);
           ++q_iter;
           q_issued = true;
         }
@@ -668,10 +710,14 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
     int32_t tile;
     int h;
     decode_fwd_item(item, n_tiles, H, window, p.head_run, tile, h);
-    const int32_t seg = items[tile * kFwdItemInts + 0];
-    const int32_t q0 = items[tile * kFwdItemInts + 1];
-    const int32_t q1 = items[tile * kFwdItemInts + 2];
-    const int32_t qi0 = q0 + row_in_tile;  // query token of rows r = 0 (qi0) and r = 1 (qi0 + 8)
+    // The item's rows (fwd_item_rows: with packed query heads (fwd_pack_shift(p)) a sub-range of the
+    // tile's tokens, row t G + i of it token q0 + t and head head0 + i; else the tile of head h).
+    const FwdItemRows rows = fwd_item_rows(items[tile * kFwdItemInts + 0], items[tile * kFwdItemInts + 1],
+                                           items[tile * kFwdItemInts + 2], L.offsets, h, fwd_pack_shift(p), C::kBlockM);
+    if (fwd_packs_query_heads<D>() && rows.q0 >= rows.q1) continue;  // the producer skips it too
+    const int32_t seg = rows.seg, q0 = rows.q0, q1 = rows.q1, q_diag = rows.q_diag;
+    // Query token of rows r = 0 (qi0) and r = 1 (qi0 + fwd_row_step(p)): fragment rows g and g + 8.
+    const int32_t qi0 = q0 + (row_in_tile >> fwd_pack_shift(p));
     // The item's Q buffer and its use of it, as the producer counts them (its comment at the Q load
     // says why this protocol is safe). This warpgroup's 64 rows of it start at q_item.
     const uint32_t qb = q_iter % C::kQBuffers, q_use = q_iter / C::kQBuffers;
@@ -686,8 +732,8 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
     // output is the same. Only in the short-walk builds of fwd_skips_hidden_tiles's kernels (why:
     // above); the others compute every tile.
     constexpr bool kSkipHidden = fwd_skips_hidden_tiles<D, Mods, kPrefix>() && !kLongWalks;
-    const int32_t wg_first = q0 + cw * 64;
-    const int32_t wg_last = min(q1, wg_first + 64) - 1;
+    const int32_t wg_first = q0 + ((cw * 64) >> fwd_pack_shift(p));
+    const int32_t wg_last = min(q1, wg_first + (64 >> fwd_pack_shift(p))) - 1;
     const bool live = !kSkipHidden || wg_first < q1;
 
     float o[D / 2];
@@ -742,13 +788,13 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
     // cur; the window's shift, issue 16).
     auto mask_scores = [&](int32_t kpos, int32_t krem, bool own, int32_t kcur) {
       if constexpr (Mods::kSoftcap) softcap_scores(s, a);  // mask modifiers (issue 16): before the mask
-      // Ragged or diagonal (SegmentMask::fwd_tile_kind, against the tile's first row q0 and last
-      // q1 - 1). In a tile of siblings every own range starts at or after q0, so the diagonal test
-      // holds for it without fwd_diagonal's q_last >= kpos + krem term (which a tile of one segment
-      // never meets: its own range ends at q1).
-      if (krem < BN || (own && kpos + BN - 1 > q0)) {
+      // Ragged or diagonal (SegmentMask::fwd_tile_kind, against the item's first row q_diag and
+      // last q1 - 1). In a tile of siblings every own range starts at or after q_diag (the tile's
+      // first token, fwd_item_rows), so the diagonal test holds for it without fwd_diagonal's
+      // q_last >= kpos + krem term (which a tile of one segment never meets: its own range ends at q1).
+      if (krem < BN || (own && kpos + BN - 1 > q_diag)) {
         const int32_t cols[2] = {SegmentMask::fwd_visible_cols(kpos, krem, own, qi0),
-                                 SegmentMask::fwd_visible_cols(kpos, krem, own, qi0 + 8)};
+                                 SegmentMask::fwd_visible_cols(kpos, krem, own, qi0 + fwd_row_step(p))};
 #pragma unroll
         for (int j = 0; j < BN / 8; ++j) {
 #pragma unroll
@@ -759,7 +805,7 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
       }
       if constexpr (Mods::kWindow) {
         const int32_t shift = SegmentMask::window_shift(L.offsets, L.position_offset, seg, kcur);
-        fwd_window_mask(s, kpos, q0 + cw * 64 + 63, qi0, t4, shift, a.window);
+        fwd_window_mask(s, kpos, q0 + ((cw * 64 + 63) >> fwd_pack_shift(p)), qi0, fwd_row_step(p), t4, shift, a.window);
       }
     };
     // Row r's new max after the mask (m[r] updated) and its rescale factor alpha[r]; returns the
@@ -976,7 +1022,7 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
     };
     if constexpr (kExpAfterPvWait) {
       while (more) {
-        for (int32_t steady = fwd_steady_tiles(kv, q0); steady > 0; --steady) exp_after_pv_tile(std::true_type{});
+        for (int32_t steady = fwd_steady_tiles(kv, q_diag); steady > 0; --steady) exp_after_pv_tile(std::true_type{});
         exp_after_pv_tile(std::false_type{});
       }
     } else if constexpr (kSteadyLoop) {
@@ -1064,9 +1110,9 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
         ++kv_iter;
       };
       while (kEarlyLoopTest ? go : more && seen()) {
-        // Every steady tile is seen() (kSkipHidden): it ends at or before q0 <= wg_last, and the
-        // tile after it starts at or before q0 + 1 and inside the range, so at or before wg_last.
-        for (int32_t steady = fwd_steady_tiles(kv, q0); steady > 0; --steady) plain_tile(std::true_type{});
+        // Every steady tile is seen() (kSkipHidden): it ends at or before q_diag <= wg_last, and the
+        // tile after it starts at or before q_diag + 1 and inside the range, so at or before wg_last.
+        for (int32_t steady = fwd_steady_tiles(kv, q_diag); steady > 0; --steady) plain_tile(std::true_type{});
         plain_tile(std::false_type{});
       }
     }
@@ -1157,38 +1203,47 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
     const uint32_t o_thread_x = thread_index_x();
     const int ocw = static_cast<int>(o_thread_x / 128) - 1;
     const uint32_t o_thread = o_thread_x % 128;
-    const int32_t o_row0 = q0 + ocw * 64;  // this warpgroup's first row
+    // This warpgroup's first token (its 64 rows: 64 >> pack_shift tokens of G heads each), from the
+    // thread's first row token qi0 (q0 is not kept live through the KV loop; G divides 64).
+    const int32_t o_row0 = qi0 - static_cast<int32_t>(((o_thread / 32) * 16 + (o_thread % 32) / 4) >> fwd_pack_shift(p));
     // The same for the whole warpgroup; the vote tells the compiler so (as a per-thread branch
     // around the named barriers it cost the all-modifier kernels 16 bytes of spills).
-    const bool o_staged = C::kOStaged && p.o_tma != 0 &&
-                          __all_sync(0xffffffffu, o_row0 + 64 <= q1 || (q1 >= L.num_tokens && o_row0 < q1));
+    const bool o_staged =
+        C::kOStaged && p.o_tma != 0 &&
+        __all_sync(0xffffffffu, o_row0 + (64 >> fwd_pack_shift(p)) <= q1 || (q1 >= L.num_tokens && o_row0 < q1));
     // This warpgroup's O box, from an address the loop keeps live (K's).
     const uint32_t o_box = k_base - C::kOffK + C::kOffO + ocw * C::kOWgBytes;
     if (o_staged) fwd_o_staging_acquire(C::kOBarrier + ocw);
     // Without the staged epilogue (D 256): 16-byte stores (fwd_o_row_stg128) where out is 16-byte
     // aligned (the launcher's o_vec16, one value for the grid), else the element pairs below.
     const bool o_vec16 = !C::kOStaged && p.o_vec16 != 0;
+    // The query head of fragment row g (packed heads: the item's first head h - j, j = h % G, plus
+    // the row's place among its token's G rows; the warp's first row is a multiple of 16 >= G).
+    const int head_mask = (1 << fwd_pack_shift(p)) - 1;
+    const int head0 = h - (h & head_mask);
+    const int hg = head0 + (static_cast<int>((o_thread % 32) / 4) & head_mask);
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       float tot = l[r];
       tot += __shfl_xor_sync(0xffffffffu, tot, 1);
       tot += __shfl_xor_sync(0xffffffffu, tot, 2);
       float inv = tot > 0.f ? 1.f / tot : 0.f;
+      const int hr = hg + r * fwd_row_head_step(p);
       float sink_lse = 0.f;
       if constexpr (Mods::kSinks)  // mask modifiers (issue 16): the sink joins the row's softmax
-        inv = fold_sink_epilogue(m[r], tot, Mods::score_scale(a), a.sinks[h], &sink_lse);
+        inv = fold_sink_epilogue(m[r], tot, Mods::score_scale(a), a.sinks[hr], &sink_lse);
       if constexpr (C::kOStaged) {
         if (o_staged) fwd_o_stage_row<T, D>(o_box, o, r, inv, o_thread);
       }
-      const int32_t qi = qi0 + r * 8;
+      const int32_t qi = qi0 + r * fwd_row_step(p);
       if constexpr (!C::kOStaged) {
         // The quad's SHFLs need all 32 lanes: outside the row test, which masks the stores only.
         if (o_vec16)
-          fwd_o_row_stg128<T, D>(og + static_cast<int64_t>(qi) * a.o_ts + static_cast<int64_t>(h) * a.o_hs, o, r,
+          fwd_o_row_stg128<T, D>(og + static_cast<int64_t>(qi) * a.o_ts + static_cast<int64_t>(hr) * a.o_hs, o, r,
                                  inv, static_cast<uint32_t>(t4), qi < q1);
       }
       if (qi < q1) {
-        T* orow = og + static_cast<int64_t>(qi) * a.o_ts + static_cast<int64_t>(h) * a.o_hs;
+        T* orow = og + static_cast<int64_t>(qi) * a.o_ts + static_cast<int64_t>(hr) * a.o_hs;
         if (!o_staged && !o_vec16) {
 #pragma unroll
           for (int j = 0; j < D / 8; ++j)
@@ -1196,12 +1251,12 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
                 Convert<T>::pack(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
         }
         if (a.lse != nullptr && t4 == 0)
-          a.lse[static_cast<int64_t>(h) * a.lse_hs + qi] =
+          a.lse[static_cast<int64_t>(hr) * a.lse_hs + qi] =
               Mods::kSinks ? sink_lse : tot > 0.f ? m[r] * Mods::score_scale(a) + logf(tot) : CUDART_INF_F;
       }
     }
     if constexpr (C::kOStaged) {
-      if (o_staged) fwd_o_staging_release<D>(&p.to, o_box, C::kOBarrier + ocw, h, o_row0);
+      if (o_staged) fwd_o_staging_release<D>(&p.to, o_box, C::kOBarrier + ocw, head0, o_row0);
     }
   }
   // The last TMA stores of O still read smem: the issuing thread waits for them before the CTA ends.

@@ -34,12 +34,15 @@ cudaError_t run_fwd(const FwdArgs& args, int sms, cudaStream_t stream) {
   const FwdItemOrder order = choose_fwd_item_order(H, Hk);
   p.tile_window = order.window;
   p.head_run = order.head_run;
+  // Packed query heads (fwd_item_order.h fwd_item_rows): a KV head's G heads share an item's rows.
+  p.pack_shift = fwd_packs_query_heads<D>() ? choose_fwd_pack_shift(H, Hk) : 0;
+  const int box_heads = 1 << p.pack_shift;
   // The long-walk build (fwd_has_long_walk_kernel, issue 23) of the kernel without an external
   // prefix, where the plan's KV walks are long; its K / V boxes are its tiles (wider at D 128).
   constexpr bool kHasLong = fwd_has_long_walk_kernel<D, Mods, false>();
   const bool long_walks = kHasLong && args.prefix_k == nullptr && args.long_kv_walks != 0;
   const int kv_box_rows = long_walks ? Sm90FwdConfig<D, true, Mods::kWindow>::kBlockN : C::kBlockN;
-  if (!make_map(&p.tq, kTmaType<T>, args.q, D, H, T_, args.q_hs, args.q_ts, C::kBlockM) ||
+  if (!make_map(&p.tq, kTmaType<T>, args.q, D, H, T_, args.q_hs, args.q_ts, C::kBlockM >> p.pack_shift, box_heads) ||
       !make_map(&p.tk, kTmaType<T>, args.k, D, Hk, T_, args.k_hs, args.k_ts, kv_box_rows) ||
       !make_map(&p.tv, kTmaType<T>, args.v, D, Hk, T_, args.v_hs, args.v_ts, kv_box_rows))
     return cudaErrorNotSupported;
@@ -57,7 +60,10 @@ cudaError_t run_fwd(const FwdArgs& args, int sms, cudaStream_t stream) {
   if constexpr (C::kOStaged) {
     const bool aligned =
         rows_allow_stg128(args.out, args.o_ts, args.o_hs, H) && args.o_ts > 0 && (H == 1 || args.o_hs > 0);
-    p.o_tma = aligned && make_map(&p.to, kTmaType<T>, args.out, D, H, T_, args.o_hs, args.o_ts, 64) ? 1 : 0;
+    p.o_tma =
+        aligned && make_map(&p.to, kTmaType<T>, args.out, D, H, T_, args.o_hs, args.o_ts, 64 >> p.pack_shift, box_heads)
+            ? 1
+            : 0;
   }
   if (args.prefix_k != nullptr) {  // external prefix (issue 17): instantiated without modifiers only
     if constexpr (std::is_same_v<Mods, NoModifiers>) {

@@ -29,16 +29,17 @@ inline EncodeTiledFn encode_fn() {
   return fn;
 }
 
-// Tensor map over a [T, heads, D] token-major 16-bit tensor: box = 64 columns x 1 head x `rows`
-// tokens, 128-byte swizzle, zero fill past T.
+// Tensor map over a [T, heads, D] token-major 16-bit tensor: box = 64 columns x `box_heads` heads x
+// `rows` tokens (smem row t * box_heads + j: token t, head j of the box; the forward's packed query
+// heads, Sm90FwdParams::pack_shift), 128-byte swizzle, zero fill past T.
 inline bool make_map(CUtensorMap* map, CUtensorMapDataType dt, const void* base, int D, int heads, int T,
-                     int64_t hs, int64_t ts, int rows) {
+                     int64_t hs, int64_t ts, int rows, int box_heads = 1) {
   EncodeTiledFn fn = encode_fn();
   if (fn == nullptr) return false;
   const int64_t hs_bytes = heads > 1 ? hs * 2 : static_cast<int64_t>(D) * 2;
   cuuint64_t dims[3] = {static_cast<cuuint64_t>(D), static_cast<cuuint64_t>(heads), static_cast<cuuint64_t>(T)};
   cuuint64_t strides[2] = {static_cast<cuuint64_t>(hs_bytes), static_cast<cuuint64_t>(ts * 2)};
-  cuuint32_t box[3] = {64, 1, static_cast<cuuint32_t>(rows)};
+  cuuint32_t box[3] = {64, static_cast<cuuint32_t>(box_heads), static_cast<cuuint32_t>(rows)};
   cuuint32_t estr[3] = {1, 1, 1};
   return fn(map, dt, 3, const_cast<void*>(base), dims, strides, box, estr, CU_TENSOR_MAP_INTERLEAVE_NONE,
             CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
