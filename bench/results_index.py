@@ -382,8 +382,8 @@ BENCHMARKS = {
                                         "merged form); .d*_first.*: the first build (6385509, packing at D 256 too); "
                                         ".tests_fwd.log / .tests_all.log: the forward GPU tests and the whole GPU "
                                         "suite on the merged form; .memcheck.log: compute-sanitizer memcheck at D 64 / 128; "
-                                        "ab_fwd_packed_heads_slots.*: the same for branch pack256 (77aba1e, not merged) "
-                                        "against main 4dc468e",
+                                        "ab_fwd_packed_heads_slots.* / _claim.*: the same for branch pack256 (77aba1e / "
+                                        "e18ba3d, not merged) against main 4dc468e",
     "ab_fwd_packed_heads_classes_d64": "the same at head dim 64",
     "ab_fwd_packed_heads_never_lose_d128": "bench/attention.py --head-dim 128 --classes long_responses --methods "
                                            "dualkv,dualkv_ab,fa4_dense --rounds 9 on an H100: packed query heads "
