@@ -143,10 +143,8 @@ struct Sm90FwdConfig {
   static constexpr uint32_t kOffO = kOffV + kStages * kKVBytes;
   static constexpr uint32_t kOffBar = kOffO + kOBytes;
   // k_full, v_full, kv_empty, k_empty per stage; q_full, q_empty; item_full[2], item_empty[2]; the
-  // item slots (16 bytes); with two Q buffers their q_full[2], q_empty[2] after k_empty; then the
-  // slots' item rows (2 x kFwdSlotRows int32, Sm90Barriers::rows).
-  static constexpr uint32_t kRowsOff = 8 * (4 * kStages + 2 + 4) + 16 + (kQBuffers == 2 ? 32 : 0);
-  static constexpr uint32_t kBarBytes = kRowsOff + 2 * 4 * 4;
+  // item slots (16 bytes); with two Q buffers their q_full[2], q_empty[2] after k_empty (Sm90Barriers).
+  static constexpr uint32_t kBarBytes = 8 * (4 * kStages + 2 + 4) + 16 + (kQBuffers == 2 ? 32 : 0);
   static constexpr uint32_t kSmemBytes = kOffBar + kBarBytes + 1024;  // + alignment slack
   static_assert(D % 64 == 0, "head dim must be a multiple of 64");
   static_assert(kQBuffers == 1 || kQBuffers == 2, "one or two Q buffers");
@@ -219,9 +217,6 @@ struct Sm90Barriers {
   uint64_t* item_full;
   uint64_t* item_empty;
   int32_t* items;
-  // Per item slot, the rows the producer decoded for it (fwd_item_rows): seg, q0, q1, q_diag, head0.
-  // The consumers read them instead of decoding the item again.
-  int32_t* rows;
 };
 
 // ---- The O epilogue through smem and a TMA store (Sm90FwdConfig::kOStaged, issue 23) ----
@@ -421,7 +416,6 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
   B.item_full = bars + 3 * S + 2;
   B.item_empty = bars + 3 * S + 4;
   B.items = reinterpret_cast<int32_t*>(bars + 3 * S + 6);
-  B.rows = reinterpret_cast<int32_t*>(reinterpret_cast<uint8_t*>(bars) + C::kRowsOff);
   B.k_empty = bars + 3 * S + 8;
   if constexpr (C::kQBuffers == 2) {
     // Two per array, after k_empty (kBarBytes counts them); the single-buffer slots above stay
@@ -479,8 +473,7 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
       mbar_wait(&B.item_empty[slot], ph ^ 1);
       // The next item with rows (packed query heads: a sub-range of the tile's tokens for G heads, as
       // the consumers take them); one whose sub-range lies past a ragged tile's end is no work, so the
-      // producer claims past it and the consumers never see it (a branch around their item, which
-      // ptxas compiled into descriptors rebuilt per wgmma and 20 bytes of spill at D 256).
+      // producer claims past it and the consumers never see it.
       int32_t item, tile;
       int h;
       FwdItemRows rows;
@@ -492,14 +485,6 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
                              items[tile * kFwdItemInts + 2], L.offsets, h, fwd_pack_shift(p), C::kBlockM);
       } while (fwd_packs_query_heads<D>() && rows.q0 >= rows.q1);
       B.items[slot] = item;
-      if (item < n_items) {
-        int32_t* rs = B.rows + 4 * slot;
-        rs[0] = rows.seg;
-        rs[1] = rows.q0;
-        rs[2] = rows.q1;
-        rs[3] = rows.q_diag;
-        B.items[2 + slot] = rows.head0;
-      }
       mbar_arrive(&B.item_full[slot]);
       if (item >= n_items) break;
       const int32_t seg = rows.seg, q0 = rows.q0, q1 = rows.q1, qh = rows.head0;
@@ -723,13 +708,19 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
     const uint32_t slot = n & 1, ph = (n >> 1) & 1;
     mbar_wait(&B.item_full[slot], ph);
     const int32_t item = B.items[slot];
-    // The item's rows as the producer decoded them (fwd_item_rows: with packed query heads a sub-range
-    // of the tile's tokens, row t G + i of it token q0 + t and head head0 + i; else the tile of head0).
-    const int32_t* rs = B.rows + 4 * slot;
-    const int32_t seg = rs[0], q0 = rs[1], q1 = rs[2], q_diag = rs[3], head0 = B.items[2 + slot];
     __syncwarp();
     if (kPerThreadRelease || lane == 0) mbar_arrive(&B.item_empty[slot]);
     if (item >= n_items) break;
+    int32_t tile;
+    int h;
+    decode_fwd_item(item, n_tiles, H, window, p.head_run, tile, h);
+    // The item's rows (fwd_item_rows: with packed query heads (fwd_pack_shift(p)) a sub-range of the
+    // tile's tokens, row t G + i of it token q0 + t and head head0 + i; else the tile of head h). Never
+    // empty: the producer claims past those (a branch around the item here made ptxas rebuild the S
+    // descriptors before every wgmma and spill at D 256).
+    const FwdItemRows rows = fwd_item_rows(items[tile * kFwdItemInts + 0], items[tile * kFwdItemInts + 1],
+                                           items[tile * kFwdItemInts + 2], L.offsets, h, fwd_pack_shift(p), C::kBlockM);
+    const int32_t seg = rows.seg, q0 = rows.q0, q1 = rows.q1, q_diag = rows.q_diag;
     // Query token of rows r = 0 (qi0) and r = 1 (qi0 + fwd_row_step(p)): fragment rows g and g + 8.
     const int32_t qi0 = q0 + (row_in_tile >> fwd_pack_shift(p));
     // The item's Q buffer and its use of it, as the producer counts them (its comment at the Q load
@@ -1233,7 +1224,9 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
     const bool o_vec16 = !C::kOStaged && p.o_vec16 != 0;
     // The query head of fragment row g (packed heads: the item's first head h - j, j = h % G, plus
     // the row's place among its token's G rows; the warp's first row is a multiple of 16 >= G).
-    const int hg = head0 + (static_cast<int>((o_thread % 32) / 4) & ((1 << fwd_pack_shift(p)) - 1));
+    const int head_mask = (1 << fwd_pack_shift(p)) - 1;
+    const int head0 = h - (h & head_mask);
+    const int hg = head0 + (static_cast<int>((o_thread % 32) / 4) & head_mask);
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       float tot = l[r];
