@@ -178,8 +178,8 @@ struct Sm90FwdParams {
 // Which kernels pack query heads (Sm90FwdParams::pack_shift; the launcher sets 0 for the others, and
 // they fold it away as a constant): D 64 and 128. Measured 2026-12-07 (one H100, forward kernel time
 // against main, 7 rounds, A/A beside; docs/notes/2026-12-07-fwd-packed-query-heads.md): D 128
-// 0.862-0.998 and D 64 0.858-0.975 on six layouts, but D 256 1.036-1.111 on four of them (its
-// kernels spilled 20 bytes with it).
+// 0.862-0.998 and D 64 0.858-0.975 on six layouts, but D 256 1.036-1.111 on four of them; two more
+// forms for D 256 (no spill, its steady loop main's) still lost 2-5% on the aligned long walks.
 template <int D>
 constexpr bool fwd_packs_query_heads() {
   return D <= 128;
@@ -192,8 +192,8 @@ __device__ __forceinline__ int32_t fwd_pack_shift(const Sm90FwdParams<D>& p) {
 
 // Tokens between a thread's two fragment rows g and g + 8 (8 rows): 8 >> pack_shift with packed
 // query heads (G = 2^pack_shift <= 16 divides 8 rows, or at 16 both rows are one token's). Computed
-// where it is used, from the parameter (volatile: hoisted out of the KV loop, the second row's
-// token took a register there, and the D-256 kernels spilled 20 bytes).
+// where it is used, from the parameter (volatile, so that ptxas does not keep the second row's token
+// in a register through the KV loop; the measured form, a plain shift was not measured).
 template <int D>
 __device__ __forceinline__ int32_t fwd_row_step(const Sm90FwdParams<D>& p) {
   if constexpr (!fwd_packs_query_heads<D>()) return 8;
