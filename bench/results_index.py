@@ -382,6 +382,7 @@ BENCHMARKS = {
                                         "merged form); .d*_first.*: the first build (6385509, packing at D 256 too); "
                                         ".tests_fwd.log / .tests_all.log: the forward GPU tests and the whole GPU "
                                         "suite on the merged form; .memcheck.log: compute-sanitizer memcheck at D 64 / 128; "
+                                        ".racecheck.log: racecheck of main 4621778's per-thread-release build at D 64 / 128; "
                                         "ab_fwd_packed_heads_slots.* / _claim.*: the same for branch pack256 (77aba1e / "
                                         "e18ba3d, not merged) against main 4dc468e",
     "ab_fwd_packed_heads_classes_d64": "the same at head dim 64",
