@@ -18,8 +18,7 @@ dense0, varlen0 = peers.fa4()
 H, Hk, dtype = 32, 8, torch.bfloat16
 libraries = {"dualkv": A.Library.default()}
 cases = [A.Case(c, *lc.layout_class(c)) for c in ("long_responses", "small_groups", "tree")]
-cases.append(A.Case.groups("N8 P16K R2K", [16384], [[2048] * 8]) if hasattr(A.Case, "groups") else None)
-cases = [c for c in cases if c is not None]
+cases.append(A.Case.groups("N8 P16K R2K", [16384], [[2048] * 8]))
 rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 5
 for D in [int(d) for d in sys.argv[1].split(",")]:
     for case in cases:

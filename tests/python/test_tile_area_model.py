@@ -44,10 +44,8 @@ def test_packed_heads_tile_counts_match_the_kernels_wgmmas():
     # Session 57: Nsight Compute counted 1,789,568 (dualkv, one head per tile) and 1,701,952 (FA4 dense,
     # pack_gqa: 4 heads of 32 tokens per tile) warpgroup-tiles of 64 x 80 wgmmas in the D-256 forward on
     # long responses (H 32, Hk 8, two warpgroups per 128-row tile): the model's walks give both exactly.
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "bench"))
-    from layout_classes import layout_class, root_paths
-    lens, parents = layout_class("long_responses")
+    lens, parents = tam.layout_class("long_responses")
     ours, _ = tam.packed_tiles(lens, parents, 128, 80)
-    fa4, _ = tam.dense_tiles(root_paths(lens, parents), 128 // 4, 80)
+    fa4, _ = tam.dense_tiles(tam.root_paths(lens, parents), 128 // 4, 80)
     assert ours * 32 * 2 == 1_789_568
     assert fa4 * 8 * 2 == 1_701_952
