@@ -38,9 +38,11 @@ cudaError_t run_fwd(const FwdArgs& args, int sms, cudaStream_t stream) {
   // prefix, where the plan's KV walks are long; its K / V boxes are its tiles (wider at D 128).
   constexpr bool kHasLong = fwd_has_long_walk_kernel<D, Mods, false>();
   const bool long_walks = kHasLong && args.prefix_k == nullptr && args.long_kv_walks != 0;
-  // Packed query heads (fwd_item_order.h fwd_item_rows): a KV head's G heads share an item's rows,
-  // in the builds that pack (fwd_packs_query_heads: not D 256's long-walk one).
-  const bool packs = long_walks ? fwd_packs_query_heads<D, true>() : fwd_packs_query_heads<D, false>();
+  // Packed query heads (fwd_item_order.h fwd_item_rows): a KV head's G heads share an item's rows, in
+  // the kernels that pack (fwd_packs_query_heads); at D 256 only for plans of short walks (the plan's
+  // long-walk bit, for the kernels without a long-walk build too: packed, they lost 2-4% on long walks).
+  const bool packs = (long_walks ? fwd_packs_query_heads<D, Mods, true>() : fwd_packs_query_heads<D, Mods, false>()) &&
+                     (D <= 128 || args.long_kv_walks == 0);
   p.pack_shift = packs ? choose_fwd_pack_shift(H, Hk) : 0;
   const int box_heads = 1 << p.pack_shift;
   const int kv_box_rows = long_walks ? Sm90FwdConfig<D, true, Mods::kWindow>::kBlockN : C::kBlockN;
