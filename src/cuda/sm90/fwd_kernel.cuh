@@ -176,17 +176,17 @@ struct Sm90FwdParams {
 };
 
 // Which kernels pack query heads (Sm90FwdParams::pack_shift; the launcher sets 0 for the others, and
-// they fold it away as a constant): every kernel at D 64 and 128; at D 256 the builds without a
-// long-walk form (kLongWalks false: the short-walk build of 64-row KV tiles, the window, sinks and
-// external-prefix kernels) but not the softcap ones (ptxas spills 20 bytes in them with it), and the
-// launcher packs there only for plans of short walks (fwd_launch.cuh). Measured 2026-12-07 (one H100,
-// forward kernel time against the unpacked kernels, A/A beside; docs/notes/2026-12-07-fwd-packed-query-
-// heads.md): D 128 0.862-0.998 and D 64 0.858-0.975 on six layouts; D 256 small groups 0.884 (0.880
-// with a 1,024-key window, 0.906 with softcap), but 1.02-1.11 on the long walks in every form tried
-// (§6, §7 there).
-template <int D, typename Mods, bool kLongWalks>
+// they fold it away as a constant): every kernel at D 64 and 128; at D 256 only the short-walk build of
+// the kernels that have a long-walk one (fwd_has_long_walk_kernel: no softcap, window or external
+// prefix), which runs the plans of short walks. Measured 2026-12-07 (one H100, forward kernel time
+// against the unpacked kernels, A/A beside; docs/notes/2026-12-07-fwd-packed-query-heads.md): D 128
+// 0.862-0.998 and D 64 0.858-0.975 on six layouts; at D 256 small groups 0.884 (0.877 with sinks), but
+// every form of the long-walk build lost 2-11% on long walks (§4, §6 there), and the window kernels,
+// which walk long plans too, took 1.02-1.03 packed and 1.09-1.16 with the packing code left in and one
+// head per item (§7).
+template <int D, typename Mods, bool kPrefix, bool kLongWalks>
 constexpr bool fwd_packs_query_heads() {
-  return D <= 128 || (!kLongWalks && !Mods::kSoftcap);
+  return D <= 128 || (!kLongWalks && fwd_has_long_walk_kernel<D, Mods, kPrefix>());
 }
 template <bool kPacks, int D>
 __device__ __forceinline__ int32_t fwd_pack_shift(const Sm90FwdParams<D>& p) {
@@ -390,7 +390,7 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
   using C = Sm90FwdConfig<D, kLongWalks, Mods::kWindow>;
   constexpr int BN = C::kBlockN, S = C::kStages;
   // Packed query heads (fwd_item_order.h fwd_item_rows): whether this kernel reads the params' pack_shift.
-  constexpr bool kPacks = fwd_packs_query_heads<D, Mods, kLongWalks>();
+  constexpr bool kPacks = fwd_packs_query_heads<D, Mods, kPrefix, kLongWalks>();
   // D 256, and the short-walk builds of D 64 / 128: the producer loads each tile's K before the
   // previous tile's V (FA3 / FA4's producer order), so that K_{j+1}'s load waits only for K_{j-1}'s
   // release (both warpgroups' S_{j-1} retired) instead of also for V_{j-2}'s (their P V_{j-2}, a

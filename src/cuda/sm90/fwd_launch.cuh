@@ -39,10 +39,11 @@ cudaError_t run_fwd(const FwdArgs& args, int sms, cudaStream_t stream) {
   constexpr bool kHasLong = fwd_has_long_walk_kernel<D, Mods, false>();
   const bool long_walks = kHasLong && args.prefix_k == nullptr && args.long_kv_walks != 0;
   // Packed query heads (fwd_item_order.h fwd_item_rows): a KV head's G heads share an item's rows, in
-  // the kernels that pack (fwd_packs_query_heads); at D 256 only for plans of short walks (the plan's
-  // long-walk bit, for the kernels without a long-walk build too: packed, they lost 2-4% on long walks).
-  const bool packs = (long_walks ? fwd_packs_query_heads<D, Mods, true>() : fwd_packs_query_heads<D, Mods, false>()) &&
-                     (D <= 128 || args.long_kv_walks == 0);
+  // the kernels that pack (fwd_packs_query_heads: at D 256 the short-walk builds only).
+  const bool prefix = args.prefix_k != nullptr;
+  const bool packs = long_walks ? fwd_packs_query_heads<D, Mods, false, true>()
+                     : prefix   ? fwd_packs_query_heads<D, Mods, true, false>()
+                                : fwd_packs_query_heads<D, Mods, false, false>();
   p.pack_shift = packs ? choose_fwd_pack_shift(H, Hk) : 0;
   const int box_heads = 1 << p.pack_shift;
   const int kv_box_rows = long_walks ? Sm90FwdConfig<D, true, Mods::kWindow>::kBlockN : C::kBlockN;
