@@ -2,10 +2,10 @@
 // warpgroups (three at D = 64 without a window: Sm90FwdConfig::kConsumerWGs).
 //
 //   warpgroup 0 (producer, 40 registers): one thread takes (query tile, head) items from the plan
-//     through the atomic counter (with grouped-query attention, in fwd_packs_query_heads's kernels, an
-//     item is a sub-range of the tile's tokens for all query heads of one KV head: fwd_item_order.h
-//     fwd_item_rows, the params' pack_shift), hands each to the consumers through a 2-slot ring in smem, and
-//     issues the TMA loads: the item's first K tile, its Q tile (kBlockM rows; at D 64 into the
+//     through the atomic counter (with grouped-query attention, in fwd_packs_query_heads's kernels,
+//     an item is a sub-range of the tile's tokens for all query heads of one KV head: fwd_item_order.h
+//     fwd_item_rows, the params' pack_shift), hands each to the consumers through a 2-slot ring in
+//     smem, and issues the TMA loads: the item's first K tile, its Q tile (kBlockM rows; at D 64 into the
 //     other of two Q buffers, so it loads while the previous item still runs), then the rest of
 //     the K and V tiles of the KV ranges the tile sees (ancestors from the parent to the root,
 //     full; then its own segment up to its last query), into a kStages-deep ring completing on
@@ -486,8 +486,9 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
       decode_fwd_item(item, n_tiles, H, window, p.head_run, tile, h);
       // The item's rows (packed query heads: a sub-range of the tile's tokens for G heads), as the
       // consumers take them; an empty sub-range (past a ragged tile's end) is no work for anyone.
-      const FwdItemRows rows = fwd_item_rows(items[tile * kFwdItemInts + 0], items[tile * kFwdItemInts + 1],
-                                             items[tile * kFwdItemInts + 2], L.offsets, h, fwd_pack_shift<kPacks>(p), C::kBlockM);
+      const FwdItemRows rows =
+          fwd_item_rows(items[tile * kFwdItemInts + 0], items[tile * kFwdItemInts + 1],
+                        items[tile * kFwdItemInts + 2], L.offsets, h, fwd_pack_shift<kPacks>(p), C::kBlockM);
       if (kPacks && rows.q0 >= rows.q1) continue;
       const int32_t seg = rows.seg, q0 = rows.q0, q1 = rows.q1, qh = rows.head0;
       const int hk = qh / group;  // (the item's heads are one KV head's)
@@ -718,8 +719,9 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
     decode_fwd_item(item, n_tiles, H, window, p.head_run, tile, h);
     // The item's rows (fwd_item_rows: with packed query heads (fwd_pack_shift(p)) a sub-range of the
     // tile's tokens, row t G + i of it token q0 + t and head head0 + i; else the tile of head h).
-    const FwdItemRows rows = fwd_item_rows(items[tile * kFwdItemInts + 0], items[tile * kFwdItemInts + 1],
-                                           items[tile * kFwdItemInts + 2], L.offsets, h, fwd_pack_shift<kPacks>(p), C::kBlockM);
+    const FwdItemRows rows =
+        fwd_item_rows(items[tile * kFwdItemInts + 0], items[tile * kFwdItemInts + 1], items[tile * kFwdItemInts + 2],
+                      L.offsets, h, fwd_pack_shift<kPacks>(p), C::kBlockM);
     if (kPacks && rows.q0 >= rows.q1) continue;  // the producer skips it too
     const int32_t seg = rows.seg, q0 = rows.q0, q1 = rows.q1, q_diag = rows.q_diag;
     // Query token of rows r = 0 (qi0) and r = 1 (qi0 + fwd_row_step(p)): fragment rows g and g + 8.
@@ -811,7 +813,8 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
       }
       if constexpr (Mods::kWindow) {
         const int32_t shift = SegmentMask::window_shift(L.offsets, L.position_offset, seg, kcur);
-        fwd_window_mask(s, kpos, q0 + ((cw * 64 + 63) >> fwd_pack_shift<kPacks>(p)), qi0, fwd_row_step<kPacks>(p), t4, shift, a.window);
+        fwd_window_mask(s, kpos, q0 + ((cw * 64 + 63) >> fwd_pack_shift<kPacks>(p)), qi0, fwd_row_step<kPacks>(p), t4,
+                        shift, a.window);
       }
     };
     // Row r's new max after the mask (m[r] updated) and its rescale factor alpha[r]; returns the
@@ -1211,12 +1214,14 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
     const uint32_t o_thread = o_thread_x % 128;
     // This warpgroup's first token (its 64 rows: 64 >> pack_shift tokens of G heads each), from the
     // thread's first row token qi0 (q0 is not kept live through the KV loop; G divides 64).
-    const int32_t o_row0 = qi0 - static_cast<int32_t>(((o_thread / 32) * 16 + (o_thread % 32) / 4) >> fwd_pack_shift<kPacks>(p));
+    const int32_t o_row0 =
+        qi0 - static_cast<int32_t>(((o_thread / 32) * 16 + (o_thread % 32) / 4) >> fwd_pack_shift<kPacks>(p));
     // The same for the whole warpgroup; the vote tells the compiler so (as a per-thread branch
     // around the named barriers it cost the all-modifier kernels 16 bytes of spills).
     const bool o_staged =
         C::kOStaged && p.o_tma != 0 &&
-        __all_sync(0xffffffffu, o_row0 + (64 >> fwd_pack_shift<kPacks>(p)) <= q1 || (q1 >= L.num_tokens && o_row0 < q1));
+        __all_sync(0xffffffffu,
+                   o_row0 + (64 >> fwd_pack_shift<kPacks>(p)) <= q1 || (q1 >= L.num_tokens && o_row0 < q1));
     // This warpgroup's O box, from an address the loop keeps live (K's).
     const uint32_t o_box = k_base - C::kOffK + C::kOffO + ocw * C::kOWgBytes;
     if (o_staged) fwd_o_staging_acquire(C::kOBarrier + ocw);
