@@ -384,7 +384,12 @@ BENCHMARKS = {
                                         "suite on the merged form; .memcheck.log: compute-sanitizer memcheck at D 64 / 128; "
                                         ".racecheck.log: racecheck of main 4621778's per-thread-release build at D 64 / 128; "
                                         "ab_fwd_packed_heads_slots.* / _claim.*: the same for branch pack256 (77aba1e / "
-                                        "e18ba3d, not merged) against main 4dc468e",
+                                        "e18ba3d, not merged) against main 4dc468e; ab_fwd_pack256_short.*: session 58's "
+                                        "D-256 short-walk packing, tools/ab_libraries.py against main 4a4db4d on an H100, "
+                                        "5 rounds, A/A (.first.*: da90312, .second.*: 4e741a8 with its tests and memcheck, "
+                                        ".threshold.log: the packed short-walk build on every plan); "
+                                        "fwd_pack256_ncu_h100.{main,form3}.csv.xz: Nsight Compute's raw page of the D-256 "
+                                        "forward on N8 P16K R2K, main against e18ba3d",
     "ab_fwd_packed_heads_classes_d64": "the same at head dim 64",
     "ab_fwd_packed_heads_never_lose_d128": "bench/attention.py --head-dim 128 --classes long_responses --methods "
                                            "dualkv,dualkv_ab,fa4_dense --rounds 9 on an H100: packed query heads "

@@ -2,10 +2,10 @@
 // warpgroups (three at D = 64 without a window: Sm90FwdConfig::kConsumerWGs).
 //
 //   warpgroup 0 (producer, 40 registers): one thread takes (query tile, head) items from the plan
-//     through the atomic counter (at D 64 / 128 with grouped-query attention an item is a sub-range
-//     of the tile's tokens for all query heads of one KV head: fwd_item_order.h fwd_item_rows, the
-//     params' pack_shift), hands each to the consumers through a 2-slot ring in smem, and
-//     issues the TMA loads: the item's first K tile, its Q tile (kBlockM rows; at D 64 into the
+//     through the atomic counter (with grouped-query attention, in fwd_packs_query_heads's kernels,
+//     an item is a sub-range of the tile's tokens for all query heads of one KV head: fwd_item_order.h
+//     fwd_item_rows, the params' pack_shift), hands each to the consumers through a 2-slot ring in
+//     smem, and issues the TMA loads: the item's first K tile, its Q tile (kBlockM rows; at D 64 into the
 //     other of two Q buffers, so it loads while the previous item still runs), then the rest of
 //     the K and V tiles of the KV ranges the tile sees (ancestors from the parent to the root,
 //     full; then its own segment up to its last query), into a kStages-deep ring completing on
@@ -176,17 +176,21 @@ struct Sm90FwdParams {
 };
 
 // Which kernels pack query heads (Sm90FwdParams::pack_shift; the launcher sets 0 for the others, and
-// they fold it away as a constant): D 64 and 128. Measured 2026-12-07 (one H100, forward kernel time
-// against main, 7 rounds, A/A beside; docs/notes/2026-12-07-fwd-packed-query-heads.md): D 128
-// 0.862-0.998 and D 64 0.858-0.975 on six layouts, but D 256 1.036-1.111 on four of them; two more
-// forms for D 256 (no spill, its steady loop main's) still lost 2-5% on the aligned long walks.
-template <int D>
+// they fold it away as a constant): every kernel at D 64 and 128; at D 256 only the short-walk build of
+// the kernels that have a long-walk one (fwd_has_long_walk_kernel: no softcap, window or external
+// prefix), which runs the plans of short walks. Measured 2026-12-07 (one H100, forward kernel time
+// against the unpacked kernels, A/A beside; docs/notes/2026-12-07-fwd-packed-query-heads.md): D 128
+// 0.862-0.998 and D 64 0.858-0.975 on six layouts; at D 256 small groups 0.884 (0.877 with sinks), but
+// every form of the long-walk build lost 2-11% on long walks (§4, §6 there), and the window kernels,
+// which walk long plans too, took 1.02-1.03 packed and 1.09-1.16 with the packing code left in and one
+// head per item (§7).
+template <int D, typename Mods, bool kPrefix, bool kLongWalks>
 constexpr bool fwd_packs_query_heads() {
-  return D <= 128;
+  return D <= 128 || (!kLongWalks && fwd_has_long_walk_kernel<D, Mods, kPrefix>());
 }
-template <int D>
+template <bool kPacks, int D>
 __device__ __forceinline__ int32_t fwd_pack_shift(const Sm90FwdParams<D>& p) {
-  if constexpr (fwd_packs_query_heads<D>()) return p.pack_shift;
+  if constexpr (kPacks) return p.pack_shift;
   return 0;
 }
 
@@ -194,17 +198,17 @@ __device__ __forceinline__ int32_t fwd_pack_shift(const Sm90FwdParams<D>& p) {
 // query heads (G = 2^pack_shift <= 16 divides 8 rows, or at 16 both rows are one token's). Computed
 // where it is used, from the parameter (volatile, so that ptxas does not keep the second row's token
 // in a register through the KV loop; the measured form, a plain shift was not measured).
-template <int D>
+template <bool kPacks, int D>
 __device__ __forceinline__ int32_t fwd_row_step(const Sm90FwdParams<D>& p) {
-  if constexpr (!fwd_packs_query_heads<D>()) return 8;
+  if constexpr (!kPacks) return 8;
   int32_t step;
   asm volatile("shr.s32 %0, 8, %1;\n" : "=r"(step) : "r"(p.pack_shift));
   return step;
 }
 // Query heads between them: none when G divides 8, else (G = 16) 8.
-template <int D>
+template <bool kPacks, int D>
 __device__ __forceinline__ int32_t fwd_row_head_step(const Sm90FwdParams<D>& p) {
-  return 8 & ((1 << fwd_pack_shift(p)) - 1);
+  return 8 & ((1 << fwd_pack_shift<kPacks>(p)) - 1);
 }
 
 struct Sm90Barriers {
@@ -385,6 +389,8 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
                 "sm90 forward: no long-walk build of this kernel");
   using C = Sm90FwdConfig<D, kLongWalks, Mods::kWindow>;
   constexpr int BN = C::kBlockN, S = C::kStages;
+  // Packed query heads (fwd_item_order.h fwd_item_rows): whether this kernel reads the params' pack_shift.
+  constexpr bool kPacks = fwd_packs_query_heads<D, Mods, kPrefix, kLongWalks>();
   // D 256, and the short-walk builds of D 64 / 128: the producer loads each tile's K before the
   // previous tile's V (FA3 / FA4's producer order), so that K_{j+1}'s load waits only for K_{j-1}'s
   // release (both warpgroups' S_{j-1} retired) instead of also for V_{j-2}'s (their P V_{j-2}, a
@@ -480,9 +486,10 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
       decode_fwd_item(item, n_tiles, H, window, p.head_run, tile, h);
       // The item's rows (packed query heads: a sub-range of the tile's tokens for G heads), as the
       // consumers take them; an empty sub-range (past a ragged tile's end) is no work for anyone.
-      const FwdItemRows rows = fwd_item_rows(items[tile * kFwdItemInts + 0], items[tile * kFwdItemInts + 1],
-                                             items[tile * kFwdItemInts + 2], L.offsets, h, fwd_pack_shift(p), C::kBlockM);
-      if (fwd_packs_query_heads<D>() && rows.q0 >= rows.q1) continue;
+      const FwdItemRows rows =
+          fwd_item_rows(items[tile * kFwdItemInts + 0], items[tile * kFwdItemInts + 1],
+                        items[tile * kFwdItemInts + 2], L.offsets, h, fwd_pack_shift<kPacks>(p), C::kBlockM);
+      if (kPacks && rows.q0 >= rows.q1) continue;
       const int32_t seg = rows.seg, q0 = rows.q0, q1 = rows.q1, qh = rows.head0;
       const int hk = qh / group;  // (the item's heads are one KV head's)
 
@@ -712,12 +719,13 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
     decode_fwd_item(item, n_tiles, H, window, p.head_run, tile, h);
     // The item's rows (fwd_item_rows: with packed query heads (fwd_pack_shift(p)) a sub-range of the
     // tile's tokens, row t G + i of it token q0 + t and head head0 + i; else the tile of head h).
-    const FwdItemRows rows = fwd_item_rows(items[tile * kFwdItemInts + 0], items[tile * kFwdItemInts + 1],
-                                           items[tile * kFwdItemInts + 2], L.offsets, h, fwd_pack_shift(p), C::kBlockM);
-    if (fwd_packs_query_heads<D>() && rows.q0 >= rows.q1) continue;  // the producer skips it too
+    const FwdItemRows rows =
+        fwd_item_rows(items[tile * kFwdItemInts + 0], items[tile * kFwdItemInts + 1], items[tile * kFwdItemInts + 2],
+                      L.offsets, h, fwd_pack_shift<kPacks>(p), C::kBlockM);
+    if (kPacks && rows.q0 >= rows.q1) continue;  // the producer skips it too
     const int32_t seg = rows.seg, q0 = rows.q0, q1 = rows.q1, q_diag = rows.q_diag;
     // Query token of rows r = 0 (qi0) and r = 1 (qi0 + fwd_row_step(p)): fragment rows g and g + 8.
-    const int32_t qi0 = q0 + (row_in_tile >> fwd_pack_shift(p));
+    const int32_t qi0 = q0 + (row_in_tile >> fwd_pack_shift<kPacks>(p));
     // The item's Q buffer and its use of it, as the producer counts them (its comment at the Q load
     // says why this protocol is safe). This warpgroup's 64 rows of it start at q_item.
     const uint32_t qb = q_iter % C::kQBuffers, q_use = q_iter / C::kQBuffers;
@@ -732,8 +740,8 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
     // output is the same. Only in the short-walk builds of fwd_skips_hidden_tiles's kernels (why:
     // above); the others compute every tile.
     constexpr bool kSkipHidden = fwd_skips_hidden_tiles<D, Mods, kPrefix>() && !kLongWalks;
-    const int32_t wg_first = q0 + ((cw * 64) >> fwd_pack_shift(p));
-    const int32_t wg_last = min(q1, wg_first + (64 >> fwd_pack_shift(p))) - 1;
+    const int32_t wg_first = q0 + ((cw * 64) >> fwd_pack_shift<kPacks>(p));
+    const int32_t wg_last = min(q1, wg_first + (64 >> fwd_pack_shift<kPacks>(p))) - 1;
     const bool live = !kSkipHidden || wg_first < q1;
 
     float o[D / 2];
@@ -794,7 +802,7 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
       // q_last >= kpos + krem term (which a tile of one segment never meets: its own range ends at q1).
       if (krem < BN || (own && kpos + BN - 1 > q_diag)) {
         const int32_t cols[2] = {SegmentMask::fwd_visible_cols(kpos, krem, own, qi0),
-                                 SegmentMask::fwd_visible_cols(kpos, krem, own, qi0 + fwd_row_step(p))};
+                                 SegmentMask::fwd_visible_cols(kpos, krem, own, qi0 + fwd_row_step<kPacks>(p))};
 #pragma unroll
         for (int j = 0; j < BN / 8; ++j) {
 #pragma unroll
@@ -805,7 +813,8 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
       }
       if constexpr (Mods::kWindow) {
         const int32_t shift = SegmentMask::window_shift(L.offsets, L.position_offset, seg, kcur);
-        fwd_window_mask(s, kpos, q0 + ((cw * 64 + 63) >> fwd_pack_shift(p)), qi0, fwd_row_step(p), t4, shift, a.window);
+        fwd_window_mask(s, kpos, q0 + ((cw * 64 + 63) >> fwd_pack_shift<kPacks>(p)), qi0, fwd_row_step<kPacks>(p), t4,
+                        shift, a.window);
       }
     };
     // Row r's new max after the mask (m[r] updated) and its rescale factor alpha[r]; returns the
@@ -1205,12 +1214,14 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
     const uint32_t o_thread = o_thread_x % 128;
     // This warpgroup's first token (its 64 rows: 64 >> pack_shift tokens of G heads each), from the
     // thread's first row token qi0 (q0 is not kept live through the KV loop; G divides 64).
-    const int32_t o_row0 = qi0 - static_cast<int32_t>(((o_thread / 32) * 16 + (o_thread % 32) / 4) >> fwd_pack_shift(p));
+    const int32_t o_row0 =
+        qi0 - static_cast<int32_t>(((o_thread / 32) * 16 + (o_thread % 32) / 4) >> fwd_pack_shift<kPacks>(p));
     // The same for the whole warpgroup; the vote tells the compiler so (as a per-thread branch
     // around the named barriers it cost the all-modifier kernels 16 bytes of spills).
     const bool o_staged =
         C::kOStaged && p.o_tma != 0 &&
-        __all_sync(0xffffffffu, o_row0 + (64 >> fwd_pack_shift(p)) <= q1 || (q1 >= L.num_tokens && o_row0 < q1));
+        __all_sync(0xffffffffu,
+                   o_row0 + (64 >> fwd_pack_shift<kPacks>(p)) <= q1 || (q1 >= L.num_tokens && o_row0 < q1));
     // This warpgroup's O box, from an address the loop keeps live (K's).
     const uint32_t o_box = k_base - C::kOffK + C::kOffO + ocw * C::kOWgBytes;
     if (o_staged) fwd_o_staging_acquire(C::kOBarrier + ocw);
@@ -1219,7 +1230,7 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
     const bool o_vec16 = !C::kOStaged && p.o_vec16 != 0;
     // The query head of fragment row g (packed heads: the item's first head h - j, j = h % G, plus
     // the row's place among its token's G rows; the warp's first row is a multiple of 16 >= G).
-    const int head_mask = (1 << fwd_pack_shift(p)) - 1;
+    const int head_mask = (1 << fwd_pack_shift<kPacks>(p)) - 1;
     const int head0 = h - (h & head_mask);
     const int hg = head0 + (static_cast<int>((o_thread % 32) / 4) & head_mask);
 #pragma unroll
@@ -1228,14 +1239,14 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
       tot += __shfl_xor_sync(0xffffffffu, tot, 1);
       tot += __shfl_xor_sync(0xffffffffu, tot, 2);
       float inv = tot > 0.f ? 1.f / tot : 0.f;
-      const int hr = hg + r * fwd_row_head_step(p);
+      const int hr = hg + r * fwd_row_head_step<kPacks>(p);
       float sink_lse = 0.f;
       if constexpr (Mods::kSinks)  // mask modifiers (issue 16): the sink joins the row's softmax
         inv = fold_sink_epilogue(m[r], tot, Mods::score_scale(a), a.sinks[hr], &sink_lse);
       if constexpr (C::kOStaged) {
         if (o_staged) fwd_o_stage_row<T, D>(o_box, o, r, inv, o_thread);
       }
-      const int32_t qi = qi0 + r * fwd_row_step(p);
+      const int32_t qi = qi0 + r * fwd_row_step<kPacks>(p);
       if constexpr (!C::kOStaged) {
         // The quad's SHFLs need all 32 lanes: outside the row test, which masks the stores only.
         if (o_vec16)

@@ -34,13 +34,18 @@ cudaError_t run_fwd(const FwdArgs& args, int sms, cudaStream_t stream) {
   const FwdItemOrder order = choose_fwd_item_order(H, Hk);
   p.tile_window = order.window;
   p.head_run = order.head_run;
-  // Packed query heads (fwd_item_order.h fwd_item_rows): a KV head's G heads share an item's rows.
-  p.pack_shift = fwd_packs_query_heads<D>() ? choose_fwd_pack_shift(H, Hk) : 0;
-  const int box_heads = 1 << p.pack_shift;
   // The long-walk build (fwd_has_long_walk_kernel, issue 23) of the kernel without an external
   // prefix, where the plan's KV walks are long; its K / V boxes are its tiles (wider at D 128).
   constexpr bool kHasLong = fwd_has_long_walk_kernel<D, Mods, false>();
   const bool long_walks = kHasLong && args.prefix_k == nullptr && args.long_kv_walks != 0;
+  // Packed query heads (fwd_item_order.h fwd_item_rows): a KV head's G heads share an item's rows, in
+  // the kernels that pack (fwd_packs_query_heads: at D 256 the short-walk builds only).
+  const bool prefix = args.prefix_k != nullptr;
+  const bool packs = long_walks ? fwd_packs_query_heads<D, Mods, false, true>()
+                     : prefix   ? fwd_packs_query_heads<D, Mods, true, false>()
+                                : fwd_packs_query_heads<D, Mods, false, false>();
+  p.pack_shift = packs ? choose_fwd_pack_shift(H, Hk) : 0;
+  const int box_heads = 1 << p.pack_shift;
   const int kv_box_rows = long_walks ? Sm90FwdConfig<D, true, Mods::kWindow>::kBlockN : C::kBlockN;
   if (!make_map(&p.tq, kTmaType<T>, args.q, D, H, T_, args.q_hs, args.q_ts, C::kBlockM >> p.pack_shift, box_heads) ||
       !make_map(&p.tk, kTmaType<T>, args.k, D, Hk, T_, args.k_hs, args.k_ts, kv_box_rows) ||
