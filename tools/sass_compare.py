@@ -15,6 +15,12 @@ a kernel reads.
 Why: a refactor that keeps the SASS of a kernel identical keeps its measured speed, so it needs no
 device run. A kernel instantiated in several translation units appears once per unit: the copies
 of A and B must match as a whole.
+
+--loops SUBSTR then lists, for each kernel whose mangled name contains SUBSTR, the loops that hold
+wgmmas (a backward branch's span with an HGMMA inside; the instruction count and the HGMMAs of each,
+shortest first) in A and in B, and the opcodes whose counts differ between A's shortest one (usually
+the KV-tile loop) and B's shortest with as many HGMMAs: where a changed kernel's per-tile work grew, before any device run (e.g. the window
+kernels' loops after packed query heads, docs/notes/2026-12-07-fwd-packed-query-heads.md §7).
 """
 from __future__ import annotations
 
@@ -93,6 +99,72 @@ def kernels(lib: str, ignore_regs: bool, renames, ignore_params: bool = False):
     return out
 
 
+INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s*(.*?)\s*;")
+PREDICATE = re.compile(r"^@!?U?P[T0-9]+\s+")
+
+
+def instructions(lines):
+    """[(address, text)] of one listing's instructions (cuobjdump -sass lines, encodings dropped)."""
+    out = []
+    for line in lines:
+        m = INSTRUCTION.search(ENCODING.sub("", line))
+        if m:
+            out.append((int(m.group(1), 16), m.group(2)))
+    return out
+
+
+def opcode(text: str) -> str:
+    """An instruction's opcode without its predicate and modifiers: '@!P0 HGMMA.64x80x16.F32' -> 'HGMMA'."""
+    return PREDICATE.sub("", text).split()[0].split(".")[0]
+
+
+def wgmma_loops(ins):
+    """The loops of a listing that hold a wgmma: (instructions, HGMMAs, first, last index) per backward
+    branch whose span [target, branch] has an HGMMA, shortest first."""
+    index = {addr: i for i, (addr, _) in enumerate(ins)}
+    loops = set()
+    for i, (addr, text) in enumerate(ins):
+        if opcode(text) != "BRA":
+            continue
+        m = re.search(r"0x([0-9a-f]+)", text.split("BRA", 1)[1])
+        j = index.get(int(m.group(1), 16)) if m else None
+        if j is None or j > i:
+            continue
+        hgmma = sum(opcode(t) == "HGMMA" for _, t in ins[j:i + 1])
+        if hgmma:
+            loops.add((i - j + 1, hgmma, j, i))
+    return sorted(loops)
+
+
+def loop_report(lib_a: str, lib_b: str, substr: str) -> list[str]:
+    """--loops: each matching kernel's wgmma loops in A and B, and the opcode counts that differ in
+    the shortest one (B's minus A's)."""
+    listings = {}
+    for side, lib in (("A", lib_a), ("B", lib_b)):
+        text = subprocess.run([cuobjdump(), "-sass", lib], check=True, capture_output=True, text=True).stdout
+        for arch, name, lines in functions(text):
+            if substr in name:
+                listings.setdefault((arch, name), {}).setdefault(side, instructions(lines))  # first copy
+    out = []
+    for (arch, name), sides in sorted(listings.items()):
+        out.append(f"loops   {arch:7s} {name}")
+        inner, hgmmas = {}, None
+        for side in ("A", "B"):
+            loops = wgmma_loops(sides.get(side, []))
+            out.append(f"  {side}: " + (", ".join(f"{n} ({h} HGMMA)" for n, h, _, _ in loops) or "none"))
+            # A's shortest loop, and in B the shortest with as many HGMMAs (the same loop, if it is there)
+            match = [lp for lp in loops if hgmmas is None or lp[1] == hgmmas]
+            if match:
+                _, hgmmas, j, i = match[0]
+                inner[side] = collections.Counter(opcode(t) for _, t in sides[side][j:i + 1])
+        if len(inner) == 2:
+            delta = {op: inner["B"][op] - inner["A"][op] for op in set(inner["A"]) | set(inner["B"])}
+            moved = sorted((d for d in delta.items() if d[1]), key=lambda d: (-abs(d[1]), d[0]))
+            out.append(f"  shortest ({hgmmas} HGMMA), B - A: "
+                       + (", ".join(f"{op} {d:+d}" for op, d in moved) or "the same opcodes"))
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("a")
@@ -101,6 +173,7 @@ def main() -> int:
     ap.add_argument("--rename", action="append", default=[], metavar="OLD=NEW",
                     help="regex substitution on B's mangled kernel names")
     ap.add_argument("--params", action="store_true", help="ignore kernel-parameter offsets (c[0x0][...])")
+    ap.add_argument("--loops", metavar="SUBSTR", help="the wgmma loops of the kernels whose name contains SUBSTR")
     args = ap.parse_args()
     renames = [tuple(r.split("=", 1)) for r in args.rename]
     a = kernels(args.a, args.regs, [], args.params)
@@ -115,6 +188,8 @@ def main() -> int:
         bad += state != "same"
         print(f"{state:9s} {arch:7s} {name}")
     print(f"{len(set(a) | set(b))} kernels, {bad} not the same")
+    if args.loops:
+        print("\n".join(loop_report(args.a, args.b, args.loops)))
     return 1 if bad else 0
 
 
