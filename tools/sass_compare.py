@@ -19,8 +19,9 @@ of A and B must match as a whole.
 --loops SUBSTR then lists, for each kernel whose mangled name contains SUBSTR, the loops that hold
 wgmmas (a backward branch's span with an HGMMA inside; the instruction count and the HGMMAs of each,
 shortest first) in A and in B, and the opcodes whose counts differ between A's shortest one (usually
-the KV-tile loop) and B's shortest with as many HGMMAs: where a changed kernel's per-tile work grew, before any device run (e.g. the window
-kernels' loops after packed query heads, docs/notes/2026-12-07-fwd-packed-query-heads.md §7).
+the KV-tile loop) and B's shortest with as many HGMMAs: where a changed kernel's per-tile work grew,
+before any device run (e.g. the window kernels' loops after packed query heads,
+docs/notes/2026-12-07-fwd-packed-query-heads.md §7).
 """
 from __future__ import annotations
 
