@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import os
 import re
 import shutil
@@ -78,11 +79,16 @@ def functions(sass: str):
         yield arch, name, body
 
 
+@functools.lru_cache(maxsize=None)
+def sass(lib: str) -> str:
+    """cuobjdump -sass of a library, once per run (the compare and --loops both read it)."""
+    return subprocess.run([cuobjdump(), "-sass", lib], check=True, capture_output=True, text=True).stdout
+
+
 def kernels(lib: str, ignore_regs: bool, renames, ignore_params: bool = False):
     """{(arch, kernel name): [listing, ...]} with one listing (a tuple of instructions) per copy."""
-    text = subprocess.run([cuobjdump(), "-sass", lib], check=True, capture_output=True, text=True).stdout
     out = collections.defaultdict(list)
-    for arch, name, lines in functions(text):
+    for arch, name, lines in functions(sass(lib)):
         name = ANON_NAMESPACE.sub("_GLOBAL__N__", name)
         for old, new in renames:
             name = re.sub(old, new, name)
@@ -142,8 +148,7 @@ def loop_report(lib_a: str, lib_b: str, substr: str) -> list[str]:
     the shortest one (B's minus A's)."""
     listings = {}
     for side, lib in (("A", lib_a), ("B", lib_b)):
-        text = subprocess.run([cuobjdump(), "-sass", lib], check=True, capture_output=True, text=True).stdout
-        for arch, name, lines in functions(text):
+        for arch, name, lines in functions(sass(lib)):
             if substr in name:
                 listings.setdefault((arch, name), {}).setdefault(side, instructions(lines))  # first copy
     out = []
