@@ -12,6 +12,9 @@ Methods (each on its own layout; TFLOP/s credited with that layout's visible (q,
              the copy is outside the timing): the one SDPA kernel above head dim 256
   fa4_dense  FlashAttention-4 (flash_attn.cute) causal on the expanded sequences: flash_attn_func on
              the batch, flash_attn_varlen_func when lengths differ: the generic kernel's rate
+  fa4_dense_nopack  the same with pack_gqa=False (one query head per 128-row tile; FA4 packs a KV
+             head's query heads by default on sm90 when H > Hk): what packing gives FA4's rate, named only
+             with --methods (not a dense peer of "best dense")
   flex       compiled flex_attention (Triton kernels) on the packed layout, BlockMask of the forest rule
   flex_fa4   the same with kernel_options={"BACKEND": "FLASH"}: FlashAttention-4 under Flex, the
              strongest peer (baselines-h200.md section 11); block size per head dim (FLEX_BLOCK)
@@ -68,6 +71,7 @@ import collections
 import contextlib
 import ctypes
 import datetime
+import functools
 import itertools
 import json
 import math
@@ -441,12 +445,14 @@ def fa4_modifier_kwargs(fn, mods) -> dict:
     return kw
 
 
-def method_fa4_dense(case, H, Hk, D, dtype, mods=NO_MODS):
+def method_fa4_dense(case, H, Hk, D, dtype, mods=NO_MODS, pack_gqa=None):
     """FA4 causal on the expanded sequences: flash_attn_func on [N, S, H, D] when all have one
     length, else flash_attn_varlen_func on the concatenated sequences (no padding); the modifiers
-    through FA4's own arguments."""
+    through FA4's own arguments; pack_gqa, when not None, passed to both (None: FA4's default)."""
     check_head_dim("fa4_dense", D)
     dense, varlen = fa4()
+    if pack_gqa is not None:
+        dense, varlen = (functools.partial(f, pack_gqa=pack_gqa) for f in (dense, varlen))
     lens = case.seq_lens
     n_in = 4 if mods.sinks else 3
 
@@ -576,6 +582,8 @@ def build_method(name, case, H, Hk, D, dtype, libraries, mods=NO_MODS):
         return method_sdpa(case, H, Hk, D, dtype, "efficient", mods)
     if name == "fa4_dense":
         return method_fa4_dense(case, H, Hk, D, dtype, mods)
+    if name == "fa4_dense_nopack":
+        return method_fa4_dense(case, H, Hk, D, dtype, mods, pack_gqa=False)
     if name in FLEX_BACKENDS:
         return method_flex(case, H, Hk, D, dtype, FLEX_BACKENDS[name], mods)
     if name == "pgrouper":

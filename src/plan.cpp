@@ -200,6 +200,8 @@ dualkv_status build(const dualkv_layout& l, const dualkv_prefixes* prefixes, int
     if (end != env && *end == '\0' && v >= 0) long_walk_keys = v;
   }
   const bool long_walks = fwd_long_kv_walks(fwd_row_keys, fwd_rows, long_walk_keys);
+  // Whether the forward's query tiles are ragged (tile_size.h fwd_ragged_tiles; the key's ragged-tiles bit).
+  const bool ragged_tiles = fwd_ragged_tiles(fwd_rows, static_cast<int64_t>(fwd.size()), fwd_m);
   std::stable_sort(fwd.begin(), fwd.end(), [&](const Fwd& a, const Fwd& b) {
     if (a.work != b.work) return a.work > b.work;
     if (root[a.s] != root[b.s]) return root[a.s] < root[b.s];
@@ -352,7 +354,8 @@ dualkv_status build(const dualkv_layout& l, const dualkv_prefixes* prefixes, int
   }
   out->key = (key_hash(head_dim, fwd_m, S, T, w.size > 0 ? w.size : 0, px.num_prefixes,
                        px.num_prefixes > 0 ? px.num_prefix_rows : 0) << kPlanKeyLowBits) |
-             (long_walks ? kPlanLongWalksBit : 0) | static_cast<uint64_t>(n_slots);
+             (long_walks ? kPlanLongWalksBit : 0) | (ragged_tiles ? kPlanRaggedTilesBit : 0) |
+             static_cast<uint64_t>(n_slots);
   out->split_rows = static_cast<int32_t>(std::min<int64_t>(split, INT32_MAX));
   return DUALKV_OK;
 }

@@ -43,6 +43,9 @@ inline int32_t key_slots(uint64_t key) { return static_cast<int32_t>(key & kPlan
 // Whether the plan's forward KV walks are long (tile_size.h fwd_long_kv_walks): the kernels with a
 // long-walk build run it then (sm90/fwd_kernel.cuh fwd_has_long_walk_kernel).
 inline bool key_long_kv_walks(uint64_t key) { return (key & kPlanLongWalksBit) != 0; }
+// Whether the plan's forward query tiles are ragged (tile_size.h fwd_ragged_tiles): the sliding-window
+// kernels pack query heads only then (sm90/fwd_launch.cuh).
+inline bool key_ragged_fwd_tiles(uint64_t key) { return (key & kPlanRaggedTilesBit) != 0; }
 
 }  // namespace dualkv::plan
 

@@ -50,8 +50,9 @@ constexpr int32_t kPlanMagic = 0x444B5631;  // "DKV1"
 // 2 was two versions on two branches: the window (kHdrWindow, the distance biases) and backward
 // items over external prefix segments' rows (issue 17). 3 has both: the key folds in the window
 // and the prefix table. 4: the key's bit 19 is the long-walk bit (slot counts below 2^19), so a
-// key of 3 (whose slot count could reach bit 19) is rejected rather than misread.
-constexpr int32_t kPlanVersion = 4;
+// key of 3 (whose slot count could reach bit 19) is rejected rather than misread. 5: bit 18 is the
+// ragged-tiles bit (slot counts below 2^18).
+constexpr int32_t kPlanVersion = 5;
 enum PlanHeader : int {
   kHdrMagic = 0,
   kHdrVersion,
@@ -78,10 +79,13 @@ constexpr int kRedItemInts = 6;
 // tiling, S, T, window, number of external prefixes and of their rows); bit 19 says the forward's
 // KV walks are long (tile_size.h fwd_long_kv_walks; it picks the forward kernel's build: at D 128
 // its KV tile width, which computes the same attention either way, not the same bits: the online
-// softmax's blocks differ; a function of the layout, so not hashed); bits 18..0 are the number of
-// split slots (which sizes the backward workspace).
+// softmax's blocks differ; a function of the layout, so not hashed); bit 18 says the forward's query
+// tiles are ragged (tile_size.h fwd_ragged_tiles; the sliding-window kernels pack query heads only
+// then: sm90/fwd_launch.cuh); bits 17..0 are the number of split slots (which sizes the backward
+// workspace).
 constexpr int kPlanKeyLowBits = 20;  // the bits below the hash
 constexpr uint64_t kPlanLongWalksBit = uint64_t(1) << 19;
-constexpr uint64_t kPlanSlotMask = kPlanLongWalksBit - 1;
+constexpr uint64_t kPlanRaggedTilesBit = uint64_t(1) << 18;
+constexpr uint64_t kPlanSlotMask = kPlanRaggedTilesBit - 1;
 
 }  // namespace dualkv

@@ -171,6 +171,22 @@ DUALKV_TILE_FN int64_t fwd_long_walk_keys(int head_dim) {
 DUALKV_TILE_FN bool fwd_long_kv_walks(int64_t row_keys, int64_t rows, int64_t long_walk_keys = kFwdLongWalkKeys) {
   return rows > 0 && row_keys / rows >= long_walk_keys;  // (= row_keys >= long_walk_keys * rows, no overflow)
 }
+// The forward's query tiles are ragged where fewer than 95% of their rows hold tokens (rows over tiles x
+// block_m; the plan key's ragged-tiles bit). In the sliding-window kernels (128-row query tiles over 128-key
+// KV tiles from the segment's start) packed query heads (sm90/fwd_kernel.cuh fwd_packs_query_heads) save a
+// ragged tile's empty rows and little else: a packed item of 128 / G tokens walks its query tile's diagonal
+// KV tile, as the unpacked item does, and at most one tile fewer where the window starts, so on full tiles
+// packing costs the packed rows' mask arithmetic. Measured 2026-12-07 (one H100, forward kernel time against
+// the kernels before packing, 5 rounds, A/A beside; docs/notes/2026-12-07-fwd-packed-query-heads.md §8): the
+// window kernels packed took 1.020 / 1.028 on long responses / N8 P16K R2K (gpt-oss's sliding layers: D 64,
+// window 128 with sinks, G 8; fill 0.986 / 1.000) and 1.000 / 1.009 at D 128 with a window of 1,024 (G 4),
+// but 0.887 / 0.856 on small groups (fill 0.80). The other kernels pack on full tiles too: their diagonal KV
+// tiles (192-row query tiles at D 64, 160-key KV tiles in D 128's long-walk build) are where packing saves,
+// 0.86-1.00 of the unpacked time on six layouts (session 57).
+inline constexpr int kFwdRaggedFillPercent = 95;
+DUALKV_TILE_FN bool fwd_ragged_tiles(int64_t rows, int64_t tiles, int block_m) {
+  return rows * 100 < tiles * block_m * kFwdRaggedFillPercent;
+}
 // Backward main kernel (D <= 128) query rows per step: 128 at D = 64 (a step then has D 128's
 // GEMM work and accumulator registers, so its fixed cost is amortised over twice the FLOPs of a
 // 64-row step; docs/notes/2026-12-02-d64-bwd-steps.md), 64 otherwise. Softcap kernels keep 64 at

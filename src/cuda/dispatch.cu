@@ -524,6 +524,7 @@ dualkv_status cuda_fwd(const dualkv_fwd_params& p) {
   a.plan_len = p.plan_len;
   a.fwd_block_m = fwd_tile_rows;
   a.long_kv_walks = plan::key_long_kv_walks(p.plan_key) ? 1 : 0;
+  a.ragged_tiles = plan::key_ragged_fwd_tiles(p.plan_key) ? 1 : 0;
   a.q = p.q; a.k = p.k; a.v = p.v; a.out = p.out;
   a.lse = static_cast<float*>(p.lse);
   a.q_ts = p.q_token_stride; a.q_hs = p.q_head_stride;

@@ -28,6 +28,7 @@ struct FwdArgs {
   int64_t plan_len;
   int32_t fwd_block_m;  // the plan's forward query tile rows (its key names them: dispatch.cu)
   int32_t long_kv_walks;  // the plan key's long-walk bit: kernels with a long-walk build run it (tile_size.h)
+  int32_t ragged_tiles;   // the plan key's ragged-tiles bit: the window kernels pack query heads only then
   const void* q;
   const void* k;
   const void* v;

@@ -83,6 +83,10 @@ void check_plan(const dualkv_layout& v, const dualkv_prefixes* px, const Inspect
   if (std::getenv("DUALKV_CUDA_LONG_WALK_KEYS") == nullptr)
     ASSERT_EQ((info.plan_key & dualkv::kPlanLongWalksBit) != 0,
               row_keys >= dualkv::fwd_long_walk_keys(p[dualkv::kHdrHeadDim]) * static_cast<int64_t>(l.num_tokens()));
+  // The key's ragged-tiles bit: fewer than kFwdRaggedFillPercent of the forward tiles' rows hold tokens.
+  ASSERT_EQ((info.plan_key & dualkv::kPlanRaggedTilesBit) != 0,
+            100 * static_cast<int64_t>(l.num_tokens()) <
+                dualkv::kFwdRaggedFillPercent * static_cast<int64_t>(info.num_fwd_tiles) * info.fwd_block_m);
 
   // Backward items: per KV tile, the query ranges of its items tile the policy's range exactly;
   // a tile with one item writes dK/dV (slot -1), a split tile's items write consecutive slots that
@@ -769,6 +773,34 @@ TEST(Plan, BadArgumentsAreErrors) {
 // slots (one per range: each child of the prompt is its own range, with its own distance bias) is
 // refused with a clear error; before, the planner doubled the split length until it overflowed
 // (SIGFPE).
+// The window kernels pack query heads only on ragged tiles (sm90/fwd_launch.cuh): a GRPO group of
+// whole tiles (3,072 and 768 rows: 64, 128 and 192 divide both) is full, with or without a window;
+// responses of 50 rows (under a window one per tile; without, 1-3 siblings share one) or of a tile
+// plus one row are ragged.
+TEST(Plan, RaggedForwardTilesSetTheKeysRaggedBit) {
+  auto group = [](int32_t prompt, int32_t response, int n) {
+    std::vector<int32_t> lens{prompt}, parents{-1};
+    for (int i = 0; i < n; ++i) lens.push_back(response), parents.push_back(0);
+    return HostLayout(lens, parents);
+  };
+  const HostLayout full = group(3072, 768, 8), short_ones = group(384, 50, 8), plus_one = group(4096, 129, 8);
+  for (int d : {64, 128, 256}) {
+    for (int32_t window : {0, 128, 1024}) {
+      SCOPED_TRACE(std::to_string(d) + " window " + std::to_string(window));
+      const Inspected f = inspect_windowed(full, d, window, 132), s = inspect_windowed(short_ones, d, window, 132),
+                      o = inspect_windowed(plus_one, d, window, 132);
+      if (window == 0) {  // check_plan reads unwindowed plans (its walk lengths ignore a window)
+        check_plan(full, f, "full");
+        check_plan(short_ones, s, "short responses");
+        check_plan(plus_one, o, "a tile plus one");
+      }
+      EXPECT_EQ(f.info.plan_key & dualkv::kPlanRaggedTilesBit, 0u);
+      EXPECT_NE(s.info.plan_key & dualkv::kPlanRaggedTilesBit, 0u);
+      EXPECT_NE(o.info.plan_key & dualkv::kPlanRaggedTilesBit, 0u);
+    }
+  }
+}
+
 TEST(Plan, TooManySplitSlotsIsAnError) {
   constexpr int32_t kChildren = (1 << 20) + 16;  // more ranges than any key can count
   std::vector<int32_t> lens(kChildren + 1, 1), parents(kChildren + 1, 0);

@@ -308,6 +308,24 @@ def test_windowed_grpo_group(D, dtype, path, monkeypatch):
                  with_dlse=True, window=window, deterministic=bool(i % 2))
 
 
+RAGGED_TILES_BIT = 1 << 18  # src/plan_format.h kPlanRaggedTilesBit
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("D", modifier_head_dims())
+def test_windowed_full_tiles(D, path, monkeypatch):
+    """Full query tiles (segments of whole 128-row tiles): the plan's ragged-tiles bit is clear, so the
+    Hopper window kernels run one query head per item with a group of 4 (sm90/fwd_launch.cuh); the
+    ragged groups above run them packed."""
+    use_path(monkeypatch, path)
+    lens, parents = [384, 256, 128, 256], [-1, 0, 0, 0]
+    info, _ = _native.inspect_plan(dualkv.Layout.from_tree(lens, parents), D, 132, 128, _native.PLAN_TILES_SM90)
+    assert info.plan_key & RAGGED_TILES_BIT == 0
+    for i, window in enumerate((128, 100)):
+        run_case(lens, parents, 8, 2, D, torch.bfloat16, seed=90 + i, softcap=None, with_sinks=bool(i),
+                 window=window)
+
+
 def sm90_dq_dims():
     """Head dims of the Hopper dQ kernel (sm90/arch.h bwd_dq_kernel_built) with modifier kernels built,
     where the device runs the Hopper backward."""

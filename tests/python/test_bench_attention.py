@@ -7,6 +7,7 @@ import pathlib
 import sys
 
 import pytest
+import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "bench"))
 import attention  # noqa: E402
@@ -492,6 +493,25 @@ def test_fa4_modifier_arguments_are_probed(monkeypatch):
     assert attention.fa4_modifier_kwargs(old_fa4, attention.Mods(128)) == {"window_size": (127, 0)}
     with pytest.raises(peers.Unavailable, match="skipped: this FlashAttention-4's old_fa4 takes no learnable_sink"):
         attention.fa4_modifier_kwargs(old_fa4, attention.Mods(None, None, True))
+
+
+def test_fa4_dense_nopack_turns_pack_gqa_off(monkeypatch):
+    """fa4_dense_nopack is fa4_dense with pack_gqa=False passed to FA4 (its sm90 default packs a KV
+    head's query heads when H > Hk); fa4_dense passes none (FA4's default)."""
+    seen = []
+
+    def fake_dense(q, k, v, softmax_scale=None, causal=False, window_size=(None, None), softcap=0.0,
+                   pack_gqa=None):
+        seen.append(pack_gqa)
+        return q
+    monkeypatch.setattr(attention, "fa4", lambda: (fake_dense, fake_dense))
+    case = attention.Case.groups("c", [5], [[3, 3]])  # two sequences of 8: flash_attn_func on the batch
+    x = [torch.zeros(2, 8, 4, 64), torch.zeros(2, 8, 2, 64), torch.zeros(2, 8, 2, 64)]
+    for name, want in (("fa4_dense_nopack", False), ("fa4_dense", None)):
+        _, fwd, _, pairs, extras = attention.build_method(name, case, 4, 2, 64, None, {})
+        fwd(x)
+        assert seen.pop() is want and extras == {"call": "flash_attn_func"}
+        assert pairs == case.expanded_pairs
 
 
 def test_device_run_bench_mods_step():

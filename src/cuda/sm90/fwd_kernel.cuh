@@ -183,7 +183,8 @@ struct Sm90FwdParams {
 // 0.862-0.998 and D 64 0.858-0.975 on six layouts; at D 256 small groups 0.884 (0.877 with sinks), but
 // every form of the long-walk build lost 2-11% on long walks (§4, §6 there), and the window kernels,
 // which walk long plans too, took 1.02-1.03 packed and 1.09-1.16 with the packing code left in and one
-// head per item (§7).
+// head per item (§7). The D-64 / 128 window kernels pack only where the plan's query tiles are ragged
+// (the launcher: tile_size.h fwd_ragged_tiles; §8 there).
 template <int D, typename Mods, bool kPrefix, bool kLongWalks>
 constexpr bool fwd_packs_query_heads() {
   return D <= 128 || (!kLongWalks && fwd_has_long_walk_kernel<D, Mods, kPrefix>());
