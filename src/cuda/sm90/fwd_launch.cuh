@@ -40,7 +40,8 @@ cudaError_t run_fwd(const FwdArgs& args, int sms, cudaStream_t stream) {
   const bool long_walks = kHasLong && args.prefix_k == nullptr && args.long_kv_walks != 0;
   // Packed query heads (fwd_item_order.h fwd_item_rows): a KV head's G heads share an item's rows, in
   // the kernels that pack (fwd_packs_query_heads: at D 256 the short-walk builds only), and in the
-  // window kernels only where the plan's query tiles are ragged (tile_size.h fwd_ragged_tiles).
+  // window kernels only where the plan's query tiles are ragged (tile_size.h fwd_ragged_tiles; their
+  // unpacked build runs the other launches, below).
   const bool prefix = args.prefix_k != nullptr;
   const bool packs = (long_walks ? fwd_packs_query_heads<D, Mods, false, true>()
                       : prefix   ? fwd_packs_query_heads<D, Mods, true, false>()
@@ -85,6 +86,10 @@ cudaError_t run_fwd(const FwdArgs& args, int sms, cudaStream_t stream) {
   }
   if constexpr (kHasLong) {
     if (long_walks) return launch_fwd<fwd_sm90_kernel<T, D, Mods, false, true>, D, true, Mods::kWindow>(p, sms, stream);
+  }
+  if constexpr (fwd_has_unpacked_kernel<D, Mods, false>()) {
+    if (p.pack_shift == 0)
+      return launch_fwd<fwd_sm90_kernel<T, D, Mods, false, false, true>, D, false, Mods::kWindow>(p, sms, stream);
   }
   return launch_fwd<fwd_sm90_kernel<T, D, Mods, false, false>, D, false, Mods::kWindow>(p, sms, stream);
 }
