@@ -389,7 +389,13 @@ BENCHMARKS = {
                                         "5 rounds, A/A (.first.*: da90312, .second.*: 4e741a8 with its tests and memcheck, "
                                         ".threshold.log: the packed short-walk build on every plan); "
                                         "fwd_pack256_ncu_h100.{main,form3}.csv.xz: Nsight Compute's raw page of the D-256 "
-                                        "forward on N8 P16K R2K, main against e18ba3d",
+                                        "forward on N8 P16K R2K, main against e18ba3d; ab_fwd_pack_window.*: session 59's "
+                                        "window kernels (tools/ab_libraries.py against session 56's pre-packing main "
+                                        "211bdcb on an H100, forward kernel time, 5 rounds, A/A; .since_packing.*: main's "
+                                        "D-64 / 128 kernels, one head per item (h40_8, h32_32, h40_8_window) and packed "
+                                        "window kernels (gptoss, g4); .rule.*: 66ce1e3, packing only on ragged tiles, "
+                                        "with the forward / modifier GPU tests; .unpacked.*: eafe795, the window "
+                                        "kernels' unpacked build, with its tests and memcheck)",
     "ab_fwd_packed_heads_classes_d64": "the same at head dim 64",
     "ab_fwd_packed_heads_never_lose_d128": "bench/attention.py --head-dim 128 --classes long_responses --methods "
                                            "dualkv,dualkv_ab,fa4_dense --rounds 9 on an H100: packed query heads "
