@@ -767,12 +767,6 @@ TEST(Plan, BadArgumentsAreErrors) {
   EXPECT_EQ(len, 0);
 }
 
-}  // namespace
-
-// A windowed plan whose KV tile is seen by more query ranges than the plan key can count as split
-// slots (one per range: each child of the prompt is its own range, with its own distance bias) is
-// refused with a clear error; before, the planner doubled the split length until it overflowed
-// (SIGFPE).
 // The window kernels pack query heads only on ragged tiles (sm90/fwd_launch.cuh): a GRPO group of
 // whole tiles (3,072 and 768 rows: 64, 128 and 192 divide both) is full, with or without a window;
 // responses of 50 rows (under a window one per tile; without, 1-3 siblings share one) or of a tile
@@ -801,6 +795,12 @@ TEST(Plan, RaggedForwardTilesSetTheKeysRaggedBit) {
   }
 }
 
+}  // namespace
+
+// A windowed plan whose KV tile is seen by more query ranges than the plan key can count as split
+// slots (one per range: each child of the prompt is its own range, with its own distance bias) is
+// refused with a clear error; before, the planner doubled the split length until it overflowed
+// (SIGFPE).
 TEST(Plan, TooManySplitSlotsIsAnError) {
   constexpr int32_t kChildren = (1 << 20) + 16;  // more ranges than any key can count
   std::vector<int32_t> lens(kChildren + 1, 1), parents(kChildren + 1, 0);
