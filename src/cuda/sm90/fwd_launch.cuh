@@ -39,13 +39,13 @@ cudaError_t run_fwd(const FwdArgs& args, int sms, cudaStream_t stream) {
   constexpr bool kHasLong = fwd_has_long_walk_kernel<D, Mods, false>();
   const bool long_walks = kHasLong && args.prefix_k == nullptr && args.long_kv_walks != 0;
   // Packed query heads (fwd_item_order.h fwd_item_rows): a KV head's G heads share an item's rows, in
-  // the kernels that pack (fwd_packs_query_heads: at D 256 the short-walk builds only), and in the
-  // window kernels only where the plan's query tiles are ragged (tile_size.h fwd_ragged_tiles).
+  // the kernels that pack (fwd_packs_query_heads: at D 256 the short-walk builds only).
   const bool prefix = args.prefix_k != nullptr;
-  const bool packs = (long_walks ? fwd_packs_query_heads<D, Mods, false, true>()
-                      : prefix   ? fwd_packs_query_heads<D, Mods, true, false>()
-                                 : fwd_packs_query_heads<D, Mods, false, false>()) &&
-                     (!Mods::kWindow || args.ragged_tiles != 0);
+  const bool kernel_packs = long_walks ? fwd_packs_query_heads<D, Mods, false, true>()
+                            : prefix   ? fwd_packs_query_heads<D, Mods, true, false>()
+                                       : fwd_packs_query_heads<D, Mods, false, false>();
+  // The window kernels pack only where the plan's query tiles are ragged (tile_size.h fwd_ragged_tiles).
+  const bool packs = kernel_packs && (!Mods::kWindow || args.ragged_tiles != 0);
   p.pack_shift = packs ? choose_fwd_pack_shift(H, Hk) : 0;
   const int box_heads = 1 << p.pack_shift;
   const int kv_box_rows = long_walks ? Sm90FwdConfig<D, true, Mods::kWindow>::kBlockN : C::kBlockN;
