@@ -16,6 +16,7 @@ def main() -> int:
         ([130, 1, 64, 129], [-1, 0, 0, 0]),            # GRPO group, ragged tiles, 1-token response
         ([5, 70, 3, 1, 200], [-1, 0, 1, -1, 3]),        # depth 3 + a second tree
         ([1], [-1]),                                    # one token
+        ([256, 128, 128], [-1, 0, 0]),                  # whole 128-row tiles: the window kernels' unpacked build
     ]
     # D 64's, D 128's and D 256's forwards have a long-walk build (fwd_kernel.cuh fwd_has_long_walk_kernel,
     # tile_size.h fwd_long_kv_walks), which these small layouts do not run: the second pass makes

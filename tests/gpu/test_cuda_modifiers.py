@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import random
+import re
 
 import pytest
 import torch
@@ -313,17 +314,23 @@ RAGGED_TILES_BIT = 1 << 18  # src/plan_format.h kPlanRaggedTilesBit
 
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("D", modifier_head_dims())
-def test_windowed_full_tiles(D, path, monkeypatch):
-    """Full query tiles (segments of whole 128-row tiles): the plan's ragged-tiles bit is clear, so the
-    Hopper window kernels run one query head per item with a group of 4 (sm90/fwd_launch.cuh); the
-    ragged groups above run them packed."""
+@pytest.mark.parametrize("full", [True, False])
+def test_windowed_full_and_ragged_tiles(full, D, path, monkeypatch):
+    """Segments of whole 128-row tiles: the plan's ragged-tiles bit is clear, and the Hopper window
+    kernels run their unpacked build (kUnpacked, the kernel's last template argument) at D 64 / 128
+    with a group of 4 (sm90/fwd_launch.cuh); on ragged tiles they pack. Both against the reference."""
     use_path(monkeypatch, path)
-    lens, parents = [384, 256, 128, 256], [-1, 0, 0, 0]
+    lens, parents = ([384, 256, 128, 256], [-1, 0, 0, 0]) if full else ([301, 1, 17, 130], [-1, 0, 0, 0])
     info, _ = _native.inspect_plan(dualkv.Layout.from_tree(lens, parents), D, 132, 128, _native.PLAN_TILES_SM90)
-    assert info.plan_key & RAGGED_TILES_BIT == 0
-    for i, window in enumerate((128, 100)):
-        run_case(lens, parents, 8, 2, D, torch.bfloat16, seed=90 + i, softcap=None, with_sinks=bool(i),
-                 window=window)
+    assert (info.plan_key & RAGGED_TILES_BIT == 0) == full
+    names = cases.cuda_kernels_run(lambda: [
+        run_case(lens, parents, 8, 2, D, torch.bfloat16, seed=90 + i, softcap=None, with_sinks=bool(i), window=window)
+        for i, window in enumerate((128, 100))])
+    hopper = torch.cuda.get_device_capability() == (9, 0) and path == "default" and D in cases.arch_head_dims(
+        "sm90", "fwd")
+    if hopper:
+        unpacked = {m.group(1) == "true" for n in names if (m := re.search(r"fwd_sm90_kernel<.*, (true|false)>\(", n))}
+        assert unpacked == {full and D <= 128}, sorted(names)  # D 256's window kernels do not pack
 
 
 def sm90_dq_dims():

@@ -30,9 +30,10 @@ if torch.cuda.is_available():
 
 
 def long_walk_flags(names):
-    """kLongWalks of every sm90 forward kernel among the profiler's kernel names (its last template
-    argument: fwd_sm90_kernel<T, D, Mods, kPrefix, kLongWalks>)."""
-    return {m.group(1) == "true" for n in names if (m := re.search(r"fwd_sm90_kernel<.*, (true|false)>\(", n))}
+    """kLongWalks of every sm90 forward kernel among the profiler's kernel names (its fifth template
+    argument: fwd_sm90_kernel<T, D, Mods, kPrefix, kLongWalks, kUnpacked>)."""
+    return {m.group(1) == "true" for n in names
+            if (m := re.search(r"fwd_sm90_kernel<.*, (true|false), (true|false)>\(", n))}
 
 
 def check(lens, parents, H, Hk, D, dtype, seed, strided=False, long_build=None):

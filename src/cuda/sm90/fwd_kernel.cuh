@@ -184,10 +184,19 @@ struct Sm90FwdParams {
 // every form of the long-walk build lost 2-11% on long walks (§4, §6 there), and the window kernels,
 // which walk long plans too, took 1.02-1.03 packed and 1.09-1.16 with the packing code left in and one
 // head per item (§7). The D-64 / 128 window kernels pack only where the plan's query tiles are ragged
-// (the launcher: tile_size.h fwd_ragged_tiles; §8 there).
+// (tile_size.h fwd_ragged_tiles); elsewhere their unpacked build runs (below; §8 there).
 template <int D, typename Mods, bool kPrefix, bool kLongWalks>
 constexpr bool fwd_packs_query_heads() {
   return D <= 128 || (!kLongWalks && fwd_has_long_walk_kernel<D, Mods, kPrefix>());
+}
+// The kernels with an unpacked build (the kernel's kUnpacked: no packing code, one query head per
+// item): the window kernels that pack. Their launches on full tiles or with a group that does not
+// pack run it: measured 2026-12-07 (one H100, 5 rounds, A/A beside; the note §8), the packed D-64
+// window + sinks kernel with pack_shift 0 took 1.017 / 1.020 of the pre-packing kernel's time on long
+// responses / N8 P16K R2K (gpt-oss's sliding layers on full tiles).
+template <int D, typename Mods, bool kPrefix>
+constexpr bool fwd_has_unpacked_kernel() {
+  return Mods::kWindow && !kPrefix && fwd_packs_query_heads<D, Mods, kPrefix, false>();
 }
 template <bool kPacks, int D>
 __device__ __forceinline__ int32_t fwd_pack_shift(const Sm90FwdParams<D>& p) {
@@ -383,15 +392,19 @@ inline bool rows_allow_stg128(const void* base, int64_t token_stride, int64_t he
 // only. The default instantiation is the kernel as it was before either.
 // kLongWalks: the build for plans of long KV walks (fwd_has_long_walk_kernel says which kernels
 // have one: 160-row KV tiles, or every tile computed instead of skipping the hidden ones).
-template <typename T, int D, typename Mods = NoModifiers, bool kPrefix = false, bool kLongWalks = false>
+// kUnpacked: the build without packed query heads (fwd_has_unpacked_kernel says which kernels have one).
+template <typename T, int D, typename Mods = NoModifiers, bool kPrefix = false, bool kLongWalks = false,
+          bool kUnpacked = false>
 __global__ void __launch_bounds__(Sm90FwdConfig<D, false, Mods::kWindow>::kThreads, 1)
 fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
   static_assert(!kLongWalks || fwd_has_long_walk_kernel<D, Mods, kPrefix>(),
                 "sm90 forward: no long-walk build of this kernel");
+  static_assert(!kUnpacked || fwd_has_unpacked_kernel<D, Mods, kPrefix>(),
+                "sm90 forward: no unpacked build of this kernel");
   using C = Sm90FwdConfig<D, kLongWalks, Mods::kWindow>;
   constexpr int BN = C::kBlockN, S = C::kStages;
   // Packed query heads (fwd_item_order.h fwd_item_rows): whether this kernel reads the params' pack_shift.
-  constexpr bool kPacks = fwd_packs_query_heads<D, Mods, kPrefix, kLongWalks>();
+  constexpr bool kPacks = !kUnpacked && fwd_packs_query_heads<D, Mods, kPrefix, kLongWalks>();
   // D 256, and the short-walk builds of D 64 / 128: the producer loads each tile's K before the
   // previous tile's V (FA3 / FA4's producer order), so that K_{j+1}'s load waits only for K_{j-1}'s
   // release (both warpgroups' S_{j-1} retired) instead of also for V_{j-2}'s (their P V_{j-2}, a

@@ -44,7 +44,8 @@ cudaError_t run_fwd(const FwdArgs& args, int sms, cudaStream_t stream) {
   const bool kernel_packs = long_walks ? fwd_packs_query_heads<D, Mods, false, true>()
                             : prefix   ? fwd_packs_query_heads<D, Mods, true, false>()
                                        : fwd_packs_query_heads<D, Mods, false, false>();
-  // The window kernels pack only where the plan's query tiles are ragged (tile_size.h fwd_ragged_tiles).
+  // The window kernels pack only where the plan's query tiles are ragged (tile_size.h fwd_ragged_tiles);
+  // their unpacked build runs the other launches, below.
   const bool packs = kernel_packs && (!Mods::kWindow || args.ragged_tiles != 0);
   p.pack_shift = packs ? choose_fwd_pack_shift(H, Hk) : 0;
   const int box_heads = 1 << p.pack_shift;
@@ -85,6 +86,10 @@ cudaError_t run_fwd(const FwdArgs& args, int sms, cudaStream_t stream) {
   }
   if constexpr (kHasLong) {
     if (long_walks) return launch_fwd<fwd_sm90_kernel<T, D, Mods, false, true>, D, true, Mods::kWindow>(p, sms, stream);
+  }
+  if constexpr (fwd_has_unpacked_kernel<D, Mods, false>()) {
+    if (p.pack_shift == 0)
+      return launch_fwd<fwd_sm90_kernel<T, D, Mods, false, false, true>, D, false, Mods::kWindow>(p, sms, stream);
   }
   return launch_fwd<fwd_sm90_kernel<T, D, Mods, false, false>, D, false, Mods::kWindow>(p, sms, stream);
 }
