@@ -171,10 +171,14 @@ BENCHMARKS = {
     "configs_h256": "the same at head dim 256 on the H200 (dqbox 3593a07's library = faf0a45's kernels, 6465d89 "
                     "declared; issue 23, session 43; the H100 run: configs_h256_h100)",
     "never_lose_d128_h100": "bench/attention.py --head-dim 128 --classes long_responses --methods dualkv,fa4_dense "
-                            "--rounds 9 on an H100, main b961b4f's kernels (the library of cfcd18c), FA4 4.0.0b36 "
-                            "(issue 23, session 57); .log: its tables",
-    "never_lose_d64_h100": "the same at head dim 64 (session 57)",
-    "never_lose_d256_h100": "the same at head dim 256 (session 57). Beside it from earlier runs: .session47.log, session 47's run "
+                            "--rounds 7 on an H100, branch winpack-unpacked 9a5cc6d's library (its D-128 kernels "
+                            "without a window are main 4dec10c's), FA4 4.0.0b36 (issue 23, session 60; session 57's "
+                            "run with --rounds 9 in git history); .log: its table",
+    "never_lose_d64_h100": "the same at head dim 64 (session 60)",
+    "rate_bar_d128_h100": "bench/attention.py --head-dim 128 --configs 8,16384,2048 --no-varlen --methods "
+                          "dualkv,fa4_dense,flex_fa4 --rounds 5 on an H100: the rate bar's layout (issue 23, session "
+                          "60; the same library as never_lose_d128_h100); .log: its table",
+    "never_lose_d256_h100": "the same at head dim 256 (session 60). Beside it from earlier runs: .session47.log, session 47's run "
                             "(--methods dualkv,dualkv_det,fa4_dense --rounds 5 --profile --sustain 4, main cd65162's "
                             "D-256 library: per-kernel profiles of both dQ modes and sustained rates with clocks); "
                             ".ncu_units_bwd.txt: both backward main kernels' units per useful FLOP on the same layout "
@@ -394,7 +398,9 @@ BENCHMARKS = {
                                         "211bdcb on an H100, forward kernel time, 5 rounds, A/A; .since_packing.*: main's "
                                         "D-64 / 128 kernels, one head per item (h40_8, h32_32, h40_8_window) and packed "
                                         "window kernels (gptoss, g4); .rule.*: 66ce1e3, packing only on ragged tiles, "
-                                        "with the forward / modifier GPU tests, merged)",
+                                        "with the forward / modifier GPU tests, merged; .unpacked.*: session 60's winpack-unpacked 9a5cc6d, the window "
+                                        "kernels' unpacked build, with the forward / modifier / prefix GPU tests and memcheck, "
+                                        "merged)",
     "ab_fwd_packed_heads_classes_d64": "the same at head dim 64",
     "ab_fwd_packed_heads_never_lose_d128": "bench/attention.py --head-dim 128 --classes long_responses --methods "
                                            "dualkv,dualkv_ab,fa4_dense --rounds 9 on an H100: packed query heads "
