@@ -400,7 +400,9 @@ BENCHMARKS = {
                                         "window kernels (gptoss, g4); .rule.*: 66ce1e3, packing only on ragged tiles, "
                                         "with the forward / modifier GPU tests, merged; .unpacked.*: session 60's winpack-unpacked 9a5cc6d, the window "
                                         "kernels' unpacked build, with the forward / modifier / prefix GPU tests and memcheck, "
-                                        "merged)",
+                                        "merged); ab_fwd_walk_to_rows.*: session 60's branch walkrows against main 4dec10c "
+                                        "on an H100, forward kernel time, 5 rounds, A/A (.first.*: cbe83c2, with the bitwise "
+                                        "check, the forward GPU tests and memcheck; not merged)",
     "ab_fwd_packed_heads_classes_d64": "the same at head dim 64",
     "ab_fwd_packed_heads_never_lose_d128": "bench/attention.py --head-dim 128 --classes long_responses --methods "
                                            "dualkv,dualkv_ab,fa4_dense --rounds 9 on an H100: packed query heads "
