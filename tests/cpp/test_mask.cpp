@@ -348,6 +348,90 @@ TEST(Mask, ForwardTilesOfThePlanIncludingSiblingLeaves) {
   EXPECT_GT(sibling_tiles, 50);  // the check saw many tiles of siblings
 }
 
+// The sm90 forward's long-walk builds (kWalkToRows): each warpgroup walks its tile's KV ranges only
+// up to its own last row (KvWalk::init at that row + 1), then KvWalk::resume gives the rest of the
+// tile's walk, which the warpgroup drains while the producer loads it. Checked for warpgroups of W
+// rows of a tile [q0, q1) (64, and 32 / 16 tokens as with 2 / 4 packed query heads): the walk to
+// the warpgroup's rows and its resumed rest are the tile's walk, tile for tile; the truncated walk,
+// masked as the kernel masks it (its last tile's keys past the rows hidden by rest()), shows each
+// row of the warpgroup exactly the keys the rule makes visible; no resumed tile shows any of them
+// one.
+template <int BN>
+void check_walk_to_rows(const HostLayout& l, int32_t s, int32_t q0, int32_t q1, int32_t W) {
+  const dualkv_layout v = l.view();
+  const dualkv::ForestView f = dualkv::make_forest_view(v);
+  const int32_t* off = l.offsets.data();
+  const int32_t* par = l.parent.data();
+  struct Tile {
+    int32_t cur, pos;
+    bool own;
+    bool operator==(const Tile& o) const { return cur == o.cur && pos == o.pos && own == o.own; }
+  };
+  std::vector<Tile> whole;
+  dualkv::KvWalk<BN> walk;
+  walk.init(off, par, s, q1);
+  do whole.push_back({walk.cur, walk.pos, walk.own});
+  while (walk.next(off, par));
+  for (int32_t first = q0; first < q1; first += W) {
+    const int32_t end = std::min(q1, first + W);
+    SCOPED_TRACE("rows " + std::to_string(first) + ".." + std::to_string(end));
+    std::vector<Tile> tiles;
+    std::vector<std::vector<char>> seen(end - first, std::vector<char>(l.num_tokens(), 0));
+    dualkv::KvWalk<BN> mine;
+    mine.init(off, par, s, end);
+    do {
+      tiles.push_back({mine.cur, mine.pos, mine.own});
+      for (int32_t q = first; q < end; ++q)
+        for (int32_t col = 0; col < BN; ++col)
+          if (!SegmentMask::fwd_hidden(mine.pos, mine.rest(), mine.own, col, q)) ++seen[q - first][mine.pos + col];
+    } while (mine.next(off, par));
+    const size_t walked = tiles.size();
+    if (mine.resume(off, q1)) {
+      do {
+        tiles.push_back({mine.cur, mine.pos, mine.own});
+        for (int32_t q = first; q < end; ++q)
+          for (int32_t col = 0; col < BN; ++col)
+            ASSERT_TRUE(SegmentMask::fwd_hidden(mine.pos, mine.rest(), mine.own, col, q))
+                << "a resumed tile shows row " << q << " key " << mine.pos + col;
+      } while (mine.next(off, par));
+    }
+    ASSERT_EQ(tiles.size(), whole.size()) << walked << " walked";
+    for (size_t i = 0; i < tiles.size(); ++i) ASSERT_TRUE(tiles[i] == whole[i]) << "tile " << i;
+    for (int32_t q = first; q < end; ++q) {
+      const int32_t qs = f.segment_of(q);
+      for (int32_t k = 0; k < l.num_tokens(); ++k)
+        ASSERT_EQ(seen[q - first][k], SegmentMask::visible(f, qs, q, f.segment_of(k), k) ? 1 : 0)
+            << "q " << q << " k " << k;
+    }
+  }
+}
+
+TEST(Mask, WalkToAWarpgroupsRowsThenResumeIsTheTilesWalk) {
+  std::mt19937 rng(6000);
+  int sibling_tiles = 0, resumed = 0;
+  for (int trial = 0; trial < 12; ++trial) {
+    std::vector<int32_t> lens, parents;
+    random_forest(rng, 1 + trial % 3, 1 + trial % 3, 6, trial % 2 ? 40 : 300, &lens, &parents);
+    HostLayout l(lens, parents);
+    SCOPED_TRACE("trial " + std::to_string(trial));
+    const dualkv::testing::Inspected r = dualkv::testing::inspect(l, 128, 132);
+    ASSERT_FALSE(r.plan.empty());
+    const int32_t* fwd = r.plan.data() + r.plan[dualkv::kHdrFwdOffset];
+    for (int i = 0; i < r.info.num_fwd_tiles; ++i) {
+      const int32_t* it = fwd + i * dualkv::kFwdItemInts;
+      sibling_tiles += SegmentMask::fwd_packs_siblings(l.offsets.data(), it[0], it[2]);
+      resumed += it[2] - it[1] > 64;
+      for (int32_t w : {64, 32, 16}) {
+        check_walk_to_rows<80>(l, it[0], it[1], it[2], w);
+        check_walk_to_rows<160>(l, it[0], it[1], it[2], w);
+        check_walk_to_rows<16>(l, it[0], it[1], it[2], w);
+      }
+    }
+  }
+  EXPECT_GT(sibling_tiles, 10);  // the check saw tiles of siblings
+  EXPECT_GT(resumed, 20);        // and tiles wider than a warpgroup
+}
+
 // The sm90 D-128 forward walks 160-row KV tiles against 128-row query tiles (issue 23,
 // docs/notes/2026-12-02-fwd-long-layouts.md): KV tiles 1.25 times as wide as the query tiles, so a
 // query tile's diagonal may span two KV tiles. The same check at that ratio (16 x 20), and at the
