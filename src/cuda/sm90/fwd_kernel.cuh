@@ -424,6 +424,12 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
   // seven short-walk layouts; in the long-walk builds (N8 P16K, N8 P2K R8K) 1.000-1.027 over two
   // runs, within this size's run-to-run spread, so they keep the old order.
   constexpr bool kKAhead = D == 256 || !kLongWalks;
+  // The short-walk builds' producer decodes each item and hands over its tile's plan index and its
+  // head (Sm90Barriers::items), so their consumers keep no plan value live and skip the decode's
+  // divisions (small groups KKK). The long-walk builds keep main's hand-over: with it ptxas
+  // scheduled the D-256 kernel's O rescale after the V wait instead of under QK^T (N8 P16K R2K
+  // 1.04; D 64 1.09 there).
+  constexpr bool kDecodedItems = !kLongWalks;
 
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   const uint32_t pad = (1024u - (smem_u32(smem_raw) & 1023u)) & 1023u;
@@ -499,11 +505,18 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
       const int32_t item = atomicAdd(a.counter, 1);
       int32_t tile = -1;  // past the last item
       int h = 0;
-      if (item < n_items) decode_fwd_item(item, n_tiles, H, window, p.head_run, tile, h);
-      B.items[slot] = tile < 0 ? -1 : static_cast<int32_t>(items - plan) + tile * kFwdItemInts;
-      B.items[2 + slot] = h;
-      mbar_arrive(&B.item_full[slot]);
-      if (tile < 0) break;
+      if constexpr (kDecodedItems) {
+        if (item < n_items) decode_fwd_item(item, n_tiles, H, window, p.head_run, tile, h);
+        B.items[slot] = tile < 0 ? -1 : static_cast<int32_t>(items - plan) + tile * kFwdItemInts;
+        B.items[2 + slot] = h;
+        mbar_arrive(&B.item_full[slot]);
+        if (tile < 0) break;
+      } else {
+        B.items[slot] = item;
+        mbar_arrive(&B.item_full[slot]);
+        if (item >= n_items) break;
+        decode_fwd_item(item, n_tiles, H, window, p.head_run, tile, h);
+      }
       // The item's rows (packed query heads: a sub-range of the tile's tokens for G heads), as the
       // consumers take them; an empty sub-range (past a ragged tile's end) is no work for anyone.
       const FwdItemRows rows =
@@ -730,15 +743,24 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
   for (uint32_t n = 0;; ++n) {
     const uint32_t slot = n & 1, ph = (n >> 1) & 1;
     mbar_wait(&B.item_full[slot], ph);
-    const int32_t at = B.items[slot];
-    const int h = B.items[2 + slot];
+    const int32_t slot_item = B.items[slot];  // kDecodedItems: the plan index of its tile's ints
+    int h = kDecodedItems ? B.items[2 + slot] : 0;
     __syncwarp();
     if (kPerThreadRelease || lane == 0) mbar_arrive(&B.item_empty[slot]);
-    if (at < 0) break;
+    const int32_t* tile_ints;
+    if constexpr (kDecodedItems) {
+      if (slot_item < 0) break;
+      tile_ints = a.plan + slot_item;
+    } else {
+      if (slot_item >= n_items) break;
+      int32_t tile;
+      decode_fwd_item(slot_item, n_tiles, H, window, p.head_run, tile, h);
+      tile_ints = items + tile * kFwdItemInts;
+    }
     // The item's rows (fwd_item_rows: with packed query heads (fwd_pack_shift(p)) a sub-range of the
     // tile's tokens, row t G + i of it token q0 + t and head head0 + i; else the tile of head h).
     const FwdItemRows rows =
-        fwd_item_rows(a.plan[at + 0], a.plan[at + 1], a.plan[at + 2], L.offsets, h, fwd_pack_shift<kPacks>(p), C::kBlockM);
+        fwd_item_rows(tile_ints[0], tile_ints[1], tile_ints[2], L.offsets, h, fwd_pack_shift<kPacks>(p), C::kBlockM);
     if (kPacks && rows.q0 >= rows.q1) continue;  // the producer skips it too
     const int32_t seg = rows.seg, q0 = rows.q0, q1 = rows.q1, q_diag = rows.q_diag;
     // Query token of rows r = 0 (qi0) and r = 1 (qi0 + fwd_row_step(p)): fragment rows g and g + 8.
