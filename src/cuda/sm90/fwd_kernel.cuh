@@ -752,10 +752,15 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
       if (slot_item < 0) break;
       tile_ints = a.plan + slot_item;
     } else {
-      if (slot_item >= n_items) break;
+      // The plan's header read again per item (z: a zero the compiler cannot hoist the loads by):
+      // kept from the kernel's start, these values and the items' base were ptxas's 20 bytes of
+      // spill in the D-256 long-walk kernel once kWalkToRows's drain was in it.
+      const uint32_t z = opaque_zero();
+      const int32_t nt = __ldg(plan + (kHdrNumFwd | z)), off = __ldg(plan + (kHdrFwdOffset | z));
+      if (slot_item >= nt * H) break;
       int32_t tile;
-      decode_fwd_item(slot_item, n_tiles, H, window, p.head_run, tile, h);
-      tile_ints = items + tile * kFwdItemInts;
+      decode_fwd_item(slot_item, nt, H, clamp_fwd_window(p.tile_window, nt), p.head_run, tile, h);
+      tile_ints = plan + off + tile * kFwdItemInts;
     }
     // The item's rows (fwd_item_rows: with packed query heads (fwd_pack_shift(p)) a sub-range of the
     // tile's tokens, row t G + i of it token q0 + t and head head0 + i; else the tile of head h).
