@@ -394,7 +394,9 @@ BENCHMARKS = {
                                         "211bdcb on an H100, forward kernel time, 5 rounds, A/A; .since_packing.*: main's "
                                         "D-64 / 128 kernels, one head per item (h40_8, h32_32, h40_8_window) and packed "
                                         "window kernels (gptoss, g4); .rule.*: 66ce1e3, packing only on ragged tiles, "
-                                        "with the forward / modifier GPU tests, merged)",
+                                        "with the forward / modifier GPU tests, merged); ab_fwd_walk_to_rows.*: session 60's branch walkrows against main "
+                                        "4dec10c on an H100, forward kernel time, 5 rounds, A/A (.first.*: cbe83c2 with the "
+                                        "bitwise check, the forward GPU tests and memcheck)",
     "ab_fwd_packed_heads_classes_d64": "the same at head dim 64",
     "ab_fwd_packed_heads_never_lose_d128": "bench/attention.py --head-dim 128 --classes long_responses --methods "
                                            "dualkv,dualkv_ab,fa4_dense --rounds 9 on an H100: packed query heads "
