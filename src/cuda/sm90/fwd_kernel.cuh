@@ -230,11 +230,9 @@ struct Sm90Barriers {
   uint64_t* q_empty;  // [kQBuffers]: every consumer warp done reading Q buffer b
   uint64_t* item_full;
   uint64_t* item_empty;
-  // The 2-slot ring's items, decoded by the producer: slot i holds items[i], the plan index of the
-  // item's tile (its kFwdItemInts ints; -1 after the last item), and items[2 + i], its head. The
-  // consumers then keep no kernel-wide value of the plan live (n_tiles, the window, the items'
-  // base): at 232 registers the D-256 long-walk kernel spilled five of them (20 bytes, reloaded per
-  // item) once kWalkToRows's drain was in it.
+  // The 2-slot ring's items. Slot i holds items[i]: with kDecodedItems (the producer decodes) the plan
+  // index of the item's tile (its kFwdItemInts ints; -1 after the last item) and items[2 + i] its
+  // head, so the consumers keep no kernel-wide value of the plan live; else the item's index.
   int32_t* items;
 };
 
@@ -426,9 +424,9 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
   constexpr bool kKAhead = D == 256 || !kLongWalks;
   // The short-walk builds' producer decodes each item and hands over its tile's plan index and its
   // head (Sm90Barriers::items), so their consumers keep no plan value live and skip the decode's
-  // divisions (small groups KKK). The long-walk builds keep main's hand-over: with it ptxas
-  // scheduled the D-256 kernel's O rescale after the V wait instead of under QK^T (N8 P16K R2K
-  // 1.04; D 64 1.09 there).
+  // divisions (small groups 0.978-0.982 at D 64 / 128 in the first form). The long-walk builds keep
+  // the item index in the slot: decoded there, ptxas issued the D-256 kernel's O rescale after the V
+  // wait instead of under QK^T (N8 P16K R2K 1.04; D 64 1.09; docs/notes/2026-12-07-fwd-walk-to-rows.md).
   constexpr bool kDecodedItems = !kLongWalks;
 
   extern __shared__ __align__(1024) uint8_t smem_raw[];
