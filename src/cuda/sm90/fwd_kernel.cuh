@@ -784,7 +784,7 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
     // the D-256 long-walk kernel's wgmma descriptors left the uniform registers (+39 R2UR, 463 ->
     // 539 instructions per steady tile) and ptxas spilled 20 bytes.
     constexpr bool kSkipHidden = fwd_skips_hidden_tiles<D, Mods, kPrefix>() && !kLongWalks;
-    constexpr bool kWalkToRows = kLongWalks;
+    constexpr bool kWalkToRows = false;
     const int32_t wg_first = q0 + ((cw * 64) >> fwd_pack_shift<kPacks>(p));
     const int32_t wg_last = min(q1, wg_first + (64 >> fwd_pack_shift<kPacks>(p))) - 1;
     const bool live = !(kSkipHidden || kWalkToRows) || wg_first < q1;
