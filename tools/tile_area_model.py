@@ -14,6 +14,10 @@ of the unpacked rows, on the layout classes (bench/layout_classes.py). No librar
 - Packed query heads (--pack G for dualkv, --dense-pack G for the dense kernel; FA4's forward packs
   its heads by default: pack_gqa, G = H / Hk): a --bm-row tile holds --bm / G tokens of the G query
   heads of one KV head, so the walks above run per --bm / G tokens.
+- Walk-to-rows (--walk-to-rows; the Hopper forward's long-walk builds, docs/notes/
+  2026-12-07-fwd-walk-to-rows.md): each 64-row warpgroup of a query tile walks only up to its own
+  last row, so the causal diagonal costs a warpgroup's rows rather than a tile's; counted in
+  warpgroup-tiles (packed_tiles' wg).
 - Printed per class and --bn: tiles, computed area / useful pairs for both, and their ratio
   (dualkv's area per useful pair over dense's: above 1, dualkv computes more masked area per
   useful FLOP than the dense kernel; a per-tile rate equal to dense's then loses that much).
@@ -51,8 +55,12 @@ def tile_pairs(q0: int, q1: int) -> int:
     return (q1 * (q1 + 1) - q0 * (q0 + 1)) // 2
 
 
-def packed_tiles(lens, parents, bm: int, bn: int):
-    """(KV tiles, useful pairs) of dualkv's walks over the forest (lens, parents)."""
+def packed_tiles(lens, parents, bm: int, bn: int, wg: int = 0):
+    """(KV tiles, useful pairs) of dualkv's walks over the forest (lens, parents).
+
+    wg > 0 counts warpgroup-tiles instead, for query tiles of bm / wg warpgroups of wg rows each
+    walking to its own last row (the Hopper forward's walk-to-rows; a warpgroup past a ragged
+    tile's end walks nothing). Each tile's whole walk times bm / wg is the count without it."""
     tiles = pairs = 0
     for s, length in enumerate(lens):
         ancestors, p = [], parents[s]
@@ -62,7 +70,10 @@ def packed_tiles(lens, parents, bm: int, bn: int):
         prefix_tiles = sum(ceil_div(a, bn) for a in ancestors)
         for q0 in range(0, length, bm):
             q1 = min(q0 + bm, length)
-            tiles += prefix_tiles + ceil_div(q1, bn)
+            if wg:
+                tiles += sum(prefix_tiles + ceil_div(min(w + wg, q1), bn) for w in range(q0, q1, wg))
+            else:
+                tiles += prefix_tiles + ceil_div(q1, bn)
             pairs += (q1 - q0) * sum(ancestors) + tile_pairs(q0, q1)
     return tiles, pairs
 
@@ -85,8 +96,11 @@ def main():
     ap.add_argument("--bn", default="64,80,128,160", help="KV rows per tile, comma-separated")
     ap.add_argument("--pack", type=int, default=1, help="dualkv's query heads per tile (G; --bm / G tokens)")
     ap.add_argument("--dense-pack", type=int, default=1, help="the dense kernel's query heads per tile (FA4: H / Hk)")
+    ap.add_argument("--walk-to-rows", action="store_true",
+                    help="also count dualkv's warpgroup-tiles with each 64-row warpgroup walking to its own last row")
     args = ap.parse_args()
     tq, tqd = args.bm // args.pack, args.bm // args.dense_pack  # tokens per tile
+    wgs = args.bm // 64  # warpgroups per tile
     for name in args.classes.split(","):
         lens, parents = layout_class(name)
         rows = root_paths(lens, parents)
@@ -94,8 +108,14 @@ def main():
             t, p = packed_tiles(lens, parents, tq, bn)
             td, pd = dense_tiles(rows, tqd, bn)
             area, area_dense = t * tq * bn / p, td * tqd * bn / pd
-            print(f"{name:15s} {args.bm} x {bn:3d}: dualkv {t:7d} tiles, area/useful {area:.3f} | dense {td:7d} "
-                  f"tiles, {area_dense:.3f} | dualkv / dense {area / area_dense:.3f}")
+            line = (f"{name:15s} {args.bm} x {bn:3d}: dualkv {t:7d} tiles, area/useful {area:.3f} | dense {td:7d} "
+                    f"tiles, {area_dense:.3f} | dualkv / dense {area / area_dense:.3f}")
+            if args.walk_to_rows:  # warpgroup-tiles: t * wgs without walk-to-rows
+                tw, _ = packed_tiles(lens, parents, tq, bn, wg=tq // wgs)
+                area_rows = tw * (tq // wgs) * bn / p
+                line += (f" | walk-to-rows: {tw / (t * wgs):.3f} of the tiles' walks, area/useful {area_rows:.3f}, "
+                         f"/ dense {area_rows / area_dense:.3f}")
+            print(line)
 
 
 if __name__ == "__main__":

@@ -49,3 +49,15 @@ def test_packed_heads_tile_counts_match_the_kernels_wgmmas():
     fa4, _ = tam.dense_tiles(tam.root_paths(lens, parents), 128 // 4, 80)
     assert ours * 32 * 2 == 1_789_568
     assert fa4 * 8 * 2 == 1_701_952
+
+
+def test_walk_to_rows_counts_each_warpgroup_to_its_own_last_row():
+    # one 128-row tile of a 128-token segment in 64-key tiles: without walk-to-rows both warpgroups
+    # walk both KV tiles (4 warpgroup-tiles); with it the first stops after one (3)
+    assert tam.packed_tiles([128], [-1], 128, 64) == (2, 128 * 129 // 2)
+    assert tam.packed_tiles([128], [-1], 128, 64, wg=64) == (3, 128 * 129 // 2)
+    # a ragged tile: a warpgroup past the segment's end walks nothing; each walks the prompt whole
+    assert tam.packed_tiles([100, 50], [-1, 0], 128, 64, wg=64)[0] == (1 + 2) + (2 + 1)
+    # one warpgroup per tile is the tile's walk
+    lens, parents = tam.layout_class("tree")
+    assert tam.packed_tiles(lens, parents, 128, 80, wg=128) == tam.packed_tiles(lens, parents, 128, 80)
