@@ -430,6 +430,9 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
   // scheduled the D-256 kernel's O rescale after the V wait instead of under QK^T (N8 P16K R2K
   // 1.04; D 64 1.09 there).
   constexpr bool kDecodedItems = !kLongWalks;
+  // Walk-to-rows (below, at the walk's start) in the long-walk builds at D 128 and 256. Not D 64:
+  // its long-walk loop grew from 690 to 697 instructions with it (R2UR +7).
+  constexpr bool kWalkToRows = kLongWalks && D != 64;
 
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   const uint32_t pad = (1024u - (smem_u32(smem_raw) & 1023u)) & 1023u;
@@ -751,6 +754,11 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
     if constexpr (kDecodedItems) {
       if (slot_item < 0) break;
       tile_ints = a.plan + slot_item;
+    } else if constexpr (!kWalkToRows) {
+      if (slot_item >= n_items) break;
+      int32_t tile;
+      decode_fwd_item(slot_item, n_tiles, H, window, p.head_run, tile, h);
+      tile_ints = items + tile * kFwdItemInts;
     } else {
       // The plan's header read again per item (z: a zero the compiler cannot hoist the loads by):
       // kept from the kernel's start, these values and the items' base were ptxas's 20 bytes of
@@ -789,7 +797,6 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
     // the D-256 long-walk kernel's wgmma descriptors left the uniform registers (+39 R2UR, 463 ->
     // 539 instructions per steady tile) and ptxas spilled 20 bytes.
     constexpr bool kSkipHidden = fwd_skips_hidden_tiles<D, Mods, kPrefix>() && !kLongWalks;
-    constexpr bool kWalkToRows = kLongWalks;
     const int32_t wg_first = q0 + ((cw * 64) >> fwd_pack_shift<kPacks>(p));
     const int32_t wg_last = min(q1, wg_first + (64 >> fwd_pack_shift<kPacks>(p))) - 1;
     const bool live = !(kSkipHidden || kWalkToRows) || wg_first < q1;
