@@ -17,7 +17,8 @@ of the unpacked rows, on the layout classes (bench/layout_classes.py). No librar
 - Walk-to-rows (--walk-to-rows; the Hopper forward's long-walk builds, docs/notes/
   2026-12-07-fwd-walk-to-rows.md): each 64-row warpgroup of a query tile walks only up to its own
   last row, so the causal diagonal costs a warpgroup's rows rather than a tile's; counted in
-  warpgroup-tiles (packed_tiles' wg).
+  warpgroup-tiles (packed_tiles' wg). --ragged-keys K also charges each ancestor's ragged last KV
+  tile its keys rounded up to K only (a kernel that narrows its products there: not built).
 - Printed per class and --bn: tiles, computed area / useful pairs for both, and their ratio
   (dualkv's area per useful pair over dense's: above 1, dualkv computes more masked area per
   useful FLOP than the dense kernel; a per-tile rate equal to dense's then loses that much).
@@ -55,12 +56,14 @@ def tile_pairs(q0: int, q1: int) -> int:
     return (q1 * (q1 + 1) - q0 * (q0 + 1)) // 2
 
 
-def packed_tiles(lens, parents, bm: int, bn: int, wg: int = 0):
+def packed_tiles(lens, parents, bm: int, bn: int, wg: int = 0, ragged_keys: int = 0):
     """(KV tiles, useful pairs) of dualkv's walks over the forest (lens, parents).
 
     wg > 0 counts warpgroup-tiles instead, for query tiles of bm / wg warpgroups of wg rows each
     walking to its own last row (the Hopper forward's walk-to-rows; a warpgroup past a ragged
-    tile's end walks nothing). Each tile's whole walk times bm / wg is the count without it."""
+    tile's end walks nothing). Each tile's whole walk times bm / wg is the count without it.
+    ragged_keys > 0 charges an ancestor's ragged last tile only its keys rounded up to a multiple of
+    ragged_keys (a fraction of a tile: narrower products there)."""
     tiles = pairs = 0
     for s, length in enumerate(lens):
         ancestors, p = [], parents[s]
@@ -68,6 +71,8 @@ def packed_tiles(lens, parents, bm: int, bn: int, wg: int = 0):
             ancestors.append(lens[p])
             p = parents[p]
         prefix_tiles = sum(ceil_div(a, bn) for a in ancestors)
+        if ragged_keys:
+            prefix_tiles -= sum(1 - ceil_div(a % bn, ragged_keys) * ragged_keys / bn for a in ancestors if a % bn)
         for q0 in range(0, length, bm):
             q1 = min(q0 + bm, length)
             if wg:
@@ -98,6 +103,9 @@ def main():
     ap.add_argument("--dense-pack", type=int, default=1, help="the dense kernel's query heads per tile (FA4: H / Hk)")
     ap.add_argument("--walk-to-rows", action="store_true",
                     help="also count dualkv's warpgroup-tiles with each 64-row warpgroup walking to its own last row")
+    ap.add_argument("--ragged-keys", type=int, default=0,
+                    help="with --walk-to-rows: also charge each ancestor's ragged last KV tile only its keys rounded "
+                         "up to this multiple (16: one P V k-step)")
     args = ap.parse_args()
     tq, tqd = args.bm // args.pack, args.bm // args.dense_pack  # tokens per tile
     wgs = args.bm // 64  # warpgroups per tile
@@ -115,6 +123,9 @@ def main():
                 area_rows = tw * (tq // wgs) * bn / p
                 line += (f" | walk-to-rows: {tw / (t * wgs):.3f} of the tiles' walks, area/useful {area_rows:.3f}, "
                          f"/ dense {area_rows / area_dense:.3f}")
+                if args.ragged_keys:
+                    tr, _ = packed_tiles(lens, parents, tq, bn, wg=tq // wgs, ragged_keys=args.ragged_keys)
+                    line += f" | narrow ragged tiles: {tr / tw:.3f} of that, / dense {tr / tw * area_rows / area_dense:.3f}"
             print(line)
 
 

@@ -61,3 +61,12 @@ def test_walk_to_rows_counts_each_warpgroup_to_its_own_last_row():
     # one warpgroup per tile is the tile's walk
     lens, parents = tam.layout_class("tree")
     assert tam.packed_tiles(lens, parents, 128, 80, wg=128) == tam.packed_tiles(lens, parents, 128, 80)
+
+
+def test_narrow_ragged_tiles_charge_the_prompts_last_tile_its_keys():
+    # 256 = 3 x 80 + 16: each response warpgroup walks 3 whole prompt tiles and 16 / 80 of the 4th
+    lens, parents = [256, 128], [-1, 0]
+    prompt = 1 + 2 + 3 + 4  # the prompt's own four warpgroups, to their last rows
+    assert tam.packed_tiles(lens, parents, 128, 80, wg=64)[0] == prompt + 2 * 4 + (1 + 2)
+    narrow, _ = tam.packed_tiles(lens, parents, 128, 80, wg=64, ragged_keys=16)
+    assert abs(narrow - (prompt + 2 * 3.2 + (1 + 2))) < 1e-9
