@@ -107,6 +107,8 @@ def main():
                     help="with --walk-to-rows: also charge each ancestor's ragged last KV tile only its keys rounded "
                          "up to this multiple (16: one P V k-step)")
     args = ap.parse_args()
+    if args.ragged_keys and not args.walk_to_rows:
+        ap.error("--ragged-keys counts on top of --walk-to-rows: give both")
     tq, tqd = args.bm // args.pack, args.bm // args.dense_pack  # tokens per tile
     wgs = args.bm // 64  # warpgroups per tile
     for name in args.classes.split(","):
