@@ -56,6 +56,15 @@ def tile_pairs(q0: int, q1: int) -> int:
     return (q1 * (q1 + 1) - q0 * (q0 + 1)) // 2
 
 
+def ancestor_tiles(keys: int, bn: int, ragged_keys: int = 0):
+    """KV tiles of a walk over a whole ancestor of `keys` keys: its ragged last tile is one tile, or with
+    ragged_keys > 0 the fraction its keys take rounded up to a multiple of ragged_keys."""
+    whole, rest = divmod(keys, bn)
+    if not rest:
+        return whole
+    return whole + (ceil_div(rest, ragged_keys) * ragged_keys / bn if ragged_keys else 1)
+
+
 def packed_tiles(lens, parents, bm: int, bn: int, wg: int = 0, ragged_keys: int = 0):
     """(KV tiles, useful pairs) of dualkv's walks over the forest (lens, parents).
 
@@ -70,15 +79,11 @@ def packed_tiles(lens, parents, bm: int, bn: int, wg: int = 0, ragged_keys: int 
         while p >= 0:
             ancestors.append(lens[p])
             p = parents[p]
-        prefix_tiles = sum(ceil_div(a, bn) for a in ancestors)
-        if ragged_keys:
-            prefix_tiles -= sum(1 - ceil_div(a % bn, ragged_keys) * ragged_keys / bn for a in ancestors if a % bn)
+        prefix_tiles = sum(ancestor_tiles(a, bn, ragged_keys) for a in ancestors)
+        rows = wg or bm  # the rows of one walk
         for q0 in range(0, length, bm):
             q1 = min(q0 + bm, length)
-            if wg:
-                tiles += sum(prefix_tiles + ceil_div(min(w + wg, q1), bn) for w in range(q0, q1, wg))
-            else:
-                tiles += prefix_tiles + ceil_div(q1, bn)
+            tiles += sum(prefix_tiles + ceil_div(min(w + rows, q1), bn) for w in range(q0, q1, rows))
             pairs += (q1 - q0) * sum(ancestors) + tile_pairs(q0, q1)
     return tiles, pairs
 
