@@ -171,14 +171,14 @@ BENCHMARKS = {
     "configs_h256": "the same at head dim 256 on the H200 (dqbox 3593a07's library = faf0a45's kernels, 6465d89 "
                     "declared; issue 23, session 43; the H100 run: configs_h256_h100)",
     "never_lose_d128_h100": "bench/attention.py --head-dim 128 --classes long_responses --methods dualkv,fa4_dense "
-                            "--rounds 7 on an H100, branch winpack-unpacked 9a5cc6d's library (its D-128 kernels "
-                            "without a window are main 4dec10c's), FA4 4.0.0b36 (issue 23, session 60; session 57's "
-                            "run with --rounds 9 in git history); .log: its table",
-    "never_lose_d64_h100": "the same at head dim 64 (session 60)",
+                            "--rounds 9 on an H100, branch walkrows-d128 0b7412f's library (the forward merged into "
+                            "main this session), FA4 4.0.0b36 (issue 23, session 62; sessions 57 / 60 in git history); "
+                            ".log: its table",
+    "never_lose_d64_h100": "the same at head dim 64 (session 62)",
     "rate_bar_d128_h100": "bench/attention.py --head-dim 128 --configs 8,16384,2048 --no-varlen --methods "
                           "dualkv,fa4_dense,flex_fa4 --rounds 5 on an H100: the rate bar's layout (issue 23, session "
-                          "60; the same library as never_lose_d128_h100); .log: its table",
-    "never_lose_d256_h100": "the same at head dim 256 (session 60). Beside it from earlier runs: .session47.log, session 47's run "
+                          "62; the same library as never_lose_d128_h100); .log: its table",
+    "never_lose_d256_h100": "the same at head dim 256 (session 62). Beside it from earlier runs: .session47.log, session 47's run "
                             "(--methods dualkv,dualkv_det,fa4_dense --rounds 5 --profile --sustain 4, main cd65162's "
                             "D-256 library: per-kernel profiles of both dQ modes and sustained rates with clocks); "
                             ".ncu_units_bwd.txt: both backward main kernels' units per useful FLOP on the same layout "
@@ -402,7 +402,10 @@ BENCHMARKS = {
                                         "kernels' unpacked build, with the forward / modifier / prefix GPU tests and memcheck, "
                                         "merged); ab_fwd_walk_to_rows.*: session 60's branch walkrows against main 4dec10c "
                                         "on an H100, forward kernel time, 5 rounds, A/A (.first.*: cbe83c2, with the bitwise "
-                                        "check, the forward GPU tests and memcheck; not merged)",
+                                        "check, the forward GPU tests and memcheck; not merged. .pair.*: session 62's run of "
+                                        "hand 41fdefa and rows 8374add against main 4dec10c's library, the same steps; "
+                                        "walkrows-d128 0b7412f, whose kernels are hand's at D 64 and rows's at D 128 / 256, "
+                                        "merged)",
     "ab_fwd_packed_heads_classes_d64": "the same at head dim 64",
     "ab_fwd_packed_heads_never_lose_d128": "bench/attention.py --head-dim 128 --classes long_responses --methods "
                                            "dualkv,dualkv_ab,fa4_dense --rounds 9 on an H100: packed query heads "

@@ -139,6 +139,17 @@ struct KvWalk {
     }
     return true;
   }
+  // After next() returned false on a walk init'ed up to e (a warpgroup's last row + 1, e < q1: the
+  // sm90 forward's long-walk builds stop each warpgroup at its rows), the rest of the walk up to
+  // q1: the tiles the walk init'ed up to q1 has after the last one walked (the same positions; the
+  // last one walked may hold more keys in that walk). False if there are none.
+  DUALKV_HOST_DEVICE bool resume(const int32_t* offsets, int32_t q1) {
+    own_end = q1;
+    const int32_t e = offsets[cur + 1];
+    end = e < q1 ? e : q1;
+    if (pos < end) return true;
+    return next_sibling(offsets);
+  }
 
  private:
   // The own range of segment s: its tokens up to q1.

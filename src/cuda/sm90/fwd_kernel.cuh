@@ -230,6 +230,11 @@ struct Sm90Barriers {
   uint64_t* q_empty;  // [kQBuffers]: every consumer warp done reading Q buffer b
   uint64_t* item_full;
   uint64_t* item_empty;
+  // The 2-slot ring's items, decoded by the producer: slot i holds items[i], the plan index of the
+  // item's tile (its kFwdItemInts ints; -1 after the last item), and items[2 + i], its head. The
+  // consumers then keep no kernel-wide value of the plan live (n_tiles, the window, the items'
+  // base): at 232 registers the D-256 long-walk kernel spilled five of them (20 bytes, reloaded per
+  // item) once kWalkToRows's drain was in it.
   int32_t* items;
 };
 
@@ -419,6 +424,16 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
   // seven short-walk layouts; in the long-walk builds (N8 P16K, N8 P2K R8K) 1.000-1.027 over two
   // runs, within this size's run-to-run spread, so they keep the old order.
   constexpr bool kKAhead = D == 256 || !kLongWalks;
+  // The short-walk builds' producer decodes each item and hands over its tile's plan index and its
+  // head (Sm90Barriers::items), so their consumers keep no plan value live and skip the decode's
+  // divisions (small groups 0.982 / 0.985 / 0.996 of the kernel's time at D 64 / 128 / 256, one
+  // H100, session 62). The long-walk builds keep main's hand-over: with it ptxas
+  // scheduled the D-256 kernel's O rescale after the V wait instead of under QK^T (N8 P16K R2K
+  // 1.04; D 64 1.09 there).
+  constexpr bool kDecodedItems = !kLongWalks;
+  // Walk-to-rows (below, at the walk's start) in the long-walk builds at D 128 and 256. Not D 64:
+  // its long-walk loop grew from 690 to 697 instructions with it (R2UR +7).
+  constexpr bool kWalkToRows = kLongWalks && D != 64;
 
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   const uint32_t pad = (1024u - (smem_u32(smem_raw) & 1023u)) & 1023u;
@@ -492,12 +507,20 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
       const uint32_t slot = n & 1, ph = (n >> 1) & 1;
       mbar_wait(&B.item_empty[slot], ph ^ 1);
       const int32_t item = atomicAdd(a.counter, 1);
-      B.items[slot] = item;
-      mbar_arrive(&B.item_full[slot]);
-      if (item >= n_items) break;
-      int32_t tile;
-      int h;
-      decode_fwd_item(item, n_tiles, H, window, p.head_run, tile, h);
+      int32_t tile = -1;  // past the last item
+      int h = 0;
+      if constexpr (kDecodedItems) {
+        if (item < n_items) decode_fwd_item(item, n_tiles, H, window, p.head_run, tile, h);
+        B.items[slot] = tile < 0 ? -1 : static_cast<int32_t>(items - plan) + tile * kFwdItemInts;
+        B.items[2 + slot] = h;
+        mbar_arrive(&B.item_full[slot]);
+        if (tile < 0) break;
+      } else {
+        B.items[slot] = item;
+        mbar_arrive(&B.item_full[slot]);
+        if (item >= n_items) break;
+        decode_fwd_item(item, n_tiles, H, window, p.head_run, tile, h);
+      }
       // The item's rows (packed query heads: a sub-range of the tile's tokens for G heads), as the
       // consumers take them; an empty sub-range (past a ragged tile's end) is no work for anyone.
       const FwdItemRows rows =
@@ -724,18 +747,34 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
   for (uint32_t n = 0;; ++n) {
     const uint32_t slot = n & 1, ph = (n >> 1) & 1;
     mbar_wait(&B.item_full[slot], ph);
-    const int32_t item = B.items[slot];
+    const int32_t slot_item = B.items[slot];  // kDecodedItems: the plan index of its tile's ints
+    int h = kDecodedItems ? B.items[2 + slot] : 0;
     __syncwarp();
     if (kPerThreadRelease || lane == 0) mbar_arrive(&B.item_empty[slot]);
-    if (item >= n_items) break;
-    int32_t tile;
-    int h;
-    decode_fwd_item(item, n_tiles, H, window, p.head_run, tile, h);
+    const int32_t* tile_ints;
+    if constexpr (kDecodedItems) {
+      if (slot_item < 0) break;
+      tile_ints = a.plan + slot_item;
+    } else if constexpr (!kWalkToRows) {
+      if (slot_item >= n_items) break;
+      int32_t tile;
+      decode_fwd_item(slot_item, n_tiles, H, window, p.head_run, tile, h);
+      tile_ints = items + tile * kFwdItemInts;
+    } else {
+      // The plan's header read again per item (z: a zero the compiler cannot hoist the loads by):
+      // kept from the kernel's start, these values and the items' base were ptxas's 20 bytes of
+      // spill in the D-256 long-walk kernel once kWalkToRows's drain was in it.
+      const uint32_t z = opaque_zero();
+      const int32_t nt = __ldg(plan + (kHdrNumFwd | z)), off = __ldg(plan + (kHdrFwdOffset | z));
+      if (slot_item >= nt * H) break;
+      int32_t tile;
+      decode_fwd_item(slot_item, nt, H, clamp_fwd_window(p.tile_window, nt), p.head_run, tile, h);
+      tile_ints = plan + off + tile * kFwdItemInts;
+    }
     // The item's rows (fwd_item_rows: with packed query heads (fwd_pack_shift(p)) a sub-range of the
     // tile's tokens, row t G + i of it token q0 + t and head head0 + i; else the tile of head h).
     const FwdItemRows rows =
-        fwd_item_rows(items[tile * kFwdItemInts + 0], items[tile * kFwdItemInts + 1], items[tile * kFwdItemInts + 2],
-                      L.offsets, h, fwd_pack_shift<kPacks>(p), C::kBlockM);
+        fwd_item_rows(tile_ints[0], tile_ints[1], tile_ints[2], L.offsets, h, fwd_pack_shift<kPacks>(p), C::kBlockM);
     if (kPacks && rows.q0 >= rows.q1) continue;  // the producer skips it too
     const int32_t seg = rows.seg, q0 = rows.q0, q1 = rows.q1, q_diag = rows.q_diag;
     // Query token of rows r = 0 (qi0) and r = 1 (qi0 + fwd_row_step(p)): fragment rows g and g + 8.
@@ -752,11 +791,16 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
     // no wgmma, so ptxas sees the loop's wgmmas unconditional as before. A hidden tile leaves m, l
     // and O bit for bit as they were (alpha exactly 1, or the state still empty; P = 0): the
     // output is the same. Only in the short-walk builds of fwd_skips_hidden_tiles's kernels (why:
-    // above); the others compute every tile.
+    // above). The long-walk builds stop the same way, but by their walk's end (kWalkToRows): the
+    // warpgroup walks its own range up to wg_last only (KvWalk::init at wg_last + 1), so its loop is
+    // the one that walks every tile, test for test, and after the last P V it resumes the item's
+    // walk (KvWalk::resume) and drains the tiles past its rows. With the seen() test in the loop
+    // the D-256 long-walk kernel's wgmma descriptors left the uniform registers (+39 R2UR, 463 ->
+    // 539 instructions per steady tile) and ptxas spilled 20 bytes.
     constexpr bool kSkipHidden = fwd_skips_hidden_tiles<D, Mods, kPrefix>() && !kLongWalks;
     const int32_t wg_first = q0 + ((cw * 64) >> fwd_pack_shift<kPacks>(p));
     const int32_t wg_last = min(q1, wg_first + (64 >> fwd_pack_shift<kPacks>(p))) - 1;
-    const bool live = !kSkipHidden || wg_first < q1;
+    const bool live = !(kSkipHidden || kWalkToRows) || wg_first < q1;
 
     float o[D / 2];
 #pragma unroll
@@ -774,7 +818,7 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
       first_pos = SegmentMask::window_first_position(L.offsets, L.position_offset, seg, q0, a.window);
       kv.init_windowed(L.offsets, L.parent, L.position_offset, seg, q1, first_pos);
     } else {
-      kv.init(L.offsets, L.parent, seg, q1);
+      kv.init(L.offsets, L.parent, seg, kWalkToRows ? wg_last + 1 : q1);
     }
     auto seen = [&]() { return !kSkipHidden || !(kv.own && kv.pos > wg_last); };  // the walk's current tile
     // The walk's next tile (a prefix tile's `own` is false: it is masked as an ancestor's).
@@ -900,7 +944,7 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
     // release, the previous tile's V (prev_v: its stage counter, from the second tile on) and one
     // ring turn; then the last tile's V and the final turn (the slot of the last P V). turn_taken:
     // the current tile's turn was spent on the previous tile's P V already.
-    auto drain_walk = [&](bool turn_taken) {
+    auto drain_walk = [&](bool turn_taken, bool release_q) {
       bool more_tiles = true, have_prev_v = false;
       uint32_t prev_v = 0;
       for (bool first = true; more_tiles; first = false) {
@@ -914,7 +958,7 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
         __syncwarp();
         if (lane == 0) mbar_arrive(&B.k_empty[kst]);
         more_tiles = walk_next();
-        if (!more_tiles) {  // no S read the Q buffer here: its release keeps the item's count
+        if (release_q && !more_tiles) {  // no S read the Q buffer here: its release keeps the item's count
           __syncwarp();
           if (lane == 0) mbar_arrive(&B.q_empty[qb]);
         }
@@ -939,9 +983,9 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
 
     mbar_wait(&B.q_full[qb], q_use & 1);
     ++q_iter;
-    if constexpr (kSkipHidden) {
-      if (!live) {  // every tile hidden (the first tile of a live warpgroup's walk never is)
-        drain_walk(false);
+    if constexpr (kSkipHidden || kWalkToRows) {
+      if (!live) {  // every tile hidden (the first tile of a live warpgroup's walk never is; a phantom
+        drain_walk(false, true);  // warpgroup's walk, wg_last + 1 = q1 for kWalkToRows, is the item's)
         continue;
       }
     }
@@ -1212,7 +1256,11 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
     }
     // The tiles past this warpgroup's rows; the last P V above took the first one's turn.
     if constexpr (kSkipHidden) {
-      if (more) drain_walk(true);
+      if (more) drain_walk(true, true);
+    }
+    // kWalkToRows: the item's tiles after this warpgroup's walk (its Q buffer released at its last S).
+    if constexpr (kWalkToRows) {
+      if (kv.resume(L.offsets, q1)) drain_walk(true, false);
     }
 
     // Epilogue: normalise, store O (input dtype) and the natural-log LSE.
