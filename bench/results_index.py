@@ -171,14 +171,15 @@ BENCHMARKS = {
     "configs_h256": "the same at head dim 256 on the H200 (dqbox 3593a07's library = faf0a45's kernels, 6465d89 "
                     "declared; issue 23, session 43; the H100 run: configs_h256_h100)",
     "never_lose_d128_h100": "bench/attention.py --head-dim 128 --classes long_responses --methods dualkv,fa4_dense "
-                            "--rounds 9 on an H100, branch walkrows-d128 0b7412f's library (the forward merged into "
-                            "main this session), FA4 4.0.0b36 (issue 23, session 62; sessions 57 / 60 in git history); "
+                            "--rounds 15 on an H100, main ffe7b2b's library (walk-to-rows at D 128 / 256), FA4 4.0.0b36 "
+                            "(issue 23, session 62; sessions 57 / 60 and session 62's 9-round run in git history); "
                             ".log: its table",
-    "never_lose_d64_h100": "the same at head dim 64 (session 62)",
+    "never_lose_d64_h100": "the same at head dim 64 with --rounds 9 (session 62: branch walkrows-d128 0b7412f's "
+                           "library, whose SASS is main ffe7b2b's)",
     "rate_bar_d128_h100": "bench/attention.py --head-dim 128 --configs 8,16384,2048 --no-varlen --methods "
                           "dualkv,fa4_dense,flex_fa4 --rounds 5 on an H100: the rate bar's layout (issue 23, session "
-                          "62; the same library as never_lose_d128_h100); .log: its table",
-    "never_lose_d256_h100": "the same at head dim 256 (session 62). Beside it from earlier runs: .session47.log, session 47's run "
+                          "62; branch walkrows-d128 0b7412f's library, whose SASS is main ffe7b2b's); .log: its table",
+    "never_lose_d256_h100": "the same at head dim 256 (session 62, 15 rounds). Beside it from earlier runs: .session47.log, session 47's run "
                             "(--methods dualkv,dualkv_det,fa4_dense --rounds 5 --profile --sustain 4, main cd65162's "
                             "D-256 library: per-kernel profiles of both dQ modes and sustained rates with clocks); "
                             ".ncu_units_bwd.txt: both backward main kernels' units per useful FLOP on the same layout "
@@ -214,13 +215,16 @@ BENCHMARKS = {
                          "6 rounds; D 128 N64 P1K R512, D 256 and D 128 N8 P16K R2K): span, step durations, CTAs on "
                          "the same (head, query tile) at once (session 40, docs/notes/2026-12-05-bwd-timeline.md); "
                          ".log: the run's lines",
-    "classes_h64_h100": "bench/attention.py --head-dim 64 --classes all on an H100: main 5c1c1e7 (the D-64 backward's "
-                        "lse / delta loads at once) with dualkv_ab = the library before it (1c84b51's kernels), FA4 "
-                        "dense and Flex-FA4, 3 rounds (issue 23, session 39; step bench-classes); .log: the run's tables",
-    "classes_h256_h100": "bench/attention.py --head-dim 256 --classes all --methods dualkv,dualkv_det,fa4_dense,"
-                         "flex_fa4 --rounds 3 on an H100: main b961b4f's kernels (the library of cfcd18c), every peer "
-                         "in one process (issue 23, session 57; step bench-classes; FA4 dense ran out of memory on tiny "
-                         "responses); .log: its tables; .session48.log: session 48's run (main 84327e1, 5 rounds, with sdpa_cudnn)",
+    "classes_h64_h100": "bench/attention.py --head-dim 64 --classes all --methods dualkv,fa4_dense,flex_fa4 --rounds 3 "
+                        "on an H100: main ffe7b2b's library, every peer in one process (issue 23, session 62; session "
+                        "39's run in git history); .log: its tables",
+    "classes_h128_h100": "the same at head dim 128 (session 62). The H200's run: classes_h128 (session 40)",
+    "configs_h128_h100": "bench/attention.py --head-dim 128 --configs 16,4096,1024 --no-varlen --methods "
+                         "dualkv,fa4_dense,flex_fa4 --rounds 3 on an H100, the same library and session (N8 P16K R2K: "
+                         "rate_bar_d128_h100)",
+    "classes_h256_h100": "the same at head dim 256 (session 62; FA4 dense ran out of memory on tiny responses); "
+                         ".session48.log: session 48's run (main 84327e1, 5 rounds, with dualkv_det and sdpa_cudnn); "
+                         "session 57's in git history",
     "dq_kernel_d128_h100": "bench/attention.py --head-dim 128 --classes all --methods dualkv,dualkv_det --ab-library "
                            "<main 84327e1's library> --rounds 5 --profile on an H100 (issue 23, session 48): the dq128 "
                            "candidate ee0d2d2 (the Hopper dQ kernel at D 128 in deterministic mode) against main's "

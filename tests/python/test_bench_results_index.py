@@ -19,7 +19,20 @@ def test_index_is_current():
 
 
 def _cited(text: str) -> set[str]:
-    return set(re.findall(r"`?([\w.-]+\.json)`?", text))  # names may hold hyphens (gpt-oss-20b)
+    """The result files a text names: `name.json`, names with hyphens (gpt-oss-20b), and brace sets
+    (`never_lose_d{64,128}.json` names two files), so no cited file escapes the check."""
+    names = set()
+    for name in re.findall(r"([\w.{},-]*\w\.json)", text):
+        parts = [""]
+        for literal, options in re.findall(r"([^{]*)(?:\{([^}]*)\})?", name):
+            parts = [p + literal + o for p in parts for o in (options.split(",") if options else [""])]
+        names.update(p for p in parts if re.fullmatch(r"[\w.-]+\.json", p))
+    return names
+
+
+def test_cited_expands_brace_sets():
+    assert _cited("`classes_h{64,128}_h100.json` and e2e_gpt-oss-20b.json") == {
+        "classes_h64_h100.json", "classes_h128_h100.json", "e2e_gpt-oss-20b.json"}
 
 
 def test_claims_rest_on_clean_results():
