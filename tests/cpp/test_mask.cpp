@@ -348,6 +348,77 @@ TEST(Mask, ForwardTilesOfThePlanIncludingSiblingLeaves) {
   EXPECT_GT(sibling_tiles, 50);  // the check saw many tiles of siblings
 }
 
+// The sm90 forward's long-walk builds at D 128 / 256 walk each warpgroup's KV ranges only up to its
+// own last row (kWalkToRows: init at e = the warpgroup's last row + 1), then resume the tile's walk up
+// to q1 and drain the rest without computing. For a split e inside every plan tile (sibling tiles
+// included) the two parts must be the tile's walk, tile for tile, and each tile the warpgroup computes
+// must hide, for each of its rows, exactly the columns the full walk's tile hides.
+template <int BN>
+void check_walk_to_rows(const HostLayout& l, int32_t s, int32_t q0, int32_t q1, int32_t e) {
+  struct Tile {
+    int32_t cur, pos, end;
+    bool own;
+  };
+  const int32_t* off = l.offsets.data();
+  const int32_t* parent = l.parent.data();
+  std::vector<Tile> full;
+  dualkv::KvWalk<BN> walk;
+  walk.init(off, parent, s, q1);
+  do full.push_back({walk.cur, walk.pos, walk.end, walk.own});
+  while (walk.next(off, parent));
+
+  walk.init(off, parent, s, e);
+  size_t i = 0;
+  do {
+    ASSERT_LT(i, full.size()) << "the walk to e is longer than the tile's";
+    const Tile& t = full[i++];
+    ASSERT_EQ(walk.cur, t.cur);
+    ASSERT_EQ(walk.pos, t.pos);
+    ASSERT_EQ(walk.own, t.own);
+    ASSERT_LE(walk.end, t.end);
+    ASSERT_LT(walk.pos, e) << "the warpgroup computes a tile past its rows";
+    for (int32_t q = q0; q < e; ++q)
+      for (int32_t col = 0; col < BN; ++col)
+        ASSERT_EQ(SegmentMask::fwd_hidden(walk.pos, walk.rest(), walk.own, col, q),
+                  SegmentMask::fwd_hidden(t.pos, t.end - t.pos, t.own, col, q))
+            << "row " << q << " column " << col << " of the tile at " << t.pos;
+  } while (walk.next(off, parent));
+  if (walk.resume(off, q1)) {
+    do {
+      ASSERT_LT(i, full.size()) << "the resumed walk is longer than the tile's";
+      const Tile& t = full[i++];
+      ASSERT_EQ(walk.cur, t.cur);
+      ASSERT_EQ(walk.pos, t.pos);
+      ASSERT_EQ(walk.end, t.end);
+      ASSERT_EQ(walk.own, t.own);
+    } while (walk.next(off, parent));
+  }
+  ASSERT_EQ(i, full.size()) << "the two parts leave tiles of the walk out";
+}
+
+TEST(Mask, WalkToRowsThenResumeIsTheTilesWalk) {
+  std::mt19937 rng(2500);
+  int resumed = 0;
+  for (int trial = 0; trial < 16; ++trial) {
+    std::vector<int32_t> lens, parents;
+    random_forest(rng, 1 + trial % 3, 1 + trial % 3, 6, trial % 2 ? 40 : 150, &lens, &parents);
+    HostLayout l(lens, parents);
+    SCOPED_TRACE("trial " + std::to_string(trial));
+    const dualkv::testing::Inspected r = dualkv::testing::inspect(l, 128, 132);
+    ASSERT_FALSE(r.plan.empty());
+    const int32_t* fwd = r.plan.data() + r.plan[dualkv::kHdrFwdOffset];
+    for (int i = 0; i < r.info.num_fwd_tiles; ++i) {
+      const int32_t* it = fwd + i * dualkv::kFwdItemInts;
+      for (int32_t e = it[1] + 1; e < it[2]; e += 1 + (e - it[1]) % 7) {  // splits of every width
+        check_walk_to_rows<8>(l, it[0], it[1], it[2], e);
+        check_walk_to_rows<80>(l, it[0], it[1], it[2], e);
+        ++resumed;
+      }
+    }
+  }
+  EXPECT_GT(resumed, 500);
+}
+
 // The sm90 D-128 forward walks 160-row KV tiles against 128-row query tiles (issue 23,
 // docs/notes/2026-12-02-fwd-long-layouts.md): KV tiles 1.25 times as wide as the query tiles, so a
 // query tile's diagonal may span two KV tiles. The same check at that ratio (16 x 20), and at the

@@ -230,11 +230,10 @@ struct Sm90Barriers {
   uint64_t* q_empty;  // [kQBuffers]: every consumer warp done reading Q buffer b
   uint64_t* item_full;
   uint64_t* item_empty;
-  // The 2-slot ring's items, decoded by the producer: slot i holds items[i], the plan index of the
-  // item's tile (its kFwdItemInts ints; -1 after the last item), and items[2 + i], its head. The
-  // consumers then keep no kernel-wide value of the plan live (n_tiles, the window, the items'
-  // base): at 232 registers the D-256 long-walk kernel spilled five of them (20 bytes, reloaded per
-  // item) once kWalkToRows's drain was in it.
+  // The 2-slot ring's items. In the short-walk builds (kDecodedItems) the producer decodes them: slot i
+  // holds items[i], the plan index of the item's tile (its kFwdItemInts ints; -1 after the last
+  // item), and items[2 + i], its head. The long-walk builds hand over the claimed item index in
+  // items[i], which their consumers decode.
   int32_t* items;
 };
 
@@ -427,7 +426,7 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
   // The short-walk builds' producer decodes each item and hands over its tile's plan index and its
   // head (Sm90Barriers::items), so their consumers keep no plan value live and skip the decode's
   // divisions (small groups 0.982 / 0.985 / 0.996 of the kernel's time at D 64 / 128 / 256, one
-  // H100, session 62). The long-walk builds keep main's hand-over: with it ptxas
+  // H100, session 62). The long-walk builds hand over the claimed index: with decoded items ptxas
   // scheduled the D-256 kernel's O rescale after the V wait instead of under QK^T (N8 P16K R2K
   // 1.04; D 64 1.09 there).
   constexpr bool kDecodedItems = !kLongWalks;
