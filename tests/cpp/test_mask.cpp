@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <initializer_list>
 #include <random>
 #include <string>
 #include <utility>
@@ -322,29 +323,34 @@ TEST(Mask, PrefixedWalkSeesExactlyTheVisibleKeys) {
 
 namespace {
 
-// The planner's forward tiles (dualkv_plan_inspect), tiles of sibling leaves among them, walked
-// and masked as the kernels do, at the plan's query tiles (128 rows up to D = 256, 64 at 512) and at
-// 8- and 160-row KV tiles, on forests of many short segments (most leaves pack).
-TEST(Mask, ForwardTilesOfThePlanIncludingSiblingLeaves) {
-  std::mt19937 rng(2300);
-  int sibling_tiles = 0;
-  for (int trial = 0; trial < 24; ++trial) {
+// f(layout, tile's ints) for each forward tile of the planner (dualkv_plan_inspect; tiles of sibling
+// leaves among them) at each head dim, on `trials` forests of many short segments (most leaves pack).
+template <typename F>
+void for_each_plan_fwd_tile(uint32_t seed, int trials, std::initializer_list<int> head_dims, F&& f) {
+  std::mt19937 rng(seed);
+  for (int trial = 0; trial < trials; ++trial) {
     std::vector<int32_t> lens, parents;
     random_forest(rng, 1 + trial % 3, 1 + trial % 3, 6, trial % 2 ? 40 : 150, &lens, &parents);
     HostLayout l(lens, parents);
-    for (int head_dim : {128, 512}) {
+    for (int head_dim : head_dims) {
       SCOPED_TRACE("trial " + std::to_string(trial) + " D " + std::to_string(head_dim));
       const dualkv::testing::Inspected r = dualkv::testing::inspect(l, head_dim, 132);
       ASSERT_FALSE(r.plan.empty());
       const int32_t* fwd = r.plan.data() + r.plan[dualkv::kHdrFwdOffset];
-      for (int i = 0; i < r.info.num_fwd_tiles; ++i) {
-        const int32_t* it = fwd + i * dualkv::kFwdItemInts;
-        sibling_tiles += SegmentMask::fwd_packs_siblings(l.offsets.data(), it[0], it[2]);
-        check_forward_tile<8>(l, it[0], it[1], it[2]);
-        check_forward_tile<160>(l, it[0], it[1], it[2]);
-      }
+      for (int i = 0; i < r.info.num_fwd_tiles; ++i) f(l, fwd + i * dualkv::kFwdItemInts);
     }
   }
+}
+
+// The planner's forward tiles, tiles of sibling leaves among them, walked and masked as the kernels
+// do, at the plan's query tiles (128 rows up to D = 256, 64 at 512) and at 8- and 160-row KV tiles.
+TEST(Mask, ForwardTilesOfThePlanIncludingSiblingLeaves) {
+  int sibling_tiles = 0;
+  for_each_plan_fwd_tile(2300, 24, {128, 512}, [&](const HostLayout& l, const int32_t* it) {
+    sibling_tiles += SegmentMask::fwd_packs_siblings(l.offsets.data(), it[0], it[2]);
+    check_forward_tile<8>(l, it[0], it[1], it[2]);
+    check_forward_tile<160>(l, it[0], it[1], it[2]);
+  });
   EXPECT_GT(sibling_tiles, 50);  // the check saw many tiles of siblings
 }
 
@@ -367,55 +373,43 @@ void check_walk_to_rows(const HostLayout& l, int32_t s, int32_t q0, int32_t q1, 
   do full.push_back({walk.cur, walk.pos, walk.end, walk.own});
   while (walk.next(off, parent));
 
-  walk.init(off, parent, s, e);
+  // The walk's current tile against the full walk's next: the same range and position; its end the
+  // same once resumed, at most the full walk's before (a range cut at e).
   size_t i = 0;
-  do {
-    ASSERT_LT(i, full.size()) << "the walk to e is longer than the tile's";
+  auto next_of_full = [&](bool resumed) -> const Tile* {
+    if (i == full.size()) return nullptr;
     const Tile& t = full[i++];
-    ASSERT_EQ(walk.cur, t.cur);
-    ASSERT_EQ(walk.pos, t.pos);
-    ASSERT_EQ(walk.own, t.own);
-    ASSERT_LE(walk.end, t.end);
+    const bool same = walk.cur == t.cur && walk.pos == t.pos && walk.own == t.own &&
+                      (resumed ? walk.end == t.end : walk.end <= t.end);
+    return same ? &t : nullptr;
+  };
+  walk.init(off, parent, s, e);
+  do {
+    const Tile* t = next_of_full(false);
+    ASSERT_NE(t, nullptr) << "the walk to e left the tile's walk at " << walk.pos;
     ASSERT_LT(walk.pos, e) << "the warpgroup computes a tile past its rows";
     for (int32_t q = q0; q < e; ++q)
       for (int32_t col = 0; col < BN; ++col)
         ASSERT_EQ(SegmentMask::fwd_hidden(walk.pos, walk.rest(), walk.own, col, q),
-                  SegmentMask::fwd_hidden(t.pos, t.end - t.pos, t.own, col, q))
-            << "row " << q << " column " << col << " of the tile at " << t.pos;
+                  SegmentMask::fwd_hidden(t->pos, t->end - t->pos, t->own, col, q))
+            << "row " << q << " column " << col << " of the tile at " << t->pos;
   } while (walk.next(off, parent));
   if (walk.resume(off, q1)) {
-    do {
-      ASSERT_LT(i, full.size()) << "the resumed walk is longer than the tile's";
-      const Tile& t = full[i++];
-      ASSERT_EQ(walk.cur, t.cur);
-      ASSERT_EQ(walk.pos, t.pos);
-      ASSERT_EQ(walk.end, t.end);
-      ASSERT_EQ(walk.own, t.own);
-    } while (walk.next(off, parent));
+    do ASSERT_NE(next_of_full(true), nullptr) << "the resumed walk left the tile's walk at " << walk.pos;
+    while (walk.next(off, parent));
   }
   ASSERT_EQ(i, full.size()) << "the two parts leave tiles of the walk out";
 }
 
 TEST(Mask, WalkToRowsThenResumeIsTheTilesWalk) {
-  std::mt19937 rng(2500);
   int resumed = 0;
-  for (int trial = 0; trial < 16; ++trial) {
-    std::vector<int32_t> lens, parents;
-    random_forest(rng, 1 + trial % 3, 1 + trial % 3, 6, trial % 2 ? 40 : 150, &lens, &parents);
-    HostLayout l(lens, parents);
-    SCOPED_TRACE("trial " + std::to_string(trial));
-    const dualkv::testing::Inspected r = dualkv::testing::inspect(l, 128, 132);
-    ASSERT_FALSE(r.plan.empty());
-    const int32_t* fwd = r.plan.data() + r.plan[dualkv::kHdrFwdOffset];
-    for (int i = 0; i < r.info.num_fwd_tiles; ++i) {
-      const int32_t* it = fwd + i * dualkv::kFwdItemInts;
-      for (int32_t e = it[1] + 1; e < it[2]; e += 1 + (e - it[1]) % 7) {  // splits of every width
-        check_walk_to_rows<8>(l, it[0], it[1], it[2], e);
-        check_walk_to_rows<80>(l, it[0], it[1], it[2], e);
-        ++resumed;
-      }
+  for_each_plan_fwd_tile(2500, 16, {128}, [&](const HostLayout& l, const int32_t* it) {
+    for (int32_t e = it[1] + 1; e < it[2]; e += 1 + (e - it[1]) % 7) {  // splits of every width
+      check_walk_to_rows<8>(l, it[0], it[1], it[2], e);
+      check_walk_to_rows<80>(l, it[0], it[1], it[2], e);
+      ++resumed;
     }
-  }
+  });
   EXPECT_GT(resumed, 500);
 }
 
