@@ -74,13 +74,13 @@ def packed_tiles(lens, parents, bm: int, bn: int, wg: int = 0, ragged_keys: int 
     ragged_keys > 0 charges an ancestor's ragged last tile only its keys rounded up to a multiple of
     ragged_keys (a fraction of a tile: narrower products there)."""
     tiles = pairs = 0
+    rows = wg or bm  # the rows of one walk
     for s, length in enumerate(lens):
         ancestors, p = [], parents[s]
         while p >= 0:
             ancestors.append(lens[p])
             p = parents[p]
         prefix_tiles = sum(ancestor_tiles(a, bn, ragged_keys) for a in ancestors)
-        rows = wg or bm  # the rows of one walk
         for q0 in range(0, length, bm):
             q1 = min(q0 + bm, length)
             tiles += sum(prefix_tiles + ceil_div(min(w + rows, q1), bn) for w in range(q0, q1, rows))
