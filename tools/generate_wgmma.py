@@ -11,7 +11,7 @@ import pathlib
 
 OUT = pathlib.Path(__file__).resolve().parents[1] / "src" / "cuda" / "sm90" / "wgmma_ops.cuh"
 TYPES = {"bf16": "__nv_bfloat16", "f16": "__half"}
-WGMMA_NS = (48, 64, 80, 128, 160, 256)  # S and O tiles (N = KV rows or head dim; 160 / 80: the D-128 / D-256 forwards' wide KV tiles; 48: the D-256 dQ kernel's)
+WGMMA_NS = (16, 32, 48, 64, 80, 128, 160, 256)  # S and O tiles (N = KV rows or head dim; 160 / 80: the D-128 / D-256 forwards' wide KV tiles; 48: the D-256 dQ kernel's; 16-64: the D-256 forward's narrowed ragged tiles)
 WGMMA_TB_NS = (32, 64, 128)  # dQ halves of the backward (N = head dim / 2)
 
 

@@ -335,6 +335,25 @@ def test_wide_kv_tile_random_forests_d256(case, long_walks):
     check_random_forest(256, case, seg_len_wide_256, 1500, rng_seed=9500 + case, seed=500 + case, long_build=True)
 
 
+# The D-256 long-walk build narrows a ragged KV tile (a range's last, or the own range's tile past which
+# a warpgroup's rows see nothing) to its first 16 c keys, and the next tile's P V (or the walk's last)
+# to c k-steps. Prompts ending 1, 15, 16, 17, ... 79 keys into an 80-row tile (every c, and the
+# 16-key edges), under responses whose 64-row warpgroups end at every 16-key offset of a tile; a
+# chain, where a narrowed ancestor tile follows another.
+NARROW_TAILS_256 = [1, 15, 16, 17, 31, 32, 33, 47, 48, 49, 63, 64, 65, 79]
+
+
+@needs_d256
+@pytest.mark.parametrize("tail", NARROW_TAILS_256)
+def test_narrowed_ragged_tiles_d256(tail, long_walks):
+    prompt = 160 + tail
+    responses = [64 + tail, 127, 128, 129, 16 * (tail % 5) + 1, 200 + 3 * tail, 400]
+    lens = [prompt] + responses + [tail, 80 + tail, 33, 150]
+    r = len(responses) + 1  # a chain under a second root
+    parents = [-1] + [0] * len(responses) + [-1, r, r + 1, r + 2]
+    check(lens, parents, 8, 2, 256, DTYPES[tail % 2], seed=700 + tail, long_build=True)
+
+
 # ---- item transitions: many work items per CTA ----
 # The forward is persistent (one CTA per SM taking (query tile, head) items from a counter), and the
 # layouts above have tens to a few hundred items: most CTAs run one item or none, so the hand-over

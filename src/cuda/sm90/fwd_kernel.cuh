@@ -722,6 +722,12 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
   // A/A 0.994-1.010; its general tile waits for P V before the softmax, so the steady tile had no
   // softmax boundary and ptxas scheduled it on its own), against 0.988-0.997 for the short-walk build.
   constexpr bool kSteadyLoop = std::is_same_v<Mods, NoModifiers> && !kPrefix && !(D == 64 && kLongWalks);
+  // D 256: a ragged tile (a range's last, fewer than BN keys, or the own range's tile past which this
+  // warpgroup's rows see nothing) computes S and P V over its first 16 c keys only, c = ceil(visible
+  // / 16). A ragged tile is always the steady loop's general tile, and its P V runs in the next
+  // tile's step, which is then the general one too (no steady tile follows a narrowed one), or in
+  // the walk's last P V: the steady tiles are as they were.
+  constexpr bool kNarrowRagged = D == 256 && kSteadyLoop && kLongWalks;
   const int cw = __shfl_sync(0xffffffffu, wg - 1, 0);
   const int tid = threadIdx.x & 127;
   const int warp = tid >> 5, lane = tid & 31;
@@ -846,6 +852,27 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
       const uint64_t dv = make_desc_sw128(vb, C::kKVBoxBytes, 1024);
 #pragma unroll
       for (int kk = 0; kk < BN / 16; ++kk)
+        MmaO::rs(o, &pf[4 * kk], operand_desc(dv, kk * 16 * 128), 1);
+    };
+    // kNarrowRagged: S = Q K^T of the stage's first 16 c keys only (c < BN / 16; s past them is
+    // left as it was, and the mask hides those columns), and O += P V over its first c k-steps (P
+    // is exactly 0 past them).
+    auto issue_qk_n = [&](uint32_t st, auto nc) {
+      const uint32_t kb = k_base + st * C::kKVBytes;
+      const uint64_t dq = make_desc_sw128(q_item, 16, 1024), dk = make_desc_sw128(kb, 16, 1024);
+      using Narrow = Wgmma<T, 16 * decltype(nc)::value>;
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) {
+        const uint32_t box = kk / 4, within = (kk % 4) * 32;
+        Narrow::ss(s, operand_desc(dq, box * C::kQBoxBytes + within), operand_desc(dk, box * C::kKVBoxBytes + within),
+                   kk > 0 ? 1 : 0);
+      }
+    };
+    auto issue_pv_n = [&](uint32_t st, auto nk) {
+      const uint32_t vb = v_base + st * C::kKVBytes;
+      const uint64_t dv = make_desc_sw128(vb, C::kKVBoxBytes, 1024);
+#pragma unroll
+      for (int kk = 0; kk < decltype(nk)::value; ++kk)
         MmaO::rs(o, &pf[4 * kk], operand_desc(dv, kk * 16 * 128), 1);
     };
     // Mask (and softcap) of s; krem: the keys left in the walk's range from kpos on
@@ -1015,6 +1042,7 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
     to_pf();
     uint32_t prev = kv_iter;
     ++kv_iter;
+    int32_t prev_c = BN / 16;  // kNarrowRagged: the 16-key column blocks of the previous tile's P V
     // kRescaleBeforePv: the factors O still owes (the first tile's are not needed: O is zero).
     float alpha_o[2] = {1.f, 1.f};
     auto rescale_o = [&](const float* f) {
@@ -1098,8 +1126,9 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
       // kEarlyLoopTest's go) stays true, so neither the q_empty arrive's test nor the loop's test
       // runs. Defined here, in the steady kernels only: as an unused closure next to the other
       // lambdas it changed the other kernels' SASS (register moves, a branch in the epilogue).
-      auto plain_tile = [&](auto steady) {
+      auto plain_tile = [&](auto steady, auto nc, auto npv) {
         constexpr bool kSteady = decltype(steady)::value;
+        constexpr int32_t c = decltype(nc)::value, c_pv = decltype(npv)::value;
         // kSteadyLoop leaves out D 64's long-walk build, the one unmodified kernel without it.
         static_assert(kSoftmaxBeforeWalk, "the steady tile runs the softmax before the walk");
         if constexpr (!kSteady) {
@@ -1111,7 +1140,8 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
         if constexpr (!kLateVWait) mbar_wait(&B.v_full[pst], (prev / S) & 1);
         turn_wait();
         wgmma_fence();
-        issue_qk(st);
+        if constexpr (c < BN / 16) issue_qk_n(st, nc);
+        else issue_qk(st);
         wgmma_commit();
         if constexpr (kRescaleBeforePv) {
           fence_regs(o);
@@ -1124,7 +1154,8 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
         } else if constexpr (kLateVWait) {
           mbar_wait(&B.v_full[pst], (prev / S) & 1);
         }
-        issue_pv(pst);
+        if constexpr (c_pv < BN / 16) issue_pv_n(pst, npv);
+        else issue_pv(pst);
         wgmma_commit();
         turn_pass();
         wgmma_wait<1>();  // S of this tile is ready; P V of the previous one may still run
@@ -1172,14 +1203,39 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
           rescale_o(alpha);
         }
         to_pf();
+        if constexpr (kNarrowRagged && !kSteady) prev_c = c;  // P V runs on c blocks (steady: BN / 16)
         prev = kv_iter;
         ++kv_iter;
       };
       while (kEarlyLoopTest ? go : more && seen()) {
         // Every steady tile is seen() (kSkipHidden): it ends at or before q_diag <= wg_last, and the
         // tile after it starts at or before q_diag + 1 and inside the range, so at or before wg_last.
-        for (int32_t steady = fwd_steady_tiles(kv, q_diag); steady > 0; --steady) plain_tile(std::true_type{});
-        plain_tile(std::false_type{});
+        // kNarrowRagged: none follows a narrowed tile (its P V is the general tile's).
+        using Full = std::integral_constant<int32_t, BN / 16>;
+        using C1 = std::integral_constant<int32_t, 1>;
+        using C2 = std::integral_constant<int32_t, 2>;
+        using C3 = std::integral_constant<int32_t, 3>;
+        using C4 = std::integral_constant<int32_t, 4>;
+        for (int32_t steady = kNarrowRagged && prev_c < BN / 16 ? 0 : fwd_steady_tiles(kv, q_diag); steady > 0; --steady)
+          plain_tile(std::true_type{}, Full{}, Full{});
+        if constexpr (kNarrowRagged) {
+          // The tile's 16-key column blocks this warpgroup's rows see (the walk's state is the tile's).
+          int32_t visible = min(kv.rest(), BN);
+          if (kv.own) visible = min(visible, wg_last + 1 - kv.pos);
+          const int32_t c = __shfl_sync(0xffffffffu, (visible + 15) >> 4, 0);
+          // A narrowed tile after a narrowed one runs the previous P V whole (its P is 0 past its blocks).
+          if (c == 1) plain_tile(std::false_type{}, C1{}, Full{});
+          else if (c == 2) plain_tile(std::false_type{}, C2{}, Full{});
+          else if (c == 3) plain_tile(std::false_type{}, C3{}, Full{});
+          else if (c == 4) plain_tile(std::false_type{}, C4{}, Full{});
+          else if (prev_c == 1) plain_tile(std::false_type{}, Full{}, C1{});
+          else if (prev_c == 2) plain_tile(std::false_type{}, Full{}, C2{});
+          else if (prev_c == 3) plain_tile(std::false_type{}, Full{}, C3{});
+          else if (prev_c == 4) plain_tile(std::false_type{}, Full{}, C4{});
+          else plain_tile(std::false_type{}, Full{}, Full{});
+        } else {
+          plain_tile(std::false_type{}, Full{}, Full{});
+        }
       }
     }
     while (!kSteadyLoop && (kEarlyLoopTest ? go : more && seen())) {
@@ -1243,11 +1299,18 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
       mbar_wait(&B.v_full[pst], (prev / S) & 1);
       turn_wait();
       if constexpr (kRescaleBeforePv) rescale_o(alpha_o);
-      wgmma_fence();
-      issue_pv(pst);
-      wgmma_commit();
-      turn_pass();
-      wgmma_wait<0>();
+      auto last_pv = [&](auto nk) {
+        wgmma_fence();
+        issue_pv_n(pst, nk);
+        wgmma_commit();
+        turn_pass();
+        wgmma_wait<0>();
+      };
+      if (!kNarrowRagged || prev_c >= BN / 16) last_pv(std::integral_constant<int, BN / 16>{});
+      else if (prev_c == 1) last_pv(std::integral_constant<int, 1>{});
+      else if (prev_c == 2) last_pv(std::integral_constant<int, 2>{});
+      else if (prev_c == 3) last_pv(std::integral_constant<int, 3>{});
+      else last_pv(std::integral_constant<int, 4>{});
       fence_regs(o);
       fence_regs(pf);
       __syncwarp();
