@@ -409,7 +409,11 @@ BENCHMARKS = {
                                         "check, the forward GPU tests and memcheck; not merged. .pair.*: session 62's run of "
                                         "hand 41fdefa and rows 8374add against main 4dec10c's library, the same steps; "
                                         "walkrows-d128 0b7412f, whose kernels are hand's at D 64 and rows's at D 128 / 256, "
-                                        "merged)",
+                                        "merged); ab_fwd_d256_narrow_ragged.*: session 63's branch narrow-ragged c254023 "
+                                        "(the D-256 long-walk forward's ragged KV tiles narrowed to their 16-key blocks) "
+                                        "against main ffe7b2b's library on an H100, forward kernel time, 7 rounds, A/A, "
+                                        "with the bitwise and reference checks, the D-256 forward GPU tests and memcheck; "
+                                        "not merged)",
     "ab_fwd_packed_heads_classes_d64": "the same at head dim 64",
     "ab_fwd_packed_heads_never_lose_d128": "bench/attention.py --head-dim 128 --classes long_responses --methods "
                                            "dualkv,dualkv_ab,fa4_dense --rounds 9 on an H100: packed query heads "

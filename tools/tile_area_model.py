@@ -18,7 +18,9 @@ of the unpacked rows, on the layout classes (bench/layout_classes.py). No librar
   2026-12-07-fwd-walk-to-rows.md): each 64-row warpgroup of a query tile walks only up to its own
   last row, so the causal diagonal costs a warpgroup's rows rather than a tile's; counted in
   warpgroup-tiles (packed_tiles' wg). --ragged-keys K also charges each ancestor's ragged last KV
-  tile its keys rounded up to K only (a kernel that narrows its products there: not built).
+  tile its keys rounded up to K only (a kernel that narrows its products there), and --ragged-own
+  each warpgroup's last own KV tile too (the keys up to its last row). Session 63 built both in the
+  D-256 long-walk forward and measured it slower (docs/notes/2026-12-08-d256-fwd-narrowed-ragged-tiles.md).
 - Printed per class and --bn: tiles, computed area / useful pairs for both, and their ratio
   (dualkv's area per useful pair over dense's: above 1, dualkv computes more masked area per
   useful FLOP than the dense kernel; a per-tile rate equal to dense's then loses that much).
@@ -56,8 +58,8 @@ def tile_pairs(q0: int, q1: int) -> int:
     return (q1 * (q1 + 1) - q0 * (q0 + 1)) // 2
 
 
-def ancestor_tiles(keys: int, bn: int, ragged_keys: int = 0):
-    """KV tiles of a walk over a whole ancestor of `keys` keys: its ragged last tile is one tile, or with
+def range_tiles(keys: int, bn: int, ragged_keys: int = 0):
+    """KV tiles of a walk over `keys` keys of one range: its ragged last tile is one tile, or with
     ragged_keys > 0 the fraction its keys take rounded up to a multiple of ragged_keys."""
     whole, rest = divmod(keys, bn)
     if not rest:
@@ -65,14 +67,15 @@ def ancestor_tiles(keys: int, bn: int, ragged_keys: int = 0):
     return whole + (ceil_div(rest, ragged_keys) * ragged_keys / bn if ragged_keys else 1)
 
 
-def packed_tiles(lens, parents, bm: int, bn: int, wg: int = 0, ragged_keys: int = 0):
+def packed_tiles(lens, parents, bm: int, bn: int, wg: int = 0, ragged_keys: int = 0, ragged_own: bool = False):
     """(KV tiles, useful pairs) of dualkv's walks over the forest (lens, parents).
 
     wg > 0 counts warpgroup-tiles instead, for query tiles of bm / wg warpgroups of wg rows each
     walking to its own last row (the Hopper forward's walk-to-rows; a warpgroup past a ragged
     tile's end walks nothing). Each tile's whole walk times bm / wg is the count without it.
     ragged_keys > 0 charges an ancestor's ragged last tile only its keys rounded up to a multiple of
-    ragged_keys (a fraction of a tile: narrower products there)."""
+    ragged_keys (a fraction of a tile: narrower products there); with ragged_own, so is each walk's last
+    own tile."""
     tiles = pairs = 0
     rows = wg or bm  # the rows of one walk
     for s, length in enumerate(lens):
@@ -80,10 +83,11 @@ def packed_tiles(lens, parents, bm: int, bn: int, wg: int = 0, ragged_keys: int 
         while p >= 0:
             ancestors.append(lens[p])
             p = parents[p]
-        prefix_tiles = sum(ancestor_tiles(a, bn, ragged_keys) for a in ancestors)
+        prefix_tiles = sum(range_tiles(a, bn, ragged_keys) for a in ancestors)
+        own_keys = ragged_keys if ragged_own else 0
         for q0 in range(0, length, bm):
             q1 = min(q0 + bm, length)
-            tiles += sum(prefix_tiles + ceil_div(min(w + rows, q1), bn) for w in range(q0, q1, rows))
+            tiles += sum(prefix_tiles + range_tiles(min(w + rows, q1), bn, own_keys) for w in range(q0, q1, rows))
             pairs += (q1 - q0) * sum(ancestors) + tile_pairs(q0, q1)
     return tiles, pairs
 
@@ -111,9 +115,13 @@ def main():
     ap.add_argument("--ragged-keys", type=int, default=0,
                     help="with --walk-to-rows: also charge each ancestor's ragged last KV tile only its keys rounded "
                          "up to this multiple (16: one P V k-step)")
+    ap.add_argument("--ragged-own", action="store_true",
+                    help="with --ragged-keys: also each warpgroup's last own KV tile (its keys up to its last row)")
     args = ap.parse_args()
     if args.ragged_keys and not args.walk_to_rows:
         ap.error("--ragged-keys counts on top of --walk-to-rows: give both")
+    if args.ragged_own and not args.ragged_keys:
+        ap.error("--ragged-own counts on top of --ragged-keys: give both")
     tq, tqd = args.bm // args.pack, args.bm // args.dense_pack  # tokens per tile
     wgs = args.bm // 64  # warpgroups per tile
     for name in args.classes.split(","):
@@ -131,7 +139,8 @@ def main():
                 line += (f" | walk-to-rows: {tw / (t * wgs):.3f} of the tiles' walks, area/useful {area_rows:.3f}, "
                          f"/ dense {area_rows / area_dense:.3f}")
                 if args.ragged_keys:
-                    tr, _ = packed_tiles(lens, parents, tq, bn, wg=tq // wgs, ragged_keys=args.ragged_keys)
+                    tr, _ = packed_tiles(lens, parents, tq, bn, wg=tq // wgs, ragged_keys=args.ragged_keys,
+                                         ragged_own=args.ragged_own)
                     line += f" | narrow ragged tiles: {tr / tw:.3f} of that, / dense {tr / tw * area_rows / area_dense:.3f}"
             print(line)
 

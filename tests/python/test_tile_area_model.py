@@ -70,3 +70,11 @@ def test_narrow_ragged_tiles_charge_the_prompts_last_tile_its_keys():
     assert tam.packed_tiles(lens, parents, 128, 80, wg=64)[0] == prompt + 2 * 4 + (1 + 2)
     narrow, _ = tam.packed_tiles(lens, parents, 128, 80, wg=64, ragged_keys=16)
     assert abs(narrow - (prompt + 2 * 3.2 + (1 + 2))) < 1e-9
+
+
+def test_narrow_own_tiles_charge_each_warpgroups_last_tile_its_keys():
+    # ragged_own: each warpgroup's last own tile costs its keys up to the warpgroup's last row, in
+    # 16-key blocks: a walk of 64 keys 0.8 tiles, of 128 1.6, of 192 2.4, of 256 3.2
+    lens, parents = [256, 128], [-1, 0]
+    narrow, _ = tam.packed_tiles(lens, parents, 128, 80, wg=64, ragged_keys=16, ragged_own=True)
+    assert abs(narrow - ((0.8 + 1.6 + 2.4 + 3.2) + 2 * 3.2 + (0.8 + 1.6))) < 1e-9
