@@ -87,7 +87,8 @@ def packed_tiles(lens, parents, bm: int, bn: int, wg: int = 0, ragged_keys: int 
         own_ragged_keys = ragged_keys if ragged_own else 0
         for q0 in range(0, length, bm):
             q1 = min(q0 + bm, length)
-            tiles += sum(prefix_tiles + range_tiles(min(w + rows, q1), bn, own_ragged_keys) for w in range(q0, q1, rows))
+            tiles += sum(prefix_tiles + range_tiles(min(w + rows, q1), bn, own_ragged_keys)
+                         for w in range(q0, q1, rows))
             pairs += (q1 - q0) * sum(ancestors) + tile_pairs(q0, q1)
     return tiles, pairs
 
