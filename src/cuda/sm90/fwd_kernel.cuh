@@ -754,15 +754,10 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
     if constexpr (kDecodedItems) {
       if (slot_item < 0) break;
       tile_ints = a.plan + slot_item;
-    } else if constexpr (!kWalkToRows) {
-      if (slot_item >= n_items) break;
-      int32_t tile;
-      decode_fwd_item(slot_item, n_tiles, H, window, p.head_run, tile, h);
-      tile_ints = items + tile * kFwdItemInts;
     } else {
-      // The plan's header read again per item (z: a zero the compiler cannot hoist the loads by):
-      // kept from the kernel's start, these values and the items' base were ptxas's 20 bytes of
-      // spill in the D-256 long-walk kernel once kWalkToRows's drain was in it.
+      // The long-walk builds read the plan's header again per item (z: a zero the compiler cannot
+      // hoist the loads by): kept from the kernel's start, these values and the items' base were
+      // ptxas's 20 bytes of spill in the D-256 long-walk kernel once kWalkToRows's drain was in it.
       const uint32_t z = opaque_zero();
       const int32_t nt = __ldg(plan + (kHdrNumFwd | z)), off = __ldg(plan + (kHdrFwdOffset | z));
       if (slot_item >= nt * H) break;
