@@ -413,7 +413,10 @@ BENCHMARKS = {
                                         "(the D-256 long-walk forward's ragged KV tiles narrowed to their 16-key blocks) "
                                         "against main ffe7b2b's library on an H100, forward kernel time, 7 rounds, A/A, "
                                         "with the bitwise and reference checks, the D-256 forward GPU tests and memcheck; "
-                                        "not merged)",
+                                        "not merged); ab_fwd_d64_item_one_form.*: session 63's branch fwd-item-one-form "
+                                        "1cb8a05 (the D-64 long-walk forward's item hand-over in the D-128 / 256 form) "
+                                        "against main ffe7b2b's library on an H100, 7 rounds, A/A, with the bitwise check "
+                                        "and the D-64 forward GPU tests; not merged)",
     "ab_fwd_packed_heads_classes_d64": "the same at head dim 64",
     "ab_fwd_packed_heads_never_lose_d128": "bench/attention.py --head-dim 128 --classes long_responses --methods "
                                            "dualkv,dualkv_ab,fa4_dense --rounds 9 on an H100: packed query heads "
