@@ -755,6 +755,8 @@ fwd_sm90_kernel(const __grid_constant__ Sm90FwdParams<D> p) {
       if (slot_item < 0) break;
       tile_ints = a.plan + slot_item;
     } else if constexpr (!kWalkToRows) {
+      // D 64's long-walk build: the plan values kept from the kernel's start (the header read below
+      // measured 1.02 of its time on its layouts, session 63: docs/decisions.md).
       if (slot_item >= n_items) break;
       int32_t tile;
       decode_fwd_item(slot_item, n_tiles, H, window, p.head_run, tile, h);
