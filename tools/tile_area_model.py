@@ -78,13 +78,13 @@ def packed_tiles(lens, parents, bm: int, bn: int, wg: int = 0, ragged_keys: int 
     own tile."""
     tiles = pairs = 0
     rows = wg or bm  # the rows of one walk
+    own_ragged_keys = ragged_keys if ragged_own else 0
     for s, length in enumerate(lens):
         ancestors, p = [], parents[s]
         while p >= 0:
             ancestors.append(lens[p])
             p = parents[p]
         prefix_tiles = sum(range_tiles(a, bn, ragged_keys) for a in ancestors)
-        own_ragged_keys = ragged_keys if ragged_own else 0
         for q0 in range(0, length, bm):
             q1 = min(q0 + bm, length)
             tiles += sum(prefix_tiles + range_tiles(min(w + rows, q1), bn, own_ragged_keys)
