@@ -142,7 +142,8 @@ def main():
                 if args.ragged_keys:
                     tr, _ = packed_tiles(lens, parents, tq, bn, wg=tq // wgs, ragged_keys=args.ragged_keys,
                                          ragged_own=args.ragged_own)
-                    line += f" | narrow ragged tiles: {tr / tw:.3f} of that, / dense {tr / tw * area_rows / area_dense:.3f}"
+                    line += (f" | narrow ragged tiles: {tr / tw:.3f} of that, "
+                             f"/ dense {tr / tw * area_rows / area_dense:.3f}")
             print(line)
 
 
